@@ -1,0 +1,51 @@
+# Compile rules shared by every target of the project.
+
+# Project code is warning-clean. Third-party headers come in as SYSTEM includes.
+add_library(sp_warnings INTERFACE)
+target_compile_options(sp_warnings INTERFACE
+  $<$<COMPILE_LANGUAGE:C,CXX>:-Wall -Wextra -Werror>
+  $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Werror --Werror=all-warnings>)
+
+if(SP_SANITIZE)
+  add_compile_options($<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=address,undefined>
+                      $<$<COMPILE_LANGUAGE:C,CXX>:-fno-omit-frame-pointer>
+                      $<$<COMPILE_LANGUAGE:C,CXX>:-fno-sanitize-recover=undefined>)
+  add_link_options(-fsanitize=address,undefined)
+endif()
+
+# sp_add_plugin(<target> SOURCES ... [OUTPUT_DIR dir] [OUTPUT_NAME name])
+#
+# A policy plugin is a MODULE library that a host dlopen()s and later dlclose()s
+# during a hot swap. Three rules keep that unload real (docs/plugin-abi.md):
+#   - hidden visibility and a version script: only the versioned entry symbol is exported;
+#   - -fno-gnu-unique: inline statics must not become STB_GNU_UNIQUE, which would make
+#     glibc mark the library NODELETE;
+#   - the plugin is linked with --no-undefined so a missing symbol fails the build, not the load.
+function(sp_add_plugin target)
+  cmake_parse_arguments(ARG "" "OUTPUT_DIR;OUTPUT_NAME;ENTRY_SYMBOL" "SOURCES" ${ARGN})
+  if(NOT ARG_OUTPUT_DIR)
+    set(ARG_OUTPUT_DIR ${SP_PLUGIN_OUTPUT_DIR})
+  endif()
+  if(NOT ARG_ENTRY_SYMBOL)
+    set(ARG_ENTRY_SYMBOL sp_policy_plugin_v1)
+  endif()
+  add_library(${target} MODULE ${ARG_SOURCES})
+  set(version_script ${CMAKE_CURRENT_BINARY_DIR}/${target}.map)
+  file(WRITE ${version_script} "{\n  global: ${ARG_ENTRY_SYMBOL};\n  local: *;\n};\n")
+  set_target_properties(${target} PROPERTIES
+    PREFIX "lib"
+    C_VISIBILITY_PRESET hidden
+    CXX_VISIBILITY_PRESET hidden
+    VISIBILITY_INLINES_HIDDEN ON
+    LIBRARY_OUTPUT_DIRECTORY ${ARG_OUTPUT_DIR}
+    LINK_DEPENDS ${version_script})
+  if(ARG_OUTPUT_NAME)
+    set_target_properties(${target} PROPERTIES OUTPUT_NAME ${ARG_OUTPUT_NAME})
+  endif()
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fno-gnu-unique>)
+  target_link_options(${target} PRIVATE
+    -Wl,--version-script=${version_script}
+    $<$<NOT:$<BOOL:${SP_SANITIZE}>>:-Wl,--no-undefined>)
+  target_link_libraries(${target} PRIVATE sp_warnings)
+  target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/host_api/include)
+endfunction()

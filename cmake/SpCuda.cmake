@@ -1,0 +1,22 @@
+# CUDA is optional at build time and never needed at test time: the CUDA code must
+# compile and link on a machine without a GPU, and its tests skip there.
+include(CheckLanguage)
+if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
+  set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+endif()
+check_language(CUDA)
+if(CMAKE_CUDA_COMPILER)
+  # "native" fails without a GPU. 75 is the oldest that CUDA 13 accepts; 90 is Hopper.
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES 75 90)
+  endif()
+  enable_language(CUDA)
+  set(CMAKE_CUDA_STANDARD 17)
+  set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+  find_package(CUDAToolkit REQUIRED)
+  set(SP_HAVE_CUDA ON)
+  message(STATUS "Selective Precision: CUDA ${CMAKE_CUDA_COMPILER_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}")
+else()
+  set(SP_HAVE_CUDA OFF)
+  message(STATUS "Selective Precision: no nvcc found, building CPU code only")
+endif()

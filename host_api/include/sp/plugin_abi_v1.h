@@ -1,0 +1,224 @@
+/*
+ * Selective Precision policy plugin ABI, version 1.
+ *
+ * FROZEN. This header describes a binary contract between a host runtime and a
+ * policy plugin (.so). Once released, nothing in it changes meaning:
+ *   - structs only grow by appending fields (the first field is always
+ *     struct_size, so a reader checks offsetof(field) + sizeof(field) <= struct_size
+ *     before it reads an appended field);
+ *   - enums only gain values;
+ *   - a changed signature becomes a new table in plugin_abi_v2.h.
+ * Adding an appended field or an enum value bumps SP_PLUGIN_ABI_MINOR. Anything
+ * else is a new major version with its own header and entry symbol.
+ *
+ * Version rule (as in Triton's backend API): the host accepts a plugin when the
+ * major versions are equal and the host's minor is >= the plugin's minor.
+ *
+ * Boundary rules (as in PyTorch's stable C shim):
+ *   - every function returns sp_status; no C++ exception ever crosses the boundary;
+ *   - only integers, doubles, plain structs and pointers appear in signatures;
+ *   - every pointer states who owns it and for how long it is valid;
+ *   - the plugin never touches host memory after the call that lent it returns,
+ *     owns no threads or streams, and logs only through the host's callback.
+ *
+ * Threading: the host calls a context's functions from one thread at a time.
+ * Distinct contexts are independent.
+ */
+#ifndef SP_PLUGIN_ABI_V1_H
+#define SP_PLUGIN_ABI_V1_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SP_PLUGIN_ABI_MAJOR 1
+#define SP_PLUGIN_ABI_MINOR 0
+
+/* The one symbol a v1 plugin exports. Its type is sp_policy_plugin_entry_v1_fn. */
+#define SP_PLUGIN_ENTRY_SYMBOL_V1 "sp_policy_plugin_v1"
+
+#if defined(__GNUC__)
+#define SP_PLUGIN_EXPORT __attribute__((visibility("default")))
+#else
+#define SP_PLUGIN_EXPORT
+#endif
+
+/* Status codes. 0 is success; everything else is a failure whose details the
+ * plugin makes available through last_error(). */
+typedef int32_t sp_status;
+#define SP_OK 0
+#define SP_ERR_INVALID_ARGUMENT 1 /* a null pointer, a bad count or an unknown block id */
+#define SP_ERR_CONFIG 2           /* the configuration text was rejected */
+#define SP_ERR_STATE 3            /* an imported state blob was rejected */
+#define SP_ERR_BUFFER_TOO_SMALL 4 /* export_state: *size_out holds the size needed */
+#define SP_ERR_INTERNAL 5         /* anything else; the plugin stays usable */
+#define SP_ERR_ORDER 6            /* a hook was called out of lifecycle order */
+
+/* Transfer precision of a block. */
+typedef int32_t sp_precision;
+#define SP_PRECISION_BF16 0
+#define SP_PRECISION_INT8 1
+
+/* Why a hint says what it says. */
+typedef int32_t sp_reason;
+#define SP_REASON_NO_DATA 0         /* no gradient sample yet: the block keeps what it has */
+#define SP_REASON_THRESHOLD 1       /* the score crossed a threshold at this decision step */
+#define SP_REASON_HYSTERESIS_HOLD 2 /* the score sits between the switch points: keep */
+#define SP_REASON_COOLDOWN 3        /* a switch was due but the cooldown has not passed */
+#define SP_REASON_UNSAFE 4          /* a non-finite gradient sent the block to BF16 */
+#define SP_REASON_FORCED 5          /* a force list decided */
+#define SP_REASON_MODE 6            /* the mode (off, static) decided */
+#define SP_REASON_NOT_DECISION_STEP 7 /* not a decision step: the previous decision stands */
+
+/* Log levels, in increasing severity. */
+typedef int32_t sp_log_level;
+#define SP_LOG_DEBUG 0
+#define SP_LOG_INFO 1
+#define SP_LOG_WARN 2
+#define SP_LOG_ERROR 3
+
+/* Host log sink. `message` is borrowed: valid only during the call, NUL-terminated.
+ * Must not throw and must be callable from the thread that calls the plugin. */
+typedef void (*sp_log_fn)(void *user_data, sp_log_level level, const char *message);
+
+/* What the host gives the plugin at create(). The plugin copies whatever it
+ * wants to keep: the struct and every string in it are borrowed for the
+ * duration of create() only, except `log` and `log_user_data`, which stay valid
+ * until destroy() returns. */
+typedef struct sp_host_api_v1 {
+  uint32_t struct_size;    /* sizeof(sp_host_api_v1) as the host compiled it */
+  uint32_t abi_major;      /* the host's SP_PLUGIN_ABI_MAJOR */
+  uint32_t abi_minor;      /* the host's SP_PLUGIN_ABI_MINOR */
+  uint32_t reserved0;      /* zero */
+  const char *host_name;    /* borrowed; e.g. "sp-train" */
+  const char *host_version; /* borrowed; e.g. "0.1.0" */
+  const char *output_dir;   /* borrowed; directory for relative output files (telemetry); may be NULL = cwd */
+  sp_log_fn log;            /* may be NULL: the plugin then stays silent */
+  void *log_user_data;      /* opaque to the plugin; passed back to log */
+  sp_log_level min_log_level; /* messages below this level need not be formatted */
+  uint32_t reserved1;         /* zero */
+} sp_host_api_v1;
+
+/* One streamed block, as the host describes it at create(). */
+typedef struct sp_block_desc_v1 {
+  uint32_t struct_size;  /* sizeof(sp_block_desc_v1) as the host compiled it */
+  uint32_t block_id;     /* 0..n_blocks-1, in execution order; descs arrive sorted by id */
+  uint64_t num_params;   /* elements in the block's streamed weights */
+  uint64_t bf16_bytes;   /* bytes one BF16 transfer of the block puts on the wire */
+  uint64_t int8_bytes;   /* bytes one INT8 transfer puts on the wire (data + scales + header) */
+  const char *name;      /* borrowed for create() only; may be NULL */
+} sp_block_desc_v1;
+
+/* Gradient moments of one block over all its gradient tensors, one backward pass. */
+typedef struct sp_grad_moments_v1 {
+  uint32_t block_id;
+  uint32_t reserved0;  /* zero */
+  double sum_sq;       /* sum of g^2 over finite elements */
+  double sum;          /* sum of g over finite elements */
+  double max_abs;      /* max |g| over finite elements */
+  uint64_t count;      /* number of elements (finite or not) */
+  uint64_t nonfinite;  /* elements that were NaN or +-Inf */
+} sp_grad_moments_v1;
+
+/* The plugin's answer for one block. */
+typedef struct sp_hint_v1 {
+  uint32_t block_id;
+  sp_precision precision; /* effective precision for the next transfers */
+  double sensitivity;     /* last computed score in [0,1]; NaN when never scored */
+  sp_reason reason;
+  uint32_t reserved0;     /* zero */
+} sp_hint_v1;
+
+/* What the host reports at the end of a step. */
+typedef struct sp_step_feedback_v1 {
+  uint32_t struct_size;      /* sizeof(sp_step_feedback_v1) as the host compiled it */
+  uint32_t reserved0;        /* zero */
+  double loss;               /* training loss of the step; NaN when unknown */
+  uint64_t h2d_bytes_bf16;   /* bytes moved host-to-device on the BF16 path this step */
+  uint64_t h2d_bytes_int8;   /* bytes moved on the INT8 path this step */
+  uint64_t h2d_bytes_all_bf16; /* what the same fetches would have moved as BF16; 0 = unknown */
+  double step_seconds;       /* wall time of the step; NaN when unknown */
+} sp_step_feedback_v1;
+
+/* Opaque per-instance state, created and freed by the plugin. */
+typedef struct sp_policy_ctx sp_policy_ctx;
+
+/* The function table. A plugin returns a pointer to a static const instance. */
+typedef struct sp_policy_plugin_v1_table {
+  uint32_t struct_size; /* sizeof(sp_policy_plugin_v1_table) as the plugin compiled it */
+  uint32_t abi_major;   /* SP_PLUGIN_ABI_MAJOR the plugin was built against */
+  uint32_t abi_minor;   /* SP_PLUGIN_ABI_MINOR the plugin was built against */
+  uint32_t reserved0;   /* zero */
+  const char *plugin_name;    /* static storage of the plugin; valid while it is loaded */
+  const char *plugin_version; /* static storage of the plugin; e.g. "1.0.0" */
+
+  /* Creates an instance. `host`, `config_yaml` (NUL-terminated YAML text) and
+   * `blocks` (n_blocks entries) are borrowed for this call only. On SP_OK,
+   * *out_ctx receives a new context owned by the caller, to be released with
+   * destroy(). On failure *out_ctx is set to NULL and the message is available
+   * through last_error(NULL). */
+  sp_status (*create)(const sp_host_api_v1 *host, const char *config_yaml,
+                      const sp_block_desc_v1 *blocks, uint32_t n_blocks,
+                      sp_policy_ctx **out_ctx);
+
+  /* Frees the context and everything the plugin allocated for it (open files
+   * included). `ctx` may be NULL. After it returns the plugin holds no resource
+   * for that context. */
+  sp_status (*destroy)(sp_policy_ctx *ctx);
+
+  /* A step begins. Steps start at 0 and increase by one. */
+  sp_status (*begin_step)(sp_policy_ctx *ctx, int64_t step);
+
+  /* Gradient moments after the step's backward pass. `moments` (n entries,
+   * distinct block ids) is borrowed for this call only. A block with no
+   * gradient this step is absent. */
+  sp_status (*post_backward)(sp_policy_ctx *ctx, int64_t step,
+                             const sp_grad_moments_v1 *moments, uint32_t n);
+
+  /* Fills hints_out[0..n) with one hint per block, hints_out[i].block_id == i.
+   * `hints_out` is owned by the caller; n must equal the n_blocks of create().
+   * Called once per step, after post_backward. */
+  sp_status (*compute_hints)(sp_policy_ctx *ctx, int64_t step,
+                             sp_hint_v1 *hints_out, uint32_t n);
+
+  /* The step ended. `feedback` is borrowed for this call only; may be NULL. */
+  sp_status (*end_step)(sp_policy_ctx *ctx, int64_t step,
+                        const sp_step_feedback_v1 *feedback);
+
+  /* Per-block relative output error of INT8 against BF16 from a calibration
+   * pass. Both arrays (n entries) are borrowed for this call only. Replaces the
+   * errors of the listed blocks; other blocks keep theirs. */
+  sp_status (*set_calibration_errors)(sp_policy_ctx *ctx, const uint32_t *block_ids,
+                                      const double *errors, uint32_t n);
+
+  /* Serialises the policy state into a versioned, self-describing blob.
+   * `buffer` (capacity bytes) is owned by the caller and may be NULL when
+   * capacity is 0. *size_out receives the blob size; if it exceeds capacity
+   * the call returns SP_ERR_BUFFER_TOO_SMALL and writes nothing to buffer. */
+  sp_status (*export_state)(sp_policy_ctx *ctx, uint8_t *buffer, uint64_t capacity,
+                            uint64_t *size_out);
+
+  /* Replaces the policy state with a blob from export_state (of this or an
+   * earlier version of the plugin). `blob` is borrowed for this call only. The
+   * blob is validated completely first; on any failure the context is left
+   * exactly as it was and SP_ERR_STATE is returned. */
+  sp_status (*import_state)(sp_policy_ctx *ctx, const uint8_t *blob, uint64_t size);
+
+  /* Message of the last failed call on `ctx` (or of the last failed create()
+   * when ctx is NULL). Returns a NUL-terminated string owned by the plugin,
+   * valid until the next call on the same ctx (or the next create()), never NULL. */
+  const char *(*last_error)(const sp_policy_ctx *ctx);
+} sp_policy_plugin_v1_table;
+
+/* The exported entry point. Returns a pointer to static storage of the plugin,
+ * valid while the plugin is loaded; never NULL. Takes no lock, allocates nothing. */
+typedef const sp_policy_plugin_v1_table *(*sp_policy_plugin_entry_v1_fn)(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* SP_PLUGIN_ABI_V1_H */
