@@ -1,0 +1,38 @@
+// Files that appear whole or not at all: the reference host's outputs (replay decisions,
+// checkpoints, caches, summaries) are written to a temporary file beside the target and
+// renamed over it only after everything was written and flushed.
+#pragma once
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace sp::runtime {
+
+class AtomicFileWriter {
+ public:
+  // Opens a temporary file in the target's directory. Throws std::runtime_error naming
+  // the target when the directory does not exist or is not writable.
+  explicit AtomicFileWriter(std::filesystem::path target);
+  ~AtomicFileWriter();  // removes the temporary file unless commit() succeeded
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+
+  std::ostream& stream() { return out_; }
+  // Flushes, fsyncs and renames over the target. Throws std::runtime_error on failure,
+  // leaving any previous target file untouched.
+  void commit();
+
+  const std::filesystem::path& target() const { return target_; }
+
+ private:
+  std::filesystem::path target_;
+  std::filesystem::path temp_;
+  std::ofstream out_;
+  bool committed_ = false;
+};
+
+// Convenience for small files.
+void write_file_atomically(const std::filesystem::path& target, const std::string& contents);
+
+}  // namespace sp::runtime

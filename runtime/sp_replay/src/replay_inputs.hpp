@@ -1,0 +1,55 @@
+// sp-replay's inputs: a JSONL trace of per-block gradient moments and an optional
+// calibration file. Both are user-written files, so every defect is reported with the
+// file, the line and the field, and nothing is guessed.
+#pragma once
+
+#include <cstdint>
+#include <istream>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "sp/plugin_abi_v1.h"
+
+namespace sp::replay {
+
+// An input file that cannot be used. what() reads "FILE:LINE: FIELD: problem".
+class InputError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct TraceStep {
+  int64_t step = 0;
+  std::vector<sp_grad_moments_v1> moments;  // blocks without a gradient this step are absent
+};
+
+// Reads {"step": s, "blocks": [{"id", "sum_sq", "sum", "max_abs", "count", "nonfinite"}]}
+// one line at a time. Steps must be 0, 1, 2, ... in order, because the policy's windows,
+// warm-up and cooldown count steps. Blank lines are skipped.
+class TraceReader {
+ public:
+  TraceReader(std::istream& in, std::string source_name, uint32_t n_blocks);
+
+  // The next step, or nullopt at the end of the file. Throws InputError.
+  std::optional<TraceStep> next();
+
+ private:
+  std::istream& in_;
+  std::string source_name_;
+  uint32_t n_blocks_;
+  uint64_t line_number_ = 0;
+  int64_t expected_step_ = 0;
+};
+
+struct CalibrationErrors {
+  std::vector<uint32_t> block_ids;
+  std::vector<double> errors;
+};
+
+// Reads {"block_errors": {"<id>": err, ...}} where every id is in [0, n_blocks) and every
+// error is a finite number >= 0. Throws InputError.
+CalibrationErrors read_calibration_file(const std::string& path, uint32_t n_blocks);
+
+}  // namespace sp::replay

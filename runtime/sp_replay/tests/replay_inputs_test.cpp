@@ -1,0 +1,147 @@
+#include "replay_inputs.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace sp::replay {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string block(int id, const std::string& extra = "") {
+  return "{\"id\":" + std::to_string(id) +
+         ",\"sum_sq\":4.0,\"sum\":-0.5,\"max_abs\":0.25,\"count\":100,\"nonfinite\":0" + extra + "}";
+}
+
+std::vector<TraceStep> read_all(const std::string& text, uint32_t n_blocks) {
+  std::istringstream in(text);
+  TraceReader reader(in, "t.jsonl", n_blocks);
+  std::vector<TraceStep> steps;
+  while (auto step = reader.next()) steps.push_back(std::move(*step));
+  return steps;
+}
+
+std::string error_of(const std::string& text, uint32_t n_blocks = 4) {
+  try {
+    read_all(text, n_blocks);
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(TraceReader, ReadsStepsInOrderWithAbsentBlocks) {
+  const auto steps = read_all("{\"step\":0,\"blocks\":[" + block(0) + "," + block(2) + "]}\n\n" +
+                                  "{\"step\":1,\"blocks\":[]}\n",
+                              4);
+  ASSERT_EQ(steps.size(), 2u);
+  EXPECT_EQ(steps[0].step, 0);
+  ASSERT_EQ(steps[0].moments.size(), 2u);
+  EXPECT_EQ(steps[0].moments[1].block_id, 2u);
+  EXPECT_DOUBLE_EQ(steps[0].moments[1].sum_sq, 4.0);
+  EXPECT_DOUBLE_EQ(steps[0].moments[1].sum, -0.5);
+  EXPECT_DOUBLE_EQ(steps[0].moments[1].max_abs, 0.25);
+  EXPECT_EQ(steps[0].moments[1].count, 100u);
+  EXPECT_TRUE(steps[1].moments.empty());
+}
+
+struct BadTrace {
+  const char* name;
+  std::string text;
+  std::string expected;
+};
+
+class BadTraceTest : public ::testing::TestWithParam<BadTrace> {};
+
+TEST_P(BadTraceTest, NamesLineFieldAndProblem) {
+  EXPECT_THAT(error_of(GetParam().text), HasSubstr(GetParam().expected));
+}
+
+const std::string kGoodFirst = "{\"step\":0,\"blocks\":[" + block(0) + "]}\n";
+
+INSTANTIATE_TEST_SUITE_P(
+    TraceReader, BadTraceTest,
+    ::testing::Values(
+        BadTrace{"NotJson", "{\"step\":0,", "t.jsonl:1: line: not valid JSON"},
+        BadTrace{"NotObject", "[1,2]", "t.jsonl:1: line: expected a JSON object, got array"},
+        BadTrace{"MissingStep", "{\"blocks\":[]}", "t.jsonl:1: step: missing"},
+        BadTrace{"StepNotInteger", "{\"step\":\"0\",\"blocks\":[]}", "step: expected an integer >= 0, got string"},
+        BadTrace{"NegativeStep", "{\"step\":-1,\"blocks\":[]}", "step: expected an integer >= 0, got -1"},
+        BadTrace{"SkippedStep", kGoodFirst + "{\"step\":2,\"blocks\":[]}", "t.jsonl:2: step: expected step 1"},
+        BadTrace{"UnknownTopKey", "{\"step\":0,\"blocks\":[],\"loss\":1}", "loss: unknown key"},
+        BadTrace{"BlocksNotArray", "{\"step\":0,\"blocks\":{}}", "blocks: expected an array, got object"},
+        BadTrace{"BlockNotObject", "{\"step\":0,\"blocks\":[3]}", "blocks[0]: expected an object"},
+        BadTrace{"IdOutOfRange", "{\"step\":0,\"blocks\":[" + block(9) + "]}",
+                 "blocks[0].id: block id 9 is out of range: --blocks is 4"},
+        BadTrace{"DuplicateId", "{\"step\":0,\"blocks\":[" + block(1) + "," + block(1) + "]}",
+                 "blocks[1].id: block 1 is listed twice"},
+        BadTrace{"MissingField", "{\"step\":0,\"blocks\":[{\"id\":0,\"sum_sq\":1,\"sum\":0,\"max_abs\":1,\"count\":3}]}",
+                 "blocks[0].nonfinite: missing"},
+        BadTrace{"NegativeSumSq",
+                 "{\"step\":0,\"blocks\":[{\"id\":0,\"sum_sq\":-1,\"sum\":0,\"max_abs\":1,\"count\":3,\"nonfinite\":0}]}",
+                 "blocks[0].sum_sq: expected a number >= 0, got -1"},
+        BadTrace{"StringMoment",
+                 "{\"step\":0,\"blocks\":[{\"id\":0,\"sum_sq\":\"nan\",\"sum\":0,\"max_abs\":1,\"count\":3,\"nonfinite\":0}]}",
+                 "blocks[0].sum_sq: expected a number, got string"},
+        BadTrace{"FractionalCount",
+                 "{\"step\":0,\"blocks\":[{\"id\":0,\"sum_sq\":1,\"sum\":0,\"max_abs\":1,\"count\":2.5,\"nonfinite\":0}]}",
+                 "blocks[0].count: expected an integer >= 0"},
+        BadTrace{"NonfiniteAboveCount",
+                 "{\"step\":0,\"blocks\":[{\"id\":0,\"sum_sq\":1,\"sum\":0,\"max_abs\":1,\"count\":2,\"nonfinite\":3}]}",
+                 "blocks[0].nonfinite: 3 non-finite elements exceed count 2"},
+        BadTrace{"UnknownBlockKey", "{\"step\":0,\"blocks\":[" + block(0, ",\"l2\":3") + "]}",
+                 "blocks[0].l2: unknown key"}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+class CalibrationFileTest : public ::testing::Test {
+ protected:
+  std::string write(const std::string& text) {
+    const auto path = std::filesystem::path(::testing::TempDir()) /
+                      (::testing::UnitTest::GetInstance()->current_test_info()->name() + std::string(".json"));
+    std::ofstream(path) << text;
+    return path.string();
+  }
+  std::string error_of(const std::string& text) {
+    const std::string path = write(text);
+    try {
+      read_calibration_file(path, 4);
+    } catch (const InputError& e) {
+      return e.what();
+    }
+    return "no error";
+  }
+};
+
+TEST_F(CalibrationFileTest, ReadsErrorsPerBlock) {
+  const auto errors = read_calibration_file(write(R"({"block_errors": {"0": 0.01, "3": 0.07}})"), 4);
+  EXPECT_EQ(errors.block_ids, (std::vector<uint32_t>{0, 3}));
+  EXPECT_EQ(errors.errors, (std::vector<double>{0.01, 0.07}));
+}
+
+TEST_F(CalibrationFileTest, RejectsEachDefectWithItsField) {
+  EXPECT_THAT(error_of("{"), HasSubstr("not valid JSON"));
+  EXPECT_THAT(error_of(R"({"errors": {}})"), HasSubstr("errors: unknown key"));
+  EXPECT_THAT(error_of(R"({"block_errors": [0.1]})"), HasSubstr("block_errors: expected an object"));
+  EXPECT_THAT(error_of(R"({"block_errors": {"x1": 0.1}})"), HasSubstr("block_errors.x1: the key must be a block id"));
+  EXPECT_THAT(error_of(R"({"block_errors": {"-1": 0.1}})"), HasSubstr("block_errors.-1: the key must be a block id"));
+  EXPECT_THAT(error_of(R"({"block_errors": {"4": 0.1}})"), HasSubstr("block_errors.4: block id 4 is out of range"));
+  EXPECT_THAT(error_of(R"({"block_errors": {"1": -0.1}})"), HasSubstr("block_errors.1: expected a number >= 0"));
+  EXPECT_THAT(error_of(R"({"block_errors": {"1": "big"}})"), HasSubstr("block_errors.1: expected a number, got string"));
+  EXPECT_THROW(
+      {
+        try {
+          read_calibration_file("/nonexistent/k.json", 4);
+        } catch (const InputError& e) {
+          EXPECT_THAT(e.what(), HasSubstr("/nonexistent/k.json: cannot open"));
+          throw;
+        }
+      },
+      InputError);
+}
+
+}  // namespace
+}  // namespace sp::replay
