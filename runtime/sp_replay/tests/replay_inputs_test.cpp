@@ -74,7 +74,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadTrace{"SkippedStep", kGoodFirst + "{\"step\":2,\"blocks\":[]}", "t.jsonl:2: step: expected step 1"},
         BadTrace{"UnknownTopKey", "{\"step\":0,\"blocks\":[],\"loss\":1}", "loss: unknown key"},
         BadTrace{"BlocksNotArray", "{\"step\":0,\"blocks\":{}}", "blocks: expected an array, got object"},
-        BadTrace{"BlockNotObject", "{\"step\":0,\"blocks\":[3]}", "blocks[0]: expected an object"},
+        BadTrace{"BlockNotObject", "{\"step\":0,\"blocks\":[3]}", "blocks[0]: expected an object, got number"},
         BadTrace{"IdOutOfRange", "{\"step\":0,\"blocks\":[" + block(9) + "]}",
                  "blocks[0].id: block id 9 is out of range: --blocks is 4"},
         BadTrace{"DuplicateId", "{\"step\":0,\"blocks\":[" + block(1) + "," + block(1) + "]}",
