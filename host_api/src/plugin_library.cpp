@@ -1,0 +1,306 @@
+#include <sp/host/plugin_library.h>
+
+#include <boost/dll/shared_library.hpp>
+#include <fmt/format.h>
+#include <fmt/std.h>
+
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/sendfile.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <system_error>
+#include <utility>
+
+namespace sp::host {
+namespace {
+
+using Table = sp_policy_plugin_v1_table;
+
+// The host reads struct_size, abi_major and abi_minor before it knows the layout.
+constexpr std::size_t kVersionFieldsEnd = offsetof(Table, abi_minor) + sizeof(Table::abi_minor);
+// ABI 1.0 has no optional fields: the host reads every one, up to last_error.
+constexpr std::size_t kTableV1_0End = offsetof(Table, last_error) + sizeof(Table::last_error);
+
+std::string errno_text(int error) { return std::generic_category().message(error); }
+
+std::string mode_text(mode_t mode) { return fmt::format("{:04o}", mode & 07777); }
+
+bool owned_by_user_or_root(uid_t owner) { return owner == 0 || owner == geteuid(); }
+
+void check_trusted_directory(const std::filesystem::path& file, const std::filesystem::path& dir) {
+  struct stat dir_stat {};
+  if (::stat(dir.c_str(), &dir_stat) != 0) {
+    throw PluginError(fmt::format("refusing to load policy plugin {}: cannot stat its directory {}: {}",
+                                  file, dir, errno_text(errno)));
+  }
+  if ((dir_stat.st_mode & S_IWOTH) != 0) {
+    throw PluginError(fmt::format(
+        "refusing to load policy plugin {}: its directory {} is world-writable (mode {}), so anyone "
+        "could replace the plugin; remove write permission for others (chmod o-w {})",
+        file, dir, mode_text(dir_stat.st_mode), dir));
+  }
+  if (!owned_by_user_or_root(dir_stat.st_uid)) {
+    throw PluginError(fmt::format(
+        "refusing to load policy plugin {}: its directory {} is owned by uid {}, which is neither "
+        "the current user (uid {}) nor root",
+        file, dir, dir_stat.st_uid, geteuid()));
+  }
+}
+
+void check_trusted_file(const std::filesystem::path& file, const struct stat& file_stat) {
+  if (!S_ISREG(file_stat.st_mode)) {
+    throw PluginError(fmt::format("refusing to load policy plugin {}: it is not a regular file", file));
+  }
+  if (!owned_by_user_or_root(file_stat.st_uid)) {
+    throw PluginError(fmt::format(
+        "refusing to load policy plugin {}: it is owned by uid {}, which is neither the current "
+        "user (uid {}) nor root",
+        file, file_stat.st_uid, geteuid()));
+  }
+  if ((file_stat.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    throw PluginError(fmt::format(
+        "refusing to load policy plugin {}: it is writable by {} (mode {}); remove that permission "
+        "(chmod go-w {})",
+        file, (file_stat.st_mode & S_IWOTH) != 0 ? "others" : "its group", mode_text(file_stat.st_mode),
+        file));
+  }
+}
+
+std::filesystem::path resolve_plugin_path(const std::filesystem::path& file) {
+  std::error_code error;
+  std::filesystem::path resolved = std::filesystem::canonical(file, error);
+  if (error) {
+    throw PluginError(fmt::format("cannot load policy plugin {}: {}", file, error.message()));
+  }
+  return resolved;
+}
+
+class FileDescriptor {
+ public:
+  explicit FileDescriptor(int fd) : fd_(fd) {}
+  FileDescriptor(const FileDescriptor&) = delete;
+  FileDescriptor& operator=(const FileDescriptor&) = delete;
+  ~FileDescriptor() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// The private copy of a plugin file: a fresh mkdtemp directory (0700) holding one file.
+class PrivateCopy {
+ public:
+  PrivateCopy() = default;
+  PrivateCopy(PrivateCopy&& other) noexcept
+      : dir_(std::exchange(other.dir_, {})), file_(std::exchange(other.file_, {})) {}
+  PrivateCopy& operator=(PrivateCopy&&) = delete;
+  PrivateCopy(const PrivateCopy&) = delete;
+  PrivateCopy& operator=(const PrivateCopy&) = delete;
+  ~PrivateCopy() { remove(); }
+
+  // Copies from an already opened and checked descriptor, so the bytes loaded are the
+  // bytes whose owner and mode were checked.
+  static PrivateCopy make(const std::filesystem::path& source, int source_fd, off_t size) {
+    const char* tmpdir = std::getenv("TMPDIR");
+    std::string dir_template =
+        (std::filesystem::path(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp") / "sp-plugin-XXXXXX")
+            .string();
+    if (::mkdtemp(dir_template.data()) == nullptr) {
+      throw PluginError(fmt::format("cannot load policy plugin {}: cannot create a private directory {}: {}",
+                                    source, dir_template, errno_text(errno)));
+    }
+    PrivateCopy copy;
+    copy.dir_ = dir_template;
+    copy.file_ = copy.dir_ / source.filename();
+    FileDescriptor out(::open(copy.file_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0700));
+    if (out.get() < 0) {
+      throw PluginError(fmt::format("cannot load policy plugin {}: cannot create its private copy {}: {}",
+                                    source, copy.file_, errno_text(errno)));
+    }
+    off_t offset = 0;
+    while (offset < size) {
+      const ssize_t sent = ::sendfile(out.get(), source_fd, &offset, static_cast<std::size_t>(size - offset));
+      if (sent < 0 && errno == EINTR) continue;
+      if (sent <= 0) {
+        throw PluginError(fmt::format("cannot load policy plugin {}: copying it to {} failed: {}", source,
+                                      copy.file_, sent < 0 ? errno_text(errno) : "the file shrank"));
+      }
+    }
+    return copy;
+  }
+
+  const std::filesystem::path& file() const { return file_; }
+
+  void remove() {
+    std::error_code ignored;
+    if (!file_.empty()) std::filesystem::remove(file_, ignored);
+    if (!dir_.empty()) std::filesystem::remove(dir_, ignored);
+    file_.clear();
+    dir_.clear();
+  }
+
+ private:
+  std::filesystem::path dir_;
+  std::filesystem::path file_;
+};
+
+void validate_table(const std::filesystem::path& file, const Table* table) {
+  if (table == nullptr) {
+    throw PluginError(fmt::format("policy plugin {}: {}() returned NULL instead of its function table", file,
+                                  SP_PLUGIN_ENTRY_SYMBOL_V1));
+  }
+  if (table->struct_size < kVersionFieldsEnd) {
+    throw PluginError(fmt::format(
+        "policy plugin {}: its function table says struct_size = {}, too small to hold even "
+        "struct_size, abi_major and abi_minor ({} bytes)",
+        file, table->struct_size, kVersionFieldsEnd));
+  }
+  if (table->abi_major != SP_PLUGIN_ABI_MAJOR) {
+    throw PluginError(fmt::format(
+        "policy plugin {} was built for plugin ABI {}.{}, but this host implements ABI {}.{}; the "
+        "major versions must be equal",
+        file, table->abi_major, table->abi_minor, SP_PLUGIN_ABI_MAJOR, SP_PLUGIN_ABI_MINOR));
+  }
+  if (table->abi_minor > SP_PLUGIN_ABI_MINOR) {
+    throw PluginError(fmt::format(
+        "policy plugin {} was built for plugin ABI {}.{}, newer than this host's ABI {}.{}; the host's "
+        "minor version must be >= the plugin's, so update the host",
+        file, table->abi_major, table->abi_minor, SP_PLUGIN_ABI_MAJOR, SP_PLUGIN_ABI_MINOR));
+  }
+  if (table->struct_size < kTableV1_0End) {
+    throw PluginError(fmt::format(
+        "policy plugin {}: its function table says struct_size = {}, but ABI {}.{} needs at least {} "
+        "bytes (every field up to last_error)",
+        file, table->struct_size, table->abi_major, table->abi_minor, kTableV1_0End));
+  }
+  const std::pair<const char*, bool> required[] = {
+      {"plugin_name", table->plugin_name != nullptr},
+      {"plugin_version", table->plugin_version != nullptr},
+      {"create", table->create != nullptr},
+      {"destroy", table->destroy != nullptr},
+      {"begin_step", table->begin_step != nullptr},
+      {"post_backward", table->post_backward != nullptr},
+      {"compute_hints", table->compute_hints != nullptr},
+      {"end_step", table->end_step != nullptr},
+      {"set_calibration_errors", table->set_calibration_errors != nullptr},
+      {"export_state", table->export_state != nullptr},
+      {"import_state", table->import_state != nullptr},
+      {"last_error", table->last_error != nullptr},
+  };
+  for (const auto& [field, present] : required) {
+    if (!present) {
+      throw PluginError(
+          fmt::format("policy plugin {}: field {} of its function table is NULL; every field is required", file,
+                      field));
+    }
+  }
+}
+
+}  // namespace
+
+void check_plugin_file_is_trusted(const std::filesystem::path& file) {
+  const std::filesystem::path resolved = resolve_plugin_path(file);
+  check_trusted_directory(resolved, resolved.parent_path());
+  struct stat file_stat {};
+  if (::stat(resolved.c_str(), &file_stat) != 0) {
+    throw PluginError(fmt::format("cannot load policy plugin {}: {}", resolved, errno_text(errno)));
+  }
+  check_trusted_file(resolved, file_stat);
+}
+
+struct PluginLibrary::State {
+  State(std::filesystem::path source_file, PrivateCopy private_copy)
+      : source(std::move(source_file)), copy(std::move(private_copy)) {}
+
+  std::filesystem::path source;
+  PrivateCopy copy;
+  // Declared after the copy so that it closes before the copy is removed.
+  boost::dll::shared_library library;
+  const Table* table = nullptr;
+  // Copies: the plugin's own strings vanish with it, and messages outlive the unload.
+  std::string name;
+  std::string version;
+};
+
+PluginLibrary PluginLibrary::load(const std::filesystem::path& file) {
+  const std::filesystem::path resolved = resolve_plugin_path(file);
+  check_trusted_directory(resolved, resolved.parent_path());
+  FileDescriptor source(::open(resolved.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (source.get() < 0) {
+    throw PluginError(fmt::format("cannot load policy plugin {}: {}", resolved, errno_text(errno)));
+  }
+  struct stat file_stat {};
+  if (::fstat(source.get(), &file_stat) != 0) {
+    throw PluginError(fmt::format("cannot load policy plugin {}: {}", resolved, errno_text(errno)));
+  }
+  check_trusted_file(resolved, file_stat);
+
+  auto state = std::make_unique<State>(file, PrivateCopy::make(resolved, source.get(), file_stat.st_size));
+  std::error_code error;
+  state->library.load(state->copy.file(),
+                      boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local, error);
+  if (error) {
+    const char* loader_message = ::dlerror();
+    throw PluginError(fmt::format("cannot load policy plugin {}: the dynamic loader failed: {}", resolved,
+                                  loader_message != nullptr ? loader_message : error.message()));
+  }
+  if (!state->library.has(SP_PLUGIN_ENTRY_SYMBOL_V1)) {
+    throw PluginError(fmt::format(
+        "policy plugin {} does not export the entry symbol {}; a v1 plugin must define it (see "
+        "docs/plugin-abi.md)",
+        resolved, SP_PLUGIN_ENTRY_SYMBOL_V1));
+  }
+  auto& entry = state->library.get<const Table*()>(SP_PLUGIN_ENTRY_SYMBOL_V1);
+  state->table = entry();
+  validate_table(resolved, state->table);
+  state->name = state->table->plugin_name;
+  state->version = state->table->plugin_version;
+  return PluginLibrary(std::move(state));
+}
+
+PluginLibrary::PluginLibrary(std::unique_ptr<State> state) : state_(std::move(state)) {}
+PluginLibrary::PluginLibrary(PluginLibrary&&) noexcept = default;
+
+PluginLibrary& PluginLibrary::operator=(PluginLibrary&& other) noexcept {
+  if (this != &other) {
+    unload();
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+
+PluginLibrary::~PluginLibrary() { unload(); }
+
+const sp_policy_plugin_v1_table& PluginLibrary::table() const { return *state_->table; }
+const std::filesystem::path& PluginLibrary::source_path() const { return state_->source; }
+const std::filesystem::path& PluginLibrary::loaded_path() const { return state_->copy.file(); }
+std::string_view PluginLibrary::plugin_name() const { return state_->name; }
+std::string_view PluginLibrary::plugin_version() const { return state_->version; }
+bool PluginLibrary::is_loaded() const { return state_ != nullptr && state_->library.is_loaded(); }
+
+UnloadReport PluginLibrary::unload() {
+  UnloadReport report;
+  if (!is_loaded()) return report;
+  state_->table = nullptr;
+  state_->library.unload();
+  if (void* still_there = ::dlopen(state_->copy.file().c_str(), RTLD_NOW | RTLD_NOLOAD)) {
+    ::dlclose(still_there);
+    report.unloaded = false;
+    report.detail = fmt::format(
+        "policy plugin {} (loaded from {}) is still mapped after dlclose; it probably has a GNU-unique "
+        "symbol or a thread_local with a destructor (check with: nm -C --defined-only {} | grep ' u ')",
+        state_->source, state_->copy.file(), state_->source);
+  }
+  state_->copy.remove();
+  return report;
+}
+
+}  // namespace sp::host
