@@ -1,0 +1,121 @@
+// The benchmark-driven transfer policy ("never slower than BF16").
+//
+// The gradient policy decides where INT8 is *safe*; this decides where it is *worth it*.
+// `sp-bench transfer` measures, on one machine, the BF16 path and the INT8 path (copy +
+// dequant, plus the image rebuild when weights are trained) for a sweep of block sizes and
+// writes a TransferReport. `sp-bench merge-policy` folds one or more reports into a
+// TransferPolicy: per path, the size ranges where every report measured INT8 at least
+// `speedup_threshold` times faster than BF16. Anything not covered by a rule stays BF16.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace sp::bench {
+
+// Which INT8 path a measurement or rule is about. A frozen block (LoRA base weights) pays
+// copy + dequant; a trained block also pays the rebuild of its INT8 image after every
+// optimizer step.
+enum class TransferPath { kInt8Frozen, kInt8Trained };
+const char* transfer_path_name(TransferPath path);
+std::optional<TransferPath> parse_transfer_path(const std::string& name);
+
+// A report or policy file that cannot be used. what() names the file, the field and the
+// expectation.
+class TransferPolicyError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// ---- Reports -------------------------------------------------------------------------
+
+struct TimingStats {
+  double median_s = 0;
+  double min_s = 0;
+  double max_s = 0;
+  uint32_t samples = 0;
+};
+
+struct TransferPoint {
+  uint64_t bf16_bytes = 0;  // bytes of the block's BF16 image: the size rules are keyed by
+  uint64_t int8_bytes = 0;  // bytes of its INT8 image (codes + scales + header)
+  TimingStats bf16;         // BF16 path: H2D copy
+  TimingStats int8_copy;    // INT8 path: H2D copy of the INT8 image
+  TimingStats int8_dequant; // INT8 path: dequant into the compute slot
+  TimingStats int8_rebuild; // INT8 image rebuild on the host (trained blocks only)
+  // Median end-to-end time of each path, measured as whole, not summed from the parts.
+  double bf16_path_s = 0;
+  double int8_frozen_path_s = 0;
+  double int8_trained_path_s = 0;
+
+  double speedup(TransferPath path) const;  // bf16_path_s / int8 path time
+};
+
+struct TransferReport {
+  static constexpr int kFormatVersion = 1;
+  std::string machine;   // host name or a label given on the command line
+  std::string backend;   // "cuda" or "host"
+  std::string device;    // e.g. "NVIDIA H200" or "host memcpy, 25 GB/s cap"
+  std::optional<double> bandwidth_cap_gbps;  // set for the emulating host backend
+  double reference_h2d_gbps = 0;  // raw pinned copy bandwidth measured in the same run
+  std::vector<TransferPoint> points;
+};
+
+std::string report_to_json(const TransferReport& report);
+TransferReport report_from_json(const std::string& text, const std::string& source_name);
+TransferReport load_report(const std::string& path);
+
+// ---- Policies ------------------------------------------------------------------------
+
+struct TransferRule {
+  uint64_t min_bytes = 0;                 // inclusive, BF16 image bytes
+  std::optional<uint64_t> max_bytes;      // exclusive; none = no upper bound
+  double measured_speedup = 0;            // the smallest speedup measured inside the range
+};
+
+struct MergeSource {
+  std::string machine;
+  std::string backend;
+  std::string device;
+};
+
+class TransferPolicy {
+ public:
+  static constexpr int kFormatVersion = 1;
+
+  // A policy that allows INT8 nowhere: the conservative fallback.
+  TransferPolicy() = default;
+
+  // Folds reports into rules. Per report, a measured size is good when its speedup is at
+  // least `speedup_threshold`; the range between two neighbouring sizes is allowed only
+  // when both are good (nothing was measured in between), the range above the largest
+  // size only when it is good, and nothing below the smallest size is allowed. Reports are
+  // then intersected: a size is allowed only where every report allows it, with the
+  // smallest speedup among them. Throws TransferPolicyError when there is no report, a
+  // report has no point, or the threshold is not a positive finite number.
+  static TransferPolicy merge(const std::vector<TransferReport>& reports, double speedup_threshold);
+
+  static TransferPolicy from_json(const std::string& text, const std::string& source_name);
+  static TransferPolicy load(const std::string& path);
+  std::string to_json() const;
+
+  // True when a rule of `path` covers a block whose BF16 image has `bf16_bytes`.
+  bool int8_pays(TransferPath path, uint64_t bf16_bytes) const;
+  // The rule that covers the size, if any.
+  const TransferRule* find_rule(TransferPath path, uint64_t bf16_bytes) const;
+
+  double speedup_threshold() const { return speedup_threshold_; }
+  const std::vector<TransferRule>& rules(TransferPath path) const;
+  const std::vector<MergeSource>& sources() const { return sources_; }
+
+ private:
+  double speedup_threshold_ = 1.0;
+  std::map<TransferPath, std::vector<TransferRule>> rules_;  // sorted, disjoint, coalesced
+  std::vector<MergeSource> sources_;
+};
+
+}  // namespace sp::bench

@@ -1,0 +1,189 @@
+#include "sp/bench/transfer_policy.hpp"
+
+#include <filesystem>
+#include <fstream>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace sp::bench {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint64_t MiB = 1ull << 20;
+
+TransferPoint point(uint64_t bf16_bytes, double frozen_speedup, double trained_speedup) {
+  TransferPoint p;
+  p.bf16_bytes = bf16_bytes;
+  p.int8_bytes = bf16_bytes / 2 + 4096;
+  p.bf16 = {1e-3, 9e-4, 1.2e-3, 10};
+  p.int8_copy = p.int8_dequant = p.int8_rebuild = p.bf16;
+  p.bf16_path_s = 1e-3;
+  p.int8_frozen_path_s = 1e-3 / frozen_speedup;
+  p.int8_trained_path_s = 1e-3 / trained_speedup;
+  return p;
+}
+
+TransferReport report(const std::string& machine, std::vector<TransferPoint> points) {
+  TransferReport r;
+  r.machine = machine;
+  r.backend = "cuda";
+  r.device = "test GPU";
+  r.reference_h2d_gbps = 25.0;
+  r.points = std::move(points);
+  return r;
+}
+
+TEST(TransferPolicyMerge, AllowsFromTheFirstGoodSizeUpwards) {
+  const auto policy = TransferPolicy::merge(
+      {report("a", {point(1 * MiB, 0.6, 0.3), point(4 * MiB, 1.2, 0.8), point(16 * MiB, 1.8, 1.1),
+                    point(64 * MiB, 1.9, 1.3)})},
+      1.0);
+  ASSERT_EQ(policy.rules(TransferPath::kInt8Frozen).size(), 1u);
+  const TransferRule& frozen = policy.rules(TransferPath::kInt8Frozen)[0];
+  EXPECT_EQ(frozen.min_bytes, 4 * MiB);
+  EXPECT_FALSE(frozen.max_bytes.has_value());
+  EXPECT_DOUBLE_EQ(frozen.measured_speedup, 1.2);
+  EXPECT_FALSE(policy.int8_pays(TransferPath::kInt8Frozen, 4 * MiB - 1));
+  EXPECT_TRUE(policy.int8_pays(TransferPath::kInt8Frozen, 4 * MiB));
+  EXPECT_TRUE(policy.int8_pays(TransferPath::kInt8Frozen, 1024 * MiB));
+  // The trained path pays the image rebuild too, so it starts later.
+  EXPECT_FALSE(policy.int8_pays(TransferPath::kInt8Trained, 8 * MiB));
+  EXPECT_TRUE(policy.int8_pays(TransferPath::kInt8Trained, 16 * MiB));
+}
+
+TEST(TransferPolicyMerge, ThresholdIsInclusiveAndRaisingItNarrowsTheRules) {
+  const auto r = report("a", {point(1 * MiB, 1.0, 1.0), point(8 * MiB, 1.5, 1.5)});
+  EXPECT_TRUE(TransferPolicy::merge({r}, 1.0).int8_pays(TransferPath::kInt8Frozen, 1 * MiB));
+  const auto strict = TransferPolicy::merge({r}, 1.4);
+  EXPECT_FALSE(strict.int8_pays(TransferPath::kInt8Frozen, 1 * MiB));
+  EXPECT_TRUE(strict.int8_pays(TransferPath::kInt8Frozen, 8 * MiB));
+  EXPECT_TRUE(TransferPolicy::merge({r}, 2.0).rules(TransferPath::kInt8Frozen).empty());
+}
+
+TEST(TransferPolicyMerge, AGoodSizeBetweenBadOnesIsNotExtrapolated) {
+  // INT8 pays only in a middle band (a fast link makes large copies cheap); a lone good size
+  // with bad neighbours gives no rule, because nothing was measured around it.
+  const auto policy = TransferPolicy::merge(
+      {report("a", {point(1 * MiB, 0.7, 0.7), point(4 * MiB, 1.3, 1.3), point(8 * MiB, 1.2, 0.9),
+                    point(32 * MiB, 0.95, 0.9)})},
+      1.0);
+  ASSERT_EQ(policy.rules(TransferPath::kInt8Frozen).size(), 1u);
+  const TransferRule& band = policy.rules(TransferPath::kInt8Frozen)[0];
+  EXPECT_EQ(band.min_bytes, 4 * MiB);
+  EXPECT_EQ(band.max_bytes, std::optional<uint64_t>(8 * MiB));
+  EXPECT_DOUBLE_EQ(band.measured_speedup, 1.2);
+  EXPECT_TRUE(policy.rules(TransferPath::kInt8Trained).empty());
+}
+
+TEST(TransferPolicyMerge, ConflictingMachinesKeepTheConservativeRule) {
+  // Machine b only gains from 16 MiB on, and less; its verdict wins where they disagree.
+  const auto a = report("a", {point(2 * MiB, 1.3, 1.1), point(16 * MiB, 1.9, 1.6), point(64 * MiB, 1.9, 1.7)});
+  const auto b = report("b", {point(4 * MiB, 0.8, 0.7), point(16 * MiB, 1.1, 1.05), point(128 * MiB, 1.2, 1.1)});
+  const auto policy = TransferPolicy::merge({a, b}, 1.0);
+  ASSERT_EQ(policy.rules(TransferPath::kInt8Frozen).size(), 1u);
+  const TransferRule& rule = policy.rules(TransferPath::kInt8Frozen)[0];
+  EXPECT_EQ(rule.min_bytes, 16 * MiB);
+  EXPECT_FALSE(rule.max_bytes.has_value());
+  EXPECT_DOUBLE_EQ(rule.measured_speedup, 1.1);
+  EXPECT_FALSE(policy.int8_pays(TransferPath::kInt8Frozen, 8 * MiB));
+  // The order of the reports does not matter.
+  const auto swapped = TransferPolicy::merge({b, a}, 1.0);
+  for (TransferPath path : {TransferPath::kInt8Frozen, TransferPath::kInt8Trained}) {
+    ASSERT_EQ(swapped.rules(path).size(), policy.rules(path).size());
+    for (size_t i = 0; i < policy.rules(path).size(); ++i) {
+      EXPECT_EQ(swapped.rules(path)[i].min_bytes, policy.rules(path)[i].min_bytes);
+      EXPECT_EQ(swapped.rules(path)[i].max_bytes, policy.rules(path)[i].max_bytes);
+      EXPECT_DOUBLE_EQ(swapped.rules(path)[i].measured_speedup, policy.rules(path)[i].measured_speedup);
+    }
+  }
+  ASSERT_EQ(policy.sources().size(), 2u);
+  EXPECT_EQ(policy.sources()[1].machine, "b");
+}
+
+TEST(TransferPolicyMerge, OverlappingRangesFromSeveralReportsIntersect) {
+  const auto a = report("a", {point(1 * MiB, 1.5, 1.5), point(8 * MiB, 1.5, 1.5), point(32 * MiB, 0.5, 0.5)});
+  const auto b = report("b", {point(4 * MiB, 1.4, 1.4), point(64 * MiB, 1.6, 1.6)});
+  const auto policy = TransferPolicy::merge({a, b}, 1.0);
+  ASSERT_EQ(policy.rules(TransferPath::kInt8Frozen).size(), 1u);
+  EXPECT_EQ(policy.rules(TransferPath::kInt8Frozen)[0].min_bytes, 4 * MiB);
+  EXPECT_EQ(policy.rules(TransferPath::kInt8Frozen)[0].max_bytes, std::optional<uint64_t>(8 * MiB));
+}
+
+TEST(TransferPolicyMerge, RepeatedSizeKeepsItsWorseMeasurement) {
+  const auto policy = TransferPolicy::merge({report("a", {point(8 * MiB, 1.4, 1.4), point(8 * MiB, 0.9, 0.9)})}, 1.0);
+  EXPECT_TRUE(policy.rules(TransferPath::kInt8Frozen).empty());
+}
+
+TEST(TransferPolicyMerge, RejectsUnusableInput) {
+  EXPECT_THROW(TransferPolicy::merge({}, 1.0), TransferPolicyError);
+  EXPECT_THROW(TransferPolicy::merge({report("a", {})}, 1.0), TransferPolicyError);
+  EXPECT_THROW(TransferPolicy::merge({report("a", {point(MiB, 1, 1)})}, 0.0), TransferPolicyError);
+  EXPECT_THROW(TransferPolicy::merge({report("a", {point(MiB, 1, 1)})}, std::nan("")), TransferPolicyError);
+}
+
+TEST(TransferPolicyFile, RoundTripsThroughJson) {
+  const auto policy = TransferPolicy::merge(
+      {report("a", {point(1 * MiB, 1.1, 0.9), point(4 * MiB, 1.3, 1.2), point(32 * MiB, 0.9, 0.8)})}, 1.0);
+  const auto back = TransferPolicy::from_json(policy.to_json(), "p.json");
+  EXPECT_EQ(back.to_json(), policy.to_json());
+  EXPECT_TRUE(back.int8_pays(TransferPath::kInt8Frozen, 2 * MiB));
+  EXPECT_FALSE(back.int8_pays(TransferPath::kInt8Frozen, 4 * MiB));
+}
+
+TEST(TransferReportFile, RoundTripsThroughJson) {
+  auto r = report("a", {point(1 * MiB, 1.1, 0.9)});
+  r.backend = "host";
+  r.bandwidth_cap_gbps = 25.0;
+  const auto back = report_from_json(report_to_json(r), "r.json");
+  EXPECT_EQ(report_to_json(back), report_to_json(r));
+  EXPECT_EQ(back.bandwidth_cap_gbps, std::optional<double>(25.0));
+}
+
+std::string policy_error(const std::string& text) {
+  try {
+    TransferPolicy::from_json(text, "policy.json");
+  } catch (const TransferPolicyError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(TransferPolicyFile, RefusesCorruptFilesWithTheField) {
+  const std::string head = R"({"format":"sp-transfer-policy","version":1,"speedup_threshold":1.0,"sources":[],)";
+  EXPECT_THAT(policy_error("{\"format\":"), HasSubstr("policy.json: document: not valid JSON"));
+  EXPECT_THAT(policy_error(R"({"format":"sp-transfer-report","version":1})"),
+              HasSubstr("policy.json: format: expected \"sp-transfer-policy\", got \"sp-transfer-report\""));
+  EXPECT_THAT(policy_error(R"({"format":"sp-transfer-policy","version":2})"),
+              HasSubstr("policy.json: version: unsupported version 2; this build reads version 1"));
+  EXPECT_THAT(policy_error(head + R"("rules":{"fp8":[]}})"), HasSubstr("rules.fp8: unknown path"));
+  EXPECT_THAT(policy_error(head + R"("rules":{"int8_frozen":[{"min_bytes":8,"max_bytes":4,"measured_speedup":1.2}]}})"),
+              HasSubstr("rules.int8_frozen[0].max_bytes: expected a size > min_bytes (8), got 4"));
+  EXPECT_THAT(policy_error(head + R"("rules":{"int8_frozen":[{"min_bytes":8,"max_bytes":null,"measured_speedup":1.2},)"
+                                  R"({"min_bytes":16,"max_bytes":null,"measured_speedup":1.3}]}})"),
+              HasSubstr("rules.int8_frozen[1].min_bytes: rules must be sorted by size and must not overlap"));
+  EXPECT_THAT(policy_error(head + R"("rules":{"int8_frozen":[{"min_bytes":-1,"max_bytes":null,"measured_speedup":1}]}})"),
+              HasSubstr("rules.int8_frozen[0].min_bytes: expected an integer >= 0, got -1"));
+  EXPECT_THAT(policy_error(head + R"("rules":{"int8_frozen":[{"min_bytes":1,"max_bytes":null,"measured_speedup":0}]}})"),
+              HasSubstr("rules.int8_frozen[0].measured_speedup: expected a number > 0"));
+  EXPECT_THAT(policy_error(head + R"("rules":{}, "extra": 1})"), HasSubstr("extra: unknown key"));
+}
+
+TEST(TransferPolicyFile, MissingFileIsAClearError) {
+  try {
+    TransferPolicy::load("/nonexistent/policy.json");
+    FAIL();
+  } catch (const TransferPolicyError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("/nonexistent/policy.json: cannot open the transfer policy file"));
+  }
+}
+
+TEST(TransferPolicyFile, DefaultPolicyAllowsInt8Nowhere) {
+  const TransferPolicy none;
+  EXPECT_FALSE(none.int8_pays(TransferPath::kInt8Frozen, 1ull << 40));
+  EXPECT_FALSE(none.int8_pays(TransferPath::kInt8Trained, 1ull << 40));
+}
+
+}  // namespace
+}  // namespace sp::bench
