@@ -1,0 +1,47 @@
+// Exceptions of the policy core. Each carries the sp_status that the C boundary of the
+// plugin returns for it, so the mapping lives in one place.
+#pragma once
+
+#include <sp/plugin_abi_v1.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace sp::policy {
+
+class PolicyError : public std::runtime_error {
+ public:
+  PolicyError(sp_status status, const std::string &message)
+      : std::runtime_error(message), status_(status) {}
+  sp_status status() const noexcept { return status_; }
+
+ private:
+  sp_status status_;
+};
+
+// The configuration text was rejected. The message names the full key path.
+class ConfigError : public PolicyError {
+ public:
+  explicit ConfigError(const std::string &message) : PolicyError(SP_ERR_CONFIG, message) {}
+};
+
+// A state blob was rejected. The policy state is untouched when this is thrown.
+class StateError : public PolicyError {
+ public:
+  explicit StateError(const std::string &message) : PolicyError(SP_ERR_STATE, message) {}
+};
+
+// A null pointer, a bad count, an unknown or duplicate block id, or an invalid value.
+class InvalidArgument : public PolicyError {
+ public:
+  explicit InvalidArgument(const std::string &message)
+      : PolicyError(SP_ERR_INVALID_ARGUMENT, message) {}
+};
+
+// A hook was called out of lifecycle order (steps going backwards, a hook twice in a step).
+class OrderError : public PolicyError {
+ public:
+  explicit OrderError(const std::string &message) : PolicyError(SP_ERR_ORDER, message) {}
+};
+
+}  // namespace sp::policy

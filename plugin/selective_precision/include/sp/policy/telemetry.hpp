@@ -1,0 +1,57 @@
+// Telemetry of the policy: one JSON object per line, appended and flushed per record.
+#pragma once
+
+#include "sp/policy/config.hpp"
+#include "sp/policy/log_sink.hpp"
+#include "sp/policy/state.hpp"
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace sp::policy {
+
+struct BlockBytes {
+  std::uint64_t bf16 = 0;
+  std::uint64_t int8 = 0;
+};
+
+// What a telemetry record says about one step, beyond the policy state itself.
+struct StepRecord {
+  std::int64_t step = 0;
+  bool decision_step = false;
+  std::uint32_t precision_changes = 0;
+};
+
+// Builds one JSONL line (without the newline) for `record`. `hints` are the hints that
+// compute_hints returned at that step; `measured` are the bytes the host reported since the
+// previous record.
+std::string telemetry_record_line(const StepRecord &record, Mode mode, const PolicyState &state,
+                                  const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes,
+                                  const MeasuredBytes &measured, double unix_seconds);
+
+const char *reason_name(sp_reason reason);
+
+// Appends lines to a file. An open or write failure is logged once through `log`; the
+// writer then goes quiet and the policy carries on.
+class TelemetryWriter {
+ public:
+  TelemetryWriter(std::string path, LogSink *log);
+  ~TelemetryWriter();
+  TelemetryWriter(const TelemetryWriter &) = delete;
+  TelemetryWriter &operator=(const TelemetryWriter &) = delete;
+
+  bool healthy() const { return file_ != nullptr; }
+  const std::string &path() const { return path_; }
+  void append(const std::string &line);
+
+ private:
+  void fail(const std::string &what);
+
+  std::string path_;
+  LogSink *log_;
+  std::FILE *file_ = nullptr;
+};
+
+}  // namespace sp::policy

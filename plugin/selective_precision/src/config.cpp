@@ -1,0 +1,379 @@
+#include "sp/policy/config.hpp"
+
+#include "sp/policy/errors.hpp"
+
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <cmath>
+#include <set>
+
+namespace sp::policy {
+namespace {
+
+constexpr const char *kTopLevelSection = "selective_precision";
+constexpr const char *kTrainingConfigSection = "memory.stagehand.selective_precision";
+
+constexpr std::array<const char *, 22> kKnownKeys = {
+    "enabled",           "mode",
+    "bf16_threshold",    "int8_threshold",
+    "ambiguous_default", "hysteresis_margin",
+    "grad_weight",       "error_weight",
+    "grad_sensitivity_threshold",
+    "run_calibration",   "calibration_samples",
+    "quant_error_threshold",
+    "warmup_steps",      "history_window",
+    "update_interval_steps",
+    "min_steps_between_switches",
+    "force_bf16_blocks", "force_int8_blocks",
+    "log_decisions",     "telemetry_enabled",
+    "telemetry_file",    "nonfinite_to_bf16",
+};
+
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t above = row[j];
+      const bool same = std::tolower(static_cast<unsigned char>(a[i - 1])) ==
+                        std::tolower(static_cast<unsigned char>(b[j - 1]));
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (same ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string did_you_mean(std::string_view unknown) {
+  const char *best = nullptr;
+  std::size_t best_distance = std::max<std::size_t>(3, unknown.size() / 3) + 1;
+  for (const char *known : kKnownKeys) {
+    const std::size_t distance = edit_distance(unknown, known);
+    if (distance < best_distance) {
+      best = known;
+      best_distance = distance;
+    }
+  }
+  return best ? fmt::format("; did you mean '{}'?", best) : std::string{};
+}
+
+// How a rejected value reads in a message: what the user wrote, and what YAML made of it.
+std::string describe(const YAML::Node &node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Null:
+    case YAML::NodeType::Undefined:
+      return "nothing (null)";
+    case YAML::NodeType::Sequence:
+      return "a list";
+    case YAML::NodeType::Map:
+      return "a mapping";
+    case YAML::NodeType::Scalar:
+      break;
+  }
+  // yaml-cpp tags quoted scalars "!" and plain ones "?".
+  if (node.Tag() == "!") return fmt::format("the string \"{}\"", node.Scalar());
+  return fmt::format("'{}'", node.Scalar());
+}
+
+bool is_plain_scalar(const YAML::Node &node) { return node.IsScalar() && node.Tag() != "!"; }
+
+class SectionReader {
+ public:
+  explicit SectionReader(std::string section_path) : section_path_(std::move(section_path)) {}
+
+  std::string path(std::string_view key) const { return fmt::format("{}.{}", section_path_, key); }
+
+  [[noreturn]] void fail(std::string_view key, std::string_view expected, const YAML::Node &found) const {
+    throw ConfigError(fmt::format("{}: expected {}, found {}", path(key), expected, describe(found)));
+  }
+
+  bool read_bool(std::string_view key, const YAML::Node &node) const {
+    bool value = false;
+    if (!is_plain_scalar(node) || !YAML::convert<bool>::decode(node, value)) {
+      fail(key, "true or false", node);
+    }
+    return value;
+  }
+
+  double read_number(std::string_view key, const YAML::Node &node, std::string_view expected) const {
+    double value = 0.0;
+    if (!is_plain_scalar(node) || !YAML::convert<double>::decode(node, value)) {
+      fail(key, expected, node);
+    }
+    return value;
+  }
+
+  std::int64_t read_integer(std::string_view key, const YAML::Node &node, std::string_view expected) const {
+    std::int64_t value = 0;
+    if (!is_plain_scalar(node) || !YAML::convert<std::int64_t>::decode(node, value)) {
+      fail(key, expected, node);
+    }
+    return value;
+  }
+
+  std::string read_string(std::string_view key, const YAML::Node &node, std::string_view expected) const {
+    if (!node.IsScalar()) fail(key, expected, node);
+    return node.Scalar();
+  }
+
+  std::vector<std::uint32_t> read_block_ids(std::string_view key, const YAML::Node &node,
+                                            std::uint32_t n_blocks) const {
+    const std::string expected =
+        fmt::format("a list of block ids in [0, {}]", static_cast<std::int64_t>(n_blocks) - 1);
+    if (node.IsNull()) return {};
+    if (!node.IsSequence()) fail(key, expected, node);
+    std::vector<std::uint32_t> ids;
+    for (std::size_t i = 0; i < node.size(); ++i) {
+      const std::string element = fmt::format("{}[{}]", key, i);
+      const std::int64_t id = read_integer(element, node[i], expected);
+      if (id < 0 || id >= static_cast<std::int64_t>(n_blocks)) {
+        throw ConfigError(fmt::format("{}: expected a block id in [0, {}] (the model has {} blocks), found {}",
+                                      path(element), static_cast<std::int64_t>(n_blocks) - 1, n_blocks, id));
+      }
+      const auto block = static_cast<std::uint32_t>(id);
+      if (std::find(ids.begin(), ids.end(), block) != ids.end()) {
+        throw ConfigError(fmt::format("{}: block {} is listed twice", path(element), block));
+      }
+      ids.push_back(block);
+    }
+    return ids;
+  }
+
+ private:
+  std::string section_path_;
+};
+
+void require_range(const SectionReader &reader, std::string_view key, double value, double low,
+                   double high) {
+  if (!(value >= low && value <= high)) {
+    throw ConfigError(fmt::format("{}: expected a number in [{}, {}], found {}", reader.path(key), low, high, value));
+  }
+}
+
+void require_positive_finite(const SectionReader &reader, std::string_view key, double value) {
+  if (!(value > 0.0 && std::isfinite(value))) {
+    throw ConfigError(fmt::format("{}: expected a finite number > 0, found {}", reader.path(key), value));
+  }
+}
+
+void require_non_negative_finite(const SectionReader &reader, std::string_view key, double value) {
+  if (!(value >= 0.0 && std::isfinite(value))) {
+    throw ConfigError(fmt::format("{}: expected a finite number >= 0, found {}", reader.path(key), value));
+  }
+}
+
+void require_at_least(const SectionReader &reader, std::string_view key, std::int64_t value, std::int64_t low) {
+  if (value < low) {
+    throw ConfigError(fmt::format("{}: expected an integer >= {}, found {}", reader.path(key), low, value));
+  }
+}
+
+// Checks that relate several keys; single-key ranges were checked while reading.
+void validate_relations(const SectionReader &reader, const PolicyConfig &config) {
+  if (config.int8_threshold >= config.bf16_threshold) {
+    throw ConfigError(fmt::format("{}: expected a value below bf16_threshold ({}), found {}",
+                                  reader.path("int8_threshold"), config.bf16_threshold, config.int8_threshold));
+  }
+  if (!(config.hysteresis_margin >= 0.0 && config.hysteresis_margin <= config.int8_threshold)) {
+    throw ConfigError(fmt::format("{}: expected a number in [0, int8_threshold = {}], found {}",
+                                  reader.path("hysteresis_margin"), config.int8_threshold,
+                                  config.hysteresis_margin));
+  }
+  if (config.grad_weight == 0.0 && config.error_weight == 0.0) {
+    throw ConfigError(fmt::format("{}: grad_weight and error_weight are both 0, so every block would score 0; "
+                                  "expected at least one weight > 0",
+                                  reader.path("grad_weight")));
+  }
+  for (std::size_t i = 0; i < config.force_int8_blocks.size(); ++i) {
+    const std::uint32_t block = config.force_int8_blocks[i];
+    const auto &bf16 = config.force_bf16_blocks;
+    if (std::find(bf16.begin(), bf16.end(), block) != bf16.end()) {
+      throw ConfigError(fmt::format("{}[{}]: block {} is also in force_bf16_blocks; expected each block in at "
+                                    "most one force list",
+                                    reader.path("force_int8_blocks"), i, block));
+    }
+  }
+  if (config.telemetry_enabled && config.telemetry_file.empty()) {
+    throw ConfigError(fmt::format("{}: expected a file name when telemetry_enabled is true, found an empty string",
+                                  reader.path("telemetry_file")));
+  }
+}
+
+void read_key(const SectionReader &reader, const std::string &key, const YAML::Node &value,
+              std::uint32_t n_blocks, PolicyConfig &config) {
+  constexpr const char *kUnit = "a number in [0, 1]";
+  constexpr const char *kNonNegative = "a finite number >= 0";
+  constexpr const char *kPositive = "a finite number > 0";
+  if (key == "enabled") {
+    config.enabled = reader.read_bool(key, value);
+  } else if (key == "mode") {
+    const std::string mode = reader.read_string(key, value, "one of off, static, dynamic");
+    if (mode == "off") {
+      config.mode = Mode::off;
+    } else if (mode == "static") {
+      config.mode = Mode::static_lists;
+    } else if (mode == "dynamic") {
+      config.mode = Mode::dynamic;
+    } else {
+      reader.fail(key, "one of off, static, dynamic", value);
+    }
+  } else if (key == "bf16_threshold") {
+    config.bf16_threshold = reader.read_number(key, value, kUnit);
+    require_range(reader, key, config.bf16_threshold, 0.0, 1.0);
+  } else if (key == "int8_threshold") {
+    config.int8_threshold = reader.read_number(key, value, kUnit);
+    require_range(reader, key, config.int8_threshold, 0.0, 1.0);
+  } else if (key == "ambiguous_default") {
+    const std::string precision = reader.read_string(key, value, "bf16 or int8");
+    if (precision == "bf16") {
+      config.ambiguous_default = SP_PRECISION_BF16;
+    } else if (precision == "int8") {
+      config.ambiguous_default = SP_PRECISION_INT8;
+    } else {
+      reader.fail(key, "bf16 or int8", value);
+    }
+  } else if (key == "hysteresis_margin") {
+    config.hysteresis_margin = reader.read_number(key, value, "a number in [0, int8_threshold]");
+  } else if (key == "grad_weight") {
+    config.grad_weight = reader.read_number(key, value, kNonNegative);
+    require_non_negative_finite(reader, key, config.grad_weight);
+  } else if (key == "error_weight") {
+    config.error_weight = reader.read_number(key, value, kNonNegative);
+    require_non_negative_finite(reader, key, config.error_weight);
+  } else if (key == "grad_sensitivity_threshold") {
+    config.grad_sensitivity_threshold = reader.read_number(key, value, kPositive);
+    require_positive_finite(reader, key, config.grad_sensitivity_threshold);
+  } else if (key == "run_calibration") {
+    config.run_calibration = reader.read_bool(key, value);
+  } else if (key == "calibration_samples") {
+    config.calibration_samples = reader.read_integer(key, value, "an integer >= 1");
+    require_at_least(reader, key, config.calibration_samples, 1);
+  } else if (key == "quant_error_threshold") {
+    config.quant_error_threshold = reader.read_number(key, value, kPositive);
+    require_positive_finite(reader, key, config.quant_error_threshold);
+  } else if (key == "warmup_steps") {
+    config.warmup_steps = reader.read_integer(key, value, "an integer >= 0");
+    require_at_least(reader, key, config.warmup_steps, 0);
+  } else if (key == "history_window") {
+    const std::string expected = fmt::format("an integer in [1, {}]", kMaxHistoryWindow);
+    config.history_window = reader.read_integer(key, value, expected);
+    if (config.history_window < 1 || config.history_window > kMaxHistoryWindow) {
+      throw ConfigError(fmt::format("{}: expected {}, found {}", reader.path(key), expected, config.history_window));
+    }
+  } else if (key == "update_interval_steps") {
+    config.update_interval_steps = reader.read_integer(key, value, "an integer >= 1");
+    require_at_least(reader, key, config.update_interval_steps, 1);
+  } else if (key == "min_steps_between_switches") {
+    config.min_steps_between_switches = reader.read_integer(key, value, "an integer >= 0");
+    require_at_least(reader, key, config.min_steps_between_switches, 0);
+  } else if (key == "force_bf16_blocks") {
+    config.force_bf16_blocks = reader.read_block_ids(key, value, n_blocks);
+  } else if (key == "force_int8_blocks") {
+    config.force_int8_blocks = reader.read_block_ids(key, value, n_blocks);
+  } else if (key == "log_decisions") {
+    config.log_decisions = reader.read_bool(key, value);
+  } else if (key == "telemetry_enabled") {
+    config.telemetry_enabled = reader.read_bool(key, value);
+  } else if (key == "telemetry_file") {
+    config.telemetry_file = reader.read_string(key, value, "a file name");
+  } else if (key == "nonfinite_to_bf16") {
+    config.nonfinite_to_bf16 = reader.read_bool(key, value);
+  } else {
+    throw ConfigError(fmt::format("{}: unknown key{}", reader.path(key), did_you_mean(key)));
+  }
+}
+
+YAML::Node child(const YAML::Node &parent, const char *key) {
+  if (!parent.IsMap()) return YAML::Node(YAML::NodeType::Undefined);
+  return parent[key];
+}
+
+}  // namespace
+
+ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blocks) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(yaml_text));
+  } catch (const YAML::ParserException &error) {
+    throw ConfigError(fmt::format("YAML syntax error at line {}, column {}: {}", error.mark.line + 1,
+                                  error.mark.column + 1, error.msg));
+  }
+  if (!root.IsDefined() || root.IsNull()) {
+    throw ConfigError(fmt::format("the configuration is empty; expected a '{}' section (standalone policy file) "
+                                  "or '{}' (training config)",
+                                  kTopLevelSection, kTrainingConfigSection));
+  }
+  if (!root.IsMap()) {
+    throw ConfigError(fmt::format("the configuration must be a YAML mapping with a '{}' or '{}' section, found {}",
+                                  kTopLevelSection, kTrainingConfigSection, describe(root)));
+  }
+  const YAML::Node top_level = root[kTopLevelSection];
+  const YAML::Node nested = child(child(root, "memory"), "stagehand")[kTopLevelSection];
+  if (top_level.IsDefined() && nested.IsDefined()) {
+    throw ConfigError(fmt::format("both '{}' and '{}' are present; expected exactly one policy section",
+                                  kTopLevelSection, kTrainingConfigSection));
+  }
+  if (!top_level.IsDefined() && !nested.IsDefined()) {
+    throw ConfigError(fmt::format("no policy section; expected '{}' (standalone policy file) or '{}' "
+                                  "(training config)",
+                                  kTopLevelSection, kTrainingConfigSection));
+  }
+
+  ParsedConfig parsed;
+  parsed.section_path = top_level.IsDefined() ? kTopLevelSection : kTrainingConfigSection;
+  const YAML::Node section = top_level.IsDefined() ? top_level : nested;
+  const SectionReader reader(parsed.section_path);
+  if (!section.IsNull() && !section.IsMap()) {
+    throw ConfigError(fmt::format("{}: expected a mapping of policy settings, found {}", parsed.section_path,
+                                  describe(section)));
+  }
+  if (section.IsMap()) {
+    std::set<std::string> seen;
+    for (const auto &entry : section) {
+      if (!entry.first.IsScalar()) {
+        throw ConfigError(fmt::format("{}: expected setting names, found {} as a key", parsed.section_path,
+                                      describe(entry.first)));
+      }
+      const std::string key = entry.first.Scalar();
+      if (!seen.insert(key).second) {
+        throw ConfigError(fmt::format("{}: the key is given twice", reader.path(key)));
+      }
+      read_key(reader, key, entry.second, n_blocks, parsed.config);
+    }
+  }
+  validate_relations(reader, parsed.config);
+
+  const PolicyConfig &config = parsed.config;
+  if (config.effective_mode() == Mode::off &&
+      (!config.force_bf16_blocks.empty() || !config.force_int8_blocks.empty())) {
+    parsed.warnings.push_back(fmt::format("{}: the policy is off ({}), so force_bf16_blocks and force_int8_blocks "
+                                          "are ignored and every block streams as BF16",
+                                          parsed.section_path,
+                                          config.enabled ? "mode: off" : "enabled: false"));
+  }
+  return parsed;
+}
+
+const char *mode_name(Mode mode) {
+  switch (mode) {
+    case Mode::off:
+      return "off";
+    case Mode::static_lists:
+      return "static";
+    case Mode::dynamic:
+      return "dynamic";
+  }
+  return "unknown";
+}
+
+const char *precision_name(sp_precision precision) {
+  return precision == SP_PRECISION_INT8 ? "int8" : "bf16";
+}
+
+}  // namespace sp::policy

@@ -1,0 +1,375 @@
+#include "sp/policy/state_codec.hpp"
+
+#include "sp/policy/config.hpp"
+#include "sp/policy/errors.hpp"
+
+#include <boost/crc.hpp>
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace sp::policy {
+namespace {
+
+constexpr char kMagic[8] = {'S', 'P', 'P', 'O', 'L', 'S', 'T', '\0'};
+constexpr std::size_t kHeaderSize = 8 + 4 + 4 + 8;
+constexpr std::size_t kTrailerSize = 4;
+constexpr std::size_t kSectionHeaderSize = 4 + 8;
+
+constexpr std::uint32_t four_cc(char a, char b, char c, char d) {
+  return static_cast<std::uint32_t>(static_cast<unsigned char>(a)) |
+         static_cast<std::uint32_t>(static_cast<unsigned char>(b)) << 8 |
+         static_cast<std::uint32_t>(static_cast<unsigned char>(c)) << 16 |
+         static_cast<std::uint32_t>(static_cast<unsigned char>(d)) << 24;
+}
+// Instance-wide fields: block count, window capacity, step, lifecycle phase, measured bytes.
+constexpr std::uint32_t kPolicySection = four_cc('P', 'L', 'C', 'Y');
+// One record per block, in block-id order: decision state, score and window samples.
+constexpr std::uint32_t kBlocksSection = four_cc('B', 'L', 'K', 'S');
+constexpr std::uint32_t kSectionCount = 2;
+
+constexpr std::size_t kPolicyPayloadSize = 4 + 4 + 8 + 1 + 4 * 8;
+constexpr std::size_t kBlockFixedSize = 5 * 1 + 8 + 8 + 5 * 8 + 4;
+constexpr std::size_t kSampleSize = 3 * 8;
+
+std::uint32_t crc32(const std::uint8_t *data, std::size_t size) {
+  boost::crc_32_type crc;
+  crc.process_bytes(data, size);
+  return crc.checksum();
+}
+
+class Writer {
+ public:
+  void bytes(const void *data, std::size_t size) {
+    const auto *p = static_cast<const std::uint8_t *>(data);
+    out_.insert(out_.end(), p, p + size);
+  }
+  void u8(std::uint8_t value) { out_.push_back(value); }
+  void u32(std::uint32_t value) {
+    for (int i = 0; i < 4; ++i) out_.push_back(static_cast<std::uint8_t>(value >> (8 * i)));
+  }
+  void u64(std::uint64_t value) {
+    for (int i = 0; i < 8; ++i) out_.push_back(static_cast<std::uint8_t>(value >> (8 * i)));
+  }
+  void i64(std::int64_t value) { u64(static_cast<std::uint64_t>(value)); }
+  void f64(double value) {
+    std::uint64_t bits = 0;
+    std::memcpy(&bits, &value, sizeof bits);
+    u64(bits);
+  }
+  void patch_u64(std::size_t offset, std::uint64_t value) {
+    for (int i = 0; i < 8; ++i) out_[offset + i] = static_cast<std::uint8_t>(value >> (8 * i));
+  }
+  std::size_t size() const { return out_.size(); }
+  std::vector<std::uint8_t> take() { return std::move(out_); }
+
+ private:
+  std::vector<std::uint8_t> out_;
+};
+
+// A bounds-checked cursor: every read names the field it is for, so a truncated or
+// inconsistent blob says where it went wrong.
+class Reader {
+ public:
+  Reader(const std::uint8_t *data, std::size_t size, std::size_t offset = 0)
+      : data_(data), size_(size), offset_(offset) {}
+
+  std::size_t offset() const { return offset_; }
+  std::size_t remaining() const { return size_ - offset_; }
+
+  void need(std::size_t bytes, const char *what) const {
+    if (bytes > remaining()) {
+      throw StateError(fmt::format("state blob is truncated: {} needs {} bytes at offset {}, only {} left", what,
+                                   bytes, offset_, remaining()));
+    }
+  }
+  std::uint8_t u8(const char *what) {
+    need(1, what);
+    return data_[offset_++];
+  }
+  std::uint32_t u32(const char *what) {
+    need(4, what);
+    std::uint32_t value = 0;
+    for (int i = 0; i < 4; ++i) value |= static_cast<std::uint32_t>(data_[offset_ + i]) << (8 * i);
+    offset_ += 4;
+    return value;
+  }
+  std::uint64_t u64(const char *what) {
+    need(8, what);
+    std::uint64_t value = 0;
+    for (int i = 0; i < 8; ++i) value |= static_cast<std::uint64_t>(data_[offset_ + i]) << (8 * i);
+    offset_ += 8;
+    return value;
+  }
+  std::int64_t i64(const char *what) { return static_cast<std::int64_t>(u64(what)); }
+  double f64(const char *what) {
+    const std::uint64_t bits = u64(what);
+    double value = 0.0;
+    std::memcpy(&value, &bits, sizeof value);
+    return value;
+  }
+  bool flag(const char *what) {
+    const std::uint8_t value = u8(what);
+    if (value > 1) throw StateError(fmt::format("state blob: {} must be 0 or 1, found {}", what, value));
+    return value == 1;
+  }
+
+ private:
+  const std::uint8_t *data_;
+  std::size_t size_;
+  std::size_t offset_;
+};
+
+[[noreturn]] void reject_block(std::uint32_t block, const std::string &what) {
+  throw StateError(fmt::format("state blob: block {}: {}", block, what));
+}
+
+double non_negative_finite(Reader &reader, std::uint32_t block, const char *what) {
+  const double value = reader.f64(what);
+  if (!(std::isfinite(value) && value >= 0.0)) {
+    reject_block(block, fmt::format("{} must be a finite number >= 0, found {}", what, value));
+  }
+  return value;
+}
+
+void write_policy_section(Writer &out, const PolicyState &state) {
+  out.u32(kPolicySection);
+  out.u64(kPolicyPayloadSize);
+  out.u32(state.windows.n_blocks());
+  out.u32(state.windows.capacity());
+  out.i64(state.current_step);
+  out.u8(static_cast<std::uint8_t>(state.phase));
+  out.u64(state.measured_since_record.steps);
+  out.u64(state.measured_since_record.bf16);
+  out.u64(state.measured_since_record.int8);
+  out.u64(state.measured_since_record.all_bf16);
+}
+
+void write_blocks_section(Writer &out, const PolicyState &state) {
+  out.u32(kBlocksSection);
+  const std::size_t size_offset = out.size();
+  out.u64(0);
+  const std::size_t payload_begin = out.size();
+  for (std::uint32_t b = 0; b < state.blocks.size(); ++b) {
+    const BlockState &block = state.blocks[b];
+    out.u8(static_cast<std::uint8_t>(block.assignment));
+    out.u8(block.unsafe ? 1 : 0);
+    out.u8(block.last_switch_step ? 1 : 0);
+    out.u8(block.calibration_error ? 1 : 0);
+    out.u8(static_cast<std::uint8_t>(block.previous_precision));
+    out.i64(block.last_switch_step.value_or(0));
+    out.f64(block.calibration_error.value_or(0.0));
+    out.f64(block.score.avg_l2);
+    out.f64(block.score.relative_magnitude);
+    out.f64(block.score.grad_score);
+    out.f64(block.score.error_score);
+    out.f64(block.score.sensitivity);
+    const std::uint32_t samples = state.windows.size(b);
+    out.u32(samples);
+    for (std::uint32_t i = 0; i < samples; ++i) {
+      const GradSample &sample = state.windows.at(b, i);
+      out.f64(sample.l2);
+      out.f64(sample.variance);
+      out.f64(sample.max_abs);
+    }
+  }
+  out.patch_u64(size_offset, out.size() - payload_begin);
+}
+
+struct PolicyFields {
+  std::uint32_t blob_window_capacity = 0;
+};
+
+PolicyFields read_policy_section(Reader &reader, std::uint32_t n_blocks, PolicyState &state) {
+  const std::uint32_t blob_blocks = reader.u32("n_blocks");
+  if (blob_blocks != n_blocks) {
+    throw StateError(fmt::format("state blob is for {} blocks, but this policy has {}", blob_blocks, n_blocks));
+  }
+  PolicyFields fields;
+  fields.blob_window_capacity = reader.u32("window capacity");
+  if (fields.blob_window_capacity < 1 || fields.blob_window_capacity > kMaxHistoryWindow) {
+    throw StateError(fmt::format("state blob: window capacity must be in [1, {}], found {}", kMaxHistoryWindow,
+                                 fields.blob_window_capacity));
+  }
+  state.current_step = reader.i64("current step");
+  const std::uint8_t phase = reader.u8("step phase");
+  if (phase > static_cast<std::uint8_t>(StepPhase::ended)) {
+    throw StateError(fmt::format("state blob: step phase must be in [0, 4], found {}", phase));
+  }
+  state.phase = static_cast<StepPhase>(phase);
+  const bool started = state.phase != StepPhase::before_first_step;
+  if (started ? state.current_step < 0 : state.current_step != -1) {
+    throw StateError(fmt::format("state blob: current step {} does not fit step phase {}", state.current_step,
+                                 phase));
+  }
+  state.measured_since_record.steps = reader.u64("measured steps");
+  state.measured_since_record.bf16 = reader.u64("measured bf16 bytes");
+  state.measured_since_record.int8 = reader.u64("measured int8 bytes");
+  state.measured_since_record.all_bf16 = reader.u64("measured all-bf16 bytes");
+  return fields;
+}
+
+void read_score(Reader &reader, std::uint32_t b, ScoreParts &score) {
+  score.avg_l2 = reader.f64("avg_l2");
+  score.relative_magnitude = reader.f64("relative magnitude");
+  score.grad_score = reader.f64("grad_score");
+  score.error_score = reader.f64("error_score");
+  score.sensitivity = reader.f64("sensitivity");
+  const double parts[] = {score.avg_l2, score.relative_magnitude, score.grad_score, score.error_score,
+                          score.sensitivity};
+  const bool never_scored = std::isnan(score.sensitivity);
+  for (double part : parts) {
+    if (never_scored ? !std::isnan(part) : !(std::isfinite(part) && part >= 0.0)) {
+      reject_block(b, "score parts must all be NaN (never scored) or all finite and >= 0");
+    }
+  }
+  if (!never_scored && (score.grad_score > 1.0 || score.error_score > 1.0 || score.sensitivity > 1.0)) {
+    reject_block(b, "grad_score, error_score and sensitivity must lie in [0, 1]");
+  }
+}
+
+void read_blocks_section(Reader &reader, std::size_t payload_end, const PolicyFields &fields,
+                         PolicyState &state) {
+  for (std::uint32_t b = 0; b < state.blocks.size(); ++b) {
+    BlockState &block = state.blocks[b];
+    reader.need(kBlockFixedSize, "a block record");
+    const std::uint8_t assignment = reader.u8("assignment");
+    if (assignment > static_cast<std::uint8_t>(Assignment::int8)) {
+      reject_block(b, fmt::format("assignment code must be 0 (unassigned), 1 (bf16) or 2 (int8), found {}",
+                                  assignment));
+    }
+    block.assignment = static_cast<Assignment>(assignment);
+    block.unsafe = reader.flag("unsafe flag");
+    const bool has_switched = reader.flag("has-switched flag");
+    const bool has_calibration = reader.flag("has-calibration flag");
+    const std::uint8_t previous = reader.u8("previous precision");
+    if (previous != SP_PRECISION_BF16 && previous != SP_PRECISION_INT8) {
+      reject_block(b, fmt::format("previous precision must be 0 (bf16) or 1 (int8), found {}", previous));
+    }
+    block.previous_precision = previous;
+    const std::int64_t last_switch = reader.i64("last switch step");
+    if (has_switched) {
+      if (block.assignment == Assignment::unassigned) reject_block(b, "an unassigned block cannot have switched");
+      if (last_switch < 0 || last_switch > state.current_step) {
+        reject_block(b, fmt::format("last switch step must be in [0, {}], found {}", state.current_step,
+                                    last_switch));
+      }
+      block.last_switch_step = last_switch;
+    }
+    const double calibration = non_negative_finite(reader, b, "calibration error");
+    if (has_calibration) block.calibration_error = calibration;
+    read_score(reader, b, block.score);
+    const std::uint32_t samples = reader.u32("window size");
+    if (samples > fields.blob_window_capacity) {
+      reject_block(b, fmt::format("window holds {} samples, more than its capacity {}", samples,
+                                  fields.blob_window_capacity));
+    }
+    if (static_cast<std::uint64_t>(samples) * kSampleSize > payload_end - reader.offset()) {
+      reject_block(b, fmt::format("window of {} samples runs past the end of the blocks section", samples));
+    }
+    const std::uint32_t dropped =
+        samples > state.windows.capacity() ? samples - state.windows.capacity() : 0;
+    for (std::uint32_t i = 0; i < samples; ++i) {
+      GradSample sample;
+      sample.l2 = non_negative_finite(reader, b, "sample l2");
+      sample.variance = non_negative_finite(reader, b, "sample variance");
+      sample.max_abs = non_negative_finite(reader, b, "sample max_abs");
+      if (i >= dropped) state.windows.push(b, sample);
+    }
+  }
+  if (reader.offset() != payload_end) {
+    throw StateError(fmt::format("state blob: the blocks section has {} bytes after the last block",
+                                 payload_end - reader.offset()));
+  }
+}
+
+}  // namespace
+
+std::vector<std::uint8_t> encode_state(const PolicyState &state) {
+  Writer out;
+  out.bytes(kMagic, sizeof kMagic);
+  out.u32(kStateFormatVersion);
+  out.u32(kSectionCount);
+  out.u64(0);
+  write_policy_section(out, state);
+  write_blocks_section(out, state);
+  out.patch_u64(16, out.size() + kTrailerSize);
+  std::vector<std::uint8_t> blob = out.take();
+  const std::uint32_t crc = crc32(blob.data(), blob.size());
+  for (int i = 0; i < 4; ++i) blob.push_back(static_cast<std::uint8_t>(crc >> (8 * i)));
+  return blob;
+}
+
+PolicyState decode_state(const std::uint8_t *blob, std::size_t size, std::uint32_t n_blocks,
+                         std::uint32_t window_capacity) {
+  if (blob == nullptr || size < kHeaderSize + kTrailerSize) {
+    throw StateError(fmt::format("state blob is {} bytes, shorter than its {}-byte header and checksum", size,
+                                 kHeaderSize + kTrailerSize));
+  }
+  if (std::memcmp(blob, kMagic, sizeof kMagic) != 0) {
+    throw StateError("not a Selective Precision policy state blob: the magic bytes do not match");
+  }
+  Reader header(blob, size, sizeof kMagic);
+  const std::uint32_t version = header.u32("format version");
+  if (version != kStateFormatVersion) {
+    throw StateError(fmt::format("state blob format version {} is not supported; this plugin reads version {}",
+                                 version, kStateFormatVersion));
+  }
+  const std::uint32_t section_count = header.u32("section count");
+  const std::uint64_t total_size = header.u64("total size");
+  if (total_size != size) {
+    throw StateError(fmt::format("state blob header says {} bytes but {} were given (truncated or padded)",
+                                 total_size, size));
+  }
+  const std::size_t body_end = size - kTrailerSize;
+  Reader trailer(blob, size, body_end);
+  const std::uint32_t stored_crc = trailer.u32("checksum");
+  const std::uint32_t computed_crc = crc32(blob, body_end);
+  if (stored_crc != computed_crc) {
+    throw StateError(fmt::format("state blob is corrupted: checksum 0x{:08x} stored, 0x{:08x} computed",
+                                 stored_crc, computed_crc));
+  }
+  if (section_count != kSectionCount) {
+    throw StateError(fmt::format("state blob has {} sections; format version {} has {}", section_count,
+                                 kStateFormatVersion, kSectionCount));
+  }
+
+  PolicyState state(n_blocks, window_capacity);
+  Reader reader(blob, body_end, header.offset());
+  PolicyFields fields;
+  bool seen_policy = false;
+  bool seen_blocks = false;
+  for (std::uint32_t s = 0; s < section_count; ++s) {
+    const std::uint32_t tag = reader.u32("section tag");
+    const std::uint64_t payload_size = reader.u64("section size");
+    if (payload_size > reader.remaining()) {
+      throw StateError(fmt::format("state blob is truncated: section {} declares {} bytes, only {} left", s,
+                                   payload_size, reader.remaining()));
+    }
+    const std::size_t payload_end = reader.offset() + static_cast<std::size_t>(payload_size);
+    Reader payload(blob, payload_end, reader.offset());
+    if (tag == kPolicySection && !seen_policy) {
+      if (payload_size != kPolicyPayloadSize) {
+        throw StateError(fmt::format("state blob: the policy section is {} bytes, expected {}", payload_size,
+                                     kPolicyPayloadSize));
+      }
+      fields = read_policy_section(payload, n_blocks, state);
+      seen_policy = true;
+    } else if (tag == kBlocksSection && !seen_blocks) {
+      // The blocks need the policy section (block count, capacity, step) to be checked.
+      if (!seen_policy) throw StateError("state blob: the blocks section comes before the policy section");
+      read_blocks_section(payload, payload_end, fields, state);
+      seen_blocks = true;
+    } else {
+      throw StateError(fmt::format("state blob: section {} has an unknown or repeated tag 0x{:08x}", s, tag));
+    }
+    reader = Reader(blob, body_end, payload_end);
+  }
+  if (reader.remaining() != 0) {
+    throw StateError(fmt::format("state blob has {} unexpected bytes after its sections", reader.remaining()));
+  }
+  return state;
+}
+
+}  // namespace sp::policy

@@ -1,0 +1,178 @@
+#include "sp/policy/telemetry.hpp"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+namespace sp::policy {
+namespace {
+
+// JSON has no NaN: a value that was never computed is written as null.
+nlohmann::json number_or_null(double value) {
+  return std::isfinite(value) ? nlohmann::json(value) : nlohmann::json(nullptr);
+}
+
+const char *assignment_name(Assignment assignment) {
+  switch (assignment) {
+    case Assignment::unassigned:
+      return "unassigned";
+    case Assignment::bf16:
+      return "bf16";
+    case Assignment::int8:
+      return "int8";
+  }
+  return "unknown";
+}
+
+// The seed's estimate from the block sizes the host declared; when it declared none,
+// the seed's rule of thumb (an INT8 block moves half the bytes) over block counts.
+double estimated_saving_pct(const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes) {
+  double total_bf16 = 0.0;
+  double saved = 0.0;
+  std::size_t int8_blocks = 0;
+  for (std::size_t b = 0; b < hints.size(); ++b) {
+    total_bf16 += static_cast<double>(block_bytes[b].bf16);
+    if (hints[b].precision == SP_PRECISION_INT8) {
+      ++int8_blocks;
+      saved += static_cast<double>(block_bytes[b].bf16) - static_cast<double>(block_bytes[b].int8);
+    }
+  }
+  if (total_bf16 > 0.0) return 100.0 * saved / total_bf16;
+  return hints.empty() ? 0.0 : 50.0 * static_cast<double>(int8_blocks) / static_cast<double>(hints.size());
+}
+
+nlohmann::json measured_bandwidth(const MeasuredBytes &measured) {
+  if (measured.steps == 0 || measured.all_bf16 == 0) return nullptr;
+  const double moved = static_cast<double>(measured.bf16) + static_cast<double>(measured.int8);
+  const double saved = static_cast<double>(measured.all_bf16) - moved;
+  return {{"steps", measured.steps},
+          {"h2d_bytes_bf16", measured.bf16},
+          {"h2d_bytes_int8", measured.int8},
+          {"h2d_bytes_all_bf16", measured.all_bf16},
+          {"bytes_saved", saved},
+          {"saving_pct", 100.0 * saved / static_cast<double>(measured.all_bf16)}};
+}
+
+}  // namespace
+
+const char *reason_name(sp_reason reason) {
+  switch (reason) {
+    case SP_REASON_NO_DATA:
+      return "no_data";
+    case SP_REASON_THRESHOLD:
+      return "threshold";
+    case SP_REASON_HYSTERESIS_HOLD:
+      return "hysteresis_hold";
+    case SP_REASON_COOLDOWN:
+      return "cooldown";
+    case SP_REASON_UNSAFE:
+      return "unsafe";
+    case SP_REASON_FORCED:
+      return "forced";
+    case SP_REASON_MODE:
+      return "mode";
+    case SP_REASON_NOT_DECISION_STEP:
+      return "not_decision_step";
+    default:
+      return "unknown";
+  }
+}
+
+std::string telemetry_record_line(const StepRecord &record, Mode mode, const PolicyState &state,
+                                  const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes,
+                                  const MeasuredBytes &measured, double unix_seconds) {
+  std::uint32_t blocks_int8 = 0;
+  std::uint32_t scored = 0;
+  double sensitivity_sum = 0.0;
+  double sensitivity_max = -1.0;
+  double sensitivity_min = 2.0;
+  nlohmann::json details = nlohmann::json::object();
+  for (std::uint32_t b = 0; b < hints.size(); ++b) {
+    const sp_hint_v1 &hint = hints[b];
+    const BlockState &block = state.blocks[b];
+    if (hint.precision == SP_PRECISION_INT8) ++blocks_int8;
+    if (!std::isnan(hint.sensitivity)) {
+      ++scored;
+      sensitivity_sum += hint.sensitivity;
+      sensitivity_max = std::max(sensitivity_max, hint.sensitivity);
+      sensitivity_min = std::min(sensitivity_min, hint.sensitivity);
+    }
+    const std::uint32_t window_size = state.windows.size(b);
+    double variance_sum = 0.0;
+    double window_max_abs = 0.0;
+    for (std::uint32_t i = 0; i < window_size; ++i) {
+      variance_sum += state.windows.at(b, i).variance;
+      window_max_abs = std::max(window_max_abs, state.windows.at(b, i).max_abs);
+    }
+    details[std::to_string(b)] = {
+        {"precision", precision_name(hint.precision)},
+        {"reason", reason_name(hint.reason)},
+        {"assignment", assignment_name(block.assignment)},
+        {"sensitivity", number_or_null(hint.sensitivity)},
+        {"avg_l2", number_or_null(block.score.avg_l2)},
+        {"relative_magnitude", number_or_null(block.score.relative_magnitude)},
+        {"grad_score", number_or_null(block.score.grad_score)},
+        {"error_score", number_or_null(block.score.error_score)},
+        {"calibration_error", block.calibration_error ? nlohmann::json(*block.calibration_error) : nullptr},
+        {"window_size", window_size},
+        {"window_mean_variance", window_size ? nlohmann::json(variance_sum / window_size) : nullptr},
+        {"window_max_abs", window_size ? nlohmann::json(window_max_abs) : nullptr},
+        {"last_switch_step", block.last_switch_step ? nlohmann::json(*block.last_switch_step) : nullptr},
+    };
+  }
+  const nlohmann::json line = {
+      {"step_id", record.step},
+      {"timestamp", unix_seconds},
+      {"mode", mode_name(mode)},
+      {"decision_step", record.decision_step},
+      {"blocks_bf16", hints.size() - blocks_int8},
+      {"blocks_int8", blocks_int8},
+      {"mean_sensitivity", scored ? nlohmann::json(sensitivity_sum / scored) : nullptr},
+      {"max_sensitivity", scored ? nlohmann::json(sensitivity_max) : nullptr},
+      {"min_sensitivity", scored ? nlohmann::json(sensitivity_min) : nullptr},
+      {"precision_changes", record.precision_changes},
+      {"estimated_bandwidth_saving_pct", estimated_saving_pct(hints, block_bytes)},
+      {"measured_bandwidth", measured_bandwidth(measured)},
+      {"block_details", std::move(details)},
+  };
+  return line.dump();
+}
+
+TelemetryWriter::TelemetryWriter(std::string path, LogSink *log) : path_(std::move(path)), log_(log) {
+  std::error_code ignored;
+  const std::filesystem::path parent = std::filesystem::path(path_).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent, ignored);
+  file_ = std::fopen(path_.c_str(), "a");
+  if (file_ == nullptr) fail("cannot open it for appending");
+}
+
+TelemetryWriter::~TelemetryWriter() {
+  if (file_ != nullptr) std::fclose(file_);
+}
+
+void TelemetryWriter::append(const std::string &line) {
+  if (file_ == nullptr) return;
+  const bool written = std::fwrite(line.data(), 1, line.size(), file_) == line.size() &&
+                       std::fputc('\n', file_) != EOF && std::fflush(file_) == 0;
+  if (!written) {
+    fail("a write failed");
+    std::fclose(file_);
+    file_ = nullptr;
+  }
+}
+
+void TelemetryWriter::fail(const std::string &what) {
+  const int error = errno;
+  if (log_ != nullptr && log_->wants(SP_LOG_WARN)) {
+    log_->write(SP_LOG_WARN, fmt::format("telemetry file '{}': {} ({}); telemetry is off for the rest of this run, "
+                                         "the policy carries on",
+                                         path_, what, std::strerror(error)));
+  }
+}
+
+}  // namespace sp::policy
