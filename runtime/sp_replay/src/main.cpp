@@ -1,0 +1,250 @@
+// sp-replay: runs a policy plugin, through the host library, on a recorded trace of
+// per-block gradient moments, and writes the precision each block would have had. It is
+// how thresholds are tuned offline: the same .so and the same host code as in training.
+
+#include <unistd.h>
+
+#include <array>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <CLI/CLI.hpp>
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+#include <yaml-cpp/yaml.h>
+
+#include "replay_inputs.hpp"
+#include "sp/host/policy_host.h"
+#include "sp/runtime/atomic_file.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Exit codes, also listed in --help.
+constexpr int kExitOk = 0;
+constexpr int kExitInternal = 1;
+constexpr int kExitBadInput = 2;
+constexpr int kExitPluginLoad = 3;
+constexpr int kExitPluginFailed = 4;
+
+constexpr const char* kExitCodeHelp =
+    "Exit codes: 0 success; 1 internal error; 2 bad arguments or input file (trace, "
+    "calibration, config); 3 the plugin could not be loaded or rejected the config; 4 a "
+    "plugin hook failed during the replay (no output is written).";
+
+struct Options {
+  fs::path config;
+  uint32_t blocks = 0;
+  fs::path trace;
+  fs::path calibration;
+  fs::path plugin_dir;
+  std::string plugin = "sp_selective_precision";
+  fs::path out;
+  fs::path telemetry;
+};
+
+class ReplayFailure : public std::runtime_error {
+ public:
+  ReplayFailure(int exit_code, const std::string& message)
+      : std::runtime_error(message), exit_code_(exit_code) {}
+  int exit_code() const { return exit_code_; }
+
+ private:
+  int exit_code_;
+};
+
+fs::path default_plugin_dir() {
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? fs::path("build/plugins") : exe.parent_path().parent_path() / "plugins";
+}
+
+std::string read_text(const fs::path& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ReplayFailure(kExitBadInput, fmt::format("{}: cannot open the {}", path.string(), what));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The replay decides where telemetry goes: into --telemetry, or nowhere, so that a run
+// never drops files into the working directory. The config's section is found where the
+// plugin looks for it; anything malformed is left for the plugin to report.
+std::string with_replay_telemetry(const std::string& config_text, const Options& options) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(config_text);
+  } catch (const YAML::Exception& e) {
+    throw ReplayFailure(kExitBadInput, fmt::format("{}: not valid YAML: {}", options.config.string(), e.what()));
+  }
+  if (!root.IsMap()) return config_text;
+  YAML::Node section = root["selective_precision"];
+  if (!section.IsDefined()) {
+    YAML::Node memory = root["memory"];
+    if (!memory.IsMap() || !memory["stagehand"].IsMap()) return config_text;
+    section = memory["stagehand"]["selective_precision"];
+  }
+  if (!section.IsMap()) return config_text;
+  section["telemetry_enabled"] = !options.telemetry.empty();
+  if (!options.telemetry.empty()) section["telemetry_file"] = fs::absolute(options.telemetry).string();
+  YAML::Emitter out;
+  out << root;
+  return out.c_str();
+}
+
+std::vector<sp::host::BlockDescription> describe_blocks(uint32_t n) {
+  std::vector<sp::host::BlockDescription> blocks(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    blocks[i].id = i;
+    blocks[i].name = fmt::format("block{}", i);
+  }
+  return blocks;
+}
+
+struct ReplayTally {
+  uint64_t steps = 0;
+  uint64_t int8_block_steps = 0;
+  uint64_t precision_changes = 0;
+  std::vector<sp_precision> last;
+};
+
+void check_no_hook_failed(const sp::host::PolicyHost& host, int64_t step, const char* hook) {
+  if (host.hook_failures().total() != 0 || host.last_hint_source() != sp::host::HintSource::plugin) {
+    throw ReplayFailure(kExitPluginFailed,
+                        fmt::format("the plugin failed in {} at step {} (see the log above); the "
+                                    "replay stops because its decisions would be the host's fallback",
+                                    hook, step));
+  }
+}
+
+int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
+  std::ifstream trace_in(options.trace);
+  if (!trace_in) throw ReplayFailure(kExitBadInput, fmt::format("{}: cannot open the trace", options.trace.string()));
+  std::optional<sp::replay::CalibrationErrors> calibration;
+  if (!options.calibration.empty()) {
+    calibration = sp::replay::read_calibration_file(options.calibration.string(), options.blocks);
+  }
+  const std::string config_text = with_replay_telemetry(read_text(options.config, "config"), options);
+
+  const fs::path plugin_file = options.plugin_dir / ("lib" + options.plugin + ".so");
+  sp::host::PolicyHostOptions host_options;
+  host_options.host_name = "sp-replay";
+  host_options.logger = logger;
+  std::unique_ptr<sp::host::PolicyHost> host;
+  try {
+    host = std::make_unique<sp::host::PolicyHost>(
+        plugin_file, sp::host::PolicyConfig{config_text, options.config.string()},
+        describe_blocks(options.blocks), host_options);
+  } catch (const sp::host::PluginError& e) {
+    throw ReplayFailure(kExitPluginLoad, e.what());
+  }
+  logger->info("loaded plugin {} {} from {}", host->plugin_name(), host->plugin_version(), plugin_file.string());
+
+  if (calibration && !host->set_calibration_errors(calibration->block_ids, calibration->errors)) {
+    throw ReplayFailure(kExitPluginFailed, fmt::format("the plugin rejected {}", options.calibration.string()));
+  }
+
+  // Output is collected and written at the end, atomically: a replay that stops halfway
+  // leaves no half file that looks complete.
+  std::ostringstream decisions;
+  sp::replay::TraceReader reader(trace_in, options.trace.string(), options.blocks);
+  ReplayTally tally;
+  tally.last.assign(options.blocks, SP_PRECISION_BF16);
+  while (const auto step = reader.next()) {
+    host->begin_step(step->step);
+    host->post_backward(step->step, step->moments);
+    const std::vector<sp_hint_v1>& hints = host->compute_hints(step->step);
+    check_no_hook_failed(*host, step->step, "begin_step/post_backward/compute_hints");
+    nlohmann::json precision = nlohmann::json::array();
+    for (const sp_hint_v1& hint : hints) {
+      const bool int8 = hint.precision == SP_PRECISION_INT8;
+      precision.push_back(int8 ? "int8" : "bf16");
+      tally.int8_block_steps += int8;
+      tally.precision_changes += hint.precision != tally.last[hint.block_id];
+      tally.last[hint.block_id] = hint.precision;
+    }
+    decisions << nlohmann::json{{"step", step->step}, {"precision", precision}}.dump() << '\n';
+    host->end_step(step->step);
+    check_no_hook_failed(*host, step->step, "end_step");
+    ++tally.steps;
+  }
+
+  if (options.out.empty()) {
+    std::cout << decisions.str() << std::flush;
+  } else {
+    sp::runtime::write_file_atomically(options.out, decisions.str());
+  }
+
+  std::string final_map;
+  uint32_t int8_now = 0;
+  for (sp_precision p : tally.last) {
+    final_map += p == SP_PRECISION_INT8 ? 'I' : 'B';
+    int8_now += p == SP_PRECISION_INT8;
+  }
+  const double block_steps = static_cast<double>(tally.steps) * options.blocks;
+  const double int8_share = block_steps > 0 ? tally.int8_block_steps / block_steps : 0.0;
+  logger->info("replayed {} steps of {} blocks: {} precision changes", tally.steps, options.blocks,
+               tally.precision_changes);
+  logger->info("final precision (B=bf16, I=int8): {} ({} INT8, {} BF16)", final_map, int8_now,
+               options.blocks - int8_now);
+  logger->info("INT8 share of block transfers: {:.1f}% -> about {:.1f}% fewer H2D bytes than all-BF16",
+               100.0 * int8_share, 50.0 * int8_share);
+  if (!options.out.empty()) logger->info("decisions written to {}", options.out.string());
+  if (!options.telemetry.empty()) logger->info("telemetry written to {}", options.telemetry.string());
+  return kExitOk;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  options.plugin_dir = default_plugin_dir();
+  CLI::App app{
+      "sp-replay: replays a recorded gradient-moment trace through a policy plugin and prints the "
+      "precision of every block after each step's compute_hints, one JSON line per step:\n"
+      "  {\"step\": s, \"precision\": [\"bf16\"|\"int8\", ...]}\n"
+      "Trace lines: {\"step\": s, \"blocks\": [{\"id\", \"sum_sq\", \"sum\", \"max_abs\", \"count\", "
+      "\"nonfinite\"}, ...]}, steps 0, 1, 2, ...; a block that is not listed had no gradient.\n"
+      "Calibration file: {\"block_errors\": {\"<id>\": error, ...}}."};
+  app.footer(kExitCodeHelp);
+  app.add_option("--config", options.config,
+                 "YAML with a top-level `selective_precision` section, or a training config with "
+                 "`memory.stagehand.selective_precision`")
+      ->required();
+  app.add_option("--blocks", options.blocks, "number of blocks")->required()->check(CLI::Range(1u, 1u << 20));
+  app.add_option("--trace", options.trace, "gradient-moment trace, JSON Lines")->required();
+  app.add_option("--calibration", options.calibration, "per-block INT8 calibration errors, JSON");
+  app.add_option("--plugin-dir", options.plugin_dir, "directory holding the plugin .so")
+      ->capture_default_str();
+  app.add_option("--plugin", options.plugin, "plugin to load: <plugin-dir>/lib<NAME>.so")->capture_default_str();
+  app.add_option("--out", options.out, "write the decisions here (atomically) instead of stdout");
+  app.add_option("--telemetry", options.telemetry,
+                 "write the plugin's telemetry JSONL here; without it, telemetry is off");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? kExitOk : kExitBadInput;
+  }
+
+  auto logger = spdlog::stderr_color_mt("sp-replay");
+  logger->set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");
+  try {
+    return run(options, logger);
+  } catch (const ReplayFailure& e) {
+    logger->error("{}", e.what());
+    return e.exit_code();
+  } catch (const sp::replay::InputError& e) {
+    logger->error("{}", e.what());
+    return kExitBadInput;
+  } catch (const std::exception& e) {
+    logger->error("{}", e.what());
+    return kExitInternal;
+  }
+}
