@@ -1,0 +1,169 @@
+#include <sp/host/plugin_library.h>
+
+#include "test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <dlfcn.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+namespace sp::host {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+std::string load_error(const std::filesystem::path& file) {
+  try {
+    PluginLibrary::load(file);
+  } catch (const PluginError& error) {
+    return error.what();
+  }
+  ADD_FAILURE() << "loading " << file << " succeeded";
+  return {};
+}
+
+// A copy of the minimal example inside a fresh directory, with a chosen file mode.
+std::filesystem::path copy_example_into(const TempDir& dir, std::filesystem::perms mode) {
+  const std::filesystem::path copy = dir.path() / "libsp_example_minimal_c.so";
+  std::filesystem::copy_file(SP_EXAMPLE_MINIMAL_C, copy);
+  std::filesystem::permissions(copy, mode);
+  return copy;
+}
+
+constexpr auto kOwnerOnly = std::filesystem::perms::owner_all;
+constexpr auto kReadableByAll = std::filesystem::perms::owner_all | std::filesystem::perms::group_read |
+                                std::filesystem::perms::group_exec | std::filesystem::perms::others_read |
+                                std::filesystem::perms::others_exec;
+
+TEST(PluginLibrary, LoadsTheMinimalExampleFromAPrivateCopy) {
+  PluginLibrary library = PluginLibrary::load(SP_EXAMPLE_MINIMAL_C);
+  EXPECT_EQ(library.plugin_name(), "minimal_c");
+  EXPECT_EQ(library.plugin_version(), "1.0.0");
+  EXPECT_EQ(library.source_path(), SP_EXAMPLE_MINIMAL_C);
+  EXPECT_NE(library.loaded_path(), library.source_path());
+  EXPECT_EQ(library.loaded_path().filename(), library.source_path().filename());
+  struct stat dir_stat {};
+  ASSERT_EQ(::stat(library.loaded_path().parent_path().c_str(), &dir_stat), 0);
+  EXPECT_EQ(dir_stat.st_mode & 07777, 0700u);
+  EXPECT_GT(testing::mapped_regions_containing(library.loaded_path().string()), 0u);
+}
+
+TEST(PluginLibrary, RefusesAnAbiMajorOtherThanTheHosts) {
+  EXPECT_THAT(load_error(SP_FIXTURE_BAD_ABI_MAJOR),
+              AllOf(HasSubstr(SP_FIXTURE_BAD_ABI_MAJOR), HasSubstr("built for plugin ABI 2.0"),
+                    HasSubstr("this host implements ABI 1.0"), HasSubstr("major versions must be equal")));
+}
+
+TEST(PluginLibrary, RefusesAPluginBuiltForANewerMinor) {
+  EXPECT_THAT(load_error(SP_FIXTURE_NEWER_ABI_MINOR),
+              AllOf(HasSubstr(SP_FIXTURE_NEWER_ABI_MINOR), HasSubstr("built for plugin ABI 1.1"),
+                    HasSubstr("host's ABI 1.0"), HasSubstr("minor version must be >= the plugin's")));
+}
+
+TEST(PluginLibrary, RefusesALibraryWithoutTheEntrySymbol) {
+  EXPECT_THAT(load_error(SP_FIXTURE_MISSING_ENTRY),
+              AllOf(HasSubstr(SP_FIXTURE_MISSING_ENTRY), HasSubstr("does not export the entry symbol sp_policy_plugin_v1")));
+}
+
+TEST(PluginLibrary, RefusesATableSmallerThanItsAbiVersionNeeds) {
+  EXPECT_THAT(load_error(SP_FIXTURE_SMALL_TABLE),
+              AllOf(HasSubstr(SP_FIXTURE_SMALL_TABLE),
+                    HasSubstr("struct_size = " + std::to_string(offsetof(sp_policy_plugin_v1_table, last_error))),
+                    HasSubstr("needs at least " + std::to_string(sizeof(sp_policy_plugin_v1_table)))));
+}
+
+TEST(PluginLibrary, RefusesANullFunctionPointer) {
+  EXPECT_THAT(load_error(SP_FIXTURE_NULL_HOOK),
+              AllOf(HasSubstr(SP_FIXTURE_NULL_HOOK), HasSubstr("field end_step of its function table is NULL")));
+}
+
+TEST(PluginLibrary, RefusesAMissingFile) {
+  EXPECT_THAT(load_error("/nonexistent/libsp_nothing.so"),
+              AllOf(HasSubstr("/nonexistent/libsp_nothing.so"), HasSubstr("No such file")));
+}
+
+TEST(PluginLibrary, RefusesAFileThatIsNotASharedLibrary) {
+  TempDir dir;
+  const std::filesystem::path file = dir.path() / "libsp_text.so";
+  { std::ofstream(file) << "not an ELF file\n"; }
+  std::filesystem::permissions(file, kOwnerOnly);
+  EXPECT_THAT(load_error(file), AllOf(HasSubstr(file.string()), HasSubstr("the dynamic loader failed")));
+}
+
+TEST(PluginTrust, RefusesAWorldWritableDirectory) {
+  TempDir dir;
+  const std::filesystem::path plugin = copy_example_into(dir, kOwnerOnly);
+  std::filesystem::permissions(dir.path(), std::filesystem::perms::all);
+  EXPECT_THAT(load_error(plugin), AllOf(HasSubstr(dir.path().string()), HasSubstr("is world-writable (mode 0777)")));
+  std::filesystem::permissions(dir.path(), kReadableByAll);
+  EXPECT_NO_THROW(PluginLibrary::load(plugin));
+}
+
+TEST(PluginTrust, RefusesAGroupWritableFile) {
+  TempDir dir;
+  const std::filesystem::path plugin =
+      copy_example_into(dir, kOwnerOnly | std::filesystem::perms::group_read | std::filesystem::perms::group_write);
+  EXPECT_THAT(load_error(plugin), AllOf(HasSubstr(plugin.string()), HasSubstr("writable by its group (mode 0760)")));
+}
+
+TEST(PluginTrust, RefusesAWorldWritableFile) {
+  TempDir dir;
+  const std::filesystem::path plugin = copy_example_into(dir, kOwnerOnly | std::filesystem::perms::others_write);
+  EXPECT_THAT(load_error(plugin), AllOf(HasSubstr(plugin.string()), HasSubstr("writable by others (mode 0702)")));
+  EXPECT_THROW(check_plugin_file_is_trusted(plugin), PluginError);
+}
+
+TEST(PluginTrust, RefusesAFileOwnedByAnotherUser) {
+  if (::geteuid() != 0) GTEST_SKIP() << "changing a file's owner needs root";
+  TempDir dir;
+  const std::filesystem::path plugin = copy_example_into(dir, kOwnerOnly);
+  constexpr uid_t kNobody = 65534;
+  ASSERT_EQ(::chown(plugin.c_str(), kNobody, kNobody), 0);
+  EXPECT_THAT(load_error(plugin), AllOf(HasSubstr(plugin.string()), HasSubstr("owned by uid 65534")));
+}
+
+TEST(PluginTrust, AcceptsTheBuiltPlugins) {
+  EXPECT_NO_THROW(check_plugin_file_is_trusted(SP_EXAMPLE_MINIMAL_C));
+  EXPECT_NO_THROW(check_plugin_file_is_trusted(SP_FIXTURE_SCRIPTED));
+}
+
+TEST(PluginLibrary, SameFileLoadedTwiceGivesTwoIndependentLibraries) {
+  PluginLibrary first = PluginLibrary::load(SP_EXAMPLE_MINIMAL_C);
+  PluginLibrary second = PluginLibrary::load(SP_EXAMPLE_MINIMAL_C);
+  EXPECT_NE(first.loaded_path(), second.loaded_path());
+  EXPECT_NE(&first.table(), &second.table()) << "dlopen returned the same handle for both loads";
+  EXPECT_NE(first.table().create, second.table().create);
+}
+
+TEST(PluginLibrary, UnloadRemovesTheLibraryAndItsPrivateCopy) {
+  PluginLibrary library = PluginLibrary::load(SP_EXAMPLE_MINIMAL_C);
+  const std::filesystem::path loaded = library.loaded_path();
+  const UnloadReport report = library.unload();
+  EXPECT_TRUE(report.unloaded) << report.detail;
+  EXPECT_FALSE(library.is_loaded());
+  EXPECT_EQ(testing::mapped_regions_containing(loaded.string()), 0u);
+  EXPECT_FALSE(std::filesystem::exists(loaded));
+  EXPECT_FALSE(std::filesystem::exists(loaded.parent_path()));
+}
+
+TEST(PluginLibrary, UnloadReportsALibraryThatStaysLoaded) {
+  PluginLibrary library = PluginLibrary::load(SP_EXAMPLE_MINIMAL_C);
+  // A second reference keeps the library mapped, as a GNU-unique symbol would.
+  void* extra_reference = ::dlopen(library.loaded_path().c_str(), RTLD_NOW | RTLD_NOLOAD);
+  ASSERT_NE(extra_reference, nullptr);
+  const UnloadReport report = library.unload();
+  EXPECT_FALSE(report.unloaded);
+  EXPECT_THAT(report.detail, AllOf(HasSubstr(SP_EXAMPLE_MINIMAL_C), HasSubstr("still mapped after dlclose")));
+  ::dlclose(extra_reference);
+}
+
+}  // namespace
+}  // namespace sp::host
