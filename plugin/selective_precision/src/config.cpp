@@ -10,6 +10,7 @@
 #include <cctype>
 #include <cmath>
 #include <set>
+#include <utility>
 
 namespace sp::policy {
 namespace {
@@ -289,9 +290,17 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
   }
 }
 
-YAML::Node child(const YAML::Node &parent, const char *key) {
-  if (!parent.IsMap()) return YAML::Node(YAML::NodeType::Undefined);
-  return parent[key];
+// Follows `keys` from `node`. A missing key yields a node whose IsDefined() is false; such
+// a node must not be indexed again, so the walk stops there.
+YAML::Node lookup(const YAML::Node &node, std::initializer_list<const char *> keys) {
+  YAML::Node found = node;
+  for (const char *key : keys) {
+    if (!found.IsDefined() || !found.IsMap()) return YAML::Node(YAML::NodeType::Undefined);
+    const YAML::Node next = std::as_const(found)[key];
+    if (!next.IsDefined()) return next;
+    found.reset(next);
+  }
+  return found;
 }
 
 }  // namespace
@@ -313,8 +322,8 @@ ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blo
     throw ConfigError(fmt::format("the configuration must be a YAML mapping with a '{}' or '{}' section, found {}",
                                   kTopLevelSection, kTrainingConfigSection, describe(root)));
   }
-  const YAML::Node top_level = root[kTopLevelSection];
-  const YAML::Node nested = child(child(root, "memory"), "stagehand")[kTopLevelSection];
+  const YAML::Node top_level = lookup(root, {kTopLevelSection});
+  const YAML::Node nested = lookup(root, {"memory", "stagehand", kTopLevelSection});
   if (top_level.IsDefined() && nested.IsDefined()) {
     throw ConfigError(fmt::format("both '{}' and '{}' are present; expected exactly one policy section",
                                   kTopLevelSection, kTrainingConfigSection));
