@@ -19,7 +19,8 @@ namespace sp::kernels {
 constexpr float kFp8E4M3Max = 448.0f;
 
 // Software twin of CUDA's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3): round to
-// nearest even, finite values beyond +-448 (and +-Inf) saturate to +-448, NaN gives 0x7F.
+// nearest even, finite values beyond +-448 (and +-Inf) saturate to +-448, NaN gives the NaN
+// code with the input's sign (0x7F or 0xFF), as cuda_fp8.hpp's software path does.
 uint8_t fp8_e4m3_from_float(float x);
 
 // Exact decode of an E4M3 code; 0x7F and 0xFF decode to NaN.

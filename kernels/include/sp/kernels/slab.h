@@ -45,7 +45,9 @@ struct SlabHeader {
   uint64_t total_bytes;    // size of the whole image
   uint64_t payload_offset; // first payload byte (256-aligned)
   uint64_t scales_offset;  // first scale byte; == total_bytes when there are no scales
-  uint64_t reserved[2];    // zero
+  uint32_t table_crc32;    // CRC-32 (IEEE) of this header with table_crc32 = 0, then the entries
+  uint32_t reserved0;      // zero
+  uint64_t reserved1;      // zero
 };
 static_assert(sizeof(SlabHeader) == 64, "slab header layout is part of the format");
 
@@ -115,9 +117,12 @@ struct SlabReadResult {
   SlabView view;
 };
 
-// Validates an image of `size` bytes: magic, version, struct sizes, precision, group size,
-// every offset and size in bounds, aligned, consistent with the shapes and non-overlapping,
-// reserved fields zero, total_bytes == size. Never reads outside [image, image + size).
+// Validates an image of `size` bytes: magic, version, struct sizes, the table checksum,
+// precision, group size, every offset and size in bounds, aligned, consistent with the shapes
+// and non-overlapping, reserved fields zero, total_bytes == size. Never reads outside
+// [image, image + size). The checksum covers the header and the entry table (every offset the
+// reader trusts), not the payload: hashing the payload would cost a pass over the bytes that
+// cross PCIe.
 SlabReadResult read_slab(const uint8_t *image, uint64_t size);
 
 // Decodes tensor `index` of a validated image (view from read_slab on the same bytes) into

@@ -1,0 +1,279 @@
+// INT8 and FP8 E4M3 quantization on the CPU: argument checks, dispatch to the reference, and
+// the vectorized multi-threaded implementation (simple restrict loops over the shared scalar
+// functions; this file is compiled with -O3 so GCC vectorizes them).
+#include "sp/kernels/quantize.h"
+
+#include <algorithm>
+#include <array>
+#include <stdexcept>
+#include <string>
+
+#include "elements.h"
+#include "parallel.h"
+#include "reference.h"
+#include "scalar_math.h"
+#include "sp/kernels/fp8.h"
+
+namespace sp::kernels {
+namespace {
+
+using reference::CodeFormat;
+
+constexpr std::size_t kMinElementsPerThread = 1 << 15;
+
+using detail::Bf16Bits;
+using detail::to_float;
+
+template <typename In>
+uint32_t max_abs_bits(const In *__restrict src, std::size_t n) {
+  uint32_t result = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    result = std::max(result, detail::float_bits(to_float(src[i])) & detail::kAbsMask);
+  }
+  return result;
+}
+
+template <typename In>
+void encode_int8(const In *__restrict src, std::size_t n, float inv, int8_t *__restrict codes) {
+  for (std::size_t i = 0; i < n; ++i) codes[i] = detail::int8_code_nearest_even(to_float(src[i]), inv);
+}
+
+template <typename In>
+void encode_int8_stochastic(const In *__restrict src, std::size_t n, float inv,
+                            int8_t *__restrict codes, uint64_t seed, std::size_t first_index) {
+  for (std::size_t i = 0; i < n; ++i) {
+    codes[i] = detail::int8_code_stochastic(to_float(src[i]), inv,
+                                            detail::random_bits(seed, first_index + i));
+  }
+}
+
+template <typename In>
+void encode_fp8(const In *__restrict src, std::size_t n, float inv, uint8_t *__restrict codes) {
+  for (std::size_t i = 0; i < n; ++i) codes[i] = detail::fp8_e4m3_encode(to_float(src[i]) * inv);
+}
+
+struct Layout {
+  std::size_t rows;
+  std::size_t cols;
+  std::size_t groups_per_row;
+  std::size_t width;  // elements per group (cols for per-row)
+};
+
+Layout make_layout(std::size_t rows, std::size_t cols, uint32_t group_size) {
+  return Layout{rows, cols, group_size == 0 ? 1 : (cols + group_size - 1) / group_size,
+                group_size == 0 ? cols : group_size};
+}
+
+template <typename In>
+void quantize_rows(CodeFormat format, const In *src, const Layout &layout,
+                   const QuantizeOptions &options, uint8_t *codes, float *scales,
+                   const CpuExec &exec) {
+  const float max_code = format == CodeFormat::kInt8 ? 127.0f : kFp8E4M3Max;
+  const std::size_t min_rows = std::max<std::size_t>(1, kMinElementsPerThread / std::max<std::size_t>(1, layout.cols));
+  detail::parallel_ranges(layout.rows, exec, min_rows, [&](std::size_t row_begin, std::size_t row_end) {
+    for (std::size_t r = row_begin; r < row_end; ++r) {
+      for (std::size_t g = 0; g < layout.groups_per_row; ++g) {
+        const std::size_t first = r * layout.cols + g * layout.width;
+        const std::size_t n = std::min(layout.width, layout.cols - g * layout.width);
+        const uint32_t abs_bits = max_abs_bits(src + first, n);
+        const float scale = detail::quant_scale(abs_bits, max_code);
+        scales[r * layout.groups_per_row + g] = scale;
+        if (abs_bits >= detail::kInfBits) {
+          std::fill(codes + first, codes + first + n, uint8_t{0});
+          continue;
+        }
+        const float inv = detail::reciprocal(scale);
+        if (format == CodeFormat::kFp8E4M3) {
+          encode_fp8(src + first, n, inv, codes + first);
+        } else if (options.rounding == Rounding::kStochastic) {
+          encode_int8_stochastic(src + first, n, inv, reinterpret_cast<int8_t *>(codes + first),
+                                 options.seed, first);
+        } else {
+          encode_int8(src + first, n, inv, reinterpret_cast<int8_t *>(codes + first));
+        }
+      }
+    }
+  });
+}
+
+const std::array<float, 256> &fp8_decode_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> values{};
+    for (unsigned code = 0; code < 256; ++code) {
+      values[code] = detail::fp8_e4m3_decode(static_cast<uint8_t>(code));
+    }
+    return values;
+  }();
+  return table;
+}
+
+inline void store(float x, float *dst) { *dst = x; }
+inline void store(float x, uint16_t *dst) { *dst = detail::bf16_round_nearest_even(x); }
+
+template <typename Out>
+void dequantize_int8_segment(const int8_t *__restrict codes, std::size_t n, float scale,
+                             Out *__restrict dst) {
+  for (std::size_t i = 0; i < n; ++i) store(static_cast<float>(codes[i]) * scale, dst + i);
+}
+
+template <typename Out>
+void dequantize_fp8_segment(const uint8_t *__restrict codes, std::size_t n, float scale,
+                            const float *__restrict table, Out *__restrict dst) {
+  for (std::size_t i = 0; i < n; ++i) store(table[codes[i]] * scale, dst + i);
+}
+
+template <typename Out>
+void dequantize_rows(CodeFormat format, const uint8_t *codes, const float *scales,
+                     const Layout &layout, Out *dst, const CpuExec &exec) {
+  const float *table = fp8_decode_table().data();
+  const std::size_t min_rows = std::max<std::size_t>(1, kMinElementsPerThread / std::max<std::size_t>(1, layout.cols));
+  detail::parallel_ranges(layout.rows, exec, min_rows, [&](std::size_t row_begin, std::size_t row_end) {
+    for (std::size_t r = row_begin; r < row_end; ++r) {
+      for (std::size_t g = 0; g < layout.groups_per_row; ++g) {
+        const std::size_t first = r * layout.cols + g * layout.width;
+        const std::size_t n = std::min(layout.width, layout.cols - g * layout.width);
+        const float scale = scales[r * layout.groups_per_row + g];
+        if (format == CodeFormat::kInt8) {
+          dequantize_int8_segment(reinterpret_cast<const int8_t *>(codes) + first, n, scale,
+                                  dst + first);
+        } else {
+          dequantize_fp8_segment(codes + first, n, scale, table, dst + first);
+        }
+      }
+    }
+  });
+}
+
+void check_group_size(uint32_t group_size, const char *function) {
+  if (!is_supported_group_size(group_size)) {
+    throw std::invalid_argument(std::string(function) + ": group_size " +
+                                std::to_string(group_size) +
+                                " is not supported (expected 0 = per row, 32, 64, 128 or 256)");
+  }
+}
+
+void check_buffers(std::size_t rows, std::size_t cols, std::initializer_list<const void *> pointers,
+                   const char *function) {
+  if (rows == 0 || cols == 0) return;
+  for (const void *pointer : pointers) {
+    if (pointer == nullptr) {
+      throw std::invalid_argument(std::string(function) + ": null pointer for a " +
+                                  std::to_string(rows) + " x " + std::to_string(cols) + " tensor");
+    }
+  }
+}
+
+void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t rows,
+              std::size_t cols, const QuantizeOptions &options, uint8_t *codes, float *scales,
+              const CpuExec &exec, const char *function) {
+  check_group_size(options.group_size, function);
+  if (src_dtype != DType::kFloat32 && src_dtype != DType::kBFloat16) {
+    throw std::invalid_argument(std::string(function) + ": source dtype " +
+                                dtype_name(src_dtype) + " is not supported (expected fp32 or bf16)");
+  }
+  if (format == CodeFormat::kFp8E4M3 && options.rounding != Rounding::kNearestEven) {
+    throw std::invalid_argument(std::string(function) + ": FP8 supports round-to-nearest-even only");
+  }
+  if (rows != 0 && cols != 0 && (rows * cols) / cols != rows) {
+    throw std::invalid_argument(std::string(function) + ": rows * cols overflows");
+  }
+  check_buffers(rows, cols, {src, codes, scales}, function);
+  if (rows == 0 || cols == 0) {
+    // Empty rows still get their scale (1.0, as an all-zero row) in per-row mode.
+    if (cols == 0 && options.group_size == 0 && rows != 0) {
+      if (scales == nullptr) throw std::invalid_argument(std::string(function) + ": null scales");
+      std::fill(scales, scales + rows, 1.0f);
+    }
+    return;
+  }
+  if (exec.impl == CpuImpl::kReference) {
+    reference::quantize(format, src, src_dtype, rows, cols, options, codes, scales);
+    return;
+  }
+  const Layout layout = make_layout(rows, cols, options.group_size);
+  if (src_dtype == DType::kFloat32) {
+    quantize_rows(format, static_cast<const float *>(src), layout, options, codes, scales, exec);
+  } else {
+    quantize_rows(format, static_cast<const Bf16Bits *>(src), layout, options, codes, scales, exec);
+  }
+}
+
+template <typename Out>
+void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, std::size_t rows,
+                std::size_t cols, uint32_t group_size, Out *dst, const CpuExec &exec,
+                const char *function) {
+  check_group_size(group_size, function);
+  check_buffers(rows, cols, {codes, scales, dst}, function);
+  if (rows == 0 || cols == 0) return;
+  if (exec.impl == CpuImpl::kReference) {
+    if constexpr (std::is_same_v<Out, uint16_t>) {
+      reference::dequantize(format, codes, scales, rows, cols, group_size, dst, nullptr);
+    } else {
+      reference::dequantize(format, codes, scales, rows, cols, group_size, nullptr, dst);
+    }
+    return;
+  }
+  dequantize_rows(format, codes, scales, make_layout(rows, cols, group_size), dst, exec);
+}
+
+}  // namespace
+
+bool is_supported_group_size(uint32_t group_size) {
+  return group_size == 0 ||
+         std::find(std::begin(kSupportedGroupSizes), std::end(kSupportedGroupSizes), group_size) !=
+             std::end(kSupportedGroupSizes);
+}
+
+std::size_t scale_count(std::size_t rows, std::size_t cols, uint32_t group_size) {
+  check_group_size(group_size, "scale_count");
+  return rows * make_layout(rows, cols, group_size).groups_per_row;
+}
+
+void quantize_int8(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
+                   const QuantizeOptions &options, int8_t *codes, float *scales,
+                   const CpuExec &exec) {
+  quantize(CodeFormat::kInt8, src, src_dtype, rows, cols, options,
+           reinterpret_cast<uint8_t *>(codes), scales, exec, "quantize_int8");
+}
+
+void dequantize_int8_to_bf16(const int8_t *codes, const float *scales, std::size_t rows,
+                             std::size_t cols, uint32_t group_size, uint16_t *dst,
+                             const CpuExec &exec) {
+  dequantize(CodeFormat::kInt8, reinterpret_cast<const uint8_t *>(codes), scales, rows, cols,
+             group_size, dst, exec, "dequantize_int8_to_bf16");
+}
+
+void dequantize_int8_to_fp32(const int8_t *codes, const float *scales, std::size_t rows,
+                             std::size_t cols, uint32_t group_size, float *dst,
+                             const CpuExec &exec) {
+  dequantize(CodeFormat::kInt8, reinterpret_cast<const uint8_t *>(codes), scales, rows, cols,
+             group_size, dst, exec, "dequantize_int8_to_fp32");
+}
+
+uint8_t fp8_e4m3_from_float(float x) { return detail::fp8_e4m3_encode(x); }
+
+float fp8_e4m3_to_float(uint8_t code) { return detail::fp8_e4m3_decode(code); }
+
+void quantize_fp8_e4m3(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
+                       uint32_t group_size, uint8_t *codes, float *scales, const CpuExec &exec) {
+  QuantizeOptions options;
+  options.group_size = group_size;
+  quantize(CodeFormat::kFp8E4M3, src, src_dtype, rows, cols, options, codes, scales, exec,
+           "quantize_fp8_e4m3");
+}
+
+void dequantize_fp8_e4m3_to_bf16(const uint8_t *codes, const float *scales, std::size_t rows,
+                                 std::size_t cols, uint32_t group_size, uint16_t *dst,
+                                 const CpuExec &exec) {
+  dequantize(CodeFormat::kFp8E4M3, codes, scales, rows, cols, group_size, dst, exec,
+             "dequantize_fp8_e4m3_to_bf16");
+}
+
+void dequantize_fp8_e4m3_to_fp32(const uint8_t *codes, const float *scales, std::size_t rows,
+                                 std::size_t cols, uint32_t group_size, float *dst,
+                                 const CpuExec &exec) {
+  dequantize(CodeFormat::kFp8E4M3, codes, scales, rows, cols, group_size, dst, exec,
+             "dequantize_fp8_e4m3_to_fp32");
+}
+
+}  // namespace sp::kernels

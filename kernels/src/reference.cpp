@@ -1,0 +1,235 @@
+#include "reference.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "scalar_math.h"
+
+namespace sp::kernels::reference {
+namespace {
+
+uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+float fp16_to_float(uint16_t h) {
+  const bool negative = (h & 0x8000u) != 0;
+  const int exponent = (h >> 10) & 0x1F;
+  const int mantissa = h & 0x3FF;
+  double magnitude;
+  if (exponent == 0x1F) {
+    magnitude = mantissa != 0 ? std::numeric_limits<double>::quiet_NaN()
+                              : std::numeric_limits<double>::infinity();
+  } else if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<double>(mantissa), -24);
+  } else {
+    magnitude = std::ldexp(1.0 + mantissa / 1024.0, exponent - 15);
+  }
+  return static_cast<float>(negative ? -magnitude : magnitude);
+}
+
+double fp8_magnitude(unsigned code) {
+  const int exponent = static_cast<int>(code >> 3);
+  const int mantissa = static_cast<int>(code & 7u);
+  if (exponent == 0) return std::ldexp(static_cast<double>(mantissa), -9);
+  return std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
+}
+
+std::size_t groups_per_row(std::size_t cols, uint32_t group_size) {
+  return group_size == 0 ? 1 : (cols + group_size - 1) / group_size;
+}
+
+}  // namespace
+
+float load(const void *src, DType dtype, std::size_t index) {
+  switch (dtype) {
+    case DType::kFloat32: return static_cast<const float *>(src)[index];
+    case DType::kBFloat16:
+      return float_of(static_cast<uint32_t>(static_cast<const uint16_t *>(src)[index]) << 16);
+    case DType::kFloat16: return fp16_to_float(static_cast<const uint16_t *>(src)[index]);
+  }
+  return std::numeric_limits<float>::quiet_NaN();
+}
+
+uint16_t bf16_from_float(float x) {
+  if (std::isnan(x)) return 0x7FFF;
+  const uint32_t u = bits_of(x);
+  const uint32_t truncated = u & 0xFFFF0000u;
+  if (truncated == u || std::isinf(x)) return static_cast<uint16_t>(u >> 16);
+  // The two bf16 neighbours of x (same sign), compared by distance in double.
+  const double lower = std::fabs(static_cast<double>(float_of(truncated)));
+  const double upper_magnitude =
+      (truncated & 0x7FFFFFFFu) + 0x10000u >= 0x7F800000u
+          ? std::numeric_limits<double>::infinity()
+          : std::fabs(static_cast<double>(float_of(truncated + 0x10000u)));
+  const double magnitude = std::fabs(static_cast<double>(x));
+  // Between the largest finite bf16 and infinity, the midpoint is 2^128 * (1 - 2^-9).
+  const double upper_for_distance =
+      std::isinf(upper_magnitude) ? std::ldexp(1.0, 128) : upper_magnitude;
+  const double below = magnitude - lower;
+  const double above = upper_for_distance - magnitude;
+  const bool round_up = above < below || (above == below && ((u >> 16) & 1u) != 0);
+  return static_cast<uint16_t>((round_up ? truncated + 0x10000u : truncated) >> 16);
+}
+
+uint16_t bf16_from_float_stochastic(float x, uint32_t random) {
+  if (std::isnan(x)) return 0x7FFF;
+  const uint32_t u = bits_of(x);
+  if (std::isinf(x)) return static_cast<uint16_t>(u >> 16);
+  // Round the magnitude up with probability (discarded bits) / 2^16.
+  const uint32_t discarded = u & 0xFFFFu;
+  const uint32_t draw = random & 0xFFFFu;
+  const bool round_up = discarded != 0 && draw >= 0x10000u - discarded;
+  return static_cast<uint16_t>(((u & 0xFFFF0000u) + (round_up ? 0x10000u : 0u)) >> 16);
+}
+
+uint8_t fp8_e4m3_from_float(float x) {
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  if (std::isnan(x)) return sign | 0x7F;
+  const double magnitude = std::fabs(static_cast<double>(x));
+  if (magnitude >= 448.0) return sign | 0x7E;
+  unsigned best = 0;
+  double best_distance = std::numeric_limits<double>::infinity();
+  for (unsigned code = 0; code <= 0x7E; ++code) {
+    const double distance = std::fabs(fp8_magnitude(code) - magnitude);
+    if (distance < best_distance || (distance == best_distance && (code & 1u) == 0)) {
+      best = code;
+      best_distance = distance;
+    }
+  }
+  return static_cast<uint8_t>(sign | best);
+}
+
+float fp8_e4m3_to_float(uint8_t code) {
+  if ((code & 0x7Fu) == 0x7Fu) return std::numeric_limits<float>::quiet_NaN();
+  const double magnitude = fp8_magnitude(code & 0x7Fu);
+  return static_cast<float>((code & 0x80u) ? -magnitude : magnitude);
+}
+
+void fp32_to_bf16(const float *src, uint16_t *dst, std::size_t n, const Bf16Options &options) {
+  for (std::size_t i = 0; i < n; ++i) {
+    dst[i] = options.rounding == Rounding::kStochastic
+                 ? bf16_from_float_stochastic(src[i], detail::random_bits(options.seed, i))
+                 : bf16_from_float(src[i]);
+  }
+}
+
+void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t rows,
+              std::size_t cols, const QuantizeOptions &options, uint8_t *codes, float *scales) {
+  const float max_code = format == CodeFormat::kInt8 ? 127.0f : 448.0f;
+  const std::size_t groups = groups_per_row(cols, options.group_size);
+  const std::size_t width = options.group_size == 0 ? cols : options.group_size;
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t g = 0; g < groups; ++g) {
+      const std::size_t begin = r * cols + g * width;
+      const std::size_t end = r * cols + std::min(cols, (g + 1) * width);
+      bool finite = true;
+      float absmax = 0.0f;
+      for (std::size_t i = begin; i < end; ++i) {
+        const float x = load(src, src_dtype, i);
+        if (!std::isfinite(x)) {
+          finite = false;
+        } else {
+          absmax = std::max(absmax, std::fabs(x));
+        }
+      }
+      float scale = std::numeric_limits<float>::quiet_NaN();
+      if (finite) scale = absmax == 0.0f ? 1.0f : std::max(absmax / max_code, FLT_MIN);
+      scales[r * groups + g] = scale;
+      const float inv = 1.0f / scale;
+      for (std::size_t i = begin; i < end; ++i) {
+        if (!finite) {
+          codes[i] = 0;
+          continue;
+        }
+        const float v = load(src, src_dtype, i) * inv;
+        if (format == CodeFormat::kFp8E4M3) {
+          codes[i] = fp8_e4m3_from_float(v);
+          continue;
+        }
+        float q;
+        if (options.rounding == Rounding::kStochastic) {
+          const float lower = std::floor(v);
+          const uint32_t random = detail::random_bits(options.seed, i);
+          const float threshold = std::ldexp(static_cast<float>(random >> 8), -24);
+          q = threshold < v - lower ? lower + 1.0f : lower;
+        } else {
+          q = std::nearbyint(v);
+        }
+        const auto code = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+        std::memcpy(&codes[i], &code, 1);
+      }
+    }
+  }
+}
+
+void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, std::size_t rows,
+                std::size_t cols, uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32) {
+  const std::size_t groups = groups_per_row(cols, group_size);
+  const std::size_t width = group_size == 0 ? cols : group_size;
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t c = 0; c < cols; ++c) {
+      const std::size_t i = r * cols + c;
+      float value;
+      if (format == CodeFormat::kInt8) {
+        int8_t code;
+        std::memcpy(&code, &codes[i], 1);
+        value = static_cast<float>(code);
+      } else {
+        value = fp8_e4m3_to_float(codes[i]);
+      }
+      const float x = value * scales[r * groups + c / width];
+      if (dst_bf16 != nullptr) {
+        dst_bf16[i] = bf16_from_float(x);
+      } else {
+        dst_fp32[i] = x;
+      }
+    }
+  }
+}
+
+void grad_moments(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blocks,
+                  sp_grad_moments_v1 *out) {
+  for (uint32_t b = 0; b < n_blocks; ++b) out[b] = sp_grad_moments_v1{b, 0, 0.0, 0.0, 0.0, 0, 0};
+  for (std::size_t t = 0; t < n_tensors; ++t) {
+    sp_grad_moments_v1 &m = out[tensors[t].block_id];
+    m.count += tensors[t].count;
+    for (std::size_t i = 0; i < tensors[t].count; ++i) {
+      const double x = load(tensors[t].data, tensors[t].dtype, i);
+      if (!std::isfinite(x)) {
+        ++m.nonfinite;
+        continue;
+      }
+      m.sum += x;
+      m.sum_sq += x * x;
+      m.max_abs = std::max(m.max_abs, std::fabs(x));
+    }
+  }
+}
+
+double relative_error(const void *a, DType a_dtype, const void *b, DType b_dtype, std::size_t n) {
+  double norm_a = 0.0;
+  double norm_diff = 0.0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double x = load(a, a_dtype, i);
+    const double y = load(b, b_dtype, i);
+    if (!std::isfinite(x) || !std::isfinite(y)) return std::numeric_limits<double>::quiet_NaN();
+    norm_a += x * x;
+    norm_diff += (x - y) * (x - y);
+  }
+  if (norm_a == 0.0) return norm_diff == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
+  return std::sqrt(norm_diff / norm_a);
+}
+
+}  // namespace sp::kernels::reference

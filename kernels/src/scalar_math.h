@@ -1,0 +1,154 @@
+// Scalar arithmetic shared verbatim by the CPU and CUDA implementations. Every bit-exactness
+// guarantee of the public headers rests on both sides calling these functions.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define SP_HD __host__ __device__ __forceinline__
+#else
+#define SP_HD inline
+#endif
+
+namespace sp::kernels::detail {
+
+SP_HD uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+#endif
+}
+
+SP_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+#endif
+}
+
+constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
+constexpr uint32_t kInfBits = 0x7F800000u;
+constexpr uint16_t kBf16CanonicalNaN = 0x7FFFu;
+
+SP_HD float bf16_bits_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+
+// IEEE half (binary16) to float, exact.
+SP_HD float fp16_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu;
+  const uint32_t mantissa = h & 0x3FFu;
+  if (exponent == 0x1Fu) return bits_float(sign | kInfBits | (mantissa << 13));
+  if (exponent != 0) return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  // Subnormal: mantissa * 2^-24, exact in fp32.
+  const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+  return sign ? -magnitude : magnitude;
+}
+
+// float -> bf16, round to nearest even; NaN -> canonical 0x7FFF (as __float2bfloat16_rn).
+SP_HD uint16_t bf16_round_nearest_even(float x) {
+  const uint32_t u = float_bits(x);
+  if ((u & kAbsMask) > kInfBits) return kBf16CanonicalNaN;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Counter-based random bits: splitmix64 finalizer over (seed, index). Stateless, so every
+// implementation and every thread partition draws the same bits for the same element.
+SP_HD uint64_t splitmix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+SP_HD uint32_t random_bits(uint64_t seed, uint64_t index) {
+  return static_cast<uint32_t>(splitmix64(seed + (index + 1) * 0x9E3779B97F4A7C15ull) >> 32);
+}
+
+// Seed of tensor `tensor_index` in a multi-tensor image, so tensors draw independent streams.
+SP_HD uint64_t derive_seed(uint64_t seed, uint64_t tensor_index) {
+  return splitmix64(seed ^ splitmix64(tensor_index + 0x632BE59BD9B4E019ull));
+}
+
+// float -> bf16, stochastic: adding 16 random bits below the kept mantissa then truncating
+// rounds up with probability (discarded bits) / 2^16.
+SP_HD uint16_t bf16_round_stochastic(float x, uint32_t random) {
+  const uint32_t u = float_bits(x);
+  if ((u & kAbsMask) > kInfBits) return kBf16CanonicalNaN;
+  if ((u & kAbsMask) == kInfBits) return static_cast<uint16_t>(u >> 16);
+  return static_cast<uint16_t>((u + (random & 0xFFFFu)) >> 16);
+}
+
+// Scale of a row/group from the bit pattern of its largest |x| (abs_bits = max over
+// float_bits(x) & kAbsMask, which orders like |x| and puts NaN above Inf above finites).
+SP_HD float quant_scale(uint32_t abs_bits, float max_code) {
+  if (abs_bits >= kInfBits) return bits_float(0x7FC00000u);  // NaN: the group is poisoned
+  if (abs_bits == 0) return 1.0f;
+  const float scale = bits_float(abs_bits) / max_code;
+  return scale < FLT_MIN ? FLT_MIN : scale;
+}
+
+SP_HD float reciprocal(float scale) { return 1.0f / scale; }
+
+// Round half to even for |v| < 2^22: adding and removing 1.5 * 2^23 leaves no fraction bits,
+// and the FPU rounds that addition to nearest even. Equal to rintf on that range, and
+// vectorizes on plain SSE2, where rintf is a library call.
+SP_HD float round_small_nearest_even(float v) {
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+  return (v + kMagic) - kMagic;
+}
+
+// |x * inv_scale| <= 127 * (1 + 2^-22) because |x| <= absmax, so the rounding above applies.
+SP_HD int8_t int8_code_nearest_even(float x, float inv_scale) {
+  const float v = fminf(fmaxf(round_small_nearest_even(x * inv_scale), -127.0f), 127.0f);
+  return static_cast<int8_t>(v);
+}
+
+SP_HD int8_t int8_code_stochastic(float x, float inv_scale, uint32_t random) {
+  const float v = x * inv_scale;
+  const float lower = floorf(v);
+  const float threshold = static_cast<float>(random >> 8) * 5.9604644775390625e-8f;  // [0,1)
+  const float q = (threshold < v - lower) ? lower + 1.0f : lower;
+  return static_cast<int8_t>(fminf(fmaxf(q, -127.0f), 127.0f));
+}
+
+// Software E4M3 encoder (satfinite, round to nearest even). Every case is computed and the
+// answer selected, without branches, so loops over it vectorize.
+SP_HD uint8_t fp8_e4m3_encode(float x) {
+  const uint32_t u = float_bits(x);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t a = u & kAbsMask;
+  // Normal range [2^-6, 448): round the mantissa to 3 bits; the carry may bump the exponent.
+  const uint32_t rounded = a + 0x7FFFFu + ((a >> 20) & 1u);
+  const uint32_t normal = ((((rounded >> 23) - 120u) << 3) | ((rounded >> 20) & 7u)) & 0x7Fu;
+  // Subnormal range: multiples of 2^-9. Scaling by 512 is exact; the clamp keeps the
+  // conversion defined for the inputs whose answer is not this one.
+  const uint32_t subnormal =
+      static_cast<uint32_t>(round_small_nearest_even(fminf(bits_float(a) * 512.0f, 8.0f)));
+  const uint32_t code = a > kInfBits      ? 0x7Fu
+                        : a >= 0x43E00000u ? 0x7Eu  // >= 448 (and Inf): saturate
+                        : a >= 0x3C800000u ? normal  // >= 2^-6
+                                           : subnormal;
+  return static_cast<uint8_t>(sign | code);
+}
+
+SP_HD float fp8_e4m3_decode(uint8_t code) {
+  const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 24;
+  const uint32_t exponent = (code >> 3) & 0xFu;
+  const uint32_t mantissa = code & 7u;
+  if (exponent == 0xFu && mantissa == 7u) return bits_float(sign | 0x7FC00000u);
+  if (exponent == 0) {
+    const float magnitude = static_cast<float>(mantissa) * 0.001953125f;  // 2^-9
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_float(sign | ((exponent + 120u) << 23) | (mantissa << 20));
+}
+
+}  // namespace sp::kernels::detail
