@@ -4,6 +4,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <spdlog/logger.h>
 
 #include <stdexcept>
 #include <string>
@@ -162,6 +163,9 @@ TEST(HotSwap, ANewerRequestReplacesAPendingOne) {
 
 TEST(HotSwap, RepeatedSwapsHoldNoExtraFilesMappingsOrMemory) {
   CapturedLog log;
+  // Keep warnings (a library that failed to unload) but not the per-swap info lines,
+  // whose growing buffer would itself show up as memory and mappings.
+  log.logger()->set_level(spdlog::level::warn);
   PolicyHost host(SP_EXAMPLE_MINIMAL_C, kConfig, make_blocks(kBlocks), quiet_options(log));
   const char* versions[] = {SP_FIXTURE_SCRIPTED, SP_EXAMPLE_MINIMAL_C};
   std::int64_t step = 0;
@@ -179,7 +183,9 @@ TEST(HotSwap, RepeatedSwapsHoldNoExtraFilesMappingsOrMemory) {
   const testing::ProcessResources after = testing::process_resources();
 
   EXPECT_EQ(after.open_fds, before.open_fds);
-  EXPECT_EQ(after.mapped_regions, before.mapped_regions);
+  // A library left behind would add five regions per cycle; the slack covers one more
+  // malloc arena chunk.
+  EXPECT_LE(after.mapped_regions, before.mapped_regions + testing::kMappedRegionSlack);
   EXPECT_LE(after.resident_bytes, before.resident_bytes + 4u * 1024 * 1024);
   EXPECT_EQ(host.hook_failures().total(), 0u);
 }

@@ -77,6 +77,9 @@ struct ProcessResources {
   std::size_t resident_bytes = 0;
 };
 ProcessResources process_resources();
+/// Mapped regions a long run may gain without leaking anything: malloc can map one more
+/// chunk for its own bookkeeping.
+constexpr std::size_t kMappedRegionSlack = 2;
 /// Lines of /proc/self/maps that contain `needle`.
 std::size_t mapped_regions_containing(const std::string& needle);
 

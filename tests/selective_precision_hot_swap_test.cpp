@@ -1,0 +1,216 @@
+// Hot swaps of the real Selective Precision plugin: v1 (build/plugins) to its v2 fixture
+// (build/test-fixtures, the same policy under another version) and back.
+#include <sp/host/policy_host.h>
+
+#include "test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <spdlog/logger.h>
+
+#include <string>
+#include <vector>
+
+namespace sp::host {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using testing::CapturedLog;
+using testing::Decision;
+using testing::decisions_of;
+using testing::make_blocks;
+using testing::run_step;
+
+constexpr std::uint32_t kBlocks = 12;
+constexpr std::int64_t kSteps = 80;
+
+// Short warmup, interval, window and cooldown, so that the synthetic trace makes blocks
+// switch both ways within kSteps and every swap lands near some decision.
+const PolicyConfig kConfig{R"(selective_precision:
+  mode: dynamic
+  warmup_steps: 3
+  update_interval_steps: 2
+  history_window: 3
+  min_steps_between_switches: 4
+  hysteresis_margin: 0.05
+  force_bf16_blocks: [11]
+  log_decisions: false
+  telemetry_enabled: false
+)",
+                           "integration.yaml"};
+
+class RealPluginRun {
+ public:
+  RealPluginRun() : host_(SP_SELECTIVE_PRECISION_V1, kConfig, make_blocks(kBlocks), options()) {
+    // Calibration errors are host input, not plugin state: the host replays them into
+    // every new version, so they must keep steering decisions after a swap.
+    EXPECT_TRUE(host_.set_calibration_errors({0, 4, 7}, {0.001, 0.08, 0.03}));
+  }
+
+  PolicyHost& host() { return host_; }
+  const CapturedLog& log() const { return log_; }
+  const std::vector<Decision>& decisions() const { return decisions_; }
+
+  void step(std::int64_t step) {
+    const auto step_decisions = decisions_of(step, run_step(host_, step));
+    decisions_.insert(decisions_.end(), step_decisions.begin(), step_decisions.end());
+    EXPECT_EQ(host_.last_hint_source(), HintSource::plugin) << "step " << step;
+  }
+
+ private:
+  PolicyHostOptions options() {
+    PolicyHostOptions result;
+    result.logger = log_.logger();
+    return result;
+  }
+
+  CapturedLog log_;
+  PolicyHost host_;
+  std::vector<Decision> decisions_;
+};
+
+const std::vector<Decision>& uninterrupted_v1_decisions() {
+  static const std::vector<Decision> decisions = [] {
+    RealPluginRun run;
+    for (std::int64_t step = 0; step < kSteps; ++step) run.step(step);
+    return run.decisions();
+  }();
+  return decisions;
+}
+
+TEST(SelectivePrecisionTrace, MakesBlocksSwitchBothWays) {
+  const std::vector<Decision>& decisions = uninterrupted_v1_decisions();
+  std::size_t to_int8 = 0;
+  std::size_t to_bf16 = 0;
+  for (std::size_t i = kBlocks; i < decisions.size(); ++i) {
+    if (decisions[i].precision == decisions[i - kBlocks].precision) continue;
+    (decisions[i].precision == SP_PRECISION_INT8 ? to_int8 : to_bf16) += 1;
+  }
+  EXPECT_GE(to_int8, 3u);
+  EXPECT_GE(to_bf16, 3u);
+}
+
+class SwapV1ToV2AtStep : public ::testing::TestWithParam<std::int64_t> {};
+
+TEST_P(SwapV1ToV2AtStep, GivesTheDecisionsOfAnUninterruptedV1Run) {
+  const std::int64_t swap_step = GetParam();
+  RealPluginRun run;
+  for (std::int64_t step = 0; step < kSteps; ++step) {
+    if (step == swap_step) {
+      const SwapResult result = run.host().swap_now(SP_SELECTIVE_PRECISION_V2);
+      ASSERT_EQ(result.outcome, SwapResult::Outcome::swapped) << result.message;
+      EXPECT_TRUE(result.old_library_unloaded) << result.message;
+      EXPECT_EQ(result.old_version, "1.0.0");
+      EXPECT_EQ(result.new_version, "2.0.0");
+      EXPECT_EQ(testing::mapped_regions_containing("libsp_selective_precision.so"), 0u);
+    }
+    run.step(step);
+  }
+  EXPECT_EQ(run.host().plugin_version(), "2.0.0");
+  EXPECT_EQ(run.decisions(), uninterrupted_v1_decisions());
+}
+
+// 0: before any state; 3: the first decision step; 4, 13: between decisions; 78: near the end.
+INSTANTIATE_TEST_SUITE_P(AcrossTheRun, SwapV1ToV2AtStep, ::testing::Values(0, 3, 4, 13, 40, 78));
+
+TEST(SelectivePrecisionHotSwap, RequestedMidStepTakesOverAtTheNextStepWithNoStepLost) {
+  RealPluginRun run;
+  for (std::int64_t step = 0; step < kSteps; ++step) {
+    if (step == 21) {
+      // Requested between compute_hints and end_step, as a file watcher might.
+      run.host().begin_step(step);
+      run.host().post_backward(step, testing::synthetic_moments(step, kBlocks));
+      const auto step_decisions = decisions_of(step, run.host().compute_hints(step));
+      ASSERT_EQ(run.host().request_swap(SP_SELECTIVE_PRECISION_V2).outcome, SwapResult::Outcome::pending);
+      run.host().end_step(step);
+      EXPECT_EQ(run.host().plugin_version(), "1.0.0");
+      continue;
+    }
+    run.step(step);
+  }
+  ASSERT_TRUE(run.host().last_swap_result().has_value());
+  EXPECT_EQ(run.host().last_swap_result()->first_step, 22);
+  EXPECT_EQ(run.host().plugin_version(), "2.0.0");
+  std::vector<Decision> expected = uninterrupted_v1_decisions();
+  expected.erase(expected.begin() + 21 * kBlocks, expected.begin() + 22 * kBlocks);
+  EXPECT_EQ(run.decisions(), expected);
+}
+
+TEST(SelectivePrecisionHotSwap, BackAndForthEverySevenStepsGivesTheUninterruptedDecisions) {
+  RealPluginRun run;
+  for (std::int64_t step = 0; step < kSteps; ++step) {
+    if (step > 0 && step % 7 == 0) {
+      const char* next = run.host().plugin_version() == "1.0.0" ? SP_SELECTIVE_PRECISION_V2 : SP_SELECTIVE_PRECISION_V1;
+      const SwapResult result = run.host().swap_now(next);
+      ASSERT_EQ(result.outcome, SwapResult::Outcome::swapped) << result.message;
+    }
+    run.step(step);
+  }
+  EXPECT_EQ(run.decisions(), uninterrupted_v1_decisions());
+}
+
+TEST(SelectivePrecisionHotSwap, AFileWithAnotherAbiIsRefusedAndV1CarriesOn) {
+  RealPluginRun run;
+  for (std::int64_t step = 0; step < kSteps; ++step) {
+    if (step == 30) {
+      const SwapResult result = run.host().swap_now(SP_FIXTURE_BAD_ABI_MAJOR);
+      EXPECT_EQ(result.outcome, SwapResult::Outcome::failed);
+      EXPECT_THAT(result.message, AllOf(HasSubstr("selective_precision 1.0.0 stays active"),
+                                        HasSubstr(SP_FIXTURE_BAD_ABI_MAJOR), HasSubstr("ABI 2.0")));
+    }
+    run.step(step);
+  }
+  EXPECT_EQ(run.host().plugin_version(), "1.0.0");
+  EXPECT_EQ(run.decisions(), uninterrupted_v1_decisions());
+}
+
+TEST(SelectivePrecisionHotSwap, APluginThatCannotReadTheStateIsRefusedAndV1CarriesOn) {
+  RealPluginRun run;
+  for (std::int64_t step = 0; step < kSteps; ++step) {
+    if (step == 30) {
+      // The scripted fixture is another policy: it accepts its own config but not the
+      // Selective Precision state blob.
+      const SwapResult result = run.host().swap_now(SP_FIXTURE_SCRIPTED, PolicyConfig{"min_samples: 1\n", "other.yaml"});
+      EXPECT_EQ(result.outcome, SwapResult::Outcome::failed);
+      EXPECT_THAT(result.message, AllOf(HasSubstr("could not import the state of selective_precision 1.0.0"),
+                                        HasSubstr("SP_ERR_STATE")));
+      EXPECT_EQ(testing::mapped_regions_containing("libsp_fixture_scripted.so"), 0u);
+    }
+    run.step(step);
+  }
+  EXPECT_EQ(run.host().plugin_version(), "1.0.0");
+  EXPECT_EQ(run.decisions(), uninterrupted_v1_decisions());
+  EXPECT_THAT(run.log().text(), HasSubstr("could not import the state"));
+}
+
+TEST(SelectivePrecisionHotSwap, TwoHundredCyclesHoldNoExtraFilesMappingsOrMemory) {
+  RealPluginRun run;
+  // Keep warnings (a library that failed to unload) but not the per-swap info lines,
+  // whose growing buffer would itself show up as memory and mappings.
+  run.log().logger()->set_level(spdlog::level::warn);
+  std::int64_t step = 0;
+  auto swap_cycle = [&] {
+    const SwapResult result =
+        run.host().swap_now(step % 2 == 0 ? SP_SELECTIVE_PRECISION_V2 : SP_SELECTIVE_PRECISION_V1);
+    ASSERT_EQ(result.outcome, SwapResult::Outcome::swapped) << result.message;
+    ASSERT_TRUE(result.old_library_unloaded) << result.message;
+    run.step(step++);
+  };
+  // Allocations that live as long as the process (the loader's caches, yaml-cpp and fmt
+  // statics reached for the first time) happen in the first cycles.
+  for (int warmup = 0; warmup < 4; ++warmup) swap_cycle();
+  const testing::ProcessResources before = testing::process_resources();
+  for (int cycle = 0; cycle < 200; ++cycle) swap_cycle();
+  const testing::ProcessResources after = testing::process_resources();
+
+  EXPECT_EQ(after.open_fds, before.open_fds);
+  // A library left behind would add five regions per cycle; the slack covers one more
+  // malloc arena chunk.
+  EXPECT_LE(after.mapped_regions, before.mapped_regions + testing::kMappedRegionSlack);
+  EXPECT_LE(after.resident_bytes, before.resident_bytes + 4u * 1024 * 1024);
+  EXPECT_EQ(run.host().hook_failures().total(), 0u);
+}
+
+}  // namespace
+}  // namespace sp::host
