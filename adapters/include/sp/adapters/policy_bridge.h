@@ -1,0 +1,59 @@
+// PolicyBridge (Conductor's role in the seed): combines the policy plugin's per-block hints
+// with the runtime's own limits and answers, per fetch, which path a block takes and how far
+// ahead the engine may prefetch.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "sp/adapters/transfer_image.h"
+#include "sp/plugin_abi_v1.h"
+
+namespace sp::adapters {
+
+// Limits the runtime imposes on the data path, e.g. under memory pressure or to protect the
+// optimizer phase. Unset fields impose nothing.
+struct RuntimeLimitHints {
+  std::optional<std::uint32_t> max_inflight_h2d;     // fetches issued ahead of the current one
+  std::optional<std::uint32_t> prefetch_window_cap;  // caps the configured prefetch window
+  bool suppress_speculative = false;  // no prefetch into the next phase before it begins
+  std::map<std::uint32_t, Precision> block_precision_map;  // overrides the plugin's hint
+};
+
+class PolicyBridge {
+ public:
+  explicit PolicyBridge(std::uint32_t num_blocks);
+
+  std::uint32_t num_blocks() const { return num_blocks_; }
+
+  // Takes the plugin's answer from compute_hints(): n == num_blocks, hints[i].block_id == i,
+  // precision SP_PRECISION_BF16 or SP_PRECISION_INT8. Throws std::invalid_argument naming
+  // the offending entry and leaves the previous hints in place. The hints stand until
+  // replaced: a policy decides for the following steps, not for one fetch.
+  void set_plugin_hints(const sp_hint_v1 *hints, std::uint32_t n);
+  // Back to the default route (BF16 everywhere), e.g. after a plugin call failed.
+  void clear_plugin_hints();
+
+  // Limits reset at every step begin and only tighten within a step: numeric caps take the
+  // minimum, suppress_speculative is sticky, and a block pinned in the precision map keeps its
+  // first pin until the step ends (a fetch already routed by it is never contradicted).
+  void begin_step();
+  void tighten(const RuntimeLimitHints &limits);
+  const RuntimeLimitHints &limits() const { return limits_; }
+
+  // Precision map pin, else the plugin's hint, else BF16.
+  Precision route(std::uint32_t block) const;
+  // How many fetches beyond the current one may be in flight.
+  std::uint32_t lookahead(std::uint32_t configured_window) const;
+
+ private:
+  void check_block(std::uint32_t block, const char *what) const;
+
+  std::uint32_t num_blocks_;
+  std::vector<Precision> plugin_route_;
+  RuntimeLimitHints limits_;
+};
+
+}  // namespace sp::adapters

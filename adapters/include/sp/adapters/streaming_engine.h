@@ -1,0 +1,143 @@
+// The streaming engine: keeps every block's transfer image in pinned memory, fetches blocks
+// into device slots in the order the step needs them, prefetching ahead across the
+// forward-to-backward turn, and routes each fetch through the BF16 or the INT8 path.
+//
+// Per block it makes no host synchronization: copies, dequantization and compute are ordered
+// by events on the backend's queues. The host blocks only to rewrite a transfer image whose
+// previous copy is still in flight when no spare slab is free (counted as a stall).
+//
+// Usage per step:
+//   begin_step(step);
+//   for each use in schedule().uses(): view = acquire(block); ...compute...; release(block);
+//   metrics = end_step();             // bytes and counters now; timings follow in the JSONL
+//   (plugin hints -> policy_bridge().set_plugin_hints(), optimizer -> on_weights_updated())
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "sp/adapters/backend.h"
+#include "sp/adapters/metrics.h"
+#include "sp/adapters/policy_bridge.h"
+#include "sp/adapters/schedule.h"
+#include "sp/adapters/slab_pool.h"
+#include "sp/adapters/slot_ring.h"
+#include "sp/adapters/transfer_image.h"
+#include "sp/kernels/slab.h"
+
+namespace sp::adapters {
+
+struct StreamingConfig {
+  std::uint64_t host_slab_bytes = 0;   // room for the largest BF16 transfer image
+  // At least one slab per block. Spare slabs let an image be rebuilt while its previous
+  // version is still being copied, instead of blocking the host.
+  std::uint32_t host_slab_count = 0;
+  std::uint64_t device_slot_bytes = 0;  // room for the largest block's bf16 weights
+  std::uint32_t prefetch_window = 1;    // fetches in flight ahead of the current one
+  std::uint32_t int8_group_size = 0;    // 0: one scale per row; else 32, 64, 128 or 256
+  bool backward = true;
+  std::uint32_t recompute_segment = 0;
+  std::string metrics_path;  // JSONL, one record per step; empty: none
+};
+
+struct TensorView {
+  const std::string *name = nullptr;
+  std::uint16_t *bf16 = nullptr;  // device memory, rows x cols, valid until release()
+  std::uint64_t rows = 0;
+  std::uint64_t cols = 0;
+};
+
+struct BlockView {
+  std::uint32_t block = 0;
+  Phase phase = Phase::forward;
+  Precision precision = Precision::bf16;  // the path the weights took
+  std::vector<TensorView> tensors;
+};
+
+class StreamingEngine {
+ public:
+  // Sizes everything once. Throws std::invalid_argument naming the field or block when the
+  // config or a block does not fit, and std::runtime_error when the slab pool is exhausted.
+  StreamingEngine(TransferBackend &backend, const StreamingConfig &config,
+                  std::vector<BlockSpec> blocks);
+  ~StreamingEngine();
+  StreamingEngine(const StreamingEngine &) = delete;
+  StreamingEngine &operator=(const StreamingEngine &) = delete;
+
+  PolicyBridge &policy_bridge() { return bridge_; }
+  const StepSchedule &schedule() const { return schedule_; }
+  std::uint32_t slot_count() const { return slots_.size(); }
+  std::uint64_t image_bytes(std::uint32_t block, Precision precision) const;
+  // Block descriptions for the plugin's create(); names point into this engine.
+  std::vector<sp_block_desc_v1> block_descs() const;
+
+  void begin_step(std::int64_t step);
+  // The next use in the schedule must be `block`; throws std::logic_error otherwise. The
+  // compute queue has been ordered after the block's transfer; the view stays valid until
+  // release().
+  const BlockView &acquire(std::uint32_t block);
+  void release(std::uint32_t block);
+  StepTransferMetrics end_step();
+
+  // The optimizer changed the block's master weights: its image is rebuilt now for the route
+  // the block will take next.
+  void on_weights_updated(std::uint32_t block);
+
+  // Fetches issued so far in the current step (for schedule checks).
+  std::uint32_t issued_fetches() const { return next_fetch_; }
+  // Waits for the timing events of finished steps and writes their records.
+  void flush_metrics();
+
+ private:
+  struct BlockImage;
+  struct FetchEvents;
+  struct PendingStep;
+
+  void issue_fetch(std::uint32_t fetch);
+  void top_up(std::optional<std::uint32_t> current);
+  void ensure_image(std::uint32_t block, Precision precision);
+  void reclaim_retired_slabs();
+  void stall_on(const Event &event);
+  FetchEvents &events_of(std::uint32_t generation, std::uint32_t fetch);
+  const Event &ready_event(std::uint32_t fetch);
+  // Writes the step's record once its timing events completed; blocks only if may_block.
+  bool finalize(PendingStep &pending, bool may_block);
+  void require_step(const char *call) const;
+
+  TransferBackend &backend_;
+  StreamingConfig config_;
+  std::vector<BlockSpec> blocks_;
+  StepSchedule schedule_;
+  PolicyBridge bridge_;
+  PinnedSlabPool pool_;
+  DeviceSlotRing slots_;
+  std::vector<BlockImage> images_;
+  std::vector<sp::kernels::SlabView> bf16_layouts_;
+  struct RetiredSlab {
+    std::uint32_t slab;
+    const Event *last_reader;
+  };
+  std::deque<RetiredSlab> retired_;
+  std::vector<FetchEvents> events_;  // two generations of one set per schedule fetch
+  std::deque<PendingStep> pending_;
+  std::unique_ptr<MetricsJsonlWriter> metrics_writer_;
+
+  bool in_step_ = false;
+  std::uint32_t generation_ = 0;
+  std::uint64_t steps_begun_ = 0;
+  std::uint32_t next_use_ = 0;
+  std::uint32_t next_fetch_ = 0;
+  std::uint32_t fetches_used_ = 0;
+  std::optional<std::uint32_t> acquired_use_;
+  std::vector<bool> fetch_used_;
+  std::vector<Precision> fetch_precision_;
+  StepTransferMetrics current_;
+  BlockView view_;
+  DequantJob dequant_job_;
+};
+
+}  // namespace sp::adapters

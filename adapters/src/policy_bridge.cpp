@@ -1,0 +1,95 @@
+#include "sp/adapters/policy_bridge.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+namespace sp::adapters {
+
+PolicyBridge::PolicyBridge(std::uint32_t num_blocks)
+    : num_blocks_(num_blocks), plugin_route_(num_blocks, Precision::bf16) {}
+
+void PolicyBridge::check_block(std::uint32_t block, const char *what) const {
+  if (block >= num_blocks_) {
+    throw std::invalid_argument(
+        fmt::format("{}: block id {} is out of range (there are {} blocks)", what, block,
+                    num_blocks_));
+  }
+}
+
+void PolicyBridge::set_plugin_hints(const sp_hint_v1 *hints, std::uint32_t n) {
+  if (n != num_blocks_) {
+    throw std::invalid_argument(fmt::format(
+        "PolicyBridge: the plugin returned {} hints; expected one per block ({})", n,
+        num_blocks_));
+  }
+  if (hints == nullptr) {
+    throw std::invalid_argument("PolicyBridge: the hint array is null");
+  }
+  std::vector<Precision> routes(num_blocks_);
+  for (std::uint32_t i = 0; i < n; ++i) {
+    if (hints[i].block_id != i) {
+      throw std::invalid_argument(fmt::format(
+          "PolicyBridge: hint {} is for block {}; expected hints[i].block_id == i", i,
+          hints[i].block_id));
+    }
+    if (hints[i].precision == SP_PRECISION_BF16) {
+      routes[i] = Precision::bf16;
+    } else if (hints[i].precision == SP_PRECISION_INT8) {
+      routes[i] = Precision::int8;
+    } else {
+      throw std::invalid_argument(fmt::format(
+          "PolicyBridge: hint for block {} has precision {}; expected SP_PRECISION_BF16 (0) "
+          "or SP_PRECISION_INT8 (1)",
+          i, hints[i].precision));
+    }
+  }
+  plugin_route_ = std::move(routes);
+}
+
+void PolicyBridge::clear_plugin_hints() {
+  std::fill(plugin_route_.begin(), plugin_route_.end(), Precision::bf16);
+}
+
+void PolicyBridge::begin_step() { limits_ = RuntimeLimitHints{}; }
+
+namespace {
+void take_minimum(std::optional<std::uint32_t> &current, std::optional<std::uint32_t> offered) {
+  if (offered && (!current || *offered < *current)) {
+    current = offered;
+  }
+}
+}  // namespace
+
+void PolicyBridge::tighten(const RuntimeLimitHints &limits) {
+  for (const auto &[block, precision] : limits.block_precision_map) {
+    check_block(block, "RuntimeLimitHints.block_precision_map");
+    (void)precision;
+  }
+  take_minimum(limits_.max_inflight_h2d, limits.max_inflight_h2d);
+  take_minimum(limits_.prefetch_window_cap, limits.prefetch_window_cap);
+  limits_.suppress_speculative = limits_.suppress_speculative || limits.suppress_speculative;
+  for (const auto &[block, precision] : limits.block_precision_map) {
+    limits_.block_precision_map.emplace(block, precision);
+  }
+}
+
+Precision PolicyBridge::route(std::uint32_t block) const {
+  check_block(block, "PolicyBridge::route");
+  const auto pinned = limits_.block_precision_map.find(block);
+  return pinned != limits_.block_precision_map.end() ? pinned->second : plugin_route_[block];
+}
+
+std::uint32_t PolicyBridge::lookahead(std::uint32_t configured_window) const {
+  std::uint32_t window = configured_window;
+  if (limits_.prefetch_window_cap) {
+    window = std::min(window, *limits_.prefetch_window_cap);
+  }
+  if (limits_.max_inflight_h2d) {
+    window = std::min(window, *limits_.max_inflight_h2d);
+  }
+  return window;
+}
+
+}  // namespace sp::adapters

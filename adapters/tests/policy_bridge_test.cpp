@@ -1,0 +1,94 @@
+#include "sp/adapters/policy_bridge.h"
+
+#include <stdexcept>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace sp::adapters {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::vector<sp_hint_v1> hints_for(const std::vector<sp_precision> &precisions) {
+  std::vector<sp_hint_v1> hints(precisions.size());
+  for (std::uint32_t b = 0; b < precisions.size(); ++b) {
+    hints[b].block_id = b;
+    hints[b].precision = precisions[b];
+  }
+  return hints;
+}
+
+TEST(PolicyBridge, RoutesFollowThePluginUntilReplaced) {
+  PolicyBridge bridge(3);
+  EXPECT_EQ(bridge.route(1), Precision::bf16);
+  auto hints = hints_for({SP_PRECISION_BF16, SP_PRECISION_INT8, SP_PRECISION_INT8});
+  bridge.set_plugin_hints(hints.data(), 3);
+  bridge.begin_step();
+  EXPECT_EQ(bridge.route(0), Precision::bf16);
+  EXPECT_EQ(bridge.route(1), Precision::int8);
+  bridge.clear_plugin_hints();
+  EXPECT_EQ(bridge.route(1), Precision::bf16);
+}
+
+TEST(PolicyBridge, BadHintsAreRejectedAndTheOldOnesStay) {
+  PolicyBridge bridge(2);
+  auto good = hints_for({SP_PRECISION_INT8, SP_PRECISION_BF16});
+  bridge.set_plugin_hints(good.data(), 2);
+
+  auto wrong_id = good;
+  wrong_id[1].block_id = 0;
+  EXPECT_THAT([&] { bridge.set_plugin_hints(wrong_id.data(), 2); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("hint 1 is for block 0")));
+  auto wrong_precision = hints_for({SP_PRECISION_BF16, 7});
+  EXPECT_THAT([&] { bridge.set_plugin_hints(wrong_precision.data(), 2); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("precision 7")));
+  EXPECT_THROW(bridge.set_plugin_hints(good.data(), 1), std::invalid_argument);
+  EXPECT_EQ(bridge.route(0), Precision::int8);
+}
+
+TEST(PolicyBridge, LimitsOnlyTightenWithinAStepAndResetAtStepBegin) {
+  PolicyBridge bridge(4);
+  auto hints = hints_for({SP_PRECISION_INT8, SP_PRECISION_INT8, SP_PRECISION_INT8,
+                          SP_PRECISION_INT8});
+  bridge.set_plugin_hints(hints.data(), 4);
+  bridge.begin_step();
+  EXPECT_EQ(bridge.lookahead(4), 4u);
+
+  RuntimeLimitHints first;
+  first.prefetch_window_cap = 2;
+  first.block_precision_map[1] = Precision::bf16;
+  bridge.tighten(first);
+  RuntimeLimitHints looser;
+  looser.prefetch_window_cap = 3;
+  looser.max_inflight_h2d = 1;
+  looser.block_precision_map[1] = Precision::int8;  // a pin stays until the step ends
+  looser.block_precision_map[2] = Precision::bf16;
+  bridge.tighten(looser);
+  RuntimeLimitHints unset;
+  bridge.tighten(unset);  // unset fields loosen nothing
+
+  EXPECT_EQ(*bridge.limits().prefetch_window_cap, 2u);
+  EXPECT_EQ(bridge.lookahead(4), 1u);
+  EXPECT_EQ(bridge.route(1), Precision::bf16);
+  EXPECT_EQ(bridge.route(2), Precision::bf16);
+  EXPECT_EQ(bridge.route(3), Precision::int8);
+  EXPECT_FALSE(bridge.limits().suppress_speculative);
+
+  bridge.begin_step();
+  EXPECT_EQ(bridge.lookahead(4), 4u);
+  EXPECT_EQ(bridge.route(1), Precision::int8);
+}
+
+TEST(PolicyBridge, UnknownBlockInThePrecisionMapIsRejected) {
+  PolicyBridge bridge(2);
+  RuntimeLimitHints limits;
+  limits.block_precision_map[2] = Precision::bf16;
+  EXPECT_THAT([&] { bridge.tighten(limits); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("block id 2")));
+  EXPECT_THROW(bridge.route(2), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace sp::adapters

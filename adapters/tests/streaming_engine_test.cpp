@@ -1,0 +1,411 @@
+#include "sp/adapters/streaming_engine.h"
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "engine_test_support.h"
+#include "sp/adapters/host_backend.h"
+#include "sp/adapters/instrumented_backend.h"
+
+namespace sp::adapters {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using testing::config_for;
+using testing::run_checked_step;
+using testing::set_routes;
+using testing::SyntheticModel;
+
+constexpr std::uint32_t kBlocks = 6;
+
+TEST(StreamingEngine, Bf16SlotsHoldTheBf16ImageBitForBit) {
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 1);
+  StreamingEngine engine(backend, config_for(model.blocks(), 2), model.blocks());
+  const StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 0, 0);
+  EXPECT_EQ(metrics.fetches_bf16, engine.schedule().fetches().size());
+  EXPECT_EQ(metrics.fetches_int8, 0u);
+}
+
+class Int8Groups : public ::testing::TestWithParam<std::uint32_t> {};
+
+TEST_P(Int8Groups, Int8SlotsHoldTheDequantizedImageBitForBit) {
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 2);
+  StreamingConfig config = config_for(model.blocks(), 1);
+  config.int8_group_size = GetParam();
+  StreamingEngine engine(backend, config, model.blocks());
+  set_routes(engine, std::vector<Precision>(kBlocks, Precision::int8));
+  const StepTransferMetrics metrics =
+      run_checked_step(engine, backend, model.blocks(), 0, config.int8_group_size);
+  EXPECT_EQ(metrics.fetches_int8, engine.schedule().fetches().size());
+  EXPECT_EQ(metrics.h2d_bytes_bf16, 0u);
+  // Bytes on the wire are the INT8 images, fetch by fetch.
+  std::uint64_t expected_int8 = 0;
+  std::uint64_t expected_all_bf16 = 0;
+  for (const BlockFetch &fetch : engine.schedule().fetches()) {
+    expected_int8 += engine.image_bytes(fetch.block, Precision::int8);
+    expected_all_bf16 += engine.image_bytes(fetch.block, Precision::bf16);
+  }
+  EXPECT_EQ(metrics.h2d_bytes_int8, expected_int8);
+  EXPECT_EQ(metrics.h2d_bytes_all_bf16, expected_all_bf16);
+  EXPECT_LT(metrics.h2d_bytes_int8, metrics.h2d_bytes_all_bf16);
+}
+
+INSTANTIATE_TEST_SUITE_P(PerRowAndGroups, Int8Groups, ::testing::Values(0u, 32u, 128u));
+
+struct WindowCase {
+  std::uint32_t window;
+  bool backward;
+};
+
+class PrefetchWindows : public ::testing::TestWithParam<WindowCase> {};
+
+// After the trainer acquires the use served by fetch f, exactly the fetches up to f + window
+// have been issued, whichever direction they go: forward, across the turn, backward.
+TEST_P(PrefetchWindows, IssuesExactlyTheWindowAheadInScheduleOrder) {
+  const WindowCase param = GetParam();
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 3);
+  StreamingConfig config = config_for(model.blocks(), param.window);
+  config.backward = param.backward;
+  StreamingEngine engine(backend, config, model.blocks());
+  const auto fetches = static_cast<std::uint32_t>(engine.schedule().fetches().size());
+  ASSERT_EQ(fetches, param.backward ? 2 * kBlocks - 1 : kBlocks);
+
+  for (int step = 0; step < 2; ++step) {
+    engine.begin_step(step);
+    EXPECT_EQ(engine.issued_fetches(), std::min(param.window, fetches));
+    for (const BlockUse &use : engine.schedule().uses()) {
+      const BlockView &view = engine.acquire(use.block);
+      EXPECT_EQ(view.block, use.block);
+      EXPECT_EQ(view.phase, use.phase);
+      EXPECT_EQ(engine.issued_fetches(), std::min(use.fetch + 1 + param.window, fetches))
+          << engine.schedule().describe_use(&use - engine.schedule().uses().data());
+      testing::expect_view_holds(backend, view, model.blocks()[use.block], 0);
+      engine.release(use.block);
+    }
+    const StepTransferMetrics metrics = engine.end_step();
+    EXPECT_EQ(metrics.prefetch_hits, param.window == 0 ? 0u : fetches);
+    EXPECT_EQ(metrics.prefetch_misses, param.window == 0 ? fetches : 0u);
+    EXPECT_EQ(metrics.slots_total, param.window + 2);
+    EXPECT_LE(metrics.slots_in_flight_peak, param.window + 1);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Windows, PrefetchWindows,
+                         ::testing::Values(WindowCase{0, true}, WindowCase{1, true},
+                                           WindowCase{2, true}, WindowCase{kBlocks, true},
+                                           WindowCase{0, false}, WindowCase{2, false},
+                                           WindowCase{kBlocks, false}));
+
+TEST(StreamingEngine, PrefetchCrossesTheForwardToBackwardTurn) {
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 4);
+  StreamingEngine engine(backend, config_for(model.blocks(), 2), model.blocks());
+  engine.begin_step(0);
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    engine.acquire(b);
+    engine.release(b);
+  }
+  // The last forward block's fetch also serves its backward; the two after it are the
+  // backward fetches of the blocks below, issued before the trainer turns around.
+  const auto &fetches = engine.schedule().fetches();
+  ASSERT_EQ(engine.issued_fetches(), kBlocks + 2);
+  EXPECT_EQ(fetches[kBlocks].block, kBlocks - 2);
+  EXPECT_EQ(fetches[kBlocks].phase, Phase::backward);
+  EXPECT_EQ(fetches[kBlocks + 1].block, kBlocks - 3);
+  for (std::uint32_t use = kBlocks; use < engine.schedule().uses().size(); ++use) {
+    const std::uint32_t block = engine.schedule().uses()[use].block;
+    engine.acquire(block);
+    engine.release(block);
+  }
+  EXPECT_EQ(engine.end_step().prefetch_misses, 0u);
+}
+
+TEST(StreamingEngine, RecomputeScheduleDeliversEveryUse) {
+  HostBackend backend;
+  SyntheticModel model(5, 5);
+  StreamingConfig config = config_for(model.blocks(), 2);
+  config.recompute_segment = 2;
+  StreamingEngine engine(backend, config, model.blocks());
+  set_routes(engine, {Precision::int8, Precision::bf16, Precision::int8, Precision::bf16,
+                      Precision::int8});
+  const StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 0, 0);
+  EXPECT_EQ(metrics.prefetch_hits + metrics.prefetch_misses, engine.schedule().fetches().size());
+  EXPECT_EQ(metrics.prefetch_misses, 0u);
+}
+
+TEST(StreamingEngine, PrecisionSwitchesMidRunWithoutWeightUpdate) {
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 6);
+  StreamingEngine engine(backend, config_for(model.blocks(), 1), model.blocks());
+  run_checked_step(engine, backend, model.blocks(), 0, 0);
+  set_routes(engine, {Precision::int8, Precision::bf16, Precision::int8, Precision::int8,
+                      Precision::bf16, Precision::int8});
+  StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 1, 0);
+  EXPECT_EQ(metrics.image_rebuilds, 4u);  // the four switched blocks, once each
+  EXPECT_GT(metrics.fetches_int8, 0u);
+  set_routes(engine, std::vector<Precision>(kBlocks, Precision::bf16));
+  metrics = run_checked_step(engine, backend, model.blocks(), 2, 0);
+  EXPECT_EQ(metrics.image_rebuilds, 4u);
+  EXPECT_EQ(metrics.fetches_int8, 0u);
+}
+
+TEST(StreamingEngine, PrecisionSwitchAndWeightUpdateInTheSameStep) {
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 7);
+  StreamingEngine engine(backend, config_for(model.blocks(), 2), model.blocks());
+  run_checked_step(engine, backend, model.blocks(), 0, 0);
+  // After backward: new hints, then the optimizer updates every block.
+  set_routes(engine, {Precision::bf16, Precision::int8, Precision::int8, Precision::bf16,
+                      Precision::int8, Precision::bf16});
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    model.update_weights(b, 1e-3f);
+    engine.on_weights_updated(b);
+  }
+  StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 1, 0);
+  EXPECT_EQ(metrics.image_rebuilds, kBlocks);  // one rebuild per block covers both changes
+}
+
+TEST(StreamingEngine, StaleImageGuardFetchesTheNewWeightsAfterASwitch) {
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 8);
+  StreamingEngine engine(backend, config_for(model.blocks(), 1), model.blocks());
+  run_checked_step(engine, backend, model.blocks(), 0, 0);
+
+  // Switch block 3 to INT8: its INT8 image is built from the old weights at the update call
+  // below only if the guard tracks both the route and the weights version.
+  std::vector<Precision> routes(kBlocks, Precision::bf16);
+  routes[3] = Precision::int8;
+  set_routes(engine, routes);
+  engine.begin_step(1);
+  for (const BlockUse &use : engine.schedule().uses()) {
+    engine.acquire(use.block);
+    engine.release(use.block);
+  }
+  engine.end_step();
+  model.update_weights(3, 0.5f);
+  engine.on_weights_updated(3);
+  run_checked_step(engine, backend, model.blocks(), 2, 0);
+
+  // Switching back after another update must not resurrect the BF16 image of step 0.
+  model.update_weights(3, -0.25f);
+  engine.on_weights_updated(3);
+  set_routes(engine, std::vector<Precision>(kBlocks, Precision::bf16));
+  run_checked_step(engine, backend, model.blocks(), 3, 0);
+}
+
+TEST(StreamingEngine, RuntimePinOverridesThePluginAndPrefetchLimitsTighten) {
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 9);
+  StreamingEngine engine(backend, config_for(model.blocks(), 3), model.blocks());
+  set_routes(engine, std::vector<Precision>(kBlocks, Precision::int8));
+  engine.begin_step(0);
+  EXPECT_EQ(engine.issued_fetches(), 3u);
+  RuntimeLimitHints limits;
+  limits.prefetch_window_cap = 1;
+  limits.block_precision_map[5] = Precision::bf16;
+  engine.policy_bridge().tighten(limits);
+  std::uint32_t bf16_views = 0;
+  for (const BlockUse &use : engine.schedule().uses()) {
+    const BlockView &view = engine.acquire(use.block);
+    // Fetches 0..2 were issued before the cap; afterwards one fetch ahead at most.
+    const auto fetches = static_cast<std::uint32_t>(engine.schedule().fetches().size());
+    EXPECT_EQ(engine.issued_fetches(), std::min(fetches, std::max(3u, use.fetch + 2)));
+    testing::expect_view_holds(backend, view, model.blocks()[use.block], 0);
+    bf16_views += view.precision == Precision::bf16 ? 1 : 0;
+    EXPECT_EQ(view.precision, use.block == 5 ? Precision::bf16 : Precision::int8);
+    engine.release(use.block);
+  }
+  EXPECT_EQ(bf16_views, 2u);  // block 5 forward and backward share one fetch
+  engine.end_step();
+  // Limits reset at the next step: the full window again, and block 5 back on INT8.
+  engine.begin_step(1);
+  EXPECT_EQ(engine.issued_fetches(), 3u);
+  EXPECT_EQ(engine.policy_bridge().route(5), Precision::int8);
+}
+
+TEST(StreamingEngine, SuppressSpeculativeStopsPrefetchAtThePhaseBoundary) {
+  HostBackend backend;
+  SyntheticModel model(4, 10);
+  StreamingEngine engine(backend, config_for(model.blocks(), 2), model.blocks());
+  engine.begin_step(0);
+  RuntimeLimitHints limits;
+  limits.suppress_speculative = true;
+  engine.policy_bridge().tighten(limits);
+  for (std::uint32_t b = 0; b < 4; ++b) {
+    engine.acquire(b);
+    engine.release(b);
+  }
+  EXPECT_EQ(engine.issued_fetches(), 4u);  // nothing of the backward yet
+  for (std::uint32_t use = 4; use < engine.schedule().uses().size(); ++use) {
+    const std::uint32_t block = engine.schedule().uses()[use].block;
+    engine.acquire(block);
+    engine.release(block);
+  }
+  const StepTransferMetrics metrics = engine.end_step();
+  EXPECT_EQ(metrics.prefetch_misses, 1u);  // the first backward-only block
+}
+
+TEST(StreamingEngine, ForwardOnlyStepLeavesUnusedPrefetchesSafe) {
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 11);
+  StreamingEngine engine(backend, config_for(model.blocks(), 2), model.blocks());
+  engine.begin_step(0);
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    engine.acquire(b);
+    engine.release(b);
+  }
+  EXPECT_EQ(engine.end_step().prefetch_unused, 2u);
+  set_routes(engine, std::vector<Precision>(kBlocks, Precision::int8));
+  run_checked_step(engine, backend, model.blocks(), 1, 0);
+}
+
+TEST(StreamingEngine, BlockLargerThanASlotIsAStartupErrorNamingBothSizes) {
+  HostBackend backend;
+  SyntheticModel model(3, 12);
+  StreamingConfig config = config_for(model.blocks(), 1);
+  config.device_slot_bytes = 4096;
+  try {
+    StreamingEngine engine(backend, config, model.blocks());
+    FAIL() << "a block larger than its slot was accepted";
+  } catch (const std::invalid_argument &error) {
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("block 'layer0' (id 0)"), HasSubstr("4096"),
+                                    HasSubstr("device_slot_bytes")));
+  }
+  config = config_for(model.blocks(), 1);
+  config.host_slab_bytes = 1024;
+  EXPECT_THAT([&] { StreamingEngine engine(backend, config, model.blocks()); },
+              ::testing::ThrowsMessage<std::invalid_argument>(
+                  AllOf(HasSubstr("layer0"), HasSubstr("host_slab_bytes is 1024"))));
+}
+
+TEST(StreamingEngine, BlockSizeInTheErrorIsTheRealImageSize) {
+  HostBackend backend;
+  SyntheticModel model(1, 13);
+  StreamingConfig config = config_for(model.blocks(), 0);
+  StreamingEngine sized(backend, config, model.blocks());
+  const std::uint64_t bf16_bytes = sized.image_bytes(0, Precision::bf16);
+  config.device_slot_bytes = bf16_bytes - 1;
+  EXPECT_THAT([&] { StreamingEngine engine(backend, config, model.blocks()); },
+              ::testing::ThrowsMessage<std::invalid_argument>(
+                  HasSubstr("needs " + std::to_string(bf16_bytes) + " bytes")));
+  config.device_slot_bytes = bf16_bytes;
+  EXPECT_NO_THROW(StreamingEngine(backend, config, model.blocks()));
+}
+
+TEST(StreamingEngine, ExhaustedSlabPoolIsAClearError) {
+  HostBackend backend;
+  SyntheticModel model(4, 14);
+  StreamingConfig config = config_for(model.blocks(), 1);
+  config.host_slab_count = 3;
+  EXPECT_THAT([&] { StreamingEngine engine(backend, config, model.blocks()); },
+              ::testing::ThrowsMessage<std::runtime_error>(
+                  AllOf(HasSubstr("pool exhausted"), HasSubstr("block 'layer3' (id 3)"),
+                        HasSubstr("all 3 slabs"))));
+}
+
+TEST(StreamingEngine, SteadyStateMakesNoHostSynchronization) {
+  HostBackend host;
+  InstrumentedBackend backend(host);
+  SyntheticModel model(kBlocks, 15);
+  StreamingEngine engine(backend, config_for(model.blocks(), 2, /*spare_slabs=*/2),
+                         model.blocks());
+  auto run_step = [&](std::int64_t step) {
+    engine.begin_step(step);
+    for (const BlockUse &use : engine.schedule().uses()) {
+      engine.acquire(use.block);
+      engine.release(use.block);
+    }
+    return engine.end_step();
+  };
+  run_step(0);
+  backend.reset_counts();
+  for (std::int64_t step = 1; step <= 6; ++step) {
+    // Switches and optimizer updates between steps are part of the steady state.
+    std::vector<Precision> routes(kBlocks, Precision::bf16);
+    routes[static_cast<std::size_t>(step) % kBlocks] = Precision::int8;
+    set_routes(engine, routes);
+    model.update_weights(static_cast<std::uint32_t>(step % 3), 1e-4f);
+    engine.on_weights_updated(static_cast<std::uint32_t>(step % 3));
+    const StepTransferMetrics metrics = run_step(step);
+    EXPECT_EQ(metrics.stalls, 0u);
+  }
+  EXPECT_EQ(backend.counts().host_syncs, 0u);
+  EXPECT_EQ(backend.counts().allocations, 0u);
+  EXPECT_GT(backend.counts().copies, 0u);
+  EXPECT_GT(backend.counts().dequants, 0u);
+}
+
+TEST(StreamingEngine, OutOfOrderAcquireNamesTheExpectedUse) {
+  HostBackend backend;
+  SyntheticModel model(3, 16);
+  StreamingEngine engine(backend, config_for(model.blocks(), 1), model.blocks());
+  EXPECT_THROW(engine.acquire(0), std::logic_error);
+  engine.begin_step(0);
+  EXPECT_THAT([&] { engine.acquire(2); },
+              ::testing::ThrowsMessage<std::logic_error>(
+                  HasSubstr("expected block 0 (forward) at use 0")));
+  engine.acquire(0);
+  EXPECT_THROW(engine.end_step(), std::logic_error);
+  engine.release(0);
+}
+
+TEST(StreamingEngine, WritesOneMetricsRecordPerStep) {
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("sp_adapters_metrics_" + std::to_string(::getpid()) + ".jsonl");
+  std::filesystem::remove(path);
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 17);
+  StreamingConfig config = config_for(model.blocks(), 1);
+  config.metrics_path = path.string();
+  {
+    StreamingEngine engine(backend, config, model.blocks());
+    set_routes(engine, {Precision::int8, Precision::bf16, Precision::int8, Precision::bf16,
+                        Precision::bf16, Precision::bf16});
+    for (int step = 0; step < 3; ++step) {
+      run_checked_step(engine, backend, model.blocks(), step, 0);
+    }
+  }
+  std::ifstream in(path);
+  std::string line;
+  int records = 0;
+  while (std::getline(in, line)) {
+    const nlohmann::json record = nlohmann::json::parse(line);
+    EXPECT_EQ(record.at("step").get<int>(), records);
+    EXPECT_GT(record.at("h2d_bytes").at("int8").get<std::uint64_t>(), 0u);
+    EXPECT_TRUE(record.at("copy_seconds").is_number());
+    EXPECT_TRUE(record.at("dequant_seconds").is_number());
+    ++records;
+  }
+  EXPECT_EQ(records, 3);
+  std::filesystem::remove(path);
+}
+
+TEST(MetricsJsonlWriter, AnUnwritablePathIsLoggedNotFatal) {
+  MetricsJsonlWriter writer("/nonexistent-directory/sp/metrics.jsonl");
+  EXPECT_FALSE(writer.healthy());
+  writer.append(nlohmann::json{{"step", 0}});
+  EXPECT_FALSE(writer.healthy());
+}
+
+TEST(StepTransferMetrics, FeedbackCarriesTheMeasuredBytes) {
+  StepTransferMetrics metrics;
+  metrics.h2d_bytes_bf16 = 10;
+  metrics.h2d_bytes_int8 = 20;
+  metrics.h2d_bytes_all_bf16 = 50;
+  const sp_step_feedback_v1 feedback = metrics.to_feedback();
+  EXPECT_EQ(feedback.struct_size, sizeof(sp_step_feedback_v1));
+  EXPECT_EQ(feedback.h2d_bytes_bf16, 10u);
+  EXPECT_EQ(feedback.h2d_bytes_int8, 20u);
+  EXPECT_EQ(feedback.h2d_bytes_all_bf16, 50u);
+}
+
+}  // namespace
+}  // namespace sp::adapters
