@@ -1,0 +1,56 @@
+// Helpers shared by the CUDA kernels: launch checks, element loads and warp/block reductions.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "scalar_math.h"
+#include "sp/kernels/dtype.h"
+
+namespace sp::kernels::cuda::detail {
+
+inline void check_launch(const char *kernel) {
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) {
+    throw std::runtime_error(std::string(kernel) + ": CUDA launch failed: " +
+                             cudaGetErrorString(error));
+  }
+}
+
+inline void require(bool condition, const std::string &message) {
+  if (!condition) throw std::invalid_argument(message);
+}
+
+inline unsigned grid_for(uint64_t items, unsigned per_block) {
+  const uint64_t blocks = (items + per_block - 1) / per_block;
+  return static_cast<unsigned>(blocks < 0x7FFFFFFFull ? (blocks == 0 ? 1 : blocks) : 0x7FFFFFFFull);
+}
+
+inline bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+__device__ __forceinline__ float load_element(const void *data, uint32_t dtype, uint64_t i) {
+  if (dtype == static_cast<uint32_t>(DType::kFloat32)) return static_cast<const float *>(data)[i];
+  const uint16_t bits = static_cast<const uint16_t *>(data)[i];
+  return dtype == static_cast<uint32_t>(DType::kBFloat16) ? kernels::detail::bf16_bits_to_float(bits)
+                                                          : kernels::detail::fp16_bits_to_float(bits);
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T value) {
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xFFFFFFFFu, value, offset);
+  return value;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_max(T value) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const T other = __shfl_xor_sync(0xFFFFFFFFu, value, offset);
+    value = other > value ? other : value;
+  }
+  return value;
+}
+
+}  // namespace sp::kernels::cuda::detail

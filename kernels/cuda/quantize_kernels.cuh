@@ -1,0 +1,233 @@
+// Quantize and dequantize kernels shared by the INT8 (quantize.cu) and FP8 (fp8.cu) entry
+// points. One warp per row or group for quantization; dequantization, the step after every
+// transfer, moves 16 codes per thread with 16-byte loads and stores when the layout allows.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <string>
+
+#include "common.cuh"
+#include "sp/kernels/quantize.h"
+
+namespace sp::kernels::cuda::detail {
+
+enum class CodeFormat { kInt8, kFp8E4M3 };
+
+struct Layout {
+  uint64_t rows;
+  uint64_t cols;
+  uint64_t groups_per_row;
+  uint64_t width;  // elements per group (cols for per row)
+};
+
+inline Layout make_layout(uint64_t rows, uint64_t cols, uint32_t group_size) {
+  return Layout{rows, cols, group_size == 0 ? 1 : (cols + group_size - 1) / group_size,
+                group_size == 0 ? cols : group_size};
+}
+
+__device__ __forceinline__ uint8_t encode_fp8(float x) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+__device__ __forceinline__ float decode_fp8(uint8_t code) {
+  const __half_raw half = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
+  return __half2float(__half(half));
+}
+
+template <CodeFormat kFormat>
+__global__ void quantize_kernel(const void *src, uint32_t dtype, Layout layout, Rounding rounding,
+                                uint64_t seed, uint8_t *codes, float *scales) {
+  const uint64_t warps = static_cast<uint64_t>(gridDim.x) * (blockDim.x / 32);
+  const uint64_t first_warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const unsigned lane = threadIdx.x % 32;
+  const float max_code = kFormat == CodeFormat::kInt8 ? 127.0f : 448.0f;
+  const uint64_t segments = layout.rows * layout.groups_per_row;
+  for (uint64_t segment = first_warp; segment < segments; segment += warps) {
+    const uint64_t row = segment / layout.groups_per_row;
+    const uint64_t group = segment - row * layout.groups_per_row;
+    const uint64_t first = row * layout.cols + group * layout.width;
+    const uint64_t remaining = layout.cols - group * layout.width;
+    const uint64_t n = remaining < layout.width ? remaining : layout.width;
+    uint32_t abs_bits = 0;
+    for (uint64_t i = lane; i < n; i += 32) {
+      const uint32_t bits = kernels::detail::float_bits(load_element(src, dtype, first + i)) & kernels::detail::kAbsMask;
+      abs_bits = bits > abs_bits ? bits : abs_bits;
+    }
+    abs_bits = warp_max(abs_bits);
+    const float scale = kernels::detail::quant_scale(abs_bits, max_code);
+    if (lane == 0) scales[segment] = scale;
+    const bool poisoned = abs_bits >= kernels::detail::kInfBits;
+    const float inv = kernels::detail::reciprocal(scale);
+    for (uint64_t i = lane; i < n; i += 32) {
+      const uint64_t index = first + i;
+      uint8_t code = 0;
+      if (!poisoned) {
+        const float x = load_element(src, dtype, index);
+        if constexpr (kFormat == CodeFormat::kFp8E4M3) {
+          code = encode_fp8(x * inv);
+        } else if (rounding == Rounding::kStochastic) {
+          code = static_cast<uint8_t>(kernels::detail::int8_code_stochastic(
+              x, inv, kernels::detail::random_bits(seed, index)));
+        } else {
+          code = static_cast<uint8_t>(kernels::detail::int8_code_nearest_even(x, inv));
+        }
+      }
+      codes[index] = code;
+    }
+  }
+}
+
+template <CodeFormat kFormat>
+__device__ __forceinline__ float decode(uint8_t code) {
+  if constexpr (kFormat == CodeFormat::kInt8) {
+    return static_cast<float>(static_cast<int8_t>(code));
+  } else {
+    return decode_fp8(code);
+  }
+}
+
+__device__ __forceinline__ void store(float x, float *dst) { *dst = x; }
+__device__ __forceinline__ void store(float x, uint16_t *dst) { *dst = kernels::detail::bf16_round_nearest_even(x); }
+
+template <typename Index>
+__device__ __forceinline__ float scale_of(const float *scales, Index i, Index cols, Index groups_per_row,
+                                          Index width) {
+  const Index row = i / cols;
+  const Index col = i - row * cols;
+  return __ldg(&scales[row * groups_per_row + col / width]);
+}
+
+// Any layout, one element per thread per step.
+template <CodeFormat kFormat, typename Out, typename Index>
+__global__ void dequantize_scalar_kernel(const uint8_t *codes, const float *scales, Layout layout,
+                                         Out *dst) {
+  const Index n = static_cast<Index>(layout.rows * layout.cols);
+  const Index stride = static_cast<Index>(gridDim.x) * blockDim.x;
+  for (Index i = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float scale = scale_of<Index>(scales, i, static_cast<Index>(layout.cols),
+                                        static_cast<Index>(layout.groups_per_row), static_cast<Index>(layout.width));
+    store(decode<kFormat>(codes[i]) * scale, dst + i);
+  }
+}
+
+// cols % 16 == 0, 16-byte aligned buffers and group width a multiple of 16: the 16 codes at
+// vector v share one row and one group, so one scale serves them all.
+template <CodeFormat kFormat, typename Out, typename Index>
+__device__ __forceinline__ void dequantize_vector(const uint8_t *codes, const float *scales,
+                                                  const Layout &layout, Out *dst, Index v) {
+  const Index i = v * 16;
+  const float scale = scale_of<Index>(scales, i, static_cast<Index>(layout.cols),
+                                      static_cast<Index>(layout.groups_per_row), static_cast<Index>(layout.width));
+  const uint4 packed = __ldg(reinterpret_cast<const uint4 *>(codes) + v);
+  const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+  if constexpr (sizeof(Out) == 2) {
+    uint32_t out[8];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      for (int pair = 0; pair < 2; ++pair) {
+        const uint8_t lo = static_cast<uint8_t>(words[w] >> (16 * pair));
+        const uint8_t hi = static_cast<uint8_t>(words[w] >> (16 * pair + 8));
+        const uint32_t a = kernels::detail::bf16_round_nearest_even(decode<kFormat>(lo) * scale);
+        const uint32_t b = kernels::detail::bf16_round_nearest_even(decode<kFormat>(hi) * scale);
+        out[w * 2 + pair] = a | (b << 16);
+      }
+    }
+    uint4 *target = reinterpret_cast<uint4 *>(dst + i);
+    target[0] = make_uint4(out[0], out[1], out[2], out[3]);
+    target[1] = make_uint4(out[4], out[5], out[6], out[7]);
+  } else {
+    float out[16];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      for (int b = 0; b < 4; ++b) out[w * 4 + b] = decode<kFormat>(static_cast<uint8_t>(words[w] >> (8 * b))) * scale;
+    }
+    float4 *target = reinterpret_cast<float4 *>(dst + i);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) target[q] = make_float4(out[q * 4], out[q * 4 + 1], out[q * 4 + 2], out[q * 4 + 3]);
+  }
+}
+
+// The fast path: 16 codes per thread per step, 16-byte loads and stores.
+template <CodeFormat kFormat, typename Out, typename Index>
+__global__ void dequantize_vector_kernel(const uint8_t *codes, const float *scales, Layout layout,
+                                         Out *dst) {
+  const Index vectors = static_cast<Index>(layout.rows * layout.cols / 16);
+  const Index stride = static_cast<Index>(gridDim.x) * blockDim.x;
+  for (Index v = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; v < vectors; v += stride) {
+    dequantize_vector<kFormat, Out, Index>(codes, scales, layout, dst, v);
+  }
+}
+
+inline void check_group_size(uint32_t group_size, const char *function) {
+  require(is_supported_group_size(group_size),
+          std::string(function) + ": group_size " + std::to_string(group_size) +
+              " is not supported (expected 0 = per row, 32, 64, 128 or 256)");
+}
+
+inline void check_buffers(uint64_t rows, uint64_t cols, std::initializer_list<const void *> pointers,
+                          const char *function) {
+  if (rows == 0 || cols == 0) return;
+  for (const void *pointer : pointers) {
+    require(pointer != nullptr, std::string(function) + ": null pointer for a " + std::to_string(rows) +
+                                    " x " + std::to_string(cols) + " tensor");
+  }
+}
+
+static __global__ void fill_kernel(float *dst, uint64_t n, float value) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = value;
+}
+
+template <CodeFormat kFormat>
+void launch_quantize(const void *src, DType src_dtype, uint64_t rows, uint64_t cols,
+                     const QuantizeOptions &options, uint8_t *codes, float *scales,
+                     cudaStream_t stream, const char *function) {
+  check_group_size(options.group_size, function);
+  require(src_dtype == DType::kFloat32 || src_dtype == DType::kBFloat16,
+          std::string(function) + ": source dtype " + dtype_name(src_dtype) +
+              " is not supported (expected fp32 or bf16)");
+  require(kFormat == CodeFormat::kInt8 || options.rounding == Rounding::kNearestEven,
+          std::string(function) + ": FP8 supports round-to-nearest-even only");
+  check_buffers(rows, cols, {src, codes, scales}, function);
+  const Layout layout = make_layout(rows, cols, options.group_size);
+  if (rows == 0 || cols == 0) {
+    if (cols == 0 && rows != 0 && options.group_size == 0) {
+      // Empty rows keep the per-row contract: scale 1.
+      require(scales != nullptr, std::string(function) + ": null scales");
+      fill_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(scales, rows, 1.0f);
+      check_launch(function);
+    }
+    return;
+  }
+  constexpr unsigned kThreads = 256;
+  const uint64_t segments = rows * layout.groups_per_row;
+  quantize_kernel<kFormat><<<grid_for(segments, kThreads / 32), kThreads, 0, stream>>>(
+      src, static_cast<uint32_t>(src_dtype), layout, options.rounding, options.seed, codes, scales);
+  check_launch(function);
+}
+
+template <CodeFormat kFormat, typename Out>
+void launch_dequantize(const uint8_t *codes, const float *scales, uint64_t rows, uint64_t cols,
+                       uint32_t group_size, Out *dst, cudaStream_t stream, const char *function) {
+  check_group_size(group_size, function);
+  check_buffers(rows, cols, {codes, scales, dst}, function);
+  if (rows == 0 || cols == 0) return;
+  const Layout layout = make_layout(rows, cols, group_size);
+  const uint64_t n = rows * cols;
+  constexpr unsigned kThreads = 256;
+  const bool small_index = n < (1ull << 32) && rows * layout.groups_per_row < (1ull << 32);
+  const bool vector_path = cols % 16 == 0 && layout.width % 16 == 0 && aligned16(codes) && aligned16(dst);
+  if (vector_path && small_index) {
+    dequantize_vector_kernel<kFormat, Out, uint32_t><<<grid_for(n / 16, kThreads), kThreads, 0, stream>>>(codes, scales, layout, dst);
+  } else if (vector_path) {
+    dequantize_vector_kernel<kFormat, Out, uint64_t><<<grid_for(n / 16, kThreads), kThreads, 0, stream>>>(codes, scales, layout, dst);
+  } else if (small_index) {
+    dequantize_scalar_kernel<kFormat, Out, uint32_t><<<grid_for(n, kThreads * 4), kThreads, 0, stream>>>(codes, scales, layout, dst);
+  } else {
+    dequantize_scalar_kernel<kFormat, Out, uint64_t><<<grid_for(n, kThreads * 4), kThreads, 0, stream>>>(codes, scales, layout, dst);
+  }
+  check_launch(function);
+}
+
+}  // namespace sp::kernels::cuda::detail
