@@ -1,0 +1,340 @@
+// sp_bench_adapters: how close the streaming data path comes to the copy limit measured in the
+// same run, per block size, and how much transfer a compute-bound loop still exposes.
+//
+//   --backend host  the host backend with a bandwidth cap (default 25 GB/s, a PCIe Gen4 x16
+//                   link): an emulation on the CPU; the limit is the capped copy.
+//   --backend cuda  the CUDA backend; the limit is raw cudaMemcpyAsync from pinned memory.
+//
+// Figures (per block size): raw copy bandwidth; BF16 path bandwidth and its ratio to raw;
+// INT8 path time (copy + dequant) as a ratio of the BF16 path time; the INT8 wire ratio.
+// Then a synthetic forward+backward loop whose compute per block is 1.5x the block's BF16
+// transfer time: the exposed transfer is the step time beyond the compute-only loop.
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "bench_report.hpp"
+#include "sp/adapters/host_backend.h"
+#include "sp/adapters/streaming_engine.h"
+#include "sp/kernels/slab.h"
+
+#ifdef SP_BENCH_WITH_CUDA
+#include "cuda_compute.h"
+#include "sp/adapters/cuda_backend.h"
+#endif
+
+namespace {
+
+using namespace sp::adapters;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// How a backend runs synthetic compute and how the host waits for its compute queue.
+struct Harness {
+  TransferBackend &backend;
+  std::function<void(double seconds)> compute;
+  std::function<void()> drain;
+};
+
+constexpr std::uint64_t kCols = 4096;
+
+// Blocks of one rows x 4096 tensor whose BF16 payload is `block_bytes`.
+class BenchModel {
+ public:
+  BenchModel(std::uint32_t num_blocks, std::uint64_t block_bytes) {
+    const std::uint64_t rows = block_bytes / 2 / kCols;
+    std::uint64_t state = 0x9E3779B97F4A7C15ull;
+    for (std::uint32_t b = 0; b < num_blocks; ++b) {
+      auto values = std::make_unique<std::vector<float>>(rows * kCols);
+      for (float &v : *values) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        v = (static_cast<float>(state >> 40) / static_cast<float>(1 << 24) - 0.5f) * 0.1f;
+      }
+      blocks_.push_back(
+          BlockSpec{fmt::format("block{}", b), {TensorSpec{"weight", values->data(), rows, kCols}}});
+      storage_.push_back(std::move(values));
+    }
+  }
+  const std::vector<BlockSpec> &blocks() const { return blocks_; }
+
+ private:
+  std::vector<std::unique_ptr<std::vector<float>>> storage_;
+  std::vector<BlockSpec> blocks_;
+};
+
+std::uint64_t image_bytes(const BlockSpec &block, sp::kernels::SlabPrecision precision) {
+  sp::kernels::SlabEncoding encoding;
+  encoding.precision = precision;
+  const sp::kernels::TensorShape shape{block.tensors[0].rows, block.tensors[0].cols};
+  return sp::kernels::slab_image_bytes(encoding, &shape, 1);
+}
+
+// Seconds per copy of `bytes` from pinned memory into device memory, back to back on the copy
+// queue, timed by the backend's events: the physical limit of this run. The copies rotate over
+// as many source and destination buffers as the engine uses, so neither side is measured
+// cache-hot when the engine's copies are not.
+double raw_copy_seconds(TransferBackend &backend, std::uint64_t bytes, std::uint32_t sources,
+                        std::uint32_t destinations, int repeats) {
+  std::vector<Region> host;
+  std::vector<Region> device;
+  for (std::uint32_t i = 0; i < sources; ++i) {
+    host.push_back(backend.allocate_pinned_host(bytes));
+    std::memset(host.back().data(), 1, bytes);
+  }
+  for (std::uint32_t i = 0; i < destinations; ++i) {
+    device.push_back(backend.allocate_device(bytes));
+  }
+  auto start = backend.create_event();
+  auto end = backend.create_event();
+  backend.copy_host_to_device_async(device[0].data(), host[0].data(), bytes);  // warm-up
+  backend.record(*start, Queue::copy);
+  const int copies = repeats * static_cast<int>(sources);
+  for (int i = 0; i < copies; ++i) {
+    backend.copy_host_to_device_async(device[i % destinations].data(), host[i % sources].data(),
+                                      bytes);
+  }
+  backend.record(*end, Queue::copy);
+  backend.synchronize(*end);
+  return backend.elapsed_seconds(*start, *end) / copies;
+}
+
+StreamingConfig config_for(const BenchModel &model, std::uint32_t window, bool backward) {
+  const BlockSpec &block = model.blocks().front();
+  StreamingConfig config;
+  config.host_slab_bytes = image_bytes(block, sp::kernels::SlabPrecision::kBf16);
+  config.host_slab_count = static_cast<std::uint32_t>(model.blocks().size());
+  config.device_slot_bytes = config.host_slab_bytes;
+  config.prefetch_window = window;
+  config.backward = backward;
+  return config;
+}
+
+void route_all(StreamingEngine &engine, Precision precision) {
+  std::vector<sp_hint_v1> hints(engine.policy_bridge().num_blocks());
+  for (std::uint32_t b = 0; b < hints.size(); ++b) {
+    hints[b] = sp_hint_v1{b, precision == Precision::int8 ? SP_PRECISION_INT8 : SP_PRECISION_BF16,
+                          0.0, SP_REASON_FORCED, 0};
+  }
+  engine.policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
+}
+
+// Wall seconds of one step of `engine` (drained), with `compute_seconds` per use.
+double timed_step(Harness &harness, StreamingEngine &engine, std::int64_t step,
+                  double compute_seconds) {
+  const Clock::time_point start = Clock::now();
+  engine.begin_step(step);
+  for (const BlockUse &use : engine.schedule().uses()) {
+    engine.acquire(use.block);
+    if (compute_seconds > 0) {
+      harness.compute(compute_seconds);
+    }
+    engine.release(use.block);
+  }
+  engine.end_step();
+  harness.drain();
+  return seconds_since(start);
+}
+
+// Seconds per fetch of a forward-only step with no compute: the path is transfer-bound.
+double path_seconds_per_fetch(Harness &harness, const BenchModel &model, Precision precision,
+                              int steps) {
+  StreamingEngine engine(harness.backend, config_for(model, 2, false), model.blocks());
+  route_all(engine, precision);
+  timed_step(harness, engine, 0, 0.0);  // builds the images, warms the queues
+  double total = 0;
+  for (int step = 1; step <= steps; ++step) {
+    total += timed_step(harness, engine, step, 0.0);
+  }
+  return total / steps / static_cast<double>(engine.schedule().fetches().size());
+}
+
+nlohmann::json exposed_transfer(Harness &harness, const BenchModel &model,
+                                double compute_per_block, int steps) {
+  StreamingEngine engine(harness.backend, config_for(model, 2, true), model.blocks());
+  const auto uses = engine.schedule().uses().size();
+  timed_step(harness, engine, 0, compute_per_block);
+  double streamed = 0;
+  double compute_only = 0;
+  for (int step = 1; step <= steps; ++step) {
+    streamed += timed_step(harness, engine, step, compute_per_block);
+    const Clock::time_point start = Clock::now();
+    for (std::size_t use = 0; use < uses; ++use) {
+      harness.compute(compute_per_block);
+    }
+    harness.drain();
+    compute_only += seconds_since(start);
+  }
+  streamed /= steps;
+  compute_only /= steps;
+  const double exposed = std::max(0.0, streamed - compute_only) / streamed;
+  return {{"block_bytes", model.blocks().front().tensors[0].rows * kCols * 2},
+          {"uses_per_step", uses},
+          {"compute_seconds_per_use", compute_per_block},
+          {"step_seconds", streamed},
+          {"compute_only_step_seconds", compute_only},
+          {"exposed_fraction", exposed},
+          {"target_exposed_fraction_max", 0.10},
+          {"meets_target", exposed <= 0.10}};
+}
+
+nlohmann::json run(Harness &harness, const std::vector<std::uint64_t> &block_mib,
+                   std::uint32_t num_blocks, int steps) {
+  nlohmann::json sizes = nlohmann::json::array();
+  // The exposed-transfer loop runs on the first size the BF16 target applies to (>= 8 MiB).
+  double loop_bf16_seconds = 0;
+  std::unique_ptr<BenchModel> loop_model;
+  for (const std::uint64_t mib : block_mib) {
+    auto model = std::make_unique<BenchModel>(num_blocks, mib << 20);
+    const BlockSpec &block = model->blocks().front();
+    const std::uint64_t bf16_bytes = image_bytes(block, sp::kernels::SlabPrecision::kBf16);
+    const std::uint64_t int8_bytes = image_bytes(block, sp::kernels::SlabPrecision::kInt8);
+    // The engine below streams num_blocks slabs through prefetch window 2 + 2 slots.
+    const double raw = raw_copy_seconds(harness.backend, bf16_bytes, num_blocks, 4, steps);
+    const double bf16 = path_seconds_per_fetch(harness, *model, Precision::bf16, steps);
+    const double int8 = path_seconds_per_fetch(harness, *model, Precision::int8, steps);
+    const double bf16_ratio = raw / bf16;
+    const double int8_ratio = int8 / bf16;
+    sizes.push_back({{"block_mib", mib},
+                     {"bf16_image_bytes", bf16_bytes},
+                     {"int8_image_bytes", int8_bytes},
+                     {"int8_wire_ratio", static_cast<double>(int8_bytes) / bf16_bytes},
+                     {"raw_copy_gbps", bf16_bytes / raw / 1e9},
+                     {"bf16_path_gbps", bf16_bytes / bf16 / 1e9},
+                     {"bf16_path_ratio_to_raw", bf16_ratio},
+                     {"bf16_path_seconds_per_block", bf16},
+                     {"int8_path_seconds_per_block", int8},
+                     {"int8_to_bf16_time_ratio", int8_ratio},
+                     {"bf16_target_applies", mib >= 8},
+                     {"bf16_meets_target", bf16_ratio >= 0.90},
+                     {"int8_target_applies", mib >= 16},
+                     {"int8_meets_target", int8_ratio <= 0.55}});
+    std::cout << fmt::format(
+        "{:>4} MiB  raw {:7.2f} GB/s  bf16 path {:7.2f} GB/s ({:5.1f}% of raw)  int8/bf16 time "
+        "{:5.2f}  int8/bf16 bytes {:5.3f}\n",
+        mib, bf16_bytes / raw / 1e9, bf16_bytes / bf16 / 1e9, 100 * bf16_ratio, int8_ratio,
+        static_cast<double>(int8_bytes) / bf16_bytes);
+    if (mib >= 8 && !loop_model) {
+      loop_bf16_seconds = bf16;
+      loop_model = std::move(model);
+    }
+  }
+  nlohmann::json result = {{"block_sizes", sizes}};
+  if (loop_model) {
+    result["exposed_transfer"] =
+        exposed_transfer(harness, *loop_model, 1.5 * loop_bf16_seconds, steps);
+    std::cout << "exposed transfer: " << result["exposed_transfer"].dump() << "\n";
+  }
+  return result;
+}
+
+void write_atomically(const std::filesystem::path &path, const std::string &text) {
+  const std::filesystem::path temporary = path.string() + ".tmp";
+  {
+    std::ofstream out(temporary, std::ios::trunc);
+    out << text << '\n';
+    out.flush();
+    if (!out) {
+      throw std::runtime_error("cannot write " + temporary.string());
+    }
+  }
+  std::filesystem::rename(temporary, path);
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  CLI::App app{"Streaming data path against the copy limit measured in the same run"};
+  std::string backend_name = "host";
+  double cap_gbps = 25.0;
+  std::vector<std::uint64_t> block_mib = {4, 8, 16, 32};
+  std::uint32_t num_blocks = 6;
+  int steps = 5;
+  std::string out_path;
+  std::string commit = "unknown";
+  app.add_option("--backend", backend_name, "host or cuda")->check(CLI::IsMember({"host", "cuda"}));
+  app.add_option("--bandwidth-cap-gbps", cap_gbps, "host backend: emulated link, GB/s (0 = none)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--block-mib", block_mib, "BF16 block sizes in MiB")->check(CLI::PositiveNumber);
+  app.add_option("--blocks", num_blocks, "blocks per model")->check(CLI::Range(2u, 1024u));
+  app.add_option("--steps", steps, "timed steps per measurement")->check(CLI::Range(1, 1000));
+  app.add_option("--out", out_path, "JSON report (written atomically)")->required();
+  app.add_option("--commit", commit, "commit the binary was built from");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    nlohmann::json report = {{"benchmark", "adapters"},
+                             {"backend", backend_name},
+                             {"commit", commit},
+                             {"machine", sp::bench::machine_description()},
+                             {"blocks", num_blocks},
+                             {"steps", steps}};
+    if (backend_name == "host") {
+      HostBackendOptions options;
+      options.bandwidth_cap_bytes_per_second = cap_gbps * 1e9;
+      HostBackend backend(options);
+      Harness harness{backend,
+                      [](double seconds) {
+                        const Clock::time_point until =
+                            Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                               std::chrono::duration<double>(seconds));
+                        while (Clock::now() < until) {
+                        }
+                      },
+                      [] {}};
+      report["emulation"] = true;
+      report["note"] =
+          "host backend: copies are memcpy paced to the cap by a worker thread and INT8 is "
+          "dequantized on the CPU; figures describe the engine's overheads, not a GPU";
+      report["bandwidth_cap_gbps"] = cap_gbps;
+      report["memcpy_uncapped_gbps"] = [&] {
+        HostBackend uncapped;
+        const std::uint64_t bytes = block_mib.back() << 20;
+        return bytes / raw_copy_seconds(uncapped, bytes, num_blocks, 4, steps) / 1e9;
+      }();
+      report["results"] = run(harness, block_mib, num_blocks, steps);
+    } else {
+#ifdef SP_BENCH_WITH_CUDA
+      if (!CudaBackend::device_available()) {
+        std::cerr << "sp_bench_adapters: --backend cuda needs a CUDA device; none was found\n";
+        return 2;
+      }
+      CudaBackend backend;
+      Harness harness{backend,
+                      [&](double seconds) {
+                        sp::bench::spin_on_stream(backend.stream(Queue::compute), seconds);
+                      },
+                      [&] {
+                        if (cudaStreamSynchronize(backend.stream(Queue::compute)) != cudaSuccess) {
+                          throw std::runtime_error("cudaStreamSynchronize(compute) failed");
+                        }
+                      }};
+      report["emulation"] = false;
+      report["results"] = run(harness, block_mib, num_blocks, steps);
+#else
+      std::cerr << "sp_bench_adapters: built without CUDA; use --backend host\n";
+      return 2;
+#endif
+    }
+    write_atomically(out_path, report.dump(2));
+    std::cout << "wrote " << out_path << "\n";
+  } catch (const std::exception &error) {
+    std::cerr << "sp_bench_adapters: " << error.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
