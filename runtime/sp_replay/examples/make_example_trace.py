@@ -31,7 +31,7 @@ def drift(block, n_blocks, step, n_steps):
     if not 0.35 <= depth <= 0.65:
         return 1.0
     phase = step / max(n_steps - 1, 1)
-    return 1.0 + 1.6 * math.exp(-((phase - 0.5) / 0.15) ** 2)
+    return 1.0 + 5.0 * math.exp(-((phase - 0.45) / 0.15) ** 2)
 
 
 def atomic_write(path, text):
@@ -55,7 +55,7 @@ def main():
     rng = random.Random(args.seed)
     profiles = [block_profile(b, args.blocks) for b in range(args.blocks)]
     count = args.params_per_block
-    unsafe_step, unsafe_block = args.steps * 3 // 4, args.blocks // 2 + 3
+    unsafe_step, unsafe_block = args.steps * 3 // 4, args.blocks // 8
     lines = []
     for step in range(args.steps):
         blocks = []
