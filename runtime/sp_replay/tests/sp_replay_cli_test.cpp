@@ -1,0 +1,147 @@
+// Runs the sp-replay binary as a user would, on small traces, and checks its output files,
+// its exit codes and its messages.
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+struct RunResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr
+};
+
+class SpReplayCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) /
+           ("sp-replay-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    write("policy.yaml",
+          "selective_precision:\n  warmup_steps: 2\n  update_interval_steps: 1\n  history_window: 2\n"
+          "  min_steps_between_switches: 2\n");
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  fs::path write(const std::string& name, const std::string& text) {
+    std::ofstream(dir_ / name) << text;
+    return dir_ / name;
+  }
+
+  RunResult run(const std::string& args) {
+    const std::string command = std::string(SP_REPLAY_BINARY) + " --plugin-dir " + SP_PLUGIN_DIR + " " + args + " 2>&1";
+    FILE* pipe = ::popen(command.c_str(), "r");
+    RunResult result;
+    std::array<char, 4096> buffer{};
+    size_t n = 0;
+    while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
+    const int status = ::pclose(pipe);
+    result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return result;
+  }
+
+  // Two blocks: block 0 has a tenth of block 1's gradient norm, so it goes INT8 at the
+  // first decision step (step 2) and block 1 stays BF16.
+  static std::string trace(int steps) {
+    std::string text;
+    for (int s = 0; s < steps; ++s) {
+      text += "{\"step\":" + std::to_string(s) +
+              ",\"blocks\":[{\"id\":0,\"sum_sq\":0.01,\"sum\":0,\"max_abs\":0.01,\"count\":1000,\"nonfinite\":0},"
+              "{\"id\":1,\"sum_sq\":1.0,\"sum\":0,\"max_abs\":0.1,\"count\":1000,\"nonfinite\":0}]}\n";
+    }
+    return text;
+  }
+
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  fs::path dir_;
+};
+
+TEST_F(SpReplayCli, WritesOneDecisionLinePerStepAndTelemetry) {
+  write("t.jsonl", trace(4));
+  const RunResult r = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
+                          " --out " + path("d.jsonl") + " --telemetry " + path("tel.jsonl"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream decisions(dir_ / "d.jsonl");
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(decisions, line);) lines.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(lines.size(), 4u);
+  EXPECT_EQ(lines[0], (nlohmann::json{{"step", 0}, {"precision", {"bf16", "bf16"}}}));
+  EXPECT_EQ(lines[1]["precision"], (nlohmann::json{"bf16", "bf16"})) << "warm-up lasts two steps";
+  EXPECT_EQ(lines[2], (nlohmann::json{{"step", 2}, {"precision", {"int8", "bf16"}}}));
+  EXPECT_EQ(lines[3]["precision"], (nlohmann::json{"int8", "bf16"}));
+  EXPECT_TRUE(fs::exists(dir_ / "tel.jsonl"));
+  EXPECT_THAT(r.output, HasSubstr("4 steps of 2 blocks: 1 precision changes"));
+}
+
+TEST_F(SpReplayCli, WithoutTelemetryOptionWritesNoTelemetryFile) {
+  write("t.jsonl", trace(3));
+  const RunResult r = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("{\"precision\":[\"int8\",\"bf16\"],\"step\":2}"));
+  EXPECT_FALSE(fs::exists("selective_precision_telemetry.jsonl"));
+}
+
+TEST_F(SpReplayCli, MalformedTraceLineNamesTheLineAndWritesNothing) {
+  write("t.jsonl", trace(2) + "{\"step\":2,\"blocks\":[{\"id\":5}]}\n");
+  const RunResult r = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
+                          " --out " + path("d.jsonl"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("t.jsonl:3: blocks[0].id: block id 5 is out of range: --blocks is 2"));
+  EXPECT_FALSE(fs::exists(dir_ / "d.jsonl")) << "a failed replay must not leave a decisions file";
+}
+
+TEST_F(SpReplayCli, BadConfigIsRejectedByThePluginWithTheFileAndKey) {
+  write("t.jsonl", trace(1));
+  write("bad.yaml", "selective_precision:\n  int8_treshold: 0.2\n");
+  const RunResult r = run("--config " + path("bad.yaml") + " --blocks 2 --trace " + path("t.jsonl"));
+  EXPECT_EQ(r.exit_code, 3);
+  EXPECT_THAT(r.output, HasSubstr("bad.yaml"));
+  EXPECT_THAT(r.output, HasSubstr("int8_treshold"));
+  EXPECT_THAT(r.output, HasSubstr("int8_threshold"));
+}
+
+TEST_F(SpReplayCli, MissingPluginIsExitCodeThree) {
+  write("t.jsonl", trace(1));
+  const RunResult r = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
+                          " --plugin no_such_plugin");
+  EXPECT_EQ(r.exit_code, 3);
+  EXPECT_THAT(r.output, HasSubstr("libno_such_plugin.so"));
+}
+
+TEST_F(SpReplayCli, BadArgumentsAreExitCodeTwo) {
+  EXPECT_EQ(run("--blocks 2").exit_code, 2);
+  write("t.jsonl", trace(1));
+  const RunResult zero = run("--config " + path("policy.yaml") + " --blocks 0 --trace " + path("t.jsonl"));
+  EXPECT_EQ(zero.exit_code, 2);
+  EXPECT_THAT(zero.output, HasSubstr("--blocks"));
+  const RunResult missing = run("--config " + path("nope.yaml") + " --blocks 2 --trace " + path("t.jsonl"));
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_THAT(missing.output, HasSubstr("nope.yaml: cannot open the config"));
+  const RunResult calib = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
+                              " --calibration " + write("k.json", "{\"block_errors\":{\"7\":0.1}}").string());
+  EXPECT_EQ(calib.exit_code, 2);
+  EXPECT_THAT(calib.output, HasSubstr("k.json: block_errors.7: block id 7 is out of range"));
+}
+
+TEST_F(SpReplayCli, HelpDocumentsFormatsAndExitCodes) {
+  const RunResult r = run("--help");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_THAT(r.output, HasSubstr("Exit codes"));
+  EXPECT_THAT(r.output, HasSubstr("--telemetry"));
+  EXPECT_THAT(r.output, HasSubstr("block_errors"));
+}
+
+}  // namespace
