@@ -113,21 +113,15 @@ std::size_t count_switches(const std::vector<Decision>& decisions, std::uint32_t
   return switches;
 }
 
-namespace {
-std::size_t count_lines(const char* file) {
-  std::ifstream in(file);
-  std::size_t lines = 0;
-  for (std::string line; std::getline(in, line);) ++lines;
-  return lines;
-}
-}  // namespace
-
 ProcessResources process_resources() {
   ProcessResources resources;
   for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
     ++resources.open_fds;
   }
-  resources.mapped_regions = count_lines("/proc/self/maps");
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find(" /") != std::string::npos) ++resources.mapped_file_regions;
+  }
   std::ifstream statm("/proc/self/statm");
   std::size_t total_pages = 0;
   std::size_t resident_pages = 0;

@@ -73,13 +73,21 @@ std::size_t count_switches(const std::vector<Decision>& decisions, std::uint32_t
 /// What the process holds right now; compared before and after repeated swaps.
 struct ProcessResources {
   std::size_t open_fds = 0;
-  std::size_t mapped_regions = 0;
+  /// Mappings backed by a file: libraries and their segments. Anonymous mappings belong
+  /// to the allocator and are judged through resident_bytes.
+  std::size_t mapped_file_regions = 0;
   std::size_t resident_bytes = 0;
 };
 ProcessResources process_resources();
-/// Mapped regions a long run may gain without leaking anything: malloc can map one more
-/// chunk for its own bookkeeping.
-constexpr std::size_t kMappedRegionSlack = 2;
+/// Resident-memory growth a long run may show without leaking.
+constexpr std::size_t kResidentGrowthLimit = 4u * 1024 * 1024;
+/// AddressSanitizer keeps freed memory in quarantine, so under it resident memory says
+/// nothing about leaks; LeakSanitizer checks those at exit instead.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kResidentMemoryIsMeaningful = false;
+#else
+constexpr bool kResidentMemoryIsMeaningful = true;
+#endif
 /// Lines of /proc/self/maps that contain `needle`.
 std::size_t mapped_regions_containing(const std::string& needle);
 
