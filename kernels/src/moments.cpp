@@ -5,6 +5,7 @@
 #include "sp/kernels/moments.h"
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -32,32 +33,79 @@ struct ChunkRef {
   std::size_t offset;
 };
 
+// 16 lanes, held as four 4-wide GCC vectors (one SSE register each): every operation is
+// lane-wise by definition, so the compiler emits SIMD on any x86-64 and the lane assignment,
+// hence the sums, never depend on the instruction set.
+constexpr std::size_t kWidth = 4;
+constexpr std::size_t kVectors = kLanes / kWidth;
+using Floats = float __attribute__((vector_size(kWidth * sizeof(float))));
+using Ints = int32_t __attribute__((vector_size(kWidth * sizeof(int32_t))));
+using Uints = uint32_t __attribute__((vector_size(kWidth * sizeof(uint32_t))));
+using Halves = uint16_t __attribute__((vector_size(kWidth * sizeof(uint16_t))));
+
+inline Floats load(const float *src) {
+  Floats x;
+  std::memcpy(&x, src, sizeof x);
+  return x;
+}
+
+inline Floats load(const detail::Bf16Bits *src) {
+  Halves half;
+  std::memcpy(&half, src, sizeof half);
+  const Uints widened = __builtin_convertvector(half, Uints) << 16;
+  Floats x;
+  std::memcpy(&x, &widened, sizeof x);
+  return x;
+}
+
+inline Floats load(const detail::Fp16Bits *src) {
+  const Floats x = {detail::to_float(src[0]), detail::to_float(src[1]), detail::to_float(src[2]),
+                    detail::to_float(src[3])};
+  return x;
+}
+
+struct Accumulators {
+  Floats sum[kVectors] = {};
+  Floats sum_sq[kVectors] = {};
+  Floats max_abs[kVectors] = {};
+  Ints nonfinite[kVectors] = {};
+
+  void add(std::size_t k, Floats x) {
+    Uints bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    const Uints abs_bits = bits & detail::kAbsMask;
+    const Ints finite = abs_bits < detail::kInfBits;  // -1 (true) or 0 per lane
+    Floats a;
+    std::memcpy(&a, &abs_bits, sizeof a);
+    const Floats v = finite ? x : Floats{};
+    const Floats finite_abs = finite ? a : Floats{};
+    sum[k] += v;
+    sum_sq[k] += v * v;
+    max_abs[k] = max_abs[k] > finite_abs ? max_abs[k] : finite_abs;
+    nonfinite[k] += finite + 1;  // 0 for finite, 1 for NaN / Inf
+  }
+};
+
 template <typename In>
-ChunkPartial chunk_moments(const In *__restrict src, std::size_t n) {
-  float sum[kLanes] = {};
-  float sum_sq[kLanes] = {};
-  float max_abs[kLanes] = {};
-  uint32_t nonfinite[kLanes] = {};
-  const auto accumulate = [&](std::size_t lane, float x) {
-    const bool finite = (detail::float_bits(x) & detail::kInfBits) != detail::kInfBits;
-    const float v = finite ? x : 0.0f;
-    sum[lane] += v;
-    sum_sq[lane] += v * v;
-    const float a = std::fabs(v);
-    max_abs[lane] = max_abs[lane] > a ? max_abs[lane] : a;
-    nonfinite[lane] += finite ? 0u : 1u;
-  };
+ChunkPartial chunk_moments(const In *src, std::size_t n) {
+  Accumulators acc;
   const std::size_t full = n - n % kLanes;
   for (std::size_t i = 0; i < full; i += kLanes) {
-    for (std::size_t lane = 0; lane < kLanes; ++lane) accumulate(lane, detail::to_float(src[i + lane]));
+    for (std::size_t k = 0; k < kVectors; ++k) acc.add(k, load(src + i + k * kWidth));
   }
-  for (std::size_t i = full; i < n; ++i) accumulate(i - full, detail::to_float(src[i]));
+  if (full != n) {
+    // The tail fills lanes 0.. with the remaining elements and zeros elsewhere.
+    float tail[kLanes] = {};
+    for (std::size_t i = full; i < n; ++i) tail[i - full] = detail::to_float(src[i]);
+    for (std::size_t k = 0; k < kVectors; ++k) acc.add(k, load(tail + k * kWidth));
+  }
   ChunkPartial partial;
   for (std::size_t lane = 0; lane < kLanes; ++lane) {
-    partial.sum += sum[lane];
-    partial.sum_sq += sum_sq[lane];
-    partial.max_abs = std::max(partial.max_abs, max_abs[lane]);
-    partial.nonfinite += nonfinite[lane];
+    const std::size_t k = lane / kWidth, j = lane % kWidth;
+    partial.sum += acc.sum[k][j];
+    partial.sum_sq += acc.sum_sq[k][j];
+    partial.max_abs = std::max(partial.max_abs, acc.max_abs[k][j]);
+    partial.nonfinite += static_cast<uint64_t>(acc.nonfinite[k][j]);
   }
   return partial;
 }

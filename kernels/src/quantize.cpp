@@ -24,13 +24,15 @@ constexpr std::size_t kMinElementsPerThread = 1 << 15;
 using detail::Bf16Bits;
 using detail::to_float;
 
+// Signed compares: |x| bit patterns fit in 31 bits, and SSE2 has a signed 32-bit compare only.
 template <typename In>
 uint32_t max_abs_bits(const In *__restrict src, std::size_t n) {
-  uint32_t result = 0;
+  int32_t result = 0;
   for (std::size_t i = 0; i < n; ++i) {
-    result = std::max(result, detail::float_bits(to_float(src[i])) & detail::kAbsMask);
+    const auto bits = static_cast<int32_t>(detail::float_bits(to_float(src[i])) & detail::kAbsMask);
+    result = bits > result ? bits : result;
   }
-  return result;
+  return static_cast<uint32_t>(result);
 }
 
 template <typename In>

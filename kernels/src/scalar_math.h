@@ -105,10 +105,17 @@ SP_HD float round_small_nearest_even(float v) {
   return (v + kMagic) - kMagic;
 }
 
+// Clamp written as selects (not fminf/fmaxf, whose NaN rules keep GCC from using SIMD min/max);
+// the callers never pass NaN.
+SP_HD float clamp_code(float v, float limit) {
+  v = v < -limit ? -limit : v;
+  return v > limit ? limit : v;
+}
+
 // |x * inv_scale| <= 127 * (1 + 2^-22) because |x| <= absmax, so the rounding above applies.
 SP_HD int8_t int8_code_nearest_even(float x, float inv_scale) {
-  const float v = fminf(fmaxf(round_small_nearest_even(x * inv_scale), -127.0f), 127.0f);
-  return static_cast<int8_t>(v);
+  const float v = clamp_code(round_small_nearest_even(x * inv_scale), 127.0f);
+  return static_cast<int8_t>(static_cast<int32_t>(v));
 }
 
 SP_HD int8_t int8_code_stochastic(float x, float inv_scale, uint32_t random) {
@@ -116,7 +123,7 @@ SP_HD int8_t int8_code_stochastic(float x, float inv_scale, uint32_t random) {
   const float lower = floorf(v);
   const float threshold = static_cast<float>(random >> 8) * 5.9604644775390625e-8f;  // [0,1)
   const float q = (threshold < v - lower) ? lower + 1.0f : lower;
-  return static_cast<int8_t>(fminf(fmaxf(q, -127.0f), 127.0f));
+  return static_cast<int8_t>(static_cast<int32_t>(clamp_code(q, 127.0f)));
 }
 
 // Software E4M3 encoder (satfinite, round to nearest even). Every case is computed and the

@@ -1,0 +1,188 @@
+// sp-bench-kernels-gpu: INT8 dequantization and gradient moments as a fraction of the
+// device-to-device copy bandwidth measured in the same run (cudaEvent timing, median of the
+// repeats). Writes JSON (atomically).
+//
+//   copy bandwidth       = 2 * bytes / time of cudaMemcpyAsync D2D (it reads and writes bytes)
+//   copy read bandwidth  = bytes / that time
+//   dequant ratio        = (codes + scales read + bf16 written) / time / copy bandwidth
+//   moments ratio        = gradient bytes read / time / copy read bandwidth
+// Moments run over 48 blocks of 10^7 fp32 elements each: one plan, one chunk launch plus
+// one cleanup launch, no host sync inside the timed region except the closing event.
+#include <CLI/CLI.hpp>
+#include <cuda_runtime_api.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "bench_report.hpp"
+#include "sp/kernels/cuda/bf16.h"
+#include "sp/kernels/cuda/moments.h"
+#include "sp/kernels/cuda/quantize.h"
+
+namespace {
+
+void check(cudaError_t error, const char *what) {
+  if (error != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(error));
+}
+
+struct DeviceMemory {
+  void *ptr = nullptr;
+  explicit DeviceMemory(std::size_t bytes) { check(cudaMalloc(&ptr, bytes), "cudaMalloc"); }
+  ~DeviceMemory() { cudaFree(ptr); }
+  DeviceMemory(const DeviceMemory &) = delete;
+  DeviceMemory &operator=(const DeviceMemory &) = delete;
+  template <typename T>
+  T *as() const { return static_cast<T *>(ptr); }
+};
+
+struct Options {
+  std::string output = "bench/results/kernels-gpu.json";
+  std::string commit = "unknown";
+  int repeats = 20;
+  std::size_t dequant_rows = 16384;
+  std::size_t dequant_cols = 16384;
+  uint32_t moment_blocks = 48;
+  std::size_t moment_elements = 10'000'000;
+};
+
+double median_ms(cudaStream_t stream, int repeats, const std::function<void()> &body) {
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "cudaEventCreate");
+  check(cudaEventCreate(&stop), "cudaEventCreate");
+  body();  // warm-up
+  check(cudaStreamSynchronize(stream), "warm-up");
+  std::vector<double> ms;
+  for (int r = 0; r < repeats; ++r) {
+    check(cudaEventRecord(start, stream), "cudaEventRecord");
+    body();
+    check(cudaEventRecord(stop, stream), "cudaEventRecord");
+    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float elapsed = 0;
+    check(cudaEventElapsedTime(&elapsed, start, stop), "cudaEventElapsedTime");
+    ms.push_back(elapsed);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return sp::bench::percentiles(ms).median;
+}
+
+void run(const Options &options) {
+  cudaStream_t stream;
+  check(cudaStreamCreate(&stream), "cudaStreamCreate");
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  nlohmann::json results = nlohmann::json::array();
+
+  // The limit: a 2 GiB device-to-device copy.
+  const std::size_t copy_bytes = std::size_t{2} << 30;
+  DeviceMemory copy_src(copy_bytes), copy_dst(copy_bytes);
+  check(cudaMemsetAsync(copy_src.ptr, 1, copy_bytes, stream), "cudaMemset");
+  const double copy_ms = median_ms(stream, options.repeats, [&] {
+    check(cudaMemcpyAsync(copy_dst.ptr, copy_src.ptr, copy_bytes, cudaMemcpyDeviceToDevice, stream), "D2D copy");
+  });
+  const double copy_bw = 2.0 * static_cast<double>(copy_bytes) / (copy_ms * 1e-3);
+  const double copy_read_bw = static_cast<double>(copy_bytes) / (copy_ms * 1e-3);
+  results.push_back({{"kernel", "cudaMemcpy D2D"}, {"bytes", copy_bytes}, {"median_ms", copy_ms}, {"gb_per_s", copy_bw / 1e9}});
+  std::printf("D2D copy: %.1f GB/s (read + write)\n", copy_bw / 1e9);
+
+  const auto record = [&](const std::string &kernel, double read, double written, double ms, bool read_only, double target) {
+    const double bw = (read + written) / (ms * 1e-3);
+    const double ratio = read_only ? (read / (ms * 1e-3)) / copy_read_bw : bw / copy_bw;
+    results.push_back({{"kernel", kernel}, {"bytes_read", read}, {"bytes_written", written}, {"median_ms", ms},
+                       {"gb_per_s", bw / 1e9}, {read_only ? "ratio_to_copy_read" : "ratio_to_copy", ratio},
+                       {"target", {{"at_least", target}, {"met", ratio >= target}}}});
+    std::printf("%-44s %8.1f GB/s  x%.3f of copy%s  %s\n", kernel.c_str(), bw / 1e9, ratio, read_only ? " read" : "",
+                ratio >= target ? "[target met]" : "[target MISSED]");
+  };
+
+  // INT8 -> bf16 dequantization of one large matrix, per row and group 128.
+  {
+    const std::size_t rows = options.dequant_rows, cols = options.dequant_cols, n = rows * cols;
+    DeviceMemory weights(n * 4), codes(n), scales(sp::kernels::scale_count(rows, cols, 32) * 4), out(n * 2);
+    check(cudaMemsetAsync(weights.ptr, 0, n * 4, stream), "cudaMemset");
+    for (const uint32_t group : {0u, 128u}) {
+      sp::kernels::QuantizeOptions qo;
+      qo.group_size = group;
+      sp::kernels::cuda::quantize_int8(weights.ptr, sp::kernels::DType::kFloat32, rows, cols, qo, codes.as<int8_t>(),
+                                       scales.as<float>(), stream);
+      const double scale_bytes = 4.0 * static_cast<double>(sp::kernels::scale_count(rows, cols, group));
+      const double ms = median_ms(stream, options.repeats, [&] {
+        sp::kernels::cuda::dequantize_int8_to_bf16(codes.as<int8_t>(), scales.as<float>(), rows, cols, group,
+                                                   out.as<uint16_t>(), stream);
+      });
+      record("dequantize_int8_to_bf16 " + std::string(group == 0 ? "per-row" : "group-128") + " " +
+                 std::to_string(rows) + "x" + std::to_string(cols),
+             static_cast<double>(n) + scale_bytes, 2.0 * static_cast<double>(n), ms, false, 0.85);
+    }
+    const double ms = median_ms(stream, options.repeats, [&] {
+      sp::kernels::cuda::fp32_to_bf16(weights.as<float>(), out.as<uint16_t>(), n, {}, stream);
+    });
+    record("fp32_to_bf16 " + std::to_string(n), 4.0 * static_cast<double>(n), 2.0 * static_cast<double>(n), ms, false, 0.85);
+  }
+
+  // Gradient moments: 48 blocks x 10^7 fp32 elements, one plan, one launch per step.
+  {
+    const std::size_t per_block = options.moment_elements;
+    DeviceMemory grads(per_block * options.moment_blocks * 4);
+    check(cudaMemsetAsync(grads.ptr, 0, per_block * options.moment_blocks * 4, stream), "cudaMemset");
+    std::vector<sp::kernels::GradTensor> tensors;
+    for (uint32_t b = 0; b < options.moment_blocks; ++b) {
+      tensors.push_back({grads.as<float>() + b * per_block, per_block, sp::kernels::DType::kFloat32, b});
+    }
+    sp::kernels::cuda::GradMomentsPlan plan(tensors.data(), tensors.size(), options.moment_blocks);
+    DeviceMemory workspace(plan.workspace_bytes()), out(options.moment_blocks * sizeof(sp_grad_moments_v1));
+    plan.upload(workspace.ptr, stream);
+    const double ms = median_ms(stream, options.repeats, [&] {
+      plan.launch(workspace.ptr, out.as<sp_grad_moments_v1>(), stream);
+    });
+    record("grad_moments fp32 " + std::to_string(options.moment_blocks) + " blocks x " + std::to_string(per_block),
+           4.0 * static_cast<double>(per_block * options.moment_blocks), 0.0, ms, true, 0.80);
+  }
+
+  const nlohmann::json doc = {{"benchmark", "sp-bench-kernels-gpu"}, {"commit", options.commit},
+                              {"machine", sp::bench::machine_description()},
+                              {"gpu", {{"name", prop.name}, {"sm", std::to_string(prop.major) + "." + std::to_string(prop.minor)},
+                                       {"memory_bytes", prop.totalGlobalMem}}},
+                              {"repeats", options.repeats}, {"results", results}};
+  const std::filesystem::path path(options.output);
+  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
+  const std::filesystem::path temp = path.string() + ".tmp";
+  {
+    std::ofstream file(temp);
+    file << doc.dump(2) << '\n';
+    if (!file.flush()) throw std::runtime_error("cannot write " + temp.string());
+  }
+  std::filesystem::rename(temp, path);
+  cudaStreamDestroy(stream);
+  std::cout << "wrote " << options.output << "\n";
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  Options options;
+  CLI::App app{"GPU kernel throughput against device-to-device copy bandwidth measured in the same run"};
+  app.add_option("-o,--output", options.output, "JSON result path")->capture_default_str();
+  app.add_option("--commit", options.commit, "commit the binary was built from (recorded in the JSON)");
+  app.add_option("--repeats", options.repeats, "timed repetitions (median reported)")->check(CLI::Range(1, 1000))->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::cerr << "sp-bench-kernels-gpu: no CUDA device\n";
+    return 2;
+  }
+  try {
+    run(options);
+  } catch (const std::exception &error) {
+    std::cerr << "sp-bench-kernels-gpu: " << error.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
