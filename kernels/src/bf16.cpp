@@ -4,6 +4,7 @@
 #include <string>
 
 #include "parallel.h"
+#include "simd.h"
 #include "reference.h"
 #include "scalar_math.h"
 
@@ -19,18 +20,18 @@ void check_pointers(const void *src, const void *dst, std::size_t n, const char 
   }
 }
 
-void round_nearest_even(const float *__restrict src, uint16_t *__restrict dst, std::size_t n) {
+SP_SIMD_CLONES void round_nearest_even(const float *__restrict src, uint16_t *__restrict dst, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) dst[i] = detail::bf16_round_nearest_even(src[i]);
 }
 
-void round_stochastic(const float *__restrict src, uint16_t *__restrict dst, std::size_t first,
+SP_SIMD_CLONES void round_stochastic(const float *__restrict src, uint16_t *__restrict dst, std::size_t first,
                       std::size_t n, uint64_t seed) {
   for (std::size_t i = 0; i < n; ++i) {
     dst[i] = detail::bf16_round_stochastic(src[i], detail::random_bits(seed, first + i));
   }
 }
 
-void widen(const uint16_t *__restrict src, float *__restrict dst, std::size_t n) {
+SP_SIMD_CLONES void widen(const uint16_t *__restrict src, float *__restrict dst, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) dst[i] = detail::bf16_bits_to_float(src[i]);
 }
 

@@ -13,6 +13,7 @@
 
 #include "elements.h"
 #include "parallel.h"
+#include "simd.h"
 #include "reference.h"
 
 namespace sp::kernels {
@@ -33,35 +34,28 @@ struct ChunkRef {
   std::size_t offset;
 };
 
-// 16 lanes, held as four 4-wide GCC vectors (one SSE register each): every operation is
-// lane-wise by definition, so the compiler emits SIMD on any x86-64 and the lane assignment,
-// hence the sums, never depend on the instruction set.
-constexpr std::size_t kWidth = 4;
+// 16 lanes, held as two 8-wide GCC vectors (one AVX2 register each, two SSE registers on the
+// baseline): every operation is lane-wise by definition, so the lane assignment, hence the
+// sums, never depend on the instruction set.
+constexpr std::size_t kWidth = 8;
 constexpr std::size_t kVectors = kLanes / kWidth;
 using Floats = float __attribute__((vector_size(kWidth * sizeof(float))));
 using Ints = int32_t __attribute__((vector_size(kWidth * sizeof(int32_t))));
 using Uints = uint32_t __attribute__((vector_size(kWidth * sizeof(uint32_t))));
 using Halves = uint16_t __attribute__((vector_size(kWidth * sizeof(uint16_t))));
 
-inline Floats load(const float *src) {
-  Floats x;
-  std::memcpy(&x, src, sizeof x);
-  return x;
-}
+// Loads write through a reference: returning a 32-byte vector by value has an ISA-dependent ABI.
+inline void load(const float *src, Floats &x) { std::memcpy(&x, src, sizeof x); }
 
-inline Floats load(const detail::Bf16Bits *src) {
+inline void load(const detail::Bf16Bits *src, Floats &x) {
   Halves half;
   std::memcpy(&half, src, sizeof half);
   const Uints widened = __builtin_convertvector(half, Uints) << 16;
-  Floats x;
   std::memcpy(&x, &widened, sizeof x);
-  return x;
 }
 
-inline Floats load(const detail::Fp16Bits *src) {
-  const Floats x = {detail::to_float(src[0]), detail::to_float(src[1]), detail::to_float(src[2]),
-                    detail::to_float(src[3])};
-  return x;
+inline void load(const detail::Fp16Bits *src, Floats &x) {
+  for (std::size_t j = 0; j < kWidth; ++j) x[j] = detail::to_float(src[j]);
 }
 
 struct Accumulators {
@@ -70,7 +64,7 @@ struct Accumulators {
   Floats max_abs[kVectors] = {};
   Ints nonfinite[kVectors] = {};
 
-  void add(std::size_t k, Floats x) {
+  void add(std::size_t k, const Floats &x) {
     Uints bits;
     std::memcpy(&bits, &x, sizeof bits);
     const Uints abs_bits = bits & detail::kAbsMask;
@@ -87,17 +81,24 @@ struct Accumulators {
 };
 
 template <typename In>
-ChunkPartial chunk_moments(const In *src, std::size_t n) {
+SP_SIMD_CLONES ChunkPartial chunk_moments(const In *src, std::size_t n) {
   Accumulators acc;
   const std::size_t full = n - n % kLanes;
+  Floats x = {};
   for (std::size_t i = 0; i < full; i += kLanes) {
-    for (std::size_t k = 0; k < kVectors; ++k) acc.add(k, load(src + i + k * kWidth));
+    for (std::size_t k = 0; k < kVectors; ++k) {
+      load(src + i + k * kWidth, x);
+      acc.add(k, x);
+    }
   }
   if (full != n) {
     // The tail fills lanes 0.. with the remaining elements and zeros elsewhere.
     float tail[kLanes] = {};
     for (std::size_t i = full; i < n; ++i) tail[i - full] = detail::to_float(src[i]);
-    for (std::size_t k = 0; k < kVectors; ++k) acc.add(k, load(tail + k * kWidth));
+    for (std::size_t k = 0; k < kVectors; ++k) {
+      load(tail + k * kWidth, x);
+      acc.add(k, x);
+    }
   }
   ChunkPartial partial;
   for (std::size_t lane = 0; lane < kLanes; ++lane) {

@@ -10,6 +10,7 @@
 
 #include "elements.h"
 #include "parallel.h"
+#include "simd.h"
 #include "reference.h"
 #include "scalar_math.h"
 #include "sp/kernels/fp8.h"
@@ -26,7 +27,7 @@ using detail::to_float;
 
 // Signed compares: |x| bit patterns fit in 31 bits, and SSE2 has a signed 32-bit compare only.
 template <typename In>
-uint32_t max_abs_bits(const In *__restrict src, std::size_t n) {
+SP_SIMD_CLONES uint32_t max_abs_bits(const In *__restrict src, std::size_t n) {
   int32_t result = 0;
   for (std::size_t i = 0; i < n; ++i) {
     const auto bits = static_cast<int32_t>(detail::float_bits(to_float(src[i])) & detail::kAbsMask);
@@ -36,12 +37,12 @@ uint32_t max_abs_bits(const In *__restrict src, std::size_t n) {
 }
 
 template <typename In>
-void encode_int8(const In *__restrict src, std::size_t n, float inv, int8_t *__restrict codes) {
+SP_SIMD_CLONES void encode_int8(const In *__restrict src, std::size_t n, float inv, int8_t *__restrict codes) {
   for (std::size_t i = 0; i < n; ++i) codes[i] = detail::int8_code_nearest_even(to_float(src[i]), inv);
 }
 
 template <typename In>
-void encode_int8_stochastic(const In *__restrict src, std::size_t n, float inv,
+SP_SIMD_CLONES void encode_int8_stochastic(const In *__restrict src, std::size_t n, float inv,
                             int8_t *__restrict codes, uint64_t seed, std::size_t first_index) {
   for (std::size_t i = 0; i < n; ++i) {
     codes[i] = detail::int8_code_stochastic(to_float(src[i]), inv,
@@ -50,7 +51,7 @@ void encode_int8_stochastic(const In *__restrict src, std::size_t n, float inv,
 }
 
 template <typename In>
-void encode_fp8(const In *__restrict src, std::size_t n, float inv, uint8_t *__restrict codes) {
+SP_SIMD_CLONES void encode_fp8(const In *__restrict src, std::size_t n, float inv, uint8_t *__restrict codes) {
   for (std::size_t i = 0; i < n; ++i) codes[i] = detail::fp8_e4m3_encode(to_float(src[i]) * inv);
 }
 
@@ -113,13 +114,13 @@ inline void store(float x, float *dst) { *dst = x; }
 inline void store(float x, uint16_t *dst) { *dst = detail::bf16_round_nearest_even(x); }
 
 template <typename Out>
-void dequantize_int8_segment(const int8_t *__restrict codes, std::size_t n, float scale,
+SP_SIMD_CLONES void dequantize_int8_segment(const int8_t *__restrict codes, std::size_t n, float scale,
                              Out *__restrict dst) {
   for (std::size_t i = 0; i < n; ++i) store(static_cast<float>(codes[i]) * scale, dst + i);
 }
 
 template <typename Out>
-void dequantize_fp8_segment(const uint8_t *__restrict codes, std::size_t n, float scale,
+SP_SIMD_CLONES void dequantize_fp8_segment(const uint8_t *__restrict codes, std::size_t n, float scale,
                             const float *__restrict table, Out *__restrict dst) {
   for (std::size_t i = 0; i < n; ++i) store(table[codes[i]] * scale, dst + i);
 }

@@ -12,6 +12,7 @@
 
 #include "elements.h"
 #include "parallel.h"
+#include "simd.h"
 #include "reference.h"
 
 namespace sp::kernels {
@@ -28,7 +29,7 @@ struct ChunkNorms {
 };
 
 template <typename A, typename B>
-ChunkNorms chunk_norms(const A *__restrict a, const B *__restrict b, std::size_t n) {
+SP_SIMD_CLONES ChunkNorms chunk_norms(const A *__restrict a, const B *__restrict b, std::size_t n) {
   double norm_a[kLanes] = {};
   double norm_diff[kLanes] = {};
   uint32_t nonfinite[kLanes] = {};
