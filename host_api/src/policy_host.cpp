@@ -6,7 +6,6 @@
 
 #include <cmath>
 #include <limits>
-#include <map>
 #include <stdexcept>
 #include <utility>
 
@@ -182,9 +181,6 @@ struct PolicyHost::Impl {
   std::unique_ptr<PluginInstance> pending;
   SwapResult pending_result;
   std::optional<SwapResult> last_swap;
-  // Calibration errors the active plugin accepted, merged per block. The state blob need
-  // not carry them, so a swap replays them into the new version.
-  std::map<std::uint32_t, double> calibration_errors;
   std::optional<std::int64_t> open_step;
   std::optional<std::int64_t> last_ended_step;
   std::vector<sp_hint_v1> hints;
@@ -205,12 +201,16 @@ struct PolicyHost::Impl {
   }
 
   // True when the hook succeeded; otherwise logs the plugin's reason and counts it.
-  bool check_hook(const char* hook, std::int64_t step, sp_status status, std::uint64_t& failure_count) {
+  bool check_hook(const char* hook, std::string_view when, sp_status status, std::uint64_t& failure_count) {
     if (status == SP_OK) return true;
     ++failure_count;
-    logger->error("policy plugin {} failed in {} at step {} with {}: {}", active->label(), hook, step,
-                  status_text(status), active->last_error());
+    logger->error("policy plugin {} failed in {} {} with {}: {}", active->label(), hook, when, status_text(status),
+                  active->last_error());
     return false;
+  }
+
+  bool check_hook(const char* hook, std::int64_t step, sp_status status, std::uint64_t& failure_count) {
+    return check_hook(hook, fmt::format("at step {}", step), status, failure_count);
   }
 
   void use_fallback_hints(std::int64_t step) {
@@ -290,20 +290,6 @@ struct PolicyHost::Impl {
     const std::optional<std::vector<std::uint8_t>> blob = export_active_state(error);
     if (!blob) return fail_swap(std::move(result), error);
 
-    if (!calibration_errors.empty()) {
-      std::vector<std::uint32_t> ids;
-      std::vector<double> errors;
-      for (const auto& [id, value] : calibration_errors) {
-        ids.push_back(id);
-        errors.push_back(value);
-      }
-      const sp_status status = pending->table().set_calibration_errors(pending->ctx(), ids.data(), errors.data(),
-                                                                       static_cast<std::uint32_t>(ids.size()));
-      if (status != SP_OK) {
-        return fail_swap(std::move(result), fmt::format("{} rejected the calibration errors with {}: {}",
-                                                        pending->label(), status_text(status), pending->last_error()));
-      }
-    }
     const sp_status status = pending->table().import_state(pending->ctx(), blob->data(), blob->size());
     if (status != SP_OK) {
       return fail_swap(std::move(result), fmt::format("{} could not import the state of {} ({} bytes) with {}: {}",
@@ -424,10 +410,10 @@ bool PolicyHost::set_calibration_errors(const std::vector<std::uint32_t>& block_
   Impl& impl = *impl_;
   const sp_status status = impl.active->table().set_calibration_errors(
       impl.active->ctx(), block_ids.data(), errors.data(), static_cast<std::uint32_t>(block_ids.size()));
-  const std::int64_t step = impl.open_step.value_or(impl.last_ended_step.value_or(-1));
-  if (!impl.check_hook("set_calibration_errors", step, status, impl.failures.set_calibration_errors)) return false;
-  for (std::size_t i = 0; i < block_ids.size(); ++i) impl.calibration_errors[block_ids[i]] = errors[i];
-  return true;
+  const std::string when = impl.open_step          ? fmt::format("during step {}", *impl.open_step)
+                           : impl.last_ended_step ? fmt::format("after step {}", *impl.last_ended_step)
+                                                  : std::string("before the first step");
+  return impl.check_hook("set_calibration_errors", when, status, impl.failures.set_calibration_errors);
 }
 
 SwapResult PolicyHost::request_swap(const std::filesystem::path& plugin_file, std::optional<PolicyConfig> config) {

@@ -117,7 +117,8 @@ TEST(HotSwap, AFileThatFailsToLoadLeavesTheOldPluginActive) {
 }
 
 TEST(HotSwap, ARejectedConfigurationLeavesTheOldPluginActive) {
-  PolicyHost host(SP_EXAMPLE_MINIMAL_C, kConfig, make_blocks(kBlocks));
+  CapturedLog log;
+  PolicyHost host(SP_EXAMPLE_MINIMAL_C, kConfig, make_blocks(kBlocks), quiet_options(log));
   const SwapResult result = host.swap_now(SP_FIXTURE_SCRIPTED, PolicyConfig{"min_samples: 0\n", "new.yaml"});
   EXPECT_EQ(result.outcome, SwapResult::Outcome::failed);
   EXPECT_THAT(result.message, AllOf(HasSubstr("new.yaml"), HasSubstr("min_samples is '0'")));
@@ -127,7 +128,6 @@ TEST(HotSwap, ARejectedConfigurationLeavesTheOldPluginActive) {
 TEST(HotSwap, AFailedImportLeavesTheOldPluginActiveAndUnloadsTheNewOne) {
   CapturedLog log;
   PolicyHost host(SP_EXAMPLE_MINIMAL_C, kConfig, make_blocks(kBlocks), quiet_options(log));
-  std::vector<Decision> before;
   for (std::int64_t step = 0; step < 10; ++step) run_step(host, step);
 
   const PolicyConfig rejecting{kConfig.text + "fixture_reject_import: 1\n", "rejecting.yaml"};

@@ -183,7 +183,8 @@ TEST(PolicyHost, RejectedCalibrationErrorsReturnFalseAndAreCounted) {
   EXPECT_TRUE(host.set_calibration_errors({0, 5}, {0.01, 0.02}));
   EXPECT_FALSE(host.set_calibration_errors({6}, {0.01}));
   EXPECT_EQ(host.hook_failures().set_calibration_errors, 1u);
-  EXPECT_THAT(log.text(), HasSubstr("block_ids[0] is 6, but there are 6 blocks"));
+  EXPECT_THAT(log.text(), HasSubstr("failed in set_calibration_errors before the first step with status 1 "
+                                    "(SP_ERR_INVALID_ARGUMENT): block_ids[0] is 6, but there are 6 blocks"));
   EXPECT_THROW(host.set_calibration_errors({1, 2}, {0.5}), std::invalid_argument);
 }
 
