@@ -13,8 +13,8 @@ namespace sp::policy {
 namespace {
 
 // JSON has no NaN: a value that was never computed is written as null.
-nlohmann::json number_or_null(double value) {
-  return std::isfinite(value) ? nlohmann::json(value) : nlohmann::json(nullptr);
+nlohmann::ordered_json number_or_null(double value) {
+  return std::isfinite(value) ? nlohmann::ordered_json(value) : nlohmann::ordered_json(nullptr);
 }
 
 const char *assignment_name(Assignment assignment) {
@@ -46,7 +46,7 @@ double estimated_saving_pct(const std::vector<sp_hint_v1> &hints, const std::vec
   return hints.empty() ? 0.0 : 50.0 * static_cast<double>(int8_blocks) / static_cast<double>(hints.size());
 }
 
-nlohmann::json measured_bandwidth(const MeasuredBytes &measured) {
+nlohmann::ordered_json measured_bandwidth(const MeasuredBytes &measured) {
   if (measured.steps == 0 || measured.all_bf16 == 0) return nullptr;
   const double moved = static_cast<double>(measured.bf16) + static_cast<double>(measured.int8);
   const double saved = static_cast<double>(measured.all_bf16) - moved;
@@ -91,7 +91,7 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Pol
   double sensitivity_sum = 0.0;
   double sensitivity_max = -1.0;
   double sensitivity_min = 2.0;
-  nlohmann::json details = nlohmann::json::object();
+  nlohmann::ordered_json details = nlohmann::ordered_json::object();
   for (std::uint32_t b = 0; b < hints.size(); ++b) {
     const sp_hint_v1 &hint = hints[b];
     const BlockState &block = state.blocks[b];
@@ -118,23 +118,23 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Pol
         {"relative_magnitude", number_or_null(block.score.relative_magnitude)},
         {"grad_score", number_or_null(block.score.grad_score)},
         {"error_score", number_or_null(block.score.error_score)},
-        {"calibration_error", block.calibration_error ? nlohmann::json(*block.calibration_error) : nullptr},
+        {"calibration_error", block.calibration_error ? nlohmann::ordered_json(*block.calibration_error) : nullptr},
         {"window_size", window_size},
-        {"window_mean_variance", window_size ? nlohmann::json(variance_sum / window_size) : nullptr},
-        {"window_max_abs", window_size ? nlohmann::json(window_max_abs) : nullptr},
-        {"last_switch_step", block.last_switch_step ? nlohmann::json(*block.last_switch_step) : nullptr},
+        {"window_mean_variance", window_size ? nlohmann::ordered_json(variance_sum / window_size) : nullptr},
+        {"window_max_abs", window_size ? nlohmann::ordered_json(window_max_abs) : nullptr},
+        {"last_switch_step", block.last_switch_step ? nlohmann::ordered_json(*block.last_switch_step) : nullptr},
     };
   }
-  const nlohmann::json line = {
+  const nlohmann::ordered_json line = {
       {"step_id", record.step},
       {"timestamp", unix_seconds},
       {"mode", mode_name(mode)},
       {"decision_step", record.decision_step},
       {"blocks_bf16", hints.size() - blocks_int8},
       {"blocks_int8", blocks_int8},
-      {"mean_sensitivity", scored ? nlohmann::json(sensitivity_sum / scored) : nullptr},
-      {"max_sensitivity", scored ? nlohmann::json(sensitivity_max) : nullptr},
-      {"min_sensitivity", scored ? nlohmann::json(sensitivity_min) : nullptr},
+      {"mean_sensitivity", scored ? nlohmann::ordered_json(sensitivity_sum / scored) : nullptr},
+      {"max_sensitivity", scored ? nlohmann::ordered_json(sensitivity_max) : nullptr},
+      {"min_sensitivity", scored ? nlohmann::ordered_json(sensitivity_min) : nullptr},
       {"precision_changes", record.precision_changes},
       {"estimated_bandwidth_saving_pct", estimated_saving_pct(hints, block_bytes)},
       {"measured_bandwidth", measured_bandwidth(measured)},
