@@ -59,9 +59,9 @@ void reseal(std::vector<std::uint8_t> &blob) {
   store_u32(blob, blob.size() - 4, crc.checksum());
 }
 
-class PolicyState : public ::testing::Test {
+class PolicyStateBlob : public ::testing::Test {
  protected:
-  PolicyState() : source(settings(4), 4), target(settings(4), 4) {
+  PolicyStateBlob() : source(settings(4), 4), target(settings(4), 4) {
     run_some_steps(source);
     blob = source.engine().export_state();
     target.step_l2(0, {1.0, 1.0, 1.0, 1.0});
@@ -84,10 +84,10 @@ class PolicyState : public ::testing::Test {
   std::vector<std::uint8_t> target_before;
 };
 
-TEST_F(PolicyState, RoundTripRestoresEveryField) {
+TEST_F(PolicyStateBlob, RoundTripRestoresEveryField) {
   target.engine().import_state(blob.data(), blob.size());
   EXPECT_EQ(target.engine().export_state(), blob);
-  const sp::policy::PolicyState &restored = target.engine().state();
+  const PolicyState &restored = target.engine().state();
   EXPECT_EQ(restored.current_step, 9);
   EXPECT_EQ(restored.phase, StepPhase::backward_done);
   EXPECT_TRUE(restored.blocks[2].unsafe);
@@ -95,7 +95,7 @@ TEST_F(PolicyState, RoundTripRestoresEveryField) {
   EXPECT_EQ(restored.windows.size(3), source.engine().state().windows.size(3));
 }
 
-TEST_F(PolicyState, ImportedPolicyDecidesExactlyAsTheOriginal) {
+TEST_F(PolicyStateBlob, ImportedPolicyDecidesExactlyAsTheOriginal) {
   target.engine().import_state(blob.data(), blob.size());
   std::vector<sp_hint_v1> original(4);
   std::vector<sp_hint_v1> imported(4);
@@ -115,7 +115,7 @@ TEST_F(PolicyState, ImportedPolicyDecidesExactlyAsTheOriginal) {
   EXPECT_EQ(source.engine().export_state(), target.engine().export_state());
 }
 
-TEST_F(PolicyState, ASmallerHistoryWindowKeepsTheNewestSamples) {
+TEST_F(PolicyStateBlob, ASmallerHistoryWindowKeepsTheNewestSamples) {
   Driver smaller(settings(2), 4);
   smaller.engine().import_state(blob.data(), blob.size());
   const SampleWindows &before = source.engine().state().windows;
@@ -125,13 +125,13 @@ TEST_F(PolicyState, ASmallerHistoryWindowKeepsTheNewestSamples) {
   EXPECT_EQ(after.at(0, 1).l2, before.at(0, before.size(0) - 1).l2);
 }
 
-TEST_F(PolicyState, ALargerHistoryWindowKeepsEverySample) {
+TEST_F(PolicyStateBlob, ALargerHistoryWindowKeepsEverySample) {
   Driver larger(settings(16), 4);
   larger.engine().import_state(blob.data(), blob.size());
   EXPECT_EQ(larger.engine().state().windows.size(0), source.engine().state().windows.size(0));
 }
 
-TEST_F(PolicyState, EveryTruncationIsRejected) {
+TEST_F(PolicyStateBlob, EveryTruncationIsRejected) {
   for (std::size_t size = 0; size < blob.size(); ++size) {
     const std::vector<std::uint8_t> truncated(blob.begin(), blob.begin() + static_cast<std::ptrdiff_t>(size));
     EXPECT_THROW(target.engine().import_state(truncated.data(), truncated.size()), StateError) << size;
@@ -139,7 +139,7 @@ TEST_F(PolicyState, EveryTruncationIsRejected) {
   EXPECT_EQ(target.engine().export_state(), target_before);
 }
 
-TEST_F(PolicyState, EverySingleBitFlipIsRejected) {
+TEST_F(PolicyStateBlob, EverySingleBitFlipIsRejected) {
   for (std::size_t bit = 0; bit < blob.size() * 8; ++bit) {
     std::vector<std::uint8_t> flipped = blob;
     flipped[bit / 8] ^= static_cast<std::uint8_t>(1u << (bit % 8));
@@ -148,7 +148,7 @@ TEST_F(PolicyState, EverySingleBitFlipIsRejected) {
   EXPECT_EQ(target.engine().export_state(), target_before);
 }
 
-TEST_F(PolicyState, ResealedRandomCorruptionNeverCrashesAndNeverHalfApplies) {
+TEST_F(PolicyStateBlob, ResealedRandomCorruptionNeverCrashesAndNeverHalfApplies) {
   std::uint64_t seed = 7;
   for (int trial = 0; trial < 3000; ++trial) {
     std::vector<std::uint8_t> corrupted = blob;
@@ -168,37 +168,37 @@ TEST_F(PolicyState, ResealedRandomCorruptionNeverCrashesAndNeverHalfApplies) {
   }
 }
 
-TEST_F(PolicyState, RejectsEmptyAndNullBlobs) {
+TEST_F(PolicyStateBlob, RejectsEmptyAndNullBlobs) {
   expect_rejected({}, "shorter than its 28-byte header");
   EXPECT_THROW(target.engine().import_state(nullptr, 100), StateError);
 }
 
-TEST_F(PolicyState, RejectsForeignBytes) {
+TEST_F(PolicyStateBlob, RejectsForeignBytes) {
   std::vector<std::uint8_t> foreign = blob;
   foreign[0] = 'X';
   expect_rejected(foreign, "magic");
 }
 
-TEST_F(PolicyState, RejectsAnotherFormatVersion) {
+TEST_F(PolicyStateBlob, RejectsAnotherFormatVersion) {
   std::vector<std::uint8_t> other = blob;
   store_u32(other, kVersionOffset, 2);
   reseal(other);
   expect_rejected(other, "format version 2 is not supported; this plugin reads version 1");
 }
 
-TEST_F(PolicyState, RejectsAChecksumMismatch) {
+TEST_F(PolicyStateBlob, RejectsAChecksumMismatch) {
   std::vector<std::uint8_t> corrupted = blob;
   corrupted[kFirstSample] ^= 0x40;
   expect_rejected(corrupted, "checksum");
 }
 
-TEST_F(PolicyState, RejectsPaddedBlobs) {
+TEST_F(PolicyStateBlob, RejectsPaddedBlobs) {
   std::vector<std::uint8_t> padded = blob;
   padded.push_back(0);
   expect_rejected(padded, "header says");
 }
 
-TEST_F(PolicyState, RejectsABlobForAnotherBlockCount) {
+TEST_F(PolicyStateBlob, RejectsABlobForAnotherBlockCount) {
   Driver other(settings(4), 5);
   const std::vector<std::uint8_t> before = other.engine().export_state();
   try {
@@ -210,35 +210,35 @@ TEST_F(PolicyState, RejectsABlobForAnotherBlockCount) {
   EXPECT_EQ(other.engine().export_state(), before);
 }
 
-TEST_F(PolicyState, RejectsAnUnknownAssignmentCode) {
+TEST_F(PolicyStateBlob, RejectsAnUnknownAssignmentCode) {
   std::vector<std::uint8_t> bad = blob;
   bad[kFirstBlockRecord] = 7;
   reseal(bad);
   expect_rejected(bad, "block 0: assignment code must be 0 (unassigned), 1 (bf16) or 2 (int8), found 7");
 }
 
-TEST_F(PolicyState, RejectsANonFiniteSample) {
+TEST_F(PolicyStateBlob, RejectsANonFiniteSample) {
   std::vector<std::uint8_t> bad = blob;
   store_f64(bad, kFirstSample, kNaN);
   reseal(bad);
   expect_rejected(bad, "block 0: sample l2 must be a finite number >= 0");
 }
 
-TEST_F(PolicyState, RejectsASensitivityOutsideTheUnitInterval) {
+TEST_F(PolicyStateBlob, RejectsASensitivityOutsideTheUnitInterval) {
   std::vector<std::uint8_t> bad = blob;
   store_f64(bad, kFirstBlockRecord + 5 + 8 + 8 + 4 * 8, 1.5);
   reseal(bad);
   expect_rejected(bad, "block 0: grad_score, error_score and sensitivity must lie in [0, 1]");
 }
 
-TEST_F(PolicyState, RejectsAWindowLargerThanItsCapacity) {
+TEST_F(PolicyStateBlob, RejectsAWindowLargerThanItsCapacity) {
   std::vector<std::uint8_t> bad = blob;
   store_u32(bad, kFirstSample - 4, 5);
   reseal(bad);
   expect_rejected(bad, "block 0: window holds 5 samples, more than its capacity 4");
 }
 
-TEST_F(PolicyState, RejectsAStepPhaseThatDoesNotExist) {
+TEST_F(PolicyStateBlob, RejectsAStepPhaseThatDoesNotExist) {
   std::vector<std::uint8_t> bad = blob;
   bad[kPolicyPayload + 16] = 9;
   reseal(bad);
