@@ -1,0 +1,125 @@
+#include "calibration_cache.hpp"
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "sp/runtime/atomic_file.hpp"
+#include "text_corpus.hpp"
+
+namespace sp::train {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr const char* kFormat = "sp-train-calibration";
+constexpr int kVersion = 1;
+
+std::string checksum_of(const std::string& fingerprint, const nlohmann::json& errors) {
+  const std::string text = fingerprint + errors.dump();
+  return fmt::format("{:016x}", fnv1a64(text.data(), text.size()));
+}
+
+}  // namespace
+
+const char* cache_status_name(CacheStatus status) {
+  switch (status) {
+    case CacheStatus::hit: return "hit";
+    case CacheStatus::missing: return "missing";
+    case CacheStatus::mismatch: return "mismatch";
+    case CacheStatus::corrupt: return "corrupt";
+  }
+  return "?";
+}
+
+std::string calibration_fingerprint(const nlohmann::json& identity) {
+  const std::string text = identity.dump();
+  return fmt::format("{:016x}", fnv1a64(text.data(), text.size()));
+}
+
+fs::path calibration_cache_file(const fs::path& dir, const std::string& fingerprint) {
+  return dir / fmt::format("calibration-{}.json", fingerprint);
+}
+
+CacheLookup read_calibration_cache(const fs::path& file, const std::string& fingerprint,
+                                   std::uint32_t n_blocks) {
+  CacheLookup lookup;
+  std::ifstream in(file, std::ios::binary);
+  if (!in) {
+    lookup.detail = fmt::format("{}: no cache file", file.string());
+    return lookup;
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  auto corrupt = [&](const std::string& why) {
+    lookup.status = CacheStatus::corrupt;
+    lookup.detail = fmt::format("{}: corrupt calibration cache: {}", file.string(), why);
+    return lookup;
+  };
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(text.str());
+  } catch (const nlohmann::json::exception& e) {
+    return corrupt(fmt::format("not valid JSON ({})", e.what()));
+  }
+  if (!doc.is_object() || doc.value("format", "") != kFormat || doc.value("version", 0) != kVersion) {
+    return corrupt(fmt::format("expected an object with format \"{}\" and version {}", kFormat, kVersion));
+  }
+  const auto errors = doc.find("block_errors");
+  const auto stored_fingerprint = doc.find("fingerprint");
+  const auto checksum = doc.find("checksum");
+  if (errors == doc.end() || !errors->is_array() || stored_fingerprint == doc.end() ||
+      !stored_fingerprint->is_string() || checksum == doc.end() || !checksum->is_string()) {
+    return corrupt("missing block_errors, fingerprint or checksum");
+  }
+  if (*checksum != checksum_of(stored_fingerprint->get<std::string>(), *errors)) {
+    return corrupt("checksum mismatch");
+  }
+  if (*stored_fingerprint != fingerprint) {
+    lookup.status = CacheStatus::mismatch;
+    lookup.detail = fmt::format("{}: made for fingerprint {}, this run is {}", file.string(),
+                                stored_fingerprint->get<std::string>(), fingerprint);
+    return lookup;
+  }
+  if (errors->size() != n_blocks) {
+    lookup.status = CacheStatus::mismatch;
+    lookup.detail = fmt::format("{}: holds {} blocks, the model has {}", file.string(), errors->size(), n_blocks);
+    return lookup;
+  }
+  for (std::size_t b = 0; b < errors->size(); ++b) {
+    const nlohmann::json& e = (*errors)[b];
+    if (!e.is_number() || !std::isfinite(e.get<double>()) || e.get<double>() < 0.0) {
+      return corrupt(fmt::format("block_errors[{}] is not a finite number >= 0", b));
+    }
+    lookup.errors.push_back(e.get<double>());
+  }
+  lookup.status = CacheStatus::hit;
+  return lookup;
+}
+
+void write_calibration_cache(const fs::path& file, const std::string& fingerprint,
+                             const nlohmann::json& identity, const std::vector<double>& errors) {
+  fs::create_directories(file.parent_path());
+  const nlohmann::json block_errors = errors;
+  const nlohmann::json doc = {{"format", kFormat},
+                              {"version", kVersion},
+                              {"fingerprint", fingerprint},
+                              {"identity", identity},
+                              {"block_errors", block_errors},
+                              {"checksum", checksum_of(fingerprint, block_errors)}};
+  sp::runtime::write_file_atomically(file, doc.dump(2) + "\n");
+}
+
+fs::path default_calibration_cache_dir() {
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') {
+    return fs::path(xdg) / "sp-train";
+  }
+  if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
+    return fs::path(home) / ".cache" / "sp-train";
+  }
+  return fs::path(".sp-train-cache");
+}
+
+}  // namespace sp::train

@@ -1,0 +1,102 @@
+#include "gpt_model.hpp"
+
+#include <cmath>
+
+#include <fmt/format.h>
+
+namespace sp::train {
+
+GptModel::GptModel(const ModelConfig& config, TrainMode mode, const LoraConfig& lora, std::uint64_t seed)
+    : config_(config), mode_(mode), lora_scale_(lora.alpha / lora.rank) {
+  torch::manual_seed(seed);
+  const std::int64_t c = config.d_model;
+  const std::int64_t hidden = c * config.mlp_ratio;
+  const std::array<std::array<std::int64_t, 2>, kStreamedPerBlock> shapes = {
+      {{3 * c, c}, {c, c}, {hidden, c}, {c, hidden}}};
+  // GPT-2's scaled init of the residual projections keeps the residual stream's variance flat
+  // in depth.
+  const double residual_std = config.init_std / std::sqrt(2.0 * config.n_blocks);
+  wte_ = add_resident("wte", torch::randn({kVocab, c}) * config.init_std, true);
+  wpe_ = add_resident("wpe", torch::randn({static_cast<std::int64_t>(config.seq_len), c}) * (config.init_std / 2), false);
+  masters_.resize(config.n_blocks);
+  block_resident_.resize(config.n_blocks);
+  block_adapters_.resize(config.n_blocks);
+  for (std::uint32_t b = 0; b < config.n_blocks; ++b) {
+    for (std::size_t t = 0; t < kStreamedPerBlock; ++t) {
+      const double std = (t == 1 || t == 3) ? residual_std : config.init_std;
+      masters_[b][t] = (torch::randn({shapes[t][0], shapes[t][1]}) * std).contiguous();
+    }
+    for (const char* norm : {"ln1", "ln2"}) {
+      block_resident_[b].push_back(add_resident(fmt::format("block{}.{}.weight", b, norm), torch::ones({c}), false));
+      block_resident_[b].push_back(add_resident(fmt::format("block{}.{}.bias", b, norm), torch::zeros({c}), false));
+    }
+    if (mode == TrainMode::lora) {
+      const std::int64_t r = lora.rank;
+      for (std::size_t t = 0; t < kStreamedPerBlock; ++t) {
+        // B starts at zero so that the adapted model starts as the base model.
+        const std::size_t a = add_resident(fmt::format("block{}.{}.lora_a", b, kStreamedNames[t]),
+                                           torch::randn({r, shapes[t][1]}) / std::sqrt(static_cast<double>(shapes[t][1])), false);
+        const std::size_t bb = add_resident(fmt::format("block{}.{}.lora_b", b, kStreamedNames[t]),
+                                            torch::zeros({shapes[t][0], r}), false);
+        block_resident_[b].push_back(a);
+        block_resident_[b].push_back(bb);
+        block_adapters_[b].push_back(a);
+        block_adapters_[b].push_back(bb);
+      }
+    }
+  }
+  lnf_w_ = add_resident("ln_f.weight", torch::ones({c}), false);
+  lnf_b_ = add_resident("ln_f.bias", torch::zeros({c}), false);
+  const std::int64_t t = config.seq_len;
+  causal_mask_ = torch::ones({t, t}, torch::kBool).triu(1);
+}
+
+std::size_t GptModel::add_resident(std::string name, torch::Tensor value, bool decay) {
+  value = value.contiguous().requires_grad_(true);
+  resident_.push_back(ResidentParam{std::move(name), value, torch::zeros_like(value), decay});
+  return resident_.size() - 1;
+}
+
+torch::Tensor GptModel::embed(const torch::Tensor& idx) {
+  const std::int64_t t = idx.size(1);
+  return torch::embedding(resident_[wte_].value, idx) + resident_[wpe_].value.narrow(0, 0, t);
+}
+
+torch::Tensor GptModel::head_loss(const torch::Tensor& h, const torch::Tensor& targets) {
+  const std::int64_t c = config_.d_model;
+  const torch::Tensor normed =
+      torch::layer_norm(h, {c}, resident_[lnf_w_].value, resident_[lnf_b_].value);
+  const torch::Tensor logits = torch::matmul(normed, resident_[wte_].value.t());
+  return torch::nn::functional::cross_entropy(logits.view({-1, kVocab}), targets.view({-1}));
+}
+
+torch::Tensor GptModel::linear(std::uint32_t block, std::size_t which, const torch::Tensor& x,
+                               const torch::Tensor& w) {
+  torch::Tensor y = torch::matmul(x, w.t());
+  if (mode_ == TrainMode::lora) {
+    const torch::Tensor& a = resident_[block_adapters_[block][2 * which]].value;
+    const torch::Tensor& b = resident_[block_adapters_[block][2 * which + 1]].value;
+    y = y + torch::matmul(torch::matmul(x, a.t()), b.t()) * lora_scale_;
+  }
+  return y;
+}
+
+torch::Tensor GptModel::block_forward(std::uint32_t block, const torch::Tensor& x, const BlockWeights& w) {
+  const std::int64_t batch = x.size(0), t = x.size(1), c = x.size(2);
+  const std::int64_t heads = config_.n_heads, head_dim = c / heads;
+  const auto& norms = block_resident_[block];
+  const torch::Tensor h1 = torch::layer_norm(x, {c}, resident_[norms[0]].value, resident_[norms[1]].value);
+  const torch::Tensor qkv = linear(block, 0, h1, w[0]).view({batch, t, 3, heads, head_dim}).permute({2, 0, 3, 1, 4});
+  const torch::Tensor scores =
+      torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(head_dim)));
+  const torch::Tensor attention =
+      torch::softmax(scores.masked_fill(causal_mask_.narrow(0, 0, t).narrow(1, 0, t),
+                                        -std::numeric_limits<float>::infinity()),
+                     -1);
+  const torch::Tensor mixed = torch::matmul(attention, qkv[2]).transpose(1, 2).reshape({batch, t, c});
+  const torch::Tensor x1 = x + linear(block, 1, mixed, w[1]);
+  const torch::Tensor h2 = torch::layer_norm(x1, {c}, resident_[norms[2]].value, resident_[norms[3]].value);
+  return x1 + linear(block, 3, torch::gelu(linear(block, 2, h2, w[2])), w[3]);
+}
+
+}  // namespace sp::train

@@ -1,0 +1,79 @@
+// A GPT-style byte-level decoder whose transformer blocks are the streaming unit.
+//
+// Streamed per block (fp32 masters on the host, never touched by autograd): the four matrices
+// attn.qkv, attn.proj, mlp.fc, mlp.proj. Resident (small): token and position embeddings, the
+// tied output head, every LayerNorm, and in LoRA mode the adapters of each streamed matrix.
+// A block's forward takes its compute weights as an argument, so the trainer decides where
+// they come from: the device slot the streaming engine filled.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "train_config.hpp"
+
+namespace sp::train {
+
+inline constexpr std::size_t kStreamedPerBlock = 4;
+inline constexpr std::array<const char*, kStreamedPerBlock> kStreamedNames = {
+    "attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"};
+inline constexpr std::int64_t kVocab = 256;
+
+using BlockWeights = std::array<torch::Tensor, kStreamedPerBlock>;
+
+// A trainable resident tensor and its gradient buffer (same shape, zeroed every step).
+struct ResidentParam {
+  std::string name;
+  torch::Tensor value;
+  torch::Tensor grad;
+  bool decay = false;
+};
+
+class GptModel {
+ public:
+  GptModel(const ModelConfig& config, TrainMode mode, const LoraConfig& lora, std::uint64_t seed);
+
+  const ModelConfig& config() const { return config_; }
+  TrainMode mode() const { return mode_; }
+  // [block][tensor] fp32 masters, contiguous, rows = out features.
+  std::vector<BlockWeights>& masters() { return masters_; }
+  std::vector<ResidentParam>& resident() { return resident_; }
+
+  // Token + position embedding of idx [B, T]; differentiable in the embedding tables.
+  torch::Tensor embed(const torch::Tensor& idx);
+  // Mean next-byte cross-entropy of the final norm + tied head over h [B, T, C].
+  torch::Tensor head_loss(const torch::Tensor& h, const torch::Tensor& targets);
+  // One block with the given compute weights (and the block's resident norms and adapters).
+  torch::Tensor block_forward(std::uint32_t block, const torch::Tensor& x, const BlockWeights& w);
+
+  // Resident tensors the block's forward reads, in a fixed order: its norms, then its LoRA
+  // adapters (A, B per streamed matrix) in LoRA mode. Indices into resident().
+  const std::vector<std::size_t>& block_resident(std::uint32_t block) const { return block_resident_[block]; }
+  // In LoRA mode, the adapter indices of the block (the source of its gradient moments).
+  const std::vector<std::size_t>& block_adapters(std::uint32_t block) const { return block_adapters_[block]; }
+  // Indices of wte, wpe, ln_f weight and bias.
+  std::size_t wte() const { return wte_; }
+  std::size_t wpe() const { return wpe_; }
+  std::size_t lnf_weight() const { return lnf_w_; }
+  std::size_t lnf_bias() const { return lnf_b_; }
+
+ private:
+  std::size_t add_resident(std::string name, torch::Tensor value, bool decay);
+  torch::Tensor linear(std::uint32_t block, std::size_t which, const torch::Tensor& x, const torch::Tensor& w);
+
+  ModelConfig config_;
+  TrainMode mode_;
+  double lora_scale_ = 0.0;
+  std::vector<BlockWeights> masters_;
+  std::vector<ResidentParam> resident_;
+  std::vector<std::vector<std::size_t>> block_resident_;
+  std::vector<std::vector<std::size_t>> block_adapters_;
+  std::size_t wte_ = 0, wpe_ = 0, lnf_w_ = 0, lnf_b_ = 0;
+  torch::Tensor causal_mask_;
+};
+
+}  // namespace sp::train

@@ -1,0 +1,150 @@
+// sp-train: trains a byte-level GPT whose transformer blocks stream through the adapters,
+// with the Selective Precision plugin choosing BF16 or INT8 per block. See docs/training.md.
+
+#include <csignal>
+
+#include <atomic>
+#include <filesystem>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+#include <fmt/core.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "checkpoint_file.hpp"
+#include "progress.hpp"
+#include "sp/host/plugin_library.h"
+#include "text_corpus.hpp"
+#include "train_config.hpp"
+#include "trainer.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Exit codes, also listed in --help and docs/training.md.
+constexpr int kExitOk = 0;
+constexpr int kExitInternal = 1;
+constexpr int kExitBadConfig = 2;
+constexpr int kExitPlugin = 3;
+constexpr int kExitBadInput = 4;
+constexpr int kExitDiverged = 5;
+constexpr int kExitInterrupted = 130;
+
+constexpr const char* kFooter =
+    "Exit codes: 0 training finished; 1 internal error; 2 bad command line or config (the "
+    "message names the file and key); 3 the policy plugin could not be loaded or rejected its "
+    "config section; 4 unusable data path or checkpoint; 5 the loss diverged (non-finite for 8 "
+    "steps in a row); 130 interrupted by SIGINT after writing a checkpoint (run the same command "
+    "again to resume).\n"
+    "Signals: SIGINT checkpoints at the next step boundary and exits; SIGHUP makes the trainer "
+    "look for a new plugin version at the next step boundary.\n"
+    "The run directory holds config.yaml, train_metrics.jsonl, transfer_metrics.jsonl, the "
+    "plugin's telemetry, checkpoint.bin and summary.json. A run directory that holds a "
+    "checkpoint is resumed (train.resume: never starts over).";
+
+std::atomic<bool> g_stop{false};
+std::atomic<bool> g_plugin_check{false};
+
+extern "C" void on_sigint(int) {
+  g_stop.store(true);
+  // A second Ctrl-C kills the process the usual way.
+  std::signal(SIGINT, SIG_DFL);
+}
+extern "C" void on_sighup(int) { g_plugin_check.store(true); }
+
+fs::path default_plugin_dir() {
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? fs::path("build/plugins") : exe.parent_path().parent_path() / "plugins";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  fs::path config_file;
+  std::string data;
+  std::int64_t steps = 0;
+  std::uint64_t seed = 0;
+  fs::path out = "sp-train-run";
+  fs::path plugin_dir = default_plugin_dir();
+  std::vector<std::string> sets;
+
+  CLI::App app{
+      "sp-train: trains a byte-level GPT whose transformer blocks stream host->device one at a "
+      "time, forward and backward, while the Selective Precision plugin (loaded from the plugin "
+      "directory) decides per block whether it travels as BF16 or INT8."};
+  app.footer(kFooter);
+  app.add_option("--config", config_file, "training config YAML (model, data, train, memory.stagehand.*); see configs/")
+      ->required();
+  auto* data_option = app.add_option("--data", data, "text file or directory to train on (overrides data.path)");
+  auto* steps_option = app.add_option("--steps", steps, "total optimizer steps (overrides train.steps)")
+                           ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
+  auto* seed_option = app.add_option("--seed", seed, "seed of init, batches and calibration (overrides train.seed)");
+  app.add_option("--out", out, "run directory: metrics, telemetry, checkpoint, summary.json")->capture_default_str();
+  app.add_option("--plugin-dir", plugin_dir, "directory holding lib<train.plugin>.so; watched for new versions")
+      ->capture_default_str();
+  app.add_option("--set", sets, "override a config key, e.g. --set train.mode=lora --set "
+                                "memory.stagehand.selective_precision.mode=off (repeatable; value is YAML)")
+      ->take_all()->allow_extra_args(false);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? kExitOk : kExitBadConfig;
+  }
+
+  auto logger = spdlog::stderr_color_mt("sp-train");
+  logger->set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");
+  try {
+    std::vector<sp::train::Override> overrides;
+    for (const std::string& s : sets) overrides.push_back(sp::train::parse_override(s));
+    if (*data_option) overrides.push_back({"data.path", data});
+    if (*steps_option) overrides.push_back({"train.steps", std::to_string(steps)});
+    if (*seed_option) overrides.push_back({"train.seed", std::to_string(seed)});
+    sp::train::TrainConfig config = sp::train::load_train_config(config_file, overrides);
+
+    std::signal(SIGINT, on_sigint);
+    std::signal(SIGHUP, on_sighup);
+    sp::train::RunOptions options;
+    options.out_dir = out;
+    options.plugin_dir = plugin_dir;
+    options.logger = logger;
+    options.progress = true;
+    options.stop_requested = &g_stop;
+    options.plugin_check_requested = &g_plugin_check;
+    sp::train::Trainer trainer(std::move(config), options);
+    const sp::train::RunSummary summary = trainer.run();
+
+    const nlohmann::json& s = summary.json;
+    const auto& bytes = s["h2d_bytes"];
+    logger->info("{} {} steps in {:.1f}s ({:.0f} tokens/s)", summary.outcome == sp::train::RunOutcome::completed ? "finished" : "stopped at",
+                 s["steps"].get<std::int64_t>(), s["wall_seconds"].get<double>(), s["tokens_per_second"].get<double>());
+    if (!s["final_val_loss"].is_null()) logger->info("final validation loss {:.4f}", s["final_val_loss"].get<double>());
+    logger->info("H2D: {} BF16 + {} INT8 = {}; all-BF16 would be {}: {:.1f}% saved",
+                 sp::train::format_bytes(bytes["bf16"]), sp::train::format_bytes(bytes["int8"]),
+                 sp::train::format_bytes(bytes["total"]), sp::train::format_bytes(bytes["all_bf16_equivalent"]),
+                 100.0 * bytes["saved_fraction"].get<double>());
+    logger->info("summary: {}", (out / "summary.json").string());
+    return summary.outcome == sp::train::RunOutcome::completed ? kExitOk : kExitInterrupted;
+  } catch (const sp::train::ConfigError& e) {
+    logger->error("{}", e.what());
+    return kExitBadConfig;
+  } catch (const sp::host::PluginError& e) {
+    logger->error("{}", e.what());
+    return kExitPlugin;
+  } catch (const sp::train::DataError& e) {
+    logger->error("{}", e.what());
+    return kExitBadInput;
+  } catch (const sp::train::ResumeError& e) {
+    logger->error("{}", e.what());
+    return kExitBadInput;
+  } catch (const sp::train::DivergedError& e) {
+    logger->error("{}", e.what());
+    return kExitDiverged;
+  } catch (const std::exception& e) {
+    logger->error("internal error: {}", e.what());
+    return kExitInternal;
+  }
+}

@@ -1,0 +1,81 @@
+// The trainer's side of the policy plugin: drives sp::host::PolicyHost through the step
+// lifecycle, watches the plugin file for a newer version (hot swap at the next step
+// boundary), and makes the plugin's state part of a checkpoint.
+//
+// PolicyHost does not expose the plugin's export_state/import_state, so the checkpoint holds
+// the plugin's *inputs* instead: calibration errors plus, per step, the gradient moments and
+// the end-of-step feedback. The policy is a deterministic function of those, so a resume
+// replays them into an instance whose telemetry and decision log are off, then swaps (with
+// the host library's state migration) to an instance with the run's configuration.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "sp/host/policy_host.h"
+
+namespace sp::train {
+
+class PolicySession {
+ public:
+  // Throws sp::host::PluginError when the plugin cannot be loaded or rejects the config.
+  PolicySession(std::filesystem::path plugin_file, std::string config_yaml, std::string source_name,
+                std::vector<sp::host::BlockDescription> blocks, std::filesystem::path output_dir,
+                std::shared_ptr<spdlog::logger> logger);
+  ~PolicySession();
+
+  bool set_calibration_errors(const std::vector<double>& errors);
+  void begin_step(std::int64_t step);
+  void post_backward(std::int64_t step, const std::vector<sp_grad_moments_v1>& moments);
+  const std::vector<sp_hint_v1>& compute_hints(std::int64_t step);
+  void end_step(std::int64_t step, const sp_step_feedback_v1& feedback);
+
+  // Between steps: if the plugin file changed since it was loaded (or `force`, after
+  // SIGHUP), asks the host library to swap to it at the next begin_step. Returns the
+  // request's outcome when one was made.
+  std::optional<sp::host::SwapResult> check_for_new_version(bool force);
+  // The swap applied (or failed) by the latest begin_step, if any, once.
+  std::optional<sp::host::SwapResult> take_swap_outcome();
+
+  // The policy's inputs so far, serialized for a checkpoint; and the inverse, which must run
+  // on a fresh session (no step begun) and returns the hints of the last replayed step (empty
+  // when none). Throws std::runtime_error on a malformed record or a failed replay.
+  std::vector<std::uint8_t> serialize_inputs() const;
+  std::vector<sp_hint_v1> restore_from_inputs(const std::vector<std::uint8_t>& bytes);
+
+  const sp::host::PolicyHost& host() const { return *host_; }
+  std::string_view plugin_version() const { return host_->plugin_version(); }
+
+ private:
+  struct StepInputs {
+    std::int64_t step = 0;
+    std::vector<sp_grad_moments_v1> moments;
+    sp_step_feedback_v1 feedback{};
+  };
+  struct FileIdentity {
+    std::uintmax_t size = 0;
+    std::int64_t mtime_ns = 0;
+    std::uint64_t inode = 0;
+    bool operator==(const FileIdentity& o) const {
+      return size == o.size && mtime_ns == o.mtime_ns && inode == o.inode;
+    }
+  };
+  static std::optional<FileIdentity> identify(const std::filesystem::path& file);
+
+  std::filesystem::path plugin_file_;
+  sp::host::PolicyConfig config_;
+  std::shared_ptr<spdlog::logger> logger_;
+  std::unique_ptr<sp::host::PolicyHost> host_;
+  std::optional<FileIdentity> loaded_identity_;
+  bool swap_requested_ = false;
+
+  std::vector<double> calibration_errors_;
+  std::vector<StepInputs> log_;
+  StepInputs current_;
+};
+
+}  // namespace sp::train

@@ -1,0 +1,60 @@
+// Byte-level training text: every regular file under a path, read in sorted order, split into
+// train and validation deterministically, and sampled into batches that depend only on
+// (seed, step), so that a resumed run sees exactly the batches it would have seen.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace sp::train {
+
+// The data path cannot be used: missing, unreadable, empty or too short for one sequence.
+class DataError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct CorpusStats {
+  std::uint64_t files = 0;
+  std::uint64_t train_bytes = 0;
+  std::uint64_t val_bytes = 0;
+};
+
+class TextCorpus {
+ public:
+  // `path` is a file or a directory (searched recursively; symlinks to files already read are
+  // read once). Chunk i of `chunk_bytes` goes to validation when floor((i+1)*f) > floor(i*f),
+  // f = val_fraction: an even stride through the text. Throws DataError when either split is
+  // shorter than seq_len + 1 bytes.
+  TextCorpus(const std::filesystem::path& path, double val_fraction, std::uint32_t chunk_bytes,
+             std::uint32_t seq_len);
+
+  const CorpusStats& stats() const { return stats_; }
+  // A fingerprint of the text and the split, for checkpoints and the calibration cache.
+  std::uint64_t fingerprint() const { return fingerprint_; }
+
+  // batch_size windows of seq_len + 1 bytes (inputs are [0, seq_len), targets [1, seq_len]),
+  // row-major into `tokens` (resized). Train windows start at offsets drawn from (seed, step,
+  // row); validation batch `index` takes evenly spaced fixed windows.
+  void train_batch(std::uint64_t seed, std::int64_t step, std::uint32_t batch_size,
+                   std::vector<std::int64_t>& tokens) const;
+  void val_batch(std::uint32_t index, std::uint32_t batches, std::uint32_t batch_size,
+                 std::vector<std::int64_t>& tokens) const;
+
+ private:
+  std::vector<std::uint8_t> train_;
+  std::vector<std::uint8_t> val_;
+  std::uint32_t seq_len_;
+  CorpusStats stats_;
+  std::uint64_t fingerprint_ = 0;
+};
+
+// SplitMix64: the stateless mixer behind batch offsets and fingerprints.
+std::uint64_t mix64(std::uint64_t x);
+// FNV-1a 64 over bytes, continuing from `state`.
+std::uint64_t fnv1a64(const void* data, std::size_t bytes, std::uint64_t state = 0xcbf29ce484222325ull);
+
+}  // namespace sp::train

@@ -1,0 +1,339 @@
+#include "train_config.hpp"
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <yaml-cpp/yaml.h>
+
+namespace sp::train {
+namespace {
+
+std::string describe(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Null:
+    case YAML::NodeType::Undefined:
+      return "nothing (null)";
+    case YAML::NodeType::Sequence:
+      return "a list";
+    case YAML::NodeType::Map:
+      return "a mapping";
+    case YAML::NodeType::Scalar:
+      break;
+  }
+  if (node.Tag() == "!") return fmt::format("the string \"{}\"", node.Scalar());
+  return fmt::format("'{}'", node.Scalar());
+}
+
+bool is_plain_scalar(const YAML::Node& node) { return node.IsScalar() && node.Tag() != "!"; }
+
+// Reads one mapping of the document. Every message carries the source and the full key path;
+// keys that the section does not know are rejected with the list of those it does.
+class Section {
+ public:
+  // An absent section reads as an empty one. (A missing key of a const node is an invalid
+  // handle that must not be assigned to, so a fresh node is returned instead.)
+  static YAML::Node or_empty_map(const YAML::Node& node) {
+    if (!node.IsDefined() || node.IsNull()) return YAML::Node(YAML::NodeType::Map);
+    return node;
+  }
+
+  Section(const std::string& source, std::string path, YAML::Node node,
+          std::vector<const char*> known)
+      : source_(source), path_(std::move(path)), node_(or_empty_map(node)), known_(std::move(known)) {
+    if (!node_.IsMap()) {
+      throw ConfigError(fmt::format("{}: {}: expected a mapping, found {}", source_, path_,
+                                    describe(node_)));
+    }
+    for (const auto& entry : node_) {
+      const std::string key = entry.first.Scalar();
+      bool found = false;
+      for (const char* k : known_) found = found || key == k;
+      if (!found) {
+        throw ConfigError(fmt::format("{}: {}.{}: unknown key; {} accepts: {}", source_, path_,
+                                      key, path_, fmt::join(known_, ", ")));
+      }
+    }
+  }
+
+  [[noreturn]] void fail(const char* key, const std::string& expected, const YAML::Node& found) const {
+    throw ConfigError(fmt::format("{}: {}.{}: expected {}, found {}", source_, path_, key,
+                                  expected, describe(found)));
+  }
+
+  template <typename Int>
+  void integer(const char* key, Int& value, std::int64_t min, std::int64_t max) const {
+    const YAML::Node node = node_[key];
+    if (!node.IsDefined()) return;
+    const std::string expected = fmt::format("an integer in [{}, {}]", min, max);
+    std::int64_t parsed = 0;
+    if (!is_plain_scalar(node) || !YAML::convert<std::int64_t>::decode(node, parsed) ||
+        parsed < min || parsed > max) {
+      fail(key, expected, node);
+    }
+    value = static_cast<Int>(parsed);
+  }
+
+  void number(const char* key, double& value, double min, double max, bool min_exclusive = false) const {
+    const YAML::Node node = node_[key];
+    if (!node.IsDefined()) return;
+    const std::string expected =
+        fmt::format("a number in {}{}, {}]", min_exclusive ? "(" : "[", min, max);
+    double parsed = 0.0;
+    if (!is_plain_scalar(node) || !YAML::convert<double>::decode(node, parsed) ||
+        !std::isfinite(parsed) || parsed < min || (min_exclusive && parsed == min) || parsed > max) {
+      fail(key, expected, node);
+    }
+    value = parsed;
+  }
+
+  void boolean(const char* key, bool& value) const {
+    const YAML::Node node = node_[key];
+    if (!node.IsDefined()) return;
+    if (!is_plain_scalar(node) || !YAML::convert<bool>::decode(node, value)) {
+      fail(key, "true or false", node);
+    }
+  }
+
+  void string(const char* key, std::string& value, bool allow_empty) const {
+    const YAML::Node node = node_[key];
+    if (!node.IsDefined()) return;
+    if (!node.IsScalar() || (!allow_empty && node.Scalar().empty())) {
+      fail(key, allow_empty ? "a string" : "a non-empty string", node);
+    }
+    value = node.Scalar();
+  }
+
+  template <typename Enum>
+  void choice(const char* key, Enum& value,
+              const std::vector<std::pair<const char*, Enum>>& choices) const {
+    const YAML::Node node = node_[key];
+    if (!node.IsDefined()) return;
+    std::vector<const char*> names;
+    for (const auto& [name, option] : choices) {
+      names.push_back(name);
+      if (node.IsScalar() && node.Scalar() == name) {
+        value = option;
+        return;
+      }
+    }
+    fail(key, fmt::format("one of {}", fmt::join(names, ", ")), node);
+  }
+
+  const YAML::Node& node() const { return node_; }
+
+ private:
+  const std::string& source_;
+  std::string path_;
+  YAML::Node node_;
+  std::vector<const char*> known_;
+};
+
+constexpr std::int64_t kMaxSteps = std::int64_t{1} << 40;
+constexpr std::int64_t kMaxU32 = std::numeric_limits<std::uint32_t>::max();
+
+void read_model(const Section& s, ModelConfig& m) {
+  s.integer("d_model", m.d_model, 8, 65536);
+  s.integer("n_heads", m.n_heads, 1, 1024);
+  s.integer("n_blocks", m.n_blocks, 1, 4096);
+  s.integer("seq_len", m.seq_len, 2, 1 << 20);
+  s.integer("mlp_ratio", m.mlp_ratio, 1, 64);
+  s.number("init_std", m.init_std, 0.0, 1.0, /*min_exclusive=*/true);
+  if (m.d_model % m.n_heads != 0) {
+    s.fail("n_heads", fmt::format("a divisor of model.d_model ({})", m.d_model), s.node()["n_heads"]);
+  }
+}
+
+void read_data(const Section& s, DataConfig& d) {
+  s.string("path", d.path, /*allow_empty=*/false);
+  s.number("val_fraction", d.val_fraction, 0.0, 0.5, /*min_exclusive=*/true);
+  s.integer("chunk_bytes", d.chunk_bytes, 64, 1 << 24);
+}
+
+void read_train(const std::string& source, const Section& s, TrainLoopConfig& t) {
+  s.choice<TrainMode>("mode", t.mode, {{"full", TrainMode::full}, {"lora", TrainMode::lora}});
+  s.choice<ComputeDtype>("compute_dtype", t.compute_dtype,
+                         {{"fp32", ComputeDtype::fp32}, {"bf16", ComputeDtype::bf16}});
+  s.integer("steps", t.steps, 1, kMaxSteps);
+  s.integer("batch_size", t.batch_size, 1, 1 << 16);
+  s.number("lr", t.lr, 0.0, 10.0, /*min_exclusive=*/true);
+  s.number("min_lr_ratio", t.min_lr_ratio, 0.0, 1.0);
+  s.integer("lr_warmup_steps", t.lr_warmup_steps, 0, kMaxSteps);
+  s.number("weight_decay", t.weight_decay, 0.0, 10.0);
+  s.number("beta1", t.beta1, 0.0, 0.999999);
+  s.number("beta2", t.beta2, 0.0, 0.999999);
+  s.number("eps", t.eps, 0.0, 1.0, /*min_exclusive=*/true);
+  s.number("grad_clip", t.grad_clip, 0.0, 1e9);
+  s.integer("eval_interval", t.eval_interval, 1, kMaxSteps);
+  s.integer("eval_batches", t.eval_batches, 1, 1 << 16);
+  s.integer("checkpoint_interval", t.checkpoint_interval, 0, kMaxSteps);
+  s.integer("seed", t.seed, 0, std::numeric_limits<std::int64_t>::max());
+  s.integer("threads", t.threads, 0, 1024);
+  s.string("plugin", t.plugin, /*allow_empty=*/false);
+  s.integer("plugin_poll_steps", t.plugin_poll_steps, 0, kMaxSteps);
+  s.string("calibration_cache_dir", t.calibration_cache_dir, /*allow_empty=*/true);
+  s.choice<ResumePolicy>("resume", t.resume,
+                         {{"auto", ResumePolicy::auto_resume}, {"never", ResumePolicy::never}});
+  const Section lora(source, "train.lora", s.node()["lora"], {"rank", "alpha"});
+  lora.integer("rank", t.lora.rank, 1, 4096);
+  lora.number("alpha", t.lora.alpha, 0.0, 1e6, /*min_exclusive=*/true);
+  if (t.compute_dtype == ComputeDtype::bf16) {
+    // The CPU build computes in fp32 over the delivered weights; bf16 compute needs the CUDA
+    // trainer, which this build does not have.
+    s.fail("compute_dtype", "fp32 (bf16 compute needs a CUDA LibTorch build)", s.node()["compute_dtype"]);
+  }
+}
+
+void read_streaming(const Section& s, StreamingSection& st) {
+  s.integer("prefetch_window", st.prefetch_window, 0, 64);
+  s.integer("int8_group_size", st.int8_group_size, 0, 256);
+  if (st.int8_group_size != 0 && st.int8_group_size != 32 && st.int8_group_size != 64 &&
+      st.int8_group_size != 128 && st.int8_group_size != 256) {
+    s.fail("int8_group_size", "0 (one scale per row), 32, 64, 128 or 256",
+           s.node()["int8_group_size"]);
+  }
+  s.integer("spare_slabs", st.spare_slabs, 0, 1024);
+  s.number("bandwidth_cap_gbps", st.bandwidth_cap_gbps, 0.0, 1e6);
+  s.string("metrics_file", st.metrics_file, /*allow_empty=*/true);
+}
+
+// The plugin owns this section; the host reads only the keys it acts on.
+void read_policy_keys(const std::string& source, const YAML::Node& section, PolicyHostKeys& c) {
+  if (!section.IsDefined() || !section.IsMap()) return;
+  const std::string path = "memory.stagehand.selective_precision";
+  if (const YAML::Node run = section["run_calibration"]; run.IsDefined()) {
+    if (!is_plain_scalar(run) || !YAML::convert<bool>::decode(run, c.run_calibration)) {
+      throw ConfigError(fmt::format("{}: {}.run_calibration: expected true or false, found {}",
+                                    source, path, describe(run)));
+    }
+  }
+  if (const YAML::Node samples = section["calibration_samples"]; samples.IsDefined()) {
+    std::int64_t n = 0;
+    if (!is_plain_scalar(samples) || !YAML::convert<std::int64_t>::decode(samples, n) || n < 1 ||
+        n > 4096) {
+      throw ConfigError(fmt::format(
+          "{}: {}.calibration_samples: expected an integer in [1, 4096], found {}", source, path,
+          describe(samples)));
+    }
+    c.calibration_samples = static_cast<std::uint32_t>(n);
+  }
+  if (const YAML::Node file = section["telemetry_file"]; file.IsDefined() && file.IsScalar()) {
+    c.telemetry_file = file.Scalar();
+  }
+}
+
+void apply_override(YAML::Node& root, const Override& override, const std::string& source) {
+  YAML::Node value;
+  try {
+    value = YAML::Load(override.value);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(fmt::format("--set {}={}: the value is not valid YAML: {}", override.key_path,
+                                  override.value, e.msg));
+  }
+  if (!value.IsDefined()) value.reset(YAML::Node(YAML::NodeType::Null));
+  std::vector<std::string> keys;
+  std::stringstream path(override.key_path);
+  for (std::string key; std::getline(path, key, '.');) {
+    if (key.empty()) {
+      throw ConfigError(fmt::format("--set {}: empty key in the key path", override.key_path));
+    }
+    keys.push_back(key);
+  }
+  // yaml-cpp nodes are handles: operator[] on them edits the document itself.
+  YAML::Node node = root;
+  std::string walked;
+  for (std::size_t i = 0; i + 1 < keys.size(); ++i) {
+    walked += (i ? "." : "") + keys[i];
+    YAML::Node child = node[keys[i]];
+    if (!child.IsDefined() || child.IsNull()) {
+      node[keys[i]] = YAML::Node(YAML::NodeType::Map);
+      child.reset(node[keys[i]]);
+    } else if (!child.IsMap()) {
+      throw ConfigError(fmt::format("--set {}: {}: {} is {}, not a mapping", override.key_path,
+                                    source, walked, describe(child)));
+    }
+    node.reset(child);
+  }
+  node[keys.back()] = value;
+}
+
+}  // namespace
+
+Override parse_override(const std::string& argument) {
+  const auto eq = argument.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    throw ConfigError(fmt::format("--set {}: expected key.path=value", argument));
+  }
+  return Override{argument.substr(0, eq), argument.substr(eq + 1)};
+}
+
+TrainConfig parse_train_config(const std::string& text, const std::string& source_name,
+                               const std::vector<Override>& overrides) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(fmt::format("{}: not valid YAML: {}", source_name, e.what()));
+  }
+  if (!root.IsDefined() || root.IsNull()) root.reset(YAML::Node(YAML::NodeType::Map));
+  if (!root.IsMap()) {
+    throw ConfigError(fmt::format("{}: expected a mapping at the top level, found {}", source_name,
+                                  describe(root)));
+  }
+  for (const Override& override : overrides) apply_override(root, override, source_name);
+
+  TrainConfig config;
+  config.source_name = source_name;
+  const Section top(source_name, "<top level>", root, {"model", "data", "train", "memory"});
+  read_model(Section(source_name, "model", root["model"],
+                     {"d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio", "init_std"}),
+             config.model);
+  read_data(Section(source_name, "data", root["data"], {"path", "val_fraction", "chunk_bytes"}),
+            config.data);
+  read_train(source_name,
+             Section(source_name, "train", root["train"],
+                     {"mode", "compute_dtype", "steps", "batch_size", "lr", "min_lr_ratio",
+                      "lr_warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip",
+                      "eval_interval", "eval_batches", "checkpoint_interval", "seed", "threads",
+                      "lora", "plugin", "plugin_poll_steps", "calibration_cache_dir", "resume"}),
+             config.train);
+  const Section memory(source_name, "memory", root["memory"], {"stagehand"});
+  const Section stagehand(source_name, "memory.stagehand", memory.node()["stagehand"],
+                          {"streaming", "selective_precision"});
+  read_streaming(Section(source_name, "memory.stagehand.streaming", stagehand.node()["streaming"],
+                         {"prefetch_window", "int8_group_size", "spare_slabs",
+                          "bandwidth_cap_gbps", "metrics_file"}),
+                 config.streaming);
+  const YAML::Node policy = stagehand.node()["selective_precision"];
+  if (policy.IsDefined() && !policy.IsNull() && !policy.IsMap()) {
+    throw ConfigError(fmt::format(
+        "{}: memory.stagehand.selective_precision: expected a mapping, found {}", source_name,
+        describe(policy)));
+  }
+  read_policy_keys(source_name, policy, config.policy_keys);
+
+  YAML::Emitter out;
+  out << root;
+  config.resolved_yaml = std::string(out.c_str()) + "\n";
+  return config;
+}
+
+TrainConfig load_train_config(const std::filesystem::path& file,
+                              const std::vector<Override>& overrides) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw ConfigError(fmt::format("{}: cannot open the config file", file.string()));
+  std::stringstream text;
+  text << in.rdbuf();
+  return parse_train_config(text.str(), file.string(), overrides);
+}
+
+const char* mode_name(TrainMode mode) { return mode == TrainMode::lora ? "lora" : "full"; }
+
+const char* compute_dtype_name(ComputeDtype dtype) {
+  return dtype == ComputeDtype::bf16 ? "bf16" : "fp32";
+}
+
+}  // namespace sp::train

@@ -1,0 +1,121 @@
+// The training configuration of sp-train: one YAML document with `model`, `data`, `train`
+// and `memory.stagehand.{streaming, selective_precision}`. Every key of the host's sections is
+// validated here; the `selective_precision` section belongs to the policy plugin, which parses
+// the same text and names its own keys (the host only reads the two calibration keys it acts on).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace sp::train {
+
+// A rejected configuration or override. what() names the file, the full key path, what was
+// expected and what was found.
+class ConfigError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct ModelConfig {
+  std::uint32_t d_model = 128;
+  std::uint32_t n_heads = 4;
+  std::uint32_t n_blocks = 6;
+  std::uint32_t seq_len = 128;
+  std::uint32_t mlp_ratio = 4;
+  double init_std = 0.02;
+};
+
+struct DataConfig {
+  std::string path = "/usr/share/common-licenses";
+  // Every chunk_bytes-sized chunk whose index falls on the validation stride goes to
+  // validation, so both splits sample every file.
+  double val_fraction = 0.1;
+  std::uint32_t chunk_bytes = 4096;
+};
+
+enum class TrainMode { full, lora };
+// What the block's matrix products run in. The weights are always exactly what the BF16 or
+// INT8 transfer delivered; fp32 widens them losslessly on the CPU, bf16 is the GPU choice.
+enum class ComputeDtype { fp32, bf16 };
+enum class ResumePolicy { auto_resume, never };
+
+struct LoraConfig {
+  std::uint32_t rank = 8;
+  double alpha = 16.0;
+};
+
+struct TrainLoopConfig {
+  TrainMode mode = TrainMode::full;
+  ComputeDtype compute_dtype = ComputeDtype::fp32;
+  std::int64_t steps = 200;
+  std::uint32_t batch_size = 16;
+  double lr = 3e-3;
+  double min_lr_ratio = 0.1;  // cosine decay ends at lr * min_lr_ratio
+  std::int64_t lr_warmup_steps = 20;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;  // global L2 norm; 0 disables clipping
+  std::int64_t eval_interval = 50;
+  std::uint32_t eval_batches = 8;
+  std::int64_t checkpoint_interval = 100;  // 0: only at the end and on SIGINT
+  std::uint64_t seed = 1234;
+  std::uint32_t threads = 0;  // 0: every core
+  LoraConfig lora;
+  std::string plugin = "sp_selective_precision";
+  std::int64_t plugin_poll_steps = 1;  // 0: only on SIGHUP
+  std::string calibration_cache_dir;   // empty: $XDG_CACHE_HOME/sp-train or ~/.cache/sp-train
+  ResumePolicy resume = ResumePolicy::auto_resume;
+};
+
+struct StreamingSection {
+  std::uint32_t prefetch_window = 2;
+  std::uint32_t int8_group_size = 64;
+  std::uint32_t spare_slabs = 2;
+  double bandwidth_cap_gbps = 0.0;  // host backend pacing; 0: memcpy speed
+  std::string metrics_file = "transfer_metrics.jsonl";
+};
+
+// The policy keys the host acts on (the plugin validates them too): it runs the calibration
+// pass, and it owns the run directory where the plugin's telemetry lands.
+struct PolicyHostKeys {
+  bool run_calibration = true;
+  std::uint32_t calibration_samples = 4;
+  std::string telemetry_file = "selective_precision_telemetry.jsonl";
+};
+
+struct TrainConfig {
+  ModelConfig model;
+  DataConfig data;
+  TrainLoopConfig train;
+  StreamingSection streaming;
+  PolicyHostKeys policy_keys;
+  // The whole document after overrides, as YAML text: handed to the plugin's create() and
+  // saved beside the run.
+  std::string resolved_yaml;
+  std::string source_name;
+};
+
+// "key.path=value" from --set; the value is parsed as YAML ("3", "[0, 1]", "off").
+struct Override {
+  std::string key_path;
+  std::string value;
+};
+// Splits "a.b=c"; throws ConfigError naming the argument when there is no '=' or no key.
+Override parse_override(const std::string& argument);
+
+// Parses `text` (named `source_name` in messages), applies the overrides in order, validates.
+TrainConfig parse_train_config(const std::string& text, const std::string& source_name,
+                               const std::vector<Override>& overrides = {});
+// Reads the file first; a missing or unreadable file is a ConfigError naming it.
+TrainConfig load_train_config(const std::filesystem::path& file,
+                              const std::vector<Override>& overrides = {});
+
+const char* mode_name(TrainMode mode);
+const char* compute_dtype_name(ComputeDtype dtype);
+
+}  // namespace sp::train

@@ -1,0 +1,827 @@
+#include "trainer.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include "adamw.hpp"
+#include "calibration_cache.hpp"
+#include "checkpoint_file.hpp"
+#include "delivered_weights.hpp"
+#include "gpt_model.hpp"
+#include "policy_session.hpp"
+#include "progress.hpp"
+#include "sp/adapters/host_backend.h"
+#include "sp/adapters/metrics.h"
+#include "sp/adapters/streaming_engine.h"
+#include "sp/kernels/moments.h"
+#include "sp/kernels/relative_error.h"
+#include "sp/kernels/slab.h"
+#include "sp/runtime/atomic_file.hpp"
+#include "text_corpus.hpp"
+
+namespace sp::train {
+namespace fs = std::filesystem;
+namespace ad = sp::adapters;
+namespace kn = sp::kernels;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr const char* kTrainMetricsFile = "train_metrics.jsonl";
+constexpr std::uint64_t kCalibrationSalt = 0xca11b7a7e5eedull;
+// Steps in a row with a non-finite loss or gradient (each skipped) before the run gives up.
+constexpr int kMaxNonFiniteSteps = 8;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::uint64_t slab_bytes(const ad::BlockSpec& block, kn::SlabPrecision precision, std::uint32_t group) {
+  std::vector<kn::TensorShape> shapes;
+  for (const ad::TensorSpec& t : block.tensors) shapes.push_back({t.rows, t.cols});
+  kn::SlabEncoding encoding;
+  encoding.precision = precision;
+  encoding.group_size = precision == kn::SlabPrecision::kInt8 ? group : 0;
+  return kn::slab_image_bytes(encoding, shapes.data(), shapes.size());
+}
+
+// Keeps the records of a JSONL file whose `key` is below `step`: on resume, the steps after
+// the checkpoint are run again and must not appear twice.
+void truncate_jsonl(const fs::path& file, const char* key, std::int64_t step) {
+  std::ifstream in(file);
+  if (!in) return;
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    const nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (record.is_object() && record.contains(key) && record[key].is_number_integer() &&
+        record[key].get<std::int64_t>() < step) {
+      kept += line + "\n";
+    }
+  }
+  in.close();
+  sp::runtime::write_file_atomically(file, kept);
+}
+
+std::uint64_t hash_tensor(const torch::Tensor& t, std::uint64_t state) {
+  const torch::Tensor c = t.contiguous();
+  return fnv1a64(c.data_ptr(), static_cast<std::size_t>(c.numel()) * c.element_size(), state);
+}
+
+template <typename T>
+std::vector<std::uint8_t> pod_bytes(const T& value) {
+  const auto* p = reinterpret_cast<const std::uint8_t*>(&value);
+  return {p, p + sizeof value};
+}
+
+}  // namespace
+
+fs::path checkpoint_path(const fs::path& out_dir) { return out_dir / "checkpoint.bin"; }
+
+struct Trainer::Impl {
+  TrainConfig config;
+  RunOptions options;
+  std::shared_ptr<spdlog::logger> log;
+  std::uint32_t n_blocks = 0;
+
+  std::unique_ptr<TextCorpus> corpus;
+  std::unique_ptr<GptModel> model;
+  std::vector<BlockWeights> master_grads;  // full mode
+  std::vector<ad::BlockSpec> block_specs;
+  std::unique_ptr<ad::HostBackend> backend;
+  std::unique_ptr<ad::StreamingEngine> engine;       // training steps: forward + backward
+  std::unique_ptr<ad::StreamingEngine> eval_engine;  // forward only: validation, calibration
+  std::int64_t eval_engine_steps = 0;
+  std::unique_ptr<PolicySession> policy;
+  std::unique_ptr<AdamW> adam;
+  std::vector<std::size_t> adam_resident;                     // resident index -> adam index
+  std::vector<std::array<std::size_t, kStreamedPerBlock>> adam_masters;
+  std::unique_ptr<ad::MetricsJsonlWriter> train_metrics;
+
+  std::int64_t next_step = 0;
+  std::vector<std::uint8_t> decisions;  // the bridge's current routes
+  std::string calibration_status = "disabled";
+  std::vector<double> calibration_errors;
+  int nonfinite_streak = 0;
+
+  // Totals over the whole run, carried across resumes.
+  struct Totals {
+    std::uint64_t h2d_bf16 = 0, h2d_int8 = 0, h2d_all_bf16 = 0;
+    std::uint64_t eval_h2d = 0;
+    std::uint64_t tokens = 0;
+    std::uint64_t bf16_block_steps = 0, int8_block_steps = 0;
+    double train_seconds = 0.0;
+    std::vector<std::pair<std::int64_t, double>> val_history;
+    std::vector<nlohmann::json> swaps;
+    double last_loss = NAN;
+  } totals;
+
+  Impl(TrainConfig cfg, RunOptions opts) : config(std::move(cfg)), options(std::move(opts)), log(options.logger) {
+    if (!log) log = spdlog::default_logger();
+    n_blocks = config.model.n_blocks;
+    if (config.train.threads != 0) torch::set_num_threads(static_cast<int>(config.train.threads));
+    fs::create_directories(options.out_dir);
+    sp::runtime::write_file_atomically(options.out_dir / "config.yaml", config.resolved_yaml);
+
+    corpus = std::make_unique<TextCorpus>(config.data.path, config.data.val_fraction,
+                                          config.data.chunk_bytes, config.model.seq_len);
+    log->info("data: {} file(s) from {}: {} train bytes, {} validation bytes", corpus->stats().files,
+              config.data.path, corpus->stats().train_bytes, corpus->stats().val_bytes);
+
+    std::optional<CheckpointSections> checkpoint = find_checkpoint();
+    if (checkpoint) {
+      next_step = read_meta(*checkpoint).at("next_step").get<std::int64_t>();
+      truncate_jsonl(options.out_dir / kTrainMetricsFile, "step", next_step);
+      truncate_jsonl(options.out_dir / config.streaming.metrics_file, "step", next_step);
+      truncate_jsonl(options.out_dir / config.policy_keys.telemetry_file, "step_id", next_step);
+    }
+
+    model = std::make_unique<GptModel>(config.model, config.train.mode, config.train.lora, config.train.seed);
+    build_optimizer();
+    build_engines();
+    build_policy();
+    train_metrics = std::make_unique<ad::MetricsJsonlWriter>(options.out_dir / kTrainMetricsFile);
+
+    if (checkpoint) {
+      restore(*checkpoint);
+    } else if (config.policy_keys.run_calibration) {
+      calibrate();
+    }
+  }
+
+  std::optional<CheckpointSections> find_checkpoint() {
+    const fs::path file = checkpoint_path(options.out_dir);
+    if (config.train.resume == ResumePolicy::never || !fs::exists(file)) return std::nullopt;
+    try {
+      return CheckpointSections::read(file);
+    } catch (const CheckpointError& e) {
+      throw ResumeError(fmt::format("{} (remove it, or pass --set train.resume=never to start over)", e.what()));
+    }
+  }
+
+  nlohmann::json model_identity() const {
+    const ModelConfig& m = config.model;
+    return {{"d_model", m.d_model}, {"n_heads", m.n_heads}, {"n_blocks", m.n_blocks},
+            {"seq_len", m.seq_len}, {"mlp_ratio", m.mlp_ratio}, {"mode", mode_name(config.train.mode)},
+            {"lora_rank", config.train.mode == TrainMode::lora ? config.train.lora.rank : 0},
+            {"int8_group_size", config.streaming.int8_group_size}};
+  }
+
+  static nlohmann::json read_meta(const CheckpointSections& checkpoint) {
+    const Bytes& meta = checkpoint.get("meta");
+    nlohmann::json parsed = nlohmann::json::parse(meta.begin(), meta.end(), nullptr, false);
+    if (!parsed.is_object() || !parsed.contains("next_step") || !parsed["next_step"].is_number_integer()) {
+      throw ResumeError("checkpoint: section 'meta' is not the expected JSON object");
+    }
+    return parsed;
+  }
+
+  void build_optimizer() {
+    const TrainLoopConfig& t = config.train;
+    adam = std::make_unique<AdamW>(AdamWSettings{t.beta1, t.beta2, t.eps, t.weight_decay});
+    for (ResidentParam& p : model->resident()) {
+      adam_resident.push_back(adam->add(p.name, p.value.data_ptr<float>(), p.grad.data_ptr<float>(),
+                                        static_cast<std::size_t>(p.value.numel()), p.decay));
+    }
+    if (t.mode == TrainMode::full) {
+      master_grads.resize(n_blocks);
+      adam_masters.resize(n_blocks);
+      for (std::uint32_t b = 0; b < n_blocks; ++b) {
+        for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+          torch::Tensor& w = model->masters()[b][i];
+          master_grads[b][i] = torch::zeros_like(w);
+          adam_masters[b][i] = adam->add(fmt::format("block{}.{}", b, kStreamedNames[i]), w.data_ptr<float>(),
+                                         master_grads[b][i].data_ptr<float>(),
+                                         static_cast<std::size_t>(w.numel()), true);
+        }
+      }
+    }
+  }
+
+  void build_engines() {
+    for (std::uint32_t b = 0; b < n_blocks; ++b) {
+      ad::BlockSpec spec;
+      spec.name = fmt::format("block{}", b);
+      for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+        const torch::Tensor& w = model->masters()[b][i];
+        spec.tensors.push_back(ad::TensorSpec{kStreamedNames[i], w.data_ptr<float>(),
+                                              static_cast<std::uint64_t>(w.size(0)),
+                                              static_cast<std::uint64_t>(w.size(1))});
+      }
+      block_specs.push_back(std::move(spec));
+    }
+    const StreamingSection& s = config.streaming;
+    ad::StreamingConfig engine_config;
+    for (const ad::BlockSpec& spec : block_specs) {
+      const std::uint64_t bf16 = slab_bytes(spec, kn::SlabPrecision::kBf16, 0);
+      const std::uint64_t int8 = slab_bytes(spec, kn::SlabPrecision::kInt8, s.int8_group_size);
+      engine_config.host_slab_bytes = std::max({engine_config.host_slab_bytes, bf16, int8});
+      engine_config.device_slot_bytes = std::max(engine_config.device_slot_bytes, bf16);
+    }
+    engine_config.host_slab_count = n_blocks + s.spare_slabs;
+    engine_config.prefetch_window = s.prefetch_window;
+    engine_config.int8_group_size = s.int8_group_size;
+    engine_config.backward = true;
+    if (!s.metrics_file.empty()) engine_config.metrics_path = (options.out_dir / s.metrics_file).string();
+
+    ad::HostBackendOptions backend_options;
+    backend_options.bandwidth_cap_bytes_per_second = s.bandwidth_cap_gbps * 1e9;
+    backend = std::make_unique<ad::HostBackend>(backend_options);
+    engine = std::make_unique<ad::StreamingEngine>(*backend, engine_config, block_specs);
+    ad::StreamingConfig eval_config = engine_config;
+    eval_config.backward = false;
+    eval_config.metrics_path.clear();
+    eval_engine = std::make_unique<ad::StreamingEngine>(*backend, eval_config, block_specs);
+    decisions.assign(n_blocks, 0);
+  }
+
+  void build_policy() {
+    std::vector<sp::host::BlockDescription> blocks;
+    for (const sp_block_desc_v1& d : engine->block_descs()) {
+      blocks.push_back({d.block_id, d.num_params, d.bf16_bytes, d.int8_bytes, d.name});
+    }
+    const fs::path plugin_file = options.plugin_dir / ("lib" + config.train.plugin + ".so");
+    policy = std::make_unique<PolicySession>(plugin_file, config.resolved_yaml, config.source_name,
+                                             std::move(blocks), options.out_dir, log);
+    log->info("policy plugin {} {} from {}", policy->host().plugin_name(), policy->plugin_version(),
+              plugin_file.string());
+  }
+
+  void apply_hints(const std::vector<sp_hint_v1>& hints) {
+    if (hints.empty()) return;
+    engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
+    eval_engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
+    for (const sp_hint_v1& h : hints) decisions[h.block_id] = h.precision == SP_PRECISION_INT8;
+  }
+
+  BlockWeights delivered(const ad::BlockView& view, bool requires_grad) const {
+    BlockWeights w;
+    for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+      const ad::TensorView& t = view.tensors[i];
+      w[i] = torch::empty({static_cast<std::int64_t>(t.rows), static_cast<std::int64_t>(t.cols)});
+      widen_delivered_weights(t, w[i].data_ptr<float>());
+      if (requires_grad) w[i].requires_grad_(true);
+    }
+    return w;
+  }
+
+  std::pair<torch::Tensor, torch::Tensor> tensors_of(std::vector<std::int64_t>& tokens, std::uint32_t batch) const {
+    const std::int64_t window = config.model.seq_len + 1;
+    const torch::Tensor all = torch::from_blob(tokens.data(), {batch, window}, torch::kInt64);
+    return {all.narrow(1, 0, window - 1).clone(), all.narrow(1, 1, window - 1).clone()};
+  }
+
+  // Runs the forward of every block through `streaming` (a forward-only engine), returning the
+  // block inputs and the final hidden state.
+  std::vector<torch::Tensor> streamed_forward(const torch::Tensor& idx) {
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> states{model->embed(idx)};
+    eval_engine->begin_step(eval_engine_steps++);
+    for (std::uint32_t b = 0; b < n_blocks; ++b) {
+      const ad::BlockView& view = eval_engine->acquire(b);
+      states.push_back(model->block_forward(b, states.back(), delivered(view, false)));
+      eval_engine->release(b);
+    }
+    totals.eval_h2d += eval_transfer_bytes(eval_engine->end_step());
+    return states;
+  }
+
+  static std::uint64_t eval_transfer_bytes(const ad::StepTransferMetrics& m) {
+    return m.h2d_bytes_bf16 + m.h2d_bytes_int8;
+  }
+
+  void refresh_eval_images() {
+    if (config.train.mode != TrainMode::full) return;
+    for (std::uint32_t b = 0; b < n_blocks; ++b) eval_engine->on_weights_updated(b);
+  }
+
+  double evaluate() {
+    refresh_eval_images();
+    std::vector<std::int64_t> tokens;
+    double sum = 0.0;
+    for (std::uint32_t i = 0; i < config.train.eval_batches; ++i) {
+      corpus->val_batch(i, config.train.eval_batches, config.train.batch_size, tokens);
+      auto [idx, targets] = tensors_of(tokens, config.train.batch_size);
+      const std::vector<torch::Tensor> states = streamed_forward(idx);
+      torch::NoGradGuard no_grad;
+      sum += model->head_loss(states.back(), targets).item<double>();
+    }
+    return sum / config.train.eval_batches;
+  }
+
+  // ---- calibration -----------------------------------------------------------------------
+
+  nlohmann::json calibration_identity() const {
+    std::uint64_t weights = 0xcbf29ce484222325ull;
+    for (const BlockWeights& block : model->masters()) {
+      for (const torch::Tensor& t : block) weights = hash_tensor(t, weights);
+    }
+    for (const ResidentParam& p : model->resident()) weights = hash_tensor(p.value.detach(), weights);
+    nlohmann::json layout = nlohmann::json::array();
+    for (const ad::BlockSpec& spec : block_specs) {
+      nlohmann::json tensors = nlohmann::json::array();
+      for (const ad::TensorSpec& t : spec.tensors) tensors.push_back({t.name, t.rows, t.cols});
+      layout.push_back({{"name", spec.name}, {"tensors", tensors}});
+    }
+    return {{"model", model_identity()},
+            {"weights_fnv1a64", fmt::format("{:016x}", weights)},
+            {"quant", {{"format", "int8 symmetric"}, {"group_size", config.streaming.int8_group_size}}},
+            {"blocks", layout},
+            {"calibration", {{"samples", config.policy_keys.calibration_samples},
+                             {"batch_size", config.train.batch_size},
+                             {"data_fnv1a64", fmt::format("{:016x}", corpus->fingerprint())},
+                             {"seed", config.train.seed}}}};
+  }
+
+  void set_all_routes(sp_precision precision) {
+    std::vector<sp_hint_v1> hints(n_blocks);
+    for (std::uint32_t b = 0; b < n_blocks; ++b) hints[b] = sp_hint_v1{b, precision, NAN, SP_REASON_MODE, 0};
+    eval_engine->policy_bridge().set_plugin_hints(hints.data(), n_blocks);
+  }
+
+  // Per block: the relative error of the block's output with its INT8 weights against its
+  // BF16 weights, on the same real input (the activation the BF16 model feeds it), both
+  // delivered through the streaming engine's two routes.
+  std::vector<double> measure_calibration_errors() {
+    torch::NoGradGuard no_grad;
+    std::vector<double> errors(n_blocks, 0.0);
+    std::vector<std::int64_t> tokens;
+    for (std::uint32_t s = 0; s < config.policy_keys.calibration_samples; ++s) {
+      corpus->train_batch(config.train.seed ^ kCalibrationSalt, s, config.train.batch_size, tokens);
+      auto [idx, targets] = tensors_of(tokens, config.train.batch_size);
+      set_all_routes(SP_PRECISION_BF16);
+      const std::vector<torch::Tensor> reference = streamed_forward(idx);
+      set_all_routes(SP_PRECISION_INT8);
+      eval_engine->begin_step(eval_engine_steps++);
+      for (std::uint32_t b = 0; b < n_blocks; ++b) {
+        const ad::BlockView& view = eval_engine->acquire(b);
+        const torch::Tensor quantized = model->block_forward(b, reference[b], delivered(view, false)).contiguous();
+        const torch::Tensor expected = reference[b + 1].contiguous();
+        errors[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32,
+                                        quantized.data_ptr<float>(), kn::DType::kFloat32,
+                                        static_cast<std::size_t>(expected.numel()));
+        eval_engine->release(b);
+      }
+      totals.eval_h2d += eval_transfer_bytes(eval_engine->end_step());
+    }
+    eval_engine->policy_bridge().clear_plugin_hints();
+    for (double& e : errors) e /= config.policy_keys.calibration_samples;
+    return errors;
+  }
+
+  void calibrate() {
+    const auto start = Clock::now();
+    const nlohmann::json identity = calibration_identity();
+    const std::string fingerprint = calibration_fingerprint(identity);
+    const fs::path dir = config.train.calibration_cache_dir.empty() ? default_calibration_cache_dir()
+                                                                     : fs::path(config.train.calibration_cache_dir);
+    const fs::path file = calibration_cache_file(dir, fingerprint);
+    CacheLookup cached = read_calibration_cache(file, fingerprint, n_blocks);
+    if (cached.status == CacheStatus::hit) {
+      calibration_errors = std::move(cached.errors);
+      calibration_status = "hit";
+      log->info("calibration: cache hit {}", file.string());
+    } else {
+      if (cached.status == CacheStatus::missing) {
+        log->info("calibration: no cached errors for fingerprint {}; measuring", fingerprint);
+      } else {
+        log->warn("calibration: {}; measuring again", cached.detail);
+      }
+      calibration_errors = measure_calibration_errors();
+      calibration_status = fmt::format("computed ({})", cache_status_name(cached.status));
+      try {
+        write_calibration_cache(file, fingerprint, identity, calibration_errors);
+      } catch (const std::exception& e) {
+        log->warn("calibration: could not write the cache: {}", e.what());
+      }
+      log->info("calibration: {} samples per block in {:.1f}s, cached in {}", config.policy_keys.calibration_samples,
+                seconds_since(start), file.string());
+    }
+    std::string listing;
+    for (std::uint32_t b = 0; b < n_blocks; ++b) listing += fmt::format("{}{:.4f}", b ? " " : "", calibration_errors[b]);
+    log->info("calibration: INT8 relative output error per block: {}", listing);
+    if (!policy->set_calibration_errors(calibration_errors)) {
+      log->warn("calibration: the plugin rejected the errors; it decides on gradients alone");
+    }
+  }
+
+  // ---- the training step -----------------------------------------------------------------
+
+  double learning_rate(std::int64_t step) const {
+    const TrainLoopConfig& t = config.train;
+    if (step < t.lr_warmup_steps) return t.lr * static_cast<double>(step + 1) / t.lr_warmup_steps;
+    const double span = std::max<std::int64_t>(1, t.steps - t.lr_warmup_steps);
+    const double progress = std::min(1.0, static_cast<double>(step - t.lr_warmup_steps) / span);
+    const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
+    return t.lr * (t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine);
+  }
+
+  void accumulate(ResidentParam& p, const torch::Tensor& grad) {
+    if (grad.defined()) p.grad.add_(grad);
+  }
+
+  StepRecord train_step(std::int64_t step) {
+    const auto start = Clock::now();
+    const bool full = config.train.mode == TrainMode::full;
+    const std::uint32_t batch = config.train.batch_size;
+    StepRecord record;
+    record.step = step;
+    record.lr = learning_rate(step);
+
+    policy->begin_step(step);
+    if (std::optional<sp::host::SwapResult> swap = policy->take_swap_outcome()) note_swap(step, *swap, record);
+    record.plugin_version = std::string(policy->plugin_version());
+    engine->begin_step(step);
+
+    std::vector<std::int64_t> tokens;
+    corpus->train_batch(config.train.seed, step, batch, tokens);
+    auto [idx, targets] = tensors_of(tokens, batch);
+    for (ResidentParam& p : model->resident()) p.grad.zero_();
+
+    // Forward: no autograd through the blocks; only each block's input is kept.
+    const torch::Tensor embedded = model->embed(idx);
+    std::vector<torch::Tensor> inputs{embedded.detach()};
+    record.routes.assign(n_blocks, 0);
+    {
+      torch::NoGradGuard no_grad;
+      for (std::uint32_t b = 0; b < n_blocks; ++b) {
+        const ad::BlockView& view = engine->acquire(b);
+        record.routes[b] = view.precision == ad::Precision::int8;
+        inputs.push_back(model->block_forward(b, inputs.back(), delivered(view, false)));
+        engine->release(b);
+      }
+    }
+
+    std::vector<ResidentParam>& resident = model->resident();
+    const torch::Tensor top = inputs.back().detach().requires_grad_(true);
+    const torch::Tensor loss = model->head_loss(top, targets);
+    std::vector<torch::Tensor> head_grads = torch::autograd::grad(
+        {loss}, {top, resident[model->wte()].value, resident[model->lnf_weight()].value,
+                 resident[model->lnf_bias()].value});
+    accumulate(resident[model->wte()], head_grads[1]);
+    accumulate(resident[model->lnf_weight()], head_grads[2]);
+    accumulate(resident[model->lnf_bias()], head_grads[3]);
+    torch::Tensor upstream = head_grads[0];
+    record.loss = loss.item<double>();
+
+    // Backward: the engine brings the blocks back in reverse; each block's forward is
+    // recomputed with autograd on the weights it delivered, then differentiated.
+    for (std::uint32_t b = n_blocks; b-- > 0;) {
+      const ad::BlockView& view = engine->acquire(b);
+      const BlockWeights weights = delivered(view, full);
+      const torch::Tensor x = inputs[b].requires_grad_(true);
+      const torch::Tensor y = model->block_forward(b, x, weights);
+      std::vector<torch::Tensor> wrt{x};
+      if (full) wrt.insert(wrt.end(), weights.begin(), weights.end());
+      const std::vector<std::size_t>& own = model->block_resident(b);
+      for (std::size_t r : own) wrt.push_back(resident[r].value);
+      const std::vector<torch::Tensor> grads = torch::autograd::grad({y}, wrt, {upstream});
+      engine->release(b);
+      std::size_t next = 1;
+      if (full) {
+        for (std::size_t i = 0; i < kStreamedPerBlock; ++i) master_grads[b][i].copy_(grads[next++]);
+      }
+      for (std::size_t r : own) accumulate(resident[r], grads[next++]);
+      upstream = grads[0];
+      inputs[b + 1] = torch::Tensor();
+    }
+    const std::vector<torch::Tensor> embedding_grads = torch::autograd::grad(
+        {embedded}, {resident[model->wte()].value, resident[model->wpe()].value}, {upstream});
+    accumulate(resident[model->wte()], embedding_grads[0]);
+    accumulate(resident[model->wpe()], embedding_grads[1]);
+    const ad::StepTransferMetrics transfer = engine->end_step();
+
+    // Gradient moments of every block in one fused call: the streamed matrices' gradients in
+    // full mode, the block's adapters in LoRA mode.
+    std::vector<kn::GradTensor> grad_tensors;
+    for (std::uint32_t b = 0; b < n_blocks; ++b) {
+      if (full) {
+        for (const torch::Tensor& g : master_grads[b]) {
+          grad_tensors.push_back({g.data_ptr<float>(), static_cast<std::size_t>(g.numel()), kn::DType::kFloat32, b});
+        }
+      } else {
+        for (std::size_t r : model->block_adapters(b)) {
+          const torch::Tensor& g = resident[r].grad;
+          grad_tensors.push_back({g.data_ptr<float>(), static_cast<std::size_t>(g.numel()), kn::DType::kFloat32, b});
+        }
+      }
+    }
+    std::vector<sp_grad_moments_v1> moments(n_blocks);
+    kn::grad_moments(grad_tensors.data(), grad_tensors.size(), n_blocks, moments.data());
+    policy->post_backward(step, moments);
+    const std::vector<sp_hint_v1>& hints = policy->compute_hints(step);
+    apply_hints(hints);
+    record.decisions = decisions;
+
+    // Global gradient norm for clipping: the block moments already hold the streamed (or
+    // adapter) part; the resident tensors that are not adapters add theirs.
+    double sum_sq = 0.0;
+    std::uint64_t nonfinite = 0;
+    for (const sp_grad_moments_v1& m : moments) {
+      sum_sq += m.sum_sq;
+      nonfinite += m.nonfinite;
+    }
+    std::vector<bool> is_adapter(resident.size(), false);
+    for (std::uint32_t b = 0; b < n_blocks; ++b) {
+      for (std::size_t r : model->block_adapters(b)) is_adapter[r] = true;
+    }
+    for (std::size_t r = 0; r < resident.size(); ++r) {
+      if (!is_adapter[r]) sum_sq += resident[r].grad.pow(2).sum().item<double>();
+    }
+    record.grad_norm = std::sqrt(sum_sq);
+    const bool finite = nonfinite == 0 && std::isfinite(record.grad_norm) && std::isfinite(record.loss);
+    if (finite) {
+      nonfinite_streak = 0;
+      const double clip = config.train.grad_clip;
+      const double scale = clip > 0.0 && record.grad_norm > clip ? clip / record.grad_norm : 1.0;
+      adam->begin_step(record.lr, scale);
+      for (std::size_t index : adam_resident) adam->step_parameter(index);
+      if (full) {
+        for (std::uint32_t b = 0; b < n_blocks; ++b) {
+          for (std::size_t index : adam_masters[b]) adam->step_parameter(index);
+          engine->on_weights_updated(b);
+        }
+      }
+    } else if (++nonfinite_streak >= kMaxNonFiniteSteps) {
+      throw DivergedError(fmt::format("step {}: loss {} and {} non-finite gradient elements; {} steps in a "
+                                      "row were skipped (lower train.lr?)",
+                                      step, record.loss, nonfinite, nonfinite_streak));
+    } else {
+      log->warn("step {}: non-finite loss or gradients; the update is skipped", step);
+    }
+
+    record.h2d_bytes_bf16 = transfer.h2d_bytes_bf16;
+    record.h2d_bytes_int8 = transfer.h2d_bytes_int8;
+    record.h2d_bytes_all_bf16 = transfer.h2d_bytes_all_bf16;
+    sp_step_feedback_v1 feedback = transfer.to_feedback();
+    feedback.loss = record.loss;
+    record.seconds = seconds_since(start);
+    feedback.step_seconds = record.seconds;
+    policy->end_step(step, feedback);
+    return record;
+  }
+
+  void note_swap(std::int64_t step, const sp::host::SwapResult& swap, StepRecord& record) {
+    const bool swapped = swap.outcome == sp::host::SwapResult::Outcome::swapped;
+    record.swap_note = swapped ? fmt::format("swapped {} -> {}", swap.old_version, swap.new_version)
+                               : fmt::format("swap failed, kept {}: {}", swap.old_version, swap.message);
+    (swapped ? log->info("step {}: plugin {}", step, record.swap_note)
+             : log->warn("step {}: plugin {}", step, record.swap_note));
+    totals.swaps.push_back({{"step", step}, {"outcome", swapped ? "swapped" : "failed"},
+                            {"old_version", swap.old_version}, {"new_version", swap.new_version},
+                            {"message", swap.message}});
+  }
+
+  void poll_plugin(std::int64_t step) {
+    const bool forced = options.plugin_check_requested && options.plugin_check_requested->exchange(false);
+    const std::int64_t every = config.train.plugin_poll_steps;
+    if (!forced && (every == 0 || step % every != 0)) return;
+    if (std::optional<sp::host::SwapResult> request = policy->check_for_new_version(forced)) {
+      if (request->outcome == sp::host::SwapResult::Outcome::failed) {
+        log->warn("plugin file changed but cannot be swapped in; keeping {}: {}", policy->plugin_version(),
+                  request->message);
+        totals.swaps.push_back({{"step", step}, {"outcome", "failed"}, {"message", request->message}});
+      } else {
+        log->info("plugin file changed: swapping to {} at the start of step {}", request->new_version, step);
+      }
+    }
+  }
+
+  // ---- checkpoint ------------------------------------------------------------------------
+
+  nlohmann::json totals_json() const {
+    nlohmann::json val = nlohmann::json::array();
+    for (const auto& [step, loss] : totals.val_history) val.push_back({step, loss});
+    return {{"h2d_bf16", totals.h2d_bf16}, {"h2d_int8", totals.h2d_int8}, {"h2d_all_bf16", totals.h2d_all_bf16},
+            {"eval_h2d", totals.eval_h2d}, {"tokens", totals.tokens}, {"bf16_block_steps", totals.bf16_block_steps},
+            {"int8_block_steps", totals.int8_block_steps}, {"train_seconds", totals.train_seconds},
+            {"val_history", val}, {"swaps", totals.swaps}, {"last_loss", totals.last_loss}};
+  }
+
+  void save_checkpoint() {
+    const auto start = Clock::now();
+    CheckpointSections out;
+    const nlohmann::json meta = {{"next_step", next_step},
+                                 {"model", model_identity()},
+                                 {"seed", config.train.seed},
+                                 {"data_fnv1a64", fmt::format("{:016x}", corpus->fingerprint())},
+                                 {"plugin", {{"name", policy->host().plugin_name()}, {"version", policy->plugin_version()}}},
+                                 {"calibration_status", calibration_status},
+                                 {"calibration_errors", calibration_errors},
+                                 {"decisions", decisions},
+                                 {"totals", totals_json()}};
+    const std::string meta_text = meta.dump();
+    out.put("meta", meta_text.data(), meta_text.size());
+    for (std::uint32_t b = 0; b < n_blocks; ++b) {
+      for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+        const torch::Tensor& w = model->masters()[b][i];
+        out.put(fmt::format("master/block{}.{}", b, kStreamedNames[i]), w.data_ptr(), w.numel() * sizeof(float));
+      }
+    }
+    for (const ResidentParam& p : model->resident()) {
+      out.put("resident/" + p.name, p.value.data_ptr(), p.value.numel() * sizeof(float));
+    }
+    for (std::size_t i = 0; i < adam->size(); ++i) {
+      out.put("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg(i).data(), adam->exp_avg(i).size() * sizeof(float));
+      out.put("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq(i).data(), adam->exp_avg_sq(i).size() * sizeof(float));
+    }
+    out.put("adam/steps", pod_bytes(adam->steps_taken()));
+    out.put("policy/inputs", policy->serialize_inputs());
+    const torch::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
+    out.put("rng/torch", rng.data_ptr(), static_cast<std::size_t>(rng.numel()));
+    out.write_atomically(checkpoint_path(options.out_dir));
+    log->info("checkpoint at step {} written to {} in {:.2f}s", next_step, checkpoint_path(options.out_dir).string(),
+              seconds_since(start));
+  }
+
+  void restore(const CheckpointSections& in) {
+    const nlohmann::json meta = read_meta(in);
+    try {
+      const nlohmann::json expected = model_identity();
+      for (const auto& [key, value] : expected.items()) {
+        if (!meta["model"].contains(key) || meta["model"][key] != value) {
+          throw ResumeError(fmt::format("{}: made for {} = {}, this config has {} (use another --out, or "
+                                        "--set train.resume=never)",
+                                        checkpoint_path(options.out_dir).string(), key,
+                                        meta["model"].value(key, nlohmann::json()).dump(), value.dump()));
+        }
+      }
+      if (meta.value("seed", std::uint64_t{0}) != config.train.seed) {
+        throw ResumeError(fmt::format("{}: made with train.seed {}, this run has {}", checkpoint_path(options.out_dir).string(),
+                                      meta.value("seed", std::uint64_t{0}), config.train.seed));
+      }
+      for (std::uint32_t b = 0; b < n_blocks; ++b) {
+        for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+          torch::Tensor& w = model->masters()[b][i];
+          in.get_into(fmt::format("master/block{}.{}", b, kStreamedNames[i]), w.data_ptr(), w.numel() * sizeof(float));
+        }
+      }
+      for (ResidentParam& p : model->resident()) {
+        in.get_into("resident/" + p.name, p.value.data_ptr(), p.value.numel() * sizeof(float));
+      }
+      for (std::size_t i = 0; i < adam->size(); ++i) {
+        in.get_into("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg(i).data(), adam->exp_avg(i).size() * sizeof(float));
+        in.get_into("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq(i).data(), adam->exp_avg_sq(i).size() * sizeof(float));
+      }
+      std::int64_t steps = 0;
+      in.get_into("adam/steps", &steps, sizeof steps);
+      adam->set_steps_taken(steps);
+      const Bytes& rng = in.get("rng/torch");
+      torch::Tensor state = torch::empty({static_cast<std::int64_t>(rng.size())}, torch::kUInt8);
+      std::memcpy(state.data_ptr(), rng.data(), rng.size());
+      at::Generator generator = at::detail::getDefaultCPUGenerator();
+      generator.set_state(state);
+
+      calibration_errors = meta.at("calibration_errors").get<std::vector<double>>();
+      calibration_status = "restored from checkpoint";
+      const nlohmann::json& t = meta.at("totals");
+      totals.h2d_bf16 = t.at("h2d_bf16");
+      totals.h2d_int8 = t.at("h2d_int8");
+      totals.h2d_all_bf16 = t.at("h2d_all_bf16");
+      totals.eval_h2d = t.at("eval_h2d");
+      totals.tokens = t.at("tokens");
+      totals.bf16_block_steps = t.at("bf16_block_steps");
+      totals.int8_block_steps = t.at("int8_block_steps");
+      totals.train_seconds = t.at("train_seconds");
+      for (const nlohmann::json& v : t.at("val_history")) totals.val_history.emplace_back(v.at(0), v.at(1));
+      for (const nlohmann::json& s : t.at("swaps")) totals.swaps.push_back(s);
+      totals.last_loss = t.at("last_loss").is_number() ? t.at("last_loss").get<double>() : NAN;
+    } catch (const nlohmann::json::exception& e) {
+      throw ResumeError(fmt::format("{}: section 'meta' is malformed: {}", checkpoint_path(options.out_dir).string(), e.what()));
+    } catch (const CheckpointError& e) {
+      throw ResumeError(e.what());
+    }
+    for (std::uint32_t b = 0; b < n_blocks; ++b) {
+      engine->on_weights_updated(b);
+      eval_engine->on_weights_updated(b);
+    }
+    try {
+      apply_hints(policy->restore_from_inputs(in.get("policy/inputs")));
+    } catch (const CheckpointError& e) {
+      throw ResumeError(e.what());
+    } catch (const std::runtime_error& e) {
+      throw ResumeError(fmt::format("{}: {}", checkpoint_path(options.out_dir).string(), e.what()));
+    }
+    log->info("resumed from {} at step {}", checkpoint_path(options.out_dir).string(), next_step);
+  }
+
+  // ---- the run ---------------------------------------------------------------------------
+
+  void write_step_record(const StepRecord& r) {
+    nlohmann::json record = {{"step", r.step}, {"loss", r.loss}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
+                             {"routes", r.routes}, {"decisions", r.decisions},
+                             {"h2d_bytes_bf16", r.h2d_bytes_bf16}, {"h2d_bytes_int8", r.h2d_bytes_int8},
+                             {"h2d_bytes_all_bf16", r.h2d_bytes_all_bf16}, {"seconds", r.seconds},
+                             {"plugin_version", r.plugin_version}};
+    if (r.val_loss) record["val_loss"] = *r.val_loss;
+    if (!r.swap_note.empty()) record["plugin_swap"] = r.swap_note;
+    train_metrics->append(record);
+  }
+
+  nlohmann::json summary(RunOutcome outcome, double wall_seconds) const {
+    const std::uint64_t moved = totals.h2d_bf16 + totals.h2d_int8;
+    const std::uint64_t saved = totals.h2d_all_bf16 - moved;
+    const double tokens_per_second = totals.train_seconds > 0 ? totals.tokens / totals.train_seconds : 0.0;
+    return {{"outcome", outcome == RunOutcome::completed ? "completed" : "interrupted"},
+            {"steps", next_step},
+            {"final_val_loss", totals.val_history.empty() ? nlohmann::json() : nlohmann::json(totals.val_history.back().second)},
+            {"final_train_loss", std::isfinite(totals.last_loss) ? nlohmann::json(totals.last_loss) : nlohmann::json()},
+            {"val_loss_history", totals_json()["val_history"]},
+            {"h2d_bytes", {{"bf16", totals.h2d_bf16}, {"int8", totals.h2d_int8}, {"total", moved},
+                           {"all_bf16_equivalent", totals.h2d_all_bf16}, {"saved", saved},
+                           {"saved_fraction", totals.h2d_all_bf16 ? static_cast<double>(saved) / totals.h2d_all_bf16 : 0.0}}},
+            {"eval_h2d_bytes", totals.eval_h2d},
+            {"block_steps", {{"bf16", totals.bf16_block_steps}, {"int8", totals.int8_block_steps}}},
+            {"final_decisions", decisions},
+            {"tokens", totals.tokens},
+            {"tokens_per_second", tokens_per_second},
+            {"train_seconds", totals.train_seconds},
+            {"wall_seconds", wall_seconds},
+            {"mode", mode_name(config.train.mode)},
+            {"compute_dtype", compute_dtype_name(config.train.compute_dtype)},
+            {"model", model_identity()},
+            {"plugin", {{"name", policy->host().plugin_name()}, {"version", policy->plugin_version()},
+                        {"hook_failures", policy->host().hook_failures().total()}}},
+            {"plugin_swaps", totals.swaps},
+            {"calibration", {{"status", calibration_status}, {"errors", calibration_errors}}},
+            {"config", config.source_name},
+            {"torch_threads", torch::get_num_threads()}};
+  }
+
+  RunSummary run() {
+    const auto wall_start = Clock::now();
+    RunSummary result;
+    ProgressLine progress(stdout, options.progress);
+    const std::int64_t total = config.train.steps;
+    const std::uint64_t tokens_per_step = std::uint64_t{config.train.batch_size} * config.model.seq_len;
+    if (next_step >= total) log->info("nothing to do: the run is already at step {} of {}", next_step, total);
+    const auto run_start = Clock::now();
+    const std::int64_t first = next_step;
+    while (next_step < total) {
+      if (options.stop_requested && options.stop_requested->load()) {
+        progress.finish();
+        log->warn("interrupted: writing a checkpoint at step {}", next_step);
+        result.outcome = RunOutcome::interrupted;
+        break;
+      }
+      poll_plugin(next_step);
+      StepRecord record = train_step(next_step);
+      ++next_step;
+      totals.h2d_bf16 += record.h2d_bytes_bf16;
+      totals.h2d_int8 += record.h2d_bytes_int8;
+      totals.h2d_all_bf16 += record.h2d_bytes_all_bf16;
+      totals.tokens += tokens_per_step;
+      totals.train_seconds += record.seconds;
+      totals.last_loss = record.loss;
+      for (std::uint8_t route : record.routes) (route ? totals.int8_block_steps : totals.bf16_block_steps)++;
+      if (next_step % config.train.eval_interval == 0 || next_step == total) {
+        record.val_loss = evaluate();
+        totals.val_history.emplace_back(next_step, *record.val_loss);
+      }
+      write_step_record(record);
+
+      ProgressState state;
+      state.step = next_step;
+      state.total = total;
+      state.loss = record.loss;
+      state.val_loss = totals.val_history.empty() ? std::nullopt : std::optional<double>(totals.val_history.back().second);
+      state.tokens_per_second = totals.train_seconds > 0 ? totals.tokens / totals.train_seconds : 0.0;
+      state.int8_blocks = static_cast<std::uint32_t>(std::count(record.routes.begin(), record.routes.end(), 1));
+      state.bf16_blocks = n_blocks - state.int8_blocks;
+      state.bytes_all_bf16 = totals.h2d_all_bf16;
+      state.bytes_saved = totals.h2d_all_bf16 - totals.h2d_bf16 - totals.h2d_int8;
+      state.eta_seconds = seconds_since(run_start) / (next_step - first) * (total - next_step);
+      progress.update(state);
+
+      if (options.on_step) options.on_step(record);
+      result.steps.push_back(std::move(record));
+      if (config.train.checkpoint_interval > 0 && next_step % config.train.checkpoint_interval == 0 && next_step < total) {
+        save_checkpoint();
+      }
+    }
+    progress.finish();
+    engine->flush_metrics();
+    save_checkpoint();
+    result.json = summary(result.outcome, seconds_since(wall_start));
+    sp::runtime::write_file_atomically(options.out_dir / "summary.json", result.json.dump(2) + "\n");
+    return result;
+  }
+};
+
+Trainer::Trainer(TrainConfig config, RunOptions options)
+    : impl_(std::make_unique<Impl>(std::move(config), std::move(options))) {}
+Trainer::~Trainer() = default;
+RunSummary Trainer::run() { return impl_->run(); }
+std::int64_t Trainer::next_step() const { return impl_->next_step; }
+const std::string& Trainer::calibration_status() const { return impl_->calibration_status; }
+const std::vector<double>& Trainer::calibration_errors() const { return impl_->calibration_errors; }
+
+}  // namespace sp::train

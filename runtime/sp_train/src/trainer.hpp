@@ -1,0 +1,110 @@
+// The sp-train training loop, free of LibTorch in its interface so that the CLI and the tests
+// compile quickly. Per step, in this order:
+//   begin_step -> forward (blocks streamed, no autograd, block inputs kept)
+//   -> backward (blocks streamed in reverse with prefetch across the turn; each block's forward
+//      is recomputed with autograd on the delivered weights and the upstream gradient is
+//      propagated through it) -> gradient moments (one fused kernel call over every block)
+//   -> post_backward -> compute_hints -> PolicyBridge -> AdamW (each block's transfer image
+//      is rebuilt right after its update, in its next precision) -> end_step(loss, bytes).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "train_config.hpp"
+
+namespace spdlog {
+class logger;
+}
+
+namespace sp::train {
+
+// A checkpoint that cannot be used for this run (corrupt, or another model). Exit code 4.
+class ResumeError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The loss stopped being finite for too many consecutive steps. Exit code 5.
+class DivergedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct StepRecord {
+  std::int64_t step = 0;
+  double loss = 0.0;
+  double lr = 0.0;
+  double grad_norm = 0.0;
+  // The route each block's fetches took during this step (0 = BF16, 1 = INT8).
+  std::vector<std::uint8_t> routes;
+  // The plugin's decision after this step's compute_hints (applies from the next step).
+  std::vector<std::uint8_t> decisions;
+  std::uint64_t h2d_bytes_bf16 = 0;
+  std::uint64_t h2d_bytes_int8 = 0;
+  std::uint64_t h2d_bytes_all_bf16 = 0;
+  std::optional<double> val_loss;
+  double seconds = 0.0;
+  std::string plugin_version;
+  std::string swap_note;  // non-empty at the step a hot swap took effect or failed
+};
+
+struct RunOptions {
+  std::filesystem::path out_dir;
+  std::filesystem::path plugin_dir;
+  std::shared_ptr<spdlog::logger> logger;
+  bool progress = false;
+  // Set by SIGINT: checkpoint at the next step boundary and return interrupted.
+  const std::atomic<bool>* stop_requested = nullptr;
+  // Set by SIGHUP: look at the plugin file at the next step boundary.
+  std::atomic<bool>* plugin_check_requested = nullptr;
+  // Called after every step, at the step boundary (tests replace the plugin file here).
+  std::function<void(const StepRecord&)> on_step;
+};
+
+enum class RunOutcome { completed, interrupted };
+
+struct RunSummary {
+  RunOutcome outcome = RunOutcome::completed;
+  nlohmann::json json;  // what summary.json holds
+  std::vector<StepRecord> steps;  // the steps run by this process
+};
+
+class Trainer {
+ public:
+  // Loads the data, builds the model, the streaming engines and the policy session, runs the
+  // calibration pass (or resumes from <out>/checkpoint.bin). Throws ConfigError, DataError,
+  // sp::host::PluginError, ResumeError.
+  Trainer(TrainConfig config, RunOptions options);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // Trains to config.train.steps (or until stopped), evaluates, checkpoints, writes
+  // summary.json. Throws DivergedError.
+  RunSummary run();
+
+  // The step the next run() starts at (> 0 after a resume).
+  std::int64_t next_step() const;
+  // "hit", "computed (<why>)", "disabled" or "restored from checkpoint".
+  const std::string& calibration_status() const;
+  const std::vector<double>& calibration_errors() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Path of the run directory's checkpoint.
+std::filesystem::path checkpoint_path(const std::filesystem::path& out_dir);
+
+}  // namespace sp::train

@@ -1,0 +1,189 @@
+// The plain-C++ parts of sp-train: corpus split and batches, checkpoint container,
+// calibration cache, AdamW, and that compute weights are exactly what a route delivered.
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+#include "adamw.hpp"
+#include "calibration_cache.hpp"
+#include "checkpoint_file.hpp"
+#include "delivered_weights.hpp"
+#include "sp/adapters/host_backend.h"
+#include "sp/kernels/bf16.h"
+#include "sp/kernels/quantize.h"
+#include "text_corpus.hpp"
+#include "train_test_support.hpp"
+
+namespace sp::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+class ScratchDir : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = testing::make_scratch_dir("support"); }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+using Corpus = ScratchDir;
+
+TEST_F(Corpus, SplitsEvenlyAndSamplesDeterministically) {
+  fs::create_directories(dir_ / "d" / "sub");
+  testing::write_text(dir_ / "d" / "a.txt", std::string(3000, 'a'));
+  testing::write_text(dir_ / "d" / "sub" / "b.txt", std::string(3000, 'b'));
+  fs::create_symlink(dir_ / "d" / "a.txt", dir_ / "d" / "c-link.txt");  // read once
+  const TextCorpus corpus(dir_ / "d", 0.25, 1000, 16);
+  EXPECT_EQ(corpus.stats().files, 2u);
+  // 6002 bytes (each file ends with a newline) in 7 chunks; with f = 1/4 only chunk 3 is validation.
+  EXPECT_EQ(corpus.stats().train_bytes + corpus.stats().val_bytes, 6002u);
+  EXPECT_EQ(corpus.stats().val_bytes, 1000u);
+  std::vector<std::int64_t> a, b, c;
+  corpus.train_batch(1, 5, 4, a);
+  corpus.train_batch(1, 5, 4, b);
+  corpus.train_batch(1, 6, 4, c);
+  EXPECT_EQ(a.size(), 4u * 17);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+  corpus.val_batch(0, 2, 4, a);
+  corpus.val_batch(1, 2, 4, b);
+  EXPECT_NE(a, b);
+}
+
+TEST_F(Corpus, RejectsUnusablePathsByName) {
+  EXPECT_THROW(TextCorpus(dir_ / "missing", 0.1, 1024, 16), DataError);
+  testing::write_text(dir_ / "short.txt", "tiny");
+  try {
+    TextCorpus(dir_ / "short.txt", 0.1, 1024, 16);
+    FAIL();
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("short.txt: 5 bytes of text in 1 file(s)"), std::string::npos) << e.what();
+  }
+}
+
+using Checkpoint = ScratchDir;
+
+TEST_F(Checkpoint, RoundTripsAndRejectsDamage) {
+  CheckpointSections out;
+  const std::vector<float> weights = {1.5f, -2.0f, 3.25f};
+  out.put("master/w", weights.data(), weights.size() * sizeof(float));
+  out.put("meta", std::string("{}").data(), 2);
+  const fs::path file = dir_ / "ckpt.bin";
+  out.write_atomically(file);
+  const CheckpointSections in = CheckpointSections::read(file);
+  std::vector<float> back(3);
+  in.get_into("master/w", back.data(), back.size() * sizeof(float));
+  EXPECT_EQ(back, weights);
+  EXPECT_THROW(in.get("absent"), CheckpointError);
+  EXPECT_THROW(in.get_into("master/w", back.data(), 2 * sizeof(float)), CheckpointError);
+
+  const auto size = fs::file_size(file);
+  fs::resize_file(file, size - 3);
+  EXPECT_THROW(CheckpointSections::read(file), CheckpointError);
+  out.write_atomically(file);
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(30);
+    f.put('\x7f');
+  }
+  try {
+    CheckpointSections::read(file);
+    FAIL();
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("checksum mismatch"), std::string::npos);
+  }
+}
+
+using CalibrationCache = ScratchDir;
+
+TEST_F(CalibrationCache, HitsOnlyItsOwnFingerprint) {
+  const nlohmann::json identity = {{"model", "tiny"}};
+  const std::string fp = calibration_fingerprint(identity);
+  const fs::path file = calibration_cache_file(dir_ / "cache", fp);
+  EXPECT_EQ(read_calibration_cache(file, fp, 2).status, CacheStatus::missing);
+  write_calibration_cache(file, fp, identity, {0.01, 0.02});
+  const CacheLookup hit = read_calibration_cache(file, fp, 2);
+  ASSERT_EQ(hit.status, CacheStatus::hit);
+  EXPECT_EQ(hit.errors, (std::vector<double>{0.01, 0.02}));
+  EXPECT_EQ(read_calibration_cache(file, "0000000000000000", 2).status, CacheStatus::mismatch);
+  EXPECT_EQ(read_calibration_cache(file, fp, 3).status, CacheStatus::mismatch);
+  // An edited number breaks the checksum.
+  std::ifstream in(file);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  text.replace(text.find("0.02"), 4, "0.03");
+  testing::write_text(file, text);
+  EXPECT_EQ(read_calibration_cache(file, fp, 2).status, CacheStatus::corrupt);
+  testing::write_text(file, "{\"format\": ");
+  EXPECT_EQ(read_calibration_cache(file, fp, 2).status, CacheStatus::corrupt);
+}
+
+TEST(AdamW, MatchesTheDefinitionAndLeavesNonDecayedTensorsUndecayed) {
+  std::vector<float> w = {1.0f, -0.5f}, g = {0.2f, -0.1f}, bias = {0.3f}, bias_g = {0.0f};
+  AdamW adam(AdamWSettings{0.9, 0.99, 1e-8, 0.1});
+  const std::size_t wi = adam.add("w", w.data(), g.data(), 2, true);
+  const std::size_t bi = adam.add("b", bias.data(), bias_g.data(), 1, false);
+  adam.begin_step(0.01, 0.5);
+  adam.step_parameter(wi);
+  adam.step_parameter(bi);
+  for (int i = 0; i < 2; ++i) {
+    const double grad = 0.5 * (i == 0 ? 0.2 : -0.1);
+    const double m = 0.1 * grad / 0.1, v = 0.01 * grad * grad / 0.01;
+    const double expected = (i == 0 ? 1.0 : -0.5) * (1 - 0.01 * 0.1) - 0.01 * m / (std::sqrt(v) + 1e-8);
+    EXPECT_NEAR(w[i], expected, 1e-6);
+  }
+  EXPECT_EQ(bias[0], 0.3f);
+  EXPECT_EQ(adam.steps_taken(), 1);
+}
+
+// The compute weights of a block are the bytes its route delivered into the slot, widened
+// exactly: BF16 route -> bf16(master); INT8 route -> bf16(dequant(quant(master))).
+TEST(DeliveredWeights, AreExactlyWhatEachRouteDelivered) {
+  const std::uint64_t rows = 24, cols = 64;
+  std::vector<float> master(rows * cols);
+  for (std::size_t i = 0; i < master.size(); ++i) master[i] = std::sin(0.37f * i) * (1.0f + (i % 7));
+  adapters::BlockSpec block{"block0", {adapters::TensorSpec{"w", master.data(), rows, cols}}};
+  adapters::HostBackend backend;
+  adapters::StreamingConfig config;
+  config.host_slab_bytes = 1 << 16;
+  config.host_slab_count = 2;
+  config.device_slot_bytes = 1 << 16;
+  config.int8_group_size = 32;
+  config.backward = false;
+  adapters::StreamingEngine engine(backend, config, {block});
+
+  std::vector<std::uint16_t> bf16(master.size());
+  kernels::fp32_to_bf16(master.data(), bf16.data(), bf16.size());
+  std::vector<float> expected_bf16(master.size());
+  kernels::bf16_to_fp32(bf16.data(), expected_bf16.data(), bf16.size());
+  std::vector<std::int8_t> codes(master.size());
+  std::vector<float> scales(kernels::scale_count(rows, cols, 32));
+  kernels::QuantizeOptions q;
+  q.group_size = 32;
+  kernels::quantize_int8(master.data(), kernels::DType::kFloat32, rows, cols, q, codes.data(), scales.data());
+  kernels::dequantize_int8_to_bf16(codes.data(), scales.data(), rows, cols, 32, bf16.data());
+  std::vector<float> expected_int8(master.size());
+  kernels::bf16_to_fp32(bf16.data(), expected_int8.data(), bf16.size());
+  ASSERT_NE(expected_bf16, expected_int8);
+
+  for (sp_precision route : {SP_PRECISION_BF16, SP_PRECISION_INT8}) {
+    const sp_hint_v1 hint{0, route, NAN, SP_REASON_FORCED, 0};
+    engine.policy_bridge().set_plugin_hints(&hint, 1);
+    engine.begin_step(route);
+    const adapters::BlockView& view = engine.acquire(0);
+    EXPECT_EQ(view.precision, route == SP_PRECISION_INT8 ? adapters::Precision::int8 : adapters::Precision::bf16);
+    std::vector<float> widened(master.size());
+    widen_delivered_weights(view.tensors[0], widened.data());
+    engine.release(0);
+    engine.end_step();
+    EXPECT_EQ(std::memcmp(widened.data(), (route == SP_PRECISION_INT8 ? expected_int8 : expected_bf16).data(),
+                          widened.size() * sizeof(float)),
+              0)
+        << "route " << route;
+  }
+}
+
+}  // namespace
+}  // namespace sp::train

@@ -1,0 +1,87 @@
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "train_config.hpp"
+
+namespace sp::train {
+namespace {
+
+std::string error_of(const std::string& yaml, std::vector<Override> overrides = {}) {
+  try {
+    parse_train_config(yaml, "cfg.yaml", overrides);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "<accepted>";
+}
+
+TEST(TrainConfig, ShippedConfigsParse) {
+  for (const char* name : {"default.yaml", "lora.yaml"}) {
+    const TrainConfig c = load_train_config(std::filesystem::path(SP_CONFIGS_DIR) / name);
+    EXPECT_EQ(c.model.d_model % c.model.n_heads, 0u) << name;
+    EXPECT_NE(c.resolved_yaml.find("selective_precision"), std::string::npos) << name;
+  }
+}
+
+TEST(TrainConfig, DefaultsApplyToAnEmptyDocument) {
+  const TrainConfig c = parse_train_config("", "empty.yaml");
+  EXPECT_EQ(c.model.n_blocks, 6u);
+  EXPECT_EQ(c.train.mode, TrainMode::full);
+  EXPECT_EQ(c.train.compute_dtype, ComputeDtype::fp32);
+  EXPECT_TRUE(c.policy_keys.run_calibration);
+}
+
+TEST(TrainConfig, OverridesEditTheDocumentAndReachThePlugin) {
+  const TrainConfig c = parse_train_config(
+      "train: {steps: 5}\n", "cfg.yaml",
+      {parse_override("train.steps=9"), parse_override("memory.stagehand.selective_precision.mode=off"),
+       parse_override("memory.stagehand.selective_precision.calibration_samples=2")});
+  EXPECT_EQ(c.train.steps, 9);
+  EXPECT_EQ(c.policy_keys.calibration_samples, 2u);
+  EXPECT_NE(c.resolved_yaml.find("mode: off"), std::string::npos) << c.resolved_yaml;
+}
+
+TEST(TrainConfig, EachBadValueNamesItsKeyAndExpectation) {
+  EXPECT_EQ(error_of("model: {d_modle: 3}"),
+            "cfg.yaml: model.d_modle: unknown key; model accepts: d_model, n_heads, n_blocks, seq_len, mlp_ratio, init_std");
+  EXPECT_EQ(error_of("model: {d_model: -4}"), "cfg.yaml: model.d_model: expected an integer in [8, 65536], found '-4'");
+  EXPECT_EQ(error_of("model: {d_model: 130, n_heads: 4}"),
+            "cfg.yaml: model.n_heads: expected a divisor of model.d_model (130), found '4'");
+  EXPECT_EQ(error_of("train: {mode: partial}"), "cfg.yaml: train.mode: expected one of full, lora, found 'partial'");
+  EXPECT_EQ(error_of("train: {lr: \"fast\"}"), "cfg.yaml: train.lr: expected a number in (0, 10], found the string \"fast\"");
+  EXPECT_EQ(error_of("train: {compute_dtype: bf16}"),
+            "cfg.yaml: train.compute_dtype: expected fp32 (bf16 compute needs a CUDA LibTorch build), found 'bf16'");
+  EXPECT_EQ(error_of("train: {lora: {rank: 0}}"), "cfg.yaml: train.lora.rank: expected an integer in [1, 4096], found '0'");
+  EXPECT_EQ(error_of("data: {val_fraction: 0.9}"), "cfg.yaml: data.val_fraction: expected a number in (0, 0.5], found '0.9'");
+  EXPECT_EQ(error_of("memory: {stagehand: {streaming: {int8_group_size: 48}}}"),
+            "cfg.yaml: memory.stagehand.streaming.int8_group_size: expected 0 (one scale per row), 32, 64, 128 or 256, found '48'");
+  EXPECT_EQ(error_of("memory: {stagehand: {selective_precision: {calibration_samples: 0}}}"),
+            "cfg.yaml: memory.stagehand.selective_precision.calibration_samples: expected an integer in [1, 4096], found '0'");
+  EXPECT_EQ(error_of("memory: {stagehand: {selective_precision: 3}}"),
+            "cfg.yaml: memory.stagehand.selective_precision: expected a mapping, found '3'");
+  EXPECT_EQ(error_of("trian: {}"), "cfg.yaml: <top level>.trian: unknown key; <top level> accepts: model, data, train, memory");
+  EXPECT_EQ(error_of("- a\n- b\n"), "cfg.yaml: expected a mapping at the top level, found a list");
+  EXPECT_NE(error_of("model: [unclosed").find("cfg.yaml: not valid YAML"), std::string::npos);
+}
+
+TEST(TrainConfig, BadOverridesAreNamed) {
+  EXPECT_THROW(parse_override("train.steps"), ConfigError);
+  EXPECT_EQ(error_of("", {parse_override("train.steps=[1")}).rfind("--set train.steps=[1: the value is not valid YAML", 0), 0u);
+  EXPECT_EQ(error_of("train: {steps: 3}", {parse_override("train.steps.x=1")}),
+            "--set train.steps.x: cfg.yaml: train.steps is '3', not a mapping");
+  EXPECT_EQ(error_of("", {parse_override("train..steps=1")}), "--set train..steps: empty key in the key path");
+  EXPECT_EQ(error_of("", {parse_override("train.steps=0")}), "cfg.yaml: train.steps: expected an integer in [1, 1099511627776], found '0'");
+}
+
+TEST(TrainConfig, MissingFileIsNamed) {
+  try {
+    load_train_config("/nonexistent/sp-train.yaml");
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(), "/nonexistent/sp-train.yaml: cannot open the config file");
+  }
+}
+
+}  // namespace
+}  // namespace sp::train

@@ -1,0 +1,202 @@
+// Short CPU trainings through the real plugin, the host backend and the streaming engine.
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <numeric>
+
+#include <gtest/gtest.h>
+#include <spdlog/sinks/null_sink.h>
+#include <spdlog/spdlog.h>
+
+#include "calibration_cache.hpp"
+#include "sp/kernels/slab.h"
+#include "train_config.hpp"
+#include "train_test_support.hpp"
+#include "trainer.hpp"
+
+namespace sp::train {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::make_scratch_dir;
+
+class TrainE2E : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = make_scratch_dir("e2e");
+    corpus_ = testing::write_corpus(dir_);
+    cache_ = dir_ / "calibration-cache";
+    plugin_dir_ = dir_ / "plugins";
+    fs::create_directories(plugin_dir_);
+    fs::copy_file(SP_PLUGIN_FILE, plugin_dir_ / "libsp_selective_precision.so");
+    logger_ = std::make_shared<spdlog::logger>("e2e", std::make_shared<spdlog::sinks::null_sink_mt>());
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  TrainConfig config(std::vector<Override> overrides = {}) const {
+    return parse_train_config(testing::tiny_config(corpus_, cache_), "tiny.yaml", overrides);
+  }
+  RunOptions options(const std::string& run) const {
+    RunOptions o;
+    o.out_dir = dir_ / run;
+    o.plugin_dir = plugin_dir_;
+    o.logger = logger_;
+    return o;
+  }
+  RunSummary train(const std::string& run, std::vector<Override> overrides = {},
+                   std::function<void(const StepRecord&)> on_step = {},
+                   const std::atomic<bool>* stop = nullptr) {
+    RunOptions o = options(run);
+    o.on_step = std::move(on_step);
+    o.stop_requested = stop;
+    Trainer trainer(config(std::move(overrides)), o);
+    return trainer.run();
+  }
+
+  fs::path dir_, corpus_, cache_, plugin_dir_;
+  std::shared_ptr<spdlog::logger> logger_;
+};
+
+double mean_loss(const std::vector<StepRecord>& steps, std::size_t begin, std::size_t end) {
+  double sum = 0.0;
+  for (std::size_t i = begin; i < end; ++i) sum += steps[i].loss;
+  return sum / static_cast<double>(end - begin);
+}
+
+std::uint64_t int8_image_bytes(const ModelConfig& m, std::uint32_t group) {
+  const std::uint64_t c = m.d_model, h = c * m.mlp_ratio;
+  const kernels::TensorShape shapes[] = {{3 * c, c}, {c, c}, {h, c}, {c, h}};
+  kernels::SlabEncoding encoding;
+  encoding.precision = kernels::SlabPrecision::kInt8;
+  encoding.group_size = group;
+  return kernels::slab_image_bytes(encoding, shapes, 4);
+}
+
+TEST_F(TrainE2E, LearnsDecidesAndMovesTheBytesItDecided) {
+  const RunSummary run = train("plain");
+  ASSERT_EQ(run.steps.size(), 24u);
+  EXPECT_LT(mean_loss(run.steps, 19, 24), mean_loss(run.steps, 0, 5) - 0.3);
+  ASSERT_TRUE(run.json["final_val_loss"].is_number());
+
+  const TrainConfig c = config();
+  const std::uint32_t n = c.model.n_blocks;
+  const std::uint64_t int8_bytes = int8_image_bytes(c.model, c.streaming.int8_group_size);
+  std::size_t int8_fetch_steps = 0;
+  for (std::size_t s = 0; s < run.steps.size(); ++s) {
+    const StepRecord& r = run.steps[s];
+    // A step's fetches take the routes decided after the previous step.
+    const std::vector<std::uint8_t> expected = s == 0 ? std::vector<std::uint8_t>(n, 0) : run.steps[s - 1].decisions;
+    EXPECT_EQ(r.routes, expected) << "step " << s;
+    // Every block is fetched for forward and for backward, except the last, whose slot is
+    // reused across the turn.
+    std::uint64_t expected_int8 = 0;
+    for (std::uint32_t b = 0; b < n; ++b) expected_int8 += r.routes[b] ? int8_bytes * (b + 1 == n ? 1 : 2) : 0;
+    EXPECT_EQ(r.h2d_bytes_int8, expected_int8) << "step " << s;
+    EXPECT_EQ(r.h2d_bytes_bf16 + r.h2d_bytes_int8 < r.h2d_bytes_all_bf16, expected_int8 != 0) << "step " << s;
+    int8_fetch_steps += expected_int8 != 0;
+  }
+  EXPECT_GT(int8_fetch_steps, 0u) << "the plugin never sent a block to INT8";
+  const std::uint64_t saved = run.json["h2d_bytes"]["saved"];
+  EXPECT_GT(saved, 0u);
+  EXPECT_TRUE(fs::exists(dir_ / "plain" / "summary.json"));
+  EXPECT_TRUE(fs::exists(dir_ / "plain" / "selective_precision_telemetry.jsonl"));
+}
+
+TEST_F(TrainE2E, InterruptedRunResumesBitwiseIdentically) {
+  const RunSummary straight = train("straight");
+  // What SIGINT does: the flag is seen at the next step boundary, a checkpoint is written.
+  std::atomic<bool> stop{false};
+  const RunSummary first_half = train("resumed", {}, [&](const StepRecord& r) { stop = r.step == 9; }, &stop);
+  EXPECT_EQ(first_half.outcome, RunOutcome::interrupted);
+  ASSERT_EQ(first_half.steps.size(), 10u);
+  Trainer resumed_trainer(config(), options("resumed"));
+  EXPECT_EQ(resumed_trainer.next_step(), 10);
+  const RunSummary second_half = resumed_trainer.run();
+  ASSERT_EQ(second_half.steps.size(), 14u);
+  for (std::size_t i = 0; i < second_half.steps.size(); ++i) {
+    const StepRecord& a = straight.steps[10 + i];
+    const StepRecord& b = second_half.steps[i];
+    ASSERT_EQ(a.step, b.step);
+    EXPECT_EQ(std::memcmp(&a.loss, &b.loss, sizeof a.loss), 0) << "step " << a.step << ": " << a.loss << " vs " << b.loss;
+    EXPECT_EQ(a.routes, b.routes) << "step " << a.step;
+    EXPECT_EQ(a.decisions, b.decisions) << "step " << a.step;
+  }
+  EXPECT_EQ(straight.json["final_val_loss"], second_half.json["final_val_loss"]);
+  EXPECT_EQ(straight.json["h2d_bytes"], second_half.json["h2d_bytes"]);
+}
+
+TEST_F(TrainE2E, HotSwapMidRunKeepsTheDecisions) {
+  const RunSummary reference = train("noswap");
+  const fs::path plugin = plugin_dir_ / "libsp_selective_precision.so";
+  const RunSummary swapped = train("swap", {}, [&](const StepRecord& r) {
+    if (r.step != 9) return;
+    // A new version lands the way a deployment would put it there: written aside, renamed in.
+    fs::copy_file(SP_PLUGIN_V2_FILE, plugin_dir_ / "incoming.so");
+    fs::rename(plugin_dir_ / "incoming.so", plugin);
+  });
+  ASSERT_EQ(swapped.steps.size(), reference.steps.size());
+  for (std::size_t s = 0; s < reference.steps.size(); ++s) {
+    EXPECT_EQ(reference.steps[s].decisions, swapped.steps[s].decisions) << "step " << s;
+    EXPECT_EQ(reference.steps[s].plugin_version, "1.0.0");
+    EXPECT_EQ(swapped.steps[s].plugin_version, s < 10 ? "1.0.0" : "2.0.0") << "step " << s;
+  }
+  EXPECT_EQ(swapped.steps[10].swap_note, "swapped 1.0.0 -> 2.0.0");
+  ASSERT_EQ(swapped.json["plugin_swaps"].size(), 1u);
+  EXPECT_EQ(swapped.json["plugin_swaps"][0]["step"], 10);
+}
+
+TEST_F(TrainE2E, CorruptCalibrationCacheIsDetectedAndRebuilt) {
+  const TrainConfig c = config({{"train.steps", "1"}});
+  std::vector<double> measured;
+  {
+    Trainer first(c, options("cal1"));
+    EXPECT_EQ(first.calibration_status(), "computed (missing)");
+    measured = first.calibration_errors();
+  }
+  ASSERT_EQ(measured.size(), 4u);
+  for (double e : measured) {
+    EXPECT_GT(e, 0.0);
+    EXPECT_LT(e, 0.5);
+  }
+  std::vector<fs::path> files;
+  for (const auto& entry : fs::directory_iterator(cache_)) files.push_back(entry.path());
+  ASSERT_EQ(files.size(), 1u);
+  {
+    Trainer second(c, options("cal2"));
+    EXPECT_EQ(second.calibration_status(), "hit");
+    EXPECT_EQ(second.calibration_errors(), measured);
+  }
+  // Truncate the file in the middle of its JSON.
+  const auto size = fs::file_size(files[0]);
+  fs::resize_file(files[0], size / 2);
+  {
+    Trainer third(c, options("cal3"));
+    EXPECT_EQ(third.calibration_status(), "computed (corrupt)");
+    EXPECT_EQ(third.calibration_errors(), measured);
+  }
+  EXPECT_EQ(read_calibration_cache(files[0], files[0].stem().string().substr(12), 4).status, CacheStatus::hit);
+}
+
+TEST_F(TrainE2E, LoraTrainsAdaptersOverFrozenStreamedWeights) {
+  const RunSummary run = train("lora", {{"train.mode", "lora"}, {"train.lora.rank", "4"}});
+  ASSERT_EQ(run.steps.size(), 24u);
+  EXPECT_LT(mean_loss(run.steps, 19, 24), mean_loss(run.steps, 0, 5) - 0.3);
+  EXPECT_EQ(run.json["mode"], "lora");
+  std::size_t int8_steps = 0;
+  for (const StepRecord& r : run.steps) int8_steps += r.h2d_bytes_int8 != 0;
+  EXPECT_GT(int8_steps, 0u);
+}
+
+TEST_F(TrainE2E, CheckpointOfAnotherModelIsRefusedByName) {
+  train("shape", {{"train.steps", "2"}});
+  try {
+    Trainer other(config({{"model.n_blocks", "3"}}), options("shape"));
+    FAIL() << "expected a ResumeError";
+  } catch (const ResumeError& e) {
+    EXPECT_NE(std::string(e.what()).find("n_blocks"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace sp::train
