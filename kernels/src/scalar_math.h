@@ -60,16 +60,25 @@ SP_HD uint16_t bf16_round_nearest_even(float x) {
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// Counter-based random bits: splitmix64 finalizer over (seed, index). Stateless, so every
-// implementation and every thread partition draws the same bits for the same element.
+// Counter-based random bits, a pure function of (seed, element index): every implementation
+// and every thread partition draws the same bits for the same element.
 SP_HD uint64_t splitmix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
 
+// 32-bit operations only, so the loops that draw them vectorize (x86 has no packed 64-bit
+// multiply below AVX-512). index -> index * odd constant is a bijection and murmur3's fmix32
+// is one too, so the elements of a tensor (index < 2^32) draw distinct, well-mixed words.
 SP_HD uint32_t random_bits(uint64_t seed, uint64_t index) {
-  return static_cast<uint32_t>(splitmix64(seed + (index + 1) * 0x9E3779B97F4A7C15ull) >> 32);
+  uint32_t h = static_cast<uint32_t>(index) * 0x9E3779B1u ^ static_cast<uint32_t>(seed);
+  h ^= static_cast<uint32_t>(index >> 32) * 0x85EBCA77u ^ static_cast<uint32_t>(seed >> 32);
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
 }
 
 // Seed of tensor `tensor_index` in a multi-tensor image, so tensors draw independent streams.
@@ -120,7 +129,8 @@ SP_HD int8_t int8_code_nearest_even(float x, float inv_scale) {
 
 SP_HD int8_t int8_code_stochastic(float x, float inv_scale, uint32_t random) {
   const float v = x * inv_scale;
-  const float lower = floorf(v);
+  const float nearest = round_small_nearest_even(v);  // floorf without a library call
+  const float lower = nearest > v ? nearest - 1.0f : nearest;
   const float threshold = static_cast<float>(random >> 8) * 5.9604644775390625e-8f;  // [0,1)
   const float q = (threshold < v - lower) ? lower + 1.0f : lower;
   return static_cast<int8_t>(static_cast<int32_t>(clamp_code(q, 127.0f)));
