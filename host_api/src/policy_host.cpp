@@ -265,6 +265,11 @@ struct PolicyHost::Impl {
     std::uint64_t size = 0;
     sp_status status = table.export_state(active->ctx(), nullptr, 0, &size);
     std::vector<std::uint8_t> blob;
+    if (status == SP_OK && size != 0) {
+      error = fmt::format("export_state of {} reported success for a {}-byte state without a buffer", active->label(),
+                          size);
+      return std::nullopt;
+    }
     if (status == SP_ERR_BUFFER_TOO_SMALL) {
       blob.resize(size);
       status = table.export_state(active->ctx(), blob.data(), blob.size(), &size);
@@ -300,7 +305,6 @@ struct PolicyHost::Impl {
     std::unique_ptr<PluginInstance> retired = std::exchange(active, std::move(pending));
     const std::string retired_label = retired->label();
     const UnloadReport unload = retired->close();
-    retired.reset();
     result.outcome = SwapResult::Outcome::swapped;
     result.first_step = first_step;
     result.old_library_unloaded = unload.unloaded;
@@ -381,8 +385,8 @@ const std::vector<sp_hint_v1>& PolicyHost::compute_hints(std::int64_t step) {
     impl.use_fallback_hints(step);
     return impl.hints;
   }
-  impl.hints = impl.plugin_hints;
-  impl.last_good_hints = impl.plugin_hints;
+  impl.hints.swap(impl.plugin_hints);
+  if (impl.options.fallback == FallbackMode::last_good) impl.last_good_hints = impl.hints;
   impl.hint_source = HintSource::plugin;
   return impl.hints;
 }
