@@ -129,10 +129,11 @@ SP_HD int8_t int8_code_nearest_even(float x, float inv_scale) {
 
 SP_HD int8_t int8_code_stochastic(float x, float inv_scale, uint32_t random) {
   const float v = x * inv_scale;
-  const float nearest = round_small_nearest_even(v);  // floorf without a library call
-  const float lower = nearest > v ? nearest - 1.0f : nearest;
-  const float threshold = static_cast<float>(random >> 8) * 5.9604644775390625e-8f;  // [0,1)
-  const float q = (threshold < v - lower) ? lower + 1.0f : lower;
+  const float nearest = round_small_nearest_even(v);
+  const float lower = nearest - static_cast<float>(nearest > v);  // floorf without a library call
+  // 24 random bits -> [0, 1); converted through int32, which x86 SIMD has (unsigned it lacks).
+  const float threshold = static_cast<float>(static_cast<int32_t>(random >> 8)) * 5.9604644775390625e-8f;
+  const float q = lower + static_cast<float>(threshold < v - lower);
   return static_cast<int8_t>(static_cast<int32_t>(clamp_code(q, 127.0f)));
 }
 
