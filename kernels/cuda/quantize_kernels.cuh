@@ -8,11 +8,12 @@
 #include <string>
 
 #include "common.cuh"
+#include "quantize_arguments.h"
 #include "sp/kernels/quantize.h"
 
 namespace sp::kernels::cuda::detail {
 
-enum class CodeFormat { kInt8, kFp8E4M3 };
+using kernels::detail::CodeFormat;
 
 struct Layout {
   uint64_t rows;
@@ -159,21 +160,6 @@ __global__ void dequantize_vector_kernel(const uint8_t *codes, const float *scal
   }
 }
 
-inline void check_group_size(uint32_t group_size, const char *function) {
-  require(is_supported_group_size(group_size),
-          std::string(function) + ": group_size " + std::to_string(group_size) +
-              " is not supported (expected 0 = per row, 32, 64, 128 or 256)");
-}
-
-inline void check_buffers(uint64_t rows, uint64_t cols, std::initializer_list<const void *> pointers,
-                          const char *function) {
-  if (rows == 0 || cols == 0) return;
-  for (const void *pointer : pointers) {
-    require(pointer != nullptr, std::string(function) + ": null pointer for a " + std::to_string(rows) +
-                                    " x " + std::to_string(cols) + " tensor");
-  }
-}
-
 static __global__ void fill_kernel(float *dst, uint64_t n, float value) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = value;
@@ -183,23 +169,14 @@ template <CodeFormat kFormat>
 void launch_quantize(const void *src, DType src_dtype, uint64_t rows, uint64_t cols,
                      const QuantizeOptions &options, uint8_t *codes, float *scales,
                      cudaStream_t stream, const char *function) {
-  check_group_size(options.group_size, function);
-  require(src_dtype == DType::kFloat32 || src_dtype == DType::kBFloat16,
-          std::string(function) + ": source dtype " + dtype_name(src_dtype) +
-              " is not supported (expected fp32 or bf16)");
-  require(kFormat == CodeFormat::kInt8 || options.rounding == Rounding::kNearestEven,
-          std::string(function) + ": FP8 supports round-to-nearest-even only");
-  check_buffers(rows, cols, {src, codes, scales}, function);
-  const Layout layout = make_layout(rows, cols, options.group_size);
-  if (rows == 0 || cols == 0) {
-    if (cols == 0 && rows != 0 && options.group_size == 0) {
-      // Empty rows keep the per-row contract: scale 1.
-      require(scales != nullptr, std::string(function) + ": null scales");
-      fill_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(scales, rows, 1.0f);
-      check_launch(function);
-    }
+  kernels::detail::check_quantize_arguments(kFormat, src, src_dtype, rows, cols, options, codes, scales, function);
+  if (kernels::detail::has_empty_rows(rows, cols, options.group_size)) {
+    fill_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(scales, rows, 1.0f);  // all-zero rows
+    check_launch(function);
     return;
   }
+  if (rows == 0 || cols == 0) return;
+  const Layout layout = make_layout(rows, cols, options.group_size);
   constexpr unsigned kThreads = 256;
   const uint64_t segments = rows * layout.groups_per_row;
   quantize_kernel<kFormat><<<grid_for(segments, kThreads / 32), kThreads, 0, stream>>>(
@@ -210,8 +187,7 @@ void launch_quantize(const void *src, DType src_dtype, uint64_t rows, uint64_t c
 template <CodeFormat kFormat, typename Out>
 void launch_dequantize(const uint8_t *codes, const float *scales, uint64_t rows, uint64_t cols,
                        uint32_t group_size, Out *dst, cudaStream_t stream, const char *function) {
-  check_group_size(group_size, function);
-  check_buffers(rows, cols, {codes, scales, dst}, function);
+  kernels::detail::check_dequantize_arguments(codes, scales, rows, cols, group_size, dst, function);
   if (rows == 0 || cols == 0) return;
   const Layout layout = make_layout(rows, cols, group_size);
   const uint64_t n = rows * cols;

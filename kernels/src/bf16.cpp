@@ -4,9 +4,9 @@
 #include <string>
 
 #include "parallel.h"
-#include "simd.h"
 #include "reference.h"
 #include "scalar_math.h"
+#include "simd.h"
 
 namespace sp::kernels {
 namespace {

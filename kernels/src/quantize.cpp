@@ -10,15 +10,16 @@
 
 #include "elements.h"
 #include "parallel.h"
-#include "simd.h"
+#include "quantize_arguments.h"
 #include "reference.h"
 #include "scalar_math.h"
+#include "simd.h"
 #include "sp/kernels/fp8.h"
 
 namespace sp::kernels {
 namespace {
 
-using reference::CodeFormat;
+using detail::CodeFormat;
 
 constexpr std::size_t kMinElementsPerThread = 1 << 15;
 
@@ -147,48 +148,15 @@ void dequantize_rows(CodeFormat format, const uint8_t *codes, const float *scale
   });
 }
 
-void check_group_size(uint32_t group_size, const char *function) {
-  if (!is_supported_group_size(group_size)) {
-    throw std::invalid_argument(std::string(function) + ": group_size " +
-                                std::to_string(group_size) +
-                                " is not supported (expected 0 = per row, 32, 64, 128 or 256)");
-  }
-}
-
-void check_buffers(std::size_t rows, std::size_t cols, std::initializer_list<const void *> pointers,
-                   const char *function) {
-  if (rows == 0 || cols == 0) return;
-  for (const void *pointer : pointers) {
-    if (pointer == nullptr) {
-      throw std::invalid_argument(std::string(function) + ": null pointer for a " +
-                                  std::to_string(rows) + " x " + std::to_string(cols) + " tensor");
-    }
-  }
-}
-
 void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t rows,
               std::size_t cols, const QuantizeOptions &options, uint8_t *codes, float *scales,
               const CpuExec &exec, const char *function) {
-  check_group_size(options.group_size, function);
-  if (src_dtype != DType::kFloat32 && src_dtype != DType::kBFloat16) {
-    throw std::invalid_argument(std::string(function) + ": source dtype " +
-                                dtype_name(src_dtype) + " is not supported (expected fp32 or bf16)");
-  }
-  if (format == CodeFormat::kFp8E4M3 && options.rounding != Rounding::kNearestEven) {
-    throw std::invalid_argument(std::string(function) + ": FP8 supports round-to-nearest-even only");
-  }
-  if (rows != 0 && cols != 0 && (rows * cols) / cols != rows) {
-    throw std::invalid_argument(std::string(function) + ": rows * cols overflows");
-  }
-  check_buffers(rows, cols, {src, codes, scales}, function);
-  if (rows == 0 || cols == 0) {
-    // Empty rows still get their scale (1.0, as an all-zero row) in per-row mode.
-    if (cols == 0 && options.group_size == 0 && rows != 0) {
-      if (scales == nullptr) throw std::invalid_argument(std::string(function) + ": null scales");
-      std::fill(scales, scales + rows, 1.0f);
-    }
+  detail::check_quantize_arguments(format, src, src_dtype, rows, cols, options, codes, scales, function);
+  if (detail::has_empty_rows(rows, cols, options.group_size)) {
+    std::fill(scales, scales + rows, 1.0f);  // an empty row is an all-zero row
     return;
   }
+  if (rows == 0 || cols == 0) return;
   if (exec.impl == CpuImpl::kReference) {
     reference::quantize(format, src, src_dtype, rows, cols, options, codes, scales);
     return;
@@ -205,8 +173,7 @@ template <typename Out>
 void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, std::size_t rows,
                 std::size_t cols, uint32_t group_size, Out *dst, const CpuExec &exec,
                 const char *function) {
-  check_group_size(group_size, function);
-  check_buffers(rows, cols, {codes, scales, dst}, function);
+  detail::check_dequantize_arguments(codes, scales, rows, cols, group_size, dst, function);
   if (rows == 0 || cols == 0) return;
   if (exec.impl == CpuImpl::kReference) {
     if constexpr (std::is_same_v<Out, uint16_t>) {
@@ -228,7 +195,10 @@ bool is_supported_group_size(uint32_t group_size) {
 }
 
 std::size_t scale_count(std::size_t rows, std::size_t cols, uint32_t group_size) {
-  check_group_size(group_size, "scale_count");
+  if (!is_supported_group_size(group_size)) {
+    throw std::invalid_argument("scale_count: group_size " + std::to_string(group_size) +
+                                " is not supported (expected 0 = per row, 32, 64, 128 or 256)");
+  }
   return rows * make_layout(rows, cols, group_size).groups_per_row;
 }
 

@@ -10,6 +10,7 @@
 
 #include "sp/kernels/bf16.h"
 #include "sp/kernels/moments.h"
+#include "quantize_arguments.h"
 #include "sp/kernels/quantize.h"
 
 namespace sp::kernels::reference {
@@ -23,9 +24,9 @@ float fp8_e4m3_to_float(uint8_t code);
 
 void fp32_to_bf16(const float *src, uint16_t *dst, std::size_t n, const Bf16Options &options);
 
-// Codes are bytes: int8_t bit patterns for kInt8, E4M3 codes for kFp8E4M3.
-enum class CodeFormat { kInt8, kFp8E4M3 };
+using detail::CodeFormat;
 
+// Codes are bytes: int8_t bit patterns for kInt8, E4M3 codes for kFp8E4M3.
 void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t rows,
               std::size_t cols, const QuantizeOptions &options, uint8_t *codes, float *scales);
 

@@ -12,8 +12,8 @@
 
 #include "elements.h"
 #include "parallel.h"
-#include "simd.h"
 #include "reference.h"
+#include "simd.h"
 
 namespace sp::kernels {
 namespace {
