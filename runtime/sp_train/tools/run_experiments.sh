@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The experiments of docs/results.md: the same seed and data under BF16-only streaming,
+# dynamic Selective Precision and all-INT8, in full and in LoRA mode. Runs them one after the
+# other (they would only compete for the cores), then collects every summary.json into
+# bench/results/train-<mode>-<policy>.json, one combined bench/results/train-experiments.json
+# with the machine and the commands, and the figures.
+#
+#   bash runtime/sp_train/tools/run_experiments.sh [BUILD_DIR] [WORK_DIR]
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/../../.." && pwd)
+build=${1:-$repo/build}
+work=${2:-$build/experiments}
+results=$repo/bench/results
+sp_train=$build/bin/sp-train
+[[ -x $sp_train ]] || { echo "$sp_train: not built (ninja -C $build sp-train)" >&2; exit 2; }
+mkdir -p "$work" "$results"
+
+policy_args() {
+  case $1 in
+    bf16-only) echo "--set memory.stagehand.selective_precision.mode=off" ;;
+    dynamic) echo "" ;;
+    all-int8) echo "--set memory.stagehand.selective_precision.mode=static --set memory.stagehand.selective_precision.force_int8_blocks=[0,1,2,3,4,5]" ;;
+  esac
+}
+
+commands=()
+for mode in full lora; do
+  for policy in bf16-only dynamic all-int8; do
+    out=$work/$mode-$policy
+    rm -rf "$out"
+    # shellcheck disable=SC2046
+    cmd="$sp_train --config configs/$( [[ $mode == full ]] && echo default || echo lora ).yaml --out $out --set train.calibration_cache_dir=$work/calibration-cache $(policy_args $policy)"
+    echo "== $mode / $policy: $cmd"
+    (cd "$repo" && $cmd)
+    cp "$out/summary.json" "$results/train-$mode-$policy.json"
+    commands+=("$mode-$policy|${cmd//$repo\//}")
+  done
+  /usr/bin/python3 "$repo/runtime/sp_train/tools/plot_runs.py" --out "$results" --prefix "train-$mode" \
+    bf16-only="$work/$mode-bf16-only" dynamic="$work/$mode-dynamic" all-int8="$work/$mode-all-int8"
+done
+
+/usr/bin/python3 - "$results" "$work" "${commands[@]}" <<'PY'
+import json, os, platform, subprocess, sys
+results, work, *commands = sys.argv[1:]
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+runs = {}
+for entry in commands:
+    name, command = entry.split("|", 1)
+    summary = json.load(open(os.path.join(results, f"train-{name}.json")))
+    runs[name] = {"command": command, "summary": summary}
+machine = {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
+           "load_average_at_end": os.getloadavg()}
+doc = {"machine": machine, "runs": runs}
+for mode in ("full", "lora"):
+    base = runs[f"{mode}-bf16-only"]["summary"]
+    for policy in ("dynamic", "all-int8"):
+        s = runs[f"{mode}-{policy}"]["summary"]
+        doc.setdefault("comparison", {})[f"{mode}-{policy}"] = {
+            "val_loss_vs_bf16_only": s["final_val_loss"] / base["final_val_loss"] - 1.0,
+            "h2d_bytes_vs_bf16_only": s["h2d_bytes"]["total"] / base["h2d_bytes"]["total"] - 1.0}
+tmp = os.path.join(results, "train-experiments.json.tmp")
+with open(tmp, "w") as f:
+    json.dump(doc, f, indent=2)
+    f.write("\n")
+os.replace(tmp, os.path.join(results, "train-experiments.json"))
+print(json.dumps(doc["comparison"], indent=2))
+PY
