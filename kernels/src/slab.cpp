@@ -364,6 +364,11 @@ void decode_tensor(const uint8_t *image, const SlabView &view, std::size_t index
   const uint8_t *data = image + tensor.data_offset;
   const auto *scales = reinterpret_cast<const float *>(image + tensor.scales_offset);
   const uint64_t n = tensor.shape.rows * tensor.shape.cols;
+  if (n == 0) return;
+  if (dst == nullptr) {
+    throw std::invalid_argument(std::string(function) + ": null destination for tensor " +
+                                std::to_string(index) + " (" + std::to_string(n) + " elements)");
+  }
   switch (view.precision) {
     case SlabPrecision::kBf16:
       if constexpr (std::is_same_v<Out, uint16_t>) {

@@ -105,9 +105,14 @@ TEST(QuantizeFp8, VectorizedMatchesReferenceBitForBit) {
           quantize_fp8_e4m3(src, dtype, shape.rows, shape.cols, group, codes.data(), scales.data(), exec);
           dequantize_fp8_e4m3_to_bf16(codes.data(), scales.data(), shape.rows, shape.cols, group, bf16.data(), exec);
           dequantize_fp8_e4m3_to_fp32(codes.data(), scales.data(), shape.rows, shape.cols, group, fp32.data(), exec);
-          std::vector<uint32_t> bits(scales.size() + fp32.size());
-          std::memcpy(bits.data(), scales.data(), scales.size() * 4);
-          std::memcpy(bits.data() + scales.size(), fp32.data(), fp32.size() * 4);
+          std::vector<uint32_t> bits;  // scales then values, compared as bit patterns
+          for (const std::vector<float> *values : {&scales, &fp32}) {
+            for (const float v : *values) {
+              uint32_t u;
+              std::memcpy(&u, &v, sizeof u);
+              bits.push_back(u);
+            }
+          }
           return std::make_tuple(codes, bits, bf16);
         };
         const auto expected = run(CpuExec{CpuImpl::kReference, 1});

@@ -42,13 +42,9 @@ Quantized round_trip(const void *src, DType dtype, Shape shape, const QuantizeOp
 
 void expect_identical(const Quantized &expected, const Quantized &actual, const std::string &what) {
   ASSERT_EQ(expected.codes, actual.codes) << what;
-  ASSERT_EQ(0, std::memcmp(expected.scales.data(), actual.scales.data(),
-                           expected.scales.size() * sizeof(float)))
-      << what;
+  ASSERT_TRUE(testing::same_bits(expected.scales, actual.scales)) << what;
   ASSERT_EQ(expected.bf16, actual.bf16) << what;
-  ASSERT_EQ(0, std::memcmp(expected.fp32.data(), actual.fp32.data(),
-                           expected.fp32.size() * sizeof(float)))
-      << what;
+  ASSERT_TRUE(testing::same_bits(expected.fp32, actual.fp32)) << what;
 }
 
 std::vector<uint32_t> all_group_sizes() { return {0, 32, 64, 128, 256}; }

@@ -75,4 +75,12 @@ inline std::string exec_name(const CpuExec &exec) {
 // Compares float bit patterns (NaN == NaN when the bits agree).
 inline bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
+inline bool same_bits(const std::vector<float> &a, const std::vector<float> &b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!same_bits(a[i], b[i])) return false;
+  }
+  return true;
+}
+
 }  // namespace sp::kernels::testing
