@@ -53,8 +53,11 @@ class Section {
       bool found = false;
       for (const char* k : known_) found = found || key == k;
       if (!found) {
-        throw ConfigError(fmt::format("{}: {}.{}: unknown key; {} accepts: {}", source_, path_,
-                                      key, path_, fmt::join(known_, ", ")));
+        throw ConfigError(path_.empty()
+                              ? fmt::format("{}: {}: unknown top-level key; expected one of: {}", source_,
+                                            key, fmt::join(known_, ", "))
+                              : fmt::format("{}: {}.{}: unknown key; {} accepts: {}", source_, path_,
+                                            key, path_, fmt::join(known_, ", ")));
       }
     }
   }
@@ -287,7 +290,8 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
 
   TrainConfig config;
   config.source_name = source_name;
-  const Section top(source_name, "<top level>", root, {"model", "data", "train", "memory"});
+  // Constructing a section checks its keys.
+  const Section top_level(source_name, "", root, {"model", "data", "train", "memory"});
   read_model(Section(source_name, "model", root["model"],
                      {"d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio", "init_std"}),
              config.model);

@@ -60,7 +60,7 @@ TEST(TrainConfig, EachBadValueNamesItsKeyAndExpectation) {
             "cfg.yaml: memory.stagehand.selective_precision.calibration_samples: expected an integer in [1, 4096], found '0'");
   EXPECT_EQ(error_of("memory: {stagehand: {selective_precision: 3}}"),
             "cfg.yaml: memory.stagehand.selective_precision: expected a mapping, found '3'");
-  EXPECT_EQ(error_of("trian: {}"), "cfg.yaml: <top level>.trian: unknown key; <top level> accepts: model, data, train, memory");
+  EXPECT_EQ(error_of("trian: {}"), "cfg.yaml: trian: unknown top-level key; expected one of: model, data, train, memory");
   EXPECT_EQ(error_of("- a\n- b\n"), "cfg.yaml: expected a mapping at the top level, found a list");
   EXPECT_NE(error_of("model: [unclosed").find("cfg.yaml: not valid YAML"), std::string::npos);
 }
