@@ -219,8 +219,8 @@ struct PolicyHost::Impl {
     } else {
       hints.assign(blocks.size(), sp_hint_v1{});
       for (std::uint32_t id = 0; id < block_count(); ++id) {
-        // SP_REASON_MODE: as in mode "off", the host rather than a score decided.
-        hints[id] = sp_hint_v1{id, SP_PRECISION_BF16, std::numeric_limits<double>::quiet_NaN(), SP_REASON_MODE, 0};
+        hints[id] = sp_hint_v1{id, SP_PRECISION_BF16, std::numeric_limits<double>::quiet_NaN(),
+                               SP_REASON_HOST_FALLBACK, 0};
       }
     }
     hint_source = HintSource::fallback;

@@ -72,6 +72,8 @@ typedef int32_t sp_reason;
 #define SP_REASON_FORCED 5          /* a force list decided */
 #define SP_REASON_MODE 6            /* the mode (off, static) decided */
 #define SP_REASON_NOT_DECISION_STEP 7 /* not a decision step: the previous decision stands */
+#define SP_REASON_HOST_FALLBACK 8   /* set by the host, never by a plugin: the plugin failed and
+                                       the host substituted a safe hint */
 
 /* Log levels, in increasing severity. */
 typedef int32_t sp_log_level;
