@@ -75,10 +75,36 @@ void PolicyBridge::tighten(const RuntimeLimitHints &limits) {
   }
 }
 
-Precision PolicyBridge::route(std::uint32_t block) const {
+const char *route_authority_name(RouteAuthority authority) {
+  switch (authority) {
+    case RouteAuthority::plugin: return "plugin";
+    case RouteAuthority::transfer_policy: return "transfer_policy";
+    case RouteAuthority::runtime_pin: return "runtime_pin";
+  }
+  return "unknown";
+}
+
+void PolicyBridge::set_transfer_gate(std::vector<bool> int8_pays) {
+  if (int8_pays.size() != num_blocks_) {
+    throw std::invalid_argument(fmt::format(
+        "PolicyBridge: the transfer gate has {} entries; expected one per block ({})",
+        int8_pays.size(), num_blocks_));
+  }
+  int8_pays_ = std::move(int8_pays);
+}
+
+void PolicyBridge::clear_transfer_gate() { int8_pays_.clear(); }
+
+RouteDecision PolicyBridge::decide(std::uint32_t block) const {
   check_block(block, "PolicyBridge::route");
   const auto pinned = limits_.block_precision_map.find(block);
-  return pinned != limits_.block_precision_map.end() ? pinned->second : plugin_route_[block];
+  if (pinned != limits_.block_precision_map.end()) {
+    return {pinned->second, RouteAuthority::runtime_pin};
+  }
+  if (plugin_route_[block] == Precision::int8 && has_transfer_gate() && !int8_pays_[block]) {
+    return {Precision::bf16, RouteAuthority::transfer_policy};
+  }
+  return {plugin_route_[block], RouteAuthority::plugin};
 }
 
 std::uint32_t PolicyBridge::lookahead(std::uint32_t configured_window) const {

@@ -285,8 +285,11 @@ void StreamingEngine::ensure_image(std::uint32_t block, Precision precision) {
 
 void StreamingEngine::issue_fetch(std::uint32_t fetch) {
   const std::uint32_t block = schedule_.fetches()[fetch].block;
-  const Precision precision = bridge_.route(block);
+  const RouteDecision route = bridge_.decide(block);
+  const Precision precision = route.precision;
   ensure_image(block, precision);
+  current_.fetches_bf16_by_transfer_policy += route.decided_by == RouteAuthority::transfer_policy;
+  current_.fetches_pinned += route.decided_by == RouteAuthority::runtime_pin;
 
   BlockImage &image = images_[block];
   DeviceSlot &slot = slots_.slot(fetch % slots_.size());

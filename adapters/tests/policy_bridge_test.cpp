@@ -32,6 +32,41 @@ TEST(PolicyBridge, RoutesFollowThePluginUntilReplaced) {
   EXPECT_EQ(bridge.route(1), Precision::bf16);
 }
 
+TEST(PolicyBridge, TransferGateKeepsBlocksBf16WhereInt8DoesNotPay) {
+  PolicyBridge bridge(3);
+  auto hints = hints_for({SP_PRECISION_INT8, SP_PRECISION_INT8, SP_PRECISION_BF16});
+  bridge.set_plugin_hints(hints.data(), 3);
+  bridge.set_transfer_gate({false, true, true});
+  const RouteDecision vetoed = bridge.decide(0);
+  EXPECT_EQ(vetoed.precision, Precision::bf16);
+  EXPECT_EQ(vetoed.decided_by, RouteAuthority::transfer_policy);
+  EXPECT_EQ(bridge.decide(1).precision, Precision::int8);
+  EXPECT_EQ(bridge.decide(1).decided_by, RouteAuthority::plugin);
+  // The gate only ever removes INT8: a block the plugin keeps BF16 stays BF16 by the plugin.
+  EXPECT_EQ(bridge.decide(2).precision, Precision::bf16);
+  EXPECT_EQ(bridge.decide(2).decided_by, RouteAuthority::plugin);
+  // A runtime pin outranks both.
+  RuntimeLimitHints pin;
+  pin.block_precision_map[0] = Precision::int8;
+  bridge.tighten(pin);
+  EXPECT_EQ(bridge.decide(0).precision, Precision::int8);
+  EXPECT_EQ(bridge.decide(0).decided_by, RouteAuthority::runtime_pin);
+  bridge.begin_step();
+  bridge.clear_transfer_gate();
+  EXPECT_EQ(bridge.route(0), Precision::int8);
+}
+
+TEST(PolicyBridge, TransferGateOfTheWrongSizeIsRejected) {
+  PolicyBridge bridge(3);
+  try {
+    bridge.set_transfer_gate({true, false});
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument &e) {
+    EXPECT_THAT(e.what(), HasSubstr("the transfer gate has 2 entries; expected one per block (3)"));
+  }
+  EXPECT_FALSE(bridge.has_transfer_gate());
+}
+
 TEST(PolicyBridge, BadHintsAreRejectedAndTheOldOnesStay) {
   PolicyBridge bridge(2);
   auto good = hints_for({SP_PRECISION_INT8, SP_PRECISION_BF16});

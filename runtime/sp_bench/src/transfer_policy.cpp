@@ -350,4 +350,21 @@ bool TransferPolicy::int8_pays(TransferPath path, uint64_t bf16_bytes) const {
   return find_rule(path, bf16_bytes) != nullptr;
 }
 
+std::vector<bool> int8_gate(const TransferPolicy& policy, TransferPath path,
+                            const std::vector<uint64_t>& block_bf16_bytes) {
+  std::vector<bool> gate(block_bf16_bytes.size());
+  for (size_t b = 0; b < block_bf16_bytes.size(); ++b) gate[b] = policy.int8_pays(path, block_bf16_bytes[b]);
+  return gate;
+}
+
+TransferPolicy load_transfer_policy_or_bf16(const std::string& path,
+                                            const std::function<void(const std::string&)>& warn) {
+  try {
+    return TransferPolicy::load(path);
+  } catch (const TransferPolicyError& e) {
+    warn(fmt::format("{}; every block stays BF16 (no INT8 transfer is known to pay on this machine)", e.what()));
+    return TransferPolicy();
+  }
+}
+
 }  // namespace sp::bench

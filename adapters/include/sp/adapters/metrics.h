@@ -21,6 +21,10 @@ struct StepTransferMetrics {
   std::uint64_t h2d_bytes_all_bf16 = 0;
   std::uint32_t fetches_bf16 = 0;
   std::uint32_t fetches_int8 = 0;
+  // BF16 fetches of blocks the plugin wanted as INT8, kept BF16 by the transfer policy
+  // because INT8 does not pay for their size here, and fetches routed by a runtime pin.
+  std::uint32_t fetches_bf16_by_transfer_policy = 0;
+  std::uint32_t fetches_pinned = 0;
   // A use whose fetch was issued before the trainer asked for it is a hit.
   std::uint32_t prefetch_hits = 0;
   std::uint32_t prefetch_misses = 0;

@@ -22,6 +22,16 @@ struct RuntimeLimitHints {
   std::map<std::uint32_t, Precision> block_precision_map;  // overrides the plugin's hint
 };
 
+// Who decided a block's route. The plugin says where INT8 is safe, the benchmark-driven
+// transfer policy (sp-bench) where it is worth it, and the runtime may pin a block for a step.
+enum class RouteAuthority : std::uint8_t { plugin, transfer_policy, runtime_pin };
+const char *route_authority_name(RouteAuthority authority);
+
+struct RouteDecision {
+  Precision precision = Precision::bf16;
+  RouteAuthority decided_by = RouteAuthority::plugin;
+};
+
 class PolicyBridge {
  public:
   explicit PolicyBridge(std::uint32_t num_blocks);
@@ -43,8 +53,17 @@ class PolicyBridge {
   void tighten(const RuntimeLimitHints &limits);
   const RuntimeLimitHints &limits() const { return limits_; }
 
-  // Precision map pin, else the plugin's hint, else BF16.
-  Precision route(std::uint32_t block) const;
+  // The transfer policy's verdict per block (int8_pays.size() == num_blocks): INT8 only where
+  // it was measured faster than BF16 for the block's size on this machine. Without a gate,
+  // the plugin's hint alone decides. Throws std::invalid_argument on a size mismatch.
+  void set_transfer_gate(std::vector<bool> int8_pays);
+  void clear_transfer_gate();
+  bool has_transfer_gate() const { return !int8_pays_.empty(); }
+
+  // A precision map pin, else the plugin's hint where the transfer gate lets it through,
+  // else BF16; with who decided.
+  RouteDecision decide(std::uint32_t block) const;
+  Precision route(std::uint32_t block) const { return decide(block).precision; }
   // How many fetches beyond the current one may be in flight.
   std::uint32_t lookahead(std::uint32_t configured_window) const;
 
@@ -53,6 +72,7 @@ class PolicyBridge {
 
   std::uint32_t num_blocks_;
   std::vector<Precision> plugin_route_;
+  std::vector<bool> int8_pays_;  // empty: no transfer policy
   RuntimeLimitHints limits_;
 };
 

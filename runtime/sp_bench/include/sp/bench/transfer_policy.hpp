@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -117,5 +118,16 @@ class TransferPolicy {
   std::map<TransferPath, std::vector<TransferRule>> rules_;  // sorted, disjoint, coalesced
   std::vector<MergeSource> sources_;
 };
+
+// Per block, whether INT8 pays for its BF16 image size on `path`: the gate the adapters'
+// PolicyBridge combines with the plugin's hints (INT8 only where both say so).
+std::vector<bool> int8_gate(const TransferPolicy& policy, TransferPath path,
+                            const std::vector<uint64_t>& block_bf16_bytes);
+
+// Loads the transfer policy a run was configured with. A missing or unusable file is not
+// fatal: `warn` is called once with the reason, and the result allows INT8 nowhere, so
+// every block stays BF16 (the conservative choice).
+TransferPolicy load_transfer_policy_or_bf16(const std::string& path,
+                                            const std::function<void(const std::string&)>& warn);
 
 }  // namespace sp::bench
