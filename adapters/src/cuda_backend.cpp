@@ -45,6 +45,12 @@ bool CudaBackend::device_available() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
+std::string CudaBackend::device_name() const {
+  cudaDeviceProp properties{};
+  check(cudaGetDeviceProperties(&properties, device_), "cudaGetDeviceProperties");
+  return properties.name;
+}
+
 CudaBackend::CudaBackend(CudaBackendOptions options) : device_(options.device) {
   check(cudaSetDevice(device_), "cudaSetDevice");
   check(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "cudaStreamCreate(copy)");

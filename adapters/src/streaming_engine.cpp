@@ -512,6 +512,7 @@ bool StreamingEngine::finalize(PendingStep &pending, bool may_block) {
     }
   }
   metrics.timings_complete = true;
+  last_completed_ = metrics;
   if (metrics_writer_) {
     metrics_writer_->append(metrics.to_json());
   }

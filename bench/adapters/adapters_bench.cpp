@@ -28,6 +28,8 @@
 #include "bench_report.hpp"
 #include "sp/adapters/host_backend.h"
 #include "sp/adapters/streaming_engine.h"
+#include "sp/bench/transfer_measure.hpp"
+#include "sp/runtime/atomic_file.hpp"
 #include "sp/kernels/slab.h"
 
 #ifdef SP_BENCH_WITH_CUDA
@@ -51,86 +53,20 @@ struct Harness {
   std::function<void()> drain;
 };
 
-constexpr std::uint64_t kCols = 4096;
+using sp::bench::raw_copy_seconds;
+using sp::bench::route_all;
+using sp::bench::SyntheticBlocks;
 
-// Blocks of one rows x 4096 tensor whose BF16 payload is `block_bytes`.
-class BenchModel {
- public:
-  BenchModel(std::uint32_t num_blocks, std::uint64_t block_bytes) {
-    const std::uint64_t rows = block_bytes / 2 / kCols;
-    std::uint64_t state = 0x9E3779B97F4A7C15ull;
-    for (std::uint32_t b = 0; b < num_blocks; ++b) {
-      auto values = std::make_unique<std::vector<float>>(rows * kCols);
-      for (float &v : *values) {
-        state = state * 6364136223846793005ull + 1442695040888963407ull;
-        v = (static_cast<float>(state >> 40) / static_cast<float>(1 << 24) - 0.5f) * 0.1f;
-      }
-      blocks_.push_back(
-          BlockSpec{fmt::format("block{}", b), {TensorSpec{"weight", values->data(), rows, kCols}}});
-      storage_.push_back(std::move(values));
-    }
-  }
-  const std::vector<BlockSpec> &blocks() const { return blocks_; }
+std::unique_ptr<SyntheticBlocks> bench_model(std::uint32_t num_blocks, std::uint64_t block_bytes) {
+  return std::make_unique<SyntheticBlocks>(num_blocks, sp::bench::sweep_block_shapes(block_bytes), 1);
+}
 
- private:
-  std::vector<std::unique_ptr<std::vector<float>>> storage_;
-  std::vector<BlockSpec> blocks_;
-};
-
-std::uint64_t image_bytes(const BlockSpec &block, sp::kernels::SlabPrecision precision) {
+std::uint64_t image_bytes(const SyntheticBlocks &model, sp::kernels::SlabPrecision precision) {
   sp::kernels::SlabEncoding encoding;
   encoding.precision = precision;
-  const sp::kernels::TensorShape shape{block.tensors[0].rows, block.tensors[0].cols};
-  return sp::kernels::slab_image_bytes(encoding, &shape, 1);
-}
-
-// Seconds per copy of `bytes` from pinned memory into device memory, back to back on the copy
-// queue, timed by the backend's events: the physical limit of this run. The copies rotate over
-// as many source and destination buffers as the engine uses, so neither side is measured
-// cache-hot when the engine's copies are not.
-double raw_copy_seconds(TransferBackend &backend, std::uint64_t bytes, std::uint32_t sources,
-                        std::uint32_t destinations, int repeats) {
-  std::vector<Region> host;
-  std::vector<Region> device;
-  for (std::uint32_t i = 0; i < sources; ++i) {
-    host.push_back(backend.allocate_pinned_host(bytes));
-    std::memset(host.back().data(), 1, bytes);
-  }
-  for (std::uint32_t i = 0; i < destinations; ++i) {
-    device.push_back(backend.allocate_device(bytes));
-  }
-  auto start = backend.create_event();
-  auto end = backend.create_event();
-  backend.copy_host_to_device_async(device[0].data(), host[0].data(), bytes);  // warm-up
-  backend.record(*start, Queue::copy);
-  const int copies = repeats * static_cast<int>(sources);
-  for (int i = 0; i < copies; ++i) {
-    backend.copy_host_to_device_async(device[i % destinations].data(), host[i % sources].data(),
-                                      bytes);
-  }
-  backend.record(*end, Queue::copy);
-  backend.synchronize(*end);
-  return backend.elapsed_seconds(*start, *end) / copies;
-}
-
-StreamingConfig config_for(const BenchModel &model, std::uint32_t window, bool backward) {
-  const BlockSpec &block = model.blocks().front();
-  StreamingConfig config;
-  config.host_slab_bytes = image_bytes(block, sp::kernels::SlabPrecision::kBf16);
-  config.host_slab_count = static_cast<std::uint32_t>(model.blocks().size());
-  config.device_slot_bytes = config.host_slab_bytes;
-  config.prefetch_window = window;
-  config.backward = backward;
-  return config;
-}
-
-void route_all(StreamingEngine &engine, Precision precision) {
-  std::vector<sp_hint_v1> hints(engine.policy_bridge().num_blocks());
-  for (std::uint32_t b = 0; b < hints.size(); ++b) {
-    hints[b] = sp_hint_v1{b, precision == Precision::int8 ? SP_PRECISION_INT8 : SP_PRECISION_BF16,
-                          0.0, SP_REASON_FORCED, 0};
-  }
-  engine.policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
+  std::vector<sp::kernels::TensorShape> shapes;
+  for (const TensorSpec &t : model.blocks().front().tensors) shapes.push_back({t.rows, t.cols});
+  return sp::kernels::slab_image_bytes(encoding, shapes.data(), shapes.size());
 }
 
 // Wall seconds of one step of `engine` (drained), with `compute_seconds` per use.
@@ -151,9 +87,9 @@ double timed_step(Harness &harness, StreamingEngine &engine, std::int64_t step,
 }
 
 // Seconds per fetch of a forward-only step with no compute: the path is transfer-bound.
-double path_seconds_per_fetch(Harness &harness, const BenchModel &model, Precision precision,
+double path_seconds_per_fetch(Harness &harness, const SyntheticBlocks &model, Precision precision,
                               int steps) {
-  StreamingEngine engine(harness.backend, config_for(model, 2, false), model.blocks());
+  StreamingEngine engine(harness.backend, sp::bench::streaming_config_for(model, 2, false), model.blocks());
   route_all(engine, precision);
   timed_step(harness, engine, 0, 0.0);  // builds the images, warms the queues
   double total = 0;
@@ -163,9 +99,9 @@ double path_seconds_per_fetch(Harness &harness, const BenchModel &model, Precisi
   return total / steps / static_cast<double>(engine.schedule().fetches().size());
 }
 
-nlohmann::json exposed_transfer(Harness &harness, const BenchModel &model,
+nlohmann::json exposed_transfer(Harness &harness, const SyntheticBlocks &model,
                                 double compute_per_block, int steps) {
-  StreamingEngine engine(harness.backend, config_for(model, 2, true), model.blocks());
+  StreamingEngine engine(harness.backend, sp::bench::streaming_config_for(model, 2, true), model.blocks());
   const auto uses = engine.schedule().uses().size();
   timed_step(harness, engine, 0, compute_per_block);
   double streamed = 0;
@@ -182,7 +118,7 @@ nlohmann::json exposed_transfer(Harness &harness, const BenchModel &model,
   streamed /= steps;
   compute_only /= steps;
   const double exposed = std::max(0.0, streamed - compute_only) / streamed;
-  return {{"block_bytes", model.blocks().front().tensors[0].rows * kCols * 2},
+  return {{"block_bytes", model.bf16_payload_bytes()},
           {"uses_per_step", uses},
           {"compute_seconds_per_use", compute_per_block},
           {"step_seconds", streamed},
@@ -197,12 +133,11 @@ nlohmann::json run(Harness &harness, const std::vector<std::uint64_t> &block_mib
   nlohmann::json sizes = nlohmann::json::array();
   // The exposed-transfer loop runs on the first size the BF16 target applies to (>= 8 MiB).
   double loop_bf16_seconds = 0;
-  std::unique_ptr<BenchModel> loop_model;
+  std::unique_ptr<SyntheticBlocks> loop_model;
   for (const std::uint64_t mib : block_mib) {
-    auto model = std::make_unique<BenchModel>(num_blocks, mib << 20);
-    const BlockSpec &block = model->blocks().front();
-    const std::uint64_t bf16_bytes = image_bytes(block, sp::kernels::SlabPrecision::kBf16);
-    const std::uint64_t int8_bytes = image_bytes(block, sp::kernels::SlabPrecision::kInt8);
+    auto model = bench_model(num_blocks, mib << 20);
+    const std::uint64_t bf16_bytes = image_bytes(*model, sp::kernels::SlabPrecision::kBf16);
+    const std::uint64_t int8_bytes = image_bytes(*model, sp::kernels::SlabPrecision::kInt8);
     // The engine below streams num_blocks slabs through prefetch window 2 + 2 slots.
     const double raw = raw_copy_seconds(harness.backend, bf16_bytes, num_blocks, 4, steps);
     const double bf16 = path_seconds_per_fetch(harness, *model, Precision::bf16, steps);
@@ -240,19 +175,6 @@ nlohmann::json run(Harness &harness, const std::vector<std::uint64_t> &block_mib
     std::cout << "exposed transfer: " << result["exposed_transfer"].dump() << "\n";
   }
   return result;
-}
-
-void write_atomically(const std::filesystem::path &path, const std::string &text) {
-  const std::filesystem::path temporary = path.string() + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::trunc);
-    out << text << '\n';
-    out.flush();
-    if (!out) {
-      throw std::runtime_error("cannot write " + temporary.string());
-    }
-  }
-  std::filesystem::rename(temporary, path);
 }
 
 }  // namespace
@@ -330,7 +252,7 @@ int main(int argc, char **argv) {
       return 2;
 #endif
     }
-    write_atomically(out_path, report.dump(2));
+    sp::runtime::write_file_atomically(out_path, report.dump(2) + "\n");
     std::cout << "wrote " << out_path << "\n";
   } catch (const std::exception &error) {
     std::cerr << "sp_bench_adapters: " << error.what() << "\n";

@@ -1,13 +1,20 @@
 // sp-bench: measures the transfer paths on this machine and turns the measurements into a
 // transfer policy ("never slower than BF16"). See docs/performance.md.
 
+#include <unistd.h>
+
 #include <iostream>
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
+#include "sp/adapters/host_backend.h"
+#include "sp/bench/transfer_measure.hpp"
 #include "sp/bench/transfer_policy.hpp"
 #include "sp/runtime/atomic_file.hpp"
+#ifdef SP_BENCH_WITH_CUDA
+#include "sp/adapters/cuda_backend.h"
+#endif
 
 namespace {
 
@@ -23,6 +30,85 @@ std::string describe_bytes(uint64_t bytes) {
     ++unit;
   }
   return fmt::format("{:.4g} {}", value, units[unit]);
+}
+
+struct TransferOptions {
+  std::string backend = "auto";
+  double cap_gbps = 25.0;
+  uint64_t min_kib = 256;
+  uint64_t max_kib = 0;  // 0: 512 MiB on a GPU, 64 MiB on the host backend
+  std::vector<uint64_t> gpt_d_model;
+  sp::bench::MeasureOptions measure;
+  std::string machine;
+  std::string output;
+};
+
+std::string host_name() {
+  char name[256] = {};
+  ::gethostname(name, sizeof(name) - 1);
+  return name;
+}
+
+sp::bench::TransferReport sweep(sp::adapters::TransferBackend& backend, const TransferOptions& options) {
+  sp::bench::TransferReport report;
+  const auto measure = [&](const std::vector<sp::bench::MatrixShape>& shapes, const std::string& label) {
+    sp::bench::TransferPoint point = sp::bench::measure_transfer_point(backend, shapes, options.measure);
+    fmt::print("{:>18}  bf16 {:>10}  raw {:7.2f} GB/s  bf16 path {:5.1f}% of raw  int8 {:5.2f}x faster "
+               "(frozen), {:5.2f}x (trained)\n",
+               label, describe_bytes(point.bf16_bytes), point.bf16_bytes / point.raw_copy_s / 1e9,
+               100.0 * point.raw_copy_s / point.bf16_path_s, point.speedup(sp::bench::TransferPath::kInt8Frozen),
+               point.speedup(sp::bench::TransferPath::kInt8Trained));
+    std::fflush(stdout);
+    report.points.push_back(point);
+  };
+  for (uint64_t kib = options.min_kib; kib <= options.max_kib; kib *= 2) {
+    measure(sp::bench::sweep_block_shapes(kib << 10), "sweep");
+  }
+  for (uint64_t d : options.gpt_d_model) measure(sp::bench::gpt_block_shapes(d), fmt::format("gpt d={}", d));
+  double best = 0;
+  for (const auto& p : report.points) best = std::max(best, p.bf16_bytes / p.raw_copy_s / 1e9);
+  report.reference_h2d_gbps = best;
+  return report;
+}
+
+int transfer(TransferOptions options) {
+  bool use_cuda = options.backend == "cuda";
+#ifdef SP_BENCH_WITH_CUDA
+  if (options.backend == "auto") use_cuda = sp::adapters::CudaBackend::device_available();
+  if (use_cuda && !sp::adapters::CudaBackend::device_available()) {
+    throw sp::bench::TransferPolicyError("--backend cuda: no CUDA device is available");
+  }
+#else
+  if (use_cuda) throw sp::bench::TransferPolicyError("--backend cuda: this build has no CUDA support");
+#endif
+  if (options.max_kib == 0) options.max_kib = use_cuda ? (512u << 10) : (64u << 10);
+  if (options.min_kib > options.max_kib) {
+    throw sp::bench::TransferPolicyError(
+        fmt::format("--min-kib {} is above --max-kib {}", options.min_kib, options.max_kib));
+  }
+  sp::bench::TransferReport report;
+  if (use_cuda) {
+#ifdef SP_BENCH_WITH_CUDA
+    sp::adapters::CudaBackend backend;
+    report = sweep(backend, options);
+    report.backend = "cuda";
+    report.device = backend.device_name();
+#endif
+  } else {
+    sp::adapters::HostBackendOptions host;
+    host.bandwidth_cap_bytes_per_second = options.cap_gbps * 1e9;
+    sp::adapters::HostBackend backend(host);
+    report = sweep(backend, options);
+    report.backend = "host";
+    report.device = options.cap_gbps > 0 ? fmt::format("host memcpy, capped at {} GB/s (emulation)", options.cap_gbps)
+                                         : std::string("host memcpy, uncapped (emulation)");
+    if (options.cap_gbps > 0) report.bandwidth_cap_gbps = options.cap_gbps;
+  }
+  report.machine = options.machine.empty() ? host_name() : options.machine;
+  sp::runtime::write_file_atomically(options.output, sp::bench::report_to_json(report));
+  fmt::print("report of {} sizes on {} ({}) written to {}\n", report.points.size(), report.machine, report.device,
+             options.output);
+  return kExitOk;
 }
 
 int merge_policy(const std::vector<std::string>& report_paths, const std::string& output, double threshold) {
@@ -54,6 +140,46 @@ int main(int argc, char** argv) {
   app.footer("Exit codes: 0 success; 1 internal error; 2 bad arguments or unusable input file.");
   app.require_subcommand(1);
 
+  TransferOptions transfer_options;
+  CLI::App* measure = app.add_subcommand(
+      "transfer",
+      "measure the BF16 and INT8 transfer paths through the streaming engine for a sweep of block "
+      "sizes (doubling from --min-kib to --max-kib) and for GPT blocks of the given widths, and "
+      "write a report for merge-policy");
+  measure->add_option("--backend", transfer_options.backend, "cuda, host (emulated link), or auto")
+      ->check(CLI::IsMember({"auto", "cuda", "host"}))
+      ->capture_default_str();
+  measure->add_option("--bandwidth-cap-gbps", transfer_options.cap_gbps,
+                      "host backend: emulated link bandwidth in GB/s, 0 for none")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  measure->add_option("--min-kib", transfer_options.min_kib, "smallest BF16 block in KiB")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30))
+      ->capture_default_str();
+  measure->add_option("--max-kib", transfer_options.max_kib,
+                      "largest BF16 block in KiB (default: 512 MiB on a GPU, 64 MiB on the host)")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30));
+  measure->add_option("--gpt-d-model", transfer_options.gpt_d_model, "also measure GPT blocks of these widths")
+      ->check(CLI::Range(uint64_t{8}, uint64_t{65536}));
+  measure->add_option("--blocks", transfer_options.measure.blocks, "blocks streamed per step")
+      ->check(CLI::Range(2u, 1024u))
+      ->capture_default_str();
+  measure->add_option("--window", transfer_options.measure.window, "prefetch window")
+      ->check(CLI::Range(0u, 64u))
+      ->capture_default_str();
+  measure->add_option("--warmup", transfer_options.measure.warmup_steps, "untimed steps per path")
+      ->check(CLI::Range(0, 1000))
+      ->capture_default_str();
+  measure->add_option("--repeats", transfer_options.measure.repeats, "timed steps per path")
+      ->check(CLI::Range(1, 10000))
+      ->capture_default_str();
+  measure->add_option("--int8-group-size", transfer_options.measure.int8_group_size,
+                      "INT8 scales: 0 per row, else 32, 64, 128 or 256")
+      ->check(CLI::IsMember({0u, 32u, 64u, 128u, 256u}))
+      ->capture_default_str();
+  measure->add_option("--machine", transfer_options.machine, "label of this machine in the report (default: host name)");
+  measure->add_option("--out", transfer_options.output, "report file to write (atomically)")->required();
+
   std::vector<std::string> reports;
   std::string output;
   double threshold = 1.0;
@@ -72,6 +198,7 @@ int main(int argc, char** argv) {
     return code == 0 ? kExitOk : kExitBadInput;
   }
   try {
+    if (*measure) return transfer(transfer_options);
     if (*merge) return merge_policy(reports, output, threshold);
   } catch (const sp::bench::TransferPolicyError& e) {
     fmt::print(stderr, "sp-bench: {}\n", e.what());

@@ -149,8 +149,8 @@ std::optional<TransferPath> parse_transfer_path(const std::string& name) {
 }
 
 double TransferPoint::speedup(TransferPath path) const {
-  const double int8_s = path == TransferPath::kInt8Frozen ? int8_frozen_path_s : int8_trained_path_s;
-  return bf16_path_s / int8_s;
+  return path == TransferPath::kInt8Frozen ? bf16_path_s / int8_frozen_path_s
+                                           : bf16_trained_path_s / int8_trained_path_s;
 }
 
 std::string report_to_json(const TransferReport& report) {
@@ -158,12 +158,15 @@ std::string report_to_json(const TransferReport& report) {
   for (const TransferPoint& p : report.points) {
     points.push_back({{"bf16_bytes", p.bf16_bytes},
                       {"int8_bytes", p.int8_bytes},
-                      {"bf16", stats_to_json(p.bf16)},
+                      {"raw_copy_s", p.raw_copy_s},
+                      {"bf16_copy", stats_to_json(p.bf16_copy)},
                       {"int8_copy", stats_to_json(p.int8_copy)},
                       {"int8_dequant", stats_to_json(p.int8_dequant)},
+                      {"bf16_rebuild", stats_to_json(p.bf16_rebuild)},
                       {"int8_rebuild", stats_to_json(p.int8_rebuild)},
                       {"bf16_path_s", p.bf16_path_s},
                       {"int8_frozen_path_s", p.int8_frozen_path_s},
+                      {"bf16_trained_path_s", p.bf16_trained_path_s},
                       {"int8_trained_path_s", p.int8_trained_path_s},
                       {"speedup",
                        {{"int8_frozen", p.speedup(TransferPath::kInt8Frozen)},
@@ -203,18 +206,25 @@ TransferReport report_from_json(const std::string& text, const std::string& sour
       const std::string at = fmt::format("points[{}]", i);
       const json& j = points[i];
       fields.require_object(j, at);
-      fields.only_keys(j, {"bf16_bytes", "int8_bytes", "bf16", "int8_copy", "int8_dequant", "int8_rebuild",
-                           "bf16_path_s", "int8_frozen_path_s", "int8_trained_path_s", "speedup"}, at);
+      fields.only_keys(j, {"bf16_bytes", "int8_bytes", "raw_copy_s", "bf16_copy", "int8_copy", "int8_dequant", "bf16_rebuild",
+                           "int8_rebuild", "bf16_path_s", "int8_frozen_path_s", "bf16_trained_path_s",
+                           "int8_trained_path_s", "speedup"}, at);
       TransferPoint p;
       p.bf16_bytes = fields.non_negative_integer(fields.require(j, "bf16_bytes", at + ".bf16_bytes"), at + ".bf16_bytes");
       p.int8_bytes = fields.non_negative_integer(fields.require(j, "int8_bytes", at + ".int8_bytes"), at + ".int8_bytes");
       if (p.bf16_bytes == 0) fields.fail(at + ".bf16_bytes", "expected a size > 0");
-      p.bf16 = stats_from_json(fields, fields.require(j, "bf16", at + ".bf16"), at + ".bf16");
-      p.int8_copy = stats_from_json(fields, fields.require(j, "int8_copy", at + ".int8_copy"), at + ".int8_copy");
-      p.int8_dequant = stats_from_json(fields, fields.require(j, "int8_dequant", at + ".int8_dequant"), at + ".int8_dequant");
-      p.int8_rebuild = stats_from_json(fields, fields.require(j, "int8_rebuild", at + ".int8_rebuild"), at + ".int8_rebuild");
+      const auto stats = [&](const char* key) {
+        return stats_from_json(fields, fields.require(j, key, at + "." + key), at + "." + key);
+      };
+      p.bf16_copy = stats("bf16_copy");
+      p.int8_copy = stats("int8_copy");
+      p.int8_dequant = stats("int8_dequant");
+      p.bf16_rebuild = stats("bf16_rebuild");
+      p.int8_rebuild = stats("int8_rebuild");
+      p.raw_copy_s = positive(fields, j, "raw_copy_s", at);
       p.bf16_path_s = positive(fields, j, "bf16_path_s", at);
       p.int8_frozen_path_s = positive(fields, j, "int8_frozen_path_s", at);
+      p.bf16_trained_path_s = positive(fields, j, "bf16_trained_path_s", at);
       p.int8_trained_path_s = positive(fields, j, "int8_trained_path_s", at);
       report.points.push_back(p);
     }

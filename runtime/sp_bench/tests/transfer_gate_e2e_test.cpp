@@ -36,8 +36,9 @@ TransferPoint measured(uint64_t bf16_bytes, double int8_speedup) {
   TransferPoint p;
   p.bf16_bytes = bf16_bytes;
   p.int8_bytes = bf16_bytes / 2;
-  p.bf16 = p.int8_copy = p.int8_dequant = p.int8_rebuild = {1e-4, 1e-4, 1e-4, 5};
-  p.bf16_path_s = 1e-4;
+  p.bf16_copy = p.int8_copy = p.int8_dequant = p.bf16_rebuild = p.int8_rebuild = {1e-4, 1e-4, 1e-4, 5};
+  p.raw_copy_s = 9e-5;
+  p.bf16_path_s = p.bf16_trained_path_s = 1e-4;
   p.int8_frozen_path_s = p.int8_trained_path_s = 1e-4 / int8_speedup;
   return p;
 }

@@ -17,9 +17,10 @@ TransferPoint point(uint64_t bf16_bytes, double frozen_speedup, double trained_s
   TransferPoint p;
   p.bf16_bytes = bf16_bytes;
   p.int8_bytes = bf16_bytes / 2 + 4096;
-  p.bf16 = {1e-3, 9e-4, 1.2e-3, 10};
-  p.int8_copy = p.int8_dequant = p.int8_rebuild = p.bf16;
-  p.bf16_path_s = 1e-3;
+  p.bf16_copy = {1e-3, 9e-4, 1.2e-3, 10};
+  p.int8_copy = p.int8_dequant = p.bf16_rebuild = p.int8_rebuild = p.bf16_copy;
+  p.raw_copy_s = 9e-4;
+  p.bf16_path_s = p.bf16_trained_path_s = 1e-3;
   p.int8_frozen_path_s = 1e-3 / frozen_speedup;
   p.int8_trained_path_s = 1e-3 / trained_speedup;
   return p;

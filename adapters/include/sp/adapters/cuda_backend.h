@@ -5,6 +5,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <string>
+
 #include "sp/adapters/backend.h"
 
 namespace sp::adapters {
@@ -28,6 +30,8 @@ class CudaBackend final : public TransferBackend {
   CudaBackend &operator=(const CudaBackend &) = delete;
 
   cudaStream_t stream(Queue queue) const;
+  // The device's name, e.g. "NVIDIA H200", for reports.
+  std::string device_name() const;
 
   const char *name() const override { return "cuda"; }
   Region allocate_pinned_host(std::size_t bytes) override;

@@ -91,6 +91,10 @@ class StreamingEngine {
   std::uint32_t issued_fetches() const { return next_fetch_; }
   // Waits for the timing events of finished steps and writes their records.
   void flush_metrics();
+  // The most recent step whose timings are complete (after flush_metrics(), the last step).
+  const std::optional<StepTransferMetrics> &last_completed_metrics() const {
+    return last_completed_;
+  }
 
  private:
   struct BlockImage;
@@ -125,6 +129,7 @@ class StreamingEngine {
   std::vector<FetchEvents> events_;  // two generations of one set per schedule fetch
   std::deque<PendingStep> pending_;
   std::unique_ptr<MetricsJsonlWriter> metrics_writer_;
+  std::optional<StepTransferMetrics> last_completed_;
 
   bool in_step_ = false;
   std::uint32_t generation_ = 0;

@@ -41,19 +41,27 @@ struct TimingStats {
   uint32_t samples = 0;
 };
 
+// One block size, both paths. Per-block seconds throughout.
 struct TransferPoint {
   uint64_t bf16_bytes = 0;  // bytes of the block's BF16 image: the size rules are keyed by
   uint64_t int8_bytes = 0;  // bytes of its INT8 image (codes + scales + header)
-  TimingStats bf16;         // BF16 path: H2D copy
-  TimingStats int8_copy;    // INT8 path: H2D copy of the INT8 image
-  TimingStats int8_dequant; // INT8 path: dequant into the compute slot
-  TimingStats int8_rebuild; // INT8 image rebuild on the host (trained blocks only)
-  // Median end-to-end time of each path, measured as whole, not summed from the parts.
+  double raw_copy_s = 0;    // the physical limit: a bare pinned copy of bf16_bytes, same run
+  TimingStats bf16_copy;     // BF16 path: H2D copy, from the backend's events
+  TimingStats int8_copy;     // INT8 path: H2D copy of the INT8 image, from events
+  TimingStats int8_dequant;  // INT8 path: dequant into the compute slot, from events
+  // Host-side image rebuild after an optimizer step (trained blocks), each precision.
+  TimingStats bf16_rebuild;
+  TimingStats int8_rebuild;
+  // Median streaming time per block, measured whole over pipelined steps (copies overlap
+  // dequants of other blocks), not summed from the parts above.
   double bf16_path_s = 0;
   double int8_frozen_path_s = 0;
+  // Path plus the rebuild of its image, for blocks whose weights change every step.
+  double bf16_trained_path_s = 0;
   double int8_trained_path_s = 0;
 
-  double speedup(TransferPath path) const;  // bf16_path_s / int8 path time
+  // BF16 time over INT8 time on `path`: above 1 means INT8 is faster.
+  double speedup(TransferPath path) const;
 };
 
 struct TransferReport {

@@ -1,0 +1,92 @@
+// A smoke run of the sp-bench binary on the host backend with a low bandwidth cap: it must
+// produce a valid report and a valid policy file. Structure is asserted, never speed.
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "sp/bench/transfer_policy.hpp"
+
+namespace sp::bench {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+struct RunResult {
+  int exit_code = -1;
+  std::string output;
+};
+
+RunResult run(const std::string& args) {
+  const std::string command = std::string(SP_BENCH_BINARY) + " " + args + " 2>&1";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  RunResult result;
+  std::array<char, 4096> buffer{};
+  size_t n = 0;
+  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
+  const int status = ::pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
+class SpBenchCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) /
+           ("sp-bench-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  fs::path dir_;
+};
+
+TEST_F(SpBenchCli, HostSmokeRunWritesAValidReportAndPolicy) {
+  const RunResult transfer =
+      run("transfer --backend host --bandwidth-cap-gbps 1 --min-kib 64 --max-kib 128 --gpt-d-model 32 "
+          "--blocks 2 --warmup 1 --repeats 2 --machine smoke --out " + path("report.json"));
+  ASSERT_EQ(transfer.exit_code, 0) << transfer.output;
+  const TransferReport report = load_report(path("report.json"));
+  EXPECT_EQ(report.machine, "smoke");
+  EXPECT_EQ(report.backend, "host");
+  EXPECT_EQ(report.bandwidth_cap_gbps, std::optional<double>(1.0));
+  ASSERT_EQ(report.points.size(), 3u) << "64 KiB, 128 KiB and one GPT block";
+  for (const TransferPoint& p : report.points) {
+    EXPECT_GT(p.bf16_bytes, p.int8_bytes);
+    EXPECT_EQ(p.int8_copy.samples, 2u);
+    EXPECT_EQ(p.bf16_rebuild.samples, 4u) << "every block, every repeat";
+    EXPECT_GT(p.raw_copy_s, 0.0);
+  }
+  EXPECT_GT(report.reference_h2d_gbps, 0.0);
+
+  const RunResult merge = run("merge-policy --reports " + path("report.json") + " " + path("report.json") +
+                              " --output " + path("policy.json"));
+  ASSERT_EQ(merge.exit_code, 0) << merge.output;
+  const TransferPolicy policy = TransferPolicy::load(path("policy.json"));
+  EXPECT_EQ(policy.sources().size(), 2u);
+  EXPECT_DOUBLE_EQ(policy.speedup_threshold(), 1.0);
+}
+
+TEST_F(SpBenchCli, BadArgumentsAndFilesAreExitCodeTwo) {
+  EXPECT_EQ(run("").exit_code, 2);
+  EXPECT_EQ(run("transfer --backend tpu --out " + path("r.json")).exit_code, 2);
+  const RunResult inverted = run("transfer --backend host --min-kib 512 --max-kib 64 --out " + path("r.json"));
+  EXPECT_EQ(inverted.exit_code, 2);
+  EXPECT_THAT(inverted.output, HasSubstr("--min-kib 512 is above --max-kib 64"));
+  EXPECT_FALSE(fs::exists(dir_ / "r.json"));
+  std::ofstream(dir_ / "bad.json") << "{\"format\":\"sp-transfer-report\",\"version\":7}";
+  const RunResult bad = run("merge-policy --reports " + path("bad.json") + " --output " + path("p.json"));
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_THAT(bad.output, HasSubstr("bad.json: version: unsupported version 7"));
+  EXPECT_FALSE(fs::exists(dir_ / "p.json"));
+}
+
+}  // namespace
+}  // namespace sp::bench
