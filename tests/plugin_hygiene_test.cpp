@@ -3,11 +3,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <cstdio>
 #include <filesystem>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "sp/runtime/run_command.hpp"
 
 namespace {
 
@@ -20,16 +21,9 @@ struct Symbol {
 std::vector<Symbol> defined_symbols(const std::filesystem::path& file, bool dynamic) {
   const std::string command =
       std::string("nm -C --defined-only ") + (dynamic ? "-D " : "") + "'" + file.string() + "' 2>&1";
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) {
-    ADD_FAILURE() << "cannot run: " << command;
-    return {};
-  }
-  std::string output;
-  char buffer[4096];
-  for (std::size_t read; (read = std::fread(buffer, 1, sizeof buffer, pipe)) > 0;) output.append(buffer, read);
-  const int status = ::pclose(pipe);
-  EXPECT_EQ(status, 0) << command << " failed:\n" << output;
+  const sp::runtime::CommandResult nm = sp::runtime::run_command(command);
+  EXPECT_EQ(nm.exit_code, 0) << command << " failed:\n" << nm.output;
+  const std::string& output = nm.output;
 
   std::vector<Symbol> symbols;
   std::istringstream lines(output);

@@ -1,9 +1,5 @@
 // A smoke run of the sp-bench binary on the host backend with a low bandwidth cap: it must
 // produce a valid report and a valid policy file. Structure is asserted, never speed.
-#include <sys/wait.h>
-
-#include <array>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 
@@ -11,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "sp/bench/transfer_policy.hpp"
+#include "sp/runtime/run_command.hpp"
 
 namespace sp::bench {
 namespace {
@@ -18,21 +15,8 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-struct RunResult {
-  int exit_code = -1;
-  std::string output;
-};
-
-RunResult run(const std::string& args) {
-  const std::string command = std::string(SP_BENCH_BINARY) + " " + args + " 2>&1";
-  FILE* pipe = ::popen(command.c_str(), "r");
-  RunResult result;
-  std::array<char, 4096> buffer{};
-  size_t n = 0;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
-  const int status = ::pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
+runtime::CommandResult run(const std::string& args) {
+  return runtime::run_command(std::string(SP_BENCH_BINARY) + " " + args + " 2>&1");
 }
 
 class SpBenchCli : public ::testing::Test {
@@ -49,7 +33,7 @@ class SpBenchCli : public ::testing::Test {
 };
 
 TEST_F(SpBenchCli, HostSmokeRunWritesAValidReportAndPolicy) {
-  const RunResult transfer =
+  const runtime::CommandResult transfer =
       run("transfer --backend host --bandwidth-cap-gbps 1 --min-kib 64 --max-kib 128 --gpt-d-model 32 "
           "--blocks 2 --warmup 1 --repeats 2 --machine smoke --out " + path("report.json"));
   ASSERT_EQ(transfer.exit_code, 0) << transfer.output;
@@ -66,7 +50,7 @@ TEST_F(SpBenchCli, HostSmokeRunWritesAValidReportAndPolicy) {
   }
   EXPECT_GT(report.reference_h2d_gbps, 0.0);
 
-  const RunResult merge = run("merge-policy --reports " + path("report.json") + " " + path("report.json") +
+  const runtime::CommandResult merge = run("merge-policy --reports " + path("report.json") + " " + path("report.json") +
                               " --output " + path("policy.json"));
   ASSERT_EQ(merge.exit_code, 0) << merge.output;
   const TransferPolicy policy = TransferPolicy::load(path("policy.json"));
@@ -77,12 +61,12 @@ TEST_F(SpBenchCli, HostSmokeRunWritesAValidReportAndPolicy) {
 TEST_F(SpBenchCli, BadArgumentsAndFilesAreExitCodeTwo) {
   EXPECT_EQ(run("").exit_code, 2);
   EXPECT_EQ(run("transfer --backend tpu --out " + path("r.json")).exit_code, 2);
-  const RunResult inverted = run("transfer --backend host --min-kib 512 --max-kib 64 --out " + path("r.json"));
+  const runtime::CommandResult inverted = run("transfer --backend host --min-kib 512 --max-kib 64 --out " + path("r.json"));
   EXPECT_EQ(inverted.exit_code, 2);
   EXPECT_THAT(inverted.output, HasSubstr("--min-kib 512 is above --max-kib 64"));
   EXPECT_FALSE(fs::exists(dir_ / "r.json"));
   std::ofstream(dir_ / "bad.json") << "{\"format\":\"sp-transfer-report\",\"version\":7}";
-  const RunResult bad = run("merge-policy --reports " + path("bad.json") + " --output " + path("p.json"));
+  const runtime::CommandResult bad = run("merge-policy --reports " + path("bad.json") + " --output " + path("p.json"));
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_THAT(bad.output, HasSubstr("bad.json: version: unsupported version 7"));
   EXPECT_FALSE(fs::exists(dir_ / "p.json"));

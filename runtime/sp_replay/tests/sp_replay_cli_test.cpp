@@ -1,9 +1,5 @@
 // Runs the sp-replay binary as a user would, on small traces, and checks its output files,
 // its exit codes and its messages.
-#include <sys/wait.h>
-
-#include <array>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -12,15 +8,14 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "sp/runtime/run_command.hpp"
+
 namespace {
 
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-struct RunResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr
-};
+using RunResult = sp::runtime::CommandResult;
 
 class SpReplayCli : public ::testing::Test {
  protected:
@@ -41,15 +36,8 @@ class SpReplayCli : public ::testing::Test {
   }
 
   RunResult run(const std::string& args) {
-    const std::string command = std::string(SP_REPLAY_BINARY) + " --plugin-dir " + SP_PLUGIN_DIR + " " + args + " 2>&1";
-    FILE* pipe = ::popen(command.c_str(), "r");
-    RunResult result;
-    std::array<char, 4096> buffer{};
-    size_t n = 0;
-    while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
-    const int status = ::pclose(pipe);
-    result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    return result;
+    return sp::runtime::run_command(std::string(SP_REPLAY_BINARY) + " --plugin-dir " + SP_PLUGIN_DIR + " " + args +
+                                    " 2>&1");
   }
 
   // Two blocks: block 0 has a tenth of block 1's gradient norm, so it goes INT8 at the
