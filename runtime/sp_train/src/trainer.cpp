@@ -137,12 +137,14 @@ struct Trainer::Impl {
               config.data.path, corpus->stats().train_bytes, corpus->stats().val_bytes);
 
     std::optional<CheckpointSections> checkpoint = find_checkpoint();
-    if (checkpoint) {
-      next_step = read_meta(*checkpoint).at("next_step").get<std::int64_t>();
-      truncate_jsonl(options.out_dir / kTrainMetricsFile, "step", next_step);
+    if (checkpoint) next_step = read_meta(*checkpoint).at("next_step").get<std::int64_t>();
+    // A fresh run in a used directory starts its logs empty; a resumed one drops the steps
+    // after its checkpoint, which it is about to run again.
+    truncate_jsonl(options.out_dir / kTrainMetricsFile, "step", next_step);
+    if (!config.streaming.metrics_file.empty()) {
       truncate_jsonl(options.out_dir / config.streaming.metrics_file, "step", next_step);
-      truncate_jsonl(options.out_dir / config.policy_keys.telemetry_file, "step_id", next_step);
     }
+    truncate_jsonl(options.out_dir / config.policy_keys.telemetry_file, "step_id", next_step);
 
     model = std::make_unique<GptModel>(config.model, config.train.mode, config.train.lora, config.train.seed);
     build_optimizer();

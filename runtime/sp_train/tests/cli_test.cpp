@@ -68,7 +68,8 @@ TEST_F(Cli, BadArgumentsExitTwoWithTheirMessage) {
   r = run_sp_train(base() + " --set train.steps");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("--set train.steps: expected key.path=value"), std::string::npos) << r.output;
-  r = run_sp_train(base() + " --set train.stpes=3");
+  // Every --set applies, not only the last one.
+  r = run_sp_train(base() + " --set train.stpes=3 --set train.steps=2");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("train.stpes: unknown key"), std::string::npos) << r.output;
   r = run_sp_train("--config " + (dir_ / "absent.yaml").string());
