@@ -104,6 +104,7 @@ struct Trainer::Impl {
   std::unique_ptr<AdamW> adam;
   std::vector<std::size_t> adam_resident;                     // resident index -> adam index
   std::vector<std::array<std::size_t, kStreamedPerBlock>> adam_masters;
+  std::vector<std::size_t> non_adapter_resident;  // resident tensors outside the block moments
   std::unique_ptr<ad::MetricsJsonlWriter> train_metrics;
 
   std::int64_t next_step = 0;
@@ -189,6 +190,13 @@ struct Trainer::Impl {
   void build_optimizer() {
     const TrainLoopConfig& t = config.train;
     adam = std::make_unique<AdamW>(AdamWSettings{t.beta1, t.beta2, t.eps, t.weight_decay});
+    std::vector<bool> is_adapter(model->resident().size(), false);
+    for (std::uint32_t b = 0; b < n_blocks; ++b) {
+      for (std::size_t r : model->block_adapters(b)) is_adapter[r] = true;
+    }
+    for (std::size_t r = 0; r < is_adapter.size(); ++r) {
+      if (!is_adapter[r]) non_adapter_resident.push_back(r);
+    }
     for (ResidentParam& p : model->resident()) {
       adam_resident.push_back(adam->add(p.name, p.value.data_ptr<float>(), p.grad.data_ptr<float>(),
                                         static_cast<std::size_t>(p.value.numel()), p.decay));
@@ -430,52 +438,27 @@ struct Trainer::Impl {
     if (grad.defined()) p.grad.add_(grad);
   }
 
-  StepRecord train_step(std::int64_t step) {
-    const auto start = Clock::now();
-    const bool full = config.train.mode == TrainMode::full;
-    const std::uint32_t batch = config.train.batch_size;
-    StepRecord record;
-    record.step = step;
-    record.lr = learning_rate(step);
-
-    policy->begin_step(step);
-    if (std::optional<sp::host::SwapResult> swap = policy->take_swap_outcome()) note_swap(step, *swap, record);
-    record.plugin_version = std::string(policy->plugin_version());
-    engine->begin_step(step);
-
-    std::vector<std::int64_t> tokens;
-    corpus->train_batch(config.train.seed, step, batch, tokens);
-    auto [idx, targets] = tensors_of(tokens, batch);
-    for (ResidentParam& p : model->resident()) p.grad.zero_();
-
-    // Forward: no autograd through the blocks; only each block's input is kept.
-    const torch::Tensor embedded = model->embed(idx);
+  // Forward through every block without autograd; returns the block inputs and the final
+  // hidden state (inputs[N]). records the route each block's fetch took.
+  std::vector<torch::Tensor> forward_blocks(const torch::Tensor& embedded, StepRecord& record) {
+    torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> inputs{embedded.detach()};
     record.routes.assign(n_blocks, 0);
-    {
-      torch::NoGradGuard no_grad;
-      for (std::uint32_t b = 0; b < n_blocks; ++b) {
-        const ad::BlockView& view = engine->acquire(b);
-        record.routes[b] = view.precision == ad::Precision::int8;
-        inputs.push_back(model->block_forward(b, inputs.back(), delivered(view, false)));
-        engine->release(b);
-      }
+    for (std::uint32_t b = 0; b < n_blocks; ++b) {
+      const ad::BlockView& view = engine->acquire(b);
+      record.routes[b] = view.precision == ad::Precision::int8;
+      inputs.push_back(model->block_forward(b, inputs.back(), delivered(view, false)));
+      engine->release(b);
     }
+    return inputs;
+  }
 
+  // The engine brings the blocks back in reverse; each block's forward is recomputed with
+  // autograd on the weights it delivered, then differentiated with the upstream gradient.
+  // Fills master_grads (full mode) and the resident gradients; returns d loss / d embedding.
+  torch::Tensor backward_blocks(std::vector<torch::Tensor>& inputs, torch::Tensor upstream) {
+    const bool full = config.train.mode == TrainMode::full;
     std::vector<ResidentParam>& resident = model->resident();
-    const torch::Tensor top = inputs.back().detach().requires_grad_(true);
-    const torch::Tensor loss = model->head_loss(top, targets);
-    std::vector<torch::Tensor> head_grads = torch::autograd::grad(
-        {loss}, {top, resident[model->wte()].value, resident[model->lnf_weight()].value,
-                 resident[model->lnf_bias()].value});
-    accumulate(resident[model->wte()], head_grads[1]);
-    accumulate(resident[model->lnf_weight()], head_grads[2]);
-    accumulate(resident[model->lnf_bias()], head_grads[3]);
-    torch::Tensor upstream = head_grads[0];
-    record.loss = loss.item<double>();
-
-    // Backward: the engine brings the blocks back in reverse; each block's forward is
-    // recomputed with autograd on the weights it delivered, then differentiated.
     for (std::uint32_t b = n_blocks; b-- > 0;) {
       const ad::BlockView& view = engine->acquire(b);
       const BlockWeights weights = delivered(view, full);
@@ -495,67 +478,103 @@ struct Trainer::Impl {
       upstream = grads[0];
       inputs[b + 1] = torch::Tensor();
     }
-    const std::vector<torch::Tensor> embedding_grads = torch::autograd::grad(
-        {embedded}, {resident[model->wte()].value, resident[model->wpe()].value}, {upstream});
-    accumulate(resident[model->wte()], embedding_grads[0]);
-    accumulate(resident[model->wpe()], embedding_grads[1]);
-    const ad::StepTransferMetrics transfer = engine->end_step();
+    return upstream;
+  }
 
-    // Gradient moments of every block in one fused call: the streamed matrices' gradients in
-    // full mode, the block's adapters in LoRA mode.
+  // Gradient moments of every block in one fused call: the streamed matrices' gradients in
+  // full mode, the block's adapters in LoRA mode.
+  std::vector<sp_grad_moments_v1> block_moments() {
     std::vector<kn::GradTensor> grad_tensors;
     for (std::uint32_t b = 0; b < n_blocks; ++b) {
-      if (full) {
-        for (const torch::Tensor& g : master_grads[b]) {
-          grad_tensors.push_back({g.data_ptr<float>(), static_cast<std::size_t>(g.numel()), kn::DType::kFloat32, b});
-        }
+      auto add = [&](const torch::Tensor& g) {
+        grad_tensors.push_back({g.data_ptr<float>(), static_cast<std::size_t>(g.numel()), kn::DType::kFloat32, b});
+      };
+      if (config.train.mode == TrainMode::full) {
+        for (const torch::Tensor& g : master_grads[b]) add(g);
       } else {
-        for (std::size_t r : model->block_adapters(b)) {
-          const torch::Tensor& g = resident[r].grad;
-          grad_tensors.push_back({g.data_ptr<float>(), static_cast<std::size_t>(g.numel()), kn::DType::kFloat32, b});
-        }
+        for (std::size_t r : model->block_adapters(b)) add(model->resident()[r].grad);
       }
     }
     std::vector<sp_grad_moments_v1> moments(n_blocks);
     kn::grad_moments(grad_tensors.data(), grad_tensors.size(), n_blocks, moments.data());
+    return moments;
+  }
+
+  // Global gradient norm for clipping: the block moments already hold the streamed (or
+  // adapter) part; the resident tensors that are not adapters add theirs. Returns NaN when any
+  // gradient element is not finite.
+  double global_grad_norm(const std::vector<sp_grad_moments_v1>& moments) const {
+    double sum_sq = 0.0;
+    for (const sp_grad_moments_v1& m : moments) {
+      if (m.nonfinite != 0) return NAN;
+      sum_sq += m.sum_sq;
+    }
+    for (std::size_t r : non_adapter_resident) sum_sq += model->resident()[r].grad.pow(2).sum().item<double>();
+    return std::sqrt(sum_sq);
+  }
+
+  // AdamW over the resident tensors, then block by block over the masters, each block's
+  // transfer image rebuilt as soon as its weights are final, in the precision it travels next.
+  void optimizer_step(double lr, double grad_norm) {
+    const double clip = config.train.grad_clip;
+    adam->begin_step(lr, clip > 0.0 && grad_norm > clip ? clip / grad_norm : 1.0);
+    for (std::size_t index : adam_resident) adam->step_parameter(index);
+    if (config.train.mode != TrainMode::full) return;
+    for (std::uint32_t b = 0; b < n_blocks; ++b) {
+      for (std::size_t index : adam_masters[b]) adam->step_parameter(index);
+      engine->on_weights_updated(b);
+    }
+  }
+
+  StepRecord train_step(std::int64_t step) {
+    const auto start = Clock::now();
+    const std::uint32_t batch = config.train.batch_size;
+    StepRecord record;
+    record.step = step;
+    record.lr = learning_rate(step);
+
+    policy->begin_step(step);
+    if (std::optional<sp::host::SwapResult> swap = policy->take_swap_outcome()) note_swap(step, *swap, record);
+    record.plugin_version = std::string(policy->plugin_version());
+    engine->begin_step(step);
+
+    std::vector<std::int64_t> tokens;
+    corpus->train_batch(config.train.seed, step, batch, tokens);
+    auto [idx, targets] = tensors_of(tokens, batch);
+    std::vector<ResidentParam>& resident = model->resident();
+    for (ResidentParam& p : resident) p.grad.zero_();
+
+    const torch::Tensor embedded = model->embed(idx);
+    std::vector<torch::Tensor> inputs = forward_blocks(embedded, record);
+    const torch::Tensor top = inputs.back().detach().requires_grad_(true);
+    const torch::Tensor loss = model->head_loss(top, targets);
+    const std::vector<torch::Tensor> head_grads = torch::autograd::grad(
+        {loss}, {top, resident[model->wte()].value, resident[model->lnf_weight()].value,
+                 resident[model->lnf_bias()].value});
+    accumulate(resident[model->wte()], head_grads[1]);
+    accumulate(resident[model->lnf_weight()], head_grads[2]);
+    accumulate(resident[model->lnf_bias()], head_grads[3]);
+    record.loss = loss.item<double>();
+    const torch::Tensor embedding_upstream = backward_blocks(inputs, head_grads[0]);
+    const std::vector<torch::Tensor> embedding_grads = torch::autograd::grad(
+        {embedded}, {resident[model->wte()].value, resident[model->wpe()].value}, {embedding_upstream});
+    accumulate(resident[model->wte()], embedding_grads[0]);
+    accumulate(resident[model->wpe()], embedding_grads[1]);
+    const ad::StepTransferMetrics transfer = engine->end_step();
+
+    const std::vector<sp_grad_moments_v1> moments = block_moments();
     policy->post_backward(step, moments);
-    const std::vector<sp_hint_v1>& hints = policy->compute_hints(step);
-    apply_hints(hints);
+    apply_hints(policy->compute_hints(step));
     record.decisions = decisions;
 
-    // Global gradient norm for clipping: the block moments already hold the streamed (or
-    // adapter) part; the resident tensors that are not adapters add theirs.
-    double sum_sq = 0.0;
-    std::uint64_t nonfinite = 0;
-    for (const sp_grad_moments_v1& m : moments) {
-      sum_sq += m.sum_sq;
-      nonfinite += m.nonfinite;
-    }
-    std::vector<bool> is_adapter(resident.size(), false);
-    for (std::uint32_t b = 0; b < n_blocks; ++b) {
-      for (std::size_t r : model->block_adapters(b)) is_adapter[r] = true;
-    }
-    for (std::size_t r = 0; r < resident.size(); ++r) {
-      if (!is_adapter[r]) sum_sq += resident[r].grad.pow(2).sum().item<double>();
-    }
-    record.grad_norm = std::sqrt(sum_sq);
-    const bool finite = nonfinite == 0 && std::isfinite(record.grad_norm) && std::isfinite(record.loss);
-    if (finite) {
+    record.grad_norm = global_grad_norm(moments);
+    if (std::isfinite(record.grad_norm) && std::isfinite(record.loss)) {
       nonfinite_streak = 0;
-      const double clip = config.train.grad_clip;
-      const double scale = clip > 0.0 && record.grad_norm > clip ? clip / record.grad_norm : 1.0;
-      adam->begin_step(record.lr, scale);
-      for (std::size_t index : adam_resident) adam->step_parameter(index);
-      if (full) {
-        for (std::uint32_t b = 0; b < n_blocks; ++b) {
-          for (std::size_t index : adam_masters[b]) adam->step_parameter(index);
-          engine->on_weights_updated(b);
-        }
-      }
+      optimizer_step(record.lr, record.grad_norm);
     } else if (++nonfinite_streak >= kMaxNonFiniteSteps) {
-      throw DivergedError(fmt::format("step {}: loss {} and {} non-finite gradient elements; {} steps in a "
-                                      "row were skipped (lower train.lr?)",
-                                      step, record.loss, nonfinite, nonfinite_streak));
+      throw DivergedError(fmt::format("step {}: loss {}, gradient norm {}; {} steps in a row were skipped "
+                                      "(lower train.lr?)",
+                                      step, record.loss, record.grad_norm, nonfinite_streak));
     } else {
       log->warn("step {}: non-finite loss or gradients; the update is skipped", step);
     }

@@ -1,10 +1,15 @@
 // The sp-train command line: every bad argument or input gets its own message and exit code.
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <string>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -105,6 +110,49 @@ TEST_F(Cli, ShortRunWritesTheRunDirectory) {
     EXPECT_TRUE(fs::exists(dir_ / "run" / file)) << file;
   }
   EXPECT_NE(r.output.find("step 3/3"), std::string::npos) << r.output;
+}
+
+std::size_t line_count(const fs::path& file) {
+  std::ifstream in(file);
+  std::size_t lines = 0;
+  for (std::string line; std::getline(in, line);) ++lines;
+  return lines;
+}
+
+// A real SIGINT, sent once the run has finished a step: the process writes a checkpoint at
+// the next step boundary and exits with 130; the same command then resumes and finishes.
+TEST_F(Cli, SigintCheckpointsAndTheSameCommandResumes) {
+  const fs::path run = dir_ / "run";
+  const fs::path log = dir_ / "interrupted.log";
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    const std::string config = config_.string(), out = run.string(), log_file = log.string();
+    std::FILE* sink = std::freopen(log_file.c_str(), "w", stdout);
+    if (sink == nullptr || ::dup2(::fileno(stdout), 2) < 0) ::_exit(99);
+    ::execl(SP_TRAIN_BINARY, SP_TRAIN_BINARY, "--config", config.c_str(), "--out", out.c_str(), "--steps", "400",
+            static_cast<char*>(nullptr));
+    ::_exit(98);
+  }
+  // Polls the run's own progress record, so the test waits for an event, not for a time.
+  while (line_count(run / "train_metrics.jsonl") < 1) {
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, WNOHANG), 0) << "sp-train exited before its first step";
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_EQ(::kill(child, SIGINT), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 130);
+  ASSERT_TRUE(fs::exists(run / "checkpoint.bin"));
+  const std::size_t steps_done = line_count(run / "train_metrics.jsonl");
+  EXPECT_LT(steps_done, 400u);
+
+  const Result resumed = run_sp_train(base() + " --steps " + std::to_string(steps_done + 2));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  EXPECT_EQ(line_count(run / "train_metrics.jsonl"), steps_done + 2);
 }
 
 }  // namespace
