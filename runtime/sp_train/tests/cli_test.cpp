@@ -10,6 +10,7 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -119,32 +120,45 @@ std::size_t line_count(const fs::path& file) {
   return lines;
 }
 
+// Starts sp-train with `args` in a child process whose output goes to `log`.
+pid_t spawn_sp_train(const std::vector<std::string>& args, const fs::path& log) {
+  const pid_t child = ::fork();
+  if (child != 0) return child;
+  std::vector<char*> argv{const_cast<char*>(SP_TRAIN_BINARY)};
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::FILE* sink = std::freopen(log.c_str(), "w", stdout);
+  if (sink == nullptr || ::dup2(::fileno(stdout), 2) < 0) ::_exit(99);
+  ::execv(SP_TRAIN_BINARY, argv.data());
+  ::_exit(98);
+}
+
+// Polls the run's own progress record, so that a test waits for an event, not for a time.
+void wait_for_steps(pid_t child, const fs::path& metrics, std::size_t steps) {
+  while (line_count(metrics) < steps) {
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, WNOHANG), 0) << "sp-train exited before step " << steps;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+int wait_exit_code(pid_t child) {
+  int status = 0;
+  if (::waitpid(child, &status, 0) != child || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
+}
+
 // A real SIGINT, sent once the run has finished a step: the process writes a checkpoint at
 // the next step boundary and exits with 130; the same command then resumes and finishes.
 TEST_F(Cli, SigintCheckpointsAndTheSameCommandResumes) {
   const fs::path run = dir_ / "run";
-  const fs::path log = dir_ / "interrupted.log";
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    const std::string config = config_.string(), out = run.string(), log_file = log.string();
-    std::FILE* sink = std::freopen(log_file.c_str(), "w", stdout);
-    if (sink == nullptr || ::dup2(::fileno(stdout), 2) < 0) ::_exit(99);
-    ::execl(SP_TRAIN_BINARY, SP_TRAIN_BINARY, "--config", config.c_str(), "--out", out.c_str(), "--steps", "400",
-            static_cast<char*>(nullptr));
-    ::_exit(98);
-  }
-  // Polls the run's own progress record, so the test waits for an event, not for a time.
-  while (line_count(run / "train_metrics.jsonl") < 1) {
-    int status = 0;
-    ASSERT_EQ(::waitpid(child, &status, WNOHANG), 0) << "sp-train exited before its first step";
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  const pid_t child = spawn_sp_train({"--config", config_.string(), "--out", run.string(), "--steps", "400"},
+                                     dir_ / "interrupted.log");
+  ASSERT_GT(child, 0);
+  wait_for_steps(child, run / "train_metrics.jsonl", 1);
+  if (HasFatalFailure()) return;
   ASSERT_EQ(::kill(child, SIGINT), 0);
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 130);
+  EXPECT_EQ(wait_exit_code(child), 130);
   ASSERT_TRUE(fs::exists(run / "checkpoint.bin"));
   const std::size_t steps_done = line_count(run / "train_metrics.jsonl");
   EXPECT_LT(steps_done, 400u);
@@ -153,6 +167,42 @@ TEST_F(Cli, SigintCheckpointsAndTheSameCommandResumes) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
   EXPECT_EQ(line_count(run / "train_metrics.jsonl"), steps_done + 2);
+}
+
+// With polling off, a new plugin version is picked up when SIGHUP asks for it.
+TEST_F(Cli, SighupSwapsToTheNewPluginVersion) {
+  const fs::path plugins = dir_ / "plugins";
+  fs::create_directories(plugins);
+  fs::copy_file(SP_PLUGIN_FILE, plugins / "libsp_selective_precision.so");
+  const fs::path run = dir_ / "run";
+  const pid_t child = spawn_sp_train({"--config", config_.string(), "--out", run.string(), "--steps", "400",
+                                      "--plugin-dir", plugins.string(), "--set", "train.plugin_poll_steps=0"},
+                                     dir_ / "sighup.log");
+  ASSERT_GT(child, 0);
+  wait_for_steps(child, run / "train_metrics.jsonl", 1);
+  if (HasFatalFailure()) return;
+  fs::copy_file(SP_PLUGIN_V2_FILE, plugins / "incoming.so");
+  fs::rename(plugins / "incoming.so", plugins / "libsp_selective_precision.so");
+  ASSERT_EQ(::kill(child, SIGHUP), 0);
+  // The swap is recorded in the step that begins after it; then stop the run.
+  std::size_t seen = 0;
+  bool swapped = false;
+  while (!swapped) {
+    wait_for_steps(child, run / "train_metrics.jsonl", seen + 1);
+    if (HasFatalFailure()) return;
+    std::ifstream in(run / "train_metrics.jsonl");
+    std::size_t index = 0;
+    for (std::string line; std::getline(in, line); ++index) {
+      if (index < seen) continue;
+      swapped = swapped || line.find("\"plugin_swap\":\"swapped 1.0.0 -> 2.0.0\"") != std::string::npos;
+      seen = index + 1;
+    }
+  }
+  ASSERT_EQ(::kill(child, SIGINT), 0);
+  EXPECT_EQ(wait_exit_code(child), 130);
+  std::ifstream summary(run / "summary.json");
+  const std::string text((std::istreambuf_iterator<char>(summary)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("\"version\": \"2.0.0\""), std::string::npos) << text;
 }
 
 }  // namespace
