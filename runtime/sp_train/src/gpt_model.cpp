@@ -1,6 +1,7 @@
 #include "gpt_model.hpp"
 
 #include <cmath>
+#include <limits>
 
 #include <fmt/format.h>
 
