@@ -12,6 +12,10 @@
 namespace sp::host {
 namespace {
 
+// A state blob larger than this is taken for a plugin bug, not a state: the swap fails and
+// the old plugin stays instead of the host trying to allocate whatever it was told.
+constexpr std::uint64_t kMaxStateBytes = std::uint64_t{1} << 30;
+
 const char* status_name(sp_status status) {
   switch (status) {
     case SP_OK: return "SP_OK";
@@ -216,6 +220,7 @@ struct PolicyHost::Impl {
   void use_fallback_hints(std::int64_t step) {
     if (options.fallback == FallbackMode::last_good && !last_good_hints.empty()) {
       hints = last_good_hints;
+      for (sp_hint_v1& hint : hints) hint.reason = SP_REASON_HOST_FALLBACK;
     } else {
       hints.assign(blocks.size(), sp_hint_v1{});
       for (std::uint32_t id = 0; id < block_count(); ++id) {
@@ -238,7 +243,9 @@ struct PolicyHost::Impl {
       result.new_version = std::string(library.plugin_version());
       pending = PluginInstance::create(std::move(library), config ? std::move(*config) : active->config(), blocks,
                                        options, logger);
-    } catch (const PluginError& error) {
+    } catch (const std::exception& error) {
+      // PluginError, and anything else loading or creating may throw (allocation, files):
+      // a swap that cannot be staged must never take training down.
       return fail_swap(std::move(result), error.what());
     }
     result.outcome = SwapResult::Outcome::pending;
@@ -271,6 +278,11 @@ struct PolicyHost::Impl {
       return std::nullopt;
     }
     if (status == SP_ERR_BUFFER_TOO_SMALL) {
+      if (size > kMaxStateBytes) {
+        error = fmt::format("export_state of {} asks for a {}-byte buffer, more than the {} bytes a state may take",
+                            active->label(), size, kMaxStateBytes);
+        return std::nullopt;
+      }
       blob.resize(size);
       status = table.export_state(active->ctx(), blob.data(), blob.size(), &size);
       if (status == SP_OK && size > blob.size()) {
@@ -288,9 +300,17 @@ struct PolicyHost::Impl {
   }
 
   // Migrates the state into the pending instance and makes it active. The caller
-  // guarantees a step boundary.
+  // guarantees a step boundary. Whatever goes wrong, the old plugin stays active.
   SwapResult apply_pending_swap(std::int64_t first_step) {
-    SwapResult result = std::move(pending_result);
+    SwapResult result = pending_result;
+    try {
+      return migrate_and_switch(std::move(pending_result), first_step);
+    } catch (const std::exception& error) {
+      return fail_swap(std::move(result), error.what());
+    }
+  }
+
+  SwapResult migrate_and_switch(SwapResult result, std::int64_t first_step) {
     std::string error;
     const std::optional<std::vector<std::uint8_t>> blob = export_active_state(error);
     if (!blob) return fail_swap(std::move(result), error);

@@ -149,6 +149,20 @@ TEST(HotSwap, AFailedImportLeavesTheOldPluginActiveAndUnloadsTheNewOne) {
   }
 }
 
+TEST(HotSwap, ABogusStateSizeFailsTheSwapInsteadOfTheHost) {
+  CapturedLog log;
+  const PolicyConfig huge{kConfig.text + "fixture_huge_export: 1\n", "huge.yaml"};
+  PolicyHost host(SP_FIXTURE_SCRIPTED, huge, make_blocks(kBlocks), quiet_options(log));
+  run_step(host, 0);
+  ASSERT_EQ(host.request_swap(SP_EXAMPLE_MINIMAL_C, kConfig).outcome, SwapResult::Outcome::pending);
+  host.begin_step(1);  // the swap is applied here, inside the training loop
+  EXPECT_EQ(host.last_swap_result()->outcome, SwapResult::Outcome::failed);
+  EXPECT_THAT(host.last_swap_result()->message, HasSubstr("asks for a 4611686018427387904-byte buffer"));
+  EXPECT_EQ(host.plugin_name(), "scripted_fixture");
+  EXPECT_EQ(testing::mapped_regions_containing("libsp_example_minimal_c.so"), 0u);
+  host.end_step(1);
+}
+
 TEST(HotSwap, ANewerRequestReplacesAPendingOne) {
   CapturedLog log;
   PolicyHost host(SP_EXAMPLE_MINIMAL_C, kConfig, make_blocks(kBlocks), quiet_options(log));

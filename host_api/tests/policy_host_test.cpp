@@ -143,7 +143,10 @@ TEST(FallbackHints, AllBf16ReplacesAFailedComputeHints) {
                                 failures);
   ASSERT_FALSE(all_bf16(hints[4])) << "the trace must give the plugin INT8 blocks before the failure";
   EXPECT_TRUE(all_bf16(hints[5]));
-  for (const sp_hint_v1& hint : hints[5]) EXPECT_TRUE(std::isnan(hint.sensitivity));
+  for (const sp_hint_v1& hint : hints[5]) {
+    EXPECT_TRUE(std::isnan(hint.sensitivity));
+    EXPECT_EQ(hint.reason, SP_REASON_HOST_FALLBACK);
+  }
   EXPECT_EQ(failures.compute_hints, 1u);
   EXPECT_THAT(log.text(), HasSubstr("step 5: using all-BF16 hints instead of the plugin's"));
 }
@@ -155,6 +158,7 @@ TEST(FallbackHints, LastGoodRepeatsThePreviousHints) {
                                 log, failures);
   ASSERT_FALSE(all_bf16(hints[4]));
   EXPECT_TRUE(same_precisions(hints[5], hints[4]));
+  for (const sp_hint_v1& hint : hints[5]) EXPECT_EQ(hint.reason, SP_REASON_HOST_FALLBACK);
   EXPECT_EQ(failures.compute_hints, 1u);
   EXPECT_THAT(log.text(), HasSubstr("step 5: using the last good hints instead of the plugin's"));
 }
@@ -171,6 +175,7 @@ TEST(FallbackHints, HintsThatBreakTheContractAreReplaced) {
   CapturedLog log;
   HookFailureCounts failures;
   const auto hints = hints_with("fixture_invalid_hints_at_step: 6\n", FallbackMode::last_good, log, failures);
+  ASSERT_FALSE(all_bf16(hints[5])) << "last-good hints must be distinguishable from all-BF16 ones";
   EXPECT_TRUE(same_precisions(hints[6], hints[5]));
   EXPECT_EQ(failures.invalid_hints, 1u);
   EXPECT_EQ(failures.compute_hints, 0u);

@@ -3,9 +3,13 @@
  *
  * FROZEN. This header describes a binary contract between a host runtime and a
  * policy plugin (.so). Once released, nothing in it changes meaning:
- *   - structs only grow by appending fields (the first field is always
- *     struct_size, so a reader checks offsetof(field) + sizeof(field) <= struct_size
+ *   - structs passed one at a time only grow by appending fields (their first field
+ *     is struct_size, so a reader checks offsetof(field) + sizeof(field) <= struct_size
  *     before it reads an appended field);
+ *   - the two structs passed as arrays, sp_grad_moments_v1 and sp_hint_v1, never
+ *     change for the whole major version: their size is the array stride, so a host
+ *     and a plugin of different minors must agree on it. New per-block data arrives
+ *     through new functions in a later minor, never through these structs;
  *   - enums only gain values;
  *   - a changed signature becomes a new table in plugin_abi_v2.h.
  * Adding an appended field or an enum value bumps SP_PLUGIN_ABI_MINOR. Anything
@@ -171,7 +175,8 @@ typedef struct sp_policy_plugin_v1_table {
    * for that context. */
   sp_status (*destroy)(sp_policy_ctx *ctx);
 
-  /* A step begins. Steps start at 0 and increase by one. */
+  /* A step begins. Step numbers are strictly increasing; they may skip (a host that
+   * resumes from a checkpoint, or drops a step, continues with a larger number). */
   sp_status (*begin_step)(sp_policy_ctx *ctx, int64_t step);
 
   /* Gradient moments after the step's backward pass. `moments` (n entries,
@@ -206,14 +211,26 @@ typedef struct sp_policy_plugin_v1_table {
   /* Replaces the policy state with a blob from export_state (of this or an
    * earlier version of the plugin). `blob` is borrowed for this call only. The
    * blob is validated completely first; on any failure the context is left
-   * exactly as it was and SP_ERR_STATE is returned. */
+   * exactly as it was and SP_ERR_STATE is returned (SP_ERR_INTERNAL when the
+   * plugin ran out of a resource such as memory while decoding). */
   sp_status (*import_state)(sp_policy_ctx *ctx, const uint8_t *blob, uint64_t size);
 
   /* Message of the last failed call on `ctx` (or of the last failed create()
    * when ctx is NULL). Returns a NUL-terminated string owned by the plugin,
-   * valid until the next call on the same ctx (or the next create()), never NULL. */
+   * valid until the next call on the same ctx (or the next create()), never NULL.
+   * The create() message is one per plugin, not per thread: a host that creates
+   * contexts from several threads reads it before another create() may fail. */
   const char *(*last_error)(const sp_policy_ctx *ctx);
 } sp_policy_plugin_v1_table;
+
+/* The array element layouts are part of the major version (see the top of the file). */
+#ifdef __cplusplus
+static_assert(sizeof(sp_grad_moments_v1) == 48, "sp_grad_moments_v1 is frozen for ABI major 1");
+static_assert(sizeof(sp_hint_v1) == 24, "sp_hint_v1 is frozen for ABI major 1");
+#else
+_Static_assert(sizeof(sp_grad_moments_v1) == 48, "sp_grad_moments_v1 is frozen for ABI major 1");
+_Static_assert(sizeof(sp_hint_v1) == 24, "sp_hint_v1 is frozen for ABI major 1");
+#endif
 
 /* The exported entry point. Returns a pointer to static storage of the plugin,
  * valid while the plugin is loaded; never NULL. Takes no lock, allocates nothing. */

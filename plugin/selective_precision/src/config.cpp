@@ -123,6 +123,20 @@ class SectionReader {
     return node.Scalar();
   }
 
+  // A file name written as a plain scalar that YAML reads as a number or a boolean (`5`,
+  // `true`) is a type error, as a string where a number belongs is one elsewhere; quoting
+  // it makes it text.
+  std::string read_file_name(std::string_view key, const YAML::Node &node) const {
+    constexpr std::string_view kExpected = "a file name";
+    double as_number = 0.0;
+    bool as_bool = false;
+    if (is_plain_scalar(node) &&
+        (YAML::convert<double>::decode(node, as_number) || YAML::convert<bool>::decode(node, as_bool))) {
+      fail(key, kExpected, node);
+    }
+    return read_string(key, node, kExpected);
+  }
+
   std::vector<std::uint32_t> read_block_ids(std::string_view key, const YAML::Node &node,
                                             std::uint32_t n_blocks) const {
     const std::string expected =
@@ -282,7 +296,7 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
   } else if (key == "telemetry_enabled") {
     config.telemetry_enabled = reader.read_bool(key, value);
   } else if (key == "telemetry_file") {
-    config.telemetry_file = reader.read_string(key, value, "a file name");
+    config.telemetry_file = reader.read_file_name(key, value);
   } else if (key == "nonfinite_to_bf16") {
     config.nonfinite_to_bf16 = reader.read_bool(key, value);
   } else {

@@ -162,6 +162,7 @@ std::vector<BadConfig> bad_configs() {
       {"EmptyTelemetryFile", in_section("  telemetry_file: \"\"\n"),
        {kPath + "telemetry_file: expected a file name when telemetry_enabled is true"}},
       {"TelemetryFileIsAList", in_section("  telemetry_file: [a]\n"), {kPath + "telemetry_file: expected a file name", "a list"}},
+      {"TelemetryFileIsANumber", in_section("  telemetry_file: 5\n"), {kPath + "telemetry_file: expected a file name", "found '5'"}},
       {"NullValue", in_section("  bf16_threshold:\n"), {kPath + "bf16_threshold: expected a number in [0, 1], found nothing (null)"}},
   };
 }
