@@ -8,6 +8,9 @@ packages=(
   libyaml-cpp-dev libspdlog-dev libfmt-dev libboost-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   binutils python3
+  # sp-train: Debian's CPU LibTorch; its c10d headers need Gloo's, and without OpenBLAS
+  # it falls back to a slow reference BLAS.
+  libtorch-dev libgloo-dev libopenblas0-pthread
 )
 packages+=("$@")
 
