@@ -178,6 +178,7 @@ void read_train(const std::string& source, const Section& s, TrainLoopConfig& t)
   s.string("plugin", t.plugin, /*allow_empty=*/false);
   s.integer("plugin_poll_steps", t.plugin_poll_steps, 0, kMaxSteps);
   s.string("calibration_cache_dir", t.calibration_cache_dir, /*allow_empty=*/true);
+  s.string("init_checkpoint", t.init_checkpoint, /*allow_empty=*/true);
   s.choice<ResumePolicy>("resume", t.resume,
                          {{"auto", ResumePolicy::auto_resume}, {"never", ResumePolicy::never}});
   const Section lora(source, "train.lora", s.node()["lora"], {"rank", "alpha"});
@@ -302,7 +303,8 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
                      {"mode", "compute_dtype", "steps", "batch_size", "lr", "min_lr_ratio",
                       "lr_warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip",
                       "eval_interval", "eval_batches", "checkpoint_interval", "seed", "threads",
-                      "lora", "plugin", "plugin_poll_steps", "calibration_cache_dir", "resume"}),
+                      "lora", "plugin", "plugin_poll_steps", "calibration_cache_dir", "init_checkpoint",
+                      "resume"}),
              config.train);
   const Section memory(source_name, "memory", root["memory"], {"stagehand"});
   const Section stagehand(source_name, "memory.stagehand", memory.node()["stagehand"],

@@ -69,6 +69,9 @@ struct TrainLoopConfig {
   std::string plugin = "sp_selective_precision";
   std::int64_t plugin_poll_steps = 1;  // 0: only on SIGHUP
   std::string calibration_cache_dir;   // empty: $XDG_CACHE_HOME/sp-train or ~/.cache/sp-train
+  // A checkpoint of the same model shape whose weights replace the random initialization
+  // (e.g. LoRA on a base trained in full mode); empty: random. A resume ignores it.
+  std::string init_checkpoint;
   ResumePolicy resume = ResumePolicy::auto_resume;
 };
 

@@ -148,6 +148,7 @@ struct Trainer::Impl {
     truncate_jsonl(options.out_dir / config.policy_keys.telemetry_file, "step_id", next_step);
 
     model = std::make_unique<GptModel>(config.model, config.train.mode, config.train.lora, config.train.seed);
+    if (!checkpoint && !config.train.init_checkpoint.empty()) load_initial_weights(config.train.init_checkpoint);
     build_optimizer();
     build_engines();
     build_policy();
@@ -185,6 +186,40 @@ struct Trainer::Impl {
       throw ResumeError("checkpoint: section 'meta' is not the expected JSON object");
     }
     return parsed;
+  }
+
+  // The model's weights from another run's checkpoint: the same shape is required, the mode
+  // may differ. Tensors the checkpoint does not have (LoRA adapters of a full-mode base) keep
+  // their initialization.
+  void load_initial_weights(const fs::path& file) {
+    const std::string what = fmt::format("train.init_checkpoint {}", file.string());
+    try {
+      const CheckpointSections in = CheckpointSections::read(file);
+      const nlohmann::json meta = read_meta(in);
+      const nlohmann::json expected = model_identity();
+      for (const char* key : {"d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio"}) {
+        if (!meta["model"].contains(key) || meta["model"][key] != expected[key]) {
+          throw ResumeError(fmt::format("{}: made for model.{} = {}, this config has {}", what, key,
+                                        meta["model"].value(key, nlohmann::json()).dump(), expected[key].dump()));
+        }
+      }
+      for (std::uint32_t b = 0; b < n_blocks; ++b) {
+        for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+          torch::Tensor& w = model->masters()[b][i];
+          in.get_into(fmt::format("master/block{}.{}", b, kStreamedNames[i]), w.data_ptr(), w.numel() * sizeof(float));
+        }
+      }
+      std::size_t loaded = 0;
+      for (ResidentParam& p : model->resident()) {
+        if (!in.has("resident/" + p.name)) continue;
+        in.get_into("resident/" + p.name, p.value.data_ptr(), p.value.numel() * sizeof(float));
+        ++loaded;
+      }
+      log->info("initial weights from {} (step {}): every streamed block and {} resident tensors", file.string(),
+                meta["next_step"].get<std::int64_t>(), loaded);
+    } catch (const CheckpointError& e) {
+      throw ResumeError(fmt::format("{}: {}", what, e.what()));
+    }
   }
 
   void build_optimizer() {

@@ -188,6 +188,21 @@ TEST_F(TrainE2E, LoraTrainsAdaptersOverFrozenStreamedWeights) {
   EXPECT_GT(int8_steps, 0u);
 }
 
+TEST_F(TrainE2E, LoraStartsFromTheWeightsOfAFullModeRun) {
+  const RunSummary base = train("base");
+  const std::string base_checkpoint = checkpoint_path(dir_ / "base").string();
+  const RunSummary lora = train("lora-on-base", {{"train.mode", "lora"}, {"train.init_checkpoint", base_checkpoint}});
+  // Adapters start at B = 0: the first LoRA step computes with the trained base.
+  EXPECT_LT(lora.steps[0].loss, mean_loss(base.steps, 19, 24) + 0.1);
+  EXPECT_LT(lora.steps[0].loss, base.steps[0].loss - 1.0);
+  try {
+    Trainer other(config({{"model.mlp_ratio", "3"}, {"train.init_checkpoint", base_checkpoint}}), options("other"));
+    FAIL() << "expected a ResumeError";
+  } catch (const ResumeError& e) {
+    EXPECT_NE(std::string(e.what()).find("made for model.mlp_ratio = 2, this config has 3"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(TrainE2E, CheckpointOfAnotherModelIsRefusedByName) {
   train("shape", {{"train.steps", "2"}});
   try {

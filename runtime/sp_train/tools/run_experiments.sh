@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The experiments of docs/results.md: the same seed and data under BF16-only streaming,
-# dynamic Selective Precision and all-INT8, in full and in LoRA mode. Runs them one after the
+# dynamic Selective Precision and all-INT8, in full mode from a random initialization and in
+# LoRA mode on the weights the full-mode BF16-only run ended with. Runs them one after the
 # other (they would only compete for the cores), then collects every summary.json into
 # bench/results/train-<mode>-<policy>.json, one combined bench/results/train-experiments.json
 # with the machine and the commands, and the figures.
@@ -31,6 +32,8 @@ for mode in full lora; do
     rm -rf "$out"
     # shellcheck disable=SC2046
     cmd="$sp_train --config configs/$( [[ $mode == full ]] && echo default || echo lora ).yaml --out $out --set train.calibration_cache_dir=$work/calibration-cache $(policy_args $policy)"
+    # LoRA adapts a trained base: the final weights of the full-mode BF16-only run.
+    [[ $mode == lora ]] && cmd+=" --set train.init_checkpoint=$work/full-bf16-only/checkpoint.bin"
     echo "== $mode / $policy: $cmd"
     (cd "$repo" && $cmd)
     cp "$out/summary.json" "$results/train-$mode-$policy.json"
