@@ -256,6 +256,13 @@ struct PolicyHost::Impl {
     return result;
   }
 
+  void require_between_steps(const char* call) const {
+    if (open_step) {
+      throw std::logic_error(
+          fmt::format("PolicyHost::{} called inside step {}; call it between steps", call, *open_step));
+    }
+  }
+
   SwapResult fail_swap(SwapResult result, std::string_view reason) {
     if (pending) pending->close();
     pending.reset();
@@ -450,11 +457,25 @@ SwapResult PolicyHost::request_swap(const std::filesystem::path& plugin_file, st
   return impl_->stage_swap(plugin_file, std::move(config));
 }
 
+std::vector<std::uint8_t> PolicyHost::export_state() const {
+  impl_->require_between_steps("export_state");
+  std::string error;
+  std::optional<std::vector<std::uint8_t>> blob = impl_->export_active_state(error);
+  if (!blob) throw PluginError(error);
+  return std::move(*blob);
+}
+
+bool PolicyHost::import_state(const std::vector<std::uint8_t>& blob) {
+  impl_->require_between_steps("import_state");
+  const sp_status status = impl_->active->table().import_state(impl_->active->ctx(), blob.data(), blob.size());
+  if (status == SP_OK) return true;
+  impl_->logger->error("policy plugin {} rejected a {}-byte state with {}: {}", impl_->active->label(), blob.size(),
+                       status_text(status), impl_->active->last_error());
+  return false;
+}
+
 SwapResult PolicyHost::swap_now(const std::filesystem::path& plugin_file, std::optional<PolicyConfig> config) {
-  if (impl_->open_step) {
-    throw std::logic_error(fmt::format("PolicyHost::swap_now({}) called inside step {}; swap between steps",
-                                       plugin_file, *impl_->open_step));
-  }
+  impl_->require_between_steps("swap_now");
   SwapResult staged = request_swap(plugin_file, std::move(config));
   if (staged.outcome == SwapResult::Outcome::failed) return staged;
   return impl_->apply_pending_swap(impl_->last_ended_step ? *impl_->last_ended_step + 1 : 0);

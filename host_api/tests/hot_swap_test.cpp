@@ -163,6 +163,50 @@ TEST(HotSwap, ABogusStateSizeFailsTheSwapInsteadOfTheHost) {
   host.end_step(1);
 }
 
+// What a checkpoint does: the state leaves one host and enters a fresh one (a resumed process).
+TEST(PolicyState, ExportedIntoAFreshHostContinuesWithIdenticalDecisions) {
+  const std::vector<Decision> expected = uninterrupted_run();
+  constexpr std::int64_t kCheckpointStep = 17;
+  CapturedLog log;
+  std::vector<std::uint8_t> blob;
+  {
+    PolicyHost first(SP_EXAMPLE_MINIMAL_C, kConfig, make_blocks(kBlocks), quiet_options(log));
+    for (std::int64_t step = 0; step < kCheckpointStep; ++step) run_step(first, step);
+    blob = first.export_state();
+  }
+  ASSERT_FALSE(blob.empty());
+  PolicyHost resumed(SP_EXAMPLE_MINIMAL_C, kConfig, make_blocks(kBlocks), quiet_options(log));
+  ASSERT_TRUE(resumed.import_state(blob));
+  for (std::int64_t step = kCheckpointStep; step < kSteps; ++step) {
+    const auto decisions = decisions_of(step, run_step(resumed, step));
+    for (std::uint32_t id = 0; id < kBlocks; ++id) {
+      EXPECT_EQ(decisions[id], expected[static_cast<std::size_t>(step) * kBlocks + id]) << "step " << step;
+    }
+  }
+}
+
+TEST(PolicyState, ARejectedBlobLeavesTheStateAndIsReported) {
+  CapturedLog log;
+  PolicyHost host(SP_EXAMPLE_MINIMAL_C, kConfig, make_blocks(kBlocks), quiet_options(log));
+  for (std::int64_t step = 0; step < 12; ++step) run_step(host, step);
+  const std::vector<std::uint8_t> before = host.export_state();
+  std::vector<std::uint8_t> corrupted = before;
+  corrupted[corrupted.size() / 2] ^= 0x5a;
+  EXPECT_FALSE(host.import_state(corrupted));
+  EXPECT_FALSE(host.import_state({}));
+  EXPECT_THAT(log.text(), HasSubstr("rejected a 0-byte state"));
+  EXPECT_EQ(host.export_state(), before);
+}
+
+TEST(PolicyState, ExportAndImportInsideAStepAreCallerBugs) {
+  CapturedLog log;
+  PolicyHost host(SP_EXAMPLE_MINIMAL_C, kConfig, make_blocks(kBlocks), quiet_options(log));
+  const std::vector<std::uint8_t> blob = host.export_state();
+  host.begin_step(0);
+  EXPECT_THROW(host.export_state(), std::logic_error);
+  EXPECT_THROW(host.import_state(blob), std::logic_error);
+}
+
 TEST(HotSwap, ANewerRequestReplacesAPendingOne) {
   CapturedLog log;
   PolicyHost host(SP_EXAMPLE_MINIMAL_C, kConfig, make_blocks(kBlocks), quiet_options(log));

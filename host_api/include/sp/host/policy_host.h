@@ -112,6 +112,15 @@ class PolicyHost {
   bool set_calibration_errors(const std::vector<std::uint32_t>& block_ids,
                               const std::vector<double>& errors);
 
+  /// The active plugin's state blob (export_state), for a checkpoint. Only between steps;
+  /// otherwise throws std::logic_error. Throws PluginError when the plugin cannot export.
+  std::vector<std::uint8_t> export_state() const;
+  /// Replaces the active plugin's state with a blob from export_state (of this or an
+  /// earlier version), e.g. when resuming from a checkpoint. Only between steps; otherwise
+  /// throws std::logic_error. Returns false (after logging the plugin's reason) when the
+  /// plugin rejects the blob, whose state then stays as it was.
+  bool import_state(const std::vector<std::uint8_t>& blob);
+
   /// Loads `plugin_file` and creates its context now (with `config`, or the active
   /// configuration when none is given); the state migration and the switch happen at the
   /// next begin_step. Returns pending, or failed with the reason; either way it is logged.
