@@ -1,12 +1,7 @@
 // The trainer's side of the policy plugin: drives sp::host::PolicyHost through the step
 // lifecycle, watches the plugin file for a newer version (hot swap at the next step
-// boundary), and makes the plugin's state part of a checkpoint.
-//
-// PolicyHost does not expose the plugin's export_state/import_state, so the checkpoint holds
-// the plugin's *inputs* instead: calibration errors plus, per step, the gradient moments and
-// the end-of-step feedback. The policy is a deterministic function of those, so a resume
-// replays them into an instance whose telemetry and decision log are off, then swaps (with
-// the host library's state migration) to an instance with the run's configuration.
+// boundary), and carries the plugin's state (its export_state blob) in and out of a
+// checkpoint.
 #pragma once
 
 #include <cstdint>
@@ -41,21 +36,15 @@ class PolicySession {
   // The swap applied (or failed) by the latest begin_step, if any, once.
   std::optional<sp::host::SwapResult> take_swap_outcome();
 
-  // The policy's inputs so far, serialized for a checkpoint; and the inverse, which must run
-  // on a fresh session (no step begun) and returns the hints of the last replayed step (empty
-  // when none). Throws std::runtime_error on a malformed record or a failed replay.
-  std::vector<std::uint8_t> serialize_inputs() const;
-  std::vector<sp_hint_v1> restore_from_inputs(const std::vector<std::uint8_t>& bytes);
+  // The plugin's state blob for a checkpoint, and its restoration on resume (between steps).
+  // restore_state throws std::runtime_error when the plugin rejects the blob.
+  std::vector<std::uint8_t> export_state() const { return host_->export_state(); }
+  void restore_state(const std::vector<std::uint8_t>& blob);
 
   const sp::host::PolicyHost& host() const { return *host_; }
   std::string_view plugin_version() const { return host_->plugin_version(); }
 
  private:
-  struct StepInputs {
-    std::int64_t step = 0;
-    std::vector<sp_grad_moments_v1> moments;
-    sp_step_feedback_v1 feedback{};
-  };
   struct FileIdentity {
     std::uintmax_t size = 0;
     std::int64_t mtime_ns = 0;
@@ -72,10 +61,6 @@ class PolicySession {
   std::unique_ptr<sp::host::PolicyHost> host_;
   std::optional<FileIdentity> loaded_identity_;
   bool swap_requested_ = false;
-
-  std::vector<double> calibration_errors_;
-  std::vector<StepInputs> log_;
-  StepInputs current_;
 };
 
 }  // namespace sp::train

@@ -109,6 +109,7 @@ struct Trainer::Impl {
 
   std::int64_t next_step = 0;
   std::vector<std::uint8_t> decisions;  // the bridge's current routes
+  std::vector<sp_hint_v1> applied_hints;  // the plugin hints those routes came from
   std::string calibration_status = "disabled";
   std::vector<double> calibration_errors;
   int nonfinite_streak = 0;
@@ -302,6 +303,7 @@ struct Trainer::Impl {
 
   void apply_hints(const std::vector<sp_hint_v1>& hints) {
     if (hints.empty()) return;
+    applied_hints = hints;
     engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
     eval_engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
     for (const sp_hint_v1& h : hints) decisions[h.block_id] = h.precision == SP_PRECISION_INT8;
@@ -690,7 +692,8 @@ struct Trainer::Impl {
       out.put("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq(i).data(), adam->exp_avg_sq(i).size() * sizeof(float));
     }
     out.put("adam/steps", pod_bytes(adam->steps_taken()));
-    out.put("policy/inputs", policy->serialize_inputs());
+    out.put("policy/state", policy->export_state());
+    out.put("policy/hints", applied_hints.data(), applied_hints.size() * sizeof(sp_hint_v1));
     const torch::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
     out.put("rng/torch", rng.data_ptr(), static_cast<std::size_t>(rng.numel()));
     out.write_atomically(checkpoint_path(options.out_dir));
@@ -760,10 +763,20 @@ struct Trainer::Impl {
       eval_engine->on_weights_updated(b);
     }
     try {
-      apply_hints(policy->restore_from_inputs(in.get("policy/inputs")));
+      policy->restore_state(in.get("policy/state"));
+      // The routes in force when the checkpoint was written: the plugin's next hints come
+      // only after the next step's backward pass.
+      const Bytes& hint_bytes = in.get("policy/hints");
+      std::vector<sp_hint_v1> hints(hint_bytes.size() / sizeof(sp_hint_v1));
+      if (hint_bytes.size() % sizeof(sp_hint_v1) != 0 || (!hints.empty() && hints.size() != n_blocks)) {
+        throw std::runtime_error(fmt::format("section 'policy/hints' holds {} bytes; expected none or {} hints",
+                                             hint_bytes.size(), n_blocks));
+      }
+      std::memcpy(hints.data(), hint_bytes.data(), hint_bytes.size());
+      apply_hints(hints);
     } catch (const CheckpointError& e) {
       throw ResumeError(e.what());
-    } catch (const std::runtime_error& e) {
+    } catch (const std::exception& e) {  // a rejected state, or hints the bridge refuses
       throw ResumeError(fmt::format("{}: {}", checkpoint_path(options.out_dir).string(), e.what()));
     }
     log->info("resumed from {} at step {}", checkpoint_path(options.out_dir).string(), next_step);
