@@ -202,6 +202,7 @@ void read_streaming(const Section& s, StreamingSection& st) {
   s.integer("spare_slabs", st.spare_slabs, 0, 1024);
   s.number("bandwidth_cap_gbps", st.bandwidth_cap_gbps, 0.0, 1e6);
   s.string("metrics_file", st.metrics_file, /*allow_empty=*/true);
+  s.string("transfer_policy_path", st.transfer_policy_path, /*allow_empty=*/true);
 }
 
 // The plugin owns this section; the host reads only the keys it acts on.
@@ -311,7 +312,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
                           {"streaming", "selective_precision"});
   read_streaming(Section(source_name, "memory.stagehand.streaming", stagehand.node()["streaming"],
                          {"prefetch_window", "int8_group_size", "spare_slabs",
-                          "bandwidth_cap_gbps", "metrics_file"}),
+                          "bandwidth_cap_gbps", "metrics_file", "transfer_policy_path"}),
                  config.streaming);
   const YAML::Node policy = stagehand.node()["selective_precision"];
   if (policy.IsDefined() && !policy.IsNull() && !policy.IsMap()) {

@@ -81,6 +81,9 @@ struct StreamingSection {
   std::uint32_t spare_slabs = 2;
   double bandwidth_cap_gbps = 0.0;  // host backend pacing; 0: memcpy speed
   std::string metrics_file = "transfer_metrics.jsonl";
+  // A policy file from `sp-bench merge-policy`: a block takes the INT8 path only where it
+  // also says INT8 pays for the block's size on this machine. Empty: the plugin alone decides.
+  std::string transfer_policy_path;
 };
 
 // The policy keys the host acts on (the plugin validates them too): it runs the calibration

@@ -18,6 +18,7 @@
 #include "delivered_weights.hpp"
 #include "gpt_model.hpp"
 #include "policy_session.hpp"
+#include "sp/bench/transfer_policy.hpp"
 #include "progress.hpp"
 #include "sp/adapters/host_backend.h"
 #include "sp/adapters/metrics.h"
@@ -287,6 +288,25 @@ struct Trainer::Impl {
     eval_config.metrics_path.clear();
     eval_engine = std::make_unique<ad::StreamingEngine>(*backend, eval_config, block_specs);
     decisions.assign(n_blocks, 0);
+    if (!s.transfer_policy_path.empty()) apply_transfer_policy(s.transfer_policy_path);
+  }
+
+  // The benchmark-driven half of the route: INT8 only for the block sizes where this
+  // machine's measurements say it pays, on the path this mode takes (trained blocks also pay
+  // an image rebuild per step).
+  void apply_transfer_policy(const std::string& path) {
+    const sp::bench::TransferPolicy transfer_policy = sp::bench::load_transfer_policy_or_bf16(
+        path, [&](const std::string& why) { log->warn("transfer policy {}", why); });
+    const sp::bench::TransferPath route = config.train.mode == TrainMode::full
+                                              ? sp::bench::TransferPath::kInt8Trained
+                                              : sp::bench::TransferPath::kInt8Frozen;
+    std::vector<std::uint64_t> sizes;
+    for (std::uint32_t b = 0; b < n_blocks; ++b) sizes.push_back(engine->image_bytes(b, ad::Precision::bf16));
+    const std::vector<bool> gate = sp::bench::int8_gate(transfer_policy, route, sizes);
+    engine->policy_bridge().set_transfer_gate(gate);
+    eval_engine->policy_bridge().set_transfer_gate(gate);
+    log->info("transfer policy {} ({}): INT8 pays for {} of {} blocks", path, sp::bench::transfer_path_name(route),
+              std::count(gate.begin(), gate.end(), true), n_blocks);
   }
 
   void build_policy() {

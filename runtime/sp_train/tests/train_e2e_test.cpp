@@ -215,3 +215,51 @@ TEST_F(TrainE2E, CheckpointOfAnotherModelIsRefusedByName) {
 
 }  // namespace
 }  // namespace sp::train
+
+namespace sp::train {
+namespace {
+
+// The benchmark-driven transfer policy through a real training run: where it says INT8 does
+// not pay for a block's size, the block stays BF16 even though the plugin chose INT8.
+class TrainWithTransferPolicy : public TrainE2E {
+ protected:
+  fs::path write_policy(const std::string& name, const std::string& trained_rules) const {
+    const fs::path file = dir_ / name;
+    testing::write_text(file, R"({"format": "sp-transfer-policy", "version": 1, "speedup_threshold": 1.0,
+      "sources": [{"machine": "fixture", "backend": "host", "device": "fixed report"}],
+      "rules": {"int8_frozen": [], "int8_trained": )" + trained_rules + "}}");
+    return file;
+  }
+};
+
+TEST_F(TrainWithTransferPolicy, BlocksStayBf16WhereInt8DoesNotPay) {
+  const fs::path never = write_policy("never.json", "[]");
+  const RunSummary run = train("gated", {{"memory.stagehand.streaming.transfer_policy_path", never.string()}});
+  bool plugin_chose_int8 = false;
+  for (const StepRecord& r : run.steps) {
+    plugin_chose_int8 = plugin_chose_int8 || std::count(r.decisions.begin(), r.decisions.end(), 1) > 0;
+    EXPECT_EQ(std::count(r.routes.begin(), r.routes.end(), 1), 0) << "step " << r.step;
+    EXPECT_EQ(r.h2d_bytes_int8, 0u) << "step " << r.step;
+  }
+  EXPECT_TRUE(plugin_chose_int8) << "the plugin must want INT8 somewhere for the gate to matter";
+}
+
+TEST_F(TrainWithTransferPolicy, WhereInt8PaysThePluginDecides) {
+  const fs::path always = write_policy("always.json", R"([{"min_bytes": 0, "max_bytes": null, "measured_speedup": 1.5}])");
+  const RunSummary gated = train("always", {{"memory.stagehand.streaming.transfer_policy_path", always.string()}});
+  const RunSummary plain = train("plain");
+  ASSERT_EQ(gated.steps.size(), plain.steps.size());
+  for (std::size_t s = 0; s < plain.steps.size(); ++s) {
+    EXPECT_EQ(gated.steps[s].routes, plain.steps[s].routes) << "step " << s;
+    EXPECT_EQ(gated.steps[s].h2d_bytes_int8, plain.steps[s].h2d_bytes_int8) << "step " << s;
+  }
+}
+
+TEST_F(TrainWithTransferPolicy, AnUnreadablePolicyFileMeansBf16AndTrainingGoesOn) {
+  const RunSummary run = train("missing", {{"memory.stagehand.streaming.transfer_policy_path", (dir_ / "nope.json").string()}});
+  ASSERT_EQ(run.steps.size(), 24u);
+  for (const StepRecord& r : run.steps) EXPECT_EQ(r.h2d_bytes_int8, 0u) << "step " << r.step;
+}
+
+}  // namespace
+}  // namespace sp::train
