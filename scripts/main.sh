@@ -1,18 +1,11 @@
 #!/usr/bin/env bash
-# The main job from a fresh Debian machine: installs packages, builds, and replays the
-# bundled 48-block gradient trace through the Selective Precision plugin. The decisions go
-# to out/replay/decisions.jsonl, the plugin's telemetry to out/replay/telemetry.jsonl.
+# The main job from a fresh Debian machine: installs packages, builds, and trains a small GPT
+# on /usr/share/common-licenses with every transformer block streamed through the adapters
+# while the Selective Precision plugin moves blocks between BF16 and INT8 (docs/training.md).
+# The run directory out/main holds the summary, the telemetry, the metrics and a checkpoint;
+# running the job again starts a fresh run there.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/install-deps.sh
 bash scripts/build.sh
-examples=runtime/sp_replay/examples
-mkdir -p out/replay
-rm -f out/replay/telemetry.jsonl
-build/bin/sp-replay \
-  --config "$examples/policy.yaml" \
-  --blocks 48 \
-  --trace "$examples/trace-48-blocks.jsonl" \
-  --calibration "$examples/calibration-48-blocks.json" \
-  --out out/replay/decisions.jsonl \
-  --telemetry out/replay/telemetry.jsonl
+build/bin/sp-train --config configs/default.yaml --out out/main --set train.resume=never "$@"

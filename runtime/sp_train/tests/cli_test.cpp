@@ -3,7 +3,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <array>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -14,27 +13,17 @@
 
 #include <gtest/gtest.h>
 
+#include "sp/runtime/run_command.hpp"
 #include "train_test_support.hpp"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int exit_code = -1;
-  std::string output;
-};
+using Result = sp::runtime::CommandResult;
 
 Result run_sp_train(const std::string& args) {
-  const std::string command = std::string(SP_TRAIN_BINARY) + " " + args + " 2>&1";
-  Result result;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return result;
-  std::array<char, 4096> buffer{};
-  while (const std::size_t n = std::fread(buffer.data(), 1, buffer.size(), pipe)) result.output.append(buffer.data(), n);
-  const int status = ::pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
+  return sp::runtime::run_command(std::string(SP_TRAIN_BINARY) + " " + args + " 2>&1");
 }
 
 class Cli : public ::testing::Test {
