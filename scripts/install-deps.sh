@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config
   libyaml-cpp-dev libspdlog-dev libfmt-dev libboost-dev libcli11-dev nlohmann-json3-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev
   binutils python3
   # sp-train: Debian's CPU LibTorch; its c10d headers need Gloo's, and without OpenBLAS
   # it falls back to a slow reference BLAS.
