@@ -8,8 +8,13 @@
 #include <gtest/gtest.h>
 #include <spdlog/logger.h>
 
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 namespace sp::host {
 namespace {
@@ -36,9 +41,25 @@ const PolicyConfig kConfig{R"(selective_precision:
   hysteresis_margin: 0.05
   force_bf16_blocks: [11]
   log_decisions: false
-  telemetry_enabled: false
+  telemetry_enabled: true
+  telemetry_file: telemetry.jsonl
 )",
                            "integration.yaml"};
+
+// A private directory that outlives the host writing into it.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "sp-integration-XXXXXX").string();
+    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = pattern;
+  }
+  ~ScratchDir() { std::filesystem::remove_all(path_); }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
 
 class RealPluginRun {
  public:
@@ -49,6 +70,18 @@ class RealPluginRun {
   }
 
   PolicyHost& host() { return host_; }
+  // The plugin's telemetry so far, one JSON object per record, without the wall-clock
+  // timestamp: the rest is a pure function of the trace and the state.
+  std::vector<nlohmann::json> telemetry() const {
+    std::vector<nlohmann::json> records;
+    std::ifstream in(scratch_.path() / "telemetry.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      nlohmann::json record = nlohmann::json::parse(line);
+      record.erase("timestamp");
+      records.push_back(std::move(record));
+    }
+    return records;
+  }
   const CapturedLog& log() const { return log_; }
   const std::vector<Decision>& decisions() const { return decisions_; }
 
@@ -64,21 +97,36 @@ class RealPluginRun {
   PolicyHostOptions options() {
     PolicyHostOptions result;
     result.logger = log_.logger();
+    result.output_dir = scratch_.path();
     return result;
   }
 
+  ScratchDir scratch_;
   CapturedLog log_;
   PolicyHost host_;
   std::vector<Decision> decisions_;
 };
 
-const std::vector<Decision>& uninterrupted_v1_decisions() {
-  static const std::vector<Decision> decisions = [] {
+struct RunRecord {
+  std::vector<Decision> decisions;
+  std::vector<nlohmann::json> telemetry;
+};
+
+const RunRecord& uninterrupted_v1_run() {
+  static const RunRecord record = [] {
     RealPluginRun run;
     for (std::int64_t step = 0; step < kSteps; ++step) run.step(step);
-    return run.decisions();
+    return RunRecord{run.decisions(), run.telemetry()};
   }();
-  return decisions;
+  return record;
+}
+
+const std::vector<Decision>& uninterrupted_v1_decisions() { return uninterrupted_v1_run().decisions; }
+
+TEST(SelectivePrecisionTrace, SendsBlocksToBf16ForNonFiniteGradients) {
+  std::size_t unsafe = 0;
+  for (const Decision& d : uninterrupted_v1_decisions()) unsafe += d.reason == SP_REASON_UNSAFE;
+  EXPECT_GE(unsafe, 3u) << "the trace must exercise the unsafe rule, so swaps must carry its flags";
 }
 
 TEST(SelectivePrecisionTrace, MakesBlocksSwitchBothWays) {
@@ -111,6 +159,12 @@ TEST_P(SwapV1ToV2AtStep, GivesTheDecisionsOfAnUninterruptedV1Run) {
   }
   EXPECT_EQ(run.host().plugin_version(), "2.0.0");
   EXPECT_EQ(run.decisions(), uninterrupted_v1_decisions());
+  // Both versions appended to one telemetry file; together it is the uninterrupted one.
+  const std::vector<nlohmann::json> telemetry = run.telemetry();
+  ASSERT_EQ(telemetry.size(), uninterrupted_v1_run().telemetry.size());
+  for (std::size_t i = 0; i < telemetry.size(); ++i) {
+    EXPECT_EQ(telemetry[i], uninterrupted_v1_run().telemetry[i]) << "record " << i;
+  }
 }
 
 // 0: before any state; 3: the first decision step; 4, 13: between decisions; 78: near the end.

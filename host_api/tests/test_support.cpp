@@ -74,8 +74,11 @@ std::vector<sp_grad_moments_v1> synthetic_moments(std::int64_t step, std::uint32
     const bool active = ((step + 5 * id) / phase_length) % 2 == 1;
     const double l2 = active ? 4.0 + 0.25 * id : 0.1 + 0.02 * id;
     const std::uint64_t count = 4096;
+    // Now and then a non-finite gradient, so that unsafe flags are part of the state a swap
+    // has to carry.
+    const std::uint64_t nonfinite = step > 0 && (3 * step + 2 * id) % 29 == 11 ? 2 : 0;
     moments.push_back(sp_grad_moments_v1{id, 0, l2 * l2, 0.01 * l2 * static_cast<double>(id % 2 == 0 ? 1 : -1),
-                                         l2 / 8.0, count, 0});
+                                         l2 / 8.0, count, nonfinite});
   }
   return moments;
 }

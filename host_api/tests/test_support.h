@@ -49,7 +49,8 @@ std::vector<BlockDescription> make_blocks(std::uint32_t count);
 /// Deterministic gradient moments: each block alternates between a quiet phase and an
 /// active phase whose length depends on the block, so relative magnitudes keep changing
 /// and a threshold policy switches blocks both ways. Every seventh (block, step) pair has
-/// no gradient, so blocks are sometimes absent.
+/// no gradient, so blocks are sometimes absent, and a few later ones carry non-finite
+/// elements, so the unsafe rule fires.
 std::vector<sp_grad_moments_v1> synthetic_moments(std::int64_t step, std::uint32_t block_count);
 
 /// One step through the host: begin, post_backward with the synthetic moments,
