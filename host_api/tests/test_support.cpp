@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <malloc.h>
+
 #include <fstream>
 #include <mutex>
 #include <stdexcept>
@@ -125,11 +127,8 @@ ProcessResources process_resources() {
   for (std::string line; std::getline(maps, line);) {
     if (line.find(" /") != std::string::npos) ++resources.mapped_file_regions;
   }
-  std::ifstream statm("/proc/self/statm");
-  std::size_t total_pages = 0;
-  std::size_t resident_pages = 0;
-  statm >> total_pages >> resident_pages;
-  resources.resident_bytes = resident_pages * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  const struct mallinfo2 heap = ::mallinfo2();
+  resources.heap_bytes_in_use = heap.uordblks + heap.hblkhd;
   return resources;
 }
 

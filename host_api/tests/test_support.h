@@ -75,19 +75,22 @@ std::size_t count_switches(const std::vector<Decision>& decisions, std::uint32_t
 struct ProcessResources {
   std::size_t open_fds = 0;
   /// Mappings backed by a file: libraries and their segments. Anonymous mappings belong
-  /// to the allocator and are judged through resident_bytes.
+  /// to the allocator and are judged through heap_bytes_in_use.
   std::size_t mapped_file_regions = 0;
-  std::size_t resident_bytes = 0;
+  /// Bytes the C allocator has handed out and not had back (glibc mallinfo2: small
+  /// chunks plus mmap'ed large ones), whoever allocated them: host, plugin or library.
+  std::size_t heap_bytes_in_use = 0;
 };
 ProcessResources process_resources();
-/// Resident-memory growth a long run may show without leaking.
-constexpr std::size_t kResidentGrowthLimit = 4u * 1024 * 1024;
-/// AddressSanitizer keeps freed memory in quarantine, so under it resident memory says
-/// nothing about leaks; LeakSanitizer checks those at exit instead.
+/// Heap growth a long run of swaps may show without leaking: a few hundred bytes per swap
+/// would already exceed it over 200 cycles.
+constexpr std::size_t kHeapGrowthLimit = 16u * 1024;
+/// AddressSanitizer replaces the allocator, so glibc's statistics say nothing under it;
+/// LeakSanitizer checks for leaks at exit instead.
 #if defined(__SANITIZE_ADDRESS__)
-constexpr bool kResidentMemoryIsMeaningful = false;
+constexpr bool kHeapStatisticsAreMeaningful = false;
 #else
-constexpr bool kResidentMemoryIsMeaningful = true;
+constexpr bool kHeapStatisticsAreMeaningful = true;
 #endif
 /// Lines of /proc/self/maps that contain `needle`.
 std::size_t mapped_regions_containing(const std::string& needle);
