@@ -187,6 +187,8 @@ struct PolicyHost::Impl {
   std::optional<SwapResult> last_swap;
   std::optional<std::int64_t> open_step;
   std::optional<std::int64_t> last_ended_step;
+  // A swap between steps (swap_now) happened; the next begin_step is its first step.
+  bool first_step_unknown = false;
   std::vector<sp_hint_v1> hints;
   std::vector<sp_hint_v1> plugin_hints;
   std::vector<sp_hint_v1> last_good_hints;
@@ -308,7 +310,9 @@ struct PolicyHost::Impl {
 
   // Migrates the state into the pending instance and makes it active. The caller
   // guarantees a step boundary. Whatever goes wrong, the old plugin stays active.
-  SwapResult apply_pending_swap(std::int64_t first_step) {
+  // `first_step` is the step about to begin, or nullopt for a swap between steps, whose
+  // first step is recorded when it begins.
+  SwapResult apply_pending_swap(std::optional<std::int64_t> first_step) {
     SwapResult result = pending_result;
     try {
       return migrate_and_switch(std::move(pending_result), first_step);
@@ -317,7 +321,7 @@ struct PolicyHost::Impl {
     }
   }
 
-  SwapResult migrate_and_switch(SwapResult result, std::int64_t first_step) {
+  SwapResult migrate_and_switch(SwapResult result, std::optional<std::int64_t> first_step) {
     std::string error;
     const std::optional<std::vector<std::uint8_t>> blob = export_active_state(error);
     if (!blob) return fail_swap(std::move(result), error);
@@ -334,9 +338,13 @@ struct PolicyHost::Impl {
     const UnloadReport unload = retired->close();
     result.outcome = SwapResult::Outcome::swapped;
     result.first_step = first_step;
+    first_step_unknown = !first_step;
     result.old_library_unloaded = unload.unloaded;
-    result.message = fmt::format("hot swap: {} replaced {} from step {} with {} bytes of state", active->label(),
-                                 retired_label, first_step, blob->size());
+    const std::string when = first_step ? fmt::format("from step {}", *first_step)
+                             : last_ended_step ? fmt::format("after step {}", *last_ended_step)
+                                               : std::string("before the first step");
+    result.message = fmt::format("hot swap: {} replaced {} {} with {} bytes of state", active->label(), retired_label,
+                                 when, blob->size());
     logger->info("{}", result.message);
     if (!unload.unloaded) {
       result.message += "; warning: " + unload.detail;
@@ -377,7 +385,12 @@ void PolicyHost::begin_step(std::int64_t step) {
     throw std::logic_error(fmt::format("PolicyHost::begin_step({}) called while step {} is open; call end_step({}) first",
                                        step, *impl_->open_step, *impl_->open_step));
   }
-  if (impl_->pending) impl_->apply_pending_swap(step);
+  if (impl_->pending) {
+    impl_->apply_pending_swap(step);
+  } else if (impl_->first_step_unknown && impl_->last_swap) {
+    impl_->last_swap->first_step = step;
+    impl_->first_step_unknown = false;
+  }
   impl_->open_step = step;
   impl_->check_hook("begin_step", step, impl_->active->table().begin_step(impl_->active->ctx(), step),
                     impl_->failures.begin_step);
@@ -478,7 +491,7 @@ SwapResult PolicyHost::swap_now(const std::filesystem::path& plugin_file, std::o
   impl_->require_between_steps("swap_now");
   SwapResult staged = request_swap(plugin_file, std::move(config));
   if (staged.outcome == SwapResult::Outcome::failed) return staged;
-  return impl_->apply_pending_swap(impl_->last_ended_step ? *impl_->last_ended_step + 1 : 0);
+  return impl_->apply_pending_swap(std::nullopt);
 }
 
 const std::optional<SwapResult>& PolicyHost::last_swap_result() const { return impl_->last_swap; }

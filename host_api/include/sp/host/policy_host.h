@@ -77,7 +77,9 @@ struct SwapResult {
   std::filesystem::path plugin_file;
   std::string old_version;
   std::string new_version;  ///< empty when the new file could not be loaded
-  /// First step driven by the new version; set once outcome is swapped.
+  /// First step driven by the new version. A swap applied at begin_step sets it at once;
+  /// after swap_now it is unset in the returned result and filled in last_swap_result()
+  /// when the next step begins (step numbers may skip, so it is not guessed).
   std::optional<std::int64_t> first_step;
   /// dlopen(RTLD_NOLOAD) found the old library gone after the swap.
   bool old_library_unloaded = false;
