@@ -55,11 +55,13 @@ TEST(HostBackend, DequantQueueWaitsForTheCopyItDependsOn) {
   std::vector<float> scales(rows);
   sp::kernels::quantize_int8(master.data(), sp::kernels::DType::kFloat32, rows, cols, {},
                              codes.data(), scales.data());
-  const std::size_t bytes = codes.size() + scales.size() * sizeof(float);
+  // Scales sit 4-byte aligned after the codes, as in a slab: the kernels load them as floats.
+  const std::size_t scales_offset = (codes.size() + alignof(float) - 1) / alignof(float) * alignof(float);
+  const std::size_t bytes = scales_offset + scales.size() * sizeof(float);
   Region host = backend.allocate_pinned_host(bytes);
   Region device = backend.allocate_device(bytes + rows * cols * 2);
   std::memcpy(host.data(), codes.data(), codes.size());
-  std::memcpy(host.data() + codes.size(), scales.data(), scales.size() * sizeof(float));
+  std::memcpy(host.data() + scales_offset, scales.data(), scales.size() * sizeof(float));
 
   auto copied = backend.create_event();
   auto dequantized = backend.create_event();
@@ -67,9 +69,9 @@ TEST(HostBackend, DequantQueueWaitsForTheCopyItDependsOn) {
   backend.record(*copied, Queue::copy);
   backend.wait(Queue::dequant, *copied);
   DequantJob job;
-  auto *out = reinterpret_cast<std::uint16_t *>(device.data() + bytes + (bytes % 2));
+  auto *out = reinterpret_cast<std::uint16_t *>(device.data() + bytes);
   job.tensors.push_back(DequantTensor{reinterpret_cast<const std::int8_t *>(device.data()),
-                                      reinterpret_cast<const float *>(device.data() + codes.size()),
+                                      reinterpret_cast<const float *>(device.data() + scales_offset),
                                       rows, cols, out});
   backend.dequantize_async(job);
   backend.record(*dequantized, Queue::dequant);
