@@ -7,13 +7,27 @@
 
 namespace sp::train {
 
-GptModel::GptModel(const ModelConfig& config, TrainMode mode, const LoraConfig& lora, std::uint64_t seed)
-    : config_(config), mode_(mode), lora_scale_(lora.alpha / lora.rank) {
-  torch::manual_seed(seed);
+namespace {
+
+// Output rows x input columns of each streamed matrix.
+std::array<std::array<std::int64_t, 2>, kStreamedPerBlock> streamed_shapes(const ModelConfig& config) {
   const std::int64_t c = config.d_model;
   const std::int64_t hidden = c * config.mlp_ratio;
-  const std::array<std::array<std::int64_t, 2>, kStreamedPerBlock> shapes = {
-      {{3 * c, c}, {c, c}, {hidden, c}, {c, hidden}}};
+  return {{{3 * c, c}, {c, c}, {hidden, c}, {c, hidden}}};
+}
+
+bool computes_on_masters(const torch::TensorOptions& compute) {
+  return compute.device().is_cpu() && compute.dtype() == torch::kFloat32;
+}
+
+}  // namespace
+
+GptModel::GptModel(const ModelConfig& config, TrainMode mode, const LoraConfig& lora, std::uint64_t seed,
+                   const torch::TensorOptions& compute)
+    : config_(config), mode_(mode), compute_(compute), lora_scale_(lora.alpha / lora.rank) {
+  torch::manual_seed(seed);
+  const std::int64_t c = config.d_model;
+  const auto shapes = streamed_shapes(config);
   // GPT-2's scaled init of the residual projections keeps the residual stream's variance flat
   // in depth.
   const double residual_std = config.init_std / std::sqrt(2.0 * config.n_blocks);
@@ -49,25 +63,50 @@ GptModel::GptModel(const ModelConfig& config, TrainMode mode, const LoraConfig& 
   lnf_w_ = add_resident("ln_f.weight", torch::ones({c}), false);
   lnf_b_ = add_resident("ln_f.bias", torch::zeros({c}), false);
   const std::int64_t t = config.seq_len;
-  causal_mask_ = torch::ones({t, t}, torch::kBool).triu(1);
+  causal_mask_ = torch::ones({t, t}, compute.dtype(torch::kBool)).triu(1);
 }
 
 std::size_t GptModel::add_resident(std::string name, torch::Tensor value, bool decay) {
   value = value.contiguous().requires_grad_(true);
-  resident_.push_back(ResidentParam{std::move(name), value, torch::zeros_like(value), decay});
+  torch::Tensor compute = computes_on_masters(compute_)
+                              ? value
+                              : value.detach().to(compute_, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true);
+  resident_.push_back(ResidentParam{std::move(name), value, torch::zeros_like(value), decay, std::move(compute)});
   return resident_.size() - 1;
+}
+
+void GptModel::refresh_compute() {
+  if (computes_on_masters(compute_)) return;
+  torch::NoGradGuard no_grad;
+  for (ResidentParam& p : resident_) p.compute.copy_(p.value);
+}
+
+BlockWeights GptModel::delivered_weights(const std::array<const std::uint16_t*, kStreamedPerBlock>& slot_bf16,
+                                         bool requires_grad) const {
+  const auto shapes = streamed_shapes(config_);
+  const torch::TensorOptions slot_options = compute_.dtype(torch::kBFloat16);
+  BlockWeights w;
+  for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+    // from_blob never frees or writes: the engine owns the slot, and autograd only reads it.
+    const torch::Tensor slot =
+        torch::from_blob(const_cast<std::uint16_t*>(slot_bf16[i]), {shapes[i][0], shapes[i][1]}, slot_options);
+    w[i] = slot.to(compute_.dtype());
+    if (requires_grad) w[i].requires_grad_(true);
+  }
+  return w;
 }
 
 torch::Tensor GptModel::embed(const torch::Tensor& idx) {
   const std::int64_t t = idx.size(1);
-  return torch::embedding(resident_[wte_].value, idx) + resident_[wpe_].value.narrow(0, 0, t);
+  return torch::embedding(resident_[wte_].compute, idx) + resident_[wpe_].compute.narrow(0, 0, t);
 }
 
 torch::Tensor GptModel::head_loss(const torch::Tensor& h, const torch::Tensor& targets) {
   const std::int64_t c = config_.d_model;
   const torch::Tensor normed =
-      torch::layer_norm(h, {c}, resident_[lnf_w_].value, resident_[lnf_b_].value);
-  const torch::Tensor logits = torch::matmul(normed, resident_[wte_].value.t());
+      torch::layer_norm(h, {c}, resident_[lnf_w_].compute, resident_[lnf_b_].compute);
+  // The loss is reduced in fp32 whatever the compute dtype.
+  const torch::Tensor logits = torch::matmul(normed, resident_[wte_].compute.t()).to(torch::kFloat32);
   return torch::nn::functional::cross_entropy(logits.view({-1, kVocab}), targets.view({-1}));
 }
 
@@ -75,8 +114,8 @@ torch::Tensor GptModel::linear(std::uint32_t block, std::size_t which, const tor
                                const torch::Tensor& w) {
   torch::Tensor y = torch::matmul(x, w.t());
   if (mode_ == TrainMode::lora) {
-    const torch::Tensor& a = resident_[block_adapters_[block][2 * which]].value;
-    const torch::Tensor& b = resident_[block_adapters_[block][2 * which + 1]].value;
+    const torch::Tensor& a = resident_[block_adapters_[block][2 * which]].compute;
+    const torch::Tensor& b = resident_[block_adapters_[block][2 * which + 1]].compute;
     y = y + torch::matmul(torch::matmul(x, a.t()), b.t()) * lora_scale_;
   }
   return y;
@@ -86,7 +125,7 @@ torch::Tensor GptModel::block_forward(std::uint32_t block, const torch::Tensor& 
   const std::int64_t batch = x.size(0), t = x.size(1), c = x.size(2);
   const std::int64_t heads = config_.n_heads, head_dim = c / heads;
   const auto& norms = block_resident_[block];
-  const torch::Tensor h1 = torch::layer_norm(x, {c}, resident_[norms[0]].value, resident_[norms[1]].value);
+  const torch::Tensor h1 = torch::layer_norm(x, {c}, resident_[norms[0]].compute, resident_[norms[1]].compute);
   const torch::Tensor qkv = linear(block, 0, h1, w[0]).view({batch, t, 3, heads, head_dim}).permute({2, 0, 3, 1, 4});
   const torch::Tensor scores =
       torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(head_dim)));
@@ -96,7 +135,7 @@ torch::Tensor GptModel::block_forward(std::uint32_t block, const torch::Tensor& 
                      -1);
   const torch::Tensor mixed = torch::matmul(attention, qkv[2]).transpose(1, 2).reshape({batch, t, c});
   const torch::Tensor x1 = x + linear(block, 1, mixed, w[1]);
-  const torch::Tensor h2 = torch::layer_norm(x1, {c}, resident_[norms[2]].value, resident_[norms[3]].value);
+  const torch::Tensor h2 = torch::layer_norm(x1, {c}, resident_[norms[2]].compute, resident_[norms[3]].compute);
   return x1 + linear(block, 3, torch::gelu(linear(block, 2, h2, w[2])), w[3]);
 }
 

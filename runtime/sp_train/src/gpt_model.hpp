@@ -25,23 +25,39 @@ inline constexpr std::int64_t kVocab = 256;
 
 using BlockWeights = std::array<torch::Tensor, kStreamedPerBlock>;
 
-// A trainable resident tensor and its gradient buffer (same shape, zeroed every step).
+// A trainable resident tensor. `value` is the fp32 master that the CPU optimizer updates and
+// `grad` its gradient buffer (same shape, zeroed every step), both on the host. `compute` is
+// what the model reads and differentiates: `value` itself when computing in fp32 on the CPU,
+// else a copy on the compute device in the compute dtype, refreshed by refresh_compute().
 struct ResidentParam {
   std::string name;
   torch::Tensor value;
   torch::Tensor grad;
   bool decay = false;
+  torch::Tensor compute;
 };
 
 class GptModel {
  public:
-  GptModel(const ModelConfig& config, TrainMode mode, const LoraConfig& lora, std::uint64_t seed);
+  // `compute`: the device and dtype of the forward and backward math.
+  GptModel(const ModelConfig& config, TrainMode mode, const LoraConfig& lora, std::uint64_t seed,
+           const torch::TensorOptions& compute);
 
   const ModelConfig& config() const { return config_; }
+  const torch::TensorOptions& compute_options() const { return compute_; }
+  // Copies every resident master into its compute tensor (after an update or a load); a
+  // no-op where they are the same tensor.
+  void refresh_compute();
   TrainMode mode() const { return mode_; }
   // [block][tensor] fp32 masters, contiguous, rows = out features.
   std::vector<BlockWeights>& masters() { return masters_; }
   std::vector<ResidentParam>& resident() { return resident_; }
+
+  // Views of the streamed weights a block's route delivered into its device slot, in the
+  // compute dtype: the slot itself for bf16, an exact fp32 widening otherwise. They read no
+  // fp32 master, so the math sees exactly what crossed the link. Valid until the slot's release.
+  BlockWeights delivered_weights(const std::array<const std::uint16_t*, kStreamedPerBlock>& slot_bf16,
+                                 bool requires_grad) const;
 
   // Token + position embedding of idx [B, T]; differentiable in the embedding tables.
   torch::Tensor embed(const torch::Tensor& idx);
@@ -67,6 +83,7 @@ class GptModel {
 
   ModelConfig config_;
   TrainMode mode_;
+  torch::TensorOptions compute_;
   double lora_scale_ = 0.0;
   std::vector<BlockWeights> masters_;
   std::vector<ResidentParam> resident_;

@@ -158,6 +158,7 @@ void read_data(const Section& s, DataConfig& d) {
 
 void read_train(const std::string& source, const Section& s, TrainLoopConfig& t) {
   s.choice<TrainMode>("mode", t.mode, {{"full", TrainMode::full}, {"lora", TrainMode::lora}});
+  s.choice<ComputeDevice>("device", t.device, {{"cpu", ComputeDevice::cpu}, {"cuda", ComputeDevice::cuda}});
   s.choice<ComputeDtype>("compute_dtype", t.compute_dtype,
                          {{"fp32", ComputeDtype::fp32}, {"bf16", ComputeDtype::bf16}});
   s.integer("steps", t.steps, 1, kMaxSteps);
@@ -184,10 +185,9 @@ void read_train(const std::string& source, const Section& s, TrainLoopConfig& t)
   const Section lora(source, "train.lora", s.node()["lora"], {"rank", "alpha"});
   lora.integer("rank", t.lora.rank, 1, 4096);
   lora.number("alpha", t.lora.alpha, 0.0, 1e6, /*min_exclusive=*/true);
-  if (t.compute_dtype == ComputeDtype::bf16) {
-    // The CPU build computes in fp32 over the delivered weights; bf16 compute needs the CUDA
-    // trainer, which this build does not have.
-    s.fail("compute_dtype", "fp32 (bf16 compute needs a CUDA LibTorch build)", s.node()["compute_dtype"]);
+  if (t.compute_dtype == ComputeDtype::bf16 && t.device == ComputeDevice::cpu) {
+    s.fail("compute_dtype", "fp32 with train.device cpu (bf16 compute needs train.device: cuda)",
+           s.node()["compute_dtype"]);
   }
 }
 
@@ -301,7 +301,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
             config.data);
   read_train(source_name,
              Section(source_name, "train", root["train"],
-                     {"mode", "compute_dtype", "steps", "batch_size", "lr", "min_lr_ratio",
+                     {"mode", "device", "compute_dtype", "steps", "batch_size", "lr", "min_lr_ratio",
                       "lr_warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip",
                       "eval_interval", "eval_batches", "checkpoint_interval", "seed", "threads",
                       "lora", "plugin", "plugin_poll_steps", "calibration_cache_dir", "init_checkpoint",
@@ -338,6 +338,8 @@ TrainConfig load_train_config(const std::filesystem::path& file,
 }
 
 const char* mode_name(TrainMode mode) { return mode == TrainMode::lora ? "lora" : "full"; }
+
+const char* compute_device_name(ComputeDevice device) { return device == ComputeDevice::cuda ? "cuda" : "cpu"; }
 
 const char* compute_dtype_name(ComputeDtype dtype) {
   return dtype == ComputeDtype::bf16 ? "bf16" : "fp32";

@@ -37,8 +37,13 @@ struct DataConfig {
 };
 
 enum class TrainMode { full, lora };
+// Where the model computes. cpu: blocks stream through the host backend (optionally paced
+// like a PCIe link). cuda: through the CUDA backend into device slots, and LibTorch computes
+// on the GPU over views of those slots; it needs a LibTorch built with CUDA.
+enum class ComputeDevice { cpu, cuda };
 // What the block's matrix products run in. The weights are always exactly what the BF16 or
-// INT8 transfer delivered; fp32 widens them losslessly on the CPU, bf16 is the GPU choice.
+// INT8 transfer delivered; fp32 widens them losslessly, bf16 computes on the slot in place
+// (GPU only: the CPU build of LibTorch has no fast bf16 matmul).
 enum class ComputeDtype { fp32, bf16 };
 enum class ResumePolicy { auto_resume, never };
 
@@ -49,6 +54,7 @@ struct LoraConfig {
 
 struct TrainLoopConfig {
   TrainMode mode = TrainMode::full;
+  ComputeDevice device = ComputeDevice::cpu;
   ComputeDtype compute_dtype = ComputeDtype::fp32;
   std::int64_t steps = 200;
   std::uint32_t batch_size = 16;
@@ -122,6 +128,7 @@ TrainConfig load_train_config(const std::filesystem::path& file,
                               const std::vector<Override>& overrides = {});
 
 const char* mode_name(TrainMode mode);
+const char* compute_device_name(ComputeDevice device);
 const char* compute_dtype_name(ComputeDtype dtype);
 
 }  // namespace sp::train

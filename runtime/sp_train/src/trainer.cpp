@@ -15,12 +15,10 @@
 #include "adamw.hpp"
 #include "calibration_cache.hpp"
 #include "checkpoint_file.hpp"
-#include "delivered_weights.hpp"
 #include "gpt_model.hpp"
 #include "policy_session.hpp"
 #include "sp/bench/transfer_policy.hpp"
 #include "progress.hpp"
-#include "sp/adapters/host_backend.h"
 #include "sp/adapters/metrics.h"
 #include "sp/adapters/streaming_engine.h"
 #include "sp/kernels/moments.h"
@@ -28,6 +26,7 @@
 #include "sp/kernels/slab.h"
 #include "sp/runtime/atomic_file.hpp"
 #include "text_corpus.hpp"
+#include "transfer_backend.hpp"
 
 namespace sp::train {
 namespace fs = std::filesystem;
@@ -72,6 +71,20 @@ void truncate_jsonl(const fs::path& file, const char* key, std::int64_t step) {
   sp::runtime::write_file_atomically(file, kept);
 }
 
+// The device and dtype of the model's math. Checked before anything is built: a LibTorch
+// without CUDA would otherwise fail deep inside the first GPU allocation.
+torch::TensorOptions compute_options(const TrainConfig& config) {
+  const bool bf16 = config.train.compute_dtype == ComputeDtype::bf16;
+  torch::TensorOptions options = torch::TensorOptions().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32);
+  if (config.train.device == ComputeDevice::cpu) return options.device(torch::kCPU);
+  if (!torch::cuda::is_available()) {
+    throw ConfigError(fmt::format("{}: train.device: cuda, but LibTorch sees no CUDA device (this LibTorch was built "
+                                  "without CUDA, or no GPU is visible); use train.device: cpu",
+                                  config.source_name));
+  }
+  return options.device(torch::Device(torch::kCUDA, 0));
+}
+
 std::uint64_t hash_tensor(const torch::Tensor& t, std::uint64_t state) {
   const torch::Tensor c = t.contiguous();
   return fnv1a64(c.data_ptr(), static_cast<std::size_t>(c.numel()) * c.element_size(), state);
@@ -97,7 +110,8 @@ struct Trainer::Impl {
   std::unique_ptr<GptModel> model;
   std::vector<BlockWeights> master_grads;  // full mode
   std::vector<ad::BlockSpec> block_specs;
-  std::unique_ptr<ad::HostBackend> backend;
+  torch::TensorOptions compute;  // device and dtype of the model's math
+  std::unique_ptr<ad::TransferBackend> backend;
   std::unique_ptr<ad::StreamingEngine> engine;       // training steps: forward + backward
   std::unique_ptr<ad::StreamingEngine> eval_engine;  // forward only: validation, calibration
   std::int64_t eval_engine_steps = 0;
@@ -127,7 +141,8 @@ struct Trainer::Impl {
     double last_loss = NAN;
   } totals;
 
-  Impl(TrainConfig cfg, RunOptions opts) : config(std::move(cfg)), options(std::move(opts)), log(options.logger) {
+  Impl(TrainConfig cfg, RunOptions opts)
+      : config(std::move(cfg)), options(std::move(opts)), log(options.logger), compute(compute_options(config)) {
     if (!log) log = spdlog::default_logger();
     n_blocks = config.model.n_blocks;
     if (config.train.threads != 0) torch::set_num_threads(static_cast<int>(config.train.threads));
@@ -149,7 +164,7 @@ struct Trainer::Impl {
     }
     truncate_jsonl(options.out_dir / config.policy_keys.telemetry_file, "step_id", next_step);
 
-    model = std::make_unique<GptModel>(config.model, config.train.mode, config.train.lora, config.train.seed);
+    model = std::make_unique<GptModel>(config.model, config.train.mode, config.train.lora, config.train.seed, compute);
     if (!checkpoint && !config.train.init_checkpoint.empty()) load_initial_weights(config.train.init_checkpoint);
     build_optimizer();
     build_engines();
@@ -217,6 +232,7 @@ struct Trainer::Impl {
         in.get_into("resident/" + p.name, p.value.data_ptr(), p.value.numel() * sizeof(float));
         ++loaded;
       }
+      model->refresh_compute();
       log->info("initial weights from {} (step {}): every streamed block and {} resident tensors", file.string(),
                 meta["next_step"].get<std::int64_t>(), loaded);
     } catch (const CheckpointError& e) {
@@ -279,9 +295,7 @@ struct Trainer::Impl {
     engine_config.backward = true;
     if (!s.metrics_file.empty()) engine_config.metrics_path = (options.out_dir / s.metrics_file).string();
 
-    ad::HostBackendOptions backend_options;
-    backend_options.bandwidth_cap_bytes_per_second = s.bandwidth_cap_gbps * 1e9;
-    backend = std::make_unique<ad::HostBackend>(backend_options);
+    backend = make_transfer_backend(config);
     engine = std::make_unique<ad::StreamingEngine>(*backend, engine_config, block_specs);
     ad::StreamingConfig eval_config = engine_config;
     eval_config.backward = false;
@@ -330,20 +344,18 @@ struct Trainer::Impl {
   }
 
   BlockWeights delivered(const ad::BlockView& view, bool requires_grad) const {
-    BlockWeights w;
-    for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
-      const ad::TensorView& t = view.tensors[i];
-      w[i] = torch::empty({static_cast<std::int64_t>(t.rows), static_cast<std::int64_t>(t.cols)});
-      widen_delivered_weights(t, w[i].data_ptr<float>());
-      if (requires_grad) w[i].requires_grad_(true);
-    }
-    return w;
+    std::array<const std::uint16_t*, kStreamedPerBlock> slot{};
+    for (std::size_t i = 0; i < kStreamedPerBlock; ++i) slot[i] = view.tensors[i].bf16;
+    return model->delivered_weights(slot, requires_grad);
   }
 
   std::pair<torch::Tensor, torch::Tensor> tensors_of(std::vector<std::int64_t>& tokens, std::uint32_t batch) const {
     const std::int64_t window = config.model.seq_len + 1;
     const torch::Tensor all = torch::from_blob(tokens.data(), {batch, window}, torch::kInt64);
-    return {all.narrow(1, 0, window - 1).clone(), all.narrow(1, 1, window - 1).clone()};
+    const auto place = [&](const torch::Tensor& t) {
+      return t.to(compute.device(), torch::kInt64, /*non_blocking=*/false, /*copy=*/true);
+    };
+    return {place(all.narrow(1, 0, window - 1)), place(all.narrow(1, 1, window - 1))};
   }
 
   // Runs the forward of every block through `streaming` (a forward-only engine), returning the
@@ -430,8 +442,9 @@ struct Trainer::Impl {
       eval_engine->begin_step(eval_engine_steps++);
       for (std::uint32_t b = 0; b < n_blocks; ++b) {
         const ad::BlockView& view = eval_engine->acquire(b);
-        const torch::Tensor quantized = model->block_forward(b, reference[b], delivered(view, false)).contiguous();
-        const torch::Tensor expected = reference[b + 1].contiguous();
+        const auto on_host = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kFloat32).contiguous(); };
+        const torch::Tensor quantized = on_host(model->block_forward(b, reference[b], delivered(view, false)));
+        const torch::Tensor expected = on_host(reference[b + 1]);
         errors[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32,
                                         quantized.data_ptr<float>(), kn::DType::kFloat32,
                                         static_cast<std::size_t>(expected.numel()));
@@ -491,8 +504,9 @@ struct Trainer::Impl {
     return t.lr * (t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine);
   }
 
+  // Gradients computed on the device in the compute dtype land in the fp32 host buffer.
   void accumulate(ResidentParam& p, const torch::Tensor& grad) {
-    if (grad.defined()) p.grad.add_(grad);
+    if (grad.defined()) p.grad.add_(grad.to(p.grad.options()));
   }
 
   // Forward through every block without autograd; returns the block inputs and the final
@@ -524,7 +538,7 @@ struct Trainer::Impl {
       std::vector<torch::Tensor> wrt{x};
       if (full) wrt.insert(wrt.end(), weights.begin(), weights.end());
       const std::vector<std::size_t>& own = model->block_resident(b);
-      for (std::size_t r : own) wrt.push_back(resident[r].value);
+      for (std::size_t r : own) wrt.push_back(resident[r].compute);
       const std::vector<torch::Tensor> grads = torch::autograd::grad({y}, wrt, {upstream});
       engine->release(b);
       std::size_t next = 1;
@@ -576,6 +590,7 @@ struct Trainer::Impl {
     const double clip = config.train.grad_clip;
     adam->begin_step(lr, clip > 0.0 && grad_norm > clip ? clip / grad_norm : 1.0);
     for (std::size_t index : adam_resident) adam->step_parameter(index);
+    model->refresh_compute();
     if (config.train.mode != TrainMode::full) return;
     for (std::uint32_t b = 0; b < n_blocks; ++b) {
       for (std::size_t index : adam_masters[b]) adam->step_parameter(index);
@@ -606,15 +621,15 @@ struct Trainer::Impl {
     const torch::Tensor top = inputs.back().detach().requires_grad_(true);
     const torch::Tensor loss = model->head_loss(top, targets);
     const std::vector<torch::Tensor> head_grads = torch::autograd::grad(
-        {loss}, {top, resident[model->wte()].value, resident[model->lnf_weight()].value,
-                 resident[model->lnf_bias()].value});
+        {loss}, {top, resident[model->wte()].compute, resident[model->lnf_weight()].compute,
+                 resident[model->lnf_bias()].compute});
     accumulate(resident[model->wte()], head_grads[1]);
     accumulate(resident[model->lnf_weight()], head_grads[2]);
     accumulate(resident[model->lnf_bias()], head_grads[3]);
     record.loss = loss.item<double>();
     const torch::Tensor embedding_upstream = backward_blocks(inputs, head_grads[0]);
     const std::vector<torch::Tensor> embedding_grads = torch::autograd::grad(
-        {embedded}, {resident[model->wte()].value, resident[model->wpe()].value}, {embedding_upstream});
+        {embedded}, {resident[model->wte()].compute, resident[model->wpe()].compute}, {embedding_upstream});
     accumulate(resident[model->wte()], embedding_grads[0]);
     accumulate(resident[model->wpe()], embedding_grads[1]);
     const ad::StepTransferMetrics transfer = engine->end_step();
@@ -746,6 +761,7 @@ struct Trainer::Impl {
       for (ResidentParam& p : model->resident()) {
         in.get_into("resident/" + p.name, p.value.data_ptr(), p.value.numel() * sizeof(float));
       }
+      model->refresh_compute();
       for (std::size_t i = 0; i < adam->size(); ++i) {
         in.get_into("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg(i).data(), adam->exp_avg(i).size() * sizeof(float));
         in.get_into("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq(i).data(), adam->exp_avg_sq(i).size() * sizeof(float));
@@ -835,6 +851,7 @@ struct Trainer::Impl {
             {"train_seconds", totals.train_seconds},
             {"wall_seconds", wall_seconds},
             {"mode", mode_name(config.train.mode)},
+            {"device", compute_device_name(config.train.device)},
             {"compute_dtype", compute_dtype_name(config.train.compute_dtype)},
             {"model", model_identity()},
             {"plugin", {{"name", policy->host().plugin_name()}, {"version", policy->plugin_version()},

@@ -10,8 +10,8 @@
 #include "adamw.hpp"
 #include "calibration_cache.hpp"
 #include "checkpoint_file.hpp"
-#include "delivered_weights.hpp"
 #include "sp/adapters/host_backend.h"
+#include "sp/adapters/streaming_engine.h"
 #include "sp/kernels/bf16.h"
 #include "sp/kernels/quantize.h"
 #include "text_corpus.hpp"
@@ -138,8 +138,9 @@ TEST(AdamW, MatchesTheDefinitionAndLeavesNonDecayedTensorsUndecayed) {
   EXPECT_EQ(adam.steps_taken(), 1);
 }
 
-// The compute weights of a block are the bytes its route delivered into the slot, widened
-// exactly: BF16 route -> bf16(master); INT8 route -> bf16(dequant(quant(master))).
+// The trainer computes on views of the slot (widened exactly to fp32, or in place in bf16), so
+// the slot must hold what the route delivers: BF16 route -> bf16(master); INT8 route ->
+// bf16(dequant(quant(master))).
 TEST(DeliveredWeights, AreExactlyWhatEachRouteDelivered) {
   const std::uint64_t rows = 24, cols = 64;
   std::vector<float> master(rows * cols);
@@ -156,16 +157,14 @@ TEST(DeliveredWeights, AreExactlyWhatEachRouteDelivered) {
 
   std::vector<std::uint16_t> bf16(master.size());
   kernels::fp32_to_bf16(master.data(), bf16.data(), bf16.size());
-  std::vector<float> expected_bf16(master.size());
-  kernels::bf16_to_fp32(bf16.data(), expected_bf16.data(), bf16.size());
+  const std::vector<std::uint16_t> expected_bf16 = bf16;
   std::vector<std::int8_t> codes(master.size());
   std::vector<float> scales(kernels::scale_count(rows, cols, 32));
   kernels::QuantizeOptions q;
   q.group_size = 32;
   kernels::quantize_int8(master.data(), kernels::DType::kFloat32, rows, cols, q, codes.data(), scales.data());
-  kernels::dequantize_int8_to_bf16(codes.data(), scales.data(), rows, cols, 32, bf16.data());
-  std::vector<float> expected_int8(master.size());
-  kernels::bf16_to_fp32(bf16.data(), expected_int8.data(), bf16.size());
+  std::vector<std::uint16_t> expected_int8(master.size());
+  kernels::dequantize_int8_to_bf16(codes.data(), scales.data(), rows, cols, 32, expected_int8.data());
   ASSERT_NE(expected_bf16, expected_int8);
 
   for (sp_precision route : {SP_PRECISION_BF16, SP_PRECISION_INT8}) {
@@ -174,14 +173,10 @@ TEST(DeliveredWeights, AreExactlyWhatEachRouteDelivered) {
     engine.begin_step(route);
     const adapters::BlockView& view = engine.acquire(0);
     EXPECT_EQ(view.precision, route == SP_PRECISION_INT8 ? adapters::Precision::int8 : adapters::Precision::bf16);
-    std::vector<float> widened(master.size());
-    widen_delivered_weights(view.tensors[0], widened.data());
+    const std::vector<std::uint16_t> slot(view.tensors[0].bf16, view.tensors[0].bf16 + master.size());
     engine.release(0);
     engine.end_step();
-    EXPECT_EQ(std::memcmp(widened.data(), (route == SP_PRECISION_INT8 ? expected_int8 : expected_bf16).data(),
-                          widened.size() * sizeof(float)),
-              0)
-        << "route " << route;
+    EXPECT_EQ(slot, route == SP_PRECISION_INT8 ? expected_int8 : expected_bf16) << "route " << route;
   }
 }
 

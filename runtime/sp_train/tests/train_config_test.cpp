@@ -28,6 +28,7 @@ TEST(TrainConfig, DefaultsApplyToAnEmptyDocument) {
   const TrainConfig c = parse_train_config("", "empty.yaml");
   EXPECT_EQ(c.model.n_blocks, 6u);
   EXPECT_EQ(c.train.mode, TrainMode::full);
+  EXPECT_EQ(c.train.device, ComputeDevice::cpu);
   EXPECT_EQ(c.train.compute_dtype, ComputeDtype::fp32);
   EXPECT_TRUE(c.policy_keys.run_calibration);
 }
@@ -51,7 +52,9 @@ TEST(TrainConfig, EachBadValueNamesItsKeyAndExpectation) {
   EXPECT_EQ(error_of("train: {mode: partial}"), "cfg.yaml: train.mode: expected one of full, lora, found 'partial'");
   EXPECT_EQ(error_of("train: {lr: \"fast\"}"), "cfg.yaml: train.lr: expected a number in (0, 10], found the string \"fast\"");
   EXPECT_EQ(error_of("train: {compute_dtype: bf16}"),
-            "cfg.yaml: train.compute_dtype: expected fp32 (bf16 compute needs a CUDA LibTorch build), found 'bf16'");
+            "cfg.yaml: train.compute_dtype: expected fp32 with train.device cpu (bf16 compute needs train.device: "
+            "cuda), found 'bf16'");
+  EXPECT_EQ(error_of("train: {device: gpu}"), "cfg.yaml: train.device: expected one of cpu, cuda, found 'gpu'");
   EXPECT_EQ(error_of("train: {lora: {rank: 0}}"), "cfg.yaml: train.lora.rank: expected an integer in [1, 4096], found '0'");
   EXPECT_EQ(error_of("data: {val_fraction: 0.9}"), "cfg.yaml: data.val_fraction: expected a number in (0, 0.5], found '0.9'");
   EXPECT_EQ(error_of("memory: {stagehand: {streaming: {int8_group_size: 48}}}"),
@@ -63,6 +66,12 @@ TEST(TrainConfig, EachBadValueNamesItsKeyAndExpectation) {
   EXPECT_EQ(error_of("trian: {}"), "cfg.yaml: trian: unknown top-level key; expected one of: model, data, train, memory");
   EXPECT_EQ(error_of("- a\n- b\n"), "cfg.yaml: expected a mapping at the top level, found a list");
   EXPECT_NE(error_of("model: [unclosed").find("cfg.yaml: not valid YAML"), std::string::npos);
+}
+
+TEST(TrainConfig, Bf16ComputeIsAcceptedOnTheGpu) {
+  const TrainConfig c = parse_train_config("train: {device: cuda, compute_dtype: bf16}", "cfg.yaml");
+  EXPECT_EQ(c.train.device, ComputeDevice::cuda);
+  EXPECT_EQ(c.train.compute_dtype, ComputeDtype::bf16);
 }
 
 TEST(TrainConfig, BadOverridesAreNamed) {

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <filesystem>
 #include <numeric>
+#include <optional>
+#include <string>
 
 #include <gtest/gtest.h>
 #include <spdlog/sinks/null_sink.h>
@@ -73,19 +75,14 @@ std::uint64_t int8_image_bytes(const ModelConfig& m, std::uint32_t group) {
   return kernels::slab_image_bytes(encoding, shapes, 4);
 }
 
-TEST_F(TrainE2E, LearnsDecidesAndMovesTheBytesItDecided) {
-  const RunSummary run = train("plain");
-  ASSERT_EQ(run.steps.size(), 24u);
-  EXPECT_LT(mean_loss(run.steps, 19, 24), mean_loss(run.steps, 0, 5) - 0.3);
-  ASSERT_TRUE(run.json["final_val_loss"].is_number());
-
-  const TrainConfig c = config();
+// Each step's fetches take the routes decided after the previous step, and its INT8 bytes are
+// those routes' images. Returns the number of steps that moved INT8 bytes.
+std::size_t expect_bytes_follow_decisions(const RunSummary& run, const TrainConfig& c) {
   const std::uint32_t n = c.model.n_blocks;
   const std::uint64_t int8_bytes = int8_image_bytes(c.model, c.streaming.int8_group_size);
   std::size_t int8_fetch_steps = 0;
   for (std::size_t s = 0; s < run.steps.size(); ++s) {
     const StepRecord& r = run.steps[s];
-    // A step's fetches take the routes decided after the previous step.
     const std::vector<std::uint8_t> expected = s == 0 ? std::vector<std::uint8_t>(n, 0) : run.steps[s - 1].decisions;
     EXPECT_EQ(r.routes, expected) << "step " << s;
     // Every block is fetched for forward and for backward, except the last, whose slot is
@@ -96,9 +93,18 @@ TEST_F(TrainE2E, LearnsDecidesAndMovesTheBytesItDecided) {
     EXPECT_EQ(r.h2d_bytes_bf16 + r.h2d_bytes_int8 < r.h2d_bytes_all_bf16, expected_int8 != 0) << "step " << s;
     int8_fetch_steps += expected_int8 != 0;
   }
-  EXPECT_GT(int8_fetch_steps, 0u) << "the plugin never sent a block to INT8";
+  return int8_fetch_steps;
+}
+
+TEST_F(TrainE2E, LearnsDecidesAndMovesTheBytesItDecided) {
+  const RunSummary run = train("plain");
+  ASSERT_EQ(run.steps.size(), 24u);
+  EXPECT_LT(mean_loss(run.steps, 19, 24), mean_loss(run.steps, 0, 5) - 0.3);
+  ASSERT_TRUE(run.json["final_val_loss"].is_number());
+  EXPECT_GT(expect_bytes_follow_decisions(run, config()), 0u) << "the plugin never sent a block to INT8";
   const std::uint64_t saved = run.json["h2d_bytes"]["saved"];
   EXPECT_GT(saved, 0u);
+  EXPECT_EQ(run.json["device"], "cpu");
   EXPECT_TRUE(fs::exists(dir_ / "plain" / "summary.json"));
   EXPECT_TRUE(fs::exists(dir_ / "plain" / "selective_precision_telemetry.jsonl"));
 }
@@ -259,6 +265,54 @@ TEST_F(TrainWithTransferPolicy, AnUnreadablePolicyFileMeansBf16AndTrainingGoesOn
   const RunSummary run = train("missing", {{"memory.stagehand.streaming.transfer_policy_path", (dir_ / "nope.json").string()}});
   ASSERT_EQ(run.steps.size(), 24u);
   for (const StepRecord& r : run.steps) EXPECT_EQ(r.h2d_bytes_int8, 0u) << "step " << r.step;
+}
+
+
+// train.device: cuda. Where no GPU is usable (no CUDA in this build or in LibTorch, or no
+// device), it is refused at startup by name; on a GPU machine the same trainer computes there.
+class TrainOnCuda : public TrainE2E {
+ protected:
+  // Why this machine cannot train on CUDA, or nothing when it can.
+  std::optional<std::string> refusal() {
+    try {
+      Trainer probe(config({{"train.device", "cuda"}}), options("probe"));
+      return std::nullopt;
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+  }
+};
+
+TEST_F(TrainOnCuda, IsRefusedByNameWhereNoGpuIsUsable) {
+  const std::optional<std::string> why = refusal();
+  if (!why) GTEST_SKIP() << "a CUDA device is usable here";
+  EXPECT_EQ(why->rfind("tiny.yaml: train.device: cuda, but ", 0), 0u) << *why;
+  EXPECT_NE(why->find("use train.device: cpu"), std::string::npos) << *why;
+  EXPECT_FALSE(fs::exists(dir_ / "probe" / "checkpoint.bin"));
+}
+
+// fp32 on the GPU is the CPU run's math over the same delivered bf16 weights, in another
+// summation order: the losses agree closely, and the bytes still follow the decisions.
+TEST_F(TrainOnCuda, Fp32TracksTheCpuRun) {
+  if (const std::optional<std::string> why = refusal()) GTEST_SKIP() << *why;
+  const RunSummary gpu = train("gpu-fp32", {{"train.device", "cuda"}});
+  const RunSummary cpu = train("cpu-fp32");
+  ASSERT_EQ(gpu.steps.size(), cpu.steps.size());
+  EXPECT_EQ(gpu.json["device"], "cuda");
+  EXPECT_NEAR(gpu.steps[0].loss, cpu.steps[0].loss, 1e-4 * cpu.steps[0].loss);
+  const double gpu_val = gpu.json["final_val_loss"], cpu_val = cpu.json["final_val_loss"];
+  EXPECT_NEAR(gpu_val, cpu_val, 0.02 * cpu_val);
+  expect_bytes_follow_decisions(gpu, config());
+}
+
+// bf16 compute reads the slots in place; the run still learns and moves what it decided.
+TEST_F(TrainOnCuda, Bf16ComputeLearnsFromTheSlotsInPlace) {
+  if (const std::optional<std::string> why = refusal()) GTEST_SKIP() << *why;
+  const RunSummary run = train("gpu-bf16", {{"train.device", "cuda"}, {"train.compute_dtype", "bf16"}});
+  ASSERT_EQ(run.steps.size(), 24u);
+  EXPECT_LT(mean_loss(run.steps, 19, 24), mean_loss(run.steps, 0, 5) - 0.3);
+  EXPECT_EQ(run.json["compute_dtype"], "bf16");
+  expect_bytes_follow_decisions(run, config());
 }
 
 }  // namespace
