@@ -268,6 +268,21 @@ TEST_F(TrainWithTransferPolicy, AnUnreadablePolicyFileMeansBf16AndTrainingGoesOn
 }
 
 
+// The GPU's bf16 path, run on the host: a config file cannot ask for bf16 on the CPU (slow
+// there, and not the design), but the trainer's library API can. Then everything the GPU run
+// depends on besides CUDA runs here: compute weights that alias the slots (gpt_model_test),
+// resident compute copies refreshed after each update, gradients returned to fp32 masters.
+TEST_F(TrainE2E, Bf16ComputeOnTheHostLearnsAndMovesWhatItDecided) {
+  TrainConfig c = config();
+  c.train.compute_dtype = ComputeDtype::bf16;
+  Trainer trainer(c, options("bf16-on-host"));
+  const RunSummary run = trainer.run();
+  ASSERT_EQ(run.steps.size(), 24u);
+  EXPECT_EQ(run.json["compute_dtype"], "bf16");
+  EXPECT_LT(mean_loss(run.steps, 19, 24), mean_loss(run.steps, 0, 5) - 0.3);
+  expect_bytes_follow_decisions(run, c);
+}
+
 // train.device: cuda. Where no GPU is usable (no CUDA in this build or in LibTorch, or no
 // device), it is refused at startup by name; on a GPU machine the same trainer computes there.
 class TrainOnCuda : public TrainE2E {

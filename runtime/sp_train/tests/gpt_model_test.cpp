@@ -1,0 +1,87 @@
+// The model's compute tensors: what it reads when its math runs in another dtype (or on
+// another device) than the fp32 host masters.
+#include <array>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "gpt_model.hpp"
+
+namespace sp::train {
+namespace {
+
+ModelConfig tiny_model() {
+  ModelConfig m;
+  m.d_model = 32;
+  m.n_heads = 2;
+  m.n_blocks = 2;
+  m.seq_len = 8;
+  return m;
+}
+
+const torch::TensorOptions kBf16OnHost = torch::TensorOptions().dtype(torch::kBFloat16);
+
+// bf16 compute wraps the slot itself: no copy between what crossed the link and the matmul.
+TEST(GptModelCompute, Bf16WeightsAreTheSlotInPlace) {
+  GptModel model(tiny_model(), TrainMode::full, LoraConfig{}, 7, kBf16OnHost);
+  const BlockWeights& masters = model.masters()[0];
+  std::array<std::vector<std::uint16_t>, kStreamedPerBlock> slot;
+  std::array<const std::uint16_t*, kStreamedPerBlock> slot_pointers{};
+  for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+    slot[i].assign(static_cast<std::size_t>(masters[i].numel()), 0x3f80);  // bf16 1.0
+    slot_pointers[i] = slot[i].data();
+  }
+  const BlockWeights delivered = model.delivered_weights(slot_pointers, /*requires_grad=*/true);
+  for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+    EXPECT_EQ(delivered[i].data_ptr(), static_cast<const void*>(slot[i].data())) << "tensor " << i;
+    EXPECT_EQ(delivered[i].sizes(), masters[i].sizes()) << "tensor " << i;
+    EXPECT_EQ(delivered[i].scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(delivered[i].requires_grad());
+  }
+  // The block's backward differentiates through the wrapped slot without writing it.
+  const torch::Tensor x = torch::randn({1, 8, 32}, kBf16OnHost);
+  torch::autograd::grad({model.block_forward(0, x, delivered).sum()}, {delivered[0]});
+  for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+    for (std::uint16_t v : slot[i]) ASSERT_EQ(v, 0x3f80) << "tensor " << i;
+  }
+}
+
+// Where the math does not run on the fp32 masters, each resident tensor has its own compute
+// copy, which follows the master only through refresh_compute().
+TEST(GptModelCompute, ResidentCopiesFollowTheMastersOnRefresh) {
+  GptModel model(tiny_model(), TrainMode::lora, LoraConfig{}, 7, kBf16OnHost);
+  for (ResidentParam& p : model.resident()) {
+    ASSERT_NE(p.compute.data_ptr(), p.value.data_ptr()) << p.name;
+    EXPECT_EQ(p.compute.scalar_type(), torch::kBFloat16) << p.name;
+    EXPECT_TRUE(torch::equal(p.compute, p.value.detach().to(torch::kBFloat16))) << p.name;
+    p.value.detach().add_(1.0f);
+  }
+  const ResidentParam& first = model.resident()[0];
+  EXPECT_FALSE(torch::equal(first.compute, first.value.detach().to(torch::kBFloat16)));
+  model.refresh_compute();
+  for (const ResidentParam& p : model.resident()) {
+    EXPECT_TRUE(torch::equal(p.compute, p.value.detach().to(torch::kBFloat16))) << p.name;
+  }
+}
+
+// fp32 on the host computes on the masters themselves, and widens the slot exactly.
+TEST(GptModelCompute, Fp32OnTheHostUsesTheMastersAndWidensTheSlotExactly) {
+  GptModel model(tiny_model(), TrainMode::full, LoraConfig{}, 7, torch::TensorOptions().dtype(torch::kFloat32));
+  for (const ResidentParam& p : model.resident()) EXPECT_EQ(p.compute.data_ptr(), p.value.data_ptr()) << p.name;
+  const BlockWeights& masters = model.masters()[0];
+  std::array<torch::Tensor, kStreamedPerBlock> bf16;
+  std::array<const std::uint16_t*, kStreamedPerBlock> slot_pointers{};
+  for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+    bf16[i] = masters[i].to(torch::kBFloat16).contiguous();
+    slot_pointers[i] = static_cast<const std::uint16_t*>(bf16[i].data_ptr());
+  }
+  const BlockWeights delivered = model.delivered_weights(slot_pointers, /*requires_grad=*/false);
+  for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+    EXPECT_EQ(delivered[i].scalar_type(), torch::kFloat32);
+    EXPECT_TRUE(torch::equal(delivered[i], bf16[i].to(torch::kFloat32))) << "tensor " << i;
+  }
+}
+
+}  // namespace
+}  // namespace sp::train
