@@ -1,19 +1,24 @@
 #include "sp/policy/config.hpp"
 
 #include "sp/policy/errors.hpp"
+#include "sp/yaml_diagnostics/yaml_diagnostics.hpp"
 
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <array>
-#include <cctype>
 #include <cmath>
+#include <optional>
+#include <string_view>
 #include <set>
 #include <utility>
 
 namespace sp::policy {
 namespace {
+
+using yaml_diagnostics::describe;
+using yaml_diagnostics::is_plain_scalar;
 
 constexpr const char *kTopLevelSection = "selective_precision";
 constexpr const char *kTrainingConfigSection = "memory.stagehand.selective_precision";
@@ -33,56 +38,6 @@ constexpr std::array<const char *, 22> kKnownKeys = {
     "log_decisions",     "telemetry_enabled",
     "telemetry_file",    "nonfinite_to_bf16",
 };
-
-std::size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<std::size_t> row(b.size() + 1);
-  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    std::size_t diagonal = row[0];
-    row[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j) {
-      const std::size_t above = row[j];
-      const bool same = std::tolower(static_cast<unsigned char>(a[i - 1])) ==
-                        std::tolower(static_cast<unsigned char>(b[j - 1]));
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (same ? 0 : 1)});
-      diagonal = above;
-    }
-  }
-  return row[b.size()];
-}
-
-std::string did_you_mean(std::string_view unknown) {
-  const char *best = nullptr;
-  std::size_t best_distance = std::max<std::size_t>(3, unknown.size() / 3) + 1;
-  for (const char *known : kKnownKeys) {
-    const std::size_t distance = edit_distance(unknown, known);
-    if (distance < best_distance) {
-      best = known;
-      best_distance = distance;
-    }
-  }
-  return best ? fmt::format("; did you mean '{}'?", best) : std::string{};
-}
-
-// How a rejected value reads in a message: what the user wrote, and what YAML made of it.
-std::string describe(const YAML::Node &node) {
-  switch (node.Type()) {
-    case YAML::NodeType::Null:
-    case YAML::NodeType::Undefined:
-      return "nothing (null)";
-    case YAML::NodeType::Sequence:
-      return "a list";
-    case YAML::NodeType::Map:
-      return "a mapping";
-    case YAML::NodeType::Scalar:
-      break;
-  }
-  // yaml-cpp tags quoted scalars "!" and plain ones "?".
-  if (node.Tag() == "!") return fmt::format("the string \"{}\"", node.Scalar());
-  return fmt::format("'{}'", node.Scalar());
-}
-
-bool is_plain_scalar(const YAML::Node &node) { return node.IsScalar() && node.Tag() != "!"; }
 
 class SectionReader {
  public:
@@ -300,7 +255,9 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
   } else if (key == "nonfinite_to_bf16") {
     config.nonfinite_to_bf16 = reader.read_bool(key, value);
   } else {
-    throw ConfigError(fmt::format("{}: unknown key{}", reader.path(key), did_you_mean(key)));
+    const std::optional<std::string_view> suggestion = yaml_diagnostics::closest_key(key, kKnownKeys);
+    throw ConfigError(fmt::format("{}: unknown key{}", reader.path(key),
+                                  suggestion ? fmt::format("; did you mean '{}'?", *suggestion) : ""));
   }
 }
 

@@ -3,32 +3,21 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <sstream>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <yaml-cpp/yaml.h>
 
+#include "sp/yaml_diagnostics/yaml_diagnostics.hpp"
+
 namespace sp::train {
 namespace {
 
-std::string describe(const YAML::Node& node) {
-  switch (node.Type()) {
-    case YAML::NodeType::Null:
-    case YAML::NodeType::Undefined:
-      return "nothing (null)";
-    case YAML::NodeType::Sequence:
-      return "a list";
-    case YAML::NodeType::Map:
-      return "a mapping";
-    case YAML::NodeType::Scalar:
-      break;
-  }
-  if (node.Tag() == "!") return fmt::format("the string \"{}\"", node.Scalar());
-  return fmt::format("'{}'", node.Scalar());
-}
-
-bool is_plain_scalar(const YAML::Node& node) { return node.IsScalar() && node.Tag() != "!"; }
+using yaml_diagnostics::describe;
+using yaml_diagnostics::is_plain_scalar;
 
 // Reads one mapping of the document. Every message carries the source and the full key path;
 // keys that the section does not know are rejected with the list of those it does.
@@ -53,11 +42,13 @@ class Section {
       bool found = false;
       for (const char* k : known_) found = found || key == k;
       if (!found) {
+        const std::optional<std::string_view> suggestion = yaml_diagnostics::closest_key(key, known_);
+        const std::string hint = suggestion ? fmt::format("did you mean '{}'? ", *suggestion) : "";
         throw ConfigError(path_.empty()
-                              ? fmt::format("{}: {}: unknown top-level key; expected one of: {}", source_,
-                                            key, fmt::join(known_, ", "))
-                              : fmt::format("{}: {}.{}: unknown key; {} accepts: {}", source_, path_,
-                                            key, path_, fmt::join(known_, ", ")));
+                              ? fmt::format("{}: {}: unknown top-level key; {}expected one of: {}", source_,
+                                            key, hint, fmt::join(known_, ", "))
+                              : fmt::format("{}: {}.{}: unknown key; {}{} accepts: {}", source_, path_,
+                                            key, hint, path_, fmt::join(known_, ", ")));
       }
     }
   }

@@ -45,7 +45,9 @@ TEST(TrainConfig, OverridesEditTheDocumentAndReachThePlugin) {
 
 TEST(TrainConfig, EachBadValueNamesItsKeyAndExpectation) {
   EXPECT_EQ(error_of("model: {d_modle: 3}"),
-            "cfg.yaml: model.d_modle: unknown key; model accepts: d_model, n_heads, n_blocks, seq_len, mlp_ratio, init_std");
+            "cfg.yaml: model.d_modle: unknown key; did you mean 'd_model'? model accepts: d_model, n_heads, n_blocks, seq_len, mlp_ratio, init_std");
+  EXPECT_EQ(error_of("model: {width: 3}"),
+            "cfg.yaml: model.width: unknown key; model accepts: d_model, n_heads, n_blocks, seq_len, mlp_ratio, init_std");
   EXPECT_EQ(error_of("model: {d_model: -4}"), "cfg.yaml: model.d_model: expected an integer in [8, 65536], found '-4'");
   EXPECT_EQ(error_of("model: {d_model: 130, n_heads: 4}"),
             "cfg.yaml: model.n_heads: expected a divisor of model.d_model (130), found '4'");
@@ -63,7 +65,7 @@ TEST(TrainConfig, EachBadValueNamesItsKeyAndExpectation) {
             "cfg.yaml: memory.stagehand.selective_precision.calibration_samples: expected an integer in [1, 4096], found '0'");
   EXPECT_EQ(error_of("memory: {stagehand: {selective_precision: 3}}"),
             "cfg.yaml: memory.stagehand.selective_precision: expected a mapping, found '3'");
-  EXPECT_EQ(error_of("trian: {}"), "cfg.yaml: trian: unknown top-level key; expected one of: model, data, train, memory");
+  EXPECT_EQ(error_of("trian: {}"), "cfg.yaml: trian: unknown top-level key; did you mean 'train'? expected one of: model, data, train, memory");
   EXPECT_EQ(error_of("- a\n- b\n"), "cfg.yaml: expected a mapping at the top level, found a list");
   EXPECT_NE(error_of("model: [unclosed").find("cfg.yaml: not valid YAML"), std::string::npos);
 }
