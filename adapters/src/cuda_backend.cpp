@@ -42,7 +42,13 @@ cudaEvent_t cuda_event(const Event &event) {
 
 bool CudaBackend::device_available() {
   int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    // Without a driver the query fails; clear it so the next kernel launch check does not
+    // report this as its own failure.
+    (void)cudaGetLastError();
+    return false;
+  }
+  return count > 0;
 }
 
 std::string CudaBackend::device_name() const {
@@ -98,7 +104,10 @@ Region CudaBackend::allocate_device(std::size_t bytes) {
   void *memory = nullptr;
   check(cudaMalloc(&memory, bytes), "cudaMalloc");
   Region region(static_cast<std::byte *>(memory), bytes, [](std::byte *p) { cudaFree(p); });
-  check(cudaMemset(memory, 0, bytes), "cudaMemset");
+  // On the copy stream and waited for: the slot's first reader may be any of the three
+  // non-blocking streams, none of which is ordered after the legacy stream cudaMemset uses.
+  check(cudaMemsetAsync(memory, 0, bytes, copy_stream_), "cudaMemsetAsync");
+  check(cudaStreamSynchronize(copy_stream_), "cudaStreamSynchronize(copy)");
   return region;
 }
 
@@ -129,6 +138,9 @@ void CudaBackend::wait(Queue waiter, const Event &event) {
 bool CudaBackend::query(const Event &event) {
   const cudaError_t status = cudaEventQuery(cuda_event(event));
   if (status == cudaErrorNotReady) {
+    // Not an error, but the runtime records it as the last error: clear it, or the next
+    // kernel launch check would throw it.
+    (void)cudaGetLastError();
     return false;
   }
   check(status, "cudaEventQuery");

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <future>
+
 #include "engine_test_support.h"
 #include "sp/adapters/instrumented_backend.h"
 
@@ -62,6 +64,24 @@ TEST_F(CudaEngine, SteadyStateMakesNoHostSynchronization) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
   EXPECT_EQ(backend.counts().host_syncs, 0u);
+}
+
+// A not-ready event is not an error, but the runtime records cudaErrorNotReady as the last
+// error; left there, the next kernel launch check would throw it. A host function that waits
+// for the test holds the copy stream, so the event is certainly pending when queried.
+TEST_F(CudaEngine, QueryingAPendingEventLeavesNoErrorBehind) {
+  CudaBackend backend;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  auto gate = [](void *future) { static_cast<std::shared_future<void> *>(future)->wait(); };
+  ASSERT_EQ(cudaLaunchHostFunc(backend.stream(Queue::copy), gate, &released), cudaSuccess);
+  std::unique_ptr<Event> event = backend.create_event();
+  backend.record(*event, Queue::copy);
+  EXPECT_FALSE(backend.query(*event));
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  release.set_value();
+  backend.synchronize(*event);
+  EXPECT_TRUE(backend.query(*event));
 }
 
 }  // namespace

@@ -13,8 +13,9 @@ namespace sp::adapters {
 
 struct CudaBackendOptions {
   int device = 0;
-  // The stream the trainer computes on (e.g. its current stream); nullptr: the backend
-  // creates a non-blocking stream and the trainer launches on compute_stream().
+  // The stream the trainer computes on; nullptr: the backend creates a non-blocking stream
+  // and the trainer launches on compute_stream(). LibTorch's default stream is the legacy
+  // default stream, whose handle is also nullptr: pass cudaStreamLegacy to mean it.
   cudaStream_t compute_stream = nullptr;
 };
 
