@@ -4,18 +4,20 @@
 
 #include <fmt/format.h>
 
+#include "image_alignment.h"
+
 namespace sp::adapters {
 
 PinnedSlabPool::PinnedSlabPool(TransferBackend &backend, std::uint64_t slab_bytes,
                                std::uint32_t slab_count)
-    : slab_bytes_(slab_bytes) {
+    : slab_bytes_(slab_bytes), stride_(image_stride(slab_bytes)) {
   if (slab_bytes == 0) {
     throw std::invalid_argument("PinnedSlabPool: the slab size must be > 0");
   }
   if (slab_count == 0) {
     throw std::invalid_argument("PinnedSlabPool: the slab count must be > 0");
   }
-  memory_ = backend.allocate_pinned_host(slab_bytes * slab_count);
+  memory_ = backend.allocate_pinned_host(stride_ * slab_count);
   in_use_.assign(slab_count, false);
   free_.reserve(slab_count);
   for (std::uint32_t slab = slab_count; slab-- > 0;) {
@@ -57,7 +59,7 @@ std::byte *PinnedSlabPool::data(std::uint32_t slab) const {
   if (slab >= in_use_.size()) {
     throw std::out_of_range(fmt::format("PinnedSlabPool: no slab {}", slab));
   }
-  return memory_.data() + static_cast<std::size_t>(slab) * slab_bytes_;
+  return memory_.data() + static_cast<std::size_t>(slab) * stride_;
 }
 
 }  // namespace sp::adapters

@@ -2,14 +2,9 @@
 
 #include <stdexcept>
 
-namespace sp::adapters {
-namespace {
-constexpr std::uint64_t kSlotAlignment = 256;  // slab payloads are 256-aligned within an image
+#include "image_alignment.h"
 
-std::uint64_t aligned(std::uint64_t bytes) {
-  return (bytes + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
-}
-}  // namespace
+namespace sp::adapters {
 
 DeviceSlotRing::DeviceSlotRing(TransferBackend &backend, std::uint64_t compute_bytes,
                                std::uint64_t staging_bytes, std::uint32_t slot_count)
@@ -20,12 +15,12 @@ DeviceSlotRing::DeviceSlotRing(TransferBackend &backend, std::uint64_t compute_b
   if (slot_count == 0) {
     throw std::invalid_argument("DeviceSlotRing: the slot count must be > 0");
   }
-  const std::uint64_t stride = aligned(compute_bytes) + aligned(staging_bytes);
+  const std::uint64_t stride = image_stride(compute_bytes) + image_stride(staging_bytes);
   memory_ = backend.allocate_device(stride * slot_count);
   slots_.reserve(slot_count);
   for (std::uint32_t i = 0; i < slot_count; ++i) {
     std::byte *base = memory_.data() + i * stride;
-    slots_.push_back(DeviceSlot{base, base + aligned(compute_bytes), backend.create_event()});
+    slots_.push_back(DeviceSlot{base, base + image_stride(compute_bytes), backend.create_event()});
   }
 }
 

@@ -32,6 +32,23 @@ TEST(StreamingEngine, Bf16SlotsHoldTheBf16ImageBitForBit) {
   EXPECT_EQ(metrics.fetches_int8, 0u);
 }
 
+// Sizes that are not a multiple of the image alignment (what a model width like 9 gives):
+// every slab and slot must still start where an image may start.
+TEST(StreamingEngine, SlabAndSlotSizesNeedNotBeAligned) {
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 3);
+  StreamingConfig config = config_for(model.blocks(), 2);
+  const StreamingEngine sizing(backend, config, model.blocks());
+  config.int8_group_size = 32;
+  config.device_slot_bytes = sizing.image_bytes(0, Precision::bf16) + 1;
+  config.host_slab_bytes = config.device_slot_bytes + 3;
+  ASSERT_NE(config.host_slab_bytes % 16, 0u);
+  StreamingEngine engine(backend, config, model.blocks());
+  set_routes(engine, {Precision::int8, Precision::bf16, Precision::int8, Precision::bf16, Precision::int8,
+                      Precision::bf16});
+  run_checked_step(engine, backend, model.blocks(), 0, config.int8_group_size);
+}
+
 class Int8Groups : public ::testing::TestWithParam<std::uint32_t> {};
 
 TEST_P(Int8Groups, Int8SlotsHoldTheDequantizedImageBitForBit) {

@@ -29,6 +29,7 @@ class PinnedSlabPool {
 
  private:
   std::uint64_t slab_bytes_;
+  std::uint64_t stride_;  // slab_bytes_ rounded up so that every slab starts image-aligned
   Region memory_;
   std::vector<bool> in_use_;
   std::vector<std::uint32_t> free_;
