@@ -1,5 +1,7 @@
 #include <sp/host/plugin_library.h>
 
+#include "elf_image.h"
+
 #include <boost/dll/shared_library.hpp>
 #include <fmt/format.h>
 #include <fmt/std.h>
@@ -244,6 +246,7 @@ PluginLibrary PluginLibrary::load(const std::filesystem::path& file) {
   check_trusted_file(resolved, file_stat);
 
   auto state = std::make_unique<State>(file, PrivateCopy::make(resolved, source.get(), file_stat.st_size));
+  check_elf_image(resolved, state->copy.file());
   std::error_code error;
   state->library.load(state->copy.file(),
                       boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local, error);

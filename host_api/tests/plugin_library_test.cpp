@@ -11,6 +11,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 namespace sp::host {
@@ -95,7 +96,40 @@ TEST(PluginLibrary, RefusesAFileThatIsNotASharedLibrary) {
   const std::filesystem::path file = dir.path() / "libsp_text.so";
   { std::ofstream(file) << "not an ELF file\n"; }
   std::filesystem::permissions(file, kOwnerOnly);
-  EXPECT_THAT(load_error(file), AllOf(HasSubstr(file.string()), HasSubstr("the dynamic loader failed")));
+  EXPECT_THAT(load_error(file), AllOf(HasSubstr(file.string()), HasSubstr("not an ELF shared object")));
+}
+
+// A plugin cut short (still being copied into the plugin directory, say) would have its
+// missing pages mapped by the loader and kill the host with SIGBUS on first touch; the load
+// must fail instead, at every cut point, and leave no private copy behind.
+TEST(PluginLibrary, RefusesATruncatedPluginWithoutMappingIt) {
+  TempDir dir;
+  const std::filesystem::path whole = copy_example_into(dir, kOwnerOnly);
+  std::string bytes;
+  {
+    std::ifstream in(whole, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  // Private copies go under TMPDIR: point it at an empty directory of this test's own.
+  const std::filesystem::path copies = dir.path() / "copies";
+  std::filesystem::create_directory(copies);
+  const char* saved_tmpdir = std::getenv("TMPDIR");
+  const std::string restore = saved_tmpdir != nullptr ? saved_tmpdir : "";
+  ::setenv("TMPDIR", copies.c_str(), 1);
+  for (const double kept : {0.02, 0.25, 0.5, 0.75, 0.99}) {
+    const auto cut = static_cast<std::size_t>(static_cast<double>(bytes.size()) * kept);
+    const std::filesystem::path file = dir.path() / ("libsp_cut_" + std::to_string(cut) + ".so");
+    {
+      std::ofstream out(file, std::ios::binary);
+      out.write(bytes.data(), static_cast<std::streamsize>(cut));
+    }
+    std::filesystem::permissions(file, kOwnerOnly);
+    SCOPED_TRACE(file.string());
+    EXPECT_THAT(load_error(file), AllOf(HasSubstr(file.string()), HasSubstr("truncated or corrupt"),
+                                        HasSubstr("the file has " + std::to_string(cut) + " bytes")));
+  }
+  saved_tmpdir != nullptr ? ::setenv("TMPDIR", restore.c_str(), 1) : ::unsetenv("TMPDIR");
+  EXPECT_TRUE(std::filesystem::is_empty(copies));
 }
 
 TEST(PluginTrust, RefusesAWorldWritableDirectory) {
