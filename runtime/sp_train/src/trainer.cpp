@@ -54,21 +54,28 @@ std::uint64_t slab_bytes(const ad::BlockSpec& block, kn::SlabPrecision precision
   return kn::slab_image_bytes(encoding, shapes.data(), shapes.size());
 }
 
-// Keeps the records of a JSONL file whose `key` is below `step`: on resume, the steps after
-// the checkpoint are run again and must not appear twice.
-void truncate_jsonl(const fs::path& file, const char* key, std::int64_t step) {
-  std::ifstream in(file);
+// Cuts a JSONL log back to its leading complete records whose `key` is below `step`: on
+// resume the steps after the checkpoint run again and must not appear twice, and a fresh run
+// starts its logs empty. In place, with one truncate: the plugin and the transfer engine
+// already hold the file open for appending, and a replaced file would lose their writes.
+void keep_records_before(const fs::path& file, const char* key, std::int64_t step) {
+  std::ifstream in(file, std::ios::binary);
   if (!in) return;
-  std::string kept, line;
-  while (std::getline(in, line)) {
+  std::uintmax_t kept_bytes = 0;
+  std::string line;
+  while (std::getline(in, line) && !in.eof()) {
     const nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (record.is_object() && record.contains(key) && record[key].is_number_integer() &&
-        record[key].get<std::int64_t>() < step) {
-      kept += line + "\n";
+    if (!record.is_object() || !record.contains(key) || !record[key].is_number_integer() ||
+        record[key].get<std::int64_t>() >= step) {
+      break;
     }
+    kept_bytes += line.size() + 1;
   }
   in.close();
-  sp::runtime::write_file_atomically(file, kept);
+  std::error_code error;
+  if (fs::file_size(file, error) != kept_bytes && !error) fs::resize_file(file, kept_bytes, error);
+  if (error) throw std::runtime_error(fmt::format("{}: cannot cut it back to the records before step {}: {}",
+                                                  file.string(), step, error.message()));
 }
 
 // The device and dtype of the model's math. Checked before anything is built: a LibTorch
@@ -146,8 +153,9 @@ struct Trainer::Impl {
     if (!log) log = spdlog::default_logger();
     n_blocks = config.model.n_blocks;
     if (config.train.threads != 0) torch::set_num_threads(static_cast<int>(config.train.threads));
+    // Nothing in the run directory is rewritten until everything that can reject the run has
+    // passed: a mistyped resume must not lose the directory's config or logs.
     fs::create_directories(options.out_dir);
-    sp::runtime::write_file_atomically(options.out_dir / "config.yaml", config.resolved_yaml);
 
     corpus = std::make_unique<TextCorpus>(config.data.path, config.data.val_fraction,
                                           config.data.chunk_bytes, config.model.seq_len);
@@ -156,26 +164,25 @@ struct Trainer::Impl {
 
     std::optional<CheckpointSections> checkpoint = find_checkpoint();
     if (checkpoint) next_step = read_meta(*checkpoint).at("next_step").get<std::int64_t>();
-    // A fresh run in a used directory starts its logs empty; a resumed one drops the steps
-    // after its checkpoint, which it is about to run again.
-    truncate_jsonl(options.out_dir / kTrainMetricsFile, "step", next_step);
-    if (!config.streaming.metrics_file.empty()) {
-      truncate_jsonl(options.out_dir / config.streaming.metrics_file, "step", next_step);
-    }
-    truncate_jsonl(options.out_dir / config.policy_keys.telemetry_file, "step_id", next_step);
 
     model = std::make_unique<GptModel>(config.model, config.train.mode, config.train.lora, config.train.seed, compute);
     if (!checkpoint && !config.train.init_checkpoint.empty()) load_initial_weights(config.train.init_checkpoint);
     build_optimizer();
     build_engines();
     build_policy();
-    train_metrics = std::make_unique<ad::MetricsJsonlWriter>(options.out_dir / kTrainMetricsFile);
-
     if (checkpoint) {
       restore(*checkpoint);
     } else if (config.policy_keys.run_calibration) {
       calibrate();
     }
+
+    sp::runtime::write_file_atomically(options.out_dir / "config.yaml", config.resolved_yaml);
+    keep_records_before(options.out_dir / kTrainMetricsFile, "step", next_step);
+    if (!config.streaming.metrics_file.empty()) {
+      keep_records_before(options.out_dir / config.streaming.metrics_file, "step", next_step);
+    }
+    keep_records_before(options.out_dir / config.policy_keys.telemetry_file, "step_id", next_step);
+    train_metrics = std::make_unique<ad::MetricsJsonlWriter>(options.out_dir / kTrainMetricsFile);
   }
 
   std::optional<CheckpointSections> find_checkpoint() {
@@ -417,7 +424,11 @@ struct Trainer::Impl {
             {"calibration", {{"samples", config.policy_keys.calibration_samples},
                              {"batch_size", config.train.batch_size},
                              {"data_fnv1a64", fmt::format("{:016x}", corpus->fingerprint())},
-                             {"seed", config.train.seed}}}};
+                             {"seed", config.train.seed},
+                             // The errors are measured in the compute dtype on the compute device,
+                             // so a bf16 GPU run and an fp32 CPU run do not share them.
+                             {"device", compute_device_name(config.train.device)},
+                             {"compute_dtype", compute_dtype_name(config.train.compute_dtype)}}}};
   }
 
   void set_all_routes(sp_precision precision) {
@@ -626,12 +637,14 @@ struct Trainer::Impl {
     accumulate(resident[model->wte()], head_grads[1]);
     accumulate(resident[model->lnf_weight()], head_grads[2]);
     accumulate(resident[model->lnf_bias()], head_grads[3]);
-    record.loss = loss.item<double>();
     const torch::Tensor embedding_upstream = backward_blocks(inputs, head_grads[0]);
     const std::vector<torch::Tensor> embedding_grads = torch::autograd::grad(
         {embedded}, {resident[model->wte()].compute, resident[model->wpe()].compute}, {embedding_upstream});
     accumulate(resident[model->wte()], embedding_grads[0]);
     accumulate(resident[model->wpe()], embedding_grads[1]);
+    // Read only now: on a GPU, reading it right after the forward would stall the host
+    // before the whole backward was queued.
+    record.loss = loss.item<double>();
     const ad::StepTransferMetrics transfer = engine->end_step();
 
     const std::vector<sp_grad_moments_v1> moments = block_moments();

@@ -93,6 +93,25 @@ TEST_F(Cli, CorruptCheckpointInTheRunDirectoryIsReported) {
   EXPECT_NE(r.output.find("checkpoint.bin: checksum mismatch"), std::string::npos) << r.output;
 }
 
+// A run refused for its config (here by the plugin, the last to validate) must leave an
+// existing run directory as it was: its config, its logs and its telemetry.
+TEST_F(Cli, ARefusedRunLeavesTheRunDirectoryAsItWas) {
+  ASSERT_EQ(run_sp_train(base() + " --steps 6").exit_code, 0);
+  const fs::path run = dir_ / "run";
+  std::vector<std::pair<fs::path, std::string>> before;
+  for (const fs::path& file : {run / "config.yaml", run / "train_metrics.jsonl", run / "transfer_metrics.jsonl",
+                               run / "selective_precision_telemetry.jsonl"}) {
+    before.emplace_back(file, sp::train::testing::read_text(file));
+    ASSERT_FALSE(before.back().second.empty()) << file;
+  }
+  for (const char* refused : {" --set memory.stagehand.selective_precision.bf16_threshold=2 --set train.resume=never",
+                              " --set train.plugin=sp_absent --set train.resume=never"}) {
+    const Result r = run_sp_train(base() + " --steps 8" + refused);
+    EXPECT_EQ(r.exit_code, 3) << r.output;
+    for (const auto& [file, text] : before) EXPECT_EQ(sp::train::testing::read_text(file), text) << file << refused;
+  }
+}
+
 TEST_F(Cli, ShortRunWritesTheRunDirectory) {
   const Result r = run_sp_train(base() + " --steps 3");
   ASSERT_EQ(r.exit_code, 0) << r.output;

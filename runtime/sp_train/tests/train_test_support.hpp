@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 #include <fmt/format.h>
@@ -21,6 +22,11 @@ inline std::filesystem::path make_scratch_dir(const std::string& tag) {
 inline void write_text(const std::filesystem::path& file, const std::string& text) {
   std::ofstream out(file, std::ios::binary);
   out << text;
+}
+
+inline std::string read_text(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 // About 40 kB of English-like text with a learnable structure.
