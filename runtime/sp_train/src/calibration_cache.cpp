@@ -64,7 +64,11 @@ CacheLookup read_calibration_cache(const fs::path& file, const std::string& fing
   } catch (const nlohmann::json::exception& e) {
     return corrupt(fmt::format("not valid JSON ({})", e.what()));
   }
-  if (!doc.is_object() || doc.value("format", "") != kFormat || doc.value("version", 0) != kVersion) {
+  // Type before value: json::value() throws when a field exists with another type.
+  const auto format = doc.is_object() ? doc.find("format") : doc.end();
+  const auto version = doc.is_object() ? doc.find("version") : doc.end();
+  if (format == doc.end() || !format->is_string() || *format != kFormat || version == doc.end() ||
+      !version->is_number_integer() || *version != kVersion) {
     return corrupt(fmt::format("expected an object with format \"{}\" and version {}", kFormat, kVersion));
   }
   const auto errors = doc.find("block_errors");

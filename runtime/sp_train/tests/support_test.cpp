@@ -118,6 +118,12 @@ TEST_F(CalibrationCache, HitsOnlyItsOwnFingerprint) {
   EXPECT_EQ(read_calibration_cache(file, fp, 2).status, CacheStatus::corrupt);
   testing::write_text(file, "{\"format\": ");
   EXPECT_EQ(read_calibration_cache(file, fp, 2).status, CacheStatus::corrupt);
+  // Fields of the wrong type are corrupt too, not an exception.
+  for (const char* doc : {"{\"format\": 5, \"version\": 1}", "{\"format\": \"sp-train-calibration\", \"version\": \"1\"}",
+                          "[1, 2]", "{\"format\": \"sp-train-calibration\", \"version\": 1, \"block_errors\": 3}"}) {
+    testing::write_text(file, doc);
+    EXPECT_EQ(read_calibration_cache(file, fp, 2).status, CacheStatus::corrupt) << doc;
+  }
 }
 
 TEST(AdamW, MatchesTheDefinitionAndLeavesNonDecayedTensorsUndecayed) {
