@@ -6,6 +6,7 @@
 #include <atomic>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
@@ -66,7 +67,7 @@ int main(int argc, char** argv) {
   fs::path config_file;
   std::string data;
   std::int64_t steps = 0;
-  std::uint64_t seed = 0;
+  std::int64_t seed = 0;
   fs::path out = "sp-train-run";
   fs::path plugin_dir = default_plugin_dir();
   std::vector<std::string> sets;
@@ -81,7 +82,8 @@ int main(int argc, char** argv) {
   auto* data_option = app.add_option("--data", data, "text file or directory to train on (overrides data.path)");
   auto* steps_option = app.add_option("--steps", steps, "total optimizer steps (overrides train.steps)")
                            ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
-  auto* seed_option = app.add_option("--seed", seed, "seed of init, batches and calibration (overrides train.seed)");
+  auto* seed_option = app.add_option("--seed", seed, "seed of init, batches and calibration (overrides train.seed)")
+                          ->check(CLI::Range(std::int64_t{0}, std::numeric_limits<std::int64_t>::max()));
   app.add_option("--out", out, "run directory: metrics, telemetry, checkpoint, summary.json")->capture_default_str();
   app.add_option("--plugin-dir", plugin_dir, "directory holding lib<train.plugin>.so; watched for new versions")
       ->capture_default_str();
@@ -100,9 +102,9 @@ int main(int argc, char** argv) {
   try {
     std::vector<sp::train::Override> overrides;
     for (const std::string& s : sets) overrides.push_back(sp::train::parse_override(s));
-    if (*data_option) overrides.push_back({"data.path", data});
-    if (*steps_option) overrides.push_back({"train.steps", std::to_string(steps)});
-    if (*seed_option) overrides.push_back({"train.seed", std::to_string(seed)});
+    if (*data_option) overrides.push_back({"data.path", data, "--data"});
+    if (*steps_option) overrides.push_back({"train.steps", std::to_string(steps), "--steps"});
+    if (*seed_option) overrides.push_back({"train.seed", std::to_string(seed), "--seed"});
     sp::train::TrainConfig config = sp::train::load_train_config(config_file, overrides);
 
     std::signal(SIGINT, on_sigint);

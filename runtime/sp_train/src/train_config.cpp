@@ -19,6 +19,26 @@ namespace {
 using yaml_diagnostics::describe;
 using yaml_diagnostics::is_plain_scalar;
 
+// Where a key's value came from: the config file, or the command-line flag that overrode it.
+class Origins {
+ public:
+  Origins(const std::string& file, const std::vector<Override>& overrides) : file_(file), overrides_(overrides) {}
+
+  std::string of(std::string_view key_path) const {
+    for (auto o = overrides_.rbegin(); o != overrides_.rend(); ++o) {
+      const std::string_view set(o->key_path);
+      const bool covers = key_path == set || (key_path.size() > set.size() && key_path.substr(0, set.size()) == set &&
+                                              key_path[set.size()] == '.');
+      if (covers) return o->given_as.empty() ? fmt::format("--set {}={}", o->key_path, o->value) : o->given_as;
+    }
+    return file_;
+  }
+
+ private:
+  const std::string& file_;
+  const std::vector<Override>& overrides_;
+};
+
 // Reads one mapping of the document. Every message carries the source and the full key path;
 // keys that the section does not know are rejected with the list of those it does.
 class Section {
@@ -30,32 +50,45 @@ class Section {
     return node;
   }
 
-  Section(const std::string& source, std::string path, YAML::Node node,
-          std::vector<const char*> known)
-      : source_(source), path_(std::move(path)), node_(or_empty_map(node)), known_(std::move(known)) {
+  Section(const Origins& origins, std::string path, YAML::Node node, std::vector<const char*> known)
+      : origins_(origins), path_(std::move(path)), node_(or_empty_map(node)), known_(std::move(known)) {
     if (!node_.IsMap()) {
-      throw ConfigError(fmt::format("{}: {}: expected a mapping, found {}", source_, path_,
+      throw ConfigError(fmt::format("{}: {}: expected a mapping, found {}", origins_.of(path_), path_,
                                     describe(node_)));
     }
+    std::vector<std::pair<std::string, YAML::Mark>> seen;
     for (const auto& entry : node_) {
       const std::string key = entry.first.Scalar();
+      // yaml-cpp keeps both entries of a repeated key and reads the first: refuse, since
+      // the writer most likely meant the second.
+      for (const auto& [earlier, mark] : seen) {
+        if (earlier == key) {
+          throw ConfigError(fmt::format("{}: {}: duplicate key (lines {} and {}); keep one", origins_.of(key_path(key)),
+                                        key_path(key), mark.line + 1, entry.first.Mark().line + 1));
+        }
+      }
+      seen.emplace_back(key, entry.first.Mark());
       bool found = false;
       for (const char* k : known_) found = found || key == k;
       if (!found) {
         const std::optional<std::string_view> suggestion = yaml_diagnostics::closest_key(key, known_);
         const std::string hint = suggestion ? fmt::format("did you mean '{}'? ", *suggestion) : "";
         throw ConfigError(path_.empty()
-                              ? fmt::format("{}: {}: unknown top-level key; {}expected one of: {}", source_,
-                                            key, hint, fmt::join(known_, ", "))
-                              : fmt::format("{}: {}.{}: unknown key; {}{} accepts: {}", source_, path_,
-                                            key, hint, path_, fmt::join(known_, ", ")));
+                              ? fmt::format("{}: {}: unknown top-level key; {}expected one of: {}",
+                                            origins_.of(key), key, hint, fmt::join(known_, ", "))
+                              : fmt::format("{}: {}: unknown key; {}{} accepts: {}", origins_.of(key_path(key)),
+                                            key_path(key), hint, path_, fmt::join(known_, ", ")));
       }
     }
   }
 
   [[noreturn]] void fail(const char* key, const std::string& expected, const YAML::Node& found) const {
-    throw ConfigError(fmt::format("{}: {}.{}: expected {}, found {}", source_, path_, key,
+    throw ConfigError(fmt::format("{}: {}: expected {}, found {}", origins_.of(key_path(key)), key_path(key),
                                   expected, describe(found)));
+  }
+
+  std::string key_path(std::string_view key) const {
+    return path_.empty() ? std::string(key) : fmt::format("{}.{}", path_, key);
   }
 
   template <typename Int>
@@ -120,7 +153,7 @@ class Section {
   const YAML::Node& node() const { return node_; }
 
  private:
-  const std::string& source_;
+  const Origins& origins_;
   std::string path_;
   YAML::Node node_;
   std::vector<const char*> known_;
@@ -147,7 +180,7 @@ void read_data(const Section& s, DataConfig& d) {
   s.integer("chunk_bytes", d.chunk_bytes, 64, 1 << 24);
 }
 
-void read_train(const std::string& source, const Section& s, TrainLoopConfig& t) {
+void read_train(const Origins& origins, const Section& s, TrainLoopConfig& t) {
   s.choice<TrainMode>("mode", t.mode, {{"full", TrainMode::full}, {"lora", TrainMode::lora}});
   s.choice<ComputeDevice>("device", t.device, {{"cpu", ComputeDevice::cpu}, {"cuda", ComputeDevice::cuda}});
   s.choice<ComputeDtype>("compute_dtype", t.compute_dtype,
@@ -173,7 +206,7 @@ void read_train(const std::string& source, const Section& s, TrainLoopConfig& t)
   s.string("init_checkpoint", t.init_checkpoint, /*allow_empty=*/true);
   s.choice<ResumePolicy>("resume", t.resume,
                          {{"auto", ResumePolicy::auto_resume}, {"never", ResumePolicy::never}});
-  const Section lora(source, "train.lora", s.node()["lora"], {"rank", "alpha"});
+  const Section lora(origins, "train.lora", s.node()["lora"], {"rank", "alpha"});
   lora.integer("rank", t.lora.rank, 1, 4096);
   lora.number("alpha", t.lora.alpha, 0.0, 1e6, /*min_exclusive=*/true);
   if (t.compute_dtype == ComputeDtype::bf16 && t.device == ComputeDevice::cpu) {
@@ -197,13 +230,13 @@ void read_streaming(const Section& s, StreamingSection& st) {
 }
 
 // The plugin owns this section; the host reads only the keys it acts on.
-void read_policy_keys(const std::string& source, const YAML::Node& section, PolicyHostKeys& c) {
+void read_policy_keys(const Origins& origins, const YAML::Node& section, PolicyHostKeys& c) {
   if (!section.IsDefined() || !section.IsMap()) return;
   const std::string path = "memory.stagehand.selective_precision";
   if (const YAML::Node run = section["run_calibration"]; run.IsDefined()) {
     if (!is_plain_scalar(run) || !YAML::convert<bool>::decode(run, c.run_calibration)) {
       throw ConfigError(fmt::format("{}: {}.run_calibration: expected true or false, found {}",
-                                    source, path, describe(run)));
+                                    origins.of(path + ".run_calibration"), path, describe(run)));
     }
   }
   if (const YAML::Node samples = section["calibration_samples"]; samples.IsDefined()) {
@@ -211,7 +244,8 @@ void read_policy_keys(const std::string& source, const YAML::Node& section, Poli
     if (!is_plain_scalar(samples) || !YAML::convert<std::int64_t>::decode(samples, n) || n < 1 ||
         n > 4096) {
       throw ConfigError(fmt::format(
-          "{}: {}.calibration_samples: expected an integer in [1, 4096], found {}", source, path,
+          "{}: {}.calibration_samples: expected an integer in [1, 4096], found {}",
+          origins.of(path + ".calibration_samples"), path,
           describe(samples)));
     }
     c.calibration_samples = static_cast<std::uint32_t>(n);
@@ -233,7 +267,7 @@ void apply_override(YAML::Node& root, const Override& override, const std::strin
   std::vector<std::string> keys;
   std::stringstream path(override.key_path);
   for (std::string key; std::getline(path, key, '.');) {
-    if (key.empty()) {
+    if (key.empty() || override.key_path.back() == '.') {
       throw ConfigError(fmt::format("--set {}: empty key in the key path", override.key_path));
     }
     keys.push_back(key);
@@ -263,7 +297,7 @@ Override parse_override(const std::string& argument) {
   if (eq == std::string::npos || eq == 0) {
     throw ConfigError(fmt::format("--set {}: expected key.path=value", argument));
   }
-  return Override{argument.substr(0, eq), argument.substr(eq + 1)};
+  return Override{argument.substr(0, eq), argument.substr(eq + 1), "--set " + argument};
 }
 
 TrainConfig parse_train_config(const std::string& text, const std::string& source_name,
@@ -280,28 +314,29 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
                                   describe(root)));
   }
   for (const Override& override : overrides) apply_override(root, override, source_name);
+  const Origins origins(source_name, overrides);
 
   TrainConfig config;
   config.source_name = source_name;
   // Constructing a section checks its keys.
-  const Section top_level(source_name, "", root, {"model", "data", "train", "memory"});
-  read_model(Section(source_name, "model", root["model"],
+  const Section top_level(origins, "", root, {"model", "data", "train", "memory"});
+  read_model(Section(origins, "model", root["model"],
                      {"d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio", "init_std"}),
              config.model);
-  read_data(Section(source_name, "data", root["data"], {"path", "val_fraction", "chunk_bytes"}),
+  read_data(Section(origins, "data", root["data"], {"path", "val_fraction", "chunk_bytes"}),
             config.data);
-  read_train(source_name,
-             Section(source_name, "train", root["train"],
+  read_train(origins,
+             Section(origins, "train", root["train"],
                      {"mode", "device", "compute_dtype", "steps", "batch_size", "lr", "min_lr_ratio",
                       "lr_warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip",
                       "eval_interval", "eval_batches", "checkpoint_interval", "seed", "threads",
                       "lora", "plugin", "plugin_poll_steps", "calibration_cache_dir", "init_checkpoint",
                       "resume"}),
              config.train);
-  const Section memory(source_name, "memory", root["memory"], {"stagehand"});
-  const Section stagehand(source_name, "memory.stagehand", memory.node()["stagehand"],
+  const Section memory(origins, "memory", root["memory"], {"stagehand"});
+  const Section stagehand(origins, "memory.stagehand", memory.node()["stagehand"],
                           {"streaming", "selective_precision"});
-  read_streaming(Section(source_name, "memory.stagehand.streaming", stagehand.node()["streaming"],
+  read_streaming(Section(origins, "memory.stagehand.streaming", stagehand.node()["streaming"],
                          {"prefetch_window", "int8_group_size", "spare_slabs",
                           "bandwidth_cap_gbps", "metrics_file", "transfer_policy_path"}),
                  config.streaming);
@@ -311,7 +346,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
         "{}: memory.stagehand.selective_precision: expected a mapping, found {}", source_name,
         describe(policy)));
   }
-  read_policy_keys(source_name, policy, config.policy_keys);
+  read_policy_keys(origins, policy, config.policy_keys);
 
   YAML::Emitter out;
   out << root;

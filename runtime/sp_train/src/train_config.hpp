@@ -116,6 +116,9 @@ struct TrainConfig {
 struct Override {
   std::string key_path;
   std::string value;
+  // How the user wrote it ("--set train.steps=3", "--steps"); messages about the key name
+  // this instead of the config file. Empty: "--set key.path=value".
+  std::string given_as = {};
 };
 // Splits "a.b=c"; throws ConfigError naming the argument when there is no '=' or no key.
 Override parse_override(const std::string& argument);

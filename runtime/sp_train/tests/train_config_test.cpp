@@ -82,7 +82,24 @@ TEST(TrainConfig, BadOverridesAreNamed) {
   EXPECT_EQ(error_of("train: {steps: 3}", {parse_override("train.steps.x=1")}),
             "--set train.steps.x: cfg.yaml: train.steps is '3', not a mapping");
   EXPECT_EQ(error_of("", {parse_override("train..steps=1")}), "--set train..steps: empty key in the key path");
-  EXPECT_EQ(error_of("", {parse_override("train.steps=0")}), "cfg.yaml: train.steps: expected an integer in [1, 1099511627776], found '0'");
+  EXPECT_EQ(error_of("", {parse_override("model.=5")}), "--set model.: empty key in the key path");
+  // A value that came from the command line is blamed on the flag, not on the file.
+  EXPECT_EQ(error_of("", {parse_override("train.steps=0")}),
+            "--set train.steps=0: train.steps: expected an integer in [1, 1099511627776], found '0'");
+  EXPECT_EQ(error_of("", {Override{"train.steps", "0", "--steps"}}),
+            "--steps: train.steps: expected an integer in [1, 1099511627776], found '0'");
+  EXPECT_EQ(error_of("", {parse_override("train.stpes=3")}).rfind("--set train.stpes=3: train.stpes: unknown key", 0), 0u);
+  EXPECT_EQ(error_of("", {parse_override("train.lora={rank: 0}")}),
+            "--set train.lora={rank: 0}: train.lora.rank: expected an integer in [1, 4096], found '0'");
+  // Keys the override did not touch are still the file's.
+  EXPECT_EQ(error_of("train: {lr: -1}", {parse_override("train.steps=3")}),
+            "cfg.yaml: train.lr: expected a number in (0, 10], found '-1'");
+}
+
+TEST(TrainConfig, DuplicateKeysAreRefusedWithBothLines) {
+  EXPECT_EQ(error_of("train:\n  steps: 3\n  lr: 0.1\n  steps: 4\n"),
+            "cfg.yaml: train.steps: duplicate key (lines 2 and 4); keep one");
+  EXPECT_EQ(error_of("model: {}\nmodel: {}\n"), "cfg.yaml: model: duplicate key (lines 1 and 2); keep one");
 }
 
 TEST(TrainConfig, MissingFileIsNamed) {
