@@ -82,4 +82,15 @@ void write_file_atomically(const std::filesystem::path& target, const std::strin
   writer.commit();
 }
 
+std::string output_file_problem(const std::filesystem::path& target) {
+  if (target.empty()) return "expected a file path, found an empty string";
+  std::error_code error;
+  if (std::filesystem::is_directory(target, error)) return target.string() + " is a directory; expected a file path";
+  const std::filesystem::path parent = target.has_parent_path() ? target.parent_path() : ".";
+  if (!std::filesystem::is_directory(parent, error)) {
+    return "the directory " + parent.string() + " of " + target.string() + " does not exist";
+  }
+  return {};
+}
+
 }  // namespace sp::runtime

@@ -1,4 +1,5 @@
 #include "sp/runtime/atomic_file.hpp"
+#include "sp/runtime/read_file.hpp"
 
 #include <sys/stat.h>
 
@@ -6,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 namespace sp::runtime {
@@ -64,6 +66,34 @@ TEST_F(AtomicFileTest, MissingDirectoryIsAClearError) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("no-such-dir/out.json"), std::string::npos) << e.what();
   }
+}
+
+TEST_F(AtomicFileTest, OutputPathsAreJudgedBeforeAnyWork) {
+  EXPECT_EQ(output_file_problem(dir_ / "report.json"), "");
+  EXPECT_EQ(output_file_problem("relative-in-cwd.json"), "");
+  EXPECT_EQ(output_file_problem(""), "expected a file path, found an empty string");
+  EXPECT_EQ(output_file_problem(dir_), dir_.string() + " is a directory; expected a file path");
+  EXPECT_EQ(output_file_problem(dir_ / "absent" / "report.json"),
+            "the directory " + (dir_ / "absent").string() + " of " + (dir_ / "absent" / "report.json").string() +
+                " does not exist");
+}
+
+TEST_F(AtomicFileTest, ReadingAWholeFileNamesWhatWentWrong) {
+  const fs::path file = dir_ / "in.txt";
+  std::ofstream(file) << "line one\nline two";
+  EXPECT_EQ(read_whole_file(file, "input"), "line one\nline two");
+  const auto message_of = [](const fs::path& path) -> std::pair<std::string, bool> {
+    try {
+      read_whole_file(path, "checkpoint");
+    } catch (const FileReadError& e) {
+      return {e.what(), e.missing()};
+    }
+    return {"no error", false};
+  };
+  EXPECT_EQ(message_of(dir_), std::make_pair(dir_.string() + ": is a directory; expected the checkpoint", false));
+  const auto [missing, is_missing] = message_of(dir_ / "absent");
+  EXPECT_THAT(missing, ::testing::StartsWith((dir_ / "absent").string() + ": cannot open the checkpoint: No such file"));
+  EXPECT_TRUE(is_missing);
 }
 
 }  // namespace

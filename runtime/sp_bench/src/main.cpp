@@ -12,6 +12,7 @@
 #include "sp/bench/transfer_measure.hpp"
 #include "sp/bench/transfer_policy.hpp"
 #include "sp/runtime/atomic_file.hpp"
+#include "sp/runtime/cli_output_file.hpp"
 #ifdef SP_BENCH_WITH_CUDA
 #include "sp/adapters/cuda_backend.h"
 #endif
@@ -178,7 +179,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({0u, 32u, 64u, 128u, 256u}))
       ->capture_default_str();
   measure->add_option("--machine", transfer_options.machine, "label of this machine in the report (default: host name)");
-  measure->add_option("--out", transfer_options.output, "report file to write (atomically)")->required();
+  measure->add_option("--out", transfer_options.output, "report file to write (atomically)")
+      ->required()
+      ->check(sp::runtime::output_file());
 
   std::vector<std::string> reports;
   std::string output;
@@ -188,7 +191,9 @@ int main(int argc, char** argv) {
       "fold transfer reports (one per machine) into a transfer policy file: per path, the block "
       "sizes where every report measured INT8 at least --speedup-threshold times faster than BF16");
   merge->add_option("--reports", reports, "transfer report JSON files")->required()->expected(1, -1);
-  merge->add_option("--output", output, "policy file to write (atomically)")->required();
+  merge->add_option("--output", output, "policy file to write (atomically)")
+      ->required()
+      ->check(sp::runtime::output_file());
   merge->add_option("--speedup-threshold", threshold, "minimum INT8 speedup over BF16")->capture_default_str();
 
   try {

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "sp/runtime/json_fields.hpp"
+#include "sp/runtime/read_file.hpp"
 
 namespace sp::bench {
 namespace {
@@ -79,12 +80,11 @@ std::vector<Interval> intersect(const std::vector<Interval>& a, const std::vecto
 }
 
 std::string read_text_file(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw TransferPolicyError(fmt::format("{}: cannot open the {}", path, what));
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  if (in.bad()) throw TransferPolicyError(fmt::format("{}: read error", path));
-  return buffer.str();
+  try {
+    return sp::runtime::read_whole_file(path, what);
+  } catch (const sp::runtime::FileReadError& e) {
+    throw TransferPolicyError(e.what());
+  }
 }
 
 json parse_document(const std::string& text, const JsonFields& fields) {

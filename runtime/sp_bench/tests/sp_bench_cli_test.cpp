@@ -70,6 +70,14 @@ TEST_F(SpBenchCli, BadArgumentsAndFilesAreExitCodeTwo) {
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_THAT(bad.output, HasSubstr("bad.json: version: unsupported version 7"));
   EXPECT_FALSE(fs::exists(dir_ / "p.json"));
+  // Output paths are judged at parse time, before a benchmark runs for minutes.
+  const runtime::CommandResult out_dir = run("transfer --backend host --out " + dir_.string());
+  EXPECT_EQ(out_dir.exit_code, 2);
+  EXPECT_THAT(out_dir.output, HasSubstr("--out: " + dir_.string() + " is a directory"));
+  const runtime::CommandResult no_parent = run("merge-policy --reports " + path("bad.json") + " --output " +
+                                               path("absent/p.json"));
+  EXPECT_EQ(no_parent.exit_code, 2);
+  EXPECT_THAT(no_parent.output, HasSubstr("--output: the directory " + path("absent") + " of"));
 }
 
 }  // namespace

@@ -18,6 +18,8 @@
 #include <spdlog/spdlog.h>
 #include <yaml-cpp/yaml.h>
 
+#include "sp/runtime/cli_output_file.hpp"
+#include "sp/runtime/read_file.hpp"
 #include "replay_inputs.hpp"
 #include "sp/host/policy_host.h"
 #include "sp/runtime/atomic_file.hpp"
@@ -66,11 +68,11 @@ fs::path default_plugin_dir() {
 }
 
 std::string read_text(const fs::path& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ReplayFailure(kExitBadInput, fmt::format("{}: cannot open the {}", path.string(), what));
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
+  try {
+    return sp::runtime::read_whole_file(path, what);
+  } catch (const sp::runtime::FileReadError& e) {
+    throw ReplayFailure(kExitBadInput, e.what());
+  }
 }
 
 // The replay decides where telemetry goes: into --telemetry, or nowhere, so that a run
@@ -124,8 +126,12 @@ void check_no_hook_failed(const sp::host::PolicyHost& host, int64_t step, const 
 }
 
 int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
-  std::ifstream trace_in(options.trace);
-  if (!trace_in) throw ReplayFailure(kExitBadInput, fmt::format("{}: cannot open the trace", options.trace.string()));
+  std::ifstream trace_in;
+  try {
+    trace_in = sp::runtime::open_input_file(options.trace, "trace");
+  } catch (const sp::runtime::FileReadError& e) {
+    throw ReplayFailure(kExitBadInput, e.what());
+  }
   std::optional<sp::replay::CalibrationErrors> calibration;
   if (!options.calibration.empty()) {
     calibration = sp::replay::read_calibration_file(options.calibration.string(), options.blocks);
@@ -223,7 +229,8 @@ int main(int argc, char** argv) {
   app.add_option("--plugin-dir", options.plugin_dir, "directory holding the plugin .so")
       ->capture_default_str();
   app.add_option("--plugin", options.plugin, "plugin to load: <plugin-dir>/lib<NAME>.so")->capture_default_str();
-  app.add_option("--out", options.out, "write the decisions here (atomically) instead of stdout");
+  app.add_option("--out", options.out, "write the decisions here (atomically) instead of stdout")
+      ->check(sp::runtime::output_file());
   app.add_option("--telemetry", options.telemetry,
                  "write the plugin's telemetry JSONL here; without it, telemetry is off");
   try {

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "sp/runtime/json_fields.hpp"
+#include "sp/runtime/read_file.hpp"
 
 namespace sp::replay {
 namespace {
@@ -89,13 +90,17 @@ std::optional<TraceStep> TraceReader::next() {
 }
 
 CalibrationErrors read_calibration_file(const std::string& path, uint32_t n_blocks) {
-  std::ifstream in(path);
-  if (!in) throw InputError(fmt::format("{}: cannot open the calibration file", path));
+  std::string text;
+  try {
+    text = sp::runtime::read_whole_file(path, "calibration file");
+  } catch (const sp::runtime::FileReadError& e) {
+    throw InputError(e.what());
+  }
   try {
     const JsonFields fields(path);
     json document;
     try {
-      document = json::parse(in);
+      document = json::parse(text);
     } catch (const json::parse_error& e) {
       fields.fail("document", fmt::format("not valid JSON ({})", e.what()));
     }

@@ -122,6 +122,18 @@ TEST_F(SpReplayCli, BadArgumentsAreExitCodeTwo) {
                               " --calibration " + write("k.json", "{\"block_errors\":{\"7\":0.1}}").string());
   EXPECT_EQ(calib.exit_code, 2);
   EXPECT_THAT(calib.output, HasSubstr("k.json: block_errors.7: block id 7 is out of range"));
+  const RunResult calibration_dir = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
+                                        " --calibration " + dir_.string());
+  EXPECT_EQ(calibration_dir.exit_code, 2);
+  EXPECT_THAT(calibration_dir.output, HasSubstr(dir_.string() + ": is a directory"));
+  const RunResult trace_dir = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + dir_.string());
+  EXPECT_EQ(trace_dir.exit_code, 2);
+  EXPECT_THAT(trace_dir.output, HasSubstr(dir_.string() + ": is a directory; expected the trace"));
+  // An output path that cannot be written is refused before the replay runs.
+  const RunResult out_dir = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
+                                " --out " + dir_.string());
+  EXPECT_EQ(out_dir.exit_code, 2);
+  EXPECT_THAT(out_dir.output, HasSubstr("--out: " + dir_.string() + " is a directory; expected a file path"));
 }
 
 TEST_F(SpReplayCli, HelpDocumentsFormatsAndExitCodes) {

@@ -9,6 +9,7 @@
 
 #include "sp/runtime/atomic_file.hpp"
 #include "text_corpus.hpp"
+#include "sp/runtime/read_file.hpp"
 
 namespace sp::train {
 namespace fs = std::filesystem;
@@ -46,21 +47,22 @@ fs::path calibration_cache_file(const fs::path& dir, const std::string& fingerpr
 CacheLookup read_calibration_cache(const fs::path& file, const std::string& fingerprint,
                                    std::uint32_t n_blocks) {
   CacheLookup lookup;
-  std::ifstream in(file, std::ios::binary);
-  if (!in) {
-    lookup.detail = fmt::format("{}: no cache file", file.string());
-    return lookup;
-  }
-  std::stringstream text;
-  text << in.rdbuf();
   auto corrupt = [&](const std::string& why) {
     lookup.status = CacheStatus::corrupt;
     lookup.detail = fmt::format("{}: corrupt calibration cache: {}", file.string(), why);
     return lookup;
   };
+  std::string text;
+  try {
+    text = sp::runtime::read_whole_file(file, "calibration cache");
+  } catch (const sp::runtime::FileReadError& e) {
+    if (!e.missing()) return corrupt(e.what());
+    lookup.detail = fmt::format("{}: no cache file", file.string());
+    return lookup;
+  }
   nlohmann::json doc;
   try {
-    doc = nlohmann::json::parse(text.str());
+    doc = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     return corrupt(fmt::format("not valid JSON ({})", e.what()));
   }

@@ -8,6 +8,7 @@
 
 #include "sp/runtime/atomic_file.hpp"
 #include "text_corpus.hpp"
+#include "sp/runtime/read_file.hpp"
 
 namespace sp::train {
 namespace {
@@ -94,9 +95,13 @@ void CheckpointSections::write_atomically(const std::filesystem::path& file) con
 }
 
 CheckpointSections CheckpointSections::read(const std::filesystem::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw CheckpointError(fmt::format("{}: cannot open the checkpoint", file.string()));
-  const Bytes data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  Bytes data;
+  try {
+    const std::string bytes = sp::runtime::read_whole_file(file, "checkpoint");
+    data.assign(bytes.begin(), bytes.end());
+  } catch (const sp::runtime::FileReadError& e) {
+    throw CheckpointError(e.what());
+  }
   const std::string name = file.string();
   if (data.size() < sizeof kMagic + 8 + 8) {
     throw CheckpointError(fmt::format("{}: truncated: {} bytes is shorter than any checkpoint", name, data.size()));

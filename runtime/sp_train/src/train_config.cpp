@@ -12,6 +12,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "sp/yaml_diagnostics/yaml_diagnostics.hpp"
+#include "sp/runtime/read_file.hpp"
 
 namespace sp::train {
 namespace {
@@ -356,11 +357,13 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
 
 TrainConfig load_train_config(const std::filesystem::path& file,
                               const std::vector<Override>& overrides) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw ConfigError(fmt::format("{}: cannot open the config file", file.string()));
-  std::stringstream text;
-  text << in.rdbuf();
-  return parse_train_config(text.str(), file.string(), overrides);
+  std::string text;
+  try {
+    text = sp::runtime::read_whole_file(file, "config file");
+  } catch (const sp::runtime::FileReadError& e) {
+    throw ConfigError(e.what());
+  }
+  return parse_train_config(text, file.string(), overrides);
 }
 
 const char* mode_name(TrainMode mode) { return mode == TrainMode::lora ? "lora" : "full"; }

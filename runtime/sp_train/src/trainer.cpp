@@ -155,7 +155,7 @@ struct Trainer::Impl {
     if (config.train.threads != 0) torch::set_num_threads(static_cast<int>(config.train.threads));
     // Nothing in the run directory is rewritten until everything that can reject the run has
     // passed: a mistyped resume must not lose the directory's config or logs.
-    fs::create_directories(options.out_dir);
+    create_run_directory();
 
     corpus = std::make_unique<TextCorpus>(config.data.path, config.data.val_fraction,
                                           config.data.chunk_bytes, config.model.seq_len);
@@ -183,6 +183,18 @@ struct Trainer::Impl {
     }
     keep_records_before(options.out_dir / config.policy_keys.telemetry_file, "step_id", next_step);
     train_metrics = std::make_unique<ad::MetricsJsonlWriter>(options.out_dir / kTrainMetricsFile);
+  }
+
+  void create_run_directory() const {
+    std::error_code error;
+    if (!options.out_dir.empty()) fs::create_directories(options.out_dir, error);
+    if (options.out_dir.empty() || error || !fs::is_directory(options.out_dir)) {
+      throw ConfigError(fmt::format("run directory '{}' (--out): cannot create it as a directory: {}",
+                                    options.out_dir.string(),
+                                    options.out_dir.empty() ? "the path is empty"
+                                    : error               ? error.message()
+                                                          : "a file of that name exists"));
+    }
   }
 
   std::optional<CheckpointSections> find_checkpoint() {

@@ -85,6 +85,25 @@ TEST_F(Cli, UnusableDataOrPluginHaveTheirOwnExitCodes) {
   EXPECT_NE(r.output.find("memory.stagehand.selective_precision.bf16_threshold"), std::string::npos) << r.output;
 }
 
+TEST_F(Cli, PathsOfTheWrongKindAreNamed) {
+  sp::train::testing::write_text(dir_ / "a-file", "x");
+  const std::string args = "--config " + config_.string() + " --steps 2";
+  Result r = run_sp_train(args + " --out ''");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("run directory '' (--out): cannot create it as a directory: the path is empty"),
+            std::string::npos) << r.output;
+  r = run_sp_train(args + " --out " + (dir_ / "a-file").string());
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("a-file' (--out): cannot create it as a directory"), std::string::npos) << r.output;
+  r = run_sp_train("--config " + dir_.string());
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find(dir_.string() + ": is a directory; expected the config file"), std::string::npos) << r.output;
+  fs::create_directories(dir_ / "run" / "checkpoint.bin");
+  r = run_sp_train(base());
+  EXPECT_EQ(r.exit_code, 4);
+  EXPECT_NE(r.output.find("checkpoint.bin: is a directory; expected the checkpoint"), std::string::npos) << r.output;
+}
+
 TEST_F(Cli, CorruptCheckpointInTheRunDirectoryIsReported) {
   fs::create_directories(dir_ / "run");
   sp::train::testing::write_text(dir_ / "run" / "checkpoint.bin", "SPTRCKPT but not really a checkpoint");

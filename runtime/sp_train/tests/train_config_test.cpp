@@ -107,7 +107,7 @@ TEST(TrainConfig, MissingFileIsNamed) {
     load_train_config("/nonexistent/sp-train.yaml");
     FAIL();
   } catch (const ConfigError& e) {
-    EXPECT_STREQ(e.what(), "/nonexistent/sp-train.yaml: cannot open the config file");
+    EXPECT_STREQ(e.what(), "/nonexistent/sp-train.yaml: cannot open the config file: No such file or directory");
   }
 }
 

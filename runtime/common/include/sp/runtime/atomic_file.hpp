@@ -35,4 +35,9 @@ class AtomicFileWriter {
 // Convenience for small files.
 void write_file_atomically(const std::filesystem::path& target, const std::string& contents);
 
+// Empty when `target` can be written as a file: a non-empty path, not a directory, whose
+// parent directory exists. Otherwise what is wrong with it, for a command-line message, so
+// that a tool refuses a bad output path before it does the work, not after.
+std::string output_file_problem(const std::filesystem::path& target);
+
 }  // namespace sp::runtime

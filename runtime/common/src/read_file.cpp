@@ -1,0 +1,35 @@
+#include "sp/runtime/read_file.hpp"
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <system_error>
+
+#include <fmt/format.h>
+
+namespace sp::runtime {
+
+std::ifstream open_input_file(const std::filesystem::path& file, std::string_view what) {
+  std::error_code status_error;
+  const std::filesystem::file_status status = std::filesystem::status(file, status_error);
+  if (std::filesystem::is_directory(status)) {
+    throw FileReadError(fmt::format("{}: is a directory; expected the {}", file.string(), what));
+  }
+  std::ifstream in(file, std::ios::binary);
+  if (!in) {
+    FileReadError error(fmt::format("{}: cannot open the {}: {}", file.string(), what, std::strerror(errno)));
+    error.missing_ = status.type() == std::filesystem::file_type::not_found;
+    throw error;
+  }
+  return in;
+}
+
+std::string read_whole_file(const std::filesystem::path& file, std::string_view what) {
+  std::ifstream in = open_input_file(file, what);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw FileReadError(fmt::format("{}: reading the {} failed", file.string(), what));
+  return bytes;
+}
+
+}  // namespace sp::runtime
