@@ -40,6 +40,8 @@ constexpr const char* kTrainMetricsFile = "train_metrics.jsonl";
 constexpr std::uint64_t kCalibrationSalt = 0xca11b7a7e5eedull;
 // Steps in a row with a non-finite loss or gradient (each skipped) before the run gives up.
 constexpr int kMaxNonFiniteSteps = 8;
+// The most steps a run may have (train.steps' upper bound), so a checkpoint's next_step too.
+constexpr std::int64_t kMaxCheckpointStep = std::int64_t{1} << 40;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -163,7 +165,7 @@ struct Trainer::Impl {
               config.data.path, corpus->stats().train_bytes, corpus->stats().val_bytes);
 
     std::optional<CheckpointSections> checkpoint = find_checkpoint();
-    if (checkpoint) next_step = read_meta(*checkpoint).at("next_step").get<std::int64_t>();
+    if (checkpoint) next_step = read_meta(*checkpoint, checkpoint_path(options.out_dir)).at("next_step").get<std::int64_t>();
 
     model = std::make_unique<GptModel>(config.model, config.train.mode, config.train.lora, config.train.seed, compute);
     if (!checkpoint && !config.train.init_checkpoint.empty()) load_initial_weights(config.train.init_checkpoint);
@@ -215,11 +217,13 @@ struct Trainer::Impl {
             {"int8_group_size", config.streaming.int8_group_size}};
   }
 
-  static nlohmann::json read_meta(const CheckpointSections& checkpoint) {
+  static nlohmann::json read_meta(const CheckpointSections& checkpoint, const fs::path& file) {
     const Bytes& meta = checkpoint.get("meta");
     nlohmann::json parsed = nlohmann::json::parse(meta.begin(), meta.end(), nullptr, false);
-    if (!parsed.is_object() || !parsed.contains("next_step") || !parsed["next_step"].is_number_integer()) {
-      throw ResumeError("checkpoint: section 'meta' is not the expected JSON object");
+    if (!parsed.is_object() || !parsed.contains("next_step") || !parsed["next_step"].is_number_integer() ||
+        parsed["next_step"].get<std::int64_t>() < 0 || parsed["next_step"].get<std::int64_t>() > kMaxCheckpointStep) {
+      throw ResumeError(fmt::format("{}: section 'meta' is not a JSON object with next_step in [0, {}]", file.string(),
+                                    kMaxCheckpointStep));
     }
     return parsed;
   }
@@ -231,7 +235,7 @@ struct Trainer::Impl {
     const std::string what = fmt::format("train.init_checkpoint {}", file.string());
     try {
       const CheckpointSections in = CheckpointSections::read(file);
-      const nlohmann::json meta = read_meta(in);
+      const nlohmann::json meta = read_meta(in, file);
       const nlohmann::json expected = model_identity();
       for (const char* key : {"d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio"}) {
         if (!meta["model"].contains(key) || meta["model"][key] != expected[key]) {
@@ -500,13 +504,16 @@ struct Trainer::Impl {
       }
       calibration_errors = measure_calibration_errors();
       calibration_status = fmt::format("computed ({})", cache_status_name(cached.status));
+      std::string where;
       try {
         write_calibration_cache(file, fingerprint, identity, calibration_errors);
+        where = fmt::format("cached in {}", file.string());
       } catch (const std::exception& e) {
-        log->warn("calibration: could not write the cache: {}", e.what());
+        log->warn("calibration: could not write the cache (the next run measures again): {}", e.what());
+        where = "not cached";
       }
-      log->info("calibration: {} samples per block in {:.1f}s, cached in {}", config.policy_keys.calibration_samples,
-                seconds_since(start), file.string());
+      log->info("calibration: {} samples per block in {:.1f}s, {}", config.policy_keys.calibration_samples,
+                seconds_since(start), where);
     }
     std::string listing;
     for (std::uint32_t b = 0; b < n_blocks; ++b) listing += fmt::format("{}{:.4f}", b ? " " : "", calibration_errors[b]);
@@ -762,10 +769,14 @@ struct Trainer::Impl {
   }
 
   void restore(const CheckpointSections& in) {
-    const nlohmann::json meta = read_meta(in);
+    const nlohmann::json meta = read_meta(in, checkpoint_path(options.out_dir));
     try {
       const nlohmann::json expected = model_identity();
-      for (const auto& [key, value] : expected.items()) {
+      // The mode first: a LoRA config resuming a full run differs in lora_rank too, and the
+      // mode is the difference to report.
+      for (const char* key : {"mode", "d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio", "lora_rank",
+                              "int8_group_size"}) {
+        const nlohmann::json& value = expected.at(key);
         if (!meta["model"].contains(key) || meta["model"][key] != value) {
           throw ResumeError(fmt::format("{}: made for {} = {}, this config has {} (use another --out, or "
                                         "--set train.resume=never)",
@@ -798,9 +809,21 @@ struct Trainer::Impl {
       torch::Tensor state = torch::empty({static_cast<std::int64_t>(rng.size())}, torch::kUInt8);
       std::memcpy(state.data_ptr(), rng.data(), rng.size());
       at::Generator generator = at::detail::getDefaultCPUGenerator();
-      generator.set_state(state);
+      try {
+        generator.set_state(state);
+      } catch (const c10::Error&) {
+        throw CheckpointError(fmt::format("{}: section 'rng/torch' ({} bytes) is not a CPU generator state",
+                                          checkpoint_path(options.out_dir).string(), rng.size()));
+      }
 
       calibration_errors = meta.at("calibration_errors").get<std::vector<double>>();
+      const bool errors_valid = std::all_of(calibration_errors.begin(), calibration_errors.end(),
+                                            [](double e) { return std::isfinite(e) && e >= 0.0; });
+      if ((!calibration_errors.empty() && calibration_errors.size() != n_blocks) || !errors_valid) {
+        throw CheckpointError(fmt::format("{}: section 'meta': calibration_errors holds {} values; expected none or {} "
+                                          "finite values >= 0",
+                                          checkpoint_path(options.out_dir).string(), calibration_errors.size(), n_blocks));
+      }
       calibration_status = "restored from checkpoint";
       const nlohmann::json& t = meta.at("totals");
       totals.h2d_bf16 = t.at("h2d_bf16");

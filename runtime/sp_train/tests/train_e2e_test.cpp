@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "calibration_cache.hpp"
+#include "checkpoint_file.hpp"
 #include "sp/kernels/slab.h"
 #include "train_config.hpp"
 #include "train_test_support.hpp"
@@ -217,6 +218,36 @@ TEST_F(TrainE2E, CheckpointOfAnotherModelIsRefusedByName) {
   } catch (const ResumeError& e) {
     EXPECT_NE(std::string(e.what()).find("n_blocks"), std::string::npos) << e.what();
   }
+}
+
+// Checkpoints are checksummed, so these edits stand for a writer with a bug, not a bad disk:
+// each field the resume trusts is range-checked and named.
+TEST_F(TrainE2E, ACheckpointWithOutOfRangeFieldsIsRefusedByName) {
+  train("edited", {{"train.steps", "2"}});
+  const fs::path file = checkpoint_path(dir_ / "edited");
+  const CheckpointSections original = CheckpointSections::read(file);
+  const Bytes& meta_bytes = original.get("meta");
+  const nlohmann::json meta = nlohmann::json::parse(meta_bytes.begin(), meta_bytes.end());
+  const auto resume_error = [&](const std::string& section, const std::string& text, std::vector<Override> overrides) {
+    CheckpointSections edited = original;
+    edited.put(section, text.data(), text.size());
+    edited.write_atomically(file);
+    try {
+      Trainer resumed(config(std::move(overrides)), options("edited"));
+    } catch (const ResumeError& e) {
+      return std::string(e.what());
+    }
+    return std::string("resumed");
+  };
+  nlohmann::json edited = meta;
+  edited["next_step"] = -5;
+  EXPECT_NE(resume_error("meta", edited.dump(), {}).find("next_step in [0, "), std::string::npos);
+  edited = meta;
+  edited["calibration_errors"] = {0.1};
+  EXPECT_NE(resume_error("meta", edited.dump(), {}).find("calibration_errors holds 1 values"), std::string::npos);
+  EXPECT_NE(resume_error("rng/torch", "not a generator", {}).find("section 'rng/torch' (15 bytes)"), std::string::npos);
+  EXPECT_NE(resume_error("meta", meta.dump(), {{"train.mode", "lora"}}).find("made for mode = \"full\""),
+            std::string::npos);
 }
 
 }  // namespace
