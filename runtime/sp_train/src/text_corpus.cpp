@@ -1,4 +1,5 @@
 #include "text_corpus.hpp"
+#include "sp/runtime/read_file.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -65,11 +66,15 @@ TextCorpus::TextCorpus(const fs::path& path, double val_fraction, std::uint32_t 
                        std::uint32_t seq_len)
     : seq_len_(seq_len) {
   std::vector<std::uint8_t> text;
+  std::uint64_t file_bytes = 0;  // without the newline that separates files
   for (const fs::path& file : text_files(path)) {
-    std::ifstream in(file, std::ios::binary);
-    if (!in) throw DataError(fmt::format("{}: cannot read the data file", file.string()));
-    text.insert(text.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-    if (in.bad()) throw DataError(fmt::format("{}: read error", file.string()));
+    try {
+      const std::string bytes = sp::runtime::read_whole_file(file, "data file");
+      file_bytes += bytes.size();
+      text.insert(text.end(), bytes.begin(), bytes.end());
+    } catch (const sp::runtime::FileReadError& e) {
+      throw DataError(e.what());
+    }
     text.push_back('\n');
     ++stats_.files;
   }
@@ -88,7 +93,7 @@ TextCorpus::TextCorpus(const fs::path& path, double val_fraction, std::uint32_t 
         "{}: {} bytes of text in {} file(s) give {} train and {} validation bytes; each split "
         "needs at least model.seq_len + 1 = {} (lower data.val_fraction or data.chunk_bytes, or "
         "give more text)",
-        path.string(), text.size(), stats_.files, train_.size(), val_.size(), need));
+        path.string(), file_bytes, stats_.files, train_.size(), val_.size(), need));
   }
   fingerprint_ = fnv1a64(train_.data(), train_.size());
   fingerprint_ = fnv1a64(val_.data(), val_.size(), fingerprint_);
