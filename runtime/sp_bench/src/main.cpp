@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <filesystem>
 #include <iostream>
 
 #include <CLI/CLI.hpp>
@@ -114,7 +115,14 @@ int transfer(TransferOptions options) {
 
 int merge_policy(const std::vector<std::string>& report_paths, const std::string& output, double threshold) {
   std::vector<sp::bench::TransferReport> reports;
-  for (const std::string& path : report_paths) reports.push_back(sp::bench::load_report(path));
+  for (const std::string& path : report_paths) {
+    std::error_code ignored;
+    if (std::filesystem::equivalent(path, output, ignored)) {
+      throw sp::bench::TransferPolicyError(
+          fmt::format("--output {} is also one of the --reports; the report would be overwritten", output));
+    }
+    reports.push_back(sp::bench::load_report(path));
+  }
   const sp::bench::TransferPolicy policy = sp::bench::TransferPolicy::merge(reports, threshold);
   sp::runtime::write_file_atomically(output, policy.to_json());
   for (auto path : {sp::bench::TransferPath::kInt8Frozen, sp::bench::TransferPath::kInt8Trained}) {
@@ -152,7 +160,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   measure->add_option("--bandwidth-cap-gbps", transfer_options.cap_gbps,
                       "host backend: emulated link bandwidth in GB/s, 0 for none")
-      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Validator(
+          [](std::string& text) {
+            const double gbps = std::strtod(text.c_str(), nullptr);
+            return gbps == 0.0 || (gbps >= sp::adapters::kMinBandwidthCapGbps && gbps <= 1e6)
+                       ? std::string()
+                       : fmt::format("expected 0 (no cap) or a number in [{}, 1e6], found {}",
+                                     sp::adapters::kMinBandwidthCapGbps, text);
+          },
+          "GBPS", "bandwidth_cap"))
       ->capture_default_str();
   measure->add_option("--min-kib", transfer_options.min_kib, "smallest BF16 block in KiB")
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30))

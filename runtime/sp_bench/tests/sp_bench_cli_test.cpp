@@ -78,6 +78,10 @@ TEST_F(SpBenchCli, BadArgumentsAndFilesAreExitCodeTwo) {
                                                path("absent/p.json"));
   EXPECT_EQ(no_parent.exit_code, 2);
   EXPECT_THAT(no_parent.output, HasSubstr("--output: the directory " + path("absent") + " of"));
+  const runtime::CommandResult over_input = run("merge-policy --reports " + path("bad.json") + " --output " +
+                                                path("bad.json"));
+  EXPECT_EQ(over_input.exit_code, 2);
+  EXPECT_THAT(over_input.output, HasSubstr("is also one of the --reports"));
 }
 
 }  // namespace

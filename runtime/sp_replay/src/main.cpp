@@ -180,6 +180,9 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
     check_no_hook_failed(*host, step->step, "end_step");
     ++tally.steps;
   }
+  if (tally.steps == 0) {
+    throw ReplayFailure(kExitBadInput, fmt::format("{}: the trace holds no steps; nothing to replay", options.trace.string()));
+  }
 
   if (options.out.empty()) {
     std::cout << decisions.str() << std::flush;

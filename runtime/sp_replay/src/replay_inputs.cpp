@@ -1,5 +1,6 @@
 #include "replay_inputs.hpp"
 
+#include <algorithm>
 #include <fstream>
 
 #include <fmt/core.h>
@@ -117,6 +118,10 @@ CalibrationErrors read_calibration_file(const std::string& path, uint32_t n_bloc
       }
       const uint64_t id = std::stoull(key);
       if (id >= n_blocks) fields.fail(at, fmt::format("block id {} is out of range: --blocks is {}", id, n_blocks));
+      // "0" and "00" are two JSON keys for one block.
+      if (std::find(out.block_ids.begin(), out.block_ids.end(), id) != out.block_ids.end()) {
+        fields.fail(at, fmt::format("block id {} is given twice", id));
+      }
       out.block_ids.push_back(static_cast<uint32_t>(id));
       out.errors.push_back(fields.number(value, at, true));
     }

@@ -129,6 +129,7 @@ TEST_F(CalibrationFileTest, RejectsEachDefectWithItsField) {
   EXPECT_THAT(error_of(R"({"block_errors": {"x1": 0.1}})"), HasSubstr("block_errors.x1: the key must be a block id"));
   EXPECT_THAT(error_of(R"({"block_errors": {"-1": 0.1}})"), HasSubstr("block_errors.-1: the key must be a block id"));
   EXPECT_THAT(error_of(R"({"block_errors": {"4": 0.1}})"), HasSubstr("block_errors.4: block id 4 is out of range"));
+  EXPECT_THAT(error_of(R"({"block_errors": {"0": 0.1, "00": 0.2}})"), HasSubstr("block_errors.00: block id 0 is given twice"));
   EXPECT_THAT(error_of(R"({"block_errors": {"1": -0.1}})"), HasSubstr("block_errors.1: expected a number >= 0"));
   EXPECT_THAT(error_of(R"({"block_errors": {"1": "big"}})"), HasSubstr("block_errors.1: expected a number, got string"));
   EXPECT_THROW(

@@ -126,6 +126,10 @@ TEST_F(SpReplayCli, BadArgumentsAreExitCodeTwo) {
                                         " --calibration " + dir_.string());
   EXPECT_EQ(calibration_dir.exit_code, 2);
   EXPECT_THAT(calibration_dir.output, HasSubstr(dir_.string() + ": is a directory"));
+  const RunResult empty_trace = run("--config " + path("policy.yaml") + " --blocks 2 --trace " +
+                                    write("empty.jsonl", "").string());
+  EXPECT_EQ(empty_trace.exit_code, 2);
+  EXPECT_THAT(empty_trace.output, HasSubstr("empty.jsonl: the trace holds no steps"));
   const RunResult trace_dir = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + dir_.string());
   EXPECT_EQ(trace_dir.exit_code, 2);
   EXPECT_THAT(trace_dir.output, HasSubstr(dir_.string() + ": is a directory; expected the trace"));

@@ -11,6 +11,8 @@
 #include <fmt/ranges.h>
 #include <yaml-cpp/yaml.h>
 
+#include "sp/adapters/host_backend.h"
+
 #include "sp/yaml_diagnostics/yaml_diagnostics.hpp"
 #include "sp/runtime/read_file.hpp"
 
@@ -226,6 +228,10 @@ void read_streaming(const Section& s, StreamingSection& st) {
   }
   s.integer("spare_slabs", st.spare_slabs, 0, 1024);
   s.number("bandwidth_cap_gbps", st.bandwidth_cap_gbps, 0.0, 1e6);
+  if (st.bandwidth_cap_gbps > 0.0 && st.bandwidth_cap_gbps < sp::adapters::kMinBandwidthCapGbps) {
+    s.fail("bandwidth_cap_gbps", fmt::format("0 (no cap) or a number in [{}, 1e6]", sp::adapters::kMinBandwidthCapGbps),
+           s.node()["bandwidth_cap_gbps"]);
+  }
   s.string("metrics_file", st.metrics_file, /*allow_empty=*/true);
   s.string("transfer_policy_path", st.transfer_policy_path, /*allow_empty=*/true);
 }

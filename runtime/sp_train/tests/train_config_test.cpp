@@ -96,6 +96,15 @@ TEST(TrainConfig, BadOverridesAreNamed) {
             "cfg.yaml: train.lr: expected a number in (0, 10], found '-1'");
 }
 
+TEST(TrainConfig, AnEmulatedLinkSlowerThanOneMegabytePerSecondIsRefused) {
+  EXPECT_EQ(error_of("memory: {stagehand: {streaming: {bandwidth_cap_gbps: 1.0e-9}}}"),
+            "cfg.yaml: memory.stagehand.streaming.bandwidth_cap_gbps: expected 0 (no cap) or a number in [0.001, "
+            "1e6], found '1.0e-9'");
+  EXPECT_EQ(parse_train_config("memory: {stagehand: {streaming: {bandwidth_cap_gbps: 0.005}}}", "cfg.yaml")
+                .streaming.bandwidth_cap_gbps,
+            0.005);
+}
+
 TEST(TrainConfig, DuplicateKeysAreRefusedWithBothLines) {
   EXPECT_EQ(error_of("train:\n  steps: 3\n  lr: 0.1\n  steps: 4\n"),
             "cfg.yaml: train.steps: duplicate key (lines 2 and 4); keep one");

@@ -15,6 +15,10 @@
 
 namespace sp::adapters {
 
+// The slowest emulated link that tools accept (1 MB/s): below it one block's copy sleeps for
+// minutes and a run looks hung rather than slow.
+constexpr double kMinBandwidthCapGbps = 0.001;
+
 struct HostBackendOptions {
   // Bytes per second a copy may move; 0 leaves copies at memcpy speed.
   double bandwidth_cap_bytes_per_second = 0.0;
