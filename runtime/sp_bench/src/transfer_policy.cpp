@@ -90,7 +90,7 @@ std::string read_text_file(const std::string& path, const char* what) {
 json parse_document(const std::string& text, const JsonFields& fields) {
   try {
     return json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e400
     fields.fail("document", fmt::format("not valid JSON ({})", e.what()));
   }
 }

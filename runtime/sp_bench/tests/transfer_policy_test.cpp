@@ -154,6 +154,7 @@ std::string policy_error(const std::string& text) {
 TEST(TransferPolicyFile, RefusesCorruptFilesWithTheField) {
   const std::string head = R"({"format":"sp-transfer-policy","version":1,"speedup_threshold":1.0,"sources":[],)";
   EXPECT_THAT(policy_error("{\"format\":"), HasSubstr("policy.json: document: not valid JSON"));
+  EXPECT_THAT(policy_error("{\"format\": 1e400}"), HasSubstr("policy.json: document: not valid JSON"));
   EXPECT_THAT(policy_error(R"({"format":"sp-transfer-report","version":1})"),
               HasSubstr("policy.json: format: expected \"sp-transfer-policy\", got \"sp-transfer-report\""));
   EXPECT_THAT(policy_error(R"({"format":"sp-transfer-policy","version":2})"),

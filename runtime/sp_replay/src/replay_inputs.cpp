@@ -57,7 +57,7 @@ std::optional<TraceStep> TraceReader::next() {
       json record;
       try {
         record = json::parse(line);
-      } catch (const json::parse_error& e) {
+      } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e400
         fields.fail("line", fmt::format("not valid JSON ({})", e.what()));
       }
       if (!record.is_object()) {
@@ -102,7 +102,7 @@ CalibrationErrors read_calibration_file(const std::string& path, uint32_t n_bloc
     json document;
     try {
       document = json::parse(text);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e400
       fields.fail("document", fmt::format("not valid JSON ({})", e.what()));
     }
     fields.require_object(document, "document");

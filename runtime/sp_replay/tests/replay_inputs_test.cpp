@@ -67,6 +67,7 @@ INSTANTIATE_TEST_SUITE_P(
     TraceReader, BadTraceTest,
     ::testing::Values(
         BadTrace{"NotJson", "{\"step\":0,", "t.jsonl:1: line: not valid JSON"},
+        BadTrace{"NumberBeyondDouble", "{\"step\":1e400}", "t.jsonl:1: line: not valid JSON ([json.exception.out_of_range.406]"},
         BadTrace{"NotObject", "[1,2]", "t.jsonl:1: line: expected a JSON object, got array"},
         BadTrace{"MissingStep", "{\"blocks\":[]}", "t.jsonl:1: step: missing"},
         BadTrace{"StepNotInteger", "{\"step\":\"0\",\"blocks\":[]}", "step: expected an integer >= 0, got string"},
@@ -124,6 +125,7 @@ TEST_F(CalibrationFileTest, ReadsErrorsPerBlock) {
 
 TEST_F(CalibrationFileTest, RejectsEachDefectWithItsField) {
   EXPECT_THAT(error_of("{"), HasSubstr("not valid JSON"));
+  EXPECT_THAT(error_of(R"({"block_errors": {"0": 1e400}})"), HasSubstr("not valid JSON"));
   EXPECT_THAT(error_of(R"({"errors": {}})"), HasSubstr("errors: unknown key"));
   EXPECT_THAT(error_of(R"({"block_errors": [0.1]})"), HasSubstr("block_errors: expected an object"));
   EXPECT_THAT(error_of(R"({"block_errors": {"x1": 0.1}})"), HasSubstr("block_errors.x1: the key must be a block id"));
