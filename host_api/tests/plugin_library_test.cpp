@@ -141,6 +141,22 @@ TEST(PluginTrust, RefusesAWorldWritableDirectory) {
   EXPECT_NO_THROW(PluginLibrary::load(plugin));
 }
 
+TEST(PluginTrust, RefusesADirectoryUnderAWorldWritableOneUnlessItIsSticky) {
+  TempDir dir;
+  const std::filesystem::path plugins = dir.path() / "open" / "plugins";
+  std::filesystem::create_directories(plugins);
+  const std::filesystem::path plugin = plugins / "libsp_example_minimal_c.so";
+  std::filesystem::copy_file(SP_EXAMPLE_MINIMAL_C, plugin);
+  std::filesystem::permissions(plugin, kOwnerOnly);
+  std::filesystem::permissions(plugins, kOwnerOnly);
+  std::filesystem::permissions(dir.path() / "open", std::filesystem::perms::all);
+  EXPECT_THAT(load_error(plugin), AllOf(HasSubstr((dir.path() / "open").string() + "\" above it is world-writable"),
+                                        HasSubstr("mode 0777")));
+  // /tmp's mode: others may add entries but not rename this one.
+  std::filesystem::permissions(dir.path() / "open", std::filesystem::perms::all | std::filesystem::perms::sticky_bit);
+  EXPECT_NO_THROW(PluginLibrary::load(plugin));
+}
+
 TEST(PluginTrust, RefusesAGroupWritableFile) {
   TempDir dir;
   const std::filesystem::path plugin =
