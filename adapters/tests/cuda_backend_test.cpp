@@ -5,6 +5,7 @@
 #include <future>
 
 #include "engine_test_support.h"
+#include "sp/testing/gpu_gate.h"
 #include "sp/adapters/instrumented_backend.h"
 
 namespace sp::adapters {
@@ -18,9 +19,7 @@ using testing::SyntheticModel;
 class CudaEngine : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!CudaBackend::device_available()) {
-      GTEST_SKIP() << "no CUDA device";
-    }
+    SP_SKIP_UNLESS_GPU(CudaBackend::device_available(), "no CUDA device");
   }
 };
 

@@ -20,6 +20,7 @@
 #include "sp/kernels/quantize.h"
 #include "sp/kernels/relative_error.h"
 #include "sp/kernels/slab.h"
+#include "sp/testing/gpu_gate.h"
 #include "test_support.h"
 
 namespace sp::kernels {
@@ -30,8 +31,7 @@ bool has_cuda_device() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
-#define SKIP_WITHOUT_GPU() \
-  if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device"
+#define SKIP_WITHOUT_GPU() SP_SKIP_UNLESS_GPU(has_cuda_device(), "no CUDA device")
 
 void check(cudaError_t error) { ASSERT_EQ(error, cudaSuccess) << cudaGetErrorString(error); }
 

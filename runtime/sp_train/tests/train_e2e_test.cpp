@@ -14,6 +14,7 @@
 #include "calibration_cache.hpp"
 #include "checkpoint_file.hpp"
 #include "sp/kernels/slab.h"
+#include "sp/testing/gpu_gate.h"
 #include "train_config.hpp"
 #include "train_test_support.hpp"
 #include "trainer.hpp"
@@ -340,7 +341,8 @@ TEST_F(TrainOnCuda, IsRefusedByNameWhereNoGpuIsUsable) {
 // fp32 on the GPU is the CPU run's math over the same delivered bf16 weights, in another
 // summation order: the losses agree closely, and the bytes still follow the decisions.
 TEST_F(TrainOnCuda, Fp32TracksTheCpuRun) {
-  if (const std::optional<std::string> why = refusal()) GTEST_SKIP() << *why;
+  const std::optional<std::string> why = refusal();
+  SP_SKIP_UNLESS_GPU(!why, why.value_or(""));
   const RunSummary gpu = train("gpu-fp32", {{"train.device", "cuda"}});
   const RunSummary cpu = train("cpu-fp32");
   ASSERT_EQ(gpu.steps.size(), cpu.steps.size());
@@ -353,7 +355,8 @@ TEST_F(TrainOnCuda, Fp32TracksTheCpuRun) {
 
 // bf16 compute reads the slots in place; the run still learns and moves what it decided.
 TEST_F(TrainOnCuda, Bf16ComputeLearnsFromTheSlotsInPlace) {
-  if (const std::optional<std::string> why = refusal()) GTEST_SKIP() << *why;
+  const std::optional<std::string> why = refusal();
+  SP_SKIP_UNLESS_GPU(!why, why.value_or(""));
   const RunSummary run = train("gpu-bf16", {{"train.device", "cuda"}, {"train.compute_dtype", "bf16"}});
   ASSERT_EQ(run.steps.size(), 24u);
   EXPECT_LT(mean_loss(run.steps, 19, 24), mean_loss(run.steps, 0, 5) - 0.3);
