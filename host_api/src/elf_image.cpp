@@ -40,7 +40,9 @@ class ImageFile {
     fd_ = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
     struct stat file_stat {};
     if (fd_ < 0 || ::fstat(fd_, &file_stat) != 0) {
-      fail(fmt::format("cannot read {}: {}", file, std::generic_category().message(errno)));
+      const int error = errno;
+      if (fd_ >= 0) ::close(fd_);  // the destructor does not run when the constructor throws
+      fail(fmt::format("cannot read {}: {}", file, std::generic_category().message(error)));
     }
     size_ = static_cast<std::uint64_t>(file_stat.st_size);
   }
@@ -120,6 +122,9 @@ void check_elf_image(const std::filesystem::path& shown_as, const std::filesyste
   for (std::uint16_t i = 0; i < header.e_phnum; ++i) {
     const auto segment = image.read<ElfW(Phdr)>(header.e_phoff + std::uint64_t{i} * sizeof(ElfW(Phdr)),
                                                 "program header");
+    // A segment with no file bytes (PT_GNU_STACK, say) maps nothing from the file, wherever
+    // its offset points.
+    if (segment.p_filesz == 0) continue;
     image.require_inside(segment.p_offset, segment.p_filesz,
                          fmt::format("{} (program header {})", segment_type_name(segment.p_type), i));
   }

@@ -55,15 +55,19 @@ void check_trusted_directory(const std::filesystem::path& file, const std::files
   }
   // Whoever can rename an entry of an ancestor can swap the whole directory for theirs. A
   // world-writable directory with the sticky bit (/tmp) lets others add entries but not
-  // rename ours, so it is safe.
+  // rename ours, unless they own it.
   for (std::filesystem::path ancestor = dir.parent_path(); !ancestor.empty(); ancestor = ancestor.parent_path()) {
     struct stat ancestor_stat {};
     if (::stat(ancestor.c_str(), &ancestor_stat) == 0 && (ancestor_stat.st_mode & S_IWOTH) != 0 &&
-        (ancestor_stat.st_mode & S_ISVTX) == 0) {
+        ((ancestor_stat.st_mode & S_ISVTX) == 0 || !owned_by_user_or_root(ancestor_stat.st_uid))) {
+      const bool sticky = (ancestor_stat.st_mode & S_ISVTX) != 0;
       throw PluginError(fmt::format(
-          "refusing to load policy plugin {}: the directory {} above it is world-writable without the sticky "
-          "bit (mode {}), so anyone could put another plugin directory in place of {}; chmod o-w {} (or +t)",
-          file, ancestor, mode_text(ancestor_stat.st_mode), dir, ancestor));
+          "refusing to load policy plugin {}: the directory {} above it is world-writable {} (mode {}), so {} "
+          "could put another plugin directory in place of {}",
+          file, ancestor,
+          sticky ? fmt::format("and owned by uid {}, neither the current user nor root", ancestor_stat.st_uid)
+                 : std::string("without the sticky bit"),
+          mode_text(ancestor_stat.st_mode), sticky ? "its owner" : "anyone", dir));
     }
     if (ancestor == ancestor.root_path()) break;
   }

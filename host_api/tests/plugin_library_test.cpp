@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <dlfcn.h>
+#include <elf.h>
+#include <link.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -130,6 +132,31 @@ TEST(PluginLibrary, RefusesATruncatedPluginWithoutMappingIt) {
   }
   saved_tmpdir != nullptr ? ::setenv("TMPDIR", restore.c_str(), 1) : ::unsetenv("TMPDIR");
   EXPECT_TRUE(std::filesystem::is_empty(copies));
+}
+
+// A segment with no file bytes maps nothing from the file, so where its offset points does
+// not matter (a plugin stripped of its section headers can have such an offset past its end).
+TEST(PluginLibrary, ASegmentWithoutFileBytesMayPointPastTheEnd) {
+  TempDir dir;
+  const std::filesystem::path plugin = copy_example_into(dir, kOwnerOnly);
+  std::fstream image(plugin, std::ios::in | std::ios::out | std::ios::binary);
+  ElfW(Ehdr) header{};
+  image.read(reinterpret_cast<char*>(&header), sizeof header);
+  bool moved = false;
+  for (std::uint16_t i = 0; i < header.e_phnum && !moved; ++i) {
+    const auto at = static_cast<std::streamoff>(header.e_phoff + i * sizeof(ElfW(Phdr)));
+    ElfW(Phdr) segment{};
+    image.seekg(at);
+    image.read(reinterpret_cast<char*>(&segment), sizeof segment);
+    if (segment.p_type != PT_GNU_STACK || segment.p_filesz != 0) continue;
+    segment.p_offset = std::uint64_t{1} << 40;
+    image.seekp(at);
+    image.write(reinterpret_cast<const char*>(&segment), sizeof segment);
+    moved = true;
+  }
+  image.close();
+  ASSERT_TRUE(moved) << "the example plugin has no PT_GNU_STACK header";
+  EXPECT_EQ(PluginLibrary::load(plugin).plugin_name(), "minimal_c");
 }
 
 TEST(PluginTrust, RefusesAWorldWritableDirectory) {

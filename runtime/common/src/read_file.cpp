@@ -27,9 +27,13 @@ std::ifstream open_input_file(const std::filesystem::path& file, std::string_vie
 
 std::string read_whole_file(const std::filesystem::path& file, std::string_view what) {
   std::ifstream in = open_input_file(file, what);
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw FileReadError(fmt::format("{}: reading the {} failed", file.string(), what));
-  return bytes;
+  try {
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (in.bad()) throw std::ios_base::failure("the stream went bad");
+    return bytes;
+  } catch (const std::ios_base::failure&) {  // libstdc++'s filebuf throws on a read error such as EIO
+    throw FileReadError(fmt::format("{}: reading the {} failed: {}", file.string(), what, std::strerror(errno)));
+  }
 }
 
 }  // namespace sp::runtime
