@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
   try {
     std::vector<sp::train::Override> overrides;
     for (const std::string& s : sets) overrides.push_back(sp::train::parse_override(s));
-    if (*data_option) overrides.push_back({"data.path", data, "--data"});
+    if (*data_option) overrides.push_back({"data.path", data, "--data", /*literal=*/true});
     if (*steps_option) overrides.push_back({"train.steps", std::to_string(steps), "--steps"});
     if (*seed_option) overrides.push_back({"train.seed", std::to_string(seed), "--seed"});
     sp::train::TrainConfig config = sp::train::load_train_config(config_file, overrides);

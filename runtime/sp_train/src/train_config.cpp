@@ -6,6 +6,7 @@
 #include <optional>
 #include <sstream>
 #include <string_view>
+#include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -22,24 +23,44 @@ namespace {
 using yaml_diagnostics::describe;
 using yaml_diagnostics::is_plain_scalar;
 
+// How the user wrote an override, for messages about it.
+std::string given_as(const Override& override) {
+  return override.given_as.empty() ? fmt::format("--set {}={}", override.key_path, override.value)
+                                   : override.given_as;
+}
+
 // Where a key's value came from: the config file, or the command-line flag that overrode it.
 class Origins {
  public:
-  Origins(const std::string& file, const std::vector<Override>& overrides) : file_(file), overrides_(overrides) {}
+  // A section an override created because the file did not have it (`trian` for
+  // `--set trian.steps=3`), with the override that created it.
+  using Created = std::vector<std::pair<std::string, const Override*>>;
 
+  Origins(const std::string& file, const std::vector<Override>& overrides, Created created)
+      : file_(file), overrides_(overrides), created_(std::move(created)) {}
+
+  // The last override that set `key_path` or a key above it, or that created the section
+  // `key_path`; else the file.
   std::string of(std::string_view key_path) const {
     for (auto o = overrides_.rbegin(); o != overrides_.rend(); ++o) {
-      const std::string_view set(o->key_path);
-      const bool covers = key_path == set || (key_path.size() > set.size() && key_path.substr(0, set.size()) == set &&
-                                              key_path[set.size()] == '.');
-      if (covers) return o->given_as.empty() ? fmt::format("--set {}={}", o->key_path, o->value) : o->given_as;
+      if (within(key_path, o->key_path)) return given_as(*o);
+    }
+    for (const auto& [section, creator] : created_) {
+      if (section == key_path) return given_as(*creator);
     }
     return file_;
   }
 
  private:
+  // `inner` is `outer` or a key below it.
+  static bool within(std::string_view inner, std::string_view outer) {
+    return inner == outer ||
+           (inner.size() > outer.size() && inner.substr(0, outer.size()) == outer && inner[outer.size()] == '.');
+  }
+
   const std::string& file_;
   const std::vector<Override>& overrides_;
+  Created created_;
 };
 
 // Reads one mapping of the document. Every message carries the source and the full key path;
@@ -262,20 +283,24 @@ void read_policy_keys(const Origins& origins, const YAML::Node& section, PolicyH
   }
 }
 
-void apply_override(YAML::Node& root, const Override& override, const std::string& source) {
+void apply_override(YAML::Node& root, const Override& override, const std::string& source,
+                    Origins::Created& created) {
   YAML::Node value;
-  try {
-    value = YAML::Load(override.value);
-  } catch (const YAML::Exception& e) {
-    throw ConfigError(fmt::format("--set {}={}: the value is not valid YAML: {}", override.key_path,
-                                  override.value, e.msg));
+  if (override.literal) {
+    value = YAML::Node(override.value);
+  } else {
+    try {
+      value = YAML::Load(override.value);
+    } catch (const YAML::Exception& e) {
+      throw ConfigError(fmt::format("{}: the value is not valid YAML: {}", given_as(override), e.msg));
+    }
   }
   if (!value.IsDefined()) value.reset(YAML::Node(YAML::NodeType::Null));
   std::vector<std::string> keys;
   std::stringstream path(override.key_path);
   for (std::string key; std::getline(path, key, '.');) {
     if (key.empty() || override.key_path.back() == '.') {
-      throw ConfigError(fmt::format("--set {}: empty key in the key path", override.key_path));
+      throw ConfigError(fmt::format("{}: empty key in the key path", given_as(override)));
     }
     keys.push_back(key);
   }
@@ -288,9 +313,10 @@ void apply_override(YAML::Node& root, const Override& override, const std::strin
     if (!child.IsDefined() || child.IsNull()) {
       node[keys[i]] = YAML::Node(YAML::NodeType::Map);
       child.reset(node[keys[i]]);
+      created.emplace_back(walked, &override);
     } else if (!child.IsMap()) {
-      throw ConfigError(fmt::format("--set {}: {}: {} is {}, not a mapping", override.key_path,
-                                    source, walked, describe(child)));
+      throw ConfigError(fmt::format("{}: {}: {} is {}, not a mapping", given_as(override), source, walked,
+                                    describe(child)));
     }
     node.reset(child);
   }
@@ -320,8 +346,9 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     throw ConfigError(fmt::format("{}: expected a mapping at the top level, found {}", source_name,
                                   describe(root)));
   }
-  for (const Override& override : overrides) apply_override(root, override, source_name);
-  const Origins origins(source_name, overrides);
+  Origins::Created created;
+  for (const Override& override : overrides) apply_override(root, override, source_name, created);
+  const Origins origins(source_name, overrides, std::move(created));
 
   TrainConfig config;
   config.source_name = source_name;

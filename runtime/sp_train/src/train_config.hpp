@@ -119,6 +119,9 @@ struct Override {
   // How the user wrote it ("--set train.steps=3", "--steps"); messages about the key name
   // this instead of the config file. Empty: "--set key.path=value".
   std::string given_as = {};
+  // The value is a string as it stands, not YAML: a path like "corpus #2.txt" must not lose
+  // its " #2.txt" to a YAML comment.
+  bool literal = false;
 };
 // Splits "a.b=c"; throws ConfigError naming the argument when there is no '=' or no key.
 Override parse_override(const std::string& argument);

@@ -123,10 +123,13 @@ TEST_F(Cli, ARefusedRunLeavesTheRunDirectoryAsItWas) {
     before.emplace_back(file, sp::train::testing::read_text(file));
     ASSERT_FALSE(before.back().second.empty()) << file;
   }
-  for (const char* refused : {" --set memory.stagehand.selective_precision.bf16_threshold=2 --set train.resume=never",
-                              " --set train.plugin=sp_absent --set train.resume=never"}) {
+  // Refused by the plugin at load, by its config check, and while restoring the checkpoint.
+  for (const auto& [refused, code] : std::vector<std::pair<std::string, int>>{
+           {" --set memory.stagehand.selective_precision.bf16_threshold=2 --set train.resume=never", 3},
+           {" --set train.plugin=sp_absent --set train.resume=never", 3},
+           {" --seed 99", 4}}) {
     const Result r = run_sp_train(base() + " --steps 8" + refused);
-    EXPECT_EQ(r.exit_code, 3) << r.output;
+    EXPECT_EQ(r.exit_code, code) << r.output;
     for (const auto& [file, text] : before) EXPECT_EQ(sp::train::testing::read_text(file), text) << file << refused;
   }
 }

@@ -80,9 +80,13 @@ TEST(TrainConfig, BadOverridesAreNamed) {
   EXPECT_THROW(parse_override("train.steps"), ConfigError);
   EXPECT_EQ(error_of("", {parse_override("train.steps=[1")}).rfind("--set train.steps=[1: the value is not valid YAML", 0), 0u);
   EXPECT_EQ(error_of("train: {steps: 3}", {parse_override("train.steps.x=1")}),
-            "--set train.steps.x: cfg.yaml: train.steps is '3', not a mapping");
-  EXPECT_EQ(error_of("", {parse_override("train..steps=1")}), "--set train..steps: empty key in the key path");
-  EXPECT_EQ(error_of("", {parse_override("model.=5")}), "--set model.: empty key in the key path");
+            "--set train.steps.x=1: cfg.yaml: train.steps is '3', not a mapping");
+  EXPECT_EQ(error_of("", {parse_override("train..steps=1")}), "--set train..steps=1: empty key in the key path");
+  EXPECT_EQ(error_of("", {parse_override("model.=5")}), "--set model.=5: empty key in the key path");
+  // A misspelled section that only the override brought in is the override's too.
+  EXPECT_EQ(error_of("train: {steps: 3}", {parse_override("trian.steps=3")}).rfind("--set trian.steps=3: trian: unknown top-level key", 0), 0u);
+  EXPECT_EQ(error_of("train: {steps: 3}\ntrain: {lr: 0.1}\n", {parse_override("train.steps=3")}),
+            "cfg.yaml: train: duplicate key (lines 1 and 2); keep one");
   // A value that came from the command line is blamed on the flag, not on the file.
   EXPECT_EQ(error_of("", {parse_override("train.steps=0")}),
             "--set train.steps=0: train.steps: expected an integer in [1, 1099511627776], found '0'");
@@ -103,6 +107,12 @@ TEST(TrainConfig, AnEmulatedLinkSlowerThanOneMegabytePerSecondIsRefused) {
   EXPECT_EQ(parse_train_config("memory: {stagehand: {streaming: {bandwidth_cap_gbps: 0.005}}}", "cfg.yaml")
                 .streaming.bandwidth_cap_gbps,
             0.005);
+}
+
+TEST(TrainConfig, ALiteralOverrideIsNotReadAsYaml) {
+  const TrainConfig c =
+      parse_train_config("", "cfg.yaml", {Override{"data.path", "corpus #2: a*b.txt", "--data", /*literal=*/true}});
+  EXPECT_EQ(c.data.path, "corpus #2: a*b.txt");
 }
 
 TEST(TrainConfig, DuplicateKeysAreRefusedWithBothLines) {
