@@ -16,6 +16,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <new>
 #include <map>
 #include <random>
 #include <string>
@@ -262,6 +263,10 @@ int main(int argc, char **argv) {
   }
   try {
     run(options);
+  } catch (const std::bad_alloc &) {
+    std::cerr << "sp-bench-kernels-cpu: not enough memory for --rows " << options.rows << " x --cols " << options.cols
+              << " (" << options.rows * options.cols << " elements, held in several formats at once); lower them\n";
+    return 2;
   } catch (const std::exception &error) {
     std::cerr << "sp-bench-kernels-cpu: " << error.what() << "\n";
     return 1;
