@@ -278,8 +278,32 @@ void read_policy_keys(const Origins& origins, const YAML::Node& section, PolicyH
     }
     c.calibration_samples = static_cast<std::uint32_t>(n);
   }
+  if (const YAML::Node enabled = section["telemetry_enabled"]; enabled.IsDefined() && is_plain_scalar(enabled)) {
+    YAML::convert<bool>::decode(enabled, c.telemetry_enabled);  // a wrong type is the plugin's to report
+  }
   if (const YAML::Node file = section["telemetry_file"]; file.IsDefined() && file.IsScalar()) {
     c.telemetry_file = file.Scalar();
+  }
+}
+
+// A log the run writes, and cuts back when it starts, is a plain file name in the run
+// directory and none of the files the run writes itself.
+void check_log_file_name(const Origins& origins, const std::string& key_path, const std::string& name,
+                         const std::string& other_log) {
+  const char* problem = nullptr;
+  if (name.find('/') != std::string::npos || name == "." || name == "..") {
+    problem = "a path";
+  } else {
+    for (const char* reserved : {kRunConfigFile, kRunTrainMetricsFile, kRunCheckpointFile, kRunSummaryFile}) {
+      if (name == reserved) problem = "a file sp-train writes itself";
+    }
+    if (!other_log.empty() && name == other_log) problem = "the other log's file";
+  }
+  if (problem != nullptr) {
+    throw ConfigError(fmt::format("{}: {}: expected a plain file name inside the run directory other than {}, {}, "
+                                  "{}, {} and the other log; found '{}' ({})",
+                                  origins.of(key_path), key_path, kRunConfigFile, kRunTrainMetricsFile,
+                                  kRunCheckpointFile, kRunSummaryFile, name, problem));
   }
 }
 
@@ -381,6 +405,15 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
         describe(policy)));
   }
   read_policy_keys(origins, policy, config.policy_keys);
+  const std::string& metrics_file = config.streaming.metrics_file;
+  const std::string& telemetry_file = config.policy_keys.telemetry_file;
+  if (!metrics_file.empty()) {
+    check_log_file_name(origins, "memory.stagehand.streaming.metrics_file", metrics_file,
+                        config.policy_keys.telemetry_enabled ? telemetry_file : "");
+  }
+  if (config.policy_keys.telemetry_enabled) {
+    check_log_file_name(origins, "memory.stagehand.selective_precision.telemetry_file", telemetry_file, metrics_file);
+  }
 
   YAML::Emitter out;
   out << root;

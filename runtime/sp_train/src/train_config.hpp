@@ -97,8 +97,17 @@ struct StreamingSection {
 struct PolicyHostKeys {
   bool run_calibration = true;
   std::uint32_t calibration_samples = 4;
+  bool telemetry_enabled = true;
   std::string telemetry_file = "selective_precision_telemetry.jsonl";
 };
+
+// The files sp-train itself writes in the run directory. The two configurable logs
+// (streaming.metrics_file, the policy's telemetry_file) must be other plain file names there:
+// the run cuts its logs back when it starts, and must never cut anything else.
+inline constexpr const char* kRunConfigFile = "config.yaml";
+inline constexpr const char* kRunTrainMetricsFile = "train_metrics.jsonl";
+inline constexpr const char* kRunCheckpointFile = "checkpoint.bin";
+inline constexpr const char* kRunSummaryFile = "summary.json";
 
 struct TrainConfig {
   ModelConfig model;

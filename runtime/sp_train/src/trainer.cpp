@@ -36,7 +36,6 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-constexpr const char* kTrainMetricsFile = "train_metrics.jsonl";
 constexpr std::uint64_t kCalibrationSalt = 0xca11b7a7e5eedull;
 // Steps in a row with a non-finite loss or gradient (each skipped) before the run gives up.
 constexpr int kMaxNonFiniteSteps = 8;
@@ -107,7 +106,7 @@ std::vector<std::uint8_t> pod_bytes(const T& value) {
 
 }  // namespace
 
-fs::path checkpoint_path(const fs::path& out_dir) { return out_dir / "checkpoint.bin"; }
+fs::path checkpoint_path(const fs::path& out_dir) { return out_dir / kRunCheckpointFile; }
 
 struct Trainer::Impl {
   TrainConfig config;
@@ -178,13 +177,15 @@ struct Trainer::Impl {
       calibrate();
     }
 
-    sp::runtime::write_file_atomically(options.out_dir / "config.yaml", config.resolved_yaml);
-    keep_records_before(options.out_dir / kTrainMetricsFile, "step", next_step);
+    sp::runtime::write_file_atomically(options.out_dir / kRunConfigFile, config.resolved_yaml);
+    keep_records_before(options.out_dir / kRunTrainMetricsFile, "step", next_step);
     if (!config.streaming.metrics_file.empty()) {
       keep_records_before(options.out_dir / config.streaming.metrics_file, "step", next_step);
     }
-    keep_records_before(options.out_dir / config.policy_keys.telemetry_file, "step_id", next_step);
-    train_metrics = std::make_unique<ad::MetricsJsonlWriter>(options.out_dir / kTrainMetricsFile);
+    if (config.policy_keys.telemetry_enabled) {
+      keep_records_before(options.out_dir / config.policy_keys.telemetry_file, "step_id", next_step);
+    }
+    train_metrics = std::make_unique<ad::MetricsJsonlWriter>(options.out_dir / kRunTrainMetricsFile);
   }
 
   void create_run_directory() const {
@@ -196,6 +197,18 @@ struct Trainer::Impl {
                                     options.out_dir.empty() ? "the path is empty"
                                     : error               ? error.message()
                                                           : "a file of that name exists"));
+    }
+    // Refused now rather than after the run has rewritten its config and cut its logs.
+    std::vector<std::string> files = {kRunConfigFile, kRunTrainMetricsFile, kRunCheckpointFile, kRunSummaryFile};
+    if (!config.streaming.metrics_file.empty()) files.push_back(config.streaming.metrics_file);
+    if (config.policy_keys.telemetry_enabled) files.push_back(config.policy_keys.telemetry_file);
+    for (const std::string& name : files) {
+      const fs::file_status status = fs::symlink_status(options.out_dir / name, error);
+      if (fs::exists(status) && !fs::is_regular_file(status)) {
+        throw ConfigError(fmt::format("run directory '{}' (--out): {} is not a regular file; remove it or use "
+                                      "another run directory",
+                                      options.out_dir.string(), name));
+      }
     }
   }
 
@@ -965,7 +978,7 @@ struct Trainer::Impl {
     engine->flush_metrics();
     save_checkpoint();
     result.json = summary(result.outcome, seconds_since(wall_start));
-    sp::runtime::write_file_atomically(options.out_dir / "summary.json", result.json.dump(2) + "\n");
+    sp::runtime::write_file_atomically(options.out_dir / kRunSummaryFile, result.json.dump(2) + "\n");
     return result;
   }
 };

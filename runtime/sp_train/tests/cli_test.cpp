@@ -100,6 +100,11 @@ TEST_F(Cli, PathsOfTheWrongKindAreNamed) {
   EXPECT_NE(r.output.find(dir_.string() + ": is a directory; expected the config file"), std::string::npos) << r.output;
   fs::create_directories(dir_ / "run" / "checkpoint.bin");
   r = run_sp_train(base());
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("checkpoint.bin is not a regular file"), std::string::npos) << r.output;
+  // A checkpoint named elsewhere is read through the same checks.
+  r = run_sp_train("--config " + config_.string() + " --set train.init_checkpoint=" +
+                   (dir_ / "run" / "checkpoint.bin").string() + " --out " + (dir_ / "other").string());
   EXPECT_EQ(r.exit_code, 4);
   EXPECT_NE(r.output.find("checkpoint.bin: is a directory; expected the checkpoint"), std::string::npos) << r.output;
 }
@@ -127,11 +132,19 @@ TEST_F(Cli, ARefusedRunLeavesTheRunDirectoryAsItWas) {
   for (const auto& [refused, code] : std::vector<std::pair<std::string, int>>{
            {" --set memory.stagehand.selective_precision.bf16_threshold=2 --set train.resume=never", 3},
            {" --set train.plugin=sp_absent --set train.resume=never", 3},
-           {" --seed 99", 4}}) {
+           {" --seed 99", 4},
+           {" --set memory.stagehand.streaming.metrics_file=config.yaml", 2}}) {
     const Result r = run_sp_train(base() + " --steps 8" + refused);
     EXPECT_EQ(r.exit_code, code) << r.output;
     for (const auto& [file, text] : before) EXPECT_EQ(sp::train::testing::read_text(file), text) << file << refused;
   }
+  // A run-directory file that is not a regular file is refused before anything is rewritten.
+  fs::rename(run / "train_metrics.jsonl", dir_ / "kept.jsonl");
+  fs::create_directory(run / "train_metrics.jsonl");
+  const Result r = run_sp_train(base() + " --steps 8");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("train_metrics.jsonl is not a regular file"), std::string::npos) << r.output;
+  EXPECT_EQ(sp::train::testing::read_text(run / "config.yaml"), before[0].second);
 }
 
 TEST_F(Cli, ShortRunWritesTheRunDirectory) {

@@ -109,6 +109,25 @@ TEST(TrainConfig, AnEmulatedLinkSlowerThanOneMegabytePerSecondIsRefused) {
             0.005);
 }
 
+// The run cuts its logs back when it starts: a log name must not reach any other file.
+TEST(TrainConfig, LogsArePlainFileNamesOfTheirOwn) {
+  const std::string metrics = "memory.stagehand.streaming.metrics_file=";
+  const std::string telemetry = "memory.stagehand.selective_precision.telemetry_file=";
+  for (const std::string& bad : {metrics + "config.yaml", metrics + "../notes.txt", metrics + "/etc/passwd",
+                                 metrics + "..", metrics + "checkpoint.bin", telemetry + "summary.json",
+                                 telemetry + "train_metrics.jsonl", metrics + "selective_precision_telemetry.jsonl"}) {
+    EXPECT_NE(error_of("", {parse_override(bad)}).find("expected a plain file name inside the run directory"),
+              std::string::npos)
+        << bad;
+  }
+  // Telemetry off: its file name is not the run's concern, and is never cut.
+  EXPECT_NO_THROW(parse_train_config("", "cfg.yaml",
+                                     {parse_override("memory.stagehand.selective_precision.telemetry_enabled=false"),
+                                      parse_override(telemetry + "/tmp/elsewhere.jsonl")}));
+  EXPECT_EQ(parse_train_config("", "cfg.yaml", {parse_override(metrics + "transfer.jsonl")}).streaming.metrics_file,
+            "transfer.jsonl");
+}
+
 TEST(TrainConfig, ALiteralOverrideIsNotReadAsYaml) {
   const TrainConfig c =
       parse_train_config("", "cfg.yaml", {Override{"data.path", "corpus #2: a*b.txt", "--data", /*literal=*/true}});
