@@ -9,7 +9,11 @@ namespace sp::runtime {
 using nlohmann::json;
 
 std::string JsonFields::describe(const json& value) {
-  std::string text = value.dump();
+  // A container is described by its size: dumping one recurses as deep as it is nested, and a
+  // 200 kB file of brackets overflows the stack.
+  if (value.is_array()) return fmt::format("array of {} element(s)", value.size());
+  if (value.is_object()) return fmt::format("object with {} key(s)", value.size());
+  std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
   constexpr size_t kMaxShown = 40;
   if (text.size() > kMaxShown) text = text.substr(0, kMaxShown) + "...";
   return fmt::format("{} {}", value.type_name(), text);

@@ -130,6 +130,11 @@ TEST_F(SpReplayCli, BadArgumentsAreExitCodeTwo) {
                                     write("empty.jsonl", "").string());
   EXPECT_EQ(empty_trace.exit_code, 2);
   EXPECT_THAT(empty_trace.output, HasSubstr("empty.jsonl: the trace holds no steps"));
+  // Nesting deep enough to overflow a recursive description of the value.
+  const RunResult deep = run("--config " + path("policy.yaml") + " --blocks 2 --trace " +
+                             write("deep.jsonl", std::string(100000, '[') + std::string(100000, ']') + "\n").string());
+  EXPECT_EQ(deep.exit_code, 2);
+  EXPECT_THAT(deep.output, HasSubstr("deep.jsonl:1: line: expected a JSON object, got array of 1 element(s)"));
   const RunResult trace_dir = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + dir_.string());
   EXPECT_EQ(trace_dir.exit_code, 2);
   EXPECT_THAT(trace_dir.output, HasSubstr(dir_.string() + ": is a directory; expected the trace"));
