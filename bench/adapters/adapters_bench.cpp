@@ -25,6 +25,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "bench_cli.hpp"
 #include "bench_report.hpp"
 #include "sp/adapters/host_backend.h"
 #include "sp/adapters/streaming_engine.h"
@@ -194,9 +195,9 @@ int main(int argc, char **argv) {
   app.add_option("--block-mib", block_mib, "BF16 block sizes in MiB")->check(CLI::PositiveNumber);
   app.add_option("--blocks", num_blocks, "blocks per model")->check(CLI::Range(2u, 1024u));
   app.add_option("--steps", steps, "timed steps per measurement")->check(CLI::Range(1, 1000));
-  app.add_option("--out", out_path, "JSON report (written atomically)")->required();
+  app.add_option("--out", out_path, "JSON report (written atomically)")->required()->check(sp::runtime::output_file());
   app.add_option("--commit", commit, "commit the binary was built from");
-  CLI11_PARSE(app, argc, argv);
+  if (const int exit_code = sp::bench::parse_command_line(app, argc, argv); exit_code >= 0) return exit_code;
 
   try {
     nlohmann::json report = {{"benchmark", "adapters"},
@@ -252,7 +253,7 @@ int main(int argc, char **argv) {
       return 2;
 #endif
     }
-    sp::runtime::write_file_atomically(out_path, report.dump(2) + "\n");
+    sp::bench::write_report(out_path, report);
     std::cout << "wrote " << out_path << "\n";
   } catch (const std::exception &error) {
     std::cerr << "sp_bench_adapters: " << error.what() << "\n";

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench_cli.hpp"
 #include "bench_report.hpp"
 #include "sp/kernels/bf16.h"
 #include "sp/kernels/fp8.h"
@@ -113,16 +114,7 @@ class Report {
                                 {"machine", sp::bench::machine_description()}, {"repeats", repeats_},
                                 {"shape", {{"rows", options_.rows}, {"cols", options_.cols}}},
                                 {"results", results_}};
-    const std::filesystem::path path(options_.output);
-    if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
-    const std::filesystem::path temp = path.string() + ".tmp";
-    {
-      std::ofstream out(temp);
-      if (!out) throw std::runtime_error("cannot write " + temp.string());
-      out << doc.dump(2) << '\n';
-      if (!out.flush()) throw std::runtime_error("cannot write " + temp.string());
-    }
-    std::filesystem::rename(temp, path);
+    sp::bench::write_report(options_.output, doc);
   }
 
  private:
@@ -248,13 +240,15 @@ void run(const Options &options) {
 int main(int argc, char **argv) {
   Options options;
   CLI::App app{"CPU kernel throughput against memcpy bandwidth measured in the same run"};
-  app.add_option("-o,--output", options.output, "JSON result path")->capture_default_str();
+  app.add_option("-o,--output", options.output, "JSON result path")->capture_default_str()->check(sp::runtime::output_file());
   app.add_option("--commit", options.commit, "commit the binary was built from (recorded in the JSON)");
   app.add_option("--rows", options.rows, "rows of the weight matrix")->check(CLI::Range(1, 1 << 20))->capture_default_str();
   app.add_option("--cols", options.cols, "columns of the weight matrix")->check(CLI::Range(1, 1 << 20))->capture_default_str();
   app.add_option("--repeats", options.repeats, "timed repetitions per kernel (median reported)")->check(CLI::Range(1, 1000))->capture_default_str();
-  app.add_option("--threads", options.threads, "threads for the multi-threaded runs (0: all cores)")->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  app.add_option("--threads", options.threads, "threads for the multi-threaded runs (0: all cores)")
+      ->check(CLI::Range(0u, 1024u))
+      ->capture_default_str();
+  if (const int exit_code = sp::bench::parse_command_line(app, argc, argv); exit_code >= 0) return exit_code;
   constexpr std::size_t kGptBlockElements = 12 * 1024 * 1024 + 2 * 1024;  // the slab benchmark's d=1024 block
   if (options.rows * options.cols < kGptBlockElements) {
     std::cerr << "--rows x --cols must be at least " << kGptBlockElements

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_cli.hpp"
 #include "bench_report.hpp"
 #include "sp/kernels/cuda/bf16.h"
 #include "sp/kernels/cuda/moments.h"
@@ -151,15 +152,7 @@ void run(const Options &options) {
                               {"gpu", {{"name", prop.name}, {"sm", std::to_string(prop.major) + "." + std::to_string(prop.minor)},
                                        {"memory_bytes", prop.totalGlobalMem}}},
                               {"repeats", options.repeats}, {"results", results}};
-  const std::filesystem::path path(options.output);
-  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
-  const std::filesystem::path temp = path.string() + ".tmp";
-  {
-    std::ofstream file(temp);
-    file << doc.dump(2) << '\n';
-    if (!file.flush()) throw std::runtime_error("cannot write " + temp.string());
-  }
-  std::filesystem::rename(temp, path);
+  sp::bench::write_report(options.output, doc);
   cudaStreamDestroy(stream);
   std::cout << "wrote " << options.output << "\n";
 }
@@ -169,10 +162,10 @@ void run(const Options &options) {
 int main(int argc, char **argv) {
   Options options;
   CLI::App app{"GPU kernel throughput against device-to-device copy bandwidth measured in the same run"};
-  app.add_option("-o,--output", options.output, "JSON result path")->capture_default_str();
+  app.add_option("-o,--output", options.output, "JSON result path")->capture_default_str()->check(sp::runtime::output_file());
   app.add_option("--commit", options.commit, "commit the binary was built from (recorded in the JSON)");
   app.add_option("--repeats", options.repeats, "timed repetitions (median reported)")->check(CLI::Range(1, 1000))->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  if (const int exit_code = sp::bench::parse_command_line(app, argc, argv); exit_code >= 0) return exit_code;
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::cerr << "sp-bench-kernels-gpu: no CUDA device\n";

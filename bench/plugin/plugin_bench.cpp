@@ -17,6 +17,7 @@
 #include <spdlog/sinks/null_sink.h>
 #include <spdlog/spdlog.h>
 
+#include "../common/bench_cli.hpp"
 #include "../common/bench_report.hpp"
 #include "sp/host/plugin_library.h"
 #include "sp/host/policy_host.h"
@@ -195,8 +196,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "steps to time")->check(CLI::Range(100, 10000000))->capture_default_str();
   app.add_option("--swaps", swaps, "hot swaps to time")->check(CLI::Range(2, 100000))->capture_default_str();
   app.add_option("--commit", commit, "commit measured, recorded in the JSON");
-  app.add_option("--out", out, "JSON output")->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  app.add_option("--out", out, "JSON output")->capture_default_str()->check(sp::runtime::output_file());
+  if (const int exit_code = sp::bench::parse_command_line(app, argc, argv); exit_code >= 0) return exit_code;
 
   try {
     json hooks = bench_hooks(v1, steps);
@@ -220,7 +221,7 @@ int main(int argc, char** argv) {
           {"abi_overhead_ns", {{"worst_hook_median", worst_overhead}, {"limit", 100.0}, {"met", worst_overhead <= 100.0}}},
           {"hot_swap_ms", {{"median", swap_ms}, {"limit", 20.0}, {"met", swap_ms <= 20.0}}}}}};
     if (!out.parent_path().empty()) std::filesystem::create_directories(out.parent_path());
-    sp::runtime::write_file_atomically(out, report.dump(2) + "\n");
+    sp::bench::write_report(out, report);
     std::cout << report["targets"].dump(2) << "\nwritten to " << out.string() << "\n";
   } catch (const std::exception& e) {
     std::cerr << "sp-bench-plugin: " << e.what() << "\n";
