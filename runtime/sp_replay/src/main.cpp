@@ -92,6 +92,8 @@ std::string with_replay_telemetry(const std::string& config_text, const Options&
     if (!memory.IsMap() || !memory["stagehand"].IsMap()) return config_text;
     section = memory["stagehand"]["selective_precision"];
   }
+  // A null section is the plugin's defaults, telemetry included: it must be turned off too.
+  if (section.IsDefined() && section.IsNull()) section = YAML::Node(YAML::NodeType::Map);
   if (!section.IsMap()) return config_text;
   section["telemetry_enabled"] = !options.telemetry.empty();
   if (!options.telemetry.empty()) section["telemetry_file"] = fs::absolute(options.telemetry).string();
@@ -125,7 +127,28 @@ void check_no_hook_failed(const sp::host::PolicyHost& host, int64_t step, const 
   }
 }
 
+// The replay's outputs must not land on its inputs, nor on each other.
+void check_outputs_are_not_inputs(const Options& options) {
+  const std::pair<const char*, const fs::path*> inputs[] = {
+      {"--trace", &options.trace}, {"--config", &options.config}, {"--calibration", &options.calibration}};
+  const std::pair<const char*, const fs::path*> outputs[] = {{"--out", &options.out}, {"--telemetry", &options.telemetry}};
+  for (const auto& [output_flag, output] : outputs) {
+    if (output->empty()) continue;
+    std::error_code ignored;
+    for (const auto& [input_flag, input] : inputs) {
+      if (!input->empty() && fs::equivalent(*output, *input, ignored)) {
+        throw ReplayFailure(kExitBadInput, fmt::format("{} {} is also the {}; it would be overwritten", output_flag,
+                                                       output->string(), input_flag));
+      }
+    }
+  }
+  if (!options.out.empty() && options.out == options.telemetry) {
+    throw ReplayFailure(kExitBadInput, fmt::format("--out and --telemetry are both {}", options.out.string()));
+  }
+}
+
 int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
+  check_outputs_are_not_inputs(options);
   std::ifstream trace_in;
   try {
     trace_in = sp::runtime::open_input_file(options.trace, "trace");
@@ -235,7 +258,8 @@ int main(int argc, char** argv) {
   app.add_option("--out", options.out, "write the decisions here (atomically) instead of stdout")
       ->check(sp::runtime::output_file());
   app.add_option("--telemetry", options.telemetry,
-                 "write the plugin's telemetry JSONL here; without it, telemetry is off");
+                 "write the plugin's telemetry JSONL here; without it, telemetry is off")
+      ->check(sp::runtime::output_file());
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

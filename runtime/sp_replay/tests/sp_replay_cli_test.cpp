@@ -130,6 +130,15 @@ TEST_F(SpReplayCli, BadArgumentsAreExitCodeTwo) {
                                     write("empty.jsonl", "").string());
   EXPECT_EQ(empty_trace.exit_code, 2);
   EXPECT_THAT(empty_trace.output, HasSubstr("empty.jsonl: the trace holds no steps"));
+  // Outputs that would overwrite an input, or land in a directory, are refused before the replay.
+  const RunResult over_trace = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
+                                   " --out " + path("t.jsonl"));
+  EXPECT_EQ(over_trace.exit_code, 2);
+  EXPECT_THAT(over_trace.output, HasSubstr("--out " + path("t.jsonl") + " is also the --trace"));
+  const RunResult telemetry_dir = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
+                                      " --telemetry " + dir_.string());
+  EXPECT_EQ(telemetry_dir.exit_code, 2);
+  EXPECT_THAT(telemetry_dir.output, HasSubstr("--telemetry: " + dir_.string() + " is a directory"));
   // Nesting deep enough to overflow a recursive description of the value.
   const RunResult deep = run("--config " + path("policy.yaml") + " --blocks 2 --trace " +
                              write("deep.jsonl", std::string(100000, '[') + std::string(100000, ']') + "\n").string());
