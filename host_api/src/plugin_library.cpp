@@ -253,7 +253,9 @@ struct PluginLibrary::State {
 PluginLibrary PluginLibrary::load(const std::filesystem::path& file) {
   const std::filesystem::path resolved = resolve_plugin_path(file);
   check_trusted_directory(resolved, resolved.parent_path());
-  FileDescriptor source(::open(resolved.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  // O_NONBLOCK: opening a FIFO put where the plugin should be would otherwise wait forever;
+  // the regular-file check below then refuses it.
+  FileDescriptor source(::open(resolved.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
   if (source.get() < 0) {
     throw PluginError(fmt::format("cannot load policy plugin {}: {}", resolved, errno_text(errno)));
   }

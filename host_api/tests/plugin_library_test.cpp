@@ -93,6 +93,13 @@ TEST(PluginLibrary, RefusesAMissingFile) {
               AllOf(HasSubstr("/nonexistent/libsp_nothing.so"), HasSubstr("No such file")));
 }
 
+TEST(PluginLibrary, RefusesAFifoWithoutWaitingOnIt) {
+  TempDir dir;
+  const std::filesystem::path fifo = dir.path() / "libsp_fifo.so";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_THAT(load_error(fifo), AllOf(HasSubstr(fifo.string()), HasSubstr("it is not a regular file")));
+}
+
 TEST(PluginLibrary, RefusesAFileThatIsNotASharedLibrary) {
   TempDir dir;
   const std::filesystem::path file = dir.path() / "libsp_text.so";

@@ -26,6 +26,13 @@ std::ifstream open_input_file(const std::filesystem::path& file, std::string_vie
 }
 
 std::string read_whole_file(const std::filesystem::path& file, std::string_view what) {
+  // A whole-file read needs an end: a FIFO would block and /dev/zero would fill memory.
+  std::error_code status_error;
+  const std::filesystem::file_status status = std::filesystem::status(file, status_error);
+  if (std::filesystem::exists(status) && !std::filesystem::is_regular_file(status) &&
+      !std::filesystem::is_directory(status)) {
+    throw FileReadError(fmt::format("{}: is not a regular file; expected the {}", file.string(), what));
+  }
   std::ifstream in = open_input_file(file, what);
   try {
     std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

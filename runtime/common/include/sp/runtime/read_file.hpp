@@ -27,7 +27,8 @@ class FileReadError : public std::runtime_error {
 // as an empty input or an internal error).
 std::ifstream open_input_file(const std::filesystem::path& file, std::string_view what);
 
-// The file's bytes; throws FileReadError as open_input_file() does, or when reading fails.
+// The file's bytes; throws FileReadError as open_input_file() does, when the file is not a
+// regular file (a FIFO or a device has no end to read to), or when reading fails.
 std::string read_whole_file(const std::filesystem::path& file, std::string_view what);
 
 }  // namespace sp::runtime
