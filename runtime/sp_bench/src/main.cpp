@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <iostream>
+#include <new>
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
@@ -223,6 +224,9 @@ int main(int argc, char** argv) {
     if (*merge) return merge_policy(reports, output, threshold);
   } catch (const sp::bench::TransferPolicyError& e) {
     fmt::print(stderr, "sp-bench: {}\n", e.what());
+    return kExitBadInput;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "sp-bench: not enough memory for these blocks; lower --max-kib, --blocks or --gpt-d-model\n");
     return kExitBadInput;
   } catch (const std::exception& e) {
     fmt::print(stderr, "sp-bench: {}\n", e.what());

@@ -180,7 +180,7 @@ std::string report_to_json(const TransferReport& report) {
                     {"bandwidth_cap_gbps", report.bandwidth_cap_gbps ? json(*report.bandwidth_cap_gbps) : json(nullptr)},
                     {"reference_h2d_gbps", report.reference_h2d_gbps},
                     {"points", points}};
-  return doc.dump(2) + "\n";
+  return doc.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
 }
 
 TransferReport report_from_json(const std::string& text, const std::string& source_name) {
@@ -284,7 +284,7 @@ std::string TransferPolicy::to_json() const {
                     {"speedup_threshold", speedup_threshold_},
                     {"sources", sources},
                     {"rules", rules}};
-  return doc.dump(2) + "\n";
+  return doc.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
 }
 
 TransferPolicy TransferPolicy::from_json(const std::string& text, const std::string& source_name) {

@@ -230,13 +230,22 @@ struct Trainer::Impl {
             {"int8_group_size", config.streaming.int8_group_size}};
   }
 
+  // The meta section, checked as far as every reader relies on it: an object with next_step
+  // in range and a `model` object (read by key, which must not meet a missing one).
   static nlohmann::json read_meta(const CheckpointSections& checkpoint, const fs::path& file) {
-    const Bytes& meta = checkpoint.get("meta");
-    nlohmann::json parsed = nlohmann::json::parse(meta.begin(), meta.end(), nullptr, false);
+    nlohmann::json parsed;
+    try {
+      const Bytes& meta = checkpoint.get("meta");
+      parsed = nlohmann::json::parse(meta.begin(), meta.end(), nullptr, false);
+    } catch (const CheckpointError& e) {
+      throw ResumeError(e.what());
+    }
     if (!parsed.is_object() || !parsed.contains("next_step") || !parsed["next_step"].is_number_integer() ||
-        parsed["next_step"].get<std::int64_t>() < 0 || parsed["next_step"].get<std::int64_t>() > kMaxCheckpointStep) {
-      throw ResumeError(fmt::format("{}: section 'meta' is not a JSON object with next_step in [0, {}]", file.string(),
-                                    kMaxCheckpointStep));
+        parsed["next_step"].get<std::int64_t>() < 0 || parsed["next_step"].get<std::int64_t>() > kMaxCheckpointStep ||
+        !parsed.contains("model") || !parsed["model"].is_object()) {
+      throw ResumeError(fmt::format("{}: section 'meta' is not a JSON object with next_step in [0, {}] and a model "
+                                    "object",
+                                    file.string(), kMaxCheckpointStep));
     }
     return parsed;
   }
@@ -273,6 +282,8 @@ struct Trainer::Impl {
                 meta["next_step"].get<std::int64_t>(), loaded);
     } catch (const CheckpointError& e) {
       throw ResumeError(fmt::format("{}: {}", what, e.what()));
+    } catch (const nlohmann::json::exception& e) {
+      throw ResumeError(fmt::format("{}: section 'meta' is malformed: {}", what, e.what()));
     }
   }
 
@@ -978,15 +989,39 @@ struct Trainer::Impl {
     engine->flush_metrics();
     save_checkpoint();
     result.json = summary(result.outcome, seconds_since(wall_start));
-    sp::runtime::write_file_atomically(options.out_dir / kRunSummaryFile, result.json.dump(2) + "\n");
+    sp::runtime::write_file_atomically(options.out_dir / kRunSummaryFile, result.json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
     return result;
   }
 };
 
+namespace {
+
+// LibTorch's errors carry a C++ backtrace meant for its own developers; the user gets the
+// message. Running out of memory is a model or batch too big for this machine: a config matter.
+template <typename Work>
+auto reporting_torch_errors(Work&& work) {
+  constexpr const char* kTooBig =
+      "not enough memory for this model and batch (model.d_model, model.n_blocks, model.seq_len, "
+      "train.batch_size); lower them: {}";
+  try {
+    return work();
+  } catch (const std::bad_alloc& e) {
+    throw ConfigError(fmt::format(kTooBig, e.what()));
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    if (message.find("can't allocate memory") != std::string::npos) throw ConfigError(fmt::format(kTooBig, message));
+    throw std::runtime_error(message);
+  }
+}
+
+}  // namespace
+
 Trainer::Trainer(TrainConfig config, RunOptions options)
-    : impl_(std::make_unique<Impl>(std::move(config), std::move(options))) {}
+    : impl_(reporting_torch_errors([&] { return std::make_unique<Impl>(std::move(config), std::move(options)); })) {}
 Trainer::~Trainer() = default;
-RunSummary Trainer::run() { return impl_->run(); }
+RunSummary Trainer::run() {
+  return reporting_torch_errors([&] { return impl_->run(); });
+}
 std::int64_t Trainer::next_step() const { return impl_->next_step; }
 const std::string& Trainer::calibration_status() const { return impl_->calibration_status; }
 const std::vector<double>& Trainer::calibration_errors() const { return impl_->calibration_errors; }

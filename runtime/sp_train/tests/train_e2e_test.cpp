@@ -249,6 +249,20 @@ TEST_F(TrainE2E, ACheckpointWithOutOfRangeFieldsIsRefusedByName) {
   EXPECT_NE(resume_error("rng/torch", "not a generator", {}).find("section 'rng/torch' (15 bytes)"), std::string::npos);
   EXPECT_NE(resume_error("meta", meta.dump(), {{"train.mode", "lora"}}).find("made for mode = \"full\""),
             std::string::npos);
+  edited = meta;
+  edited.erase("model");
+  EXPECT_NE(resume_error("meta", edited.dump(), {}).find("and a model object"), std::string::npos);
+  // The same checks guard a checkpoint named as initial weights, and a checkpoint without meta.
+  const fs::path other = dir_ / "init.bin";
+  CheckpointSections no_meta;
+  no_meta.put("master/none", "x", 1);
+  no_meta.write_atomically(other);
+  try {
+    Trainer from(config({{"train.init_checkpoint", other.string()}}), options("from-init"));
+    ADD_FAILURE() << "expected a ResumeError";
+  } catch (const ResumeError& e) {
+    EXPECT_NE(std::string(e.what()).find("section 'meta' is missing"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
