@@ -13,6 +13,7 @@ std::string JsonFields::describe(const json& value) {
   // 200 kB file of brackets overflows the stack.
   if (value.is_array()) return fmt::format("array of {} element(s)", value.size());
   if (value.is_object()) return fmt::format("object with {} key(s)", value.size());
+  if (value.is_null()) return "null";
   std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
   constexpr size_t kMaxShown = 40;
   if (text.size() > kMaxShown) text = text.substr(0, kMaxShown) + "...";

@@ -11,6 +11,7 @@
 namespace sp::runtime {
 
 std::ifstream open_input_file(const std::filesystem::path& file, std::string_view what) {
+  if (file.empty()) throw FileReadError(fmt::format("expected a path to the {}, found an empty string", what));
   std::error_code status_error;
   const std::filesystem::file_status status = std::filesystem::status(file, status_error);
   if (std::filesystem::is_directory(status)) {

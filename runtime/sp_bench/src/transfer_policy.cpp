@@ -226,6 +226,11 @@ TransferReport report_from_json(const std::string& text, const std::string& sour
       p.int8_frozen_path_s = positive(fields, j, "int8_frozen_path_s", at);
       p.bf16_trained_path_s = positive(fields, j, "bf16_trained_path_s", at);
       p.int8_trained_path_s = positive(fields, j, "int8_trained_path_s", at);
+      // Each time is finite, but their ratio need not be (1e300 / 1e-300), and a policy
+      // written from an infinite speedup would not load.
+      if (!std::isfinite(p.bf16_path_s / p.int8_frozen_path_s) || !std::isfinite(p.bf16_trained_path_s / p.int8_trained_path_s)) {
+        fields.fail(at, "the INT8 speedup over BF16 it implies is not a finite number");
+      }
       report.points.push_back(p);
     }
     return report;

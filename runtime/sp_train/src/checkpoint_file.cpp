@@ -127,6 +127,10 @@ CheckpointSections CheckpointSections::read(const std::filesystem::path& file) {
   sections.source_ = name;
   for (std::uint32_t i = 0; i < count; ++i) {
     const auto name_length = cursor.read<std::uint32_t>("a section name length");
+    if (name_length > body - cursor.position()) {  // before allocating what the header claims
+      throw CheckpointError(fmt::format("{}: the name of section {} claims {} bytes, more than the file", name, i,
+                                        name_length));
+    }
     std::string section(name_length, '\0');
     cursor.take(section.data(), name_length, fmt::format("the name of section {}", i));
     const auto bytes = cursor.read<std::uint64_t>(fmt::format("the length of section '{}'", section).c_str());
@@ -135,7 +139,9 @@ CheckpointSections CheckpointSections::read(const std::filesystem::path& file) {
     }
     Bytes payload(static_cast<std::size_t>(bytes));
     cursor.take(payload.data(), payload.size(), fmt::format("section '{}'", section));
-    sections.sections_[section] = std::move(payload);
+    if (!sections.sections_.emplace(section, std::move(payload)).second) {
+      throw CheckpointError(fmt::format("{}: section '{}' appears twice", name, section));
+    }
   }
   if (cursor.position() != body) {
     throw CheckpointError(fmt::format("{}: {} unexpected bytes after the last section", name, body - cursor.position()));

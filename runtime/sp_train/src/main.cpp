@@ -6,7 +6,6 @@
 #include <atomic>
 #include <filesystem>
 #include <iostream>
-#include <limits>
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
@@ -67,7 +66,7 @@ int main(int argc, char** argv) {
   fs::path config_file;
   std::string data;
   std::int64_t steps = 0;
-  std::int64_t seed = 0;
+  std::string seed;
   fs::path out = "sp-train-run";
   fs::path plugin_dir = default_plugin_dir();
   std::vector<std::string> sets;
@@ -82,8 +81,8 @@ int main(int argc, char** argv) {
   auto* data_option = app.add_option("--data", data, "text file or directory to train on (overrides data.path)");
   auto* steps_option = app.add_option("--steps", steps, "total optimizer steps (overrides train.steps)")
                            ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
-  auto* seed_option = app.add_option("--seed", seed, "seed of init, batches and calibration (overrides train.seed)")
-                          ->check(CLI::Range(std::int64_t{0}, std::numeric_limits<std::int64_t>::max()));
+  // Kept as text and checked as train.seed is: CLI11 saturates an integer that overflows.
+  auto* seed_option = app.add_option("--seed", seed, "seed of init, batches and calibration (overrides train.seed)");
   app.add_option("--out", out, "run directory: metrics, telemetry, checkpoint, summary.json")->capture_default_str();
   app.add_option("--plugin-dir", plugin_dir, "directory holding lib<train.plugin>.so; watched for new versions")
       ->capture_default_str();
@@ -104,7 +103,7 @@ int main(int argc, char** argv) {
     for (const std::string& s : sets) overrides.push_back(sp::train::parse_override(s));
     if (*data_option) overrides.push_back({"data.path", data, "--data", /*literal=*/true});
     if (*steps_option) overrides.push_back({"train.steps", std::to_string(steps), "--steps"});
-    if (*seed_option) overrides.push_back({"train.seed", std::to_string(seed), "--seed"});
+    if (*seed_option) overrides.push_back({"train.seed", seed, "--seed"});
     sp::train::TrainConfig config = sp::train::load_train_config(config_file, overrides);
 
     std::signal(SIGINT, on_sigint);

@@ -225,6 +225,9 @@ void read_train(const Origins& origins, const Section& s, TrainLoopConfig& t) {
   s.integer("seed", t.seed, 0, std::numeric_limits<std::int64_t>::max());
   s.integer("threads", t.threads, 0, 1024);
   s.string("plugin", t.plugin, /*allow_empty=*/false);
+  if (t.plugin.find('/') != std::string::npos) {
+    s.fail("plugin", "a plugin name (lib<name>.so is looked up in --plugin-dir), not a path", s.node()["plugin"]);
+  }
   s.integer("plugin_poll_steps", t.plugin_poll_steps, 0, kMaxSteps);
   s.string("calibration_cache_dir", t.calibration_cache_dir, /*allow_empty=*/true);
   s.string("init_checkpoint", t.init_checkpoint, /*allow_empty=*/true);
@@ -361,7 +364,13 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
                                const std::vector<Override>& overrides) {
   YAML::Node root;
   try {
-    root = YAML::Load(text);
+    const std::vector<YAML::Node> documents = YAML::LoadAll(text);
+    // A second document would be read by no one, and a key there silently ignored.
+    if (documents.size() > 1) {
+      throw ConfigError(fmt::format("{}: holds {} YAML documents (separated by ---); expected one", source_name,
+                                    documents.size()));
+    }
+    if (!documents.empty()) root.reset(documents.front());
   } catch (const YAML::Exception& e) {
     throw ConfigError(fmt::format("{}: not valid YAML: {}", source_name, e.what()));
   }
@@ -401,7 +410,8 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
   const YAML::Node policy = stagehand.node()["selective_precision"];
   if (policy.IsDefined() && !policy.IsNull() && !policy.IsMap()) {
     throw ConfigError(fmt::format(
-        "{}: memory.stagehand.selective_precision: expected a mapping, found {}", source_name,
+        "{}: memory.stagehand.selective_precision: expected a mapping, found {}",
+        origins.of("memory.stagehand.selective_precision"),
         describe(policy)));
   }
   read_policy_keys(origins, policy, config.policy_keys);

@@ -828,6 +828,10 @@ struct Trainer::Impl {
       }
       std::int64_t steps = 0;
       in.get_into("adam/steps", &steps, sizeof steps);
+      if (steps < 0 || steps > next_step) {
+        throw CheckpointError(fmt::format("{}: section 'adam/steps' holds {}; expected a count in [0, next_step = {}]",
+                                          checkpoint_path(options.out_dir).string(), steps, next_step));
+      }
       adam->set_steps_taken(steps);
       const Bytes& rng = in.get("rng/torch");
       torch::Tensor state = torch::empty({static_cast<std::int64_t>(rng.size())}, torch::kUInt8);

@@ -97,6 +97,40 @@ TEST_F(Checkpoint, RoundTripsAndRejectsDamage) {
   }
 }
 
+// Damage behind a valid checksum, as a writer with a bug would leave it: the reader still
+// names it, and allocates nothing the file cannot back.
+TEST_F(Checkpoint, SealedStructuralDamageIsNamed) {
+  CheckpointSections out;
+  out.put("aa", "1", 1);
+  out.put("ab", "2", 1);
+  const fs::path file = dir_ / "sealed.bin";
+  out.write_atomically(file);
+  std::string bytes = testing::read_text(file);
+  const auto reseal = [&](std::string body) {
+    body.resize(body.size() - 8);
+    const std::uint64_t sum = fnv1a64(body.data(), body.size());
+    body.append(reinterpret_cast<const char*>(&sum), sizeof sum);
+    testing::write_text(file, body);
+  };
+  const auto error = [&] {
+    try {
+      CheckpointSections::read(file);
+    } catch (const CheckpointError& e) {
+      return std::string(e.what());
+    }
+    return std::string("read");
+  };
+  std::string twice = bytes;
+  twice.replace(twice.find("ab"), 2, "aa");
+  reseal(twice);
+  EXPECT_NE(error().find("section 'aa' appears twice"), std::string::npos) << error();
+  std::string long_name = bytes;
+  const std::uint32_t huge = 0xFFFFFFFFu;
+  std::memcpy(&long_name[8 + 4 + 4], &huge, sizeof huge);  // magic, version, count, then the first name length
+  reseal(long_name);
+  EXPECT_NE(error().find("the name of section 0 claims 4294967295 bytes"), std::string::npos) << error();
+}
+
 using CalibrationCache = ScratchDir;
 
 TEST_F(CalibrationCache, HitsOnlyItsOwnFingerprint) {

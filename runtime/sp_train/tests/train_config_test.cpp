@@ -134,6 +134,17 @@ TEST(TrainConfig, ALiteralOverrideIsNotReadAsYaml) {
   EXPECT_EQ(c.data.path, "corpus #2: a*b.txt");
 }
 
+TEST(TrainConfig, ASecondYamlDocumentAndAPluginPathAreRefused) {
+  EXPECT_EQ(error_of("train: {steps: 3}\n---\ntrain: {lr: 99}\n"),
+            "cfg.yaml: holds 2 YAML documents (separated by ---); expected one");
+  EXPECT_EQ(error_of("train: {plugin: ../evil}"),
+            "cfg.yaml: train.plugin: expected a plugin name (lib<name>.so is looked up in --plugin-dir), not a path, "
+            "found '../evil'");
+  // --seed arrives as text, so a value beyond int64 is refused instead of saturated.
+  EXPECT_EQ(error_of("", {Override{"train.seed", "99999999999999999999999", "--seed"}}),
+            "--seed: train.seed: expected an integer in [0, 9223372036854775807], found '99999999999999999999999'");
+}
+
 TEST(TrainConfig, DuplicateKeysAreRefusedWithBothLines) {
   EXPECT_EQ(error_of("train:\n  steps: 3\n  lr: 0.1\n  steps: 4\n"),
             "cfg.yaml: train.steps: duplicate key (lines 2 and 4); keep one");

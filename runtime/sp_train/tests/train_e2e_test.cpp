@@ -249,6 +249,10 @@ TEST_F(TrainE2E, ACheckpointWithOutOfRangeFieldsIsRefusedByName) {
   EXPECT_NE(resume_error("rng/torch", "not a generator", {}).find("section 'rng/torch' (15 bytes)"), std::string::npos);
   EXPECT_NE(resume_error("meta", meta.dump(), {{"train.mode", "lora"}}).find("made for mode = \"full\""),
             std::string::npos);
+  const std::int64_t negative_steps = -1;
+  EXPECT_NE(resume_error("adam/steps", std::string(reinterpret_cast<const char*>(&negative_steps), sizeof negative_steps), {})
+                .find("'adam/steps' holds -1"),
+            std::string::npos);
   edited = meta;
   edited.erase("model");
   EXPECT_NE(resume_error("meta", edited.dump(), {}).find("and a model object"), std::string::npos);
