@@ -1,6 +1,7 @@
 // sp-bench: measures the transfer paths on this machine and turns the measurements into a
 // transfer policy ("never slower than BF16"). See docs/performance.md.
 
+#include <cerrno>
 #include <unistd.h>
 
 #include <filesystem>
@@ -163,8 +164,10 @@ int main(int argc, char** argv) {
                       "host backend: emulated link bandwidth in GB/s, 0 for none")
       ->check(CLI::Validator(
           [](std::string& text) {
+            errno = 0;
             const double gbps = std::strtod(text.c_str(), nullptr);
-            return gbps == 0.0 || (gbps >= sp::adapters::kMinBandwidthCapGbps && gbps <= 1e6)
+            // errno: 1e-400 reads as 0 with ERANGE, and must not mean "no cap".
+            return (gbps == 0.0 && errno == 0) || (gbps >= sp::adapters::kMinBandwidthCapGbps && gbps <= 1e6)
                        ? std::string()
                        : fmt::format("expected 0 (no cap) or a number in [{}, 1e6], found {}",
                                      sp::adapters::kMinBandwidthCapGbps, text);

@@ -33,7 +33,9 @@ std::vector<fs::path> text_files(const fs::path& path) {
   std::error_code ec;
   const fs::file_status status = fs::status(path, ec);
   if (ec || !fs::exists(status)) {
-    throw DataError(fmt::format("{}: data path does not exist", path.string()));
+    throw DataError(fmt::format("{}: data path {}", path.string(),
+                                ec && ec != std::errc::no_such_file_or_directory ? "cannot be used: " + ec.message()
+                                                                                 : std::string("does not exist")));
   }
   std::vector<fs::path> files;
   if (fs::is_regular_file(status)) {

@@ -425,6 +425,11 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     check_log_file_name(origins, "memory.stagehand.selective_precision.telemetry_file", telemetry_file, metrics_file);
   }
 
+  // Every key is optional, the policy section too: without one the plugin runs on its
+  // defaults (it refuses a config that has no section at all).
+  if (!policy.IsDefined() || policy.IsNull()) {
+    root["memory"]["stagehand"]["selective_precision"] = YAML::Node(YAML::NodeType::Map);
+  }
   YAML::Emitter out;
   out << root;
   config.resolved_yaml = std::string(out.c_str()) + "\n";

@@ -62,6 +62,15 @@ TEST_F(Corpus, RejectsUnusablePathsByName) {
   } catch (const DataError& e) {
     EXPECT_NE(std::string(e.what()).find("short.txt: 4 bytes of text in 1 file(s)"), std::string::npos) << e.what();
   }
+  fs::create_symlink("loop", dir_ / "loop");
+  try {
+    TextCorpus(dir_ / "loop", 0.1, 1024, 16);
+    FAIL();
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("loop: data path cannot be used: Too many levels of symbolic links"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 using Checkpoint = ScratchDir;

@@ -2,6 +2,8 @@
 
 #include <filesystem>
 
+#include <yaml-cpp/yaml.h>
+
 #include "train_config.hpp"
 
 namespace sp::train {
@@ -143,6 +145,14 @@ TEST(TrainConfig, ASecondYamlDocumentAndAPluginPathAreRefused) {
   // --seed arrives as text, so a value beyond int64 is refused instead of saturated.
   EXPECT_EQ(error_of("", {Override{"train.seed", "99999999999999999999999", "--seed"}}),
             "--seed: train.seed: expected an integer in [0, 9223372036854775807], found '99999999999999999999999'");
+}
+
+// Every key is optional, the policy section too: the plugin gets an empty one and its defaults.
+TEST(TrainConfig, AConfigWithoutAPolicySectionGivesThePluginAnEmptyOne) {
+  for (const char* text : {"", "memory: ~", "memory: {stagehand: {selective_precision: ~}}"}) {
+    const YAML::Node resolved = YAML::Load(parse_train_config(text, "cfg.yaml").resolved_yaml);
+    EXPECT_TRUE(resolved["memory"]["stagehand"]["selective_precision"].IsMap()) << text;
+  }
 }
 
 TEST(TrainConfig, DuplicateKeysAreRefusedWithBothLines) {
