@@ -80,7 +80,7 @@ int main(int argc, char** argv) {
       ->required();
   auto* data_option = app.add_option("--data", data, "text file or directory to train on (overrides data.path)");
   auto* steps_option = app.add_option("--steps", steps, "total optimizer steps (overrides train.steps)")
-                           ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
+                           ->check(CLI::Range(std::int64_t{1}, sp::train::kMaxSteps));
   // Kept as text and checked as train.seed is: CLI11 saturates an integer that overflows.
   auto* seed_option = app.add_option("--seed", seed, "seed of init, batches and calibration (overrides train.seed)");
   app.add_option("--out", out, "run directory: metrics, telemetry, checkpoint, summary.json")->capture_default_str();

@@ -183,7 +183,6 @@ class Section {
   std::vector<const char*> known_;
 };
 
-constexpr std::int64_t kMaxSteps = std::int64_t{1} << 40;
 constexpr std::int64_t kMaxU32 = std::numeric_limits<std::uint32_t>::max();
 
 void read_model(const Section& s, ModelConfig& m) {

@@ -101,6 +101,9 @@ struct PolicyHostKeys {
   std::string telemetry_file = "selective_precision_telemetry.jsonl";
 };
 
+// The most optimizer steps a run may have (train.steps, and so a checkpoint's next_step).
+inline constexpr std::int64_t kMaxSteps = std::int64_t{1} << 40;
+
 // The files sp-train itself writes in the run directory. The two configurable logs
 // (streaming.metrics_file, the policy's telemetry_file) must be other plain file names there:
 // the run cuts its logs back when it starts, and must never cut anything else.

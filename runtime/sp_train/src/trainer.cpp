@@ -39,8 +39,6 @@ namespace {
 constexpr std::uint64_t kCalibrationSalt = 0xca11b7a7e5eedull;
 // Steps in a row with a non-finite loss or gradient (each skipped) before the run gives up.
 constexpr int kMaxNonFiniteSteps = 8;
-// The most steps a run may have (train.steps' upper bound), so a checkpoint's next_step too.
-constexpr std::int64_t kMaxCheckpointStep = std::int64_t{1} << 40;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -156,7 +154,7 @@ struct Trainer::Impl {
     if (config.train.threads != 0) torch::set_num_threads(static_cast<int>(config.train.threads));
     // Nothing in the run directory is rewritten until everything that can reject the run has
     // passed: a mistyped resume must not lose the directory's config or logs.
-    create_run_directory();
+    prepare_run_directory();
 
     corpus = std::make_unique<TextCorpus>(config.data.path, config.data.val_fraction,
                                           config.data.chunk_bytes, config.model.seq_len);
@@ -188,7 +186,7 @@ struct Trainer::Impl {
     train_metrics = std::make_unique<ad::MetricsJsonlWriter>(options.out_dir / kRunTrainMetricsFile);
   }
 
-  void create_run_directory() const {
+  void prepare_run_directory() const {
     std::error_code error;
     if (!options.out_dir.empty()) fs::create_directories(options.out_dir, error);
     if (options.out_dir.empty() || error || !fs::is_directory(options.out_dir)) {
@@ -241,11 +239,11 @@ struct Trainer::Impl {
       throw ResumeError(e.what());
     }
     if (!parsed.is_object() || !parsed.contains("next_step") || !parsed["next_step"].is_number_integer() ||
-        parsed["next_step"].get<std::int64_t>() < 0 || parsed["next_step"].get<std::int64_t>() > kMaxCheckpointStep ||
+        parsed["next_step"].get<std::int64_t>() < 0 || parsed["next_step"].get<std::int64_t>() > kMaxSteps ||
         !parsed.contains("model") || !parsed["model"].is_object()) {
       throw ResumeError(fmt::format("{}: section 'meta' is not a JSON object with next_step in [0, {}] and a model "
                                     "object",
-                                    file.string(), kMaxCheckpointStep));
+                                    file.string(), kMaxSteps));
     }
     return parsed;
   }
