@@ -1,5 +1,7 @@
 #include "elf_image.h"
 
+#include "file_descriptor.h"
+
 #include <sp/host/plugin_library.h>
 
 #include <elf.h>
@@ -36,20 +38,13 @@ constexpr std::uint16_t kNativeMachine = EM_PPC64;
 
 class ImageFile {
  public:
-  ImageFile(const std::filesystem::path& shown_as, const std::filesystem::path& file) : shown_as_(shown_as) {
-    fd_ = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  ImageFile(const std::filesystem::path& shown_as, const std::filesystem::path& file)
+      : shown_as_(shown_as), fd_(::open(file.c_str(), O_RDONLY | O_CLOEXEC)) {
     struct stat file_stat {};
-    if (fd_ < 0 || ::fstat(fd_, &file_stat) != 0) {
-      const int error = errno;
-      if (fd_ >= 0) ::close(fd_);  // the destructor does not run when the constructor throws
-      fail(fmt::format("cannot read {}: {}", file, std::generic_category().message(error)));
+    if (fd_.get() < 0 || ::fstat(fd_.get(), &file_stat) != 0) {
+      fail(fmt::format("cannot read {}: {}", file, std::generic_category().message(errno)));
     }
     size_ = static_cast<std::uint64_t>(file_stat.st_size);
-  }
-  ImageFile(const ImageFile&) = delete;
-  ImageFile& operator=(const ImageFile&) = delete;
-  ~ImageFile() {
-    if (fd_ >= 0) ::close(fd_);
   }
 
   std::uint64_t size() const { return size_; }
@@ -58,7 +53,7 @@ class ImageFile {
   T read(std::uint64_t offset, const char* what) const {
     require_inside(offset, sizeof(T), what);
     T value{};
-    if (::pread(fd_, &value, sizeof(T), static_cast<off_t>(offset)) != static_cast<ssize_t>(sizeof(T))) {
+    if (::pread(fd_.get(), &value, sizeof(T), static_cast<off_t>(offset)) != static_cast<ssize_t>(sizeof(T))) {
       fail(fmt::format("reading its {} failed: {}", what, std::generic_category().message(errno)));
     }
     return value;
@@ -78,7 +73,7 @@ class ImageFile {
 
  private:
   const std::filesystem::path& shown_as_;
-  int fd_ = -1;
+  FileDescriptor fd_;
   std::uint64_t size_ = 0;
 };
 

@@ -1,6 +1,7 @@
 #include <sp/host/plugin_library.h>
 
 #include "elf_image.h"
+#include "file_descriptor.h"
 
 #include <boost/dll/shared_library.hpp>
 #include <fmt/format.h>
@@ -100,20 +101,6 @@ std::filesystem::path resolve_plugin_path(const std::filesystem::path& file) {
   }
   return resolved;
 }
-
-class FileDescriptor {
- public:
-  explicit FileDescriptor(int fd) : fd_(fd) {}
-  FileDescriptor(const FileDescriptor&) = delete;
-  FileDescriptor& operator=(const FileDescriptor&) = delete;
-  ~FileDescriptor() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 // The private copy of a plugin file: a fresh mkdtemp directory (0700) holding one file.
 class PrivateCopy {
