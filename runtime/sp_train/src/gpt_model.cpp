@@ -71,14 +71,34 @@ std::size_t GptModel::add_resident(std::string name, torch::Tensor value, bool d
   torch::Tensor compute = computes_on_masters(compute_)
                               ? value
                               : value.detach().to(compute_, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true);
-  resident_.push_back(ResidentParam{std::move(name), value, torch::zeros_like(value), decay, std::move(compute)});
+  torch::Tensor compute_grad;
+  if (!computes_on_masters(compute_)) compute_grad = torch::zeros_like(compute, compute.options().dtype(torch::kFloat32));
+  resident_.push_back(ResidentParam{std::move(name), value, host_gradient_buffer(value), decay, std::move(compute),
+                                    std::move(compute_grad)});
   return resident_.size() - 1;
 }
 
 void GptModel::refresh_compute() {
   if (computes_on_masters(compute_)) return;
   torch::NoGradGuard no_grad;
-  for (ResidentParam& p : resident_) p.compute.copy_(p.value);
+  const bool pinned = compute_.device().is_cuda();
+  for (ResidentParam& p : resident_) {
+    if (!pinned) {
+      p.compute.copy_(p.value);
+      continue;
+    }
+    // Converted on the host into a pinned buffer first: a copy from pageable memory, or one
+    // that converts the dtype on the way, would make the host wait for it.
+    const torch::Tensor staged =
+        torch::empty(p.value.sizes(), torch::TensorOptions().dtype(p.compute.dtype()).pinned_memory(true));
+    staged.copy_(p.value);
+    p.compute.copy_(staged, /*non_blocking=*/true);
+  }
+}
+
+torch::Tensor GptModel::host_gradient_buffer(const torch::Tensor& like) const {
+  return torch::zeros(like.sizes(),
+                      torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(compute_.device().is_cuda()));
 }
 
 BlockWeights GptModel::delivered_weights(const std::array<const std::uint16_t*, kStreamedPerBlock>& slot_bf16,

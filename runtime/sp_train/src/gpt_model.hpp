@@ -29,12 +29,16 @@ using BlockWeights = std::array<torch::Tensor, kStreamedPerBlock>;
 // `grad` its gradient buffer (same shape, zeroed every step), both on the host. `compute` is
 // what the model reads and differentiates: `value` itself when computing in fp32 on the CPU,
 // else a copy on the compute device in the compute dtype, refreshed by refresh_compute().
+// `compute_grad` is defined only in that second case: an fp32 accumulator beside `compute`, so
+// the backward adds a block's gradient where it was computed and the step sends the sum to
+// `grad` once, instead of a copy back to the host per block.
 struct ResidentParam {
   std::string name;
   torch::Tensor value;
   torch::Tensor grad;
   bool decay = false;
   torch::Tensor compute;
+  torch::Tensor compute_grad;
 };
 
 class GptModel {
@@ -45,9 +49,15 @@ class GptModel {
 
   const ModelConfig& config() const { return config_; }
   const torch::TensorOptions& compute_options() const { return compute_; }
-  // Copies every resident master into its compute tensor (after an update or a load); a
-  // no-op where they are the same tensor.
+  // Queues a copy of every resident master into its compute tensor (after an update or a
+  // load); a no-op where they are the same tensor. On a GPU the copies leave from freshly
+  // pinned buffers without blocking the host; the caching host allocator keeps each buffer
+  // until its copy has run.
   void refresh_compute();
+  // An fp32 host buffer of zeros shaped like `like`, for gradients that the backward sends
+  // back from the compute device: pinned when that device is a GPU, so that the copy into it
+  // is queued on the compute stream instead of blocking the host.
+  torch::Tensor host_gradient_buffer(const torch::Tensor& like) const;
   TrainMode mode() const { return mode_; }
   // [block][tensor] fp32 masters, contiguous, rows = out features.
   std::vector<BlockWeights>& masters() { return masters_; }

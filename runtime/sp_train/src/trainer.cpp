@@ -305,7 +305,7 @@ struct Trainer::Impl {
       for (std::uint32_t b = 0; b < n_blocks; ++b) {
         for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
           torch::Tensor& w = model->masters()[b][i];
-          master_grads[b][i] = torch::zeros_like(w);
+          master_grads[b][i] = model->host_gradient_buffer(w);
           adam_masters[b][i] = adam->add(fmt::format("block{}.{}", b, kStreamedNames[i]), w.data_ptr<float>(),
                                          master_grads[b][i].data_ptr<float>(),
                                          static_cast<std::size_t>(w.numel()), true);
@@ -556,9 +556,24 @@ struct Trainer::Impl {
     return t.lr * (t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine);
   }
 
-  // Gradients computed on the device in the compute dtype land in the fp32 host buffer.
+  // Adds a gradient of a resident tensor where it was computed: straight into the fp32 host
+  // buffer on an fp32 CPU run, else into the fp32 accumulator beside the compute copy, which
+  // queue_resident_gradients_to_host() sends to the host once per step.
   void accumulate(ResidentParam& p, const torch::Tensor& grad) {
-    if (grad.defined()) p.grad.add_(grad.to(p.grad.options()));
+    if (!grad.defined()) return;
+    if (p.compute_grad.defined()) {
+      p.compute_grad.add_(grad);
+    } else {
+      p.grad.add_(grad);
+    }
+  }
+
+  void queue_resident_gradients_to_host() {
+    for (ResidentParam& p : model->resident()) {
+      if (!p.compute_grad.defined()) continue;
+      p.grad.copy_(p.compute_grad, /*non_blocking=*/true);
+      p.compute_grad.zero_();
+    }
   }
 
   // Forward through every block without autograd; returns the block inputs and the final
@@ -595,7 +610,9 @@ struct Trainer::Impl {
       engine->release(b);
       std::size_t next = 1;
       if (full) {
-        for (std::size_t i = 0; i < kStreamedPerBlock; ++i) master_grads[b][i].copy_(grads[next++]);
+        // Queued, not waited for: the buffers are pinned on a GPU, and the step reads them
+        // only after its one host synchronization.
+        for (std::size_t i = 0; i < kStreamedPerBlock; ++i) master_grads[b][i].copy_(grads[next++], /*non_blocking=*/true);
       }
       for (std::size_t r : own) accumulate(resident[r], grads[next++]);
       upstream = grads[0];
@@ -683,8 +700,11 @@ struct Trainer::Impl {
         {embedded}, {resident[model->wte()].compute, resident[model->wpe()].compute}, {embedding_upstream});
     accumulate(resident[model->wte()], embedding_grads[0]);
     accumulate(resident[model->wpe()], embedding_grads[1]);
-    // Read only now: on a GPU, reading it right after the forward would stall the host
-    // before the whole backward was queued.
+    queue_resident_gradients_to_host();
+    // The step's one host synchronization. Reading the loss waits for the compute stream, on
+    // which every gradient copy to the host was queued before it, so the host gradients are
+    // complete from here on. Read earlier, it would stall the host before the backward was
+    // queued.
     record.loss = loss.item<double>();
     const ad::StepTransferMetrics transfer = engine->end_step();
 

@@ -48,12 +48,19 @@ TEST(GptModelCompute, Bf16WeightsAreTheSlotInPlace) {
 }
 
 // Where the math does not run on the fp32 masters, each resident tensor has its own compute
-// copy, which follows the master only through refresh_compute().
+// copy, which follows the master only through refresh_compute(), and an fp32 gradient
+// accumulator beside it, apart from the host gradient the optimizer reads.
 TEST(GptModelCompute, ResidentCopiesFollowTheMastersOnRefresh) {
   GptModel model(tiny_model(), TrainMode::lora, LoraConfig{}, 7, kBf16OnHost);
   for (ResidentParam& p : model.resident()) {
     ASSERT_NE(p.compute.data_ptr(), p.value.data_ptr()) << p.name;
     EXPECT_EQ(p.compute.scalar_type(), torch::kBFloat16) << p.name;
+    ASSERT_TRUE(p.compute_grad.defined()) << p.name;
+    EXPECT_EQ(p.compute_grad.scalar_type(), torch::kFloat32) << p.name;
+    EXPECT_EQ(p.compute_grad.device(), p.compute.device()) << p.name;
+    EXPECT_EQ(p.compute_grad.sizes(), p.value.sizes()) << p.name;
+    EXPECT_NE(p.compute_grad.data_ptr(), p.grad.data_ptr()) << p.name;
+    EXPECT_EQ(p.compute_grad.count_nonzero().item<std::int64_t>(), 0) << p.name;
     EXPECT_TRUE(torch::equal(p.compute, p.value.detach().to(torch::kBFloat16))) << p.name;
     p.value.detach().add_(1.0f);
   }
@@ -68,7 +75,13 @@ TEST(GptModelCompute, ResidentCopiesFollowTheMastersOnRefresh) {
 // fp32 on the host computes on the masters themselves, and widens the slot exactly.
 TEST(GptModelCompute, Fp32OnTheHostUsesTheMastersAndWidensTheSlotExactly) {
   GptModel model(tiny_model(), TrainMode::full, LoraConfig{}, 7, torch::TensorOptions().dtype(torch::kFloat32));
-  for (const ResidentParam& p : model.resident()) EXPECT_EQ(p.compute.data_ptr(), p.value.data_ptr()) << p.name;
+  for (const ResidentParam& p : model.resident()) {
+    EXPECT_EQ(p.compute.data_ptr(), p.value.data_ptr()) << p.name;
+    // Gradients are accumulated straight into the host buffer the optimizer reads.
+    EXPECT_FALSE(p.compute_grad.defined()) << p.name;
+    EXPECT_EQ(p.grad.scalar_type(), torch::kFloat32) << p.name;
+    EXPECT_EQ(p.grad.sizes(), p.value.sizes()) << p.name;
+  }
   const BlockWeights& masters = model.masters()[0];
   std::array<torch::Tensor, kStreamedPerBlock> bf16;
   std::array<const std::uint16_t*, kStreamedPerBlock> slot_pointers{};
