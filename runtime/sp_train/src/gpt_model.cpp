@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <random>
 
 #include <fmt/format.h>
 
@@ -93,6 +94,19 @@ void GptModel::refresh_compute() {
         torch::empty(p.value.sizes(), torch::TensorOptions().dtype(p.compute.dtype()).pinned_memory(true));
     staged.copy_(p.value);
     p.compute.copy_(staged, /*non_blocking=*/true);
+  }
+}
+
+void GptModel::plant_outlier_channels(std::uint64_t seed) {
+  const std::int64_t c = config_.d_model;
+  const float magnitude = static_cast<float>(config_.outlier_magnitude);
+  for (std::uint32_t b : config_.outlier_blocks) {
+    // A generator of its own: the channel must not depend on, nor change, the init's draws.
+    std::mt19937_64 generator(seed ^ (0x9e3779b97f4a7c15ull * (b + 1)));
+    const std::int64_t channel = std::uniform_int_distribution<std::int64_t>(0, c - 1)(generator);
+    BlockWeights& w = masters_[b];
+    w[0].select(0, 2 * c + channel).div_(magnitude);  // the channel's value row
+    w[1].select(1, channel).mul_(magnitude);          // the column of attn.proj that reads it
   }
 }
 

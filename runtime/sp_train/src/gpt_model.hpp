@@ -54,6 +54,13 @@ class GptModel {
   // pinned buffers without blocking the host; the caching host allocator keeps each buffer
   // until its copy has run.
   void refresh_compute();
+  // The stress test of model.outliers, for a fresh run once its initial weights are in place:
+  // in each listed block, one attention channel's value row is divided by the magnitude and
+  // the attn.proj column that reads the channel multiplied by it. Attention is linear in the
+  // values, so the block computes what it did (to rounding; LoRA adapters start at zero), but
+  // every row of attn.proj now carries one large weight, which stretches the scale of its
+  // INT8 group over the others: the outlier channels trained LLMs develop.
+  void plant_outlier_channels(std::uint64_t seed);
   // An fp32 host buffer of zeros shaped like `like`, for gradients that the backward sends
   // back from the compute device: pinned when that device is a GPU, so that the copy into it
   // is queued on the compute stream instead of blocking the host.

@@ -1,5 +1,6 @@
 #include "train_config.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -174,6 +175,27 @@ class Section {
     fail(key, fmt::format("one of {}", fmt::join(names, ", ")), node);
   }
 
+  // A list of distinct block ids, each below `blocks`.
+  void block_ids(const char* key, std::vector<std::uint32_t>& value, std::uint32_t blocks) const {
+    const YAML::Node node = node_[key];
+    if (!node.IsDefined()) return;
+    const std::string expected = fmt::format("a list of distinct block ids in [0, {}) (model.n_blocks)", blocks);
+    if (!node.IsSequence()) fail(key, expected, node);
+    std::vector<std::uint32_t> ids;
+    for (std::size_t i = 0; i < node.size(); ++i) {
+      const YAML::Node item = node[i];
+      std::int64_t id = 0;
+      if (!is_plain_scalar(item) || !YAML::convert<std::int64_t>::decode(item, id) || id < 0 || id >= blocks) {
+        fail(key, expected, item);
+      }
+      if (std::find(ids.begin(), ids.end(), static_cast<std::uint32_t>(id)) != ids.end()) {
+        fail(key, fmt::format("{}; {} is listed twice", expected, id), node);
+      }
+      ids.push_back(static_cast<std::uint32_t>(id));
+    }
+    value = std::move(ids);
+  }
+
   const YAML::Node& node() const { return node_; }
 
  private:
@@ -185,7 +207,7 @@ class Section {
 
 constexpr std::int64_t kMaxU32 = std::numeric_limits<std::uint32_t>::max();
 
-void read_model(const Section& s, ModelConfig& m) {
+void read_model(const Origins& origins, const Section& s, ModelConfig& m) {
   s.integer("d_model", m.d_model, 8, 65536);
   s.integer("n_heads", m.n_heads, 1, 1024);
   s.integer("n_blocks", m.n_blocks, 1, 4096);
@@ -195,6 +217,9 @@ void read_model(const Section& s, ModelConfig& m) {
   if (m.d_model % m.n_heads != 0) {
     s.fail("n_heads", fmt::format("a divisor of model.d_model ({})", m.d_model), s.node()["n_heads"]);
   }
+  const Section outliers(origins, "model.outliers", s.node()["outliers"], {"blocks", "magnitude"});
+  outliers.block_ids("blocks", m.outlier_blocks, m.n_blocks);
+  outliers.number("magnitude", m.outlier_magnitude, 1.0, 1e4);
 }
 
 void read_data(const Section& s, DataConfig& d) {
@@ -386,8 +411,9 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
   config.source_name = source_name;
   // Constructing a section checks its keys.
   const Section top_level(origins, "", root, {"model", "data", "train", "memory"});
-  read_model(Section(origins, "model", root["model"],
-                     {"d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio", "init_std"}),
+  read_model(origins,
+             Section(origins, "model", root["model"],
+                     {"d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio", "init_std", "outliers"}),
              config.model);
   read_data(Section(origins, "data", root["data"], {"path", "val_fraction", "chunk_bytes"}),
             config.data);

@@ -26,6 +26,11 @@ struct ModelConfig {
   std::uint32_t seq_len = 128;
   std::uint32_t mlp_ratio = 4;
   double init_std = 0.02;
+  // A stress test of the policy, not a training feature: in these blocks a fresh run moves a
+  // factor `outlier_magnitude` from one attention value channel into the attn.proj column that
+  // reads it (GptModel::plant_outlier_channels).
+  std::vector<std::uint32_t> outlier_blocks;
+  double outlier_magnitude = 64.0;
 };
 
 struct DataConfig {

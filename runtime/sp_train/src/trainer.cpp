@@ -165,7 +165,11 @@ struct Trainer::Impl {
     if (checkpoint) next_step = read_meta(*checkpoint, checkpoint_path(options.out_dir)).at("next_step").get<std::int64_t>();
 
     model = std::make_unique<GptModel>(config.model, config.train.mode, config.train.lora, config.train.seed, compute);
-    if (!checkpoint && !config.train.init_checkpoint.empty()) load_initial_weights(config.train.init_checkpoint);
+    if (!checkpoint) {
+      if (!config.train.init_checkpoint.empty()) load_initial_weights(config.train.init_checkpoint);
+      // A resumed run's masters carry the outliers already.
+      model->plant_outlier_channels(config.train.seed);
+    }
     build_optimizer();
     build_engines();
     build_policy();

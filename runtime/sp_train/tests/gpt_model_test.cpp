@@ -96,5 +96,45 @@ TEST(GptModelCompute, Fp32OnTheHostUsesTheMastersAndWidensTheSlotExactly) {
   }
 }
 
+// The stress test's outlier channel: in a listed block one value row shrinks and the
+// attn.proj column that reads it grows by the magnitude, so the block computes what it did
+// while attn.proj's rows each carry one large weight; nothing else changes.
+TEST(GptModelInit, OutlierChannelsMoveScaleWithoutChangingTheFunction) {
+  const torch::TensorOptions fp32 = torch::TensorOptions().dtype(torch::kFloat32);
+  ModelConfig stressed = tiny_model();
+  stressed.outlier_blocks = {1};
+  stressed.outlier_magnitude = 64.0;
+  GptModel plain(stressed, TrainMode::full, LoraConfig{}, 7, fp32);
+  GptModel with_outliers(stressed, TrainMode::full, LoraConfig{}, 7, fp32);
+  with_outliers.plant_outlier_channels(7);
+  const std::int64_t c = stressed.d_model;
+  for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+    EXPECT_TRUE(torch::equal(plain.masters()[0][i], with_outliers.masters()[0][i])) << "tensor " << i;
+  }
+  const BlockWeights& before = plain.masters()[1];
+  const BlockWeights& after = with_outliers.masters()[1];
+  EXPECT_TRUE(torch::equal(before[2], after[2]));
+  EXPECT_TRUE(torch::equal(before[3], after[3]));
+  const torch::Tensor changed_rows = (before[0] != after[0]).any(1).nonzero().flatten();
+  const torch::Tensor changed_columns = (before[1] != after[1]).any(0).nonzero().flatten();
+  ASSERT_EQ(changed_rows.numel(), 1);
+  ASSERT_EQ(changed_columns.numel(), 1);
+  const std::int64_t channel = changed_columns.item<std::int64_t>();
+  EXPECT_EQ(changed_rows.item<std::int64_t>(), 2 * c + channel) << "the value row of the same channel";
+  EXPECT_TRUE(torch::allclose(after[0][2 * c + channel] * 64.0f, before[0][2 * c + channel]));
+  EXPECT_TRUE(torch::allclose(after[1].select(1, channel), before[1].select(1, channel) * 64.0f));
+  // Each attn.proj row's largest weight is now the planted one.
+  EXPECT_TRUE(torch::equal(std::get<1>(after[1].abs().max(1)), torch::full({c}, channel, torch::kLong)));
+
+  const torch::Tensor x = torch::randn({2, 8, c});
+  const torch::Tensor y_plain = plain.block_forward(1, x, before);
+  const torch::Tensor y_outliers = with_outliers.block_forward(1, x, after);
+  EXPECT_TRUE(torch::allclose(y_plain, y_outliers, 1e-5, 1e-5));
+
+  GptModel again(stressed, TrainMode::full, LoraConfig{}, 7, fp32);
+  again.plant_outlier_channels(7);
+  EXPECT_TRUE(torch::equal(again.masters()[1][1], after[1])) << "the channel is a function of the seed";
+}
+
 }  // namespace
 }  // namespace sp::train

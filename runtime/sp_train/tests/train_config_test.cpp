@@ -47,9 +47,9 @@ TEST(TrainConfig, OverridesEditTheDocumentAndReachThePlugin) {
 
 TEST(TrainConfig, EachBadValueNamesItsKeyAndExpectation) {
   EXPECT_EQ(error_of("model: {d_modle: 3}"),
-            "cfg.yaml: model.d_modle: unknown key; did you mean 'd_model'? model accepts: d_model, n_heads, n_blocks, seq_len, mlp_ratio, init_std");
+            "cfg.yaml: model.d_modle: unknown key; did you mean 'd_model'? model accepts: d_model, n_heads, n_blocks, seq_len, mlp_ratio, init_std, outliers");
   EXPECT_EQ(error_of("model: {width: 3}"),
-            "cfg.yaml: model.width: unknown key; model accepts: d_model, n_heads, n_blocks, seq_len, mlp_ratio, init_std");
+            "cfg.yaml: model.width: unknown key; model accepts: d_model, n_heads, n_blocks, seq_len, mlp_ratio, init_std, outliers");
   EXPECT_EQ(error_of("model: {d_model: -4}"), "cfg.yaml: model.d_model: expected an integer in [8, 65536], found '-4'");
   EXPECT_EQ(error_of("model: {d_model: 130, n_heads: 4}"),
             "cfg.yaml: model.n_heads: expected a divisor of model.d_model (130), found '4'");
@@ -70,6 +70,28 @@ TEST(TrainConfig, EachBadValueNamesItsKeyAndExpectation) {
   EXPECT_EQ(error_of("trian: {}"), "cfg.yaml: trian: unknown top-level key; did you mean 'train'? expected one of: model, data, train, memory");
   EXPECT_EQ(error_of("- a\n- b\n"), "cfg.yaml: expected a mapping at the top level, found a list");
   EXPECT_NE(error_of("model: [unclosed").find("cfg.yaml: not valid YAML"), std::string::npos);
+}
+
+TEST(TrainConfig, OutlierBlocksAreDistinctIdsOfTheModel) {
+  const TrainConfig c = parse_train_config("model: {n_blocks: 4, outliers: {blocks: [3, 1], magnitude: 32}}", "cfg.yaml");
+  EXPECT_EQ(c.model.outlier_blocks, (std::vector<std::uint32_t>{3, 1}));
+  EXPECT_EQ(c.model.outlier_magnitude, 32.0);
+  EXPECT_TRUE(parse_train_config("", "cfg.yaml").model.outlier_blocks.empty());
+  const std::string expected = "cfg.yaml: model.outliers.blocks: expected a list of distinct block ids in [0, 4) (model.n_blocks), found ";
+  EXPECT_EQ(error_of("model: {n_blocks: 4, outliers: {blocks: [4]}}"), expected + "'4'");
+  EXPECT_EQ(error_of("model: {n_blocks: 4, outliers: {blocks: [1, -1]}}"), expected + "'-1'");
+  EXPECT_EQ(error_of("model: {n_blocks: 4, outliers: {blocks: [\"2\"]}}"), expected + "the string \"2\"");
+  EXPECT_EQ(error_of("model: {n_blocks: 4, outliers: {blocks: 2}}"), expected + "'2'");
+  EXPECT_EQ(error_of("model: {n_blocks: 4, outliers: {blocks: [2, 2]}}"),
+            "cfg.yaml: model.outliers.blocks: expected a list of distinct block ids in [0, 4) (model.n_blocks); 2 is "
+            "listed twice, found a list");
+  EXPECT_EQ(error_of("model: {outliers: {magnitude: 0.5}}"),
+            "cfg.yaml: model.outliers.magnitude: expected a number in [1, 10000], found '0.5'");
+  EXPECT_EQ(error_of("model: {outliers: {block: [1]}}"),
+            "cfg.yaml: model.outliers.block: unknown key; did you mean 'blocks'? model.outliers accepts: blocks, magnitude");
+  EXPECT_EQ(error_of("", {parse_override("model.outliers.blocks=[9]")}),
+            "--set model.outliers.blocks=[9]: model.outliers.blocks: expected a list of distinct block ids in [0, 6) "
+            "(model.n_blocks), found '9'");
 }
 
 TEST(TrainConfig, Bf16ComputeIsAcceptedOnTheGpu) {

@@ -111,14 +111,16 @@ TEST_F(TrainE2E, LearnsDecidesAndMovesTheBytesItDecided) {
   EXPECT_TRUE(fs::exists(dir_ / "plain" / "selective_precision_telemetry.jsonl"));
 }
 
+// With an outlier channel planted, which a fresh run does and a resumed one must not redo.
 TEST_F(TrainE2E, InterruptedRunResumesBitwiseIdentically) {
-  const RunSummary straight = train("straight");
+  const std::vector<Override> outliers = {{"model.outliers.blocks", "[1]"}};
+  const RunSummary straight = train("straight", outliers);
   // What SIGINT does: the flag is seen at the next step boundary, a checkpoint is written.
   std::atomic<bool> stop{false};
-  const RunSummary first_half = train("resumed", {}, [&](const StepRecord& r) { stop = r.step == 9; }, &stop);
+  const RunSummary first_half = train("resumed", outliers, [&](const StepRecord& r) { stop = r.step == 9; }, &stop);
   EXPECT_EQ(first_half.outcome, RunOutcome::interrupted);
   ASSERT_EQ(first_half.steps.size(), 10u);
-  Trainer resumed_trainer(config(), options("resumed"));
+  Trainer resumed_trainer(config(outliers), options("resumed"));
   EXPECT_EQ(resumed_trainer.next_step(), 10);
   const RunSummary second_half = resumed_trainer.run();
   ASSERT_EQ(second_half.steps.size(), 14u);
