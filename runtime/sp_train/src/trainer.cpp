@@ -957,6 +957,8 @@ struct Trainer::Impl {
             {"plugin_swaps", totals.swaps},
             {"calibration", {{"status", calibration_status}, {"errors", calibration_errors}}},
             {"config", config.source_name},
+            {"model_outliers", {{"blocks", config.model.outlier_blocks},
+                                {"magnitude", config.model.outlier_magnitude}}},
             {"torch_threads", torch::get_num_threads()}};
   }
 
