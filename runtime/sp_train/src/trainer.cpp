@@ -615,7 +615,7 @@ struct Trainer::Impl {
       std::size_t next = 1;
       if (full) {
         // Queued, not waited for: the buffers are pinned on a GPU, and the step reads them
-        // only after its one host synchronization.
+        // only after the loss read, which waits for these copies.
         for (std::size_t i = 0; i < kStreamedPerBlock; ++i) master_grads[b][i].copy_(grads[next++], /*non_blocking=*/true);
       }
       for (std::size_t r : own) accumulate(resident[r], grads[next++]);
@@ -705,10 +705,10 @@ struct Trainer::Impl {
     accumulate(resident[model->wte()], embedding_grads[0]);
     accumulate(resident[model->wpe()], embedding_grads[1]);
     queue_resident_gradients_to_host();
-    // The step's one host synchronization. Reading the loss waits for the compute stream, on
-    // which every gradient copy to the host was queued before it, so the host gradients are
-    // complete from here on. Read earlier, it would stall the host before the backward was
-    // queued.
+    // The backward's one host synchronization. Reading the loss waits for the compute stream,
+    // on which every gradient copy to the host was queued before it, so the host gradients
+    // are complete from here on. Read earlier, it would stall the host before the backward
+    // was queued.
     record.loss = loss.item<double>();
     const ad::StepTransferMetrics transfer = engine->end_step();
 
