@@ -707,8 +707,10 @@ struct Trainer::Impl {
     queue_resident_gradients_to_host();
     // The backward's one host synchronization. Reading the loss waits for the compute stream,
     // on which every gradient copy to the host was queued before it, so the host gradients
-    // are complete from here on. Read earlier, it would stall the host before the backward
-    // was queued.
+    // are complete from here on. That holds while torch's current stream is the engine's
+    // compute stream (the legacy default stream, transfer_backend.cpp); a stream guard around
+    // the step would have to synchronize its stream here instead. Read earlier, the loss would
+    // stall the host before the backward was queued.
     record.loss = loss.item<double>();
     const ad::StepTransferMetrics transfer = engine->end_step();
 
