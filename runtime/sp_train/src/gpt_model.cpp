@@ -69,11 +69,12 @@ GptModel::GptModel(const ModelConfig& config, TrainMode mode, const LoraConfig& 
 
 std::size_t GptModel::add_resident(std::string name, torch::Tensor value, bool decay) {
   value = value.contiguous().requires_grad_(true);
-  torch::Tensor compute = computes_on_masters(compute_)
-                              ? value
-                              : value.detach().to(compute_, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true);
+  torch::Tensor compute = value;
   torch::Tensor compute_grad;
-  if (!computes_on_masters(compute_)) compute_grad = torch::zeros_like(compute, compute.options().dtype(torch::kFloat32));
+  if (!computes_on_masters(compute_)) {
+    compute = value.detach().to(compute_, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true);
+    compute_grad = torch::zeros_like(compute, compute.options().dtype(torch::kFloat32));
+  }
   resident_.push_back(ResidentParam{std::move(name), value, host_gradient_buffer(value), decay, std::move(compute),
                                     std::move(compute_grad)});
   return resident_.size() - 1;

@@ -28,7 +28,8 @@ name=${SP_EXPERIMENT_NAME:-}
 prefix=train${name:+-$name}
 extra_args=${SP_EXPERIMENT_ARGS:-}
 read -r -a modes <<<"${SP_MODES:-full lora}"
-lora_base=${SP_LORA_BASE:-$work/${name:+$name-}full-bf16-only/checkpoint.bin}
+runs=$work/${name:+$name-}  # each run's directory is $runs<mode>-<policy>
+lora_base=${SP_LORA_BASE:-${runs}full-bf16-only/checkpoint.bin}
 
 policy_args() {
   case $1 in
@@ -41,7 +42,7 @@ policy_args() {
 commands=()
 for mode in "${modes[@]}"; do
   for policy in bf16-only dynamic all-int8; do
-    out=$work/${name:+$name-}$mode-$policy
+    out=$runs$mode-$policy
     rm -rf "$out"
     # shellcheck disable=SC2046
     cmd="$sp_train --config configs/$( [[ $mode == full ]] && echo default || echo lora ).yaml --out $out --set train.calibration_cache_dir=$work/calibration-cache $(policy_args $policy) $extra_args"
@@ -53,8 +54,7 @@ for mode in "${modes[@]}"; do
     commands+=("$mode-$policy|${cmd//$repo\//}")
   done
   /usr/bin/python3 "$repo/runtime/sp_train/tools/plot_runs.py" --out "$results" --prefix "$prefix-$mode" \
-    bf16-only="$work/${name:+$name-}$mode-bf16-only" dynamic="$work/${name:+$name-}$mode-dynamic" \
-    all-int8="$work/${name:+$name-}$mode-all-int8"
+    bf16-only="$runs$mode-bf16-only" dynamic="$runs$mode-dynamic" all-int8="$runs$mode-all-int8"
 done
 
 /usr/bin/python3 - "$results" "$prefix" "${commands[@]}" <<'PY'
