@@ -123,7 +123,7 @@ json bench_hooks(const std::filesystem::path& plugin_file, int steps) {
 
   MomentSource source(7);
   std::vector<sp_hint_v1> hints_abi(kBlocks), hints_direct(kBlocks);
-  sp_step_feedback_v1 feedback{sizeof(feedback), 0, 2.5, 1u << 30, 1u << 29, 1u << 31, NAN};
+  sp_step_feedback_v1 feedback{sizeof(feedback), 0, 2.5, 1u << 30, 1u << 29, 1u << 31, NAN, 0};
   HookTimes direct, abi;
   uint64_t int8_hints = 0, disagreements = 0;
   const int warmup = steps / 10;

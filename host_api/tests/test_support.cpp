@@ -89,7 +89,7 @@ std::vector<sp_hint_v1> run_step(PolicyHost& host, std::int64_t step) {
   host.begin_step(step);
   host.post_backward(step, synthetic_moments(step, host.block_count()));
   std::vector<sp_hint_v1> hints = host.compute_hints(step);
-  const sp_step_feedback_v1 feedback{0, 0, 2.5, 1000, 500, 2000, std::nan("")};
+  const sp_step_feedback_v1 feedback{0, 0, 2.5, 1000, 500, 2000, std::nan(""), 0};
   host.end_step(step, &feedback);
   return hints;
 }

@@ -1,19 +1,33 @@
 /*
  * Selective Precision policy plugin ABI, version 1.
  *
- * FROZEN. This header describes a binary contract between a host runtime and a
- * policy plugin (.so). Once released, nothing in it changes meaning:
- *   - structs passed one at a time only grow by appending fields (their first field
- *     is struct_size, so a reader checks offsetof(field) + sizeof(field) <= struct_size
- *     before it reads an appended field);
- *   - the two structs passed as arrays, sp_grad_moments_v1 and sp_hint_v1, never
- *     change for the whole major version: their size is the array stride, so a host
- *     and a plugin of different minors must agree on it. New per-block data arrives
- *     through new functions in a later minor, never through these structs;
+ * FROZEN per minor. This header describes a binary contract between a host runtime
+ * and a policy plugin (.so). Minor 0 (1.0) is frozen; minor 1 (1.1) only appended to it,
+ * and every addition is marked "1.1". Once released, nothing in it changes meaning:
+ *   - structs passed one at a time (sp_host_api_v1, sp_step_feedback_v1 and the
+ *     function table) only grow by appending fields. Their first field is struct_size,
+ *     so a reader checks offsetof(field) + sizeof(field) <= struct_size before it reads
+ *     an appended field, and treats a field beyond struct_size as absent;
+ *   - the three structs passed as arrays, sp_block_desc_v1, sp_grad_moments_v1 and
+ *     sp_hint_v1, never change for the whole major version. A C array's stride is the
+ *     element size both sides compiled, so a grown element would shift every element
+ *     after the first for a plugin of an older minor. Their sizes are asserted at the
+ *     end of this file. sp_block_desc_v1 carries a struct_size, but it is always
+ *     sizeof(sp_block_desc_v1) (40 bytes): a host never sends another value, and a
+ *     plugin may refuse another value. New per-block data arrives through new table
+ *     functions that take plain arrays indexed by block id (set_transfer_bytes in 1.1),
+ *     never through these structs;
  *   - enums only gain values;
  *   - a changed signature becomes a new table in plugin_abi_v2.h.
  * Adding an appended field or an enum value bumps SP_PLUGIN_ABI_MINOR. Anything
  * else is a new major version with its own header and entry symbol.
+ *
+ * Minors on both sides: a host never hands a plugin anything from a newer minor than
+ * the plugin's own table reports. To a 1.0 plugin a 1.1 host passes struct_size values
+ * of the 1.0 layouts, never calls a 1.1 function, and refuses a hint whose precision
+ * 1.0 does not define. A plugin of a newer minor than the host is never loaded (the
+ * version rule below), so a plugin always meets a host of its own minor or a newer one;
+ * it still reads an appended field only where struct_size covers it.
  *
  * Version rule (as in Triton's backend API): the host accepts a plugin when the
  * major versions are equal and the host's minor is >= the plugin's minor.
@@ -39,7 +53,19 @@ extern "C" {
 #endif
 
 #define SP_PLUGIN_ABI_MAJOR 1
-#define SP_PLUGIN_ABI_MINOR 0
+/* The newest minor this header describes. */
+#define SP_PLUGIN_ABI_LATEST_MINOR 1
+
+/* A plugin that implements an older minor defines SP_PLUGIN_ABI_TARGET_MINOR before
+ * including this header (e.g. 0 for 1.0): it then compiles exactly that minor's layouts,
+ * and SP_PLUGIN_ABI_MINOR, which it puts in its table, says so. Hosts compile the latest. */
+#ifndef SP_PLUGIN_ABI_TARGET_MINOR
+#define SP_PLUGIN_ABI_TARGET_MINOR SP_PLUGIN_ABI_LATEST_MINOR
+#endif
+#if SP_PLUGIN_ABI_TARGET_MINOR < 0 || SP_PLUGIN_ABI_TARGET_MINOR > SP_PLUGIN_ABI_LATEST_MINOR
+#error "SP_PLUGIN_ABI_TARGET_MINOR must be 0 or 1"
+#endif
+#define SP_PLUGIN_ABI_MINOR SP_PLUGIN_ABI_TARGET_MINOR
 
 /* The one symbol a v1 plugin exports. Its type is sp_policy_plugin_entry_v1_fn. */
 #define SP_PLUGIN_ENTRY_SYMBOL_V1 "sp_policy_plugin_v1"
@@ -65,6 +91,13 @@ typedef int32_t sp_status;
 typedef int32_t sp_precision;
 #define SP_PRECISION_BF16 0
 #define SP_PRECISION_INT8 1
+/* 1.1: 4-bit NormalFloat codes (QLoRA's 16 levels), two per byte, one absmax scale per
+ * group of elements along a row; about 0.28x the BF16 bytes. */
+#define SP_PRECISION_NF4 2
+
+/* 1.1: a bit mask of precisions, bit (1u << p) for sp_precision p. */
+typedef uint32_t sp_precision_mask;
+#define SP_PRECISION_BIT(p) ((sp_precision_mask)1u << (p))
 
 /* Why a hint says what it says. */
 typedef int32_t sp_reason;
@@ -78,6 +111,10 @@ typedef int32_t sp_reason;
 #define SP_REASON_NOT_DECISION_STEP 7 /* not a decision step: the previous decision stands */
 #define SP_REASON_HOST_FALLBACK 8   /* set by the host, never by a plugin: the plugin failed and
                                        the host substituted a safe hint */
+#define SP_REASON_LOSS_GUARD 9      /* 1.1: a loss spike after the block's last move down sent it
+                                       back to the precision it had before */
+#define SP_REASON_PENALTY 10        /* 1.1: a move down was due, but the block is under a loss-guard
+                                       penalty */
 
 /* Log levels, in increasing severity. */
 typedef int32_t sp_log_level;
@@ -106,11 +143,17 @@ typedef struct sp_host_api_v1 {
   void *log_user_data;      /* opaque to the plugin; passed back to log */
   sp_log_level min_log_level; /* messages below this level need not be formatted */
   uint32_t reserved1;         /* zero */
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 1
+  /* 1.1 (read only when struct_size covers it; a 1.0 host transfers BF16 and INT8): */
+  sp_precision_mask supported_precisions; /* the precisions this host can transfer; BF16 always */
+  uint32_t reserved2;                     /* zero */
+#endif
 } sp_host_api_v1;
 
-/* One streamed block, as the host describes it at create(). */
+/* One streamed block, as the host describes it at create(). An array element: frozen for
+ * the whole major version (see the top of the file). */
 typedef struct sp_block_desc_v1 {
-  uint32_t struct_size;  /* sizeof(sp_block_desc_v1) as the host compiled it */
+  uint32_t struct_size;  /* always sizeof(sp_block_desc_v1) == 40 */
   uint32_t block_id;     /* 0..n_blocks-1, in execution order; descs arrive sorted by id */
   uint64_t num_params;   /* elements in the block's streamed weights */
   uint64_t bf16_bytes;   /* bytes one BF16 transfer of the block puts on the wire */
@@ -147,6 +190,10 @@ typedef struct sp_step_feedback_v1 {
   uint64_t h2d_bytes_int8;   /* bytes moved on the INT8 path this step */
   uint64_t h2d_bytes_all_bf16; /* what the same fetches would have moved as BF16; 0 = unknown */
   double step_seconds;       /* wall time of the step; NaN when unknown */
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 1
+  /* 1.1 (read only when struct_size covers it): */
+  uint64_t h2d_bytes_nf4;    /* bytes moved on the NF4 path this step */
+#endif
 } sp_step_feedback_v1;
 
 /* Opaque per-instance state, created and freed by the plugin. */
@@ -221,16 +268,61 @@ typedef struct sp_policy_plugin_v1_table {
    * The create() message is one per plugin, not per thread: a host that creates
    * contexts from several threads reads it before another create() may fail. */
   const char *(*last_error)(const sp_policy_ctx *ctx);
+
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 1
+  /* ---- 1.1. A host calls these only when the table's abi_minor >= 1 and its
+   * struct_size covers the pointer; a 1.1 plugin sets every one (none is NULL). ---- */
+
+  /* Bytes one transfer of each block at `precision` puts on the wire (data + scales +
+   * header), bytes[i] for block i; n must equal the n_blocks of create(). `bytes` is
+   * borrowed for this call only. The host calls it after create() and before the first
+   * begin_step for every precision other than BF16 and INT8 (whose bytes the block descs
+   * carry) that it can transfer; it may call it again to replace the values. A precision
+   * the host never described has no known size: a plugin that cannot work without it
+   * fails with SP_ERR_INVALID_ARGUMENT where it needs it. */
+  sp_status (*set_transfer_bytes)(sp_policy_ctx *ctx, sp_precision precision,
+                                  const uint64_t *bytes, uint32_t n);
+
+  /* Per-block relative output error of `precision` against BF16 from a calibration pass,
+   * as set_calibration_errors (which is this function with SP_PRECISION_INT8). Both
+   * arrays (n entries) are borrowed for this call only. Replaces the errors of the listed
+   * blocks at that precision; other blocks and other precisions keep theirs.
+   * SP_ERR_INVALID_ARGUMENT for SP_PRECISION_BF16 or a precision the plugin does not know. */
+  sp_status (*set_precision_calibration_errors)(sp_policy_ctx *ctx, sp_precision precision,
+                                                const uint32_t *block_ids, const double *errors,
+                                                uint32_t n);
+#endif
 } sp_policy_plugin_v1_table;
 
 /* The array element layouts are part of the major version (see the top of the file). */
 #ifdef __cplusplus
-static_assert(sizeof(sp_grad_moments_v1) == 48, "sp_grad_moments_v1 is frozen for ABI major 1");
-static_assert(sizeof(sp_hint_v1) == 24, "sp_hint_v1 is frozen for ABI major 1");
+#define SP_ABI_STATIC_ASSERT static_assert
 #else
-_Static_assert(sizeof(sp_grad_moments_v1) == 48, "sp_grad_moments_v1 is frozen for ABI major 1");
-_Static_assert(sizeof(sp_hint_v1) == 24, "sp_hint_v1 is frozen for ABI major 1");
+#define SP_ABI_STATIC_ASSERT _Static_assert
 #endif
+SP_ABI_STATIC_ASSERT(sizeof(sp_block_desc_v1) == 40, "sp_block_desc_v1 is frozen for ABI major 1");
+SP_ABI_STATIC_ASSERT(sizeof(sp_grad_moments_v1) == 48, "sp_grad_moments_v1 is frozen for ABI major 1");
+SP_ABI_STATIC_ASSERT(sizeof(sp_hint_v1) == 24, "sp_hint_v1 is frozen for ABI major 1");
+
+/* Sizes of the 1.0 layouts of the appendable structs, on LP64 (x86-64, aarch64). A 1.1 host
+ * passes these struct_size values to a 1.0 plugin; a 1.1 plugin accepts them and treats the
+ * 1.1 fields as absent. */
+#define SP_HOST_API_V1_0_SIZE 64u
+#define SP_STEP_FEEDBACK_V1_0_SIZE 48u
+#define SP_PLUGIN_TABLE_V1_0_SIZE 112u
+#if UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu && SP_PLUGIN_ABI_TARGET_MINOR == 0
+SP_ABI_STATIC_ASSERT(sizeof(sp_host_api_v1) == SP_HOST_API_V1_0_SIZE, "1.0 layout of sp_host_api_v1");
+SP_ABI_STATIC_ASSERT(sizeof(sp_step_feedback_v1) == SP_STEP_FEEDBACK_V1_0_SIZE, "1.0 layout of sp_step_feedback_v1");
+SP_ABI_STATIC_ASSERT(sizeof(sp_policy_plugin_v1_table) == SP_PLUGIN_TABLE_V1_0_SIZE, "1.0 layout of the table");
+#elif UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu
+SP_ABI_STATIC_ASSERT(offsetof(sp_host_api_v1, supported_precisions) == SP_HOST_API_V1_0_SIZE,
+                     "1.1 fields of sp_host_api_v1 start where 1.0 ended");
+SP_ABI_STATIC_ASSERT(offsetof(sp_step_feedback_v1, h2d_bytes_nf4) == SP_STEP_FEEDBACK_V1_0_SIZE,
+                     "1.1 fields of sp_step_feedback_v1 start where 1.0 ended");
+SP_ABI_STATIC_ASSERT(offsetof(sp_policy_plugin_v1_table, set_transfer_bytes) == SP_PLUGIN_TABLE_V1_0_SIZE,
+                     "1.1 functions of the table start where 1.0 ended");
+#endif
+#undef SP_ABI_STATIC_ASSERT
 
 /* The exported entry point. Returns a pointer to static storage of the plugin,
  * valid while the plugin is loaded; never NULL. Takes no lock, allocates nothing. */
