@@ -42,6 +42,29 @@ sp_grad_moments_v1 read_block(const JsonFields& fields, const json& entry, const
   return m;
 }
 
+// {"<id>": error, ...} under `key`: ids in [0, n_blocks), each once, errors finite and >= 0.
+CalibrationErrors read_block_errors(const JsonFields& fields, const json& document, const char* key,
+                                    uint32_t n_blocks) {
+  const json& errors = fields.require(document, key, key);
+  fields.require_object(errors, key);
+  CalibrationErrors out;
+  for (const auto& [id_text, value] : errors.items()) {
+    const std::string at = std::string(key) + "." + id_text;
+    if (id_text.empty() || id_text.size() > 10 || id_text.find_first_not_of("0123456789") != std::string::npos) {
+      fields.fail(at, "the key must be a block id (a non-negative integer)");
+    }
+    const uint64_t id = std::stoull(id_text);
+    if (id >= n_blocks) fields.fail(at, fmt::format("block id {} is out of range: --blocks is {}", id, n_blocks));
+    // "0" and "00" are two JSON keys for one block.
+    if (std::find(out.block_ids.begin(), out.block_ids.end(), id) != out.block_ids.end()) {
+      fields.fail(at, fmt::format("block id {} is given twice", id));
+    }
+    out.block_ids.push_back(static_cast<uint32_t>(id));
+    out.errors.push_back(fields.number(value, at, true));
+  }
+  return out;
+}
+
 }  // namespace
 
 TraceReader::TraceReader(std::istream& in, std::string source_name, uint32_t n_blocks)
@@ -63,7 +86,7 @@ std::optional<TraceStep> TraceReader::next() {
       if (!record.is_object()) {
         fields.fail("line", fmt::format("expected a JSON object, got {}", JsonFields::describe(record)));
       }
-      fields.only_keys(record, {"step", "blocks"}, "");
+      fields.only_keys(record, {"step", "blocks", "loss"}, "");
 
       const uint64_t step = fields.non_negative_integer(fields.require(record, "step", "step"), "step");
       if (step != static_cast<uint64_t>(expected_step_)) {
@@ -80,6 +103,9 @@ std::optional<TraceStep> TraceReader::next() {
       for (size_t i = 0; i < blocks.size(); ++i) {
         out.moments.push_back(read_block(fields, blocks[i], fmt::format("blocks[{}]", i), n_blocks_, seen));
       }
+      if (record.contains("loss") && !record["loss"].is_null()) {
+        out.loss = fields.number(record["loss"], "loss", false);
+      }
       ++expected_step_;
       return out;
     } catch (const JsonFieldError& e) {
@@ -90,7 +116,7 @@ std::optional<TraceStep> TraceReader::next() {
   return std::nullopt;
 }
 
-CalibrationErrors read_calibration_file(const std::string& path, uint32_t n_blocks) {
+CalibrationFile read_calibration_file(const std::string& path, uint32_t n_blocks) {
   std::string text;
   try {
     text = sp::runtime::read_whole_file(path, "calibration file");
@@ -106,24 +132,14 @@ CalibrationErrors read_calibration_file(const std::string& path, uint32_t n_bloc
       fields.fail("document", fmt::format("not valid JSON ({})", e.what()));
     }
     fields.require_object(document, "document");
-    fields.only_keys(document, {"block_errors"}, "");
-    const json& errors = fields.require(document, "block_errors", "block_errors");
-    fields.require_object(errors, "block_errors");
-
-    CalibrationErrors out;
-    for (const auto& [key, value] : errors.items()) {
-      const std::string at = "block_errors." + key;
-      if (key.empty() || key.size() > 10 || key.find_first_not_of("0123456789") != std::string::npos) {
-        fields.fail(at, "the key must be a block id (a non-negative integer)");
-      }
-      const uint64_t id = std::stoull(key);
-      if (id >= n_blocks) fields.fail(at, fmt::format("block id {} is out of range: --blocks is {}", id, n_blocks));
-      // "0" and "00" are two JSON keys for one block.
-      if (std::find(out.block_ids.begin(), out.block_ids.end(), id) != out.block_ids.end()) {
-        fields.fail(at, fmt::format("block id {} is given twice", id));
-      }
-      out.block_ids.push_back(static_cast<uint32_t>(id));
-      out.errors.push_back(fields.number(value, at, true));
+    fields.only_keys(document, {"block_errors", "nf4_block_errors"}, "");
+    if (!document.contains("block_errors") && !document.contains("nf4_block_errors")) {
+      fields.fail("document", "expected \"block_errors\" (INT8) and/or \"nf4_block_errors\" (NF4), found neither");
+    }
+    CalibrationFile out;
+    if (document.contains("block_errors")) out.int8 = read_block_errors(fields, document, "block_errors", n_blocks);
+    if (document.contains("nf4_block_errors")) {
+      out.nf4 = read_block_errors(fields, document, "nf4_block_errors", n_blocks);
     }
     return out;
   } catch (const JsonFieldError& e) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <istream>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -23,10 +24,11 @@ class InputError : public std::runtime_error {
 struct TraceStep {
   int64_t step = 0;
   std::vector<sp_grad_moments_v1> moments;  // blocks without a gradient this step are absent
+  double loss = std::numeric_limits<double>::quiet_NaN();  // the step's training loss; NaN = unknown
 };
 
-// Reads {"step": s, "blocks": [{"id", "sum_sq", "sum", "max_abs", "count", "nonfinite"}]}
-// one line at a time. Steps must be 0, 1, 2, ... in order, because the policy's windows,
+// Reads {"step": s, "blocks": [{"id", "sum_sq", "sum", "max_abs", "count", "nonfinite"}],
+// "loss": l} one line at a time; "loss" is optional, a finite number or null (unknown). Steps must be 0, 1, 2, ... in order, because the policy's windows,
 // warm-up and cooldown count steps. Blank lines are skipped.
 class TraceReader {
  public:
@@ -48,8 +50,15 @@ struct CalibrationErrors {
   std::vector<double> errors;
 };
 
-// Reads {"block_errors": {"<id>": err, ...}} where every id is in [0, n_blocks) and every
-// error is a finite number >= 0. Throws InputError.
-CalibrationErrors read_calibration_file(const std::string& path, uint32_t n_blocks);
+// Relative output errors against BF16 per precision, as a calibration pass measures them.
+struct CalibrationFile {
+  CalibrationErrors int8;  // "block_errors"
+  CalibrationErrors nf4;   // "nf4_block_errors"
+};
+
+// Reads {"block_errors": {"<id>": err, ...}, "nf4_block_errors": {"<id>": err, ...}}: both
+// objects optional but not both absent, every id in [0, n_blocks), every error a finite
+// number >= 0. Throws InputError.
+CalibrationFile read_calibration_file(const std::string& path, uint32_t n_blocks);
 
 }  // namespace sp::replay

@@ -1,5 +1,6 @@
 #include "replay_inputs.hpp"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -49,6 +50,16 @@ TEST(TraceReader, ReadsStepsInOrderWithAbsentBlocks) {
   EXPECT_TRUE(steps[1].moments.empty());
 }
 
+TEST(TraceReader, ReadsAnOptionalLossNullMeaningUnknown) {
+  const auto steps = read_all("{\"step\":0,\"blocks\":[],\"loss\":2.75}\n{\"step\":1,\"blocks\":[],\"loss\":null}\n"
+                              "{\"step\":2,\"blocks\":[]}\n",
+                              4);
+  ASSERT_EQ(steps.size(), 3u);
+  EXPECT_EQ(steps[0].loss, 2.75);
+  EXPECT_TRUE(std::isnan(steps[1].loss));
+  EXPECT_TRUE(std::isnan(steps[2].loss));
+}
+
 struct BadTrace {
   const char* name;
   std::string text;
@@ -73,7 +84,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadTrace{"StepNotInteger", "{\"step\":\"0\",\"blocks\":[]}", "step: expected an integer >= 0, got string"},
         BadTrace{"NegativeStep", "{\"step\":-1,\"blocks\":[]}", "step: expected an integer >= 0, got -1"},
         BadTrace{"SkippedStep", kGoodFirst + "{\"step\":2,\"blocks\":[]}", "t.jsonl:2: step: expected step 1"},
-        BadTrace{"UnknownTopKey", "{\"step\":0,\"blocks\":[],\"loss\":1}", "loss: unknown key"},
+        BadTrace{"UnknownTopKey", "{\"step\":0,\"blocks\":[],\"lr\":1}", "lr: unknown key"},
+        BadTrace{"LossNotANumber", "{\"step\":0,\"blocks\":[],\"loss\":\"2.5\"}", "t.jsonl:1: loss: expected a number, got string"},
         BadTrace{"BlocksNotArray", "{\"step\":0,\"blocks\":{}}", "blocks: expected an array, got object"},
         BadTrace{"BlockNotObject", "{\"step\":0,\"blocks\":[3]}", "blocks[0]: expected an object, got number"},
         BadTrace{"IdOutOfRange", "{\"step\":0,\"blocks\":[" + block(9) + "]}",
@@ -118,15 +130,30 @@ class CalibrationFileTest : public ::testing::Test {
 };
 
 TEST_F(CalibrationFileTest, ReadsErrorsPerBlock) {
-  const auto errors = read_calibration_file(write(R"({"block_errors": {"0": 0.01, "3": 0.07}})"), 4);
-  EXPECT_EQ(errors.block_ids, (std::vector<uint32_t>{0, 3}));
-  EXPECT_EQ(errors.errors, (std::vector<double>{0.01, 0.07}));
+  const auto file = read_calibration_file(write(R"({"block_errors": {"0": 0.01, "3": 0.07}})"), 4);
+  EXPECT_EQ(file.int8.block_ids, (std::vector<uint32_t>{0, 3}));
+  EXPECT_EQ(file.int8.errors, (std::vector<double>{0.01, 0.07}));
+  EXPECT_TRUE(file.nf4.block_ids.empty());
+}
+
+TEST_F(CalibrationFileTest, ReadsNf4ErrorsBesideInt8OnesOrAlone) {
+  const auto both =
+      read_calibration_file(write(R"({"block_errors": {"1": 0.01}, "nf4_block_errors": {"1": 0.09, "2": 0.2}})"), 4);
+  EXPECT_EQ(both.int8.block_ids, (std::vector<uint32_t>{1}));
+  EXPECT_EQ(both.nf4.block_ids, (std::vector<uint32_t>{1, 2}));
+  EXPECT_EQ(both.nf4.errors, (std::vector<double>{0.09, 0.2}));
+  const auto nf4_only = read_calibration_file(write(R"({"nf4_block_errors": {"0": 0.1}})"), 4);
+  EXPECT_TRUE(nf4_only.int8.block_ids.empty());
+  EXPECT_EQ(nf4_only.nf4.block_ids, (std::vector<uint32_t>{0}));
 }
 
 TEST_F(CalibrationFileTest, RejectsEachDefectWithItsField) {
   EXPECT_THAT(error_of("{"), HasSubstr("not valid JSON"));
   EXPECT_THAT(error_of(R"({"block_errors": {"0": 1e400}})"), HasSubstr("not valid JSON"));
   EXPECT_THAT(error_of(R"({"errors": {}})"), HasSubstr("errors: unknown key"));
+  EXPECT_THAT(error_of(R"({})"), HasSubstr("document: expected \"block_errors\" (INT8) and/or \"nf4_block_errors\""));
+  EXPECT_THAT(error_of(R"({"nf4_block_errors": {"5": 0.1}})"), HasSubstr("nf4_block_errors.5: block id 5 is out of range"));
+  EXPECT_THAT(error_of(R"({"nf4_block_errors": {"1": -1}})"), HasSubstr("nf4_block_errors.1: expected a number >= 0"));
   EXPECT_THAT(error_of(R"({"block_errors": [0.1]})"), HasSubstr("block_errors: expected an object"));
   EXPECT_THAT(error_of(R"({"block_errors": {"x1": 0.1}})"), HasSubstr("block_errors.x1: the key must be a block id"));
   EXPECT_THAT(error_of(R"({"block_errors": {"-1": 0.1}})"), HasSubstr("block_errors.-1: the key must be a block id"));
