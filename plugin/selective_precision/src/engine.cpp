@@ -305,9 +305,9 @@ void PolicyEngine::log_change(std::int64_t step, std::uint32_t block, sp_precisi
 
 void PolicyEngine::end_step(std::int64_t step, const sp_step_feedback_v1 *feedback) {
   require_phase("end_step", step, {StepPhase::begun, StepPhase::backward_done, StepPhase::hints_done});
-  if (feedback != nullptr && feedback->struct_size < sizeof(sp_step_feedback_v1)) {
+  if (feedback != nullptr && feedback->struct_size < SP_STEP_FEEDBACK_V1_0_SIZE) {
     throw InvalidArgument(fmt::format("end_step: feedback struct_size is {}, smaller than the {} bytes of ABI v1.0",
-                                      feedback->struct_size, sizeof(sp_step_feedback_v1)));
+                                      feedback->struct_size, SP_STEP_FEEDBACK_V1_0_SIZE));
   }
   if (telemetry_ && feedback != nullptr && feedback->h2d_bytes_all_bf16 > 0) {
     MeasuredBytes &measured = state_.measured_since_record;

@@ -144,9 +144,9 @@ sp_status sp_create(const sp_host_api_v1 *host, const char *config_yaml, const s
   return guarded(nullptr, [&] {
     using sp::policy::InvalidArgument;
     if (host == nullptr) throw InvalidArgument("create: host is null");
-    if (host->struct_size < sizeof(sp_host_api_v1)) {
+    if (host->struct_size < SP_HOST_API_V1_0_SIZE) {
       throw InvalidArgument(fmt::format("create: host struct_size is {}, smaller than the {} bytes of ABI v1.0",
-                                        host->struct_size, sizeof(sp_host_api_v1)));
+                                        host->struct_size, SP_HOST_API_V1_0_SIZE));
     }
     if (host->abi_major != SP_PLUGIN_ABI_MAJOR) {
       throw InvalidArgument(fmt::format("create: the host speaks ABI {}.{}, this plugin ABI {}.{}", host->abi_major,
@@ -217,6 +217,29 @@ sp_status sp_import_state(sp_policy_ctx *ctx, const uint8_t *blob, uint64_t size
   });
 }
 
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 1
+sp_status sp_set_transfer_bytes(sp_policy_ctx *ctx, sp_precision precision, const uint64_t *bytes, uint32_t n) {
+  return on_context(ctx, "set_transfer_bytes", [&] {
+    (void)precision;
+    (void)bytes;
+    (void)n;
+    throw PolicyError(SP_ERR_INTERNAL, "set_transfer_bytes: not implemented yet");
+  });
+}
+
+sp_status sp_set_precision_calibration_errors(sp_policy_ctx *ctx, sp_precision precision, const uint32_t *block_ids,
+                                              const double *errors, uint32_t n) {
+  return on_context(ctx, "set_precision_calibration_errors", [&] {
+    if (precision == SP_PRECISION_INT8) {
+      ctx->engine.set_calibration_errors(block_ids, errors, n);
+      return;
+    }
+    throw sp::policy::InvalidArgument(
+        fmt::format("set_precision_calibration_errors: precision {} is not supported by this plugin", precision));
+  });
+}
+#endif
+
 const char *sp_last_error(const sp_policy_ctx *ctx) {
   return ctx == nullptr ? g_create_error : ctx->last_error.c_str();
 }
@@ -238,6 +261,10 @@ constexpr sp_policy_plugin_v1_table kTable = {
     sp_export_state,
     sp_import_state,
     sp_last_error,
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 1
+    sp_set_transfer_bytes,
+    sp_set_precision_calibration_errors,
+#endif
 };
 
 }  // namespace
