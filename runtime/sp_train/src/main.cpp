@@ -9,7 +9,6 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
-#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include "checkpoint_file.hpp"
@@ -96,8 +95,8 @@ int main(int argc, char** argv) {
     return code == 0 ? kExitOk : kExitBadConfig;
   }
 
-  auto logger = spdlog::stderr_color_mt("sp-train");
-  logger->set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");
+  auto progress = std::make_shared<sp::train::ProgressLine>(stdout, true);
+  auto logger = std::make_shared<spdlog::logger>("sp-train", sp::train::make_progress_aware_sink(progress, stderr));
   try {
     std::vector<sp::train::Override> overrides;
     for (const std::string& s : sets) overrides.push_back(sp::train::parse_override(s));
@@ -112,7 +111,7 @@ int main(int argc, char** argv) {
     options.out_dir = out;
     options.plugin_dir = plugin_dir;
     options.logger = logger;
-    options.progress = true;
+    options.progress = progress;
     options.stop_requested = &g_stop;
     options.plugin_check_requested = &g_plugin_check;
     sp::train::Trainer trainer(std::move(config), options);

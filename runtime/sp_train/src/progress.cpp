@@ -3,6 +3,9 @@
 #include <unistd.h>
 
 #include <fmt/format.h>
+#include <spdlog/details/log_msg.h>
+#include <spdlog/pattern_formatter.h>
+#include <spdlog/sinks/base_sink.h>
 
 namespace sp::train {
 
@@ -28,10 +31,16 @@ std::string format_progress(const ProgressState& s) {
 ProgressLine::ProgressLine(std::FILE* out, bool enabled)
     : out_(out), enabled_(enabled), interactive_(enabled && ::isatty(::fileno(out)) == 1) {}
 
+namespace {
+constexpr std::string_view kClearLine = "\r\033[2K";
+}
+
 void ProgressLine::update(const ProgressState& state) {
   if (!enabled_) return;
+  const std::lock_guard<std::mutex> lock(mutex_);
   if (interactive_) {
-    fmt::print(out_, "\r\033[2K{}", format_progress(state));
+    drawn_ = format_progress(state);
+    fmt::print(out_, "{}{}", kClearLine, drawn_);
     line_open_ = true;
   } else if (state.step == state.total || state.step % 10 == 0) {
     fmt::print(out_, "{}\n", format_progress(state));
@@ -40,9 +49,76 @@ void ProgressLine::update(const ProgressState& state) {
 }
 
 void ProgressLine::finish() {
+  const std::lock_guard<std::mutex> lock(mutex_);
   if (line_open_) fmt::print(out_, "\n");
   line_open_ = false;
   std::fflush(out_);
+}
+
+void ProgressLine::write_lines(std::FILE* stream, std::string_view text) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  const bool lift = line_open_ && ::isatty(::fileno(stream)) == 1;
+  if (lift) {
+    fmt::print(out_, "{}", kClearLine);
+    std::fflush(out_);
+  }
+  std::fwrite(text.data(), 1, text.size(), stream);
+  std::fflush(stream);
+  if (lift) {
+    fmt::print(out_, "{}", drawn_);
+    std::fflush(out_);
+  }
+}
+
+namespace {
+
+class ProgressAwareSink final : public spdlog::sinks::base_sink<std::mutex> {
+ public:
+  ProgressAwareSink(std::shared_ptr<ProgressLine> progress, std::FILE* stream)
+      : progress_(std::move(progress)), stream_(stream), colour_(::isatty(::fileno(stream)) == 1) {
+    set_pattern_("[%H:%M:%S.%e] [%^%l%$] %v");
+  }
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    spdlog::memory_buf_t formatted;
+    formatter_->format(msg, formatted);
+    std::string text(formatted.data(), formatted.size());
+    if (colour_ && msg.color_range_end > msg.color_range_start) {
+      text.insert(msg.color_range_end, "\033[m");
+      text.insert(msg.color_range_start, level_colour(msg.level));
+    }
+    progress_->write_lines(stream_, text);
+  }
+  void flush_() override { std::fflush(stream_); }
+
+ private:
+  // The codes of spdlog's own colour sinks.
+  static const char* level_colour(spdlog::level::level_enum level) {
+    switch (level) {
+      case spdlog::level::trace:
+        return "\033[37m";
+      case spdlog::level::debug:
+        return "\033[36m";
+      case spdlog::level::info:
+        return "\033[32m";
+      case spdlog::level::warn:
+        return "\033[33m\033[1m";
+      default:
+        return "\033[31m\033[1m";
+    }
+  }
+
+  std::shared_ptr<ProgressLine> progress_;
+  std::FILE* stream_;
+  bool colour_;
+};
+
+}  // namespace
+
+std::shared_ptr<spdlog::sinks::sink> make_progress_aware_sink(std::shared_ptr<ProgressLine> progress,
+                                                              std::FILE* stream) {
+  return std::make_shared<ProgressAwareSink>(std::move(progress), stream);
 }
 
 }  // namespace sp::train

@@ -967,7 +967,8 @@ struct Trainer::Impl {
   RunSummary run() {
     const auto wall_start = Clock::now();
     RunSummary result;
-    ProgressLine progress(stdout, options.progress);
+    ProgressLine no_progress(stdout, false);
+    ProgressLine& progress = options.progress ? *options.progress : no_progress;
     const std::int64_t total = config.train.steps;
     const std::uint64_t tokens_per_step = std::uint64_t{config.train.batch_size} * config.model.seq_len;
     if (next_step >= total) log->info("nothing to do: the run is already at step {} of {}", next_step, total);

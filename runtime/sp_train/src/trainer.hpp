@@ -20,6 +20,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "progress.hpp"
+
 #include "train_config.hpp"
 
 namespace spdlog {
@@ -62,7 +64,9 @@ struct RunOptions {
   std::filesystem::path out_dir;
   std::filesystem::path plugin_dir;
   std::shared_ptr<spdlog::logger> logger;
-  bool progress = false;
+  // The progress bar; null shows none. Give `logger` a make_progress_aware_sink of the same
+  // object so that log lines do not land on the bar.
+  std::shared_ptr<ProgressLine> progress;
   // Set by SIGINT: checkpoint at the next step boundary and return interrupted.
   const std::atomic<bool>* stop_requested = nullptr;
   // Set by SIGHUP: look at the plugin file at the next step boundary.
