@@ -45,6 +45,11 @@ def read_run(directory):
     return records
 
 
+def moved_bytes(record):
+    # Runs from before the NF4 route have no h2d_bytes_nf4.
+    return record["h2d_bytes_bf16"] + record["h2d_bytes_int8"] + record.get("h2d_bytes_nf4", 0)
+
+
 def moving_average(values, window):
     out, total = [], 0.0
     for i, v in enumerate(values):
@@ -76,8 +81,7 @@ def plot_loss(runs, out, window):
 def plot_bytes(runs, out):
     fig, ax = plt.subplots(figsize=(8, 4))
     for label, records in runs:
-        ax.plot([r["step"] for r in records],
-                [(r["h2d_bytes_bf16"] + r["h2d_bytes_int8"]) / 1e6 for r in records], label=label)
+        ax.plot([r["step"] for r in records], [moved_bytes(r) / 1e6 for r in records], label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("H2D MB per step")
     ax.set_ylim(bottom=0)
@@ -92,12 +96,12 @@ def plot_heatmap(label, records, out):
     grid = [[r["routes"][b] for r in records] for b in range(len(records[0]["routes"]))]
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(grid) + 1.2))
     ax.imshow(grid, aspect="auto", interpolation="nearest", origin="lower",
-              cmap=ListedColormap(["#4c72b0", "#dd8452"]), vmin=0, vmax=1,
+              cmap=ListedColormap(["#4c72b0", "#dd8452", "#55a868"]), vmin=0, vmax=2,
               extent=(records[0]["step"] - 0.5, records[-1]["step"] + 0.5, -0.5, len(grid) - 0.5))
     ax.set_xlabel("step")
     ax.set_ylabel("block")
     ax.set_yticks(range(len(grid)))
-    ax.set_title(f"{label}: block route per step (blue BF16, orange INT8)", fontsize=10)
+    ax.set_title(f"{label}: block route per step (blue BF16, orange INT8, green NF4)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
