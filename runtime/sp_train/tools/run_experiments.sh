@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The experiments of docs/results.md: the same seed and data under BF16-only streaming,
-# dynamic Selective Precision and all-INT8, in full mode from a random initialization and in
+# The experiments of docs/results.md: the same seed and data under fixed formats (BF16-only,
+# all-INT8, all-NF4, the first-and-last-BF16 heuristic) and the dynamic policy (v1: BF16 and
+# INT8; v2: three tiers and the loss guard), in full mode from a random initialization and in
 # LoRA mode on the weights the full-mode BF16-only run ended with. Runs them one after the
 # other (they would only compete for the cores), then collects every summary.json into
 # bench/results/train-<mode>-<policy>.json, one combined bench/results/train-experiments.json
@@ -15,6 +16,8 @@
 #   SP_EXPERIMENT_ARGS  arguments added to every run, e.g. "--set model.outliers.blocks=[1,3]"
 #   SP_MODES            the modes to run (default: "full lora")
 #   SP_LORA_BASE        the checkpoint LoRA adapts (default: this set's full-mode BF16-only run)
+#   SP_POLICIES         the policies to run (default: all of policy_args below; bf16-only is
+#                       the baseline every comparison divides by, so keep it in the list)
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../../.." && pwd)
@@ -31,17 +34,24 @@ read -r -a modes <<<"${SP_MODES:-full lora}"
 runs=$work/${name:+$name-}  # each run's directory is $runs<mode>-<policy>
 lora_base=${SP_LORA_BASE:-${runs}full-bf16-only/checkpoint.bin}
 
+# The default config streams 6 blocks (model.n_blocks); the fixed formats list them all.
 policy_args() {
+  local p=memory.stagehand.selective_precision
   case $1 in
-    bf16-only) echo "--set memory.stagehand.selective_precision.mode=off" ;;
+    bf16-only) echo "--set $p.mode=off" ;;
+    all-int8) echo "--set $p.mode=static --set $p.force_int8_blocks=[0,1,2,3,4,5]" ;;
+    all-nf4) echo "--set $p.mode=static --set $p.force_nf4_blocks=[0,1,2,3,4,5]" ;;
+    first-last-bf16) echo "--set $p.mode=static --set $p.force_nf4_blocks=[1,2,3,4]" ;;
     dynamic) echo "" ;;
-    all-int8) echo "--set memory.stagehand.selective_precision.mode=static --set memory.stagehand.selective_precision.force_int8_blocks=[0,1,2,3,4,5]" ;;
+    dynamic-v2) echo "--set $p.tiers=[bf16,int8,nf4] --set $p.loss_guard.enabled=true" ;;
+    *) echo "unknown policy $1" >&2; exit 2 ;;
   esac
 }
+read -r -a policies <<<"${SP_POLICIES:-bf16-only all-int8 all-nf4 first-last-bf16 dynamic dynamic-v2}"
 
 commands=()
 for mode in "${modes[@]}"; do
-  for policy in bf16-only dynamic all-int8; do
+  for policy in "${policies[@]}"; do
     out=$runs$mode-$policy
     rm -rf "$out"
     # shellcheck disable=SC2046
@@ -53,8 +63,9 @@ for mode in "${modes[@]}"; do
     cp "$out/summary.json" "$results/$prefix-$mode-$policy.json"
     commands+=("$mode-$policy|${cmd//$repo\//}")
   done
-  /usr/bin/python3 "$repo/runtime/sp_train/tools/plot_runs.py" --out "$results" --prefix "$prefix-$mode" \
-    bf16-only="$runs$mode-bf16-only" dynamic="$runs$mode-dynamic" all-int8="$runs$mode-all-int8"
+  plots=()
+  for policy in "${policies[@]}"; do plots+=("$policy=$runs$mode-$policy"); done
+  /usr/bin/python3 "$repo/runtime/sp_train/tools/plot_runs.py" --out "$results" --prefix "$prefix-$mode" "${plots[@]}"
 done
 
 /usr/bin/python3 - "$results" "$prefix" "${commands[@]}" <<'PY'
@@ -71,9 +82,11 @@ machine = {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
 doc = {"machine": machine, "runs": runs}
 for mode in sorted({name.split("-", 1)[0] for name in runs}):
     base = runs[f"{mode}-bf16-only"]["summary"]
-    for policy in ("dynamic", "all-int8"):
-        s = runs[f"{mode}-{policy}"]["summary"]
-        doc.setdefault("comparison", {})[f"{mode}-{policy}"] = {
+    for name in runs:
+        if not name.startswith(mode + "-") or name == f"{mode}-bf16-only":
+            continue
+        s = runs[name]["summary"]
+        doc.setdefault("comparison", {})[name] = {
             "val_loss_vs_bf16_only": s["final_val_loss"] / base["final_val_loss"] - 1.0,
             "h2d_bytes_vs_bf16_only": s["h2d_bytes"]["total"] / base["h2d_bytes"]["total"] - 1.0}
 tmp = os.path.join(results, f"{prefix}-experiments.json.tmp")
@@ -82,4 +95,30 @@ with open(tmp, "w") as f:
     f.write("\n")
 os.replace(tmp, os.path.join(results, f"{prefix}-experiments.json"))
 print(json.dumps(doc["comparison"], indent=2))
+
+# The Pareto picture: final validation loss against H2D bytes (relative to BF16-only), per mode.
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+modes = sorted({name.split("-", 1)[0] for name in runs})
+fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
+for ax, mode in zip(axes[0], modes):
+    base = runs[f"{mode}-bf16-only"]["summary"]
+    for name, run in sorted(runs.items()):
+        if not name.startswith(mode + "-"):
+            continue
+        s = run["summary"]
+        x = s["h2d_bytes"]["total"] / base["h2d_bytes"]["total"]
+        ax.plot(x, s["final_val_loss"], "o")
+        ax.annotate(name.split("-", 1)[1], (x, s["final_val_loss"]), fontsize=8, xytext=(4, 4),
+                    textcoords="offset points")
+    ax.axhline(base["final_val_loss"] * 1.01, color="grey", linestyle=":", label="BF16-only + 1%")
+    ax.axvline(0.5, color="grey", linestyle="--", label="50% fewer bytes")
+    ax.set_xlabel("H2D bytes / BF16-only")
+    ax.set_ylabel("final validation loss")
+    ax.set_title(f"{mode} mode")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+fig.tight_layout()
+fig.savefig(os.path.join(results, f"{prefix}-pareto.png"), dpi=120)
 PY
