@@ -29,6 +29,14 @@ using Table = sp_policy_plugin_v1_table;
 constexpr std::size_t kVersionFieldsEnd = offsetof(Table, abi_minor) + sizeof(Table::abi_minor);
 // ABI 1.0 has no optional fields: the host reads every one, up to last_error.
 constexpr std::size_t kTableV1_0End = offsetof(Table, last_error) + sizeof(Table::last_error);
+static_assert(sizeof(void*) != 8 || kTableV1_0End == SP_PLUGIN_TABLE_V1_0_SIZE,
+              "the 1.0 table ends where the header says");
+// ABI 1.1 appends two functions; a 1.1 table has both.
+constexpr std::size_t kTableV1_1End =
+    offsetof(Table, set_precision_calibration_errors) + sizeof(Table::set_precision_calibration_errors);
+
+// Where the table of a given minor ends.
+std::size_t table_end_for_minor(std::uint32_t minor) { return minor >= 1 ? kTableV1_1End : kTableV1_0End; }
 
 std::string errno_text(int error) { return std::generic_category().message(error); }
 
@@ -182,11 +190,20 @@ void validate_table(const std::filesystem::path& file, const Table* table) {
         "minor version must be >= the plugin's, so update the host",
         file, table->abi_major, table->abi_minor, SP_PLUGIN_ABI_MAJOR, SP_PLUGIN_ABI_MINOR));
   }
-  if (table->struct_size < kTableV1_0End) {
+  // Only the fields of the plugin's own minor are read: a 1.0 table ends at last_error, and
+  // whatever lies behind it in the plugin's memory is not the host's to look at.
+  const std::size_t needed = table_end_for_minor(table->abi_minor);
+  if (table->struct_size < needed) {
+    std::string missing;
+    if (table->struct_size < kTableV1_0End) {
+      missing = "every field up to last_error";
+    } else {
+      missing = "the ABI 1.1 functions set_transfer_bytes and set_precision_calibration_errors";
+    }
     throw PluginError(fmt::format(
         "policy plugin {}: its function table says struct_size = {}, but ABI {}.{} needs at least {} "
-        "bytes (every field up to last_error)",
-        file, table->struct_size, table->abi_major, table->abi_minor, kTableV1_0End));
+        "bytes ({}); is the table filled in for the minor it claims?",
+        file, table->struct_size, table->abi_major, table->abi_minor, needed, missing));
   }
   const std::pair<const char*, bool> required[] = {
       {"plugin_name", table->plugin_name != nullptr},
@@ -207,6 +224,21 @@ void validate_table(const std::filesystem::path& file, const Table* table) {
       throw PluginError(
           fmt::format("policy plugin {}: field {} of its function table is NULL; every field is required", file,
                       field));
+    }
+  }
+  if (table->abi_minor >= 1) {
+    const std::pair<const char*, bool> required_1_1[] = {
+        {"set_transfer_bytes", table->set_transfer_bytes != nullptr},
+        {"set_precision_calibration_errors", table->set_precision_calibration_errors != nullptr},
+    };
+    for (const auto& [field, present] : required_1_1) {
+      if (!present) {
+        throw PluginError(fmt::format(
+            "policy plugin {}: field {} of its function table is NULL; an ABI 1.{} plugin must set every field "
+            "of ABI 1.1 (a plugin that does not implement it reports abi_minor 0: define "
+            "SP_PLUGIN_ABI_TARGET_MINOR 0 before including sp/plugin_abi_v1.h)",
+            file, field, table->abi_minor));
+      }
     }
   }
 }
@@ -235,6 +267,8 @@ struct PluginLibrary::State {
   // Copies: the plugin's own strings vanish with it, and messages outlive the unload.
   std::string name;
   std::string version;
+  // The minor the plugin's table reports: the host hands it nothing newer.
+  std::uint32_t abi_minor = 0;
 };
 
 PluginLibrary PluginLibrary::load(const std::filesystem::path& file) {
@@ -273,6 +307,7 @@ PluginLibrary PluginLibrary::load(const std::filesystem::path& file) {
   validate_table(resolved, state->table);
   state->name = state->table->plugin_name;
   state->version = state->table->plugin_version;
+  state->abi_minor = state->table->abi_minor;
   return PluginLibrary(std::move(state));
 }
 
@@ -294,6 +329,7 @@ const std::filesystem::path& PluginLibrary::source_path() const { return state_-
 const std::filesystem::path& PluginLibrary::loaded_path() const { return state_->copy.file(); }
 std::string_view PluginLibrary::plugin_name() const { return state_->name; }
 std::string_view PluginLibrary::plugin_version() const { return state_->version; }
+std::uint32_t PluginLibrary::abi_minor() const { return state_->abi_minor; }
 bool PluginLibrary::is_loaded() const { return state_ != nullptr && state_->library.is_loaded(); }
 
 UnloadReport PluginLibrary::unload() {

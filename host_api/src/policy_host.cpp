@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
 #include <stdexcept>
 #include <utility>
 
@@ -64,6 +65,37 @@ void forward_plugin_log(void* user_data, sp_log_level level, const char* message
   }
 }
 
+constexpr sp_precision_mask kKnownPrecisions =
+    SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
+
+// The precisions an ABI minor defines: a plugin of that minor can name no other.
+sp_precision_mask precisions_of_minor(std::uint32_t minor) {
+  return minor >= 1 ? kKnownPrecisions : SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
+}
+
+const char* precision_name(sp_precision precision) {
+  switch (precision) {
+    case SP_PRECISION_BF16: return "SP_PRECISION_BF16";
+    case SP_PRECISION_INT8: return "SP_PRECISION_INT8";
+    case SP_PRECISION_NF4: return "SP_PRECISION_NF4";
+    default: return "an unknown precision";
+  }
+}
+
+bool in_mask(sp_precision_mask mask, sp_precision precision) {
+  return precision >= 0 && precision < 32 && (mask & SP_PRECISION_BIT(precision)) != 0;
+}
+
+std::string mask_text(sp_precision_mask mask) {
+  std::string text;
+  for (const sp_precision precision : {SP_PRECISION_BF16, SP_PRECISION_INT8, SP_PRECISION_NF4}) {
+    if (!in_mask(mask, precision)) continue;
+    if (!text.empty()) text += ", ";
+    text += precision_name(precision);
+  }
+  return text;
+}
+
 // A plugin library with one live context created from it.
 class PluginInstance {
  public:
@@ -82,8 +114,10 @@ class PluginInstance {
                                        block.int8_bytes, block.name.empty() ? nullptr : block.name.c_str()});
     }
     const std::string output_dir = options.output_dir.string();
+    const std::uint32_t minor = instance->library_.abi_minor();
     sp_host_api_v1 host{};
-    host.struct_size = sizeof(sp_host_api_v1);
+    // The layout of the plugin's own minor: a 1.0 plugin never sees a 1.1 field.
+    host.struct_size = minor >= 1 ? static_cast<std::uint32_t>(sizeof(sp_host_api_v1)) : SP_HOST_API_V1_0_SIZE;
     host.abi_major = SP_PLUGIN_ABI_MAJOR;
     host.abi_minor = SP_PLUGIN_ABI_MINOR;
     host.host_name = options.host_name.c_str();
@@ -92,6 +126,7 @@ class PluginInstance {
     host.log = &forward_plugin_log;
     host.log_user_data = instance->log_route_.get();
     host.min_log_level = to_abi_level(logger->level());
+    if (minor >= 1) host.supported_precisions = options.supported_precisions;
 
     const sp_policy_plugin_v1_table& table = instance->table();
     sp_policy_ctx* ctx = nullptr;
@@ -107,6 +142,24 @@ class PluginInstance {
                                     instance->library_.source_path(), reason));
     }
     instance->ctx_ = ctx;
+
+    // sp_block_desc_v1 is frozen, so the NF4 sizes travel through set_transfer_bytes, before
+    // anything else reaches the new context (a swap's import_state included).
+    if (minor >= 1 && in_mask(options.supported_precisions, SP_PRECISION_NF4)) {
+      std::vector<std::uint64_t> nf4_bytes;
+      nf4_bytes.reserve(blocks.size());
+      for (const BlockDescription& block : blocks) nf4_bytes.push_back(block.nf4_bytes);
+      const sp_status bytes_status = table.set_transfer_bytes(ctx, SP_PRECISION_NF4, nf4_bytes.data(),
+                                                              static_cast<std::uint32_t>(nf4_bytes.size()));
+      if (bytes_status != SP_OK) {
+        const std::string reason = fmt::format("{}: {}", status_text(bytes_status), instance->last_error());
+        // The destructor destroys the context and unloads the library.
+        throw PluginError(fmt::format(
+            "{}: policy plugin {} ({}) rejected the NF4 transfer bytes of its {} blocks (set_transfer_bytes): {}",
+            instance->config_.source_name, instance->log_route_->label, instance->library_.source_path(),
+            nf4_bytes.size(), reason));
+      }
+    }
     return instance;
   }
 
@@ -133,6 +186,7 @@ class PluginInstance {
   std::string_view version() const { return library_.plugin_version(); }
   std::string_view name() const { return library_.plugin_name(); }
   const std::filesystem::path& file() const { return library_.source_path(); }
+  std::uint32_t abi_minor() const { return library_.abi_minor(); }
   const PolicyConfig& config() const { return config_; }
 
  private:
@@ -153,16 +207,24 @@ bool is_valid_sensitivity(double sensitivity) {
   return std::isnan(sensitivity) || (sensitivity >= 0.0 && sensitivity <= 1.0);
 }
 
-// Empty when the hints keep the ABI contract, otherwise what is wrong with the first bad one.
-std::string hint_contract_violation(const std::vector<sp_hint_v1>& hints) {
+// Empty when the hints keep the ABI contract of the plugin's minor and name only precisions
+// the host supports, otherwise what is wrong with the first bad one.
+std::string hint_contract_violation(const std::vector<sp_hint_v1>& hints, std::uint32_t plugin_minor,
+                                    sp_precision_mask supported) {
+  const sp_precision_mask defined = precisions_of_minor(plugin_minor);
   for (std::size_t i = 0; i < hints.size(); ++i) {
     const sp_hint_v1& hint = hints[i];
     if (hint.block_id != i) {
       return fmt::format("hints[{}].block_id is {}, expected {}", i, hint.block_id, i);
     }
-    if (hint.precision != SP_PRECISION_BF16 && hint.precision != SP_PRECISION_INT8) {
-      return fmt::format("hints[{}].precision is {}, expected SP_PRECISION_BF16 ({}) or SP_PRECISION_INT8 ({})", i,
-                         hint.precision, SP_PRECISION_BF16, SP_PRECISION_INT8);
+    if (!in_mask(defined, hint.precision)) {
+      return fmt::format("hints[{}].precision is {} ({}), which plugin ABI {}.{} does not define; expected one of {}",
+                         i, hint.precision, precision_name(hint.precision), SP_PLUGIN_ABI_MAJOR, plugin_minor,
+                         mask_text(defined & supported));
+    }
+    if (!in_mask(supported, hint.precision)) {
+      return fmt::format("hints[{}].precision is {} ({}), which this host does not support; expected one of {}", i,
+                         hint.precision, precision_name(hint.precision), mask_text(defined & supported));
     }
     if (!is_valid_sensitivity(hint.sensitivity)) {
       return fmt::format("hints[{}].sensitivity is {}, expected a value in [0, 1] or NaN", i, hint.sensitivity);
@@ -194,8 +256,42 @@ struct PolicyHost::Impl {
   std::vector<sp_hint_v1> last_good_hints;
   HintSource hint_source = HintSource::fallback;
   HookFailureCounts failures;
+  // NF4 calibration errors the caller gave, by block (later calls replace earlier values).
+  // A 1.0 plugin cannot take them and its state blob cannot carry them, so a 1.1 plugin that
+  // a swap brings in after a 1.0 one receives them from here. INT8 errors travel in the
+  // state blob, as they always have, and are not kept.
+  std::map<std::uint32_t, double> nf4_calibration_errors;
 
   std::uint32_t block_count() const { return static_cast<std::uint32_t>(blocks.size()); }
+
+  std::string now_text() const {
+    return open_step         ? fmt::format("during step {}", *open_step)
+           : last_ended_step ? fmt::format("after step {}", *last_ended_step)
+                             : std::string("before the first step");
+  }
+
+  // Hands the kept NF4 errors to `instance`, a 1.1 plugin. True when it took them (or there
+  // were none); otherwise logs the plugin's reason and counts it.
+  bool resend_nf4_calibration_errors(PluginInstance& instance) {
+    if (nf4_calibration_errors.empty()) return true;
+    std::vector<std::uint32_t> ids;
+    std::vector<double> errors;
+    for (const auto& [id, error] : nf4_calibration_errors) {
+      ids.push_back(id);
+      errors.push_back(error);
+    }
+    const sp_status status = instance.table().set_precision_calibration_errors(
+        instance.ctx(), SP_PRECISION_NF4, ids.data(), errors.data(), static_cast<std::uint32_t>(ids.size()));
+    if (status == SP_OK) {
+      logger->debug("policy plugin {}: re-sent the NF4 calibration errors of {} blocks", instance.label(), ids.size());
+      return true;
+    }
+    ++failures.set_calibration_errors;
+    logger->error("policy plugin {} failed in set_precision_calibration_errors (NF4 errors of {} blocks, re-sent "
+                  "after a hot swap from an ABI 1.0 plugin) with {}: {}",
+                  instance.label(), ids.size(), status_text(status), instance.last_error());
+    return false;
+  }
 
   void require_open_step(const char* hook, std::int64_t step) const {
     if (open_step != step) {
@@ -333,6 +429,12 @@ struct PolicyHost::Impl {
                                                       status_text(status), pending->last_error()));
     }
 
+    // A 1.0 plugin held no NF4 calibration errors, so its blob brought none: the new 1.1
+    // plugin gets the host's copy. A rejection is logged and counted like any rejected
+    // calibration errors; it does not undo the swap.
+    const bool resend_nf4 = active->abi_minor() < 1 && pending->abi_minor() >= 1;
+    const bool nf4_resent = !resend_nf4 || resend_nf4_calibration_errors(*pending);
+
     std::unique_ptr<PluginInstance> retired = std::exchange(active, std::move(pending));
     const std::string retired_label = retired->label();
     const UnloadReport unload = retired->close();
@@ -346,6 +448,7 @@ struct PolicyHost::Impl {
     result.message = fmt::format("hot swap: {} replaced {} {} with {} bytes of state", active->label(), retired_label,
                                  when, blob->size());
     logger->info("{}", result.message);
+    if (!nf4_resent) result.message += "; warning: the new plugin rejected the NF4 calibration errors (see the log)";
     if (!unload.unloaded) {
       result.message += "; warning: " + unload.detail;
       logger->warn("{}", unload.detail);
@@ -366,6 +469,13 @@ PolicyHost::PolicyHost(const std::filesystem::path& plugin_file, PolicyConfig co
       throw std::invalid_argument(
           fmt::format("PolicyHost: block {} has id {}; ids must run 0..n-1 in order", i, blocks[i].id));
     }
+  }
+  if (!in_mask(options.supported_precisions, SP_PRECISION_BF16) ||
+      (options.supported_precisions & ~kKnownPrecisions) != 0) {
+    throw std::invalid_argument(fmt::format(
+        "PolicyHost: supported_precisions is {:#x}; it must contain SP_PRECISION_BIT(SP_PRECISION_BF16) and no "
+        "bits but those of BF16, INT8 and NF4 ({:#x})",
+        options.supported_precisions, kKnownPrecisions));
   }
   impl_->logger = options.logger ? options.logger : spdlog::default_logger();
   impl_->options = std::move(options);
@@ -418,7 +528,8 @@ const std::vector<sp_hint_v1>& PolicyHost::compute_hints(std::int64_t step) {
     impl.use_fallback_hints(step);
     return impl.hints;
   }
-  const std::string violation = hint_contract_violation(impl.plugin_hints);
+  const std::string violation =
+      hint_contract_violation(impl.plugin_hints, impl.active->abi_minor(), impl.options.supported_precisions);
   if (!violation.empty()) {
     ++impl.failures.invalid_hints;
     impl.logger->error("policy plugin {} returned invalid hints at step {}: {}", impl.active->label(), step, violation);
@@ -436,7 +547,9 @@ void PolicyHost::end_step(std::int64_t step, const sp_step_feedback_v1* feedback
   std::optional<sp_step_feedback_v1> stamped;
   if (feedback != nullptr) {
     stamped = *feedback;
-    stamped->struct_size = sizeof(sp_step_feedback_v1);
+    // The layout of the plugin's own minor: h2d_bytes_nf4 lies beyond a 1.0 plugin's view.
+    stamped->struct_size = impl_->active->abi_minor() >= 1 ? static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1))
+                                                           : SP_STEP_FEEDBACK_V1_0_SIZE;
   }
   impl_->check_hook("end_step", step,
                     impl_->active->table().end_step(impl_->active->ctx(), step, stamped ? &*stamped : nullptr),
@@ -447,17 +560,52 @@ void PolicyHost::end_step(std::int64_t step, const sp_step_feedback_v1* feedback
 
 bool PolicyHost::set_calibration_errors(const std::vector<std::uint32_t>& block_ids,
                                         const std::vector<double>& errors) {
+  return set_calibration_errors(SP_PRECISION_INT8, block_ids, errors);
+}
+
+bool PolicyHost::set_calibration_errors(sp_precision precision, const std::vector<std::uint32_t>& block_ids,
+                                        const std::vector<double>& errors) {
   if (block_ids.size() != errors.size()) {
     throw std::invalid_argument(fmt::format("PolicyHost::set_calibration_errors: {} block ids but {} errors",
                                             block_ids.size(), errors.size()));
   }
+  if (precision != SP_PRECISION_INT8 && precision != SP_PRECISION_NF4) {
+    throw std::invalid_argument(fmt::format(
+        "PolicyHost::set_calibration_errors: precision {} ({}); calibration errors exist for SP_PRECISION_INT8 and "
+        "SP_PRECISION_NF4 only",
+        precision, precision_name(precision)));
+  }
   Impl& impl = *impl_;
-  const sp_status status = impl.active->table().set_calibration_errors(
-      impl.active->ctx(), block_ids.data(), errors.data(), static_cast<std::uint32_t>(block_ids.size()));
-  const std::string when = impl.open_step          ? fmt::format("during step {}", *impl.open_step)
-                           : impl.last_ended_step ? fmt::format("after step {}", *impl.last_ended_step)
-                                                  : std::string("before the first step");
-  return impl.check_hook("set_calibration_errors", when, status, impl.failures.set_calibration_errors);
+  PluginInstance& active = *impl.active;
+  const auto n = static_cast<std::uint32_t>(block_ids.size());
+  if (precision == SP_PRECISION_INT8) {
+    const sp_status status = active.table().set_calibration_errors(active.ctx(), block_ids.data(), errors.data(), n);
+    return impl.check_hook("set_calibration_errors", impl.now_text(), status, impl.failures.set_calibration_errors);
+  }
+  bool accepted = true;
+  if (active.abi_minor() >= 1) {
+    const sp_status status = active.table().set_precision_calibration_errors(active.ctx(), SP_PRECISION_NF4,
+                                                                              block_ids.data(), errors.data(), n);
+    accepted = impl.check_hook("set_precision_calibration_errors", fmt::format("(NF4) {}", impl.now_text()), status,
+                               impl.failures.set_calibration_errors);
+  } else {
+    // Checked here as the plugin would, so that a later 1.1 plugin is not handed ids it must reject.
+    for (std::uint32_t i = 0; i < n; ++i) {
+      if (block_ids[i] >= impl.block_count()) {
+        ++impl.failures.set_calibration_errors;
+        impl.logger->error("NF4 calibration errors {}: block_ids[{}] is {}, but there are {} blocks", impl.now_text(),
+                           i, block_ids[i], impl.block_count());
+        return false;
+      }
+    }
+    impl.logger->debug("policy plugin {} implements ABI 1.0, which has no NF4: its NF4 calibration errors of {} "
+                       "blocks are kept for a later 1.1 plugin, not sent",
+                       active.label(), n);
+  }
+  if (accepted) {
+    for (std::uint32_t i = 0; i < n; ++i) impl.nf4_calibration_errors[block_ids[i]] = errors[i];
+  }
+  return accepted;
 }
 
 SwapResult PolicyHost::request_swap(const std::filesystem::path& plugin_file, std::optional<PolicyConfig> config) {
@@ -502,5 +650,6 @@ std::string_view PolicyHost::plugin_name() const { return impl_->active->name();
 std::string_view PolicyHost::plugin_version() const { return impl_->active->version(); }
 const std::filesystem::path& PolicyHost::plugin_file() const { return impl_->active->file(); }
 std::uint32_t PolicyHost::block_count() const { return impl_->block_count(); }
+std::uint32_t PolicyHost::plugin_abi_minor() const { return impl_->active->abi_minor(); }
 
 }  // namespace sp::host

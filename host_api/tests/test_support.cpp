@@ -13,6 +13,7 @@
 #include <fstream>
 #include <mutex>
 #include <stdexcept>
+#include <utility>
 
 namespace sp::host::testing {
 
@@ -63,7 +64,9 @@ std::vector<BlockDescription> make_blocks(std::uint32_t count) {
   std::vector<BlockDescription> blocks;
   for (std::uint32_t id = 0; id < count; ++id) {
     const std::uint64_t params = 1'000'000 + 1000ULL * id;
-    blocks.push_back(BlockDescription{id, params, 2 * params, params + params / 64, "block." + std::to_string(id)});
+    BlockDescription block{id, params, 2 * params, params + params / 64, "block." + std::to_string(id)};
+    block.nf4_bytes = params / 2 + params / 32;  // two codes a byte, a 2-byte scale per 64
+    blocks.push_back(std::move(block));
   }
   return blocks;
 }
@@ -89,7 +92,7 @@ std::vector<sp_hint_v1> run_step(PolicyHost& host, std::int64_t step) {
   host.begin_step(step);
   host.post_backward(step, synthetic_moments(step, host.block_count()));
   std::vector<sp_hint_v1> hints = host.compute_hints(step);
-  const sp_step_feedback_v1 feedback{0, 0, 2.5, 1000, 500, 2000, std::nan(""), 0};
+  const sp_step_feedback_v1 feedback{0, 0, 2.5, 1000, 500, 2000, std::nan(""), 250};
   host.end_step(step, &feedback);
   return hints;
 }

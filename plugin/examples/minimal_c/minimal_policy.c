@@ -11,7 +11,19 @@
  * line):
  *   int8_max_l2: 1.0   # > 0
  *   min_samples: 1     # integer >= 1
+ *
+ * ABI version: this plugin implements ABI 1.0 and says so. It predates 1.1 and shows that
+ * a 1.0 plugin keeps working, unchanged, under a 1.1 host: it defines
+ * SP_PLUGIN_ABI_TARGET_MINOR 0 before the include, so it compiles exactly the 1.0 layouts
+ * (a ten-function table of SP_PLUGIN_TABLE_V1_0_SIZE bytes) and reports abi_minor 0. The
+ * host then passes it 1.0 struct sizes, never calls a 1.1 function and never lets it name
+ * NF4. A plugin that wants NF4 targets 1.1 instead (leave the macro undefined) and fills in
+ * set_transfer_bytes and set_precision_calibration_errors (docs/plugin-abi.md).
+ * The #ifndef only lets the host's test fixture, which wraps this file, build it as 1.1 too.
  */
+#ifndef SP_PLUGIN_ABI_TARGET_MINOR
+#define SP_PLUGIN_ABI_TARGET_MINOR 0
+#endif
 #include <sp/plugin_abi_v1.h>
 
 #include <errno.h>

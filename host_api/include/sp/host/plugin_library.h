@@ -5,6 +5,7 @@
 
 #include <sp/plugin_abi_v1.h>
 
+#include <cstdint>
 #include <filesystem>
 #include <memory>
 #include <stdexcept>
@@ -46,7 +47,10 @@ struct UnloadReport {
 class PluginLibrary {
  public:
   /// Checks trust, copies, loads, resolves `sp_policy_plugin_v1` on this handle,
-  /// negotiates the ABI version and validates the table. Throws PluginError.
+  /// negotiates the ABI version and validates the table for the minor it reports: a 1.0
+  /// table needs struct_size >= SP_PLUGIN_TABLE_V1_0_SIZE and ten non-NULL functions, a
+  /// 1.1 table also covers and sets set_transfer_bytes and set_precision_calibration_errors.
+  /// Throws PluginError naming the file and what is missing.
   static PluginLibrary load(const std::filesystem::path& file);
 
   PluginLibrary(PluginLibrary&&) noexcept;
@@ -63,6 +67,9 @@ class PluginLibrary {
   const std::filesystem::path& loaded_path() const;
   std::string_view plugin_name() const;
   std::string_view plugin_version() const;
+  /// The ABI minor the plugin's table reports (0 for a 1.0 plugin). The table's fields of
+  /// later minors are absent for it: the validated table is only read up to its minor.
+  std::uint32_t abi_minor() const;
   bool is_loaded() const;
 
   /// Closes the handle, checks with dlopen(RTLD_NOLOAD) that the library is gone and

@@ -34,6 +34,12 @@ struct BlockDescription {
   std::uint64_t bf16_bytes = 0;
   std::uint64_t int8_bytes = 0;
   std::string name;
+  /// Bytes one NF4 transfer of the block puts on the wire (codes + scales + header); 0 = no
+  /// NF4 image known. sp_block_desc_v1 is frozen, so this reaches a 1.1 plugin through
+  /// set_transfer_bytes(SP_PRECISION_NF4, ...) right after create(), and only when
+  /// PolicyHostOptions::supported_precisions includes NF4. Declared last so that existing
+  /// aggregate initialisers {id, params, bf16, int8, name} keep compiling.
+  std::uint64_t nf4_bytes = 0;
 };
 
 /// What the host hands out when the plugin cannot answer.
@@ -52,6 +58,14 @@ struct PolicyHostOptions {
   /// Receives the host's messages and the plugin's (through the ABI log callback).
   /// Null means spdlog's default logger.
   std::shared_ptr<spdlog::logger> logger;
+  /// The precisions this host can transfer (SP_PRECISION_BIT of each). Must contain BF16 and
+  /// nothing but BF16, INT8 and NF4; the constructor throws std::invalid_argument otherwise.
+  /// A 1.1 plugin receives it in sp_host_api_v1::supported_precisions (a 1.0 plugin assumes
+  /// BF16 and INT8). A hint with a precision outside it, or outside what the plugin's ABI
+  /// minor defines (NF4 from a 1.0 plugin), is refused: counted under invalid_hints and
+  /// replaced by fallback hints.
+  sp_precision_mask supported_precisions =
+      SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
 };
 
 /// Failed hook calls since the host was created, per hook. A compute_hints call whose
@@ -62,6 +76,7 @@ struct HookFailureCounts {
   std::uint64_t compute_hints = 0;
   std::uint64_t invalid_hints = 0;
   std::uint64_t end_step = 0;
+  /// set_calibration_errors and set_precision_calibration_errors together.
   std::uint64_t set_calibration_errors = 0;
   std::uint64_t total() const;
 };
@@ -95,8 +110,11 @@ struct SwapResult {
 class PolicyHost {
  public:
   /// Loads `plugin_file` and creates a context with `config` and `blocks` (ids 0..n-1 in
-  /// order). Throws PluginError when the file cannot be loaded or the plugin rejects the
-  /// configuration; the message names the file, the config source and the plugin's reason.
+  /// order); for a 1.1 plugin of a host that supports NF4 it then sends the blocks'
+  /// nf4_bytes through set_transfer_bytes. Throws PluginError when the file cannot be
+  /// loaded or the plugin rejects the configuration or the transfer bytes; the message
+  /// names the file, the config source and the plugin's reason. Throws
+  /// std::invalid_argument for bad block ids or bad options.supported_precisions.
   PolicyHost(const std::filesystem::path& plugin_file, PolicyConfig config,
              std::vector<BlockDescription> blocks, PolicyHostOptions options = {});
   ~PolicyHost();
@@ -108,10 +126,23 @@ class PolicyHost {
   void post_backward(std::int64_t step, const std::vector<sp_grad_moments_v1>& moments);
   /// One hint per block, hints[i].block_id == i. Borrowed; valid until the next call.
   const std::vector<sp_hint_v1>& compute_hints(std::int64_t step);
-  /// `feedback` may be null; its struct_size is set by the host.
+  /// `feedback` may be null. The host passes a copy whose struct_size is that of the
+  /// plugin's minor: SP_STEP_FEEDBACK_V1_0_SIZE for a 1.0 plugin, so h2d_bytes_nf4 reaches
+  /// a 1.1 plugin only.
   void end_step(std::int64_t step, const sp_step_feedback_v1* feedback = nullptr);
-  /// Returns false (after logging and counting) when the plugin rejects the errors.
+  /// INT8 calibration errors: set_calibration_errors(SP_PRECISION_INT8, block_ids, errors).
   bool set_calibration_errors(const std::vector<std::uint32_t>& block_ids,
+                              const std::vector<double>& errors);
+  /// Per-block relative output error of `precision` against BF16 (a calibration pass),
+  /// for the listed blocks; other blocks keep theirs. INT8 goes to the plugin's 1.0
+  /// set_calibration_errors, NF4 to a 1.1 plugin's set_precision_calibration_errors.
+  /// A 1.0 plugin cannot take NF4 errors: they are not sent (a debug message says so) and
+  /// the call returns true, as nothing was rejected. Either way the host keeps the NF4
+  /// errors and hands them to a 1.1 plugin that a hot swap brings in after a 1.0 one
+  /// (whose state blob cannot carry them). Returns false (after logging and counting under
+  /// set_calibration_errors) when the plugin rejects the errors. Throws
+  /// std::invalid_argument for BF16, an unknown precision, or arrays of different lengths.
+  bool set_calibration_errors(sp_precision precision, const std::vector<std::uint32_t>& block_ids,
                               const std::vector<double>& errors);
 
   /// The active plugin's state blob (export_state), for a checkpoint. Only between steps;
@@ -124,8 +155,13 @@ class PolicyHost {
   bool import_state(const std::vector<std::uint8_t>& blob);
 
   /// Loads `plugin_file` and creates its context now (with `config`, or the active
-  /// configuration when none is given); the state migration and the switch happen at the
-  /// next begin_step. Returns pending, or failed with the reason; either way it is logged.
+  /// configuration when none is given; for a 1.1 plugin the NF4 transfer bytes follow, as
+  /// at construction); the state migration and the switch happen at the next begin_step.
+  /// The plugins may be of different minors: the new one is treated by its own. Calibration
+  /// errors travel in the state blob; only when a 1.1 plugin replaces a 1.0 one does the
+  /// host send it, after import_state, the NF4 errors it has kept (a rejection is logged,
+  /// counted and noted in the result's message, and does not undo the swap).
+  /// Returns pending, or failed with the reason; either way it is logged.
   /// A newer request replaces a pending one.
   SwapResult request_swap(const std::filesystem::path& plugin_file,
                           std::optional<PolicyConfig> config = std::nullopt);
@@ -142,6 +178,9 @@ class PolicyHost {
   std::string_view plugin_name() const;
   std::string_view plugin_version() const;
   const std::filesystem::path& plugin_file() const;
+  /// The ABI minor the active plugin's table reports (0 or 1). The host hands that plugin
+  /// nothing newer: struct sizes, table functions and precisions are those of its minor.
+  std::uint32_t plugin_abi_minor() const;
   std::uint32_t block_count() const;
 
  private:

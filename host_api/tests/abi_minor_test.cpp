@@ -1,0 +1,368 @@
+// ABI 1.1 on the host side: a plugin is treated by the minor its table reports. The scripted
+// fixture is built twice, as a real 1.0 binary (SP_FIXTURE_SCRIPTED) and as a 1.1 one
+// (SP_FIXTURE_SCRIPTED_V1_1), and records what it receives through the host's log callback
+// ("fixture: ..." lines, see fixtures/scripted_plugin.c).
+#include <sp/host/plugin_library.h>
+#include <sp/host/policy_host.h>
+
+#include "test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+namespace sp::host {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using testing::CapturedLog;
+using testing::Decision;
+using testing::decisions_of;
+using testing::make_blocks;
+using testing::run_step;
+
+constexpr std::uint32_t kBlocks = 6;
+const std::string kPolicy = "int8_max_l2: 1.5\nmin_samples: 2\n";
+constexpr sp_precision_mask kBf16Int8 = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
+constexpr sp_precision_mask kAll = kBf16Int8 | SP_PRECISION_BIT(SP_PRECISION_NF4);
+
+PolicyHostOptions options(const CapturedLog& log, sp_precision_mask supported) {
+  PolicyHostOptions result;
+  result.logger = log.logger();
+  result.supported_precisions = supported;
+  return result;
+}
+
+PolicyConfig config(const std::string& fixture_lines = "") { return {kPolicy + fixture_lines, "scripted.yaml"}; }
+
+// What set_transfer_bytes should carry for make_blocks(kBlocks).
+std::string expected_nf4_bytes_record() {
+  std::string record = "fixture: set_transfer_bytes precision=2";
+  for (const BlockDescription& block : make_blocks(kBlocks)) record += " " + std::to_string(block.nf4_bytes);
+  return record;
+}
+
+std::size_t count_of(const std::string& text, const std::string& needle) {
+  std::size_t count = 0;
+  for (std::size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + needle.size())) {
+    ++count;
+  }
+  return count;
+}
+
+std::string load_error(const char* file) {
+  try {
+    PluginLibrary::load(file);
+  } catch (const PluginError& error) {
+    return error.what();
+  }
+  return "(loaded without error)";
+}
+
+TEST(AbiMinor, TheHeaderDescribes1_1AndThe1_0SizesItNames) {
+  EXPECT_EQ(SP_PLUGIN_ABI_MINOR, 1);
+  EXPECT_EQ(sizeof(sp_block_desc_v1), 40u);
+  EXPECT_EQ(offsetof(sp_host_api_v1, supported_precisions), SP_HOST_API_V1_0_SIZE);
+  EXPECT_EQ(offsetof(sp_step_feedback_v1, h2d_bytes_nf4), SP_STEP_FEEDBACK_V1_0_SIZE);
+  EXPECT_EQ(offsetof(sp_policy_plugin_v1_table, set_transfer_bytes), SP_PLUGIN_TABLE_V1_0_SIZE);
+}
+
+TEST(AbiMinor, ALibraryReportsTheMinorOfItsTable) {
+  EXPECT_EQ(PluginLibrary::load(SP_FIXTURE_SCRIPTED).abi_minor(), 0u);
+  EXPECT_EQ(PluginLibrary::load(SP_EXAMPLE_MINIMAL_C).abi_minor(), 0u);
+  EXPECT_EQ(PluginLibrary::load(SP_FIXTURE_SCRIPTED_V1_1).abi_minor(), 1u);
+}
+
+TEST(AbiMinor, A1_1TableThatEndsWhere1_0EndsIsANamedLoadError) {
+  EXPECT_THAT(load_error(SP_FIXTURE_V1_1_SMALL_TABLE),
+              AllOf(HasSubstr(SP_FIXTURE_V1_1_SMALL_TABLE), HasSubstr("struct_size = 112"),
+                    HasSubstr("ABI 1.1 needs at least 128 bytes"),
+                    HasSubstr("set_transfer_bytes and set_precision_calibration_errors")));
+}
+
+TEST(AbiMinor, A1_1TableWithANullFunctionIsANamedLoadError) {
+  EXPECT_THAT(load_error(SP_FIXTURE_V1_1_NULL_TRANSFER_BYTES),
+              AllOf(HasSubstr(SP_FIXTURE_V1_1_NULL_TRANSFER_BYTES),
+                    HasSubstr("field set_transfer_bytes of its function table is NULL"),
+                    HasSubstr("SP_PLUGIN_ABI_TARGET_MINOR 0")));
+}
+
+TEST(AbiMinor, SupportedPrecisionsMustHoldBf16AndKnownPrecisionsOnly) {
+  CapturedLog log;
+  EXPECT_THROW(PolicyHost(SP_FIXTURE_SCRIPTED_V1_1, config(), make_blocks(kBlocks),
+                          options(log, SP_PRECISION_BIT(SP_PRECISION_INT8))),
+               std::invalid_argument);
+  EXPECT_THROW(PolicyHost(SP_FIXTURE_SCRIPTED_V1_1, config(), make_blocks(kBlocks), options(log, kAll | (1u << 7))),
+               std::invalid_argument);
+  EXPECT_NO_THROW(PolicyHost(SP_FIXTURE_SCRIPTED_V1_1, config(), make_blocks(kBlocks),
+                             options(log, SP_PRECISION_BIT(SP_PRECISION_BF16))));
+}
+
+TEST(AbiMinor, A1_0PluginGets1_0StructSizesAndNo1_1Call) {
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED, config(), make_blocks(kBlocks), options(log, kAll));
+  EXPECT_EQ(host.plugin_abi_minor(), 0u);
+  for (std::int64_t step = 0; step < 3; ++step) run_step(host, step);
+  EXPECT_TRUE(host.set_calibration_errors(SP_PRECISION_INT8, {0, 5}, {0.01, 0.02}));
+  EXPECT_TRUE(host.set_calibration_errors(SP_PRECISION_NF4, {1}, {0.25}));
+
+  const std::string text = log.text();
+  // host.abi_minor is the host's own minor; the struct is the 1.0 layout.
+  EXPECT_THAT(text, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=1\n"));
+  EXPECT_THAT(text, HasSubstr("fixture: end_step 2 feedback.struct_size=48\n"));
+  EXPECT_THAT(text, HasSubstr("fixture: set_calibration_errors 0:0.01 5:0.02"));
+  EXPECT_THAT(text, AllOf(Not(HasSubstr("supported_precisions")), Not(HasSubstr("h2d_bytes_nf4")),
+                          Not(HasSubstr("fixture: set_transfer_bytes")),
+                          Not(HasSubstr("fixture: set_precision_calibration_errors"))));
+  EXPECT_THAT(text, HasSubstr("implements ABI 1.0, which has no NF4: its NF4 calibration errors of 1 blocks"));
+  EXPECT_EQ(host.hook_failures().total(), 0u);
+}
+
+TEST(AbiMinor, A1_1PluginGets1_1StructSizesAndTheSupportedPrecisions) {
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED_V1_1, config(), make_blocks(kBlocks), options(log, kBf16Int8));
+  EXPECT_EQ(host.plugin_abi_minor(), 1u);
+  run_step(host, 0);
+  const std::string text = log.text();
+  EXPECT_THAT(text, HasSubstr("fixture: create host.struct_size=" + std::to_string(sizeof(sp_host_api_v1)) +
+                              " host.abi_minor=1 supported_precisions=0x3\n"));
+  EXPECT_THAT(text, HasSubstr("fixture: end_step 0 feedback.struct_size=" + std::to_string(sizeof(sp_step_feedback_v1)) +
+                              " h2d_bytes_nf4=250\n"));
+  // Without NF4 on the host there are no NF4 bytes to describe.
+  EXPECT_THAT(text, Not(HasSubstr("fixture: set_transfer_bytes")));
+}
+
+TEST(AbiMinor, NullFeedbackStaysNull) {
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED_V1_1, config(), make_blocks(kBlocks), options(log, kAll));
+  host.begin_step(0);
+  host.compute_hints(0);
+  host.end_step(0);
+  EXPECT_THAT(log.text(), HasSubstr("fixture: end_step 0 feedback=NULL"));
+}
+
+TEST(AbiMinor, Nf4TransferBytesFollowCreateBeforeTheFirstStep) {
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED_V1_1, config(), make_blocks(kBlocks), options(log, kAll));
+  run_step(host, 0);
+  const std::string text = log.text();
+  EXPECT_THAT(text, HasSubstr("supported_precisions=0x7"));
+  const std::size_t created = text.find("fixture: create");
+  const std::size_t bytes = text.find(expected_nf4_bytes_record() + "\n");
+  const std::size_t first_step = text.find("fixture: end_step 0");
+  ASSERT_NE(bytes, std::string::npos) << text;
+  EXPECT_LT(created, bytes);
+  EXPECT_LT(bytes, first_step);
+  EXPECT_EQ(count_of(text, "fixture: set_transfer_bytes"), 1u);
+}
+
+TEST(AbiMinor, RejectedTransferBytesAreALoadErrorNamingFileAndReason) {
+  CapturedLog log;
+  try {
+    PolicyHost host(SP_FIXTURE_SCRIPTED_V1_1, config("fixture_reject_transfer_bytes: 1\n"), make_blocks(kBlocks),
+                    options(log, kAll));
+    FAIL() << "the host accepted a plugin that rejected its transfer bytes";
+  } catch (const PluginError& error) {
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("scripted.yaml"), HasSubstr(SP_FIXTURE_SCRIPTED_V1_1),
+                                    HasSubstr("rejected the NF4 transfer bytes of its 6 blocks"),
+                                    HasSubstr("scripted rejection of the transfer bytes")));
+  }
+}
+
+// Steps 0..4 with an NF4 hint for block 0 at step 3.
+struct Nf4HintRun {
+  std::vector<sp_hint_v1> step3;
+  HintSource source3 = HintSource::plugin;
+  HookFailureCounts failures;
+  std::string log;
+};
+
+Nf4HintRun run_with_nf4_hint(const char* plugin, sp_precision_mask supported) {
+  CapturedLog log;
+  PolicyHost host(plugin, config("fixture_nf4_hint_at_step: 3\n"), make_blocks(kBlocks), options(log, supported));
+  Nf4HintRun run;
+  for (std::int64_t step = 0; step < 5; ++step) {
+    std::vector<sp_hint_v1> hints = run_step(host, step);
+    if (step == 3) {
+      run.step3 = hints;
+      run.source3 = host.last_hint_source();
+    }
+  }
+  run.failures = host.hook_failures();
+  run.log = log.text();
+  return run;
+}
+
+TEST(AbiMinor, Nf4HintFromA1_0PluginIsRefusedWithFallback) {
+  const Nf4HintRun run = run_with_nf4_hint(SP_FIXTURE_SCRIPTED, kAll);
+  EXPECT_EQ(run.source3, HintSource::fallback);
+  EXPECT_EQ(run.failures.invalid_hints, 1u);
+  for (const sp_hint_v1& hint : run.step3) {
+    EXPECT_EQ(hint.precision, SP_PRECISION_BF16);
+    EXPECT_EQ(hint.reason, SP_REASON_HOST_FALLBACK);
+  }
+  EXPECT_THAT(run.log, HasSubstr("returned invalid hints at step 3: hints[0].precision is 2 (SP_PRECISION_NF4), "
+                                 "which plugin ABI 1.0 does not define; expected one of SP_PRECISION_BF16, "
+                                 "SP_PRECISION_INT8"));
+}
+
+TEST(AbiMinor, Nf4HintIsRefusedWhenTheHostDoesNotSupportNf4) {
+  const Nf4HintRun run = run_with_nf4_hint(SP_FIXTURE_SCRIPTED_V1_1, kBf16Int8);
+  EXPECT_EQ(run.source3, HintSource::fallback);
+  EXPECT_EQ(run.failures.invalid_hints, 1u);
+  EXPECT_THAT(run.log, HasSubstr("hints[0].precision is 2 (SP_PRECISION_NF4), which this host does not support"));
+}
+
+TEST(AbiMinor, Int8HintIsRefusedWhenTheHostTransfersOnlyBf16) {
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED_V1_1, config(), make_blocks(kBlocks),
+                  options(log, SP_PRECISION_BIT(SP_PRECISION_BF16)));
+  for (std::int64_t step = 0; step < 20; ++step) {
+    for (const sp_hint_v1& hint : run_step(host, step)) EXPECT_EQ(hint.precision, SP_PRECISION_BF16);
+  }
+  EXPECT_GT(host.hook_failures().invalid_hints, 0u);
+  EXPECT_THAT(log.text(), HasSubstr("(SP_PRECISION_INT8), which this host does not support"));
+}
+
+TEST(AbiMinor, Nf4HintFromA1_1PluginIsAcceptedWhenTheHostSupportsNf4) {
+  const Nf4HintRun run = run_with_nf4_hint(SP_FIXTURE_SCRIPTED_V1_1, kAll);
+  EXPECT_EQ(run.source3, HintSource::plugin);
+  EXPECT_EQ(run.failures.total(), 0u);
+  ASSERT_EQ(run.step3.size(), kBlocks);
+  EXPECT_EQ(run.step3[0].precision, SP_PRECISION_NF4);
+}
+
+TEST(AbiMinor, CalibrationErrorsReachA1_1PluginPerPrecision) {
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED_V1_1, config(), make_blocks(kBlocks), options(log, kAll));
+  EXPECT_TRUE(host.set_calibration_errors({0, 5}, {0.01, 0.02}));
+  EXPECT_TRUE(host.set_calibration_errors(SP_PRECISION_INT8, {3}, {0.03}));
+  EXPECT_TRUE(host.set_calibration_errors(SP_PRECISION_NF4, {1, 2}, {0.25, 0.5}));
+  const std::string text = log.text();
+  EXPECT_THAT(text, HasSubstr("fixture: set_calibration_errors 0:0.01 5:0.02\n"));
+  EXPECT_THAT(text, HasSubstr("fixture: set_calibration_errors 3:0.03\n"));
+  EXPECT_THAT(text, HasSubstr("fixture: set_precision_calibration_errors precision=2 1:0.25 2:0.5\n"));
+  EXPECT_EQ(count_of(text, "fixture: set_precision_calibration_errors"), 1u) << "INT8 goes through the 1.0 function";
+
+  EXPECT_FALSE(host.set_calibration_errors(SP_PRECISION_NF4, {6}, {0.1}));
+  EXPECT_EQ(host.hook_failures().set_calibration_errors, 1u);
+  EXPECT_THAT(log.text(), HasSubstr("failed in set_precision_calibration_errors (NF4) before the first step with "
+                                    "status 1 (SP_ERR_INVALID_ARGUMENT): block_ids[0] is 6, but there are 6 blocks"));
+  EXPECT_THROW(host.set_calibration_errors(SP_PRECISION_BF16, {0}, {0.1}), std::invalid_argument);
+  EXPECT_THROW(host.set_calibration_errors(7, {0}, {0.1}), std::invalid_argument);
+  EXPECT_THROW(host.set_calibration_errors(SP_PRECISION_NF4, {0, 1}, {0.1}), std::invalid_argument);
+}
+
+TEST(AbiMinor, Nf4CalibrationErrorsForA1_0PluginAreSkippedButIdsStillChecked) {
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED, config(), make_blocks(kBlocks), options(log, kAll));
+  EXPECT_TRUE(host.set_calibration_errors(SP_PRECISION_NF4, {1, 2}, {0.25, 0.5}));
+  EXPECT_EQ(host.hook_failures().set_calibration_errors, 0u);
+  EXPECT_FALSE(host.set_calibration_errors(SP_PRECISION_NF4, {9}, {0.25}));
+  EXPECT_EQ(host.hook_failures().set_calibration_errors, 1u);
+  EXPECT_THAT(log.text(), HasSubstr("NF4 calibration errors before the first step: block_ids[0] is 9, but there are "
+                                    "6 blocks"));
+}
+
+// The scripted fixture runs the example's policy whatever its minor, so a swap that carries
+// the state over must not change a single decision.
+std::vector<Decision> uninterrupted_decisions(std::int64_t steps) {
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED, config(), make_blocks(kBlocks), options(log, kAll));
+  std::vector<Decision> decisions;
+  for (std::int64_t step = 0; step < steps; ++step) {
+    const auto step_decisions = decisions_of(step, run_step(host, step));
+    decisions.insert(decisions.end(), step_decisions.begin(), step_decisions.end());
+  }
+  return decisions;
+}
+
+TEST(AbiMinor, HotSwapFrom1_0To1_1AndBack) {
+  constexpr std::int64_t kSteps = 30;
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED, config(), make_blocks(kBlocks), options(log, kAll));
+  // Kept by the host: the 1.0 plugin cannot hold them.
+  ASSERT_TRUE(host.set_calibration_errors(SP_PRECISION_NF4, {1, 4}, {0.25, 0.125}));
+  ASSERT_TRUE(host.set_calibration_errors(SP_PRECISION_NF4, {4}, {0.0625}));
+  std::vector<Decision> decisions;
+  auto step_through = [&](std::int64_t first, std::int64_t end) {
+    for (std::int64_t step = first; step < end; ++step) {
+      const auto step_decisions = decisions_of(step, run_step(host, step));
+      decisions.insert(decisions.end(), step_decisions.begin(), step_decisions.end());
+    }
+  };
+  step_through(0, 10);
+
+  // 1.0 -> 1.1 between steps.
+  std::size_t mark = log.text().size();
+  const SwapResult up = host.swap_now(SP_FIXTURE_SCRIPTED_V1_1);
+  ASSERT_EQ(up.outcome, SwapResult::Outcome::swapped) << up.message;
+  EXPECT_EQ(host.plugin_abi_minor(), 1u);
+  EXPECT_EQ(host.plugin_version(), "1.1.0");
+  step_through(10, 20);
+  std::string after = log.text().substr(mark);
+  EXPECT_THAT(after, HasSubstr("fixture: create host.struct_size=" + std::to_string(sizeof(sp_host_api_v1))));
+  EXPECT_THAT(after, HasSubstr(expected_nf4_bytes_record() + "\n"));
+  EXPECT_THAT(after, HasSubstr("fixture: set_precision_calibration_errors precision=2 1:0.25 4:0.0625\n"));
+  EXPECT_THAT(after, HasSubstr("fixture: end_step 10 feedback.struct_size=" +
+                               std::to_string(sizeof(sp_step_feedback_v1)) + " h2d_bytes_nf4=250"));
+
+  // 1.1 -> 1.1: the state blob carries what the plugin holds; nothing is re-sent.
+  mark = log.text().size();
+  ASSERT_EQ(host.swap_now(SP_FIXTURE_SCRIPTED_V1_1).outcome, SwapResult::Outcome::swapped);
+  after = log.text().substr(mark);
+  EXPECT_THAT(after, HasSubstr(expected_nf4_bytes_record()));
+  EXPECT_THAT(after, Not(HasSubstr("fixture: set_precision_calibration_errors")));
+
+  // 1.1 -> 1.0 at a step boundary.
+  mark = log.text().size();
+  ASSERT_EQ(host.request_swap(SP_FIXTURE_SCRIPTED).outcome, SwapResult::Outcome::pending);
+  step_through(20, kSteps);
+  ASSERT_TRUE(host.last_swap_result().has_value());
+  EXPECT_EQ(host.last_swap_result()->outcome, SwapResult::Outcome::swapped);
+  EXPECT_EQ(host.last_swap_result()->first_step, 20);
+  EXPECT_EQ(host.plugin_abi_minor(), 0u);
+  after = log.text().substr(mark);
+  EXPECT_THAT(after, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=1\n"));
+  EXPECT_THAT(after, HasSubstr("fixture: end_step 20 feedback.struct_size=48\n"));
+  EXPECT_THAT(after, AllOf(Not(HasSubstr("fixture: set_transfer_bytes")),
+                           Not(HasSubstr("fixture: set_precision_calibration_errors")),
+                           Not(HasSubstr("h2d_bytes_nf4"))));
+
+  EXPECT_EQ(host.hook_failures().total(), 0u);
+  EXPECT_EQ(decisions, uninterrupted_decisions(kSteps)) << "the state crossed both minors unchanged";
+}
+
+TEST(AbiMinor, A1_1PluginThatRejectsTheKeptNf4ErrorsStillTakesOver) {
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED, config(), make_blocks(kBlocks), options(log, kAll));
+  ASSERT_TRUE(host.set_calibration_errors(SP_PRECISION_NF4, {2}, {0.5}));
+  run_step(host, 0);
+  const SwapResult result =
+      host.swap_now(SP_FIXTURE_SCRIPTED_V1_1, config("fixture_fail_hook: set_precision_calibration_errors\n"));
+  EXPECT_EQ(result.outcome, SwapResult::Outcome::swapped);
+  EXPECT_THAT(result.message, HasSubstr("the new plugin rejected the NF4 calibration errors"));
+  EXPECT_EQ(host.plugin_abi_minor(), 1u);
+  EXPECT_EQ(host.hook_failures().set_calibration_errors, 1u);
+  EXPECT_THAT(log.text(), HasSubstr("re-sent after a hot swap from an ABI 1.0 plugin"));
+}
+
+TEST(AbiMinor, ASwapToA1_1PluginThatRejectsTheTransferBytesFails) {
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED, config(), make_blocks(kBlocks), options(log, kAll));
+  run_step(host, 0);
+  const SwapResult result = host.swap_now(SP_FIXTURE_SCRIPTED_V1_1, config("fixture_reject_transfer_bytes: 1\n"));
+  EXPECT_EQ(result.outcome, SwapResult::Outcome::failed);
+  EXPECT_THAT(result.message, AllOf(HasSubstr("scripted_fixture 1.0.0 stays active"),
+                                    HasSubstr("rejected the NF4 transfer bytes")));
+  EXPECT_EQ(host.plugin_abi_minor(), 0u);
+  run_step(host, 1);
+}
+
+}  // namespace
+}  // namespace sp::host
