@@ -17,7 +17,15 @@ const char *queue_name(Queue queue) {
 }
 
 const char *precision_name(Precision precision) {
-  return precision == Precision::int8 ? "int8" : "bf16";
+  switch (precision) {
+    case Precision::bf16:
+      return "bf16";
+    case Precision::int8:
+      return "int8";
+    case Precision::nf4:
+      return "nf4";
+  }
+  return "unknown";
 }
 
 Region::Region(std::byte *data, std::size_t bytes, Deleter deleter)

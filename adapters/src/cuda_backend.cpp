@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "sp/kernels/cuda/nf4.h"
 #include "sp/kernels/cuda/quantize.h"
 
 namespace sp::adapters {
@@ -120,11 +121,18 @@ void CudaBackend::copy_host_to_device_async(std::byte *device_dst, const std::by
 }
 
 void CudaBackend::dequantize_async(const DequantJob &job) {
-  for (const DequantTensor &tensor : job.tensors) {
-    sp::kernels::cuda::dequantize_int8_to_bf16(tensor.codes, tensor.scales, tensor.rows,
-                                               tensor.cols, job.group_size, tensor.bf16_out,
-                                               dequant_stream_);
-  }
+  for_each_dequant(
+      job,
+      [this](const std::int8_t *codes, const float *scales, std::uint64_t rows,
+             std::uint64_t cols, std::uint32_t group_size, std::uint16_t *out) {
+        sp::kernels::cuda::dequantize_int8_to_bf16(codes, scales, rows, cols, group_size, out,
+                                                   dequant_stream_);
+      },
+      [this](const std::uint8_t *codes, const std::uint16_t *scales, std::uint64_t rows,
+             std::uint64_t cols, std::uint32_t group_size, std::uint16_t *out) {
+        sp::kernels::cuda::dequantize_nf4_to_bf16(codes, scales, rows, cols, group_size, out,
+                                                  dequant_stream_);
+      });
 }
 
 void CudaBackend::record(Event &event, Queue queue) {

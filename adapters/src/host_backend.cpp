@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
 
 namespace sp::adapters {
@@ -205,10 +206,16 @@ void HostBackend::copy_host_to_device_async(std::byte *device_dst, const std::by
 void HostBackend::dequantize_async(const DequantJob &job) {
   rethrow_worker_failure();
   dequant_queue_->push([job] {
-    for (const DequantTensor &tensor : job.tensors) {
-      sp::kernels::dequantize_int8_to_bf16(tensor.codes, tensor.scales, tensor.rows, tensor.cols,
-                                           job.group_size, tensor.bf16_out);
-    }
+    for_each_dequant(
+        job,
+        [](const std::int8_t *codes, const float *scales, std::uint64_t rows, std::uint64_t cols,
+           std::uint32_t group_size, std::uint16_t *out) {
+          sp::kernels::dequantize_int8_to_bf16(codes, scales, rows, cols, group_size, out);
+        },
+        [](const std::uint8_t *codes, const std::uint16_t *scales, std::uint64_t rows,
+           std::uint64_t cols, std::uint32_t group_size, std::uint16_t *out) {
+          sp::kernels::dequantize_nf4_to_bf16(codes, scales, rows, cols, group_size, out);
+        });
   });
 }
 

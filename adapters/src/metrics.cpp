@@ -13,11 +13,16 @@ nlohmann::json StepTransferMetrics::to_json() const {
   nlohmann::json record = {
       {"step", step},
       {"h2d_bytes",
-       {{"bf16", h2d_bytes_bf16}, {"int8", h2d_bytes_int8}, {"all_bf16", h2d_bytes_all_bf16}}},
+       {{"bf16", h2d_bytes_bf16},
+        {"int8", h2d_bytes_int8},
+        {"nf4", h2d_bytes_nf4},
+        {"all_bf16", h2d_bytes_all_bf16}}},
       {"fetches",
        {{"bf16", fetches_bf16},
         {"int8", fetches_int8},
+        {"nf4", fetches_nf4},
         {"bf16_by_transfer_policy", fetches_bf16_by_transfer_policy},
+        {"int8_by_transfer_policy", fetches_int8_by_transfer_policy},
         {"pinned", fetches_pinned}}},
       {"prefetch",
        {{"hits", prefetch_hits}, {"misses", prefetch_misses}, {"unused", prefetch_unused}}},
@@ -49,6 +54,7 @@ sp_step_feedback_v1 StepTransferMetrics::to_feedback() const {
   feedback.h2d_bytes_int8 = h2d_bytes_int8;
   feedback.h2d_bytes_all_bf16 = h2d_bytes_all_bf16;
   feedback.step_seconds = std::numeric_limits<double>::quiet_NaN();
+  feedback.h2d_bytes_nf4 = h2d_bytes_nf4;
   return feedback;
 }
 

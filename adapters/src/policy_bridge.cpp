@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -38,10 +39,12 @@ void PolicyBridge::set_plugin_hints(const sp_hint_v1 *hints, std::uint32_t n) {
       routes[i] = Precision::bf16;
     } else if (hints[i].precision == SP_PRECISION_INT8) {
       routes[i] = Precision::int8;
+    } else if (hints[i].precision == SP_PRECISION_NF4) {
+      routes[i] = Precision::nf4;
     } else {
       throw std::invalid_argument(fmt::format(
-          "PolicyBridge: hint for block {} has precision {}; expected SP_PRECISION_BF16 (0) "
-          "or SP_PRECISION_INT8 (1)",
+          "PolicyBridge: hint for block {} has precision {}; expected SP_PRECISION_BF16 (0), "
+          "SP_PRECISION_INT8 (1) or SP_PRECISION_NF4 (2)",
           i, hints[i].precision));
     }
   }
@@ -84,27 +87,61 @@ const char *route_authority_name(RouteAuthority authority) {
   return "unknown";
 }
 
+void PolicyBridge::set_transfer_gate(TransferGate gate) {
+  const auto check = [&](const std::vector<bool> &verdicts, const char *route) {
+    if (!verdicts.empty() && verdicts.size() != num_blocks_) {
+      throw std::invalid_argument(fmt::format(
+          "PolicyBridge: the transfer gate has {} entries in {}; expected none or one per "
+          "block ({})",
+          verdicts.size(), route, num_blocks_));
+    }
+  };
+  check(gate.int8_pays, "int8_pays");
+  check(gate.nf4_pays, "nf4_pays");
+  gate_ = std::move(gate);
+  has_gate_ = true;
+}
+
 void PolicyBridge::set_transfer_gate(std::vector<bool> int8_pays) {
   if (int8_pays.size() != num_blocks_) {
     throw std::invalid_argument(fmt::format(
         "PolicyBridge: the transfer gate has {} entries; expected one per block ({})",
         int8_pays.size(), num_blocks_));
   }
-  int8_pays_ = std::move(int8_pays);
+  set_transfer_gate(TransferGate{std::move(int8_pays), {}});
 }
 
-void PolicyBridge::clear_transfer_gate() { int8_pays_.clear(); }
+void PolicyBridge::clear_transfer_gate() {
+  gate_ = TransferGate{};
+  has_gate_ = false;
+}
+
+namespace {
+bool pays(const std::vector<bool> &gate, std::uint32_t block) {
+  return !gate.empty() && gate[block];
+}
+}  // namespace
 
 RouteDecision PolicyBridge::decide(std::uint32_t block) const {
   check_block(block, "PolicyBridge::route");
   const auto pinned = limits_.block_precision_map.find(block);
   if (pinned != limits_.block_precision_map.end()) {
-    return {pinned->second, RouteAuthority::runtime_pin};
+    return {pinned->second, RouteAuthority::runtime_pin, pinned->second};
   }
-  if (plugin_route_[block] == Precision::int8 && has_transfer_gate() && !int8_pays_[block]) {
-    return {Precision::bf16, RouteAuthority::transfer_policy};
+  const Precision wanted = plugin_route_[block];
+  if (!has_gate_ || wanted == Precision::bf16) {
+    return {wanted, RouteAuthority::plugin, wanted};
   }
-  return {plugin_route_[block], RouteAuthority::plugin};
+  if (wanted == Precision::nf4 && pays(gate_.nf4_pays, block)) {
+    return {Precision::nf4, RouteAuthority::plugin, wanted};
+  }
+  // NF4 that does not pay falls back to the next more precise route that does.
+  if (pays(gate_.int8_pays, block)) {
+    return {Precision::int8,
+            wanted == Precision::int8 ? RouteAuthority::plugin : RouteAuthority::transfer_policy,
+            wanted};
+  }
+  return {Precision::bf16, RouteAuthority::transfer_policy, wanted};
 }
 
 std::uint32_t PolicyBridge::lookahead(std::uint32_t configured_window) const {

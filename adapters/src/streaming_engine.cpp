@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <iterator>
 #include <stdexcept>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
 
 namespace sp::adapters {
@@ -18,24 +20,45 @@ std::string block_label(const BlockSpec &block, std::uint32_t id) {
   return fmt::format("block '{}' (id {})", block.name, id);
 }
 
-kn::SlabEncoding encoding_for(Precision precision, std::uint32_t int8_group_size) {
+// The group size of each route: per StreamingConfig for the quantized ones, none for BF16.
+struct GroupSizes {
+  std::uint32_t int8 = 0;
+  std::uint32_t nf4 = kn::kNf4DefaultGroupSize;
+};
+
+GroupSizes group_sizes(const StreamingConfig &config) {
+  return GroupSizes{config.int8_group_size, config.nf4_group_size};
+}
+
+kn::SlabEncoding encoding_for(Precision precision, const GroupSizes &groups) {
   kn::SlabEncoding encoding;
-  encoding.precision =
-      precision == Precision::int8 ? kn::SlabPrecision::kInt8 : kn::SlabPrecision::kBf16;
-  encoding.group_size = precision == Precision::int8 ? int8_group_size : 0;
+  switch (precision) {
+    case Precision::bf16:
+      encoding.precision = kn::SlabPrecision::kBf16;
+      encoding.group_size = 0;
+      break;
+    case Precision::int8:
+      encoding.precision = kn::SlabPrecision::kInt8;
+      encoding.group_size = groups.int8;
+      break;
+    case Precision::nf4:
+      encoding.precision = kn::SlabPrecision::kNf4;
+      encoding.group_size = groups.nf4;
+      break;
+  }
   return encoding;
 }
 
-std::uint64_t image_size(const BlockSpec &block, Precision precision,
-                         std::uint32_t int8_group_size) {
+std::uint64_t image_size(const BlockSpec &block, Precision precision, const GroupSizes &groups) {
   std::vector<kn::TensorShape> shapes;
   shapes.reserve(block.tensors.size());
   for (const TensorSpec &tensor : block.tensors) {
     shapes.push_back(kn::TensorShape{tensor.rows, tensor.cols});
   }
-  return kn::slab_image_bytes(encoding_for(precision, int8_group_size), shapes.data(),
-                              shapes.size());
+  return kn::slab_image_bytes(encoding_for(precision, groups), shapes.data(), shapes.size());
 }
+
+constexpr Precision kAllPrecisions[] = {Precision::bf16, Precision::int8, Precision::nf4};
 
 // Everything that can be wrong with the config or the blocks is reported here, before any
 // memory is allocated, naming the field or the block and both sizes.
@@ -59,6 +82,12 @@ const StreamingConfig &validated(const StreamingConfig &config,
         "or 256",
         config.int8_group_size));
   }
+  if (!kn::is_supported_nf4_group_size(config.nf4_group_size)) {
+    throw std::invalid_argument(fmt::format(
+        "StreamingConfig.nf4_group_size is {}; expected 32, 64, 128 or 256 (NF4 has no "
+        "per-row mode)",
+        config.nf4_group_size));
+  }
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     const BlockSpec &block = blocks[b];
     if (block.tensors.empty()) {
@@ -70,15 +99,17 @@ const StreamingConfig &validated(const StreamingConfig &config,
                                                 block_label(block, b), tensor.name));
       }
     }
-    const std::uint64_t bf16_bytes = image_size(block, Precision::bf16, 0);
-    const std::uint64_t int8_bytes = image_size(block, Precision::int8, config.int8_group_size);
+    const std::uint64_t bf16_bytes = image_size(block, Precision::bf16, group_sizes(config));
     if (bf16_bytes > config.device_slot_bytes) {
       throw std::invalid_argument(fmt::format(
           "{} needs {} bytes of bf16 weights in a device slot but "
           "StreamingConfig.device_slot_bytes is {}",
           block_label(block, b), bf16_bytes, config.device_slot_bytes));
     }
-    const std::uint64_t largest_image = std::max(bf16_bytes, int8_bytes);
+    std::uint64_t largest_image = 0;
+    for (Precision precision : kAllPrecisions) {
+      largest_image = std::max(largest_image, image_size(block, precision, group_sizes(config)));
+    }
     if (largest_image > config.host_slab_bytes) {
       throw std::invalid_argument(fmt::format(
           "{} has a {} byte transfer image but StreamingConfig.host_slab_bytes is {}",
@@ -88,11 +119,16 @@ const StreamingConfig &validated(const StreamingConfig &config,
   return config;
 }
 
-std::uint64_t largest_int8_image(const std::vector<BlockSpec> &blocks,
-                                 std::uint32_t int8_group_size) {
+// A slot's staging region holds the image of either quantized route.
+std::uint64_t largest_quantized_image(const std::vector<BlockSpec> &blocks,
+                                      const GroupSizes &groups) {
   std::uint64_t largest = 0;
   for (const BlockSpec &block : blocks) {
-    largest = std::max(largest, image_size(block, Precision::int8, int8_group_size));
+    for (Precision precision : kAllPrecisions) {
+      if (is_quantized(precision)) {
+        largest = std::max(largest, image_size(block, precision, groups));
+      }
+    }
   }
   return largest;
 }
@@ -106,8 +142,8 @@ struct StreamingEngine::BlockImage {
   std::uint64_t built_version = 0;    // the weights version the image holds
   kn::SlabView view;                  // layout of the image now in the slab
   const Event *last_reader = nullptr; // copy-end event of the latest copy out of the slab
-  std::uint64_t bf16_bytes = 0;
-  std::uint64_t int8_bytes = 0;
+  std::uint64_t bytes[std::size(kAllPrecisions)] = {};  // image size per route
+  std::uint64_t bytes_of(Precision p) const { return bytes[static_cast<std::size_t>(p)]; }
 };
 
 struct StreamingEngine::FetchEvents {
@@ -133,15 +169,18 @@ StreamingEngine::StreamingEngine(TransferBackend &backend, const StreamingConfig
       bridge_(static_cast<std::uint32_t>(blocks_.size())),
       pool_(backend, config_.host_slab_bytes, config_.host_slab_count),
       slots_(backend, config_.device_slot_bytes,
-             largest_int8_image(blocks_, config_.int8_group_size), config_.prefetch_window + 2) {
+             largest_quantized_image(blocks_, group_sizes(config_)),
+             config_.prefetch_window + 2) {
   const auto n = static_cast<std::uint32_t>(blocks_.size());
   images_.resize(n);
   bf16_layouts_.resize(n);
   std::size_t most_tensors = 0;
   for (std::uint32_t b = 0; b < n; ++b) {
     BlockImage &image = images_[b];
-    image.bf16_bytes = image_size(blocks_[b], Precision::bf16, 0);
-    image.int8_bytes = image_size(blocks_[b], Precision::int8, config_.int8_group_size);
+    for (Precision precision : kAllPrecisions) {
+      image.bytes[static_cast<std::size_t>(precision)] =
+          image_size(blocks_[b], precision, group_sizes(config_));
+    }
     image.slab = pool_.acquire(fmt::format(
         "{} at startup (StreamingConfig.host_slab_count must be at least the number of "
         "blocks, {})",
@@ -185,8 +224,7 @@ StreamingEngine::~StreamingEngine() {
 }
 
 std::uint64_t StreamingEngine::image_bytes(std::uint32_t block, Precision precision) const {
-  const BlockImage &image = images_.at(block);
-  return precision == Precision::int8 ? image.int8_bytes : image.bf16_bytes;
+  return images_.at(block).bytes_of(precision);
 }
 
 std::vector<sp_block_desc_v1> StreamingEngine::block_descs() const {
@@ -199,8 +237,9 @@ std::vector<sp_block_desc_v1> StreamingEngine::block_descs() const {
     for (const TensorSpec &tensor : blocks_[b].tensors) {
       desc.num_params += tensor.rows * tensor.cols;
     }
-    desc.bf16_bytes = images_[b].bf16_bytes;
-    desc.int8_bytes = images_[b].int8_bytes;
+    desc.bf16_bytes = images_[b].bytes_of(Precision::bf16);
+    desc.int8_bytes = images_[b].bytes_of(Precision::int8);
+    // sp_block_desc_v1 is frozen: the NF4 size is nf4_image_bytes(b).
     desc.name = blocks_[b].name.c_str();
   }
   return descs;
@@ -220,7 +259,7 @@ StreamingEngine::FetchEvents &StreamingEngine::events_of(std::uint32_t generatio
 
 const Event &StreamingEngine::ready_event(std::uint32_t fetch) {
   FetchEvents &events = events_of(generation_, fetch);
-  return fetch_precision_[fetch] == Precision::int8 ? *events.dequant_end : *events.copy_end;
+  return is_quantized(fetch_precision_[fetch]) ? *events.dequant_end : *events.copy_end;
 }
 
 void StreamingEngine::stall_on(const Event &event) {
@@ -267,7 +306,7 @@ void StreamingEngine::ensure_image(std::uint32_t block, Precision precision) {
   }
   auto *slab = reinterpret_cast<std::uint8_t *>(pool_.data(target));
   const std::uint64_t bytes =
-      kn::build_slab(encoding_for(precision, config_.int8_group_size), sources.data(),
+      kn::build_slab(encoding_for(precision, group_sizes(config_)), sources.data(),
                      sources.size(), slab, pool_.slab_bytes());
   kn::SlabReadResult read = kn::read_slab(slab, bytes);
   if (!read.ok) {
@@ -288,14 +327,18 @@ void StreamingEngine::issue_fetch(std::uint32_t fetch) {
   const RouteDecision route = bridge_.decide(block);
   const Precision precision = route.precision;
   ensure_image(block, precision);
-  current_.fetches_bf16_by_transfer_policy += route.decided_by == RouteAuthority::transfer_policy;
+  if (route.decided_by == RouteAuthority::transfer_policy) {
+    current_.fetches_bf16_by_transfer_policy += precision == Precision::bf16;
+    current_.fetches_int8_by_transfer_policy += precision == Precision::int8;
+  }
   current_.fetches_pinned += route.decided_by == RouteAuthority::runtime_pin;
 
   BlockImage &image = images_[block];
   DeviceSlot &slot = slots_.slot(fetch % slots_.size());
   FetchEvents &events = events_of(generation_, fetch);
   const std::uint64_t bytes = image.view.total_bytes;
-  std::byte *destination = precision == Precision::int8 ? slot.staging : slot.compute;
+  const bool quantized = is_quantized(precision);
+  std::byte *destination = quantized ? slot.staging : slot.compute;
 
   // The slot's previous occupant is done once its release event fires; the copy queue waits
   // for that on the device.
@@ -305,15 +348,17 @@ void StreamingEngine::issue_fetch(std::uint32_t fetch) {
   backend_.record(*events.copy_end, Queue::copy);
   image.last_reader = events.copy_end.get();
 
-  if (precision == Precision::int8) {
+  if (quantized) {
+    // INT8 and NF4 alike: the staged image's codes and scales, dequantized into the compute
+    // region at the BF16 image's offsets. Only the kernel differs (DequantJob::precision).
     const kn::SlabView &layout = bf16_layouts_[block];
+    dequant_job_.precision = precision;
     dequant_job_.group_size = image.view.group_size;
     dequant_job_.tensors.clear();
     for (std::size_t t = 0; t < image.view.tensors.size(); ++t) {
       const kn::SlabTensorView &staged = image.view.tensors[t];
       dequant_job_.tensors.push_back(DequantTensor{
-          reinterpret_cast<const std::int8_t *>(slot.staging + staged.data_offset),
-          reinterpret_cast<const float *>(slot.staging + staged.scales_offset),
+          slot.staging + staged.data_offset, slot.staging + staged.scales_offset,
           staged.shape.rows, staged.shape.cols,
           reinterpret_cast<std::uint16_t *>(slot.compute + layout.tensors[t].data_offset)});
     }
@@ -321,13 +366,22 @@ void StreamingEngine::issue_fetch(std::uint32_t fetch) {
     backend_.record(*events.dequant_start, Queue::dequant);
     backend_.dequantize_async(dequant_job_);
     backend_.record(*events.dequant_end, Queue::dequant);
-    current_.h2d_bytes_int8 += bytes;
-    ++current_.fetches_int8;
-  } else {
-    current_.h2d_bytes_bf16 += bytes;
-    ++current_.fetches_bf16;
   }
-  current_.h2d_bytes_all_bf16 += image.bf16_bytes;
+  switch (precision) {
+    case Precision::bf16:
+      current_.h2d_bytes_bf16 += bytes;
+      ++current_.fetches_bf16;
+      break;
+    case Precision::int8:
+      current_.h2d_bytes_int8 += bytes;
+      ++current_.fetches_int8;
+      break;
+    case Precision::nf4:
+      current_.h2d_bytes_nf4 += bytes;
+      ++current_.fetches_nf4;
+      break;
+  }
+  current_.h2d_bytes_all_bf16 += image.bytes_of(Precision::bf16);
   fetch_precision_[fetch] = precision;
   ++next_fetch_;
   current_.slots_in_flight_peak =
@@ -491,7 +545,7 @@ bool StreamingEngine::finalize(PendingStep &pending, bool may_block) {
   const auto fetches = static_cast<std::uint32_t>(pending.fetch_precisions.size());
   for (std::uint32_t fetch = 0; fetch < fetches; ++fetch) {
     FetchEvents &events = events_of(pending.generation, fetch);
-    const Event *last = pending.fetch_precisions[fetch] == Precision::int8
+    const Event *last = is_quantized(pending.fetch_precisions[fetch])
                             ? events.dequant_end.get()
                             : events.copy_end.get();
     // Every earlier event of the fetch precedes `last` on its queue or through a wait.
@@ -506,7 +560,7 @@ bool StreamingEngine::finalize(PendingStep &pending, bool may_block) {
   for (std::uint32_t fetch = 0; fetch < fetches; ++fetch) {
     FetchEvents &events = events_of(pending.generation, fetch);
     metrics.copy_seconds += backend_.elapsed_seconds(*events.copy_start, *events.copy_end);
-    if (pending.fetch_precisions[fetch] == Precision::int8) {
+    if (is_quantized(pending.fetch_precisions[fetch])) {
       metrics.dequant_seconds +=
           backend_.elapsed_seconds(*events.dequant_start, *events.dequant_end);
     }

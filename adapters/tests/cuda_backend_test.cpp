@@ -40,14 +40,36 @@ TEST_F(CudaEngine, SlotsHoldBf16AndDequantizedInt8BitForBit) {
   }
 }
 
+// The NF4 route on the device: staged packed codes and bf16 scales, dequantized by the CUDA
+// kernel into the compute region, bit for bit the CPU reference; mixed with the other routes.
+TEST_F(CudaEngine, Nf4SlotsHoldTheCpuDequantBitForBit) {
+  CudaBackend backend;
+  SyntheticModel model(5, 23);
+  for (std::uint32_t group : {32u, 64u, 256u}) {
+    StreamingConfig config = config_for(model.blocks(), 2);
+    config.nf4_group_size = group;
+    StreamingEngine engine(backend, config, model.blocks());
+    set_routes(engine, std::vector<Precision>(5, Precision::nf4));
+    StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 0, 0, group);
+    EXPECT_EQ(metrics.fetches_nf4, engine.schedule().fetches().size());
+    set_routes(engine, {Precision::nf4, Precision::bf16, Precision::int8, Precision::nf4,
+                        Precision::int8});
+    model.update_weights(3, 1e-3f);
+    engine.on_weights_updated(3);
+    metrics = run_checked_step(engine, backend, model.blocks(), 1, 0, group);
+    EXPECT_GT(metrics.fetches_nf4, 0u);
+    EXPECT_GT(metrics.fetches_int8, 0u);
+  }
+}
+
 TEST_F(CudaEngine, SteadyStateMakesNoHostSynchronization) {
   CudaBackend cuda;
   InstrumentedBackend backend(cuda);
   SyntheticModel model(6, 22);
   StreamingEngine engine(backend, config_for(model.blocks(), 2, /*spare_slabs=*/2),
                          model.blocks());
-  set_routes(engine, {Precision::int8, Precision::bf16, Precision::int8, Precision::bf16,
-                      Precision::int8, Precision::bf16});
+  set_routes(engine, {Precision::int8, Precision::bf16, Precision::nf4, Precision::bf16,
+                      Precision::int8, Precision::nf4});
   for (std::int64_t step = 0; step < 4; ++step) {
     if (step == 1) {
       backend.reset_counts();

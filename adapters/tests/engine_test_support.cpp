@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "sp/kernels/bf16.h"
+#include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
 
 namespace sp::adapters::testing {
@@ -42,12 +43,23 @@ void SyntheticModel::update_weights(std::uint32_t block, float delta) {
 }
 
 std::vector<std::uint16_t> expected_bf16(const TensorSpec &tensor, Precision precision,
-                                         std::uint32_t int8_group_size) {
+                                         std::uint32_t int8_group_size,
+                                         std::uint32_t nf4_group_size) {
   const std::uint64_t n = tensor.rows * tensor.cols;
   const kn::CpuExec reference{kn::CpuImpl::kReference, 1};
   std::vector<std::uint16_t> out(n);
   if (precision == Precision::bf16) {
     kn::fp32_to_bf16(tensor.master, out.data(), n, {}, reference);
+    return out;
+  }
+  if (precision == Precision::nf4) {
+    std::vector<std::uint8_t> codes(kn::nf4_code_bytes(tensor.rows, tensor.cols));
+    std::vector<std::uint16_t> scales(
+        kn::nf4_scale_count(tensor.rows, tensor.cols, nf4_group_size));
+    kn::quantize_nf4(tensor.master, kn::DType::kFloat32, tensor.rows, tensor.cols,
+                     nf4_group_size, codes.data(), scales.data(), reference);
+    kn::dequantize_nf4_to_bf16(codes.data(), scales.data(), tensor.rows, tensor.cols,
+                               nf4_group_size, out.data(), reference);
     return out;
   }
   kn::QuantizeOptions options;
@@ -62,7 +74,7 @@ std::vector<std::uint16_t> expected_bf16(const TensorSpec &tensor, Precision pre
 }
 
 void expect_view_holds(TransferBackend &backend, const BlockView &view, const BlockSpec &block,
-                       std::uint32_t int8_group_size) {
+                       std::uint32_t int8_group_size, std::uint32_t nf4_group_size) {
   ASSERT_EQ(view.tensors.size(), block.tensors.size());
   for (std::size_t t = 0; t < block.tensors.size(); ++t) {
     const TensorSpec &tensor = block.tensors[t];
@@ -70,7 +82,7 @@ void expect_view_holds(TransferBackend &backend, const BlockView &view, const Bl
     backend.read_device(reinterpret_cast<std::byte *>(actual.data()),
                         reinterpret_cast<const std::byte *>(view.tensors[t].bf16),
                         actual.size() * sizeof(std::uint16_t));
-    EXPECT_EQ(actual, expected_bf16(tensor, view.precision, int8_group_size))
+    EXPECT_EQ(actual, expected_bf16(tensor, view.precision, int8_group_size, nf4_group_size))
         << block.name << " tensor " << tensor.name << " on the "
         << precision_name(view.precision) << " path, " << phase_name(view.phase);
   }
@@ -78,11 +90,12 @@ void expect_view_holds(TransferBackend &backend, const BlockView &view, const Bl
 
 StepTransferMetrics run_checked_step(StreamingEngine &engine, TransferBackend &backend,
                                      const std::vector<BlockSpec> &blocks, std::int64_t step,
-                                     std::uint32_t int8_group_size) {
+                                     std::uint32_t int8_group_size,
+                                     std::uint32_t nf4_group_size) {
   engine.begin_step(step);
   for (const BlockUse &use : engine.schedule().uses()) {
     const BlockView &view = engine.acquire(use.block);
-    expect_view_holds(backend, view, blocks[use.block], int8_group_size);
+    expect_view_holds(backend, view, blocks[use.block], int8_group_size, nf4_group_size);
     engine.release(use.block);
   }
   return engine.end_step();
@@ -102,7 +115,9 @@ void set_routes(StreamingEngine &engine, const std::vector<Precision> &routes) {
   std::vector<sp_hint_v1> hints(routes.size());
   for (std::uint32_t b = 0; b < routes.size(); ++b) {
     hints[b].block_id = b;
-    hints[b].precision = routes[b] == Precision::int8 ? SP_PRECISION_INT8 : SP_PRECISION_BF16;
+    hints[b].precision = routes[b] == Precision::int8  ? SP_PRECISION_INT8
+                         : routes[b] == Precision::nf4 ? SP_PRECISION_NF4
+                                                       : SP_PRECISION_BF16;
     hints[b].reason = SP_REASON_THRESHOLD;
   }
   engine.policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
 
 namespace sp::adapters {
@@ -81,6 +82,49 @@ TEST(HostBackend, DequantQueueWaitsForTheCopyItDependsOn) {
   sp::kernels::dequantize_int8_to_bf16(codes.data(), scales.data(), rows, cols, 0,
                                        expected.data());
   EXPECT_EQ(0, std::memcmp(out, expected.data(), expected.size() * 2));
+}
+
+// The NF4 job: packed codes and bf16 scales, dequantized by the same queue and dispatch.
+TEST(HostBackend, DequantizesAnNf4JobLikeTheCpuKernel) {
+  HostBackend backend;
+  constexpr std::size_t rows = 3, cols = 71;  // odd element count: the last high nibble is 0
+  constexpr std::uint32_t group = 32;
+  std::vector<float> master(rows * cols);
+  for (std::size_t i = 0; i < master.size(); ++i) {
+    master[i] = 0.01f * static_cast<float>(static_cast<int>(i * 37 % 101) - 50);
+  }
+  std::vector<std::uint8_t> codes(sp::kernels::nf4_code_bytes(rows, cols));
+  std::vector<std::uint16_t> scales(sp::kernels::nf4_scale_count(rows, cols, group));
+  sp::kernels::quantize_nf4(master.data(), sp::kernels::DType::kFloat32, rows, cols, group,
+                            codes.data(), scales.data());
+  const std::size_t scales_offset = (codes.size() + 1) / 2 * 2;
+  const std::size_t bytes = scales_offset + scales.size() * sizeof(std::uint16_t);
+  Region device = backend.allocate_device(bytes + rows * cols * 2);
+  std::memcpy(device.data(), codes.data(), codes.size());
+  std::memcpy(device.data() + scales_offset, scales.data(), scales.size() * sizeof(std::uint16_t));
+
+  DequantJob job;
+  job.precision = Precision::nf4;
+  job.group_size = group;
+  auto *out = reinterpret_cast<std::uint16_t *>(device.data() + bytes);
+  job.tensors.push_back(
+      DequantTensor{device.data(), device.data() + scales_offset, rows, cols, out});
+  auto dequantized = backend.create_event();
+  backend.dequantize_async(job);
+  backend.record(*dequantized, Queue::dequant);
+  backend.wait(Queue::compute, *dequantized);
+
+  std::vector<std::uint16_t> expected(rows * cols);
+  sp::kernels::dequantize_nf4_to_bf16(codes.data(), scales.data(), rows, cols, group,
+                                      expected.data());
+  std::vector<std::uint16_t> actual(out, out + rows * cols);
+  EXPECT_EQ(actual, expected);
+}
+
+TEST(HostBackend, ABf16DequantJobIsRejected) {
+  DequantJob job;
+  job.precision = Precision::bf16;
+  EXPECT_THROW(for_each_dequant(job, [](auto...) {}, [](auto...) {}), std::invalid_argument);
 }
 
 TEST(HostBackend, EventsFollowTheirLatestRecord) {

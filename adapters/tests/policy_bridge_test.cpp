@@ -67,6 +67,77 @@ TEST(PolicyBridge, TransferGateOfTheWrongSizeIsRejected) {
   EXPECT_FALSE(bridge.has_transfer_gate());
 }
 
+TEST(PolicyBridge, Nf4HintsRouteNf4WithoutAGate) {
+  PolicyBridge bridge(3);
+  auto hints = hints_for({SP_PRECISION_NF4, SP_PRECISION_INT8, SP_PRECISION_BF16});
+  bridge.set_plugin_hints(hints.data(), 3);
+  EXPECT_EQ(bridge.route(0), Precision::nf4);
+  EXPECT_EQ(bridge.decide(0).decided_by, RouteAuthority::plugin);
+  EXPECT_EQ(bridge.route(1), Precision::int8);
+  EXPECT_EQ(bridge.route(2), Precision::bf16);
+  EXPECT_STREQ(precision_name(Precision::nf4), "nf4");
+}
+
+// NF4 only where NF4 pays; where it does not, the next more precise route that pays (INT8,
+// then BF16). INT8 never falls to NF4: that would be less precise than the plugin allowed.
+TEST(PolicyBridge, TransferGateIsPerRouteAndNf4FallsBackToInt8ThenBf16) {
+  PolicyBridge bridge(5);
+  auto hints = hints_for(
+      {SP_PRECISION_NF4, SP_PRECISION_NF4, SP_PRECISION_NF4, SP_PRECISION_INT8, SP_PRECISION_BF16});
+  bridge.set_plugin_hints(hints.data(), 5);
+  bridge.set_transfer_gate(
+      TransferGate{{true, true, false, false, true}, {true, false, false, true, true}});
+  EXPECT_EQ(bridge.decide(0).precision, Precision::nf4);
+  EXPECT_EQ(bridge.decide(0).decided_by, RouteAuthority::plugin);
+  EXPECT_EQ(bridge.decide(1).precision, Precision::int8);
+  EXPECT_EQ(bridge.decide(1).decided_by, RouteAuthority::transfer_policy);
+  EXPECT_EQ(bridge.decide(1).requested, Precision::nf4);
+  EXPECT_EQ(bridge.decide(2).precision, Precision::bf16);
+  EXPECT_EQ(bridge.decide(2).decided_by, RouteAuthority::transfer_policy);
+  // NF4 pays for block 3 but the plugin allowed only INT8, which does not pay: BF16.
+  EXPECT_EQ(bridge.decide(3).precision, Precision::bf16);
+  EXPECT_EQ(bridge.decide(3).decided_by, RouteAuthority::transfer_policy);
+  EXPECT_EQ(bridge.decide(3).requested, Precision::int8);
+  EXPECT_EQ(bridge.decide(4).precision, Precision::bf16);
+  EXPECT_EQ(bridge.decide(4).decided_by, RouteAuthority::plugin);
+  // A runtime pin to NF4 outranks the gate.
+  RuntimeLimitHints pin;
+  pin.block_precision_map[2] = Precision::nf4;
+  bridge.tighten(pin);
+  EXPECT_EQ(bridge.decide(2).precision, Precision::nf4);
+  EXPECT_EQ(bridge.decide(2).decided_by, RouteAuthority::runtime_pin);
+}
+
+TEST(PolicyBridge, TheInt8OnlyGateLetsNoNf4Through) {
+  PolicyBridge bridge(3);
+  auto hints = hints_for({SP_PRECISION_NF4, SP_PRECISION_NF4, SP_PRECISION_INT8});
+  bridge.set_plugin_hints(hints.data(), 3);
+  bridge.set_transfer_gate(std::vector<bool>{true, false, true});
+  EXPECT_TRUE(bridge.has_transfer_gate());
+  EXPECT_TRUE(bridge.transfer_gate().nf4_pays.empty());
+  EXPECT_EQ(bridge.route(0), Precision::int8);
+  EXPECT_EQ(bridge.route(1), Precision::bf16);
+  EXPECT_EQ(bridge.route(2), Precision::int8);
+  // An empty route in a TransferGate means the same: that route pays nowhere.
+  bridge.set_transfer_gate(TransferGate{{}, {true, true, true}});
+  EXPECT_EQ(bridge.route(0), Precision::nf4);
+  EXPECT_EQ(bridge.route(2), Precision::bf16);
+  bridge.clear_transfer_gate();
+  EXPECT_FALSE(bridge.has_transfer_gate());
+  EXPECT_EQ(bridge.route(1), Precision::nf4);
+}
+
+TEST(PolicyBridge, ATransferGateOfTheWrongSizeNamesTheRouteAndKeepsTheOldGate) {
+  PolicyBridge bridge(3);
+  bridge.set_transfer_gate(TransferGate{{true, true, true}, {}});
+  EXPECT_THAT([&] { bridge.set_transfer_gate(TransferGate{{true, true, true}, {true}}); },
+              ::testing::ThrowsMessage<std::invalid_argument>(
+                  HasSubstr("the transfer gate has 1 entries in nf4_pays; expected none or one "
+                            "per block (3)")));
+  EXPECT_EQ(bridge.transfer_gate().int8_pays.size(), 3u);
+  EXPECT_TRUE(bridge.transfer_gate().nf4_pays.empty());
+}
+
 TEST(PolicyBridge, BadHintsAreRejectedAndTheOldOnesStay) {
   PolicyBridge bridge(2);
   auto good = hints_for({SP_PRECISION_INT8, SP_PRECISION_BF16});
@@ -78,7 +149,9 @@ TEST(PolicyBridge, BadHintsAreRejectedAndTheOldOnesStay) {
               ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("hint 1 is for block 0")));
   auto wrong_precision = hints_for({SP_PRECISION_BF16, 7});
   EXPECT_THAT([&] { bridge.set_plugin_hints(wrong_precision.data(), 2); },
-              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("precision 7")));
+              ::testing::ThrowsMessage<std::invalid_argument>(
+                  HasSubstr("precision 7; expected SP_PRECISION_BF16 (0), SP_PRECISION_INT8 (1) "
+                            "or SP_PRECISION_NF4 (2)")));
   EXPECT_THROW(bridge.set_plugin_hints(good.data(), 1), std::invalid_argument);
   EXPECT_EQ(bridge.route(0), Precision::int8);
 }

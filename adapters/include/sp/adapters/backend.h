@@ -15,7 +15,7 @@
 namespace sp::adapters {
 
 // The three queues of the data path. On CUDA each is a stream. The copy queue carries only
-// host-to-device copies so they never wait behind compute; the dequant queue runs INT8
+// host-to-device copies so they never wait behind compute; the dequant queue runs INT8 / NF4
 // dequantization after a copy lands; the compute queue is where the trainer runs the block.
 enum class Queue : std::uint8_t { copy, dequant, compute };
 
@@ -67,7 +67,8 @@ class TransferBackend {
   // Enqueued on Queue::copy. `host_src` must stay unchanged until the copy completes.
   virtual void copy_host_to_device_async(std::byte *device_dst, const std::byte *host_src,
                                          std::size_t bytes) = 0;
-  // Enqueued on Queue::dequant: the staged INT8 image (device memory) becomes bf16 tensors.
+  // Enqueued on Queue::dequant: the staged INT8 or NF4 image (device memory) becomes bf16
+  // tensors (DequantJob says which; for_each_dequant dispatches).
   virtual void dequantize_async(const DequantJob &job) = 0;
 
   virtual void record(Event &event, Queue queue) = 0;

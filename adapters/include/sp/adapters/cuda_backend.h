@@ -1,5 +1,5 @@
 // TransferBackend on a CUDA device: cudaHostAlloc'd pinned slabs, cudaMalloc'd slots,
-// cudaMemcpyAsync on a dedicated copy stream, INT8 dequantization (sp_kernels_cuda) on its
+// cudaMemcpyAsync on a dedicated copy stream, INT8 / NF4 dequantization (sp_kernels_cuda) on its
 // own stream, and events that order the three streams without blocking the host.
 #pragma once
 

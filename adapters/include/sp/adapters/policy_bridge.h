@@ -22,14 +22,24 @@ struct RuntimeLimitHints {
   std::map<std::uint32_t, Precision> block_precision_map;  // overrides the plugin's hint
 };
 
-// Who decided a block's route. The plugin says where INT8 is safe, the benchmark-driven
-// transfer policy (sp-bench) where it is worth it, and the runtime may pin a block for a step.
+// Who decided a block's route. The plugin says where INT8 or NF4 is safe, the
+// benchmark-driven transfer policy (sp-bench) where it is worth it, and the runtime may pin a
+// block for a step.
 enum class RouteAuthority : std::uint8_t { plugin, transfer_policy, runtime_pin };
 const char *route_authority_name(RouteAuthority authority);
 
 struct RouteDecision {
   Precision precision = Precision::bf16;
   RouteAuthority decided_by = RouteAuthority::plugin;
+  Precision requested = Precision::bf16;  // what the pin or the plugin asked for
+};
+
+// The transfer policy's verdict per block and quantized route: true where that route was
+// measured faster than BF16 for the block's size on this machine. An empty vector means the
+// route pays nowhere (e.g. a transfer policy from before NF4 was measured).
+struct TransferGate {
+  std::vector<bool> int8_pays;
+  std::vector<bool> nf4_pays;
 };
 
 class PolicyBridge {
@@ -39,7 +49,8 @@ class PolicyBridge {
   std::uint32_t num_blocks() const { return num_blocks_; }
 
   // Takes the plugin's answer from compute_hints(): n == num_blocks, hints[i].block_id == i,
-  // precision SP_PRECISION_BF16 or SP_PRECISION_INT8. Throws std::invalid_argument naming
+  // precision SP_PRECISION_BF16, SP_PRECISION_INT8 or SP_PRECISION_NF4 (ABI 1.1). Throws
+  // std::invalid_argument naming
   // the offending entry and leaves the previous hints in place. The hints stand until
   // replaced: a policy decides for the following steps, not for one fetch.
   void set_plugin_hints(const sp_hint_v1 *hints, std::uint32_t n);
@@ -53,15 +64,22 @@ class PolicyBridge {
   void tighten(const RuntimeLimitHints &limits);
   const RuntimeLimitHints &limits() const { return limits_; }
 
-  // The transfer policy's verdict per block (int8_pays.size() == num_blocks): INT8 only where
-  // it was measured faster than BF16 for the block's size on this machine. Without a gate,
-  // the plugin's hint alone decides. Throws std::invalid_argument on a size mismatch.
+  // The transfer policy's verdict per block and route (each vector empty or of size
+  // num_blocks). With a gate, a quantized hint goes through only where its route pays; a
+  // block hinted NF4 where NF4 does not pay takes INT8 if INT8 pays (more precise, so always
+  // safe for quality), else BF16. A block hinted INT8 never falls to NF4 (less precise than
+  // the plugin allowed). Without a gate the plugin's hint alone decides. Throws
+  // std::invalid_argument on a size mismatch, leaving the previous gate in place.
+  void set_transfer_gate(TransferGate gate);
+  // The INT8-only gate of ABI 1.0 hosts: NF4 pays nowhere, so NF4 hints take INT8 where it
+  // pays and BF16 elsewhere.
   void set_transfer_gate(std::vector<bool> int8_pays);
   void clear_transfer_gate();
-  bool has_transfer_gate() const { return !int8_pays_.empty(); }
+  bool has_transfer_gate() const { return has_gate_; }
+  const TransferGate &transfer_gate() const { return gate_; }
 
   // A precision map pin, else the plugin's hint where the transfer gate lets it through,
-  // else BF16; with who decided.
+  // else the fallback above; with who decided.
   RouteDecision decide(std::uint32_t block) const;
   Precision route(std::uint32_t block) const { return decide(block).precision; }
   // How many fetches beyond the current one may be in flight.
@@ -72,7 +90,8 @@ class PolicyBridge {
 
   std::uint32_t num_blocks_;
   std::vector<Precision> plugin_route_;
-  std::vector<bool> int8_pays_;  // empty: no transfer policy
+  bool has_gate_ = false;
+  TransferGate gate_;  // vectors empty or num_blocks long
   RuntimeLimitHints limits_;
 };
 

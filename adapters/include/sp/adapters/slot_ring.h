@@ -1,7 +1,7 @@
 // The device slots a block's weights land in, one allocation made at startup.
 //
 // Each slot has a compute region, where the trainer's bf16 views point, and a staging region
-// for INT8 images waiting for their dequantization. Its release event is recorded on the
+// for INT8 or NF4 images waiting for their dequantization. Its release event is recorded on the
 // compute queue after the slot's last use; the next copy into the slot waits for it on the
 // device, so reusing a slot never blocks the host.
 #pragma once

@@ -1,6 +1,6 @@
 // The streaming engine: keeps every block's transfer image in pinned memory, fetches blocks
 // into device slots in the order the step needs them, prefetching ahead across the
-// forward-to-backward turn, and routes each fetch through the BF16 or the INT8 path.
+// forward-to-backward turn, and routes each fetch through the BF16, the INT8 or the NF4 path.
 //
 // Per block it makes no host synchronization: copies, dequantization and compute are ordered
 // by events on the backend's queues. The host blocks only to rewrite a transfer image whose
@@ -27,6 +27,7 @@
 #include "sp/adapters/slab_pool.h"
 #include "sp/adapters/slot_ring.h"
 #include "sp/adapters/transfer_image.h"
+#include "sp/kernels/nf4.h"
 #include "sp/kernels/slab.h"
 
 namespace sp::adapters {
@@ -39,6 +40,8 @@ struct StreamingConfig {
   std::uint64_t device_slot_bytes = 0;  // room for the largest block's bf16 weights
   std::uint32_t prefetch_window = 1;    // fetches in flight ahead of the current one
   std::uint32_t int8_group_size = 0;    // 0: one scale per row; else 32, 64, 128 or 256
+  // NF4 has no per-row mode: 32, 64, 128 or 256 elements per bf16 scale.
+  std::uint32_t nf4_group_size = sp::kernels::kNf4DefaultGroupSize;
   bool backward = true;
   std::uint32_t recompute_segment = 0;
   std::string metrics_path;  // JSONL, one record per step; empty: none
@@ -71,7 +74,14 @@ class StreamingEngine {
   PolicyBridge &policy_bridge() { return bridge_; }
   const StepSchedule &schedule() const { return schedule_; }
   std::uint32_t slot_count() const { return slots_.size(); }
+  // Bytes one transfer of the block puts on the wire on `precision`'s route (the whole image:
+  // header, payload, scales).
   std::uint64_t image_bytes(std::uint32_t block, Precision precision) const;
+  // image_bytes(block, Precision::nf4): what the host library's BlockDescription::nf4_bytes
+  // takes, since sp_block_desc_v1 is frozen and carries only the BF16 and INT8 sizes.
+  std::uint64_t nf4_image_bytes(std::uint32_t block) const {
+    return image_bytes(block, Precision::nf4);
+  }
   // Block descriptions for the plugin's create(); names point into this engine.
   std::vector<sp_block_desc_v1> block_descs() const;
 

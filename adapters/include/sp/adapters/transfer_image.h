@@ -1,5 +1,5 @@
 // What the data path moves: a block's tensors, its transfer image in pinned memory, and the
-// dequantization work that turns a staged INT8 image into bf16 compute weights.
+// dequantization work that turns a staged INT8 or NF4 image into bf16 compute weights.
 //
 // The image format is the kernels' slab (sp/kernels/slab.h). The compute weights in a device
 // slot always use the offsets of the block's BF16 image, whichever route the block took, so
@@ -8,14 +8,21 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace sp::adapters {
 
-enum class Precision : std::uint8_t { bf16, int8 };
+// The transfer routes, from the most to the least precise: BF16 (copied as is), INT8 (codes
+// and fp32 scales, about 0.5x the bytes) and NF4 (packed 4-bit codes and bf16 scales, about
+// 0.27x the bytes at group size 64). Both quantized routes are staged and dequantized on the
+// device.
+enum class Precision : std::uint8_t { bf16, int8, nf4 };
 
 const char *precision_name(Precision precision);
+// True for the routes that go through the staging region and the dequant queue.
+constexpr bool is_quantized(Precision precision) { return precision != Precision::bf16; }
 
 // One fp32 master tensor of a block, owned by the trainer. The engine reads it when it
 // builds the block's transfer image (at startup, after on_weights_updated(), and before the
@@ -33,19 +40,48 @@ struct BlockSpec {
   std::vector<TensorSpec> tensors;
 };
 
-// Dequantization of one tensor of a staged INT8 image. Every pointer is in device memory.
+// Dequantization of one tensor of a staged quantized image. Every pointer is in device memory,
+// and what the codes and scales hold depends on the job's precision:
+//   int8: one std::int8_t code per element; fp32 scales (sp/kernels/quantize.h)
+//   nf4:  two codes per byte, sp::kernels::nf4_code_bytes(rows, cols) bytes; bf16 scales as
+//         std::uint16_t bit patterns (sp/kernels/nf4.h)
 struct DequantTensor {
-  const std::int8_t *codes = nullptr;
-  const float *scales = nullptr;
+  const void *codes = nullptr;
+  const void *scales = nullptr;
   std::uint64_t rows = 0;
   std::uint64_t cols = 0;
   std::uint16_t *bf16_out = nullptr;
 };
 
-// All tensors of one block; group_size as in sp::kernels::QuantizeOptions (0 = per row).
+// All tensors of one block, one precision and one group size: for int8 as in
+// sp::kernels::QuantizeOptions (0 = per row), for nf4 32, 64, 128 or 256. A backend
+// dequantizes every tensor in order on its dequant queue.
 struct DequantJob {
   std::uint32_t group_size = 0;
   std::vector<DequantTensor> tensors;
+  Precision precision = Precision::int8;  // int8 or nf4
 };
+
+// The job's tensors in the typed form each precision's kernel takes; backends call this, so
+// the precision switch lives in one place. Throws std::invalid_argument for a bf16 job.
+template <class Int8Kernel, class Nf4Kernel>
+void for_each_dequant(const DequantJob &job, Int8Kernel &&int8, Nf4Kernel &&nf4);
+
+template <class Int8Kernel, class Nf4Kernel>
+void for_each_dequant(const DequantJob &job, Int8Kernel &&int8, Nf4Kernel &&nf4) {
+  if (job.precision == Precision::int8) {
+    for (const DequantTensor &t : job.tensors) {
+      int8(static_cast<const std::int8_t *>(t.codes), static_cast<const float *>(t.scales), t.rows,
+           t.cols, job.group_size, t.bf16_out);
+    }
+  } else if (job.precision == Precision::nf4) {
+    for (const DequantTensor &t : job.tensors) {
+      nf4(static_cast<const std::uint8_t *>(t.codes), static_cast<const std::uint16_t *>(t.scales),
+          t.rows, t.cols, job.group_size, t.bf16_out);
+    }
+  } else {
+    throw std::invalid_argument("DequantJob: a bf16 image needs no dequantization");
+  }
+}
 
 }  // namespace sp::adapters
