@@ -3,6 +3,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "sp/kernels/nf4.h"
+
 namespace sp::kernels::detail {
 namespace {
 
@@ -51,6 +53,31 @@ void check_dequantize_arguments(const void *codes, const float *scales, std::siz
                                 std::size_t cols, uint32_t group_size, const void *dst,
                                 const char *function) {
   check_group_size(group_size, function);
+  check_buffers(rows, cols, {codes, scales, dst}, function);
+}
+
+static void check_nf4_group_size(uint32_t group_size, const char *function) {
+  if (!is_supported_nf4_group_size(group_size)) {
+    throw std::invalid_argument(std::string(function) + ": group_size " + std::to_string(group_size) +
+                                " is not supported for NF4 (expected 32, 64, 128 or 256)");
+  }
+}
+
+void check_nf4_quantize_arguments(const void *src, DType src_dtype, std::size_t rows,
+                                  std::size_t cols, uint32_t group_size, const void *codes,
+                                  const void *scales, const char *function) {
+  check_nf4_group_size(group_size, function);
+  if (src_dtype != DType::kFloat32 && src_dtype != DType::kBFloat16) {
+    throw std::invalid_argument(std::string(function) + ": source dtype " + dtype_name(src_dtype) +
+                                " is not supported (expected fp32 or bf16)");
+  }
+  check_buffers(rows, cols, {src, codes, scales}, function);
+}
+
+void check_nf4_dequantize_arguments(const void *codes, const void *scales, std::size_t rows,
+                                    std::size_t cols, uint32_t group_size, const void *dst,
+                                    const char *function) {
+  check_nf4_group_size(group_size, function);
   check_buffers(rows, cols, {codes, scales, dst}, function);
 }
 

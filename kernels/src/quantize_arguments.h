@@ -22,6 +22,16 @@ void check_dequantize_arguments(const void *codes, const float *scales, std::siz
                                 std::size_t cols, uint32_t group_size, const void *dst,
                                 const char *function);
 
+// NF4 (sp/kernels/nf4.h): group size one of 32/64/128/256, fp32 or bf16 source, no overflow,
+// non-null buffers for a non-empty tensor.
+void check_nf4_quantize_arguments(const void *src, DType src_dtype, std::size_t rows,
+                                  std::size_t cols, uint32_t group_size, const void *codes,
+                                  const void *scales, const char *function);
+
+void check_nf4_dequantize_arguments(const void *codes, const void *scales, std::size_t rows,
+                                    std::size_t cols, uint32_t group_size, const void *dst,
+                                    const char *function);
+
 // Per-row tensors with cols == 0 still own one scale per row.
 inline bool has_empty_rows(std::size_t rows, std::size_t cols, uint32_t group_size) {
   return rows != 0 && cols == 0 && group_size == 0;

@@ -174,6 +174,95 @@ void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t r
   }
 }
 
+namespace {
+
+// The NF4 levels from the published decimal values (QLoRA Appendix E / bitsandbytes), each an
+// exact fp32 value; the fast code uses hex literals of the same numbers (a test checks both).
+constexpr double kNf4Published[16] = {
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0};
+
+float nf4_level_of(unsigned code) { return static_cast<float>(kNf4Published[code]); }
+
+// Midpoint k: the exact midpoint of levels k and k + 1 (exact in double), rounded once to fp32.
+float nf4_midpoint(unsigned k) {
+  return static_cast<float>((kNf4Published[k] + kNf4Published[k + 1]) / 2.0);
+}
+
+// The smallest bf16 value >= a (a finite, > 0), or the largest finite bf16 when a exceeds it.
+uint16_t bf16_ceil(float a) {
+  uint16_t truncated = static_cast<uint16_t>(bits_of(a) >> 16);
+  if (float_of(static_cast<uint32_t>(truncated) << 16) < a) ++truncated;
+  return truncated >= 0x7F80 ? uint16_t{0x7F7F} : truncated;
+}
+
+void set_nibble(uint8_t *codes, std::size_t element, unsigned code) {
+  uint8_t &byte = codes[element / 2];
+  if (element % 2 == 0) {
+    byte = static_cast<uint8_t>((byte & 0xF0u) | code);
+  } else {
+    byte = static_cast<uint8_t>((byte & 0x0Fu) | (code << 4));
+  }
+}
+
+}  // namespace
+
+void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
+                  uint32_t group_size, uint8_t *codes, uint16_t *scales) {
+  const std::size_t groups = groups_per_row(cols, group_size);
+  const std::size_t n = rows * cols;
+  std::fill(codes, codes + (n + 1) / 2, uint8_t{0});  // the unused high nibble stays zero
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t g = 0; g < groups; ++g) {
+      const std::size_t begin = r * cols + g * group_size;
+      const std::size_t end = r * cols + std::min<std::size_t>(cols, (g + 1) * group_size);
+      bool finite = true;
+      float absmax = 0.0f;
+      for (std::size_t i = begin; i < end; ++i) {
+        const float x = load(src, src_dtype, i);
+        if (!std::isfinite(x)) {
+          finite = false;
+        } else {
+          absmax = std::max(absmax, std::fabs(x));
+        }
+      }
+      uint16_t scale_bits = 0x7FFF;  // NaN: the group is poisoned
+      if (finite) scale_bits = absmax == 0.0f ? uint16_t{0x3F80} : bf16_ceil(absmax);
+      scales[r * groups + g] = scale_bits;
+      const float scale = float_of(static_cast<uint32_t>(scale_bits) << 16);
+      for (std::size_t i = begin; i < end; ++i) {
+        unsigned code = 7;  // level 0.0, for poisoned groups
+        if (finite) {
+          const float v = load(src, src_dtype, i) / scale;
+          code = 0;
+          while (code < 15 && v > nf4_midpoint(code)) ++code;
+        }
+        set_nibble(codes, i, code);
+      }
+    }
+  }
+}
+
+void dequantize_nf4(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
+                    std::size_t cols, uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32) {
+  const std::size_t groups = groups_per_row(cols, group_size);
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t c = 0; c < cols; ++c) {
+      const std::size_t i = r * cols + c;
+      const unsigned code = i % 2 == 0 ? codes[i / 2] & 0x0Fu : codes[i / 2] >> 4;
+      const float scale = float_of(static_cast<uint32_t>(scales[r * groups + c / group_size]) << 16);
+      const float x = nf4_level_of(code) * scale;
+      if (dst_bf16 != nullptr) {
+        dst_bf16[i] = bf16_from_float(x);
+      } else {
+        dst_fp32[i] = x;
+      }
+    }
+  }
+}
+
 void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, std::size_t rows,
                 std::size_t cols, uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32) {
   const std::size_t groups = groups_per_row(cols, group_size);

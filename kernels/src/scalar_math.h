@@ -169,4 +169,70 @@ SP_HD float fp8_e4m3_decode(uint8_t code) {
   return bits_float(sign | ((exponent + 120u) << 23) | (mantissa << 20));
 }
 
+
+// ---- NF4 (sp/kernels/nf4.h; docs/kernels.md, "NF4") ----
+
+constexpr uint16_t kBf16One = 0x3F80u;
+constexpr uint16_t kBf16MaxFinite = 0x7F7Fu;
+constexpr uint32_t kNf4ZeroCode = 7;  // the code of level 0.0
+
+// The 16 NormalFloat levels (QLoRA, Dettmers et al. 2023, Appendix E; bitsandbytes' NF4
+// table), as exact fp32 hex literals. A switch, not an array, so device code can call it; it
+// only fills lookup tables.
+SP_HD float nf4_level(uint32_t code) {
+  switch (code & 15u) {
+    case 0: return -0x1p+0f;
+    case 1: return -0x1.647362p-1f;
+    case 2: return -0x1.0cd66p-1f;
+    case 3: return -0x1.94654p-2f;
+    case 4: return -0x1.23449ap-2f;
+    case 5: return -0x1.7a6a7ep-3f;
+    case 6: return -0x1.74f0e2p-4f;
+    case 7: return 0.0f;
+    case 8: return 0x1.45f5fep-4f;
+    case 9: return 0x1.4995c6p-3f;
+    case 10: return 0x1.f809bap-3f;
+    case 11: return 0x1.5a0674p-2f;
+    case 12: return 0x1.c3497p-2f;
+    case 13: return 0x1.200f56p-1f;
+    case 14: return 0x1.722766p-1f;
+    default: return 0x1p+0f;
+  }
+}
+
+// Code of a normalized value v = x / scale: the number of midpoints strictly below v, where
+// midpoint k is the exact midpoint of levels k and k + 1 rounded once to fp32 (the constants of
+// bitsandbytes' dQuantizeNF4 decision tree). v equal to a midpoint takes the lower code, as that
+// tree's strict '>' does. Any v above the last midpoint, 1 + ulps included, is code 15. Written
+// as a sum of compares so the CPU loop vectorizes. v must not be NaN.
+SP_HD uint32_t nf4_code_of_normalized(float v) {
+  return static_cast<uint32_t>(v > -0x1.b239bp-1f) + static_cast<uint32_t>(v > -0x1.38a4ep-1f) +
+         static_cast<uint32_t>(v > -0x1.d709p-2f) + static_cast<uint32_t>(v > -0x1.5bd4ecp-2f) +
+         static_cast<uint32_t>(v > -0x1.e079d8p-3f) + static_cast<uint32_t>(v > -0x1.1a7178p-3f) +
+         static_cast<uint32_t>(v > -0x1.74f0e2p-5f) + static_cast<uint32_t>(v > 0x1.45f5fep-5f) +
+         static_cast<uint32_t>(v > 0x1.ec90c4p-4f) + static_cast<uint32_t>(v > 0x1.a0cfcp-3f) +
+         static_cast<uint32_t>(v > 0x1.2b05a8p-2f) + static_cast<uint32_t>(v > 0x1.8ea7f2p-2f) +
+         static_cast<uint32_t>(v > 0x1.00da08p-1f) + static_cast<uint32_t>(v > 0x1.491b5ep-1f) +
+         static_cast<uint32_t>(v > 0x1.b913b4p-1f);
+}
+
+// The bf16 scale of a group from the bit pattern of its largest |x| (as quant_scale):
+//   NaN/Inf in the group -> canonical bf16 NaN (the group is poisoned)
+//   all zero             -> 1.0
+//   otherwise            -> absmax rounded UP to bf16 (so |x| / scale <= 1 exactly), clamped to
+//                           the largest finite bf16 when that would round to Inf (absmax above
+//                           3.3895e38; those values exceed 1 by < 0.4 % and take code 15).
+// Subnormal absmax gives a subnormal bf16 scale; the division below stays exact-rounded.
+SP_HD uint16_t nf4_scale_bits(uint32_t abs_bits) {
+  if (abs_bits >= kInfBits) return kBf16CanonicalNaN;
+  if (abs_bits == 0) return kBf16One;
+  const uint32_t up = (abs_bits + 0xFFFFu) >> 16;
+  return static_cast<uint16_t>(up > kBf16MaxFinite ? kBf16MaxFinite : up);
+}
+
+// Code of x in a finite group with scale `scale` (the bf16 scale as fp32): one IEEE fp32
+// division (exact-rounded on every implementation; nvcc's default -prec-div=true), then the
+// midpoint compares.
+SP_HD uint32_t nf4_code(float x, float scale) { return nf4_code_of_normalized(x / scale); }
+
 }  // namespace sp::kernels::detail

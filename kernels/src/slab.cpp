@@ -9,6 +9,7 @@
 #include "scalar_math.h"
 #include "sp/kernels/bf16.h"
 #include "sp/kernels/fp8.h"
+#include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
 
 namespace sp::kernels {
@@ -33,18 +34,41 @@ uint64_t align_up(uint64_t value, uint64_t alignment) {
 bool is_known_precision(uint32_t precision) {
   return precision == static_cast<uint32_t>(SlabPrecision::kBf16) ||
          precision == static_cast<uint32_t>(SlabPrecision::kInt8) ||
-         precision == static_cast<uint32_t>(SlabPrecision::kFp8E4M3);
+         precision == static_cast<uint32_t>(SlabPrecision::kFp8E4M3) ||
+         precision == static_cast<uint32_t>(SlabPrecision::kNf4);
 }
 
-uint64_t element_bytes(SlabPrecision precision) {
-  return precision == SlabPrecision::kBf16 ? 2 : 1;
+// Payload bytes of a rows x cols tensor: 2 per element for bf16, 1 for int8/fp8, two 4-bit
+// codes per byte for nf4 (nf4_code_bytes).
+uint64_t payload_bytes(SlabPrecision precision, uint64_t rows, uint64_t cols) {
+  const uint64_t elements = checked_mul(rows, cols);
+  switch (precision) {
+    case SlabPrecision::kBf16: return checked_mul(elements, 2);
+    case SlabPrecision::kNf4: return elements / 2 + elements % 2;
+    case SlabPrecision::kInt8:
+    case SlabPrecision::kFp8E4M3: break;
+  }
+  return elements;
+}
+
+// Bytes of one scale: bf16 for nf4, fp32 otherwise.
+uint64_t scale_bytes(SlabPrecision precision) {
+  return precision == SlabPrecision::kNf4 ? sizeof(uint16_t) : sizeof(float);
 }
 
 // Empty string when the encoding is valid, else what is wrong with it.
 std::string encoding_problem(SlabPrecision precision, uint32_t group_size, Rounding rounding) {
   if (!is_known_precision(static_cast<uint32_t>(precision))) {
     return "unknown precision " + std::to_string(static_cast<uint32_t>(precision)) +
-           " (expected 1 = bf16, 2 = int8, 3 = fp8_e4m3)";
+           " (expected 1 = bf16, 2 = int8, 3 = fp8_e4m3, 4 = nf4)";
+  }
+  if (precision == SlabPrecision::kNf4) {
+    if (!is_supported_nf4_group_size(group_size)) {
+      return "group_size " + std::to_string(group_size) +
+             " is not supported for an nf4 slab (expected 32, 64, 128 or 256)";
+    }
+    if (rounding != Rounding::kNearestEven) return "nf4 slabs support round-to-nearest only";
+    return {};
   }
   if (precision == SlabPrecision::kBf16 && group_size != 0) {
     return "group_size " + std::to_string(group_size) + " given for a bf16 slab (expected 0)";
@@ -88,8 +112,7 @@ SlabPlan plan_slab(SlabPrecision precision, uint32_t group_size, std::size_t n_t
     PlannedTensor &tensor = plan.tensors[i];
     tensor.shape = shape_of(i);
     tensor.data_offset = align_up(cursor, kSlabDataAlignment);
-    tensor.data_bytes =
-        checked_mul(checked_mul(tensor.shape.rows, tensor.shape.cols), element_bytes(precision));
+    tensor.data_bytes = payload_bytes(precision, tensor.shape.rows, tensor.shape.cols);
     cursor = checked_add(tensor.data_offset, tensor.data_bytes);
   }
   if (precision == SlabPrecision::kBf16) {
@@ -103,7 +126,7 @@ SlabPlan plan_slab(SlabPrecision precision, uint32_t group_size, std::size_t n_t
     const uint64_t groups = group_size == 0 ? 1 : (tensor.shape.cols + group_size - 1) / group_size;
     tensor.scale_count = checked_mul(tensor.shape.rows, groups);
     tensor.scales_offset = cursor;
-    cursor = checked_add(cursor, checked_mul(tensor.scale_count, sizeof(float)));
+    cursor = checked_add(cursor, checked_mul(tensor.scale_count, scale_bytes(precision)));
   }
   plan.total_bytes = cursor;
   return plan;
@@ -153,6 +176,7 @@ const char *slab_precision_name(SlabPrecision precision) {
     case SlabPrecision::kBf16: return "bf16";
     case SlabPrecision::kInt8: return "int8";
     case SlabPrecision::kFp8E4M3: return "fp8_e4m3";
+    case SlabPrecision::kNf4: return "nf4";
   }
   return "unknown";
 }
@@ -244,6 +268,11 @@ uint64_t build_slab(const SlabEncoding &encoding, const SlabTensorSource *tensor
         quantize_fp8_e4m3(tensors[i].master, DType::kFloat32, planned.shape.rows,
                           planned.shape.cols, encoding.group_size, data, scales, exec);
         break;
+      case SlabPrecision::kNf4:
+        quantize_nf4(tensors[i].master, DType::kFloat32, planned.shape.rows, planned.shape.cols,
+                     encoding.group_size, data,
+                     reinterpret_cast<uint16_t *>(image + planned.scales_offset), exec);
+        break;
     }
   }
   return plan.total_bytes;
@@ -264,9 +293,10 @@ SlabReadResult read_slab(const uint8_t *image, uint64_t size) {
   }
   const auto header = read_pod<SlabHeader>(image);
   if (header.magic != kSlabMagic) return fail("bad magic (not a slab image)");
-  if (header.version != kSlabVersion) {
+  if (header.version < kSlabOldestReadableVersion || header.version > kSlabVersion) {
     return fail("version " + std::to_string(header.version) + " is not supported (expected " +
-                std::to_string(kSlabVersion) + ")");
+                std::to_string(kSlabOldestReadableVersion) + " to " + std::to_string(kSlabVersion) +
+                ")");
   }
   if (header.header_bytes != sizeof(SlabHeader) || header.entry_bytes != sizeof(SlabTensorEntry)) {
     return fail("header_bytes/entry_bytes are " + std::to_string(header.header_bytes) + "/" +
@@ -275,7 +305,11 @@ SlabReadResult read_slab(const uint8_t *image, uint64_t size) {
   if (header.reserved0 != 0 || header.reserved1 != 0) return fail("header reserved fields are not zero");
   if (!is_known_precision(header.precision)) {
     return fail("precision " + std::to_string(header.precision) +
-                " is unknown (expected 1 = bf16, 2 = int8, 3 = fp8_e4m3)");
+                " is unknown (expected 1 = bf16, 2 = int8, 3 = fp8_e4m3, 4 = nf4)");
+  }
+  if (header.version < 2 && header.precision == static_cast<uint32_t>(SlabPrecision::kNf4)) {
+    return fail("precision 4 = nf4 needs version 2, the image is version " +
+                std::to_string(header.version));
   }
   const auto precision = static_cast<SlabPrecision>(header.precision);
   const std::string problem = encoding_problem(precision, header.group_size, Rounding::kNearestEven);
@@ -395,6 +429,17 @@ void decode_tensor(const uint8_t *image, const SlabView &view, std::size_t index
                                     view.group_size, dst, exec);
       }
       return;
+    case SlabPrecision::kNf4: {
+      const auto *bf16_scales = reinterpret_cast<const uint16_t *>(image + tensor.scales_offset);
+      if constexpr (std::is_same_v<Out, uint16_t>) {
+        dequantize_nf4_to_bf16(data, bf16_scales, tensor.shape.rows, tensor.shape.cols,
+                               view.group_size, dst, exec);
+      } else {
+        dequantize_nf4_to_fp32(data, bf16_scales, tensor.shape.rows, tensor.shape.cols,
+                               view.group_size, dst, exec);
+      }
+      return;
+    }
   }
 }
 

@@ -1,13 +1,18 @@
 // The slab: one block's weights packed into one contiguous buffer, the unit that crosses PCIe.
 //
-// Image layout, version 1 (all integers little-endian, offsets from the image start):
+// Image layout, version 2 (all integers little-endian, offsets from the image start):
 //   SlabHeader                      64 bytes
 //   SlabTensorEntry[tensor_count]   64 bytes each
 //   zero padding to a 256-byte boundary
 //   tensor 0 payload, zero padding to 256, tensor 1 payload, ... (each payload 256-aligned:
-//     bf16 bit patterns for kBf16, int8 codes for kInt8, e4m3 codes for kFp8E4M3)
-//   zero padding to 16 bytes, then the fp32 scales of tensor 0, tensor 1, ... (quantized only)
+//     bf16 bit patterns for kBf16, int8 codes for kInt8, e4m3 codes for kFp8E4M3, packed
+//     4-bit codes for kNf4 (two per byte, sp/kernels/nf4.h; ceil(rows * cols / 2) bytes))
+//   zero padding to 16 bytes, then the scales of tensor 0, tensor 1, ... (quantized only):
+//     fp32 for kInt8 and kFp8E4M3, bf16 bit patterns for kNf4
 // total_bytes covers everything above; slab_image_bytes() returns it before building.
+//
+// Version 2 added kNf4 and nothing else: a version-1 image (bf16, int8 or fp8 only) has the
+// same layout, and read_slab() still accepts it. build_slab() always writes version 2.
 //
 // A reader on the GPU side applies the same offsets to the device copy of the image.
 #pragma once
@@ -25,21 +30,24 @@ enum class SlabPrecision : uint32_t {
   kBf16 = 1,
   kInt8 = 2,
   kFp8E4M3 = 3,
+  kNf4 = 4,  // version 2 and later
 };
 
 const char *slab_precision_name(SlabPrecision precision);
 
 constexpr uint32_t kSlabMagic = 0x42414C53u;  // "SLAB" read as little-endian bytes
-constexpr uint16_t kSlabVersion = 1;
+constexpr uint16_t kSlabVersion = 2;           // what build_slab() writes
+constexpr uint16_t kSlabOldestReadableVersion = 1;  // read_slab() accepts 1 and 2
 constexpr uint64_t kSlabDataAlignment = 256;
 constexpr uint64_t kSlabScaleAlignment = 16;
 
 struct SlabHeader {
   uint32_t magic;          // kSlabMagic
-  uint16_t version;        // kSlabVersion
+  uint16_t version;        // kSlabVersion (1 is still read: no kNf4)
   uint16_t header_bytes;   // sizeof(SlabHeader)
   uint32_t precision;      // SlabPrecision
-  uint32_t group_size;     // 0 = per row; quantized precisions only (0 for kBf16)
+  uint32_t group_size;     // 0 = per row; quantized precisions only (0 for kBf16; kNf4 needs
+                           // 32, 64, 128 or 256)
   uint32_t tensor_count;
   uint32_t entry_bytes;    // sizeof(SlabTensorEntry)
   uint64_t total_bytes;    // size of the whole image
@@ -55,9 +63,11 @@ struct SlabTensorEntry {
   uint64_t rows;
   uint64_t cols;
   uint64_t data_offset;    // 256-aligned
-  uint64_t data_bytes;     // rows * cols * element size
-  uint64_t scales_offset;  // 16-aligned for the first tensor, 4-aligned after; 0 when none
-  uint64_t scale_count;    // scale_count(rows, cols, group_size); 0 for kBf16
+  uint64_t data_bytes;     // rows * cols * element size; nf4_code_bytes(rows, cols) for kNf4
+  uint64_t scales_offset;  // 16-aligned for the first tensor, then scale-size-aligned (4, or 2
+                           // for kNf4); 0 when none
+  uint64_t scale_count;    // scale_count(rows, cols, group_size), nf4_scale_count for kNf4;
+                           // 0 for kBf16
   uint64_t reserved[2];    // zero
 };
 static_assert(sizeof(SlabTensorEntry) == 64, "slab entry layout is part of the format");
@@ -70,14 +80,16 @@ struct TensorShape {
 
 struct SlabEncoding {
   SlabPrecision precision = SlabPrecision::kBf16;
-  uint32_t group_size = 0;  // kInt8 / kFp8E4M3: 0 = per row, else one of kSupportedGroupSizes
-  Rounding rounding = Rounding::kNearestEven;  // kBf16 and kInt8; kFp8E4M3 is always RNE
+  uint32_t group_size = 0;  // kInt8 / kFp8E4M3: 0 = per row, else one of kSupportedGroupSizes;
+                            // kNf4: 32, 64, 128 or 256 (kNf4DefaultGroupSize = 64)
+  Rounding rounding = Rounding::kNearestEven;  // kBf16 and kInt8; kFp8E4M3 and kNf4 are RNE only
   uint64_t seed = 0;  // stochastic rounding: tensor i uses a seed derived from (seed, i)
 };
 
 // Exact size in bytes of the image build_slab() writes for these shapes.
 // Throws std::invalid_argument for a bad encoding (unknown precision, unsupported group size,
-// group size with kBf16, stochastic rounding with kFp8E4M3) or a size overflow.
+// group size with kBf16, group size 0 with kNf4, stochastic rounding with kFp8E4M3 or kNf4) or
+// a size overflow.
 uint64_t slab_image_bytes(const SlabEncoding &encoding, const TensorShape *shapes,
                           std::size_t n_tensors);
 
@@ -117,8 +129,8 @@ struct SlabReadResult {
   SlabView view;
 };
 
-// Validates an image of `size` bytes: magic, version, struct sizes, the table checksum,
-// precision, group size, every offset and size in bounds, aligned, consistent with the shapes
+// Validates an image of `size` bytes: magic, version (1 or 2; kNf4 needs 2), struct sizes, the
+// table checksum, precision, group size, every offset and size in bounds, aligned, consistent with the shapes
 // and non-overlapping, reserved fields zero, total_bytes == size. Never reads outside
 // [image, image + size). The checksum covers the header and the entry table (every offset the
 // reader trusts), not the payload: hashing the payload would cost a pass over the bytes that

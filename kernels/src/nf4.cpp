@@ -1,0 +1,213 @@
+// NF4 quantization on the CPU: argument checks, dispatch to the reference, and the vectorized
+// multi-threaded implementation (restrict loops over the shared scalar functions of
+// scalar_math.h; compiled with -O3 so GCC vectorizes them).
+#include "sp/kernels/nf4.h"
+
+#include <algorithm>
+#include <array>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "elements.h"
+#include "parallel.h"
+#include "quantize_arguments.h"
+#include "reference.h"
+#include "scalar_math.h"
+#include "simd.h"
+
+namespace sp::kernels {
+
+const float kNf4Levels[16] = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+
+namespace {
+
+constexpr std::size_t kMinElementsPerThread = 1 << 15;
+
+using detail::Bf16Bits;
+using detail::to_float;
+
+template <typename In>
+SP_SIMD_CLONES uint32_t max_abs_bits(const In *__restrict src, std::size_t n) {
+  int32_t result = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto bits = static_cast<int32_t>(detail::float_bits(to_float(src[i])) & detail::kAbsMask);
+    result = bits > result ? bits : result;
+  }
+  return static_cast<uint32_t>(result);
+}
+
+// One code per byte into `out` (packed afterwards).
+template <typename In>
+SP_SIMD_CLONES void encode_nf4(const In *__restrict src, std::size_t n, float scale,
+                               uint8_t *__restrict out) {
+  for (std::size_t i = 0; i < n; ++i) {
+    out[i] = static_cast<uint8_t>(detail::nf4_code(to_float(src[i]), scale));
+  }
+}
+
+// Packs n one-per-byte codes of elements [first, first + n) into nibbles. When `first` is odd
+// the low nibble of the first byte belongs to the previous element, written earlier by the
+// same thread (ranges start at even elements), and is kept. When first + n is odd the high
+// nibble of the last byte is written as zero (the next row, if any, ORs its first code in).
+SP_SIMD_CLONES void pack_nibbles(const uint8_t *__restrict one_per_byte, std::size_t n,
+                                 std::size_t first, uint8_t *__restrict codes) {
+  std::size_t i = 0;
+  if (first % 2 == 1 && n > 0) {
+    uint8_t &byte = codes[first / 2];
+    byte = static_cast<uint8_t>((byte & 0x0Fu) | (one_per_byte[0] << 4));
+    i = 1;
+  }
+  uint8_t *__restrict out = codes + (first + i) / 2;
+  const std::size_t pairs = (n - i) / 2;
+  const uint8_t *__restrict in = one_per_byte + i;
+  for (std::size_t j = 0; j < pairs; ++j) {
+    out[j] = static_cast<uint8_t>(in[2 * j] | (in[2 * j + 1] << 4));
+  }
+  if ((n - i) % 2 == 1) out[pairs] = in[2 * pairs];
+}
+
+template <typename In>
+void quantize_rows(const In *src, std::size_t rows, std::size_t cols, uint32_t group_size,
+                   uint8_t *codes, uint16_t *scales, const CpuExec &exec) {
+  const std::size_t groups = (cols + group_size - 1) / group_size;
+  // With odd cols a byte straddles rows r and r + 1 for even r, so ranges hold row pairs:
+  // every range then starts at an even element and no byte is written by two threads.
+  const std::size_t rows_per_unit = cols % 2 == 0 ? 1 : 2;
+  const std::size_t units = (rows + rows_per_unit - 1) / rows_per_unit;
+  const std::size_t min_units =
+      std::max<std::size_t>(1, kMinElementsPerThread / std::max<std::size_t>(1, cols * rows_per_unit));
+  detail::parallel_ranges(units, exec, min_units, [&](std::size_t unit_begin, std::size_t unit_end) {
+    std::vector<uint8_t> row_codes(cols);
+    const std::size_t row_end = std::min(rows, unit_end * rows_per_unit);
+    for (std::size_t r = unit_begin * rows_per_unit; r < row_end; ++r) {
+      for (std::size_t g = 0; g < groups; ++g) {
+        const std::size_t column = g * group_size;
+        const std::size_t first = r * cols + column;
+        const std::size_t n = std::min<std::size_t>(group_size, cols - column);
+        const uint16_t scale_bits = detail::nf4_scale_bits(max_abs_bits(src + first, n));
+        scales[r * groups + g] = scale_bits;
+        if (scale_bits == detail::kBf16CanonicalNaN) {
+          std::fill(row_codes.begin() + column, row_codes.begin() + column + n,
+                    static_cast<uint8_t>(detail::kNf4ZeroCode));
+        } else {
+          encode_nf4(src + first, n, detail::bf16_bits_to_float(scale_bits), row_codes.data() + column);
+        }
+      }
+      pack_nibbles(row_codes.data(), cols, r * cols, codes);
+    }
+  });
+}
+
+inline void store(float x, float *dst) { *dst = x; }
+inline void store(float x, uint16_t *dst) { *dst = detail::bf16_round_nearest_even(x); }
+
+// Elements [first, first + n) of one group, through a 16-entry table of level * scale (the
+// same fp32 product the per-element formula computes, and its bf16 rounding for bf16 output).
+template <typename Out>
+SP_SIMD_CLONES void dequantize_segment(const uint8_t *__restrict codes, std::size_t first,
+                                       std::size_t n, const Out *__restrict table,
+                                       Out *__restrict dst) {
+  std::size_t i = 0;
+  if (first % 2 == 1 && n > 0) {
+    dst[0] = table[codes[first / 2] >> 4];
+    i = 1;
+  }
+  const uint8_t *__restrict in = codes + (first + i) / 2;
+  Out *__restrict out = dst + i;
+  const std::size_t pairs = (n - i) / 2;
+  for (std::size_t j = 0; j < pairs; ++j) {
+    const uint8_t byte = in[j];
+    out[2 * j] = table[byte & 0x0Fu];
+    out[2 * j + 1] = table[byte >> 4];
+  }
+  if ((n - i) % 2 == 1) out[2 * pairs] = table[in[pairs] & 0x0Fu];
+}
+
+template <typename Out>
+void dequantize_rows(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
+                     std::size_t cols, uint32_t group_size, Out *dst, const CpuExec &exec) {
+  const std::size_t groups = (cols + group_size - 1) / group_size;
+  std::array<float, 16> levels{};
+  for (uint32_t k = 0; k < 16; ++k) levels[k] = detail::nf4_level(k);
+  const std::size_t min_rows = std::max<std::size_t>(1, kMinElementsPerThread / std::max<std::size_t>(1, cols));
+  detail::parallel_ranges(rows, exec, min_rows, [&](std::size_t row_begin, std::size_t row_end) {
+    Out table[16];
+    for (std::size_t r = row_begin; r < row_end; ++r) {
+      for (std::size_t g = 0; g < groups; ++g) {
+        const float scale = detail::bf16_bits_to_float(scales[r * groups + g]);
+        for (uint32_t k = 0; k < 16; ++k) store(levels[k] * scale, table + k);
+        const std::size_t first = r * cols + g * group_size;
+        const std::size_t n = std::min<std::size_t>(group_size, cols - g * group_size);
+        dequantize_segment(codes, first, n, table, dst + first);
+      }
+    }
+  });
+}
+
+template <typename Out>
+void dequantize(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+                uint32_t group_size, Out *dst, const CpuExec &exec, const char *function) {
+  detail::check_nf4_dequantize_arguments(codes, scales, rows, cols, group_size, dst, function);
+  if (rows == 0 || cols == 0) return;
+  if (exec.impl == CpuImpl::kReference) {
+    if constexpr (std::is_same_v<Out, uint16_t>) {
+      reference::dequantize_nf4(codes, scales, rows, cols, group_size, dst, nullptr);
+    } else {
+      reference::dequantize_nf4(codes, scales, rows, cols, group_size, nullptr, dst);
+    }
+    return;
+  }
+  dequantize_rows(codes, scales, rows, cols, group_size, dst, exec);
+}
+
+}  // namespace
+
+bool is_supported_nf4_group_size(uint32_t group_size) {
+  return group_size == 32 || group_size == 64 || group_size == 128 || group_size == 256;
+}
+
+std::size_t nf4_code_bytes(std::size_t rows, std::size_t cols) { return (rows * cols + 1) / 2; }
+
+std::size_t nf4_scale_count(std::size_t rows, std::size_t cols, uint32_t group_size) {
+  if (!is_supported_nf4_group_size(group_size)) {
+    throw std::invalid_argument("nf4_scale_count: group_size " + std::to_string(group_size) +
+                                " is not supported for NF4 (expected 32, 64, 128 or 256)");
+  }
+  return rows * ((cols + group_size - 1) / group_size);
+}
+
+void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
+                  uint32_t group_size, uint8_t *codes, uint16_t *scales, const CpuExec &exec) {
+  detail::check_nf4_quantize_arguments(src, src_dtype, rows, cols, group_size, codes, scales,
+                                       "quantize_nf4");
+  if (rows == 0 || cols == 0) return;
+  if (exec.impl == CpuImpl::kReference) {
+    reference::quantize_nf4(src, src_dtype, rows, cols, group_size, codes, scales);
+    return;
+  }
+  if (src_dtype == DType::kFloat32) {
+    quantize_rows(static_cast<const float *>(src), rows, cols, group_size, codes, scales, exec);
+  } else {
+    quantize_rows(static_cast<const Bf16Bits *>(src), rows, cols, group_size, codes, scales, exec);
+  }
+}
+
+void dequantize_nf4_to_bf16(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
+                            std::size_t cols, uint32_t group_size, uint16_t *dst,
+                            const CpuExec &exec) {
+  dequantize(codes, scales, rows, cols, group_size, dst, exec, "dequantize_nf4_to_bf16");
+}
+
+void dequantize_nf4_to_fp32(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
+                            std::size_t cols, uint32_t group_size, float *dst,
+                            const CpuExec &exec) {
+  dequantize(codes, scales, rows, cols, group_size, dst, exec, "dequantize_nf4_to_fp32");
+}
+
+}  // namespace sp::kernels

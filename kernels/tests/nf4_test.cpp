@@ -1,0 +1,364 @@
+#include "sp/kernels/nf4.h"
+
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <vector>
+
+#include "scalar_math.h"
+#include "sp/kernels/relative_error.h"
+#include "test_support.h"
+
+namespace sp::kernels {
+namespace {
+
+using testing::Shape;
+
+// The published NF4 values (QLoRA, Dettmers et al. 2023, Appendix E; bitsandbytes csrc).
+constexpr double kPublished[16] = {
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0};
+
+struct Quantized {
+  std::vector<uint8_t> codes;
+  std::vector<uint16_t> scales;
+  std::vector<uint16_t> bf16;
+  std::vector<float> fp32;
+};
+
+Quantized round_trip(const void *src, DType dtype, Shape shape, uint32_t group, const CpuExec &exec) {
+  Quantized out;
+  const std::size_t n = shape.rows * shape.cols;
+  out.codes.assign(nf4_code_bytes(shape.rows, shape.cols), uint8_t{0xA5});
+  out.scales.assign(nf4_scale_count(shape.rows, shape.cols, group), uint16_t{0xDEAD});
+  out.bf16.assign(n, 0xDEAD);
+  out.fp32.assign(n, -1.0f);
+  quantize_nf4(src, dtype, shape.rows, shape.cols, group, out.codes.data(), out.scales.data(), exec);
+  dequantize_nf4_to_bf16(out.codes.data(), out.scales.data(), shape.rows, shape.cols, group, out.bf16.data(), exec);
+  dequantize_nf4_to_fp32(out.codes.data(), out.scales.data(), shape.rows, shape.cols, group, out.fp32.data(), exec);
+  return out;
+}
+
+Quantized round_trip(const std::vector<float> &x, Shape shape, uint32_t group, const CpuExec &exec = {}) {
+  return round_trip(x.data(), DType::kFloat32, shape, group, exec);
+}
+
+unsigned code_at(const std::vector<uint8_t> &codes, std::size_t e) {
+  return e % 2 == 0 ? codes[e / 2] & 0x0Fu : codes[e / 2] >> 4;
+}
+
+float bf16_value(uint16_t bits) { return detail::bf16_bits_to_float(bits); }
+
+constexpr uint32_t kGroups[] = {32, 64, 128, 256};
+
+TEST(Nf4, LevelsAreThePublishedTable) {
+  for (unsigned k = 0; k < 16; ++k) {
+    EXPECT_EQ(static_cast<double>(kNf4Levels[k]), kPublished[k]) << k;  // exact in fp32
+    EXPECT_TRUE(testing::same_bits(kNf4Levels[k], detail::nf4_level(k))) << k;
+    if (k > 0) {
+      EXPECT_LT(kNf4Levels[k - 1], kNf4Levels[k]);
+    }
+  }
+  // The compare chain's thresholds are the fp32-rounded exact midpoints.
+  for (unsigned k = 0; k < 15; ++k) {
+    const float mid = static_cast<float>((kPublished[k] + kPublished[k + 1]) / 2.0);
+    EXPECT_EQ(detail::nf4_code_of_normalized(mid), k) << "tie at midpoint " << k << " goes down";
+    EXPECT_EQ(detail::nf4_code_of_normalized(std::nextafter(mid, 2.0f)), k + 1) << k;
+  }
+  EXPECT_EQ(detail::nf4_code_of_normalized(-1.5f), 0u);
+  EXPECT_EQ(detail::nf4_code_of_normalized(1.0001f), 15u);
+  EXPECT_EQ(detail::nf4_code_of_normalized(0.0f), 7u);
+  EXPECT_EQ(detail::nf4_code_of_normalized(-0.0f), 7u);
+}
+
+TEST(Nf4, VectorizedMatchesReferenceBitForBit) {
+  std::vector<Shape> shapes = testing::odd_shapes();
+  shapes.push_back({300, 301});  // odd cols, split across threads in row pairs
+  shapes.push_back({301, 256});
+  for (const Shape shape : shapes) {
+    const std::vector<float> fp32 = testing::special_matrix(shape.rows, shape.cols, 17);
+    std::vector<uint16_t> bf16(fp32.size());
+    for (std::size_t i = 0; i < fp32.size(); ++i) bf16[i] = testing::bf16_truncate(fp32[i]);
+    for (const uint32_t group : kGroups) {
+      for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+        const void *src = dtype == DType::kFloat32 ? static_cast<const void *>(fp32.data())
+                                                   : static_cast<const void *>(bf16.data());
+        const Quantized expected = round_trip(src, dtype, shape, group, CpuExec{CpuImpl::kReference, 1});
+        for (const CpuExec &exec : testing::fast_execs()) {
+          const std::string what = std::to_string(shape.rows) + "x" + std::to_string(shape.cols) + " group " +
+                                   std::to_string(group) + " " + dtype_name(dtype) + " " + testing::exec_name(exec);
+          const Quantized actual = round_trip(src, dtype, shape, group, exec);
+          ASSERT_EQ(expected.codes, actual.codes) << what;
+          ASSERT_EQ(expected.scales, actual.scales) << what;
+          ASSERT_EQ(expected.bf16, actual.bf16) << what;
+          ASSERT_TRUE(testing::same_bits(expected.fp32, actual.fp32)) << what;
+        }
+      }
+    }
+  }
+}
+
+TEST(Nf4, PackingIsLowNibbleFirstOverTheFlatTensor) {
+  // 3 x 3, group 32, one scale per row; row maxima 1 so x / scale = x.
+  const std::vector<float> x = {1.0f, 0.0f, -1.0f,   // codes 15, 7, 0
+                                0.1f, 1.0f, -0.5f,   // 8, 15, 2
+                                -0.2f, 0.3f, 1.0f};  // 5, 11, 15
+  for (const CpuExec exec : {CpuExec{CpuImpl::kReference, 1}, CpuExec{}}) {
+    const Quantized q = round_trip(x, Shape{3, 3}, 32, exec);
+    ASSERT_EQ(q.codes.size(), 5u);
+    EXPECT_EQ(q.codes, (std::vector<uint8_t>{0x7F, 0x80, 0x2F, 0xB5, 0x0F})) << testing::exec_name(exec);
+    EXPECT_EQ(q.scales, (std::vector<uint16_t>{0x3F80, 0x3F80, 0x3F80}));
+  }
+  // The last byte's high nibble of an odd-sized tensor is zero, whatever the buffer held.
+  const std::vector<float> y = testing::gaussian(257 * 259, 3);
+  const Quantized q = round_trip(y, Shape{257, 259}, 64);
+  EXPECT_EQ(q.codes.back() >> 4, 0u);
+}
+
+TEST(Nf4, EveryCodeIsANearestLevel) {
+  // Group max 1 -> scale 1 -> v = x exactly. Away from the fp32 midpoints, the chosen level is
+  // the nearest in exact arithmetic; at a midpoint (a tie after fp32 rounding) it is the lower.
+  std::vector<float> x;
+  for (int i = -20000; i <= 20000; ++i) x.push_back(static_cast<float>(i) / 20000.0f);
+  for (unsigned k = 0; k < 15; ++k) {
+    const float mid = static_cast<float>((kPublished[k] + kPublished[k + 1]) / 2.0);
+    x.push_back(mid);
+    x.push_back(std::nextafter(mid, -2.0f));
+    x.push_back(std::nextafter(mid, 2.0f));
+  }
+  std::vector<float> with_max;  // groups of 32: element 0 of each group is 1.0
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    if (with_max.size() % 32 == 0) with_max.push_back(1.0f);
+    with_max.push_back(x[i]);
+  }
+  const Quantized q = round_trip(with_max, Shape{1, with_max.size()}, 32);
+  for (const uint16_t s : q.scales) ASSERT_EQ(s, 0x3F80);
+  for (std::size_t e = 0; e < with_max.size(); ++e) {
+    const double v = with_max[e];
+    const unsigned code = code_at(q.codes, e);
+    double best = std::numeric_limits<double>::infinity();
+    for (const double level : kPublished) best = std::min(best, std::fabs(level - v));
+    const double distance = std::fabs(kPublished[code] - v);
+    if (distance != best) {
+      // Only allowed at an fp32 midpoint, where the lower code wins.
+      ASSERT_TRUE(code < 15 && static_cast<float>(v) == static_cast<float>((kPublished[code] + kPublished[code + 1]) / 2.0))
+          << "x = " << v << " code " << code;
+    }
+    ASSERT_TRUE(testing::same_bits(q.fp32[e], kNf4Levels[code])) << e;
+  }
+}
+
+TEST(Nf4, ZeroNonFiniteHugeAndTinyGroups) {
+  const Shape shape{8, 67};  // groups of 32: 32 + 32 + 3 per row
+  const std::vector<float> x = testing::special_matrix(shape.rows, shape.cols, 5);
+  for (const CpuExec exec : {CpuExec{CpuImpl::kReference, 1}, CpuExec{CpuImpl::kVectorized, 2}}) {
+    SCOPED_TRACE(testing::exec_name(exec));
+    const Quantized q = round_trip(x, shape, 32, exec);
+    const std::size_t groups = 3;
+    // Row 0 all zero: scale 1.0, every code 7 (level 0), +0.0 back.
+    for (std::size_t g = 0; g < groups; ++g) EXPECT_EQ(q.scales[g], 0x3F80);
+    for (std::size_t c = 0; c < shape.cols; ++c) {
+      EXPECT_EQ(code_at(q.codes, c), 7u);
+      EXPECT_TRUE(testing::same_bits(q.fp32[c], 0.0f));
+      EXPECT_EQ(q.bf16[c], 0x0000);
+    }
+    // Rows 1-3: the group holding NaN / +Inf / -Inf is poisoned (NaN scale, codes 7, NaN back);
+    // the other groups of the row are not.
+    const std::size_t bad_col[4] = {0, shape.cols / 2, shape.cols - 1, 0};
+    for (std::size_t r = 1; r <= 3; ++r) {
+      for (std::size_t g = 0; g < groups; ++g) {
+        const bool poisoned = bad_col[r] / 32 == g;
+        EXPECT_EQ(q.scales[r * groups + g] == 0x7FFF, poisoned) << "row " << r << " group " << g;
+        for (std::size_t c = g * 32; c < std::min<std::size_t>(shape.cols, (g + 1) * 32); ++c) {
+          const std::size_t e = r * shape.cols + c;
+          EXPECT_EQ(std::isnan(q.fp32[e]), poisoned) << e;
+          EXPECT_EQ(q.bf16[e] == 0x7FFF, poisoned) << e;
+          if (poisoned) {
+            EXPECT_EQ(code_at(q.codes, e), 7u) << e;
+          }
+        }
+      }
+    }
+    // Finite rows (huge 1e30, tiny 1e-30, subnormal 1e-40, Gaussian): the scale is the smallest
+    // bf16 >= absmax, |x / scale| <= 1, the largest |x| takes code 0 or 15, and every element
+    // is within half the widest level gap (0.152 x scale) of its value.
+    for (std::size_t r = 4; r < shape.rows; ++r) {
+      for (std::size_t g = 0; g < groups; ++g) {
+        const std::size_t begin = r * shape.cols + g * 32;
+        const std::size_t end = r * shape.cols + std::min<std::size_t>(shape.cols, (g + 1) * 32);
+        float absmax = 0.0f;
+        std::size_t arg = begin;
+        for (std::size_t e = begin; e < end; ++e) {
+          if (std::fabs(x[e]) > absmax) absmax = std::fabs(x[e]), arg = e;
+        }
+        const uint16_t s = q.scales[r * groups + g];
+        const float scale = bf16_value(s);
+        EXPECT_GE(scale, absmax) << "row " << r;
+        EXPECT_LT(bf16_value(static_cast<uint16_t>(s - 1)), absmax) << "row " << r;
+        // (With a subnormal absmax the bf16 scale is coarser than that: see SubnormalGroups.)
+        if (absmax >= FLT_MIN) {
+          EXPECT_EQ(code_at(q.codes, arg), x[arg] > 0 ? 15u : 0u) << "row " << r;
+        }
+        for (std::size_t e = begin; e < end; ++e) {
+          EXPECT_LE(std::fabs(x[e] / scale), 1.0f);
+          EXPECT_LE(std::fabs(static_cast<double>(q.fp32[e]) - x[e]), 0.1525 * scale) << "row " << r << " e " << e;
+        }
+      }
+    }
+  }
+}
+
+TEST(Nf4, ScaleClampsBelowBf16Infinity) {
+  // absmax above the largest finite bf16 (3.3895e38): scale = 0x7F7F, the value takes code 15
+  // and dequantizes to that finite maximum instead of Inf.
+  const std::vector<float> x = {FLT_MAX, -FLT_MAX, 3.0e38f, 1.0f};
+  for (const CpuExec exec : {CpuExec{CpuImpl::kReference, 1}, CpuExec{}}) {
+    const Quantized q = round_trip(x, Shape{1, 4}, 32, exec);
+    EXPECT_EQ(q.scales[0], 0x7F7F);
+    EXPECT_EQ(code_at(q.codes, 0), 15u);
+    EXPECT_EQ(code_at(q.codes, 1), 0u);
+    EXPECT_EQ(code_at(q.codes, 2), 15u);
+    EXPECT_EQ(code_at(q.codes, 3), 7u);
+    EXPECT_EQ(q.fp32[0], bf16_value(0x7F7F));
+    EXPECT_EQ(q.fp32[1], -bf16_value(0x7F7F));
+    EXPECT_TRUE(std::isfinite(q.fp32[0]));
+  }
+}
+
+TEST(Nf4, SubnormalGroupsKeepTheirCodes) {
+  // absmax 1e-40 (fp32 subnormal, 71362 x 2^-149): the bf16 scale is the next bf16 subnormal up,
+  // 2 x 2^-133 = 131072 x 2^-149, and the division stays exact-rounded, so the group is not
+  // flushed to zero; its resolution is coarser (the largest |x| lands at 0.544 -> code 13).
+  const std::vector<float> x = {1e-40f, -5e-41f, 2e-41f, 0.0f, FLT_TRUE_MIN};
+  const Quantized q = round_trip(x, Shape{1, x.size()}, 32);
+  EXPECT_EQ(q.scales[0], 0x0002);
+  EXPECT_EQ(code_at(q.codes, 0), 13u);
+  EXPECT_EQ(q.fp32[0], kNf4Levels[13] * bf16_value(0x0002));
+  EXPECT_NE(q.fp32[0], 0.0f);
+  EXPECT_LT(q.fp32[1], 0.0f);
+  const Quantized reference = round_trip(x, Shape{1, x.size()}, 32, CpuExec{CpuImpl::kReference, 1});
+  EXPECT_EQ(q.codes, reference.codes);
+  EXPECT_TRUE(testing::same_bits(q.fp32, reference.fp32));
+}
+
+// --- Quality: relative RMS error of dequant(quant(x)) vs x, and the fp32-scale counterfactual.
+
+// The same arithmetic with an fp32 scale = absmax (no bf16 rounding), written locally to
+// measure what bf16 scales cost; not a product code path.
+std::vector<float> fp32_scale_round_trip(const std::vector<float> &x, std::size_t cols, uint32_t group) {
+  std::vector<float> out(x.size());
+  for (std::size_t r = 0; r < x.size() / cols; ++r) {
+    for (std::size_t c0 = 0; c0 < cols; c0 += group) {
+      const std::size_t begin = r * cols + c0, end = r * cols + std::min<std::size_t>(cols, c0 + group);
+      float absmax = 0.0f;
+      for (std::size_t e = begin; e < end; ++e) absmax = std::max(absmax, std::fabs(x[e]));
+      const float scale = absmax == 0.0f ? 1.0f : absmax;
+      for (std::size_t e = begin; e < end; ++e) {
+        out[e] = kNf4Levels[detail::nf4_code_of_normalized(x[e] / scale)] * scale;
+      }
+    }
+  }
+  return out;
+}
+
+struct Errors {
+  double bf16_scales;
+  double fp32_scales;
+};
+
+Errors measure(const std::vector<float> &x, std::size_t cols, uint32_t group) {
+  const Quantized q = round_trip(x, Shape{x.size() / cols, cols}, group);
+  const std::vector<float> f = fp32_scale_round_trip(x, cols, group);
+  return {relative_error(x.data(), DType::kFloat32, q.fp32.data(), DType::kFloat32, x.size()),
+          relative_error(x.data(), DType::kFloat32, f.data(), DType::kFloat32, x.size())};
+}
+
+TEST(Nf4, QualityBoundsOnSeededWeights) {
+  const std::size_t rows = 256, cols = 1024;
+  const std::vector<float> gaussian = testing::gaussian(rows * cols, 2024, 0.02f);
+  const std::vector<float> heavy = testing::student_t3(rows * cols, 2025);
+  // Bounds just above the values measured at the commit that set them (docs/kernels.md, "NF4").
+  struct Bound {
+    uint32_t group;
+    double gaussian;
+    double student_t3;
+  };
+  // Measured (bf16 scales): Gaussian 0.0876 / 0.0920 / 0.0956 / 0.0987, Student-t(3) 0.1020 /
+  // 0.1239 / 0.1506 / 0.1834 for G = 32 / 64 / 128 / 256.
+  const Bound bounds[] = {{32, 0.0890, 0.1040}, {64, 0.0935, 0.1260}, {128, 0.0970, 0.1530}, {256, 0.1000, 0.1860}};
+  double previous_gaussian = 0.0;
+  for (const Bound &bound : bounds) {
+    const Errors g = measure(gaussian, cols, bound.group);
+    const Errors t = measure(heavy, cols, bound.group);
+    std::printf("NF4 group %3u  gaussian %.4f (fp32 scales %.4f)  student-t3 %.4f (fp32 scales %.4f)\n",
+                bound.group, g.bf16_scales, g.fp32_scales, t.bf16_scales, t.fp32_scales);
+    EXPECT_LE(g.bf16_scales, bound.gaussian) << bound.group;
+    EXPECT_LE(t.bf16_scales, bound.student_t3) << bound.group;
+    // Rounding the scale up to bf16 costs at most 0.001 of relative error (measured: 0.0001 to
+    // 0.0004), about 0.1-0.3 % of the NF4 error itself.
+    EXPECT_LE(g.bf16_scales - g.fp32_scales, 0.001) << bound.group;
+    EXPECT_LE(t.bf16_scales - t.fp32_scales, 0.001) << bound.group;
+    // Larger groups never gain accuracy on the same data.
+    EXPECT_GT(g.bf16_scales, previous_gaussian);
+    previous_gaussian = g.bf16_scales;
+  }
+}
+
+TEST(Nf4, Bf16ScalesKeepGroup32Under030OfBf16Bytes) {
+  // Per element: 0.5 byte of code + scale bytes / G, against 2 bytes of bf16.
+  for (const uint32_t group : kGroups) {
+    const std::size_t rows = 1024, cols = 1024, n = rows * cols;
+    const double bf16 = 2.0 * static_cast<double>(n);
+    const double codes = static_cast<double>(nf4_code_bytes(rows, cols));
+    const double scales = static_cast<double>(nf4_scale_count(rows, cols, group));
+    const double with_bf16_scales = (codes + 2.0 * scales) / bf16;
+    const double with_fp32_scales = (codes + 4.0 * scales) / bf16;
+    std::printf("NF4 group %3u  bytes / bf16: bf16 scales %.4f, fp32 scales %.4f\n", group, with_bf16_scales,
+                with_fp32_scales);
+    EXPECT_LE(with_bf16_scales, 0.30) << group;
+    if (group == 32) {
+      EXPECT_GT(with_fp32_scales, 0.30);
+    }
+  }
+}
+
+TEST(Nf4, SizesFollowTheLayout) {
+  EXPECT_EQ(nf4_code_bytes(0, 5), 0u);
+  EXPECT_EQ(nf4_code_bytes(1, 7), 4u);
+  EXPECT_EQ(nf4_code_bytes(257, 259), (257u * 259u + 1) / 2);
+  EXPECT_EQ(nf4_scale_count(3, 100, 32), 12u);
+  EXPECT_EQ(nf4_scale_count(3, 128, 128), 3u);
+  EXPECT_EQ(nf4_scale_count(3, 129, 128), 6u);
+  EXPECT_THROW(nf4_scale_count(3, 100, 0), std::invalid_argument);
+  EXPECT_THROW(nf4_scale_count(3, 100, 48), std::invalid_argument);
+  EXPECT_TRUE(is_supported_nf4_group_size(kNf4DefaultGroupSize));
+  EXPECT_FALSE(is_supported_nf4_group_size(0));
+}
+
+TEST(Nf4, RejectsBadArguments) {
+  std::vector<float> x(64, 1.0f);
+  std::vector<uint8_t> codes(32);
+  std::vector<uint16_t> scales(2);
+  EXPECT_THROW(quantize_nf4(x.data(), DType::kFloat32, 1, 64, 0, codes.data(), scales.data()), std::invalid_argument);
+  EXPECT_THROW(quantize_nf4(x.data(), DType::kFloat32, 1, 64, 48, codes.data(), scales.data()), std::invalid_argument);
+  EXPECT_THROW(quantize_nf4(x.data(), DType::kFloat16, 1, 64, 32, codes.data(), scales.data()), std::invalid_argument);
+  EXPECT_THROW(quantize_nf4(nullptr, DType::kFloat32, 1, 64, 32, codes.data(), scales.data()), std::invalid_argument);
+  EXPECT_THROW(quantize_nf4(x.data(), DType::kFloat32, 1, 64, 32, codes.data(), nullptr), std::invalid_argument);
+  EXPECT_THROW(dequantize_nf4_to_fp32(codes.data(), nullptr, 1, 64, 32, x.data()), std::invalid_argument);
+  EXPECT_THROW(dequantize_nf4_to_bf16(codes.data(), scales.data(), 1, 64, 100, nullptr), std::invalid_argument);
+  EXPECT_THROW(quantize_nf4(x.data(), DType::kFloat32, SIZE_MAX, 2, 32, codes.data(), scales.data()),
+               std::invalid_argument);
+  // Empty tensors need no buffers.
+  EXPECT_NO_THROW(quantize_nf4(nullptr, DType::kFloat32, 0, 64, 32, nullptr, nullptr));
+  EXPECT_NO_THROW(dequantize_nf4_to_bf16(nullptr, nullptr, 5, 0, 32, nullptr));
+}
+
+}  // namespace
+}  // namespace sp::kernels
