@@ -6,7 +6,7 @@
 //   --backend cuda  the CUDA backend; the limit is raw cudaMemcpyAsync from pinned memory.
 //
 // Figures (per block size): raw copy bandwidth; BF16 path bandwidth and its ratio to raw;
-// INT8 path time (copy + dequant) as a ratio of the BF16 path time; the INT8 wire ratio.
+// INT8 and NF4 path times (copy + dequant) as ratios of the BF16 path time; their wire ratios.
 // Then a synthetic forward+backward loop whose compute per block is 1.5x the block's BF16
 // transfer time: the exposed transfer is the step time beyond the compute-only loop.
 #include <chrono>
@@ -65,6 +65,8 @@ std::unique_ptr<SyntheticBlocks> bench_model(std::uint32_t num_blocks, std::uint
 std::uint64_t image_bytes(const SyntheticBlocks &model, sp::kernels::SlabPrecision precision) {
   sp::kernels::SlabEncoding encoding;
   encoding.precision = precision;
+  // The engine's defaults (StreamingConfig): INT8 per row, NF4 in groups of 64.
+  if (precision == sp::kernels::SlabPrecision::kNf4) encoding.group_size = StreamingConfig{}.nf4_group_size;
   std::vector<sp::kernels::TensorShape> shapes;
   for (const TensorSpec &t : model.blocks().front().tensors) shapes.push_back({t.rows, t.cols});
   return sp::kernels::slab_image_bytes(encoding, shapes.data(), shapes.size());
@@ -139,12 +141,15 @@ nlohmann::json run(Harness &harness, const std::vector<std::uint64_t> &block_mib
     auto model = bench_model(num_blocks, mib << 20);
     const std::uint64_t bf16_bytes = image_bytes(*model, sp::kernels::SlabPrecision::kBf16);
     const std::uint64_t int8_bytes = image_bytes(*model, sp::kernels::SlabPrecision::kInt8);
+    const std::uint64_t nf4_bytes = image_bytes(*model, sp::kernels::SlabPrecision::kNf4);
     // The engine below streams num_blocks slabs through prefetch window 2 + 2 slots.
     const double raw = raw_copy_seconds(harness.backend, bf16_bytes, num_blocks, 4, steps);
     const double bf16 = path_seconds_per_fetch(harness, *model, Precision::bf16, steps);
     const double int8 = path_seconds_per_fetch(harness, *model, Precision::int8, steps);
+    const double nf4 = path_seconds_per_fetch(harness, *model, Precision::nf4, steps);
     const double bf16_ratio = raw / bf16;
     const double int8_ratio = int8 / bf16;
+    const double nf4_ratio = nf4 / bf16;
     sizes.push_back({{"block_mib", mib},
                      {"bf16_image_bytes", bf16_bytes},
                      {"int8_image_bytes", int8_bytes},
@@ -158,12 +163,19 @@ nlohmann::json run(Harness &harness, const std::vector<std::uint64_t> &block_mib
                      {"bf16_target_applies", mib >= 8},
                      {"bf16_meets_target", bf16_ratio >= 0.90},
                      {"int8_target_applies", mib >= 16},
-                     {"int8_meets_target", int8_ratio <= 0.55}});
+                     {"int8_meets_target", int8_ratio <= 0.55},
+                     {"nf4_image_bytes", nf4_bytes},
+                     {"nf4_group_size", StreamingConfig{}.nf4_group_size},
+                     {"nf4_wire_ratio", static_cast<double>(nf4_bytes) / bf16_bytes},
+                     {"nf4_path_seconds_per_block", nf4},
+                     {"nf4_to_bf16_time_ratio", nf4_ratio},
+                     {"nf4_to_raw_copy_time_ratio", nf4 / raw}});
     std::cout << fmt::format(
         "{:>4} MiB  raw {:7.2f} GB/s  bf16 path {:7.2f} GB/s ({:5.1f}% of raw)  int8/bf16 time "
-        "{:5.2f}  int8/bf16 bytes {:5.3f}\n",
+        "{:5.2f}  int8/bf16 bytes {:5.3f}  nf4/bf16 time {:5.2f}  nf4/bf16 bytes {:5.3f}\n",
         mib, bf16_bytes / raw / 1e9, bf16_bytes / bf16 / 1e9, 100 * bf16_ratio, int8_ratio,
-        static_cast<double>(int8_bytes) / bf16_bytes);
+        static_cast<double>(int8_bytes) / bf16_bytes, nf4_ratio,
+        static_cast<double>(nf4_bytes) / bf16_bytes);
     if (mib >= 8 && !loop_model) {
       loop_bf16_seconds = bf16;
       loop_model = std::move(model);
@@ -221,8 +233,8 @@ int main(int argc, char **argv) {
                       [] {}};
       report["emulation"] = true;
       report["note"] =
-          "host backend: copies are memcpy paced to the cap by a worker thread and INT8 is "
-          "dequantized on the CPU; figures describe the engine's overheads, not a GPU";
+          "host backend: copies are memcpy paced to the cap by a worker thread and INT8 / NF4 "
+          "are dequantized on the CPU; figures describe the engine's overheads, not a GPU";
       report["bandwidth_cap_gbps"] = cap_gbps;
       report["memcpy_uncapped_gbps"] = [&] {
         HostBackend uncapped;

@@ -58,10 +58,12 @@ sp::bench::TransferReport sweep(sp::adapters::TransferBackend& backend, const Tr
   const auto measure = [&](const std::vector<sp::bench::MatrixShape>& shapes, const std::string& label) {
     sp::bench::TransferPoint point = sp::bench::measure_transfer_point(backend, shapes, options.measure);
     fmt::print("{:>18}  bf16 {:>10}  raw {:7.2f} GB/s  bf16 path {:5.1f}% of raw  int8 {:5.2f}x faster "
-               "(frozen), {:5.2f}x (trained)\n",
+               "(frozen), {:5.2f}x (trained)  nf4 {:5.2f}x (frozen), {:5.2f}x (trained)\n",
                label, describe_bytes(point.bf16_bytes), point.bf16_bytes / point.raw_copy_s / 1e9,
                100.0 * point.raw_copy_s / point.bf16_path_s, point.speedup(sp::bench::TransferPath::kInt8Frozen),
-               point.speedup(sp::bench::TransferPath::kInt8Trained));
+               point.speedup(sp::bench::TransferPath::kInt8Trained),
+               point.speedup(sp::bench::TransferPath::kNf4Frozen),
+               point.speedup(sp::bench::TransferPath::kNf4Trained));
     std::fflush(stdout);
     report.points.push_back(point);
   };
@@ -127,14 +129,17 @@ int merge_policy(const std::vector<std::string>& report_paths, const std::string
   }
   const sp::bench::TransferPolicy policy = sp::bench::TransferPolicy::merge(reports, threshold);
   sp::runtime::write_file_atomically(output, policy.to_json());
-  for (auto path : {sp::bench::TransferPath::kInt8Frozen, sp::bench::TransferPath::kInt8Trained}) {
+  for (auto path : {sp::bench::TransferPath::kInt8Frozen, sp::bench::TransferPath::kInt8Trained,
+                    sp::bench::TransferPath::kNf4Frozen, sp::bench::TransferPath::kNf4Trained}) {
+    const bool nf4 = path == sp::bench::TransferPath::kNf4Frozen || path == sp::bench::TransferPath::kNf4Trained;
+    const char* route = nf4 ? "NF4" : "INT8";
     const auto& rules = policy.rules(path);
     if (rules.empty()) {
-      fmt::print("{}: INT8 never measured >= {}x faster: every block stays BF16\n",
-                 sp::bench::transfer_path_name(path), threshold);
+      fmt::print("{}: {} never measured >= {}x faster: no block takes {} ({})\n", sp::bench::transfer_path_name(path),
+                 route, threshold, route, nf4 ? "NF4 hints fall back to INT8 where it pays, else BF16" : "BF16");
     }
     for (const auto& rule : rules) {
-      fmt::print("{}: INT8 from {} {} (measured speedup >= {:.2f}x)\n", sp::bench::transfer_path_name(path),
+      fmt::print("{}: {} from {} {} (measured speedup >= {:.2f}x)\n", sp::bench::transfer_path_name(path), route,
                  describe_bytes(rule.min_bytes),
                  rule.max_bytes ? "below " + describe_bytes(*rule.max_bytes) : std::string("upwards"),
                  rule.measured_speedup);
@@ -154,7 +159,7 @@ int main(int argc, char** argv) {
   TransferOptions transfer_options;
   CLI::App* measure = app.add_subcommand(
       "transfer",
-      "measure the BF16 and INT8 transfer paths through the streaming engine for a sweep of block "
+      "measure the BF16, INT8 and NF4 transfer paths through the streaming engine for a sweep of block "
       "sizes (doubling from --min-kib to --max-kib) and for GPT blocks of the given widths, and "
       "write a report for merge-policy");
   measure->add_option("--backend", transfer_options.backend, "cuda, host (emulated link), or auto")
@@ -198,6 +203,10 @@ int main(int argc, char** argv) {
                       "INT8 scales: 0 per row, else 32, 64, 128 or 256")
       ->check(CLI::IsMember({0u, 32u, 64u, 128u, 256u}))
       ->capture_default_str();
+  measure->add_option("--nf4-group-size", transfer_options.measure.nf4_group_size,
+                      "NF4 scales: 32, 64, 128 or 256 elements per bf16 scale")
+      ->check(CLI::IsMember({32u, 64u, 128u, 256u}))
+      ->capture_default_str();
   measure->add_option("--machine", transfer_options.machine, "label of this machine in the report (default: host name)");
   measure->add_option("--out", transfer_options.output, "report file to write (atomically)")
       ->required()
@@ -209,12 +218,13 @@ int main(int argc, char** argv) {
   CLI::App* merge = app.add_subcommand(
       "merge-policy",
       "fold transfer reports (one per machine) into a transfer policy file: per path, the block "
-      "sizes where every report measured INT8 at least --speedup-threshold times faster than BF16");
+      "sizes where every report measured INT8 (or NF4) at least --speedup-threshold times faster than BF16; "
+      "reports without NF4 measurements allow NF4 nowhere");
   merge->add_option("--reports", reports, "transfer report JSON files")->required()->expected(1, -1);
   merge->add_option("--output", output, "policy file to write (atomically)")
       ->required()
       ->check(sp::runtime::output_file());
-  merge->add_option("--speedup-threshold", threshold, "minimum INT8 speedup over BF16")->capture_default_str();
+  merge->add_option("--speedup-threshold", threshold, "minimum INT8 / NF4 speedup over BF16")->capture_default_str();
 
   try {
     app.parse(argc, argv);

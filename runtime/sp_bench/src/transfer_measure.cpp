@@ -74,8 +74,10 @@ adapters::StreamingConfig streaming_config_for(const SyntheticBlocks& blocks, ui
 void route_all(adapters::StreamingEngine& engine, Precision precision) {
   std::vector<sp_hint_v1> hints(engine.policy_bridge().num_blocks());
   for (uint32_t b = 0; b < hints.size(); ++b) {
-    hints[b] = sp_hint_v1{b, precision == Precision::int8 ? SP_PRECISION_INT8 : SP_PRECISION_BF16, 0.0,
-                          SP_REASON_FORCED, 0};
+    const sp_precision wire = precision == Precision::int8  ? SP_PRECISION_INT8
+                              : precision == Precision::nf4 ? SP_PRECISION_NF4
+                                                            : SP_PRECISION_BF16;
+    hints[b] = sp_hint_v1{b, wire, 0.0, SP_REASON_FORCED, 0};
   }
   engine.policy_bridge().set_plugin_hints(hints.data(), static_cast<uint32_t>(hints.size()));
 }
@@ -133,6 +135,7 @@ PathSamples measure_path(adapters::TransferBackend& backend, const SyntheticBloc
                          const MeasureOptions& options) {
   adapters::StreamingConfig config = streaming_config_for(blocks, options.window, /*backward=*/false);
   config.int8_group_size = options.int8_group_size;
+  config.nf4_group_size = options.nf4_group_size;
   adapters::StreamingEngine engine(backend, config, blocks.blocks());
   route_all(engine, precision);
   const double fetches = static_cast<double>(engine.schedule().fetches().size());
@@ -169,10 +172,16 @@ TransferPoint measure_transfer_point(adapters::TransferBackend& backend, const s
   encoding.precision = kernels::SlabPrecision::kInt8;
   encoding.group_size = options.int8_group_size;
   point.int8_bytes = kernels::slab_image_bytes(encoding, slab_shapes.data(), slab_shapes.size());
+  Nf4Measurement nf4;
+  nf4.group_size = options.nf4_group_size;
+  encoding.precision = kernels::SlabPrecision::kNf4;
+  encoding.group_size = options.nf4_group_size;
+  nf4.nf4_bytes = kernels::slab_image_bytes(encoding, slab_shapes.data(), slab_shapes.size());
   point.raw_copy_s = raw_copy_seconds(backend, point.bf16_bytes, options.blocks, options.window + 2,
                                       std::max(options.repeats, 3));
   const PathSamples bf16 = measure_path(backend, blocks, Precision::bf16, options);
   const PathSamples int8 = measure_path(backend, blocks, Precision::int8, options);
+  const PathSamples nf4_samples = measure_path(backend, blocks, Precision::nf4, options);
   point.bf16_copy = timing_stats(bf16.copy);
   point.int8_copy = timing_stats(int8.copy);
   point.int8_dequant = timing_stats(int8.dequant);
@@ -182,6 +191,12 @@ TransferPoint measure_transfer_point(adapters::TransferBackend& backend, const s
   point.int8_frozen_path_s = timing_stats(int8.per_block).median_s;
   point.bf16_trained_path_s = point.bf16_path_s + point.bf16_rebuild.median_s;
   point.int8_trained_path_s = point.int8_frozen_path_s + point.int8_rebuild.median_s;
+  nf4.copy = timing_stats(nf4_samples.copy);
+  nf4.dequant = timing_stats(nf4_samples.dequant);
+  nf4.rebuild = timing_stats(nf4_samples.rebuild);
+  nf4.frozen_path_s = timing_stats(nf4_samples.per_block).median_s;
+  nf4.trained_path_s = nf4.frozen_path_s + nf4.rebuild.median_s;
+  point.nf4 = nf4;
   return point;
 }
 

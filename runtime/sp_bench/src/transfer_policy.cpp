@@ -21,7 +21,8 @@ using runtime::JsonFields;
 
 constexpr const char* kReportFormat = "sp-transfer-report";
 constexpr const char* kPolicyFormat = "sp-transfer-policy";
-constexpr TransferPath kAllPaths[] = {TransferPath::kInt8Frozen, TransferPath::kInt8Trained};
+constexpr TransferPath kAllPaths[] = {TransferPath::kInt8Frozen, TransferPath::kInt8Trained, TransferPath::kNf4Frozen,
+                                      TransferPath::kNf4Trained};
 
 // A half-open byte range [lo, hi); hi == max() stands for "no upper bound".
 struct Interval {
@@ -56,7 +57,7 @@ std::vector<Interval> allowed_by(const TransferReport& report, TransferPath path
   }
   std::vector<Interval> allowed;
   for (auto it = speedup_at.begin(); it != speedup_at.end(); ++it) {
-    if (it->second < threshold) continue;
+    if (!(it->second >= threshold)) continue;  // an unmeasured NF4 point has speedup 0
     const auto next = std::next(it);
     if (next == speedup_at.end()) {
       allowed.push_back({it->first, kUnbounded, it->second});
@@ -137,8 +138,18 @@ const char* transfer_path_name(TransferPath path) {
   switch (path) {
     case TransferPath::kInt8Frozen: return "int8_frozen";
     case TransferPath::kInt8Trained: return "int8_trained";
+    case TransferPath::kNf4Frozen: return "nf4_frozen";
+    case TransferPath::kNf4Trained: return "nf4_trained";
   }
   return "unknown";
+}
+
+TransferPath int8_path(BlockWeights weights) {
+  return weights == BlockWeights::kTrained ? TransferPath::kInt8Trained : TransferPath::kInt8Frozen;
+}
+
+TransferPath nf4_path(BlockWeights weights) {
+  return weights == BlockWeights::kTrained ? TransferPath::kNf4Trained : TransferPath::kNf4Frozen;
 }
 
 std::optional<TransferPath> parse_transfer_path(const std::string& name) {
@@ -149,13 +160,24 @@ std::optional<TransferPath> parse_transfer_path(const std::string& name) {
 }
 
 double TransferPoint::speedup(TransferPath path) const {
-  return path == TransferPath::kInt8Frozen ? bf16_path_s / int8_frozen_path_s
-                                           : bf16_trained_path_s / int8_trained_path_s;
+  switch (path) {
+    case TransferPath::kInt8Frozen: return bf16_path_s / int8_frozen_path_s;
+    case TransferPath::kInt8Trained: return bf16_trained_path_s / int8_trained_path_s;
+    case TransferPath::kNf4Frozen: return nf4 ? bf16_path_s / nf4->frozen_path_s : 0.0;
+    case TransferPath::kNf4Trained: return nf4 ? bf16_trained_path_s / nf4->trained_path_s : 0.0;
+  }
+  return 0.0;
 }
 
 std::string report_to_json(const TransferReport& report) {
   json points = json::array();
   for (const TransferPoint& p : report.points) {
+    json speedup = {{"int8_frozen", p.speedup(TransferPath::kInt8Frozen)},
+                    {"int8_trained", p.speedup(TransferPath::kInt8Trained)}};
+    if (p.nf4) {
+      speedup["nf4_frozen"] = p.speedup(TransferPath::kNf4Frozen);
+      speedup["nf4_trained"] = p.speedup(TransferPath::kNf4Trained);
+    }
     points.push_back({{"bf16_bytes", p.bf16_bytes},
                       {"int8_bytes", p.int8_bytes},
                       {"raw_copy_s", p.raw_copy_s},
@@ -168,9 +190,16 @@ std::string report_to_json(const TransferReport& report) {
                       {"int8_frozen_path_s", p.int8_frozen_path_s},
                       {"bf16_trained_path_s", p.bf16_trained_path_s},
                       {"int8_trained_path_s", p.int8_trained_path_s},
-                      {"speedup",
-                       {{"int8_frozen", p.speedup(TransferPath::kInt8Frozen)},
-                        {"int8_trained", p.speedup(TransferPath::kInt8Trained)}}}});
+                      {"speedup", speedup}});
+    if (p.nf4) {
+      points.back()["nf4"] = {{"group_size", p.nf4->group_size},
+                              {"nf4_bytes", p.nf4->nf4_bytes},
+                              {"copy", stats_to_json(p.nf4->copy)},
+                              {"dequant", stats_to_json(p.nf4->dequant)},
+                              {"rebuild", stats_to_json(p.nf4->rebuild)},
+                              {"frozen_path_s", p.nf4->frozen_path_s},
+                              {"trained_path_s", p.nf4->trained_path_s}};
+    }
   }
   const json doc = {{"format", kReportFormat},
                     {"version", TransferReport::kFormatVersion},
@@ -208,7 +237,7 @@ TransferReport report_from_json(const std::string& text, const std::string& sour
       fields.require_object(j, at);
       fields.only_keys(j, {"bf16_bytes", "int8_bytes", "raw_copy_s", "bf16_copy", "int8_copy", "int8_dequant", "bf16_rebuild",
                            "int8_rebuild", "bf16_path_s", "int8_frozen_path_s", "bf16_trained_path_s",
-                           "int8_trained_path_s", "speedup"}, at);
+                           "int8_trained_path_s", "speedup", "nf4"}, at);
       TransferPoint p;
       p.bf16_bytes = fields.non_negative_integer(fields.require(j, "bf16_bytes", at + ".bf16_bytes"), at + ".bf16_bytes");
       p.int8_bytes = fields.non_negative_integer(fields.require(j, "int8_bytes", at + ".int8_bytes"), at + ".int8_bytes");
@@ -230,6 +259,34 @@ TransferReport report_from_json(const std::string& text, const std::string& sour
       // written from an infinite speedup would not load.
       if (!std::isfinite(p.bf16_path_s / p.int8_frozen_path_s) || !std::isfinite(p.bf16_trained_path_s / p.int8_trained_path_s)) {
         fields.fail(at, "the INT8 speedup over BF16 it implies is not a finite number");
+      }
+      // Optional: reports written before NF4 have none, and NF4 then pays nowhere.
+      if (j.contains("nf4")) {
+        const std::string nat = at + ".nf4";
+        const json& n = j.at("nf4");
+        fields.require_object(n, nat);
+        fields.only_keys(n, {"group_size", "nf4_bytes", "copy", "dequant", "rebuild", "frozen_path_s", "trained_path_s"},
+                         nat);
+        Nf4Measurement m;
+        const uint64_t group = fields.non_negative_integer(fields.require(n, "group_size", nat + ".group_size"),
+                                                           nat + ".group_size");
+        if (group != 32 && group != 64 && group != 128 && group != 256) {
+          fields.fail(nat + ".group_size", fmt::format("expected 32, 64, 128 or 256, got {}", group));
+        }
+        m.group_size = static_cast<uint32_t>(group);
+        m.nf4_bytes = fields.non_negative_integer(fields.require(n, "nf4_bytes", nat + ".nf4_bytes"), nat + ".nf4_bytes");
+        const auto nstats = [&](const char* key) {
+          return stats_from_json(fields, fields.require(n, key, nat + "." + key), nat + "." + key);
+        };
+        m.copy = nstats("copy");
+        m.dequant = nstats("dequant");
+        m.rebuild = nstats("rebuild");
+        m.frozen_path_s = positive(fields, n, "frozen_path_s", nat);
+        m.trained_path_s = positive(fields, n, "trained_path_s", nat);
+        if (!std::isfinite(p.bf16_path_s / m.frozen_path_s) || !std::isfinite(p.bf16_trained_path_s / m.trained_path_s)) {
+          fields.fail(nat, "the NF4 speedup over BF16 it implies is not a finite number");
+        }
+        p.nf4 = m;
       }
       report.points.push_back(p);
     }
@@ -314,7 +371,9 @@ TransferPolicy TransferPolicy::from_json(const std::string& text, const std::str
     fields.require_object(rules, "rules");
     for (const auto& [name, list] : rules.items()) {
       const std::optional<TransferPath> path = parse_transfer_path(name);
-      if (!path) fields.fail("rules." + name, "unknown path (expected int8_frozen or int8_trained)");
+      if (!path) {
+        fields.fail("rules." + name, "unknown path (expected int8_frozen, int8_trained, nf4_frozen or nf4_trained)");
+      }
       fields.require_array(list, "rules." + name);
       std::vector<TransferRule>& out = policy.rules_[*path];
       for (size_t i = 0; i < list.size(); ++i) {
@@ -361,15 +420,21 @@ const TransferRule* TransferPolicy::find_rule(TransferPath path, uint64_t bf16_b
   return nullptr;
 }
 
-bool TransferPolicy::int8_pays(TransferPath path, uint64_t bf16_bytes) const {
+bool TransferPolicy::pays(TransferPath path, uint64_t bf16_bytes) const {
   return find_rule(path, bf16_bytes) != nullptr;
 }
 
 std::vector<bool> int8_gate(const TransferPolicy& policy, TransferPath path,
                             const std::vector<uint64_t>& block_bf16_bytes) {
   std::vector<bool> gate(block_bf16_bytes.size());
-  for (size_t b = 0; b < block_bf16_bytes.size(); ++b) gate[b] = policy.int8_pays(path, block_bf16_bytes[b]);
+  for (size_t b = 0; b < block_bf16_bytes.size(); ++b) gate[b] = policy.pays(path, block_bf16_bytes[b]);
   return gate;
+}
+
+adapters::TransferGate transfer_gate(const TransferPolicy& policy, BlockWeights weights,
+                                     const std::vector<uint64_t>& block_bf16_bytes) {
+  return adapters::TransferGate{int8_gate(policy, int8_path(weights), block_bf16_bytes),
+                                int8_gate(policy, nf4_path(weights), block_bf16_bytes)};
 }
 
 TransferPolicy load_transfer_policy_or_bf16(const std::string& path,
@@ -377,7 +442,7 @@ TransferPolicy load_transfer_policy_or_bf16(const std::string& path,
   try {
     return TransferPolicy::load(path);
   } catch (const TransferPolicyError& e) {
-    warn(fmt::format("{}; every block stays BF16 (no INT8 transfer is known to pay on this machine)", e.what()));
+    warn(fmt::format("{}; every block stays BF16 (no INT8 or NF4 transfer is known to pay on this machine)", e.what()));
     return TransferPolicy();
   }
 }

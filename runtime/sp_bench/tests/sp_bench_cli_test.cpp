@@ -47,12 +47,19 @@ TEST_F(SpBenchCli, HostSmokeRunWritesAValidReportAndPolicy) {
     EXPECT_EQ(p.int8_copy.samples, 2u);
     EXPECT_EQ(p.bf16_rebuild.samples, 4u) << "every block, every repeat";
     EXPECT_GT(p.raw_copy_s, 0.0);
+    ASSERT_TRUE(p.nf4.has_value()) << "every point measures NF4 too";
+    EXPECT_EQ(p.nf4->group_size, 64u);
+    EXPECT_LT(p.nf4->nf4_bytes, p.int8_bytes);
+    EXPECT_EQ(p.nf4->dequant.samples, 2u);
+    EXPECT_EQ(p.nf4->rebuild.samples, 4u);
+    EXPECT_GT(p.speedup(TransferPath::kNf4Frozen), 0.0);
   }
   EXPECT_GT(report.reference_h2d_gbps, 0.0);
 
   const runtime::CommandResult merge = run("merge-policy --reports " + path("report.json") + " " + path("report.json") +
                               " --output " + path("policy.json"));
   ASSERT_EQ(merge.exit_code, 0) << merge.output;
+  EXPECT_THAT(merge.output, HasSubstr("nf4_frozen: NF4"));
   const TransferPolicy policy = TransferPolicy::load(path("policy.json"));
   EXPECT_EQ(policy.sources().size(), 2u);
   EXPECT_DOUBLE_EQ(policy.speedup_threshold(), 1.0);

@@ -78,6 +78,59 @@ TEST(TransferGateEndToEnd, Int8OnlyWhereBothPoliciesSayIt) {
   EXPECT_GT(metrics.h2d_bytes_int8, 0u);
 }
 
+// The plugin wants NF4 for every block. Small blocks: neither route pays, so BF16. Large
+// blocks: INT8 pays, NF4 only for frozen weights; trained blocks therefore fall back to INT8.
+TEST(TransferGateEndToEnd, Nf4WherePaysElseInt8WhereThatPaysElseBf16) {
+  TwoSizeModel model;
+  adapters::HostBackend backend;
+  std::vector<uint64_t> sizes;
+  {
+    adapters::StreamingEngine sizing(backend, adapters::testing::config_for(model.blocks(), 1), model.blocks());
+    for (uint32_t b = 0; b < 4; ++b) sizes.push_back(sizing.image_bytes(b, Precision::bf16));
+  }
+  TransferPoint small = measured(sizes[0], 0.7);
+  TransferPoint large = measured(sizes[2], 1.6);
+  for (TransferPoint* p : {&small, &large}) {
+    Nf4Measurement m;
+    m.nf4_bytes = p->bf16_bytes / 4;
+    m.copy = m.dequant = m.rebuild = p->bf16_copy;
+    m.frozen_path_s = p == &large ? 1e-4 / 2.0 : 1e-4 / 0.6;
+    m.trained_path_s = 1e-4 / 0.8;  // the NF4 rebuild never pays here
+    p->nf4 = m;
+  }
+  TransferReport report;
+  report.machine = "fixed";
+  report.backend = "host";
+  report.device = "fixture";
+  report.reference_h2d_gbps = 10;
+  report.points = {small, large};
+  const TransferPolicy policy = TransferPolicy::merge({report}, 1.0);
+
+  for (BlockWeights weights : {BlockWeights::kFrozen, BlockWeights::kTrained}) {
+    adapters::StreamingEngine engine(backend, adapters::testing::config_for(model.blocks(), 1), model.blocks());
+    engine.policy_bridge().set_transfer_gate(transfer_gate(policy, weights, sizes));
+    adapters::testing::set_routes(engine, std::vector<Precision>(4, Precision::nf4));
+    const Precision large_route = weights == BlockWeights::kFrozen ? Precision::nf4 : Precision::int8;
+    engine.begin_step(0);
+    for (const adapters::BlockUse& use : engine.schedule().uses()) {
+      const adapters::BlockView& view = engine.acquire(use.block);
+      EXPECT_EQ(view.precision, use.block >= 2 ? large_route : Precision::bf16) << "block " << use.block;
+      adapters::testing::expect_view_holds(backend, view, model.blocks()[use.block], 0);
+      engine.release(use.block);
+    }
+    const adapters::StepTransferMetrics metrics = engine.end_step();
+    EXPECT_GT(metrics.fetches_bf16_by_transfer_policy, 0u);
+    if (weights == BlockWeights::kFrozen) {
+      EXPECT_GT(metrics.h2d_bytes_nf4, 0u);
+      EXPECT_EQ(metrics.fetches_int8, 0u);
+    } else {
+      EXPECT_EQ(metrics.h2d_bytes_nf4, 0u);
+      EXPECT_EQ(metrics.fetches_int8_by_transfer_policy, metrics.fetches_int8);
+      EXPECT_GT(metrics.fetches_int8, 0u);
+    }
+  }
+}
+
 TEST(TransferGateEndToEnd, UnreadablePolicyFileKeepsEveryBlockBf16AndWarnsOnce) {
   int warnings = 0;
   std::string message;

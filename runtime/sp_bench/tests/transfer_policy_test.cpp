@@ -26,6 +26,16 @@ TransferPoint point(uint64_t bf16_bytes, double frozen_speedup, double trained_s
   return p;
 }
 
+TransferPoint with_nf4(TransferPoint p, double frozen_speedup, double trained_speedup) {
+  Nf4Measurement m;
+  m.nf4_bytes = p.bf16_bytes / 4 + 4096;
+  m.copy = m.dequant = m.rebuild = p.bf16_copy;
+  m.frozen_path_s = 1e-3 / frozen_speedup;
+  m.trained_path_s = 1e-3 / trained_speedup;
+  p.nf4 = m;
+  return p;
+}
+
 TransferReport report(const std::string& machine, std::vector<TransferPoint> points) {
   TransferReport r;
   r.machine = machine;
@@ -124,6 +134,86 @@ TEST(TransferPolicyMerge, RejectsUnusableInput) {
   EXPECT_THROW(TransferPolicy::merge({report("a", {point(MiB, 1, 1)})}, std::nan("")), TransferPolicyError);
 }
 
+TEST(TransferPolicyMerge, Nf4RulesComeFromTheNf4Measurements) {
+  // NF4 pays for frozen blocks from 4 MiB, for trained blocks nowhere (its rebuild costs more).
+  const auto policy = TransferPolicy::merge(
+      {report("a", {with_nf4(point(1 * MiB, 1.2, 1.1), 0.8, 0.5), with_nf4(point(4 * MiB, 1.4, 1.2), 1.7, 0.9),
+                    with_nf4(point(16 * MiB, 1.6, 1.3), 2.1, 0.95)})},
+      1.0);
+  ASSERT_EQ(policy.rules(TransferPath::kNf4Frozen).size(), 1u);
+  EXPECT_EQ(policy.rules(TransferPath::kNf4Frozen)[0].min_bytes, 4 * MiB);
+  EXPECT_DOUBLE_EQ(policy.rules(TransferPath::kNf4Frozen)[0].measured_speedup, 1.7);
+  EXPECT_TRUE(policy.rules(TransferPath::kNf4Trained).empty());
+  EXPECT_TRUE(policy.pays(TransferPath::kInt8Frozen, 1 * MiB));
+  EXPECT_FALSE(policy.pays(TransferPath::kNf4Frozen, 1 * MiB));
+
+  // The gate for the PolicyBridge: both routes, per block size.
+  const adapters::TransferGate frozen = transfer_gate(policy, BlockWeights::kFrozen, {1 * MiB, 8 * MiB});
+  EXPECT_EQ(frozen.int8_pays, (std::vector<bool>{true, true}));
+  EXPECT_EQ(frozen.nf4_pays, (std::vector<bool>{false, true}));
+  const adapters::TransferGate trained = transfer_gate(policy, BlockWeights::kTrained, {1 * MiB, 8 * MiB});
+  EXPECT_EQ(trained.int8_pays, (std::vector<bool>{true, true}));
+  EXPECT_EQ(trained.nf4_pays, (std::vector<bool>{false, false}));
+}
+
+// A report from before NF4 measured nothing about it: NF4 pays nowhere, alone or merged with
+// a report that did measure it (every report must allow a size).
+TEST(TransferPolicyMerge, AReportWithoutNf4AllowsNf4Nowhere) {
+  const auto old = report("old", {point(1 * MiB, 1.5, 1.5), point(64 * MiB, 1.5, 1.5)});
+  const auto fresh = report("new", {with_nf4(point(1 * MiB, 1.5, 1.5), 2.0, 2.0),
+                                    with_nf4(point(64 * MiB, 1.5, 1.5), 2.0, 2.0)});
+  EXPECT_EQ(old.points[0].speedup(TransferPath::kNf4Frozen), 0.0);
+  EXPECT_TRUE(TransferPolicy::merge({old}, 1.0).rules(TransferPath::kNf4Frozen).empty());
+  EXPECT_EQ(TransferPolicy::merge({fresh}, 1.0).rules(TransferPath::kNf4Frozen).size(), 1u);
+  const auto merged = TransferPolicy::merge({old, fresh}, 1.0);
+  EXPECT_TRUE(merged.rules(TransferPath::kNf4Frozen).empty());
+  EXPECT_TRUE(merged.rules(TransferPath::kNf4Trained).empty());
+  EXPECT_EQ(merged.rules(TransferPath::kInt8Frozen).size(), 1u);
+}
+
+TEST(TransferPolicyFile, APolicyFromBeforeNf4LoadsAndAllowsNf4Nowhere) {
+  const std::string old = R"({"format":"sp-transfer-policy","version":1,"speedup_threshold":1.0,"sources":[],)"
+                          R"("rules":{"int8_frozen":[{"min_bytes":1024,"max_bytes":null,"measured_speedup":1.3}],)"
+                          R"("int8_trained":[]}})";
+  const TransferPolicy policy = TransferPolicy::from_json(old, "old-policy.json");
+  EXPECT_TRUE(policy.pays(TransferPath::kInt8Frozen, 4096));
+  EXPECT_TRUE(policy.int8_pays(TransferPath::kInt8Frozen, 4096));
+  EXPECT_FALSE(policy.pays(TransferPath::kNf4Frozen, 4096));
+  const adapters::TransferGate gate = transfer_gate(policy, BlockWeights::kFrozen, {4096, 512});
+  EXPECT_EQ(gate.int8_pays, (std::vector<bool>{true, false}));
+  EXPECT_EQ(gate.nf4_pays, (std::vector<bool>{false, false}));
+  // Written back, it names all four paths.
+  EXPECT_THAT(policy.to_json(), HasSubstr("\"nf4_trained\": []"));
+}
+
+TEST(TransferReportFile, AReportFromBeforeNf4LoadsWithoutNf4) {
+  auto r = report("a", {point(1 * MiB, 1.1, 0.9)});
+  std::string text = report_to_json(r);
+  ASSERT_EQ(text.find("nf4"), std::string::npos) << "a point without NF4 writes no NF4 keys";
+  const TransferReport back = report_from_json(text, "old.json");
+  EXPECT_FALSE(back.points[0].nf4.has_value());
+}
+
+TEST(TransferReportFile, Nf4MeasurementsRoundTripAndAreValidated) {
+  auto r = report("a", {with_nf4(point(1 * MiB, 1.1, 0.9), 1.4, 0.7)});
+  r.points[0].nf4->group_size = 128;
+  const std::string text = report_to_json(r);
+  const TransferReport back = report_from_json(text, "r.json");
+  ASSERT_TRUE(back.points[0].nf4.has_value());
+  EXPECT_EQ(back.points[0].nf4->group_size, 128u);
+  EXPECT_EQ(back.points[0].nf4->nf4_bytes, r.points[0].nf4->nf4_bytes);
+  EXPECT_DOUBLE_EQ(back.points[0].speedup(TransferPath::kNf4Frozen), 1.4);
+  EXPECT_EQ(report_to_json(back), text);
+  std::string bad = text;
+  bad.replace(bad.find("\"group_size\": 128"), 17, "\"group_size\": 48");
+  try {
+    report_from_json(bad, "r.json");
+    FAIL() << "a bad NF4 group size was accepted";
+  } catch (const TransferPolicyError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("points[0].nf4.group_size: expected 32, 64, 128 or 256, got 48"));
+  }
+}
+
 TEST(TransferPolicyFile, RoundTripsThroughJson) {
   const auto policy = TransferPolicy::merge(
       {report("a", {point(1 * MiB, 1.1, 0.9), point(4 * MiB, 1.3, 1.2), point(32 * MiB, 0.9, 0.8)})}, 1.0);
@@ -181,10 +271,21 @@ TEST(TransferPolicyFile, MissingFileIsAClearError) {
   }
 }
 
-TEST(TransferPolicyFile, DefaultPolicyAllowsInt8Nowhere) {
+TEST(TransferPolicyFile, DefaultPolicyAllowsInt8AndNf4Nowhere) {
   const TransferPolicy none;
   EXPECT_FALSE(none.int8_pays(TransferPath::kInt8Frozen, 1ull << 40));
   EXPECT_FALSE(none.int8_pays(TransferPath::kInt8Trained, 1ull << 40));
+  EXPECT_FALSE(none.pays(TransferPath::kNf4Frozen, 1ull << 40));
+  EXPECT_FALSE(none.pays(TransferPath::kNf4Trained, 1ull << 40));
+}
+
+TEST(TransferPath, NamesRoundTrip) {
+  for (TransferPath path : {TransferPath::kInt8Frozen, TransferPath::kInt8Trained, TransferPath::kNf4Frozen,
+                            TransferPath::kNf4Trained}) {
+    EXPECT_EQ(parse_transfer_path(transfer_path_name(path)), std::optional<TransferPath>(path));
+  }
+  EXPECT_EQ(nf4_path(BlockWeights::kTrained), TransferPath::kNf4Trained);
+  EXPECT_EQ(int8_path(BlockWeights::kFrozen), TransferPath::kInt8Frozen);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// Measuring the two transfer paths through the real streaming engine, on any backend: the
+// Measuring the transfer paths (BF16, INT8, NF4) through the real streaming engine, on any backend: the
 // pieces `sp-bench transfer` and the adapters benchmark share.
 #pragma once
 
@@ -63,10 +63,11 @@ struct MeasureOptions {
   int warmup_steps = 2;
   int repeats = 7;       // timed steps per path; the report keeps median, min and max
   uint32_t int8_group_size = 0;
+  uint32_t nf4_group_size = 64;
 };
 
-// Both paths for blocks of `shapes`: copy and dequant times from events, rebuild times on
-// the host, and the streaming time per block measured whole.
+// All three paths for blocks of `shapes`: copy and dequant times from events, rebuild times
+// on the host, and the streaming time per block measured whole.
 TransferPoint measure_transfer_point(adapters::TransferBackend& backend, const std::vector<MatrixShape>& shapes,
                                      const MeasureOptions& options);
 

@@ -1,11 +1,17 @@
 // The benchmark-driven transfer policy ("never slower than BF16").
 //
-// The gradient policy decides where INT8 is *safe*; this decides where it is *worth it*.
-// `sp-bench transfer` measures, on one machine, the BF16 path and the INT8 path (copy +
-// dequant, plus the image rebuild when weights are trained) for a sweep of block sizes and
-// writes a TransferReport. `sp-bench merge-policy` folds one or more reports into a
-// TransferPolicy: per path, the size ranges where every report measured INT8 at least
-// `speedup_threshold` times faster than BF16. Anything not covered by a rule stays BF16.
+// The gradient policy decides where INT8 or NF4 is *safe*; this decides where it is *worth
+// it*. `sp-bench transfer` measures, on one machine, the BF16 path, the INT8 path and the NF4
+// path (copy + dequant, plus the image rebuild when weights are trained) for a sweep of block
+// sizes and writes a TransferReport. `sp-bench merge-policy` folds one or more reports into a
+// TransferPolicy: per path, the size ranges where every report measured the quantized route
+// at least `speedup_threshold` times faster than BF16. Anything not covered by a rule of its
+// route does not take that route (the PolicyBridge's fallback: NF4 -> INT8 -> BF16).
+//
+// Files from before NF4 (reports whose points have no "nf4" object, policies without
+// "nf4_frozen" / "nf4_trained" rules) still load: NF4 was not measured there, so it pays
+// nowhere, and merging such a report with newer ones leaves no NF4 rule (a size is allowed
+// only where every report allows it).
 #pragma once
 
 #include <cstdint>
@@ -16,14 +22,21 @@
 #include <string>
 #include <vector>
 
+#include "sp/adapters/policy_bridge.h"
+
 namespace sp::bench {
 
-// Which INT8 path a measurement or rule is about. A frozen block (LoRA base weights) pays
-// copy + dequant; a trained block also pays the rebuild of its INT8 image after every
-// optimizer step.
-enum class TransferPath { kInt8Frozen, kInt8Trained };
-const char* transfer_path_name(TransferPath path);
+// Which quantized path a measurement or rule is about. A frozen block (LoRA base weights)
+// pays copy + dequant; a trained block also pays the rebuild of its quantized image after
+// every optimizer step.
+enum class TransferPath { kInt8Frozen, kInt8Trained, kNf4Frozen, kNf4Trained };
+const char* transfer_path_name(TransferPath path);  // "int8_frozen", ..., "nf4_trained"
 std::optional<TransferPath> parse_transfer_path(const std::string& name);
+
+// Whether a run's streamed blocks change every step (full training) or not (LoRA bases).
+enum class BlockWeights { kFrozen, kTrained };
+TransferPath int8_path(BlockWeights weights);
+TransferPath nf4_path(BlockWeights weights);
 
 // A report or policy file that cannot be used. what() names the file, the field and the
 // expectation.
@@ -41,7 +54,18 @@ struct TimingStats {
   uint32_t samples = 0;
 };
 
-// One block size, both paths. Per-block seconds throughout.
+// The NF4 route at one block size (group size `group_size`, bf16 scales).
+struct Nf4Measurement {
+  uint32_t group_size = 64;
+  uint64_t nf4_bytes = 0;  // bytes of the block's NF4 image (packed codes + scales + header)
+  TimingStats copy;        // H2D copy of the NF4 image, from events
+  TimingStats dequant;     // dequant into the compute slot, from events
+  TimingStats rebuild;     // host-side NF4 image rebuild after an optimizer step
+  double frozen_path_s = 0;
+  double trained_path_s = 0;
+};
+
+// One block size, all paths. Per-block seconds throughout.
 struct TransferPoint {
   uint64_t bf16_bytes = 0;  // bytes of the block's BF16 image: the size rules are keyed by
   uint64_t int8_bytes = 0;  // bytes of its INT8 image (codes + scales + header)
@@ -59,8 +83,11 @@ struct TransferPoint {
   // Path plus the rebuild of its image, for blocks whose weights change every step.
   double bf16_trained_path_s = 0;
   double int8_trained_path_s = 0;
+  // Absent in reports written before NF4 was measured.
+  std::optional<Nf4Measurement> nf4;
 
-  // BF16 time over INT8 time on `path`: above 1 means INT8 is faster.
+  // BF16 time over the quantized route's time on `path`: above 1 means it is faster. 0 for an
+  // NF4 path when the point has no NF4 measurement (never good enough for a rule).
   double speedup(TransferPath path) const;
 };
 
@@ -113,7 +140,9 @@ class TransferPolicy {
   std::string to_json() const;
 
   // True when a rule of `path` covers a block whose BF16 image has `bf16_bytes`.
-  bool int8_pays(TransferPath path, uint64_t bf16_bytes) const;
+  bool pays(TransferPath path, uint64_t bf16_bytes) const;
+  // The name from before NF4; the same as pays() for every path.
+  bool int8_pays(TransferPath path, uint64_t bf16_bytes) const { return pays(path, bf16_bytes); }
   // The rule that covers the size, if any.
   const TransferRule* find_rule(TransferPath path, uint64_t bf16_bytes) const;
 
@@ -127,10 +156,15 @@ class TransferPolicy {
   std::vector<MergeSource> sources_;
 };
 
-// Per block, whether INT8 pays for its BF16 image size on `path`: the gate the adapters'
-// PolicyBridge combines with the plugin's hints (INT8 only where both say so).
+// Per block, whether `path` pays for its BF16 image size (any path, despite the name).
 std::vector<bool> int8_gate(const TransferPolicy& policy, TransferPath path,
                             const std::vector<uint64_t>& block_bf16_bytes);
+
+// The gate the adapters' PolicyBridge combines with the plugin's hints, both quantized routes
+// for blocks whose weights are `weights`: a route only where both policies say so, NF4 hints
+// falling back to INT8 where only INT8 pays (PolicyBridge::decide).
+adapters::TransferGate transfer_gate(const TransferPolicy& policy, BlockWeights weights,
+                                     const std::vector<uint64_t>& block_bf16_bytes);
 
 // Loads the transfer policy a run was configured with. A missing or unusable file is not
 // fatal: `warn` is called once with the reason, and the result allows INT8 nowhere, so
