@@ -23,7 +23,12 @@ using yaml_diagnostics::is_plain_scalar;
 constexpr const char *kTopLevelSection = "selective_precision";
 constexpr const char *kTrainingConfigSection = "memory.stagehand.selective_precision";
 
-constexpr std::array<const char *, 22> kKnownKeys = {
+#if SP_POLICY_EDITION >= 2
+constexpr std::size_t kKnownKeyCount = 28;
+#else
+constexpr std::size_t kKnownKeyCount = 22;
+#endif
+constexpr std::array<const char *, kKnownKeyCount> kKnownKeys = {
     "enabled",           "mode",
     "bf16_threshold",    "int8_threshold",
     "ambiguous_default", "hysteresis_margin",
@@ -37,7 +42,26 @@ constexpr std::array<const char *, 22> kKnownKeys = {
     "force_bf16_blocks", "force_int8_blocks",
     "log_decisions",     "telemetry_enabled",
     "telemetry_file",    "nonfinite_to_bf16",
+#if SP_POLICY_EDITION >= 2
+    "tiers",             "force_nf4_blocks",
+    "nf4_threshold",     "nf4_quant_error_threshold",
+    "nf4_group_size",    "loss_guard",
+#endif
 };
+
+constexpr std::array<const char *, 6> kLossGuardKeys = {"enabled", "window", "sigmas", "min_rise", "blame_steps",
+                                                        "penalty_steps"};
+constexpr const char *kTierChoices = "one of bf16, int8, nf4";
+
+std::string tiers_text(sp_precision_mask tiers) {
+  std::string text;
+  for (sp_precision p : {SP_PRECISION_BF16, SP_PRECISION_INT8, SP_PRECISION_NF4}) {
+    if ((tiers & SP_PRECISION_BIT(p)) == 0) continue;
+    text += text.empty() ? "" : ", ";
+    text += precision_name(p);
+  }
+  return "[" + text + "]";
+}
 
 class SectionReader {
  public:
@@ -169,9 +193,104 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
                                     reader.path("force_int8_blocks"), i, block));
     }
   }
+  for (std::size_t i = 0; i < config.force_nf4_blocks.size(); ++i) {
+    const std::uint32_t block = config.force_nf4_blocks[i];
+    for (const auto &[other_key, other] : {std::pair{"force_bf16_blocks", &config.force_bf16_blocks},
+                                           std::pair{"force_int8_blocks", &config.force_int8_blocks}}) {
+      if (std::find(other->begin(), other->end(), block) != other->end()) {
+        throw ConfigError(fmt::format("{}[{}]: block {} is also in {}; expected each block in at most one force "
+                                      "list",
+                                      reader.path("force_nf4_blocks"), i, block, other_key));
+      }
+    }
+  }
+  if (!config.tier(SP_PRECISION_BF16)) {
+    throw ConfigError(fmt::format("{}: expected a list that contains bf16 (the precision every block can fall "
+                                  "back to), found {}",
+                                  reader.path("tiers"), tiers_text(config.tiers)));
+  }
+  if (config.tier(SP_PRECISION_NF4)) {
+    if (!(config.nf4_threshold < config.int8_threshold)) {
+      throw ConfigError(fmt::format("{}: expected a value below int8_threshold ({}) when nf4 is a tier, found {}",
+                                    reader.path("nf4_threshold"), config.int8_threshold, config.nf4_threshold));
+    }
+    if (!(config.hysteresis_margin <= config.nf4_threshold)) {
+      throw ConfigError(fmt::format("{}: expected a number in [0, nf4_threshold = {}] when nf4 is a tier, found {}",
+                                    reader.path("hysteresis_margin"), config.nf4_threshold,
+                                    config.hysteresis_margin));
+    }
+  }
   if (config.telemetry_enabled && config.telemetry_file.empty()) {
     throw ConfigError(fmt::format("{}: expected a file name when telemetry_enabled is true, found an empty string",
                                   reader.path("telemetry_file")));
+  }
+}
+
+[[maybe_unused]] sp_precision_mask read_tiers(const SectionReader &reader, const std::string &key, const YAML::Node &node) {
+  constexpr const char *kExpected = "a list of precisions from [bf16, int8, nf4] that contains bf16";
+  if (!node.IsSequence()) reader.fail(key, kExpected, node);
+  sp_precision_mask tiers = 0;
+  for (std::size_t i = 0; i < node.size(); ++i) {
+    const std::string element = fmt::format("{}[{}]", key, i);
+    const std::string name = reader.read_string(element, node[i], kTierChoices);
+    sp_precision precision = SP_PRECISION_BF16;
+    if (name == "bf16") {
+      precision = SP_PRECISION_BF16;
+    } else if (name == "int8") {
+      precision = SP_PRECISION_INT8;
+    } else if (name == "nf4") {
+      precision = SP_PRECISION_NF4;
+    } else {
+      reader.fail(element, kTierChoices, node[i]);
+    }
+    if ((tiers & SP_PRECISION_BIT(precision)) != 0) {
+      throw ConfigError(fmt::format("{}: {} is listed twice; expected each precision at most once",
+                                    reader.path(element), name));
+    }
+    tiers |= SP_PRECISION_BIT(precision);
+  }
+  return tiers;
+}
+
+[[maybe_unused]] void read_loss_guard(const SectionReader &section, const std::string &key, const YAML::Node &node,
+                     PolicyConfig::LossGuard &guard) {
+  if (node.IsNull()) return;
+  if (!node.IsMap()) section.fail(key, "a mapping with enabled, window, sigmas, min_rise, blame_steps, penalty_steps", node);
+  const SectionReader reader(section.path(key));
+  std::set<std::string> seen;
+  for (const auto &entry : node) {
+    if (!entry.first.IsScalar()) {
+      throw ConfigError(fmt::format("{}: expected setting names, found {} as a key", section.path(key),
+                                    describe(entry.first)));
+    }
+    const std::string name = entry.first.Scalar();
+    const YAML::Node &value = entry.second;
+    if (!seen.insert(name).second) throw ConfigError(fmt::format("{}: the key is given twice", reader.path(name)));
+    if (name == "enabled") {
+      guard.enabled = reader.read_bool(name, value);
+    } else if (name == "window") {
+      guard.window = reader.read_integer(name, value, "an integer in [2, 65536]");
+      if (guard.window < 2 || guard.window > kMaxHistoryWindow) {
+        throw ConfigError(fmt::format("{}: expected an integer in [2, {}], found {}", reader.path(name),
+                                      kMaxHistoryWindow, guard.window));
+      }
+    } else if (name == "sigmas") {
+      guard.sigmas = reader.read_number(name, value, "a finite number > 0");
+      require_positive_finite(reader, name, guard.sigmas);
+    } else if (name == "min_rise") {
+      guard.min_rise = reader.read_number(name, value, "a finite number >= 0");
+      require_non_negative_finite(reader, name, guard.min_rise);
+    } else if (name == "blame_steps") {
+      guard.blame_steps = reader.read_integer(name, value, "an integer >= 1");
+      require_at_least(reader, name, guard.blame_steps, 1);
+    } else if (name == "penalty_steps") {
+      guard.penalty_steps = reader.read_integer(name, value, "an integer >= 0");
+      require_at_least(reader, name, guard.penalty_steps, 0);
+    } else {
+      const std::optional<std::string_view> suggestion = yaml_diagnostics::closest_key(name, kLossGuardKeys);
+      throw ConfigError(fmt::format("{}: unknown key{}", reader.path(name),
+                                    suggestion ? fmt::format("; did you mean '{}'?", *suggestion) : ""));
+    }
   }
 }
 
@@ -254,6 +373,26 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
     config.telemetry_file = reader.read_file_name(key, value);
   } else if (key == "nonfinite_to_bf16") {
     config.nonfinite_to_bf16 = reader.read_bool(key, value);
+#if SP_POLICY_EDITION >= 2
+  } else if (key == "tiers") {
+    config.tiers = read_tiers(reader, key, value);
+  } else if (key == "force_nf4_blocks") {
+    config.force_nf4_blocks = reader.read_block_ids(key, value, n_blocks);
+  } else if (key == "nf4_threshold") {
+    config.nf4_threshold = reader.read_number(key, value, kUnit);
+    require_range(reader, key, config.nf4_threshold, 0.0, 1.0);
+  } else if (key == "nf4_quant_error_threshold") {
+    config.nf4_quant_error_threshold = reader.read_number(key, value, kPositive);
+    require_positive_finite(reader, key, config.nf4_quant_error_threshold);
+  } else if (key == "nf4_group_size") {
+    constexpr const char *kGroup = "an even integer in [2, 65536]";
+    config.nf4_group_size = reader.read_integer(key, value, kGroup);
+    if (config.nf4_group_size < 2 || config.nf4_group_size > 65536 || config.nf4_group_size % 2 != 0) {
+      throw ConfigError(fmt::format("{}: expected {}, found {}", reader.path(key), kGroup, config.nf4_group_size));
+    }
+  } else if (key == "loss_guard") {
+    read_loss_guard(reader, key, value, config.loss_guard);
+#endif
   } else {
     const std::optional<std::string_view> suggestion = yaml_diagnostics::closest_key(key, kKnownKeys);
     throw ConfigError(fmt::format("{}: unknown key{}", reader.path(key),
@@ -331,8 +470,9 @@ ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blo
 
   const PolicyConfig &config = parsed.config;
   if (config.effective_mode() == Mode::off &&
-      (!config.force_bf16_blocks.empty() || !config.force_int8_blocks.empty())) {
-    parsed.warnings.push_back(fmt::format("{}: the policy is off ({}), so force_bf16_blocks and force_int8_blocks "
+      (!config.force_bf16_blocks.empty() || !config.force_int8_blocks.empty() ||
+       !config.force_nf4_blocks.empty())) {
+    parsed.warnings.push_back(fmt::format("{}: the policy is off ({}), so the force lists "
                                           "are ignored and every block streams as BF16",
                                           parsed.section_path,
                                           config.enabled ? "mode: off" : "enabled: false"));
@@ -353,7 +493,29 @@ const char *mode_name(Mode mode) {
 }
 
 const char *precision_name(sp_precision precision) {
-  return precision == SP_PRECISION_INT8 ? "int8" : "bf16";
+  switch (precision) {
+    case SP_PRECISION_INT8:
+      return "int8";
+    case SP_PRECISION_NF4:
+      return "nf4";
+    default:
+      return "bf16";
+  }
+}
+
+void check_host_precisions(const ParsedConfig &parsed, sp_precision_mask supported) {
+  if ((supported & SP_PRECISION_BIT(SP_PRECISION_NF4)) != 0) return;
+  const PolicyConfig &config = parsed.config;
+  if (config.tier(SP_PRECISION_NF4)) {
+    throw ConfigError(fmt::format("{}.tiers: nf4 is a tier, but the host cannot transfer NF4 (it supports {}); "
+                                  "expected tiers from {}",
+                                  parsed.section_path, tiers_text(supported), tiers_text(supported)));
+  }
+  if (!config.force_nf4_blocks.empty()) {
+    throw ConfigError(fmt::format("{}.force_nf4_blocks: {} block(s) forced to nf4, but the host cannot transfer "
+                                  "NF4 (it supports {}); expected an empty list",
+                                  parsed.section_path, config.force_nf4_blocks.size(), tiers_text(supported)));
+  }
 }
 
 }  // namespace sp::policy

@@ -15,11 +15,37 @@ namespace sp::policy {
 namespace {
 
 sp_precision precision_of(Assignment assignment) {
-  return assignment == Assignment::int8 ? SP_PRECISION_INT8 : SP_PRECISION_BF16;
+  switch (assignment) {
+    case Assignment::int8:
+      return SP_PRECISION_INT8;
+    case Assignment::nf4:
+      return SP_PRECISION_NF4;
+    default:
+      return SP_PRECISION_BF16;
+  }
 }
 
 Assignment assignment_for(sp_precision precision) {
-  return precision == SP_PRECISION_INT8 ? Assignment::int8 : Assignment::bf16;
+  switch (precision) {
+    case SP_PRECISION_INT8:
+      return Assignment::int8;
+    case SP_PRECISION_NF4:
+      return Assignment::nf4;
+    default:
+      return Assignment::bf16;
+  }
+}
+
+// Cost order of the precisions: bf16 > int8 > nf4. "Down" is cheaper.
+int cost_rank(sp_precision precision) {
+  switch (precision) {
+    case SP_PRECISION_INT8:
+      return 1;
+    case SP_PRECISION_NF4:
+      return 0;
+    default:
+      return 2;
+  }
 }
 
 const char *phase_name(StepPhase phase) {
@@ -73,6 +99,8 @@ PolicyEngine::PolicyEngine(PolicyConfig config, std::vector<BlockBytes> block_by
       seen_in_call_(block_bytes_.size(), 0) {
   for (std::uint32_t block : config_.force_bf16_blocks) forced_.at(block) = SP_PRECISION_BF16;
   for (std::uint32_t block : config_.force_int8_blocks) forced_.at(block) = SP_PRECISION_INT8;
+  for (std::uint32_t block : config_.force_nf4_blocks) forced_.at(block) = SP_PRECISION_NF4;
+  state_.loss_window.losses.reserve(static_cast<std::size_t>(config_.loss_guard.window));
   for (std::uint32_t b = 0; b < hints_.size(); ++b) {
     hints_[b] = sp_hint_v1{b, SP_PRECISION_BF16, ScoreParts::kNever, SP_REASON_NO_DATA, 0};
   }
@@ -183,7 +211,7 @@ void PolicyEngine::compute_hints(std::int64_t step, sp_hint_v1 *hints_out, std::
     hints_out[b] = hint;
   }
   state_.phase = StepPhase::hints_done;
-  if (telemetry_ && (decision_step || changes > 0)) pending_record_ = StepRecord{step, decision_step, changes};
+  if (telemetry_ && (decision_step || changes > 0)) pending_record_ = StepRecord{step, decision_step, changes, std::nullopt};
 }
 
 void PolicyEngine::decide_off() {
@@ -221,11 +249,16 @@ void PolicyEngine::score_blocks() {
     if (state_.windows.size(b) == 0) continue;
     ScoreParts &score = step_scores_[b];
     const std::optional<double> &calibration = state_.blocks[b].calibration_error;
+    const std::optional<double> &nf4_calibration = state_.blocks[b].nf4_calibration_error;
     score.relative_magnitude = mean_all > 0.0 ? score.avg_l2 / mean_all : 0.0;
     score.grad_score = std::min(score.relative_magnitude / config_.grad_sensitivity_threshold, 1.0);
     score.error_score = calibration ? std::min(*calibration / config_.quant_error_threshold, 1.0) : 0.0;
     score.sensitivity =
         std::clamp(config_.grad_weight * score.grad_score + config_.error_weight * score.error_score, 0.0, 1.0);
+    score.nf4_error_score =
+        nf4_calibration ? std::min(*nf4_calibration / config_.nf4_quant_error_threshold, 1.0) : 0.0;
+    score.nf4_sensitivity = std::clamp(
+        config_.grad_weight * score.grad_score + config_.error_weight * score.nf4_error_score, 0.0, 1.0);
   }
 }
 
@@ -239,46 +272,102 @@ void PolicyEngine::decide_dynamic(std::int64_t step, bool decision_step) {
       // Forced blocks are still scored, for telemetry; the score never moves them.
       if (decision_step && has_samples) block.score = step_scores_[b];
       assign(block, assignment_for(forced_[b]), step);
+      block.pending_revert.reset();
       hint.reason = SP_REASON_FORCED;
     } else if (block.unsafe) {
+      // A pending revert is dropped, but its penalty starts as if it had happened.
+      if (block.pending_revert) {
+        block.pending_revert.reset();
+        block.penalty_until = step + config_.loss_guard.penalty_steps;
+      }
       assign(block, Assignment::bf16, step);
       hint.reason = SP_REASON_UNSAFE;
+    } else if (block.pending_revert) {
+      const sp_precision target = nearest_tier_up(*block.pending_revert);
+      block.pending_revert.reset();
+      assign(block, assignment_for(target), step);
+      block.last_switch_step = step;
+      block.last_down_move.reset();
+      block.penalty_until = step + config_.loss_guard.penalty_steps;
+      hint.reason = SP_REASON_LOSS_GUARD;
+    } else if (block.assignment != Assignment::unassigned &&
+               !config_.tier(precision_of(block.assignment))) {
+      // Imported from a state whose precision this config does not allow.
+      assign(block, assignment_for(nearest_tier_up(precision_of(block.assignment))), step);
+      hint.reason = SP_REASON_MODE;
     } else if (!decision_step) {
       hint.reason = SP_REASON_NOT_DECISION_STEP;
     } else if (!has_samples) {
       hint.reason = SP_REASON_NO_DATA;
     } else {
       block.score = step_scores_[b];
-      hint.reason = apply_thresholds(block, block.score.sensitivity, step);
+      hint.reason = apply_thresholds(block, step);
     }
     hint.precision = precision_of(block.assignment);
     hint.sensitivity = block.score.sensitivity;
   }
 }
 
-sp_reason PolicyEngine::apply_thresholds(BlockState &block, double sensitivity, std::int64_t step) const {
+sp_precision PolicyEngine::nearest_tier_up(sp_precision precision) const {
+  if (precision == SP_PRECISION_NF4 && !config_.tier(SP_PRECISION_NF4)) precision = SP_PRECISION_INT8;
+  if (precision == SP_PRECISION_INT8 && !config_.tier(SP_PRECISION_INT8)) precision = SP_PRECISION_BF16;
+  return precision;
+}
+
+bool PolicyEngine::under_penalty(const BlockState &block, std::int64_t step) const {
+  return block.penalty_until && step < *block.penalty_until;
+}
+
+// Moves the block to `target` unless the cooldown (any move) or a penalty (a move down)
+// holds it; the cooldown is checked first, so a block held by both reports `cooldown`.
+sp_reason PolicyEngine::move_if_allowed(BlockState &block, Assignment target, std::int64_t step) const {
+  const sp_precision from = precision_of(block.assignment);
+  const sp_precision to = precision_of(target);
+  if (to != from) {
+    if (!cooldown_passed(block, step)) return SP_REASON_COOLDOWN;
+    if (cost_rank(to) < cost_rank(from) && under_penalty(block, step)) return SP_REASON_PENALTY;
+  }
+  assign(block, target, step);
+  return SP_REASON_THRESHOLD;
+}
+
+sp_reason PolicyEngine::apply_thresholds(BlockState &block, std::int64_t step) const {
+  const double s8 = block.score.sensitivity;
+  const double s4 = block.score.nf4_sensitivity;
+  const double b16 = config_.bf16_threshold;
+  const double i8 = config_.int8_threshold;
+  const double n4 = config_.nf4_threshold;
+  const double m = config_.hysteresis_margin;
+  const bool int8_ok = config_.tier(SP_PRECISION_INT8);
+  const bool nf4_ok = config_.tier(SP_PRECISION_NF4);
   switch (block.assignment) {
     case Assignment::unassigned: {
-      const sp_precision target = sensitivity < config_.int8_threshold    ? SP_PRECISION_INT8
-                                  : sensitivity >= config_.bf16_threshold ? SP_PRECISION_BF16
-                                                                          : config_.ambiguous_default;
-      assign(block, assignment_for(target), step);
-      return SP_REASON_THRESHOLD;
+      Assignment target = Assignment::bf16;
+      if (s8 >= b16) {
+        target = Assignment::bf16;
+      } else if (nf4_ok && s4 < n4) {
+        target = Assignment::nf4;
+      } else if (int8_ok && s8 < i8) {
+        target = Assignment::int8;
+      } else {
+        const sp_precision fallback =
+            config_.ambiguous_default == SP_PRECISION_INT8 && !int8_ok ? SP_PRECISION_BF16 : config_.ambiguous_default;
+        target = assignment_for(fallback);
+      }
+      return move_if_allowed(block, target, step);
     }
     case Assignment::bf16:
-      if (sensitivity < config_.int8_threshold - config_.hysteresis_margin) {
-        if (!cooldown_passed(block, step)) return SP_REASON_COOLDOWN;
-        assign(block, Assignment::int8, step);
-        return SP_REASON_THRESHOLD;
-      }
-      return sensitivity >= config_.bf16_threshold ? SP_REASON_THRESHOLD : SP_REASON_HYSTERESIS_HOLD;
+      if (nf4_ok && s4 < n4 - m) return move_if_allowed(block, Assignment::nf4, step);
+      if (int8_ok && s8 < i8 - m) return move_if_allowed(block, Assignment::int8, step);
+      return s8 >= b16 ? SP_REASON_THRESHOLD : SP_REASON_HYSTERESIS_HOLD;
     case Assignment::int8:
-      if (sensitivity >= config_.bf16_threshold) {
-        if (!cooldown_passed(block, step)) return SP_REASON_COOLDOWN;
-        assign(block, Assignment::bf16, step);
-        return SP_REASON_THRESHOLD;
-      }
-      return sensitivity < config_.int8_threshold ? SP_REASON_THRESHOLD : SP_REASON_HYSTERESIS_HOLD;
+      if (s8 >= b16) return move_if_allowed(block, Assignment::bf16, step);
+      if (nf4_ok && s4 < n4 - m) return move_if_allowed(block, Assignment::nf4, step);
+      return s8 < i8 ? SP_REASON_THRESHOLD : SP_REASON_HYSTERESIS_HOLD;
+    case Assignment::nf4:
+      if (s8 >= b16) return move_if_allowed(block, Assignment::bf16, step);
+      if (s4 >= i8) return move_if_allowed(block, int8_ok ? Assignment::int8 : Assignment::bf16, step);
+      return s4 < n4 ? SP_REASON_THRESHOLD : SP_REASON_HYSTERESIS_HOLD;
   }
   return SP_REASON_HYSTERESIS_HOLD;
 }
@@ -288,9 +377,19 @@ bool PolicyEngine::cooldown_passed(const BlockState &block, std::int64_t step) c
 }
 
 // A switch is a change of the precision a block travels at; leaving the unassigned state
-// for BF16 changes nothing on the wire and is not one.
+// for BF16 changes nothing on the wire and is not one. A switch to a cheaper precision is
+// the block's last downward move (what the loss guard blames); a switch up clears it.
 void PolicyEngine::assign(BlockState &block, Assignment target, std::int64_t step) const {
-  if (precision_of(target) != precision_of(block.assignment)) block.last_switch_step = step;
+  const sp_precision from = precision_of(block.assignment);
+  const sp_precision to = precision_of(target);
+  if (to != from) {
+    block.last_switch_step = step;
+    if (cost_rank(to) < cost_rank(from)) {
+      block.last_down_move = DownMove{step, from};
+    } else {
+      block.last_down_move.reset();
+    }
+  }
   block.assignment = target;
 }
 
@@ -315,12 +414,94 @@ void PolicyEngine::end_step(std::int64_t step, const sp_step_feedback_v1 *feedba
     measured.bf16 += feedback->h2d_bytes_bf16;
     measured.int8 += feedback->h2d_bytes_int8;
     measured.all_bf16 += feedback->h2d_bytes_all_bf16;
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 1
+    if (feedback->struct_size >= offsetof(sp_step_feedback_v1, h2d_bytes_nf4) + sizeof(feedback->h2d_bytes_nf4)) {
+      measured.nf4 += feedback->h2d_bytes_nf4;
+    }
+#endif
+  }
+  last_spike_.reset();
+  if (config_.loss_guard.enabled && feedback != nullptr && std::isfinite(feedback->loss)) {
+    judge_loss(step, feedback->loss);
   }
   state_.phase = StepPhase::ended;
+  if (last_spike_ && telemetry_) {
+    if (!pending_record_) pending_record_ = StepRecord{step, is_decision_step(step), 0, std::nullopt};
+    pending_record_->spike = last_spike_;
+  }
   write_pending_record();
 }
 
+// The loss guard (docs/policy.md): a full window judges each new finite loss.
+void PolicyEngine::judge_loss(std::int64_t step, double loss) {
+  std::vector<double> &window = state_.loss_window.losses;
+  const auto capacity = static_cast<std::size_t>(config_.loss_guard.window);
+  if (window.size() < capacity) {
+    window.push_back(loss);
+    return;
+  }
+  double sum = 0.0;
+  for (double value : window) sum += value;
+  const double mu = sum / static_cast<double>(window.size());
+  double squares = 0.0;
+  for (double value : window) squares += (value - mu) * (value - mu);
+  const double sd = std::sqrt(squares / static_cast<double>(window.size()));
+  const bool spike = loss > mu + config_.loss_guard.sigmas * sd && loss > mu * (1.0 + config_.loss_guard.min_rise);
+  if (!spike) {
+    // A window that outgrew this config's (imported) drops its oldest losses too.
+    window.erase(window.begin(), window.begin() + static_cast<std::ptrdiff_t>(window.size() - capacity + 1));
+    window.push_back(loss);
+    return;
+  }
+  SpikeRecord record{loss, mu, sd, {}};
+  for (std::uint32_t b = 0; b < n_blocks(); ++b) {
+    BlockState &block = state_.blocks[b];
+    if (forced_[b] >= 0 || !block.last_down_move) continue;
+    if (step - block.last_down_move->step > config_.loss_guard.blame_steps) continue;
+    block.pending_revert = block.last_down_move->from;
+    record.blamed.push_back(b);
+  }
+  if (log_ != nullptr && log_->wants(SP_LOG_WARN)) {
+    log_->write(SP_LOG_WARN, fmt::format("step {}: loss spike {} (window mean {}, sd {}); {} block(s) blamed", step,
+                                         loss, mu, sd, record.blamed.size()));
+  }
+  last_spike_ = std::move(record);
+}
+
 void PolicyEngine::set_calibration_errors(const std::uint32_t *block_ids, const double *errors, std::uint32_t n) {
+  set_precision_calibration_errors(SP_PRECISION_INT8, block_ids, errors, n);
+}
+
+void PolicyEngine::set_transfer_bytes(sp_precision precision, const std::uint64_t *bytes, std::uint32_t n) {
+  if (n != n_blocks()) {
+    throw InvalidArgument(fmt::format("set_transfer_bytes: n = {}, but the policy was created for {} blocks", n,
+                                      n_blocks()));
+  }
+  if (bytes == nullptr) throw InvalidArgument("set_transfer_bytes: bytes is null");
+  switch (precision) {
+    case SP_PRECISION_BF16:
+      for (std::uint32_t b = 0; b < n; ++b) block_bytes_[b].bf16 = bytes[b];
+      break;
+    case SP_PRECISION_INT8:
+      for (std::uint32_t b = 0; b < n; ++b) block_bytes_[b].int8 = bytes[b];
+      break;
+    case SP_PRECISION_NF4:
+      for (std::uint32_t b = 0; b < n; ++b) block_bytes_[b].nf4 = bytes[b];
+      break;
+    default:
+      throw InvalidArgument(fmt::format("set_transfer_bytes: precision {} is unknown to this plugin (bf16 = 0, "
+                                        "int8 = 1, nf4 = 2)",
+                                        precision));
+  }
+}
+
+void PolicyEngine::set_precision_calibration_errors(sp_precision precision, const std::uint32_t *block_ids,
+                                                    const double *errors, std::uint32_t n) {
+  if (precision != SP_PRECISION_INT8 && precision != SP_PRECISION_NF4) {
+    throw InvalidArgument(fmt::format("set_precision_calibration_errors: precision {} has no calibration error; "
+                                      "expected int8 (1) or nf4 (2)",
+                                      precision));
+  }
   if (n > 0 && (block_ids == nullptr || errors == nullptr)) {
     throw InvalidArgument(fmt::format("set_calibration_errors: block_ids or errors is null but n = {}", n));
   }
@@ -340,13 +521,17 @@ void PolicyEngine::set_calibration_errors(const std::uint32_t *block_ids, const 
                                         block_ids[i], errors[i]));
     }
   }
-  for (std::uint32_t i = 0; i < n; ++i) state_.blocks[block_ids[i]].calibration_error = errors[i];
+  for (std::uint32_t i = 0; i < n; ++i) {
+    BlockState &block = state_.blocks[block_ids[i]];
+    (precision == SP_PRECISION_NF4 ? block.nf4_calibration_error : block.calibration_error) = errors[i];
+  }
 }
 
 std::vector<std::uint8_t> PolicyEngine::export_state() const { return encode_state(state_); }
 
 void PolicyEngine::import_state(const std::uint8_t *blob, std::size_t size) {
-  PolicyState imported = decode_state(blob, size, n_blocks(), state_.windows.capacity());
+  PolicyState imported = decode_state(blob, size, n_blocks(), state_.windows.capacity(),
+                                      static_cast<std::uint32_t>(config_.loss_guard.window));
   write_pending_record();
   state_ = std::move(imported);
   for (sp_hint_v1 &hint : hints_) {

@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -17,7 +18,11 @@
 #include <utility>
 
 #ifndef SP_POLICY_PLUGIN_VERSION
+#if SP_POLICY_EDITION >= 2
+#define SP_POLICY_PLUGIN_VERSION "2.0.0"
+#else
 #define SP_POLICY_PLUGIN_VERSION "1.0.0"
+#endif
 #endif
 
 namespace {
@@ -129,7 +134,7 @@ std::vector<sp::policy::BlockBytes> read_block_descs(const sp_block_desc_v1 *blo
       throw InvalidArgument(fmt::format("create: blocks[{}].block_id is {}; descs must arrive sorted by id from 0",
                                         i, desc.block_id));
     }
-    bytes[i] = {desc.bf16_bytes, desc.int8_bytes};
+    bytes[i] = {desc.bf16_bytes, desc.int8_bytes, 0};
   }
   return bytes;
 }
@@ -155,6 +160,14 @@ sp_status sp_create(const sp_host_api_v1 *host, const char *config_yaml, const s
     if (config_yaml == nullptr) throw InvalidArgument("create: config_yaml is null");
     std::vector<sp::policy::BlockBytes> block_bytes = read_block_descs(blocks, n_blocks);
     sp::policy::ParsedConfig parsed = sp::policy::parse_policy_config(config_yaml, n_blocks);
+    // A 1.0 host (or a 1.1 host's struct without the field) transfers BF16 and INT8 only.
+    sp_precision_mask supported = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 1
+    if (host->struct_size >= offsetof(sp_host_api_v1, supported_precisions) + sizeof(host->supported_precisions)) {
+      supported = host->supported_precisions | SP_PRECISION_BIT(SP_PRECISION_BF16);
+    }
+#endif
+    sp::policy::check_host_precisions(parsed, supported);
     auto ctx = std::make_unique<sp_policy_ctx>(*host, std::move(parsed.config), std::move(block_bytes));
     for (const std::string &warning : parsed.warnings) ctx->log.write(SP_LOG_WARN, warning);
     const sp::policy::PolicyConfig &config = ctx->engine.config();
@@ -219,24 +232,13 @@ sp_status sp_import_state(sp_policy_ctx *ctx, const uint8_t *blob, uint64_t size
 
 #if SP_PLUGIN_ABI_TARGET_MINOR >= 1
 sp_status sp_set_transfer_bytes(sp_policy_ctx *ctx, sp_precision precision, const uint64_t *bytes, uint32_t n) {
-  return on_context(ctx, "set_transfer_bytes", [&] {
-    (void)precision;
-    (void)bytes;
-    (void)n;
-    throw PolicyError(SP_ERR_INTERNAL, "set_transfer_bytes: not implemented yet");
-  });
+  return on_context(ctx, "set_transfer_bytes", [&] { ctx->engine.set_transfer_bytes(precision, bytes, n); });
 }
 
 sp_status sp_set_precision_calibration_errors(sp_policy_ctx *ctx, sp_precision precision, const uint32_t *block_ids,
                                               const double *errors, uint32_t n) {
-  return on_context(ctx, "set_precision_calibration_errors", [&] {
-    if (precision == SP_PRECISION_INT8) {
-      ctx->engine.set_calibration_errors(block_ids, errors, n);
-      return;
-    }
-    throw sp::policy::InvalidArgument(
-        fmt::format("set_precision_calibration_errors: precision {} is not supported by this plugin", precision));
-  });
+  return on_context(ctx, "set_precision_calibration_errors",
+                    [&] { ctx->engine.set_precision_calibration_errors(precision, block_ids, errors, n); });
 }
 #endif
 

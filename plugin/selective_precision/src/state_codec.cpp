@@ -27,7 +27,14 @@ constexpr std::uint32_t four_cc(char a, char b, char c, char d) {
 constexpr std::uint32_t kPolicySection = four_cc('P', 'L', 'C', 'Y');
 // One record per block, in block-id order: decision state, score and window samples.
 constexpr std::uint32_t kBlocksSection = four_cc('B', 'L', 'K', 'S');
-constexpr std::uint32_t kSectionCount = 2;
+// Format 2 (policy v2) appends two sections after those of format 1, which keep their layout:
+// instance-wide v2 fields (measured NF4 bytes, the loss window) and one v2 record per block.
+constexpr std::uint32_t kGuardSection = four_cc('L', 'O', 'S', 'S');
+constexpr std::uint32_t kBlocksV2Section = four_cc('B', 'L', 'K', '2');
+constexpr std::uint32_t section_count_of(std::uint32_t version) { return version >= 2 ? 4 : 2; }
+// The first format this edition cannot write: the 1.0.0 edition writes and reads format 1 only.
+constexpr std::uint32_t kOldestReadable = 1;
+constexpr std::size_t kBlockV2Size = 4 * 1 + 8 + 8 + 1 + 1 + 8 + 2 * 8;
 
 constexpr std::size_t kPolicyPayloadSize = 4 + 4 + 8 + 1 + 4 * 8;
 constexpr std::size_t kBlockFixedSize = 5 * 1 + 8 + 8 + 5 * 8 + 4;
@@ -177,7 +184,35 @@ void write_blocks_section(Writer &out, const PolicyState &state) {
   out.patch_u64(size_offset, out.size() - payload_begin);
 }
 
+void write_guard_section(Writer &out, const PolicyState &state) {
+  out.u32(kGuardSection);
+  const std::vector<double> &losses = state.loss_window.losses;
+  out.u64(8 + 4 + 8 * losses.size());
+  out.u64(state.measured_since_record.nf4);
+  out.u32(static_cast<std::uint32_t>(losses.size()));
+  for (double loss : losses) out.f64(loss);
+}
+
+void write_blocks_v2_section(Writer &out, const PolicyState &state) {
+  out.u32(kBlocksV2Section);
+  out.u64(kBlockV2Size * state.blocks.size());
+  for (const BlockState &block : state.blocks) {
+    out.u8(block.nf4_calibration_error ? 1 : 0);
+    out.u8(block.last_down_move ? 1 : 0);
+    out.u8(block.pending_revert ? 1 : 0);
+    out.u8(block.penalty_until ? 1 : 0);
+    out.f64(block.nf4_calibration_error.value_or(0.0));
+    out.i64(block.last_down_move ? block.last_down_move->step : 0);
+    out.u8(static_cast<std::uint8_t>(block.last_down_move ? block.last_down_move->from : 0));
+    out.u8(static_cast<std::uint8_t>(block.pending_revert.value_or(0)));
+    out.i64(block.penalty_until.value_or(0));
+    out.f64(block.score.nf4_error_score);
+    out.f64(block.score.nf4_sensitivity);
+  }
+}
+
 struct PolicyFields {
+  std::uint32_t version = 1;
   std::uint32_t blob_window_capacity = 0;
 };
 
@@ -234,18 +269,20 @@ void read_blocks_section(Reader &reader, std::size_t payload_end, const PolicyFi
   for (std::uint32_t b = 0; b < state.blocks.size(); ++b) {
     BlockState &block = state.blocks[b];
     reader.need(kBlockFixedSize, "a block record");
+    const bool v2 = fields.version >= 2;
     const std::uint8_t assignment = reader.u8("assignment");
-    if (assignment > static_cast<std::uint8_t>(Assignment::int8)) {
-      reject_block(b, fmt::format("assignment code must be 0 (unassigned), 1 (bf16) or 2 (int8), found {}",
-                                  assignment));
+    if (assignment > static_cast<std::uint8_t>(v2 ? Assignment::nf4 : Assignment::int8)) {
+      reject_block(b, fmt::format("assignment code must be 0 (unassigned), 1 (bf16), 2 (int8){}, found {}",
+                                  v2 ? " or 3 (nf4)" : "", assignment));
     }
     block.assignment = static_cast<Assignment>(assignment);
     block.unsafe = reader.flag("unsafe flag");
     const bool has_switched = reader.flag("has-switched flag");
     const bool has_calibration = reader.flag("has-calibration flag");
     const std::uint8_t previous = reader.u8("previous precision");
-    if (previous != SP_PRECISION_BF16 && previous != SP_PRECISION_INT8) {
-      reject_block(b, fmt::format("previous precision must be 0 (bf16) or 1 (int8), found {}", previous));
+    if (previous != SP_PRECISION_BF16 && previous != SP_PRECISION_INT8 && !(v2 && previous == SP_PRECISION_NF4)) {
+      reject_block(b, fmt::format("previous precision must be 0 (bf16), 1 (int8){}, found {}",
+                                  v2 ? " or 2 (nf4)" : "", previous));
     }
     block.previous_precision = previous;
     const std::int64_t last_switch = reader.i64("last switch step");
@@ -284,16 +321,90 @@ void read_blocks_section(Reader &reader, std::size_t payload_end, const PolicyFi
   }
 }
 
+void read_guard_section(Reader &reader, std::size_t payload_end, PolicyState &state,
+                        std::uint32_t loss_window_capacity) {
+  state.measured_since_record.nf4 = reader.u64("measured nf4 bytes");
+  const std::uint32_t count = reader.u32("loss window size");
+  if (count > kMaxHistoryWindow) {
+    throw StateError(fmt::format("state blob: the loss window holds {} losses, more than {}", count,
+                                 kMaxHistoryWindow));
+  }
+  if (static_cast<std::uint64_t>(count) * 8 != payload_end - reader.offset()) {
+    throw StateError(fmt::format("state blob: the loss section holds {} bytes of losses, {} losses need {}",
+                                 payload_end - reader.offset(), count, static_cast<std::uint64_t>(count) * 8));
+  }
+  const std::uint32_t dropped = count > loss_window_capacity ? count - loss_window_capacity : 0;
+  std::vector<double> &losses = state.loss_window.losses;
+  losses.clear();
+  for (std::uint32_t i = 0; i < count; ++i) {
+    const double loss = reader.f64("loss");
+    if (!std::isfinite(loss)) throw StateError(fmt::format("state blob: loss {} of the window is {}", i, loss));
+    if (i >= dropped) losses.push_back(loss);
+  }
+}
+
+sp_precision read_precision(Reader &reader, std::uint32_t b, const char *what) {
+  const std::uint8_t value = reader.u8(what);
+  if (value > SP_PRECISION_NF4) {
+    reject_block(b, fmt::format("{} must be 0 (bf16), 1 (int8) or 2 (nf4), found {}", what, value));
+  }
+  return static_cast<sp_precision>(value);
+}
+
+void read_blocks_v2_section(Reader &reader, std::size_t payload_size, PolicyState &state) {
+  if (payload_size != kBlockV2Size * state.blocks.size()) {
+    throw StateError(fmt::format("state blob: the v2 blocks section is {} bytes, expected {} for {} blocks",
+                                 payload_size, kBlockV2Size * state.blocks.size(), state.blocks.size()));
+  }
+  for (std::uint32_t b = 0; b < state.blocks.size(); ++b) {
+    BlockState &block = state.blocks[b];
+    const bool has_nf4_calibration = reader.flag("has-nf4-calibration flag");
+    const bool has_down_move = reader.flag("has-down-move flag");
+    const bool has_pending = reader.flag("has-pending-revert flag");
+    const bool has_penalty = reader.flag("has-penalty flag");
+    const double nf4_calibration = non_negative_finite(reader, b, "nf4 calibration error");
+    if (has_nf4_calibration) block.nf4_calibration_error = nf4_calibration;
+    const std::int64_t down_step = reader.i64("down move step");
+    const sp_precision down_from = read_precision(reader, b, "precision before the down move");
+    const sp_precision pending = read_precision(reader, b, "pending revert precision");
+    const std::int64_t penalty_until = reader.i64("penalty end step");
+    if (has_down_move) {
+      if (block.assignment == Assignment::unassigned) reject_block(b, "an unassigned block cannot have moved down");
+      if (down_step < 0 || down_step > state.current_step) {
+        reject_block(b, fmt::format("down move step must be in [0, {}], found {}", state.current_step, down_step));
+      }
+      block.last_down_move = DownMove{down_step, down_from};
+    }
+    if (has_pending) block.pending_revert = pending;
+    if (has_penalty) {
+      if (penalty_until < 0) reject_block(b, fmt::format("penalty end step must be >= 0, found {}", penalty_until));
+      block.penalty_until = penalty_until;
+    }
+    block.score.nf4_error_score = reader.f64("nf4 error score");
+    block.score.nf4_sensitivity = reader.f64("nf4 sensitivity");
+    for (double part : {block.score.nf4_error_score, block.score.nf4_sensitivity}) {
+      const bool never = std::isnan(block.score.nf4_sensitivity);
+      if (never ? !std::isnan(part) : !(part >= 0.0 && part <= 1.0)) {
+        reject_block(b, "nf4 score parts must both be NaN (never scored) or both lie in [0, 1]");
+      }
+    }
+  }
+}
+
 }  // namespace
 
 std::vector<std::uint8_t> encode_state(const PolicyState &state) {
   Writer out;
   out.bytes(kMagic, sizeof kMagic);
   out.u32(kStateFormatVersion);
-  out.u32(kSectionCount);
+  out.u32(section_count_of(kStateFormatVersion));
   out.u64(0);
   write_policy_section(out, state);
   write_blocks_section(out, state);
+  if (kStateFormatVersion >= 2) {
+    write_guard_section(out, state);
+    write_blocks_v2_section(out, state);
+  }
   out.patch_u64(16, out.size() + kTrailerSize);
   std::vector<std::uint8_t> blob = out.take();
   const std::uint32_t crc = crc32(blob.data(), blob.size());
@@ -302,7 +413,7 @@ std::vector<std::uint8_t> encode_state(const PolicyState &state) {
 }
 
 PolicyState decode_state(const std::uint8_t *blob, std::size_t size, std::uint32_t n_blocks,
-                         std::uint32_t window_capacity) {
+                         std::uint32_t window_capacity, std::uint32_t loss_window_capacity) {
   if (blob == nullptr || size < kHeaderSize + kTrailerSize) {
     throw StateError(fmt::format("state blob is {} bytes, shorter than its {}-byte header and checksum", size,
                                  kHeaderSize + kTrailerSize));
@@ -312,9 +423,13 @@ PolicyState decode_state(const std::uint8_t *blob, std::size_t size, std::uint32
   }
   Reader header(blob, size, sizeof kMagic);
   const std::uint32_t version = header.u32("format version");
-  if (version != kStateFormatVersion) {
-    throw StateError(fmt::format("state blob format version {} is not supported; this plugin reads version {}",
-                                 version, kStateFormatVersion));
+  if (version < kOldestReadable || version > kStateFormatVersion) {
+    throw StateError(kOldestReadable == kStateFormatVersion
+                         ? fmt::format("state blob format version {} is not supported; this plugin reads version {}",
+                                       version, kStateFormatVersion)
+                         : fmt::format("state blob format version {} is not supported; this plugin reads versions "
+                                       "{} to {}",
+                                       version, kOldestReadable, kStateFormatVersion));
   }
   const std::uint32_t section_count = header.u32("section count");
   const std::uint64_t total_size = header.u64("total size");
@@ -330,16 +445,19 @@ PolicyState decode_state(const std::uint8_t *blob, std::size_t size, std::uint32
     throw StateError(fmt::format("state blob is corrupted: checksum 0x{:08x} stored, 0x{:08x} computed",
                                  stored_crc, computed_crc));
   }
-  if (section_count != kSectionCount) {
-    throw StateError(fmt::format("state blob has {} sections; format version {} has {}", section_count,
-                                 kStateFormatVersion, kSectionCount));
+  if (section_count != section_count_of(version)) {
+    throw StateError(fmt::format("state blob has {} sections; format version {} has {}", section_count, version,
+                                 section_count_of(version)));
   }
 
   PolicyState state(n_blocks, window_capacity);
   Reader reader(blob, body_end, header.offset());
   PolicyFields fields;
+  fields.version = version;
   bool seen_policy = false;
   bool seen_blocks = false;
+  bool seen_guard = false;
+  bool seen_blocks_v2 = false;
   for (std::uint32_t s = 0; s < section_count; ++s) {
     const std::uint32_t tag = reader.u32("section tag");
     const std::uint64_t payload_size = reader.u64("section size");
@@ -355,12 +473,21 @@ PolicyState decode_state(const std::uint8_t *blob, std::size_t size, std::uint32
                                      kPolicyPayloadSize));
       }
       fields = read_policy_section(payload, n_blocks, state);
+      fields.version = version;
       seen_policy = true;
     } else if (tag == kBlocksSection && !seen_blocks) {
       // The blocks need the policy section (block count, capacity, step) to be checked.
       if (!seen_policy) throw StateError("state blob: the blocks section comes before the policy section");
       read_blocks_section(payload, payload_end, fields, state);
       seen_blocks = true;
+    } else if (version >= 2 && tag == kGuardSection && !seen_guard) {
+      read_guard_section(payload, payload_end, state, loss_window_capacity);
+      seen_guard = true;
+    } else if (version >= 2 && tag == kBlocksV2Section && !seen_blocks_v2) {
+      // The v2 records refine the blocks (assignment, step) that the blocks section read.
+      if (!seen_blocks) throw StateError("state blob: the v2 blocks section comes before the blocks section");
+      read_blocks_v2_section(payload, static_cast<std::size_t>(payload_size), state);
+      seen_blocks_v2 = true;
     } else {
       throw StateError(fmt::format("state blob: section {} has an unknown or repeated tag 0x{:08x}", s, tag));
     }

@@ -25,34 +25,53 @@ const char *assignment_name(Assignment assignment) {
       return "bf16";
     case Assignment::int8:
       return "int8";
+    case Assignment::nf4:
+      return "nf4";
   }
   return "unknown";
 }
 
-// The seed's estimate from the block sizes the host declared; when it declared none,
-// the seed's rule of thumb (an INT8 block moves half the bytes) over block counts.
+// What an NF4 transfer moves relative to BF16 when the host has not described NF4 bytes
+// (set_transfer_bytes): 4-bit codes plus one 2-byte scale per 64 elements, ~0.28x.
+constexpr double kNf4RuleOfThumb = 0.28;
+
+// The seed's estimate from each block's real bytes per precision (BF16 and INT8 from the
+// block descs, NF4 from set_transfer_bytes); when the host declared no sizes, the rules of
+// thumb (an INT8 block moves half the bytes, an NF4 block 0.28x) over block counts.
 double estimated_saving_pct(const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes) {
   double total_bf16 = 0.0;
   double saved = 0.0;
-  std::size_t int8_blocks = 0;
+  double saved_fraction_by_count = 0.0;
   for (std::size_t b = 0; b < hints.size(); ++b) {
-    total_bf16 += static_cast<double>(block_bytes[b].bf16);
+    const double bf16 = static_cast<double>(block_bytes[b].bf16);
+    total_bf16 += bf16;
     if (hints[b].precision == SP_PRECISION_INT8) {
-      ++int8_blocks;
-      saved += static_cast<double>(block_bytes[b].bf16) - static_cast<double>(block_bytes[b].int8);
+      saved_fraction_by_count += 0.5;
+      saved += bf16 - static_cast<double>(block_bytes[b].int8);
+    } else if (hints[b].precision == SP_PRECISION_NF4) {
+      saved_fraction_by_count += 1.0 - kNf4RuleOfThumb;
+      const double nf4 = block_bytes[b].nf4 > 0 ? static_cast<double>(block_bytes[b].nf4) : kNf4RuleOfThumb * bf16;
+      saved += bf16 - nf4;
     }
   }
   if (total_bf16 > 0.0) return 100.0 * saved / total_bf16;
-  return hints.empty() ? 0.0 : 50.0 * static_cast<double>(int8_blocks) / static_cast<double>(hints.size());
+  return hints.empty() ? 0.0 : 100.0 * saved_fraction_by_count / static_cast<double>(hints.size());
+}
+
+nlohmann::ordered_json spike_json(const std::optional<SpikeRecord> &spike) {
+  if (!spike) return nullptr;
+  return {{"loss", spike->loss}, {"mu", spike->mu}, {"sd", spike->sd}, {"blocks_blamed", spike->blamed}};
 }
 
 nlohmann::ordered_json measured_bandwidth(const MeasuredBytes &measured) {
   if (measured.steps == 0 || measured.all_bf16 == 0) return nullptr;
-  const double moved = static_cast<double>(measured.bf16) + static_cast<double>(measured.int8);
+  const double moved = static_cast<double>(measured.bf16) + static_cast<double>(measured.int8) +
+                       static_cast<double>(measured.nf4);
   const double saved = static_cast<double>(measured.all_bf16) - moved;
   return {{"steps", measured.steps},
           {"h2d_bytes_bf16", measured.bf16},
           {"h2d_bytes_int8", measured.int8},
+          {"h2d_bytes_nf4", measured.nf4},
           {"h2d_bytes_all_bf16", measured.all_bf16},
           {"bytes_saved", saved},
           {"saving_pct", 100.0 * saved / static_cast<double>(measured.all_bf16)}};
@@ -78,6 +97,10 @@ const char *reason_name(sp_reason reason) {
       return "mode";
     case SP_REASON_NOT_DECISION_STEP:
       return "not_decision_step";
+    case SP_REASON_LOSS_GUARD:
+      return "loss_guard";
+    case SP_REASON_PENALTY:
+      return "penalty";
     default:
       return "unknown";
   }
@@ -87,6 +110,7 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Pol
                                   const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes,
                                   const MeasuredBytes &measured, double unix_seconds) {
   std::uint32_t blocks_int8 = 0;
+  std::uint32_t blocks_nf4 = 0;
   std::uint32_t scored = 0;
   double sensitivity_sum = 0.0;
   double sensitivity_max = -1.0;
@@ -96,6 +120,7 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Pol
     const sp_hint_v1 &hint = hints[b];
     const BlockState &block = state.blocks[b];
     if (hint.precision == SP_PRECISION_INT8) ++blocks_int8;
+    if (hint.precision == SP_PRECISION_NF4) ++blocks_nf4;
     if (!std::isnan(hint.sensitivity)) {
       ++scored;
       sensitivity_sum += hint.sensitivity;
@@ -123,6 +148,12 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Pol
         {"window_mean_variance", window_size ? nlohmann::ordered_json(variance_sum / window_size) : nullptr},
         {"window_max_abs", window_size ? nlohmann::ordered_json(window_max_abs) : nullptr},
         {"last_switch_step", block.last_switch_step ? nlohmann::ordered_json(*block.last_switch_step) : nullptr},
+        {"s4", number_or_null(block.score.nf4_sensitivity)},
+        {"nf4_error_score", number_or_null(block.score.nf4_error_score)},
+        {"nf4_calibration_error",
+         block.nf4_calibration_error ? nlohmann::ordered_json(*block.nf4_calibration_error) : nullptr},
+        {"last_down_move_step", block.last_down_move ? nlohmann::ordered_json(block.last_down_move->step) : nullptr},
+        {"penalty_until", block.penalty_until ? nlohmann::ordered_json(*block.penalty_until) : nullptr},
     };
   }
   const nlohmann::ordered_json line = {
@@ -130,14 +161,16 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Pol
       {"timestamp", unix_seconds},
       {"mode", mode_name(mode)},
       {"decision_step", record.decision_step},
-      {"blocks_bf16", hints.size() - blocks_int8},
+      {"blocks_bf16", hints.size() - blocks_int8 - blocks_nf4},
       {"blocks_int8", blocks_int8},
+      {"blocks_nf4", blocks_nf4},
       {"mean_sensitivity", scored ? nlohmann::ordered_json(sensitivity_sum / scored) : nullptr},
       {"max_sensitivity", scored ? nlohmann::ordered_json(sensitivity_max) : nullptr},
       {"min_sensitivity", scored ? nlohmann::ordered_json(sensitivity_min) : nullptr},
       {"precision_changes", record.precision_changes},
       {"estimated_bandwidth_saving_pct", estimated_saving_pct(hints, block_bytes)},
       {"measured_bandwidth", measured_bandwidth(measured)},
+      {"loss_spike", spike_json(record.spike)},
       {"block_details", std::move(details)},
   };
   return line.dump();

@@ -58,7 +58,7 @@ class Driver {
  public:
   Driver(const std::string &yaml, std::uint32_t n_blocks, LogSink *log = nullptr, const std::string &output_dir = "")
       : engine_(std::make_unique<PolicyEngine>(parse_policy_config(yaml, n_blocks).config,
-                                               std::vector<BlockBytes>(n_blocks, BlockBytes{2000, 1000}), log,
+                                               std::vector<BlockBytes>(n_blocks, BlockBytes{2000, 1000, 0}), log,
                                                output_dir)),
         hints_(n_blocks) {}
 

@@ -130,9 +130,77 @@ TEST_F(PluginAbi, TableDescribesThePlugin) {
   EXPECT_EQ(v1->abi_major, static_cast<std::uint32_t>(SP_PLUGIN_ABI_MAJOR));
   EXPECT_EQ(v1->abi_minor, static_cast<std::uint32_t>(SP_PLUGIN_ABI_MINOR));
   EXPECT_STREQ(v1->plugin_name, "selective_precision");
-  EXPECT_STREQ(v1->plugin_version, "1.0.0");
+  EXPECT_STREQ(v1->plugin_version, "2.0.0");
+  EXPECT_NE(v1->set_transfer_bytes, nullptr);
+  EXPECT_NE(v1->set_precision_calibration_errors, nullptr);
   EXPECT_STREQ(v2->plugin_name, "selective_precision");
   EXPECT_STREQ(v2->plugin_version, "2.0.0");
+}
+
+TEST_F(PluginAbi, TheOneDotZeroEditionDescribesItselfAsOneDotZero) {
+  const LoadedPlugin edition(SP_POLICY_PLUGIN_V1_EDITION_PATH);
+  ASSERT_NE(edition.table(), nullptr) << dlerror();
+  EXPECT_EQ(edition->struct_size, SP_PLUGIN_TABLE_V1_0_SIZE);
+  EXPECT_EQ(edition->abi_minor, 0u);
+  EXPECT_STREQ(edition->plugin_version, "1.0.0");
+  // v2 keys are unknown keys to 1.0.0.
+  sp_policy_ctx *ctx = nullptr;
+  const std::string v2_config = standalone("  tiers: [bf16, int8]\n");
+  EXPECT_EQ(edition->create(&host, v2_config.c_str(), blocks.data(), kBlocks, &ctx), SP_ERR_CONFIG);
+  EXPECT_NE(std::string(edition->last_error(nullptr)).find("selective_precision.tiers: unknown key"),
+            std::string::npos)
+      << edition->last_error(nullptr);
+  // It exports state format 1.
+  ctx = create(edition, yaml());
+  ASSERT_NE(ctx, nullptr);
+  std::uint64_t size = 0;
+  edition->export_state(ctx, nullptr, 0, &size);
+  std::vector<std::uint8_t> blob(size);
+  ASSERT_EQ(edition->export_state(ctx, blob.data(), size, &size), SP_OK);
+  EXPECT_EQ(blob[8], 1u);
+  edition->destroy(ctx);
+}
+
+TEST_F(PluginAbi, NoNf4HostRejectsAnNf4ConfigByName) {
+  sp_policy_ctx *ctx = nullptr;
+  sp_host_api_v1 old_host = host;
+  old_host.struct_size = SP_HOST_API_V1_0_SIZE;  // a 1.0 host: BF16 and INT8
+  const std::string tiers = standalone("  tiers: [bf16, int8, nf4]\n");
+  EXPECT_EQ(v1->create(&old_host, tiers.c_str(), blocks.data(), kBlocks, &ctx), SP_ERR_CONFIG);
+  EXPECT_NE(std::string(v1->last_error(nullptr)).find("selective_precision.tiers: nf4 is a tier, but the host"),
+            std::string::npos)
+      << v1->last_error(nullptr);
+  const std::string forced = standalone("  force_nf4_blocks: [1]\n");
+  sp_host_api_v1 no_nf4 = host;
+  no_nf4.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
+  EXPECT_EQ(v1->create(&no_nf4, forced.c_str(), blocks.data(), kBlocks, &ctx), SP_ERR_CONFIG);
+  EXPECT_NE(std::string(v1->last_error(nullptr)).find("selective_precision.force_nf4_blocks"), std::string::npos);
+  no_nf4.supported_precisions |= SP_PRECISION_BIT(SP_PRECISION_NF4);
+  ASSERT_EQ(v1->create(&no_nf4, tiers.c_str(), blocks.data(), kBlocks, &ctx), SP_OK) << v1->last_error(nullptr);
+  v1->destroy(ctx);
+}
+
+TEST_F(PluginAbi, OneDotOneFunctionsRouteCalibrationAndBytes) {
+  host.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) |
+                              SP_PRECISION_BIT(SP_PRECISION_NF4);
+  sp_policy_ctx *ctx = create(v1, standalone("  tiers: [bf16, int8, nf4]\n  telemetry_enabled: false\n"));
+  ASSERT_NE(ctx, nullptr);
+  const std::uint32_t ids[] = {0, 1};
+  const double errors[] = {0.01, 0.02};
+  EXPECT_EQ(v1->set_precision_calibration_errors(ctx, SP_PRECISION_INT8, ids, errors, 2), SP_OK);
+  EXPECT_EQ(v1->set_precision_calibration_errors(ctx, SP_PRECISION_NF4, ids, errors, 2), SP_OK);
+  EXPECT_EQ(v1->set_precision_calibration_errors(ctx, SP_PRECISION_BF16, ids, errors, 2), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(v1->set_precision_calibration_errors(ctx, 5, ids, errors, 2), SP_ERR_INVALID_ARGUMENT);
+  std::vector<std::uint64_t> bytes(kBlocks, 560);
+  EXPECT_EQ(v1->set_transfer_bytes(ctx, SP_PRECISION_NF4, bytes.data(), kBlocks), SP_OK);
+  EXPECT_EQ(v1->set_transfer_bytes(ctx, SP_PRECISION_NF4, bytes.data(), kBlocks - 1), SP_ERR_INVALID_ARGUMENT);
+  // A 1.0-sized feedback is accepted; the loss in it is read.
+  ASSERT_EQ(v1->begin_step(ctx, 0), SP_OK);
+  sp_step_feedback_v1 feedback{};
+  feedback.struct_size = SP_STEP_FEEDBACK_V1_0_SIZE;
+  feedback.loss = 1.0;
+  EXPECT_EQ(v1->end_step(ctx, 0, &feedback), SP_OK) << v1->last_error(ctx);
+  v1->destroy(ctx);
 }
 
 TEST_F(PluginAbi, ARejectedConfigLeavesNoContextAndAMessage) {

@@ -16,7 +16,7 @@ namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-// Layout offsets of format version 1 (state_codec.hpp).
+// Layout offsets of format version 1, which format 2 keeps and appends to (state_codec.hpp).
 constexpr std::size_t kVersionOffset = 8;
 constexpr std::size_t kPolicyPayload = 24 + 12;
 constexpr std::size_t kBlocksOffset = kPolicyPayload + 4 + 4 + 8 + 1 + 32;
@@ -181,9 +181,9 @@ TEST_F(PolicyStateBlob, RejectsForeignBytes) {
 
 TEST_F(PolicyStateBlob, RejectsAnotherFormatVersion) {
   std::vector<std::uint8_t> other = blob;
-  store_u32(other, kVersionOffset, 2);
+  store_u32(other, kVersionOffset, 3);
   reseal(other);
-  expect_rejected(other, "format version 2 is not supported; this plugin reads version 1");
+  expect_rejected(other, "format version 3 is not supported; this plugin reads versions 1 to 2");
 }
 
 TEST_F(PolicyStateBlob, RejectsAChecksumMismatch) {
@@ -214,7 +214,7 @@ TEST_F(PolicyStateBlob, RejectsAnUnknownAssignmentCode) {
   std::vector<std::uint8_t> bad = blob;
   bad[kFirstBlockRecord] = 7;
   reseal(bad);
-  expect_rejected(bad, "block 0: assignment code must be 0 (unassigned), 1 (bf16) or 2 (int8), found 7");
+  expect_rejected(bad, "block 0: assignment code must be 0 (unassigned), 1 (bf16), 2 (int8) or 3 (nf4), found 7");
 }
 
 TEST_F(PolicyStateBlob, RejectsANonFiniteSample) {

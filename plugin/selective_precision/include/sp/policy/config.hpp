@@ -1,6 +1,9 @@
-// Configuration of the Selective Precision policy v1: the parameters of the seed's table
-// with the seed's defaults, plus `nonfinite_to_bf16`. Parsed from YAML text and validated
-// completely; see docs/policy.md for every key and its range.
+// Configuration of the Selective Precision policy: v1's keys (the seed's table with the
+// seed's defaults, plus `nonfinite_to_bf16`) and v2's (tiers, NF4, loss guard). Parsed from
+// YAML text and validated completely; see docs/policy.md for every key and its range.
+//
+// SP_POLICY_EDITION selects what the build is: 2 (default) is policy v2; 1 builds the same
+// sources as the 1.0.0 edition, which knows only v1's keys (a v2 key is an unknown key).
 #pragma once
 
 #include <sp/plugin_abi_v1.h>
@@ -10,7 +13,13 @@
 #include <string_view>
 #include <vector>
 
+#ifndef SP_POLICY_EDITION
+#define SP_POLICY_EDITION 2
+#endif
+
 namespace sp::policy {
+
+inline constexpr int kPolicyEdition = SP_POLICY_EDITION;
 
 enum class Mode : std::uint8_t { off, static_lists, dynamic };
 
@@ -43,6 +52,29 @@ struct PolicyConfig {
   std::string telemetry_file = "selective_precision_telemetry.jsonl";
   bool nonfinite_to_bf16 = true;
 
+  // ---- v2 ----
+  // The precisions the dynamic policy may choose, as a mask of SP_PRECISION_BIT; always
+  // holds BF16. The default is v1's pair.
+  sp_precision_mask tiers = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
+  std::vector<std::uint32_t> force_nf4_blocks;
+  // Provisional defaults (docs/policy.md): the experiments choose the final values.
+  double nf4_threshold = 0.15;
+  double nf4_quant_error_threshold = 0.15;
+  // Read by the host's NF4 packer; the policy only validates it.
+  std::int64_t nf4_group_size = 64;
+  struct LossGuard {
+    bool enabled = false;
+    std::int64_t window = 20;
+    double sigmas = 3.0;
+    double min_rise = 0.05;
+    std::int64_t blame_steps = 10;
+    std::int64_t penalty_steps = 100;
+  } loss_guard;
+
+  bool tier(sp_precision precision) const { return (tiers & SP_PRECISION_BIT(precision)) != 0; }
+  // Whether the configuration can make any block travel as NF4.
+  bool uses_nf4() const { return tier(SP_PRECISION_NF4) || !force_nf4_blocks.empty(); }
+
   // `enabled: false` is the same as `mode: off`.
   Mode effective_mode() const { return enabled ? mode : Mode::off; }
 };
@@ -58,6 +90,10 @@ struct ParsedConfig {
 // Parses and validates the policy section of `yaml_text` for a model of `n_blocks` blocks.
 // Throws ConfigError naming the full key path, the expected type or range, and what was found.
 ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blocks);
+
+// A configuration that uses NF4 (a tier or force_nf4_blocks) for a host whose
+// supported_precisions lack it is a ConfigError naming the key.
+void check_host_precisions(const ParsedConfig &parsed, sp_precision_mask supported);
 
 const char *mode_name(Mode mode);
 const char *precision_name(sp_precision precision);

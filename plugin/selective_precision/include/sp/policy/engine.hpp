@@ -1,4 +1,5 @@
-// The Selective Precision policy v1 decision engine: exactly the rules of docs/policy.md.
+// The Selective Precision policy decision engine (v2, and v1 as its special case): exactly
+// the rules of docs/policy.md.
 // One instance per plugin context; not thread-safe (the host calls a context from one
 // thread at a time). Every method validates its input completely before it changes
 // anything, so a call that throws leaves the engine as it was.
@@ -41,6 +42,15 @@ class PolicyEngine {
   void compute_hints(std::int64_t step, sp_hint_v1 *hints_out, std::uint32_t n);
   void end_step(std::int64_t step, const sp_step_feedback_v1 *feedback);
   void set_calibration_errors(const std::uint32_t *block_ids, const double *errors, std::uint32_t n);
+  // v2: INT8 is set_calibration_errors; NF4 sets the errors behind e4. BF16 or an unknown
+  // precision is InvalidArgument.
+  void set_precision_calibration_errors(sp_precision precision, const std::uint32_t *block_ids,
+                                        const double *errors, std::uint32_t n);
+  // v2: bytes one transfer of each block at `precision` puts on the wire (n = n_blocks()).
+  void set_transfer_bytes(sp_precision precision, const std::uint64_t *bytes, std::uint32_t n);
+  const std::vector<BlockBytes> &block_bytes() const { return block_bytes_; }
+  // v2: the spike that the last end_step judged, if it judged one.
+  const std::optional<SpikeRecord> &last_spike() const { return last_spike_; }
 
   std::vector<std::uint8_t> export_state() const;
   void import_state(const std::uint8_t *blob, std::size_t size);
@@ -51,7 +61,11 @@ class PolicyEngine {
   void decide_static();
   void decide_off();
   void score_blocks();
-  sp_reason apply_thresholds(BlockState &block, double sensitivity, std::int64_t step) const;
+  sp_reason apply_thresholds(BlockState &block, std::int64_t step) const;
+  sp_reason move_if_allowed(BlockState &block, Assignment target, std::int64_t step) const;
+  bool under_penalty(const BlockState &block, std::int64_t step) const;
+  sp_precision nearest_tier_up(sp_precision precision) const;
+  void judge_loss(std::int64_t step, double loss);
   bool cooldown_passed(const BlockState &block, std::int64_t step) const;
   void assign(BlockState &block, Assignment target, std::int64_t step) const;
   void log_change(std::int64_t step, std::uint32_t block, sp_precision from, const sp_hint_v1 &hint);
@@ -66,6 +80,7 @@ class PolicyEngine {
   PolicyState state_;
   std::unique_ptr<TelemetryWriter> telemetry_;
   std::optional<StepRecord> pending_record_;
+  std::optional<SpikeRecord> last_spike_;
 
   // Scratch space reused every step so that the steady state allocates nothing.
   std::vector<sp_hint_v1> hints_;

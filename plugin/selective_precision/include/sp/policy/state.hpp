@@ -40,7 +40,7 @@ class SampleWindows {
   std::vector<std::uint32_t> sizes_;
 };
 
-enum class Assignment : std::uint8_t { unassigned = 0, bf16 = 1, int8 = 2 };
+enum class Assignment : std::uint8_t { unassigned = 0, bf16 = 1, int8 = 2, nf4 = 3 };
 
 // The parts of a block's sensitivity at the last decision step that scored it.
 struct ScoreParts {
@@ -49,7 +49,16 @@ struct ScoreParts {
   double relative_magnitude = kNever;
   double grad_score = kNever;
   double error_score = kNever;
-  double sensitivity = kNever;
+  double sensitivity = kNever;  // s8, the v1 sensitivity
+  // v2: e4 and s4, the block's sensitivity to NF4.
+  double nf4_error_score = kNever;
+  double nf4_sensitivity = kNever;
+};
+
+// v2: a block's last move to a cheaper precision, and the precision it had before.
+struct DownMove {
+  std::int64_t step = 0;
+  sp_precision from = SP_PRECISION_BF16;
 };
 
 struct BlockState {
@@ -61,6 +70,18 @@ struct BlockState {
   // Effective precision that the previous compute_hints returned (BF16 before the first).
   sp_precision previous_precision = SP_PRECISION_BF16;
   ScoreParts score;
+  // ---- v2 ----
+  std::optional<double> nf4_calibration_error;
+  std::optional<DownMove> last_down_move;
+  // A loss spike blamed the block: at the next compute_hints it goes back to this precision.
+  std::optional<sp_precision> pending_revert;
+  // Under penalty (no move down) while step < penalty_until.
+  std::optional<std::int64_t> penalty_until;
+};
+
+// v2: the last accepted losses of the loss guard, oldest first.
+struct LossWindow {
+  std::vector<double> losses;
 };
 
 enum class StepPhase : std::uint8_t {
@@ -77,6 +98,7 @@ struct MeasuredBytes {
   std::uint64_t bf16 = 0;
   std::uint64_t int8 = 0;
   std::uint64_t all_bf16 = 0;
+  std::uint64_t nf4 = 0;  // v2
 };
 
 struct PolicyState {
@@ -86,6 +108,7 @@ struct PolicyState {
   std::int64_t current_step = -1;
   StepPhase phase = StepPhase::before_first_step;
   MeasuredBytes measured_since_record;
+  LossWindow loss_window;
 
   PolicyState() = default;
   PolicyState(std::uint32_t n_blocks, std::uint32_t window_capacity)

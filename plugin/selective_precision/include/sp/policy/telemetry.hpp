@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,15 @@ namespace sp::policy {
 struct BlockBytes {
   std::uint64_t bf16 = 0;
   std::uint64_t int8 = 0;
+  std::uint64_t nf4 = 0;  // v2: from set_transfer_bytes; 0 = not described by the host
+};
+
+// v2: a loss spike that end_step judged.
+struct SpikeRecord {
+  double loss = 0.0;
+  double mu = 0.0;
+  double sd = 0.0;
+  std::vector<std::uint32_t> blamed;
 };
 
 // What a telemetry record says about one step, beyond the policy state itself.
@@ -22,6 +32,7 @@ struct StepRecord {
   std::int64_t step = 0;
   bool decision_step = false;
   std::uint32_t precision_changes = 0;
+  std::optional<SpikeRecord> spike;  // v2
 };
 
 // Builds one JSONL line (without the newline) for `record`. `hints` are the hints that
