@@ -13,10 +13,12 @@
 #include "sp/kernels/cuda/bf16.h"
 #include "sp/kernels/cuda/fp8.h"
 #include "sp/kernels/cuda/moments.h"
+#include "sp/kernels/cuda/nf4.h"
 #include "sp/kernels/cuda/quantize.h"
 #include "sp/kernels/cuda/relative_error.h"
 #include "sp/kernels/fp8.h"
 #include "sp/kernels/moments.h"
+#include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
 #include "sp/kernels/relative_error.h"
 #include "sp/kernels/slab.h"
@@ -290,6 +292,92 @@ TEST(CudaSlab, DeviceDequantOfAnImageMatchesTheCpuDecode) {
       cuda::dequantize_int8_to_bf16(reinterpret_cast<const int8_t *>(d_image.ptr + t.data_offset),
                                     reinterpret_cast<const float *>(d_image.ptr + t.scales_offset), t.shape.rows,
                                     t.shape.cols, group, d_out.ptr, nullptr);
+      ASSERT_EQ(expected, d_out.download()) << i;
+    }
+  }
+}
+
+TEST(CudaNf4, MatchesCpuReferenceBitForBit) {
+  SKIP_WITHOUT_GPU();
+  std::vector<testing::Shape> shapes = testing::odd_shapes();
+  shapes.push_back({64, 4096});  // the vectorized dequant path
+  shapes.push_back({3, 96});     // vector path, groups of 32 inside a row, group 64 straddling vectors
+  shapes.push_back({301, 256});
+  for (const testing::Shape shape : shapes) {
+    std::vector<float> x = testing::special_matrix(shape.rows, shape.cols, 23);
+    if (x.size() > 8) {
+      x[x.size() - 1] = 3.3e38f;     // the clamped scale
+      x[x.size() / 3] = 1e-40f;      // a subnormal value (its group is finite)
+    }
+    std::vector<uint16_t> x_bf16(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) x_bf16[i] = testing::bf16_truncate(x[i]);
+    DeviceBuffer<float> d_x(x);
+    DeviceBuffer<uint16_t> d_x_bf16(x_bf16);
+    for (const uint32_t group : {32u, 64u, 128u, 256u}) {
+      for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+        SCOPED_TRACE(std::to_string(shape.rows) + "x" + std::to_string(shape.cols) + " group " +
+                     std::to_string(group) + " " + dtype_name(dtype));
+        const std::size_t n_codes = nf4_code_bytes(shape.rows, shape.cols);
+        const std::size_t n_scales = nf4_scale_count(shape.rows, shape.cols, group);
+        const void *host_src = dtype == DType::kFloat32 ? static_cast<const void *>(x.data()) : x_bf16.data();
+        const void *device_src = dtype == DType::kFloat32 ? static_cast<const void *>(d_x.ptr) : d_x_bf16.ptr;
+        const CpuExec reference{CpuImpl::kReference, 1};
+        std::vector<uint8_t> codes(n_codes);
+        std::vector<uint16_t> scales(n_scales);
+        std::vector<uint16_t> bf16(x.size());
+        std::vector<float> fp32(x.size());
+        quantize_nf4(host_src, dtype, shape.rows, shape.cols, group, codes.data(), scales.data(), reference);
+        dequantize_nf4_to_bf16(codes.data(), scales.data(), shape.rows, shape.cols, group, bf16.data(), reference);
+        dequantize_nf4_to_fp32(codes.data(), scales.data(), shape.rows, shape.cols, group, fp32.data(), reference);
+        DeviceBuffer<uint8_t> d_codes(std::vector<uint8_t>(n_codes, 0xA5));
+        DeviceBuffer<uint16_t> d_scales(n_scales);
+        DeviceBuffer<uint16_t> d_bf16(x.size());
+        DeviceBuffer<float> d_fp32(x.size());
+        cuda::quantize_nf4(device_src, dtype, shape.rows, shape.cols, group, d_codes.ptr, d_scales.ptr, nullptr);
+        cuda::dequantize_nf4_to_bf16(d_codes.ptr, d_scales.ptr, shape.rows, shape.cols, group, d_bf16.ptr, nullptr);
+        cuda::dequantize_nf4_to_fp32(d_codes.ptr, d_scales.ptr, shape.rows, shape.cols, group, d_fp32.ptr, nullptr);
+        check(cudaDeviceSynchronize());
+        ASSERT_EQ(codes, d_codes.download());
+        ASSERT_EQ(scales, d_scales.download());
+        ASSERT_EQ(bf16, d_bf16.download());
+        ASSERT_TRUE(same_floats(fp32, d_fp32.download()));
+        // The scalar dequant path too (misaligned destination).
+        if (!x.empty()) {
+          DeviceBuffer<uint16_t> d_shifted(x.size() + 1);
+          cuda::dequantize_nf4_to_bf16(d_codes.ptr, d_scales.ptr, shape.rows, shape.cols, group, d_shifted.ptr + 1,
+                                       nullptr);
+          std::vector<uint16_t> shifted = d_shifted.download();
+          ASSERT_EQ(bf16, std::vector<uint16_t>(shifted.begin() + 1, shifted.end()));
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaSlab, DeviceNf4DequantOfAnImageMatchesTheCpuDecode) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<TensorShape> shapes = {{384, 128}, {128, 128}, {512, 128}, {128, 512}, {257, 259}};
+  std::vector<std::vector<float>> masters;
+  std::vector<SlabTensorSource> sources;
+  for (std::size_t i = 0; i < shapes.size(); ++i) masters.push_back(testing::gaussian(shapes[i].rows * shapes[i].cols, 40 + i, 0.02f));
+  for (std::size_t i = 0; i < shapes.size(); ++i) sources.push_back({masters[i].data(), shapes[i]});
+  for (const uint32_t group : {32u, 64u, 256u}) {
+    const SlabEncoding encoding{SlabPrecision::kNf4, group};
+    const uint64_t bytes = slab_image_bytes(encoding, shapes.data(), shapes.size());
+    std::vector<uint64_t> storage((bytes + 7) / 8 + 32);
+    auto *image = reinterpret_cast<uint8_t *>(storage.data());
+    build_slab(encoding, sources.data(), sources.size(), image, bytes);
+    const SlabReadResult read = read_slab(image, bytes);
+    ASSERT_TRUE(read.ok) << read.error;
+    DeviceBuffer<uint8_t> d_image(std::vector<uint8_t>(image, image + bytes));
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      const SlabTensorView &t = read.view.tensors[i];
+      std::vector<uint16_t> expected(t.shape.rows * t.shape.cols);
+      decode_slab_tensor_to_bf16(image, read.view, i, expected.data(), CpuExec{CpuImpl::kReference, 1});
+      DeviceBuffer<uint16_t> d_out(expected.size());
+      cuda::dequantize_nf4_to_bf16(d_image.ptr + t.data_offset,
+                                   reinterpret_cast<const uint16_t *>(d_image.ptr + t.scales_offset), t.shape.rows,
+                                   t.shape.cols, group, d_out.ptr, nullptr);
       ASSERT_EQ(expected, d_out.download()) << i;
     }
   }
