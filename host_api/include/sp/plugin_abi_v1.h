@@ -132,9 +132,11 @@ typedef void (*sp_log_fn)(void *user_data, sp_log_level level, const char *messa
  * duration of create() only, except `log` and `log_user_data`, which stay valid
  * until destroy() returns. */
 typedef struct sp_host_api_v1 {
-  uint32_t struct_size;    /* sizeof(sp_host_api_v1) as the host compiled it */
+  uint32_t struct_size;    /* sizeof(sp_host_api_v1) of the plugin's minor: a 1.1 host passes
+                              SP_HOST_API_V1_0_SIZE to a 1.0 plugin */
   uint32_t abi_major;      /* the host's SP_PLUGIN_ABI_MAJOR */
-  uint32_t abi_minor;      /* the host's SP_PLUGIN_ABI_MINOR */
+  uint32_t abi_minor;      /* the host's SP_PLUGIN_ABI_MINOR (may be newer than the plugin's;
+                              struct_size, not this, says which fields are present) */
   uint32_t reserved0;      /* zero */
   const char *host_name;    /* borrowed; e.g. "sp-train" */
   const char *host_version; /* borrowed; e.g. "0.1.0" */
@@ -183,7 +185,8 @@ typedef struct sp_hint_v1 {
 
 /* What the host reports at the end of a step. */
 typedef struct sp_step_feedback_v1 {
-  uint32_t struct_size;      /* sizeof(sp_step_feedback_v1) as the host compiled it */
+  uint32_t struct_size;      /* sizeof(sp_step_feedback_v1) of the plugin's minor: a 1.1 host
+                                passes SP_STEP_FEEDBACK_V1_0_SIZE to a 1.0 plugin */
   uint32_t reserved0;        /* zero */
   double loss;               /* training loss of the step; NaN when unknown */
   uint64_t h2d_bytes_bf16;   /* bytes moved host-to-device on the BF16 path this step */
