@@ -42,6 +42,43 @@ TEST(PolicyConfig, EmptySectionTakesTheSeedDefaults) {
   EXPECT_TRUE(parsed.warnings.empty());
 }
 
+TEST(PolicyConfig, V2KeysHaveTheirProvisionalDefaults) {
+  const PolicyConfig config = parse_policy_config("selective_precision: {}\n", kBlocks).config;
+  EXPECT_EQ(config.tiers, SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8));
+  EXPECT_TRUE(config.force_nf4_blocks.empty());
+  EXPECT_EQ(config.nf4_threshold, 0.15);
+  EXPECT_EQ(config.nf4_quant_error_threshold, 0.15);
+  EXPECT_EQ(config.nf4_group_size, 64);
+  EXPECT_FALSE(config.loss_guard.enabled);
+  EXPECT_EQ(config.loss_guard.window, 20);
+  EXPECT_EQ(config.loss_guard.sigmas, 3.0);
+  EXPECT_EQ(config.loss_guard.min_rise, 0.05);
+  EXPECT_EQ(config.loss_guard.blame_steps, 10);
+  EXPECT_EQ(config.loss_guard.penalty_steps, 100);
+}
+
+TEST(PolicyConfig, V2KeysAreRead) {
+  const PolicyConfig config =
+      parse_policy_config("selective_precision:\n  tiers: [nf4, bf16]\n  nf4_threshold: 0.12\n"
+                          "  force_nf4_blocks: [3]\n  loss_guard: {enabled: true, window: 8, sigmas: 2.5, "
+                          "min_rise: 0.02, blame_steps: 4, penalty_steps: 0}\n",
+                          kBlocks)
+          .config;
+  EXPECT_EQ(config.tiers, SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_NF4));
+  EXPECT_EQ(config.nf4_threshold, 0.12);
+  EXPECT_EQ(config.force_nf4_blocks, std::vector<std::uint32_t>{3});
+  EXPECT_TRUE(config.loss_guard.enabled);
+  EXPECT_EQ(config.loss_guard.window, 8);
+  EXPECT_EQ(config.loss_guard.sigmas, 2.5);
+  EXPECT_EQ(config.loss_guard.min_rise, 0.02);
+  EXPECT_EQ(config.loss_guard.blame_steps, 4);
+  EXPECT_EQ(config.loss_guard.penalty_steps, 0);
+}
+
+TEST(PolicyConfig, Nf4ThresholdRelationsOnlyApplyWhenNf4IsATier) {
+  EXPECT_NO_THROW(parse_policy_config("selective_precision:\n  nf4_threshold: 0.5\n", kBlocks));
+}
+
 TEST(PolicyConfig, ASectionWithAllKeysCommentedOutTakesTheDefaults) {
   EXPECT_EQ(parse_policy_config("selective_precision:\n  # mode: static\n", kBlocks).config.mode, Mode::dynamic);
 }
@@ -163,6 +200,51 @@ std::vector<BadConfig> bad_configs() {
        {kPath + "telemetry_file: expected a file name when telemetry_enabled is true"}},
       {"TelemetryFileIsAList", in_section("  telemetry_file: [a]\n"), {kPath + "telemetry_file: expected a file name", "a list"}},
       {"TelemetryFileIsANumber", in_section("  telemetry_file: 5\n"), {kPath + "telemetry_file: expected a file name", "found '5'"}},
+      // ---- v2 keys ----
+      {"V2TiersNotAList", in_section("  tiers: nf4\n"),
+       {kPath + "tiers: expected a list of precisions from [bf16, int8, nf4] that contains bf16, found 'nf4'"}},
+      {"V2TiersUnknownPrecision", in_section("  tiers: [bf16, fp8]\n"),
+       {kPath + "tiers[1]: expected one of bf16, int8, nf4, found 'fp8'"}},
+      {"V2TiersRepeat", in_section("  tiers: [bf16, nf4, nf4]\n"), {kPath + "tiers[2]: nf4 is listed twice"}},
+      {"V2TiersWithoutBf16", in_section("  tiers: [int8, nf4]\n"),
+       {kPath + "tiers: expected a list that contains bf16", "found [int8, nf4]"}},
+      {"V2Nf4ThresholdOutOfRange", in_section("  nf4_threshold: 1.5\n"),
+       {kPath + "nf4_threshold: expected a number in [0, 1], found 1.5"}},
+      {"V2Nf4ThresholdNotBelowInt8", in_section("  tiers: [bf16, int8, nf4]\n  nf4_threshold: 0.3\n"),
+       {kPath + "nf4_threshold: expected a value below int8_threshold (0.3) when nf4 is a tier, found 0.3"}},
+      {"V2HysteresisAboveNf4Threshold",
+       in_section("  tiers: [bf16, nf4]\n  nf4_threshold: 0.05\n  hysteresis_margin: 0.1\n"),
+       {kPath + "hysteresis_margin: expected a number in [0, nf4_threshold = 0.05] when nf4 is a tier, found 0.1"}},
+      {"V2Nf4QuantErrorThresholdZero", in_section("  nf4_quant_error_threshold: 0\n"),
+       {kPath + "nf4_quant_error_threshold: expected a finite number > 0, found 0"}},
+      {"V2Nf4GroupSizeOdd", in_section("  nf4_group_size: 63\n"),
+       {kPath + "nf4_group_size: expected an even integer in [2, 65536], found 63"}},
+      {"V2ForceNf4OutOfRange", in_section("  force_nf4_blocks: [48]\n"),
+       {kPath + "force_nf4_blocks[0]: expected a block id in [0, 47]", "found 48"}},
+      {"V2ForceNf4AlsoBf16", in_section("  force_bf16_blocks: [2]\n  force_nf4_blocks: [2]\n"),
+       {kPath + "force_nf4_blocks[0]: block 2 is also in force_bf16_blocks"}},
+      {"V2ForceNf4AlsoInt8", in_section("  force_int8_blocks: [1, 2]\n  force_nf4_blocks: [2]\n"),
+       {kPath + "force_nf4_blocks[0]: block 2 is also in force_int8_blocks"}},
+      {"V2LossGuardNotAMapping", in_section("  loss_guard: true\n"),
+       {kPath + "loss_guard: expected a mapping with enabled, window", "found 'true'"}},
+      {"V2LossGuardUnknownKey", in_section("  loss_guard: {windw: 5}\n"),
+       {kPath + "loss_guard.windw: unknown key; did you mean 'window'?"}},
+      {"V2LossGuardDuplicateKey", in_section("  loss_guard:\n    window: 5\n    window: 6\n"),
+       {kPath + "loss_guard.window: the key is given twice"}},
+      {"V2LossGuardEnabledNotABool", in_section("  loss_guard: {enabled: yes please}\n"),
+       {kPath + "loss_guard.enabled: expected true or false"}},
+      {"V2LossGuardWindowOne", in_section("  loss_guard: {window: 1}\n"),
+       {kPath + "loss_guard.window: expected an integer in [2, 65536], found 1"}},
+      {"V2LossGuardSigmasZero", in_section("  loss_guard: {sigmas: 0}\n"),
+       {kPath + "loss_guard.sigmas: expected a finite number > 0, found 0"}},
+      {"V2LossGuardMinRiseNegative", in_section("  loss_guard: {min_rise: -0.1}\n"),
+       {kPath + "loss_guard.min_rise: expected a finite number >= 0, found -0.1"}},
+      {"V2LossGuardBlameStepsZero", in_section("  loss_guard: {blame_steps: 0}\n"),
+       {kPath + "loss_guard.blame_steps: expected an integer >= 1, found 0"}},
+      {"V2LossGuardPenaltyNegative", in_section("  loss_guard: {penalty_steps: -1}\n"),
+       {kPath + "loss_guard.penalty_steps: expected an integer >= 0, found -1"}},
+      {"V2LossGuardInTrainingConfigNamesFullPath", in_training_config("      loss_guard: {sigmas: -2}\n"),
+       {"memory.stagehand.selective_precision.loss_guard.sigmas: expected a finite number > 0, found -2"}},
       {"NullValue", in_section("  bf16_threshold:\n"), {kPath + "bf16_threshold: expected a number in [0, 1], found nothing (null)"}},
   };
 }
