@@ -28,6 +28,7 @@
 #include "sp/kernels/bf16.h"
 #include "sp/kernels/fp8.h"
 #include "sp/kernels/moments.h"
+#include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
 #include "sp/kernels/relative_error.h"
 #include "sp/kernels/slab.h"
@@ -136,6 +137,8 @@ void run(const Options &options) {
   std::vector<uint8_t> fp8(n);
   std::vector<float> scales(sp::kernels::scale_count(rows, cols, 32));
   std::vector<float> fp32_out(n);
+  std::vector<uint8_t> nf4_codes(sp::kernels::nf4_code_bytes(rows, cols));
+  std::vector<uint16_t> nf4_scales(sp::kernels::nf4_scale_count(rows, cols, 32));
   std::vector<uint16_t> bf16_out(n);
 
   Report report(options, options.repeats);
@@ -145,6 +148,9 @@ void run(const Options &options) {
   const double f32 = 4.0 * static_cast<double>(n), b16 = 2.0 * static_cast<double>(n), i8 = static_cast<double>(n);
   const double row_scales = 4.0 * static_cast<double>(rows);
   const double g128_scales = 4.0 * static_cast<double>(sp::kernels::scale_count(rows, cols, 128));
+  const uint32_t nf4_group = sp::kernels::kNf4DefaultGroupSize;
+  const double nf4_bytes = static_cast<double>(sp::kernels::nf4_code_bytes(rows, cols)) +
+                           2.0 * static_cast<double>(sp::kernels::nf4_scale_count(rows, cols, nf4_group));
 
   for (const unsigned threads : thread_counts) {
     report.measure_memcpy(static_cast<std::size_t>(f32), threads);
@@ -178,6 +184,20 @@ void run(const Options &options) {
     report.add("dequantize_fp8_e4m3_to_bf16 per-row", "vectorized", threads, n, i8 + row_scales, b16, [&] {
       sp::kernels::dequantize_fp8_e4m3_to_bf16(fp8.data(), scales.data(), rows, cols, 0, bf16_out.data(), fast);
     });
+    // NF4, the default group of 64: codes (n / 2 bytes) + bf16 scales.
+    report.add("quantize_nf4 group-64 fp32", "vectorized", threads, n, f32, nf4_bytes, [&] {
+      sp::kernels::quantize_nf4(weights.data(), DType::kFloat32, rows, cols, nf4_group, nf4_codes.data(), nf4_scales.data(), fast);
+    });
+    report.add("quantize_nf4 group-64 bf16", "vectorized", threads, n, b16, nf4_bytes, [&] {
+      sp::kernels::quantize_nf4(bf16.data(), DType::kBFloat16, rows, cols, nf4_group, nf4_codes.data(), nf4_scales.data(), fast);
+    });
+    sp::kernels::quantize_nf4(weights.data(), DType::kFloat32, rows, cols, nf4_group, nf4_codes.data(), nf4_scales.data());
+    report.add("dequantize_nf4_to_bf16 group-64", "vectorized", threads, n, nf4_bytes, b16, [&] {
+      sp::kernels::dequantize_nf4_to_bf16(nf4_codes.data(), nf4_scales.data(), rows, cols, nf4_group, bf16_out.data(), fast);
+    });
+    report.add("dequantize_nf4_to_fp32 group-64", "vectorized", threads, n, nf4_bytes, f32, [&] {
+      sp::kernels::dequantize_nf4_to_fp32(nf4_codes.data(), nf4_scales.data(), rows, cols, nf4_group, fp32_out.data(), fast);
+    });
     report.add("fp32_to_bf16 nearest-even", "vectorized", threads, n, f32, b16, [&] {
       sp::kernels::fp32_to_bf16(weights.data(), bf16_out.data(), n, {}, fast);
     });
@@ -206,6 +226,12 @@ void run(const Options &options) {
   report.add("quantize_int8 per-row fp32", "reference", 1, n, f32, i8 + row_scales, [&] {
     sp::kernels::quantize_int8(weights.data(), DType::kFloat32, rows, cols, {}, codes.data(), scales.data(), reference);
   });
+  report.add("quantize_nf4 group-64 fp32", "reference", 1, n, f32, nf4_bytes, [&] {
+    sp::kernels::quantize_nf4(weights.data(), DType::kFloat32, rows, cols, nf4_group, nf4_codes.data(), nf4_scales.data(), reference);
+  });
+  report.add("dequantize_nf4_to_bf16 group-64", "reference", 1, n, nf4_bytes, b16, [&] {
+    sp::kernels::dequantize_nf4_to_bf16(nf4_codes.data(), nf4_scales.data(), rows, cols, nf4_group, bf16_out.data(), reference);
+  });
   std::vector<sp::kernels::GradTensor> grads = {{weights.data(), n, DType::kFloat32, 0}};
   sp_grad_moments_v1 moment{};
   report.add("grad_moments fp32", "reference", 1, n, f32, 0, [&] {
@@ -229,6 +255,14 @@ void run(const Options &options) {
     report.add("build_slab int8 per-row (GPT block d=1024)", "vectorized", threads, elements, 4.0 * static_cast<double>(elements),
                static_cast<double>(image_bytes), [&] {
                  sp::kernels::build_slab(int8, sources.data(), sources.size(), aligned, image_bytes, CpuExec{CpuImpl::kVectorized, threads});
+               });
+  }
+  const sp::kernels::SlabEncoding nf4{sp::kernels::SlabPrecision::kNf4, nf4_group};
+  const uint64_t nf4_image_bytes = sp::kernels::slab_image_bytes(nf4, shapes.data(), shapes.size());
+  for (const unsigned threads : thread_counts) {
+    report.add("build_slab nf4 group-64 (GPT block d=1024)", "vectorized", threads, elements, 4.0 * static_cast<double>(elements),
+               static_cast<double>(nf4_image_bytes), [&] {
+                 sp::kernels::build_slab(nf4, sources.data(), sources.size(), aligned, nf4_image_bytes, CpuExec{CpuImpl::kVectorized, threads});
                });
   }
   report.write();

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -42,13 +43,48 @@ SP_SIMD_CLONES uint32_t max_abs_bits(const In *__restrict src, std::size_t n) {
   return static_cast<uint32_t>(result);
 }
 
-// One code per byte into `out` (packed afterwards).
+#if SP_HAVE_VECTOR_SHUFFLE
+typedef float F32x8 __attribute__((vector_size(32)));
+typedef int32_t I32x8 __attribute__((vector_size(32)));
+typedef uint32_t U32x8 __attribute__((vector_size(32)));
+typedef uint16_t U16x8 __attribute__((vector_size(16)));
+typedef uint8_t U8x32 __attribute__((vector_size(32)));
+#endif
+
+// One code per byte into `out` (packed afterwards). On GCC/x86-64, eight lanes at a time in GCC
+// vector types: the same IEEE division and the same 15 strict compares as detail::nf4_code,
+// each compare's all-ones mask subtracted from the count, then one byte shuffle (the plain loop
+// vectorizes too, but GCC narrows its bytes one lane at a time). The tail, and other
+// compilers, use detail::nf4_code itself.
 template <typename In>
 SP_SIMD_CLONES void encode_nf4(const In *__restrict src, std::size_t n, float scale,
                                uint8_t *__restrict out) {
-  for (std::size_t i = 0; i < n; ++i) {
-    out[i] = static_cast<uint8_t>(detail::nf4_code(to_float(src[i]), scale));
+  std::size_t i = 0;
+#if SP_HAVE_VECTOR_SHUFFLE
+  static constexpr float kMidpoints[15] = {
+      -0x1.b239bp-1f, -0x1.38a4ep-1f, -0x1.d709p-2f,  -0x1.5bd4ecp-2f, -0x1.e079d8p-3f,
+      -0x1.1a7178p-3f, -0x1.74f0e2p-5f, 0x1.45f5fep-5f, 0x1.ec90c4p-4f,  0x1.a0cfcp-3f,
+      0x1.2b05a8p-2f,  0x1.8ea7f2p-2f,  0x1.00da08p-1f, 0x1.491b5ep-1f,  0x1.b913b4p-1f};
+  for (; i + 8 <= n; i += 8) {
+    F32x8 x;
+    if constexpr (std::is_same_v<In, float>) {
+      std::memcpy(&x, src + i, sizeof x);
+    } else {  // bf16 -> fp32 is a 16-bit shift, exact
+      U16x8 bits;
+      std::memcpy(&bits, src + i, sizeof bits);
+      x = reinterpret_cast<F32x8>(__builtin_convertvector(bits, U32x8) << 16);
+    }
+    const F32x8 v = x / scale;
+    I32x8 count = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int m = 0; m < 15; ++m) count -= (v > kMidpoints[m]);
+    // Counts are 0..15: the low byte of each lane, gathered by one constant shuffle.
+    const U8x32 bytes = __builtin_shuffle(reinterpret_cast<U8x32>(count),
+                                          U8x32{0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0});
+    std::memcpy(out + i, &bytes, 8);
   }
+#endif
+  for (; i < n; ++i) out[i] = static_cast<uint8_t>(detail::nf4_code(to_float(src[i]), scale));
 }
 
 // Packs n one-per-byte codes of elements [first, first + n) into nibbles. When `first` is odd
@@ -129,6 +165,64 @@ SP_SIMD_CLONES void dequantize_segment(const uint8_t *__restrict codes, std::siz
   if ((n - i) % 2 == 1) out[2 * pairs] = table[in[pairs] & 0x0Fu];
 }
 
+#if SP_HAVE_VECTOR_SHUFFLE
+typedef uint8_t U8x16 __attribute__((vector_size(16)));
+
+// One row to bf16 when its first element is even: per group a 16-entry table of
+// bf16(level * scale) (the per-element formula's exact result), split into low and high
+// bytes, then 16 code bytes (32 elements) at a time through four byte shuffles (pshufb) and
+// three interleaves; the row's tail (cols % 32) through the scalar loop.
+SP_SHUFFLE_CLONES void dequantize_row_bf16(const uint8_t *__restrict codes, std::size_t cols,
+                                           const uint16_t *__restrict scales, std::size_t group_size,
+                                           const float *__restrict levels, uint16_t *__restrict dst) {
+  const U8x16 low_nibble = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
+  for (std::size_t column = 0, g = 0; column < cols; column += group_size, ++g) {
+    const float scale = detail::bf16_bits_to_float(scales[g]);
+    uint16_t table[16];
+    U8x16 table_low, table_high;
+    for (int k = 0; k < 16; ++k) {
+      table[k] = detail::bf16_round_nearest_even(levels[k] * scale);
+      table_low[k] = static_cast<uint8_t>(table[k]);
+      table_high[k] = static_cast<uint8_t>(table[k] >> 8);
+    }
+    const std::size_t n = std::min(group_size, cols - column);
+    const std::size_t vectors = n / 32;
+    const uint8_t *in = codes + column / 2;
+    uint16_t *out = dst + column;
+    for (std::size_t v = 0; v < vectors; ++v) {
+      U8x16 bytes;
+      std::memcpy(&bytes, in + 16 * v, 16);
+      const U8x16 even = bytes & low_nibble;
+      const U8x16 odd = bytes >> 4;
+      const U8x16 even_low = __builtin_shuffle(table_low, even);
+      const U8x16 even_high = __builtin_shuffle(table_high, even);
+      const U8x16 odd_low = __builtin_shuffle(table_low, odd);
+      const U8x16 odd_high = __builtin_shuffle(table_high, odd);
+      const U8x16 first_half = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+      const U8x16 second_half = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+      const auto even0 = reinterpret_cast<U16x8>(__builtin_shuffle(even_low, even_high, first_half));
+      const auto even1 = reinterpret_cast<U16x8>(__builtin_shuffle(even_low, even_high, second_half));
+      const auto odd0 = reinterpret_cast<U16x8>(__builtin_shuffle(odd_low, odd_high, first_half));
+      const auto odd1 = reinterpret_cast<U16x8>(__builtin_shuffle(odd_low, odd_high, second_half));
+      const U16x8 words_first = {0, 8, 1, 9, 2, 10, 3, 11};
+      const U16x8 words_second = {4, 12, 5, 13, 6, 14, 7, 15};
+      const U16x8 r0 = __builtin_shuffle(even0, odd0, words_first);
+      const U16x8 r1 = __builtin_shuffle(even0, odd0, words_second);
+      const U16x8 r2 = __builtin_shuffle(even1, odd1, words_first);
+      const U16x8 r3 = __builtin_shuffle(even1, odd1, words_second);
+      std::memcpy(out + 32 * v, &r0, 16);
+      std::memcpy(out + 32 * v + 8, &r1, 16);
+      std::memcpy(out + 32 * v + 16, &r2, 16);
+      std::memcpy(out + 32 * v + 24, &r3, 16);
+    }
+    for (std::size_t i = vectors * 32; i < n; ++i) {
+      const uint8_t byte = in[i / 2];
+      out[i] = table[i % 2 == 0 ? byte & 0x0Fu : byte >> 4];
+    }
+  }
+}
+#endif
+
 template <typename Out>
 void dequantize_rows(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
                      std::size_t cols, uint32_t group_size, Out *dst, const CpuExec &exec) {
@@ -139,6 +233,15 @@ void dequantize_rows(const uint8_t *codes, const uint16_t *scales, std::size_t r
   detail::parallel_ranges(rows, exec, min_rows, [&](std::size_t row_begin, std::size_t row_end) {
     Out table[16];
     for (std::size_t r = row_begin; r < row_end; ++r) {
+#if SP_HAVE_VECTOR_SHUFFLE
+      if constexpr (std::is_same_v<Out, uint16_t>) {
+        if ((r * cols) % 2 == 0) {
+          dequantize_row_bf16(codes + r * cols / 2, cols, scales + r * groups, group_size, levels.data(),
+                              dst + r * cols);
+          continue;
+        }
+      }
+#endif
       for (std::size_t g = 0; g < groups; ++g) {
         const float scale = detail::bf16_bits_to_float(scales[r * groups + g]);
         for (uint32_t k = 0; k < 16; ++k) store(levels[k] * scale, table + k);

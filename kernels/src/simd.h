@@ -6,6 +6,12 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
 #define SP_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
+// Loops built on variable byte shuffles (__builtin_shuffle -> pshufb), which the SSE2 baseline
+// lacks: an SSSE3 clone as well. Shuffles are exact, so every clone gives the same bits.
+#define SP_SHUFFLE_CLONES __attribute__((target_clones("avx2", "ssse3", "default")))
+#define SP_HAVE_VECTOR_SHUFFLE 1
 #else
 #define SP_SIMD_CLONES
+#define SP_SHUFFLE_CLONES
+#define SP_HAVE_VECTOR_SHUFFLE 0
 #endif
