@@ -1,10 +1,11 @@
-// sp-bench-kernels-gpu: INT8 dequantization and gradient moments as a fraction of the
+// sp-bench-kernels-gpu: INT8 and NF4 dequantization and gradient moments as a fraction of the
 // device-to-device copy bandwidth measured in the same run (cudaEvent timing, median of the
 // repeats). Writes JSON (atomically).
 //
 //   copy bandwidth       = 2 * bytes / time of cudaMemcpyAsync D2D (it reads and writes bytes)
 //   copy read bandwidth  = bytes / that time
 //   dequant ratio        = (codes + scales read + bf16 written) / time / copy bandwidth
+//                          (NF4: n / 2 code bytes + 2 bytes per bf16 scale read)
 //   moments ratio        = gradient bytes read / time / copy read bandwidth
 // Moments run over 48 blocks of 10^7 fp32 elements each: one plan, one chunk launch plus
 // one cleanup launch, no host sync inside the timed region except the closing event.
@@ -17,6 +18,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -25,6 +27,7 @@
 #include "bench_report.hpp"
 #include "sp/kernels/cuda/bf16.h"
 #include "sp/kernels/cuda/moments.h"
+#include "sp/kernels/cuda/nf4.h"
 #include "sp/kernels/cuda/quantize.h"
 
 namespace {
@@ -126,6 +129,33 @@ void run(const Options &options) {
       sp::kernels::cuda::fp32_to_bf16(weights.as<float>(), out.as<uint16_t>(), n, {}, stream);
     });
     record("fp32_to_bf16 " + std::to_string(n), 4.0 * static_cast<double>(n), 2.0 * static_cast<double>(n), ms, false, 0.85);
+  }
+
+  // NF4 -> bf16 dequantization of the same matrix, group 32 and the default 64. Random codes and
+  // scales from the host, so the level lookups see realistic index patterns.
+  {
+    const std::size_t rows = options.dequant_rows, cols = options.dequant_cols, n = rows * cols;
+    const std::size_t code_bytes = sp::kernels::nf4_code_bytes(rows, cols);
+    const std::size_t max_scales = sp::kernels::nf4_scale_count(rows, cols, 32);
+    std::vector<uint8_t> host_codes(code_bytes);
+    std::vector<uint16_t> host_scales(max_scales);
+    std::mt19937 rng(7);
+    for (uint8_t &c : host_codes) c = static_cast<uint8_t>(rng());
+    for (uint16_t &s : host_scales) s = static_cast<uint16_t>(0x3C00u + rng() % 0x0400u);  // bf16 in [2^-7, 2^1)
+    DeviceMemory codes(code_bytes), scales(max_scales * 2), out(n * 2);
+    check(cudaMemcpyAsync(codes.ptr, host_codes.data(), code_bytes, cudaMemcpyHostToDevice, stream), "upload");
+    check(cudaMemcpyAsync(scales.ptr, host_scales.data(), max_scales * 2, cudaMemcpyHostToDevice, stream), "upload");
+    check(cudaStreamSynchronize(stream), "upload");
+    for (const uint32_t group : {32u, 64u}) {
+      const double scale_bytes = 2.0 * static_cast<double>(sp::kernels::nf4_scale_count(rows, cols, group));
+      const double ms = median_ms(stream, options.repeats, [&] {
+        sp::kernels::cuda::dequantize_nf4_to_bf16(codes.as<uint8_t>(), scales.as<uint16_t>(), rows, cols, group,
+                                                  out.as<uint16_t>(), stream);
+      });
+      record("dequantize_nf4_to_bf16 group-" + std::to_string(group) + " " + std::to_string(rows) + "x" +
+                 std::to_string(cols),
+             static_cast<double>(code_bytes) + scale_bytes, 2.0 * static_cast<double>(n), ms, false, 0.85);
+    }
   }
 
   // Gradient moments: 48 blocks x 10^7 fp32 elements, one plan, one launch per step.
