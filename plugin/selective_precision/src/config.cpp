@@ -385,9 +385,11 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
     config.nf4_quant_error_threshold = reader.read_number(key, value, kPositive);
     require_positive_finite(reader, key, config.nf4_quant_error_threshold);
   } else if (key == "nf4_group_size") {
-    constexpr const char *kGroup = "an even integer in [2, 65536]";
+    // The sizes the NF4 kernels take (sp/kernels/nf4.h); the host packs with it.
+    constexpr const char *kGroup = "32, 64, 128 or 256";
     config.nf4_group_size = reader.read_integer(key, value, kGroup);
-    if (config.nf4_group_size < 2 || config.nf4_group_size > 65536 || config.nf4_group_size % 2 != 0) {
+    if (config.nf4_group_size != 32 && config.nf4_group_size != 64 && config.nf4_group_size != 128 &&
+        config.nf4_group_size != 256) {
       throw ConfigError(fmt::format("{}: expected {}, found {}", reader.path(key), kGroup, config.nf4_group_size));
     }
   } else if (key == "loss_guard") {
