@@ -176,14 +176,33 @@ SP_SHUFFLE_CLONES void dequantize_row_bf16(const uint8_t *__restrict codes, std:
                                            const uint16_t *__restrict scales, std::size_t group_size,
                                            const float *__restrict levels, uint16_t *__restrict dst) {
   const U8x16 low_nibble = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
+  const U8x32 kLowBytes = {0,  4,  8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60,
+                           0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0};
+  const U8x32 kHighBytes = {1,  5,  9,  13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61,
+                            0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0};
+  F32x8 levels_lower, levels_upper;
+  std::memcpy(&levels_lower, levels, sizeof levels_lower);
+  std::memcpy(&levels_upper, levels + 8, sizeof levels_upper);
   for (std::size_t column = 0, g = 0; column < cols; column += group_size, ++g) {
-    const float scale = detail::bf16_bits_to_float(scales[g]);
-    uint16_t table[16];
+    const uint16_t scale_bits = scales[g];
+    const float scale = detail::bf16_bits_to_float(scale_bits);
     U8x16 table_low, table_high;
-    for (int k = 0; k < 16; ++k) {
-      table[k] = detail::bf16_round_nearest_even(levels[k] * scale);
-      table_low[k] = static_cast<uint8_t>(table[k]);
-      table_high[k] = static_cast<uint8_t>(table[k] >> 8);
+    if ((scale_bits & 0x7F80u) == 0x7F80u) {  // NaN or Inf scale: the scalar rounding (NaN rule)
+      for (int k = 0; k < 16; ++k) {
+        const uint16_t value = detail::bf16_round_nearest_even(levels[k] * scale);
+        table_low[k] = static_cast<uint8_t>(value);
+        table_high[k] = static_cast<uint8_t>(value >> 8);
+      }
+    } else {
+      // Finite products: bf16_round_nearest_even's integer rounding, eight lanes at a time.
+      U32x8 lower = reinterpret_cast<U32x8>(levels_lower * scale);
+      U32x8 upper = reinterpret_cast<U32x8>(levels_upper * scale);
+      lower = (lower + 0x7FFFu + ((lower >> 16) & 1u)) >> 16;
+      upper = (upper + 0x7FFFu + ((upper >> 16) & 1u)) >> 16;
+      const U8x32 low = __builtin_shuffle(reinterpret_cast<U8x32>(lower), reinterpret_cast<U8x32>(upper), kLowBytes);
+      const U8x32 high = __builtin_shuffle(reinterpret_cast<U8x32>(lower), reinterpret_cast<U8x32>(upper), kHighBytes);
+      std::memcpy(&table_low, &low, sizeof table_low);
+      std::memcpy(&table_high, &high, sizeof table_high);
     }
     const std::size_t n = std::min(group_size, cols - column);
     const std::size_t vectors = n / 32;
@@ -217,7 +236,8 @@ SP_SHUFFLE_CLONES void dequantize_row_bf16(const uint8_t *__restrict codes, std:
     }
     for (std::size_t i = vectors * 32; i < n; ++i) {
       const uint8_t byte = in[i / 2];
-      out[i] = table[i % 2 == 0 ? byte & 0x0Fu : byte >> 4];
+      const unsigned code = i % 2 == 0 ? byte & 0x0Fu : byte >> 4u;
+      out[i] = static_cast<uint16_t>(table_low[code] | (table_high[code] << 8));
     }
   }
 }

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <stdexcept>
 #include <vector>
 
@@ -100,6 +101,34 @@ TEST(Nf4, VectorizedMatchesReferenceBitForBit) {
           ASSERT_EQ(expected.bf16, actual.bf16) << what;
           ASSERT_TRUE(testing::same_bits(expected.fp32, actual.fp32)) << what;
         }
+      }
+    }
+  }
+}
+
+TEST(Nf4, DequantizeMatchesReferenceForAnyCodesAndScaleBits) {
+  // Images from elsewhere may hold any bits: random codes, random scale patterns plus NaN, +-Inf,
+  // subnormal, zero and the largest finite bf16.
+  std::mt19937 rng(99);
+  for (const Shape shape : {Shape{33, 96}, Shape{31, 257}, Shape{4, 1000}}) {
+    for (const uint32_t group : kGroups) {
+      std::vector<uint8_t> codes(nf4_code_bytes(shape.rows, shape.cols));
+      std::vector<uint16_t> scales(nf4_scale_count(shape.rows, shape.cols, group));
+      for (uint8_t &c : codes) c = static_cast<uint8_t>(rng());
+      const uint16_t specials[] = {0x7FFF, 0x7FC0, 0xFFC1, 0x7F80, 0xFF80, 0x0001, 0x8000, 0x0000, 0x7F7F, 0xFF7F};
+      for (std::size_t i = 0; i < scales.size(); ++i) {
+        scales[i] = i % 5 == 0 ? specials[(i / 5) % 10] : static_cast<uint16_t>(rng());
+      }
+      std::vector<uint16_t> expected_bf16(shape.rows * shape.cols), bf16(expected_bf16.size());
+      std::vector<float> expected_fp32(expected_bf16.size()), fp32(expected_bf16.size());
+      const CpuExec reference{CpuImpl::kReference, 1};
+      dequantize_nf4_to_bf16(codes.data(), scales.data(), shape.rows, shape.cols, group, expected_bf16.data(), reference);
+      dequantize_nf4_to_fp32(codes.data(), scales.data(), shape.rows, shape.cols, group, expected_fp32.data(), reference);
+      for (const CpuExec &exec : testing::fast_execs()) {
+        dequantize_nf4_to_bf16(codes.data(), scales.data(), shape.rows, shape.cols, group, bf16.data(), exec);
+        dequantize_nf4_to_fp32(codes.data(), scales.data(), shape.rows, shape.cols, group, fp32.data(), exec);
+        ASSERT_EQ(expected_bf16, bf16) << shape.rows << "x" << shape.cols << " group " << group;
+        ASSERT_TRUE(testing::same_bits(expected_fp32, fp32)) << shape.rows << "x" << shape.cols << " group " << group;
       }
     }
   }
