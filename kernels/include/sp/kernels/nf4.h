@@ -11,7 +11,16 @@
 // fp32).
 //
 // Arithmetic, identical on every implementation (CPU reference, CPU vectorized, CUDA), so
-// codes, scales and dequant(quant(x)) are bit-identical everywhere: see docs/kernels.md.
+// codes, scales and dequant(quant(x)) are bit-identical everywhere (docs/kernels.md, "NF4"):
+//   absmax = max |x| over the group
+//   scale  = absmax rounded UP to bf16 (so |x / scale| <= 1), clamped to the largest finite
+//            bf16 (0x7F7F); 1.0 for an all-zero group; subnormal absmax -> subnormal bf16
+//   v      = x / scale                       (fp32 IEEE division)
+//   code   = number of midpoints m_k < v (strict), m_k = fp32(exact midpoint of levels k and
+//            k + 1), the constants of bitsandbytes' dQuantizeNF4: a tie goes to the lower code
+//   x'     = kNf4Levels[code] * scale        (fp32 multiply), then bf16 round-to-nearest-even
+// Non-finite input: a group containing NaN or +-Inf gets scale = bf16 NaN (0x7FFF) and codes 7
+// (level 0.0), so it dequantizes to NaN, as INT8 does. An all-zero group gets codes 7 and +0.0.
 #pragma once
 
 #include <cstddef>
@@ -21,7 +30,8 @@
 
 namespace sp::kernels {
 
-// The 16 NormalFloat levels in increasing order (code = index).
+// The 16 NormalFloat levels in increasing order (code = index): QLoRA (Dettmers et al. 2023,
+// Appendix E) / bitsandbytes' NF4 table, each exact in fp32.
 extern const float kNf4Levels[16];
 
 constexpr uint32_t kNf4DefaultGroupSize = 64;
