@@ -111,9 +111,21 @@ std::vector<sp::host::BlockDescription> describe_blocks(uint32_t n) {
   return blocks;
 }
 
+const char* precision_label(sp_precision precision) {
+  switch (precision) {
+    case SP_PRECISION_INT8:
+      return "int8";
+    case SP_PRECISION_NF4:
+      return "nf4";
+    default:
+      return "bf16";
+  }
+}
+
 struct ReplayTally {
   uint64_t steps = 0;
   uint64_t int8_block_steps = 0;
+  uint64_t nf4_block_steps = 0;
   uint64_t precision_changes = 0;
   std::vector<sp_precision> last;
 };
@@ -155,7 +167,7 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
   } catch (const sp::runtime::FileReadError& e) {
     throw ReplayFailure(kExitBadInput, e.what());
   }
-  std::optional<sp::replay::CalibrationErrors> calibration;
+  std::optional<sp::replay::CalibrationFile> calibration;
   if (!options.calibration.empty()) {
     calibration = sp::replay::read_calibration_file(options.calibration.string(), options.blocks);
   }
@@ -165,6 +177,9 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
   sp::host::PolicyHostOptions host_options;
   host_options.host_name = "sp-replay";
   host_options.logger = logger;
+  // The replay moves no bytes; it stands for a host that can transfer every precision.
+  host_options.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) |
+                                      SP_PRECISION_BIT(SP_PRECISION_NF4);
   std::unique_ptr<sp::host::PolicyHost> host;
   try {
     host = std::make_unique<sp::host::PolicyHost>(
@@ -175,8 +190,16 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
   }
   logger->info("loaded plugin {} {} from {}", host->plugin_name(), host->plugin_version(), plugin_file.string());
 
-  if (calibration && !host->set_calibration_errors(calibration->block_ids, calibration->errors)) {
-    throw ReplayFailure(kExitPluginFailed, fmt::format("the plugin rejected {}", options.calibration.string()));
+  if (calibration) {
+    const std::pair<sp_precision, const sp::replay::CalibrationErrors*> per_precision[] = {
+        {SP_PRECISION_INT8, &calibration->int8}, {SP_PRECISION_NF4, &calibration->nf4}};
+    for (const auto& [precision, errors] : per_precision) {
+      if (errors->block_ids.empty()) continue;
+      if (!host->set_calibration_errors(precision, errors->block_ids, errors->errors)) {
+        throw ReplayFailure(kExitPluginFailed, fmt::format("the plugin rejected the {} errors of {}",
+                                                           precision_label(precision), options.calibration.string()));
+      }
+    }
   }
 
   // Output is collected and written at the end, atomically: a replay that stops halfway
@@ -192,14 +215,17 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
     check_no_hook_failed(*host, step->step, "begin_step/post_backward/compute_hints");
     nlohmann::json precision = nlohmann::json::array();
     for (const sp_hint_v1& hint : hints) {
-      const bool int8 = hint.precision == SP_PRECISION_INT8;
-      precision.push_back(int8 ? "int8" : "bf16");
-      tally.int8_block_steps += int8;
+      precision.push_back(precision_label(hint.precision));
+      tally.int8_block_steps += hint.precision == SP_PRECISION_INT8;
+      tally.nf4_block_steps += hint.precision == SP_PRECISION_NF4;
       tally.precision_changes += hint.precision != tally.last[hint.block_id];
       tally.last[hint.block_id] = hint.precision;
     }
     decisions << nlohmann::json{{"step", step->step}, {"precision", precision}}.dump() << '\n';
-    host->end_step(step->step);
+    sp_step_feedback_v1 feedback{};
+    feedback.loss = step->loss;
+    feedback.step_seconds = std::nan("");
+    host->end_step(step->step, &feedback);
     check_no_hook_failed(*host, step->step, "end_step");
     ++tally.steps;
   }
@@ -215,18 +241,25 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
 
   std::string final_map;
   uint32_t int8_now = 0;
+  uint32_t nf4_now = 0;
   for (sp_precision p : tally.last) {
-    final_map += p == SP_PRECISION_INT8 ? 'I' : 'B';
+    final_map += p == SP_PRECISION_INT8 ? 'I' : p == SP_PRECISION_NF4 ? 'N' : 'B';
     int8_now += p == SP_PRECISION_INT8;
+    nf4_now += p == SP_PRECISION_NF4;
   }
   const double block_steps = static_cast<double>(tally.steps) * options.blocks;
-  const double int8_share = block_steps > 0 ? tally.int8_block_steps / block_steps : 0.0;
+  const double int8_share = tally.int8_block_steps / block_steps;
+  const double nf4_share = tally.nf4_block_steps / block_steps;
+  // A trace carries no tensor shapes, so the saving uses the nominal payload ratios against
+  // BF16: 1/2 for INT8 codes, 1/4 for NF4 codes (scales and headers not counted).
+  const double nominal_saving = 0.5 * int8_share + 0.75 * nf4_share;
   logger->info("replayed {} steps of {} blocks: {} precision changes", tally.steps, options.blocks,
                tally.precision_changes);
-  logger->info("final precision (B=bf16, I=int8): {} ({} INT8, {} BF16)", final_map, int8_now,
-               options.blocks - int8_now);
-  logger->info("INT8 share of block transfers: {:.1f}% -> about {:.1f}% fewer H2D bytes than all-BF16",
-               100.0 * int8_share, 50.0 * int8_share);
+  logger->info("final precision (B=bf16, I=int8, N=nf4): {} ({} NF4, {} INT8, {} BF16)", final_map, nf4_now,
+               int8_now, options.blocks - int8_now - nf4_now);
+  logger->info("share of block transfers: INT8 {:.1f}%, NF4 {:.1f}% -> about {:.1f}% fewer H2D payload bytes "
+               "than all-BF16",
+               100.0 * int8_share, 100.0 * nf4_share, 100.0 * nominal_saving);
   if (!options.out.empty()) logger->info("decisions written to {}", options.out.string());
   if (!options.telemetry.empty()) logger->info("telemetry written to {}", options.telemetry.string());
   return kExitOk;
@@ -240,10 +273,12 @@ int main(int argc, char** argv) {
   CLI::App app{
       "sp-replay: replays a recorded gradient-moment trace through a policy plugin and prints the "
       "precision of every block after each step's compute_hints, one JSON line per step:\n"
-      "  {\"step\": s, \"precision\": [\"bf16\"|\"int8\", ...]}\n"
+      "  {\"step\": s, \"precision\": [\"bf16\"|\"int8\"|\"nf4\", ...]}\n"
       "Trace lines: {\"step\": s, \"blocks\": [{\"id\", \"sum_sq\", \"sum\", \"max_abs\", \"count\", "
-      "\"nonfinite\"}, ...]}, steps 0, 1, 2, ...; a block that is not listed had no gradient.\n"
-      "Calibration file: {\"block_errors\": {\"<id>\": error, ...}}."};
+      "\"nonfinite\"}, ...], \"loss\": l}, steps 0, 1, 2, ...; a block that is not listed had no gradient; "
+      "\"loss\" (optional, null = unknown) is the step's training loss, handed to the plugin's end_step.\n"
+      "Calibration file: {\"block_errors\": {\"<id>\": error, ...}, \"nf4_block_errors\": {\"<id>\": error, "
+      "...}}: relative output errors of INT8 and of NF4 against BF16; either object may be left out."};
   app.footer(kExitCodeHelp);
   app.add_option("--config", options.config,
                  "YAML with a top-level `selective_precision` section, or a training config with "
@@ -251,7 +286,7 @@ int main(int argc, char** argv) {
       ->required();
   app.add_option("--blocks", options.blocks, "number of blocks")->required()->check(CLI::Range(1u, 1u << 20));
   app.add_option("--trace", options.trace, "gradient-moment trace, JSON Lines")->required();
-  app.add_option("--calibration", options.calibration, "per-block INT8 calibration errors, JSON");
+  app.add_option("--calibration", options.calibration, "per-block INT8 and NF4 calibration errors, JSON");
   app.add_option("--plugin-dir", options.plugin_dir, "directory holding the plugin .so")
       ->capture_default_str();
   app.add_option("--plugin", options.plugin, "plugin to load: <plugin-dir>/lib<NAME>.so")->capture_default_str();

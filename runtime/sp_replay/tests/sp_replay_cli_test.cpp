@@ -74,6 +74,41 @@ TEST_F(SpReplayCli, WritesOneDecisionLinePerStepAndTelemetry) {
   EXPECT_THAT(r.output, HasSubstr("4 steps of 2 blocks: 1 precision changes"));
 }
 
+// Policy v2 through the replay: NF4 calibration errors let the tolerant block go to NF4, and
+// a loss spike from the trace sends it back to BF16 (the loss guard), where its penalty holds it.
+TEST_F(SpReplayCli, ThreeTiersAndTheLossGuardFromTraceLosses) {
+  write("v2.yaml",
+        "selective_precision:\n  warmup_steps: 2\n  update_interval_steps: 1\n  history_window: 2\n"
+        "  min_steps_between_switches: 2\n  tiers: [bf16, int8, nf4]\n"
+        "  loss_guard: {enabled: true, window: 2, sigmas: 3, min_rise: 0.05, blame_steps: 10, penalty_steps: 50}\n");
+  write("k.json", R"({"block_errors": {"0": 0.001, "1": 0.001}, "nf4_block_errors": {"0": 0.01, "1": 0.01}})");
+  std::istringstream base(trace(8));
+  std::string text;
+  const double losses[] = {1.0, 1.0, 1.0, 1.0, 5.0, 1.0, 1.0, 1.0};
+  int step = 0;
+  for (std::string line; std::getline(base, line); ++step) {
+    line.pop_back();  // the closing brace
+    text += line + ",\"loss\":" + std::to_string(losses[step]) + "}\n";
+  }
+  write("t.jsonl", text);
+  const RunResult r = run("--config " + path("v2.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
+                          " --calibration " + path("k.json") + " --out " + path("d.jsonl") + " --telemetry " +
+                          path("tel.jsonl"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream decisions(dir_ / "d.jsonl");
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(decisions, line);) lines.push_back(nlohmann::json::parse(line)["precision"]);
+  ASSERT_EQ(lines.size(), 8u);
+  EXPECT_EQ(lines[2], (nlohmann::json{"nf4", "bf16"}));
+  EXPECT_EQ(lines[4], (nlohmann::json{"nf4", "bf16"})) << "the spike is judged at step 4's end_step";
+  EXPECT_EQ(lines[5], (nlohmann::json{"bf16", "bf16"})) << "reverted at the next compute_hints";
+  EXPECT_EQ(lines[7], (nlohmann::json{"bf16", "bf16"})) << "the penalty keeps it up";
+  std::ifstream telemetry(dir_ / "tel.jsonl");
+  const std::string records((std::istreambuf_iterator<char>(telemetry)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(records, HasSubstr("loss_guard"));
+  EXPECT_THAT(r.output, HasSubstr("N=nf4"));
+}
+
 TEST_F(SpReplayCli, WithoutTelemetryOptionWritesNoTelemetryFile) {
   write("t.jsonl", trace(3));
   const RunResult r = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl"));
