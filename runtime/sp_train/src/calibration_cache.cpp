@@ -16,10 +16,12 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* kFormat = "sp-train-calibration";
-constexpr int kVersion = 1;
+// Version 2 added the NF4 errors; a version-1 file is a mismatch, measured again.
+constexpr int kVersion = 2;
+constexpr const char* kErrorKeys[] = {"block_errors", "nf4_block_errors"};
 
-std::string checksum_of(const std::string& fingerprint, const nlohmann::json& errors) {
-  const std::string text = fingerprint + errors.dump();
+std::string checksum_of(const std::string& fingerprint, const nlohmann::json& int8, const nlohmann::json& nf4) {
+  const std::string text = fingerprint + int8.dump() + nf4.dump();
   return fmt::format("{:016x}", fnv1a64(text.data(), text.size()));
 }
 
@@ -70,17 +72,25 @@ CacheLookup read_calibration_cache(const fs::path& file, const std::string& fing
   const auto format = doc.is_object() ? doc.find("format") : doc.end();
   const auto version = doc.is_object() ? doc.find("version") : doc.end();
   if (format == doc.end() || !format->is_string() || *format != kFormat || version == doc.end() ||
-      !version->is_number_integer() || *version != kVersion) {
+      !version->is_number_integer()) {
     return corrupt(fmt::format("expected an object with format \"{}\" and version {}", kFormat, kVersion));
   }
-  const auto errors = doc.find("block_errors");
+  if (*version != kVersion) {
+    lookup.status = CacheStatus::mismatch;
+    lookup.detail = fmt::format("{}: cache version {}, this sp-train writes version {} (INT8 and NF4 errors)",
+                                file.string(), version->dump(), kVersion);
+    return lookup;
+  }
+  const auto int8 = doc.find(kErrorKeys[0]);
+  const auto nf4 = doc.find(kErrorKeys[1]);
   const auto stored_fingerprint = doc.find("fingerprint");
   const auto checksum = doc.find("checksum");
-  if (errors == doc.end() || !errors->is_array() || stored_fingerprint == doc.end() ||
-      !stored_fingerprint->is_string() || checksum == doc.end() || !checksum->is_string()) {
-    return corrupt("missing block_errors, fingerprint or checksum");
+  if (int8 == doc.end() || !int8->is_array() || nf4 == doc.end() || !nf4->is_array() ||
+      stored_fingerprint == doc.end() || !stored_fingerprint->is_string() || checksum == doc.end() ||
+      !checksum->is_string()) {
+    return corrupt("missing block_errors, nf4_block_errors, fingerprint or checksum");
   }
-  if (*checksum != checksum_of(stored_fingerprint->get<std::string>(), *errors)) {
+  if (*checksum != checksum_of(stored_fingerprint->get<std::string>(), *int8, *nf4)) {
     return corrupt("checksum mismatch");
   }
   if (*stored_fingerprint != fingerprint) {
@@ -89,32 +99,40 @@ CacheLookup read_calibration_cache(const fs::path& file, const std::string& fing
                                 stored_fingerprint->get<std::string>(), fingerprint);
     return lookup;
   }
-  if (errors->size() != n_blocks) {
-    lookup.status = CacheStatus::mismatch;
-    lookup.detail = fmt::format("{}: holds {} blocks, the model has {}", file.string(), errors->size(), n_blocks);
-    return lookup;
-  }
-  for (std::size_t b = 0; b < errors->size(); ++b) {
-    const nlohmann::json& e = (*errors)[b];
-    if (!e.is_number() || !std::isfinite(e.get<double>()) || e.get<double>() < 0.0) {
-      return corrupt(fmt::format("block_errors[{}] is not a finite number >= 0", b));
+  const std::pair<const nlohmann::json*, std::vector<double>*> lists[] = {{&*int8, &lookup.errors.int8},
+                                                                           {&*nf4, &lookup.errors.nf4}};
+  for (std::size_t k = 0; k < 2; ++k) {
+    const auto& [stored, out] = lists[k];
+    if (stored->size() != n_blocks) {
+      lookup.status = CacheStatus::mismatch;
+      lookup.detail = fmt::format("{}: {} holds {} blocks, the model has {}", file.string(), kErrorKeys[k],
+                                  stored->size(), n_blocks);
+      return lookup;
     }
-    lookup.errors.push_back(e.get<double>());
+    for (std::size_t b = 0; b < stored->size(); ++b) {
+      const nlohmann::json& e = (*stored)[b];
+      if (!e.is_number() || !std::isfinite(e.get<double>()) || e.get<double>() < 0.0) {
+        return corrupt(fmt::format("{}[{}] is not a finite number >= 0", kErrorKeys[k], b));
+      }
+      out->push_back(e.get<double>());
+    }
   }
   lookup.status = CacheStatus::hit;
   return lookup;
 }
 
 void write_calibration_cache(const fs::path& file, const std::string& fingerprint,
-                             const nlohmann::json& identity, const std::vector<double>& errors) {
+                             const nlohmann::json& identity, const CalibrationErrors& errors) {
   fs::create_directories(file.parent_path());
-  const nlohmann::json block_errors = errors;
+  const nlohmann::json int8 = errors.int8;
+  const nlohmann::json nf4 = errors.nf4;
   const nlohmann::json doc = {{"format", kFormat},
                               {"version", kVersion},
                               {"fingerprint", fingerprint},
                               {"identity", identity},
-                              {"block_errors", block_errors},
-                              {"checksum", checksum_of(fingerprint, block_errors)}};
+                              {kErrorKeys[0], int8},
+                              {kErrorKeys[1], nf4},
+                              {"checksum", checksum_of(fingerprint, int8, nf4)}};
   sp::runtime::write_file_atomically(file, doc.dump(2) + "\n");
 }
 

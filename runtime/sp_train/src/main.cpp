@@ -122,8 +122,9 @@ int main(int argc, char** argv) {
     logger->info("{} {} steps in {:.1f}s ({:.0f} tokens/s)", summary.outcome == sp::train::RunOutcome::completed ? "finished" : "stopped at",
                  s["steps"].get<std::int64_t>(), s["wall_seconds"].get<double>(), s["tokens_per_second"].get<double>());
     if (!s["final_val_loss"].is_null()) logger->info("final validation loss {:.4f}", s["final_val_loss"].get<double>());
-    logger->info("H2D: {} BF16 + {} INT8 = {}; all-BF16 would be {}: {:.1f}% saved",
+    logger->info("H2D: {} BF16 + {} INT8 + {} NF4 = {}; all-BF16 would be {}: {:.1f}% saved",
                  sp::train::format_bytes(bytes["bf16"]), sp::train::format_bytes(bytes["int8"]),
+                 sp::train::format_bytes(bytes["nf4"]),
                  sp::train::format_bytes(bytes["total"]), sp::train::format_bytes(bytes["all_bf16_equivalent"]),
                  100.0 * bytes["saved_fraction"].get<double>());
     logger->info("summary: {}", (out / "summary.json").string());

@@ -21,16 +21,18 @@ PolicySession::PolicySession(fs::path plugin_file, std::string config_yaml, std:
   options.output_dir = std::move(output_dir);
   options.logger = logger_;
   options.fallback = sp::host::FallbackMode::last_good;
+  options.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) |
+                                 SP_PRECISION_BIT(SP_PRECISION_NF4);
   loaded_identity_ = identify(plugin_file_);
   host_ = std::make_unique<sp::host::PolicyHost>(plugin_file_, config_, std::move(blocks), options);
 }
 
 PolicySession::~PolicySession() = default;
 
-bool PolicySession::set_calibration_errors(const std::vector<double>& errors) {
+bool PolicySession::set_calibration_errors(sp_precision precision, const std::vector<double>& errors) {
   std::vector<std::uint32_t> ids(errors.size());
   for (std::uint32_t b = 0; b < ids.size(); ++b) ids[b] = b;
-  return host_->set_calibration_errors(ids, errors);
+  return host_->set_calibration_errors(precision, ids, errors);
 }
 
 void PolicySession::begin_step(std::int64_t step) { host_->begin_step(step); }

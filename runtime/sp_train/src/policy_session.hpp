@@ -23,7 +23,8 @@ class PolicySession {
                 std::shared_ptr<spdlog::logger> logger);
   ~PolicySession();
 
-  bool set_calibration_errors(const std::vector<double>& errors);
+  // One relative output error per block against BF16, at `precision` (INT8 or NF4).
+  bool set_calibration_errors(sp_precision precision, const std::vector<double>& errors);
   void begin_step(std::int64_t step);
   void post_backward(std::int64_t step, const std::vector<sp_grad_moments_v1>& moments);
   const std::vector<sp_hint_v1>& compute_hints(std::int64_t step);

@@ -25,6 +25,7 @@ struct ProgressState {
   double tokens_per_second = 0.0;
   std::uint32_t bf16_blocks = 0;
   std::uint32_t int8_blocks = 0;
+  std::uint32_t nf4_blocks = 0;
   std::uint64_t bytes_saved = 0;     // against all-BF16, so far
   std::uint64_t bytes_all_bf16 = 0;  // so far
   double eta_seconds = 0.0;

@@ -305,6 +305,15 @@ void read_policy_keys(const Origins& origins, const YAML::Node& section, PolicyH
     }
     c.calibration_samples = static_cast<std::uint32_t>(n);
   }
+  if (const YAML::Node group = section["nf4_group_size"]; group.IsDefined()) {
+    std::int64_t n = 0;
+    if (!is_plain_scalar(group) || !YAML::convert<std::int64_t>::decode(group, n) ||
+        (n != 32 && n != 64 && n != 128 && n != 256)) {
+      throw ConfigError(fmt::format("{}: {}.nf4_group_size: expected 32, 64, 128 or 256, found {}",
+                                    origins.of(path + ".nf4_group_size"), path, describe(group)));
+    }
+    c.nf4_group_size = static_cast<std::uint32_t>(n);
+  }
   if (const YAML::Node enabled = section["telemetry_enabled"]; enabled.IsDefined() && is_plain_scalar(enabled)) {
     YAML::convert<bool>::decode(enabled, c.telemetry_enabled);  // a wrong type is the plugin's to report
   }

@@ -102,6 +102,8 @@ struct StreamingSection {
 struct PolicyHostKeys {
   bool run_calibration = true;
   std::uint32_t calibration_samples = 4;
+  // Elements per bf16 scale of the NF4 images: 32, 64, 128 or 256 (NF4 has no per-row mode).
+  std::uint32_t nf4_group_size = 64;
   bool telemetry_enabled = true;
   std::string telemetry_file = "selective_precision_telemetry.jsonl";
 };

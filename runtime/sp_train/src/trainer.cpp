@@ -49,8 +49,20 @@ std::uint64_t slab_bytes(const ad::BlockSpec& block, kn::SlabPrecision precision
   for (const ad::TensorSpec& t : block.tensors) shapes.push_back({t.rows, t.cols});
   kn::SlabEncoding encoding;
   encoding.precision = precision;
-  encoding.group_size = precision == kn::SlabPrecision::kInt8 ? group : 0;
+  encoding.group_size = precision == kn::SlabPrecision::kBf16 ? 0 : group;
   return kn::slab_image_bytes(encoding, shapes.data(), shapes.size());
+}
+
+// A route as the sp_precision value that step records, checkpoints and plots use.
+std::uint8_t route_code(ad::Precision precision) {
+  switch (precision) {
+    case ad::Precision::int8:
+      return SP_PRECISION_INT8;
+    case ad::Precision::nf4:
+      return SP_PRECISION_NF4;
+    default:
+      return SP_PRECISION_BF16;
+  }
 }
 
 // Cuts a JSONL log back to its leading complete records whose `key` is below `step`: on
@@ -132,15 +144,15 @@ struct Trainer::Impl {
   std::vector<std::uint8_t> decisions;  // the bridge's current routes
   std::vector<sp_hint_v1> applied_hints;  // the plugin hints those routes came from
   std::string calibration_status = "disabled";
-  std::vector<double> calibration_errors;
+  CalibrationErrors calibration_errors;
   int nonfinite_streak = 0;
 
   // Totals over the whole run, carried across resumes.
   struct Totals {
-    std::uint64_t h2d_bf16 = 0, h2d_int8 = 0, h2d_all_bf16 = 0;
+    std::uint64_t h2d_bf16 = 0, h2d_int8 = 0, h2d_nf4 = 0, h2d_all_bf16 = 0;
     std::uint64_t eval_h2d = 0;
     std::uint64_t tokens = 0;
-    std::uint64_t bf16_block_steps = 0, int8_block_steps = 0;
+    std::uint64_t bf16_block_steps = 0, int8_block_steps = 0, nf4_block_steps = 0;
     double train_seconds = 0.0;
     std::vector<std::pair<std::int64_t, double>> val_history;
     std::vector<nlohmann::json> swaps;
@@ -229,7 +241,8 @@ struct Trainer::Impl {
     return {{"d_model", m.d_model}, {"n_heads", m.n_heads}, {"n_blocks", m.n_blocks},
             {"seq_len", m.seq_len}, {"mlp_ratio", m.mlp_ratio}, {"mode", mode_name(config.train.mode)},
             {"lora_rank", config.train.mode == TrainMode::lora ? config.train.lora.rank : 0},
-            {"int8_group_size", config.streaming.int8_group_size}};
+            {"int8_group_size", config.streaming.int8_group_size},
+            {"nf4_group_size", config.policy_keys.nf4_group_size}};
   }
 
   // The meta section, checked as far as every reader relies on it: an object with next_step
@@ -335,12 +348,14 @@ struct Trainer::Impl {
     for (const ad::BlockSpec& spec : block_specs) {
       const std::uint64_t bf16 = slab_bytes(spec, kn::SlabPrecision::kBf16, 0);
       const std::uint64_t int8 = slab_bytes(spec, kn::SlabPrecision::kInt8, s.int8_group_size);
-      engine_config.host_slab_bytes = std::max({engine_config.host_slab_bytes, bf16, int8});
+      const std::uint64_t nf4 = slab_bytes(spec, kn::SlabPrecision::kNf4, config.policy_keys.nf4_group_size);
+      engine_config.host_slab_bytes = std::max({engine_config.host_slab_bytes, bf16, int8, nf4});
       engine_config.device_slot_bytes = std::max(engine_config.device_slot_bytes, bf16);
     }
     engine_config.host_slab_count = n_blocks + s.spare_slabs;
     engine_config.prefetch_window = s.prefetch_window;
     engine_config.int8_group_size = s.int8_group_size;
+    engine_config.nf4_group_size = config.policy_keys.nf4_group_size;
     engine_config.backward = true;
     if (!s.metrics_file.empty()) engine_config.metrics_path = (options.out_dir / s.metrics_file).string();
 
@@ -354,28 +369,36 @@ struct Trainer::Impl {
     if (!s.transfer_policy_path.empty()) apply_transfer_policy(s.transfer_policy_path);
   }
 
-  // The benchmark-driven half of the route: INT8 only for the block sizes where this
-  // machine's measurements say it pays, on the path this mode takes (trained blocks also pay
+  // The benchmark-driven half of the route: INT8 and NF4 only for the block sizes where this
+  // machine's measurements say they pay, on the path this mode takes (trained blocks also pay
   // an image rebuild per step).
   void apply_transfer_policy(const std::string& path) {
     const sp::bench::TransferPolicy transfer_policy = sp::bench::load_transfer_policy_or_bf16(
         path, [&](const std::string& why) { log->warn("transfer policy {}", why); });
-    const sp::bench::TransferPath route = config.train.mode == TrainMode::full
-                                              ? sp::bench::TransferPath::kInt8Trained
-                                              : sp::bench::TransferPath::kInt8Frozen;
+    const sp::bench::BlockWeights weights =
+        config.train.mode == TrainMode::full ? sp::bench::BlockWeights::kTrained : sp::bench::BlockWeights::kFrozen;
     std::vector<std::uint64_t> sizes;
     for (std::uint32_t b = 0; b < n_blocks; ++b) sizes.push_back(engine->image_bytes(b, ad::Precision::bf16));
-    const std::vector<bool> gate = sp::bench::int8_gate(transfer_policy, route, sizes);
+    const ad::TransferGate gate = sp::bench::transfer_gate(transfer_policy, weights, sizes);
     engine->policy_bridge().set_transfer_gate(gate);
     eval_engine->policy_bridge().set_transfer_gate(gate);
-    log->info("transfer policy {} ({}): INT8 pays for {} of {} blocks", path, sp::bench::transfer_path_name(route),
-              std::count(gate.begin(), gate.end(), true), n_blocks);
+    const auto paying = [](const std::vector<bool>& pays) { return std::count(pays.begin(), pays.end(), true); };
+    log->info("transfer policy {} ({} blocks): INT8 pays for {}, NF4 for {} of {} blocks", path,
+              weights == sp::bench::BlockWeights::kTrained ? "trained" : "frozen", paying(gate.int8_pays),
+              paying(gate.nf4_pays), n_blocks);
   }
 
   void build_policy() {
     std::vector<sp::host::BlockDescription> blocks;
     for (const sp_block_desc_v1& d : engine->block_descs()) {
-      blocks.push_back({d.block_id, d.num_params, d.bf16_bytes, d.int8_bytes, d.name});
+      sp::host::BlockDescription block;
+      block.id = d.block_id;
+      block.num_params = d.num_params;
+      block.bf16_bytes = d.bf16_bytes;
+      block.int8_bytes = d.int8_bytes;
+      block.nf4_bytes = engine->nf4_image_bytes(d.block_id);
+      block.name = d.name;
+      blocks.push_back(std::move(block));
     }
     const fs::path plugin_file = options.plugin_dir / ("lib" + config.train.plugin + ".so");
     policy = std::make_unique<PolicySession>(plugin_file, config.resolved_yaml, config.source_name,
@@ -389,7 +412,7 @@ struct Trainer::Impl {
     applied_hints = hints;
     engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
     eval_engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
-    for (const sp_hint_v1& h : hints) decisions[h.block_id] = h.precision == SP_PRECISION_INT8;
+    for (const sp_hint_v1& h : hints) decisions[h.block_id] = static_cast<std::uint8_t>(h.precision);
   }
 
   BlockWeights delivered(const ad::BlockView& view, bool requires_grad) const {
@@ -423,7 +446,7 @@ struct Trainer::Impl {
   }
 
   static std::uint64_t eval_transfer_bytes(const ad::StepTransferMetrics& m) {
-    return m.h2d_bytes_bf16 + m.h2d_bytes_int8;
+    return m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
   }
 
   void refresh_eval_images() {
@@ -461,7 +484,8 @@ struct Trainer::Impl {
     }
     return {{"model", model_identity()},
             {"weights_fnv1a64", fmt::format("{:016x}", weights)},
-            {"quant", {{"format", "int8 symmetric"}, {"group_size", config.streaming.int8_group_size}}},
+            {"quant", {{"int8", {{"format", "int8 symmetric"}, {"group_size", config.streaming.int8_group_size}}},
+                       {"nf4", {{"format", "nf4 absmax, bf16 scales"}, {"group_size", config.policy_keys.nf4_group_size}}}}},
             {"blocks", layout},
             {"calibration", {{"samples", config.policy_keys.calibration_samples},
                              {"batch_size", config.train.batch_size},
@@ -479,34 +503,40 @@ struct Trainer::Impl {
     eval_engine->policy_bridge().set_plugin_hints(hints.data(), n_blocks);
   }
 
-  // Per block: the relative error of the block's output with its INT8 weights against its
-  // BF16 weights, on the same real input (the activation the BF16 model feeds it), both
-  // delivered through the streaming engine's two routes.
-  std::vector<double> measure_calibration_errors() {
+  // Per block and quantized precision: the relative error of the block's output with its
+  // INT8 (or NF4) weights against its BF16 weights, on the same real input (the activation
+  // the BF16 model feeds it), all delivered through the streaming engine's routes.
+  CalibrationErrors measure_calibration_errors() {
     torch::NoGradGuard no_grad;
-    std::vector<double> errors(n_blocks, 0.0);
+    CalibrationErrors errors{std::vector<double>(n_blocks, 0.0), std::vector<double>(n_blocks, 0.0)};
+    const std::pair<sp_precision, std::vector<double>*> precisions[] = {{SP_PRECISION_INT8, &errors.int8},
+                                                                        {SP_PRECISION_NF4, &errors.nf4}};
     std::vector<std::int64_t> tokens;
     for (std::uint32_t s = 0; s < config.policy_keys.calibration_samples; ++s) {
       corpus->train_batch(config.train.seed ^ kCalibrationSalt, s, config.train.batch_size, tokens);
       auto [idx, targets] = tensors_of(tokens, config.train.batch_size);
       set_all_routes(SP_PRECISION_BF16);
       const std::vector<torch::Tensor> reference = streamed_forward(idx);
-      set_all_routes(SP_PRECISION_INT8);
-      eval_engine->begin_step(eval_engine_steps++);
-      for (std::uint32_t b = 0; b < n_blocks; ++b) {
-        const ad::BlockView& view = eval_engine->acquire(b);
-        const auto on_host = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kFloat32).contiguous(); };
-        const torch::Tensor quantized = on_host(model->block_forward(b, reference[b], delivered(view, false)));
-        const torch::Tensor expected = on_host(reference[b + 1]);
-        errors[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32,
-                                        quantized.data_ptr<float>(), kn::DType::kFloat32,
-                                        static_cast<std::size_t>(expected.numel()));
-        eval_engine->release(b);
+      for (const auto& [precision, sums] : precisions) {
+        set_all_routes(precision);
+        eval_engine->begin_step(eval_engine_steps++);
+        for (std::uint32_t b = 0; b < n_blocks; ++b) {
+          const ad::BlockView& view = eval_engine->acquire(b);
+          const auto on_host = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kFloat32).contiguous(); };
+          const torch::Tensor quantized = on_host(model->block_forward(b, reference[b], delivered(view, false)));
+          const torch::Tensor expected = on_host(reference[b + 1]);
+          (*sums)[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32,
+                                           quantized.data_ptr<float>(), kn::DType::kFloat32,
+                                           static_cast<std::size_t>(expected.numel()));
+          eval_engine->release(b);
+        }
+        totals.eval_h2d += eval_transfer_bytes(eval_engine->end_step());
       }
-      totals.eval_h2d += eval_transfer_bytes(eval_engine->end_step());
     }
     eval_engine->policy_bridge().clear_plugin_hints();
-    for (double& e : errors) e /= config.policy_keys.calibration_samples;
+    for (auto& [precision, sums] : precisions) {
+      for (double& e : *sums) e /= config.policy_keys.calibration_samples;
+    }
     return errors;
   }
 
@@ -541,11 +571,16 @@ struct Trainer::Impl {
       log->info("calibration: {} samples per block in {:.1f}s, {}", config.policy_keys.calibration_samples,
                 seconds_since(start), where);
     }
-    std::string listing;
-    for (std::uint32_t b = 0; b < n_blocks; ++b) listing += fmt::format("{}{:.4f}", b ? " " : "", calibration_errors[b]);
-    log->info("calibration: INT8 relative output error per block: {}", listing);
-    if (!policy->set_calibration_errors(calibration_errors)) {
-      log->warn("calibration: the plugin rejected the errors; it decides on gradients alone");
+    const std::pair<sp_precision, const std::vector<double>*> precisions[] = {
+        {SP_PRECISION_INT8, &calibration_errors.int8}, {SP_PRECISION_NF4, &calibration_errors.nf4}};
+    for (const auto& [precision, errors] : precisions) {
+      const char* name = precision == SP_PRECISION_INT8 ? "INT8" : "NF4";
+      std::string listing;
+      for (std::uint32_t b = 0; b < n_blocks; ++b) listing += fmt::format("{}{:.4f}", b ? " " : "", (*errors)[b]);
+      log->info("calibration: {} relative output error per block: {}", name, listing);
+      if (!policy->set_calibration_errors(precision, *errors)) {
+        log->warn("calibration: the plugin rejected the {} errors; it decides without them", name);
+      }
     }
   }
 
@@ -588,7 +623,7 @@ struct Trainer::Impl {
     record.routes.assign(n_blocks, 0);
     for (std::uint32_t b = 0; b < n_blocks; ++b) {
       const ad::BlockView& view = engine->acquire(b);
-      record.routes[b] = view.precision == ad::Precision::int8;
+      record.routes[b] = route_code(view.precision);
       inputs.push_back(model->block_forward(b, inputs.back(), delivered(view, false)));
       engine->release(b);
     }
@@ -733,6 +768,7 @@ struct Trainer::Impl {
 
     record.h2d_bytes_bf16 = transfer.h2d_bytes_bf16;
     record.h2d_bytes_int8 = transfer.h2d_bytes_int8;
+    record.h2d_bytes_nf4 = transfer.h2d_bytes_nf4;
     record.h2d_bytes_all_bf16 = transfer.h2d_bytes_all_bf16;
     sp_step_feedback_v1 feedback = transfer.to_feedback();
     feedback.loss = record.loss;
@@ -773,9 +809,10 @@ struct Trainer::Impl {
   nlohmann::json totals_json() const {
     nlohmann::json val = nlohmann::json::array();
     for (const auto& [step, loss] : totals.val_history) val.push_back({step, loss});
-    return {{"h2d_bf16", totals.h2d_bf16}, {"h2d_int8", totals.h2d_int8}, {"h2d_all_bf16", totals.h2d_all_bf16},
-            {"eval_h2d", totals.eval_h2d}, {"tokens", totals.tokens}, {"bf16_block_steps", totals.bf16_block_steps},
-            {"int8_block_steps", totals.int8_block_steps}, {"train_seconds", totals.train_seconds},
+    return {{"h2d_bf16", totals.h2d_bf16}, {"h2d_int8", totals.h2d_int8}, {"h2d_nf4", totals.h2d_nf4},
+            {"h2d_all_bf16", totals.h2d_all_bf16}, {"eval_h2d", totals.eval_h2d}, {"tokens", totals.tokens},
+            {"bf16_block_steps", totals.bf16_block_steps}, {"int8_block_steps", totals.int8_block_steps},
+            {"nf4_block_steps", totals.nf4_block_steps}, {"train_seconds", totals.train_seconds},
             {"val_history", val}, {"swaps", totals.swaps}, {"last_loss", totals.last_loss}};
   }
 
@@ -788,7 +825,8 @@ struct Trainer::Impl {
                                  {"data_fnv1a64", fmt::format("{:016x}", corpus->fingerprint())},
                                  {"plugin", {{"name", policy->host().plugin_name()}, {"version", policy->plugin_version()}}},
                                  {"calibration_status", calibration_status},
-                                 {"calibration_errors", calibration_errors},
+                                 {"calibration_errors", calibration_errors.int8},
+                                 {"nf4_calibration_errors", calibration_errors.nf4},
                                  {"decisions", decisions},
                                  {"totals", totals_json()}};
     const std::string meta_text = meta.dump();
@@ -823,8 +861,10 @@ struct Trainer::Impl {
       // The mode first: a LoRA config resuming a full run differs in lora_rank too, and the
       // mode is the difference to report.
       for (const char* key : {"mode", "d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio", "lora_rank",
-                              "int8_group_size"}) {
+                              "int8_group_size", "nf4_group_size"}) {
         const nlohmann::json& value = expected.at(key);
+        // A checkpoint from before the NF4 route never sent an NF4 image: any group size fits it.
+        if (std::string_view(key) == "nf4_group_size" && !meta["model"].contains(key)) continue;
         if (!meta["model"].contains(key) || meta["model"][key] != value) {
           throw ResumeError(fmt::format("{}: made for {} = {}, this config has {} (use another --out, or "
                                         "--set train.resume=never)",
@@ -868,23 +908,30 @@ struct Trainer::Impl {
                                           checkpoint_path(options.out_dir).string(), rng.size()));
       }
 
-      calibration_errors = meta.at("calibration_errors").get<std::vector<double>>();
-      const bool errors_valid = std::all_of(calibration_errors.begin(), calibration_errors.end(),
-                                            [](double e) { return std::isfinite(e) && e >= 0.0; });
-      if ((!calibration_errors.empty() && calibration_errors.size() != n_blocks) || !errors_valid) {
-        throw CheckpointError(fmt::format("{}: section 'meta': calibration_errors holds {} values; expected none or {} "
-                                          "finite values >= 0",
-                                          checkpoint_path(options.out_dir).string(), calibration_errors.size(), n_blocks));
+      calibration_errors.int8 = meta.at("calibration_errors").get<std::vector<double>>();
+      // A checkpoint from before the NF4 route holds INT8 errors only.
+      calibration_errors.nf4 = meta.value("nf4_calibration_errors", std::vector<double>{});
+      for (const auto& [key, errors] : {std::pair<const char*, const std::vector<double>*>{"calibration_errors", &calibration_errors.int8},
+                                        {"nf4_calibration_errors", &calibration_errors.nf4}}) {
+        const bool errors_valid =
+            std::all_of(errors->begin(), errors->end(), [](double e) { return std::isfinite(e) && e >= 0.0; });
+        if ((!errors->empty() && errors->size() != n_blocks) || !errors_valid) {
+          throw CheckpointError(fmt::format("{}: section 'meta': {} holds {} values; expected none or {} finite "
+                                            "values >= 0",
+                                            checkpoint_path(options.out_dir).string(), key, errors->size(), n_blocks));
+        }
       }
       calibration_status = "restored from checkpoint";
       const nlohmann::json& t = meta.at("totals");
       totals.h2d_bf16 = t.at("h2d_bf16");
       totals.h2d_int8 = t.at("h2d_int8");
+      totals.h2d_nf4 = t.value("h2d_nf4", std::uint64_t{0});  // absent before the NF4 route
       totals.h2d_all_bf16 = t.at("h2d_all_bf16");
       totals.eval_h2d = t.at("eval_h2d");
       totals.tokens = t.at("tokens");
       totals.bf16_block_steps = t.at("bf16_block_steps");
       totals.int8_block_steps = t.at("int8_block_steps");
+      totals.nf4_block_steps = t.value("nf4_block_steps", std::uint64_t{0});
       totals.train_seconds = t.at("train_seconds");
       for (const nlohmann::json& v : t.at("val_history")) totals.val_history.emplace_back(v.at(0), v.at(1));
       for (const nlohmann::json& s : t.at("swaps")) totals.swaps.push_back(s);
@@ -924,6 +971,7 @@ struct Trainer::Impl {
     nlohmann::json record = {{"step", r.step}, {"loss", r.loss}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
                              {"routes", r.routes}, {"decisions", r.decisions},
                              {"h2d_bytes_bf16", r.h2d_bytes_bf16}, {"h2d_bytes_int8", r.h2d_bytes_int8},
+                             {"h2d_bytes_nf4", r.h2d_bytes_nf4},
                              {"h2d_bytes_all_bf16", r.h2d_bytes_all_bf16}, {"seconds", r.seconds},
                              {"plugin_version", r.plugin_version}};
     if (r.val_loss) record["val_loss"] = *r.val_loss;
@@ -932,7 +980,7 @@ struct Trainer::Impl {
   }
 
   nlohmann::json summary(RunOutcome outcome, double wall_seconds) const {
-    const std::uint64_t moved = totals.h2d_bf16 + totals.h2d_int8;
+    const std::uint64_t moved = totals.h2d_bf16 + totals.h2d_int8 + totals.h2d_nf4;
     const std::uint64_t saved = totals.h2d_all_bf16 - moved;
     const double tokens_per_second = totals.train_seconds > 0 ? totals.tokens / totals.train_seconds : 0.0;
     return {{"outcome", outcome == RunOutcome::completed ? "completed" : "interrupted"},
@@ -940,11 +988,12 @@ struct Trainer::Impl {
             {"final_val_loss", totals.val_history.empty() ? nlohmann::json() : nlohmann::json(totals.val_history.back().second)},
             {"final_train_loss", std::isfinite(totals.last_loss) ? nlohmann::json(totals.last_loss) : nlohmann::json()},
             {"val_loss_history", totals_json()["val_history"]},
-            {"h2d_bytes", {{"bf16", totals.h2d_bf16}, {"int8", totals.h2d_int8}, {"total", moved},
+            {"h2d_bytes", {{"bf16", totals.h2d_bf16}, {"int8", totals.h2d_int8}, {"nf4", totals.h2d_nf4}, {"total", moved},
                            {"all_bf16_equivalent", totals.h2d_all_bf16}, {"saved", saved},
                            {"saved_fraction", totals.h2d_all_bf16 ? static_cast<double>(saved) / totals.h2d_all_bf16 : 0.0}}},
             {"eval_h2d_bytes", totals.eval_h2d},
-            {"block_steps", {{"bf16", totals.bf16_block_steps}, {"int8", totals.int8_block_steps}}},
+            {"block_steps", {{"bf16", totals.bf16_block_steps}, {"int8", totals.int8_block_steps},
+                             {"nf4", totals.nf4_block_steps}}},
             {"final_decisions", decisions},
             {"tokens", totals.tokens},
             {"tokens_per_second", tokens_per_second},
@@ -957,7 +1006,8 @@ struct Trainer::Impl {
             {"plugin", {{"name", policy->host().plugin_name()}, {"version", policy->plugin_version()},
                         {"hook_failures", policy->host().hook_failures().total()}}},
             {"plugin_swaps", totals.swaps},
-            {"calibration", {{"status", calibration_status}, {"errors", calibration_errors}}},
+            {"calibration", {{"status", calibration_status}, {"errors", calibration_errors.int8},
+                             {"nf4_errors", calibration_errors.nf4}}},
             {"config", config.source_name},
             {"model_outliers", {{"blocks", config.model.outlier_blocks},
                                 {"magnitude", config.model.outlier_magnitude}}},
@@ -986,11 +1036,16 @@ struct Trainer::Impl {
       ++next_step;
       totals.h2d_bf16 += record.h2d_bytes_bf16;
       totals.h2d_int8 += record.h2d_bytes_int8;
+      totals.h2d_nf4 += record.h2d_bytes_nf4;
       totals.h2d_all_bf16 += record.h2d_bytes_all_bf16;
       totals.tokens += tokens_per_step;
       totals.train_seconds += record.seconds;
       totals.last_loss = record.loss;
-      for (std::uint8_t route : record.routes) (route ? totals.int8_block_steps : totals.bf16_block_steps)++;
+      for (std::uint8_t route : record.routes) {
+        (route == SP_PRECISION_NF4 ? totals.nf4_block_steps
+         : route == SP_PRECISION_INT8 ? totals.int8_block_steps
+                                      : totals.bf16_block_steps)++;
+      }
       if (next_step % config.train.eval_interval == 0 || next_step == total) {
         record.val_loss = evaluate();
         totals.val_history.emplace_back(next_step, *record.val_loss);
@@ -1003,10 +1058,13 @@ struct Trainer::Impl {
       state.loss = record.loss;
       state.val_loss = totals.val_history.empty() ? std::nullopt : std::optional<double>(totals.val_history.back().second);
       state.tokens_per_second = totals.train_seconds > 0 ? totals.tokens / totals.train_seconds : 0.0;
-      state.int8_blocks = static_cast<std::uint32_t>(std::count(record.routes.begin(), record.routes.end(), 1));
-      state.bf16_blocks = n_blocks - state.int8_blocks;
+      state.int8_blocks =
+          static_cast<std::uint32_t>(std::count(record.routes.begin(), record.routes.end(), SP_PRECISION_INT8));
+      state.nf4_blocks =
+          static_cast<std::uint32_t>(std::count(record.routes.begin(), record.routes.end(), SP_PRECISION_NF4));
+      state.bf16_blocks = n_blocks - state.int8_blocks - state.nf4_blocks;
       state.bytes_all_bf16 = totals.h2d_all_bf16;
-      state.bytes_saved = totals.h2d_all_bf16 - totals.h2d_bf16 - totals.h2d_int8;
+      state.bytes_saved = totals.h2d_all_bf16 - totals.h2d_bf16 - totals.h2d_int8 - totals.h2d_nf4;
       state.eta_seconds = seconds_since(run_start) / (next_step - first) * (total - next_step);
       progress.update(state);
 
@@ -1055,6 +1113,6 @@ RunSummary Trainer::run() {
 }
 std::int64_t Trainer::next_step() const { return impl_->next_step; }
 const std::string& Trainer::calibration_status() const { return impl_->calibration_status; }
-const std::vector<double>& Trainer::calibration_errors() const { return impl_->calibration_errors; }
+const CalibrationErrors& Trainer::calibration_errors() const { return impl_->calibration_errors; }
 
 }  // namespace sp::train

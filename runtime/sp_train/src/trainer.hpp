@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "calibration_cache.hpp"
 #include "progress.hpp"
 
 #include "train_config.hpp"
@@ -47,12 +48,14 @@ struct StepRecord {
   double loss = 0.0;
   double lr = 0.0;
   double grad_norm = 0.0;
-  // The route each block's fetches took during this step (0 = BF16, 1 = INT8).
+  // The route each block's fetches took during this step, as sp_precision values
+  // (0 = BF16, 1 = INT8, 2 = NF4).
   std::vector<std::uint8_t> routes;
   // The plugin's decision after this step's compute_hints (applies from the next step).
   std::vector<std::uint8_t> decisions;
   std::uint64_t h2d_bytes_bf16 = 0;
   std::uint64_t h2d_bytes_int8 = 0;
+  std::uint64_t h2d_bytes_nf4 = 0;
   std::uint64_t h2d_bytes_all_bf16 = 0;
   std::optional<double> val_loss;
   double seconds = 0.0;
@@ -101,7 +104,7 @@ class Trainer {
   std::int64_t next_step() const;
   // "hit", "computed (<why>)", "disabled" or "restored from checkpoint".
   const std::string& calibration_status() const;
-  const std::vector<double>& calibration_errors() const;
+  const CalibrationErrors& calibration_errors() const;
 
  private:
   struct Impl;

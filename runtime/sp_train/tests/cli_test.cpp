@@ -216,7 +216,7 @@ TEST_F(Cli, SigintCheckpointsAndTheSameCommandResumes) {
 TEST_F(Cli, SighupSwapsToTheNewPluginVersion) {
   const fs::path plugins = dir_ / "plugins";
   fs::create_directories(plugins);
-  fs::copy_file(SP_PLUGIN_FILE, plugins / "libsp_selective_precision.so");
+  fs::copy_file(SP_PLUGIN_V1_FILE, plugins / "libsp_selective_precision.so");
   const fs::path run = dir_ / "run";
   const pid_t child = spawn_sp_train({"--config", config_.string(), "--out", run.string(), "--steps", "400",
                                       "--plugin-dir", plugins.string(), "--set", "train.plugin_poll_steps=0"},
@@ -224,7 +224,7 @@ TEST_F(Cli, SighupSwapsToTheNewPluginVersion) {
   ASSERT_GT(child, 0);
   wait_for_steps(child, run / "train_metrics.jsonl", 1);
   if (HasFatalFailure()) return;
-  fs::copy_file(SP_PLUGIN_V2_FILE, plugins / "incoming.so");
+  fs::copy_file(SP_PLUGIN_FILE, plugins / "incoming.so");
   fs::rename(plugins / "incoming.so", plugins / "libsp_selective_precision.so");
   ASSERT_EQ(::kill(child, SIGHUP), 0);
   // The swap is recorded in the step that begins after it; then stop the run.

@@ -147,23 +147,35 @@ TEST_F(CalibrationCache, HitsOnlyItsOwnFingerprint) {
   const std::string fp = calibration_fingerprint(identity);
   const fs::path file = calibration_cache_file(dir_ / "cache", fp);
   EXPECT_EQ(read_calibration_cache(file, fp, 2).status, CacheStatus::missing);
-  write_calibration_cache(file, fp, identity, {0.01, 0.02});
+  write_calibration_cache(file, fp, identity, CalibrationErrors{{0.01, 0.02}, {0.11, 0.13}});
   const CacheLookup hit = read_calibration_cache(file, fp, 2);
   ASSERT_EQ(hit.status, CacheStatus::hit);
-  EXPECT_EQ(hit.errors, (std::vector<double>{0.01, 0.02}));
+  EXPECT_EQ(hit.errors.int8, (std::vector<double>{0.01, 0.02}));
+  EXPECT_EQ(hit.errors.nf4, (std::vector<double>{0.11, 0.13}));
   EXPECT_EQ(read_calibration_cache(file, "0000000000000000", 2).status, CacheStatus::mismatch);
   EXPECT_EQ(read_calibration_cache(file, fp, 3).status, CacheStatus::mismatch);
   // An edited number breaks the checksum.
   std::ifstream in(file);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  text.replace(text.find("0.02"), 4, "0.03");
-  testing::write_text(file, text);
-  EXPECT_EQ(read_calibration_cache(file, fp, 2).status, CacheStatus::corrupt);
+  for (const char* edit : {"0.02", "0.13"}) {
+    std::string edited = text;
+    edited.replace(edited.find(edit), 4, "0.03");
+    testing::write_text(file, edited);
+    EXPECT_EQ(read_calibration_cache(file, fp, 2).status, CacheStatus::corrupt) << edit;
+  }
+  // A cache of the INT8-only version 1 is measured again, not trusted.
+  std::string version_one = text;
+  version_one.replace(version_one.find("\"version\": 2"), 12, "\"version\": 1");
+  testing::write_text(file, version_one);
+  const CacheLookup old = read_calibration_cache(file, fp, 2);
+  EXPECT_EQ(old.status, CacheStatus::mismatch);
+  EXPECT_NE(old.detail.find("cache version 1, this sp-train writes version 2"), std::string::npos) << old.detail;
   testing::write_text(file, "{\"format\": ");
   EXPECT_EQ(read_calibration_cache(file, fp, 2).status, CacheStatus::corrupt);
   // Fields of the wrong type are corrupt too, not an exception.
-  for (const char* doc : {"{\"format\": 5, \"version\": 1}", "{\"format\": \"sp-train-calibration\", \"version\": \"1\"}",
-                          "[1, 2]", "{\"format\": \"sp-train-calibration\", \"version\": 1, \"block_errors\": 3}"}) {
+  for (const char* doc : {"{\"format\": 5, \"version\": 2}", "{\"format\": \"sp-train-calibration\", \"version\": \"2\"}",
+                          "[1, 2]", "{\"format\": \"sp-train-calibration\", \"version\": 2, \"block_errors\": 3}",
+                          "{\"format\": \"sp-train-calibration\", \"version\": 2, \"block_errors\": [], \"nf4_block_errors\": 3}"}) {
     testing::write_text(file, doc);
     EXPECT_EQ(read_calibration_cache(file, fp, 2).status, CacheStatus::corrupt) << doc;
   }

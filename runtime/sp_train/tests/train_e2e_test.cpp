@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "calibration_cache.hpp"
+#include "sp/plugin_abi_v1.h"
 #include "checkpoint_file.hpp"
 #include "sp/kernels/slab.h"
 #include "sp/testing/gpu_gate.h"
@@ -68,34 +69,48 @@ double mean_loss(const std::vector<StepRecord>& steps, std::size_t begin, std::s
   return sum / static_cast<double>(end - begin);
 }
 
-std::uint64_t int8_image_bytes(const ModelConfig& m, std::uint32_t group) {
+std::uint64_t image_bytes(const ModelConfig& m, kernels::SlabPrecision precision, std::uint32_t group) {
   const std::uint64_t c = m.d_model, h = c * m.mlp_ratio;
   const kernels::TensorShape shapes[] = {{3 * c, c}, {c, c}, {h, c}, {c, h}};
   kernels::SlabEncoding encoding;
-  encoding.precision = kernels::SlabPrecision::kInt8;
+  encoding.precision = precision;
   encoding.group_size = group;
   return kernels::slab_image_bytes(encoding, shapes, 4);
 }
 
-// Each step's fetches take the routes decided after the previous step, and its INT8 bytes are
-// those routes' images. Returns the number of steps that moved INT8 bytes.
-std::size_t expect_bytes_follow_decisions(const RunSummary& run, const TrainConfig& c) {
+struct QuantizedFetchSteps {
+  std::size_t int8 = 0;
+  std::size_t nf4 = 0;
+};
+
+// Each step's fetches take the routes decided after the previous step, and its INT8 and NF4
+// bytes are those routes' images. Counts the steps that moved INT8 and NF4 bytes.
+QuantizedFetchSteps expect_bytes_follow_decisions(const RunSummary& run, const TrainConfig& c) {
   const std::uint32_t n = c.model.n_blocks;
-  const std::uint64_t int8_bytes = int8_image_bytes(c.model, c.streaming.int8_group_size);
-  std::size_t int8_fetch_steps = 0;
+  const std::uint64_t int8_bytes = image_bytes(c.model, kernels::SlabPrecision::kInt8, c.streaming.int8_group_size);
+  const std::uint64_t nf4_bytes = image_bytes(c.model, kernels::SlabPrecision::kNf4, c.policy_keys.nf4_group_size);
+  QuantizedFetchSteps steps;
   for (std::size_t s = 0; s < run.steps.size(); ++s) {
     const StepRecord& r = run.steps[s];
     const std::vector<std::uint8_t> expected = s == 0 ? std::vector<std::uint8_t>(n, 0) : run.steps[s - 1].decisions;
     EXPECT_EQ(r.routes, expected) << "step " << s;
     // Every block is fetched for forward and for backward, except the last, whose slot is
     // reused across the turn.
-    std::uint64_t expected_int8 = 0;
-    for (std::uint32_t b = 0; b < n; ++b) expected_int8 += r.routes[b] ? int8_bytes * (b + 1 == n ? 1 : 2) : 0;
+    std::uint64_t expected_int8 = 0, expected_nf4 = 0;
+    for (std::uint32_t b = 0; b < n; ++b) {
+      const std::uint64_t fetches = b + 1 == n ? 1 : 2;
+      expected_int8 += r.routes[b] == SP_PRECISION_INT8 ? int8_bytes * fetches : 0;
+      expected_nf4 += r.routes[b] == SP_PRECISION_NF4 ? nf4_bytes * fetches : 0;
+    }
     EXPECT_EQ(r.h2d_bytes_int8, expected_int8) << "step " << s;
-    EXPECT_EQ(r.h2d_bytes_bf16 + r.h2d_bytes_int8 < r.h2d_bytes_all_bf16, expected_int8 != 0) << "step " << s;
-    int8_fetch_steps += expected_int8 != 0;
+    EXPECT_EQ(r.h2d_bytes_nf4, expected_nf4) << "step " << s;
+    EXPECT_EQ(r.h2d_bytes_bf16 + r.h2d_bytes_int8 + r.h2d_bytes_nf4 < r.h2d_bytes_all_bf16,
+              expected_int8 + expected_nf4 != 0)
+        << "step " << s;
+    steps.int8 += expected_int8 != 0;
+    steps.nf4 += expected_nf4 != 0;
   }
-  return int8_fetch_steps;
+  return steps;
 }
 
 TEST_F(TrainE2E, LearnsDecidesAndMovesTheBytesItDecided) {
@@ -103,12 +118,38 @@ TEST_F(TrainE2E, LearnsDecidesAndMovesTheBytesItDecided) {
   ASSERT_EQ(run.steps.size(), 24u);
   EXPECT_LT(mean_loss(run.steps, 19, 24), mean_loss(run.steps, 0, 5) - 0.3);
   ASSERT_TRUE(run.json["final_val_loss"].is_number());
-  EXPECT_GT(expect_bytes_follow_decisions(run, config()), 0u) << "the plugin never sent a block to INT8";
+  EXPECT_GT(expect_bytes_follow_decisions(run, config()).int8, 0u) << "the plugin never sent a block to INT8";
   const std::uint64_t saved = run.json["h2d_bytes"]["saved"];
   EXPECT_GT(saved, 0u);
   EXPECT_EQ(run.json["device"], "cpu");
   EXPECT_TRUE(fs::exists(dir_ / "plain" / "summary.json"));
   EXPECT_TRUE(fs::exists(dir_ / "plain" / "selective_precision_telemetry.jsonl"));
+}
+
+// The fixed all-NF4 format: every block crosses as NF4 from the step after the plugin's first
+// hints, the bytes are the NF4 images, and the model still learns.
+TEST_F(TrainE2E, AllNf4StreamsNf4ImagesAndStillLearns) {
+  const std::vector<Override> all_nf4 = {{"memory.stagehand.selective_precision.mode", "static"},
+                                         {"memory.stagehand.selective_precision.force_nf4_blocks", "[0, 1, 2, 3]"}};
+  const RunSummary run = train("nf4", all_nf4);
+  ASSERT_EQ(run.steps.size(), 24u);
+  EXPECT_EQ(expect_bytes_follow_decisions(run, config(all_nf4)).nf4, 23u);
+  EXPECT_LT(mean_loss(run.steps, 19, 24), mean_loss(run.steps, 0, 5) - 0.3);
+  const double saved = run.json["h2d_bytes"]["saved_fraction"];
+  EXPECT_GT(saved, 0.65) << "an NF4 image is about 0.28x the BF16 one";
+  EXPECT_EQ(run.json["block_steps"]["nf4"], 23u * 4u);
+}
+
+// Policy v2 with three tiers, scored on the calibration errors alone: a block whose NF4 error
+// is small goes to NF4, and the routes and bytes follow the plugin's decisions.
+TEST_F(TrainE2E, ThreeTierPolicySendsTolerantBlocksToNf4) {
+  const std::string p = "memory.stagehand.selective_precision.";
+  const std::vector<Override> v2 = {{p + "tiers", "[bf16, int8, nf4]"}, {p + "grad_weight", "0"},
+                                    {p + "error_weight", "1"},          {p + "nf4_threshold", "0.45"},
+                                    {p + "nf4_quant_error_threshold", "1.0"}};
+  const RunSummary run = train("v2", v2);
+  EXPECT_GT(expect_bytes_follow_decisions(run, config(v2)).nf4, 0u) << "no block ever went to NF4";
+  EXPECT_EQ(run.json["plugin"]["version"], "2.0.0");
 }
 
 // With an outlier channel planted, which a fresh run does and a resumed one must not redo.
@@ -136,13 +177,16 @@ TEST_F(TrainE2E, InterruptedRunResumesBitwiseIdentically) {
   EXPECT_EQ(straight.json["h2d_bytes"], second_half.json["h2d_bytes"]);
 }
 
+// The live upgrade: a run that started on policy 1.0.0 moves to 2.0.0 at a step boundary, its
+// state migrated through export/import; with a v1 config, 2.0.0 takes 1.0.0's decisions.
 TEST_F(TrainE2E, HotSwapMidRunKeepsTheDecisions) {
-  const RunSummary reference = train("noswap");
   const fs::path plugin = plugin_dir_ / "libsp_selective_precision.so";
+  fs::copy_file(SP_PLUGIN_V1_FILE, plugin, fs::copy_options::overwrite_existing);
+  const RunSummary reference = train("noswap");
   const RunSummary swapped = train("swap", {}, [&](const StepRecord& r) {
     if (r.step != 9) return;
     // A new version lands the way a deployment would put it there: written aside, renamed in.
-    fs::copy_file(SP_PLUGIN_V2_FILE, plugin_dir_ / "incoming.so");
+    fs::copy_file(SP_PLUGIN_FILE, plugin_dir_ / "incoming.so");
     fs::rename(plugin_dir_ / "incoming.so", plugin);
   });
   ASSERT_EQ(swapped.steps.size(), reference.steps.size());
@@ -158,16 +202,20 @@ TEST_F(TrainE2E, HotSwapMidRunKeepsTheDecisions) {
 
 TEST_F(TrainE2E, CorruptCalibrationCacheIsDetectedAndRebuilt) {
   const TrainConfig c = config({{"train.steps", "1"}});
-  std::vector<double> measured;
+  CalibrationErrors measured;
   {
     Trainer first(c, options("cal1"));
     EXPECT_EQ(first.calibration_status(), "computed (missing)");
     measured = first.calibration_errors();
   }
-  ASSERT_EQ(measured.size(), 4u);
-  for (double e : measured) {
-    EXPECT_GT(e, 0.0);
-    EXPECT_LT(e, 0.5);
+  ASSERT_EQ(measured.int8.size(), 4u);
+  ASSERT_EQ(measured.nf4.size(), 4u);
+  for (std::size_t b = 0; b < 4; ++b) {
+    EXPECT_GT(measured.int8[b], 0.0);
+    EXPECT_LT(measured.int8[b], 0.5);
+    // Four bits per weight cost more output error than eight, block by block.
+    EXPECT_GT(measured.nf4[b], measured.int8[b]) << "block " << b;
+    EXPECT_LT(measured.nf4[b], 1.0);
   }
   std::vector<fs::path> files;
   for (const auto& entry : fs::directory_iterator(cache_)) files.push_back(entry.path());
@@ -175,7 +223,8 @@ TEST_F(TrainE2E, CorruptCalibrationCacheIsDetectedAndRebuilt) {
   {
     Trainer second(c, options("cal2"));
     EXPECT_EQ(second.calibration_status(), "hit");
-    EXPECT_EQ(second.calibration_errors(), measured);
+    EXPECT_EQ(second.calibration_errors().int8, measured.int8);
+    EXPECT_EQ(second.calibration_errors().nf4, measured.nf4);
   }
   // Truncate the file in the middle of its JSON.
   const auto size = fs::file_size(files[0]);
@@ -183,7 +232,8 @@ TEST_F(TrainE2E, CorruptCalibrationCacheIsDetectedAndRebuilt) {
   {
     Trainer third(c, options("cal3"));
     EXPECT_EQ(third.calibration_status(), "computed (corrupt)");
-    EXPECT_EQ(third.calibration_errors(), measured);
+    EXPECT_EQ(third.calibration_errors().int8, measured.int8);
+    EXPECT_EQ(third.calibration_errors().nf4, measured.nf4);
   }
   EXPECT_EQ(read_calibration_cache(files[0], files[0].stem().string().substr(12), 4).status, CacheStatus::hit);
 }
