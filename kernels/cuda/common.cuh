@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "grid_stride.h"
 #include "scalar_math.h"
 #include "sp/kernels/dtype.h"
 
@@ -24,10 +25,8 @@ inline void require(bool condition, const std::string &message) {
   if (!condition) throw std::invalid_argument(message);
 }
 
-inline unsigned grid_for(uint64_t items, unsigned per_block) {
-  const uint64_t blocks = (items + per_block - 1) / per_block;
-  return static_cast<unsigned>(blocks < 0x7FFFFFFFull ? (blocks == 0 ? 1 : blocks) : 0x7FFFFFFFull);
-}
+using kernels::detail::grid_for;
+using kernels::detail::uint32_indices_fit;
 
 inline bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 

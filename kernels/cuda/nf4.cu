@@ -158,17 +158,23 @@ void launch_dequantize(const uint8_t *codes, const uint16_t *scales, uint64_t ro
   if (rows == 0 || cols == 0) return;
   const Nf4Layout layout = make_layout(rows, cols, group_size);
   const uint64_t n = rows * cols;
+  const uint64_t segments = rows * layout.groups_per_row;
   constexpr unsigned kThreads = 256;
-  const bool small_index = n < (1ull << 32) && rows * layout.groups_per_row < (1ull << 32);
-  const bool vector_path = cols % 32 == 0 && aligned16(codes) && aligned16(dst);
-  if (vector_path && small_index) {
-    nf4_dequantize_vector_kernel<Out, uint32_t><<<grid_for(n / 32, kThreads), kThreads, 0, stream>>>(codes, scales, layout, dst);
-  } else if (vector_path) {
-    nf4_dequantize_vector_kernel<Out, uint64_t><<<grid_for(n / 32, kThreads), kThreads, 0, stream>>>(codes, scales, layout, dst);
-  } else if (small_index) {
-    nf4_dequantize_scalar_kernel<Out, uint32_t><<<grid_for(n, kThreads * 4), kThreads, 0, stream>>>(codes, scales, layout, dst);
+  // 32-bit indices only where the grid-stride loop cannot wrap (grid_stride.h).
+  if (cols % 32 == 0 && aligned16(codes) && aligned16(dst)) {
+    const unsigned grid = grid_for(n / 32, kThreads);
+    if (uint32_indices_fit(n, segments, n / 32, grid, kThreads)) {
+      nf4_dequantize_vector_kernel<Out, uint32_t><<<grid, kThreads, 0, stream>>>(codes, scales, layout, dst);
+    } else {
+      nf4_dequantize_vector_kernel<Out, uint64_t><<<grid, kThreads, 0, stream>>>(codes, scales, layout, dst);
+    }
   } else {
-    nf4_dequantize_scalar_kernel<Out, uint64_t><<<grid_for(n, kThreads * 4), kThreads, 0, stream>>>(codes, scales, layout, dst);
+    const unsigned grid = grid_for(n, kThreads * 4);
+    if (uint32_indices_fit(n, segments, n, grid, kThreads)) {
+      nf4_dequantize_scalar_kernel<Out, uint32_t><<<grid, kThreads, 0, stream>>>(codes, scales, layout, dst);
+    } else {
+      nf4_dequantize_scalar_kernel<Out, uint64_t><<<grid, kThreads, 0, stream>>>(codes, scales, layout, dst);
+    }
   }
   check_launch(function);
 }
@@ -189,10 +195,12 @@ void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_
   detail::check_launch(function);
   const uint64_t n = static_cast<uint64_t>(rows) * cols;
   const uint64_t bytes = n / 2 + n % 2;
-  if (n < (1ull << 32) - 1 && segments < (1ull << 32)) {
-    detail::nf4_codes_kernel<uint32_t><<<detail::grid_for(bytes, kThreads * 4), kThreads, 0, stream>>>(src, dtype, layout, scales, codes);
+  const unsigned grid = detail::grid_for(bytes, kThreads * 4);
+  // Element indices reach n (2b + 1 for the last byte), the loop's index bytes - 1 + stride.
+  if (n < (1ull << 32) - 1 && detail::uint32_indices_fit(n, segments, bytes, grid, kThreads)) {
+    detail::nf4_codes_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(src, dtype, layout, scales, codes);
   } else {
-    detail::nf4_codes_kernel<uint64_t><<<detail::grid_for(bytes, kThreads * 4), kThreads, 0, stream>>>(src, dtype, layout, scales, codes);
+    detail::nf4_codes_kernel<uint64_t><<<grid, kThreads, 0, stream>>>(src, dtype, layout, scales, codes);
   }
   detail::check_launch(function);
 }

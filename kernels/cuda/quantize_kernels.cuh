@@ -191,17 +191,23 @@ void launch_dequantize(const uint8_t *codes, const float *scales, uint64_t rows,
   if (rows == 0 || cols == 0) return;
   const Layout layout = make_layout(rows, cols, group_size);
   const uint64_t n = rows * cols;
+  const uint64_t segments = rows * layout.groups_per_row;
   constexpr unsigned kThreads = 256;
-  const bool small_index = n < (1ull << 32) && rows * layout.groups_per_row < (1ull << 32);
-  const bool vector_path = cols % 16 == 0 && layout.width % 16 == 0 && aligned16(codes) && aligned16(dst);
-  if (vector_path && small_index) {
-    dequantize_vector_kernel<kFormat, Out, uint32_t><<<grid_for(n / 16, kThreads), kThreads, 0, stream>>>(codes, scales, layout, dst);
-  } else if (vector_path) {
-    dequantize_vector_kernel<kFormat, Out, uint64_t><<<grid_for(n / 16, kThreads), kThreads, 0, stream>>>(codes, scales, layout, dst);
-  } else if (small_index) {
-    dequantize_scalar_kernel<kFormat, Out, uint32_t><<<grid_for(n, kThreads * 4), kThreads, 0, stream>>>(codes, scales, layout, dst);
+  // 32-bit indices only where the grid-stride loop cannot wrap (grid_stride.h).
+  if (cols % 16 == 0 && layout.width % 16 == 0 && aligned16(codes) && aligned16(dst)) {
+    const unsigned grid = grid_for(n / 16, kThreads);
+    if (uint32_indices_fit(n, segments, n / 16, grid, kThreads)) {
+      dequantize_vector_kernel<kFormat, Out, uint32_t><<<grid, kThreads, 0, stream>>>(codes, scales, layout, dst);
+    } else {
+      dequantize_vector_kernel<kFormat, Out, uint64_t><<<grid, kThreads, 0, stream>>>(codes, scales, layout, dst);
+    }
   } else {
-    dequantize_scalar_kernel<kFormat, Out, uint64_t><<<grid_for(n, kThreads * 4), kThreads, 0, stream>>>(codes, scales, layout, dst);
+    const unsigned grid = grid_for(n, kThreads * 4);
+    if (uint32_indices_fit(n, segments, n, grid, kThreads)) {
+      dequantize_scalar_kernel<kFormat, Out, uint32_t><<<grid, kThreads, 0, stream>>>(codes, scales, layout, dst);
+    } else {
+      dequantize_scalar_kernel<kFormat, Out, uint64_t><<<grid, kThreads, 0, stream>>>(codes, scales, layout, dst);
+    }
   }
   check_launch(function);
 }
