@@ -20,11 +20,12 @@
 
 namespace sp::kernels {
 
+// The levels of detail::nf4_level (scalar_math.h), their one definition.
 const float kNf4Levels[16] = {
-    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
-    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
-    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
-    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+    detail::nf4_level(0),  detail::nf4_level(1),  detail::nf4_level(2),  detail::nf4_level(3),
+    detail::nf4_level(4),  detail::nf4_level(5),  detail::nf4_level(6),  detail::nf4_level(7),
+    detail::nf4_level(8),  detail::nf4_level(9),  detail::nf4_level(10), detail::nf4_level(11),
+    detail::nf4_level(12), detail::nf4_level(13), detail::nf4_level(14), detail::nf4_level(15)};
 
 namespace {
 
@@ -61,10 +62,7 @@ SP_SIMD_CLONES void encode_nf4(const In *__restrict src, std::size_t n, float sc
                                uint8_t *__restrict out) {
   std::size_t i = 0;
 #if SP_HAVE_VECTOR_SHUFFLE
-  static constexpr float kMidpoints[15] = {
-      -0x1.b239bp-1f, -0x1.38a4ep-1f, -0x1.d709p-2f,  -0x1.5bd4ecp-2f, -0x1.e079d8p-3f,
-      -0x1.1a7178p-3f, -0x1.74f0e2p-5f, 0x1.45f5fep-5f, 0x1.ec90c4p-4f,  0x1.a0cfcp-3f,
-      0x1.2b05a8p-2f,  0x1.8ea7f2p-2f,  0x1.00da08p-1f, 0x1.491b5ep-1f,  0x1.b913b4p-1f};
+  static constexpr std::array<float, 15> kMidpoints = detail::nf4_midpoints();
   for (; i + 8 <= n; i += 8) {
     F32x8 x;
     if constexpr (std::is_same_v<In, float>) {

@@ -176,20 +176,10 @@ void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t r
 
 namespace {
 
-// The NF4 levels from the published decimal values (QLoRA Appendix E / bitsandbytes), each an
-// exact fp32 value; the fast code uses hex literals of the same numbers (a test checks both).
-constexpr double kNf4Published[16] = {
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0};
-
-float nf4_level_of(unsigned code) { return static_cast<float>(kNf4Published[code]); }
-
-// Midpoint k: the exact midpoint of levels k and k + 1 (exact in double), rounded once to fp32.
-float nf4_midpoint(unsigned k) {
-  return static_cast<float>((kNf4Published[k] + kNf4Published[k + 1]) / 2.0);
-}
+// The NF4 levels and midpoints: scalar_math.h's single definition (nf4_test.cpp checks both
+// against the published decimal values and the bitsandbytes tie rule).
+float nf4_level_of(unsigned code) { return kernels::detail::nf4_level(code); }
+float nf4_midpoint(unsigned k) { return kernels::detail::nf4_midpoint(k); }
 
 // The smallest bf16 value >= a (a finite, > 0), or the largest finite bf16 when a exceeds it.
 uint16_t bf16_ceil(float a) {

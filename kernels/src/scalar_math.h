@@ -2,10 +2,12 @@
 // guarantee of the public headers rests on both sides calling these functions.
 #pragma once
 
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__CUDACC__)
 #define SP_HD __host__ __device__ __forceinline__
@@ -177,9 +179,11 @@ constexpr uint16_t kBf16MaxFinite = 0x7F7Fu;
 constexpr uint32_t kNf4ZeroCode = 7;  // the code of level 0.0
 
 // The 16 NormalFloat levels (QLoRA, Dettmers et al. 2023, Appendix E; bitsandbytes' NF4
-// table), as exact fp32 hex literals. A switch, not an array, so device code can call it; it
+// table), as exact fp32 hex literals: the one definition of the levels. kNf4Levels, the
+// midpoints below and the reference implementation are derived from it; nf4_test.cpp checks it
+// against the published decimal values. A switch, not an array, so device code can call it; it
 // only fills lookup tables.
-SP_HD float nf4_level(uint32_t code) {
+SP_HD constexpr float nf4_level(uint32_t code) {
   switch (code & 15u) {
     case 0: return -0x1p+0f;
     case 1: return -0x1.647362p-1f;
@@ -200,20 +204,40 @@ SP_HD float nf4_level(uint32_t code) {
   }
 }
 
-// Code of a normalized value v = x / scale: the number of midpoints strictly below v, where
-// midpoint k is the exact midpoint of levels k and k + 1 rounded once to fp32 (the constants of
-// bitsandbytes' dQuantizeNF4 decision tree). v equal to a midpoint takes the lower code, as that
-// tree's strict '>' does. Any v above the last midpoint, 1 + ulps included, is code 15. Written
-// as a sum of compares so the CPU loop vectorizes. v must not be NaN.
+// Midpoint k (0..14) between levels k and k + 1: their exact midpoint (the sum of two fp32
+// values this close in magnitude is exact in double, and so is the halving) rounded once to
+// fp32 -- the constants of bitsandbytes' dQuantizeNF4 decision tree. The one definition of the
+// midpoints; evaluated at compile time only (Nf4Midpoint, nf4_midpoints()).
+SP_HD constexpr float nf4_midpoint(uint32_t k) {
+  return static_cast<float>((static_cast<double>(nf4_level(k)) + static_cast<double>(nf4_level(k + 1))) / 2.0);
+}
+
+// Midpoint K as a compile-time constant that device code may read (a constexpr static member
+// of scalar type).
+template <uint32_t K>
+struct Nf4Midpoint {
+  static_assert(K < 15, "NF4 has 15 midpoints");
+  static constexpr float value = nf4_midpoint(K);
+};
+
+// All 15 midpoints in order, for host loops that compare against each (the CPU vector encode).
+constexpr std::array<float, 15> nf4_midpoints() {
+  std::array<float, 15> midpoints{};
+  for (uint32_t k = 0; k < 15; ++k) midpoints[k] = nf4_midpoint(k);
+  return midpoints;
+}
+
+template <uint32_t... K>
+SP_HD uint32_t nf4_count_above_midpoints(float v, std::integer_sequence<uint32_t, K...>) {
+  return (0u + ... + static_cast<uint32_t>(v > Nf4Midpoint<K>::value));
+}
+
+// Code of a normalized value v = x / scale: the number of midpoints strictly below v. v equal
+// to a midpoint takes the lower code, as bitsandbytes' tree's strict '>' does. Any v above the
+// last midpoint, 1 + ulps included, is code 15. Written as a sum of compares so the CPU loop
+// vectorizes. v must not be NaN.
 SP_HD uint32_t nf4_code_of_normalized(float v) {
-  return static_cast<uint32_t>(v > -0x1.b239bp-1f) + static_cast<uint32_t>(v > -0x1.38a4ep-1f) +
-         static_cast<uint32_t>(v > -0x1.d709p-2f) + static_cast<uint32_t>(v > -0x1.5bd4ecp-2f) +
-         static_cast<uint32_t>(v > -0x1.e079d8p-3f) + static_cast<uint32_t>(v > -0x1.1a7178p-3f) +
-         static_cast<uint32_t>(v > -0x1.74f0e2p-5f) + static_cast<uint32_t>(v > 0x1.45f5fep-5f) +
-         static_cast<uint32_t>(v > 0x1.ec90c4p-4f) + static_cast<uint32_t>(v > 0x1.a0cfcp-3f) +
-         static_cast<uint32_t>(v > 0x1.2b05a8p-2f) + static_cast<uint32_t>(v > 0x1.8ea7f2p-2f) +
-         static_cast<uint32_t>(v > 0x1.00da08p-1f) + static_cast<uint32_t>(v > 0x1.491b5ep-1f) +
-         static_cast<uint32_t>(v > 0x1.b913b4p-1f);
+  return nf4_count_above_midpoints(v, std::make_integer_sequence<uint32_t, 15>{});
 }
 
 // The bf16 scale of a group from the bit pattern of its largest |x| (as quant_scale):

@@ -70,6 +70,8 @@ TEST(Nf4, LevelsAreThePublishedTable) {
   // The compare chain's thresholds are the fp32-rounded exact midpoints.
   for (unsigned k = 0; k < 15; ++k) {
     const float mid = static_cast<float>((kPublished[k] + kPublished[k + 1]) / 2.0);
+    EXPECT_TRUE(testing::same_bits(detail::nf4_midpoint(k), mid)) << k;
+    EXPECT_TRUE(testing::same_bits(detail::nf4_midpoints()[k], mid)) << k;
     EXPECT_EQ(detail::nf4_code_of_normalized(mid), k) << "tie at midpoint " << k << " goes down";
     EXPECT_EQ(detail::nf4_code_of_normalized(std::nextafter(mid, 2.0f)), k + 1) << k;
   }
@@ -158,6 +160,8 @@ TEST(Nf4, EveryCodeIsANearestLevel) {
   for (int i = -20000; i <= 20000; ++i) x.push_back(static_cast<float>(i) / 20000.0f);
   for (unsigned k = 0; k < 15; ++k) {
     const float mid = static_cast<float>((kPublished[k] + kPublished[k + 1]) / 2.0);
+    EXPECT_TRUE(testing::same_bits(detail::nf4_midpoint(k), mid)) << k;
+    EXPECT_TRUE(testing::same_bits(detail::nf4_midpoints()[k], mid)) << k;
     x.push_back(mid);
     x.push_back(std::nextafter(mid, -2.0f));
     x.push_back(std::nextafter(mid, 2.0f));
