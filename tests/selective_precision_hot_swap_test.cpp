@@ -12,6 +12,9 @@
 #include <spdlog/logger.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -67,7 +70,10 @@ class ScratchDir {
 
 class RealPluginRun {
  public:
-  RealPluginRun() : host_(SP_SELECTIVE_PRECISION_V1, kConfig, make_blocks(kBlocks), options()) {
+  // `supported_precisions`: what the host advertises (BF16 and INT8, PolicyHost's default,
+  // unless a test transfers NF4 too). make_blocks describes the NF4 bytes of every block.
+  explicit RealPluginRun(sp_precision_mask supported_precisions = PolicyHostOptions{}.supported_precisions)
+      : host_(SP_SELECTIVE_PRECISION_V1, kConfig, make_blocks(kBlocks), options(supported_precisions)) {
     // Calibration errors are part of the plugin's state: the state blob must carry them,
     // so they keep steering decisions after a swap.
     EXPECT_TRUE(host_.set_calibration_errors({0, 4, 7}, {0.001, 0.08, 0.03}));
@@ -99,10 +105,11 @@ class RealPluginRun {
   }
 
  private:
-  PolicyHostOptions options() {
+  PolicyHostOptions options(sp_precision_mask supported_precisions) {
     PolicyHostOptions result;
     result.logger = log_.logger();
     result.output_dir = scratch_.path();
+    result.supported_precisions = supported_precisions;
     return result;
   }
 
@@ -146,8 +153,8 @@ TEST(SelectivePrecisionTrace, MakesBlocksSwitchBothWays) {
   EXPECT_GE(to_bf16, 3u);
 }
 
-// `record` restricted to the keys that `v1_record` has, recursively (and
-// measured_bandwidth, whose 1.0.0 form lacks h2d_bytes_nf4).
+// `record` restricted to the keys that `v1_record` has, recursively: a 2.0.0 record as 1.0.0
+// would have written it (the 1.0.0 edition writes none of the fields 2.0.0 added).
 nlohmann::json v1_fields(const nlohmann::json& record, const nlohmann::json& v1_record) {
   if (!record.is_object() || !v1_record.is_object()) return record;
   nlohmann::json out = nlohmann::json::object();
@@ -176,23 +183,41 @@ TEST_P(SwapV1ToV2AtStep, GivesTheDecisionsOfAnUninterruptedV1Run) {
   EXPECT_EQ(run.host().plugin_version(), "2.0.0");
   EXPECT_EQ(run.decisions(), uninterrupted_v1_decisions());
   // Both versions appended to one telemetry file; together it is the uninterrupted one in
-  // every field 1.0.0 writes (2.0.0 adds fields: blocks_nf4, s4, loss_spike, ...).
+  // every field 1.0.0 writes (2.0.0 adds fields: blocks_nf4, s4, loss_spike, ...), with one
+  // difference by design: the feedback of run_step reports 250 NF4 bytes a step, which the
+  // host hands to 2.0.0 (ABI 1.1) but not to 1.0.0, whose 1.0-sized sp_step_feedback_v1 has
+  // no h2d_bytes_nf4. So measured_bandwidth.bytes_saved (and saving_pct) of a record that
+  // 2.0.0 wrote is that of 1.0.0 less the NF4 bytes 2.0.0 measured; everything else in
+  // measured_bandwidth (steps and bytes carried across the swap in the state) is equal.
   const std::vector<nlohmann::json> telemetry = run.telemetry();
   ASSERT_EQ(telemetry.size(), uninterrupted_v1_run().telemetry.size());
-  // measured_bandwidth differs by design: 2.0.0 reads h2d_bytes_nf4 of the 1.1 feedback,
-  // which a 1.0 plugin never sees.
+  std::size_t records_with_nf4_bytes = 0;
   for (std::size_t i = 0; i < telemetry.size(); ++i) {
-    // TODO(policy): compare every v1 field once the remaining telemetry difference after a
-    // 1.0.0 -> 2.0.0 swap is understood; the step, counts and per-block precision/reason match.
     const nlohmann::json& expected = uninterrupted_v1_run().telemetry[i];
-    EXPECT_EQ(telemetry[i]["step_id"], expected["step_id"]) << "record " << i;
-    EXPECT_EQ(telemetry[i]["blocks_int8"], expected["blocks_int8"]) << "record " << i;
-    EXPECT_EQ(telemetry[i]["precision_changes"], expected["precision_changes"]) << "record " << i;
-    for (auto it = expected["block_details"].begin(); it != expected["block_details"].end(); ++it) {
-      EXPECT_EQ(telemetry[i]["block_details"][it.key()]["precision"], it.value()["precision"]) << "record " << i;
-      EXPECT_EQ(telemetry[i]["block_details"][it.key()]["reason"], it.value()["reason"]) << "record " << i;
+    nlohmann::json got = v1_fields(telemetry[i], expected);
+    const nlohmann::json& measured = telemetry[i]["measured_bandwidth"];
+    if (measured.is_object()) {
+      ASSERT_TRUE(expected["measured_bandwidth"].is_object()) << "record " << i;
+      // Written by 2.0.0 exactly from the swap step on; 1.0.0 has no h2d_bytes_nf4 field.
+      const bool by_v2 = telemetry[i]["step_id"].get<std::int64_t>() >= swap_step;
+      EXPECT_EQ(measured.contains("h2d_bytes_nf4"), by_v2) << "record " << i;
+      const double nf4 = measured.value("h2d_bytes_nf4", 0.0);
+      const double all_bf16 = measured["h2d_bytes_all_bf16"].get<double>();
+      records_with_nf4_bytes += nf4 > 0 ? 1 : 0;
+      EXPECT_EQ(nf4 > 0, by_v2) << "record " << i;
+      EXPECT_DOUBLE_EQ(measured["bytes_saved"].get<double>() + nf4,
+                       expected["measured_bandwidth"]["bytes_saved"].get<double>())
+          << "record " << i;
+      EXPECT_DOUBLE_EQ(measured["saving_pct"].get<double>(), 100.0 * measured["bytes_saved"].get<double>() / all_bf16)
+          << "record " << i;
+      // Checked above; the rest must match exactly.
+      got["measured_bandwidth"]["bytes_saved"] = expected["measured_bandwidth"]["bytes_saved"];
+      got["measured_bandwidth"]["saving_pct"] = expected["measured_bandwidth"]["saving_pct"];
     }
+    EXPECT_EQ(got, expected) << "record " << i << ", the patch from 1.0.0's record to this one: "
+                             << nlohmann::json::diff(expected, got).dump();
   }
+  EXPECT_GT(records_with_nf4_bytes, 0u);
 }
 
 // 0: before any state; 3: the first decision step; 4, 13: between decisions; 78: near the end.
@@ -234,36 +259,83 @@ TEST(SelectivePrecisionHotSwap, BackAndForthEverySevenStepsGivesTheUninterrupted
   EXPECT_EQ(run.decisions(), uninterrupted_v1_decisions());
 }
 
-// Live upgrade: 1.0.0 -> 2.0.0 at a step boundary with the v1 config (identical decisions,
-// no step lost), then a v2 config with the nf4 tier takes over.
+// Live upgrade on a host that transfers NF4: 1.0.0 -> 2.0.0 at a step boundary with the v1
+// config (state migrated, identical decisions, no step lost), then a v2 config with the nf4
+// tier, requested mid-step, takes over at the next step and sends blocks to NF4.
 TEST(SelectivePrecisionHotSwap, LiveUpgradeFromOneDotZeroThenAnNf4ConfigTakesOver) {
-  RealPluginRun run;
+  constexpr std::int64_t kUpgradeStep = 20;
+  constexpr std::int64_t kNf4RequestStep = 50;
+  RealPluginRun run(SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) |
+                    SP_PRECISION_BIT(SP_PRECISION_NF4));
+  // 1.0.0 cannot take NF4 errors: the host keeps them and hands them to 2.0.0 after the
+  // upgrade, whence the format-2 state carries them. Block 4's error (e4 = 1, so s4 >= 0.3 >=
+  // nf4_threshold) keeps it out of NF4; block 7's (e4 = 0) lets it go.
+  ASSERT_TRUE(run.host().set_calibration_errors(SP_PRECISION_NF4, {4, 7}, {0.5, 0.0}));
   const PolicyConfig nf4_config{std::string(kConfig.text) + "  tiers: [bf16, int8, nf4]\n  nf4_threshold: 0.2\n",
                                 "integration-v2.yaml"};
-  std::size_t nf4_hints = 0;
+  const std::vector<Decision>& uninterrupted = uninterrupted_v1_decisions();
   for (std::int64_t step = 0; step < kSteps; ++step) {
-    if (step == 20) {
+    if (step == kUpgradeStep) {
       const SwapResult result = run.host().swap_now(SP_SELECTIVE_PRECISION_V2);
       ASSERT_EQ(result.outcome, SwapResult::Outcome::swapped) << result.message;
       EXPECT_EQ(result.old_version, "1.0.0");
       EXPECT_EQ(result.new_version, "2.0.0");
+      EXPECT_TRUE(result.old_library_unloaded) << result.message;
+      EXPECT_EQ(run.host().plugin_abi_minor(), 1u);
     }
-    if (step == 50) {
-      const SwapResult result = run.host().swap_now(SP_SELECTIVE_PRECISION_V2_COPY, nf4_config);
-      if (result.message.find("the host cannot transfer NF4") != std::string::npos) {
-        GTEST_SKIP() << "PolicyHost does not advertise NF4 in supported_precisions yet: " << result.message;
-      }
-      ASSERT_EQ(result.outcome, SwapResult::Outcome::swapped) << result.message;
+    if (step == kNf4RequestStep) {
+      // Requested between compute_hints and end_step; 2.0.0 takes over (from its other file)
+      // with the new config at the next begin_step.
+      run.host().begin_step(step);
+      run.host().post_backward(step, testing::synthetic_moments(step, kBlocks));
+      run.record(step, run.host().compute_hints(step));
+      const SwapResult result = run.host().request_swap(SP_SELECTIVE_PRECISION_V2_COPY, nf4_config);
+      ASSERT_EQ(result.outcome, SwapResult::Outcome::pending) << result.message;
+      const sp_step_feedback_v1 feedback{0, 0, 2.5, 1000, 500, 2000, std::nan(""), 250};
+      run.host().end_step(step, &feedback);
+      continue;
     }
     run.step(step);
-    if (step == 49) {
-      const std::vector<Decision> so_far = run.decisions();
-      const std::vector<Decision> expected = uninterrupted_v1_decisions();
-      EXPECT_TRUE(std::equal(so_far.begin(), so_far.end(), expected.begin()));
+    if (step == kUpgradeStep) {
+      ASSERT_TRUE(run.host().last_swap_result().has_value());
+      EXPECT_EQ(run.host().last_swap_result()->first_step, kUpgradeStep);
     }
   }
-  for (const Decision& decision : run.decisions()) nf4_hints += decision.precision == SP_PRECISION_NF4 ? 1 : 0;
+  ASSERT_TRUE(run.host().last_swap_result().has_value());
+  EXPECT_EQ(run.host().last_swap_result()->outcome, SwapResult::Outcome::swapped)
+      << run.host().last_swap_result()->message;
+  EXPECT_EQ(run.host().last_swap_result()->first_step, kNf4RequestStep + 1);
+  EXPECT_EQ(run.host().plugin_version(), "2.0.0");
+  EXPECT_EQ(run.host().hook_failures().total(), 0u);
+
+  // Every step has its hints from a plugin (RealPluginRun::record checks the source), and up to
+  // the step the nf4 config takes over they are those of the uninterrupted 1.0.0 run.
+  const std::vector<Decision>& decisions = run.decisions();
+  ASSERT_EQ(decisions.size(), uninterrupted.size());
+  const std::size_t v1_config_end = static_cast<std::size_t>(kNf4RequestStep + 1) * kBlocks;
+  EXPECT_TRUE(std::equal(decisions.begin(), decisions.begin() + static_cast<std::ptrdiff_t>(v1_config_end),
+                         uninterrupted.begin()));
+  std::size_t nf4_hints = 0;
+  std::vector<bool> block_went_nf4(kBlocks, false);
+  for (std::size_t i = 0; i < decisions.size(); ++i) {
+    if (decisions[i].precision != SP_PRECISION_NF4) continue;
+    EXPECT_GE(i, v1_config_end) << "NF4 before the nf4 config took over, step " << decisions[i].step;
+    ++nf4_hints;
+    block_went_nf4[decisions[i].block_id] = true;
+  }
   EXPECT_GT(nf4_hints, 0u);
+  EXPECT_TRUE(block_went_nf4[7]);
+  EXPECT_FALSE(block_went_nf4[4]) << "block 4's NF4 calibration error did not reach 2.0.0";
+  EXPECT_FALSE(block_went_nf4[11]) << "block 11 is forced to BF16";
+
+  // The telemetry of 2.0.0 counts the NF4 blocks and shows the NF4 errors the host kept.
+  std::size_t records_with_nf4_blocks = 0;
+  for (const nlohmann::json& record : run.telemetry()) {
+    if (record["step_id"].get<std::int64_t>() <= kNf4RequestStep) continue;
+    records_with_nf4_blocks += record["blocks_nf4"].get<std::uint32_t>() > 0 ? 1 : 0;
+    EXPECT_EQ(record["block_details"]["4"]["nf4_calibration_error"], 0.5);
+  }
+  EXPECT_GT(records_with_nf4_blocks, 0u);
 }
 
 TEST(SelectivePrecisionHotSwap, AFileWithAnotherAbiIsRefusedAndV1CarriesOn) {

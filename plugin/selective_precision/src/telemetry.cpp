@@ -68,13 +68,14 @@ nlohmann::ordered_json measured_bandwidth(const MeasuredBytes &measured) {
   const double moved = static_cast<double>(measured.bf16) + static_cast<double>(measured.int8) +
                        static_cast<double>(measured.nf4);
   const double saved = static_cast<double>(measured.all_bf16) - moved;
-  return {{"steps", measured.steps},
-          {"h2d_bytes_bf16", measured.bf16},
-          {"h2d_bytes_int8", measured.int8},
-          {"h2d_bytes_nf4", measured.nf4},
-          {"h2d_bytes_all_bf16", measured.all_bf16},
-          {"bytes_saved", saved},
-          {"saving_pct", 100.0 * saved / static_cast<double>(measured.all_bf16)}};
+  nlohmann::ordered_json out = {{"steps", measured.steps},
+                                 {"h2d_bytes_bf16", measured.bf16},
+                                 {"h2d_bytes_int8", measured.int8}};
+  if (kPolicyEdition >= 2) out["h2d_bytes_nf4"] = measured.nf4;
+  out["h2d_bytes_all_bf16"] = measured.all_bf16;
+  out["bytes_saved"] = saved;
+  out["saving_pct"] = 100.0 * saved / static_cast<double>(measured.all_bf16);
+  return out;
 }
 
 }  // namespace
@@ -106,6 +107,11 @@ const char *reason_name(sp_reason reason) {
   }
 }
 
+// The 1.0.0 edition (kPolicyEdition 1) writes the records of the real 1.0.0: none of the
+// fields that docs/policy.md lists under "Telemetry added by 2.0.0" (blocks_nf4, loss_spike,
+// measured_bandwidth.h2d_bytes_nf4, per block s4, nf4_error_score, nf4_calibration_error,
+// last_down_move_step, penalty_until). The shared engine tracks their values in both editions,
+// but 1.0.0 never wrote them, and its state format 1 cannot carry them across a live upgrade.
 std::string telemetry_record_line(const StepRecord &record, Mode mode, const PolicyState &state,
                                   const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes,
                                   const MeasuredBytes &measured, double unix_seconds) {
@@ -134,7 +140,7 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Pol
       variance_sum += state.windows.at(b, i).variance;
       window_max_abs = std::max(window_max_abs, state.windows.at(b, i).max_abs);
     }
-    details[std::to_string(b)] = {
+    nlohmann::ordered_json detail = {
         {"precision", precision_name(hint.precision)},
         {"reason", reason_name(hint.reason)},
         {"assignment", assignment_name(block.assignment)},
@@ -148,31 +154,35 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Pol
         {"window_mean_variance", window_size ? nlohmann::ordered_json(variance_sum / window_size) : nullptr},
         {"window_max_abs", window_size ? nlohmann::ordered_json(window_max_abs) : nullptr},
         {"last_switch_step", block.last_switch_step ? nlohmann::ordered_json(*block.last_switch_step) : nullptr},
-        {"s4", number_or_null(block.score.nf4_sensitivity)},
-        {"nf4_error_score", number_or_null(block.score.nf4_error_score)},
-        {"nf4_calibration_error",
-         block.nf4_calibration_error ? nlohmann::ordered_json(*block.nf4_calibration_error) : nullptr},
-        {"last_down_move_step", block.last_down_move ? nlohmann::ordered_json(block.last_down_move->step) : nullptr},
-        {"penalty_until", block.penalty_until ? nlohmann::ordered_json(*block.penalty_until) : nullptr},
     };
+    if (kPolicyEdition >= 2) {
+      detail["s4"] = number_or_null(block.score.nf4_sensitivity);
+      detail["nf4_error_score"] = number_or_null(block.score.nf4_error_score);
+      detail["nf4_calibration_error"] =
+          block.nf4_calibration_error ? nlohmann::ordered_json(*block.nf4_calibration_error) : nullptr;
+      detail["last_down_move_step"] =
+          block.last_down_move ? nlohmann::ordered_json(block.last_down_move->step) : nullptr;
+      detail["penalty_until"] = block.penalty_until ? nlohmann::ordered_json(*block.penalty_until) : nullptr;
+    }
+    details[std::to_string(b)] = std::move(detail);
   }
-  const nlohmann::ordered_json line = {
+  nlohmann::ordered_json line = {
       {"step_id", record.step},
       {"timestamp", unix_seconds},
       {"mode", mode_name(mode)},
       {"decision_step", record.decision_step},
       {"blocks_bf16", hints.size() - blocks_int8 - blocks_nf4},
       {"blocks_int8", blocks_int8},
-      {"blocks_nf4", blocks_nf4},
-      {"mean_sensitivity", scored ? nlohmann::ordered_json(sensitivity_sum / scored) : nullptr},
-      {"max_sensitivity", scored ? nlohmann::ordered_json(sensitivity_max) : nullptr},
-      {"min_sensitivity", scored ? nlohmann::ordered_json(sensitivity_min) : nullptr},
-      {"precision_changes", record.precision_changes},
-      {"estimated_bandwidth_saving_pct", estimated_saving_pct(hints, block_bytes)},
-      {"measured_bandwidth", measured_bandwidth(measured)},
-      {"loss_spike", spike_json(record.spike)},
-      {"block_details", std::move(details)},
   };
+  if (kPolicyEdition >= 2) line["blocks_nf4"] = blocks_nf4;
+  line["mean_sensitivity"] = scored ? nlohmann::ordered_json(sensitivity_sum / scored) : nullptr;
+  line["max_sensitivity"] = scored ? nlohmann::ordered_json(sensitivity_max) : nullptr;
+  line["min_sensitivity"] = scored ? nlohmann::ordered_json(sensitivity_min) : nullptr;
+  line["precision_changes"] = record.precision_changes;
+  line["estimated_bandwidth_saving_pct"] = estimated_saving_pct(hints, block_bytes);
+  line["measured_bandwidth"] = measured_bandwidth(measured);
+  if (kPolicyEdition >= 2) line["loss_spike"] = spike_json(record.spike);
+  line["block_details"] = std::move(details);
   return line.dump();
 }
 
