@@ -2,6 +2,8 @@
 // transfer policy ("never slower than BF16"). See docs/performance.md.
 
 #include <cerrno>
+#include <charconv>
+#include <cstdint>
 #include <unistd.h>
 
 #include <filesystem>
@@ -14,6 +16,8 @@
 #include "sp/adapters/host_backend.h"
 #include "sp/bench/transfer_measure.hpp"
 #include "sp/bench/transfer_policy.hpp"
+#include "sp/kernels/nf4.h"
+#include "sp/kernels/quantize.h"
 #include "sp/runtime/atomic_file.hpp"
 #include "sp/runtime/cli_output_file.hpp"
 #ifdef SP_BENCH_WITH_CUDA
@@ -34,6 +38,21 @@ std::string describe_bytes(uint64_t bytes) {
     ++unit;
   }
   return fmt::format("{:.4g} {}", value, units[unit]);
+}
+
+// A group-size option checked by the kernels' own rule (sp/kernels/quantize.h, nf4.h), so the
+// CLI cannot drift from what the kernels accept.
+CLI::Validator group_size_check(bool (*supported)(uint32_t), std::string expected) {
+  return CLI::Validator(
+      [supported, expected](std::string& text) {
+        uint64_t value = 0;
+        const char* end = text.data() + text.size();
+        const auto [last, error] = std::from_chars(text.data(), end, value);
+        const bool ok = error == std::errc() && last == end && value <= UINT32_MAX &&
+                        supported(static_cast<uint32_t>(value));
+        return ok ? std::string() : fmt::format("expected {}, found {}", expected, text);
+      },
+      "SIZE", "group_size");
 }
 
 struct TransferOptions {
@@ -201,11 +220,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   measure->add_option("--int8-group-size", transfer_options.measure.int8_group_size,
                       "INT8 scales: 0 per row, else 32, 64, 128 or 256")
-      ->check(CLI::IsMember({0u, 32u, 64u, 128u, 256u}))
+      ->check(group_size_check(sp::kernels::is_supported_group_size, "0 (one scale per row), 32, 64, 128 or 256"))
       ->capture_default_str();
   measure->add_option("--nf4-group-size", transfer_options.measure.nf4_group_size,
                       "NF4 scales: 32, 64, 128 or 256 elements per bf16 scale")
-      ->check(CLI::IsMember({32u, 64u, 128u, 256u}))
+      ->check(group_size_check(sp::kernels::is_supported_nf4_group_size, "32, 64, 128 or 256"))
       ->capture_default_str();
   measure->add_option("--machine", transfer_options.machine, "label of this machine in the report (default: host name)");
   measure->add_option("--out", transfer_options.output, "report file to write (atomically)")

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -9,6 +10,7 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
+#include "sp/kernels/nf4.h"
 #include "sp/runtime/json_fields.hpp"
 #include "sp/runtime/read_file.hpp"
 
@@ -270,7 +272,7 @@ TransferReport report_from_json(const std::string& text, const std::string& sour
         Nf4Measurement m;
         const uint64_t group = fields.non_negative_integer(fields.require(n, "group_size", nat + ".group_size"),
                                                            nat + ".group_size");
-        if (group != 32 && group != 64 && group != 128 && group != 256) {
+        if (group > UINT32_MAX || !kernels::is_supported_nf4_group_size(static_cast<uint32_t>(group))) {
           fields.fail(nat + ".group_size", fmt::format("expected 32, 64, 128 or 256, got {}", group));
         }
         m.group_size = static_cast<uint32_t>(group);

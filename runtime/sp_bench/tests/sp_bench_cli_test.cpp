@@ -68,6 +68,16 @@ TEST_F(SpBenchCli, HostSmokeRunWritesAValidReportAndPolicy) {
 TEST_F(SpBenchCli, BadArgumentsAndFilesAreExitCodeTwo) {
   EXPECT_EQ(run("").exit_code, 2);
   EXPECT_EQ(run("transfer --backend tpu --out " + path("r.json")).exit_code, 2);
+  // Group sizes are checked by the kernels' own rules before anything runs.
+  for (const char* group : {"48", "0", "4294967328", "64x"}) {
+    const runtime::CommandResult nf4 = run(std::string("transfer --backend host --nf4-group-size ") + group +
+                                           " --out " + path("r.json"));
+    EXPECT_EQ(nf4.exit_code, 2) << group;
+    EXPECT_THAT(nf4.output, HasSubstr(std::string("expected 32, 64, 128 or 256, found ") + group));
+  }
+  const runtime::CommandResult int8 = run("transfer --backend host --int8-group-size 48 --out " + path("r.json"));
+  EXPECT_EQ(int8.exit_code, 2);
+  EXPECT_THAT(int8.output, HasSubstr("expected 0 (one scale per row), 32, 64, 128 or 256, found 48"));
   const runtime::CommandResult inverted = run("transfer --backend host --min-kib 512 --max-kib 64 --out " + path("r.json"));
   EXPECT_EQ(inverted.exit_code, 2);
   EXPECT_THAT(inverted.output, HasSubstr("--min-kib 512 is above --max-kib 64"));

@@ -212,6 +212,18 @@ TEST(TransferReportFile, Nf4MeasurementsRoundTripAndAreValidated) {
   } catch (const TransferPolicyError& e) {
     EXPECT_THAT(e.what(), HasSubstr("points[0].nf4.group_size: expected 32, 64, 128 or 256, got 48"));
   }
+  // The kernels' rule decides (is_supported_nf4_group_size), on the full 64-bit value: 2^32 + 64
+  // must not pass as 64.
+  for (const char* group : {"32", "256"}) {
+    std::string good = text;
+    good.replace(good.find("\"group_size\": 128"), 17, std::string("\"group_size\": ") + group);
+    EXPECT_EQ(report_from_json(good, "r.json").points[0].nf4->group_size, std::stoul(group));
+  }
+  for (const char* group : {"0", "16", "512", "4294967360"}) {
+    std::string wrong = text;
+    wrong.replace(wrong.find("\"group_size\": 128"), 17, std::string("\"group_size\": ") + group);
+    EXPECT_THROW(report_from_json(wrong, "r.json"), TransferPolicyError) << group;
+  }
 }
 
 TEST(TransferPolicyFile, RoundTripsThroughJson) {
