@@ -102,15 +102,6 @@ void PolicyBridge::set_transfer_gate(TransferGate gate) {
   has_gate_ = true;
 }
 
-void PolicyBridge::set_transfer_gate(std::vector<bool> int8_pays) {
-  if (int8_pays.size() != num_blocks_) {
-    throw std::invalid_argument(fmt::format(
-        "PolicyBridge: the transfer gate has {} entries; expected one per block ({})",
-        int8_pays.size(), num_blocks_));
-  }
-  set_transfer_gate(TransferGate{std::move(int8_pays), {}});
-}
-
 void PolicyBridge::clear_transfer_gate() {
   gate_ = TransferGate{};
   has_gate_ = false;

@@ -36,7 +36,7 @@ TEST(PolicyBridge, TransferGateKeepsBlocksBf16WhereInt8DoesNotPay) {
   PolicyBridge bridge(3);
   auto hints = hints_for({SP_PRECISION_INT8, SP_PRECISION_INT8, SP_PRECISION_BF16});
   bridge.set_plugin_hints(hints.data(), 3);
-  bridge.set_transfer_gate({false, true, true});
+  bridge.set_transfer_gate(TransferGate{{false, true, true}, {}});
   const RouteDecision vetoed = bridge.decide(0);
   EXPECT_EQ(vetoed.precision, Precision::bf16);
   EXPECT_EQ(vetoed.decided_by, RouteAuthority::transfer_policy);
@@ -59,10 +59,10 @@ TEST(PolicyBridge, TransferGateKeepsBlocksBf16WhereInt8DoesNotPay) {
 TEST(PolicyBridge, TransferGateOfTheWrongSizeIsRejected) {
   PolicyBridge bridge(3);
   try {
-    bridge.set_transfer_gate({true, false});
+    bridge.set_transfer_gate(TransferGate{{true, false}, {}});
     FAIL() << "expected an error";
   } catch (const std::invalid_argument &e) {
-    EXPECT_THAT(e.what(), HasSubstr("the transfer gate has 2 entries; expected one per block (3)"));
+    EXPECT_THAT(e.what(), HasSubstr("the transfer gate has 2 entries in int8_pays; expected none or one per block (3)"));
   }
   EXPECT_FALSE(bridge.has_transfer_gate());
 }
@@ -108,17 +108,19 @@ TEST(PolicyBridge, TransferGateIsPerRouteAndNf4FallsBackToInt8ThenBf16) {
   EXPECT_EQ(bridge.decide(2).decided_by, RouteAuthority::runtime_pin);
 }
 
-TEST(PolicyBridge, TheInt8OnlyGateLetsNoNf4Through) {
+// A gate with no NF4 verdicts (a transfer policy measured before NF4): NF4 pays nowhere, so
+// NF4 hints take INT8 where it pays and BF16 elsewhere.
+TEST(PolicyBridge, AnInt8OnlyGateLetsNoNf4Through) {
   PolicyBridge bridge(3);
   auto hints = hints_for({SP_PRECISION_NF4, SP_PRECISION_NF4, SP_PRECISION_INT8});
   bridge.set_plugin_hints(hints.data(), 3);
-  bridge.set_transfer_gate(std::vector<bool>{true, false, true});
+  bridge.set_transfer_gate(TransferGate{{true, false, true}, {}});
   EXPECT_TRUE(bridge.has_transfer_gate());
   EXPECT_TRUE(bridge.transfer_gate().nf4_pays.empty());
   EXPECT_EQ(bridge.route(0), Precision::int8);
   EXPECT_EQ(bridge.route(1), Precision::bf16);
   EXPECT_EQ(bridge.route(2), Precision::int8);
-  // An empty route in a TransferGate means the same: that route pays nowhere.
+  // An empty INT8 route likewise pays nowhere.
   bridge.set_transfer_gate(TransferGate{{}, {true, true, true}});
   EXPECT_EQ(bridge.route(0), Precision::nf4);
   EXPECT_EQ(bridge.route(2), Precision::bf16);

@@ -426,17 +426,15 @@ bool TransferPolicy::pays(TransferPath path, uint64_t bf16_bytes) const {
   return find_rule(path, bf16_bytes) != nullptr;
 }
 
-std::vector<bool> int8_gate(const TransferPolicy& policy, TransferPath path,
-                            const std::vector<uint64_t>& block_bf16_bytes) {
-  std::vector<bool> gate(block_bf16_bytes.size());
-  for (size_t b = 0; b < block_bf16_bytes.size(); ++b) gate[b] = policy.pays(path, block_bf16_bytes[b]);
-  return gate;
-}
-
 adapters::TransferGate transfer_gate(const TransferPolicy& policy, BlockWeights weights,
                                      const std::vector<uint64_t>& block_bf16_bytes) {
-  return adapters::TransferGate{int8_gate(policy, int8_path(weights), block_bf16_bytes),
-                                int8_gate(policy, nf4_path(weights), block_bf16_bytes)};
+  // Per block, whether `path` pays for its BF16 image size.
+  const auto verdicts = [&](TransferPath path) {
+    std::vector<bool> pays(block_bf16_bytes.size());
+    for (size_t b = 0; b < block_bf16_bytes.size(); ++b) pays[b] = policy.pays(path, block_bf16_bytes[b]);
+    return pays;
+  };
+  return adapters::TransferGate{verdicts(int8_path(weights)), verdicts(nf4_path(weights))};
 }
 
 TransferPolicy load_transfer_policy_or_bf16(const std::string& path,

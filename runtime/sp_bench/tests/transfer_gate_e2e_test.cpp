@@ -58,7 +58,7 @@ TEST(TransferGateEndToEnd, Int8OnlyWhereBothPoliciesSayIt) {
   report.reference_h2d_gbps = 10;
   report.points = {measured(sizes[0], 0.7), measured(sizes[2], 1.6)};
   const TransferPolicy policy = TransferPolicy::merge({report}, 1.0);
-  engine.policy_bridge().set_transfer_gate(int8_gate(policy, TransferPath::kInt8Frozen, sizes));
+  engine.policy_bridge().set_transfer_gate(transfer_gate(policy, BlockWeights::kFrozen, sizes));
   // The plugin wants INT8 for blocks 0, 2 and 3, BF16 for block 1.
   adapters::testing::set_routes(engine, {Precision::int8, Precision::bf16, Precision::int8, Precision::int8});
 
@@ -141,8 +141,11 @@ TEST(TransferGateEndToEnd, UnreadablePolicyFileKeepsEveryBlockBf16AndWarnsOnce) 
   EXPECT_EQ(warnings, 1);
   EXPECT_NE(message.find("/nonexistent/policy.json"), std::string::npos) << message;
   EXPECT_NE(message.find("every block stays BF16"), std::string::npos) << message;
-  const std::vector<bool> gate = int8_gate(policy, TransferPath::kInt8Trained, {1, 1ull << 20, 1ull << 40});
-  EXPECT_EQ(gate, (std::vector<bool>{false, false, false}));
+  for (const BlockWeights weights : {BlockWeights::kFrozen, BlockWeights::kTrained}) {
+    const adapters::TransferGate gate = transfer_gate(policy, weights, {1, 1ull << 20, 1ull << 40});
+    EXPECT_EQ(gate.int8_pays, (std::vector<bool>{false, false, false}));
+    EXPECT_EQ(gate.nf4_pays, (std::vector<bool>{false, false, false}));
+  }
 }
 
 }  // namespace

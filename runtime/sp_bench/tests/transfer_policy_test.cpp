@@ -56,20 +56,20 @@ TEST(TransferPolicyMerge, AllowsFromTheFirstGoodSizeUpwards) {
   EXPECT_EQ(frozen.min_bytes, 4 * MiB);
   EXPECT_FALSE(frozen.max_bytes.has_value());
   EXPECT_DOUBLE_EQ(frozen.measured_speedup, 1.2);
-  EXPECT_FALSE(policy.int8_pays(TransferPath::kInt8Frozen, 4 * MiB - 1));
-  EXPECT_TRUE(policy.int8_pays(TransferPath::kInt8Frozen, 4 * MiB));
-  EXPECT_TRUE(policy.int8_pays(TransferPath::kInt8Frozen, 1024 * MiB));
+  EXPECT_FALSE(policy.pays(TransferPath::kInt8Frozen, 4 * MiB - 1));
+  EXPECT_TRUE(policy.pays(TransferPath::kInt8Frozen, 4 * MiB));
+  EXPECT_TRUE(policy.pays(TransferPath::kInt8Frozen, 1024 * MiB));
   // The trained path pays the image rebuild too, so it starts later.
-  EXPECT_FALSE(policy.int8_pays(TransferPath::kInt8Trained, 8 * MiB));
-  EXPECT_TRUE(policy.int8_pays(TransferPath::kInt8Trained, 16 * MiB));
+  EXPECT_FALSE(policy.pays(TransferPath::kInt8Trained, 8 * MiB));
+  EXPECT_TRUE(policy.pays(TransferPath::kInt8Trained, 16 * MiB));
 }
 
 TEST(TransferPolicyMerge, ThresholdIsInclusiveAndRaisingItNarrowsTheRules) {
   const auto r = report("a", {point(1 * MiB, 1.0, 1.0), point(8 * MiB, 1.5, 1.5)});
-  EXPECT_TRUE(TransferPolicy::merge({r}, 1.0).int8_pays(TransferPath::kInt8Frozen, 1 * MiB));
+  EXPECT_TRUE(TransferPolicy::merge({r}, 1.0).pays(TransferPath::kInt8Frozen, 1 * MiB));
   const auto strict = TransferPolicy::merge({r}, 1.4);
-  EXPECT_FALSE(strict.int8_pays(TransferPath::kInt8Frozen, 1 * MiB));
-  EXPECT_TRUE(strict.int8_pays(TransferPath::kInt8Frozen, 8 * MiB));
+  EXPECT_FALSE(strict.pays(TransferPath::kInt8Frozen, 1 * MiB));
+  EXPECT_TRUE(strict.pays(TransferPath::kInt8Frozen, 8 * MiB));
   EXPECT_TRUE(TransferPolicy::merge({r}, 2.0).rules(TransferPath::kInt8Frozen).empty());
 }
 
@@ -98,7 +98,7 @@ TEST(TransferPolicyMerge, ConflictingMachinesKeepTheConservativeRule) {
   EXPECT_EQ(rule.min_bytes, 16 * MiB);
   EXPECT_FALSE(rule.max_bytes.has_value());
   EXPECT_DOUBLE_EQ(rule.measured_speedup, 1.1);
-  EXPECT_FALSE(policy.int8_pays(TransferPath::kInt8Frozen, 8 * MiB));
+  EXPECT_FALSE(policy.pays(TransferPath::kInt8Frozen, 8 * MiB));
   // The order of the reports does not matter.
   const auto swapped = TransferPolicy::merge({b, a}, 1.0);
   for (TransferPath path : {TransferPath::kInt8Frozen, TransferPath::kInt8Trained}) {
@@ -177,7 +177,6 @@ TEST(TransferPolicyFile, APolicyFromBeforeNf4LoadsAndAllowsNf4Nowhere) {
                           R"("int8_trained":[]}})";
   const TransferPolicy policy = TransferPolicy::from_json(old, "old-policy.json");
   EXPECT_TRUE(policy.pays(TransferPath::kInt8Frozen, 4096));
-  EXPECT_TRUE(policy.int8_pays(TransferPath::kInt8Frozen, 4096));
   EXPECT_FALSE(policy.pays(TransferPath::kNf4Frozen, 4096));
   const adapters::TransferGate gate = transfer_gate(policy, BlockWeights::kFrozen, {4096, 512});
   EXPECT_EQ(gate.int8_pays, (std::vector<bool>{true, false}));
@@ -231,8 +230,8 @@ TEST(TransferPolicyFile, RoundTripsThroughJson) {
       {report("a", {point(1 * MiB, 1.1, 0.9), point(4 * MiB, 1.3, 1.2), point(32 * MiB, 0.9, 0.8)})}, 1.0);
   const auto back = TransferPolicy::from_json(policy.to_json(), "p.json");
   EXPECT_EQ(back.to_json(), policy.to_json());
-  EXPECT_TRUE(back.int8_pays(TransferPath::kInt8Frozen, 2 * MiB));
-  EXPECT_FALSE(back.int8_pays(TransferPath::kInt8Frozen, 4 * MiB));
+  EXPECT_TRUE(back.pays(TransferPath::kInt8Frozen, 2 * MiB));
+  EXPECT_FALSE(back.pays(TransferPath::kInt8Frozen, 4 * MiB));
 }
 
 TEST(TransferReportFile, RoundTripsThroughJson) {
@@ -285,8 +284,8 @@ TEST(TransferPolicyFile, MissingFileIsAClearError) {
 
 TEST(TransferPolicyFile, DefaultPolicyAllowsInt8AndNf4Nowhere) {
   const TransferPolicy none;
-  EXPECT_FALSE(none.int8_pays(TransferPath::kInt8Frozen, 1ull << 40));
-  EXPECT_FALSE(none.int8_pays(TransferPath::kInt8Trained, 1ull << 40));
+  EXPECT_FALSE(none.pays(TransferPath::kInt8Frozen, 1ull << 40));
+  EXPECT_FALSE(none.pays(TransferPath::kInt8Trained, 1ull << 40));
   EXPECT_FALSE(none.pays(TransferPath::kNf4Frozen, 1ull << 40));
   EXPECT_FALSE(none.pays(TransferPath::kNf4Trained, 1ull << 40));
 }

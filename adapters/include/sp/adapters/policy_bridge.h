@@ -71,9 +71,6 @@ class PolicyBridge {
   // the plugin allowed). Without a gate the plugin's hint alone decides. Throws
   // std::invalid_argument on a size mismatch, leaving the previous gate in place.
   void set_transfer_gate(TransferGate gate);
-  // The INT8-only gate of ABI 1.0 hosts: NF4 pays nowhere, so NF4 hints take INT8 where it
-  // pays and BF16 elsewhere.
-  void set_transfer_gate(std::vector<bool> int8_pays);
   void clear_transfer_gate();
   bool has_transfer_gate() const { return has_gate_; }
   const TransferGate &transfer_gate() const { return gate_; }

@@ -141,8 +141,6 @@ class TransferPolicy {
 
   // True when a rule of `path` covers a block whose BF16 image has `bf16_bytes`.
   bool pays(TransferPath path, uint64_t bf16_bytes) const;
-  // The name from before NF4; the same as pays() for every path.
-  bool int8_pays(TransferPath path, uint64_t bf16_bytes) const { return pays(path, bf16_bytes); }
   // The rule that covers the size, if any.
   const TransferRule* find_rule(TransferPath path, uint64_t bf16_bytes) const;
 
@@ -155,10 +153,6 @@ class TransferPolicy {
   std::map<TransferPath, std::vector<TransferRule>> rules_;  // sorted, disjoint, coalesced
   std::vector<MergeSource> sources_;
 };
-
-// Per block, whether `path` pays for its BF16 image size (any path, despite the name).
-std::vector<bool> int8_gate(const TransferPolicy& policy, TransferPath path,
-                            const std::vector<uint64_t>& block_bf16_bytes);
 
 // The gate the adapters' PolicyBridge combines with the plugin's hints, both quantized routes
 // for blocks whose weights are `weights`: a route only where both policies say so, NF4 hints
