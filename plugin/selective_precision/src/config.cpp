@@ -506,8 +506,22 @@ const char *precision_name(sp_precision precision) {
 }
 
 void check_host_precisions(const ParsedConfig &parsed, sp_precision_mask supported) {
-  if ((supported & SP_PRECISION_BIT(SP_PRECISION_NF4)) != 0) return;
   const PolicyConfig &config = parsed.config;
+  // INT8 as NF4 below: a host without it (a 1.1 host that lists BF16 only; a 1.0 host
+  // transfers BF16 and INT8) would refuse every INT8 hint and apply its fallback instead.
+  if ((supported & SP_PRECISION_BIT(SP_PRECISION_INT8)) == 0) {
+    if (config.tier(SP_PRECISION_INT8)) {
+      throw ConfigError(fmt::format("{}.tiers: int8 is a tier, but the host cannot transfer INT8 (it supports {}); "
+                                    "expected tiers from {}",
+                                    parsed.section_path, tiers_text(supported), tiers_text(supported)));
+    }
+    if (!config.force_int8_blocks.empty()) {
+      throw ConfigError(fmt::format("{}.force_int8_blocks: {} block(s) forced to int8, but the host cannot "
+                                    "transfer INT8 (it supports {}); expected an empty list",
+                                    parsed.section_path, config.force_int8_blocks.size(), tiers_text(supported)));
+    }
+  }
+  if ((supported & SP_PRECISION_BIT(SP_PRECISION_NF4)) != 0) return;
   if (config.tier(SP_PRECISION_NF4)) {
     throw ConfigError(fmt::format("{}.tiers: nf4 is a tier, but the host cannot transfer NF4 (it supports {}); "
                                   "expected tiers from {}",

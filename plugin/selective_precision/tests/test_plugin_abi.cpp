@@ -58,6 +58,8 @@ class PluginAbi : public ::testing::Test {
     host.log = &HostLog::write;
     host.log_user_data = &log;
     host.min_log_level = SP_LOG_DEBUG;
+    // PolicyHost's default: BF16 and INT8 (a host listing BF16 alone refuses INT8 configs).
+    host.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
     for (std::uint32_t b = 0; b < kBlocks; ++b) {
       blocks.push_back(sp_block_desc_v1{sizeof(sp_block_desc_v1), b, 1000, 2000, 1016, nullptr});
     }
@@ -177,6 +179,34 @@ TEST_F(PluginAbi, NoNf4HostRejectsAnNf4ConfigByName) {
   EXPECT_NE(std::string(v1->last_error(nullptr)).find("selective_precision.force_nf4_blocks"), std::string::npos);
   no_nf4.supported_precisions |= SP_PRECISION_BIT(SP_PRECISION_NF4);
   ASSERT_EQ(v1->create(&no_nf4, tiers.c_str(), blocks.data(), kBlocks, &ctx), SP_OK) << v1->last_error(nullptr);
+  v1->destroy(ctx);
+}
+
+// Symmetric with NF4: a host that lists BF16 only refuses INT8 hints, so a config that
+// would send them (the default tiers, or force_int8_blocks) is refused at create().
+TEST_F(PluginAbi, Bf16OnlyHostRejectsAnInt8ConfigByName) {
+  sp_policy_ctx *ctx = nullptr;
+  sp_host_api_v1 bf16_only = host;
+  bf16_only.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16);
+  const std::string defaults = standalone("  telemetry_enabled: false\n");  // tiers [bf16, int8]
+  EXPECT_EQ(v1->create(&bf16_only, defaults.c_str(), blocks.data(), kBlocks, &ctx), SP_ERR_CONFIG);
+  EXPECT_NE(std::string(v1->last_error(nullptr)).find("selective_precision.tiers: int8 is a tier, but the host "
+                                                      "cannot transfer INT8"),
+            std::string::npos)
+      << v1->last_error(nullptr);
+  const std::string forced = standalone("  telemetry_enabled: false\n  tiers: [bf16]\n  force_int8_blocks: [1]\n");
+  EXPECT_EQ(v1->create(&bf16_only, forced.c_str(), blocks.data(), kBlocks, &ctx), SP_ERR_CONFIG);
+  EXPECT_NE(std::string(v1->last_error(nullptr)).find("selective_precision.force_int8_blocks: 1 block(s) forced "
+                                                      "to int8, but the host cannot transfer INT8"),
+            std::string::npos)
+      << v1->last_error(nullptr);
+  const std::string bf16_tier = standalone("  telemetry_enabled: false\n  tiers: [bf16]\n");
+  ASSERT_EQ(v1->create(&bf16_only, bf16_tier.c_str(), blocks.data(), kBlocks, &ctx), SP_OK) << v1->last_error(nullptr);
+  v1->destroy(ctx);
+  // A 1.0-sized host struct has no supported_precisions: it transfers BF16 and INT8.
+  sp_host_api_v1 old_host = bf16_only;
+  old_host.struct_size = SP_HOST_API_V1_0_SIZE;
+  ASSERT_EQ(v1->create(&old_host, defaults.c_str(), blocks.data(), kBlocks, &ctx), SP_OK) << v1->last_error(nullptr);
   v1->destroy(ctx);
 }
 

@@ -91,8 +91,8 @@ struct ParsedConfig {
 // Throws ConfigError naming the full key path, the expected type or range, and what was found.
 ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blocks);
 
-// A configuration that uses NF4 (a tier or force_nf4_blocks) for a host whose
-// supported_precisions lack it is a ConfigError naming the key.
+// A configuration that uses INT8 or NF4 (a tier, or force_int8_blocks / force_nf4_blocks)
+// for a host whose supported_precisions lack it is a ConfigError naming the key.
 void check_host_precisions(const ParsedConfig &parsed, sp_precision_mask supported);
 
 const char *mode_name(Mode mode);
