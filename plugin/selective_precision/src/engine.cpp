@@ -276,13 +276,13 @@ void PolicyEngine::decide_dynamic(std::int64_t step, bool decision_step) {
       hint.reason = SP_REASON_FORCED;
     } else if (block.unsafe) {
       // A pending revert is dropped, but its penalty starts as if it had happened.
-      if (block.pending_revert) {
+      if (block.pending_revert && guard_active()) {
         block.pending_revert.reset();
         block.penalty_until = step + config_.loss_guard.penalty_steps;
       }
       assign(block, Assignment::bf16, step);
       hint.reason = SP_REASON_UNSAFE;
-    } else if (block.pending_revert) {
+    } else if (block.pending_revert && guard_active()) {
       const sp_precision target = nearest_tier_up(*block.pending_revert);
       block.pending_revert.reset();
       assign(block, assignment_for(target), step);
@@ -314,8 +314,14 @@ sp_precision PolicyEngine::nearest_tier_up(sp_precision precision) const {
   return precision;
 }
 
+// The loss guard acts only when it is enabled and the mode is dynamic (docs/policy.md,
+// "Loss guard"): otherwise no loss is judged and no revert or penalty has any effect.
+// import_state drops reverts and penalties an inactive guard could not have made, so these
+// checks only keep the rule local.
+bool PolicyEngine::guard_active() const { return config_.loss_guard.enabled && mode_ == Mode::dynamic; }
+
 bool PolicyEngine::under_penalty(const BlockState &block, std::int64_t step) const {
-  return block.penalty_until && step < *block.penalty_until;
+  return guard_active() && block.penalty_until && step < *block.penalty_until;
 }
 
 // Moves the block to `target` unless the cooldown (any move) or a penalty (a move down)
@@ -421,7 +427,7 @@ void PolicyEngine::end_step(std::int64_t step, const sp_step_feedback_v1 *feedba
 #endif
   }
   last_spike_.reset();
-  if (config_.loss_guard.enabled && feedback != nullptr && std::isfinite(feedback->loss)) {
+  if (guard_active() && feedback != nullptr && std::isfinite(feedback->loss)) {
     judge_loss(step, feedback->loss);
   }
   state_.phase = StepPhase::ended;
@@ -532,6 +538,19 @@ std::vector<std::uint8_t> PolicyEngine::export_state() const { return encode_sta
 void PolicyEngine::import_state(const std::uint8_t *blob, std::size_t size) {
   PolicyState imported = decode_state(blob, size, n_blocks(), state_.windows.capacity(),
                                       static_cast<std::uint32_t>(config_.loss_guard.window));
+  // What this config could never have produced is dropped: with the guard inactive
+  // (disabled, or a mode other than dynamic) every pending revert and penalty, and a block
+  // this config forces never reverts. The loss window and the down-move records stay; they
+  // only matter once a later config enables the guard.
+  for (std::uint32_t b = 0; b < n_blocks(); ++b) {
+    BlockState &block = imported.blocks[b];
+    if (!guard_active()) {
+      block.pending_revert.reset();
+      block.penalty_until.reset();
+    } else if (forced_[b] >= 0) {
+      block.pending_revert.reset();
+    }
+  }
   write_pending_record();
   state_ = std::move(imported);
   for (sp_hint_v1 &hint : hints_) {
@@ -549,7 +568,8 @@ void PolicyEngine::write_pending_record() noexcept {
   try {
     const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
     telemetry_->append(
-        telemetry_record_line(record, mode_, state_, hints_, block_bytes_, state_.measured_since_record, now));
+        telemetry_record_line(record, mode_, state_, hints_, block_bytes_, state_.measured_since_record,
+                              config_.nf4_group_size, now));
     state_.measured_since_record = MeasuredBytes{};
   } catch (const std::exception &error) {
     if (log_ != nullptr && log_->wants(SP_LOG_WARN)) {

@@ -351,6 +351,22 @@ sp_precision read_precision(Reader &reader, std::uint32_t b, const char *what) {
   return static_cast<sp_precision>(value);
 }
 
+// Cost order, bf16 > int8 > nf4; an unassigned block travels as BF16.
+int cost_rank(sp_precision precision) {
+  return precision == SP_PRECISION_NF4 ? 0 : precision == SP_PRECISION_INT8 ? 1 : 2;
+}
+
+sp_precision travels_as(Assignment assignment) {
+  switch (assignment) {
+    case Assignment::int8:
+      return SP_PRECISION_INT8;
+    case Assignment::nf4:
+      return SP_PRECISION_NF4;
+    default:
+      return SP_PRECISION_BF16;
+  }
+}
+
 void read_blocks_v2_section(Reader &reader, std::size_t payload_size, PolicyState &state) {
   if (payload_size != kBlockV2Size * state.blocks.size()) {
     throw StateError(fmt::format("state blob: the v2 blocks section is {} bytes, expected {} for {} blocks",
@@ -368,14 +384,35 @@ void read_blocks_v2_section(Reader &reader, std::size_t payload_size, PolicyStat
     const sp_precision down_from = read_precision(reader, b, "precision before the down move");
     const sp_precision pending = read_precision(reader, b, "pending revert precision");
     const std::int64_t penalty_until = reader.i64("penalty end step");
+    const sp_precision current = travels_as(block.assignment);
     if (has_down_move) {
       if (block.assignment == Assignment::unassigned) reject_block(b, "an unassigned block cannot have moved down");
       if (down_step < 0 || down_step > state.current_step) {
         reject_block(b, fmt::format("down move step must be in [0, {}], found {}", state.current_step, down_step));
       }
+      // A move down left a more precise precision than the one the block holds now (a
+      // later move up would have cleared the record).
+      if (cost_rank(down_from) <= cost_rank(current)) {
+        reject_block(b, fmt::format("the precision before the down move ({}) must be more precise than the "
+                                    "block's assignment ({})",
+                                    precision_name(down_from), precision_name(current)));
+      }
       block.last_down_move = DownMove{down_step, down_from};
     }
-    if (has_pending) block.pending_revert = pending;
+    if (has_pending) {
+      // A revert goes up, to the precision before the down move it undoes: anything else
+      // would be a move down that skips the cooldown and the penalty.
+      if (cost_rank(pending) <= cost_rank(current)) {
+        reject_block(b, fmt::format("the pending revert precision ({}) must be more precise than the block's "
+                                    "assignment ({})",
+                                    precision_name(pending), precision_name(current)));
+      }
+      if (!has_down_move || down_from != pending) {
+        reject_block(b, fmt::format("a pending revert to {} needs a recorded down move from {}",
+                                    precision_name(pending), precision_name(pending)));
+      }
+      block.pending_revert = pending;
+    }
     if (has_penalty) {
       if (penalty_until < 0) reject_block(b, fmt::format("penalty end step must be >= 0, found {}", penalty_until));
       block.penalty_until = penalty_until;

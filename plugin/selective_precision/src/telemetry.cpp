@@ -31,14 +31,23 @@ const char *assignment_name(Assignment assignment) {
   return "unknown";
 }
 
+}  // namespace
+
 // What an NF4 transfer moves relative to BF16 when the host has not described NF4 bytes
-// (set_transfer_bytes): 4-bit codes plus one 2-byte scale per 64 elements, ~0.28x.
-constexpr double kNf4RuleOfThumb = 0.28;
+// (set_transfer_bytes): per element half a byte of codes plus one BF16 scale (2 bytes) per
+// group, over BF16's 2 bytes: 0.25 + 1/group, 0.265625x at group 64 (docs/kernels.md
+// measures 0.2666x on real images, whose rows round up to whole groups).
+double nominal_nf4_ratio(std::int64_t nf4_group_size) {
+  return (0.5 + 2.0 / static_cast<double>(nf4_group_size)) / 2.0;
+}
+
+namespace {
 
 // The seed's estimate from each block's real bytes per precision (BF16 and INT8 from the
-// block descs, NF4 from set_transfer_bytes); when the host declared no sizes, the rules of
-// thumb (an INT8 block moves half the bytes, an NF4 block 0.28x) over block counts.
-double estimated_saving_pct(const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes) {
+// block descs, NF4 from set_transfer_bytes); when the host declared no sizes, the nominal
+// ratios (an INT8 block moves half the bytes, an NF4 block nominal_nf4_ratio) over block counts.
+double estimated_saving_pct(const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes,
+                            double nf4_ratio) {
   double total_bf16 = 0.0;
   double saved = 0.0;
   double saved_fraction_by_count = 0.0;
@@ -49,8 +58,8 @@ double estimated_saving_pct(const std::vector<sp_hint_v1> &hints, const std::vec
       saved_fraction_by_count += 0.5;
       saved += bf16 - static_cast<double>(block_bytes[b].int8);
     } else if (hints[b].precision == SP_PRECISION_NF4) {
-      saved_fraction_by_count += 1.0 - kNf4RuleOfThumb;
-      const double nf4 = block_bytes[b].nf4 > 0 ? static_cast<double>(block_bytes[b].nf4) : kNf4RuleOfThumb * bf16;
+      saved_fraction_by_count += 1.0 - nf4_ratio;
+      const double nf4 = block_bytes[b].nf4 > 0 ? static_cast<double>(block_bytes[b].nf4) : nf4_ratio * bf16;
       saved += bf16 - nf4;
     }
   }
@@ -114,7 +123,8 @@ const char *reason_name(sp_reason reason) {
 // but 1.0.0 never wrote them, and its state format 1 cannot carry them across a live upgrade.
 std::string telemetry_record_line(const StepRecord &record, Mode mode, const PolicyState &state,
                                   const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes,
-                                  const MeasuredBytes &measured, double unix_seconds) {
+                                  const MeasuredBytes &measured, std::int64_t nf4_group_size,
+                                  double unix_seconds) {
   std::uint32_t blocks_int8 = 0;
   std::uint32_t blocks_nf4 = 0;
   std::uint32_t scored = 0;
@@ -179,7 +189,7 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Pol
   line["max_sensitivity"] = scored ? nlohmann::ordered_json(sensitivity_max) : nullptr;
   line["min_sensitivity"] = scored ? nlohmann::ordered_json(sensitivity_min) : nullptr;
   line["precision_changes"] = record.precision_changes;
-  line["estimated_bandwidth_saving_pct"] = estimated_saving_pct(hints, block_bytes);
+  line["estimated_bandwidth_saving_pct"] = estimated_saving_pct(hints, block_bytes, nominal_nf4_ratio(nf4_group_size));
   line["measured_bandwidth"] = measured_bandwidth(measured);
   if (kPolicyEdition >= 2) line["loss_spike"] = spike_json(record.spike);
   line["block_details"] = std::move(details);

@@ -106,6 +106,27 @@ TEST_F(PolicyTelemetry, RecordHasTheSeedsFieldsMeasuredBytesAndBlockDetails) {
   EXPECT_TRUE(block["last_switch_step"].is_null());
 }
 
+// Without NF4 bytes from the host, an NF4 block counts its nominal image: half a byte of
+// codes plus a 2-byte scale per group per element, over BF16's 2 bytes (0.25 + 1/group).
+TEST_F(PolicyTelemetry, NominalNf4BytesFollowTheGroupSize) {
+  EXPECT_DOUBLE_EQ(nominal_nf4_ratio(64), 0.265625);
+  EXPECT_DOUBLE_EQ(nominal_nf4_ratio(32), 0.28125);
+  for (const int group : {32, 64, 256}) {
+    const std::string file = "nf4_" + std::to_string(group) + ".jsonl";
+    {
+      Driver driver(standalone("  mode: static\n  force_nf4_blocks: [0]\n  nf4_group_size: " +
+                               std::to_string(group) + "\n  telemetry_file: " + file + "\n"),
+                    2, &log, dir.string());
+      driver.step_l2(0, {1.0, 1.0});  // block 0 nf4: a change, so a record
+    }
+    const auto all = records(file);
+    ASSERT_EQ(all.size(), 1u) << group;
+    // Blocks of 2000 BF16 bytes: the NF4 one moves 2000 * ratio.
+    const double saved = 2000.0 - 2000.0 * (0.25 + 1.0 / group);
+    EXPECT_DOUBLE_EQ(all[0]["estimated_bandwidth_saving_pct"].get<double>(), 100.0 * saved / 4000.0) << group;
+  }
+}
+
 TEST_F(PolicyTelemetry, NeverScoredValuesAreNullNotNaN) {
   Driver driver(standalone("  mode: static\n  force_int8_blocks: [0]\n  telemetry_file: telemetry.jsonl\n"), 2,
                 &log, dir.string());

@@ -5,6 +5,7 @@
 #include "sp/policy/errors.hpp"
 #include "sp/policy/state_codec.hpp"
 
+#include <boost/crc.hpp>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -402,6 +403,59 @@ TEST(V2Rules, DisabledGuardJudgesNothing) {
   EXPECT_FALSE(driver.block(0).pending_revert);
 }
 
+// The guard acts only when enabled and the mode is dynamic: a blob holding a pending revert
+// or a penalty, imported under a disabled guard, neither reverts nor holds a block back (the
+// compatibility rule: no revert, no penalty), and the import drops both.
+TEST(V2Rules, DisabledGuardDropsImportedRevertsAndPenalties) {
+  Driver spiked = guarded_after_down_move("", 0, 5.0);  // block 0 int8, pending revert to bf16
+  ASSERT_EQ(spiked.block(0).pending_revert, SP_PRECISION_BF16);
+  const std::vector<std::uint8_t> pending = spiked.engine().export_state();
+  Driver disabled(v2_settings(), 2);
+  disabled.engine().import_state(pending.data(), pending.size());
+  EXPECT_FALSE(disabled.block(0).pending_revert);
+  expect_hint(run(disabled, 5, {0.1, 0.7}, {0.7, 0.7}, 1.1)[0], SP_PRECISION_INT8, SP_REASON_THRESHOLD);
+
+  run(spiked, 5, {0.1, 0.7}, {0.7, 0.7}, 1.1);  // reverted to bf16, penalty until 10
+  ASSERT_EQ(spiked.block(0).penalty_until, 10);
+  const std::vector<std::uint8_t> penalised = spiked.engine().export_state();
+  Driver disabled_too(v2_settings(), 2);
+  disabled_too.engine().import_state(penalised.data(), penalised.size());
+  EXPECT_FALSE(disabled_too.block(0).penalty_until);
+  expect_hint(run(disabled_too, 6, {0.1, 0.7}, {0.7, 0.7}, 1.1)[0], SP_PRECISION_INT8, SP_REASON_THRESHOLD);
+}
+
+// In static (or off) mode an enabled guard judges nothing: no loss enters the window and no
+// revert is left behind to fire once a later config makes the mode dynamic.
+TEST(V2Rules, GuardJudgesOnlyInDynamicMode) {
+  Driver dynamic = guarded_after_down_move();  // block 0 moved down at step 4, window full
+  const std::vector<std::uint8_t> blob = dynamic.engine().export_state();
+  Driver fixed(v2_settings(kGuard + "  mode: static\n"), 2);
+  fixed.engine().import_state(blob.data(), blob.size());
+  const std::vector<double> window = fixed.engine().state().loss_window.losses;
+  run(fixed, 5, {0.1, 0.7}, {0.7, 0.7}, 9.0);
+  EXPECT_FALSE(fixed.engine().last_spike());
+  EXPECT_FALSE(fixed.block(0).pending_revert);
+  EXPECT_EQ(fixed.engine().state().loss_window.losses, window);
+  Driver off(v2_settings(kGuard + "  mode: off\n"), 1);
+  for (int step = 0; step < 6; ++step) run(off, step, {0.1}, {0.7}, step == 5 ? 9.0 : 1.0);
+  EXPECT_TRUE(off.engine().state().loss_window.losses.empty());
+
+  const std::vector<std::uint8_t> after = fixed.engine().export_state();
+  Driver back(v2_settings(kGuard), 2);
+  back.engine().import_state(after.data(), after.size());
+  expect_hint(run(back, 6, {0.1, 0.7}, {0.7, 0.7}, 1.1)[0], SP_PRECISION_INT8, SP_REASON_THRESHOLD);
+}
+
+// A block the importing config forces never reverts; its pending revert goes at import.
+TEST(V2Rules, ImportDropsThePendingRevertOfAForcedBlock) {
+  Driver spiked = guarded_after_down_move("", 0, 5.0);
+  const std::vector<std::uint8_t> blob = spiked.engine().export_state();
+  Driver forced(v2_settings(kGuard + "  force_int8_blocks: [0]\n"), 2);
+  forced.engine().import_state(blob.data(), blob.size());
+  EXPECT_FALSE(forced.block(0).pending_revert);
+  expect_hint(run(forced, 5, {0.1, 0.7}, {0.7, 0.7}, 1.1)[0], SP_PRECISION_INT8, SP_REASON_FORCED);
+}
+
 // ---- Calibration and transfer bytes ----
 
 TEST(V2Rules, PrecisionCalibrationErrorsKeepPrecisionsApart) {
@@ -450,6 +504,62 @@ TEST(V2Rules, StateV2CarriesEveryV2Field) {
       EXPECT_EQ(a[i].reason, b[i].reason);
     }
   }
+}
+
+// The BLK2 record of `block` (state_codec.cpp): flags down-move at +1 and pending at +2,
+// precision before the down move at +20, pending revert precision at +21. The edited blob is
+// re-sealed so that the field checks, not the checksum, judge it.
+std::vector<std::uint8_t> with_blk2(std::vector<std::uint8_t> blob, std::uint32_t n_blocks, std::uint32_t block,
+                                    std::uint8_t has_down, std::uint8_t down_from, std::uint8_t has_pending,
+                                    std::uint8_t pending) {
+  constexpr std::size_t kRecord = 46;
+  const std::size_t record = blob.size() - 4 - kRecord * (n_blocks - block);
+  blob[record + 1] = has_down;
+  blob[record + 2] = has_pending;
+  blob[record + 20] = down_from;
+  blob[record + 21] = pending;
+  if (has_down) blob[record + 12] = 4;  // down move step 4 (<= the blob's step)
+  boost::crc_32_type crc;
+  crc.process_bytes(blob.data(), blob.size() - 4);
+  for (int i = 0; i < 4; ++i) blob[blob.size() - 4 + i] = static_cast<std::uint8_t>(crc.checksum() >> (8 * i));
+  return blob;
+}
+
+void expect_state_rejected(const std::vector<std::uint8_t> &blob, const std::string &message_part) {
+  Driver target(v2_settings(kGuard + kThreeTiers), 2);
+  const std::vector<std::uint8_t> before = target.engine().export_state();
+  try {
+    target.engine().import_state(blob.data(), blob.size());
+    ADD_FAILURE() << "accepted a blob that should say: " << message_part;
+  } catch (const StateError &error) {
+    EXPECT_NE(std::string(error.what()).find(message_part), std::string::npos) << error.what();
+  }
+  EXPECT_EQ(target.engine().export_state(), before);
+}
+
+// A pending revert or a recorded move down must point above the block's assignment: a
+// "revert" to nf4 on a bf16 block would be a move down that skips the cooldown and the penalty.
+TEST(V2Rules, StateRejectsRevertsAndDownMovesThatDoNotPointUp) {
+  Driver driver = guarded_after_down_move("", 0, 5.0);  // block 0 int8 (down from bf16, pending bf16), 1 bf16
+  const std::vector<std::uint8_t> blob = driver.engine().export_state();
+  {
+    Driver target(v2_settings(kGuard + kThreeTiers), 2);  // the untouched blob is fine
+    target.engine().import_state(blob.data(), blob.size());
+    EXPECT_EQ(target.block(0).pending_revert, SP_PRECISION_BF16);
+  }
+  expect_state_rejected(with_blk2(blob, 2, 1, 1, SP_PRECISION_NF4, 1, SP_PRECISION_NF4),
+                        "block 1: the precision before the down move (nf4) must be more precise than the block's "
+                        "assignment (bf16)");
+  expect_state_rejected(with_blk2(blob, 2, 1, 0, 0, 1, SP_PRECISION_NF4),
+                        "block 1: the pending revert precision (nf4) must be more precise than the block's "
+                        "assignment (bf16)");
+  expect_state_rejected(with_blk2(blob, 2, 0, 1, SP_PRECISION_BF16, 1, SP_PRECISION_INT8),
+                        "block 0: the pending revert precision (int8) must be more precise than the block's "
+                        "assignment (int8)");
+  expect_state_rejected(with_blk2(blob, 2, 0, 1, SP_PRECISION_INT8, 0, 0),
+                        "block 0: the precision before the down move (int8) must be more precise");
+  expect_state_rejected(with_blk2(blob, 2, 0, 0, 0, 1, SP_PRECISION_BF16),
+                        "block 0: a pending revert to bf16 needs a recorded down move from bf16");
 }
 
 TEST(V2Rules, StateV2AShorterLossWindowKeepsTheNewestLosses) {

@@ -63,6 +63,7 @@ class PolicyEngine {
   void score_blocks();
   sp_reason apply_thresholds(BlockState &block, std::int64_t step) const;
   sp_reason move_if_allowed(BlockState &block, Assignment target, std::int64_t step) const;
+  bool guard_active() const;
   bool under_penalty(const BlockState &block, std::int64_t step) const;
   sp_precision nearest_tier_up(sp_precision precision) const;
   void judge_loss(std::int64_t step, double loss);

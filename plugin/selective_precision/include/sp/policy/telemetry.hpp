@@ -37,10 +37,15 @@ struct StepRecord {
 
 // Builds one JSONL line (without the newline) for `record`. `hints` are the hints that
 // compute_hints returned at that step; `measured` are the bytes the host reported since the
-// previous record.
+// previous record; `nf4_group_size` gives the nominal NF4 bytes of a block whose NF4 bytes
+// the host never sent (nominal_nf4_ratio).
 std::string telemetry_record_line(const StepRecord &record, Mode mode, const PolicyState &state,
                                   const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes,
-                                  const MeasuredBytes &measured, double unix_seconds);
+                                  const MeasuredBytes &measured, std::int64_t nf4_group_size,
+                                  double unix_seconds);
+
+// NF4 bytes over BF16 bytes of an NF4 image in theory: (0.5 + 2/nf4_group_size) / 2.
+double nominal_nf4_ratio(std::int64_t nf4_group_size);
 
 const char *reason_name(sp_reason reason);
 
