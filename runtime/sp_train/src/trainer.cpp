@@ -190,6 +190,8 @@ struct Trainer::Impl {
     } else if (config.policy_keys.run_calibration) {
       calibrate();
     }
+    // After calibration, which must measure every route as it is, not as the gate allows it.
+    if (!config.streaming.transfer_policy_path.empty()) apply_transfer_policy(config.streaming.transfer_policy_path);
 
     sp::runtime::write_file_atomically(options.out_dir / kRunConfigFile, config.resolved_yaml);
     keep_records_before(options.out_dir / kRunTrainMetricsFile, "step", next_step);
@@ -366,7 +368,6 @@ struct Trainer::Impl {
     eval_config.metrics_path.clear();
     eval_engine = std::make_unique<ad::StreamingEngine>(*backend, eval_config, block_specs);
     decisions.assign(n_blocks, 0);
-    if (!s.transfer_policy_path.empty()) apply_transfer_policy(s.transfer_policy_path);
   }
 
   // The benchmark-driven half of the route: INT8 and NF4 only for the block sizes where this

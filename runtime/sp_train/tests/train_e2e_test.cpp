@@ -350,6 +350,14 @@ TEST_F(TrainWithTransferPolicy, BlocksStayBf16WhereInt8DoesNotPay) {
     EXPECT_EQ(r.h2d_bytes_int8, 0u) << "step " << r.step;
   }
   EXPECT_TRUE(plugin_chose_int8) << "the plugin must want INT8 somewhere for the gate to matter";
+  // Calibration measures each route as it is, whatever the gate lets through afterwards (this
+  // run is the first with this cache, so it measured them).
+  const nlohmann::json& calibration = run.json["calibration"];
+  ASSERT_EQ(calibration["errors"].size(), 4u);
+  for (std::size_t b = 0; b < 4; ++b) {
+    EXPECT_GT(calibration["errors"][b].get<double>(), 0.0) << "block " << b;
+    EXPECT_GT(calibration["nf4_errors"][b].get<double>(), calibration["errors"][b].get<double>()) << "block " << b;
+  }
 }
 
 TEST_F(TrainWithTransferPolicy, WhereInt8PaysThePluginDecides) {

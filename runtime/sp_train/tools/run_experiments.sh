@@ -18,6 +18,8 @@
 #   SP_LORA_BASE        the checkpoint LoRA adapts (default: this set's full-mode BF16-only run)
 #   SP_POLICIES         the policies to run (default: all of policy_args below; bf16-only is
 #                       the baseline every comparison divides by, so keep it in the list)
+#   SP_REUSE=1          keep a run whose directory holds a summary.json made by the same
+#                       command (command.txt), instead of running it again
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../../.." && pwd)
@@ -34,32 +36,25 @@ read -r -a modes <<<"${SP_MODES:-full lora}"
 runs=$work/${name:+$name-}  # each run's directory is $runs<mode>-<policy>
 lora_base=${SP_LORA_BASE:-${runs}full-bf16-only/checkpoint.bin}
 
-# The default config streams 6 blocks (model.n_blocks); the fixed formats list them all.
-policy_args() {
-  local p=memory.stagehand.selective_precision
-  case $1 in
-    bf16-only) echo "--set $p.mode=off" ;;
-    all-int8) echo "--set $p.mode=static --set $p.force_int8_blocks=[0,1,2,3,4,5]" ;;
-    all-nf4) echo "--set $p.mode=static --set $p.force_nf4_blocks=[0,1,2,3,4,5]" ;;
-    first-last-bf16) echo "--set $p.mode=static --set $p.force_nf4_blocks=[1,2,3,4]" ;;
-    dynamic) echo "" ;;
-    dynamic-v2) echo "--set $p.tiers=[bf16,int8,nf4] --set $p.loss_guard.enabled=true" ;;
-    *) echo "unknown policy $1" >&2; exit 2 ;;
-  esac
-}
+source "$repo/runtime/sp_train/tools/policies.sh"
 read -r -a policies <<<"${SP_POLICIES:-bf16-only all-int8 all-nf4 first-last-bf16 dynamic dynamic-v2}"
 
 commands=()
 for mode in "${modes[@]}"; do
   for policy in "${policies[@]}"; do
     out=$runs$mode-$policy
-    rm -rf "$out"
     # shellcheck disable=SC2046
     cmd="$sp_train --config configs/$( [[ $mode == full ]] && echo default || echo lora ).yaml --out $out --set train.calibration_cache_dir=$work/calibration-cache $(policy_args $policy) $extra_args"
     # LoRA adapts a trained base: by default the final weights of the full-mode BF16-only run.
     [[ $mode == lora ]] && cmd+=" --set train.init_checkpoint=$lora_base"
-    echo "== $mode / $policy: $cmd"
-    (cd "$repo" && $cmd)
+    if [[ ${SP_REUSE:-0} == 1 && -f $out/summary.json && $(cat "$out/command.txt" 2>/dev/null) == "$cmd" ]]; then
+      echo "== $mode / $policy: reused $out"
+    else
+      rm -rf "$out"
+      echo "== $mode / $policy: $cmd"
+      (cd "$repo" && $cmd)
+      echo "$cmd" >"$out/command.txt"
+    fi
     cp "$out/summary.json" "$results/$prefix-$mode-$policy.json"
     commands+=("$mode-$policy|${cmd//$repo\//}")
   done

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Step time when the link, not the compute, is the bottleneck: the host backend paces every
 # copy to 5 MB/s, so one all-BF16 step's 4.3 MB of transfers take longer than its compute.
-# BF16-only against dynamic Selective Precision, 40 steps each; steps 20-39 (after the policy's
-# first decision at step 10 has settled) are compared. Writes bench/results/train-link-bound.json.
+# BF16-only against dynamic Selective Precision (v1: BF16/INT8; v2: three tiers and the loss
+# guard), 40 steps each; steps 20-39 (after the policy's first decision at step 10 has settled)
+# are compared. Writes bench/results/train-link-bound.json.
 #
 #   bash runtime/sp_train/tools/run_link_bound.sh [BUILD_DIR] [WORK_DIR] [--analyze-only]
 set -euo pipefail
@@ -11,13 +12,13 @@ repo=$(cd "$(dirname "$0")/../../.." && pwd)
 build=${1:-$repo/build}
 work=${2:-$build/experiments}
 sp_train=$build/bin/sp-train
+source "$repo/runtime/sp_train/tools/policies.sh"
 common="--config configs/default.yaml --steps 40 --set train.eval_interval=1000
         --set memory.stagehand.streaming.bandwidth_cap_gbps=0.005
         --set train.calibration_cache_dir=$work/calibration-cache"
 if [[ ${3:-} != --analyze-only ]]; then
-  for policy in bf16-only dynamic; do
-    extra=""
-    [[ $policy == bf16-only ]] && extra="--set memory.stagehand.selective_precision.mode=off"
+  for policy in bf16-only dynamic dynamic-v2; do
+    extra=$(policy_args "$policy")
     rm -rf "$work/link-$policy"
     # shellcheck disable=SC2086
     (cd "$repo" && "$sp_train" $common --out "$work/link-$policy" $extra)
@@ -31,7 +32,7 @@ def jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 runs = {}
-for policy in ("bf16-only", "dynamic"):
+for policy in ("bf16-only", "dynamic", "dynamic-v2"):
     d = os.path.join(work, f"link-{policy}")
     steps = [r for r in jsonl(os.path.join(d, "train_metrics.jsonl")) if 20 <= r["step"] < 40]
     transfer = [r for r in jsonl(os.path.join(d, "transfer_metrics.jsonl")) if 20 <= r["step"] < 40]
@@ -39,7 +40,7 @@ for policy in ("bf16-only", "dynamic"):
     runs[policy] = {
         "steps_compared": n,
         "mean_step_seconds": sum(r["seconds"] for r in steps) / n,
-        "mean_h2d_bytes_per_step": sum(r["h2d_bytes_bf16"] + r["h2d_bytes_int8"] for r in steps) / n,
+        "mean_h2d_bytes_per_step": sum(r["h2d_bytes_bf16"] + r["h2d_bytes_int8"] + r["h2d_bytes_nf4"] for r in steps) / n,
         "mean_copy_seconds_per_step": sum(r["copy_seconds"] for r in transfer) / n,
         "mean_dequant_seconds_per_step": sum(r["dequant_seconds"] for r in transfer) / n,
         "prefetch_hits": sum(r["prefetch"]["hits"] for r in transfer),
@@ -49,9 +50,13 @@ for policy in ("bf16-only", "dynamic"):
     }
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 doc = {"machine": {"cpu": cpu, "cores": os.cpu_count()},
-       "command": f"build/bin/sp-train {common} --out <dir> [--set memory.stagehand.selective_precision.mode=off]",
-       "link_bytes_per_second": 0.005e9, "runs": runs,
-       "dynamic_step_time_vs_bf16_only": runs["dynamic"]["mean_step_seconds"] / runs["bf16-only"]["mean_step_seconds"] - 1}
+       "command": f"build/bin/sp-train {common} --out <dir> $(policy_args bf16-only|dynamic|dynamic-v2), "
+                  "policy_args from runtime/sp_train/tools/policies.sh",
+       "link_bytes_per_second": 0.005e9, "runs": runs}
+base = runs["bf16-only"]
+for policy in ("dynamic", "dynamic-v2"):
+    doc[f"{policy}_step_time_vs_bf16_only"] = runs[policy]["mean_step_seconds"] / base["mean_step_seconds"] - 1
+    doc[f"{policy}_bytes_vs_bf16_only"] = runs[policy]["mean_h2d_bytes_per_step"] / base["mean_h2d_bytes_per_step"] - 1
 tmp = out + ".tmp"
 with open(tmp, "w") as f:
     json.dump(doc, f, indent=2)
