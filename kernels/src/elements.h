@@ -2,6 +2,7 @@
 // element type with an inlined conversion to float.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -22,6 +23,11 @@ static_assert(sizeof(Bf16Bits) == 2 && sizeof(Fp16Bits) == 2, "16-bit storage");
 inline float to_float(float x) { return x; }
 inline float to_float(Bf16Bits x) { return bf16_bits_to_float(x.bits); }
 inline float to_float(Fp16Bits x) { return fp16_bits_to_float(x.bits); }
+
+// The largest |x| bit pattern of n elements (NaN and Inf compare above every finite value),
+// vectorized; the absmax pass of the INT8 and NF4 quantizers (defined in quantize.cpp).
+uint32_t max_abs_bits(const float *src, std::size_t n);
+uint32_t max_abs_bits(const Bf16Bits *src, std::size_t n);
 
 // Calls visit(typed pointer) for fp32, bf16 or fp16 data.
 template <typename Visit>

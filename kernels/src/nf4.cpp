@@ -34,16 +34,6 @@ constexpr std::size_t kMinElementsPerThread = 1 << 15;
 using detail::Bf16Bits;
 using detail::to_float;
 
-template <typename In>
-SP_SIMD_CLONES uint32_t max_abs_bits(const In *__restrict src, std::size_t n) {
-  int32_t result = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const auto bits = static_cast<int32_t>(detail::float_bits(to_float(src[i])) & detail::kAbsMask);
-    result = bits > result ? bits : result;
-  }
-  return static_cast<uint32_t>(result);
-}
-
 #if SP_HAVE_VECTOR_SHUFFLE
 typedef float F32x8 __attribute__((vector_size(32)));
 typedef int32_t I32x8 __attribute__((vector_size(32)));
@@ -124,7 +114,7 @@ void quantize_rows(const In *src, std::size_t rows, std::size_t cols, uint32_t g
         const std::size_t column = g * group_size;
         const std::size_t first = r * cols + column;
         const std::size_t n = std::min<std::size_t>(group_size, cols - column);
-        const uint16_t scale_bits = detail::nf4_scale_bits(max_abs_bits(src + first, n));
+        const uint16_t scale_bits = detail::nf4_scale_bits(detail::max_abs_bits(src + first, n));
         scales[r * groups + g] = scale_bits;
         if (scale_bits == detail::kBf16CanonicalNaN) {
           std::fill(row_codes.begin() + column, row_codes.begin() + column + n,

@@ -26,16 +26,6 @@ constexpr std::size_t kMinElementsPerThread = 1 << 15;
 using detail::Bf16Bits;
 using detail::to_float;
 
-// Signed compares: |x| bit patterns fit in 31 bits, and SSE2 has a signed 32-bit compare only.
-template <typename In>
-SP_SIMD_CLONES uint32_t max_abs_bits(const In *__restrict src, std::size_t n) {
-  int32_t result = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const auto bits = static_cast<int32_t>(detail::float_bits(to_float(src[i])) & detail::kAbsMask);
-    result = bits > result ? bits : result;
-  }
-  return static_cast<uint32_t>(result);
-}
 
 template <typename In>
 SP_SIMD_CLONES void encode_int8(const In *__restrict src, std::size_t n, float inv, int8_t *__restrict codes) {
@@ -79,7 +69,7 @@ void quantize_rows(CodeFormat format, const In *src, const Layout &layout,
       for (std::size_t g = 0; g < layout.groups_per_row; ++g) {
         const std::size_t first = r * layout.cols + g * layout.width;
         const std::size_t n = std::min(layout.width, layout.cols - g * layout.width);
-        const uint32_t abs_bits = max_abs_bits(src + first, n);
+        const uint32_t abs_bits = detail::max_abs_bits(src + first, n);
         const float scale = detail::quant_scale(abs_bits, max_code);
         scales[r * layout.groups_per_row + g] = scale;
         if (abs_bits >= detail::kInfBits) {
@@ -248,5 +238,26 @@ void dequantize_fp8_e4m3_to_fp32(const uint8_t *codes, const float *scales, std:
   dequantize(CodeFormat::kFp8E4M3, codes, scales, rows, cols, group_size, dst, exec,
              "dequantize_fp8_e4m3_to_fp32");
 }
+
+namespace detail {
+namespace {
+
+// Signed compares: |x| bit patterns fit in 31 bits, and SSE2 has a signed 32-bit compare only.
+template <typename In>
+SP_SIMD_CLONES uint32_t max_abs_bits_of(const In *__restrict src, std::size_t n) {
+  int32_t result = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto bits = static_cast<int32_t>(float_bits(to_float(src[i])) & kAbsMask);
+    result = bits > result ? bits : result;
+  }
+  return static_cast<uint32_t>(result);
+}
+
+}  // namespace
+
+uint32_t max_abs_bits(const float *src, std::size_t n) { return max_abs_bits_of(src, n); }
+uint32_t max_abs_bits(const Bf16Bits *src, std::size_t n) { return max_abs_bits_of(src, n); }
+
+}  // namespace detail
 
 }  // namespace sp::kernels

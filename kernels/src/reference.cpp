@@ -125,6 +125,30 @@ void fp32_to_bf16(const float *src, uint16_t *dst, std::size_t n, const Bf16Opti
   }
 }
 
+namespace {
+
+// Largest |x| over elements [begin, end), and whether all of them are finite: the first pass
+// of every absmax quantizer.
+struct GroupAbsmax {
+  bool finite = true;
+  float absmax = 0.0f;
+};
+
+GroupAbsmax group_absmax(const void *src, DType src_dtype, std::size_t begin, std::size_t end) {
+  GroupAbsmax group;
+  for (std::size_t i = begin; i < end; ++i) {
+    const float x = load(src, src_dtype, i);
+    if (!std::isfinite(x)) {
+      group.finite = false;
+    } else {
+      group.absmax = std::max(group.absmax, std::fabs(x));
+    }
+  }
+  return group;
+}
+
+}  // namespace
+
 void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t rows,
               std::size_t cols, const QuantizeOptions &options, uint8_t *codes, float *scales) {
   const float max_code = format == CodeFormat::kInt8 ? 127.0f : 448.0f;
@@ -134,16 +158,7 @@ void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t r
     for (std::size_t g = 0; g < groups; ++g) {
       const std::size_t begin = r * cols + g * width;
       const std::size_t end = r * cols + std::min(cols, (g + 1) * width);
-      bool finite = true;
-      float absmax = 0.0f;
-      for (std::size_t i = begin; i < end; ++i) {
-        const float x = load(src, src_dtype, i);
-        if (!std::isfinite(x)) {
-          finite = false;
-        } else {
-          absmax = std::max(absmax, std::fabs(x));
-        }
-      }
+      const auto [finite, absmax] = group_absmax(src, src_dtype, begin, end);
       float scale = std::numeric_limits<float>::quiet_NaN();
       if (finite) scale = absmax == 0.0f ? 1.0f : std::max(absmax / max_code, FLT_MIN);
       scales[r * groups + g] = scale;
@@ -208,16 +223,7 @@ void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_
     for (std::size_t g = 0; g < groups; ++g) {
       const std::size_t begin = r * cols + g * group_size;
       const std::size_t end = r * cols + std::min<std::size_t>(cols, (g + 1) * group_size);
-      bool finite = true;
-      float absmax = 0.0f;
-      for (std::size_t i = begin; i < end; ++i) {
-        const float x = load(src, src_dtype, i);
-        if (!std::isfinite(x)) {
-          finite = false;
-        } else {
-          absmax = std::max(absmax, std::fabs(x));
-        }
-      }
+      const auto [finite, absmax] = group_absmax(src, src_dtype, begin, end);
       uint16_t scale_bits = 0x7FFF;  // NaN: the group is poisoned
       if (finite) scale_bits = absmax == 0.0f ? uint16_t{0x3F80} : bf16_ceil(absmax);
       scales[r * groups + g] = scale_bits;
