@@ -405,13 +405,16 @@ void StreamingEngine::top_up(std::optional<std::uint32_t> current) {
   }
 }
 
-void StreamingEngine::begin_step(std::int64_t step) {
+void StreamingEngine::begin_step(std::int64_t step, const RuntimeLimitHints &limits) {
   if (in_step_) {
     throw std::logic_error(fmt::format(
         "StreamingEngine::begin_step({}): step {} is still active; call end_step() first", step,
         current_.step));
   }
   bridge_.begin_step();
+  // Before any image is built or fetch issued below. tighten() checks every pinned block
+  // before it changes anything, so a rejected pin leaves no step begun.
+  bridge_.tighten(limits);
   generation_ = static_cast<std::uint32_t>(steps_begun_ % 2);
   ++steps_begun_;
   // This generation's events still hold the timings of the step before last.

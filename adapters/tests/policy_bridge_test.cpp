@@ -56,6 +56,40 @@ TEST(PolicyBridge, TransferGateKeepsBlocksBf16WhereInt8DoesNotPay) {
   EXPECT_EQ(bridge.route(0), Precision::int8);
 }
 
+// What calibration relies on: under a gate where no quantized route pays, a pin still
+// delivers the route it names, and once the pins are gone the hints and the gate route as
+// before.
+TEST(PolicyBridge, APinOverridesAGateUnderWhichNothingPays) {
+  for (const TransferGate &nothing_pays :
+       {TransferGate{}, TransferGate{{false, false, false}, {false, false, false}}}) {
+    PolicyBridge bridge(3);
+    auto hints = hints_for({SP_PRECISION_INT8, SP_PRECISION_NF4, SP_PRECISION_BF16});
+    bridge.set_plugin_hints(hints.data(), 3);
+    bridge.set_transfer_gate(nothing_pays);
+    for (std::uint32_t b = 0; b < 3; ++b) EXPECT_EQ(bridge.route(b), Precision::bf16) << "block " << b;
+    for (const Precision pinned : {Precision::int8, Precision::nf4, Precision::bf16}) {
+      bridge.begin_step();
+      RuntimeLimitHints pins;
+      for (std::uint32_t b = 0; b < 3; ++b) pins.block_precision_map[b] = pinned;
+      bridge.tighten(pins);
+      for (std::uint32_t b = 0; b < 3; ++b) {
+        const RouteDecision decision = bridge.decide(b);
+        EXPECT_EQ(decision.precision, pinned) << "block " << b;
+        EXPECT_EQ(decision.requested, pinned) << "block " << b;
+        EXPECT_EQ(decision.decided_by, RouteAuthority::runtime_pin) << "block " << b;
+      }
+    }
+    bridge.begin_step();
+    EXPECT_EQ(bridge.decide(0).precision, Precision::bf16);
+    EXPECT_EQ(bridge.decide(0).decided_by, RouteAuthority::transfer_policy);
+    EXPECT_EQ(bridge.decide(1).requested, Precision::nf4);
+    bridge.clear_transfer_gate();
+    EXPECT_EQ(bridge.route(0), Precision::int8);
+    EXPECT_EQ(bridge.route(1), Precision::nf4);
+    EXPECT_EQ(bridge.route(2), Precision::bf16);
+  }
+}
+
 TEST(PolicyBridge, TransferGateOfTheWrongSizeIsRejected) {
   PolicyBridge bridge(3);
   try {

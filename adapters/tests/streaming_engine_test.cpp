@@ -248,6 +248,50 @@ TEST(StreamingEngine, RuntimePinOverridesThePluginAndPrefetchLimitsTighten) {
   EXPECT_EQ(engine.policy_bridge().route(5), Precision::int8);
 }
 
+// Limits given to begin_step bind the fetches begin_step issues ahead too: every fetch of the
+// step takes the pinned route, here INT8 and NF4 where the plugin said BF16 and the transfer
+// gate says no quantized route pays. Pinned after begin_step, the first fetches would already
+// have gone BF16.
+TEST(StreamingEngine, PinsGivenToBeginStepRouteEveryFetchOfTheStepPastTheGate) {
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 12);
+  StreamingEngine engine(backend, config_for(model.blocks(), 3), model.blocks());
+  engine.policy_bridge().set_transfer_gate(TransferGate{});
+  for (const Precision pinned : {Precision::int8, Precision::nf4}) {
+    RuntimeLimitHints pins;
+    for (std::uint32_t b = 0; b < kBlocks; ++b) pins.block_precision_map[b] = pinned;
+    engine.begin_step(pinned == Precision::int8 ? 0 : 1, pins);
+    EXPECT_EQ(engine.issued_fetches(), 3u);
+    for (const BlockUse &use : engine.schedule().uses()) {
+      const BlockView &view = engine.acquire(use.block);
+      EXPECT_EQ(view.precision, pinned) << "block " << use.block;
+      testing::expect_view_holds(backend, view, model.blocks()[use.block], 0);
+      engine.release(use.block);
+    }
+    const StepTransferMetrics metrics = engine.end_step();
+    const auto fetches = static_cast<std::uint32_t>(engine.schedule().fetches().size());
+    EXPECT_EQ(metrics.fetches_pinned, fetches);
+    EXPECT_EQ(pinned == Precision::int8 ? metrics.fetches_int8 : metrics.fetches_nf4, fetches);
+    EXPECT_EQ(metrics.h2d_bytes_bf16, 0u);
+  }
+  // The pins held for their step only: the gate routes the next one.
+  engine.begin_step(2);
+  EXPECT_EQ(engine.policy_bridge().limits().block_precision_map.size(), 0u);
+  EXPECT_EQ(engine.policy_bridge().route(0), Precision::bf16);
+  for (const BlockUse &use : engine.schedule().uses()) {
+    EXPECT_EQ(engine.acquire(use.block).precision, Precision::bf16);
+    engine.release(use.block);
+  }
+  engine.end_step();
+  // A pin for a block that does not exist is refused before the step begins.
+  RuntimeLimitHints bad;
+  bad.block_precision_map[kBlocks] = Precision::int8;
+  EXPECT_THAT([&] { engine.begin_step(3, bad); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("block id 6 is out of range")));
+  engine.begin_step(3);
+  engine.end_step();
+}
+
 TEST(StreamingEngine, SuppressSpeculativeStopsPrefetchAtThePhaseBoundary) {
   HostBackend backend;
   SyntheticModel model(4, 10);

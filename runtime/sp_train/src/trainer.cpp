@@ -184,14 +184,16 @@ struct Trainer::Impl {
     }
     build_optimizer();
     build_engines();
+    // The engines are complete before anything streams through them. Calibration does not
+    // depend on the gate: it pins its routes, and a pin outranks the gate
+    // (measure_calibration_errors).
+    if (!config.streaming.transfer_policy_path.empty()) apply_transfer_policy(config.streaming.transfer_policy_path);
     build_policy();
     if (checkpoint) {
       restore(*checkpoint);
     } else if (config.policy_keys.run_calibration) {
       calibrate();
     }
-    // After calibration, which must measure every route as it is, not as the gate allows it.
-    if (!config.streaming.transfer_policy_path.empty()) apply_transfer_policy(config.streaming.transfer_policy_path);
 
     sp::runtime::write_file_atomically(options.out_dir / kRunConfigFile, config.resolved_yaml);
     keep_records_before(options.out_dir / kRunTrainMetricsFile, "step", next_step);
@@ -431,12 +433,12 @@ struct Trainer::Impl {
     return {place(all.narrow(1, 0, window - 1)), place(all.narrow(1, 1, window - 1))};
   }
 
-  // Runs the forward of every block through `streaming` (a forward-only engine), returning the
-  // block inputs and the final hidden state.
-  std::vector<torch::Tensor> streamed_forward(const torch::Tensor& idx) {
+  // Runs the forward of every block through the forward-only engine, under `limits` for the
+  // step, returning the block inputs and the final hidden state.
+  std::vector<torch::Tensor> streamed_forward(const torch::Tensor& idx, const ad::RuntimeLimitHints& limits = {}) {
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> states{model->embed(idx)};
-    eval_engine->begin_step(eval_engine_steps++);
+    eval_engine->begin_step(eval_engine_steps++, limits);
     for (std::uint32_t b = 0; b < n_blocks; ++b) {
       const ad::BlockView& view = eval_engine->acquire(b);
       states.push_back(model->block_forward(b, states.back(), delivered(view, false)));
@@ -495,34 +497,47 @@ struct Trainer::Impl {
                              // The errors are measured in the compute dtype on the compute device,
                              // so a bf16 GPU run and an fp32 CPU run do not share them.
                              {"device", compute_device_name(config.train.device)},
-                             {"compute_dtype", compute_dtype_name(config.train.compute_dtype)}}}};
+                             {"compute_dtype", compute_dtype_name(config.train.compute_dtype)},
+                             // Every route is pinned while measuring (measure_calibration_errors),
+                             // and a pin outranks the transfer gate: the errors cannot depend on a
+                             // gate, so no gate is part of the identity. The entry also retires
+                             // caches of an sp-train that forced routes through plugin hints, which
+                             // a gate could filter into BF16 against BF16 (errors of 0).
+                             {"routes", "runtime pins"}}}};
   }
 
-  void set_all_routes(sp_precision precision) {
-    std::vector<sp_hint_v1> hints(n_blocks);
-    for (std::uint32_t b = 0; b < n_blocks; ++b) hints[b] = sp_hint_v1{b, precision, NAN, SP_REASON_MODE, 0};
-    eval_engine->policy_bridge().set_plugin_hints(hints.data(), n_blocks);
+  // Every block pinned to `precision` for one step. A runtime pin outranks the plugin's hints
+  // and the transfer gate (PolicyBridge::decide), and given to begin_step it routes the fetches
+  // begin_step issues ahead too; the bridge's plugin hints and gate are left as they are.
+  ad::RuntimeLimitHints all_blocks_pinned(ad::Precision precision) const {
+    ad::RuntimeLimitHints pins;
+    for (std::uint32_t b = 0; b < n_blocks; ++b) pins.block_precision_map.emplace(b, precision);
+    return pins;
   }
 
   // Per block and quantized precision: the relative error of the block's output with its
   // INT8 (or NF4) weights against its BF16 weights, on the same real input (the activation
-  // the BF16 model feeds it), all delivered through the streaming engine's routes.
+  // the BF16 model feeds it), all delivered through the streaming engine's routes. Each route
+  // is pinned, so the errors are those of the route itself whatever the plugin hinted and
+  // whatever a transfer gate lets through (a gated block once measured BF16 against BF16).
   CalibrationErrors measure_calibration_errors() {
     torch::NoGradGuard no_grad;
     CalibrationErrors errors{std::vector<double>(n_blocks, 0.0), std::vector<double>(n_blocks, 0.0)};
-    const std::pair<sp_precision, std::vector<double>*> precisions[] = {{SP_PRECISION_INT8, &errors.int8},
-                                                                        {SP_PRECISION_NF4, &errors.nf4}};
+    const std::pair<ad::Precision, std::vector<double>*> precisions[] = {{ad::Precision::int8, &errors.int8},
+                                                                         {ad::Precision::nf4, &errors.nf4}};
     std::vector<std::int64_t> tokens;
     for (std::uint32_t s = 0; s < config.policy_keys.calibration_samples; ++s) {
       corpus->train_batch(config.train.seed ^ kCalibrationSalt, s, config.train.batch_size, tokens);
       auto [idx, targets] = tensors_of(tokens, config.train.batch_size);
-      set_all_routes(SP_PRECISION_BF16);
-      const std::vector<torch::Tensor> reference = streamed_forward(idx);
+      const std::vector<torch::Tensor> reference = streamed_forward(idx, all_blocks_pinned(ad::Precision::bf16));
       for (const auto& [precision, sums] : precisions) {
-        set_all_routes(precision);
-        eval_engine->begin_step(eval_engine_steps++);
+        eval_engine->begin_step(eval_engine_steps++, all_blocks_pinned(precision));
         for (std::uint32_t b = 0; b < n_blocks; ++b) {
           const ad::BlockView& view = eval_engine->acquire(b);
+          if (view.precision != precision) {
+            throw std::logic_error(fmt::format("calibration: block {} was delivered {}, pinned {}", b,
+                                               ad::precision_name(view.precision), ad::precision_name(precision)));
+          }
           const auto on_host = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kFloat32).contiguous(); };
           const torch::Tensor quantized = on_host(model->block_forward(b, reference[b], delivered(view, false)));
           const torch::Tensor expected = on_host(reference[b + 1]);
@@ -534,7 +549,10 @@ struct Trainer::Impl {
         totals.eval_h2d += eval_transfer_bytes(eval_engine->end_step());
       }
     }
-    eval_engine->policy_bridge().clear_plugin_hints();
+    // The last step's pins would stand until the engine's next step; drop them now, so that an
+    // image rebuilt in between (on_weights_updated) is built for the route the block takes
+    // next. The plugin's hints and the gate were never touched.
+    eval_engine->policy_bridge().begin_step();
     for (auto& [precision, sums] : precisions) {
       for (double& e : *sums) e /= config.policy_keys.calibration_samples;
     }

@@ -3,12 +3,15 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <numeric>
 #include <optional>
+#include <sstream>
 #include <string>
 
 #include <gtest/gtest.h>
 #include <spdlog/sinks/null_sink.h>
+#include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
 
 #include "calibration_cache.hpp"
@@ -350,8 +353,8 @@ TEST_F(TrainWithTransferPolicy, BlocksStayBf16WhereInt8DoesNotPay) {
     EXPECT_EQ(r.h2d_bytes_int8, 0u) << "step " << r.step;
   }
   EXPECT_TRUE(plugin_chose_int8) << "the plugin must want INT8 somewhere for the gate to matter";
-  // Calibration measures each route as it is, whatever the gate lets through afterwards (this
-  // run is the first with this cache, so it measured them).
+  // Calibration measures each route as it is, whatever the gate lets through (this run is the
+  // first with this cache, so it measured them, with the gate already set).
   const nlohmann::json& calibration = run.json["calibration"];
   ASSERT_EQ(calibration["errors"].size(), 4u);
   for (std::size_t b = 0; b < 4; ++b) {
@@ -375,6 +378,71 @@ TEST_F(TrainWithTransferPolicy, AnUnreadablePolicyFileMeansBf16AndTrainingGoesOn
   const RunSummary run = train("missing", {{"memory.stagehand.streaming.transfer_policy_path", (dir_ / "nope.json").string()}});
   ASSERT_EQ(run.steps.size(), 24u);
   for (const StepRecord& r : run.steps) EXPECT_EQ(r.h2d_bytes_int8, 0u) << "step " << r.step;
+}
+
+// The reported bug: calibration forced its routes through plugin hints, which the transfer gate
+// filters, so under a gate where nothing pays every block was "calibrated" BF16 against BF16:
+// errors of 0.0000 in the log, the checkpoint and the cache, under the fingerprint of a run
+// without a gate. Here the gate is in force before calibration runs, in both modes (frozen and
+// trained blocks have their own rules; none pays), and every error must be a real one.
+TEST_F(TrainWithTransferPolicy, CalibrationUnderAGateWhereNothingPaysMeasuresEveryRoute) {
+  const fs::path never = write_policy("never.json", "[]");
+  const auto between = [](const std::string& text, const std::string& from) {
+    const std::size_t start = text.find(from);
+    if (start == std::string::npos) return std::string();
+    return text.substr(start + from.size(), text.find('\n', start) - start - from.size());
+  };
+  for (const char* mode : {"full", "lora"}) {
+    SCOPED_TRACE(mode);
+    const std::vector<Override> base = {{"train.steps", "2"}, {"train.mode", mode}};
+    std::vector<Override> gated = base;
+    gated.push_back({"memory.stagehand.streaming.transfer_policy_path", never.string()});
+    auto log = std::make_shared<std::ostringstream>();
+    RunOptions o = options(std::string("gated-") + mode);
+    o.logger = std::make_shared<spdlog::logger>("gated", std::make_shared<spdlog::sinks::ostream_sink_mt>(*log));
+    CalibrationErrors measured;
+    {
+      Trainer trainer(config(gated), o);
+      EXPECT_EQ(trainer.calibration_status(), "computed (missing)");
+      measured = trainer.calibration_errors();
+      trainer.run();
+    }
+    o.logger->flush();
+    const std::string text = log->str();
+    // The gate was in force when calibration ran, and let nothing through.
+    const std::size_t gate_line = text.find("INT8 pays for 0, NF4 for 0 of 4 blocks");
+    const std::size_t calibration_line = text.find("calibration: INT8 relative output error per block: ");
+    ASSERT_NE(gate_line, std::string::npos) << text;
+    ASSERT_NE(calibration_line, std::string::npos) << text;
+    EXPECT_LT(gate_line, calibration_line) << "the gate must be set before calibration for this test to mean anything";
+
+    // What the checkpoint keeps for a resume.
+    const CheckpointSections checkpoint = CheckpointSections::read(checkpoint_path(o.out_dir));
+    const Bytes& meta_bytes = checkpoint.get("meta");
+    const nlohmann::json meta = nlohmann::json::parse(meta_bytes.begin(), meta_bytes.end());
+    const std::vector<double> int8 = meta.at("calibration_errors").get<std::vector<double>>();
+    const std::vector<double> nf4 = meta.at("nf4_calibration_errors").get<std::vector<double>>();
+    ASSERT_EQ(int8.size(), 4u);
+    ASSERT_EQ(nf4.size(), 4u);
+    EXPECT_EQ(int8, measured.int8);
+    EXPECT_EQ(nf4, measured.nf4);
+    for (std::size_t b = 0; b < 4; ++b) {
+      EXPECT_GT(int8[b], 1e-4) << "block " << b;
+      EXPECT_GT(nf4[b], int8[b]) << "block " << b;
+    }
+    // What the log says, as printed (four decimals).
+    for (const char* route : {"INT8", "NF4"}) {
+      std::istringstream listing(between(text, fmt::format("calibration: {} relative output error per block: ", route)));
+      std::vector<std::string> printed{std::istream_iterator<std::string>(listing), {}};
+      ASSERT_EQ(printed.size(), 4u) << route << ": " << text;
+      for (const std::string& value : printed) EXPECT_NE(value, "0.0000") << route;
+    }
+    // The gate cannot change the errors, so a run without it shares the cached ones.
+    Trainer plain(config(base), options(std::string("plain-") + mode));
+    EXPECT_EQ(plain.calibration_status(), "hit");
+    EXPECT_EQ(plain.calibration_errors().int8, measured.int8);
+    EXPECT_EQ(plain.calibration_errors().nf4, measured.nf4);
+  }
 }
 
 

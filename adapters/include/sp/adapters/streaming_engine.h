@@ -7,7 +7,7 @@
 // previous copy is still in flight when no spare slab is free (counted as a stall).
 //
 // Usage per step:
-//   begin_step(step);
+//   begin_step(step);                 // or begin_step(step, limits): pins and caps for the step
 //   for each use in schedule().uses(): view = acquire(block); ...compute...; release(block);
 //   metrics = end_step();             // bytes and counters now; timings follow in the JSONL
 //   (plugin hints -> policy_bridge().set_plugin_hints(), optimizer -> on_weights_updated())
@@ -85,7 +85,13 @@ class StreamingEngine {
   // Block descriptions for the plugin's create(); names point into this engine.
   std::vector<sp_block_desc_v1> block_descs() const;
 
-  void begin_step(std::int64_t step);
+  // Begins a step. `limits` are the runtime's limits for the whole step, in force before the
+  // fetches that begin_step itself issues ahead: the bridge resets its limits, then tightens
+  // them with these, then the step's first fetches are routed. Limits tightened later through
+  // policy_bridge().tighten() bind only the fetches not yet issued, so a pin that must hold for
+  // every fetch of the step (calibration measuring one route) goes here. Throws
+  // std::invalid_argument for a pinned block id out of range, before the step begins.
+  void begin_step(std::int64_t step, const RuntimeLimitHints &limits = {});
   // The next use in the schedule must be `block`; throws std::logic_error otherwise. The
   // compute queue has been ordered after the block's transfer; the view stays valid until
   // release().
