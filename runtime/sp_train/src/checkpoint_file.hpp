@@ -14,12 +14,11 @@
 #include <string>
 #include <vector>
 
+#include "train_error.hpp"
+
 namespace sp::train {
 
-class CheckpointError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+// CheckpointError: train_error.hpp.
 
 using Bytes = std::vector<std::uint8_t>;
 

@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "checkpoint_file.hpp"
+#include "error_report.hpp"
 #include "progress.hpp"
 #include "sp/host/plugin_library.h"
 #include "text_corpus.hpp"
@@ -22,17 +23,17 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Exit codes, also listed in --help and docs/training.md.
-constexpr int kExitOk = 0;
-constexpr int kExitInternal = 1;
-constexpr int kExitBadConfig = 2;
-constexpr int kExitPlugin = 3;
-constexpr int kExitBadInput = 4;
-constexpr int kExitDiverged = 5;
-constexpr int kExitInterrupted = 130;
+using sp::train::ExitCode;
+
+// Exit codes (sp::train::ExitCode), also listed in --help and docs/training.md.
+constexpr int exit_code(ExitCode code) { return static_cast<int>(code); }
+constexpr int kExitOk = exit_code(ExitCode::ok);
+constexpr int kExitBadConfig = exit_code(ExitCode::bad_config);
+constexpr int kExitInterrupted = exit_code(ExitCode::interrupted);
 
 constexpr const char* kFooter =
-    "Exit codes: 0 training finished; 1 internal error; 2 bad command line or config (the "
+    "Exit codes: 0 training finished; 1 internal error (a bug, or a failure outside sp-train's "
+    "checks such as a file it cannot write); 2 bad command line or config (the "
     "message names the file and key); 3 the policy plugin could not be loaded or rejected its "
     "config section; 4 unusable data path or checkpoint; 5 the loss diverged (non-finite for 8 "
     "steps in a row); 130 interrupted by SIGINT after writing a checkpoint (run the same command "
@@ -129,23 +130,9 @@ int main(int argc, char** argv) {
                  100.0 * bytes["saved_fraction"].get<double>());
     logger->info("summary: {}", (out / "summary.json").string());
     return summary.outcome == sp::train::RunOutcome::completed ? kExitOk : kExitInterrupted;
-  } catch (const sp::train::ConfigError& e) {
-    logger->error("{}", e.what());
-    return kExitBadConfig;
-  } catch (const sp::host::PluginError& e) {
-    logger->error("{}", e.what());
-    return kExitPlugin;
-  } catch (const sp::train::DataError& e) {
-    logger->error("{}", e.what());
-    return kExitBadInput;
-  } catch (const sp::train::ResumeError& e) {
-    logger->error("{}", e.what());
-    return kExitBadInput;
-  } catch (const sp::train::DivergedError& e) {
-    logger->error("{}", e.what());
-    return kExitDiverged;
-  } catch (const std::exception& e) {
-    logger->error("internal error: {}", e.what());
-    return kExitInternal;
+  } catch (...) {
+    const sp::train::ErrorReport report = sp::train::report_error(std::current_exception());
+    logger->error("{}", report.message);
+    return exit_code(report.exit_code);
   }
 }

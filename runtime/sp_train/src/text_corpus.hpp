@@ -9,13 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "train_error.hpp"
+
 namespace sp::train {
 
-// The data path cannot be used: missing, unreadable, empty or too short for one sequence.
-class DataError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+// DataError: train_error.hpp.
 
 struct CorpusStats {
   std::uint64_t files = 0;

@@ -10,14 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "train_error.hpp"
+
 namespace sp::train {
 
-// A rejected configuration or override. what() names the file, the full key path, what was
-// expected and what was found.
-class ConfigError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+// ConfigError: train_error.hpp.
 
 struct ModelConfig {
   std::uint32_t d_model = 128;

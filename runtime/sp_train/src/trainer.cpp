@@ -964,22 +964,34 @@ struct Trainer::Impl {
       engine->on_weights_updated(b);
       eval_engine->on_weights_updated(b);
     }
+    const std::string file = checkpoint_path(options.out_dir).string();
     try {
       policy->restore_state(in.get("policy/state"));
-      // The routes in force when the checkpoint was written: the plugin's next hints come
-      // only after the next step's backward pass.
-      const Bytes& hint_bytes = in.get("policy/hints");
-      std::vector<sp_hint_v1> hints(hint_bytes.size() / sizeof(sp_hint_v1));
-      if (hint_bytes.size() % sizeof(sp_hint_v1) != 0 || (!hints.empty() && hints.size() != n_blocks)) {
-        throw std::runtime_error(fmt::format("section 'policy/hints' holds {} bytes; expected none or {} hints",
-                                             hint_bytes.size(), n_blocks));
-      }
-      std::memcpy(hints.data(), hint_bytes.data(), hint_bytes.size());
-      apply_hints(hints);
     } catch (const CheckpointError& e) {
       throw ResumeError(e.what());
-    } catch (const std::exception& e) {  // a rejected state, or hints the bridge refuses
-      throw ResumeError(fmt::format("{}: {}", checkpoint_path(options.out_dir).string(), e.what()));
+    } catch (const std::logic_error&) {
+      throw;  // a bug on this side, not a defect of the checkpoint
+    } catch (const std::exception& e) {  // the plugin rejected the state
+      throw ResumeError(fmt::format("{}: {}", file, e.what()));
+    }
+    // The routes in force when the checkpoint was written: the plugin's next hints come
+    // only after the next step's backward pass.
+    std::vector<sp_hint_v1> hints;
+    try {
+      const Bytes& hint_bytes = in.get("policy/hints");
+      hints.resize(hint_bytes.size() / sizeof(sp_hint_v1));
+      if (hint_bytes.size() % sizeof(sp_hint_v1) != 0 || (!hints.empty() && hints.size() != n_blocks)) {
+        throw ResumeError(fmt::format("{}: section 'policy/hints' holds {} bytes; expected none or {} hints", file,
+                                      hint_bytes.size(), n_blocks));
+      }
+      std::memcpy(hints.data(), hint_bytes.data(), hint_bytes.size());
+    } catch (const CheckpointError& e) {
+      throw ResumeError(e.what());
+    }
+    try {
+      apply_hints(hints);
+    } catch (const std::invalid_argument& e) {  // PolicyBridge::set_plugin_hints names the bad hint
+      throw ResumeError(fmt::format("{}: section 'policy/hints': {}", file, e.what()));
     }
     log->info("resumed from {} at step {}", checkpoint_path(options.out_dir).string(), next_step);
   }

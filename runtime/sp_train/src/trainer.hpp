@@ -24,6 +24,7 @@
 #include "progress.hpp"
 
 #include "train_config.hpp"
+#include "train_error.hpp"
 
 namespace spdlog {
 class logger;
@@ -31,17 +32,7 @@ class logger;
 
 namespace sp::train {
 
-// A checkpoint that cannot be used for this run (corrupt, or another model). Exit code 4.
-class ResumeError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-// The loss stopped being finite for too many consecutive steps. Exit code 5.
-class DivergedError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+// ResumeError, DivergedError: train_error.hpp.
 
 struct StepRecord {
   std::int64_t step = 0;

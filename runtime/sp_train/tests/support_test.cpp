@@ -4,12 +4,15 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
+#include <type_traits>
 
 #include <gtest/gtest.h>
 
 #include "adamw.hpp"
 #include "calibration_cache.hpp"
 #include "checkpoint_file.hpp"
+#include "error_report.hpp"
 #include "sp/adapters/host_backend.h"
 #include "sp/adapters/streaming_engine.h"
 #include "sp/kernels/bf16.h"
@@ -239,6 +242,38 @@ TEST(DeliveredWeights, AreExactlyWhatEachRouteDelivered) {
     engine.end_step();
     EXPECT_EQ(slot, route == SP_PRECISION_INT8 ? expected_int8 : expected_bf16) << "route " << route;
   }
+}
+
+// sp-train's exit codes (docs/training.md): the user's errors keep their codes and messages,
+// and a bug is an internal error (1) named as one, whatever exception type carries it.
+TEST(ErrorReport, UserErrorsKeepTheirCodesAndBugsAreInternal) {
+  static_assert(std::is_base_of_v<TrainError, ConfigError> && std::is_base_of_v<TrainError, DataError> &&
+                std::is_base_of_v<TrainError, CheckpointError> && std::is_base_of_v<TrainError, ResumeError> &&
+                std::is_base_of_v<TrainError, DivergedError>);
+  const auto report = [](auto&& exception) { return report_error(std::make_exception_ptr(exception)); };
+  const struct {
+    ErrorReport got;
+    int code;
+  } user[] = {{report(ConfigError("tiny.yaml: train.lr: expected > 0")), 2},
+              {report(sp::host::PluginError("cannot load policy plugin x.so")), 3},
+              {report(DataError("data.path: no such file")), 4},
+              {report(CheckpointError("checkpoint.bin: checksum mismatch")), 4},
+              {report(ResumeError("checkpoint.bin: made for n_blocks = 3")), 4},
+              {report(DivergedError("step 9: loss nan")), 5}};
+  for (const auto& [got, code] : user) {
+    EXPECT_EQ(static_cast<int>(got.exit_code), code) << got.message;
+    EXPECT_EQ(got.message.find("internal error"), std::string::npos) << got.message;
+  }
+  EXPECT_EQ(user[0].got.message, "tiny.yaml: train.lr: expected > 0");
+  for (const ErrorReport& bug : {report(std::out_of_range("vector::_M_range_check")),
+                                 report(std::invalid_argument("AdamW: parameter 'x' has no weights")),
+                                 report(std::logic_error("StreamingEngine::acquire(3) out of order")), report(42)}) {
+    EXPECT_EQ(bug.exit_code, ExitCode::internal) << bug.message;
+    EXPECT_EQ(bug.message.rfind(kBugReportPrefix, 0), 0u) << bug.message;
+  }
+  const ErrorReport outside = report(std::runtime_error("run/config.yaml: No space left on device"));
+  EXPECT_EQ(outside.exit_code, ExitCode::internal);
+  EXPECT_EQ(outside.message, "internal error: run/config.yaml: No space left on device");
 }
 
 }  // namespace

@@ -311,6 +311,18 @@ TEST_F(TrainE2E, ACheckpointWithOutOfRangeFieldsIsRefusedByName) {
   edited = meta;
   edited.erase("model");
   EXPECT_NE(resume_error("meta", edited.dump(), {}).find("and a model object"), std::string::npos);
+  // The plugin's state and the routes in force are the checkpoint's too: a state the plugin
+  // rejects and a hint the bridge refuses stop the resume (exit code 4), naming the section.
+  EXPECT_NE(resume_error("policy/state", "not a policy state", {}).find("rejected the checkpoint's policy state"),
+            std::string::npos);
+  std::vector<sp_hint_v1> hints(4);
+  for (std::uint32_t b = 0; b < 4; ++b) hints[b] = sp_hint_v1{b, SP_PRECISION_BF16, 0.0f, SP_REASON_MODE, 0};
+  hints[2].precision = 7;
+  EXPECT_NE(resume_error("policy/hints", std::string(reinterpret_cast<const char*>(hints.data()), 4 * sizeof(sp_hint_v1)), {})
+                .find("section 'policy/hints': PolicyBridge: hint for block 2 has precision 7"),
+            std::string::npos);
+  EXPECT_NE(resume_error("policy/hints", "abc", {}).find("section 'policy/hints' holds 3 bytes; expected none or 4 hints"),
+            std::string::npos);
   // The same checks guard a checkpoint named as initial weights, and a checkpoint without meta.
   const fs::path other = dir_ / "init.bin";
   CheckpointSections no_meta;

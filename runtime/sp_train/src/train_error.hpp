@@ -1,0 +1,69 @@
+// The errors sp-train reports to its user, under one base, each with the exit code it ends the
+// run with (docs/training.md, --help). Anything else that reaches main() is an internal error
+// (exit code 1): a std::logic_error (std::out_of_range, std::invalid_argument, ...) is a bug in
+// sp-train and is reported as one; any other exception is a failure outside sp-train's checks
+// (a file the run writes, LibTorch, CUDA). Code that turns a lower-level exception into one of
+// these must not catch a std::logic_error: a bug would then read as the user's mistake.
+// (sp::host::PluginError, exit code 3, belongs to the host library.)
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace sp::train {
+
+// Exit codes, also in --help and docs/training.md.
+enum class ExitCode : int {
+  ok = 0,
+  internal = 1,
+  bad_config = 2,
+  plugin = 3,
+  bad_input = 4,
+  diverged = 5,
+  interrupted = 130,
+};
+
+class TrainError : public std::runtime_error {
+ public:
+  TrainError(ExitCode exit_code, const std::string& what) : std::runtime_error(what), exit_code_(exit_code) {}
+  ExitCode exit_code() const noexcept { return exit_code_; }
+
+ private:
+  ExitCode exit_code_;
+};
+
+// A rejected command line, configuration or override, or a run directory that cannot hold the
+// run. what() names the file, the full key path, what was expected and what was found.
+// Exit code 2.
+class ConfigError : public TrainError {
+ public:
+  explicit ConfigError(const std::string& what) : TrainError(ExitCode::bad_config, what) {}
+};
+
+// The data path cannot be used: missing, unreadable, empty or too short for one sequence.
+// Exit code 4.
+class DataError : public TrainError {
+ public:
+  explicit DataError(const std::string& what) : TrainError(ExitCode::bad_input, what) {}
+};
+
+// A checkpoint file that cannot be read back exactly as written (checkpoint_file.hpp). The
+// trainer reports it as a ResumeError naming what it was reading for; exit code 4 either way.
+class CheckpointError : public TrainError {
+ public:
+  explicit CheckpointError(const std::string& what) : TrainError(ExitCode::bad_input, what) {}
+};
+
+// A checkpoint that cannot be used for this run (corrupt, or another model). Exit code 4.
+class ResumeError : public TrainError {
+ public:
+  explicit ResumeError(const std::string& what) : TrainError(ExitCode::bad_input, what) {}
+};
+
+// The loss stopped being finite for too many consecutive steps. Exit code 5.
+class DivergedError : public TrainError {
+ public:
+  explicit DivergedError(const std::string& what) : TrainError(ExitCode::diverged, what) {}
+};
+
+}  // namespace sp::train
