@@ -3,21 +3,14 @@
 #include <stdexcept>
 #include <string>
 
-#include <fmt/format.h>
-
+#include "sp/kernels/cuda/check.h"
 #include "sp/kernels/cuda/nf4.h"
 #include "sp/kernels/cuda/quantize.h"
 
 namespace sp::adapters {
 namespace {
 
-void check(cudaError_t status, const char *call) {
-  if (status != cudaSuccess) {
-    throw std::runtime_error(
-        fmt::format("CUDA error in {}: {} ({})", call, cudaGetErrorString(status),
-                    cudaGetErrorName(status)));
-  }
-}
+using sp::kernels::cuda::check;
 
 class CudaEvent final : public Event {
  public:

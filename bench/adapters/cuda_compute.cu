@@ -1,8 +1,8 @@
 #include "cuda_compute.h"
 
 #include <cstdint>
-#include <stdexcept>
-#include <string>
+
+#include "sp/kernels/cuda/check.h"
 
 namespace sp::bench {
 namespace {
@@ -23,10 +23,7 @@ __global__ void spin_kernel(std::uint64_t nanoseconds) {
 
 void spin_on_stream(cudaStream_t stream, double seconds) {
   spin_kernel<<<1, 1, 0, stream>>>(static_cast<std::uint64_t>(seconds * 1e9));
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string("spin kernel launch: ") + cudaGetErrorString(status));
-  }
+  sp::kernels::cuda::check_launch("sp::bench::spin_kernel");
 }
 
 }  // namespace sp::bench

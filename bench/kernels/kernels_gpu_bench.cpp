@@ -26,15 +26,14 @@
 #include "bench_cli.hpp"
 #include "bench_report.hpp"
 #include "sp/kernels/cuda/bf16.h"
+#include "sp/kernels/cuda/check.h"
 #include "sp/kernels/cuda/moments.h"
 #include "sp/kernels/cuda/nf4.h"
 #include "sp/kernels/cuda/quantize.h"
 
 namespace {
 
-void check(cudaError_t error, const char *what) {
-  if (error != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(error));
-}
+using sp::kernels::cuda::check;
 
 struct DeviceMemory {
   void *ptr = nullptr;

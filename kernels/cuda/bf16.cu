@@ -62,14 +62,14 @@ void fp32_to_bf16(const float *src, uint16_t *dst, std::size_t n, const Bf16Opti
     fp32_to_bf16_scalar_kernel<<<detail::grid_for(n, kThreads * 4), kThreads, 0, stream>>>(
         src, dst, n, options.rounding, options.seed);
   }
-  detail::check_launch("cuda::fp32_to_bf16");
+  check_launch("cuda::fp32_to_bf16");
 }
 
 void bf16_to_fp32(const uint16_t *src, float *dst, std::size_t n, cudaStream_t stream) {
   detail::require(n == 0 || (src != nullptr && dst != nullptr), "cuda::bf16_to_fp32: null pointer with n = " + std::to_string(n));
   if (n == 0) return;
   bf16_to_fp32_kernel<<<detail::grid_for(n, 256 * 4), 256, 0, stream>>>(src, dst, n);
-  detail::check_launch("cuda::bf16_to_fp32");
+  check_launch("cuda::bf16_to_fp32");
 }
 
 }  // namespace sp::kernels::cuda

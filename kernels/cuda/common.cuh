@@ -1,4 +1,4 @@
-// Helpers shared by the CUDA kernels: launch checks, element loads and warp/block reductions.
+// Helpers shared by the CUDA kernels: argument checks, element loads and warp/block reductions.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,17 +9,12 @@
 
 #include "grid_stride.h"
 #include "scalar_math.h"
+#include "sp/kernels/cuda/check.h"
 #include "sp/kernels/dtype.h"
 
 namespace sp::kernels::cuda::detail {
 
-inline void check_launch(const char *kernel) {
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) {
-    throw std::runtime_error(std::string(kernel) + ": CUDA launch failed: " +
-                             cudaGetErrorString(error));
-  }
-}
+// Launch checks: sp::kernels::cuda::check_launch (sp/kernels/cuda/check.h).
 
 inline void require(bool condition, const std::string &message) {
   if (!condition) throw std::invalid_argument(message);

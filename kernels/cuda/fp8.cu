@@ -25,14 +25,14 @@ void fp8_e4m3_encode(const float *src, uint8_t *dst, std::size_t n, cudaStream_t
   detail::require(n == 0 || (src != nullptr && dst != nullptr), "cuda::fp8_e4m3_encode: null pointer");
   if (n == 0) return;
   encode_kernel<<<detail::grid_for(n, 256 * 8), 256, 0, stream>>>(src, dst, n);
-  detail::check_launch("cuda::fp8_e4m3_encode");
+  check_launch("cuda::fp8_e4m3_encode");
 }
 
 void fp8_e4m3_decode(const uint8_t *src, float *dst, std::size_t n, cudaStream_t stream) {
   detail::require(n == 0 || (src != nullptr && dst != nullptr), "cuda::fp8_e4m3_decode: null pointer");
   if (n == 0) return;
   decode_kernel<<<detail::grid_for(n, 256 * 8), 256, 0, stream>>>(src, dst, n);
-  detail::check_launch("cuda::fp8_e4m3_decode");
+  check_launch("cuda::fp8_e4m3_decode");
 }
 
 void quantize_fp8_e4m3(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,

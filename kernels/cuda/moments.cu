@@ -239,13 +239,12 @@ void GradMomentsPlan::upload(void *workspace, cudaStream_t stream) const {
   auto *base = static_cast<uint8_t *>(workspace);
   const auto copy = [&](std::size_t offset, const void *src, std::size_t bytes) {
     if (bytes == 0) return;
-    const cudaError_t error = cudaMemcpyAsync(base + offset, src, bytes, cudaMemcpyHostToDevice, stream);
-    if (error != cudaSuccess) throw std::runtime_error(std::string("GradMomentsPlan::upload: ") + cudaGetErrorString(error));
+    check(cudaMemcpyAsync(base + offset, src, bytes, cudaMemcpyHostToDevice, stream),
+          "cudaMemcpyAsync (GradMomentsPlan::upload)");
   };
   copy(layout.tensors_offset, tensor_table_.data(), tensor_table_.size() * sizeof(TensorEntry));
   copy(layout.blocks_offset, block_table_.data(), block_table_.size() * sizeof(BlockEntry));
-  const cudaError_t error = cudaStreamSynchronize(stream);
-  if (error != cudaSuccess) throw std::runtime_error(std::string("GradMomentsPlan::upload: ") + cudaGetErrorString(error));
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (GradMomentsPlan::upload)");
 }
 
 void GradMomentsPlan::launch(void *workspace, sp_grad_moments_v1 *out_device, cudaStream_t stream) const {
@@ -258,11 +257,11 @@ void GradMomentsPlan::launch(void *workspace, sp_grad_moments_v1 *out_device, cu
     chunk_kernel<<<static_cast<unsigned>(n_chunks_), kChunkThreads, 0, stream>>>(
         reinterpret_cast<const TensorEntry *>(base + layout.tensors_offset),
         static_cast<uint32_t>(tensor_table_.size()), partials);
-    detail::check_launch("GradMomentsPlan::launch (chunk kernel)");
+    check_launch("GradMomentsPlan::launch (chunk kernel)");
   }
   cleanup_kernel<<<n_blocks_, kCleanupThreads, 0, stream>>>(
       reinterpret_cast<const BlockEntry *>(base + layout.blocks_offset), partials, out_device);
-  detail::check_launch("GradMomentsPlan::launch (cleanup kernel)");
+  check_launch("GradMomentsPlan::launch (cleanup kernel)");
 }
 
 }  // namespace sp::kernels::cuda

@@ -192,7 +192,7 @@ void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_
   const uint64_t segments = rows * layout.groups_per_row;
   const auto dtype = static_cast<uint32_t>(src_dtype);
   detail::nf4_scales_kernel<<<detail::grid_for(segments, kThreads / 32), kThreads, 0, stream>>>(src, dtype, layout, scales);
-  detail::check_launch(function);
+  check_launch(function);
   const uint64_t n = static_cast<uint64_t>(rows) * cols;
   const uint64_t bytes = n / 2 + n % 2;
   const unsigned grid = detail::grid_for(bytes, kThreads * 4);
@@ -202,7 +202,7 @@ void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_
   } else {
     detail::nf4_codes_kernel<uint64_t><<<grid, kThreads, 0, stream>>>(src, dtype, layout, scales, codes);
   }
-  detail::check_launch(function);
+  check_launch(function);
 }
 
 void dequantize_nf4_to_bf16(const uint8_t *codes, const uint16_t *scales, std::size_t rows,

@@ -105,9 +105,9 @@ void relative_error(const void *a, DType a_dtype, const void *b, DType b_dtype, 
   auto *partials = static_cast<Partial *>(workspace);
   partial_kernel<<<kBlocks, kThreads, 0, stream>>>(a, static_cast<uint32_t>(a_dtype), b,
                                                    static_cast<uint32_t>(b_dtype), n, partials);
-  detail::check_launch("cuda::relative_error (partials)");
+  check_launch("cuda::relative_error (partials)");
   final_kernel<<<1, kThreads, 0, stream>>>(partials, result_device);
-  detail::check_launch("cuda::relative_error (final)");
+  check_launch("cuda::relative_error (final)");
 }
 
 }  // namespace sp::kernels::cuda
