@@ -1,8 +1,8 @@
 # Compile rules shared by every target of the project.
 
 # Project code is warning-clean. Third-party headers come in as SYSTEM includes.
-add_library(sp_warnings INTERFACE)
-target_compile_options(sp_warnings INTERFACE
+add_library(selective_precision_warnings INTERFACE)
+target_compile_options(selective_precision_warnings INTERFACE
   $<$<COMPILE_LANGUAGE:C,CXX>:-Wall -Wextra -Werror>
   $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Werror --Werror=all-warnings>)
 
@@ -13,7 +13,7 @@ if(SP_SANITIZE)
   add_link_options(-fsanitize=address,undefined)
 endif()
 
-# sp_add_plugin(<target> SOURCES ... [OUTPUT_DIR dir] [OUTPUT_NAME name])
+# selective_precision_add_plugin(<target> SOURCES ... [OUTPUT_DIR dir] [OUTPUT_NAME name])
 #
 # A policy plugin is a MODULE library that a host dlopen()s and later dlclose()s
 # during a hot swap. Three rules keep that unload real (docs/plugin-abi.md):
@@ -21,7 +21,7 @@ endif()
 #   - -fno-gnu-unique: inline statics must not become STB_GNU_UNIQUE, which would make
 #     glibc mark the library NODELETE;
 #   - the plugin is linked with --no-undefined so a missing symbol fails the build, not the load.
-function(sp_add_plugin target)
+function(selective_precision_add_plugin target)
   cmake_parse_arguments(ARG "" "OUTPUT_DIR;OUTPUT_NAME;ENTRY_SYMBOL" "SOURCES" ${ARGN})
   if(NOT ARG_OUTPUT_DIR)
     set(ARG_OUTPUT_DIR ${SP_PLUGIN_OUTPUT_DIR})
@@ -46,6 +46,6 @@ function(sp_add_plugin target)
   target_link_options(${target} PRIVATE
     -Wl,--version-script=${version_script}
     $<$<NOT:$<BOOL:${SP_SANITIZE}>>:-Wl,--no-undefined>)
-  target_link_libraries(${target} PRIVATE sp_warnings)
-  target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/host_api/include)
+  target_link_libraries(${target} PRIVATE selective_precision_warnings)
+  target_link_libraries(${target} PRIVATE selective_precision_plugin_abi)
 endfunction()

@@ -583,4 +583,19 @@ void StreamingEngine::flush_metrics() {
   }
 }
 
+void size_streaming_config(StreamingConfig &config, const std::vector<BlockSpec> &blocks,
+                           std::uint32_t spare_slabs) {
+  const GroupSizes groups = group_sizes(config);
+  config.host_slab_bytes = 0;
+  config.device_slot_bytes = 0;
+  for (const BlockSpec &block : blocks) {
+    for (Precision precision : kAllPrecisions) {
+      config.host_slab_bytes = std::max(config.host_slab_bytes, image_size(block, precision, groups));
+    }
+    config.device_slot_bytes =
+        std::max(config.device_slot_bytes, image_size(block, Precision::bf16, groups));
+  }
+  config.host_slab_count = static_cast<std::uint32_t>(blocks.size()) + spare_slabs;
+}
+
 }  // namespace sp::adapters

@@ -23,6 +23,7 @@
 #include "replay_inputs.hpp"
 #include "sp/host/policy_host.h"
 #include "sp/runtime/atomic_file.hpp"
+#include "sp/runtime/plugin_dir.hpp"
 
 namespace fs = std::filesystem;
 
@@ -60,12 +61,6 @@ class ReplayFailure : public std::runtime_error {
  private:
   int exit_code_;
 };
-
-fs::path default_plugin_dir() {
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? fs::path("build/plugins") : exe.parent_path().parent_path() / "plugins";
-}
 
 std::string read_text(const fs::path& path, const char* what) {
   try {
@@ -269,7 +264,7 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
 
 int main(int argc, char** argv) {
   Options options;
-  options.plugin_dir = default_plugin_dir();
+  options.plugin_dir = sp::runtime::default_plugin_dir();
   CLI::App app{
       "sp-replay: replays a recorded gradient-moment trace through a policy plugin and prints the "
       "precision of every block after each step's compute_hints, one JSON line per step:\n"

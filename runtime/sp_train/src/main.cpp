@@ -18,6 +18,7 @@
 #include "text_corpus.hpp"
 #include "train_config.hpp"
 #include "trainer.hpp"
+#include "sp/runtime/plugin_dir.hpp"
 
 namespace fs = std::filesystem;
 
@@ -54,12 +55,6 @@ extern "C" void on_sigint(int) {
 }
 extern "C" void on_sighup(int) { g_plugin_check.store(true); }
 
-fs::path default_plugin_dir() {
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? fs::path("build/plugins") : exe.parent_path().parent_path() / "plugins";
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -68,7 +63,7 @@ int main(int argc, char** argv) {
   std::int64_t steps = 0;
   std::string seed;
   fs::path out = "sp-train-run";
-  fs::path plugin_dir = default_plugin_dir();
+  fs::path plugin_dir = sp::runtime::default_plugin_dir();
   std::vector<std::string> sets;
 
   CLI::App app{

@@ -16,14 +16,13 @@
 #include "calibration_cache.hpp"
 #include "checkpoint_file.hpp"
 #include "gpt_model.hpp"
-#include "policy_session.hpp"
 #include "sp/bench/transfer_policy.hpp"
 #include "progress.hpp"
 #include "sp/adapters/metrics.h"
+#include "sp/host/policy_session.h"
 #include "sp/adapters/streaming_engine.h"
 #include "sp/kernels/moments.h"
 #include "sp/kernels/relative_error.h"
-#include "sp/kernels/slab.h"
 #include "sp/runtime/atomic_file.hpp"
 #include "text_corpus.hpp"
 #include "transfer_backend.hpp"
@@ -42,15 +41,6 @@ constexpr int kMaxNonFiniteSteps = 8;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-std::uint64_t slab_bytes(const ad::BlockSpec& block, kn::SlabPrecision precision, std::uint32_t group) {
-  std::vector<kn::TensorShape> shapes;
-  for (const ad::TensorSpec& t : block.tensors) shapes.push_back({t.rows, t.cols});
-  kn::SlabEncoding encoding;
-  encoding.precision = precision;
-  encoding.group_size = precision == kn::SlabPrecision::kBf16 ? 0 : group;
-  return kn::slab_image_bytes(encoding, shapes.data(), shapes.size());
 }
 
 // A route as the sp_precision value that step records, checkpoints and plots use.
@@ -133,7 +123,7 @@ struct Trainer::Impl {
   std::unique_ptr<ad::StreamingEngine> engine;       // training steps: forward + backward
   std::unique_ptr<ad::StreamingEngine> eval_engine;  // forward only: validation, calibration
   std::int64_t eval_engine_steps = 0;
-  std::unique_ptr<PolicySession> policy;
+  std::unique_ptr<sp::host::PolicySession> policy;
   std::unique_ptr<AdamW> adam;
   std::vector<std::size_t> adam_resident;                     // resident index -> adam index
   std::vector<std::array<std::size_t, kStreamedPerBlock>> adam_masters;
@@ -349,17 +339,10 @@ struct Trainer::Impl {
     }
     const StreamingSection& s = config.streaming;
     ad::StreamingConfig engine_config;
-    for (const ad::BlockSpec& spec : block_specs) {
-      const std::uint64_t bf16 = slab_bytes(spec, kn::SlabPrecision::kBf16, 0);
-      const std::uint64_t int8 = slab_bytes(spec, kn::SlabPrecision::kInt8, s.int8_group_size);
-      const std::uint64_t nf4 = slab_bytes(spec, kn::SlabPrecision::kNf4, config.policy_keys.nf4_group_size);
-      engine_config.host_slab_bytes = std::max({engine_config.host_slab_bytes, bf16, int8, nf4});
-      engine_config.device_slot_bytes = std::max(engine_config.device_slot_bytes, bf16);
-    }
-    engine_config.host_slab_count = n_blocks + s.spare_slabs;
     engine_config.prefetch_window = s.prefetch_window;
     engine_config.int8_group_size = s.int8_group_size;
     engine_config.nf4_group_size = config.policy_keys.nf4_group_size;
+    ad::size_streaming_config(engine_config, block_specs, s.spare_slabs);
     engine_config.backward = true;
     if (!s.metrics_file.empty()) engine_config.metrics_path = (options.out_dir / s.metrics_file).string();
 
@@ -404,8 +387,15 @@ struct Trainer::Impl {
       blocks.push_back(std::move(block));
     }
     const fs::path plugin_file = options.plugin_dir / ("lib" + config.train.plugin + ".so");
-    policy = std::make_unique<PolicySession>(plugin_file, config.resolved_yaml, config.source_name,
-                                             std::move(blocks), options.out_dir, log);
+    sp::host::PolicyHostOptions host_options;
+    host_options.host_name = "sp-train";
+    host_options.output_dir = options.out_dir;
+    host_options.logger = log;
+    host_options.fallback = sp::host::FallbackMode::last_good;
+    host_options.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) |
+                                        SP_PRECISION_BIT(SP_PRECISION_NF4);
+    policy = std::make_unique<sp::host::PolicySession>(plugin_file, sp::host::PolicyConfig{config.resolved_yaml, config.source_name},
+                                                       std::move(blocks), std::move(host_options));
     log->info("policy plugin {} {} from {}", policy->host().plugin_name(), policy->plugin_version(),
               plugin_file.string());
   }

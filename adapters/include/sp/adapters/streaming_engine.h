@@ -61,6 +61,12 @@ struct BlockView {
   std::vector<TensorView> tensors;
 };
 
+// Sizes `config` for `blocks` from its group sizes: host_slab_bytes (the largest image on any
+// route), device_slot_bytes (the largest BF16 image) and host_slab_count (one slab per block
+// plus `spare_slabs`). What every host would otherwise compute by hand.
+void size_streaming_config(StreamingConfig &config, const std::vector<BlockSpec> &blocks,
+                           std::uint32_t spare_slabs);
+
 class StreamingEngine {
  public:
   // Sizes everything once. Throws std::invalid_argument naming the field or block when the

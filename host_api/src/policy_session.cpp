@@ -1,4 +1,4 @@
-#include "policy_session.hpp"
+#include "sp/host/policy_session.h"
 
 #include <sys/stat.h>
 
@@ -7,24 +7,14 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
-namespace sp::train {
+namespace sp::host {
 namespace fs = std::filesystem;
 
-PolicySession::PolicySession(fs::path plugin_file, std::string config_yaml, std::string source_name,
-                             std::vector<sp::host::BlockDescription> blocks, fs::path output_dir,
-                             std::shared_ptr<spdlog::logger> logger)
-    : plugin_file_(std::move(plugin_file)),
-      config_{std::move(config_yaml), std::move(source_name)},
-      logger_(std::move(logger)) {
-  sp::host::PolicyHostOptions options;
-  options.host_name = "sp-train";
-  options.output_dir = std::move(output_dir);
-  options.logger = logger_;
-  options.fallback = sp::host::FallbackMode::last_good;
-  options.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) |
-                                 SP_PRECISION_BIT(SP_PRECISION_NF4);
+PolicySession::PolicySession(fs::path plugin_file, PolicyConfig config, std::vector<BlockDescription> blocks,
+                             PolicyHostOptions options)
+    : plugin_file_(std::move(plugin_file)), logger_(options.logger ? options.logger : spdlog::default_logger()) {
   loaded_identity_ = identify(plugin_file_);
-  host_ = std::make_unique<sp::host::PolicyHost>(plugin_file_, config_, std::move(blocks), options);
+  host_ = std::make_unique<PolicyHost>(plugin_file_, config, std::move(blocks), std::move(options));
 }
 
 PolicySession::~PolicySession() = default;
@@ -57,18 +47,18 @@ std::optional<PolicySession::FileIdentity> PolicySession::identify(const fs::pat
                       static_cast<std::uint64_t>(st.st_ino)};
 }
 
-std::optional<sp::host::SwapResult> PolicySession::check_for_new_version(bool force) {
+std::optional<SwapResult> PolicySession::check_for_new_version(bool force) {
   const std::optional<FileIdentity> now = identify(plugin_file_);
   // A file being replaced may be missing for a moment; the next check will see it.
   if (!now) return std::nullopt;
   if (!force && loaded_identity_ && *now == *loaded_identity_) return std::nullopt;
   loaded_identity_ = now;
-  sp::host::SwapResult result = host_->request_swap(plugin_file_);
-  swap_requested_ = result.outcome == sp::host::SwapResult::Outcome::pending;
+  SwapResult result = host_->request_swap(plugin_file_);
+  swap_requested_ = result.outcome == SwapResult::Outcome::pending;
   return result;
 }
 
-std::optional<sp::host::SwapResult> PolicySession::take_swap_outcome() {
+std::optional<SwapResult> PolicySession::take_swap_outcome() {
   if (!swap_requested_ || host_->swap_pending()) return std::nullopt;
   swap_requested_ = false;
   return host_->last_swap_result();
@@ -83,4 +73,4 @@ void PolicySession::restore_state(const std::vector<std::uint8_t>& blob) {
                 host_->plugin_version());
 }
 
-}  // namespace sp::train
+}  // namespace sp::host

@@ -1,7 +1,7 @@
-// The trainer's side of the policy plugin: drives sp::host::PolicyHost through the step
-// lifecycle, watches the plugin file for a newer version (hot swap at the next step
-// boundary), and carries the plugin's state (its export_state blob) in and out of a
-// checkpoint.
+// A training loop's side of the policy plugin: drives PolicyHost through the step lifecycle,
+// watches the plugin file for a newer version (hot swap at the next step boundary), and
+// carries the plugin's state (its export_state blob) in and out of a checkpoint. Torch-free:
+// any host (the LibTorch layer, sp-train, a Python binding) uses it as is.
 #pragma once
 
 #include <cstdint>
@@ -13,14 +13,14 @@
 
 #include "sp/host/policy_host.h"
 
-namespace sp::train {
+namespace sp::host {
 
 class PolicySession {
  public:
-  // Throws sp::host::PluginError when the plugin cannot be loaded or rejects the config.
-  PolicySession(std::filesystem::path plugin_file, std::string config_yaml, std::string source_name,
-                std::vector<sp::host::BlockDescription> blocks, std::filesystem::path output_dir,
-                std::shared_ptr<spdlog::logger> logger);
+  // Loads `plugin_file` with `config` for `blocks`. Throws PluginError when the plugin cannot
+  // be loaded or rejects the config, std::invalid_argument on bad options.
+  PolicySession(std::filesystem::path plugin_file, PolicyConfig config, std::vector<BlockDescription> blocks,
+                PolicyHostOptions options);
   ~PolicySession();
 
   // One relative output error per block against BF16, at `precision` (INT8 or NF4).
@@ -33,16 +33,16 @@ class PolicySession {
   // Between steps: if the plugin file changed since it was loaded (or `force`, after
   // SIGHUP), asks the host library to swap to it at the next begin_step. Returns the
   // request's outcome when one was made.
-  std::optional<sp::host::SwapResult> check_for_new_version(bool force);
+  std::optional<SwapResult> check_for_new_version(bool force);
   // The swap applied (or failed) by the latest begin_step, if any, once.
-  std::optional<sp::host::SwapResult> take_swap_outcome();
+  std::optional<SwapResult> take_swap_outcome();
 
   // The plugin's state blob for a checkpoint, and its restoration on resume (between steps).
   // restore_state throws std::runtime_error when the plugin rejects the blob.
   std::vector<std::uint8_t> export_state() const { return host_->export_state(); }
   void restore_state(const std::vector<std::uint8_t>& blob);
 
-  const sp::host::PolicyHost& host() const { return *host_; }
+  const PolicyHost& host() const { return *host_; }
   std::string_view plugin_version() const { return host_->plugin_version(); }
 
  private:
@@ -57,11 +57,10 @@ class PolicySession {
   static std::optional<FileIdentity> identify(const std::filesystem::path& file);
 
   std::filesystem::path plugin_file_;
-  sp::host::PolicyConfig config_;
   std::shared_ptr<spdlog::logger> logger_;
-  std::unique_ptr<sp::host::PolicyHost> host_;
+  std::unique_ptr<PolicyHost> host_;
   std::optional<FileIdentity> loaded_identity_;
   bool swap_requested_ = false;
 };
 
-}  // namespace sp::train
+}  // namespace sp::host

@@ -1,0 +1,71 @@
+# Install rules and the CMake package: find_package(SelectivePrecision CONFIG) gives
+#   SelectivePrecision::plugin_abi   the frozen C ABI header alone (for plugin authors)
+#   SelectivePrecision::host         loads, drives and hot-swaps policy plugins
+#   SelectivePrecision::kernels      CPU kernels and the slab format (::kernels_cuda: CUDA twins)
+#   SelectivePrecision::adapters     the streaming engine (::adapters_cuda: its CUDA backend)
+#   SelectivePrecision::torch        the LibTorch layer that streams any model
+# Each component is its own export file, loaded with only the dependencies it needs, so a
+# plugin author's find_package(SelectivePrecision COMPONENTS plugin_abi) needs nothing else
+# and one of host needs neither LibTorch nor CUDA.
+include(CMakePackageConfigHelpers)
+
+set(SP_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/SelectivePrecision)
+set(SP_INSTALL_PLUGINDIR ${CMAKE_INSTALL_LIBDIR}/selective_precision/plugins)
+set(SP_INSTALL_DOCDIR ${CMAKE_INSTALL_DATADIR}/doc/selective_precision)
+set(SP_INSTALL_DATADIR ${CMAKE_INSTALL_DATADIR}/selective_precision)
+
+# selective_precision_install_component(<component> TARGETS ... [HEADERS dir...])
+function(selective_precision_install_component component)
+  cmake_parse_arguments(ARG "" "" "TARGETS;HEADERS" ${ARGN})
+  install(TARGETS ${ARG_TARGETS} EXPORT SelectivePrecision_${component}
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  foreach(dir IN LISTS ARG_HEADERS)
+    install(DIRECTORY ${dir}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} FILES_MATCHING PATTERN "*.h")
+  endforeach()
+  install(EXPORT SelectivePrecision_${component}
+    NAMESPACE SelectivePrecision::
+    FILE SelectivePrecision_${component}.cmake
+    DESTINATION ${SP_INSTALL_CMAKEDIR})
+endfunction()
+
+set(SP_PACKAGE_COMPONENTS plugin_abi host kernels adapters)
+selective_precision_install_component(plugin_abi TARGETS selective_precision_plugin_abi)
+install(FILES ${PROJECT_SOURCE_DIR}/host_api/include/sp/plugin_abi_v1.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/sp)
+selective_precision_install_component(host TARGETS selective_precision_host
+  HEADERS ${PROJECT_SOURCE_DIR}/host_api/include)
+set(sp_kernel_targets selective_precision_kernels)
+set(sp_adapter_targets selective_precision_adapters)
+if(SP_HAVE_CUDA)
+  list(APPEND sp_kernel_targets selective_precision_kernels_cuda)
+  list(APPEND sp_adapter_targets selective_precision_adapters_cuda)
+endif()
+selective_precision_install_component(kernels TARGETS ${sp_kernel_targets} HEADERS ${PROJECT_SOURCE_DIR}/kernels/include)
+selective_precision_install_component(adapters TARGETS ${sp_adapter_targets} HEADERS ${PROJECT_SOURCE_DIR}/adapters/include)
+if(SP_HAVE_TORCH)
+  list(APPEND SP_PACKAGE_COMPONENTS torch)
+  selective_precision_install_component(torch TARGETS selective_precision_torch
+    HEADERS ${PROJECT_SOURCE_DIR}/torch_layer/include)
+endif()
+
+install(TARGETS selective_precision_policy_plugin selective_precision_example_minimal_c
+  LIBRARY DESTINATION ${SP_INSTALL_PLUGINDIR})
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/docs/ DESTINATION ${SP_INSTALL_DOCDIR})
+install(FILES ${PROJECT_SOURCE_DIR}/README.md DESTINATION ${SP_INSTALL_DOCDIR})
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/configs/ DESTINATION ${SP_INSTALL_DATADIR}/configs)
+if(SP_BUILD_TOOLS)
+  install(TARGETS sp-train sp-replay sp-bench RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+endif()
+
+set(SP_PACKAGE_HAVE_CUDA ${SP_HAVE_CUDA})
+configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/SelectivePrecisionConfig.cmake.in
+  ${PROJECT_BINARY_DIR}/SelectivePrecisionConfig.cmake
+  INSTALL_DESTINATION ${SP_INSTALL_CMAKEDIR}
+  PATH_VARS SP_INSTALL_PLUGINDIR)
+write_basic_package_version_file(${PROJECT_BINARY_DIR}/SelectivePrecisionConfigVersion.cmake
+  VERSION ${PROJECT_VERSION}
+  COMPATIBILITY SameMajorVersion)
+install(FILES ${PROJECT_BINARY_DIR}/SelectivePrecisionConfig.cmake
+              ${PROJECT_BINARY_DIR}/SelectivePrecisionConfigVersion.cmake
+        DESTINATION ${SP_INSTALL_CMAKEDIR})

@@ -1,0 +1,176 @@
+// The LibTorch layer: streams the blocks of any LibTorch model through Selective Precision.
+//
+// A host hands over an ordered list of blocks (torch::nn::Module + a forward callable) and
+// says which named parameters of each block stream; the rest stay resident, untouched. The
+// layer then
+//   - keeps each streamed parameter's fp32 master on the host (master_parameters(): the
+//     tensors the optimizer steps; their .grad receives the gradients);
+//   - sizes and runs the streaming engine: every forward fetches each block's weights over
+//     the route the policy chose (BF16, INT8 or NF4), dequantized into the block's own
+//     parameters for the duration of its forward;
+//   - plugs into autograd: a plain loss.backward() fetches the blocks again in reverse,
+//     recomputes each block's forward and differentiates it; the gradient with respect to
+//     the delivered weights lands straight-through in the masters' .grad (accumulated, so
+//     micro-batches add up), resident parameters get theirs the usual way;
+//   - drives the policy plugin (PolicySession): hooks in order, hints to the engines before
+//     the images are rebuilt, hot-swap polling, state for checkpoints, calibration.
+//
+// The rules of a step (what a host must do; sp-train is one such host):
+//   begin_step(step);
+//   any number of forward(x) calls: under grad mode each opens a training pass whose
+//     backward must run before the next grad-mode forward (gradient accumulation: forward,
+//     backward, forward, backward); under torch::NoGradGuard a forward is an evaluation pass
+//     that may come at any time;
+//   post_backward();          after the last backward: moments to the plugin, its hints to
+//                             the engines; returns the moments (e.g. for clipping);
+//   optimizer.step();         updates the masters (any torch::optim optimizer, or your own)
+//   end_step(loss);           rebuilds the transfer images of the updated masters for the
+//                             routes just decided, and ends the plugin's step.
+// Every change of the masters must be followed by end_step() (or refresh_images()), or the
+// next fetch sends the old weights.
+//
+// Threads: one thread drives a StreamedModel. Autograd may run the backward of its blocks on
+// another thread; the layer is only ever entered by one at a time.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "sp/adapters/metrics.h"
+#include "sp/adapters/policy_bridge.h"
+#include "sp/host/policy_session.h"
+
+namespace sp::torch_layer {
+
+// One block of the model. `module` owns the parameters; `forward` computes the block's output
+// from its input and must read its parameters through the module (as every torch::nn
+// module does), since the layer points the streamed ones at the delivered weights.
+struct Block {
+  std::string name;  // for messages and the plugin; empty: "block<i>"
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  // Names as in module->named_parameters() (e.g. "attn.wq.weight"). Every other parameter
+  // of the module stays resident.
+  std::vector<std::string> streamed;
+};
+
+// A block from a module whose forward takes and returns one tensor.
+template <typename ModuleHolder>
+Block make_block(ModuleHolder module, std::vector<std::string> streamed, std::string name = {}) {
+  auto shared = module.ptr();
+  return Block{std::move(name), shared, [shared](const torch::Tensor& x) { return shared->forward(x); },
+               std::move(streamed)};
+}
+
+struct StreamedModelOptions {
+  // The policy plugin and its YAML config (the whole document; the plugin reads its section,
+  // memory.stagehand.selective_precision). config_source names it in error messages.
+  std::filesystem::path plugin_file;
+  std::string config_yaml;
+  std::string config_source = "<config>";
+  // Where the plugin writes its relative output files (telemetry); empty: the working dir.
+  std::filesystem::path output_dir;
+  std::shared_ptr<spdlog::logger> logger;  // null: spdlog's default logger
+
+  // Where and in what dtype the blocks compute. CPU uses the host backend (a bandwidth cap
+  // emulates a link); CUDA the CUDA backend on torch's default stream.
+  torch::Device device = torch::kCPU;
+  torch::Dtype compute_dtype = torch::kFloat32;
+  double host_bandwidth_cap_gbps = 0.0;  // CPU only; 0: memcpy speed
+
+  // Streaming engine.
+  std::uint32_t prefetch_window = 1;
+  std::uint32_t spare_slabs = 2;
+  std::uint32_t int8_group_size = 0;   // 0: one scale per row; else 32, 64, 128 or 256
+  std::uint32_t nf4_group_size = 64;   // 32, 64, 128 or 256
+  std::string metrics_path;            // JSONL of the training passes' transfers; empty: none
+};
+
+// What one step moved and decided.
+struct StepReport {
+  std::int64_t step = 0;
+  std::uint64_t h2d_bytes_bf16 = 0, h2d_bytes_int8 = 0, h2d_bytes_nf4 = 0;
+  std::uint64_t h2d_bytes_all_bf16 = 0;  // what the same fetches would have moved as BF16
+  std::uint64_t eval_h2d_bytes = 0;      // of the evaluation passes
+  std::uint32_t training_passes = 0;
+  std::vector<sp_precision> routes;     // per block, for the next step
+  std::optional<sp::host::SwapResult> swap;  // a hot swap applied (or failed) at begin_step
+};
+
+// Relative output error of each block with quantized weights against BF16 weights.
+struct CalibrationErrors {
+  std::vector<double> int8;
+  std::vector<double> nf4;
+};
+
+class StreamedModel {
+ public:
+  // Takes the streamed parameters' values as the masters and points the module parameters
+  // at (empty, then delivered) compute tensors. Throws std::invalid_argument naming the
+  // block and parameter for a missing or duplicated name, a block without a module or
+  // forward, or a streamed parameter that is not floating point; sp::host::PluginError when
+  // the plugin cannot be loaded or rejects the config.
+  StreamedModel(std::vector<Block> blocks, StreamedModelOptions options);
+  ~StreamedModel();
+  StreamedModel(const StreamedModel&) = delete;
+  StreamedModel& operator=(const StreamedModel&) = delete;
+
+  std::uint32_t num_blocks() const;
+  // The fp32 host masters of the streamed parameters, block by block (requires_grad as the
+  // module's parameter had it). Give them to the optimizer with the resident parameters.
+  std::vector<torch::Tensor> master_parameters() const;
+  // One block's masters, by parameter name.
+  const std::map<std::string, torch::Tensor>& masters(std::uint32_t block) const;
+  // The resident parameters of every block (the module parameters not streamed).
+  std::vector<torch::Tensor> resident_parameters() const;
+
+  // Runs the blocks in order on x (see the step rules above).
+  torch::Tensor forward(const torch::Tensor& x);
+
+  void begin_step(std::int64_t step);
+  // Block gradient moments (of the streamed masters' gradients, or of the block's trainable
+  // resident parameters when its streamed weights are frozen) to the plugin; its hints to
+  // the engines. Call once per step, after the backward passes.
+  const std::vector<sp_grad_moments_v1>& post_backward();
+  StepReport end_step(double loss);
+  // Rebuilds the transfer images of blocks whose trainable masters changed outside a step.
+  void refresh_images();
+
+  // Measures, on the first-block inputs `samples`, each block's output error with INT8 and
+  // with NF4 weights against BF16 weights (all through the engine's routes, pinned), and
+  // gives them to the plugin. Call between steps.
+  CalibrationErrors calibrate(const std::vector<torch::Tensor>& samples);
+
+  // The benchmark-driven half of the route (sp-bench's transfer policy).
+  void set_transfer_gate(sp::adapters::TransferGate gate);
+  // Between steps: requests a swap when the plugin file changed (or `force`); it happens at
+  // the next begin_step, whose StepReport tells the outcome.
+  std::optional<sp::host::SwapResult> poll_plugin(bool force = false);
+
+  // Everything the layer needs to resume with identical decisions: the masters (by
+  // "<block>/<parameter>"), the plugin state, the routes in force and the step counters, as
+  // named tensors a host saves with torch::save or its own format. restore_state() throws
+  // std::invalid_argument naming the entry that is missing or of the wrong shape.
+  std::map<std::string, torch::Tensor> export_state() const;
+  void restore_state(const std::map<std::string, torch::Tensor>& state);
+
+  // Bytes of one transfer of the block on each route (image header, payload, scales).
+  std::uint64_t image_bytes(std::uint32_t block, sp_precision precision) const;
+  const sp::host::PolicySession& policy() const;
+  std::vector<sp_precision> routes() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sp::torch_layer

@@ -1,0 +1,808 @@
+#include "sp/torch_layer/streamed_model.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "sp/adapters/host_backend.h"
+#include "sp/adapters/streaming_engine.h"
+#include "sp/kernels/moments.h"
+#include "sp/kernels/relative_error.h"
+#ifdef SP_TORCH_LAYER_HAVE_CUDA
+#include "sp/adapters/cuda_backend.h"
+#endif
+
+namespace sp::torch_layer {
+namespace ad = sp::adapters;
+namespace kn = sp::kernels;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+ad::Precision route_of(sp_precision precision) {
+  switch (precision) {
+    case SP_PRECISION_BF16:
+      return ad::Precision::bf16;
+    case SP_PRECISION_INT8:
+      return ad::Precision::int8;
+    case SP_PRECISION_NF4:
+      return ad::Precision::nf4;
+  }
+  throw std::invalid_argument(fmt::format("sp_precision {} is not BF16, INT8 or NF4", static_cast<int>(precision)));
+}
+
+sp_precision precision_of(ad::Precision route) {
+  switch (route) {
+    case ad::Precision::int8:
+      return SP_PRECISION_INT8;
+    case ad::Precision::nf4:
+      return SP_PRECISION_NF4;
+    default:
+      return SP_PRECISION_BF16;
+  }
+}
+
+std::unique_ptr<ad::TransferBackend> make_backend(const StreamedModelOptions& options) {
+  if (options.device.is_cpu()) {
+    ad::HostBackendOptions host;
+    host.bandwidth_cap_bytes_per_second = options.host_bandwidth_cap_gbps * 1e9;
+    return std::make_unique<ad::HostBackend>(host);
+  }
+#ifdef SP_TORCH_LAYER_HAVE_CUDA
+  if (options.device.is_cuda()) {
+    if (!ad::CudaBackend::device_available()) {
+      throw std::invalid_argument("StreamedModelOptions::device is CUDA, but no CUDA device is visible");
+    }
+    ad::CudaBackendOptions cuda;
+    cuda.device = options.device.has_index() ? options.device.index() : 0;
+    // LibTorch computes on its current stream, the legacy default stream unless the host set
+    // another; the engine orders its copies against that one.
+    cuda.compute_stream = cudaStreamLegacy;
+    return std::make_unique<ad::CudaBackend>(cuda);
+  }
+#endif
+  throw std::invalid_argument(fmt::format("StreamedModelOptions::device {}: this build streams to the CPU{} only",
+                                          options.device.str(),
+#ifdef SP_TORCH_LAYER_HAVE_CUDA
+                                          " and CUDA"
+#else
+                                          ""
+#endif
+                                          ));
+}
+
+// One streamed parameter: the module's own Parameter (pointed at delivered weights while
+// its block computes, at an empty tensor otherwise) and its fp32 host master.
+struct StreamedParam {
+  std::string name;
+  torch::Tensor param;
+  torch::Tensor master;
+  torch::Tensor staging;  // CUDA: pinned fp32, the gradient's way to the host without a sync
+  std::vector<std::int64_t> shape;
+  std::uint64_t rows = 0, cols = 0;
+};
+
+struct BlockState {
+  Block block;
+  std::vector<StreamedParam> streamed;
+  std::map<std::string, torch::Tensor> masters;
+  std::vector<torch::Tensor> resident;
+  std::vector<torch::Tensor> trainable_resident;  // resident parameters that require grad
+  bool trainable_masters = false;
+};
+
+}  // namespace
+
+struct StreamedModel::Impl {
+  StreamedModelOptions options;
+  std::shared_ptr<spdlog::logger> log;
+  torch::TensorOptions compute;
+  std::vector<BlockState> blocks;
+  std::unique_ptr<ad::TransferBackend> backend;
+  std::unique_ptr<ad::StreamingEngine> engine;       // training passes: forward + backward
+  std::unique_ptr<ad::StreamingEngine> eval_engine;  // forward-only passes
+  std::unique_ptr<ad::Event> compute_done;
+  std::unique_ptr<sp::host::PolicySession> policy;
+
+  enum class Pass { none, forwarded, in_backward };
+  Pass pass = Pass::none;
+  std::uint64_t pass_id = 0;
+  std::int64_t engine_steps = 0, eval_engine_steps = 0;
+  bool eval_images_stale = false;
+  bool grads_staged = false;
+
+  bool in_step = false;
+  bool after_backward = false;
+  std::int64_t step = 0;
+  Clock::time_point step_start;
+  ad::StepTransferMetrics step_transfer;
+  StepReport report;
+  std::vector<sp_grad_moments_v1> moments;
+  std::vector<sp_hint_v1> applied_hints;
+
+  Impl(std::vector<Block> in, StreamedModelOptions opts) : options(std::move(opts)), log(options.logger) {
+    if (!log) log = spdlog::default_logger();
+    compute = torch::TensorOptions().dtype(options.compute_dtype).device(options.device);
+    if (in.empty()) throw std::invalid_argument("StreamedModel: there are no blocks");
+    for (std::size_t b = 0; b < in.size(); ++b) adopt(std::move(in[b]), b);
+    build_engines();
+    build_policy();
+  }
+
+  ~Impl() {
+    // The engines must not outlive a pass that an exception cut short.
+    try {
+      if (pass != Pass::none) engine->end_step();
+    } catch (const std::exception& e) {
+      log->warn("StreamedModel: closing the open training pass: {}", e.what());
+    }
+  }
+
+  void adopt(Block block, std::size_t index) {
+    if (block.name.empty()) block.name = fmt::format("block{}", index);
+    const std::string& name = block.name;
+    if (!block.module) throw std::invalid_argument(fmt::format("StreamedModel: {} has no module", name));
+    if (!block.forward) throw std::invalid_argument(fmt::format("StreamedModel: {} has no forward", name));
+    BlockState state;
+    const auto params = block.module->named_parameters(/*recurse=*/true);
+    for (const std::string& wanted : block.streamed) {
+      if (std::count(block.streamed.begin(), block.streamed.end(), wanted) > 1) {
+        throw std::invalid_argument(fmt::format("StreamedModel: {}: parameter '{}' is listed twice", name, wanted));
+      }
+      const torch::Tensor* found = params.find(wanted);
+      if (!found) {
+        std::string known;
+        for (const auto& item : params) known += (known.empty() ? "" : ", ") + item.key();
+        throw std::invalid_argument(
+            fmt::format("StreamedModel: {} has no parameter '{}' (it has: {})", name, wanted, known));
+      }
+      if (!found->is_floating_point() || found->numel() == 0) {
+        throw std::invalid_argument(fmt::format(
+            "StreamedModel: {}: parameter '{}' is {} with {} elements; a streamed parameter is a non-empty "
+            "floating-point tensor",
+            name, wanted, c10::toString(found->scalar_type()), found->numel()));
+      }
+      StreamedParam p;
+      p.name = wanted;
+      p.param = *found;
+      p.shape = found->sizes().vec();
+      p.rows = found->dim() >= 2 ? static_cast<std::uint64_t>(found->size(0)) : 1;
+      p.cols = static_cast<std::uint64_t>(found->numel()) / p.rows;
+      torch::Tensor master = found->detach().to(torch::kCPU, torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
+      if (options.device.is_cuda()) master = master.pin_memory();
+      master.set_requires_grad(found->requires_grad());
+      state.trainable_masters = state.trainable_masters || found->requires_grad();
+      if (options.device.is_cuda() && found->requires_grad()) {
+        p.staging = torch::empty_like(master).pin_memory();
+      }
+      p.master = master;
+      {
+        torch::NoGradGuard no_grad;
+        p.param.set_data(torch::empty({0}, compute));
+      }
+      state.masters.emplace(wanted, master);
+      state.streamed.push_back(std::move(p));
+    }
+    for (const auto& item : params) {
+      if (std::find(block.streamed.begin(), block.streamed.end(), item.key()) != block.streamed.end()) continue;
+      state.resident.push_back(item.value());
+      if (item.value().requires_grad()) state.trainable_resident.push_back(item.value());
+    }
+    if (state.streamed.empty()) {
+      throw std::invalid_argument(fmt::format("StreamedModel: {} streams no parameter; list at least one", name));
+    }
+    state.block = std::move(block);
+    blocks.push_back(std::move(state));
+  }
+
+  void build_engines() {
+    std::vector<ad::BlockSpec> specs;
+    for (const BlockState& b : blocks) {
+      ad::BlockSpec spec;
+      spec.name = b.block.name;
+      for (const StreamedParam& p : b.streamed) {
+        spec.tensors.push_back(ad::TensorSpec{p.name, p.master.data_ptr<float>(), p.rows, p.cols});
+      }
+      specs.push_back(std::move(spec));
+    }
+    ad::StreamingConfig config;
+    config.prefetch_window = options.prefetch_window;
+    config.int8_group_size = options.int8_group_size;
+    config.nf4_group_size = options.nf4_group_size;
+    ad::size_streaming_config(config, specs, options.spare_slabs);
+    config.backward = true;
+    config.metrics_path = options.metrics_path;
+    backend = make_backend(options);
+    engine = std::make_unique<ad::StreamingEngine>(*backend, config, specs);
+    config.backward = false;
+    config.metrics_path.clear();
+    eval_engine = std::make_unique<ad::StreamingEngine>(*backend, config, specs);
+    compute_done = backend->create_event();
+  }
+
+  void build_policy() {
+    std::vector<sp::host::BlockDescription> descriptions;
+    for (const sp_block_desc_v1& d : engine->block_descs()) {
+      sp::host::BlockDescription block;
+      block.id = d.block_id;
+      block.num_params = d.num_params;
+      block.bf16_bytes = d.bf16_bytes;
+      block.int8_bytes = d.int8_bytes;
+      block.nf4_bytes = engine->nf4_image_bytes(d.block_id);
+      block.name = d.name;
+      descriptions.push_back(std::move(block));
+    }
+    sp::host::PolicyHostOptions host;
+    host.host_name = "sp-torch-layer";
+    host.output_dir = options.output_dir;
+    host.logger = log;
+    host.fallback = sp::host::FallbackMode::last_good;
+    host.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) |
+                                SP_PRECISION_BIT(SP_PRECISION_NF4);
+    policy = std::make_unique<sp::host::PolicySession>(
+        options.plugin_file, sp::host::PolicyConfig{options.config_yaml, options.config_source},
+        std::move(descriptions), std::move(host));
+  }
+
+  // ---- weights in and out of the module ----------------------------------------------------
+
+  // A parameter the host replaced under the layer (module->weight = new tensor) would be
+  // computed with its own, stale values and trained without the layer knowing: refused.
+  void check_parameters_unchanged() const {
+    for (const BlockState& b : blocks) {
+      const auto params = b.block.module->named_parameters(/*recurse=*/true);
+      for (const StreamedParam& p : b.streamed) {
+        const torch::Tensor* now = params.find(p.name);
+        if (!now || now->unsafeGetTensorImpl() != p.param.unsafeGetTensorImpl()) {
+          throw std::logic_error(fmt::format(
+              "StreamedModel: {}: parameter '{}' was replaced or removed after the model was wrapped; the layer "
+              "owns streamed parameters (change the masters instead, then call refresh_images())",
+              b.block.name, p.name));
+        }
+      }
+    }
+  }
+
+  void attach(BlockState& b, const ad::BlockView& view, bool trainable) {
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < b.streamed.size(); ++i) {
+      StreamedParam& p = b.streamed[i];
+      torch::Tensor w = torch::from_blob(view.tensors[i].bf16, p.shape,
+                                         torch::TensorOptions().dtype(torch::kBFloat16).device(options.device));
+      if (options.compute_dtype != torch::kBFloat16) w = w.to(options.compute_dtype);
+      p.param.set_data(w);
+      p.param.set_requires_grad(trainable && p.master.requires_grad());
+    }
+  }
+
+  void detach(BlockState& b) {
+    torch::NoGradGuard no_grad;
+    for (StreamedParam& p : b.streamed) p.param.set_data(torch::empty({0}, compute));
+  }
+
+  // ---- passes --------------------------------------------------------------------------------
+
+  void require_step(const char* call) const {
+    if (!in_step) throw std::logic_error(fmt::format("StreamedModel::{}: no step is active; call begin_step()", call));
+  }
+
+  void add_transfer(const ad::StepTransferMetrics& m) {
+    ad::StepTransferMetrics& t = step_transfer;
+    t.h2d_bytes_bf16 += m.h2d_bytes_bf16;
+    t.h2d_bytes_int8 += m.h2d_bytes_int8;
+    t.h2d_bytes_nf4 += m.h2d_bytes_nf4;
+    t.h2d_bytes_all_bf16 += m.h2d_bytes_all_bf16;
+    t.fetches_bf16 += m.fetches_bf16;
+    t.fetches_int8 += m.fetches_int8;
+    t.fetches_nf4 += m.fetches_nf4;
+    t.fetches_bf16_by_transfer_policy += m.fetches_bf16_by_transfer_policy;
+    t.fetches_int8_by_transfer_policy += m.fetches_int8_by_transfer_policy;
+    t.fetches_pinned += m.fetches_pinned;
+    t.prefetch_hits += m.prefetch_hits;
+    t.prefetch_misses += m.prefetch_misses;
+    t.prefetch_unused += m.prefetch_unused;
+    t.stalls += m.stalls;
+    t.stall_seconds += m.stall_seconds;
+    t.image_rebuilds += m.image_rebuilds;
+    ++report.training_passes;
+  }
+
+  // A grad-mode forward whose backward never ran (the graph was dropped): its pass ends here.
+  void close_abandoned_pass(const char* why) {
+    if (pass == Pass::none) return;
+    if (pass == Pass::in_backward) {
+      throw std::logic_error(fmt::format(
+          "StreamedModel::{}: the backward of the current training pass stopped before block 0; a pass's backward "
+          "must run through every block",
+          why));
+    }
+    log->debug("StreamedModel: a training pass ended without a backward ({})", why);
+    add_transfer(engine->end_step());
+    pass = Pass::none;
+  }
+
+  torch::Tensor eval_forward(torch::Tensor x) {
+    if (eval_images_stale) {
+      for (std::uint32_t b = 0; b < blocks.size(); ++b) eval_engine->on_weights_updated(b);
+      eval_images_stale = false;
+    }
+    eval_engine->begin_step(eval_engine_steps++);
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+      const ad::BlockView& view = eval_engine->acquire(b);
+      attach(blocks[b], view, false);
+      try {
+        x = blocks[b].block.forward(x);
+      } catch (...) {
+        detach(blocks[b]);
+        eval_engine->release(b);
+        eval_engine->end_step();
+        throw;
+      }
+      detach(blocks[b]);
+      eval_engine->release(b);
+    }
+    const ad::StepTransferMetrics m = eval_engine->end_step();
+    report.eval_h2d_bytes += m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
+    return x;
+  }
+
+  torch::Tensor forward_block(std::uint32_t b, const torch::Tensor& x) {
+    const ad::BlockView& view = engine->acquire(b);
+    attach(blocks[b], view, false);
+    torch::Tensor y;
+    try {
+      y = blocks[b].block.forward(x);
+    } catch (...) {
+      detach(blocks[b]);
+      engine->release(b);
+      throw;
+    }
+    detach(blocks[b]);
+    engine->release(b);
+    return y;
+  }
+
+  // Recomputes block b's forward on the delivered weights and differentiates it. Returns the
+  // gradient of the block input, then one per trainable resident parameter.
+  variable_list backward_block(std::uint32_t b, std::uint64_t id, const torch::Tensor& x,
+                               const torch::Tensor& grad_out) {
+    if (id != pass_id || pass == Pass::none) {
+      throw std::logic_error(fmt::format(
+          "StreamedModel: backward through {} of a training pass that has ended (a later grad-mode forward, or "
+          "post_backward(), closed it); run each pass's backward before the next grad-mode forward",
+          blocks[b].block.name));
+    }
+    pass = Pass::in_backward;
+    BlockState& block = blocks[b];
+    const ad::BlockView& view = engine->acquire(b);
+    attach(block, view, true);
+    variable_list grads;
+    std::vector<torch::Tensor> wrt;
+    const bool input_grad = x.requires_grad();
+    try {
+      torch::AutoGradMode enable(true);
+      const torch::Tensor input = x.detach().requires_grad_(input_grad);
+      const torch::Tensor y = block.block.forward(input);
+      if (input_grad) wrt.push_back(input);
+      for (const StreamedParam& p : block.streamed) {
+        if (p.param.requires_grad()) wrt.push_back(p.param);
+      }
+      for (const torch::Tensor& r : block.trainable_resident) wrt.push_back(r);
+      if (!wrt.empty()) {
+        grads = torch::autograd::grad({y}, wrt, {grad_out}, /*retain_graph=*/false, /*create_graph=*/false,
+                                      /*allow_unused=*/true);
+      }
+    } catch (...) {
+      detach(block);
+      engine->release(b);
+      throw;
+    }
+    detach(block);
+    engine->release(b);
+
+    std::size_t next = input_grad ? 1 : 0;
+    for (StreamedParam& p : block.streamed) {
+      if (!p.master.requires_grad()) continue;
+      const torch::Tensor& g = grads[next++];
+      if (!g.defined()) continue;
+      stage_master_gradient(p, g.reshape(p.shape));
+    }
+    variable_list out;
+    out.push_back(input_grad ? grads[0] : torch::Tensor());
+    for (std::size_t i = 0; i < block.trainable_resident.size(); ++i) out.push_back(grads[next++]);
+    if (b == 0) finish_pass();
+    return out;
+  }
+
+  // The master's gradient, accumulated across passes. On a GPU it travels to pinned staging
+  // without a host sync; the pass's end folds it in after one synchronization.
+  void stage_master_gradient(StreamedParam& p, const torch::Tensor& g) {
+    if (p.staging.defined()) {
+      p.staging.copy_(g, /*non_blocking=*/true);
+      grads_staged = true;
+      return;
+    }
+    torch::Tensor host = g.to(torch::kCPU, torch::kFloat32);
+    torch::Tensor& grad = p.master.mutable_grad();
+    if (grad.defined()) {
+      grad.add_(host);
+    } else {
+      grad = host.clone();
+    }
+  }
+
+  void finish_pass() {
+    add_transfer(engine->end_step());
+    pass = Pass::none;
+    if (!grads_staged) return;
+    backend->record(*compute_done, ad::Queue::compute);
+    backend->synchronize(*compute_done);
+    for (BlockState& b : blocks) {
+      for (StreamedParam& p : b.streamed) {
+        if (!p.staging.defined()) continue;
+        torch::Tensor& grad = p.master.mutable_grad();
+        if (grad.defined()) {
+          grad.add_(p.staging);
+        } else {
+          grad = p.staging.clone();
+        }
+      }
+    }
+    grads_staged = false;
+  }
+
+  // ---- policy --------------------------------------------------------------------------------
+
+  void apply_hints(const std::vector<sp_hint_v1>& hints) {
+    if (hints.empty()) return;
+    engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
+    eval_engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
+    applied_hints = hints;
+  }
+
+  std::vector<sp_grad_moments_v1> block_moments() {
+    std::vector<torch::Tensor> keep;  // host copies of device gradients, alive for the call
+    std::vector<kn::GradTensor> tensors;
+    const auto add = [&](const torch::Tensor& g, std::uint32_t b) {
+      if (!g.defined()) return;
+      torch::Tensor host = g.device().is_cpu() && g.scalar_type() == torch::kFloat32 && g.is_contiguous()
+                               ? g
+                               : g.to(torch::kCPU, torch::kFloat32).contiguous();
+      keep.push_back(host);
+      tensors.push_back({host.data_ptr<float>(), static_cast<std::size_t>(host.numel()), kn::DType::kFloat32, b});
+    };
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+      if (blocks[b].trainable_masters) {
+        for (const StreamedParam& p : blocks[b].streamed) add(p.master.grad(), b);
+      } else {
+        for (const torch::Tensor& r : blocks[b].trainable_resident) add(r.grad(), b);
+      }
+    }
+    std::vector<sp_grad_moments_v1> out(blocks.size());
+    kn::grad_moments(tensors.data(), tensors.size(), static_cast<std::uint32_t>(blocks.size()), out.data());
+    return out;
+  }
+
+  std::vector<sp_precision> current_routes() const {
+    std::vector<sp_precision> routes;
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) routes.push_back(precision_of(engine->policy_bridge().route(b)));
+    return routes;
+  }
+
+  // ---- calibration ---------------------------------------------------------------------------
+
+  // Forces every block of the evaluation engine onto one route, past any transfer gate: the
+  // errors describe the formats, not what pays on this machine.
+  void route_all(sp_precision precision) {
+    std::vector<sp_hint_v1> hints(blocks.size());
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) hints[b] = sp_hint_v1{b, precision, NAN, SP_REASON_MODE, 0};
+    eval_engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
+  }
+
+  CalibrationErrors calibrate(const std::vector<torch::Tensor>& samples) {
+    if (in_step) throw std::logic_error("StreamedModel::calibrate: call it between steps, not inside one");
+    if (samples.empty()) throw std::invalid_argument("StreamedModel::calibrate: no samples");
+    torch::NoGradGuard no_grad;
+    const std::size_t n = blocks.size();
+    CalibrationErrors errors{std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
+    ad::PolicyBridge& bridge = eval_engine->policy_bridge();
+    const std::optional<ad::TransferGate> gate =
+        bridge.has_transfer_gate() ? std::optional<ad::TransferGate>(bridge.transfer_gate()) : std::nullopt;
+    bridge.clear_transfer_gate();
+    const auto on_host = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kFloat32).contiguous(); };
+    try {
+      for (const torch::Tensor& sample : samples) {
+        route_all(SP_PRECISION_BF16);
+        std::vector<torch::Tensor> reference{sample};
+        eval_engine->begin_step(eval_engine_steps++);
+        for (std::uint32_t b = 0; b < n; ++b) {
+          const ad::BlockView& view = eval_engine->acquire(b);
+          attach(blocks[b], view, false);
+          reference.push_back(blocks[b].block.forward(reference.back()));
+          detach(blocks[b]);
+          eval_engine->release(b);
+        }
+        eval_engine->end_step();
+        for (auto [precision, sums] : {std::pair{SP_PRECISION_INT8, &errors.int8}, std::pair{SP_PRECISION_NF4, &errors.nf4}}) {
+          route_all(precision);
+          eval_engine->begin_step(eval_engine_steps++);
+          for (std::uint32_t b = 0; b < n; ++b) {
+            const ad::BlockView& view = eval_engine->acquire(b);
+            attach(blocks[b], view, false);
+            const torch::Tensor quantized = on_host(blocks[b].block.forward(reference[b]));
+            detach(blocks[b]);
+            eval_engine->release(b);
+            const torch::Tensor expected = on_host(reference[b + 1]);
+            (*sums)[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32,
+                                             quantized.data_ptr<float>(), kn::DType::kFloat32,
+                                             static_cast<std::size_t>(expected.numel()));
+          }
+          eval_engine->end_step();
+        }
+      }
+    } catch (...) {
+      restore_eval_routes(gate);
+      throw;
+    }
+    restore_eval_routes(gate);
+    for (double& e : errors.int8) e /= static_cast<double>(samples.size());
+    for (double& e : errors.nf4) e /= static_cast<double>(samples.size());
+    if (!policy->set_calibration_errors(SP_PRECISION_INT8, errors.int8)) {
+      log->warn("calibration: the plugin rejected the INT8 errors; it decides without them");
+    }
+    if (!policy->set_calibration_errors(SP_PRECISION_NF4, errors.nf4)) {
+      log->warn("calibration: the plugin rejected the NF4 errors; it decides without them");
+    }
+    return errors;
+  }
+
+  void restore_eval_routes(const std::optional<ad::TransferGate>& gate) {
+    ad::PolicyBridge& bridge = eval_engine->policy_bridge();
+    bridge.clear_plugin_hints();
+    if (!applied_hints.empty()) {
+      bridge.set_plugin_hints(applied_hints.data(), static_cast<std::uint32_t>(applied_hints.size()));
+    }
+    if (gate) bridge.set_transfer_gate(*gate);
+  }
+};
+
+// The autograd node of one streamed block: its forward fetches the block and runs it without
+// a graph; its backward fetches it again, recomputes and differentiates (see backward_block).
+struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, StreamedModel::Impl* impl,
+                               std::int64_t block, std::int64_t pass, at::TensorList resident) {
+    (void)resident;  // inputs only so that autograd routes their gradients
+    ctx->saved_data["block"] = block;
+    ctx->saved_data["pass"] = pass;
+    ctx->saved_data["impl"] = static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(impl));
+    ctx->save_for_backward({x});
+    return impl->forward_block(static_cast<std::uint32_t>(block), x);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto* impl = reinterpret_cast<StreamedModel::Impl*>(static_cast<std::intptr_t>(ctx->saved_data["impl"].toInt()));
+    const auto block = static_cast<std::uint32_t>(ctx->saved_data["block"].toInt());
+    const auto pass = static_cast<std::uint64_t>(ctx->saved_data["pass"].toInt());
+    const torch::Tensor x = ctx->get_saved_variables()[0];
+    variable_list grads = impl->backward_block(block, pass, x, grad_outputs[0]);
+    // One gradient per forward argument: x, impl, block, pass, then each resident tensor.
+    variable_list out{grads[0], torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    out.insert(out.end(), grads.begin() + 1, grads.end());
+    return out;
+  }
+};
+
+StreamedModel::StreamedModel(std::vector<Block> blocks, StreamedModelOptions options)
+    : impl_(std::make_unique<Impl>(std::move(blocks), std::move(options))) {}
+
+StreamedModel::~StreamedModel() = default;
+
+std::uint32_t StreamedModel::num_blocks() const { return static_cast<std::uint32_t>(impl_->blocks.size()); }
+
+std::vector<torch::Tensor> StreamedModel::master_parameters() const {
+  std::vector<torch::Tensor> out;
+  for (const BlockState& b : impl_->blocks) {
+    for (const StreamedParam& p : b.streamed) out.push_back(p.master);
+  }
+  return out;
+}
+
+const std::map<std::string, torch::Tensor>& StreamedModel::masters(std::uint32_t block) const {
+  return impl_->blocks.at(block).masters;
+}
+
+std::vector<torch::Tensor> StreamedModel::resident_parameters() const {
+  std::vector<torch::Tensor> out;
+  for (const BlockState& b : impl_->blocks) out.insert(out.end(), b.resident.begin(), b.resident.end());
+  return out;
+}
+
+torch::Tensor StreamedModel::forward(const torch::Tensor& x) {
+  Impl& m = *impl_;
+  m.check_parameters_unchanged();
+  if (!torch::GradMode::is_enabled()) return m.eval_forward(x);
+  m.require_step("forward");
+  if (m.after_backward) {
+    throw std::logic_error("StreamedModel::forward: post_backward() already ran in this step; call end_step()");
+  }
+  m.close_abandoned_pass("forward");
+  m.engine->begin_step(m.engine_steps++);
+  m.pass = Impl::Pass::forwarded;
+  ++m.pass_id;
+  torch::Tensor h = x;
+  try {
+    for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
+      h = StreamedBlockFunction::apply(h, &m, static_cast<std::int64_t>(b), static_cast<std::int64_t>(m.pass_id),
+                                       at::TensorList(m.blocks[b].trainable_resident));
+    }
+  } catch (...) {
+    m.engine->end_step();
+    m.pass = Impl::Pass::none;
+    throw;
+  }
+  return h;
+}
+
+void StreamedModel::begin_step(std::int64_t step) {
+  Impl& m = *impl_;
+  if (m.in_step) {
+    throw std::logic_error(fmt::format("StreamedModel::begin_step({}): step {} has not ended; call end_step()", step,
+                                       m.step));
+  }
+  m.policy->begin_step(step);
+  m.report = StepReport{};
+  m.report.step = step;
+  m.report.swap = m.policy->take_swap_outcome();
+  m.step_transfer = ad::StepTransferMetrics{};
+  m.step_transfer.step = step;
+  m.step = step;
+  m.step_start = Clock::now();
+  m.in_step = true;
+  m.after_backward = false;
+}
+
+const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
+  Impl& m = *impl_;
+  m.require_step("post_backward");
+  if (m.after_backward) throw std::logic_error("StreamedModel::post_backward: already called in this step");
+  m.close_abandoned_pass("post_backward");
+  m.moments = m.block_moments();
+  m.policy->post_backward(m.step, m.moments);
+  m.apply_hints(m.policy->compute_hints(m.step));
+  m.after_backward = true;
+  return m.moments;
+}
+
+StepReport StreamedModel::end_step(double loss) {
+  Impl& m = *impl_;
+  m.require_step("end_step");
+  if (!m.after_backward) {
+    throw std::logic_error(
+        "StreamedModel::end_step: call post_backward() first: the plugin's hints must reach the engines before "
+        "the images of the updated weights are rebuilt");
+  }
+  refresh_images();
+  sp_step_feedback_v1 feedback = m.step_transfer.to_feedback();
+  feedback.loss = loss;
+  feedback.step_seconds = std::chrono::duration<double>(Clock::now() - m.step_start).count();
+  m.policy->end_step(m.step, feedback);
+  m.in_step = false;
+  m.after_backward = false;
+  StepReport report = m.report;
+  report.h2d_bytes_bf16 = m.step_transfer.h2d_bytes_bf16;
+  report.h2d_bytes_int8 = m.step_transfer.h2d_bytes_int8;
+  report.h2d_bytes_nf4 = m.step_transfer.h2d_bytes_nf4;
+  report.h2d_bytes_all_bf16 = m.step_transfer.h2d_bytes_all_bf16;
+  report.routes = m.current_routes();
+  return report;
+}
+
+void StreamedModel::refresh_images() {
+  Impl& m = *impl_;
+  for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
+    if (m.blocks[b].trainable_masters) m.engine->on_weights_updated(b);
+  }
+  m.eval_images_stale = true;
+}
+
+CalibrationErrors StreamedModel::calibrate(const std::vector<torch::Tensor>& samples) {
+  return impl_->calibrate(samples);
+}
+
+void StreamedModel::set_transfer_gate(sp::adapters::TransferGate gate) {
+  impl_->engine->policy_bridge().set_transfer_gate(gate);
+  impl_->eval_engine->policy_bridge().set_transfer_gate(std::move(gate));
+}
+
+std::optional<sp::host::SwapResult> StreamedModel::poll_plugin(bool force) {
+  if (impl_->in_step) throw std::logic_error("StreamedModel::poll_plugin: call it between steps");
+  return impl_->policy->check_for_new_version(force);
+}
+
+std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
+  const Impl& m = *impl_;
+  if (m.in_step) throw std::logic_error("StreamedModel::export_state: call it between steps");
+  std::map<std::string, torch::Tensor> state;
+  for (const BlockState& b : m.blocks) {
+    for (const StreamedParam& p : b.streamed) state.emplace("master/" + b.block.name + "/" + p.name, p.master.detach().clone());
+  }
+  const std::vector<std::uint8_t> blob = m.policy->export_state();
+  state.emplace("policy/state", torch::from_blob(const_cast<std::uint8_t*>(blob.data()),
+                                                 {static_cast<std::int64_t>(blob.size())}, torch::kUInt8)
+                                    .clone());
+  torch::Tensor hints = torch::empty({static_cast<std::int64_t>(m.applied_hints.size() * sizeof(sp_hint_v1))}, torch::kUInt8);
+  if (!m.applied_hints.empty()) std::memcpy(hints.data_ptr(), m.applied_hints.data(), hints.numel());
+  state.emplace("policy/hints", hints);
+  state.emplace("layer/passes", torch::tensor({m.engine_steps, m.eval_engine_steps}, torch::kInt64));
+  return state;
+}
+
+void StreamedModel::restore_state(const std::map<std::string, torch::Tensor>& state) {
+  Impl& m = *impl_;
+  if (m.in_step) throw std::logic_error("StreamedModel::restore_state: call it between steps");
+  const auto entry = [&](const std::string& key, torch::ScalarType type) -> const torch::Tensor& {
+    const auto it = state.find(key);
+    if (it == state.end()) throw std::invalid_argument(fmt::format("StreamedModel::restore_state: no entry '{}'", key));
+    if (it->second.scalar_type() != type || !it->second.device().is_cpu()) {
+      throw std::invalid_argument(fmt::format("StreamedModel::restore_state: '{}' is {} on {}; expected {} on the CPU",
+                                              key, c10::toString(it->second.scalar_type()), it->second.device().str(),
+                                              c10::toString(type)));
+    }
+    return it->second;
+  };
+  // Everything is checked before anything changes.
+  std::vector<std::pair<StreamedParam*, const torch::Tensor*>> masters;
+  for (BlockState& b : m.blocks) {
+    for (StreamedParam& p : b.streamed) {
+      const std::string key = "master/" + b.block.name + "/" + p.name;
+      const torch::Tensor& saved = entry(key, torch::kFloat32);
+      if (saved.sizes() != p.master.sizes()) {
+        throw std::invalid_argument(fmt::format("StreamedModel::restore_state: '{}' has shape {}; expected {}", key,
+                                                fmt::join(saved.sizes(), "x"), fmt::join(p.master.sizes(), "x")));
+      }
+      masters.emplace_back(&p, &saved);
+    }
+  }
+  const torch::Tensor& blob = entry("policy/state", torch::kUInt8);
+  const torch::Tensor& hints = entry("policy/hints", torch::kUInt8);
+  const torch::Tensor& passes = entry("layer/passes", torch::kInt64);
+  const std::size_t hint_bytes = static_cast<std::size_t>(hints.numel());
+  if (hint_bytes % sizeof(sp_hint_v1) != 0 || (hint_bytes != 0 && hint_bytes != m.blocks.size() * sizeof(sp_hint_v1)) ||
+      passes.numel() != 2) {
+    throw std::invalid_argument(fmt::format(
+        "StreamedModel::restore_state: 'policy/hints' holds {} bytes and 'layer/passes' {} values; expected {} hints "
+        "of {} bytes (or none) and 2 values",
+        hint_bytes, passes.numel(), m.blocks.size(), sizeof(sp_hint_v1)));
+  }
+  const torch::Tensor blob_bytes = blob.contiguous();
+  m.policy->restore_state(std::vector<std::uint8_t>(blob_bytes.data_ptr<std::uint8_t>(),
+                                                    blob_bytes.data_ptr<std::uint8_t>() + blob_bytes.numel()));
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& [p, saved] : masters) p->master.copy_(*saved);
+  }
+  std::vector<sp_hint_v1> restored(hint_bytes / sizeof(sp_hint_v1));
+  if (hint_bytes) std::memcpy(restored.data(), hints.contiguous().data_ptr(), hint_bytes);
+  m.apply_hints(restored);
+  const torch::Tensor counters = passes.contiguous();
+  m.engine_steps = counters.data_ptr<std::int64_t>()[0];
+  m.eval_engine_steps = counters.data_ptr<std::int64_t>()[1];
+  for (std::uint32_t b = 0; b < m.blocks.size(); ++b) m.engine->on_weights_updated(b);
+  m.eval_images_stale = true;
+}
+
+std::uint64_t StreamedModel::image_bytes(std::uint32_t block, sp_precision precision) const {
+  return impl_->engine->image_bytes(block, route_of(precision));
+}
+
+const sp::host::PolicySession& StreamedModel::policy() const { return *impl_->policy; }
+
+std::vector<sp_precision> StreamedModel::routes() const { return impl_->current_routes(); }
+
+}  // namespace sp::torch_layer

@@ -1,0 +1,272 @@
+#include "sp/torch_layer/streamed_model.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+namespace {
+namespace tl = sp::torch_layer;
+
+// A pre-norm residual MLP block: the two matrices stream, the norm and the biases stay.
+struct TinyBlockImpl : torch::nn::Module {
+  TinyBlockImpl(std::int64_t d, std::int64_t hidden)
+      : ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        fc1(register_module("fc1", torch::nn::Linear(d, hidden))),
+        fc2(register_module("fc2", torch::nn::Linear(hidden, d))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return x + fc2(torch::gelu(fc1(ln(x)))); }
+  torch::nn::LayerNorm ln;
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(TinyBlock);
+
+constexpr std::int64_t kDim = 64, kHidden = 128, kBlocks = 3;
+
+std::vector<TinyBlock> make_blocks(std::uint64_t seed) {
+  torch::manual_seed(seed);
+  std::vector<TinyBlock> blocks;
+  for (int b = 0; b < kBlocks; ++b) blocks.emplace_back(kDim, kHidden);
+  return blocks;
+}
+
+std::string policy_yaml(const std::string& body) {
+  return "selective_precision:\n  telemetry_enabled: false\n" + body;
+}
+
+std::unique_ptr<tl::StreamedModel> wrap(const std::vector<TinyBlock>& blocks, const std::string& policy_body) {
+  std::vector<tl::Block> list;
+  for (const TinyBlock& b : blocks) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+  tl::StreamedModelOptions options;
+  options.plugin_file = SP_PLUGIN_FILE;
+  options.config_yaml = policy_yaml(policy_body);
+  options.config_source = "test policy";
+  return std::make_unique<tl::StreamedModel>(std::move(list), options);
+}
+
+// The same blocks as plain modules, with the streamed weights rounded to bf16 as the BF16
+// route delivers them.
+std::vector<TinyBlock> plain_twins(const std::vector<TinyBlock>& blocks, const tl::StreamedModel& model) {
+  std::vector<TinyBlock> twins = make_blocks(999);
+  torch::NoGradGuard no_grad;
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    auto from = blocks[b]->named_parameters();
+    for (auto& item : twins[b]->named_parameters()) {
+      const auto& masters = model.masters(static_cast<std::uint32_t>(b));
+      const auto it = masters.find(item.key());
+      item.value().copy_(it != masters.end() ? it->second.to(torch::kBFloat16).to(torch::kFloat32) : from[item.key()]);
+    }
+  }
+  return twins;
+}
+
+torch::Tensor input(std::uint64_t seed) {
+  torch::manual_seed(seed);
+  return torch::randn({4, 8, kDim});
+}
+
+torch::Tensor run_plain(const std::vector<TinyBlock>& blocks, torch::Tensor x) {
+  for (TinyBlock b : blocks) x = b->forward(x);
+  return x;
+}
+
+TEST(StreamedModel, ForwardAndGradientsEqualThePlainModelOnBf16Weights) {
+  const auto blocks = make_blocks(1);
+  auto model = wrap(blocks, "  mode: off\n");
+  const auto twins = plain_twins(blocks, *model);
+  const torch::Tensor x = input(2);
+
+  model->begin_step(0);
+  const torch::Tensor y = model->forward(x);
+  y.pow(2).mean().backward();
+  const torch::Tensor expected = run_plain(twins, x);
+  expected.pow(2).mean().backward();
+
+  EXPECT_TRUE(torch::equal(y, expected));
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    const auto twin = twins[b]->named_parameters();
+    for (const auto& [name, master] : model->masters(b)) {
+      ASSERT_TRUE(master.grad().defined()) << name;
+      EXPECT_TRUE(torch::allclose(master.grad(), twin[name].grad(), 1e-5, 1e-7)) << "block " << b << " " << name;
+    }
+    EXPECT_TRUE(torch::allclose(blocks[b]->fc1->bias.grad(), twin["fc1.bias"].grad(), 1e-5, 1e-7));
+    EXPECT_TRUE(torch::allclose(blocks[b]->ln->weight.grad(), twin["ln.weight"].grad(), 1e-5, 1e-7));
+  }
+  model->post_backward();
+  const tl::StepReport report = model->end_step(y.pow(2).mean().item<double>());
+  EXPECT_EQ(report.training_passes, 1u);
+  // Forward and backward fetch every block once, the last block's two uses sharing one fetch.
+  EXPECT_EQ(report.h2d_bytes_bf16, report.h2d_bytes_all_bf16);
+  std::uint64_t one_pass = 0;
+  for (std::uint32_t b = 0; b < kBlocks; ++b) one_pass += model->image_bytes(b, SP_PRECISION_BF16);
+  EXPECT_EQ(report.h2d_bytes_bf16, 2 * one_pass - model->image_bytes(kBlocks - 1, SP_PRECISION_BF16));
+}
+
+TEST(StreamedModel, MicroBatchesAccumulateAndEvaluationForwardsMayComeBetween) {
+  const auto blocks = make_blocks(3);
+  auto model = wrap(blocks, "  mode: off\n");
+  const auto twins = plain_twins(blocks, *model);
+  const torch::Tensor a = input(4), b = input(5);
+
+  model->begin_step(0);
+  model->forward(a).pow(2).mean().backward();
+  {
+    torch::NoGradGuard no_grad;
+    const torch::Tensor eval = model->forward(b);
+    EXPECT_TRUE(torch::equal(eval, run_plain(twins, b)));
+  }
+  model->forward(b).pow(2).mean().backward();
+  run_plain(twins, a).pow(2).mean().backward();
+  run_plain(twins, b).pow(2).mean().backward();
+  for (std::uint32_t i = 0; i < kBlocks; ++i) {
+    const auto twin = twins[i]->named_parameters();
+    for (const auto& [name, master] : model->masters(i)) {
+      EXPECT_TRUE(torch::allclose(master.grad(), twin[name].grad(), 1e-5, 1e-7)) << "block " << i << " " << name;
+    }
+  }
+  model->post_backward();
+  const tl::StepReport report = model->end_step(0.0);
+  EXPECT_EQ(report.training_passes, 2u);
+  EXPECT_GT(report.eval_h2d_bytes, 0u);
+}
+
+TEST(StreamedModel, AForwardWithoutBackwardIsClosedByTheNextOne) {
+  const auto blocks = make_blocks(6);
+  auto model = wrap(blocks, "  mode: off\n");
+  model->begin_step(0);
+  const torch::Tensor dropped = model->forward(input(7)).sum();
+  model->forward(input(8)).sum().backward();
+  EXPECT_THROW(dropped.backward(), std::exception);
+  model->post_backward();
+  EXPECT_EQ(model->end_step(0.0).training_passes, 2u);
+}
+
+TEST(StreamedModel, StaticPolicyRoutesBlocksThroughInt8AndNf4) {
+  const auto blocks = make_blocks(9);
+  auto model = wrap(blocks, "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n  force_nf4_blocks: [2]\n");
+  for (std::int64_t step = 0; step < 2; ++step) {
+    model->begin_step(step);
+    model->forward(input(10 + step)).pow(2).mean().backward();
+    model->post_backward();
+    const tl::StepReport report = model->end_step(1.0);
+    EXPECT_EQ(report.routes, (std::vector<sp_precision>{SP_PRECISION_BF16, SP_PRECISION_INT8, SP_PRECISION_NF4}));
+    if (step == 1) {
+      EXPECT_GT(report.h2d_bytes_int8, 0u);
+      EXPECT_GT(report.h2d_bytes_nf4, 0u);
+      EXPECT_LT(report.h2d_bytes_bf16 + report.h2d_bytes_int8 + report.h2d_bytes_nf4, report.h2d_bytes_all_bf16);
+    }
+  }
+  EXPECT_LT(model->image_bytes(0, SP_PRECISION_NF4), model->image_bytes(0, SP_PRECISION_INT8));
+  EXPECT_LT(model->image_bytes(0, SP_PRECISION_INT8), model->image_bytes(0, SP_PRECISION_BF16));
+}
+
+TEST(StreamedModel, CalibrationMeasuresEachFormatAgainstBf16) {
+  const auto blocks = make_blocks(12);
+  auto model = wrap(blocks, "  mode: off\n");
+  // A gate under which nothing pays must not turn the measurement into BF16 against BF16.
+  model->set_transfer_gate({std::vector<bool>(kBlocks, false), std::vector<bool>(kBlocks, false)});
+  const tl::CalibrationErrors errors = model->calibrate({input(13), input(14)});
+  ASSERT_EQ(errors.int8.size(), static_cast<std::size_t>(kBlocks));
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    EXPECT_GT(errors.int8[b], 0.0) << b;
+    EXPECT_LT(errors.int8[b], 0.05) << b;
+    EXPECT_GT(errors.nf4[b], errors.int8[b]) << b;
+    EXPECT_LT(errors.nf4[b], 0.5) << b;
+  }
+}
+
+TEST(StreamedModel, StockOptimizerTrainsTheMastersAndImagesFollow) {
+  const auto blocks = make_blocks(15);
+  auto model = wrap(blocks, "  mode: off\n");
+  std::vector<torch::Tensor> params = model->master_parameters();
+  for (const torch::Tensor& r : model->resident_parameters()) params.push_back(r);
+  torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(1e-2));
+  const torch::Tensor x = input(16);
+  const torch::Tensor target = torch::zeros({4, 8, kDim});
+  double first = 0, last = 0;
+  for (std::int64_t step = 0; step < 8; ++step) {
+    optimizer.zero_grad();
+    model->begin_step(step);
+    const torch::Tensor loss = torch::mse_loss(model->forward(x), target);
+    loss.backward();
+    model->post_backward();
+    optimizer.step();
+    model->end_step(loss.item<double>());
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, 0.8 * first);
+  // The evaluation engine delivers the updated masters too.
+  const auto twins = plain_twins(blocks, *model);
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(torch::equal(model->forward(x), run_plain(twins, x)));
+}
+
+TEST(StreamedModel, StateRoundTripResumesWithTheSameRoutesAndWeights) {
+  const std::string policy = "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_nf4_blocks: [0]\n";
+  const auto blocks = make_blocks(17);
+  auto model = wrap(blocks, policy);
+  torch::optim::SGD optimizer(model->master_parameters(), torch::optim::SGDOptions(0.1));
+  for (std::int64_t step = 0; step < 2; ++step) {
+    optimizer.zero_grad();
+    model->begin_step(step);
+    model->forward(input(18)).pow(2).mean().backward();
+    model->post_backward();
+    optimizer.step();
+    model->end_step(1.0);
+  }
+  const auto state = model->export_state();
+
+  const auto fresh_blocks = make_blocks(99);
+  auto resumed = wrap(fresh_blocks, policy);
+  resumed->restore_state(state);
+  {
+    // Resident parameters are the host's to save and restore, as in any torch model.
+    torch::NoGradGuard no_grad;
+    const std::vector<torch::Tensor> from = model->resident_parameters(), to = resumed->resident_parameters();
+    for (std::size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i]);
+  }
+  EXPECT_EQ(resumed->routes(), model->routes());
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    for (const auto& [name, master] : model->masters(b)) EXPECT_TRUE(torch::equal(resumed->masters(b).at(name), master));
+  }
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(torch::equal(resumed->forward(input(19)), model->forward(input(19))));
+
+  auto broken = state;
+  broken.erase("policy/state");
+  EXPECT_THROW(resumed->restore_state(broken), std::invalid_argument);
+}
+
+TEST(StreamedModel, NamedErrors) {
+  const auto blocks = make_blocks(20);
+  std::vector<tl::Block> list{tl::make_block(blocks[0], {"fc1.weight", "fc3.weight"})};
+  tl::StreamedModelOptions options;
+  options.plugin_file = SP_PLUGIN_FILE;
+  options.config_yaml = policy_yaml("  mode: off\n");
+  try {
+    tl::StreamedModel model(list, options);
+    FAIL() << "a missing parameter was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'fc3.weight'"), std::string::npos) << e.what();
+  }
+
+  auto model = wrap(make_blocks(21), "  mode: off\n");
+  EXPECT_THROW(model->forward(input(22)), std::logic_error);  // no step
+  model->begin_step(0);
+  EXPECT_THROW(model->end_step(0.0), std::logic_error);  // no post_backward
+  options.plugin_file = "/nonexistent/libnothing.so";
+  EXPECT_ANY_THROW(tl::StreamedModel(std::vector<tl::Block>{tl::make_block(make_blocks(23)[0], {"fc1.weight"})}, options));
+}
+
+TEST(StreamedModel, AReplacedParameterIsRefusedNotRead) {
+  auto blocks = make_blocks(24);
+  auto model = wrap(blocks, "  mode: off\n");
+  blocks[1]->fc1 = blocks[1]->replace_module("fc1", torch::nn::Linear(kDim, kHidden));
+  model->begin_step(0);
+  try {
+    model->forward(input(25));
+    FAIL() << "a replaced parameter was used";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("'fc1.weight' was replaced"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
