@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs the build to a temporary prefix, checks the layout, then builds and runs the
+# examples from copies outside the source tree against that prefix alone:
+#   - examples/plugin_host with LibTorch and CUDA hidden from CMake (the host component must
+#     not need them);
+#   - examples/llama_streamed (SelectivePrecision::torch), trained for a few steps.
+# Usage: install_and_build_examples.sh <build dir> <source dir>
+set -euo pipefail
+build=$1
+src=$2
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+prefix=$work/prefix
+
+cmake --install "$build" --prefix "$prefix" >"$work/install.log"
+for f in lib/cmake/SelectivePrecision/SelectivePrecisionConfig.cmake \
+         lib/cmake/SelectivePrecision/SelectivePrecisionConfigVersion.cmake \
+         lib/selective_precision/plugins/libsp_selective_precision.so \
+         include/sp/plugin_abi_v1.h include/sp/host/policy_session.h include/sp/adapters/streaming_engine.h \
+         include/sp/kernels/nf4.h include/sp/torch_layer/streamed_model.h \
+         bin/sp-train bin/sp-replay bin/sp-bench share/doc/selective_precision/integration.md; do
+  [ -e "$prefix/$f" ] || { echo "not installed: $f"; exit 1; }
+done
+# An installed sp-train finds the installed plugin by itself.
+"$prefix/bin/sp-train" --help >/dev/null
+
+cp -r "$src/examples/plugin_host" "$work/plugin_host-src"
+cmake -S "$work/plugin_host-src" -B "$work/plugin_host" -DCMAKE_PREFIX_PATH="$prefix" \
+  -DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON --no-warn-unused-cli >"$work/plugin_host.log"
+cmake --build "$work/plugin_host" >>"$work/plugin_host.log" || { cat "$work/plugin_host.log"; exit 1; }
+"$work/plugin_host/plugin_host"
+
+cp -r "$src/examples/llama_streamed" "$work/llama-src"
+sp_lines=$(grep -c '// \[sp\]' "$work/llama-src/main.cpp")
+echo "llama_streamed: $sp_lines lines concern Selective Precision"
+[ "$sp_lines" -le 30 ] || { echo "more than 30 Selective Precision lines"; exit 1; }
+cmake -S "$work/llama-src" -B "$work/llama" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" >"$work/llama.log"
+cmake --build "$work/llama" >>"$work/llama.log" || { cat "$work/llama.log"; exit 1; }
+"$work/llama/llama_streamed" 4
