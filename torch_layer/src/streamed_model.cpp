@@ -77,6 +77,13 @@ std::unique_ptr<ad::TransferBackend> make_backend(const StreamedModelOptions& op
                                           ));
 }
 
+const torch::Tensor* find(const NamedParameters& params, const std::string& name) {
+  for (const auto& [key, value] : params) {
+    if (key == name) return &value;
+  }
+  return nullptr;
+}
+
 // One streamed parameter: the module's own Parameter (pointed at delivered weights while
 // its block computes, at an empty tensor otherwise) and its fp32 host master.
 struct StreamedParam {
@@ -147,18 +154,18 @@ struct StreamedModel::Impl {
   void adopt(Block block, std::size_t index) {
     if (block.name.empty()) block.name = fmt::format("block{}", index);
     const std::string& name = block.name;
-    if (!block.module) throw std::invalid_argument(fmt::format("StreamedModel: {} has no module", name));
+    if (!block.parameters) throw std::invalid_argument(fmt::format("StreamedModel: {} has no parameters callable", name));
     if (!block.forward) throw std::invalid_argument(fmt::format("StreamedModel: {} has no forward", name));
     BlockState state;
-    const auto params = block.module->named_parameters(/*recurse=*/true);
+    const NamedParameters params = block.parameters();
     for (const std::string& wanted : block.streamed) {
       if (std::count(block.streamed.begin(), block.streamed.end(), wanted) > 1) {
         throw std::invalid_argument(fmt::format("StreamedModel: {}: parameter '{}' is listed twice", name, wanted));
       }
-      const torch::Tensor* found = params.find(wanted);
+      const torch::Tensor* found = find(params, wanted);
       if (!found) {
         std::string known;
-        for (const auto& item : params) known += (known.empty() ? "" : ", ") + item.key();
+        for (const auto& item : params) known += (known.empty() ? "" : ", ") + item.first;
         throw std::invalid_argument(
             fmt::format("StreamedModel: {} has no parameter '{}' (it has: {})", name, wanted, known));
       }
@@ -189,10 +196,10 @@ struct StreamedModel::Impl {
       state.masters.emplace(wanted, master);
       state.streamed.push_back(std::move(p));
     }
-    for (const auto& item : params) {
-      if (std::find(block.streamed.begin(), block.streamed.end(), item.key()) != block.streamed.end()) continue;
-      state.resident.push_back(item.value());
-      if (item.value().requires_grad()) state.trainable_resident.push_back(item.value());
+    for (const auto& [key, value] : params) {
+      if (std::find(block.streamed.begin(), block.streamed.end(), key) != block.streamed.end()) continue;
+      state.resident.push_back(value);
+      if (value.requires_grad()) state.trainable_resident.push_back(value);
     }
     if (state.streamed.empty()) {
       throw std::invalid_argument(fmt::format("StreamedModel: {} streams no parameter; list at least one", name));
@@ -256,9 +263,9 @@ struct StreamedModel::Impl {
   // computed with its own, stale values and trained without the layer knowing: refused.
   void check_parameters_unchanged() const {
     for (const BlockState& b : blocks) {
-      const auto params = b.block.module->named_parameters(/*recurse=*/true);
+      const NamedParameters params = b.block.parameters();
       for (const StreamedParam& p : b.streamed) {
-        const torch::Tensor* now = params.find(p.name);
+        const torch::Tensor* now = find(params, p.name);
         if (!now || now->unsafeGetTensorImpl() != p.param.unsafeGetTensorImpl()) {
           throw std::logic_error(fmt::format(
               "StreamedModel: {}: parameter '{}' was replaced or removed after the model was wrapped; the layer "
@@ -327,17 +334,20 @@ struct StreamedModel::Impl {
     pass = Pass::none;
   }
 
-  torch::Tensor eval_forward(torch::Tensor x) {
+  // One forward-only pass of the evaluation engine under `limits`; run(b) computes block b on
+  // its delivered weights. The block is released and the pass ended even when run() throws.
+  template <typename Run>
+  ad::StepTransferMetrics eval_pass(const ad::RuntimeLimitHints& limits, Run&& run) {
     if (eval_images_stale) {
       for (std::uint32_t b = 0; b < blocks.size(); ++b) eval_engine->on_weights_updated(b);
       eval_images_stale = false;
     }
-    eval_engine->begin_step(eval_engine_steps++);
+    eval_engine->begin_step(eval_engine_steps++, limits);
     for (std::uint32_t b = 0; b < blocks.size(); ++b) {
       const ad::BlockView& view = eval_engine->acquire(b);
       attach(blocks[b], view, false);
       try {
-        x = blocks[b].block.forward(x);
+        run(b);
       } catch (...) {
         detach(blocks[b]);
         eval_engine->release(b);
@@ -347,7 +357,11 @@ struct StreamedModel::Impl {
       detach(blocks[b]);
       eval_engine->release(b);
     }
-    const ad::StepTransferMetrics m = eval_engine->end_step();
+    return eval_engine->end_step();
+  }
+
+  torch::Tensor eval_forward(torch::Tensor x) {
+    const ad::StepTransferMetrics m = eval_pass({}, [&](std::uint32_t b) { x = blocks[b].block.forward(x); });
     report.eval_h2d_bytes += m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
     return x;
   }
@@ -497,12 +511,13 @@ struct StreamedModel::Impl {
 
   // ---- calibration ---------------------------------------------------------------------------
 
-  // Forces every block of the evaluation engine onto one route, past any transfer gate: the
-  // errors describe the formats, not what pays on this machine.
-  void route_all(sp_precision precision) {
-    std::vector<sp_hint_v1> hints(blocks.size());
-    for (std::uint32_t b = 0; b < blocks.size(); ++b) hints[b] = sp_hint_v1{b, precision, NAN, SP_REASON_MODE, 0};
-    eval_engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
+  // Every block of the evaluation engine on one route for a whole pass: a runtime pin, which
+  // neither the plugin's hints nor a transfer gate override, since the errors describe the
+  // formats, not what pays on this machine.
+  ad::RuntimeLimitHints pinned_to(sp_precision precision) const {
+    ad::RuntimeLimitHints limits;
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) limits.block_precision_map[b] = route_of(precision);
+    return limits;
   }
 
   CalibrationErrors calibrate(const std::vector<torch::Tensor>& samples) {
@@ -511,46 +526,20 @@ struct StreamedModel::Impl {
     torch::NoGradGuard no_grad;
     const std::size_t n = blocks.size();
     CalibrationErrors errors{std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
-    ad::PolicyBridge& bridge = eval_engine->policy_bridge();
-    const std::optional<ad::TransferGate> gate =
-        bridge.has_transfer_gate() ? std::optional<ad::TransferGate>(bridge.transfer_gate()) : std::nullopt;
-    bridge.clear_transfer_gate();
     const auto on_host = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kFloat32).contiguous(); };
-    try {
-      for (const torch::Tensor& sample : samples) {
-        route_all(SP_PRECISION_BF16);
-        std::vector<torch::Tensor> reference{sample};
-        eval_engine->begin_step(eval_engine_steps++);
-        for (std::uint32_t b = 0; b < n; ++b) {
-          const ad::BlockView& view = eval_engine->acquire(b);
-          attach(blocks[b], view, false);
-          reference.push_back(blocks[b].block.forward(reference.back()));
-          detach(blocks[b]);
-          eval_engine->release(b);
-        }
-        eval_engine->end_step();
-        for (auto [precision, sums] : {std::pair{SP_PRECISION_INT8, &errors.int8}, std::pair{SP_PRECISION_NF4, &errors.nf4}}) {
-          route_all(precision);
-          eval_engine->begin_step(eval_engine_steps++);
-          for (std::uint32_t b = 0; b < n; ++b) {
-            const ad::BlockView& view = eval_engine->acquire(b);
-            attach(blocks[b], view, false);
-            const torch::Tensor quantized = on_host(blocks[b].block.forward(reference[b]));
-            detach(blocks[b]);
-            eval_engine->release(b);
-            const torch::Tensor expected = on_host(reference[b + 1]);
-            (*sums)[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32,
-                                             quantized.data_ptr<float>(), kn::DType::kFloat32,
-                                             static_cast<std::size_t>(expected.numel()));
-          }
-          eval_engine->end_step();
-        }
+    for (const torch::Tensor& sample : samples) {
+      std::vector<torch::Tensor> reference{sample};
+      eval_pass(pinned_to(SP_PRECISION_BF16),
+                [&](std::uint32_t b) { reference.push_back(blocks[b].block.forward(reference.back())); });
+      for (auto [precision, sums] : {std::pair{SP_PRECISION_INT8, &errors.int8}, std::pair{SP_PRECISION_NF4, &errors.nf4}}) {
+        eval_pass(pinned_to(precision), [&, sums = sums](std::uint32_t b) {
+          const torch::Tensor quantized = on_host(blocks[b].block.forward(reference[b]));
+          const torch::Tensor expected = on_host(reference[b + 1]);
+          (*sums)[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32, quantized.data_ptr<float>(),
+                                           kn::DType::kFloat32, static_cast<std::size_t>(expected.numel()));
+        });
       }
-    } catch (...) {
-      restore_eval_routes(gate);
-      throw;
     }
-    restore_eval_routes(gate);
     for (double& e : errors.int8) e /= static_cast<double>(samples.size());
     for (double& e : errors.nf4) e /= static_cast<double>(samples.size());
     if (!policy->set_calibration_errors(SP_PRECISION_INT8, errors.int8)) {
@@ -560,15 +549,6 @@ struct StreamedModel::Impl {
       log->warn("calibration: the plugin rejected the NF4 errors; it decides without them");
     }
     return errors;
-  }
-
-  void restore_eval_routes(const std::optional<ad::TransferGate>& gate) {
-    ad::PolicyBridge& bridge = eval_engine->policy_bridge();
-    bridge.clear_plugin_hints();
-    if (!applied_hints.empty()) {
-      bridge.set_plugin_hints(applied_hints.data(), static_cast<std::uint32_t>(applied_hints.size()));
-    }
-    if (gate) bridge.set_transfer_gate(*gate);
   }
 };
 

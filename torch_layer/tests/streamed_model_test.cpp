@@ -269,4 +269,34 @@ TEST(StreamedModel, AReplacedParameterIsRefusedNotRead) {
   }
 }
 
+TEST(StreamedModel, AThrowingForwardLeavesTheModelUsable) {
+  auto blocks = make_blocks(26);
+  bool fail = true;
+  std::vector<tl::Block> list;
+  for (const TinyBlock& b : blocks) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+  const auto inner = list[1].forward;
+  list[1].forward = [&fail, inner](const torch::Tensor& x) {
+    if (fail) throw std::runtime_error("block 1 failed");
+    return inner(x);
+  };
+  tl::StreamedModelOptions options;
+  options.plugin_file = SP_PLUGIN_FILE;
+  options.config_yaml = policy_yaml("  mode: off\n");
+  tl::StreamedModel model(std::move(list), options);
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_THROW(model.forward(input(27)), std::runtime_error);
+  }
+  model.begin_step(0);
+  EXPECT_THROW(model.forward(input(27)), std::runtime_error);
+  EXPECT_THROW(model.calibrate({input(27)}), std::logic_error);  // inside a step
+  fail = false;
+  model.forward(input(27)).sum().backward();
+  model.post_backward();
+  EXPECT_EQ(model.end_step(0.0).training_passes, 1u);
+  EXPECT_EQ(model.calibrate({input(28)}).int8.size(), static_cast<std::size_t>(kBlocks));
+  torch::NoGradGuard no_grad;
+  EXPECT_EQ(model.forward(input(29)).sizes(), input(29).sizes());
+}
+
 }  // namespace

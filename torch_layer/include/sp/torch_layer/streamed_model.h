@@ -1,6 +1,7 @@
 // The LibTorch layer: streams the blocks of any LibTorch model through Selective Precision.
 //
-// A host hands over an ordered list of blocks (torch::nn::Module + a forward callable) and
+// A host hands over an ordered list of blocks (a torch::nn::Module, or anything that lists its
+// named parameters and computes a forward: see Block) and
 // says which named parameters of each block stream; the rest stay resident, untouched. The
 // layer then
 //   - keeps each streamed parameter's fp32 master on the host (master_parameters(): the
@@ -50,24 +51,34 @@
 
 namespace sp::torch_layer {
 
-// One block of the model. `module` owns the parameters; `forward` computes the block's output
-// from its input and must read its parameters through the module (as every torch::nn
-// module does), since the layer points the streamed ones at the delivered weights.
+// The named parameters of a block, as torch::nn::Module::named_parameters() lists them.
+using NamedParameters = std::vector<std::pair<std::string, torch::Tensor>>;
+
+// One block of the model, described by two callables so that any module system can supply
+// it (a torch::nn::Module through make_block(), a Python module through a binding):
+// `parameters` lists the block's parameters by name, and `forward` computes the block's
+// output from its input, reading those same parameter tensors, since the layer points the
+// streamed ones at the delivered weights. The callables keep the module alive.
 struct Block {
   std::string name;  // for messages and the plugin; empty: "block<i>"
-  std::shared_ptr<torch::nn::Module> module;
+  std::function<NamedParameters()> parameters;
   std::function<torch::Tensor(const torch::Tensor&)> forward;
-  // Names as in module->named_parameters() (e.g. "attn.wq.weight"). Every other parameter
-  // of the module stays resident.
+  // Names as `parameters` lists them (e.g. "attn.wq.weight"). Every other parameter stays
+  // resident.
   std::vector<std::string> streamed;
 };
 
-// A block from a module whose forward takes and returns one tensor.
+// A block from a torch::nn module holder whose forward takes and returns one tensor.
 template <typename ModuleHolder>
 Block make_block(ModuleHolder module, std::vector<std::string> streamed, std::string name = {}) {
   auto shared = module.ptr();
-  return Block{std::move(name), shared, [shared](const torch::Tensor& x) { return shared->forward(x); },
-               std::move(streamed)};
+  return Block{std::move(name),
+               [shared] {
+                 NamedParameters out;
+                 for (const auto& item : shared->named_parameters(/*recurse=*/true)) out.emplace_back(item.key(), item.value());
+                 return out;
+               },
+               [shared](const torch::Tensor& x) { return shared->forward(x); }, std::move(streamed)};
 }
 
 struct StreamedModelOptions {
@@ -115,8 +126,8 @@ class StreamedModel {
  public:
   // Takes the streamed parameters' values as the masters and points the module parameters
   // at (empty, then delivered) compute tensors. Throws std::invalid_argument naming the
-  // block and parameter for a missing or duplicated name, a block without a module or
-  // forward, or a streamed parameter that is not floating point; sp::host::PluginError when
+  // block and parameter for a missing or duplicated name, a block without `parameters` or
+  // `forward`, or a streamed parameter that is not floating point; sp::host::PluginError when
   // the plugin cannot be loaded or rejects the config.
   StreamedModel(std::vector<Block> blocks, StreamedModelOptions options);
   ~StreamedModel();
