@@ -1,7 +1,8 @@
 // A LLaMA-style language model (RMSNorm, rotary attention, SwiGLU) in plain LibTorch,
 // trained on the bytes of /usr/share/common-licenses with every block's matrices streamed
 // through Selective Precision. Lines that concern Selective Precision end in "// [sp]".
-// Usage: llama_streamed [steps] [policy.yaml]
+// Usage: llama_streamed [steps] [policy.yaml] [recalibrate every N steps]
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -80,7 +81,7 @@ int main(int argc, char** argv) {
   const int steps = argc > 1 ? std::atoi(argv[1]) : 20;
   std::string policy = "selective_precision:\n  mode: static\n  tiers: [bf16, int8, nf4]\n"
                        "  force_int8_blocks: [0, 3]\n  force_nf4_blocks: [1, 2]\n  telemetry_enabled: false\n";
-  if (argc > 2) {
+  if (argc > 2 && argv[2][0] != '\0') {
     std::ifstream in(argv[2]);
     if (!in) return std::fprintf(stderr, "llama_streamed: cannot read %s\n", argv[2]), 2;
     policy.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
@@ -102,6 +103,7 @@ int main(int argc, char** argv) {
   sp::torch_layer::StreamedModelOptions options;                                           // [sp]
   options.plugin_file = SP_PLUGIN_DIR "/libsp_selective_precision.so";                     // [sp]
   options.config_yaml = policy;                                                            // [sp]
+  options.recalibrate_every = argc > 3 ? std::atoi(argv[3]) : 0;                           // [sp]
   sp::torch_layer::StreamedModel model(std::move(blocks), options);                        // [sp]
 
   std::vector<torch::Tensor> params = model.master_parameters();                           // [sp]
@@ -129,7 +131,8 @@ int main(int argc, char** argv) {
   }
 
   std::uint64_t sent = 0, as_bf16 = 0;
-  double first = NAN, loss_value = NAN;
+  double first = NAN, loss_value = NAN, calibration_seconds = 0;
+  const auto start = std::chrono::steady_clock::now();
   for (int step = 0; step < steps; ++step) {
     optimizer.zero_grad();
     model.begin_step(step);                                                                // [sp]
@@ -141,11 +144,14 @@ int main(int argc, char** argv) {
     const auto report = model.end_step(loss_value);                                        // [sp]
     sent += report.h2d_bytes_bf16 + report.h2d_bytes_int8 + report.h2d_bytes_nf4;        // [sp]
     as_bf16 += report.h2d_bytes_all_bf16;                                                  // [sp]
+    calibration_seconds += report.calibration_seconds;                                     // [sp]
     if (step == 0) first = loss_value;
     std::printf("step %d: loss %.4f\n", step, loss_value);
   }
   std::printf("loss %.4f -> %.4f; H2D bytes %llu of %llu as BF16 (%.1f%% saved)\n", first, loss_value,
               static_cast<unsigned long long>(sent), static_cast<unsigned long long>(as_bf16),
               as_bf16 ? 100.0 * (1.0 - static_cast<double>(sent) / as_bf16) : 0.0);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("%.1f ms per step, of which re-calibration %.1f ms\n", 1e3 * seconds / steps, 1e3 * calibration_seconds / steps);
   return std::isfinite(loss_value) && loss_value < first ? 0 : 1;
 }

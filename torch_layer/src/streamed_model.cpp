@@ -132,6 +132,7 @@ struct StreamedModel::Impl {
   StepReport report;
   std::vector<sp_grad_moments_v1> moments;
   std::vector<sp_hint_v1> applied_hints;
+  torch::Tensor last_input;  // first-block input of the latest training pass, for re-calibration
 
   Impl(std::vector<Block> in, StreamedModelOptions opts) : options(std::move(opts)), log(options.logger) {
     if (!log) log = spdlog::default_logger();
@@ -612,6 +613,7 @@ torch::Tensor StreamedModel::forward(const torch::Tensor& x) {
     throw std::logic_error("StreamedModel::forward: post_backward() already ran in this step; call end_step()");
   }
   m.close_abandoned_pass("forward");
+  if (m.options.recalibrate_every != 0) m.last_input = x.detach();
   m.engine->begin_step(m.engine_steps++);
   m.pass = Impl::Pass::forwarded;
   ++m.pass_id;
@@ -674,6 +676,14 @@ StepReport StreamedModel::end_step(double loss) {
   m.policy->end_step(m.step, feedback);
   m.in_step = false;
   m.after_backward = false;
+  const std::uint32_t every = m.options.recalibrate_every;
+  if (every != 0 && m.last_input.defined() && (m.step + 1) % every == 0) {
+    // On the updated weights, between steps (where the ABI takes calibration errors): the
+    // plugin decides with them from the next step on.
+    const auto start = Clock::now();
+    m.report.calibration = m.calibrate({m.last_input});
+    m.report.calibration_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  }
   StepReport report = m.report;
   report.h2d_bytes_bf16 = m.step_transfer.h2d_bytes_bf16;
   report.h2d_bytes_int8 = m.step_transfer.h2d_bytes_int8;

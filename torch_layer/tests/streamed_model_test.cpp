@@ -299,4 +299,37 @@ TEST(StreamedModel, AThrowingForwardLeavesTheModelUsable) {
   EXPECT_EQ(model.forward(input(29)).sizes(), input(29).sizes());
 }
 
+TEST(StreamedModel, OnlineRecalibrationFollowsTheTrainedWeights) {
+  const auto blocks = make_blocks(30);
+  std::vector<tl::Block> list;
+  for (const TinyBlock& b : blocks) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+  tl::StreamedModelOptions options;
+  options.plugin_file = SP_PLUGIN_FILE;
+  options.config_yaml = policy_yaml("  mode: off\n");
+  options.recalibrate_every = 2;
+  tl::StreamedModel model(std::move(list), options);
+  torch::optim::SGD optimizer(model.master_parameters(), torch::optim::SGDOptions(0.5));
+  std::vector<tl::CalibrationErrors> measured;
+  for (std::int64_t step = 0; step < 4; ++step) {
+    optimizer.zero_grad();
+    model.begin_step(step);
+    const torch::Tensor x = input(31);
+    model.forward(x).pow(2).mean().backward();
+    model.post_backward();
+    optimizer.step();
+    const tl::StepReport report = model.end_step(0.0);
+    EXPECT_EQ(report.calibration.has_value(), step % 2 == 1) << step;
+    if (report.calibration) {
+      EXPECT_GT(report.calibration_seconds, 0.0);
+      measured.push_back(*report.calibration);
+      // The same measurement as an explicit calibration on that input and those weights.
+      const tl::CalibrationErrors again = model.calibrate({x});
+      EXPECT_EQ(again.int8, report.calibration->int8);
+      EXPECT_EQ(again.nf4, report.calibration->nf4);
+    }
+  }
+  ASSERT_EQ(measured.size(), 2u);
+  EXPECT_NE(measured[0].int8, measured[1].int8);  // the weights moved, the errors followed
+}
+
 }  // namespace

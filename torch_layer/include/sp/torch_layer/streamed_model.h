@@ -103,6 +103,17 @@ struct StreamedModelOptions {
   std::uint32_t int8_group_size = 0;   // 0: one scale per row; else 32, 64, 128 or 256
   std::uint32_t nf4_group_size = 64;   // 32, 64, 128 or 256
   std::string metrics_path;            // JSONL of the training passes' transfers; empty: none
+
+  // Online re-calibration: every this many steps (0: never), end_step() measures the blocks'
+  // INT8 and NF4 output errors again, on the first-block input of the step's last training
+  // pass, and gives them to the plugin, so its error term follows the weights as they train.
+  std::uint32_t recalibrate_every = 0;
+};
+
+// Relative output error of each block with quantized weights against BF16 weights.
+struct CalibrationErrors {
+  std::vector<double> int8;
+  std::vector<double> nf4;
 };
 
 // What one step moved and decided.
@@ -114,12 +125,9 @@ struct StepReport {
   std::uint32_t training_passes = 0;
   std::vector<sp_precision> routes;     // per block, for the next step
   std::optional<sp::host::SwapResult> swap;  // a hot swap applied (or failed) at begin_step
-};
-
-// Relative output error of each block with quantized weights against BF16 weights.
-struct CalibrationErrors {
-  std::vector<double> int8;
-  std::vector<double> nf4;
+  // Set on the steps that re-calibrated (StreamedModelOptions::recalibrate_every).
+  std::optional<CalibrationErrors> calibration;
+  double calibration_seconds = 0.0;
 };
 
 class StreamedModel {
