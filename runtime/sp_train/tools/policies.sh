@@ -1,14 +1,19 @@
 # The policies the experiment scripts compare, as sp-train arguments: policy_args NAME.
 # Sourced by run_experiments.sh and run_link_bound.sh so that every table of docs/results.md
 # means the same thing by the same name.
-# The default config streams 6 blocks (model.n_blocks); the fixed formats list them all.
+# The fixed formats list every block: SP_BLOCKS of them (default 6, the default config's
+# model.n_blocks; set it with a run that changes model.n_blocks).
 policy_args() {
   local p=memory.stagehand.selective_precision
+  local n=${SP_BLOCKS:-6}
+  local all inner
+  all=$(seq -s, 0 $((n - 1)))
+  inner=$(seq -s, 1 $((n - 2)))
   case $1 in
     bf16-only) echo "--set $p.mode=off" ;;
-    all-int8) echo "--set $p.mode=static --set $p.force_int8_blocks=[0,1,2,3,4,5]" ;;
-    all-nf4) echo "--set $p.mode=static --set $p.force_nf4_blocks=[0,1,2,3,4,5]" ;;
-    first-last-bf16) echo "--set $p.mode=static --set $p.force_nf4_blocks=[1,2,3,4]" ;;
+    all-int8) echo "--set $p.mode=static --set $p.force_int8_blocks=[$all]" ;;
+    all-nf4) echo "--set $p.mode=static --set $p.force_nf4_blocks=[$all]" ;;
+    first-last-bf16) echo "--set $p.mode=static --set $p.force_nf4_blocks=[$inner]" ;;
     dynamic) echo "" ;;
     # v2 with the experiment's thresholds (configs/policy/dynamic_v2.yaml, docs/results.md):
     # with v1's int8_threshold 0.3 and grad_sensitivity_threshold 2, an average block scores
