@@ -8,7 +8,7 @@
 #include <fmt/format.h>
 
 #include "sp/runtime/atomic_file.hpp"
-#include "text_corpus.hpp"
+#include "sp/runtime/hash.hpp"
 #include "sp/runtime/read_file.hpp"
 
 namespace sp::train {
@@ -22,7 +22,7 @@ constexpr const char* kErrorKeys[] = {"block_errors", "nf4_block_errors"};
 
 std::string checksum_of(const std::string& fingerprint, const nlohmann::json& int8, const nlohmann::json& nf4) {
   const std::string text = fingerprint + int8.dump() + nf4.dump();
-  return fmt::format("{:016x}", fnv1a64(text.data(), text.size()));
+  return fmt::format("{:016x}", sp::runtime::fnv1a64(text.data(), text.size()));
 }
 
 }  // namespace
@@ -39,7 +39,7 @@ const char* cache_status_name(CacheStatus status) {
 
 std::string calibration_fingerprint(const nlohmann::json& identity) {
   const std::string text = identity.dump();
-  return fmt::format("{:016x}", fnv1a64(text.data(), text.size()));
+  return fmt::format("{:016x}", sp::runtime::fnv1a64(text.data(), text.size()));
 }
 
 fs::path calibration_cache_file(const fs::path& dir, const std::string& fingerprint) {

@@ -7,7 +7,7 @@
 #include <fmt/format.h>
 
 #include "sp/runtime/atomic_file.hpp"
-#include "text_corpus.hpp"
+#include "sp/runtime/hash.hpp"
 #include "sp/runtime/read_file.hpp"
 
 namespace sp::train {
@@ -88,7 +88,7 @@ void CheckpointSections::write_atomically(const std::filesystem::path& file) con
     append(out, static_cast<std::uint64_t>(payload.size()));
     out.insert(out.end(), payload.begin(), payload.end());
   }
-  append(out, fnv1a64(out.data(), out.size()));
+  append(out, sp::runtime::fnv1a64(out.data(), out.size()));
   sp::runtime::AtomicFileWriter writer(file);
   writer.stream().write(reinterpret_cast<const char*>(out.data()), static_cast<std::streamsize>(out.size()));
   writer.commit();
@@ -112,7 +112,7 @@ CheckpointSections CheckpointSections::read(const std::filesystem::path& file) {
   const std::size_t body = data.size() - sizeof(std::uint64_t);
   std::uint64_t stored = 0;
   std::memcpy(&stored, data.data() + body, sizeof stored);
-  if (stored != fnv1a64(data.data(), body)) {
+  if (stored != sp::runtime::fnv1a64(data.data(), body)) {
     throw CheckpointError(fmt::format("{}: checksum mismatch: the file is corrupt or truncated", name));
   }
   Cursor cursor(data, body, name);

@@ -1,4 +1,5 @@
 #include "text_corpus.hpp"
+#include "sp/runtime/hash.hpp"
 #include "sp/runtime/read_file.hpp"
 
 #include <algorithm>
@@ -10,22 +11,6 @@
 
 namespace sp::train {
 namespace fs = std::filesystem;
-
-std::uint64_t mix64(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-std::uint64_t fnv1a64(const void* data, std::size_t bytes, std::uint64_t state) {
-  const auto* p = static_cast<const std::uint8_t*>(data);
-  for (std::size_t i = 0; i < bytes; ++i) {
-    state ^= p[i];
-    state *= 0x100000001b3ull;
-  }
-  return state;
-}
 
 namespace {
 
@@ -97,8 +82,8 @@ TextCorpus::TextCorpus(const fs::path& path, double val_fraction, std::uint32_t 
         "give more text)",
         path.string(), file_bytes, stats_.files, train_.size(), val_.size(), need));
   }
-  fingerprint_ = fnv1a64(train_.data(), train_.size());
-  fingerprint_ = fnv1a64(val_.data(), val_.size(), fingerprint_);
+  fingerprint_ = sp::runtime::fnv1a64(train_.data(), train_.size());
+  fingerprint_ = sp::runtime::fnv1a64(val_.data(), val_.size(), fingerprint_);
 }
 
 void TextCorpus::train_batch(std::uint64_t seed, std::int64_t step, std::uint32_t batch_size,
@@ -108,7 +93,7 @@ void TextCorpus::train_batch(std::uint64_t seed, std::int64_t step, std::uint32_
   tokens.resize(std::size_t{batch_size} * window);
   for (std::uint32_t row = 0; row < batch_size; ++row) {
     const std::uint64_t offset =
-        mix64(mix64(seed ^ mix64(static_cast<std::uint64_t>(step))) + row) % starts;
+        sp::runtime::mix64(sp::runtime::mix64(seed ^ sp::runtime::mix64(static_cast<std::uint64_t>(step))) + row) % starts;
     std::copy_n(train_.begin() + static_cast<std::ptrdiff_t>(offset), window,
                 tokens.begin() + static_cast<std::ptrdiff_t>(row * window));
   }

@@ -50,9 +50,4 @@ class TextCorpus {
   std::uint64_t fingerprint_ = 0;
 };
 
-// SplitMix64: the stateless mixer behind batch offsets and fingerprints.
-std::uint64_t mix64(std::uint64_t x);
-// FNV-1a 64 over bytes, continuing from `state`.
-std::uint64_t fnv1a64(const void* data, std::size_t bytes, std::uint64_t state = 0xcbf29ce484222325ull);
-
 }  // namespace sp::train

@@ -24,6 +24,7 @@
 #include "sp/kernels/moments.h"
 #include "sp/kernels/relative_error.h"
 #include "sp/runtime/atomic_file.hpp"
+#include "sp/runtime/hash.hpp"
 #include "text_corpus.hpp"
 #include "transfer_backend.hpp"
 
@@ -95,7 +96,7 @@ torch::TensorOptions compute_options(const TrainConfig& config) {
 
 std::uint64_t hash_tensor(const torch::Tensor& t, std::uint64_t state) {
   const torch::Tensor c = t.contiguous();
-  return fnv1a64(c.data_ptr(), static_cast<std::size_t>(c.numel()) * c.element_size(), state);
+  return sp::runtime::fnv1a64(c.data_ptr(), static_cast<std::size_t>(c.numel()) * c.element_size(), state);
 }
 
 template <typename T>

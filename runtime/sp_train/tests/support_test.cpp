@@ -17,6 +17,7 @@
 #include "sp/adapters/streaming_engine.h"
 #include "sp/kernels/bf16.h"
 #include "sp/kernels/quantize.h"
+#include "sp/runtime/hash.hpp"
 #include "text_corpus.hpp"
 #include "train_test_support.hpp"
 
@@ -120,7 +121,7 @@ TEST_F(Checkpoint, SealedStructuralDamageIsNamed) {
   std::string bytes = testing::read_text(file);
   const auto reseal = [&](std::string body) {
     body.resize(body.size() - 8);
-    const std::uint64_t sum = fnv1a64(body.data(), body.size());
+    const std::uint64_t sum = sp::runtime::fnv1a64(body.data(), body.size());
     body.append(reinterpret_cast<const char*>(&sum), sizeof sum);
     testing::write_text(file, body);
   };
