@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "sp/runtime/run_command.hpp"
+#include "sp/runtime/run_command.h"
 
 namespace {
 

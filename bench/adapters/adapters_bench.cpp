@@ -1,4 +1,4 @@
-// sp_bench_adapters: how close the streaming data path comes to the copy limit measured in the
+// sp-bench-adapters: how close the streaming data path comes to the copy limit measured in the
 // same run, per block size, and how much transfer a compute-bound loop still exposes.
 //
 //   --backend host  the host backend with a bandwidth cap (default 25 GB/s, a PCIe Gen4 x16
@@ -25,12 +25,12 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "bench_cli.hpp"
-#include "bench_report.hpp"
+#include "bench_cli.h"
+#include "bench_report.h"
 #include "sp/adapters/host_backend.h"
 #include "sp/adapters/streaming_engine.h"
-#include "sp/bench/transfer_measure.hpp"
-#include "sp/runtime/atomic_file.hpp"
+#include "sp/bench/transfer_measure.h"
+#include "sp/runtime/atomic_file.h"
 #include "sp/kernels/slab.h"
 
 #ifdef SP_BENCH_WITH_CUDA
@@ -245,7 +245,7 @@ int main(int argc, char **argv) {
     } else {
 #ifdef SP_BENCH_WITH_CUDA
       if (!CudaBackend::device_available()) {
-        std::cerr << "sp_bench_adapters: --backend cuda needs a CUDA device; none was found\n";
+        std::cerr << "sp-bench-adapters: --backend cuda needs a CUDA device; none was found\n";
         return 2;
       }
       CudaBackend backend;
@@ -261,14 +261,14 @@ int main(int argc, char **argv) {
       report["emulation"] = false;
       report["results"] = run(harness, block_mib, num_blocks, steps);
 #else
-      std::cerr << "sp_bench_adapters: built without CUDA; use --backend host\n";
+      std::cerr << "sp-bench-adapters: built without CUDA; use --backend host\n";
       return 2;
 #endif
     }
     sp::bench::write_report(out_path, report);
     std::cout << "wrote " << out_path << "\n";
   } catch (const std::exception &error) {
-    std::cerr << "sp_bench_adapters: " << error.what() << "\n";
+    std::cerr << "sp-bench-adapters: " << error.what() << "\n";
     return 1;
   }
   return 0;

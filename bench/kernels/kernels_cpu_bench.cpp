@@ -23,8 +23,8 @@
 #include <thread>
 #include <vector>
 
-#include "bench_cli.hpp"
-#include "bench_report.hpp"
+#include "bench_cli.h"
+#include "bench_report.h"
 #include "sp/kernels/bf16.h"
 #include "sp/kernels/fp8.h"
 #include "sp/kernels/moments.h"

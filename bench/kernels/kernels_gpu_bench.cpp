@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
-#include "bench_cli.hpp"
-#include "bench_report.hpp"
+#include "bench_cli.h"
+#include "bench_report.h"
 #include "sp/kernels/cuda/bf16.h"
 #include "sp/kernels/cuda/check.h"
 #include "sp/kernels/cuda/moments.h"

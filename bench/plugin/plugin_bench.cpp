@@ -17,13 +17,13 @@
 #include <spdlog/sinks/null_sink.h>
 #include <spdlog/spdlog.h>
 
-#include "../common/bench_cli.hpp"
-#include "../common/bench_report.hpp"
+#include "../common/bench_cli.h"
+#include "../common/bench_report.h"
 #include "sp/host/plugin_library.h"
 #include "sp/host/policy_host.h"
-#include "sp/policy/config.hpp"
-#include "sp/policy/engine.hpp"
-#include "sp/runtime/atomic_file.hpp"
+#include "sp/policy/config.h"
+#include "sp/policy/engine.h"
+#include "sp/runtime/atomic_file.h"
 
 namespace {
 

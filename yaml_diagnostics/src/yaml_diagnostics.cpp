@@ -1,4 +1,4 @@
-#include "sp/yaml_diagnostics/yaml_diagnostics.hpp"
+#include "sp/yaml_diagnostics/yaml_diagnostics.h"
 
 #include <algorithm>
 #include <cctype>

@@ -1,7 +1,7 @@
-#include "sp/policy/config.hpp"
+#include "sp/policy/config.h"
 
-#include "sp/policy/errors.hpp"
-#include "sp/yaml_diagnostics/yaml_diagnostics.hpp"
+#include "sp/policy/errors.h"
+#include "sp/yaml_diagnostics/yaml_diagnostics.h"
 
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>

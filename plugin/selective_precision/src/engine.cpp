@@ -1,7 +1,7 @@
-#include "sp/policy/engine.hpp"
+#include "sp/policy/engine.h"
 
-#include "sp/policy/errors.hpp"
-#include "sp/policy/state_codec.hpp"
+#include "sp/policy/errors.h"
+#include "sp/policy/state_codec.h"
 
 #include <fmt/format.h>
 

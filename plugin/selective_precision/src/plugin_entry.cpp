@@ -1,9 +1,9 @@
 // The C boundary of the Selective Precision policy plugin: the ABI v1 function table.
 // Every exported body runs inside guarded(), so no exception crosses into the host and
 // every failure leaves a message for last_error().
-#include "sp/policy/config.hpp"
-#include "sp/policy/engine.hpp"
-#include "sp/policy/errors.hpp"
+#include "sp/policy/config.h"
+#include "sp/policy/engine.h"
+#include "sp/policy/errors.h"
 
 #include <sp/plugin_abi_v1.h>
 

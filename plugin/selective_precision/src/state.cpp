@@ -1,4 +1,4 @@
-#include "sp/policy/state.hpp"
+#include "sp/policy/state.h"
 
 #include <cassert>
 

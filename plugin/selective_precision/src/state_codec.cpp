@@ -1,7 +1,7 @@
-#include "sp/policy/state_codec.hpp"
+#include "sp/policy/state_codec.h"
 
-#include "sp/policy/config.hpp"
-#include "sp/policy/errors.hpp"
+#include "sp/policy/config.h"
+#include "sp/policy/errors.h"
 
 #include <boost/crc.hpp>
 #include <fmt/format.h>

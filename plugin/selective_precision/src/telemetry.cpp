@@ -1,4 +1,4 @@
-#include "sp/policy/telemetry.hpp"
+#include "sp/policy/telemetry.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>

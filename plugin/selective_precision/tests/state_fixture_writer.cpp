@@ -2,7 +2,7 @@
 // built selective_precision plugin through its C table (as a host does), exports its state
 // blob at a step boundary, then records the hints that the same plugin returns for the steps
 // after that boundary. A later version of the plugin imports the blob and must return the
-// same hints for the same inputs (test_state_migration.cpp).
+// same hints for the same inputs (state_migration_test.cpp).
 //
 //   sp_policy_state_fixture_writer PLUGIN.so OUT_DIR
 //

@@ -1,4 +1,4 @@
-#include "sp/runtime/atomic_file.hpp"
+#include "sp/runtime/atomic_file.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -1,4 +1,4 @@
-#include "sp/runtime/json_fields.hpp"
+#include "sp/runtime/json_fields.h"
 
 #include <cmath>
 

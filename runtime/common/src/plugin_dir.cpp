@@ -1,4 +1,4 @@
-#include "sp/runtime/plugin_dir.hpp"
+#include "sp/runtime/plugin_dir.h"
 
 #include <system_error>
 

@@ -1,4 +1,4 @@
-#include "sp/runtime/read_file.hpp"
+#include "sp/runtime/read_file.h"
 
 #include <cerrno>
 #include <cstring>

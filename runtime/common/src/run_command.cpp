@@ -1,4 +1,4 @@
-#include "sp/runtime/run_command.hpp"
+#include "sp/runtime/run_command.h"
 
 #include <sys/wait.h>
 

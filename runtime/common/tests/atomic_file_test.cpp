@@ -1,5 +1,5 @@
-#include "sp/runtime/atomic_file.hpp"
-#include "sp/runtime/read_file.hpp"
+#include "sp/runtime/atomic_file.h"
+#include "sp/runtime/read_file.h"
 
 #include <sys/stat.h>
 

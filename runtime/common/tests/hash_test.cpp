@@ -1,4 +1,4 @@
-#include "sp/runtime/hash.hpp"
+#include "sp/runtime/hash.h"
 
 #include <string>
 

@@ -14,12 +14,12 @@
 #include <fmt/core.h>
 
 #include "sp/adapters/host_backend.h"
-#include "sp/bench/transfer_measure.hpp"
-#include "sp/bench/transfer_policy.hpp"
+#include "sp/bench/transfer_measure.h"
+#include "sp/bench/transfer_policy.h"
 #include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
-#include "sp/runtime/atomic_file.hpp"
-#include "sp/runtime/cli_output_file.hpp"
+#include "sp/runtime/atomic_file.h"
+#include "sp/runtime/cli_output_file.h"
 #ifdef SP_BENCH_WITH_CUDA
 #include "sp/adapters/cuda_backend.h"
 #endif

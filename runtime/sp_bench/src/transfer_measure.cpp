@@ -1,4 +1,4 @@
-#include "sp/bench/transfer_measure.hpp"
+#include "sp/bench/transfer_measure.h"
 
 #include <algorithm>
 #include <chrono>

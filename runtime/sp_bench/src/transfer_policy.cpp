@@ -1,4 +1,4 @@
-#include "sp/bench/transfer_policy.hpp"
+#include "sp/bench/transfer_policy.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,8 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include "sp/kernels/nf4.h"
-#include "sp/runtime/json_fields.hpp"
-#include "sp/runtime/read_file.hpp"
+#include "sp/runtime/json_fields.h"
+#include "sp/runtime/read_file.h"
 
 namespace sp::bench {
 namespace {

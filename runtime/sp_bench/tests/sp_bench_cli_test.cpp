@@ -6,8 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "sp/bench/transfer_policy.hpp"
-#include "sp/runtime/run_command.hpp"
+#include "sp/bench/transfer_policy.h"
+#include "sp/runtime/run_command.h"
 
 namespace sp::bench {
 namespace {

@@ -6,7 +6,7 @@
 #include "engine_test_support.h"
 #include "sp/adapters/host_backend.h"
 #include "sp/adapters/streaming_engine.h"
-#include "sp/bench/transfer_policy.hpp"
+#include "sp/bench/transfer_policy.h"
 
 namespace sp::bench {
 namespace {

@@ -1,4 +1,4 @@
-#include "sp/bench/transfer_policy.hpp"
+#include "sp/bench/transfer_policy.h"
 
 #include <filesystem>
 #include <fstream>

@@ -18,12 +18,12 @@
 #include <spdlog/spdlog.h>
 #include <yaml-cpp/yaml.h>
 
-#include "sp/runtime/cli_output_file.hpp"
-#include "sp/runtime/read_file.hpp"
-#include "replay_inputs.hpp"
+#include "sp/runtime/cli_output_file.h"
+#include "sp/runtime/read_file.h"
+#include "replay_inputs.h"
 #include "sp/host/policy_host.h"
-#include "sp/runtime/atomic_file.hpp"
-#include "sp/runtime/plugin_dir.hpp"
+#include "sp/runtime/atomic_file.h"
+#include "sp/runtime/plugin_dir.h"
 
 namespace fs = std::filesystem;
 

@@ -1,4 +1,4 @@
-#include "replay_inputs.hpp"
+#include "replay_inputs.h"
 
 #include <algorithm>
 #include <fstream>
@@ -6,8 +6,8 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
-#include "sp/runtime/json_fields.hpp"
-#include "sp/runtime/read_file.hpp"
+#include "sp/runtime/json_fields.h"
+#include "sp/runtime/read_file.h"
 
 namespace sp::replay {
 namespace {

@@ -1,4 +1,4 @@
-#include "replay_inputs.hpp"
+#include "replay_inputs.h"
 
 #include <cmath>
 #include <filesystem>

@@ -8,7 +8,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "sp/runtime/run_command.hpp"
+#include "sp/runtime/run_command.h"
 
 namespace {
 

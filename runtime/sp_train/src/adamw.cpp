@@ -1,4 +1,4 @@
-#include "adamw.hpp"
+#include "adamw.h"
 
 #include <cmath>
 #include <stdexcept>

@@ -1,4 +1,4 @@
-#include "calibration_cache.hpp"
+#include "calibration_cache.h"
 
 #include <cmath>
 #include <cstdlib>
@@ -7,9 +7,9 @@
 
 #include <fmt/format.h>
 
-#include "sp/runtime/atomic_file.hpp"
-#include "sp/runtime/hash.hpp"
-#include "sp/runtime/read_file.hpp"
+#include "sp/runtime/atomic_file.h"
+#include "sp/runtime/hash.h"
+#include "sp/runtime/read_file.h"
 
 namespace sp::train {
 namespace fs = std::filesystem;

@@ -1,4 +1,4 @@
-#include "checkpoint_file.hpp"
+#include "checkpoint_file.h"
 
 #include <cstring>
 #include <fstream>
@@ -6,9 +6,9 @@
 
 #include <fmt/format.h>
 
-#include "sp/runtime/atomic_file.hpp"
-#include "sp/runtime/hash.hpp"
-#include "sp/runtime/read_file.hpp"
+#include "sp/runtime/atomic_file.h"
+#include "sp/runtime/hash.h"
+#include "sp/runtime/read_file.h"
 
 namespace sp::train {
 namespace {

@@ -1,4 +1,4 @@
-#include "gpt_model.hpp"
+#include "gpt_model.h"
 
 #include <cmath>
 #include <limits>

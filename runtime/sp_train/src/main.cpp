@@ -11,14 +11,14 @@
 #include <fmt/core.h>
 #include <spdlog/spdlog.h>
 
-#include "checkpoint_file.hpp"
-#include "error_report.hpp"
-#include "progress.hpp"
+#include "checkpoint_file.h"
+#include "error_report.h"
+#include "progress.h"
 #include "sp/host/plugin_library.h"
-#include "text_corpus.hpp"
-#include "train_config.hpp"
-#include "trainer.hpp"
-#include "sp/runtime/plugin_dir.hpp"
+#include "text_corpus.h"
+#include "train_config.h"
+#include "trainer.h"
+#include "sp/runtime/plugin_dir.h"
 
 namespace fs = std::filesystem;
 

@@ -1,4 +1,4 @@
-#include "progress.hpp"
+#include "progress.h"
 
 #include <unistd.h>
 

@@ -1,6 +1,6 @@
-#include "text_corpus.hpp"
-#include "sp/runtime/hash.hpp"
-#include "sp/runtime/read_file.hpp"
+#include "text_corpus.h"
+#include "sp/runtime/hash.h"
+#include "sp/runtime/read_file.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "train_config.hpp"
+#include "train_config.h"
 
 #include <algorithm>
 #include <cmath>
@@ -15,8 +15,8 @@
 
 #include "sp/adapters/host_backend.h"
 
-#include "sp/yaml_diagnostics/yaml_diagnostics.hpp"
-#include "sp/runtime/read_file.hpp"
+#include "sp/yaml_diagnostics/yaml_diagnostics.h"
+#include "sp/runtime/read_file.h"
 
 namespace sp::train {
 namespace {

@@ -1,4 +1,4 @@
-#include "trainer.hpp"
+#include "trainer.h"
 
 #include <algorithm>
 #include <chrono>
@@ -12,21 +12,21 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
-#include "adamw.hpp"
-#include "calibration_cache.hpp"
-#include "checkpoint_file.hpp"
-#include "gpt_model.hpp"
-#include "sp/bench/transfer_policy.hpp"
-#include "progress.hpp"
+#include "adamw.h"
+#include "calibration_cache.h"
+#include "checkpoint_file.h"
+#include "gpt_model.h"
+#include "sp/bench/transfer_policy.h"
+#include "progress.h"
 #include "sp/adapters/metrics.h"
 #include "sp/host/policy_session.h"
 #include "sp/adapters/streaming_engine.h"
 #include "sp/kernels/moments.h"
 #include "sp/kernels/relative_error.h"
-#include "sp/runtime/atomic_file.hpp"
-#include "sp/runtime/hash.hpp"
-#include "text_corpus.hpp"
-#include "transfer_backend.hpp"
+#include "sp/runtime/atomic_file.h"
+#include "sp/runtime/hash.h"
+#include "text_corpus.h"
+#include "transfer_backend.h"
 
 namespace sp::train {
 namespace fs = std::filesystem;

@@ -1,4 +1,4 @@
-#include "transfer_backend.hpp"
+#include "transfer_backend.h"
 
 #include "sp/adapters/host_backend.h"
 #ifdef SP_TRAIN_HAVE_CUDA

@@ -13,8 +13,8 @@
 
 #include <gtest/gtest.h>
 
-#include "sp/runtime/run_command.hpp"
-#include "train_test_support.hpp"
+#include "sp/runtime/run_command.h"
+#include "train_test_support.h"
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "gpt_model.hpp"
+#include "gpt_model.h"
 
 namespace sp::train {
 namespace {

@@ -14,7 +14,7 @@
 #include <gtest/gtest.h>
 #include <spdlog/logger.h>
 
-#include "progress.hpp"
+#include "progress.h"
 
 namespace sp::train {
 namespace {

@@ -9,17 +9,17 @@
 
 #include <gtest/gtest.h>
 
-#include "adamw.hpp"
-#include "calibration_cache.hpp"
-#include "checkpoint_file.hpp"
-#include "error_report.hpp"
+#include "adamw.h"
+#include "calibration_cache.h"
+#include "checkpoint_file.h"
+#include "error_report.h"
 #include "sp/adapters/host_backend.h"
 #include "sp/adapters/streaming_engine.h"
 #include "sp/kernels/bf16.h"
 #include "sp/kernels/quantize.h"
-#include "sp/runtime/hash.hpp"
-#include "text_corpus.hpp"
-#include "train_test_support.hpp"
+#include "sp/runtime/hash.h"
+#include "text_corpus.h"
+#include "train_test_support.h"
 
 namespace sp::train {
 namespace {

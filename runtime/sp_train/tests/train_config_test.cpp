@@ -4,7 +4,7 @@
 
 #include <yaml-cpp/yaml.h>
 
-#include "train_config.hpp"
+#include "train_config.h"
 
 namespace sp::train {
 namespace {

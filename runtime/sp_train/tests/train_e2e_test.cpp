@@ -14,14 +14,14 @@
 #include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
 
-#include "calibration_cache.hpp"
+#include "calibration_cache.h"
 #include "sp/plugin_abi_v1.h"
-#include "checkpoint_file.hpp"
+#include "checkpoint_file.h"
 #include "sp/kernels/slab.h"
 #include "sp/testing/gpu_gate.h"
-#include "train_config.hpp"
-#include "train_test_support.hpp"
-#include "trainer.hpp"
+#include "train_config.h"
+#include "train_test_support.h"
+#include "trainer.h"
 
 namespace sp::train {
 namespace {

@@ -1,5 +1,5 @@
 // Every example policy file that users copy must load.
-#include "sp/policy/config.hpp"
+#include "sp/policy/config.h"
 
 #include <gtest/gtest.h>
 

@@ -5,10 +5,10 @@
 // anything, so a call that throws leaves the engine as it was.
 #pragma once
 
-#include "sp/policy/config.hpp"
-#include "sp/policy/log_sink.hpp"
-#include "sp/policy/state.hpp"
-#include "sp/policy/telemetry.hpp"
+#include "sp/policy/config.h"
+#include "sp/policy/log_sink.h"
+#include "sp/policy/state.h"
+#include "sp/policy/telemetry.h"
 
 #include <sp/plugin_abi_v1.h>
 

@@ -4,10 +4,10 @@
 // returned after each export (state_fixture_writer.cpp). 2.0.0 imports each blob and must
 // return the same hints for the same inputs. The randomized test runs v2 with v1 configs
 // against the 1.0.0 edition fixture (the same sources built as 1.0.0).
-#include "policy_test_support.hpp"
+#include "policy_test_support.h"
 
-#include "sp/policy/errors.hpp"
-#include "sp/policy/state_codec.hpp"
+#include "sp/policy/errors.h"
+#include "sp/policy/state_codec.h"
 
 #include <sp/plugin_abi_v1.h>
 

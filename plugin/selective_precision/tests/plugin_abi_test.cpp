@@ -1,5 +1,5 @@
 // The plugin through its C table, loaded with dlopen() as a host loads it.
-#include "policy_test_support.hpp"
+#include "policy_test_support.h"
 
 #include <sp/plugin_abi_v1.h>
 

@@ -1,9 +1,9 @@
 // The state blob: round trips, window resizing, and rejection of every kind of bad blob
 // with the engine left exactly as it was.
-#include "policy_test_support.hpp"
+#include "policy_test_support.h"
 
-#include "sp/policy/errors.hpp"
-#include "sp/policy/state_codec.hpp"
+#include "sp/policy/errors.h"
+#include "sp/policy/state_codec.h"
 
 #include <boost/crc.hpp>
 #include <gtest/gtest.h>
@@ -16,7 +16,7 @@ namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-// Layout offsets of format version 1, which format 2 keeps and appends to (state_codec.hpp).
+// Layout offsets of format version 1, which format 2 keeps and appends to (state_codec.h).
 constexpr std::size_t kVersionOffset = 8;
 constexpr std::size_t kPolicyPayload = 24 + 12;
 constexpr std::size_t kBlocksOffset = kPolicyPayload + 4 + 4 + 8 + 1 + 32;

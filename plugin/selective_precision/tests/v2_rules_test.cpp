@@ -1,9 +1,9 @@
 // Policy v2 (POLICY_V2_SEMANTICS.md, docs/policy.md "Policy v2"): one named test per rule,
 // in the order of that document.
-#include "policy_test_support.hpp"
+#include "policy_test_support.h"
 
-#include "sp/policy/errors.hpp"
-#include "sp/policy/state_codec.hpp"
+#include "sp/policy/errors.h"
+#include "sp/policy/state_codec.h"
 
 #include <boost/crc.hpp>
 #include <gtest/gtest.h>

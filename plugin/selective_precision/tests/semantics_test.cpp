@@ -1,7 +1,7 @@
 // One test per rule of POLICY_SEMANTICS.md (docs/policy.md), in the order of that document.
-#include "policy_test_support.hpp"
+#include "policy_test_support.h"
 
-#include "sp/policy/errors.hpp"
+#include "sp/policy/errors.h"
 
 #include <gtest/gtest.h>
 

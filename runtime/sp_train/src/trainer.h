@@ -20,11 +20,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "calibration_cache.hpp"
-#include "progress.hpp"
+#include "calibration_cache.h"
+#include "progress.h"
 
-#include "train_config.hpp"
-#include "train_error.hpp"
+#include "train_config.h"
+#include "train_error.h"
 
 namespace spdlog {
 class logger;
@@ -32,7 +32,7 @@ class logger;
 
 namespace sp::train {
 
-// ResumeError, DivergedError: train_error.hpp.
+// ResumeError, DivergedError: train_error.h.
 
 struct StepRecord {
   std::int64_t step = 0;

@@ -47,7 +47,7 @@ class DataError : public TrainError {
   explicit DataError(const std::string& what) : TrainError(ExitCode::bad_input, what) {}
 };
 
-// A checkpoint file that cannot be read back exactly as written (checkpoint_file.hpp). The
+// A checkpoint file that cannot be read back exactly as written (checkpoint_file.h). The
 // trainer reports it as a ResumeError naming what it was reading for; exit code 4 either way.
 class CheckpointError : public TrainError {
  public:

@@ -5,7 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "sp/runtime/atomic_file.hpp"
+#include "sp/runtime/atomic_file.h"
 
 namespace sp::runtime {
 

@@ -10,11 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "train_error.hpp"
+#include "train_error.h"
 
 namespace sp::train {
 
-// ConfigError: train_error.hpp.
+// ConfigError: train_error.h.
 
 struct ModelConfig {
   std::uint32_t d_model = 128;

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "sp/host/plugin_library.h"
-#include "train_error.hpp"
+#include "train_error.h"
 
 namespace sp::train {
 

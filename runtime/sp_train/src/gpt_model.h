@@ -14,7 +14,7 @@
 
 #include <torch/torch.h>
 
-#include "train_config.hpp"
+#include "train_config.h"
 
 namespace sp::train {
 

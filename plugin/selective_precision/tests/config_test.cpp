@@ -1,7 +1,7 @@
-#include "policy_test_support.hpp"
+#include "policy_test_support.h"
 
-#include "sp/policy/config.hpp"
-#include "sp/policy/errors.hpp"
+#include "sp/policy/config.h"
+#include "sp/policy/errors.h"
 
 #include <gtest/gtest.h>
 

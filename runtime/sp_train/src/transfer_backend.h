@@ -5,7 +5,7 @@
 #include <memory>
 
 #include "sp/adapters/backend.h"
-#include "train_config.hpp"
+#include "train_config.h"
 
 namespace sp::train {
 

@@ -1,5 +1,5 @@
 // Telemetry JSONL records and decision logging.
-#include "policy_test_support.hpp"
+#include "policy_test_support.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

@@ -1,6 +1,6 @@
 // Reproduces the worked example of docs/policy.md step by step. If this test changes,
 // the document changes with it.
-#include "policy_test_support.hpp"
+#include "policy_test_support.h"
 
 #include <gtest/gtest.h>
 

@@ -2,8 +2,8 @@
 // driver that runs the engine through whole steps.
 #pragma once
 
-#include "sp/policy/config.hpp"
-#include "sp/policy/engine.hpp"
+#include "sp/policy/config.h"
+#include "sp/policy/engine.h"
 
 #include <sp/plugin_abi_v1.h>
 

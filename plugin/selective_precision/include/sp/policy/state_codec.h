@@ -8,8 +8,8 @@
 // docs/policy.md lists the fields of each section.
 #pragma once
 
-#include "sp/policy/config.hpp"
-#include "sp/policy/state.hpp"
+#include "sp/policy/config.h"
+#include "sp/policy/state.h"
 
 #include <cstddef>
 #include <cstdint>

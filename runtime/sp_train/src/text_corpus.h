@@ -9,11 +9,11 @@
 #include <string>
 #include <vector>
 
-#include "train_error.hpp"
+#include "train_error.h"
 
 namespace sp::train {
 
-// DataError: train_error.hpp.
+// DataError: train_error.h.
 
 struct CorpusStats {
   std::uint64_t files = 0;

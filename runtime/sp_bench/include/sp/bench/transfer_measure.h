@@ -9,7 +9,7 @@
 
 #include "sp/adapters/backend.h"
 #include "sp/adapters/streaming_engine.h"
-#include "sp/bench/transfer_policy.hpp"
+#include "sp/bench/transfer_policy.h"
 
 namespace sp::bench {
 

@@ -1,9 +1,9 @@
 // Telemetry of the policy: one JSON object per line, appended and flushed per record.
 #pragma once
 
-#include "sp/policy/config.hpp"
-#include "sp/policy/log_sink.hpp"
-#include "sp/policy/state.hpp"
+#include "sp/policy/config.h"
+#include "sp/policy/log_sink.h"
+#include "sp/policy/state.h"
 
 #include <cstdint>
 #include <cstdio>

@@ -14,11 +14,11 @@
 #include <string>
 #include <vector>
 
-#include "train_error.hpp"
+#include "train_error.h"
 
 namespace sp::train {
 
-// CheckpointError: train_error.hpp.
+// CheckpointError: train_error.h.
 
 using Bytes = std::vector<std::uint8_t>;
 

@@ -9,8 +9,8 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "sp/runtime/atomic_file.hpp"
-#include "sp/runtime/cli_output_file.hpp"
+#include "sp/runtime/atomic_file.h"
+#include "sp/runtime/cli_output_file.h"
 
 namespace sp::bench {
 
