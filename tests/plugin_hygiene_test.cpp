@@ -56,8 +56,8 @@ std::vector<std::filesystem::path> every_built_plugin() {
 
 TEST(PluginHygiene, TheScanFindsTheKnownPlugins) {
   const std::vector<std::filesystem::path> plugins = every_built_plugin();
-  for (const char* expected : {SP_SELECTIVE_PRECISION_V1, SP_SELECTIVE_PRECISION_V2, SP_EXAMPLE_MINIMAL_C,
-                               SP_FIXTURE_SCRIPTED}) {
+  for (const char* expected :
+       {SP_SELECTIVE_PRECISION_V1, SP_SELECTIVE_PRECISION_V2, SP_EXAMPLE_MINIMAL_C, SP_FIXTURE_SCRIPTED}) {
     EXPECT_THAT(plugins, ::testing::Contains(std::filesystem::path(expected)));
   }
 }

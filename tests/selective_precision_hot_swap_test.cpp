@@ -27,10 +27,10 @@ namespace sp::host {
 namespace {
 
 using ::testing::AllOf;
-using ::testing::HasSubstr;
 using testing::CapturedLog;
 using testing::Decision;
 using testing::decisions_of;
+using ::testing::HasSubstr;
 using testing::make_blocks;
 using testing::run_step;
 
@@ -359,7 +359,8 @@ TEST(SelectivePrecisionHotSwap, APluginThatCannotReadTheStateIsRefusedAndV1Carri
     if (step == 30) {
       // The scripted fixture is another policy: it accepts its own config but not the
       // Selective Precision state blob.
-      const SwapResult result = run.host().swap_now(SP_FIXTURE_SCRIPTED, PolicyConfig{"min_samples: 1\n", "other.yaml"});
+      const SwapResult result =
+          run.host().swap_now(SP_FIXTURE_SCRIPTED, PolicyConfig{"min_samples: 1\n", "other.yaml"});
       EXPECT_EQ(result.outcome, SwapResult::Outcome::failed);
       EXPECT_THAT(result.message, AllOf(HasSubstr("could not import the state of selective_precision 1.0.0"),
                                         HasSubstr("SP_ERR_STATE")));

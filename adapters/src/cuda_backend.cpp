@@ -54,13 +54,11 @@ std::string CudaBackend::device_name() const {
 CudaBackend::CudaBackend(CudaBackendOptions options) : device_(options.device) {
   check(cudaSetDevice(device_), "cudaSetDevice");
   check(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "cudaStreamCreate(copy)");
-  check(cudaStreamCreateWithFlags(&dequant_stream_, cudaStreamNonBlocking),
-        "cudaStreamCreate(dequant)");
+  check(cudaStreamCreateWithFlags(&dequant_stream_, cudaStreamNonBlocking), "cudaStreamCreate(dequant)");
   if (options.compute_stream != nullptr) {
     compute_stream_ = options.compute_stream;
   } else {
-    check(cudaStreamCreateWithFlags(&compute_stream_, cudaStreamNonBlocking),
-          "cudaStreamCreate(compute)");
+    check(cudaStreamCreateWithFlags(&compute_stream_, cudaStreamNonBlocking), "cudaStreamCreate(compute)");
     owns_compute_stream_ = true;
   }
 }
@@ -107,8 +105,7 @@ Region CudaBackend::allocate_device(std::size_t bytes) {
 
 std::unique_ptr<Event> CudaBackend::create_event() { return std::make_unique<CudaEvent>(); }
 
-void CudaBackend::copy_host_to_device_async(std::byte *device_dst, const std::byte *host_src,
-                                            std::size_t bytes) {
+void CudaBackend::copy_host_to_device_async(std::byte *device_dst, const std::byte *host_src, std::size_t bytes) {
   check(cudaMemcpyAsync(device_dst, host_src, bytes, cudaMemcpyHostToDevice, copy_stream_),
         "cudaMemcpyAsync(host to device)");
 }
@@ -116,15 +113,13 @@ void CudaBackend::copy_host_to_device_async(std::byte *device_dst, const std::by
 void CudaBackend::dequantize_async(const DequantJob &job) {
   for_each_dequant(
       job,
-      [this](const std::int8_t *codes, const float *scales, std::uint64_t rows,
-             std::uint64_t cols, std::uint32_t group_size, std::uint16_t *out) {
-        sp::kernels::cuda::dequantize_int8_to_bf16(codes, scales, rows, cols, group_size, out,
-                                                   dequant_stream_);
+      [this](const std::int8_t *codes, const float *scales, std::uint64_t rows, std::uint64_t cols,
+             std::uint32_t group_size, std::uint16_t *out) {
+        sp::kernels::cuda::dequantize_int8_to_bf16(codes, scales, rows, cols, group_size, out, dequant_stream_);
       },
-      [this](const std::uint8_t *codes, const std::uint16_t *scales, std::uint64_t rows,
-             std::uint64_t cols, std::uint32_t group_size, std::uint16_t *out) {
-        sp::kernels::cuda::dequantize_nf4_to_bf16(codes, scales, rows, cols, group_size, out,
-                                                  dequant_stream_);
+      [this](const std::uint8_t *codes, const std::uint16_t *scales, std::uint64_t rows, std::uint64_t cols,
+             std::uint32_t group_size, std::uint16_t *out) {
+        sp::kernels::cuda::dequantize_nf4_to_bf16(codes, scales, rows, cols, group_size, out, dequant_stream_);
       });
 }
 
@@ -154,16 +149,13 @@ void CudaBackend::synchronize(const Event &event) {
 
 double CudaBackend::elapsed_seconds(const Event &start, const Event &end) {
   float milliseconds = 0.0f;
-  check(cudaEventElapsedTime(&milliseconds, cuda_event(start), cuda_event(end)),
-        "cudaEventElapsedTime");
+  check(cudaEventElapsedTime(&milliseconds, cuda_event(start), cuda_event(end)), "cudaEventElapsedTime");
   return static_cast<double>(milliseconds) / 1000.0;
 }
 
-void CudaBackend::read_device(std::byte *host_dst, const std::byte *device_src,
-                              std::size_t bytes) {
+void CudaBackend::read_device(std::byte *host_dst, const std::byte *device_src, std::size_t bytes) {
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  check(cudaMemcpy(host_dst, device_src, bytes, cudaMemcpyDeviceToHost),
-        "cudaMemcpy(device to host)");
+  check(cudaMemcpy(host_dst, device_src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy(device to host)");
 }
 
 }  // namespace sp::adapters

@@ -71,9 +71,7 @@ HostEvent &host_event(Event &event) {
   return *host;
 }
 
-const HostEvent &host_event(const Event &event) {
-  return host_event(const_cast<Event &>(event));
-}
+const HostEvent &host_event(const Event &event) { return host_event(const_cast<Event &>(event)); }
 
 Region allocate_zeroed(std::size_t bytes) {
   constexpr std::size_t kAlignment = 256;  // as cudaMalloc: every slab and slot offset stays aligned
@@ -149,12 +147,9 @@ class HostBackend::WorkerQueue {
 };
 
 HostBackend::HostBackend(HostBackendOptions options)
-    : options_(options),
-      copy_queue_(std::make_unique<WorkerQueue>()),
-      dequant_queue_(std::make_unique<WorkerQueue>()) {
+    : options_(options), copy_queue_(std::make_unique<WorkerQueue>()), dequant_queue_(std::make_unique<WorkerQueue>()) {
   if (options_.bandwidth_cap_bytes_per_second < 0.0) {
-    throw std::invalid_argument(
-        "HostBackendOptions.bandwidth_cap_bytes_per_second must be >= 0 (0 = uncapped)");
+    throw std::invalid_argument("HostBackendOptions.bandwidth_cap_bytes_per_second must be >= 0 (0 = uncapped)");
   }
   if (options_.pacing_chunk_bytes == 0) {
     throw std::invalid_argument("HostBackendOptions.pacing_chunk_bytes must be > 0");
@@ -181,8 +176,7 @@ Region HostBackend::allocate_device(std::size_t bytes) { return allocate_zeroed(
 
 std::unique_ptr<Event> HostBackend::create_event() { return std::make_unique<HostEvent>(); }
 
-void HostBackend::copy_host_to_device_async(std::byte *device_dst, const std::byte *host_src,
-                                            std::size_t bytes) {
+void HostBackend::copy_host_to_device_async(std::byte *device_dst, const std::byte *host_src, std::size_t bytes) {
   rethrow_worker_failure();
   const double cap = options_.bandwidth_cap_bytes_per_second;
   const std::size_t chunk = options_.pacing_chunk_bytes;
@@ -196,9 +190,8 @@ void HostBackend::copy_host_to_device_async(std::byte *device_dst, const std::by
       const std::size_t n = std::min(chunk, bytes - done);
       std::memcpy(device_dst + done, host_src + done, n);
       done += n;
-      std::this_thread::sleep_until(
-          start + std::chrono::duration_cast<Clock::duration>(
-                      std::chrono::duration<double>(static_cast<double>(done) / cap)));
+      std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(
+                                                std::chrono::duration<double>(static_cast<double>(done) / cap)));
     }
   });
 }
@@ -209,13 +202,11 @@ void HostBackend::dequantize_async(const DequantJob &job) {
     for_each_dequant(
         job,
         [](const std::int8_t *codes, const float *scales, std::uint64_t rows, std::uint64_t cols,
-           std::uint32_t group_size, std::uint16_t *out) {
-          sp::kernels::dequantize_int8_to_bf16(codes, scales, rows, cols, group_size, out);
-        },
-        [](const std::uint8_t *codes, const std::uint16_t *scales, std::uint64_t rows,
-           std::uint64_t cols, std::uint32_t group_size, std::uint16_t *out) {
-          sp::kernels::dequantize_nf4_to_bf16(codes, scales, rows, cols, group_size, out);
-        });
+           std::uint32_t group_size,
+           std::uint16_t *out) { sp::kernels::dequantize_int8_to_bf16(codes, scales, rows, cols, group_size, out); },
+        [](const std::uint8_t *codes, const std::uint16_t *scales, std::uint64_t rows, std::uint64_t cols,
+           std::uint32_t group_size,
+           std::uint16_t *out) { sp::kernels::dequantize_nf4_to_bf16(codes, scales, rows, cols, group_size, out); });
   });
 }
 
@@ -262,8 +253,7 @@ double HostBackend::elapsed_seconds(const Event &start, const Event &end) {
   return std::chrono::duration<double>(last.completed_at() - first.completed_at()).count();
 }
 
-void HostBackend::read_device(std::byte *host_dst, const std::byte *device_src,
-                              std::size_t bytes) {
+void HostBackend::read_device(std::byte *host_dst, const std::byte *device_src, std::size_t bytes) {
   rethrow_worker_failure();
   std::memcpy(host_dst, device_src, bytes);
 }

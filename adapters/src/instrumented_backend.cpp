@@ -17,8 +17,7 @@ std::unique_ptr<Event> InstrumentedBackend::create_event() {
   return inner_.create_event();
 }
 
-void InstrumentedBackend::copy_host_to_device_async(std::byte *device_dst,
-                                                    const std::byte *host_src,
+void InstrumentedBackend::copy_host_to_device_async(std::byte *device_dst, const std::byte *host_src,
                                                     std::size_t bytes) {
   ++counts_.copies;
   counts_.copied_bytes += bytes;
@@ -54,8 +53,7 @@ double InstrumentedBackend::elapsed_seconds(const Event &start, const Event &end
   return inner_.elapsed_seconds(start, end);
 }
 
-void InstrumentedBackend::read_device(std::byte *host_dst, const std::byte *device_src,
-                                      std::size_t bytes) {
+void InstrumentedBackend::read_device(std::byte *host_dst, const std::byte *device_src, std::size_t bytes) {
   ++counts_.host_syncs;
   inner_.read_device(host_dst, device_src, bytes);
 }

@@ -13,10 +13,7 @@ nlohmann::json StepTransferMetrics::to_json() const {
   nlohmann::json record = {
       {"step", step},
       {"h2d_bytes",
-       {{"bf16", h2d_bytes_bf16},
-        {"int8", h2d_bytes_int8},
-        {"nf4", h2d_bytes_nf4},
-        {"all_bf16", h2d_bytes_all_bf16}}},
+       {{"bf16", h2d_bytes_bf16}, {"int8", h2d_bytes_int8}, {"nf4", h2d_bytes_nf4}, {"all_bf16", h2d_bytes_all_bf16}}},
       {"fetches",
        {{"bf16", fetches_bf16},
         {"int8", fetches_int8},
@@ -24,16 +21,11 @@ nlohmann::json StepTransferMetrics::to_json() const {
         {"bf16_by_transfer_policy", fetches_bf16_by_transfer_policy},
         {"int8_by_transfer_policy", fetches_int8_by_transfer_policy},
         {"pinned", fetches_pinned}}},
-      {"prefetch",
-       {{"hits", prefetch_hits}, {"misses", prefetch_misses}, {"unused", prefetch_unused}}},
+      {"prefetch", {{"hits", prefetch_hits}, {"misses", prefetch_misses}, {"unused", prefetch_unused}}},
       {"stalls", {{"count", stalls}, {"seconds", stall_seconds}}},
       {"image_rebuilds", image_rebuilds},
-      {"pool",
-       {{"slabs", slabs_total}, {"in_use_peak", slabs_in_use_peak}, {"slab_bytes", slab_bytes}}},
-      {"slots",
-       {{"slots", slots_total},
-        {"in_flight_peak", slots_in_flight_peak},
-        {"slot_bytes", slot_bytes}}},
+      {"pool", {{"slabs", slabs_total}, {"in_use_peak", slabs_in_use_peak}, {"slab_bytes", slab_bytes}}},
+      {"slots", {{"slots", slots_total}, {"in_flight_peak", slots_in_flight_peak}, {"slot_bytes", slot_bytes}}},
   };
   if (timings_complete) {
     record["copy_seconds"] = copy_seconds;
@@ -67,8 +59,7 @@ MetricsJsonlWriter::MetricsJsonlWriter(std::filesystem::path path) : path_(std::
 
 void MetricsJsonlWriter::fail(const std::string &what) noexcept {
   if (healthy_) {
-    spdlog::error("transfer metrics {}: {}; no further records are written", path_.string(),
-                  what);
+    spdlog::error("transfer metrics {}: {}; no further records are written", path_.string(), what);
   }
   healthy_ = false;
 }

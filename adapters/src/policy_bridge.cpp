@@ -14,16 +14,14 @@ PolicyBridge::PolicyBridge(std::uint32_t num_blocks)
 void PolicyBridge::check_block(std::uint32_t block, const char *what) const {
   if (block >= num_blocks_) {
     throw std::invalid_argument(
-        fmt::format("{}: block id {} is out of range (there are {} blocks)", what, block,
-                    num_blocks_));
+        fmt::format("{}: block id {} is out of range (there are {} blocks)", what, block, num_blocks_));
   }
 }
 
 void PolicyBridge::set_plugin_hints(const sp_hint_v1 *hints, std::uint32_t n) {
   if (n != num_blocks_) {
-    throw std::invalid_argument(fmt::format(
-        "PolicyBridge: the plugin returned {} hints; expected one per block ({})", n,
-        num_blocks_));
+    throw std::invalid_argument(
+        fmt::format("PolicyBridge: the plugin returned {} hints; expected one per block ({})", n, num_blocks_));
   }
   if (hints == nullptr) {
     throw std::invalid_argument("PolicyBridge: the hint array is null");
@@ -31,9 +29,8 @@ void PolicyBridge::set_plugin_hints(const sp_hint_v1 *hints, std::uint32_t n) {
   std::vector<Precision> routes(num_blocks_);
   for (std::uint32_t i = 0; i < n; ++i) {
     if (hints[i].block_id != i) {
-      throw std::invalid_argument(fmt::format(
-          "PolicyBridge: hint {} is for block {}; expected hints[i].block_id == i", i,
-          hints[i].block_id));
+      throw std::invalid_argument(
+          fmt::format("PolicyBridge: hint {} is for block {}; expected hints[i].block_id == i", i, hints[i].block_id));
     }
     if (hints[i].precision == SP_PRECISION_BF16) {
       routes[i] = Precision::bf16;
@@ -42,18 +39,16 @@ void PolicyBridge::set_plugin_hints(const sp_hint_v1 *hints, std::uint32_t n) {
     } else if (hints[i].precision == SP_PRECISION_NF4) {
       routes[i] = Precision::nf4;
     } else {
-      throw std::invalid_argument(fmt::format(
-          "PolicyBridge: hint for block {} has precision {}; expected SP_PRECISION_BF16 (0), "
-          "SP_PRECISION_INT8 (1) or SP_PRECISION_NF4 (2)",
-          i, hints[i].precision));
+      throw std::invalid_argument(
+          fmt::format("PolicyBridge: hint for block {} has precision {}; expected SP_PRECISION_BF16 (0), "
+                      "SP_PRECISION_INT8 (1) or SP_PRECISION_NF4 (2)",
+                      i, hints[i].precision));
     }
   }
   plugin_route_ = std::move(routes);
 }
 
-void PolicyBridge::clear_plugin_hints() {
-  std::fill(plugin_route_.begin(), plugin_route_.end(), Precision::bf16);
-}
+void PolicyBridge::clear_plugin_hints() { std::fill(plugin_route_.begin(), plugin_route_.end(), Precision::bf16); }
 
 void PolicyBridge::begin_step() { limits_ = RuntimeLimitHints{}; }
 
@@ -80,9 +75,12 @@ void PolicyBridge::tighten(const RuntimeLimitHints &limits) {
 
 const char *route_authority_name(RouteAuthority authority) {
   switch (authority) {
-    case RouteAuthority::plugin: return "plugin";
-    case RouteAuthority::transfer_policy: return "transfer_policy";
-    case RouteAuthority::runtime_pin: return "runtime_pin";
+    case RouteAuthority::plugin:
+      return "plugin";
+    case RouteAuthority::transfer_policy:
+      return "transfer_policy";
+    case RouteAuthority::runtime_pin:
+      return "runtime_pin";
   }
   return "unknown";
 }
@@ -90,10 +88,10 @@ const char *route_authority_name(RouteAuthority authority) {
 void PolicyBridge::set_transfer_gate(TransferGate gate) {
   const auto check = [&](const std::vector<bool> &verdicts, const char *route) {
     if (!verdicts.empty() && verdicts.size() != num_blocks_) {
-      throw std::invalid_argument(fmt::format(
-          "PolicyBridge: the transfer gate has {} entries in {}; expected none or one per "
-          "block ({})",
-          verdicts.size(), route, num_blocks_));
+      throw std::invalid_argument(
+          fmt::format("PolicyBridge: the transfer gate has {} entries in {}; expected none or one per "
+                      "block ({})",
+                      verdicts.size(), route, num_blocks_));
     }
   };
   check(gate.int8_pays, "int8_pays");
@@ -108,9 +106,7 @@ void PolicyBridge::clear_transfer_gate() {
 }
 
 namespace {
-bool pays(const std::vector<bool> &gate, std::uint32_t block) {
-  return !gate.empty() && gate[block];
-}
+bool pays(const std::vector<bool> &gate, std::uint32_t block) { return !gate.empty() && gate[block]; }
 }  // namespace
 
 RouteDecision PolicyBridge::decide(std::uint32_t block) const {
@@ -128,8 +124,7 @@ RouteDecision PolicyBridge::decide(std::uint32_t block) const {
   }
   // NF4 that does not pay falls back to the next more precise route that does.
   if (pays(gate_.int8_pays, block)) {
-    return {Precision::int8,
-            wanted == Precision::int8 ? RouteAuthority::plugin : RouteAuthority::transfer_policy,
+    return {Precision::int8, wanted == Precision::int8 ? RouteAuthority::plugin : RouteAuthority::transfer_policy,
             wanted};
   }
   return {Precision::bf16, RouteAuthority::transfer_policy, wanted};

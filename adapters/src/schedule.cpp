@@ -24,13 +24,11 @@ StepSchedule::StepSchedule(const ScheduleOptions &options) : options_(options) {
     throw std::invalid_argument("ScheduleOptions.num_blocks must be at least 1");
   }
   if (options.recompute_segment != 0 && !options.backward) {
-    throw std::invalid_argument(
-        "ScheduleOptions.recompute_segment needs a backward pass (backward is false)");
+    throw std::invalid_argument("ScheduleOptions.recompute_segment needs a backward pass (backward is false)");
   }
   if (options.recompute_segment > n) {
-    throw std::invalid_argument(fmt::format(
-        "ScheduleOptions.recompute_segment is {} but there are only {} blocks",
-        options.recompute_segment, n));
+    throw std::invalid_argument(fmt::format("ScheduleOptions.recompute_segment is {} but there are only {} blocks",
+                                            options.recompute_segment, n));
   }
 
   for (std::uint32_t b = 0; b < n; ++b) {

@@ -8,8 +8,7 @@
 
 namespace sp::adapters {
 
-PinnedSlabPool::PinnedSlabPool(TransferBackend &backend, std::uint64_t slab_bytes,
-                               std::uint32_t slab_count)
+PinnedSlabPool::PinnedSlabPool(TransferBackend &backend, std::uint64_t slab_bytes, std::uint32_t slab_count)
     : slab_bytes_(slab_bytes), stride_(image_stride(slab_bytes)) {
   if (slab_bytes == 0) {
     throw std::invalid_argument("PinnedSlabPool: the slab size must be > 0");
@@ -41,9 +40,9 @@ std::uint32_t PinnedSlabPool::acquire(const std::string &requester) {
   if (auto slab = try_acquire()) {
     return *slab;
   }
-  throw std::runtime_error(fmt::format(
-      "pinned slab pool exhausted: {} needs a slab but all {} slabs of {} bytes are in use",
-      requester, capacity(), slab_bytes_));
+  throw std::runtime_error(
+      fmt::format("pinned slab pool exhausted: {} needs a slab but all {} slabs of {} bytes are in use", requester,
+                  capacity(), slab_bytes_));
 }
 
 void PinnedSlabPool::release(std::uint32_t slab) {

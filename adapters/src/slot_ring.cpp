@@ -6,8 +6,8 @@
 
 namespace sp::adapters {
 
-DeviceSlotRing::DeviceSlotRing(TransferBackend &backend, std::uint64_t compute_bytes,
-                               std::uint64_t staging_bytes, std::uint32_t slot_count)
+DeviceSlotRing::DeviceSlotRing(TransferBackend &backend, std::uint64_t compute_bytes, std::uint64_t staging_bytes,
+                               std::uint32_t slot_count)
     : compute_bytes_(compute_bytes), staging_bytes_(staging_bytes) {
   if (compute_bytes == 0) {
     throw std::invalid_argument("DeviceSlotRing: the slot size must be > 0");

@@ -62,8 +62,7 @@ constexpr Precision kAllPrecisions[] = {Precision::bf16, Precision::int8, Precis
 
 // Everything that can be wrong with the config or the blocks is reported here, before any
 // memory is allocated, naming the field or the block and both sizes.
-const StreamingConfig &validated(const StreamingConfig &config,
-                                 const std::vector<BlockSpec> &blocks) {
+const StreamingConfig &validated(const StreamingConfig &config, const std::vector<BlockSpec> &blocks) {
   if (blocks.empty()) {
     throw std::invalid_argument("StreamingEngine: there are no blocks to stream");
   }
@@ -77,16 +76,16 @@ const StreamingConfig &validated(const StreamingConfig &config,
     throw std::invalid_argument("StreamingConfig.device_slot_bytes must be > 0");
   }
   if (!kn::is_supported_group_size(config.int8_group_size)) {
-    throw std::invalid_argument(fmt::format(
-        "StreamingConfig.int8_group_size is {}; expected 0 (one scale per row), 32, 64, 128 "
-        "or 256",
-        config.int8_group_size));
+    throw std::invalid_argument(
+        fmt::format("StreamingConfig.int8_group_size is {}; expected 0 (one scale per row), 32, 64, 128 "
+                    "or 256",
+                    config.int8_group_size));
   }
   if (!kn::is_supported_nf4_group_size(config.nf4_group_size)) {
-    throw std::invalid_argument(fmt::format(
-        "StreamingConfig.nf4_group_size is {}; expected 32, 64, 128 or 256 (NF4 has no "
-        "per-row mode)",
-        config.nf4_group_size));
+    throw std::invalid_argument(
+        fmt::format("StreamingConfig.nf4_group_size is {}; expected 32, 64, 128 or 256 (NF4 has no "
+                    "per-row mode)",
+                    config.nf4_group_size));
   }
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     const BlockSpec &block = blocks[b];
@@ -95,33 +94,32 @@ const StreamingConfig &validated(const StreamingConfig &config,
     }
     for (const TensorSpec &tensor : block.tensors) {
       if (tensor.master == nullptr && tensor.rows * tensor.cols != 0) {
-        throw std::invalid_argument(fmt::format("{}: tensor '{}' has no master weights",
-                                                block_label(block, b), tensor.name));
+        throw std::invalid_argument(
+            fmt::format("{}: tensor '{}' has no master weights", block_label(block, b), tensor.name));
       }
     }
     const std::uint64_t bf16_bytes = image_size(block, Precision::bf16, group_sizes(config));
     if (bf16_bytes > config.device_slot_bytes) {
-      throw std::invalid_argument(fmt::format(
-          "{} needs {} bytes of bf16 weights in a device slot but "
-          "StreamingConfig.device_slot_bytes is {}",
-          block_label(block, b), bf16_bytes, config.device_slot_bytes));
+      throw std::invalid_argument(
+          fmt::format("{} needs {} bytes of bf16 weights in a device slot but "
+                      "StreamingConfig.device_slot_bytes is {}",
+                      block_label(block, b), bf16_bytes, config.device_slot_bytes));
     }
     std::uint64_t largest_image = 0;
     for (Precision precision : kAllPrecisions) {
       largest_image = std::max(largest_image, image_size(block, precision, group_sizes(config)));
     }
     if (largest_image > config.host_slab_bytes) {
-      throw std::invalid_argument(fmt::format(
-          "{} has a {} byte transfer image but StreamingConfig.host_slab_bytes is {}",
-          block_label(block, b), largest_image, config.host_slab_bytes));
+      throw std::invalid_argument(
+          fmt::format("{} has a {} byte transfer image but StreamingConfig.host_slab_bytes is {}",
+                      block_label(block, b), largest_image, config.host_slab_bytes));
     }
   }
   return config;
 }
 
 // A slot's staging region holds the image of either quantized route.
-std::uint64_t largest_quantized_image(const std::vector<BlockSpec> &blocks,
-                                      const GroupSizes &groups) {
+std::uint64_t largest_quantized_image(const std::vector<BlockSpec> &blocks, const GroupSizes &groups) {
   std::uint64_t largest = 0;
   for (const BlockSpec &block : blocks) {
     for (Precision precision : kAllPrecisions) {
@@ -138,10 +136,10 @@ std::uint64_t largest_quantized_image(const std::vector<BlockSpec> &blocks,
 struct StreamingEngine::BlockImage {
   std::uint32_t slab = 0;
   Precision precision = Precision::bf16;
-  std::uint64_t weights_version = 0;  // bumped by on_weights_updated()
-  std::uint64_t built_version = 0;    // the weights version the image holds
-  kn::SlabView view;                  // layout of the image now in the slab
-  const Event *last_reader = nullptr; // copy-end event of the latest copy out of the slab
+  std::uint64_t weights_version = 0;                    // bumped by on_weights_updated()
+  std::uint64_t built_version = 0;                      // the weights version the image holds
+  kn::SlabView view;                                    // layout of the image now in the slab
+  const Event *last_reader = nullptr;                   // copy-end event of the latest copy out of the slab
   std::uint64_t bytes[std::size(kAllPrecisions)] = {};  // image size per route
   std::uint64_t bytes_of(Precision p) const { return bytes[static_cast<std::size_t>(p)]; }
 };
@@ -159,17 +157,15 @@ struct StreamingEngine::PendingStep {
   std::vector<Precision> fetch_precisions;  // one per issued fetch
 };
 
-StreamingEngine::StreamingEngine(TransferBackend &backend, const StreamingConfig &config,
-                                 std::vector<BlockSpec> blocks)
+StreamingEngine::StreamingEngine(TransferBackend &backend, const StreamingConfig &config, std::vector<BlockSpec> blocks)
     : backend_(backend),
       config_(validated(config, blocks)),
       blocks_(std::move(blocks)),
-      schedule_(ScheduleOptions{static_cast<std::uint32_t>(blocks_.size()), config_.backward,
-                                config_.recompute_segment}),
+      schedule_(
+          ScheduleOptions{static_cast<std::uint32_t>(blocks_.size()), config_.backward, config_.recompute_segment}),
       bridge_(static_cast<std::uint32_t>(blocks_.size())),
       pool_(backend, config_.host_slab_bytes, config_.host_slab_count),
-      slots_(backend, config_.device_slot_bytes,
-             largest_quantized_image(blocks_, group_sizes(config_)),
+      slots_(backend, config_.device_slot_bytes, largest_quantized_image(blocks_, group_sizes(config_)),
              config_.prefetch_window + 2) {
   const auto n = static_cast<std::uint32_t>(blocks_.size());
   images_.resize(n);
@@ -178,13 +174,12 @@ StreamingEngine::StreamingEngine(TransferBackend &backend, const StreamingConfig
   for (std::uint32_t b = 0; b < n; ++b) {
     BlockImage &image = images_[b];
     for (Precision precision : kAllPrecisions) {
-      image.bytes[static_cast<std::size_t>(precision)] =
-          image_size(blocks_[b], precision, group_sizes(config_));
+      image.bytes[static_cast<std::size_t>(precision)] = image_size(blocks_[b], precision, group_sizes(config_));
     }
-    image.slab = pool_.acquire(fmt::format(
-        "{} at startup (StreamingConfig.host_slab_count must be at least the number of "
-        "blocks, {})",
-        block_label(blocks_[b], b), n));
+    image.slab =
+        pool_.acquire(fmt::format("{} at startup (StreamingConfig.host_slab_count must be at least the number of "
+                                  "blocks, {})",
+                                  block_label(blocks_[b], b), n));
     // Every block starts on the BF16 route; its image also fixes the compute layout.
     image.weights_version = 1;
     ensure_image(b, Precision::bf16);
@@ -247,13 +242,11 @@ std::vector<sp_block_desc_v1> StreamingEngine::block_descs() const {
 
 void StreamingEngine::require_step(const char *call) const {
   if (!in_step_) {
-    throw std::logic_error(fmt::format("StreamingEngine::{}: no step is active; call begin_step()",
-                                       call));
+    throw std::logic_error(fmt::format("StreamingEngine::{}: no step is active; call begin_step()", call));
   }
 }
 
-StreamingEngine::FetchEvents &StreamingEngine::events_of(std::uint32_t generation,
-                                                        std::uint32_t fetch) {
+StreamingEngine::FetchEvents &StreamingEngine::events_of(std::uint32_t generation, std::uint32_t fetch) {
   return events_[generation * schedule_.fetches().size() + fetch];
 }
 
@@ -266,8 +259,7 @@ void StreamingEngine::stall_on(const Event &event) {
   const auto start = std::chrono::steady_clock::now();
   backend_.synchronize(event);
   ++current_.stalls;
-  current_.stall_seconds +=
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  current_.stall_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 void StreamingEngine::reclaim_retired_slabs() {
@@ -305,13 +297,11 @@ void StreamingEngine::ensure_image(std::uint32_t block, Precision precision) {
     sources.push_back(kn::SlabTensorSource{tensor.master, kn::TensorShape{tensor.rows, tensor.cols}});
   }
   auto *slab = reinterpret_cast<std::uint8_t *>(pool_.data(target));
-  const std::uint64_t bytes =
-      kn::build_slab(encoding_for(precision, group_sizes(config_)), sources.data(),
-                     sources.size(), slab, pool_.slab_bytes());
+  const std::uint64_t bytes = kn::build_slab(encoding_for(precision, group_sizes(config_)), sources.data(),
+                                             sources.size(), slab, pool_.slab_bytes());
   kn::SlabReadResult read = kn::read_slab(slab, bytes);
   if (!read.ok) {
-    throw std::logic_error(fmt::format("the {} transfer image of {} failed validation: {}",
-                                       precision_name(precision),
+    throw std::logic_error(fmt::format("the {} transfer image of {} failed validation: {}", precision_name(precision),
                                        block_label(spec, block), read.error));
   }
   image.view = std::move(read.view);
@@ -358,8 +348,7 @@ void StreamingEngine::issue_fetch(std::uint32_t fetch) {
     for (std::size_t t = 0; t < image.view.tensors.size(); ++t) {
       const kn::SlabTensorView &staged = image.view.tensors[t];
       dequant_job_.tensors.push_back(DequantTensor{
-          slot.staging + staged.data_offset, slot.staging + staged.scales_offset,
-          staged.shape.rows, staged.shape.cols,
+          slot.staging + staged.data_offset, slot.staging + staged.scales_offset, staged.shape.rows, staged.shape.cols,
           reinterpret_cast<std::uint16_t *>(slot.compute + layout.tensors[t].data_offset)});
     }
     backend_.wait(Queue::dequant, *events.copy_end);
@@ -384,8 +373,7 @@ void StreamingEngine::issue_fetch(std::uint32_t fetch) {
   current_.h2d_bytes_all_bf16 += image.bytes_of(Precision::bf16);
   fetch_precision_[fetch] = precision;
   ++next_fetch_;
-  current_.slots_in_flight_peak =
-      std::max(current_.slots_in_flight_peak, next_fetch_ - fetches_used_);
+  current_.slots_in_flight_peak = std::max(current_.slots_in_flight_peak, next_fetch_ - fetches_used_);
 }
 
 // Issues fetches ahead of `current` (or from the start of the step when there is none), up to
@@ -394,9 +382,8 @@ void StreamingEngine::top_up(std::optional<std::uint32_t> current) {
   const auto &fetches = schedule_.fetches();
   const std::uint32_t first_ahead = current ? *current + 1 : 0;
   const Phase phase = fetches[current.value_or(0)].phase;
-  const auto limit = static_cast<std::uint32_t>(std::min<std::uint64_t>(
-      fetches.size(),
-      std::uint64_t{first_ahead} + bridge_.lookahead(config_.prefetch_window)));
+  const auto limit = static_cast<std::uint32_t>(
+      std::min<std::uint64_t>(fetches.size(), std::uint64_t{first_ahead} + bridge_.lookahead(config_.prefetch_window)));
   while (next_fetch_ < limit) {
     if (bridge_.limits().suppress_speculative && fetches[next_fetch_].phase != phase) {
       break;
@@ -408,8 +395,7 @@ void StreamingEngine::top_up(std::optional<std::uint32_t> current) {
 void StreamingEngine::begin_step(std::int64_t step, const RuntimeLimitHints &limits) {
   if (in_step_) {
     throw std::logic_error(fmt::format(
-        "StreamingEngine::begin_step({}): step {} is still active; call end_step() first", step,
-        current_.step));
+        "StreamingEngine::begin_step({}): step {} is still active; call end_step() first", step, current_.step));
   }
   bridge_.begin_step();
   // Before any image is built or fetch issued below. tighten() checks every pinned block
@@ -440,18 +426,18 @@ void StreamingEngine::begin_step(std::int64_t step, const RuntimeLimitHints &lim
 const BlockView &StreamingEngine::acquire(std::uint32_t block) {
   require_step("acquire");
   if (acquired_use_) {
-    throw std::logic_error(fmt::format("StreamingEngine::acquire({}): {} is still acquired",
-                                       block, schedule_.describe_use(*acquired_use_)));
+    throw std::logic_error(fmt::format("StreamingEngine::acquire({}): {} is still acquired", block,
+                                       schedule_.describe_use(*acquired_use_)));
   }
   const auto &uses = schedule_.uses();
   if (next_use_ >= uses.size()) {
-    throw std::logic_error(fmt::format(
-        "StreamingEngine::acquire({}): all {} uses of the step are done", block, uses.size()));
+    throw std::logic_error(
+        fmt::format("StreamingEngine::acquire({}): all {} uses of the step are done", block, uses.size()));
   }
   const BlockUse &use = uses[next_use_];
   if (use.block != block) {
-    throw std::logic_error(fmt::format("StreamingEngine::acquire({}) out of order: expected {}",
-                                       block, schedule_.describe_use(next_use_)));
+    throw std::logic_error(fmt::format("StreamingEngine::acquire({}) out of order: expected {}", block,
+                                       schedule_.describe_use(next_use_)));
   }
   const std::uint32_t fetch = use.fetch;
   if (!fetch_used_[fetch]) {
@@ -477,10 +463,9 @@ const BlockView &StreamingEngine::acquire(std::uint32_t block) {
   view_.precision = fetch_precision_[fetch];
   view_.tensors.clear();
   for (std::size_t t = 0; t < spec.tensors.size(); ++t) {
-    view_.tensors.push_back(TensorView{
-        &spec.tensors[t].name,
-        reinterpret_cast<std::uint16_t *>(slot.compute + layout.tensors[t].data_offset),
-        spec.tensors[t].rows, spec.tensors[t].cols});
+    view_.tensors.push_back(TensorView{&spec.tensors[t].name,
+                                       reinterpret_cast<std::uint16_t *>(slot.compute + layout.tensors[t].data_offset),
+                                       spec.tensors[t].rows, spec.tensors[t].cols});
   }
   acquired_use_ = next_use_;
   return view_;
@@ -489,8 +474,7 @@ const BlockView &StreamingEngine::acquire(std::uint32_t block) {
 void StreamingEngine::release(std::uint32_t block) {
   require_step("release");
   if (!acquired_use_ || schedule_.uses()[*acquired_use_].block != block) {
-    throw std::logic_error(fmt::format("StreamingEngine::release({}): the block is not acquired",
-                                       block));
+    throw std::logic_error(fmt::format("StreamingEngine::release({}): the block is not acquired", block));
   }
   const std::uint32_t fetch = schedule_.uses()[*acquired_use_].fetch;
   backend_.record(*slots_.slot(fetch % slots_.size()).released, Queue::compute);
@@ -501,8 +485,8 @@ void StreamingEngine::release(std::uint32_t block) {
 StepTransferMetrics StreamingEngine::end_step() {
   require_step("end_step");
   if (acquired_use_) {
-    throw std::logic_error(fmt::format("StreamingEngine::end_step: {} is still acquired",
-                                       schedule_.describe_use(*acquired_use_)));
+    throw std::logic_error(
+        fmt::format("StreamingEngine::end_step: {} is still acquired", schedule_.describe_use(*acquired_use_)));
   }
   // A fetch the step never used (a forward-only step that prefetched into backward) still
   // writes its slot; order the slot's next reuse after that write.
@@ -536,9 +520,9 @@ StepTransferMetrics StreamingEngine::end_step() {
 
 void StreamingEngine::on_weights_updated(std::uint32_t block) {
   if (block >= blocks_.size()) {
-    throw std::invalid_argument(fmt::format(
-        "StreamingEngine::on_weights_updated: block id {} is out of range (there are {} blocks)",
-        block, blocks_.size()));
+    throw std::invalid_argument(
+        fmt::format("StreamingEngine::on_weights_updated: block id {} is out of range (there are {} blocks)", block,
+                    blocks_.size()));
   }
   ++images_[block].weights_version;
   ensure_image(block, bridge_.route(block));
@@ -548,9 +532,8 @@ bool StreamingEngine::finalize(PendingStep &pending, bool may_block) {
   const auto fetches = static_cast<std::uint32_t>(pending.fetch_precisions.size());
   for (std::uint32_t fetch = 0; fetch < fetches; ++fetch) {
     FetchEvents &events = events_of(pending.generation, fetch);
-    const Event *last = is_quantized(pending.fetch_precisions[fetch])
-                            ? events.dequant_end.get()
-                            : events.copy_end.get();
+    const Event *last =
+        is_quantized(pending.fetch_precisions[fetch]) ? events.dequant_end.get() : events.copy_end.get();
     // Every earlier event of the fetch precedes `last` on its queue or through a wait.
     if (!backend_.query(*last)) {
       if (!may_block) {
@@ -564,8 +547,7 @@ bool StreamingEngine::finalize(PendingStep &pending, bool may_block) {
     FetchEvents &events = events_of(pending.generation, fetch);
     metrics.copy_seconds += backend_.elapsed_seconds(*events.copy_start, *events.copy_end);
     if (is_quantized(pending.fetch_precisions[fetch])) {
-      metrics.dequant_seconds +=
-          backend_.elapsed_seconds(*events.dequant_start, *events.dequant_end);
+      metrics.dequant_seconds += backend_.elapsed_seconds(*events.dequant_start, *events.dequant_end);
     }
   }
   metrics.timings_complete = true;
@@ -583,8 +565,7 @@ void StreamingEngine::flush_metrics() {
   }
 }
 
-void size_streaming_config(StreamingConfig &config, const std::vector<BlockSpec> &blocks,
-                           std::uint32_t spare_slabs) {
+void size_streaming_config(StreamingConfig &config, const std::vector<BlockSpec> &blocks, std::uint32_t spare_slabs) {
   const GroupSizes groups = group_sizes(config);
   config.host_slab_bytes = 0;
   config.device_slot_bytes = 0;
@@ -592,8 +573,7 @@ void size_streaming_config(StreamingConfig &config, const std::vector<BlockSpec>
     for (Precision precision : kAllPrecisions) {
       config.host_slab_bytes = std::max(config.host_slab_bytes, image_size(block, precision, groups));
     }
-    config.device_slot_bytes =
-        std::max(config.device_slot_bytes, image_size(block, Precision::bf16, groups));
+    config.device_slot_bytes = std::max(config.device_slot_bytes, image_size(block, Precision::bf16, groups));
   }
   config.host_slab_count = static_cast<std::uint32_t>(blocks.size()) + spare_slabs;
 }

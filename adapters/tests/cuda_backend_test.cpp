@@ -18,9 +18,7 @@ using testing::SyntheticModel;
 
 class CudaEngine : public ::testing::Test {
  protected:
-  void SetUp() override {
-    SP_SKIP_UNLESS_GPU(CudaBackend::device_available(), "no CUDA device");
-  }
+  void SetUp() override { SP_SKIP_UNLESS_GPU(CudaBackend::device_available(), "no CUDA device"); }
 };
 
 TEST_F(CudaEngine, SlotsHoldBf16AndDequantizedInt8BitForBit) {
@@ -31,8 +29,7 @@ TEST_F(CudaEngine, SlotsHoldBf16AndDequantizedInt8BitForBit) {
     config.int8_group_size = group;
     StreamingEngine engine(backend, config, model.blocks());
     run_checked_step(engine, backend, model.blocks(), 0, group);
-    set_routes(engine, {Precision::int8, Precision::bf16, Precision::int8, Precision::int8,
-                        Precision::bf16});
+    set_routes(engine, {Precision::int8, Precision::bf16, Precision::int8, Precision::int8, Precision::bf16});
     model.update_weights(2, 1e-3f);
     engine.on_weights_updated(2);
     const StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 1, group);
@@ -52,8 +49,7 @@ TEST_F(CudaEngine, Nf4SlotsHoldTheCpuDequantBitForBit) {
     set_routes(engine, std::vector<Precision>(5, Precision::nf4));
     StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 0, 0, group);
     EXPECT_EQ(metrics.fetches_nf4, engine.schedule().fetches().size());
-    set_routes(engine, {Precision::nf4, Precision::bf16, Precision::int8, Precision::nf4,
-                        Precision::int8});
+    set_routes(engine, {Precision::nf4, Precision::bf16, Precision::int8, Precision::nf4, Precision::int8});
     model.update_weights(3, 1e-3f);
     engine.on_weights_updated(3);
     metrics = run_checked_step(engine, backend, model.blocks(), 1, 0, group);
@@ -66,10 +62,9 @@ TEST_F(CudaEngine, SteadyStateMakesNoHostSynchronization) {
   CudaBackend cuda;
   InstrumentedBackend backend(cuda);
   SyntheticModel model(6, 22);
-  StreamingEngine engine(backend, config_for(model.blocks(), 2, /*spare_slabs=*/2),
-                         model.blocks());
-  set_routes(engine, {Precision::int8, Precision::bf16, Precision::nf4, Precision::bf16,
-                      Precision::int8, Precision::nf4});
+  StreamingEngine engine(backend, config_for(model.blocks(), 2, /*spare_slabs=*/2), model.blocks());
+  set_routes(engine,
+             {Precision::int8, Precision::bf16, Precision::nf4, Precision::bf16, Precision::int8, Precision::nf4});
   for (std::int64_t step = 0; step < 4; ++step) {
     if (step == 1) {
       backend.reset_counts();

@@ -42,8 +42,7 @@ void SyntheticModel::update_weights(std::uint32_t block, float delta) {
   }
 }
 
-std::vector<std::uint16_t> expected_bf16(const TensorSpec &tensor, Precision precision,
-                                         std::uint32_t int8_group_size,
+std::vector<std::uint16_t> expected_bf16(const TensorSpec &tensor, Precision precision, std::uint32_t int8_group_size,
                                          std::uint32_t nf4_group_size) {
   const std::uint64_t n = tensor.rows * tensor.cols;
   const kn::CpuExec reference{kn::CpuImpl::kReference, 1};
@@ -54,22 +53,21 @@ std::vector<std::uint16_t> expected_bf16(const TensorSpec &tensor, Precision pre
   }
   if (precision == Precision::nf4) {
     std::vector<std::uint8_t> codes(kn::nf4_code_bytes(tensor.rows, tensor.cols));
-    std::vector<std::uint16_t> scales(
-        kn::nf4_scale_count(tensor.rows, tensor.cols, nf4_group_size));
-    kn::quantize_nf4(tensor.master, kn::DType::kFloat32, tensor.rows, tensor.cols,
-                     nf4_group_size, codes.data(), scales.data(), reference);
-    kn::dequantize_nf4_to_bf16(codes.data(), scales.data(), tensor.rows, tensor.cols,
-                               nf4_group_size, out.data(), reference);
+    std::vector<std::uint16_t> scales(kn::nf4_scale_count(tensor.rows, tensor.cols, nf4_group_size));
+    kn::quantize_nf4(tensor.master, kn::DType::kFloat32, tensor.rows, tensor.cols, nf4_group_size, codes.data(),
+                     scales.data(), reference);
+    kn::dequantize_nf4_to_bf16(codes.data(), scales.data(), tensor.rows, tensor.cols, nf4_group_size, out.data(),
+                               reference);
     return out;
   }
   kn::QuantizeOptions options;
   options.group_size = int8_group_size;
   std::vector<std::int8_t> codes(n);
   std::vector<float> scales(kn::scale_count(tensor.rows, tensor.cols, int8_group_size));
-  kn::quantize_int8(tensor.master, kn::DType::kFloat32, tensor.rows, tensor.cols, options,
-                    codes.data(), scales.data(), reference);
-  kn::dequantize_int8_to_bf16(codes.data(), scales.data(), tensor.rows, tensor.cols,
-                              int8_group_size, out.data(), reference);
+  kn::quantize_int8(tensor.master, kn::DType::kFloat32, tensor.rows, tensor.cols, options, codes.data(), scales.data(),
+                    reference);
+  kn::dequantize_int8_to_bf16(codes.data(), scales.data(), tensor.rows, tensor.cols, int8_group_size, out.data(),
+                              reference);
   return out;
 }
 
@@ -83,15 +81,14 @@ void expect_view_holds(TransferBackend &backend, const BlockView &view, const Bl
                         reinterpret_cast<const std::byte *>(view.tensors[t].bf16),
                         actual.size() * sizeof(std::uint16_t));
     EXPECT_EQ(actual, expected_bf16(tensor, view.precision, int8_group_size, nf4_group_size))
-        << block.name << " tensor " << tensor.name << " on the "
-        << precision_name(view.precision) << " path, " << phase_name(view.phase);
+        << block.name << " tensor " << tensor.name << " on the " << precision_name(view.precision) << " path, "
+        << phase_name(view.phase);
   }
 }
 
 StepTransferMetrics run_checked_step(StreamingEngine &engine, TransferBackend &backend,
                                      const std::vector<BlockSpec> &blocks, std::int64_t step,
-                                     std::uint32_t int8_group_size,
-                                     std::uint32_t nf4_group_size) {
+                                     std::uint32_t int8_group_size, std::uint32_t nf4_group_size) {
   engine.begin_step(step);
   for (const BlockUse &use : engine.schedule().uses()) {
     const BlockView &view = engine.acquire(use.block);

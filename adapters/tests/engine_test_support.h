@@ -26,22 +26,18 @@ class SyntheticModel {
 
 // The bf16 values a device slot must hold for `tensor` on `precision`, from the kernels' CPU
 // reference: fp32 -> bf16, or dequant(quant()) for INT8 and NF4.
-std::vector<std::uint16_t> expected_bf16(const TensorSpec &tensor, Precision precision,
-                                         std::uint32_t int8_group_size,
-                                         std::uint32_t nf4_group_size =
-                                             sp::kernels::kNf4DefaultGroupSize);
+std::vector<std::uint16_t> expected_bf16(const TensorSpec &tensor, Precision precision, std::uint32_t int8_group_size,
+                                         std::uint32_t nf4_group_size = sp::kernels::kNf4DefaultGroupSize);
 
 // Reads every tensor of `view` back from the device and compares bit for bit.
 void expect_view_holds(TransferBackend &backend, const BlockView &view, const BlockSpec &block,
-                       std::uint32_t int8_group_size,
-                       std::uint32_t nf4_group_size = sp::kernels::kNf4DefaultGroupSize);
+                       std::uint32_t int8_group_size, std::uint32_t nf4_group_size = sp::kernels::kNf4DefaultGroupSize);
 
 // One full step through the schedule, checking every use against the current master weights.
 StepTransferMetrics run_checked_step(StreamingEngine &engine, TransferBackend &backend,
                                      const std::vector<BlockSpec> &blocks, std::int64_t step,
                                      std::uint32_t int8_group_size,
-                                     std::uint32_t nf4_group_size =
-                                         sp::kernels::kNf4DefaultGroupSize);
+                                     std::uint32_t nf4_group_size = sp::kernels::kNf4DefaultGroupSize);
 
 StreamingConfig config_for(const std::vector<BlockSpec> &blocks, std::uint32_t prefetch_window,
                            std::uint32_t spare_slabs = 0);

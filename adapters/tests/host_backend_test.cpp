@@ -54,8 +54,7 @@ TEST(HostBackend, DequantQueueWaitsForTheCopyItDependsOn) {
   std::iota(master.begin(), master.end(), -90.0f);
   std::vector<std::int8_t> codes(rows * cols);
   std::vector<float> scales(rows);
-  sp::kernels::quantize_int8(master.data(), sp::kernels::DType::kFloat32, rows, cols, {},
-                             codes.data(), scales.data());
+  sp::kernels::quantize_int8(master.data(), sp::kernels::DType::kFloat32, rows, cols, {}, codes.data(), scales.data());
   // Scales sit 4-byte aligned after the codes, as in a slab: the kernels load them as floats.
   const std::size_t scales_offset = (codes.size() + alignof(float) - 1) / alignof(float) * alignof(float);
   const std::size_t bytes = scales_offset + scales.size() * sizeof(float);
@@ -72,15 +71,13 @@ TEST(HostBackend, DequantQueueWaitsForTheCopyItDependsOn) {
   DequantJob job;
   auto *out = reinterpret_cast<std::uint16_t *>(device.data() + bytes);
   job.tensors.push_back(DequantTensor{reinterpret_cast<const std::int8_t *>(device.data()),
-                                      reinterpret_cast<const float *>(device.data() + scales_offset),
-                                      rows, cols, out});
+                                      reinterpret_cast<const float *>(device.data() + scales_offset), rows, cols, out});
   backend.dequantize_async(job);
   backend.record(*dequantized, Queue::dequant);
   backend.wait(Queue::compute, *dequantized);  // the caller is the compute queue
 
   std::vector<std::uint16_t> expected(rows * cols);
-  sp::kernels::dequantize_int8_to_bf16(codes.data(), scales.data(), rows, cols, 0,
-                                       expected.data());
+  sp::kernels::dequantize_int8_to_bf16(codes.data(), scales.data(), rows, cols, 0, expected.data());
   EXPECT_EQ(0, std::memcmp(out, expected.data(), expected.size() * 2));
 }
 
@@ -95,8 +92,8 @@ TEST(HostBackend, DequantizesAnNf4JobLikeTheCpuKernel) {
   }
   std::vector<std::uint8_t> codes(sp::kernels::nf4_code_bytes(rows, cols));
   std::vector<std::uint16_t> scales(sp::kernels::nf4_scale_count(rows, cols, group));
-  sp::kernels::quantize_nf4(master.data(), sp::kernels::DType::kFloat32, rows, cols, group,
-                            codes.data(), scales.data());
+  sp::kernels::quantize_nf4(master.data(), sp::kernels::DType::kFloat32, rows, cols, group, codes.data(),
+                            scales.data());
   const std::size_t scales_offset = (codes.size() + 1) / 2 * 2;
   const std::size_t bytes = scales_offset + scales.size() * sizeof(std::uint16_t);
   Region device = backend.allocate_device(bytes + rows * cols * 2);
@@ -107,16 +104,14 @@ TEST(HostBackend, DequantizesAnNf4JobLikeTheCpuKernel) {
   job.precision = Precision::nf4;
   job.group_size = group;
   auto *out = reinterpret_cast<std::uint16_t *>(device.data() + bytes);
-  job.tensors.push_back(
-      DequantTensor{device.data(), device.data() + scales_offset, rows, cols, out});
+  job.tensors.push_back(DequantTensor{device.data(), device.data() + scales_offset, rows, cols, out});
   auto dequantized = backend.create_event();
   backend.dequantize_async(job);
   backend.record(*dequantized, Queue::dequant);
   backend.wait(Queue::compute, *dequantized);
 
   std::vector<std::uint16_t> expected(rows * cols);
-  sp::kernels::dequantize_nf4_to_bf16(codes.data(), scales.data(), rows, cols, group,
-                                      expected.data());
+  sp::kernels::dequantize_nf4_to_bf16(codes.data(), scales.data(), rows, cols, group, expected.data());
   std::vector<std::uint16_t> actual(out, out + rows * cols);
   EXPECT_EQ(actual, expected);
 }
@@ -124,7 +119,9 @@ TEST(HostBackend, DequantizesAnNf4JobLikeTheCpuKernel) {
 TEST(HostBackend, ABf16DequantJobIsRejected) {
   DequantJob job;
   job.precision = Precision::bf16;
-  EXPECT_THROW(for_each_dequant(job, [](auto...) {}, [](auto...) {}), std::invalid_argument);
+  EXPECT_THROW(for_each_dequant(
+                   job, [](auto...) {}, [](auto...) {}),
+               std::invalid_argument);
 }
 
 TEST(HostBackend, EventsFollowTheirLatestRecord) {

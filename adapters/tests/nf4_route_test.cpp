@@ -20,9 +20,9 @@ namespace sp::adapters {
 namespace {
 
 namespace kn = sp::kernels;
-using ::testing::HasSubstr;
 using testing::config_for;
 using testing::expect_view_holds;
+using ::testing::HasSubstr;
 using testing::run_checked_step;
 using testing::set_routes;
 using testing::SyntheticModel;
@@ -30,8 +30,7 @@ using testing::SyntheticModel;
 constexpr std::uint32_t kBlocks = 6;
 
 // The CPU decode of the block's NF4 slab, built by the kernels from the same masters.
-std::vector<std::vector<std::uint16_t>> decoded_nf4_slab(const BlockSpec &block,
-                                                         std::uint32_t group_size,
+std::vector<std::vector<std::uint16_t>> decoded_nf4_slab(const BlockSpec &block, std::uint32_t group_size,
                                                          std::uint64_t *image_bytes) {
   kn::SlabEncoding encoding;
   encoding.precision = kn::SlabPrecision::kNf4;
@@ -45,9 +44,7 @@ std::vector<std::vector<std::uint16_t>> decoded_nf4_slab(const BlockSpec &block,
   const std::uint64_t size = kn::slab_image_bytes(encoding, shapes.data(), shapes.size());
   std::vector<std::uint8_t> image(size);
   const kn::CpuExec reference{kn::CpuImpl::kReference, 1};
-  EXPECT_EQ(kn::build_slab(encoding, sources.data(), sources.size(), image.data(), size,
-                           reference),
-            size);
+  EXPECT_EQ(kn::build_slab(encoding, sources.data(), sources.size(), image.data(), size, reference), size);
   const kn::SlabReadResult read = kn::read_slab(image.data(), size);
   EXPECT_TRUE(read.ok) << read.error;
   std::vector<std::vector<std::uint16_t>> tensors;
@@ -61,8 +58,8 @@ std::vector<std::vector<std::uint16_t>> decoded_nf4_slab(const BlockSpec &block,
 
 std::vector<std::uint16_t> read_back(TransferBackend &backend, const TensorView &view) {
   std::vector<std::uint16_t> out(view.rows * view.cols);
-  backend.read_device(reinterpret_cast<std::byte *>(out.data()),
-                      reinterpret_cast<const std::byte *>(view.bf16), out.size() * 2);
+  backend.read_device(reinterpret_cast<std::byte *>(out.data()), reinterpret_cast<const std::byte *>(view.bf16),
+                      out.size() * 2);
   return out;
 }
 
@@ -131,8 +128,8 @@ TEST_P(MixedRoutes, PrefetchDeliversEveryRouteInBothDirections) {
   config.backward = param.backward;
   config.int8_group_size = 128;
   StreamingEngine engine(backend, config, model.blocks());
-  const std::vector<Precision> routes = {Precision::nf4,  Precision::bf16, Precision::int8,
-                                         Precision::nf4,  Precision::int8, Precision::bf16};
+  const std::vector<Precision> routes = {Precision::nf4, Precision::bf16, Precision::int8,
+                                         Precision::nf4, Precision::int8, Precision::bf16};
   set_routes(engine, routes);
   const auto fetches = static_cast<std::uint32_t>(engine.schedule().fetches().size());
 
@@ -165,23 +162,18 @@ TEST_P(MixedRoutes, PrefetchDeliversEveryRouteInBothDirections) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Windows, MixedRoutes,
-                         ::testing::Values(MixedCase{0, true}, MixedCase{1, true},
-                                           MixedCase{2, true}, MixedCase{kBlocks, true},
-                                           MixedCase{2, false}));
+                         ::testing::Values(MixedCase{0, true}, MixedCase{1, true}, MixedCase{2, true},
+                                           MixedCase{kBlocks, true}, MixedCase{2, false}));
 
 TEST(Nf4Route, PrecisionSwitchesThroughAllThreeRoutes) {
   HostBackend backend;
   SyntheticModel model(kBlocks, 33);
-  StreamingEngine engine(backend, config_for(model.blocks(), 1, /*spare_slabs=*/1),
-                         model.blocks());
+  StreamingEngine engine(backend, config_for(model.blocks(), 1, /*spare_slabs=*/1), model.blocks());
   run_checked_step(engine, backend, model.blocks(), 0, 0);
   const std::vector<std::vector<Precision>> plans = {
-      {Precision::nf4, Precision::nf4, Precision::bf16, Precision::int8, Precision::nf4,
-       Precision::bf16},
-      {Precision::int8, Precision::nf4, Precision::nf4, Precision::nf4, Precision::bf16,
-       Precision::bf16},
-      {Precision::bf16, Precision::nf4, Precision::int8, Precision::nf4, Precision::nf4,
-       Precision::int8},
+      {Precision::nf4, Precision::nf4, Precision::bf16, Precision::int8, Precision::nf4, Precision::bf16},
+      {Precision::int8, Precision::nf4, Precision::nf4, Precision::nf4, Precision::bf16, Precision::bf16},
+      {Precision::bf16, Precision::nf4, Precision::int8, Precision::nf4, Precision::nf4, Precision::int8},
   };
   std::vector<Precision> previous(kBlocks, Precision::bf16);
   for (std::size_t i = 0; i < plans.size(); ++i) {
@@ -208,9 +200,8 @@ TEST(Nf4Route, UnsupportedGroupSizeIsANamedStartupError) {
     StreamingConfig config = config_for(model.blocks(), 1);
     config.nf4_group_size = group;
     EXPECT_THAT([&] { StreamingEngine engine(backend, config, model.blocks()); },
-                ::testing::ThrowsMessage<std::invalid_argument>(
-                    HasSubstr("StreamingConfig.nf4_group_size is " + std::to_string(group) +
-                              "; expected 32, 64, 128 or 256")));
+                ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr(
+                    "StreamingConfig.nf4_group_size is " + std::to_string(group) + "; expected 32, 64, 128 or 256")));
   }
   EXPECT_EQ(StreamingConfig{}.nf4_group_size, 64u);
 }
@@ -243,8 +234,7 @@ TEST(Nf4Route, TransferGateFallsBackToInt8ThenBf16) {
   EXPECT_EQ(metrics.fetches_nf4, per_route[2]);
   const nlohmann::json record = metrics.to_json();
   EXPECT_EQ(record.at("fetches").at("nf4").get<std::uint32_t>(), per_route[2]);
-  EXPECT_EQ(record.at("fetches").at("int8_by_transfer_policy").get<std::uint32_t>(),
-            per_route[1]);
+  EXPECT_EQ(record.at("fetches").at("int8_by_transfer_policy").get<std::uint32_t>(), per_route[1]);
   EXPECT_EQ(record.at("h2d_bytes").at("nf4").get<std::uint64_t>(), metrics.h2d_bytes_nf4);
 }
 
@@ -252,8 +242,7 @@ TEST(Nf4Route, SteadyStateMakesNoHostSynchronization) {
   HostBackend host;
   InstrumentedBackend backend(host);
   SyntheticModel model(kBlocks, 36);
-  StreamingEngine engine(backend, config_for(model.blocks(), 2, /*spare_slabs=*/2),
-                         model.blocks());
+  StreamingEngine engine(backend, config_for(model.blocks(), 2, /*spare_slabs=*/2), model.blocks());
   auto run_step = [&](std::int64_t step) {
     engine.begin_step(step);
     for (const BlockUse &use : engine.schedule().uses()) {

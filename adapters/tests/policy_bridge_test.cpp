@@ -96,7 +96,8 @@ TEST(PolicyBridge, TransferGateOfTheWrongSizeIsRejected) {
     bridge.set_transfer_gate(TransferGate{{true, false}, {}});
     FAIL() << "expected an error";
   } catch (const std::invalid_argument &e) {
-    EXPECT_THAT(e.what(), HasSubstr("the transfer gate has 2 entries in int8_pays; expected none or one per block (3)"));
+    EXPECT_THAT(e.what(),
+                HasSubstr("the transfer gate has 2 entries in int8_pays; expected none or one per block (3)"));
   }
   EXPECT_FALSE(bridge.has_transfer_gate());
 }
@@ -116,11 +117,9 @@ TEST(PolicyBridge, Nf4HintsRouteNf4WithoutAGate) {
 // then BF16). INT8 never falls to NF4: that would be less precise than the plugin allowed.
 TEST(PolicyBridge, TransferGateIsPerRouteAndNf4FallsBackToInt8ThenBf16) {
   PolicyBridge bridge(5);
-  auto hints = hints_for(
-      {SP_PRECISION_NF4, SP_PRECISION_NF4, SP_PRECISION_NF4, SP_PRECISION_INT8, SP_PRECISION_BF16});
+  auto hints = hints_for({SP_PRECISION_NF4, SP_PRECISION_NF4, SP_PRECISION_NF4, SP_PRECISION_INT8, SP_PRECISION_BF16});
   bridge.set_plugin_hints(hints.data(), 5);
-  bridge.set_transfer_gate(
-      TransferGate{{true, true, false, false, true}, {true, false, false, true, true}});
+  bridge.set_transfer_gate(TransferGate{{true, true, false, false, true}, {true, false, false, true, true}});
   EXPECT_EQ(bridge.decide(0).precision, Precision::nf4);
   EXPECT_EQ(bridge.decide(0).decided_by, RouteAuthority::plugin);
   EXPECT_EQ(bridge.decide(1).precision, Precision::int8);
@@ -166,10 +165,13 @@ TEST(PolicyBridge, AnInt8OnlyGateLetsNoNf4Through) {
 TEST(PolicyBridge, ATransferGateOfTheWrongSizeNamesTheRouteAndKeepsTheOldGate) {
   PolicyBridge bridge(3);
   bridge.set_transfer_gate(TransferGate{{true, true, true}, {}});
-  EXPECT_THAT([&] { bridge.set_transfer_gate(TransferGate{{true, true, true}, {true}}); },
-              ::testing::ThrowsMessage<std::invalid_argument>(
-                  HasSubstr("the transfer gate has 1 entries in nf4_pays; expected none or one "
-                            "per block (3)")));
+  EXPECT_THAT(
+      [&] {
+        bridge.set_transfer_gate(TransferGate{{true, true, true}, {true}});
+      },
+      ::testing::ThrowsMessage<std::invalid_argument>(
+          HasSubstr("the transfer gate has 1 entries in nf4_pays; expected none or one "
+                    "per block (3)")));
   EXPECT_EQ(bridge.transfer_gate().int8_pays.size(), 3u);
   EXPECT_TRUE(bridge.transfer_gate().nf4_pays.empty());
 }
@@ -194,8 +196,7 @@ TEST(PolicyBridge, BadHintsAreRejectedAndTheOldOnesStay) {
 
 TEST(PolicyBridge, LimitsOnlyTightenWithinAStepAndResetAtStepBegin) {
   PolicyBridge bridge(4);
-  auto hints = hints_for({SP_PRECISION_INT8, SP_PRECISION_INT8, SP_PRECISION_INT8,
-                          SP_PRECISION_INT8});
+  auto hints = hints_for({SP_PRECISION_INT8, SP_PRECISION_INT8, SP_PRECISION_INT8, SP_PRECISION_INT8});
   bridge.set_plugin_hints(hints.data(), 4);
   bridge.begin_step();
   EXPECT_EQ(bridge.lookahead(4), 4u);

@@ -15,8 +15,8 @@ namespace sp::adapters {
 namespace {
 
 using ::testing::AllOf;
-using ::testing::HasSubstr;
 using testing::config_for;
+using ::testing::HasSubstr;
 using testing::run_checked_step;
 using testing::set_routes;
 using testing::SyntheticModel;
@@ -44,8 +44,8 @@ TEST(StreamingEngine, SlabAndSlotSizesNeedNotBeAligned) {
   config.host_slab_bytes = config.device_slot_bytes + 3;
   ASSERT_NE(config.host_slab_bytes % 16, 0u);
   StreamingEngine engine(backend, config, model.blocks());
-  set_routes(engine, {Precision::int8, Precision::bf16, Precision::int8, Precision::bf16, Precision::int8,
-                      Precision::bf16});
+  set_routes(engine,
+             {Precision::int8, Precision::bf16, Precision::int8, Precision::bf16, Precision::int8, Precision::bf16});
   run_checked_step(engine, backend, model.blocks(), 0, config.int8_group_size);
 }
 
@@ -58,8 +58,7 @@ TEST_P(Int8Groups, Int8SlotsHoldTheDequantizedImageBitForBit) {
   config.int8_group_size = GetParam();
   StreamingEngine engine(backend, config, model.blocks());
   set_routes(engine, std::vector<Precision>(kBlocks, Precision::int8));
-  const StepTransferMetrics metrics =
-      run_checked_step(engine, backend, model.blocks(), 0, config.int8_group_size);
+  const StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 0, config.int8_group_size);
   EXPECT_EQ(metrics.fetches_int8, engine.schedule().fetches().size());
   EXPECT_EQ(metrics.h2d_bytes_bf16, 0u);
   // Bytes on the wire are the INT8 images, fetch by fetch.
@@ -116,9 +115,8 @@ TEST_P(PrefetchWindows, IssuesExactlyTheWindowAheadInScheduleOrder) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Windows, PrefetchWindows,
-                         ::testing::Values(WindowCase{0, true}, WindowCase{1, true},
-                                           WindowCase{2, true}, WindowCase{kBlocks, true},
-                                           WindowCase{0, false}, WindowCase{2, false},
+                         ::testing::Values(WindowCase{0, true}, WindowCase{1, true}, WindowCase{2, true},
+                                           WindowCase{kBlocks, true}, WindowCase{0, false}, WindowCase{2, false},
                                            WindowCase{kBlocks, false}));
 
 TEST(StreamingEngine, PrefetchCrossesTheForwardToBackwardTurn) {
@@ -151,8 +149,7 @@ TEST(StreamingEngine, RecomputeScheduleDeliversEveryUse) {
   StreamingConfig config = config_for(model.blocks(), 2);
   config.recompute_segment = 2;
   StreamingEngine engine(backend, config, model.blocks());
-  set_routes(engine, {Precision::int8, Precision::bf16, Precision::int8, Precision::bf16,
-                      Precision::int8});
+  set_routes(engine, {Precision::int8, Precision::bf16, Precision::int8, Precision::bf16, Precision::int8});
   const StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 0, 0);
   EXPECT_EQ(metrics.prefetch_hits + metrics.prefetch_misses, engine.schedule().fetches().size());
   EXPECT_EQ(metrics.prefetch_misses, 0u);
@@ -163,8 +160,8 @@ TEST(StreamingEngine, PrecisionSwitchesMidRunWithoutWeightUpdate) {
   SyntheticModel model(kBlocks, 6);
   StreamingEngine engine(backend, config_for(model.blocks(), 1), model.blocks());
   run_checked_step(engine, backend, model.blocks(), 0, 0);
-  set_routes(engine, {Precision::int8, Precision::bf16, Precision::int8, Precision::int8,
-                      Precision::bf16, Precision::int8});
+  set_routes(engine,
+             {Precision::int8, Precision::bf16, Precision::int8, Precision::int8, Precision::bf16, Precision::int8});
   StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 1, 0);
   EXPECT_EQ(metrics.image_rebuilds, 4u);  // the four switched blocks, once each
   EXPECT_GT(metrics.fetches_int8, 0u);
@@ -180,8 +177,8 @@ TEST(StreamingEngine, PrecisionSwitchAndWeightUpdateInTheSameStep) {
   StreamingEngine engine(backend, config_for(model.blocks(), 2), model.blocks());
   run_checked_step(engine, backend, model.blocks(), 0, 0);
   // After backward: new hints, then the optimizer updates every block.
-  set_routes(engine, {Precision::bf16, Precision::int8, Precision::int8, Precision::bf16,
-                      Precision::int8, Precision::bf16});
+  set_routes(engine,
+             {Precision::bf16, Precision::int8, Precision::int8, Precision::bf16, Precision::int8, Precision::bf16});
   for (std::uint32_t b = 0; b < kBlocks; ++b) {
     model.update_weights(b, 1e-3f);
     engine.on_weights_updated(b);
@@ -337,8 +334,8 @@ TEST(StreamingEngine, BlockLargerThanASlotIsAStartupErrorNamingBothSizes) {
     StreamingEngine engine(backend, config, model.blocks());
     FAIL() << "a block larger than its slot was accepted";
   } catch (const std::invalid_argument &error) {
-    EXPECT_THAT(error.what(), AllOf(HasSubstr("block 'layer0' (id 0)"), HasSubstr("4096"),
-                                    HasSubstr("device_slot_bytes")));
+    EXPECT_THAT(error.what(),
+                AllOf(HasSubstr("block 'layer0' (id 0)"), HasSubstr("4096"), HasSubstr("device_slot_bytes")));
   }
   config = config_for(model.blocks(), 1);
   config.host_slab_bytes = 1024;
@@ -354,9 +351,9 @@ TEST(StreamingEngine, BlockSizeInTheErrorIsTheRealImageSize) {
   StreamingEngine sized(backend, config, model.blocks());
   const std::uint64_t bf16_bytes = sized.image_bytes(0, Precision::bf16);
   config.device_slot_bytes = bf16_bytes - 1;
-  EXPECT_THAT([&] { StreamingEngine engine(backend, config, model.blocks()); },
-              ::testing::ThrowsMessage<std::invalid_argument>(
-                  HasSubstr("needs " + std::to_string(bf16_bytes) + " bytes")));
+  EXPECT_THAT(
+      [&] { StreamingEngine engine(backend, config, model.blocks()); },
+      ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("needs " + std::to_string(bf16_bytes) + " bytes")));
   config.device_slot_bytes = bf16_bytes;
   EXPECT_NO_THROW(StreamingEngine(backend, config, model.blocks()));
 }
@@ -368,16 +365,14 @@ TEST(StreamingEngine, ExhaustedSlabPoolIsAClearError) {
   config.host_slab_count = 3;
   EXPECT_THAT([&] { StreamingEngine engine(backend, config, model.blocks()); },
               ::testing::ThrowsMessage<std::runtime_error>(
-                  AllOf(HasSubstr("pool exhausted"), HasSubstr("block 'layer3' (id 3)"),
-                        HasSubstr("all 3 slabs"))));
+                  AllOf(HasSubstr("pool exhausted"), HasSubstr("block 'layer3' (id 3)"), HasSubstr("all 3 slabs"))));
 }
 
 TEST(StreamingEngine, SteadyStateMakesNoHostSynchronization) {
   HostBackend host;
   InstrumentedBackend backend(host);
   SyntheticModel model(kBlocks, 15);
-  StreamingEngine engine(backend, config_for(model.blocks(), 2, /*spare_slabs=*/2),
-                         model.blocks());
+  StreamingEngine engine(backend, config_for(model.blocks(), 2, /*spare_slabs=*/2), model.blocks());
   auto run_step = [&](std::int64_t step) {
     engine.begin_step(step);
     for (const BlockUse &use : engine.schedule().uses()) {
@@ -411,16 +406,15 @@ TEST(StreamingEngine, OutOfOrderAcquireNamesTheExpectedUse) {
   EXPECT_THROW(engine.acquire(0), std::logic_error);
   engine.begin_step(0);
   EXPECT_THAT([&] { engine.acquire(2); },
-              ::testing::ThrowsMessage<std::logic_error>(
-                  HasSubstr("expected block 0 (forward) at use 0")));
+              ::testing::ThrowsMessage<std::logic_error>(HasSubstr("expected block 0 (forward) at use 0")));
   engine.acquire(0);
   EXPECT_THROW(engine.end_step(), std::logic_error);
   engine.release(0);
 }
 
 TEST(StreamingEngine, WritesOneMetricsRecordPerStep) {
-  const auto path = std::filesystem::temp_directory_path() /
-                    ("sp_adapters_metrics_" + std::to_string(::getpid()) + ".jsonl");
+  const auto path =
+      std::filesystem::temp_directory_path() / ("sp_adapters_metrics_" + std::to_string(::getpid()) + ".jsonl");
   std::filesystem::remove(path);
   HostBackend backend;
   SyntheticModel model(kBlocks, 17);
@@ -428,8 +422,8 @@ TEST(StreamingEngine, WritesOneMetricsRecordPerStep) {
   config.metrics_path = path.string();
   {
     StreamingEngine engine(backend, config, model.blocks());
-    set_routes(engine, {Precision::int8, Precision::bf16, Precision::int8, Precision::bf16,
-                        Precision::bf16, Precision::bf16});
+    set_routes(engine,
+               {Precision::int8, Precision::bf16, Precision::int8, Precision::bf16, Precision::bf16, Precision::bf16});
     for (int step = 0; step < 3; ++step) {
       run_checked_step(engine, backend, model.blocks(), step, 0);
     }

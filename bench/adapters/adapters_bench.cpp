@@ -43,9 +43,7 @@ namespace {
 using namespace sp::adapters;
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 // How a backend runs synthetic compute and how the host waits for its compute queue.
 struct Harness {
@@ -73,8 +71,7 @@ std::uint64_t image_bytes(const SyntheticBlocks &model, sp::kernels::SlabPrecisi
 }
 
 // Wall seconds of one step of `engine` (drained), with `compute_seconds` per use.
-double timed_step(Harness &harness, StreamingEngine &engine, std::int64_t step,
-                  double compute_seconds) {
+double timed_step(Harness &harness, StreamingEngine &engine, std::int64_t step, double compute_seconds) {
   const Clock::time_point start = Clock::now();
   engine.begin_step(step);
   for (const BlockUse &use : engine.schedule().uses()) {
@@ -90,8 +87,7 @@ double timed_step(Harness &harness, StreamingEngine &engine, std::int64_t step,
 }
 
 // Seconds per fetch of a forward-only step with no compute: the path is transfer-bound.
-double path_seconds_per_fetch(Harness &harness, const SyntheticBlocks &model, Precision precision,
-                              int steps) {
+double path_seconds_per_fetch(Harness &harness, const SyntheticBlocks &model, Precision precision, int steps) {
   StreamingEngine engine(harness.backend, sp::bench::streaming_config_for(model, 2, false), model.blocks());
   route_all(engine, precision);
   timed_step(harness, engine, 0, 0.0);  // builds the images, warms the queues
@@ -102,8 +98,7 @@ double path_seconds_per_fetch(Harness &harness, const SyntheticBlocks &model, Pr
   return total / steps / static_cast<double>(engine.schedule().fetches().size());
 }
 
-nlohmann::json exposed_transfer(Harness &harness, const SyntheticBlocks &model,
-                                double compute_per_block, int steps) {
+nlohmann::json exposed_transfer(Harness &harness, const SyntheticBlocks &model, double compute_per_block, int steps) {
   StreamingEngine engine(harness.backend, sp::bench::streaming_config_for(model, 2, true), model.blocks());
   const auto uses = engine.schedule().uses().size();
   timed_step(harness, engine, 0, compute_per_block);
@@ -121,18 +116,13 @@ nlohmann::json exposed_transfer(Harness &harness, const SyntheticBlocks &model,
   streamed /= steps;
   compute_only /= steps;
   const double exposed = std::max(0.0, streamed - compute_only) / streamed;
-  return {{"block_bytes", model.bf16_payload_bytes()},
-          {"uses_per_step", uses},
-          {"compute_seconds_per_use", compute_per_block},
-          {"step_seconds", streamed},
-          {"compute_only_step_seconds", compute_only},
-          {"exposed_fraction", exposed},
-          {"target_exposed_fraction_max", 0.10},
-          {"meets_target", exposed <= 0.10}};
+  return {{"block_bytes", model.bf16_payload_bytes()},    {"uses_per_step", uses},
+          {"compute_seconds_per_use", compute_per_block}, {"step_seconds", streamed},
+          {"compute_only_step_seconds", compute_only},    {"exposed_fraction", exposed},
+          {"target_exposed_fraction_max", 0.10},          {"meets_target", exposed <= 0.10}};
 }
 
-nlohmann::json run(Harness &harness, const std::vector<std::uint64_t> &block_mib,
-                   std::uint32_t num_blocks, int steps) {
+nlohmann::json run(Harness &harness, const std::vector<std::uint64_t> &block_mib, std::uint32_t num_blocks, int steps) {
   nlohmann::json sizes = nlohmann::json::array();
   // The exposed-transfer loop runs on the first size the BF16 target applies to (>= 8 MiB).
   double loop_bf16_seconds = 0;
@@ -174,8 +164,7 @@ nlohmann::json run(Harness &harness, const std::vector<std::uint64_t> &block_mib
         "{:>4} MiB  raw {:7.2f} GB/s  bf16 path {:7.2f} GB/s ({:5.1f}% of raw)  int8/bf16 time "
         "{:5.2f}  int8/bf16 bytes {:5.3f}  nf4/bf16 time {:5.2f}  nf4/bf16 bytes {:5.3f}\n",
         mib, bf16_bytes / raw / 1e9, bf16_bytes / bf16 / 1e9, 100 * bf16_ratio, int8_ratio,
-        static_cast<double>(int8_bytes) / bf16_bytes, nf4_ratio,
-        static_cast<double>(nf4_bytes) / bf16_bytes);
+        static_cast<double>(int8_bytes) / bf16_bytes, nf4_ratio, static_cast<double>(nf4_bytes) / bf16_bytes);
     if (mib >= 8 && !loop_model) {
       loop_bf16_seconds = bf16;
       loop_model = std::move(model);
@@ -183,8 +172,7 @@ nlohmann::json run(Harness &harness, const std::vector<std::uint64_t> &block_mib
   }
   nlohmann::json result = {{"block_sizes", sizes}};
   if (loop_model) {
-    result["exposed_transfer"] =
-        exposed_transfer(harness, *loop_model, 1.5 * loop_bf16_seconds, steps);
+    result["exposed_transfer"] = exposed_transfer(harness, *loop_model, 1.5 * loop_bf16_seconds, steps);
     std::cout << "exposed transfer: " << result["exposed_transfer"].dump() << "\n";
   }
   return result;
@@ -212,21 +200,17 @@ int main(int argc, char **argv) {
   if (const int exit_code = sp::bench::parse_command_line(app, argc, argv); exit_code >= 0) return exit_code;
 
   try {
-    nlohmann::json report = {{"benchmark", "adapters"},
-                             {"backend", backend_name},
-                             {"commit", commit},
-                             {"machine", sp::bench::machine_description()},
-                             {"blocks", num_blocks},
-                             {"steps", steps}};
+    nlohmann::json report = {{"benchmark", "adapters"}, {"backend", backend_name},
+                             {"commit", commit},        {"machine", sp::bench::machine_description()},
+                             {"blocks", num_blocks},    {"steps", steps}};
     if (backend_name == "host") {
       HostBackendOptions options;
       options.bandwidth_cap_bytes_per_second = cap_gbps * 1e9;
       HostBackend backend(options);
       Harness harness{backend,
                       [](double seconds) {
-                        const Clock::time_point until =
-                            Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                               std::chrono::duration<double>(seconds));
+                        const Clock::time_point until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                                           std::chrono::duration<double>(seconds));
                         while (Clock::now() < until) {
                         }
                       },
@@ -250,9 +234,7 @@ int main(int argc, char **argv) {
       }
       CudaBackend backend;
       Harness harness{backend,
-                      [&](double seconds) {
-                        sp::bench::spin_on_stream(backend.stream(Queue::compute), seconds);
-                      },
+                      [&](double seconds) { sp::bench::spin_on_stream(backend.stream(Queue::compute), seconds); },
                       [&] {
                         if (cudaStreamSynchronize(backend.stream(Queue::compute)) != cudaSuccess) {
                           throw std::runtime_error("cudaStreamSynchronize(compute) failed");

@@ -32,8 +32,7 @@ inline int parse_command_line(CLI::App& app, int argc, char** argv) {
 // Labels given on the command line may hold any bytes; the report replaces invalid UTF-8
 // rather than failing after the whole run.
 inline void write_report(const std::filesystem::path& path, const nlohmann::json& report) {
-  sp::runtime::write_file_atomically(
-      path, report.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+  sp::runtime::write_file_atomically(path, report.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
 }
 
 }  // namespace sp::bench

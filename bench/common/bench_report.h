@@ -29,17 +29,15 @@ inline std::string cpu_model() {
 inline nlohmann::json machine_description() {
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
-  return {{"hostname", host},
-          {"cpu", cpu_model()},
-          {"online_cpus", ::sysconf(_SC_NPROCESSORS_ONLN)}};
+  return {{"hostname", host}, {"cpu", cpu_model()}, {"online_cpus", ::sysconf(_SC_NPROCESSORS_ONLN)}};
 }
 
 // Median, 10th and 90th percentile of a sample, in the sample's unit.
 struct Percentiles {
   double p10 = 0, median = 0, p90 = 0;
   nlohmann::json to_json(const char* unit) const {
-    return {{std::string("median_") + unit, median}, {std::string("p10_") + unit, p10},
-            {std::string("p90_") + unit, p90}};
+    return {
+        {std::string("median_") + unit, median}, {std::string("p10_") + unit, p10}, {std::string("p90_") + unit, p90}};
   }
 };
 

@@ -83,7 +83,10 @@ class Report {
     });
     Limit limit{2.0 * static_cast<double>(bytes) / s, static_cast<double>(bytes) / s};
     memcpy_[threads] = limit;
-    results_.push_back({{"kernel", "memcpy"}, {"threads", threads}, {"bytes", bytes}, {"median_s", s},
+    results_.push_back({{"kernel", "memcpy"},
+                        {"threads", threads},
+                        {"bytes", bytes},
+                        {"median_s", s},
                         {"gb_per_s", limit.bytes_per_s / 1e9}});
     return limit;
   }
@@ -96,23 +99,32 @@ class Report {
     const double bw = (bytes_read + bytes_written) / s;
     const double ratio = bw / limit.bytes_per_s;
     const double read_ratio = (bytes_read / s) / limit.read_bytes_per_s;
-    nlohmann::json entry = {{"kernel", kernel}, {"impl", impl}, {"threads", threads}, {"elements", elements},
-                            {"bytes_read", bytes_read}, {"bytes_written", bytes_written}, {"median_s", s},
-                            {"gb_per_s", bw / 1e9}, {"ratio_to_memcpy", ratio},
+    nlohmann::json entry = {{"kernel", kernel},
+                            {"impl", impl},
+                            {"threads", threads},
+                            {"elements", elements},
+                            {"bytes_read", bytes_read},
+                            {"bytes_written", bytes_written},
+                            {"median_s", s},
+                            {"gb_per_s", bw / 1e9},
+                            {"ratio_to_memcpy", ratio},
                             {"ratio_to_memcpy_read", read_ratio}};
     if (target_kind != nullptr) {
       const double measured = std::string(target_kind) == "ratio_to_memcpy_read" ? read_ratio : ratio;
       entry["target"] = {{"metric", target_kind}, {"at_least", target}, {"met", measured >= target}};
     }
-    std::printf("%-34s %-10s %2u thr  %7.2f GB/s  memcpy x%.2f  read x%.2f%s\n", kernel.c_str(), impl.c_str(), threads,
-                bw / 1e9, ratio, read_ratio,
-                target_kind == nullptr ? "" : (entry["target"]["met"].get<bool>() ? "  [target met]" : "  [target MISSED]"));
+    std::printf(
+        "%-34s %-10s %2u thr  %7.2f GB/s  memcpy x%.2f  read x%.2f%s\n", kernel.c_str(), impl.c_str(), threads,
+        bw / 1e9, ratio, read_ratio,
+        target_kind == nullptr ? "" : (entry["target"]["met"].get<bool>() ? "  [target met]" : "  [target MISSED]"));
     results_.push_back(entry);
   }
 
   void write() const {
-    const nlohmann::json doc = {{"benchmark", "sp-bench-kernels-cpu"}, {"commit", options_.commit},
-                                {"machine", sp::bench::machine_description()}, {"repeats", repeats_},
+    const nlohmann::json doc = {{"benchmark", "sp-bench-kernels-cpu"},
+                                {"commit", options_.commit},
+                                {"machine", sp::bench::machine_description()},
+                                {"repeats", repeats_},
                                 {"shape", {{"rows", options_.rows}, {"cols", options_.cols}}},
                                 {"results", results_}};
     sp::bench::write_report(options_.output, doc);
@@ -158,20 +170,30 @@ void run(const Options &options) {
     const bool one = threads == 1;
     using sp::kernels::QuantizeOptions;
     using sp::kernels::Rounding;
-    report.add("quantize_int8 per-row fp32", "vectorized", threads, n, f32, i8 + row_scales, [&] {
-      sp::kernels::quantize_int8(weights.data(), DType::kFloat32, rows, cols, QuantizeOptions{}, codes.data(), scales.data(), fast);
-    }, one ? "ratio_to_memcpy" : nullptr, 0.40);
-    report.add("quantize_int8 group-128 fp32", "vectorized", threads, n, f32, i8 + g128_scales, [&] {
-      sp::kernels::quantize_int8(weights.data(), DType::kFloat32, rows, cols, QuantizeOptions{128}, codes.data(), scales.data(), fast);
-    }, one ? "ratio_to_memcpy" : nullptr, 0.40);
+    report.add(
+        "quantize_int8 per-row fp32", "vectorized", threads, n, f32, i8 + row_scales,
+        [&] {
+          sp::kernels::quantize_int8(weights.data(), DType::kFloat32, rows, cols, QuantizeOptions{}, codes.data(),
+                                     scales.data(), fast);
+        },
+        one ? "ratio_to_memcpy" : nullptr, 0.40);
+    report.add(
+        "quantize_int8 group-128 fp32", "vectorized", threads, n, f32, i8 + g128_scales,
+        [&] {
+          sp::kernels::quantize_int8(weights.data(), DType::kFloat32, rows, cols, QuantizeOptions{128}, codes.data(),
+                                     scales.data(), fast);
+        },
+        one ? "ratio_to_memcpy" : nullptr, 0.40);
     report.add("quantize_int8 per-row bf16", "vectorized", threads, n, b16, i8 + row_scales, [&] {
-      sp::kernels::quantize_int8(bf16.data(), DType::kBFloat16, rows, cols, QuantizeOptions{}, codes.data(), scales.data(), fast);
+      sp::kernels::quantize_int8(bf16.data(), DType::kBFloat16, rows, cols, QuantizeOptions{}, codes.data(),
+                                 scales.data(), fast);
     });
     report.add("quantize_int8 per-row fp32 stochastic", "vectorized", threads, n, f32, i8 + row_scales, [&] {
-      sp::kernels::quantize_int8(weights.data(), DType::kFloat32, rows, cols, QuantizeOptions{0, Rounding::kStochastic, 1},
-                                 codes.data(), scales.data(), fast);
+      sp::kernels::quantize_int8(weights.data(), DType::kFloat32, rows, cols,
+                                 QuantizeOptions{0, Rounding::kStochastic, 1}, codes.data(), scales.data(), fast);
     });
-    sp::kernels::quantize_int8(weights.data(), DType::kFloat32, rows, cols, QuantizeOptions{}, codes.data(), scales.data());
+    sp::kernels::quantize_int8(weights.data(), DType::kFloat32, rows, cols, QuantizeOptions{}, codes.data(),
+                               scales.data());
     report.add("dequantize_int8_to_bf16 per-row", "vectorized", threads, n, i8 + row_scales, b16, [&] {
       sp::kernels::dequantize_int8_to_bf16(codes.data(), scales.data(), rows, cols, 0, bf16_out.data(), fast);
     });
@@ -186,21 +208,25 @@ void run(const Options &options) {
     });
     // NF4, the default group of 64: codes (n / 2 bytes) + bf16 scales.
     report.add("quantize_nf4 group-64 fp32", "vectorized", threads, n, f32, nf4_bytes, [&] {
-      sp::kernels::quantize_nf4(weights.data(), DType::kFloat32, rows, cols, nf4_group, nf4_codes.data(), nf4_scales.data(), fast);
+      sp::kernels::quantize_nf4(weights.data(), DType::kFloat32, rows, cols, nf4_group, nf4_codes.data(),
+                                nf4_scales.data(), fast);
     });
     report.add("quantize_nf4 group-64 bf16", "vectorized", threads, n, b16, nf4_bytes, [&] {
-      sp::kernels::quantize_nf4(bf16.data(), DType::kBFloat16, rows, cols, nf4_group, nf4_codes.data(), nf4_scales.data(), fast);
+      sp::kernels::quantize_nf4(bf16.data(), DType::kBFloat16, rows, cols, nf4_group, nf4_codes.data(),
+                                nf4_scales.data(), fast);
     });
-    sp::kernels::quantize_nf4(weights.data(), DType::kFloat32, rows, cols, nf4_group, nf4_codes.data(), nf4_scales.data());
+    sp::kernels::quantize_nf4(weights.data(), DType::kFloat32, rows, cols, nf4_group, nf4_codes.data(),
+                              nf4_scales.data());
     report.add("dequantize_nf4_to_bf16 group-64", "vectorized", threads, n, nf4_bytes, b16, [&] {
-      sp::kernels::dequantize_nf4_to_bf16(nf4_codes.data(), nf4_scales.data(), rows, cols, nf4_group, bf16_out.data(), fast);
+      sp::kernels::dequantize_nf4_to_bf16(nf4_codes.data(), nf4_scales.data(), rows, cols, nf4_group, bf16_out.data(),
+                                          fast);
     });
     report.add("dequantize_nf4_to_fp32 group-64", "vectorized", threads, n, nf4_bytes, f32, [&] {
-      sp::kernels::dequantize_nf4_to_fp32(nf4_codes.data(), nf4_scales.data(), rows, cols, nf4_group, fp32_out.data(), fast);
+      sp::kernels::dequantize_nf4_to_fp32(nf4_codes.data(), nf4_scales.data(), rows, cols, nf4_group, fp32_out.data(),
+                                          fast);
     });
-    report.add("fp32_to_bf16 nearest-even", "vectorized", threads, n, f32, b16, [&] {
-      sp::kernels::fp32_to_bf16(weights.data(), bf16_out.data(), n, {}, fast);
-    });
+    report.add("fp32_to_bf16 nearest-even", "vectorized", threads, n, f32, b16,
+               [&] { sp::kernels::fp32_to_bf16(weights.data(), bf16_out.data(), n, {}, fast); });
     report.add("fp32_to_bf16 stochastic", "vectorized", threads, n, f32, b16, [&] {
       sp::kernels::fp32_to_bf16(weights.data(), bf16_out.data(), n, {Rounding::kStochastic, 1}, fast);
     });
@@ -208,16 +234,20 @@ void run(const Options &options) {
     std::vector<sp::kernels::GradTensor> grads;
     for (uint32_t t = 0; t < 16; ++t) grads.push_back({weights.data() + t * (n / 16), n / 16, DType::kFloat32, t / 4});
     std::vector<sp_grad_moments_v1> moments(4);
-    report.add("grad_moments fp32 (16 tensors, 4 blocks)", "vectorized", threads, n, f32, 0, [&] {
-      sp::kernels::grad_moments(grads.data(), grads.size(), 4, moments.data(), fast);
-    }, "ratio_to_memcpy_read", 0.60);
+    report.add(
+        "grad_moments fp32 (16 tensors, 4 blocks)", "vectorized", threads, n, f32, 0,
+        [&] { sp::kernels::grad_moments(grads.data(), grads.size(), 4, moments.data(), fast); }, "ratio_to_memcpy_read",
+        0.60);
     std::vector<sp::kernels::GradTensor> bf16_grads = grads;
-    for (uint32_t t = 0; t < 16; ++t) bf16_grads[t].data = bf16.data() + t * (n / 16), bf16_grads[t].dtype = DType::kBFloat16;
-    report.add("grad_moments bf16 (16 tensors, 4 blocks)", "vectorized", threads, n, b16, 0, [&] {
-      sp::kernels::grad_moments(bf16_grads.data(), bf16_grads.size(), 4, moments.data(), fast);
-    }, "ratio_to_memcpy_read", 0.60);
+    for (uint32_t t = 0; t < 16; ++t)
+      bf16_grads[t].data = bf16.data() + t * (n / 16), bf16_grads[t].dtype = DType::kBFloat16;
+    report.add(
+        "grad_moments bf16 (16 tensors, 4 blocks)", "vectorized", threads, n, b16, 0,
+        [&] { sp::kernels::grad_moments(bf16_grads.data(), bf16_grads.size(), 4, moments.data(), fast); },
+        "ratio_to_memcpy_read", 0.60);
     report.add("relative_error fp32 vs bf16", "vectorized", threads, n, f32 + b16, 0, [&] {
-      volatile double e = sp::kernels::relative_error(weights.data(), DType::kFloat32, bf16.data(), DType::kBFloat16, n, fast);
+      volatile double e =
+          sp::kernels::relative_error(weights.data(), DType::kFloat32, bf16.data(), DType::kBFloat16, n, fast);
       (void)e;
     });
   }
@@ -227,16 +257,17 @@ void run(const Options &options) {
     sp::kernels::quantize_int8(weights.data(), DType::kFloat32, rows, cols, {}, codes.data(), scales.data(), reference);
   });
   report.add("quantize_nf4 group-64 fp32", "reference", 1, n, f32, nf4_bytes, [&] {
-    sp::kernels::quantize_nf4(weights.data(), DType::kFloat32, rows, cols, nf4_group, nf4_codes.data(), nf4_scales.data(), reference);
+    sp::kernels::quantize_nf4(weights.data(), DType::kFloat32, rows, cols, nf4_group, nf4_codes.data(),
+                              nf4_scales.data(), reference);
   });
   report.add("dequantize_nf4_to_bf16 group-64", "reference", 1, n, nf4_bytes, b16, [&] {
-    sp::kernels::dequantize_nf4_to_bf16(nf4_codes.data(), nf4_scales.data(), rows, cols, nf4_group, bf16_out.data(), reference);
+    sp::kernels::dequantize_nf4_to_bf16(nf4_codes.data(), nf4_scales.data(), rows, cols, nf4_group, bf16_out.data(),
+                                        reference);
   });
   std::vector<sp::kernels::GradTensor> grads = {{weights.data(), n, DType::kFloat32, 0}};
   sp_grad_moments_v1 moment{};
-  report.add("grad_moments fp32", "reference", 1, n, f32, 0, [&] {
-    sp::kernels::grad_moments(grads.data(), 1, 1, &moment, reference);
-  });
+  report.add("grad_moments fp32", "reference", 1, n, f32, 0,
+             [&] { sp::kernels::grad_moments(grads.data(), 1, 1, &moment, reference); });
   // A whole GPT block (d = 1024) packed into a per-row INT8 slab, as the host does per transfer.
   const uint64_t d = 1024;
   const std::vector<sp::kernels::TensorShape> shapes = {{3 * d, d}, {d, d}, {4 * d, d}, {d, 4 * d}, {1, d}, {1, d}};
@@ -252,17 +283,19 @@ void run(const Options &options) {
   std::vector<uint64_t> image((image_bytes + 7) / 8 + 64);
   auto *aligned = reinterpret_cast<uint8_t *>(image.data());
   for (const unsigned threads : thread_counts) {
-    report.add("build_slab int8 per-row (GPT block d=1024)", "vectorized", threads, elements, 4.0 * static_cast<double>(elements),
-               static_cast<double>(image_bytes), [&] {
-                 sp::kernels::build_slab(int8, sources.data(), sources.size(), aligned, image_bytes, CpuExec{CpuImpl::kVectorized, threads});
+    report.add("build_slab int8 per-row (GPT block d=1024)", "vectorized", threads, elements,
+               4.0 * static_cast<double>(elements), static_cast<double>(image_bytes), [&] {
+                 sp::kernels::build_slab(int8, sources.data(), sources.size(), aligned, image_bytes,
+                                         CpuExec{CpuImpl::kVectorized, threads});
                });
   }
   const sp::kernels::SlabEncoding nf4{sp::kernels::SlabPrecision::kNf4, nf4_group};
   const uint64_t nf4_image_bytes = sp::kernels::slab_image_bytes(nf4, shapes.data(), shapes.size());
   for (const unsigned threads : thread_counts) {
-    report.add("build_slab nf4 group-64 (GPT block d=1024)", "vectorized", threads, elements, 4.0 * static_cast<double>(elements),
-               static_cast<double>(nf4_image_bytes), [&] {
-                 sp::kernels::build_slab(nf4, sources.data(), sources.size(), aligned, nf4_image_bytes, CpuExec{CpuImpl::kVectorized, threads});
+    report.add("build_slab nf4 group-64 (GPT block d=1024)", "vectorized", threads, elements,
+               4.0 * static_cast<double>(elements), static_cast<double>(nf4_image_bytes), [&] {
+                 sp::kernels::build_slab(nf4, sources.data(), sources.size(), aligned, nf4_image_bytes,
+                                         CpuExec{CpuImpl::kVectorized, threads});
                });
   }
   report.write();
@@ -274,11 +307,19 @@ void run(const Options &options) {
 int main(int argc, char **argv) {
   Options options;
   CLI::App app{"CPU kernel throughput against memcpy bandwidth measured in the same run"};
-  app.add_option("-o,--output", options.output, "JSON result path")->capture_default_str()->check(sp::runtime::output_file());
+  app.add_option("-o,--output", options.output, "JSON result path")
+      ->capture_default_str()
+      ->check(sp::runtime::output_file());
   app.add_option("--commit", options.commit, "commit the binary was built from (recorded in the JSON)");
-  app.add_option("--rows", options.rows, "rows of the weight matrix")->check(CLI::Range(1, 1 << 20))->capture_default_str();
-  app.add_option("--cols", options.cols, "columns of the weight matrix")->check(CLI::Range(1, 1 << 20))->capture_default_str();
-  app.add_option("--repeats", options.repeats, "timed repetitions per kernel (median reported)")->check(CLI::Range(1, 1000))->capture_default_str();
+  app.add_option("--rows", options.rows, "rows of the weight matrix")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--cols", options.cols, "columns of the weight matrix")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--repeats", options.repeats, "timed repetitions per kernel (median reported)")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
   app.add_option("--threads", options.threads, "threads for the multi-threaded runs (0: all cores)")
       ->check(CLI::Range(0u, 1024u))
       ->capture_default_str();

@@ -42,7 +42,9 @@ struct DeviceMemory {
   DeviceMemory(const DeviceMemory &) = delete;
   DeviceMemory &operator=(const DeviceMemory &) = delete;
   template <typename T>
-  T *as() const { return static_cast<T *>(ptr); }
+  T *as() const {
+    return static_cast<T *>(ptr);
+  }
 };
 
 struct Options {
@@ -92,14 +94,20 @@ void run(const Options &options) {
   });
   const double copy_bw = 2.0 * static_cast<double>(copy_bytes) / (copy_ms * 1e-3);
   const double copy_read_bw = static_cast<double>(copy_bytes) / (copy_ms * 1e-3);
-  results.push_back({{"kernel", "cudaMemcpy D2D"}, {"bytes", copy_bytes}, {"median_ms", copy_ms}, {"gb_per_s", copy_bw / 1e9}});
+  results.push_back(
+      {{"kernel", "cudaMemcpy D2D"}, {"bytes", copy_bytes}, {"median_ms", copy_ms}, {"gb_per_s", copy_bw / 1e9}});
   std::printf("D2D copy: %.1f GB/s (read + write)\n", copy_bw / 1e9);
 
-  const auto record = [&](const std::string &kernel, double read, double written, double ms, bool read_only, double target) {
+  const auto record = [&](const std::string &kernel, double read, double written, double ms, bool read_only,
+                          double target) {
     const double bw = (read + written) / (ms * 1e-3);
     const double ratio = read_only ? (read / (ms * 1e-3)) / copy_read_bw : bw / copy_bw;
-    results.push_back({{"kernel", kernel}, {"bytes_read", read}, {"bytes_written", written}, {"median_ms", ms},
-                       {"gb_per_s", bw / 1e9}, {read_only ? "ratio_to_copy_read" : "ratio_to_copy", ratio},
+    results.push_back({{"kernel", kernel},
+                       {"bytes_read", read},
+                       {"bytes_written", written},
+                       {"median_ms", ms},
+                       {"gb_per_s", bw / 1e9},
+                       {read_only ? "ratio_to_copy_read" : "ratio_to_copy", ratio},
                        {"target", {{"at_least", target}, {"met", ratio >= target}}}});
     std::printf("%-44s %8.1f GB/s  x%.3f of copy%s  %s\n", kernel.c_str(), bw / 1e9, ratio, read_only ? " read" : "",
                 ratio >= target ? "[target met]" : "[target MISSED]");
@@ -127,7 +135,8 @@ void run(const Options &options) {
     const double ms = median_ms(stream, options.repeats, [&] {
       sp::kernels::cuda::fp32_to_bf16(weights.as<float>(), out.as<uint16_t>(), n, {}, stream);
     });
-    record("fp32_to_bf16 " + std::to_string(n), 4.0 * static_cast<double>(n), 2.0 * static_cast<double>(n), ms, false, 0.85);
+    record("fp32_to_bf16 " + std::to_string(n), 4.0 * static_cast<double>(n), 2.0 * static_cast<double>(n), ms, false,
+           0.85);
   }
 
   // NF4 -> bf16 dequantization of the same matrix, group 32 and the default 64. Random codes and
@@ -169,18 +178,21 @@ void run(const Options &options) {
     sp::kernels::cuda::GradMomentsPlan plan(tensors.data(), tensors.size(), options.moment_blocks);
     DeviceMemory workspace(plan.workspace_bytes()), out(options.moment_blocks * sizeof(sp_grad_moments_v1));
     plan.upload(workspace.ptr, stream);
-    const double ms = median_ms(stream, options.repeats, [&] {
-      plan.launch(workspace.ptr, out.as<sp_grad_moments_v1>(), stream);
-    });
+    const double ms =
+        median_ms(stream, options.repeats, [&] { plan.launch(workspace.ptr, out.as<sp_grad_moments_v1>(), stream); });
     record("grad_moments fp32 " + std::to_string(options.moment_blocks) + " blocks x " + std::to_string(per_block),
            4.0 * static_cast<double>(per_block * options.moment_blocks), 0.0, ms, true, 0.80);
   }
 
-  const nlohmann::json doc = {{"benchmark", "sp-bench-kernels-gpu"}, {"commit", options.commit},
+  const nlohmann::json doc = {{"benchmark", "sp-bench-kernels-gpu"},
+                              {"commit", options.commit},
                               {"machine", sp::bench::machine_description()},
-                              {"gpu", {{"name", prop.name}, {"sm", std::to_string(prop.major) + "." + std::to_string(prop.minor)},
-                                       {"memory_bytes", prop.totalGlobalMem}}},
-                              {"repeats", options.repeats}, {"results", results}};
+                              {"gpu",
+                               {{"name", prop.name},
+                                {"sm", std::to_string(prop.major) + "." + std::to_string(prop.minor)},
+                                {"memory_bytes", prop.totalGlobalMem}}},
+                              {"repeats", options.repeats},
+                              {"results", results}};
   sp::bench::write_report(options.output, doc);
   cudaStreamDestroy(stream);
   std::cout << "wrote " << options.output << "\n";
@@ -191,9 +203,13 @@ void run(const Options &options) {
 int main(int argc, char **argv) {
   Options options;
   CLI::App app{"GPU kernel throughput against device-to-device copy bandwidth measured in the same run"};
-  app.add_option("-o,--output", options.output, "JSON result path")->capture_default_str()->check(sp::runtime::output_file());
+  app.add_option("-o,--output", options.output, "JSON result path")
+      ->capture_default_str()
+      ->check(sp::runtime::output_file());
   app.add_option("--commit", options.commit, "commit the binary was built from (recorded in the JSON)");
-  app.add_option("--repeats", options.repeats, "timed repetitions (median reported)")->check(CLI::Range(1, 1000))->capture_default_str();
+  app.add_option("--repeats", options.repeats, "timed repetitions (median reported)")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
   if (const int exit_code = sp::bench::parse_command_line(app, argc, argv); exit_code >= 0) return exit_code;
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {

@@ -92,8 +92,8 @@ json hook_json(const HookTimes& direct, const HookTimes& abi) {
   const auto one = [&](const char* name, const std::vector<double>& d, const std::vector<double>& a) {
     const auto pd = sp::bench::percentiles(d);
     const auto pa = sp::bench::percentiles(a);
-    out[name] = {{"direct", pd.to_json("ns")}, {"abi", pa.to_json("ns")},
-                 {"abi_overhead_median_ns", pa.median - pd.median}};
+    out[name] = {
+        {"direct", pd.to_json("ns")}, {"abi", pa.to_json("ns")}, {"abi_overhead_median_ns", pa.median - pd.median}};
   };
   one("begin_step", direct.begin_step, abi.begin_step);
   one("post_backward", direct.post_backward, abi.post_backward);
@@ -141,7 +141,8 @@ json bench_hooks(const std::filesystem::path& plugin_file, int steps) {
     time(direct.post_backward, [&] { engine.post_backward(s, m.data(), kBlocks); });
     time(abi.post_backward, [&] { check(t.post_backward(ctx, s, m.data(), kBlocks), t, ctx, "post_backward"); });
     time(direct.compute_hints, [&] { engine.compute_hints(s, hints_direct.data(), kBlocks); });
-    time(abi.compute_hints, [&] { check(t.compute_hints(ctx, s, hints_abi.data(), kBlocks), t, ctx, "compute_hints"); });
+    time(abi.compute_hints,
+         [&] { check(t.compute_hints(ctx, s, hints_abi.data(), kBlocks), t, ctx, "compute_hints"); });
     time(direct.end_step, [&] { engine.end_step(s, &feedback); });
     time(abi.end_step, [&] { check(t.end_step(ctx, s, &feedback), t, ctx, "end_step"); });
     for (uint32_t b = 0; b < kBlocks; ++b) {
@@ -176,11 +177,13 @@ json bench_hot_swap(const std::filesystem::path& v1, const std::filesystem::path
     const auto t0 = Clock::now();
     const sp::host::SwapResult result = host.swap_now(i % 2 == 0 ? v2 : v1);
     const auto t1 = Clock::now();
-    if (result.outcome != sp::host::SwapResult::Outcome::swapped) throw std::runtime_error("swap failed: " + result.message);
+    if (result.outcome != sp::host::SwapResult::Outcome::swapped)
+      throw std::runtime_error("swap failed: " + result.message);
     not_unloaded += !result.old_library_unloaded;
     swap_ms.push_back(elapsed_ns(t0, t1) / 1e6);
   }
-  return {{"swaps", swaps}, {"time", sp::bench::percentiles(swap_ms).to_json("ms")},
+  return {{"swaps", swaps},
+          {"time", sp::bench::percentiles(swap_ms).to_json("ms")},
           {"old_library_still_loaded", not_unloaded}};
 }
 
@@ -208,18 +211,18 @@ int main(int argc, char** argv) {
       worst_overhead = std::max(worst_overhead, hooks[hook]["abi_overhead_median_ns"].get<double>());
     }
     const double swap_ms = swap["time"]["median_ms"].get<double>();
-    json report = {
-        {"benchmark", "plugin"},
-        {"commit", commit},
-        {"machine", sp::bench::machine_description()},
-        {"clock_resolution_ns", clock_resolution_ns()},
-        {"blocks", kBlocks},
-        {"hooks", hooks},
-        {"hot_swap", swap},
-        {"targets",
-         {{"compute_hints_48_blocks_us", {{"median", hints_us}, {"limit", 5.0}, {"met", hints_us <= 5.0}}},
-          {"abi_overhead_ns", {{"worst_hook_median", worst_overhead}, {"limit", 100.0}, {"met", worst_overhead <= 100.0}}},
-          {"hot_swap_ms", {{"median", swap_ms}, {"limit", 20.0}, {"met", swap_ms <= 20.0}}}}}};
+    json report = {{"benchmark", "plugin"},
+                   {"commit", commit},
+                   {"machine", sp::bench::machine_description()},
+                   {"clock_resolution_ns", clock_resolution_ns()},
+                   {"blocks", kBlocks},
+                   {"hooks", hooks},
+                   {"hot_swap", swap},
+                   {"targets",
+                    {{"compute_hints_48_blocks_us", {{"median", hints_us}, {"limit", 5.0}, {"met", hints_us <= 5.0}}},
+                     {"abi_overhead_ns",
+                      {{"worst_hook_median", worst_overhead}, {"limit", 100.0}, {"met", worst_overhead <= 100.0}}},
+                     {"hot_swap_ms", {{"median", swap_ms}, {"limit", 20.0}, {"met", swap_ms <= 20.0}}}}}};
     if (!out.parent_path().empty()) std::filesystem::create_directories(out.parent_path());
     sp::bench::write_report(out, report);
     std::cout << report["targets"].dump(2) << "\nwritten to " << out.string() << "\n";

@@ -79,8 +79,9 @@ std::string read_corpus(const std::filesystem::path& dir) {
 
 int main(int argc, char** argv) {
   const int steps = argc > 1 ? std::atoi(argv[1]) : 20;
-  std::string policy = "selective_precision:\n  mode: static\n  tiers: [bf16, int8, nf4]\n"
-                       "  force_int8_blocks: [0, 3]\n  force_nf4_blocks: [1, 2]\n  telemetry_enabled: false\n";
+  std::string policy =
+      "selective_precision:\n  mode: static\n  tiers: [bf16, int8, nf4]\n"
+      "  force_int8_blocks: [0, 3]\n  force_nf4_blocks: [1, 2]\n  telemetry_enabled: false\n";
   if (argc > 2 && argv[2][0] != '\0') {
     std::ifstream in(argv[2]);
     if (!in) return std::fprintf(stderr, "llama_streamed: cannot read %s\n", argv[2]), 2;
@@ -88,45 +89,47 @@ int main(int argc, char** argv) {
   }
   torch::manual_seed(0);
   const std::string corpus = read_corpus("/usr/share/common-licenses");
-  const auto bytes = torch::from_blob(const_cast<char*>(corpus.data()), {static_cast<std::int64_t>(corpus.size())},
-                                      torch::kUInt8).to(torch::kInt64);
+  const auto bytes =
+      torch::from_blob(const_cast<char*>(corpus.data()), {static_cast<std::int64_t>(corpus.size())}, torch::kUInt8)
+          .to(torch::kInt64);
   torch::nn::Embedding embed(kVocab, kDim);
   torch::nn::Linear head(torch::nn::LinearOptions(kDim, kVocab).bias(false));
   const torch::Tensor final_norm = torch::ones({kDim}, torch::requires_grad());
 
-  std::vector<sp::torch_layer::Block> blocks;                                            // [sp]
-  for (int i = 0; i < kBlocks; ++i) {                                                      // [sp]
-    blocks.push_back(sp::torch_layer::make_block(LlamaBlock(),                           // [sp]
+  std::vector<sp::torch_layer::Block> blocks;                                                          // [sp]
+  for (int i = 0; i < kBlocks; ++i) {                                                                  // [sp]
+    blocks.push_back(sp::torch_layer::make_block(LlamaBlock(),                                         // [sp]
                                                  {"wq.weight", "wk.weight", "wv.weight", "wo.weight",  // [sp]
-                                                  "w1.weight", "w3.weight", "w2.weight"}));  // [sp]
-  }                                                                                        // [sp]
-  sp::torch_layer::StreamedModelOptions options;                                           // [sp]
-  options.plugin_file = SP_PLUGIN_DIR "/libsp_selective_precision.so";                     // [sp]
-  options.config_yaml = policy;                                                            // [sp]
-  options.recalibrate_every = argc > 3 ? std::atoi(argv[3]) : 0;                           // [sp]
-  sp::torch_layer::StreamedModel model(std::move(blocks), options);                        // [sp]
+                                                  "w1.weight", "w3.weight", "w2.weight"}));            // [sp]
+  }                                                                                                    // [sp]
+  sp::torch_layer::StreamedModelOptions options;                                                       // [sp]
+  options.plugin_file = SP_PLUGIN_DIR "/libsp_selective_precision.so";                                 // [sp]
+  options.config_yaml = policy;                                                                        // [sp]
+  options.recalibrate_every = argc > 3 ? std::atoi(argv[3]) : 0;                                       // [sp]
+  sp::torch_layer::StreamedModel model(std::move(blocks), options);                                    // [sp]
 
-  std::vector<torch::Tensor> params = model.master_parameters();                           // [sp]
-  for (const auto& p : model.resident_parameters()) params.push_back(p);                  // [sp]
+  std::vector<torch::Tensor> params = model.master_parameters();          // [sp]
+  for (const auto& p : model.resident_parameters()) params.push_back(p);  // [sp]
   for (const auto& p : embed->parameters()) params.push_back(p);
   for (const auto& p : head->parameters()) params.push_back(p);
   params.push_back(final_norm);
   torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
 
   const auto batch = [&](int seed) {
-    const auto starts = torch::randint(bytes.size(0) - kSeq - 1, {kBatch}, torch::Generator(at::detail::createCPUGenerator(seed)));
+    const auto starts =
+        torch::randint(bytes.size(0) - kSeq - 1, {kBatch}, torch::Generator(at::detail::createCPUGenerator(seed)));
     std::vector<torch::Tensor> rows;
     for (int i = 0; i < kBatch; ++i) rows.push_back(bytes.narrow(0, starts[i].item<std::int64_t>(), kSeq + 1));
     return torch::stack(rows);
   };
   const auto loss_of = [&](const torch::Tensor& tokens) {
-    const auto hidden = model.forward(embed(tokens.narrow(1, 0, kSeq)));                  // [sp]
+    const auto hidden = model.forward(embed(tokens.narrow(1, 0, kSeq)));  // [sp]
     const auto logits = head(rms_norm(hidden, final_norm));
     return torch::cross_entropy_loss(logits.reshape({-1, kVocab}), tokens.narrow(1, 1, kSeq).reshape(-1));
   };
   {
     torch::NoGradGuard no_grad;
-    const auto errors = model.calibrate({embed(batch(-1).narrow(1, 0, kSeq))});           // [sp]
+    const auto errors = model.calibrate({embed(batch(-1).narrow(1, 0, kSeq))});                             // [sp]
     std::printf("calibration: block 0 output error INT8 %.4f, NF4 %.4f\n", errors.int8[0], errors.nf4[0]);  // [sp]
   }
 
@@ -135,16 +138,16 @@ int main(int argc, char** argv) {
   const auto start = std::chrono::steady_clock::now();
   for (int step = 0; step < steps; ++step) {
     optimizer.zero_grad();
-    model.begin_step(step);                                                                // [sp]
+    model.begin_step(step);  // [sp]
     const auto loss = loss_of(batch(step));
     loss.backward();
-    model.post_backward();                                                                 // [sp]
+    model.post_backward();  // [sp]
     optimizer.step();
     loss_value = loss.item<double>();
-    const auto report = model.end_step(loss_value);                                        // [sp]
-    sent += report.h2d_bytes_bf16 + report.h2d_bytes_int8 + report.h2d_bytes_nf4;        // [sp]
-    as_bf16 += report.h2d_bytes_all_bf16;                                                  // [sp]
-    calibration_seconds += report.calibration_seconds;                                     // [sp]
+    const auto report = model.end_step(loss_value);                                // [sp]
+    sent += report.h2d_bytes_bf16 + report.h2d_bytes_int8 + report.h2d_bytes_nf4;  // [sp]
+    as_bf16 += report.h2d_bytes_all_bf16;                                          // [sp]
+    calibration_seconds += report.calibration_seconds;                             // [sp]
     if (step == 0) first = loss_value;
     std::printf("step %d: loss %.4f\n", step, loss_value);
   }
@@ -152,6 +155,7 @@ int main(int argc, char** argv) {
               static_cast<unsigned long long>(sent), static_cast<unsigned long long>(as_bf16),
               as_bf16 ? 100.0 * (1.0 - static_cast<double>(sent) / as_bf16) : 0.0);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("%.1f ms per step, of which re-calibration %.1f ms\n", 1e3 * seconds / steps, 1e3 * calibration_seconds / steps);
+  std::printf("%.1f ms per step, of which re-calibration %.1f ms\n", 1e3 * seconds / steps,
+              1e3 * calibration_seconds / steps);
   return std::isfinite(loss_value) && loss_value < first ? 0 : 1;
 }

@@ -15,9 +15,10 @@ int main(int argc, char** argv) {
     blocks[b].int8_bytes = 1u << 20;
     blocks[b].name = "block" + std::to_string(b);
   }
-  const sp::host::PolicyConfig config{"selective_precision:\n  mode: static\n  force_int8_blocks: [1, 2]\n"
-                                      "  telemetry_enabled: false\n",
-                                      "plugin_host example"};
+  const sp::host::PolicyConfig config{
+      "selective_precision:\n  mode: static\n  force_int8_blocks: [1, 2]\n"
+      "  telemetry_enabled: false\n",
+      "plugin_host example"};
   try {
     sp::host::PolicyHost host(plugin, config, blocks);
     for (std::int64_t step = 0; step < 3; ++step) {

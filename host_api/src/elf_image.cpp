@@ -61,9 +61,10 @@ class ImageFile {
 
   void require_inside(std::uint64_t offset, std::uint64_t bytes, const std::string& what) const {
     if (offset > size_ || bytes > size_ - offset) {
-      fail(fmt::format("its {} needs {} bytes at offset {}, but the file has {} bytes: it is truncated or "
-                       "corrupt (was it still being copied into place?)",
-                       what, bytes, offset, size_));
+      fail(
+          fmt::format("its {} needs {} bytes at offset {}, but the file has {} bytes: it is truncated or "
+                      "corrupt (was it still being copied into place?)",
+                      what, bytes, offset, size_));
     }
   }
 
@@ -103,20 +104,22 @@ void check_elf_image(const std::filesystem::path& shown_as, const std::filesyste
   const auto header = image.read<ElfW(Ehdr)>(0, "ELF header");
   if (header.e_ident[EI_CLASS] != kNativeClass || header.e_ident[EI_DATA] != kNativeByteOrder ||
       header.e_machine != kNativeMachine) {
-    image.fail(fmt::format("it is an ELF file for another machine (class {}, byte order {}, machine {}; this "
-                           "host needs class {}, byte order {}, machine {})",
-                           header.e_ident[EI_CLASS], header.e_ident[EI_DATA], header.e_machine, kNativeClass,
-                           kNativeByteOrder, kNativeMachine));
+    image.fail(
+        fmt::format("it is an ELF file for another machine (class {}, byte order {}, machine {}; this "
+                    "host needs class {}, byte order {}, machine {})",
+                    header.e_ident[EI_CLASS], header.e_ident[EI_DATA], header.e_machine, kNativeClass, kNativeByteOrder,
+                    kNativeMachine));
   }
-  if (header.e_type != ET_DYN) image.fail(fmt::format("it is an ELF file of type {}, not a shared object", header.e_type));
+  if (header.e_type != ET_DYN)
+    image.fail(fmt::format("it is an ELF file of type {}, not a shared object", header.e_type));
   if (header.e_phentsize != sizeof(ElfW(Phdr))) {
     image.fail(fmt::format("its ELF header gives program headers of {} bytes, expected {}", header.e_phentsize,
                            sizeof(ElfW(Phdr))));
   }
   image.require_inside(header.e_phoff, std::uint64_t{header.e_phnum} * sizeof(ElfW(Phdr)), "program header table");
   for (std::uint16_t i = 0; i < header.e_phnum; ++i) {
-    const auto segment = image.read<ElfW(Phdr)>(header.e_phoff + std::uint64_t{i} * sizeof(ElfW(Phdr)),
-                                                "program header");
+    const auto segment =
+        image.read<ElfW(Phdr)>(header.e_phoff + std::uint64_t{i} * sizeof(ElfW(Phdr)), "program header");
     // A segment with no file bytes (PT_GNU_STACK, say) maps nothing from the file, wherever
     // its offset points.
     if (segment.p_filesz == 0) continue;

@@ -47,20 +47,20 @@ bool owned_by_user_or_root(uid_t owner) { return owner == 0 || owner == geteuid(
 void check_trusted_directory(const std::filesystem::path& file, const std::filesystem::path& dir) {
   struct stat dir_stat {};
   if (::stat(dir.c_str(), &dir_stat) != 0) {
-    throw PluginError(fmt::format("refusing to load policy plugin {}: cannot stat its directory {}: {}",
-                                  file, dir, errno_text(errno)));
+    throw PluginError(fmt::format("refusing to load policy plugin {}: cannot stat its directory {}: {}", file, dir,
+                                  errno_text(errno)));
   }
   if ((dir_stat.st_mode & S_IWOTH) != 0) {
-    throw PluginError(fmt::format(
-        "refusing to load policy plugin {}: its directory {} is world-writable (mode {}), so anyone "
-        "could replace the plugin; remove write permission for others (chmod o-w {})",
-        file, dir, mode_text(dir_stat.st_mode), dir));
+    throw PluginError(
+        fmt::format("refusing to load policy plugin {}: its directory {} is world-writable (mode {}), so anyone "
+                    "could replace the plugin; remove write permission for others (chmod o-w {})",
+                    file, dir, mode_text(dir_stat.st_mode), dir));
   }
   if (!owned_by_user_or_root(dir_stat.st_uid)) {
-    throw PluginError(fmt::format(
-        "refusing to load policy plugin {}: its directory {} is owned by uid {}, which is neither "
-        "the current user (uid {}) nor root",
-        file, dir, dir_stat.st_uid, geteuid()));
+    throw PluginError(
+        fmt::format("refusing to load policy plugin {}: its directory {} is owned by uid {}, which is neither "
+                    "the current user (uid {}) nor root",
+                    file, dir, dir_stat.st_uid, geteuid()));
   }
   // Whoever can rename an entry of an ancestor can swap the whole directory for theirs. A
   // world-writable directory with the sticky bit (/tmp) lets others add entries but not
@@ -87,17 +87,16 @@ void check_trusted_file(const std::filesystem::path& file, const struct stat& fi
     throw PluginError(fmt::format("refusing to load policy plugin {}: it is not a regular file", file));
   }
   if (!owned_by_user_or_root(file_stat.st_uid)) {
-    throw PluginError(fmt::format(
-        "refusing to load policy plugin {}: it is owned by uid {}, which is neither the current "
-        "user (uid {}) nor root",
-        file, file_stat.st_uid, geteuid()));
+    throw PluginError(
+        fmt::format("refusing to load policy plugin {}: it is owned by uid {}, which is neither the current "
+                    "user (uid {}) nor root",
+                    file, file_stat.st_uid, geteuid()));
   }
   if ((file_stat.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
     throw PluginError(fmt::format(
         "refusing to load policy plugin {}: it is writable by {} (mode {}); remove that permission "
         "(chmod go-w {})",
-        file, (file_stat.st_mode & S_IWOTH) != 0 ? "others" : "its group", mode_text(file_stat.st_mode),
-        file));
+        file, (file_stat.st_mode & S_IWOTH) != 0 ? "others" : "its group", mode_text(file_stat.st_mode), file));
   }
 }
 
@@ -126,27 +125,26 @@ class PrivateCopy {
   static PrivateCopy make(const std::filesystem::path& source, int source_fd, off_t size) {
     const char* tmpdir = std::getenv("TMPDIR");
     std::string dir_template =
-        (std::filesystem::path(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp") / "sp-plugin-XXXXXX")
-            .string();
+        (std::filesystem::path(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp") / "sp-plugin-XXXXXX").string();
     if (::mkdtemp(dir_template.data()) == nullptr) {
-      throw PluginError(fmt::format("cannot load policy plugin {}: cannot create a private directory {}: {}",
-                                    source, dir_template, errno_text(errno)));
+      throw PluginError(fmt::format("cannot load policy plugin {}: cannot create a private directory {}: {}", source,
+                                    dir_template, errno_text(errno)));
     }
     PrivateCopy copy;
     copy.dir_ = dir_template;
     copy.file_ = copy.dir_ / source.filename();
     FileDescriptor out(::open(copy.file_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0700));
     if (out.get() < 0) {
-      throw PluginError(fmt::format("cannot load policy plugin {}: cannot create its private copy {}: {}",
-                                    source, copy.file_, errno_text(errno)));
+      throw PluginError(fmt::format("cannot load policy plugin {}: cannot create its private copy {}: {}", source,
+                                    copy.file_, errno_text(errno)));
     }
     off_t offset = 0;
     while (offset < size) {
       const ssize_t sent = ::sendfile(out.get(), source_fd, &offset, static_cast<std::size_t>(size - offset));
       if (sent < 0 && errno == EINTR) continue;
       if (sent <= 0) {
-        throw PluginError(fmt::format("cannot load policy plugin {}: copying it to {} failed: {}", source,
-                                      copy.file_, sent < 0 ? errno_text(errno) : "the file shrank"));
+        throw PluginError(fmt::format("cannot load policy plugin {}: copying it to {} failed: {}", source, copy.file_,
+                                      sent < 0 ? errno_text(errno) : "the file shrank"));
       }
     }
     return copy;
@@ -173,22 +171,22 @@ void validate_table(const std::filesystem::path& file, const Table* table) {
                                   SP_PLUGIN_ENTRY_SYMBOL_V1));
   }
   if (table->struct_size < kVersionFieldsEnd) {
-    throw PluginError(fmt::format(
-        "policy plugin {}: its function table says struct_size = {}, too small to hold even "
-        "struct_size, abi_major and abi_minor ({} bytes)",
-        file, table->struct_size, kVersionFieldsEnd));
+    throw PluginError(
+        fmt::format("policy plugin {}: its function table says struct_size = {}, too small to hold even "
+                    "struct_size, abi_major and abi_minor ({} bytes)",
+                    file, table->struct_size, kVersionFieldsEnd));
   }
   if (table->abi_major != SP_PLUGIN_ABI_MAJOR) {
-    throw PluginError(fmt::format(
-        "policy plugin {} was built for plugin ABI {}.{}, but this host implements ABI {}.{}; the "
-        "major versions must be equal",
-        file, table->abi_major, table->abi_minor, SP_PLUGIN_ABI_MAJOR, SP_PLUGIN_ABI_MINOR));
+    throw PluginError(
+        fmt::format("policy plugin {} was built for plugin ABI {}.{}, but this host implements ABI {}.{}; the "
+                    "major versions must be equal",
+                    file, table->abi_major, table->abi_minor, SP_PLUGIN_ABI_MAJOR, SP_PLUGIN_ABI_MINOR));
   }
   if (table->abi_minor > SP_PLUGIN_ABI_MINOR) {
-    throw PluginError(fmt::format(
-        "policy plugin {} was built for plugin ABI {}.{}, newer than this host's ABI {}.{}; the host's "
-        "minor version must be >= the plugin's, so update the host",
-        file, table->abi_major, table->abi_minor, SP_PLUGIN_ABI_MAJOR, SP_PLUGIN_ABI_MINOR));
+    throw PluginError(
+        fmt::format("policy plugin {} was built for plugin ABI {}.{}, newer than this host's ABI {}.{}; the host's "
+                    "minor version must be >= the plugin's, so update the host",
+                    file, table->abi_major, table->abi_minor, SP_PLUGIN_ABI_MAJOR, SP_PLUGIN_ABI_MINOR));
   }
   // Only the fields of the plugin's own minor are read: a 1.0 table ends at last_error, and
   // whatever lies behind it in the plugin's memory is not the host's to look at.
@@ -200,10 +198,10 @@ void validate_table(const std::filesystem::path& file, const Table* table) {
     } else {
       missing = "the ABI 1.1 functions set_transfer_bytes and set_precision_calibration_errors";
     }
-    throw PluginError(fmt::format(
-        "policy plugin {}: its function table says struct_size = {}, but ABI {}.{} needs at least {} "
-        "bytes ({}); is the table filled in for the minor it claims?",
-        file, table->struct_size, table->abi_major, table->abi_minor, needed, missing));
+    throw PluginError(
+        fmt::format("policy plugin {}: its function table says struct_size = {}, but ABI {}.{} needs at least {} "
+                    "bytes ({}); is the table filled in for the minor it claims?",
+                    file, table->struct_size, table->abi_major, table->abi_minor, needed, missing));
   }
   const std::pair<const char*, bool> required[] = {
       {"plugin_name", table->plugin_name != nullptr},
@@ -221,9 +219,8 @@ void validate_table(const std::filesystem::path& file, const Table* table) {
   };
   for (const auto& [field, present] : required) {
     if (!present) {
-      throw PluginError(
-          fmt::format("policy plugin {}: field {} of its function table is NULL; every field is required", file,
-                      field));
+      throw PluginError(fmt::format("policy plugin {}: field {} of its function table is NULL; every field is required",
+                                    file, field));
     }
   }
   if (table->abi_minor >= 1) {
@@ -289,18 +286,17 @@ PluginLibrary PluginLibrary::load(const std::filesystem::path& file) {
   auto state = std::make_unique<State>(file, PrivateCopy::make(resolved, source.get(), file_stat.st_size));
   check_elf_image(resolved, state->copy.file());
   std::error_code error;
-  state->library.load(state->copy.file(),
-                      boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local, error);
+  state->library.load(state->copy.file(), boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local, error);
   if (error) {
     const char* loader_message = ::dlerror();
     throw PluginError(fmt::format("cannot load policy plugin {}: the dynamic loader failed: {}", resolved,
                                   loader_message != nullptr ? loader_message : error.message()));
   }
   if (!state->library.has(SP_PLUGIN_ENTRY_SYMBOL_V1)) {
-    throw PluginError(fmt::format(
-        "policy plugin {} does not export the entry symbol {}; a v1 plugin must define it (see "
-        "docs/plugin-abi.md)",
-        resolved, SP_PLUGIN_ENTRY_SYMBOL_V1));
+    throw PluginError(
+        fmt::format("policy plugin {} does not export the entry symbol {}; a v1 plugin must define it (see "
+                    "docs/plugin-abi.md)",
+                    resolved, SP_PLUGIN_ENTRY_SYMBOL_V1));
   }
   auto& entry = state->library.get<const Table*()>(SP_PLUGIN_ENTRY_SYMBOL_V1);
   state->table = entry();

@@ -19,14 +19,22 @@ constexpr std::uint64_t kMaxStateBytes = std::uint64_t{1} << 30;
 
 const char* status_name(sp_status status) {
   switch (status) {
-    case SP_OK: return "SP_OK";
-    case SP_ERR_INVALID_ARGUMENT: return "SP_ERR_INVALID_ARGUMENT";
-    case SP_ERR_CONFIG: return "SP_ERR_CONFIG";
-    case SP_ERR_STATE: return "SP_ERR_STATE";
-    case SP_ERR_BUFFER_TOO_SMALL: return "SP_ERR_BUFFER_TOO_SMALL";
-    case SP_ERR_INTERNAL: return "SP_ERR_INTERNAL";
-    case SP_ERR_ORDER: return "SP_ERR_ORDER";
-    default: return "an unknown status";
+    case SP_OK:
+      return "SP_OK";
+    case SP_ERR_INVALID_ARGUMENT:
+      return "SP_ERR_INVALID_ARGUMENT";
+    case SP_ERR_CONFIG:
+      return "SP_ERR_CONFIG";
+    case SP_ERR_STATE:
+      return "SP_ERR_STATE";
+    case SP_ERR_BUFFER_TOO_SMALL:
+      return "SP_ERR_BUFFER_TOO_SMALL";
+    case SP_ERR_INTERNAL:
+      return "SP_ERR_INTERNAL";
+    case SP_ERR_ORDER:
+      return "SP_ERR_ORDER";
+    default:
+      return "an unknown status";
   }
 }
 
@@ -34,10 +42,14 @@ std::string status_text(sp_status status) { return fmt::format("status {} ({})",
 
 spdlog::level::level_enum to_spdlog_level(sp_log_level level) {
   switch (level) {
-    case SP_LOG_DEBUG: return spdlog::level::debug;
-    case SP_LOG_INFO: return spdlog::level::info;
-    case SP_LOG_WARN: return spdlog::level::warn;
-    default: return spdlog::level::err;
+    case SP_LOG_DEBUG:
+      return spdlog::level::debug;
+    case SP_LOG_INFO:
+      return spdlog::level::info;
+    case SP_LOG_WARN:
+      return spdlog::level::warn;
+    default:
+      return spdlog::level::err;
   }
 }
 
@@ -75,10 +87,14 @@ sp_precision_mask precisions_of_minor(std::uint32_t minor) {
 
 const char* precision_name(sp_precision precision) {
   switch (precision) {
-    case SP_PRECISION_BF16: return "SP_PRECISION_BF16";
-    case SP_PRECISION_INT8: return "SP_PRECISION_INT8";
-    case SP_PRECISION_NF4: return "SP_PRECISION_NF4";
-    default: return "an unknown precision";
+    case SP_PRECISION_BF16:
+      return "SP_PRECISION_BF16";
+    case SP_PRECISION_INT8:
+      return "SP_PRECISION_INT8";
+    case SP_PRECISION_NF4:
+      return "SP_PRECISION_NF4";
+    default:
+      return "an unknown precision";
   }
 }
 
@@ -287,18 +303,19 @@ struct PolicyHost::Impl {
       return true;
     }
     ++failures.set_calibration_errors;
-    logger->error("policy plugin {} failed in set_precision_calibration_errors (NF4 errors of {} blocks, re-sent "
-                  "after a hot swap from an ABI 1.0 plugin) with {}: {}",
-                  instance.label(), ids.size(), status_text(status), instance.last_error());
+    logger->error(
+        "policy plugin {} failed in set_precision_calibration_errors (NF4 errors of {} blocks, re-sent "
+        "after a hot swap from an ABI 1.0 plugin) with {}: {}",
+        instance.label(), ids.size(), status_text(status), instance.last_error());
     return false;
   }
 
   void require_open_step(const char* hook, std::int64_t step) const {
     if (open_step != step) {
       throw std::logic_error(
-          open_step ? fmt::format("PolicyHost::{}({}) called while step {} is open", hook, step, *open_step)
-                    : fmt::format("PolicyHost::{}({}) called outside a step; call begin_step({}) first", hook, step,
-                                  step));
+          open_step
+              ? fmt::format("PolicyHost::{}({}) called while step {} is open", hook, step, *open_step)
+              : fmt::format("PolicyHost::{}({}) called outside a step; call begin_step({}) first", hook, step, step));
     }
   }
 
@@ -322,14 +339,14 @@ struct PolicyHost::Impl {
     } else {
       hints.assign(blocks.size(), sp_hint_v1{});
       for (std::uint32_t id = 0; id < block_count(); ++id) {
-        hints[id] = sp_hint_v1{id, SP_PRECISION_BF16, std::numeric_limits<double>::quiet_NaN(),
-                               SP_REASON_HOST_FALLBACK, 0};
+        hints[id] =
+            sp_hint_v1{id, SP_PRECISION_BF16, std::numeric_limits<double>::quiet_NaN(), SP_REASON_HOST_FALLBACK, 0};
       }
     }
     hint_source = HintSource::fallback;
-    logger->warn("step {}: using {} hints instead of the plugin's", step,
-                 options.fallback == FallbackMode::last_good && !last_good_hints.empty() ? "the last good"
-                                                                                        : "all-BF16");
+    logger->warn(
+        "step {}: using {} hints instead of the plugin's", step,
+        options.fallback == FallbackMode::last_good && !last_good_hints.empty() ? "the last good" : "all-BF16");
   }
 
   SwapResult stage_swap(const std::filesystem::path& plugin_file, std::optional<PolicyConfig> config) {
@@ -365,8 +382,8 @@ struct PolicyHost::Impl {
     if (pending) pending->close();
     pending.reset();
     result.outcome = SwapResult::Outcome::failed;
-    result.message = fmt::format("hot swap to {} failed; {} stays active: {}", result.plugin_file, active->label(),
-                                 reason);
+    result.message =
+        fmt::format("hot swap to {} failed; {} stays active: {}", result.plugin_file, active->label(), reason);
     logger->error("{}", result.message);
     last_swap = result;
     return result;
@@ -424,9 +441,9 @@ struct PolicyHost::Impl {
 
     const sp_status status = pending->table().import_state(pending->ctx(), blob->data(), blob->size());
     if (status != SP_OK) {
-      return fail_swap(std::move(result), fmt::format("{} could not import the state of {} ({} bytes) with {}: {}",
-                                                      pending->label(), active->label(), blob->size(),
-                                                      status_text(status), pending->last_error()));
+      return fail_swap(std::move(result),
+                       fmt::format("{} could not import the state of {} ({} bytes) with {}: {}", pending->label(),
+                                   active->label(), blob->size(), status_text(status), pending->last_error()));
     }
 
     // A 1.0 plugin held no NF4 calibration errors, so its blob brought none: the new 1.1
@@ -442,7 +459,7 @@ struct PolicyHost::Impl {
     result.first_step = first_step;
     first_step_unknown = !first_step;
     result.old_library_unloaded = unload.unloaded;
-    const std::string when = first_step ? fmt::format("from step {}", *first_step)
+    const std::string when = first_step        ? fmt::format("from step {}", *first_step)
                              : last_ended_step ? fmt::format("after step {}", *last_ended_step)
                                                : std::string("before the first step");
     result.message = fmt::format("hot swap: {} replaced {} {} with {} bytes of state", active->label(), retired_label,
@@ -462,7 +479,8 @@ PolicyHost::PolicyHost(const std::filesystem::path& plugin_file, PolicyConfig co
                        std::vector<BlockDescription> blocks, PolicyHostOptions options)
     : impl_(std::make_unique<Impl>()) {
   if (blocks.size() > std::numeric_limits<std::uint32_t>::max()) {
-    throw std::invalid_argument(fmt::format("PolicyHost: {} blocks exceed the ABI's 32-bit block count", blocks.size()));
+    throw std::invalid_argument(
+        fmt::format("PolicyHost: {} blocks exceed the ABI's 32-bit block count", blocks.size()));
   }
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     if (blocks[i].id != i) {
@@ -492,8 +510,9 @@ PolicyHost::~PolicyHost() {
 
 void PolicyHost::begin_step(std::int64_t step) {
   if (impl_->open_step) {
-    throw std::logic_error(fmt::format("PolicyHost::begin_step({}) called while step {} is open; call end_step({}) first",
-                                       step, *impl_->open_step, *impl_->open_step));
+    throw std::logic_error(
+        fmt::format("PolicyHost::begin_step({}) called while step {} is open; call end_step({}) first", step,
+                    *impl_->open_step, *impl_->open_step));
   }
   if (impl_->pending) {
     impl_->apply_pending_swap(step);
@@ -522,8 +541,8 @@ const std::vector<sp_hint_v1>& PolicyHost::compute_hints(std::int64_t step) {
   impl_->require_open_step("compute_hints", step);
   Impl& impl = *impl_;
   impl.plugin_hints.assign(impl.blocks.size(), sp_hint_v1{});
-  const sp_status status = impl.active->table().compute_hints(impl.active->ctx(), step, impl.plugin_hints.data(),
-                                                              impl.block_count());
+  const sp_status status =
+      impl.active->table().compute_hints(impl.active->ctx(), step, impl.plugin_hints.data(), impl.block_count());
   if (!impl.check_hook("compute_hints", step, status, impl.failures.compute_hints)) {
     impl.use_fallback_hints(step);
     return impl.hints;
@@ -566,8 +585,8 @@ bool PolicyHost::set_calibration_errors(const std::vector<std::uint32_t>& block_
 bool PolicyHost::set_calibration_errors(sp_precision precision, const std::vector<std::uint32_t>& block_ids,
                                         const std::vector<double>& errors) {
   if (block_ids.size() != errors.size()) {
-    throw std::invalid_argument(fmt::format("PolicyHost::set_calibration_errors: {} block ids but {} errors",
-                                            block_ids.size(), errors.size()));
+    throw std::invalid_argument(
+        fmt::format("PolicyHost::set_calibration_errors: {} block ids but {} errors", block_ids.size(), errors.size()));
   }
   if (precision != SP_PRECISION_INT8 && precision != SP_PRECISION_NF4) {
     throw std::invalid_argument(fmt::format(
@@ -585,7 +604,7 @@ bool PolicyHost::set_calibration_errors(sp_precision precision, const std::vecto
   bool accepted = true;
   if (active.abi_minor() >= 1) {
     const sp_status status = active.table().set_precision_calibration_errors(active.ctx(), SP_PRECISION_NF4,
-                                                                              block_ids.data(), errors.data(), n);
+                                                                             block_ids.data(), errors.data(), n);
     accepted = impl.check_hook("set_precision_calibration_errors", fmt::format("(NF4) {}", impl.now_text()), status,
                                impl.failures.set_calibration_errors);
   } else {
@@ -598,9 +617,10 @@ bool PolicyHost::set_calibration_errors(sp_precision precision, const std::vecto
         return false;
       }
     }
-    impl.logger->debug("policy plugin {} implements ABI 1.0, which has no NF4: its NF4 calibration errors of {} "
-                       "blocks are kept for a later 1.1 plugin, not sent",
-                       active.label(), n);
+    impl.logger->debug(
+        "policy plugin {} implements ABI 1.0, which has no NF4: its NF4 calibration errors of {} "
+        "blocks are kept for a later 1.1 plugin, not sent",
+        active.label(), n);
   }
   if (accepted) {
     for (std::uint32_t i = 0; i < n; ++i) impl.nf4_calibration_errors[block_ids[i]] = errors[i];

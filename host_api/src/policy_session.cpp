@@ -31,9 +31,7 @@ void PolicySession::post_backward(std::int64_t step, const std::vector<sp_grad_m
   host_->post_backward(step, moments);
 }
 
-const std::vector<sp_hint_v1>& PolicySession::compute_hints(std::int64_t step) {
-  return host_->compute_hints(step);
-}
+const std::vector<sp_hint_v1>& PolicySession::compute_hints(std::int64_t step) { return host_->compute_hints(step); }
 
 void PolicySession::end_step(std::int64_t step, const sp_step_feedback_v1& feedback) {
   host_->end_step(step, &feedback);

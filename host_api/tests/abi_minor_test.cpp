@@ -18,12 +18,12 @@ namespace sp::host {
 namespace {
 
 using ::testing::AllOf;
-using ::testing::HasSubstr;
-using ::testing::Not;
 using testing::CapturedLog;
 using testing::Decision;
 using testing::decisions_of;
+using ::testing::HasSubstr;
 using testing::make_blocks;
+using ::testing::Not;
 using testing::run_step;
 
 constexpr std::uint32_t kBlocks = 6;
@@ -131,8 +131,8 @@ TEST(AbiMinor, A1_1PluginGets1_1StructSizesAndTheSupportedPrecisions) {
   const std::string text = log.text();
   EXPECT_THAT(text, HasSubstr("fixture: create host.struct_size=" + std::to_string(sizeof(sp_host_api_v1)) +
                               " host.abi_minor=1 supported_precisions=0x3\n"));
-  EXPECT_THAT(text, HasSubstr("fixture: end_step 0 feedback.struct_size=" + std::to_string(sizeof(sp_step_feedback_v1)) +
-                              " h2d_bytes_nf4=250\n"));
+  EXPECT_THAT(text, HasSubstr("fixture: end_step 0 feedback.struct_size=" +
+                              std::to_string(sizeof(sp_step_feedback_v1)) + " h2d_bytes_nf4=250\n"));
   // Without NF4 on the host there are no NF4 bytes to describe.
   EXPECT_THAT(text, Not(HasSubstr("fixture: set_transfer_bytes")));
 }
@@ -330,9 +330,9 @@ TEST(AbiMinor, HotSwapFrom1_0To1_1AndBack) {
   after = log.text().substr(mark);
   EXPECT_THAT(after, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=1\n"));
   EXPECT_THAT(after, HasSubstr("fixture: end_step 20 feedback.struct_size=48\n"));
-  EXPECT_THAT(after, AllOf(Not(HasSubstr("fixture: set_transfer_bytes")),
-                           Not(HasSubstr("fixture: set_precision_calibration_errors")),
-                           Not(HasSubstr("h2d_bytes_nf4"))));
+  EXPECT_THAT(after,
+              AllOf(Not(HasSubstr("fixture: set_transfer_bytes")),
+                    Not(HasSubstr("fixture: set_precision_calibration_errors")), Not(HasSubstr("h2d_bytes_nf4"))));
 
   EXPECT_EQ(host.hook_failures().total(), 0u);
   EXPECT_EQ(decisions, uninterrupted_decisions(kSteps)) << "the state crossed both minors unchanged";
@@ -358,8 +358,8 @@ TEST(AbiMinor, ASwapToA1_1PluginThatRejectsTheTransferBytesFails) {
   run_step(host, 0);
   const SwapResult result = host.swap_now(SP_FIXTURE_SCRIPTED_V1_1, config("fixture_reject_transfer_bytes: 1\n"));
   EXPECT_EQ(result.outcome, SwapResult::Outcome::failed);
-  EXPECT_THAT(result.message, AllOf(HasSubstr("scripted_fixture 1.0.0 stays active"),
-                                    HasSubstr("rejected the NF4 transfer bytes")));
+  EXPECT_THAT(result.message,
+              AllOf(HasSubstr("scripted_fixture 1.0.0 stays active"), HasSubstr("rejected the NF4 transfer bytes")));
   EXPECT_EQ(host.plugin_abi_minor(), 0u);
   run_step(host, 1);
 }

@@ -13,10 +13,10 @@ namespace sp::host {
 namespace {
 
 using ::testing::AllOf;
-using ::testing::HasSubstr;
 using testing::CapturedLog;
 using testing::Decision;
 using testing::decisions_of;
+using ::testing::HasSubstr;
 using testing::make_blocks;
 using testing::run_step;
 

@@ -72,8 +72,9 @@ TEST(PluginLibrary, RefusesAPluginBuiltForANewerMinor) {
 }
 
 TEST(PluginLibrary, RefusesALibraryWithoutTheEntrySymbol) {
-  EXPECT_THAT(load_error(SP_FIXTURE_MISSING_ENTRY),
-              AllOf(HasSubstr(SP_FIXTURE_MISSING_ENTRY), HasSubstr("does not export the entry symbol sp_policy_plugin_v1")));
+  EXPECT_THAT(
+      load_error(SP_FIXTURE_MISSING_ENTRY),
+      AllOf(HasSubstr(SP_FIXTURE_MISSING_ENTRY), HasSubstr("does not export the entry symbol sp_policy_plugin_v1")));
 }
 
 TEST(PluginLibrary, RefusesATableSmallerThanItsAbiVersionNeeds) {

@@ -13,8 +13,8 @@ namespace sp::host {
 namespace {
 
 using ::testing::AllOf;
-using ::testing::HasSubstr;
 using testing::CapturedLog;
+using ::testing::HasSubstr;
 using testing::make_blocks;
 using testing::run_step;
 
@@ -63,8 +63,9 @@ TEST(PolicyHost, RejectedConfigurationNamesTheSourceAndThePluginsReason) {
     PolicyHost host(SP_EXAMPLE_MINIMAL_C, {"int8_max_l2: -1\n", "configs/policy.yaml"}, make_blocks(kBlocks));
     FAIL() << "the configuration was accepted";
   } catch (const PluginError& error) {
-    EXPECT_THAT(error.what(), AllOf(HasSubstr("configs/policy.yaml"), HasSubstr("minimal_c 1.0.0"),
-                                    HasSubstr("SP_ERR_CONFIG"), HasSubstr("int8_max_l2 is '-1', expected a finite number > 0")));
+    EXPECT_THAT(error.what(),
+                AllOf(HasSubstr("configs/policy.yaml"), HasSubstr("minimal_c 1.0.0"), HasSubstr("SP_ERR_CONFIG"),
+                      HasSubstr("int8_max_l2 is '-1', expected a finite number > 0")));
   }
 }
 
@@ -105,17 +106,19 @@ TEST_P(FailingHook, IsLoggedCountedAndTrainingContinues) {
   }
   EXPECT_EQ(host.hook_failures().*failure.counter, 1u);
   EXPECT_EQ(host.hook_failures().total(), 1u);
-  EXPECT_THAT(log.text(), AllOf(HasSubstr(std::string("failed in ") + failure.hook + " at step 4 with status 5 (SP_ERR_INTERNAL)"),
-                                HasSubstr(std::string("scripted failure of ") + failure.hook + " at step 4")));
+  EXPECT_THAT(log.text(),
+              AllOf(HasSubstr(std::string("failed in ") + failure.hook + " at step 4 with status 5 (SP_ERR_INTERNAL)"),
+                    HasSubstr(std::string("scripted failure of ") + failure.hook + " at step 4")));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    EveryStepHook, FailingHook,
-    ::testing::Values(HookFailureCase{"begin_step", &HookFailureCounts::begin_step, false},
-                      HookFailureCase{"post_backward", &HookFailureCounts::post_backward, false},
-                      HookFailureCase{"compute_hints", &HookFailureCounts::compute_hints, true},
-                      HookFailureCase{"end_step", &HookFailureCounts::end_step, false}),
-    [](const ::testing::TestParamInfo<HookFailureCase>& info) { return std::string(info.param.hook); });
+INSTANTIATE_TEST_SUITE_P(EveryStepHook, FailingHook,
+                         ::testing::Values(HookFailureCase{"begin_step", &HookFailureCounts::begin_step, false},
+                                           HookFailureCase{"post_backward", &HookFailureCounts::post_backward, false},
+                                           HookFailureCase{"compute_hints", &HookFailureCounts::compute_hints, true},
+                                           HookFailureCase{"end_step", &HookFailureCounts::end_step, false}),
+                         [](const ::testing::TestParamInfo<HookFailureCase>& info) {
+                           return std::string(info.param.hook);
+                         });
 
 // Runs the scripted fixture with `fixture_lines`, returning the hints of steps 0..7.
 std::vector<std::vector<sp_hint_v1>> hints_with(const std::string& fixture_lines, FallbackMode fallback,
@@ -139,8 +142,8 @@ bool same_precisions(const std::vector<sp_hint_v1>& a, const std::vector<sp_hint
 TEST(FallbackHints, AllBf16ReplacesAFailedComputeHints) {
   CapturedLog log;
   HookFailureCounts failures;
-  const auto hints = hints_with("fixture_fail_hook: compute_hints\nfixture_fail_at_step: 5\n", FallbackMode::all_bf16, log,
-                                failures);
+  const auto hints =
+      hints_with("fixture_fail_hook: compute_hints\nfixture_fail_at_step: 5\n", FallbackMode::all_bf16, log, failures);
   ASSERT_FALSE(all_bf16(hints[4])) << "the trace must give the plugin INT8 blocks before the failure";
   EXPECT_TRUE(all_bf16(hints[5]));
   for (const sp_hint_v1& hint : hints[5]) {
@@ -154,8 +157,8 @@ TEST(FallbackHints, AllBf16ReplacesAFailedComputeHints) {
 TEST(FallbackHints, LastGoodRepeatsThePreviousHints) {
   CapturedLog log;
   HookFailureCounts failures;
-  const auto hints = hints_with("fixture_fail_hook: compute_hints\nfixture_fail_at_step: 5\n", FallbackMode::last_good,
-                                log, failures);
+  const auto hints =
+      hints_with("fixture_fail_hook: compute_hints\nfixture_fail_at_step: 5\n", FallbackMode::last_good, log, failures);
   ASSERT_FALSE(all_bf16(hints[4]));
   EXPECT_TRUE(same_precisions(hints[5], hints[4]));
   for (const sp_hint_v1& hint : hints[5]) EXPECT_EQ(hint.reason, SP_REASON_HOST_FALLBACK);

@@ -12,8 +12,8 @@ __device__ __forceinline__ uint16_t round_one(float x, Rounding rounding, uint64
 }
 
 // 8 elements per thread per step: two 16-byte loads, one 16-byte store.
-__global__ void fp32_to_bf16_vector_kernel(const float *src, uint16_t *dst, uint64_t n,
-                                           Rounding rounding, uint64_t seed) {
+__global__ void fp32_to_bf16_vector_kernel(const float *src, uint16_t *dst, uint64_t n, Rounding rounding,
+                                           uint64_t seed) {
   const uint64_t vectors = n / 8;
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t v = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < vectors; v += stride) {
@@ -33,8 +33,8 @@ __global__ void fp32_to_bf16_vector_kernel(const float *src, uint16_t *dst, uint
   if (tail < n) dst[tail] = round_one(src[tail], rounding, seed, tail);
 }
 
-__global__ void fp32_to_bf16_scalar_kernel(const float *src, uint16_t *dst, uint64_t n,
-                                           Rounding rounding, uint64_t seed) {
+__global__ void fp32_to_bf16_scalar_kernel(const float *src, uint16_t *dst, uint64_t n, Rounding rounding,
+                                           uint64_t seed) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     dst[i] = round_one(src[i], rounding, seed, i);
@@ -50,9 +50,9 @@ __global__ void bf16_to_fp32_kernel(const uint16_t *src, float *dst, uint64_t n)
 
 }  // namespace
 
-void fp32_to_bf16(const float *src, uint16_t *dst, std::size_t n, const Bf16Options &options,
-                  cudaStream_t stream) {
-  detail::require(n == 0 || (src != nullptr && dst != nullptr), "cuda::fp32_to_bf16: null pointer with n = " + std::to_string(n));
+void fp32_to_bf16(const float *src, uint16_t *dst, std::size_t n, const Bf16Options &options, cudaStream_t stream) {
+  detail::require(n == 0 || (src != nullptr && dst != nullptr),
+                  "cuda::fp32_to_bf16: null pointer with n = " + std::to_string(n));
   if (n == 0) return;
   constexpr unsigned kThreads = 256;
   if (detail::aligned16(src) && detail::aligned16(dst)) {
@@ -66,7 +66,8 @@ void fp32_to_bf16(const float *src, uint16_t *dst, std::size_t n, const Bf16Opti
 }
 
 void bf16_to_fp32(const uint16_t *src, float *dst, std::size_t n, cudaStream_t stream) {
-  detail::require(n == 0 || (src != nullptr && dst != nullptr), "cuda::bf16_to_fp32: null pointer with n = " + std::to_string(n));
+  detail::require(n == 0 || (src != nullptr && dst != nullptr),
+                  "cuda::bf16_to_fp32: null pointer with n = " + std::to_string(n));
   if (n == 0) return;
   bf16_to_fp32_kernel<<<detail::grid_for(n, 256 * 4), 256, 0, stream>>>(src, dst, n);
   check_launch("cuda::bf16_to_fp32");

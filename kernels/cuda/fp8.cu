@@ -35,26 +35,24 @@ void fp8_e4m3_decode(const uint8_t *src, float *dst, std::size_t n, cudaStream_t
   check_launch("cuda::fp8_e4m3_decode");
 }
 
-void quantize_fp8_e4m3(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-                       uint32_t group_size, uint8_t *codes, float *scales, cudaStream_t stream) {
+void quantize_fp8_e4m3(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
+                       uint8_t *codes, float *scales, cudaStream_t stream) {
   QuantizeOptions options;
   options.group_size = group_size;
-  detail::launch_quantize<detail::CodeFormat::kFp8E4M3>(src, src_dtype, rows, cols, options, codes,
-                                                        scales, stream, "cuda::quantize_fp8_e4m3");
+  detail::launch_quantize<detail::CodeFormat::kFp8E4M3>(src, src_dtype, rows, cols, options, codes, scales, stream,
+                                                        "cuda::quantize_fp8_e4m3");
 }
 
-void dequantize_fp8_e4m3_to_bf16(const uint8_t *codes, const float *scales, std::size_t rows,
-                                 std::size_t cols, uint32_t group_size, uint16_t *dst,
-                                 cudaStream_t stream) {
-  detail::launch_dequantize<detail::CodeFormat::kFp8E4M3>(codes, scales, rows, cols, group_size, dst,
-                                                          stream, "cuda::dequantize_fp8_e4m3_to_bf16");
+void dequantize_fp8_e4m3_to_bf16(const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                                 uint32_t group_size, uint16_t *dst, cudaStream_t stream) {
+  detail::launch_dequantize<detail::CodeFormat::kFp8E4M3>(codes, scales, rows, cols, group_size, dst, stream,
+                                                          "cuda::dequantize_fp8_e4m3_to_bf16");
 }
 
-void dequantize_fp8_e4m3_to_fp32(const uint8_t *codes, const float *scales, std::size_t rows,
-                                 std::size_t cols, uint32_t group_size, float *dst,
-                                 cudaStream_t stream) {
-  detail::launch_dequantize<detail::CodeFormat::kFp8E4M3>(codes, scales, rows, cols, group_size, dst,
-                                                          stream, "cuda::dequantize_fp8_e4m3_to_fp32");
+void dequantize_fp8_e4m3_to_fp32(const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                                 uint32_t group_size, float *dst, cudaStream_t stream) {
+  detail::launch_dequantize<detail::CodeFormat::kFp8E4M3>(codes, scales, rows, cols, group_size, dst, stream,
+                                                          "cuda::dequantize_fp8_e4m3_to_fp32");
 }
 
 }  // namespace sp::kernels::cuda

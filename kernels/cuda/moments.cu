@@ -115,7 +115,7 @@ __device__ __forceinline__ void add_word(ThreadMoments &m, const Word &word, uin
 }
 
 __global__ void __launch_bounds__(kChunkThreads)
-chunk_kernel(const GradMomentsPlan::TensorEntry *tensors, uint32_t n_tensors, ChunkPartial *partials) {
+    chunk_kernel(const GradMomentsPlan::TensorEntry *tensors, uint32_t n_tensors, ChunkPartial *partials) {
   __shared__ uint32_t tensor_index;
   const uint64_t chunk = blockIdx.x;
   if (threadIdx.x == 0) {
@@ -124,7 +124,10 @@ chunk_kernel(const GradMomentsPlan::TensorEntry *tensors, uint32_t n_tensors, Ch
     uint32_t lo = 0, hi = n_tensors;
     while (hi - lo > 1) {
       const uint32_t mid = (lo + hi) / 2;
-      if (tensors[mid].first_chunk <= chunk) lo = mid; else hi = mid;
+      if (tensors[mid].first_chunk <= chunk)
+        lo = mid;
+      else
+        hi = mid;
     }
     tensor_index = lo;
   }
@@ -140,7 +143,8 @@ chunk_kernel(const GradMomentsPlan::TensorEntry *tensors, uint32_t n_tensors, Ch
   if (reinterpret_cast<uintptr_t>(tensor.data) % 16 == 0) {
     const uint32_t per_vector = 16 / element_bytes;
     const uint64_t vectors = (end - begin) / per_vector;
-    const uint4 *base = reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(tensor.data) + begin * element_bytes);
+    const uint4 *base =
+        reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(tensor.data) + begin * element_bytes);
     for (uint64_t v = threadIdx.x; v < vectors; v += kChunkThreads) {
       const uint4 word = __ldg(base + v);
       if (element_bytes == 4) {
@@ -165,8 +169,7 @@ chunk_kernel(const GradMomentsPlan::TensorEntry *tensors, uint32_t n_tensors, Ch
 }
 
 __global__ void __launch_bounds__(kCleanupThreads)
-cleanup_kernel(const GradMomentsPlan::BlockEntry *blocks, const ChunkPartial *partials,
-               sp_grad_moments_v1 *out) {
+    cleanup_kernel(const GradMomentsPlan::BlockEntry *blocks, const ChunkPartial *partials, sp_grad_moments_v1 *out) {
   const uint32_t block_id = blockIdx.x;
   const GradMomentsPlan::BlockEntry block = blocks[block_id];
   double sum = 0.0;
@@ -182,8 +185,7 @@ cleanup_kernel(const GradMomentsPlan::BlockEntry *blocks, const ChunkPartial *pa
   }
   block_reduce<kCleanupThreads>(sum, sum_sq, max_abs, nonfinite);
   if (threadIdx.x == 0) {
-    out[block_id] = sp_grad_moments_v1{block_id, 0, sum_sq, sum, static_cast<double>(max_abs),
-                                       block.count, nonfinite};
+    out[block_id] = sp_grad_moments_v1{block_id, 0, sum_sq, sum, static_cast<double>(max_abs), block.count, nonfinite};
   }
 }
 
@@ -200,9 +202,11 @@ GradMomentsPlan::GradMomentsPlan(const GradTensor *tensors, std::size_t n_tensor
     const std::string where = "GradMomentsPlan: tensor " + std::to_string(t);
     detail::require(tensor.block_id < n_blocks, where + ": block_id " + std::to_string(tensor.block_id) +
                                                     " is not below n_blocks = " + std::to_string(n_blocks));
-    detail::require(tensor.count == 0 || tensor.data != nullptr, where + ": null data with count = " + std::to_string(tensor.count));
-    detail::require(tensor.dtype == DType::kFloat32 || tensor.dtype == DType::kBFloat16 || tensor.dtype == DType::kFloat16,
-                    where + ": unknown dtype value " + std::to_string(static_cast<int>(tensor.dtype)));
+    detail::require(tensor.count == 0 || tensor.data != nullptr,
+                    where + ": null data with count = " + std::to_string(tensor.count));
+    detail::require(
+        tensor.dtype == DType::kFloat32 || tensor.dtype == DType::kBFloat16 || tensor.dtype == DType::kFloat16,
+        where + ": unknown dtype value " + std::to_string(static_cast<int>(tensor.dtype)));
   }
   std::stable_sort(order.begin(), order.end(),
                    [&](std::size_t a, std::size_t b) { return tensors[a].block_id < tensors[b].block_id; });
@@ -211,8 +215,8 @@ GradMomentsPlan::GradMomentsPlan(const GradTensor *tensors, std::size_t n_tensor
   for (const std::size_t t : order) {
     const GradTensor &tensor = tensors[t];
     const uint64_t chunks = (tensor.count + kGradMomentsChunk - 1) / kGradMomentsChunk;
-    tensor_table_.push_back(TensorEntry{tensor.data, tensor.count, next_chunk,
-                                        static_cast<uint32_t>(tensor.dtype), tensor.block_id});
+    tensor_table_.push_back(
+        TensorEntry{tensor.data, tensor.count, next_chunk, static_cast<uint32_t>(tensor.dtype), tensor.block_id});
     BlockEntry &block = block_table_[tensor.block_id];
     block.count += tensor.count;
     block.end_chunk = next_chunk + chunks;

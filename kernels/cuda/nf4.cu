@@ -47,8 +47,8 @@ __global__ void nf4_scales_kernel(const void *src, uint32_t dtype, Nf4Layout lay
 }
 
 template <typename Index>
-__device__ __forceinline__ uint32_t code_of_element(const void *src, uint32_t dtype, const uint16_t *scales,
-                                                    Index e, Index cols, Index groups_per_row, Index group_size) {
+__device__ __forceinline__ uint32_t code_of_element(const void *src, uint32_t dtype, const uint16_t *scales, Index e,
+                                                    Index cols, Index groups_per_row, Index group_size) {
   const Index row = e / cols;
   const Index col = e - row * cols;
   const uint16_t scale_bits = scales[row * groups_per_row + col / group_size];
@@ -85,8 +85,7 @@ __device__ __forceinline__ void load_levels(float *levels) {
 
 // Any layout, one element per thread per step.
 template <typename Out, typename Index>
-__global__ void nf4_dequantize_scalar_kernel(const uint8_t *codes, const uint16_t *scales, Nf4Layout layout,
-                                             Out *dst) {
+__global__ void nf4_dequantize_scalar_kernel(const uint8_t *codes, const uint16_t *scales, Nf4Layout layout, Out *dst) {
   __shared__ float levels[16];
   load_levels(levels);
   const Index n = static_cast<Index>(layout.rows * layout.cols);
@@ -107,8 +106,7 @@ __global__ void nf4_dequantize_scalar_kernel(const uint8_t *codes, const uint16_
 // cols % 32 == 0, codes and dst 16-byte aligned: vector v is elements [32 v, 32 v + 32), one
 // row and one group (every group size is a multiple of 32), so one scale serves all 32.
 template <typename Out, typename Index>
-__global__ void nf4_dequantize_vector_kernel(const uint8_t *codes, const uint16_t *scales, Nf4Layout layout,
-                                             Out *dst) {
+__global__ void nf4_dequantize_vector_kernel(const uint8_t *codes, const uint16_t *scales, Nf4Layout layout, Out *dst) {
   __shared__ float levels[16];
   load_levels(levels);
   const Index vectors = static_cast<Index>(layout.rows * layout.cols / 32);
@@ -152,8 +150,8 @@ __global__ void nf4_dequantize_vector_kernel(const uint8_t *codes, const uint16_
 }
 
 template <typename Out>
-void launch_dequantize(const uint8_t *codes, const uint16_t *scales, uint64_t rows, uint64_t cols,
-                       uint32_t group_size, Out *dst, cudaStream_t stream, const char *function) {
+void launch_dequantize(const uint8_t *codes, const uint16_t *scales, uint64_t rows, uint64_t cols, uint32_t group_size,
+                       Out *dst, cudaStream_t stream, const char *function) {
   kernels::detail::check_nf4_dequantize_arguments(codes, scales, rows, cols, group_size, dst, function);
   if (rows == 0 || cols == 0) return;
   const Nf4Layout layout = make_layout(rows, cols, group_size);
@@ -182,8 +180,8 @@ void launch_dequantize(const uint8_t *codes, const uint16_t *scales, uint64_t ro
 }  // namespace
 }  // namespace detail
 
-void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-                  uint32_t group_size, uint8_t *codes, uint16_t *scales, cudaStream_t stream) {
+void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
+                  uint8_t *codes, uint16_t *scales, cudaStream_t stream) {
   const char *function = "cuda::quantize_nf4";
   kernels::detail::check_nf4_quantize_arguments(src, src_dtype, rows, cols, group_size, codes, scales, function);
   if (rows == 0 || cols == 0) return;
@@ -191,7 +189,8 @@ void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_
   constexpr unsigned kThreads = 256;
   const uint64_t segments = rows * layout.groups_per_row;
   const auto dtype = static_cast<uint32_t>(src_dtype);
-  detail::nf4_scales_kernel<<<detail::grid_for(segments, kThreads / 32), kThreads, 0, stream>>>(src, dtype, layout, scales);
+  detail::nf4_scales_kernel<<<detail::grid_for(segments, kThreads / 32), kThreads, 0, stream>>>(src, dtype, layout,
+                                                                                                scales);
   check_launch(function);
   const uint64_t n = static_cast<uint64_t>(rows) * cols;
   const uint64_t bytes = n / 2 + n % 2;
@@ -205,13 +204,13 @@ void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_
   check_launch(function);
 }
 
-void dequantize_nf4_to_bf16(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
-                            std::size_t cols, uint32_t group_size, uint16_t *dst, cudaStream_t stream) {
+void dequantize_nf4_to_bf16(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+                            uint32_t group_size, uint16_t *dst, cudaStream_t stream) {
   detail::launch_dequantize(codes, scales, rows, cols, group_size, dst, stream, "cuda::dequantize_nf4_to_bf16");
 }
 
-void dequantize_nf4_to_fp32(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
-                            std::size_t cols, uint32_t group_size, float *dst, cudaStream_t stream) {
+void dequantize_nf4_to_fp32(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+                            uint32_t group_size, float *dst, cudaStream_t stream) {
   detail::launch_dequantize(codes, scales, rows, cols, group_size, dst, stream, "cuda::dequantize_nf4_to_fp32");
 }
 

@@ -37,8 +37,8 @@ __device__ __forceinline__ float decode_fp8(uint8_t code) {
 }
 
 template <CodeFormat kFormat>
-__global__ void quantize_kernel(const void *src, uint32_t dtype, Layout layout, Rounding rounding,
-                                uint64_t seed, uint8_t *codes, float *scales) {
+__global__ void quantize_kernel(const void *src, uint32_t dtype, Layout layout, Rounding rounding, uint64_t seed,
+                                uint8_t *codes, float *scales) {
   const uint64_t warps = static_cast<uint64_t>(gridDim.x) * (blockDim.x / 32);
   const uint64_t first_warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const unsigned lane = threadIdx.x % 32;
@@ -52,7 +52,8 @@ __global__ void quantize_kernel(const void *src, uint32_t dtype, Layout layout, 
     const uint64_t n = remaining < layout.width ? remaining : layout.width;
     uint32_t abs_bits = 0;
     for (uint64_t i = lane; i < n; i += 32) {
-      const uint32_t bits = kernels::detail::float_bits(load_element(src, dtype, first + i)) & kernels::detail::kAbsMask;
+      const uint32_t bits =
+          kernels::detail::float_bits(load_element(src, dtype, first + i)) & kernels::detail::kAbsMask;
       abs_bits = bits > abs_bits ? bits : abs_bits;
     }
     abs_bits = warp_max(abs_bits);
@@ -68,8 +69,8 @@ __global__ void quantize_kernel(const void *src, uint32_t dtype, Layout layout, 
         if constexpr (kFormat == CodeFormat::kFp8E4M3) {
           code = encode_fp8(x * inv);
         } else if (rounding == Rounding::kStochastic) {
-          code = static_cast<uint8_t>(kernels::detail::int8_code_stochastic(
-              x, inv, kernels::detail::random_bits(seed, index)));
+          code = static_cast<uint8_t>(
+              kernels::detail::int8_code_stochastic(x, inv, kernels::detail::random_bits(seed, index)));
         } else {
           code = static_cast<uint8_t>(kernels::detail::int8_code_nearest_even(x, inv));
         }
@@ -92,8 +93,7 @@ __device__ __forceinline__ void store(float x, float *dst) { *dst = x; }
 __device__ __forceinline__ void store(float x, uint16_t *dst) { *dst = kernels::detail::bf16_round_nearest_even(x); }
 
 template <typename Index>
-__device__ __forceinline__ float scale_of(const float *scales, Index i, Index cols, Index groups_per_row,
-                                          Index width) {
+__device__ __forceinline__ float scale_of(const float *scales, Index i, Index cols, Index groups_per_row, Index width) {
   const Index row = i / cols;
   const Index col = i - row * cols;
   return __ldg(&scales[row * groups_per_row + col / width]);
@@ -101,8 +101,7 @@ __device__ __forceinline__ float scale_of(const float *scales, Index i, Index co
 
 // Any layout, one element per thread per step.
 template <CodeFormat kFormat, typename Out, typename Index>
-__global__ void dequantize_scalar_kernel(const uint8_t *codes, const float *scales, Layout layout,
-                                         Out *dst) {
+__global__ void dequantize_scalar_kernel(const uint8_t *codes, const float *scales, Layout layout, Out *dst) {
   const Index n = static_cast<Index>(layout.rows * layout.cols);
   const Index stride = static_cast<Index>(gridDim.x) * blockDim.x;
   for (Index i = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -115,8 +114,8 @@ __global__ void dequantize_scalar_kernel(const uint8_t *codes, const float *scal
 // cols % 16 == 0, 16-byte aligned buffers and group width a multiple of 16: the 16 codes at
 // vector v share one row and one group, so one scale serves them all.
 template <CodeFormat kFormat, typename Out, typename Index>
-__device__ __forceinline__ void dequantize_vector(const uint8_t *codes, const float *scales,
-                                                  const Layout &layout, Out *dst, Index v) {
+__device__ __forceinline__ void dequantize_vector(const uint8_t *codes, const float *scales, const Layout &layout,
+                                                  Out *dst, Index v) {
   const Index i = v * 16;
   const float scale = scale_of<Index>(scales, i, static_cast<Index>(layout.cols),
                                       static_cast<Index>(layout.groups_per_row), static_cast<Index>(layout.width));
@@ -151,8 +150,7 @@ __device__ __forceinline__ void dequantize_vector(const uint8_t *codes, const fl
 
 // The fast path: 16 codes per thread per step, 16-byte loads and stores.
 template <CodeFormat kFormat, typename Out, typename Index>
-__global__ void dequantize_vector_kernel(const uint8_t *codes, const float *scales, Layout layout,
-                                         Out *dst) {
+__global__ void dequantize_vector_kernel(const uint8_t *codes, const float *scales, Layout layout, Out *dst) {
   const Index vectors = static_cast<Index>(layout.rows * layout.cols / 16);
   const Index stride = static_cast<Index>(gridDim.x) * blockDim.x;
   for (Index v = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; v < vectors; v += stride) {
@@ -166,9 +164,8 @@ static __global__ void fill_kernel(float *dst, uint64_t n, float value) {
 }
 
 template <CodeFormat kFormat>
-void launch_quantize(const void *src, DType src_dtype, uint64_t rows, uint64_t cols,
-                     const QuantizeOptions &options, uint8_t *codes, float *scales,
-                     cudaStream_t stream, const char *function) {
+void launch_quantize(const void *src, DType src_dtype, uint64_t rows, uint64_t cols, const QuantizeOptions &options,
+                     uint8_t *codes, float *scales, cudaStream_t stream, const char *function) {
   kernels::detail::check_quantize_arguments(kFormat, src, src_dtype, rows, cols, options, codes, scales, function);
   if (kernels::detail::has_empty_rows(rows, cols, options.group_size)) {
     fill_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(scales, rows, 1.0f);  // all-zero rows
@@ -185,8 +182,8 @@ void launch_quantize(const void *src, DType src_dtype, uint64_t rows, uint64_t c
 }
 
 template <CodeFormat kFormat, typename Out>
-void launch_dequantize(const uint8_t *codes, const float *scales, uint64_t rows, uint64_t cols,
-                       uint32_t group_size, Out *dst, cudaStream_t stream, const char *function) {
+void launch_dequantize(const uint8_t *codes, const float *scales, uint64_t rows, uint64_t cols, uint32_t group_size,
+                       Out *dst, cudaStream_t stream, const char *function) {
   kernels::detail::check_dequantize_arguments(codes, scales, rows, cols, group_size, dst, function);
   if (rows == 0 || cols == 0) return;
   const Layout layout = make_layout(rows, cols, group_size);

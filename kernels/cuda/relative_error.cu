@@ -44,7 +44,7 @@ __device__ void reduce_block(double &norm_a, double &norm_diff, unsigned long lo
 }
 
 __global__ void __launch_bounds__(kThreads)
-partial_kernel(const void *a, uint32_t a_dtype, const void *b, uint32_t b_dtype, uint64_t n, Partial *partials) {
+    partial_kernel(const void *a, uint32_t a_dtype, const void *b, uint32_t b_dtype, uint64_t n, Partial *partials) {
   double norm_a = 0.0;
   double norm_diff = 0.0;
   unsigned long long nonfinite = 0;
@@ -85,9 +85,8 @@ __global__ void __launch_bounds__(kThreads) final_kernel(const Partial *partials
 
 }  // namespace
 
-void relative_error(const void *a, DType a_dtype, const void *b, DType b_dtype, std::size_t n,
-                    void *workspace, std::size_t *workspace_bytes, double *result_device,
-                    cudaStream_t stream) {
+void relative_error(const void *a, DType a_dtype, const void *b, DType b_dtype, std::size_t n, void *workspace,
+                    std::size_t *workspace_bytes, double *result_device, cudaStream_t stream) {
   detail::require(workspace_bytes != nullptr, "cuda::relative_error: null workspace_bytes");
   const std::size_t needed = kBlocks * sizeof(Partial);
   if (workspace == nullptr) {
@@ -97,14 +96,15 @@ void relative_error(const void *a, DType a_dtype, const void *b, DType b_dtype, 
   detail::require(*workspace_bytes >= needed, "cuda::relative_error: workspace of " + std::to_string(*workspace_bytes) +
                                                   " bytes, expected at least " + std::to_string(needed));
   detail::require(result_device != nullptr, "cuda::relative_error: null result pointer");
-  detail::require(n == 0 || (a != nullptr && b != nullptr), "cuda::relative_error: null input with n = " + std::to_string(n));
+  detail::require(n == 0 || (a != nullptr && b != nullptr),
+                  "cuda::relative_error: null input with n = " + std::to_string(n));
   for (const DType dtype : {a_dtype, b_dtype}) {
     detail::require(dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16,
                     "cuda::relative_error: unknown dtype value " + std::to_string(static_cast<int>(dtype)));
   }
   auto *partials = static_cast<Partial *>(workspace);
-  partial_kernel<<<kBlocks, kThreads, 0, stream>>>(a, static_cast<uint32_t>(a_dtype), b,
-                                                   static_cast<uint32_t>(b_dtype), n, partials);
+  partial_kernel<<<kBlocks, kThreads, 0, stream>>>(a, static_cast<uint32_t>(a_dtype), b, static_cast<uint32_t>(b_dtype),
+                                                   n, partials);
   check_launch("cuda::relative_error (partials)");
   final_kernel<<<1, kThreads, 0, stream>>>(partials, result_device);
   check_launch("cuda::relative_error (final)");

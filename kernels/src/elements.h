@@ -33,9 +33,12 @@ uint32_t max_abs_bits(const Bf16Bits *src, std::size_t n);
 template <typename Visit>
 decltype(auto) visit_elements(const void *data, DType dtype, Visit &&visit) {
   switch (dtype) {
-    case DType::kFloat32: return visit(static_cast<const float *>(data));
-    case DType::kBFloat16: return visit(static_cast<const Bf16Bits *>(data));
-    case DType::kFloat16: return visit(static_cast<const Fp16Bits *>(data));
+    case DType::kFloat32:
+      return visit(static_cast<const float *>(data));
+    case DType::kBFloat16:
+      return visit(static_cast<const Bf16Bits *>(data));
+    case DType::kFloat16:
+      return visit(static_cast<const Fp16Bits *>(data));
   }
   throw std::invalid_argument("unknown DType value " + std::to_string(static_cast<int>(dtype)));
 }

@@ -111,8 +111,8 @@ SP_SIMD_CLONES ChunkPartial chunk_moments(const In *src, std::size_t n) {
   return partial;
 }
 
-void vectorized(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blocks,
-                sp_grad_moments_v1 *out, const CpuExec &exec) {
+void vectorized(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blocks, sp_grad_moments_v1 *out,
+                const CpuExec &exec) {
   std::vector<ChunkRef> chunks;
   for (std::size_t t = 0; t < n_tensors; ++t) {
     for (std::size_t offset = 0; offset < tensors[t].count; offset += kGradMomentsChunk) {
@@ -124,9 +124,8 @@ void vectorized(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blo
     for (std::size_t c = begin; c < end; ++c) {
       const GradTensor &tensor = tensors[chunks[c].tensor];
       const std::size_t n = std::min(kGradMomentsChunk, tensor.count - chunks[c].offset);
-      partials[c] = detail::visit_elements(tensor.data, tensor.dtype, [&](const auto *typed) {
-        return chunk_moments(typed + chunks[c].offset, n);
-      });
+      partials[c] = detail::visit_elements(
+          tensor.data, tensor.dtype, [&](const auto *typed) { return chunk_moments(typed + chunks[c].offset, n); });
     }
   });
   for (uint32_t b = 0; b < n_blocks; ++b) out[b] = sp_grad_moments_v1{b, 0, 0.0, 0.0, 0.0, 0, 0};
@@ -142,15 +141,13 @@ void vectorized(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blo
 
 }  // namespace
 
-void grad_moments(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blocks,
-                  sp_grad_moments_v1 *out, const CpuExec &exec) {
+void grad_moments(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blocks, sp_grad_moments_v1 *out,
+                  const CpuExec &exec) {
   if (n_tensors != 0 && tensors == nullptr) {
-    throw std::invalid_argument("grad_moments: null tensor list with n_tensors = " +
-                                std::to_string(n_tensors));
+    throw std::invalid_argument("grad_moments: null tensor list with n_tensors = " + std::to_string(n_tensors));
   }
   if (n_blocks != 0 && out == nullptr) {
-    throw std::invalid_argument("grad_moments: null output with n_blocks = " +
-                                std::to_string(n_blocks));
+    throw std::invalid_argument("grad_moments: null output with n_blocks = " + std::to_string(n_blocks));
   }
   for (std::size_t t = 0; t < n_tensors; ++t) {
     const GradTensor &tensor = tensors[t];
@@ -162,10 +159,8 @@ void grad_moments(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_b
     if (tensor.count != 0 && tensor.data == nullptr) {
       throw std::invalid_argument(where + ": null data with count = " + std::to_string(tensor.count));
     }
-    if (tensor.dtype != DType::kFloat32 && tensor.dtype != DType::kBFloat16 &&
-        tensor.dtype != DType::kFloat16) {
-      throw std::invalid_argument(where + ": unknown dtype value " +
-                                  std::to_string(static_cast<int>(tensor.dtype)));
+    if (tensor.dtype != DType::kFloat32 && tensor.dtype != DType::kBFloat16 && tensor.dtype != DType::kFloat16) {
+      throw std::invalid_argument(where + ": unknown dtype value " + std::to_string(static_cast<int>(tensor.dtype)));
     }
   }
   if (exec.impl == CpuImpl::kReference) {

@@ -48,8 +48,7 @@ typedef uint8_t U8x32 __attribute__((vector_size(32)));
 // vectorizes too, but GCC narrows its bytes one lane at a time). The tail, and other
 // compilers, use detail::nf4_code itself.
 template <typename In>
-SP_SIMD_CLONES void encode_nf4(const In *__restrict src, std::size_t n, float scale,
-                               uint8_t *__restrict out) {
+SP_SIMD_CLONES void encode_nf4(const In *__restrict src, std::size_t n, float scale, uint8_t *__restrict out) {
   std::size_t i = 0;
 #if SP_HAVE_VECTOR_SHUFFLE
   static constexpr std::array<float, 15> kMidpoints = detail::nf4_midpoints();
@@ -66,9 +65,9 @@ SP_SIMD_CLONES void encode_nf4(const In *__restrict src, std::size_t n, float sc
     I32x8 count = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int m = 0; m < 15; ++m) count -= (v > kMidpoints[m]);
     // Counts are 0..15: the low byte of each lane, gathered by one constant shuffle.
-    const U8x32 bytes = __builtin_shuffle(reinterpret_cast<U8x32>(count),
-                                          U8x32{0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0});
+    const U8x32 bytes = __builtin_shuffle(
+        reinterpret_cast<U8x32>(count),
+        U8x32{0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0});
     std::memcpy(out + i, &bytes, 8);
   }
 #endif
@@ -79,8 +78,8 @@ SP_SIMD_CLONES void encode_nf4(const In *__restrict src, std::size_t n, float sc
 // the low nibble of the first byte belongs to the previous element, written earlier by the
 // same thread (ranges start at even elements), and is kept. When first + n is odd the high
 // nibble of the last byte is written as zero (the next row, if any, ORs its first code in).
-SP_SIMD_CLONES void pack_nibbles(const uint8_t *__restrict one_per_byte, std::size_t n,
-                                 std::size_t first, uint8_t *__restrict codes) {
+SP_SIMD_CLONES void pack_nibbles(const uint8_t *__restrict one_per_byte, std::size_t n, std::size_t first,
+                                 uint8_t *__restrict codes) {
   std::size_t i = 0;
   if (first % 2 == 1 && n > 0) {
     uint8_t &byte = codes[first / 2];
@@ -97,8 +96,8 @@ SP_SIMD_CLONES void pack_nibbles(const uint8_t *__restrict one_per_byte, std::si
 }
 
 template <typename In>
-void quantize_rows(const In *src, std::size_t rows, std::size_t cols, uint32_t group_size,
-                   uint8_t *codes, uint16_t *scales, const CpuExec &exec) {
+void quantize_rows(const In *src, std::size_t rows, std::size_t cols, uint32_t group_size, uint8_t *codes,
+                   uint16_t *scales, const CpuExec &exec) {
   const std::size_t groups = (cols + group_size - 1) / group_size;
   // With odd cols a byte straddles rows r and r + 1 for even r, so ranges hold row pairs:
   // every range then starts at an even element and no byte is written by two threads.
@@ -134,9 +133,8 @@ inline void store(float x, uint16_t *dst) { *dst = detail::bf16_round_nearest_ev
 // Elements [first, first + n) of one group, through a 16-entry table of level * scale (the
 // same fp32 product the per-element formula computes, and its bf16 rounding for bf16 output).
 template <typename Out>
-SP_SIMD_CLONES void dequantize_segment(const uint8_t *__restrict codes, std::size_t first,
-                                       std::size_t n, const Out *__restrict table,
-                                       Out *__restrict dst) {
+SP_SIMD_CLONES void dequantize_segment(const uint8_t *__restrict codes, std::size_t first, std::size_t n,
+                                       const Out *__restrict table, Out *__restrict dst) {
   std::size_t i = 0;
   if (first % 2 == 1 && n > 0) {
     dst[0] = table[codes[first / 2] >> 4];
@@ -164,10 +162,10 @@ SP_SHUFFLE_CLONES void dequantize_row_bf16(const uint8_t *__restrict codes, std:
                                            const uint16_t *__restrict scales, std::size_t group_size,
                                            const float *__restrict levels, uint16_t *__restrict dst) {
   const U8x16 low_nibble = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
-  const U8x32 kLowBytes = {0,  4,  8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60,
-                           0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0};
-  const U8x32 kHighBytes = {1,  5,  9,  13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61,
-                            0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0};
+  const U8x32 kLowBytes = {0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60,
+                           0, 0, 0, 0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0};
+  const U8x32 kHighBytes = {1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61,
+                            0, 0, 0, 0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0};
   F32x8 levels_lower, levels_upper;
   std::memcpy(&levels_lower, levels, sizeof levels_lower);
   std::memcpy(&levels_upper, levels + 8, sizeof levels_upper);
@@ -232,8 +230,8 @@ SP_SHUFFLE_CLONES void dequantize_row_bf16(const uint8_t *__restrict codes, std:
 #endif
 
 template <typename Out>
-void dequantize_rows(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
-                     std::size_t cols, uint32_t group_size, Out *dst, const CpuExec &exec) {
+void dequantize_rows(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+                     uint32_t group_size, Out *dst, const CpuExec &exec) {
   const std::size_t groups = (cols + group_size - 1) / group_size;
   std::array<float, 16> levels{};
   for (uint32_t k = 0; k < 16; ++k) levels[k] = detail::nf4_level(k);
@@ -262,8 +260,8 @@ void dequantize_rows(const uint8_t *codes, const uint16_t *scales, std::size_t r
 }
 
 template <typename Out>
-void dequantize(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
-                uint32_t group_size, Out *dst, const CpuExec &exec, const char *function) {
+void dequantize(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols, uint32_t group_size,
+                Out *dst, const CpuExec &exec, const char *function) {
   detail::check_nf4_dequantize_arguments(codes, scales, rows, cols, group_size, dst, function);
   if (rows == 0 || cols == 0) return;
   if (exec.impl == CpuImpl::kReference) {
@@ -293,10 +291,9 @@ std::size_t nf4_scale_count(std::size_t rows, std::size_t cols, uint32_t group_s
   return rows * ((cols + group_size - 1) / group_size);
 }
 
-void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-                  uint32_t group_size, uint8_t *codes, uint16_t *scales, const CpuExec &exec) {
-  detail::check_nf4_quantize_arguments(src, src_dtype, rows, cols, group_size, codes, scales,
-                                       "quantize_nf4");
+void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
+                  uint8_t *codes, uint16_t *scales, const CpuExec &exec) {
+  detail::check_nf4_quantize_arguments(src, src_dtype, rows, cols, group_size, codes, scales, "quantize_nf4");
   if (rows == 0 || cols == 0) return;
   if (exec.impl == CpuImpl::kReference) {
     reference::quantize_nf4(src, src_dtype, rows, cols, group_size, codes, scales);
@@ -309,15 +306,13 @@ void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_
   }
 }
 
-void dequantize_nf4_to_bf16(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
-                            std::size_t cols, uint32_t group_size, uint16_t *dst,
-                            const CpuExec &exec) {
+void dequantize_nf4_to_bf16(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+                            uint32_t group_size, uint16_t *dst, const CpuExec &exec) {
   dequantize(codes, scales, rows, cols, group_size, dst, exec, "dequantize_nf4_to_bf16");
 }
 
-void dequantize_nf4_to_fp32(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
-                            std::size_t cols, uint32_t group_size, float *dst,
-                            const CpuExec &exec) {
+void dequantize_nf4_to_fp32(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+                            uint32_t group_size, float *dst, const CpuExec &exec) {
   dequantize(codes, scales, rows, cols, group_size, dst, exec, "dequantize_nf4_to_fp32");
 }
 

@@ -21,8 +21,7 @@ inline unsigned resolve_threads(const CpuExec &exec) {
 // least min_items (so small inputs stay on the calling thread and pay no thread start-up).
 // The calling thread runs the first range. body must not throw.
 template <typename Body>
-void parallel_ranges(std::size_t n_items, const CpuExec &exec, std::size_t min_items,
-                     const Body &body) {
+void parallel_ranges(std::size_t n_items, const CpuExec &exec, std::size_t min_items, const Body &body) {
   if (n_items == 0) return;
   const std::size_t by_size = std::max<std::size_t>(1, n_items / std::max<std::size_t>(1, min_items));
   const std::size_t n_ranges = std::min<std::size_t>(resolve_threads(exec), by_size);

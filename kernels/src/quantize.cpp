@@ -26,18 +26,16 @@ constexpr std::size_t kMinElementsPerThread = 1 << 15;
 using detail::Bf16Bits;
 using detail::to_float;
 
-
 template <typename In>
 SP_SIMD_CLONES void encode_int8(const In *__restrict src, std::size_t n, float inv, int8_t *__restrict codes) {
   for (std::size_t i = 0; i < n; ++i) codes[i] = detail::int8_code_nearest_even(to_float(src[i]), inv);
 }
 
 template <typename In>
-SP_SIMD_CLONES void encode_int8_stochastic(const In *__restrict src, std::size_t n, float inv,
-                            int8_t *__restrict codes, uint64_t seed, std::size_t first_index) {
+SP_SIMD_CLONES void encode_int8_stochastic(const In *__restrict src, std::size_t n, float inv, int8_t *__restrict codes,
+                                           uint64_t seed, std::size_t first_index) {
   for (std::size_t i = 0; i < n; ++i) {
-    codes[i] = detail::int8_code_stochastic(to_float(src[i]), inv,
-                                            detail::random_bits(seed, first_index + i));
+    codes[i] = detail::int8_code_stochastic(to_float(src[i]), inv, detail::random_bits(seed, first_index + i));
   }
 }
 
@@ -59,9 +57,8 @@ Layout make_layout(std::size_t rows, std::size_t cols, uint32_t group_size) {
 }
 
 template <typename In>
-void quantize_rows(CodeFormat format, const In *src, const Layout &layout,
-                   const QuantizeOptions &options, uint8_t *codes, float *scales,
-                   const CpuExec &exec) {
+void quantize_rows(CodeFormat format, const In *src, const Layout &layout, const QuantizeOptions &options,
+                   uint8_t *codes, float *scales, const CpuExec &exec) {
   const float max_code = format == CodeFormat::kInt8 ? 127.0f : kFp8E4M3Max;
   const std::size_t min_rows = std::max<std::size_t>(1, kMinElementsPerThread / std::max<std::size_t>(1, layout.cols));
   detail::parallel_ranges(layout.rows, exec, min_rows, [&](std::size_t row_begin, std::size_t row_end) {
@@ -80,8 +77,7 @@ void quantize_rows(CodeFormat format, const In *src, const Layout &layout,
         if (format == CodeFormat::kFp8E4M3) {
           encode_fp8(src + first, n, inv, codes + first);
         } else if (options.rounding == Rounding::kStochastic) {
-          encode_int8_stochastic(src + first, n, inv, reinterpret_cast<int8_t *>(codes + first),
-                                 options.seed, first);
+          encode_int8_stochastic(src + first, n, inv, reinterpret_cast<int8_t *>(codes + first), options.seed, first);
         } else {
           encode_int8(src + first, n, inv, reinterpret_cast<int8_t *>(codes + first));
         }
@@ -106,19 +102,19 @@ inline void store(float x, uint16_t *dst) { *dst = detail::bf16_round_nearest_ev
 
 template <typename Out>
 SP_SIMD_CLONES void dequantize_int8_segment(const int8_t *__restrict codes, std::size_t n, float scale,
-                             Out *__restrict dst) {
+                                            Out *__restrict dst) {
   for (std::size_t i = 0; i < n; ++i) store(static_cast<float>(codes[i]) * scale, dst + i);
 }
 
 template <typename Out>
 SP_SIMD_CLONES void dequantize_fp8_segment(const uint8_t *__restrict codes, std::size_t n, float scale,
-                            const float *__restrict table, Out *__restrict dst) {
+                                           const float *__restrict table, Out *__restrict dst) {
   for (std::size_t i = 0; i < n; ++i) store(table[codes[i]] * scale, dst + i);
 }
 
 template <typename Out>
-void dequantize_rows(CodeFormat format, const uint8_t *codes, const float *scales,
-                     const Layout &layout, Out *dst, const CpuExec &exec) {
+void dequantize_rows(CodeFormat format, const uint8_t *codes, const float *scales, const Layout &layout, Out *dst,
+                     const CpuExec &exec) {
   const float *table = fp8_decode_table().data();
   const std::size_t min_rows = std::max<std::size_t>(1, kMinElementsPerThread / std::max<std::size_t>(1, layout.cols));
   detail::parallel_ranges(layout.rows, exec, min_rows, [&](std::size_t row_begin, std::size_t row_end) {
@@ -128,8 +124,7 @@ void dequantize_rows(CodeFormat format, const uint8_t *codes, const float *scale
         const std::size_t n = std::min(layout.width, layout.cols - g * layout.width);
         const float scale = scales[r * layout.groups_per_row + g];
         if (format == CodeFormat::kInt8) {
-          dequantize_int8_segment(reinterpret_cast<const int8_t *>(codes) + first, n, scale,
-                                  dst + first);
+          dequantize_int8_segment(reinterpret_cast<const int8_t *>(codes) + first, n, scale, dst + first);
         } else {
           dequantize_fp8_segment(codes + first, n, scale, table, dst + first);
         }
@@ -138,9 +133,9 @@ void dequantize_rows(CodeFormat format, const uint8_t *codes, const float *scale
   });
 }
 
-void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t rows,
-              std::size_t cols, const QuantizeOptions &options, uint8_t *codes, float *scales,
-              const CpuExec &exec, const char *function) {
+void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
+              const QuantizeOptions &options, uint8_t *codes, float *scales, const CpuExec &exec,
+              const char *function) {
   detail::check_quantize_arguments(format, src, src_dtype, rows, cols, options, codes, scales, function);
   if (detail::has_empty_rows(rows, cols, options.group_size)) {
     std::fill(scales, scales + rows, 1.0f);  // an empty row is an all-zero row
@@ -160,9 +155,8 @@ void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t r
 }
 
 template <typename Out>
-void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, std::size_t rows,
-                std::size_t cols, uint32_t group_size, Out *dst, const CpuExec &exec,
-                const char *function) {
+void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                uint32_t group_size, Out *dst, const CpuExec &exec, const char *function) {
   detail::check_dequantize_arguments(codes, scales, rows, cols, group_size, dst, function);
   if (rows == 0 || cols == 0) return;
   if (exec.impl == CpuImpl::kReference) {
@@ -179,9 +173,8 @@ void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, st
 }  // namespace
 
 bool is_supported_group_size(uint32_t group_size) {
-  return group_size == 0 ||
-         std::find(std::begin(kSupportedGroupSizes), std::end(kSupportedGroupSizes), group_size) !=
-             std::end(kSupportedGroupSizes);
+  return group_size == 0 || std::find(std::begin(kSupportedGroupSizes), std::end(kSupportedGroupSizes), group_size) !=
+                                std::end(kSupportedGroupSizes);
 }
 
 std::size_t scale_count(std::size_t rows, std::size_t cols, uint32_t group_size) {
@@ -192,51 +185,43 @@ std::size_t scale_count(std::size_t rows, std::size_t cols, uint32_t group_size)
   return rows * make_layout(rows, cols, group_size).groups_per_row;
 }
 
-void quantize_int8(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-                   const QuantizeOptions &options, int8_t *codes, float *scales,
-                   const CpuExec &exec) {
-  quantize(CodeFormat::kInt8, src, src_dtype, rows, cols, options,
-           reinterpret_cast<uint8_t *>(codes), scales, exec, "quantize_int8");
+void quantize_int8(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, const QuantizeOptions &options,
+                   int8_t *codes, float *scales, const CpuExec &exec) {
+  quantize(CodeFormat::kInt8, src, src_dtype, rows, cols, options, reinterpret_cast<uint8_t *>(codes), scales, exec,
+           "quantize_int8");
 }
 
-void dequantize_int8_to_bf16(const int8_t *codes, const float *scales, std::size_t rows,
-                             std::size_t cols, uint32_t group_size, uint16_t *dst,
-                             const CpuExec &exec) {
-  dequantize(CodeFormat::kInt8, reinterpret_cast<const uint8_t *>(codes), scales, rows, cols,
-             group_size, dst, exec, "dequantize_int8_to_bf16");
+void dequantize_int8_to_bf16(const int8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                             uint32_t group_size, uint16_t *dst, const CpuExec &exec) {
+  dequantize(CodeFormat::kInt8, reinterpret_cast<const uint8_t *>(codes), scales, rows, cols, group_size, dst, exec,
+             "dequantize_int8_to_bf16");
 }
 
-void dequantize_int8_to_fp32(const int8_t *codes, const float *scales, std::size_t rows,
-                             std::size_t cols, uint32_t group_size, float *dst,
-                             const CpuExec &exec) {
-  dequantize(CodeFormat::kInt8, reinterpret_cast<const uint8_t *>(codes), scales, rows, cols,
-             group_size, dst, exec, "dequantize_int8_to_fp32");
+void dequantize_int8_to_fp32(const int8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                             uint32_t group_size, float *dst, const CpuExec &exec) {
+  dequantize(CodeFormat::kInt8, reinterpret_cast<const uint8_t *>(codes), scales, rows, cols, group_size, dst, exec,
+             "dequantize_int8_to_fp32");
 }
 
 uint8_t fp8_e4m3_from_float(float x) { return detail::fp8_e4m3_encode(x); }
 
 float fp8_e4m3_to_float(uint8_t code) { return detail::fp8_e4m3_decode(code); }
 
-void quantize_fp8_e4m3(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-                       uint32_t group_size, uint8_t *codes, float *scales, const CpuExec &exec) {
+void quantize_fp8_e4m3(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
+                       uint8_t *codes, float *scales, const CpuExec &exec) {
   QuantizeOptions options;
   options.group_size = group_size;
-  quantize(CodeFormat::kFp8E4M3, src, src_dtype, rows, cols, options, codes, scales, exec,
-           "quantize_fp8_e4m3");
+  quantize(CodeFormat::kFp8E4M3, src, src_dtype, rows, cols, options, codes, scales, exec, "quantize_fp8_e4m3");
 }
 
-void dequantize_fp8_e4m3_to_bf16(const uint8_t *codes, const float *scales, std::size_t rows,
-                                 std::size_t cols, uint32_t group_size, uint16_t *dst,
-                                 const CpuExec &exec) {
-  dequantize(CodeFormat::kFp8E4M3, codes, scales, rows, cols, group_size, dst, exec,
-             "dequantize_fp8_e4m3_to_bf16");
+void dequantize_fp8_e4m3_to_bf16(const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                                 uint32_t group_size, uint16_t *dst, const CpuExec &exec) {
+  dequantize(CodeFormat::kFp8E4M3, codes, scales, rows, cols, group_size, dst, exec, "dequantize_fp8_e4m3_to_bf16");
 }
 
-void dequantize_fp8_e4m3_to_fp32(const uint8_t *codes, const float *scales, std::size_t rows,
-                                 std::size_t cols, uint32_t group_size, float *dst,
-                                 const CpuExec &exec) {
-  dequantize(CodeFormat::kFp8E4M3, codes, scales, rows, cols, group_size, dst, exec,
-             "dequantize_fp8_e4m3_to_fp32");
+void dequantize_fp8_e4m3_to_fp32(const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                                 uint32_t group_size, float *dst, const CpuExec &exec) {
+  dequantize(CodeFormat::kFp8E4M3, codes, scales, rows, cols, group_size, dst, exec, "dequantize_fp8_e4m3_to_fp32");
 }
 
 namespace detail {

@@ -23,17 +23,17 @@ void check_buffers(std::size_t rows, std::size_t cols, std::initializer_list<con
   if (rows == 0 || cols == 0) return;
   for (const void *pointer : pointers) {
     if (pointer == nullptr) {
-      throw std::invalid_argument(std::string(function) + ": null pointer for a " +
-                                  std::to_string(rows) + " x " + std::to_string(cols) + " tensor");
+      throw std::invalid_argument(std::string(function) + ": null pointer for a " + std::to_string(rows) + " x " +
+                                  std::to_string(cols) + " tensor");
     }
   }
 }
 
 }  // namespace
 
-void check_quantize_arguments(CodeFormat format, const void *src, DType src_dtype, std::size_t rows,
-                              std::size_t cols, const QuantizeOptions &options, const void *codes,
-                              const void *scales, const char *function) {
+void check_quantize_arguments(CodeFormat format, const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
+                              const QuantizeOptions &options, const void *codes, const void *scales,
+                              const char *function) {
   check_group_size(options.group_size, function);
   if (src_dtype != DType::kFloat32 && src_dtype != DType::kBFloat16) {
     throw std::invalid_argument(std::string(function) + ": source dtype " + dtype_name(src_dtype) +
@@ -44,14 +44,12 @@ void check_quantize_arguments(CodeFormat format, const void *src, DType src_dtyp
   }
   check_buffers(rows, cols, {src, codes, scales}, function);
   if (has_empty_rows(rows, cols, options.group_size) && scales == nullptr) {
-    throw std::invalid_argument(std::string(function) + ": null scales for " + std::to_string(rows) +
-                                " empty rows");
+    throw std::invalid_argument(std::string(function) + ": null scales for " + std::to_string(rows) + " empty rows");
   }
 }
 
-void check_dequantize_arguments(const void *codes, const float *scales, std::size_t rows,
-                                std::size_t cols, uint32_t group_size, const void *dst,
-                                const char *function) {
+void check_dequantize_arguments(const void *codes, const float *scales, std::size_t rows, std::size_t cols,
+                                uint32_t group_size, const void *dst, const char *function) {
   check_group_size(group_size, function);
   check_buffers(rows, cols, {codes, scales, dst}, function);
 }
@@ -63,9 +61,8 @@ static void check_nf4_group_size(uint32_t group_size, const char *function) {
   }
 }
 
-void check_nf4_quantize_arguments(const void *src, DType src_dtype, std::size_t rows,
-                                  std::size_t cols, uint32_t group_size, const void *codes,
-                                  const void *scales, const char *function) {
+void check_nf4_quantize_arguments(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
+                                  uint32_t group_size, const void *codes, const void *scales, const char *function) {
   check_nf4_group_size(group_size, function);
   if (src_dtype != DType::kFloat32 && src_dtype != DType::kBFloat16) {
     throw std::invalid_argument(std::string(function) + ": source dtype " + dtype_name(src_dtype) +
@@ -74,9 +71,8 @@ void check_nf4_quantize_arguments(const void *src, DType src_dtype, std::size_t 
   check_buffers(rows, cols, {src, codes, scales}, function);
 }
 
-void check_nf4_dequantize_arguments(const void *codes, const void *scales, std::size_t rows,
-                                    std::size_t cols, uint32_t group_size, const void *dst,
-                                    const char *function) {
+void check_nf4_dequantize_arguments(const void *codes, const void *scales, std::size_t rows, std::size_t cols,
+                                    uint32_t group_size, const void *dst, const char *function) {
   check_nf4_group_size(group_size, function);
   check_buffers(rows, cols, {codes, scales, dst}, function);
 }

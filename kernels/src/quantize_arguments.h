@@ -14,23 +14,20 @@ enum class CodeFormat { kInt8, kFp8E4M3 };
 // Throws std::invalid_argument naming `function`: unsupported group size or source dtype,
 // stochastic rounding for FP8, rows * cols overflow, or a null pointer for a non-empty tensor.
 // `scales` must also be non-null for per-row tensors with empty rows (they get scale 1).
-void check_quantize_arguments(CodeFormat format, const void *src, DType src_dtype, std::size_t rows,
-                              std::size_t cols, const QuantizeOptions &options, const void *codes,
-                              const void *scales, const char *function);
+void check_quantize_arguments(CodeFormat format, const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
+                              const QuantizeOptions &options, const void *codes, const void *scales,
+                              const char *function);
 
-void check_dequantize_arguments(const void *codes, const float *scales, std::size_t rows,
-                                std::size_t cols, uint32_t group_size, const void *dst,
-                                const char *function);
+void check_dequantize_arguments(const void *codes, const float *scales, std::size_t rows, std::size_t cols,
+                                uint32_t group_size, const void *dst, const char *function);
 
 // NF4 (sp/kernels/nf4.h): group size one of 32/64/128/256, fp32 or bf16 source, no overflow,
 // non-null buffers for a non-empty tensor.
-void check_nf4_quantize_arguments(const void *src, DType src_dtype, std::size_t rows,
-                                  std::size_t cols, uint32_t group_size, const void *codes,
-                                  const void *scales, const char *function);
+void check_nf4_quantize_arguments(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
+                                  uint32_t group_size, const void *codes, const void *scales, const char *function);
 
-void check_nf4_dequantize_arguments(const void *codes, const void *scales, std::size_t rows,
-                                    std::size_t cols, uint32_t group_size, const void *dst,
-                                    const char *function);
+void check_nf4_dequantize_arguments(const void *codes, const void *scales, std::size_t rows, std::size_t cols,
+                                    uint32_t group_size, const void *dst, const char *function);
 
 // Per-row tensors with cols == 0 still own one scale per row.
 inline bool has_empty_rows(std::size_t rows, std::size_t cols, uint32_t group_size) {

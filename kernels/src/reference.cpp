@@ -29,8 +29,7 @@ float fp16_to_float(uint16_t h) {
   const int mantissa = h & 0x3FF;
   double magnitude;
   if (exponent == 0x1F) {
-    magnitude = mantissa != 0 ? std::numeric_limits<double>::quiet_NaN()
-                              : std::numeric_limits<double>::infinity();
+    magnitude = mantissa != 0 ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
   } else if (exponent == 0) {
     magnitude = std::ldexp(static_cast<double>(mantissa), -24);
   } else {
@@ -54,10 +53,12 @@ std::size_t groups_per_row(std::size_t cols, uint32_t group_size) {
 
 float load(const void *src, DType dtype, std::size_t index) {
   switch (dtype) {
-    case DType::kFloat32: return static_cast<const float *>(src)[index];
+    case DType::kFloat32:
+      return static_cast<const float *>(src)[index];
     case DType::kBFloat16:
       return float_of(static_cast<uint32_t>(static_cast<const uint16_t *>(src)[index]) << 16);
-    case DType::kFloat16: return fp16_to_float(static_cast<const uint16_t *>(src)[index]);
+    case DType::kFloat16:
+      return fp16_to_float(static_cast<const uint16_t *>(src)[index]);
   }
   return std::numeric_limits<float>::quiet_NaN();
 }
@@ -69,14 +70,12 @@ uint16_t bf16_from_float(float x) {
   if (truncated == u || std::isinf(x)) return static_cast<uint16_t>(u >> 16);
   // The two bf16 neighbours of x (same sign), compared by distance in double.
   const double lower = std::fabs(static_cast<double>(float_of(truncated)));
-  const double upper_magnitude =
-      (truncated & 0x7FFFFFFFu) + 0x10000u >= 0x7F800000u
-          ? std::numeric_limits<double>::infinity()
-          : std::fabs(static_cast<double>(float_of(truncated + 0x10000u)));
+  const double upper_magnitude = (truncated & 0x7FFFFFFFu) + 0x10000u >= 0x7F800000u
+                                     ? std::numeric_limits<double>::infinity()
+                                     : std::fabs(static_cast<double>(float_of(truncated + 0x10000u)));
   const double magnitude = std::fabs(static_cast<double>(x));
   // Between the largest finite bf16 and infinity, the midpoint is 2^128 * (1 - 2^-9).
-  const double upper_for_distance =
-      std::isinf(upper_magnitude) ? std::ldexp(1.0, 128) : upper_magnitude;
+  const double upper_for_distance = std::isinf(upper_magnitude) ? std::ldexp(1.0, 128) : upper_magnitude;
   const double below = magnitude - lower;
   const double above = upper_for_distance - magnitude;
   const bool round_up = above < below || (above == below && ((u >> 16) & 1u) != 0);
@@ -149,8 +148,8 @@ GroupAbsmax group_absmax(const void *src, DType src_dtype, std::size_t begin, st
 
 }  // namespace
 
-void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t rows,
-              std::size_t cols, const QuantizeOptions &options, uint8_t *codes, float *scales) {
+void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
+              const QuantizeOptions &options, uint8_t *codes, float *scales) {
   const float max_code = format == CodeFormat::kInt8 ? 127.0f : 448.0f;
   const std::size_t groups = groups_per_row(cols, options.group_size);
   const std::size_t width = options.group_size == 0 ? cols : options.group_size;
@@ -214,8 +213,8 @@ void set_nibble(uint8_t *codes, std::size_t element, unsigned code) {
 
 }  // namespace
 
-void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-                  uint32_t group_size, uint8_t *codes, uint16_t *scales) {
+void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
+                  uint8_t *codes, uint16_t *scales) {
   const std::size_t groups = groups_per_row(cols, group_size);
   const std::size_t n = rows * cols;
   std::fill(codes, codes + (n + 1) / 2, uint8_t{0});  // the unused high nibble stays zero
@@ -241,8 +240,8 @@ void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_
   }
 }
 
-void dequantize_nf4(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
-                    std::size_t cols, uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32) {
+void dequantize_nf4(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+                    uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32) {
   const std::size_t groups = groups_per_row(cols, group_size);
   for (std::size_t r = 0; r < rows; ++r) {
     for (std::size_t c = 0; c < cols; ++c) {
@@ -259,8 +258,8 @@ void dequantize_nf4(const uint8_t *codes, const uint16_t *scales, std::size_t ro
   }
 }
 
-void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, std::size_t rows,
-                std::size_t cols, uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32) {
+void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32) {
   const std::size_t groups = groups_per_row(cols, group_size);
   const std::size_t width = group_size == 0 ? cols : group_size;
   for (std::size_t r = 0; r < rows; ++r) {
@@ -284,8 +283,7 @@ void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, st
   }
 }
 
-void grad_moments(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blocks,
-                  sp_grad_moments_v1 *out) {
+void grad_moments(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blocks, sp_grad_moments_v1 *out) {
   for (uint32_t b = 0; b < n_blocks; ++b) out[b] = sp_grad_moments_v1{b, 0, 0.0, 0.0, 0.0, 0, 0};
   for (std::size_t t = 0; t < n_tensors; ++t) {
     sp_grad_moments_v1 &m = out[tensors[t].block_id];

@@ -27,23 +27,22 @@ void fp32_to_bf16(const float *src, uint16_t *dst, std::size_t n, const Bf16Opti
 using detail::CodeFormat;
 
 // Codes are bytes: int8_t bit patterns for kInt8, E4M3 codes for kFp8E4M3.
-void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t rows,
-              std::size_t cols, const QuantizeOptions &options, uint8_t *codes, float *scales);
+void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
+              const QuantizeOptions &options, uint8_t *codes, float *scales);
 
 // dst_bf16 or dst_fp32 (exactly one non-null).
-void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, std::size_t rows,
-                std::size_t cols, uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32);
+void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32);
 
 // NF4 (sp/kernels/nf4.h): element by element, nibble by nibble.
-void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-                  uint32_t group_size, uint8_t *codes, uint16_t *scales);
+void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
+                  uint8_t *codes, uint16_t *scales);
 
 // dst_bf16 or dst_fp32 (exactly one non-null).
-void dequantize_nf4(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
-                    std::size_t cols, uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32);
+void dequantize_nf4(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+                    uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32);
 
-void grad_moments(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blocks,
-                  sp_grad_moments_v1 *out);
+void grad_moments(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blocks, sp_grad_moments_v1 *out);
 
 double relative_error(const void *a, DType a_dtype, const void *b, DType b_dtype, std::size_t n);
 

@@ -59,8 +59,7 @@ SP_SIMD_CLONES ChunkNorms chunk_norms(const A *__restrict a, const B *__restrict
 
 }  // namespace
 
-double relative_error(const void *a, DType a_dtype, const void *b, DType b_dtype, std::size_t n,
-                      const CpuExec &exec) {
+double relative_error(const void *a, DType a_dtype, const void *b, DType b_dtype, std::size_t n, const CpuExec &exec) {
   if (n != 0 && (a == nullptr || b == nullptr)) {
     throw std::invalid_argument("relative_error: null pointer with n = " + std::to_string(n));
   }

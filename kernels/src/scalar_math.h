@@ -150,10 +150,9 @@ SP_HD uint8_t fp8_e4m3_encode(float x) {
   const uint32_t normal = ((((rounded >> 23) - 120u) << 3) | ((rounded >> 20) & 7u)) & 0x7Fu;
   // Subnormal range: multiples of 2^-9. Scaling by 512 is exact; the clamp keeps the
   // conversion defined for the inputs whose answer is not this one.
-  const uint32_t subnormal =
-      static_cast<uint32_t>(round_small_nearest_even(fminf(bits_float(a) * 512.0f, 8.0f)));
-  const uint32_t code = a > kInfBits      ? 0x7Fu
-                        : a >= 0x43E00000u ? 0x7Eu  // >= 448 (and Inf): saturate
+  const uint32_t subnormal = static_cast<uint32_t>(round_small_nearest_even(fminf(bits_float(a) * 512.0f, 8.0f)));
+  const uint32_t code = a > kInfBits       ? 0x7Fu
+                        : a >= 0x43E00000u ? 0x7Eu   // >= 448 (and Inf): saturate
                         : a >= 0x3C800000u ? normal  // >= 2^-6
                                            : subnormal;
   return static_cast<uint8_t>(sign | code);
@@ -171,7 +170,6 @@ SP_HD float fp8_e4m3_decode(uint8_t code) {
   return bits_float(sign | ((exponent + 120u) << 23) | (mantissa << 20));
 }
 
-
 // ---- NF4 (sp/kernels/nf4.h; docs/kernels.md, "NF4") ----
 
 constexpr uint16_t kBf16One = 0x3F80u;
@@ -185,22 +183,38 @@ constexpr uint32_t kNf4ZeroCode = 7;  // the code of level 0.0
 // only fills lookup tables.
 SP_HD constexpr float nf4_level(uint32_t code) {
   switch (code & 15u) {
-    case 0: return -0x1p+0f;
-    case 1: return -0x1.647362p-1f;
-    case 2: return -0x1.0cd66p-1f;
-    case 3: return -0x1.94654p-2f;
-    case 4: return -0x1.23449ap-2f;
-    case 5: return -0x1.7a6a7ep-3f;
-    case 6: return -0x1.74f0e2p-4f;
-    case 7: return 0.0f;
-    case 8: return 0x1.45f5fep-4f;
-    case 9: return 0x1.4995c6p-3f;
-    case 10: return 0x1.f809bap-3f;
-    case 11: return 0x1.5a0674p-2f;
-    case 12: return 0x1.c3497p-2f;
-    case 13: return 0x1.200f56p-1f;
-    case 14: return 0x1.722766p-1f;
-    default: return 0x1p+0f;
+    case 0:
+      return -0x1p+0f;
+    case 1:
+      return -0x1.647362p-1f;
+    case 2:
+      return -0x1.0cd66p-1f;
+    case 3:
+      return -0x1.94654p-2f;
+    case 4:
+      return -0x1.23449ap-2f;
+    case 5:
+      return -0x1.7a6a7ep-3f;
+    case 6:
+      return -0x1.74f0e2p-4f;
+    case 7:
+      return 0.0f;
+    case 8:
+      return 0x1.45f5fep-4f;
+    case 9:
+      return 0x1.4995c6p-3f;
+    case 10:
+      return 0x1.f809bap-3f;
+    case 11:
+      return 0x1.5a0674p-2f;
+    case 12:
+      return 0x1.c3497p-2f;
+    case 13:
+      return 0x1.200f56p-1f;
+    case 14:
+      return 0x1.722766p-1f;
+    default:
+      return 0x1p+0f;
   }
 }
 

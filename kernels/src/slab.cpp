@@ -43,10 +43,13 @@ bool is_known_precision(uint32_t precision) {
 uint64_t payload_bytes(SlabPrecision precision, uint64_t rows, uint64_t cols) {
   const uint64_t elements = checked_mul(rows, cols);
   switch (precision) {
-    case SlabPrecision::kBf16: return checked_mul(elements, 2);
-    case SlabPrecision::kNf4: return elements / 2 + elements % 2;
+    case SlabPrecision::kBf16:
+      return checked_mul(elements, 2);
+    case SlabPrecision::kNf4:
+      return elements / 2 + elements % 2;
     case SlabPrecision::kInt8:
-    case SlabPrecision::kFp8E4M3: break;
+    case SlabPrecision::kFp8E4M3:
+      break;
   }
   return elements;
 }
@@ -74,8 +77,7 @@ std::string encoding_problem(SlabPrecision precision, uint32_t group_size, Round
     return "group_size " + std::to_string(group_size) + " given for a bf16 slab (expected 0)";
   }
   if (!is_supported_group_size(group_size)) {
-    return "group_size " + std::to_string(group_size) +
-           " is not supported (expected 0 = per row, 32, 64, 128 or 256)";
+    return "group_size " + std::to_string(group_size) + " is not supported (expected 0 = per row, 32, 64, 128 or 256)";
   }
   if (precision == SlabPrecision::kFp8E4M3 && rounding != Rounding::kNearestEven) {
     return "fp8_e4m3 slabs support round-to-nearest-even only";
@@ -100,12 +102,10 @@ struct SlabPlan {
 
 // `shape_of(i)` gives tensor i's shape. Throws std::invalid_argument on size overflow.
 template <typename ShapeOf>
-SlabPlan plan_slab(SlabPrecision precision, uint32_t group_size, std::size_t n_tensors,
-                   const ShapeOf &shape_of) {
+SlabPlan plan_slab(SlabPrecision precision, uint32_t group_size, std::size_t n_tensors, const ShapeOf &shape_of) {
   SlabPlan plan;
   plan.tensors.resize(n_tensors);
-  const uint64_t table_end =
-      checked_add(sizeof(SlabHeader), checked_mul(n_tensors, sizeof(SlabTensorEntry)));
+  const uint64_t table_end = checked_add(sizeof(SlabHeader), checked_mul(n_tensors, sizeof(SlabTensorEntry)));
   plan.payload_offset = align_up(table_end, kSlabDataAlignment);
   uint64_t cursor = plan.payload_offset;
   for (std::size_t i = 0; i < n_tensors; ++i) {
@@ -133,8 +133,7 @@ SlabPlan plan_slab(SlabPrecision precision, uint32_t group_size, std::size_t n_t
 }
 
 void require_valid_encoding(const SlabEncoding &encoding, const char *function) {
-  const std::string problem =
-      encoding_problem(encoding.precision, encoding.group_size, encoding.rounding);
+  const std::string problem = encoding_problem(encoding.precision, encoding.group_size, encoding.rounding);
   if (!problem.empty()) throw std::invalid_argument(std::string(function) + ": " + problem);
 }
 
@@ -173,47 +172,44 @@ T read_pod(const uint8_t *bytes) {
 
 const char *slab_precision_name(SlabPrecision precision) {
   switch (precision) {
-    case SlabPrecision::kBf16: return "bf16";
-    case SlabPrecision::kInt8: return "int8";
-    case SlabPrecision::kFp8E4M3: return "fp8_e4m3";
-    case SlabPrecision::kNf4: return "nf4";
+    case SlabPrecision::kBf16:
+      return "bf16";
+    case SlabPrecision::kInt8:
+      return "int8";
+    case SlabPrecision::kFp8E4M3:
+      return "fp8_e4m3";
+    case SlabPrecision::kNf4:
+      return "nf4";
   }
   return "unknown";
 }
 
-uint64_t slab_image_bytes(const SlabEncoding &encoding, const TensorShape *shapes,
-                          std::size_t n_tensors) {
+uint64_t slab_image_bytes(const SlabEncoding &encoding, const TensorShape *shapes, std::size_t n_tensors) {
   require_valid_encoding(encoding, "slab_image_bytes");
   if (n_tensors != 0 && shapes == nullptr) {
-    throw std::invalid_argument("slab_image_bytes: null shapes with n_tensors = " +
-                                std::to_string(n_tensors));
+    throw std::invalid_argument("slab_image_bytes: null shapes with n_tensors = " + std::to_string(n_tensors));
   }
-  return plan_slab(encoding.precision, encoding.group_size, n_tensors,
-                   [&](std::size_t i) { return shapes[i]; })
+  return plan_slab(encoding.precision, encoding.group_size, n_tensors, [&](std::size_t i) { return shapes[i]; })
       .total_bytes;
 }
 
-uint64_t build_slab(const SlabEncoding &encoding, const SlabTensorSource *tensors,
-                    std::size_t n_tensors, uint8_t *image, uint64_t capacity,
-                    const CpuExec &exec) {
+uint64_t build_slab(const SlabEncoding &encoding, const SlabTensorSource *tensors, std::size_t n_tensors,
+                    uint8_t *image, uint64_t capacity, const CpuExec &exec) {
   require_valid_encoding(encoding, "build_slab");
   if (n_tensors != 0 && tensors == nullptr) {
-    throw std::invalid_argument("build_slab: null tensor list with n_tensors = " +
-                                std::to_string(n_tensors));
+    throw std::invalid_argument("build_slab: null tensor list with n_tensors = " + std::to_string(n_tensors));
   }
   if (n_tensors > UINT32_MAX) throw std::invalid_argument("build_slab: more than 2^32-1 tensors");
-  const SlabPlan plan = plan_slab(encoding.precision, encoding.group_size, n_tensors,
-                                  [&](std::size_t i) { return tensors[i].shape; });
+  const SlabPlan plan =
+      plan_slab(encoding.precision, encoding.group_size, n_tensors, [&](std::size_t i) { return tensors[i].shape; });
   if (image == nullptr || capacity < plan.total_bytes) {
     throw std::invalid_argument("build_slab: the image needs " + std::to_string(plan.total_bytes) +
-                                " bytes, the buffer has " +
-                                std::to_string(image == nullptr ? 0 : capacity));
+                                " bytes, the buffer has " + std::to_string(image == nullptr ? 0 : capacity));
   }
   require_aligned_image(image, "build_slab");
   for (std::size_t i = 0; i < n_tensors; ++i) {
     if (tensors[i].master == nullptr && plan.tensors[i].data_bytes != 0) {
-      throw std::invalid_argument("build_slab: tensor " + std::to_string(i) +
-                                  " has a null master pointer");
+      throw std::invalid_argument("build_slab: tensor " + std::to_string(i) + " has a null master pointer");
     }
   }
 
@@ -255,23 +251,21 @@ uint64_t build_slab(const SlabEncoding &encoding, const SlabTensorSource *tensor
     float *scales = reinterpret_cast<float *>(image + planned.scales_offset);
     switch (encoding.precision) {
       case SlabPrecision::kBf16:
-        fp32_to_bf16(tensors[i].master, reinterpret_cast<uint16_t *>(data),
-                     planned.shape.rows * planned.shape.cols,
+        fp32_to_bf16(tensors[i].master, reinterpret_cast<uint16_t *>(data), planned.shape.rows * planned.shape.cols,
                      Bf16Options{encoding.rounding, seed}, exec);
         break;
       case SlabPrecision::kInt8:
         quantize_int8(tensors[i].master, DType::kFloat32, planned.shape.rows, planned.shape.cols,
-                      QuantizeOptions{encoding.group_size, encoding.rounding, seed},
-                      reinterpret_cast<int8_t *>(data), scales, exec);
+                      QuantizeOptions{encoding.group_size, encoding.rounding, seed}, reinterpret_cast<int8_t *>(data),
+                      scales, exec);
         break;
       case SlabPrecision::kFp8E4M3:
-        quantize_fp8_e4m3(tensors[i].master, DType::kFloat32, planned.shape.rows,
-                          planned.shape.cols, encoding.group_size, data, scales, exec);
+        quantize_fp8_e4m3(tensors[i].master, DType::kFloat32, planned.shape.rows, planned.shape.cols,
+                          encoding.group_size, data, scales, exec);
         break;
       case SlabPrecision::kNf4:
-        quantize_nf4(tensors[i].master, DType::kFloat32, planned.shape.rows, planned.shape.cols,
-                     encoding.group_size, data,
-                     reinterpret_cast<uint16_t *>(image + planned.scales_offset), exec);
+        quantize_nf4(tensors[i].master, DType::kFloat32, planned.shape.rows, planned.shape.cols, encoding.group_size,
+                     data, reinterpret_cast<uint16_t *>(image + planned.scales_offset), exec);
         break;
     }
   }
@@ -288,15 +282,14 @@ SlabReadResult read_slab(const uint8_t *image, uint64_t size) {
   };
   if (image == nullptr) return fail("null image pointer");
   if (size < sizeof(SlabHeader)) {
-    return fail(std::to_string(size) + " bytes, shorter than the " +
-                std::to_string(sizeof(SlabHeader)) + "-byte header");
+    return fail(std::to_string(size) + " bytes, shorter than the " + std::to_string(sizeof(SlabHeader)) +
+                "-byte header");
   }
   const auto header = read_pod<SlabHeader>(image);
   if (header.magic != kSlabMagic) return fail("bad magic (not a slab image)");
   if (header.version < kSlabOldestReadableVersion || header.version > kSlabVersion) {
     return fail("version " + std::to_string(header.version) + " is not supported (expected " +
-                std::to_string(kSlabOldestReadableVersion) + " to " + std::to_string(kSlabVersion) +
-                ")");
+                std::to_string(kSlabOldestReadableVersion) + " to " + std::to_string(kSlabVersion) + ")");
   }
   if (header.header_bytes != sizeof(SlabHeader) || header.entry_bytes != sizeof(SlabTensorEntry)) {
     return fail("header_bytes/entry_bytes are " + std::to_string(header.header_bytes) + "/" +
@@ -308,19 +301,18 @@ SlabReadResult read_slab(const uint8_t *image, uint64_t size) {
                 " is unknown (expected 1 = bf16, 2 = int8, 3 = fp8_e4m3, 4 = nf4)");
   }
   if (header.version < 2 && header.precision == static_cast<uint32_t>(SlabPrecision::kNf4)) {
-    return fail("precision 4 = nf4 needs version 2, the image is version " +
-                std::to_string(header.version));
+    return fail("precision 4 = nf4 needs version 2, the image is version " + std::to_string(header.version));
   }
   const auto precision = static_cast<SlabPrecision>(header.precision);
   const std::string problem = encoding_problem(precision, header.group_size, Rounding::kNearestEven);
   if (!problem.empty()) return fail(problem);
   if (header.total_bytes != size) {
-    return fail("total_bytes is " + std::to_string(header.total_bytes) + ", the image has " +
-                std::to_string(size) + " bytes");
+    return fail("total_bytes is " + std::to_string(header.total_bytes) + ", the image has " + std::to_string(size) +
+                " bytes");
   }
   if (header.tensor_count > (size - sizeof(SlabHeader)) / sizeof(SlabTensorEntry)) {
-    return fail("tensor_count " + std::to_string(header.tensor_count) +
-                " does not fit in " + std::to_string(size) + " bytes");
+    return fail("tensor_count " + std::to_string(header.tensor_count) + " does not fit in " + std::to_string(size) +
+                " bytes");
   }
   const uint32_t crc = table_crc32(header, image + sizeof(SlabHeader), header.tensor_count);
   if (crc != header.table_crc32) {
@@ -343,10 +335,8 @@ SlabReadResult read_slab(const uint8_t *image, uint64_t size) {
   } catch (const std::invalid_argument &) {
     return fail("tensor shapes overflow a 64-bit size");
   }
-  const auto mismatch = [&](const std::string &where, const char *field, uint64_t found,
-                            uint64_t expected) {
-    return fail(where + field + " is " + std::to_string(found) + ", expected " +
-                std::to_string(expected));
+  const auto mismatch = [&](const std::string &where, const char *field, uint64_t found, uint64_t expected) {
+    return fail(where + field + " is " + std::to_string(found) + ", expected " + std::to_string(expected));
   };
   if (plan.total_bytes != size) return mismatch("", "image size from the shapes", plan.total_bytes, size);
   if (header.payload_offset != plan.payload_offset) {
@@ -375,9 +365,8 @@ SlabReadResult read_slab(const uint8_t *image, uint64_t size) {
     if (entry.scale_count != expected.scale_count) {
       return mismatch(where, "scale_count", entry.scale_count, expected.scale_count);
     }
-    result.view.tensors[i] = SlabTensorView{expected.shape, expected.data_offset,
-                                            expected.data_bytes, expected.scales_offset,
-                                            expected.scale_count};
+    result.view.tensors[i] = SlabTensorView{expected.shape, expected.data_offset, expected.data_bytes,
+                                            expected.scales_offset, expected.scale_count};
   }
   result.ok = true;
   return result;
@@ -386,12 +375,11 @@ SlabReadResult read_slab(const uint8_t *image, uint64_t size) {
 namespace {
 
 template <typename Out>
-void decode_tensor(const uint8_t *image, const SlabView &view, std::size_t index, Out *dst,
-                   const CpuExec &exec, const char *function) {
+void decode_tensor(const uint8_t *image, const SlabView &view, std::size_t index, Out *dst, const CpuExec &exec,
+                   const char *function) {
   if (index >= view.tensors.size()) {
     throw std::out_of_range(std::string(function) + ": tensor index " + std::to_string(index) +
-                            " is not below the slab's " + std::to_string(view.tensors.size()) +
-                            " tensors");
+                            " is not below the slab's " + std::to_string(view.tensors.size()) + " tensors");
   }
   require_aligned_image(image, function);
   const SlabTensorView &tensor = view.tensors[index];
@@ -400,8 +388,8 @@ void decode_tensor(const uint8_t *image, const SlabView &view, std::size_t index
   const uint64_t n = tensor.shape.rows * tensor.shape.cols;
   if (n == 0) return;
   if (dst == nullptr) {
-    throw std::invalid_argument(std::string(function) + ": null destination for tensor " +
-                                std::to_string(index) + " (" + std::to_string(n) + " elements)");
+    throw std::invalid_argument(std::string(function) + ": null destination for tensor " + std::to_string(index) +
+                                " (" + std::to_string(n) + " elements)");
   }
   switch (view.precision) {
     case SlabPrecision::kBf16:
@@ -413,30 +401,26 @@ void decode_tensor(const uint8_t *image, const SlabView &view, std::size_t index
       return;
     case SlabPrecision::kInt8:
       if constexpr (std::is_same_v<Out, uint16_t>) {
-        dequantize_int8_to_bf16(reinterpret_cast<const int8_t *>(data), scales, tensor.shape.rows,
-                                tensor.shape.cols, view.group_size, dst, exec);
+        dequantize_int8_to_bf16(reinterpret_cast<const int8_t *>(data), scales, tensor.shape.rows, tensor.shape.cols,
+                                view.group_size, dst, exec);
       } else {
-        dequantize_int8_to_fp32(reinterpret_cast<const int8_t *>(data), scales, tensor.shape.rows,
-                                tensor.shape.cols, view.group_size, dst, exec);
+        dequantize_int8_to_fp32(reinterpret_cast<const int8_t *>(data), scales, tensor.shape.rows, tensor.shape.cols,
+                                view.group_size, dst, exec);
       }
       return;
     case SlabPrecision::kFp8E4M3:
       if constexpr (std::is_same_v<Out, uint16_t>) {
-        dequantize_fp8_e4m3_to_bf16(data, scales, tensor.shape.rows, tensor.shape.cols,
-                                    view.group_size, dst, exec);
+        dequantize_fp8_e4m3_to_bf16(data, scales, tensor.shape.rows, tensor.shape.cols, view.group_size, dst, exec);
       } else {
-        dequantize_fp8_e4m3_to_fp32(data, scales, tensor.shape.rows, tensor.shape.cols,
-                                    view.group_size, dst, exec);
+        dequantize_fp8_e4m3_to_fp32(data, scales, tensor.shape.rows, tensor.shape.cols, view.group_size, dst, exec);
       }
       return;
     case SlabPrecision::kNf4: {
       const auto *bf16_scales = reinterpret_cast<const uint16_t *>(image + tensor.scales_offset);
       if constexpr (std::is_same_v<Out, uint16_t>) {
-        dequantize_nf4_to_bf16(data, bf16_scales, tensor.shape.rows, tensor.shape.cols,
-                               view.group_size, dst, exec);
+        dequantize_nf4_to_bf16(data, bf16_scales, tensor.shape.rows, tensor.shape.cols, view.group_size, dst, exec);
       } else {
-        dequantize_nf4_to_fp32(data, bf16_scales, tensor.shape.rows, tensor.shape.cols,
-                               view.group_size, dst, exec);
+        dequantize_nf4_to_fp32(data, bf16_scales, tensor.shape.rows, tensor.shape.cols, view.group_size, dst, exec);
       }
       return;
     }
@@ -445,13 +429,13 @@ void decode_tensor(const uint8_t *image, const SlabView &view, std::size_t index
 
 }  // namespace
 
-void decode_slab_tensor_to_bf16(const uint8_t *image, const SlabView &view, std::size_t index,
-                                uint16_t *dst, const CpuExec &exec) {
+void decode_slab_tensor_to_bf16(const uint8_t *image, const SlabView &view, std::size_t index, uint16_t *dst,
+                                const CpuExec &exec) {
   decode_tensor(image, view, index, dst, exec, "decode_slab_tensor_to_bf16");
 }
 
-void decode_slab_tensor_to_fp32(const uint8_t *image, const SlabView &view, std::size_t index,
-                                float *dst, const CpuExec &exec) {
+void decode_slab_tensor_to_fp32(const uint8_t *image, const SlabView &view, std::size_t index, float *dst,
+                                const CpuExec &exec) {
   decode_tensor(image, view, index, dst, exec, "decode_slab_tensor_to_fp32");
 }
 

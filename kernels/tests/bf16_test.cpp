@@ -24,17 +24,17 @@ std::vector<float> probe_values(std::size_t n) {
   std::mt19937 rng(99);
   std::vector<float> values;
   for (std::size_t i = 0; i < n; ++i) values.push_back(from_bits(rng()));
-  for (const uint32_t bits : {0x00000000u, 0x80000000u, 0x7F800000u, 0xFF800000u, 0x7FC00000u,
-                              0xFFC00001u, 0x7F7FFFFFu, 0xFF7FFFFFu, 0x7F7F8000u, 0x7F7F7FFFu,
-                              0x00000001u, 0x00008000u, 0x00018000u, 0x3F808000u, 0x3F818000u}) {
+  for (const uint32_t bits :
+       {0x00000000u, 0x80000000u, 0x7F800000u, 0xFF800000u, 0x7FC00000u, 0xFFC00001u, 0x7F7FFFFFu, 0xFF7FFFFFu,
+        0x7F7F8000u, 0x7F7F7FFFu, 0x00000001u, 0x00008000u, 0x00018000u, 0x3F808000u, 0x3F818000u}) {
     values.push_back(from_bits(bits));
   }
   return values;
 }
 
 TEST(Bf16, VectorizedMatchesReferenceForBothRoundings) {
-  for (const std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{257 * 259},
-                              std::size_t{300000}}) {
+  for (const std::size_t n :
+       {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{257 * 259}, std::size_t{300000}}) {
     const std::vector<float> x = probe_values(n);
     for (const Rounding rounding : {Rounding::kNearestEven, Rounding::kStochastic}) {
       const Bf16Options options{rounding, 5};

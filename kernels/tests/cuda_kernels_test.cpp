@@ -180,7 +180,8 @@ TEST(CudaFp8, QuantizeAndDequantizeMatchCpu) {
       DeviceBuffer<uint8_t> d_codes(x.size());
       DeviceBuffer<float> d_scales(n_scales);
       DeviceBuffer<uint16_t> d_bf16(x.size());
-      cuda::quantize_fp8_e4m3(d_x.ptr, DType::kFloat32, shape.rows, shape.cols, group, d_codes.ptr, d_scales.ptr, nullptr);
+      cuda::quantize_fp8_e4m3(d_x.ptr, DType::kFloat32, shape.rows, shape.cols, group, d_codes.ptr, d_scales.ptr,
+                              nullptr);
       cuda::dequantize_fp8_e4m3_to_bf16(d_codes.ptr, d_scales.ptr, shape.rows, shape.cols, group, d_bf16.ptr, nullptr);
       ASSERT_EQ(codes, d_codes.download()) << group;
       ASSERT_TRUE(same_floats(scales, d_scales.download())) << group;
@@ -221,11 +222,15 @@ TEST(CudaGradMoments, MatchesCpuAndIsDeterministic) {
   DeviceBuffer<float> d_a(a);
   DeviceBuffer<float> d_b(b);
   DeviceBuffer<uint16_t> d_c(c);
-  const std::vector<GradTensor> host = {{a.data(), a.size(), DType::kFloat32, 2}, {b.data(), b.size(), DType::kFloat32, 0},
-                                        {nullptr, 0, DType::kFloat32, 0}, {c.data(), c.size(), DType::kBFloat16, 2},
+  const std::vector<GradTensor> host = {{a.data(), a.size(), DType::kFloat32, 2},
+                                        {b.data(), b.size(), DType::kFloat32, 0},
+                                        {nullptr, 0, DType::kFloat32, 0},
+                                        {c.data(), c.size(), DType::kBFloat16, 2},
                                         {a.data() + 1, 7, DType::kFloat32, 0}};
-  const std::vector<GradTensor> device = {{d_a.ptr, a.size(), DType::kFloat32, 2}, {d_b.ptr, b.size(), DType::kFloat32, 0},
-                                          {nullptr, 0, DType::kFloat32, 0}, {d_c.ptr, c.size(), DType::kBFloat16, 2},
+  const std::vector<GradTensor> device = {{d_a.ptr, a.size(), DType::kFloat32, 2},
+                                          {d_b.ptr, b.size(), DType::kFloat32, 0},
+                                          {nullptr, 0, DType::kFloat32, 0},
+                                          {d_c.ptr, c.size(), DType::kBFloat16, 2},
                                           {d_a.ptr + 1, 7, DType::kFloat32, 0}};
   const uint32_t n_blocks = 4;
   std::vector<sp_grad_moments_v1> expected(n_blocks);
@@ -243,7 +248,8 @@ TEST(CudaGradMoments, MatchesCpuAndIsDeterministic) {
     EXPECT_EQ(first[blk].nonfinite, expected[blk].nonfinite);
     EXPECT_EQ(first[blk].max_abs, expected[blk].max_abs);
     EXPECT_NEAR(first[blk].sum_sq, expected[blk].sum_sq, 1e-5 * expected[blk].sum_sq);
-    EXPECT_NEAR(first[blk].sum, expected[blk].sum, 1e-5 * std::sqrt(expected[blk].sum_sq * static_cast<double>(expected[blk].count)));
+    EXPECT_NEAR(first[blk].sum, expected[blk].sum,
+                1e-5 * std::sqrt(expected[blk].sum_sq * static_cast<double>(expected[blk].count)));
   }
   for (int run = 0; run < 5; ++run) {
     plan.launch(workspace.ptr, out.ptr, nullptr);
@@ -261,10 +267,12 @@ TEST(CudaRelativeError, MatchesCpu) {
   DeviceBuffer<float> d_a(a);
   DeviceBuffer<uint16_t> d_b(b);
   std::size_t bytes = 0;
-  cuda::relative_error(d_a.ptr, DType::kFloat32, d_b.ptr, DType::kBFloat16, a.size(), nullptr, &bytes, nullptr, nullptr);
+  cuda::relative_error(d_a.ptr, DType::kFloat32, d_b.ptr, DType::kBFloat16, a.size(), nullptr, &bytes, nullptr,
+                       nullptr);
   DeviceBuffer<uint8_t> workspace(bytes);
   DeviceBuffer<double> result(1);
-  cuda::relative_error(d_a.ptr, DType::kFloat32, d_b.ptr, DType::kBFloat16, a.size(), workspace.ptr, &bytes, result.ptr, nullptr);
+  cuda::relative_error(d_a.ptr, DType::kFloat32, d_b.ptr, DType::kBFloat16, a.size(), workspace.ptr, &bytes, result.ptr,
+                       nullptr);
   EXPECT_NEAR(result.download()[0], expected, 1e-9 * expected);
 }
 
@@ -273,7 +281,8 @@ TEST(CudaSlab, DeviceDequantOfAnImageMatchesTheCpuDecode) {
   const std::vector<TensorShape> shapes = {{256, 1024}, {1, 1024}, {257, 259}};
   std::vector<std::vector<float>> masters;
   std::vector<SlabTensorSource> sources;
-  for (std::size_t i = 0; i < shapes.size(); ++i) masters.push_back(testing::gaussian(shapes[i].rows * shapes[i].cols, 30 + i));
+  for (std::size_t i = 0; i < shapes.size(); ++i)
+    masters.push_back(testing::gaussian(shapes[i].rows * shapes[i].cols, 30 + i));
   for (std::size_t i = 0; i < shapes.size(); ++i) sources.push_back({masters[i].data(), shapes[i]});
   for (const uint32_t group : {0u, 128u}) {
     const SlabEncoding encoding{SlabPrecision::kInt8, group};
@@ -306,8 +315,8 @@ TEST(CudaNf4, MatchesCpuReferenceBitForBit) {
   for (const testing::Shape shape : shapes) {
     std::vector<float> x = testing::special_matrix(shape.rows, shape.cols, 23);
     if (x.size() > 8) {
-      x[x.size() - 1] = 3.3e38f;     // the clamped scale
-      x[x.size() / 3] = 1e-40f;      // a subnormal value (its group is finite)
+      x[x.size() - 1] = 3.3e38f;  // the clamped scale
+      x[x.size() / 3] = 1e-40f;   // a subnormal value (its group is finite)
     }
     std::vector<uint16_t> x_bf16(x.size());
     for (std::size_t i = 0; i < x.size(); ++i) x_bf16[i] = testing::bf16_truncate(x[i]);
@@ -315,8 +324,8 @@ TEST(CudaNf4, MatchesCpuReferenceBitForBit) {
     DeviceBuffer<uint16_t> d_x_bf16(x_bf16);
     for (const uint32_t group : {32u, 64u, 128u, 256u}) {
       for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-        SCOPED_TRACE(std::to_string(shape.rows) + "x" + std::to_string(shape.cols) + " group " +
-                     std::to_string(group) + " " + dtype_name(dtype));
+        SCOPED_TRACE(std::to_string(shape.rows) + "x" + std::to_string(shape.cols) + " group " + std::to_string(group) +
+                     " " + dtype_name(dtype));
         const std::size_t n_codes = nf4_code_bytes(shape.rows, shape.cols);
         const std::size_t n_scales = nf4_scale_count(shape.rows, shape.cols, group);
         const void *host_src = dtype == DType::kFloat32 ? static_cast<const void *>(x.data()) : x_bf16.data();
@@ -359,7 +368,8 @@ TEST(CudaSlab, DeviceNf4DequantOfAnImageMatchesTheCpuDecode) {
   const std::vector<TensorShape> shapes = {{384, 128}, {128, 128}, {512, 128}, {128, 512}, {257, 259}};
   std::vector<std::vector<float>> masters;
   std::vector<SlabTensorSource> sources;
-  for (std::size_t i = 0; i < shapes.size(); ++i) masters.push_back(testing::gaussian(shapes[i].rows * shapes[i].cols, 40 + i, 0.02f));
+  for (std::size_t i = 0; i < shapes.size(); ++i)
+    masters.push_back(testing::gaussian(shapes[i].rows * shapes[i].cols, 40 + i, 0.02f));
   for (std::size_t i = 0; i < shapes.size(); ++i) sources.push_back({masters[i].data(), shapes[i]});
   for (const uint32_t group : {32u, 64u, 256u}) {
     const SlabEncoding encoding{SlabPrecision::kNf4, group};

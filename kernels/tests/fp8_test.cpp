@@ -57,11 +57,22 @@ TEST(Fp8E4M3, EncodeInvertsDecodeForEveryCode) {
 }
 
 TEST(Fp8E4M3, RoundsToNearestEvenAndSaturates) {
-  std::vector<float> probes = {0.0f, -0.0f, 448.0f, 449.0f, 463.99f, 464.0f, 465.0f, 1e10f,
+  std::vector<float> probes = {0.0f,
+                               -0.0f,
+                               448.0f,
+                               449.0f,
+                               463.99f,
+                               464.0f,
+                               465.0f,
+                               1e10f,
                                std::numeric_limits<float>::infinity(),
                                -std::numeric_limits<float>::infinity(),
-                               std::numeric_limits<float>::denorm_min(), 1e-40f, 0.0009765625f,
-                               0.00097656251f, 0.0029296875f, -0.0029296875f};
+                               std::numeric_limits<float>::denorm_min(),
+                               1e-40f,
+                               0.0009765625f,
+                               0.00097656251f,
+                               0.0029296875f,
+                               -0.0029296875f};
   // Every midpoint between neighbouring codes, and one float step either side of it.
   for (unsigned code = 0; code < 0x7E; ++code) {
     const float mid = static_cast<float>((e4m3_value(code) + e4m3_value(code + 1)) / 2.0);
@@ -94,8 +105,8 @@ TEST(QuantizeFp8, VectorizedMatchesReferenceBitForBit) {
     for (std::size_t i = 0; i < x.size(); ++i) x_bf16[i] = testing::bf16_truncate(x[i]);
     for (const uint32_t group : {0u, 32u, 64u, 128u, 256u}) {
       for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-        const void *src = dtype == DType::kFloat32 ? static_cast<const void *>(x.data())
-                                                   : static_cast<const void *>(x_bf16.data());
+        const void *src =
+            dtype == DType::kFloat32 ? static_cast<const void *>(x.data()) : static_cast<const void *>(x_bf16.data());
         const std::size_t n_scales = scale_count(shape.rows, shape.cols, group);
         const auto run = [&](const CpuExec &exec) {
           std::vector<uint8_t> codes(x.size(), 0x55);
@@ -117,8 +128,8 @@ TEST(QuantizeFp8, VectorizedMatchesReferenceBitForBit) {
         };
         const auto expected = run(CpuExec{CpuImpl::kReference, 1});
         for (const CpuExec &exec : testing::fast_execs()) {
-          ASSERT_EQ(expected, run(exec)) << shape.rows << "x" << shape.cols << " group " << group
-                                         << " " << dtype_name(dtype) << " " << testing::exec_name(exec);
+          ASSERT_EQ(expected, run(exec)) << shape.rows << "x" << shape.cols << " group " << group << " "
+                                         << dtype_name(dtype) << " " << testing::exec_name(exec);
         }
       }
     }

@@ -54,9 +54,7 @@ TEST(GridStride, FitsExactlyWhenTheSixteenBitLoopVisitsEachElementOnce) {
 TEST(GridStride, ScalarDequantizeAboveThreePointFourBillionElementsTakesSixtyFourBits) {
   constexpr unsigned kThreads = 256;
   // NF4 and INT8 scalar dequantize: grid_for(n, 1024) blocks of 256 threads, stride ~ n / 4.
-  const auto scalar_fits = [](uint64_t n) {
-    return uint32_indices_fit(n, 1, n, grid_for(n, kThreads * 4), kThreads);
-  };
+  const auto scalar_fits = [](uint64_t n) { return uint32_indices_fit(n, 1, n, grid_for(n, kThreads * 4), kThreads); };
   EXPECT_TRUE(scalar_fits(1ull << 31));
   EXPECT_TRUE(scalar_fits(3'400'000'000ull));
   EXPECT_FALSE(scalar_fits(3'500'000'000ull));  // n < 2^32, yet n + stride wraps

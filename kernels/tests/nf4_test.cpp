@@ -21,11 +21,22 @@ namespace {
 using testing::Shape;
 
 // The published NF4 values (QLoRA, Dettmers et al. 2023, Appendix E; bitsandbytes csrc).
-constexpr double kPublished[16] = {
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0};
+constexpr double kPublished[16] = {-1.0,
+                                   -0.6961928009986877,
+                                   -0.5250730514526367,
+                                   -0.39491748809814453,
+                                   -0.28444138169288635,
+                                   -0.18477343022823334,
+                                   -0.09105003625154495,
+                                   0.0,
+                                   0.07958029955625534,
+                                   0.16093020141124725,
+                                   0.24611230194568634,
+                                   0.33791524171829224,
+                                   0.44070982933044434,
+                                   0.5626170039176941,
+                                   0.7229568362236023,
+                                   1.0};
 
 struct Quantized {
   std::vector<uint8_t> codes;
@@ -91,8 +102,8 @@ TEST(Nf4, VectorizedMatchesReferenceBitForBit) {
     for (std::size_t i = 0; i < fp32.size(); ++i) bf16[i] = testing::bf16_truncate(fp32[i]);
     for (const uint32_t group : kGroups) {
       for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-        const void *src = dtype == DType::kFloat32 ? static_cast<const void *>(fp32.data())
-                                                   : static_cast<const void *>(bf16.data());
+        const void *src =
+            dtype == DType::kFloat32 ? static_cast<const void *>(fp32.data()) : static_cast<const void *>(bf16.data());
         const Quantized expected = round_trip(src, dtype, shape, group, CpuExec{CpuImpl::kReference, 1});
         for (const CpuExec &exec : testing::fast_execs()) {
           const std::string what = std::to_string(shape.rows) + "x" + std::to_string(shape.cols) + " group " +
@@ -124,8 +135,10 @@ TEST(Nf4, DequantizeMatchesReferenceForAnyCodesAndScaleBits) {
       std::vector<uint16_t> expected_bf16(shape.rows * shape.cols), bf16(expected_bf16.size());
       std::vector<float> expected_fp32(expected_bf16.size()), fp32(expected_bf16.size());
       const CpuExec reference{CpuImpl::kReference, 1};
-      dequantize_nf4_to_bf16(codes.data(), scales.data(), shape.rows, shape.cols, group, expected_bf16.data(), reference);
-      dequantize_nf4_to_fp32(codes.data(), scales.data(), shape.rows, shape.cols, group, expected_fp32.data(), reference);
+      dequantize_nf4_to_bf16(codes.data(), scales.data(), shape.rows, shape.cols, group, expected_bf16.data(),
+                             reference);
+      dequantize_nf4_to_fp32(codes.data(), scales.data(), shape.rows, shape.cols, group, expected_fp32.data(),
+                             reference);
       for (const CpuExec &exec : testing::fast_execs()) {
         dequantize_nf4_to_bf16(codes.data(), scales.data(), shape.rows, shape.cols, group, bf16.data(), exec);
         dequantize_nf4_to_fp32(codes.data(), scales.data(), shape.rows, shape.cols, group, fp32.data(), exec);
@@ -138,8 +151,8 @@ TEST(Nf4, DequantizeMatchesReferenceForAnyCodesAndScaleBits) {
 
 TEST(Nf4, PackingIsLowNibbleFirstOverTheFlatTensor) {
   // 3 x 3, group 32, one scale per row; row maxima 1 so x / scale = x.
-  const std::vector<float> x = {1.0f, 0.0f, -1.0f,   // codes 15, 7, 0
-                                0.1f, 1.0f, -0.5f,   // 8, 15, 2
+  const std::vector<float> x = {1.0f,  0.0f, -1.0f,  // codes 15, 7, 0
+                                0.1f,  1.0f, -0.5f,  // 8, 15, 2
                                 -0.2f, 0.3f, 1.0f};  // 5, 11, 15
   for (const CpuExec exec : {CpuExec{CpuImpl::kReference, 1}, CpuExec{}}) {
     const Quantized q = round_trip(x, Shape{3, 3}, 32, exec);
@@ -181,7 +194,8 @@ TEST(Nf4, EveryCodeIsANearestLevel) {
     const double distance = std::fabs(kPublished[code] - v);
     if (distance != best) {
       // Only allowed at an fp32 midpoint, where the lower code wins.
-      ASSERT_TRUE(code < 15 && static_cast<float>(v) == static_cast<float>((kPublished[code] + kPublished[code + 1]) / 2.0))
+      ASSERT_TRUE(code < 15 &&
+                  static_cast<float>(v) == static_cast<float>((kPublished[code] + kPublished[code + 1]) / 2.0))
           << "x = " << v << " code " << code;
     }
     ASSERT_TRUE(testing::same_bits(q.fp32[e], kNf4Levels[code])) << e;
@@ -330,8 +344,8 @@ TEST(Nf4, QualityBoundsOnSeededWeights) {
   for (const Bound &bound : bounds) {
     const Errors g = measure(gaussian, cols, bound.group);
     const Errors t = measure(heavy, cols, bound.group);
-    std::printf("NF4 group %3u  gaussian %.4f (fp32 scales %.4f)  student-t3 %.4f (fp32 scales %.4f)\n",
-                bound.group, g.bf16_scales, g.fp32_scales, t.bf16_scales, t.fp32_scales);
+    std::printf("NF4 group %3u  gaussian %.4f (fp32 scales %.4f)  student-t3 %.4f (fp32 scales %.4f)\n", bound.group,
+                g.bf16_scales, g.fp32_scales, t.bf16_scales, t.fp32_scales);
     EXPECT_LE(g.bf16_scales, bound.gaussian) << bound.group;
     EXPECT_LE(t.bf16_scales, bound.student_t3) << bound.group;
     // Rounding the scale up to bf16 costs at most 0.001 of relative error (measured: 0.0001 to

@@ -24,8 +24,7 @@ struct Quantized {
 };
 
 // Quantizes and dequantizes (to bf16 and fp32) with one implementation.
-Quantized round_trip(const void *src, DType dtype, Shape shape, const QuantizeOptions &options,
-                     const CpuExec &exec) {
+Quantized round_trip(const void *src, DType dtype, Shape shape, const QuantizeOptions &options, const CpuExec &exec) {
   Quantized out;
   const std::size_t n = shape.rows * shape.cols;
   out.codes.assign(n, int8_t{99});
@@ -33,10 +32,10 @@ Quantized round_trip(const void *src, DType dtype, Shape shape, const QuantizeOp
   out.bf16.assign(n, 0xDEAD);
   out.fp32.assign(n, -1.0f);
   quantize_int8(src, dtype, shape.rows, shape.cols, options, out.codes.data(), out.scales.data(), exec);
-  dequantize_int8_to_bf16(out.codes.data(), out.scales.data(), shape.rows, shape.cols,
-                          options.group_size, out.bf16.data(), exec);
-  dequantize_int8_to_fp32(out.codes.data(), out.scales.data(), shape.rows, shape.cols,
-                          options.group_size, out.fp32.data(), exec);
+  dequantize_int8_to_bf16(out.codes.data(), out.scales.data(), shape.rows, shape.cols, options.group_size,
+                          out.bf16.data(), exec);
+  dequantize_int8_to_fp32(out.codes.data(), out.scales.data(), shape.rows, shape.cols, options.group_size,
+                          out.fp32.data(), exec);
   return out;
 }
 
@@ -62,12 +61,11 @@ TEST(QuantizeInt8, VectorizedMatchesReferenceBitForBit) {
           const void *src = dtype == DType::kFloat32 ? static_cast<const void *>(fp32.data())
                                                      : static_cast<const void *>(bf16.data());
           const QuantizeOptions options{group, rounding, 1234};
-          const Quantized expected =
-              round_trip(src, dtype, shape, options, CpuExec{CpuImpl::kReference, 1});
+          const Quantized expected = round_trip(src, dtype, shape, options, CpuExec{CpuImpl::kReference, 1});
           for (const CpuExec &exec : testing::fast_execs()) {
             expect_identical(expected, round_trip(src, dtype, shape, options, exec),
-                             std::to_string(shape.rows) + "x" + std::to_string(shape.cols) +
-                                 " group " + std::to_string(group) + " " + dtype_name(dtype) +
+                             std::to_string(shape.rows) + "x" + std::to_string(shape.cols) + " group " +
+                                 std::to_string(group) + " " + dtype_name(dtype) +
                                  (rounding == Rounding::kStochastic ? " stochastic " : " rne ") +
                                  testing::exec_name(exec));
           }
@@ -118,8 +116,8 @@ TEST(QuantizeInt8, GroupsHaveTheirOwnScale) {
   std::vector<float> x(64);
   for (std::size_t i = 0; i < 32; ++i) x[i] = 100.0f * std::sin(static_cast<float>(i));
   for (std::size_t i = 32; i < 64; ++i) x[i] = 0.01f * std::sin(static_cast<float>(i));
-  const Quantized q = round_trip(x.data(), DType::kFloat32, Shape{1, 64},
-                                 QuantizeOptions{32, Rounding::kNearestEven, 0}, CpuExec{});
+  const Quantized q =
+      round_trip(x.data(), DType::kFloat32, Shape{1, 64}, QuantizeOptions{32, Rounding::kNearestEven, 0}, CpuExec{});
   ASSERT_EQ(q.scales.size(), 2u);
   EXPECT_GT(q.scales[0] / q.scales[1], 1000.0f);
   for (std::size_t i = 32; i < 64; ++i) EXPECT_LE(std::fabs(q.fp32[i] - x[i]), 0.5f * q.scales[1] * 1.000001f);
@@ -141,8 +139,8 @@ TEST(QuantizeInt8, StochasticRoundingIsUnbiasedAndReproducible) {
   }
   mean /= static_cast<double>(n - 1);
   EXPECT_NEAR(mean, 0.3, 0.01);  // 65535 draws: the standard deviation of the mean is 0.0018
-  const Quantized other_seed = round_trip(x.data(), DType::kFloat32, Shape{1, n},
-                                          QuantizeOptions{0, Rounding::kStochastic, 43}, CpuExec{});
+  const Quantized other_seed =
+      round_trip(x.data(), DType::kFloat32, Shape{1, n}, QuantizeOptions{0, Rounding::kStochastic, 43}, CpuExec{});
   EXPECT_NE(a.codes, other_seed.codes);
   const Quantized nearest = round_trip(x.data(), DType::kFloat32, Shape{1, n}, QuantizeOptions{}, CpuExec{});
   for (std::size_t i = 1; i < n; ++i) ASSERT_EQ(nearest.codes[i], 0);

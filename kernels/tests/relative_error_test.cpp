@@ -45,8 +45,8 @@ TEST(RelativeError, VectorizedMatchesReferenceAcrossDtypesAndMagnitudes) {
       std::vector<float> a = testing::gaussian(n, 1, magnitude);
       std::vector<uint16_t> b(n);
       for (std::size_t i = 0; i < n; ++i) b[i] = testing::bf16_truncate(a[i] * 1.001f);
-      const double expected = relative_error(a.data(), DType::kFloat32, b.data(), DType::kBFloat16, n,
-                                             CpuExec{CpuImpl::kReference, 1});
+      const double expected =
+          relative_error(a.data(), DType::kFloat32, b.data(), DType::kBFloat16, n, CpuExec{CpuImpl::kReference, 1});
       EXPECT_GT(expected, 0.0);
       EXPECT_LT(expected, 0.01);
       for (const CpuExec &exec : testing::fast_execs()) {

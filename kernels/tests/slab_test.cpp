@@ -33,7 +33,7 @@ Buffer allocate(uint64_t bytes, uint8_t fill) {
 
 // The tensors of one GPT block of width d: LN gains/biases, QKV, attention output, 4d MLP.
 std::vector<TensorShape> gpt_block(uint64_t d) {
-  return {{1, d}, {1, d}, {3 * d, d}, {1, 3 * d}, {d, d}, {1, d},
+  return {{1, d}, {1, d}, {3 * d, d}, {1, 3 * d}, {d, d},     {1, d},
           {1, d}, {1, d}, {4 * d, d}, {1, 4 * d}, {d, 4 * d}, {1, d}};
 }
 
@@ -94,8 +94,9 @@ TEST(Slab, RoundTripMatchesTheKernelsForEveryEncoding) {
       if (encoding.rounding == Rounding::kStochastic) continue;
       std::vector<uint16_t> expected(n);
       const float *master = block.masters[i].data();
-      const std::size_t scales = encoding.precision == SlabPrecision::kBf16   ? 0
-                                 : encoding.precision == SlabPrecision::kNf4 ? 0
+      const std::size_t scales = encoding.precision == SlabPrecision::kBf16 ? 0
+                                 : encoding.precision == SlabPrecision::kNf4
+                                     ? 0
                                      : scale_count(t.shape.rows, t.shape.cols, encoding.group_size);
       std::vector<float> s(scales);
       if (encoding.precision == SlabPrecision::kNf4) {
@@ -103,33 +104,33 @@ TEST(Slab, RoundTripMatchesTheKernelsForEveryEncoding) {
         std::vector<uint16_t> bf16_scales(nf4_scale_count(t.shape.rows, t.shape.cols, encoding.group_size));
         quantize_nf4(master, DType::kFloat32, t.shape.rows, t.shape.cols, encoding.group_size, codes.data(),
                      bf16_scales.data());
-        dequantize_nf4_to_bf16(codes.data(), bf16_scales.data(), t.shape.rows, t.shape.cols,
-                               encoding.group_size, expected.data());
+        dequantize_nf4_to_bf16(codes.data(), bf16_scales.data(), t.shape.rows, t.shape.cols, encoding.group_size,
+                               expected.data());
         EXPECT_EQ(t.data_bytes, codes.size());
         EXPECT_EQ(t.scale_count, bf16_scales.size());
         EXPECT_EQ(0, n == 0 ? 0 : std::memcmp(image.get() + t.data_offset, codes.data(), codes.size()));
-        EXPECT_EQ(0, bf16_scales.empty() ? 0
-                                         : std::memcmp(image.get() + t.scales_offset, bf16_scales.data(),
-                                                       2 * bf16_scales.size()));
+        EXPECT_EQ(0, bf16_scales.empty()
+                         ? 0
+                         : std::memcmp(image.get() + t.scales_offset, bf16_scales.data(), 2 * bf16_scales.size()));
         std::vector<float> fp32(n), expected_fp32(n);
         decode_slab_tensor_to_fp32(image.get(), read.view, i, fp32.data());
-        dequantize_nf4_to_fp32(codes.data(), bf16_scales.data(), t.shape.rows, t.shape.cols,
-                               encoding.group_size, expected_fp32.data());
+        dequantize_nf4_to_fp32(codes.data(), bf16_scales.data(), t.shape.rows, t.shape.cols, encoding.group_size,
+                               expected_fp32.data());
         EXPECT_TRUE(testing::same_bits(fp32, expected_fp32)) << "tensor " << i;
       } else if (encoding.precision == SlabPrecision::kBf16) {
         fp32_to_bf16(master, expected.data(), n);
       } else if (encoding.precision == SlabPrecision::kInt8) {
         std::vector<int8_t> codes(n);
-        quantize_int8(master, DType::kFloat32, t.shape.rows, t.shape.cols,
-                      QuantizeOptions{encoding.group_size}, codes.data(), s.data());
-        dequantize_int8_to_bf16(codes.data(), s.data(), t.shape.rows, t.shape.cols,
-                                encoding.group_size, expected.data());
+        quantize_int8(master, DType::kFloat32, t.shape.rows, t.shape.cols, QuantizeOptions{encoding.group_size},
+                      codes.data(), s.data());
+        dequantize_int8_to_bf16(codes.data(), s.data(), t.shape.rows, t.shape.cols, encoding.group_size,
+                                expected.data());
       } else {
         std::vector<uint8_t> codes(n);
-        quantize_fp8_e4m3(master, DType::kFloat32, t.shape.rows, t.shape.cols,
-                          encoding.group_size, codes.data(), s.data());
-        dequantize_fp8_e4m3_to_bf16(codes.data(), s.data(), t.shape.rows, t.shape.cols,
-                                    encoding.group_size, expected.data());
+        quantize_fp8_e4m3(master, DType::kFloat32, t.shape.rows, t.shape.cols, encoding.group_size, codes.data(),
+                          s.data());
+        dequantize_fp8_e4m3_to_bf16(codes.data(), s.data(), t.shape.rows, t.shape.cols, encoding.group_size,
+                                    expected.data());
       }
       EXPECT_EQ(decoded, expected) << "tensor " << i;
     }
@@ -142,10 +143,8 @@ TEST(Slab, ImagesAreDeterministicWhateverTheBufferHeld) {
     const uint64_t bytes = slab_image_bytes(encoding, block.shapes.data(), block.shapes.size());
     Buffer a = allocate(bytes, 0x00);
     Buffer b = allocate(bytes, 0xFF);
-    build_slab(encoding, block.sources.data(), block.sources.size(), a.get(), bytes,
-               CpuExec{CpuImpl::kVectorized, 1});
-    build_slab(encoding, block.sources.data(), block.sources.size(), b.get(), bytes,
-               CpuExec{CpuImpl::kVectorized, 3});
+    build_slab(encoding, block.sources.data(), block.sources.size(), a.get(), bytes, CpuExec{CpuImpl::kVectorized, 1});
+    build_slab(encoding, block.sources.data(), block.sources.size(), b.get(), bytes, CpuExec{CpuImpl::kVectorized, 3});
     ASSERT_EQ(0, std::memcmp(a.get(), b.get(), bytes)) << slab_precision_name(encoding.precision);
   }
 }
@@ -153,7 +152,8 @@ TEST(Slab, ImagesAreDeterministicWhateverTheBufferHeld) {
 TEST(Slab, Int8PerRowIsAtMost052OfBf16ForGptBlocks) {
   for (const uint64_t d : {1024u, 2048u, 4096u}) {
     const std::vector<TensorShape> shapes = gpt_block(d);
-    const double bf16 = static_cast<double>(slab_image_bytes(SlabEncoding{SlabPrecision::kBf16}, shapes.data(), shapes.size()));
+    const double bf16 =
+        static_cast<double>(slab_image_bytes(SlabEncoding{SlabPrecision::kBf16}, shapes.data(), shapes.size()));
     uint64_t elements = 0;
     for (const TensorShape &s : shapes) elements += s.rows * s.cols;
     EXPECT_GE(bf16, 2.0 * static_cast<double>(elements));
@@ -187,10 +187,13 @@ TEST(Slab, RejectsBadEncodingsAndBuffers) {
   EXPECT_THROW(build_slab(SlabEncoding{SlabPrecision::kInt8}, block.sources.data(), 1, image.get() + 4, bytes),
                std::invalid_argument);
   EXPECT_THROW(slab_image_bytes(SlabEncoding{SlabPrecision::kBf16, 32}, block.shapes.data(), 1), std::invalid_argument);
-  EXPECT_THROW(slab_image_bytes(SlabEncoding{SlabPrecision::kInt8, 100}, block.shapes.data(), 1), std::invalid_argument);
-  EXPECT_THROW(slab_image_bytes(SlabEncoding{static_cast<SlabPrecision>(9)}, block.shapes.data(), 1), std::invalid_argument);
-  EXPECT_THROW(slab_image_bytes(SlabEncoding{SlabPrecision::kFp8E4M3, 0, Rounding::kStochastic}, block.shapes.data(), 1),
+  EXPECT_THROW(slab_image_bytes(SlabEncoding{SlabPrecision::kInt8, 100}, block.shapes.data(), 1),
                std::invalid_argument);
+  EXPECT_THROW(slab_image_bytes(SlabEncoding{static_cast<SlabPrecision>(9)}, block.shapes.data(), 1),
+               std::invalid_argument);
+  EXPECT_THROW(
+      slab_image_bytes(SlabEncoding{SlabPrecision::kFp8E4M3, 0, Rounding::kStochastic}, block.shapes.data(), 1),
+      std::invalid_argument);
   const TensorShape huge{1ull << 40, 1ull << 40};
   EXPECT_THROW(slab_image_bytes(SlabEncoding{SlabPrecision::kBf16}, &huge, 1), std::invalid_argument);
   build_slab(SlabEncoding{SlabPrecision::kInt8}, block.sources.data(), 1, image.get(), bytes);
@@ -319,7 +322,7 @@ TEST(SlabV2, Version1ImagesStillRead) {
     Buffer fresh = allocate(bytes, 0);
     build_slab(c.encoding, sources.data(), sources.size(), fresh.get(), bytes);
     std::vector<uint8_t> old_bytes(c.image, c.image + c.size), new_bytes(fresh.get(), fresh.get() + bytes);
-    old_bytes[4] = new_bytes[4] = 0;                                 // version
+    old_bytes[4] = new_bytes[4] = 0;                               // version
     std::fill(old_bytes.begin() + 48, old_bytes.begin() + 52, 0);  // table_crc32
     std::fill(new_bytes.begin() + 48, new_bytes.begin() + 52, 0);
     EXPECT_EQ(old_bytes, new_bytes);
@@ -408,8 +411,7 @@ TEST_F(SlabNf4Corruption, EveryValidationErrorNamesItsField) {
                         "tensor 3: scales_offset");
   EXPECT_ERROR_MENTIONS(error_after([](SlabHeader &, SlabTensorEntry &e) { e.scale_count += 1; }),
                         "tensor 3: scale_count");
-  EXPECT_ERROR_MENTIONS(error_after([](SlabHeader &, SlabTensorEntry &e) { e.reserved[1] = 7; }),
-                        "tensor 3: reserved");
+  EXPECT_ERROR_MENTIONS(error_after([](SlabHeader &, SlabTensorEntry &e) { e.reserved[1] = 7; }), "tensor 3: reserved");
   // A shape change: 128 x 130 needs 8320 code bytes (the 256-byte padding hides the size change).
   EXPECT_ERROR_MENTIONS(error_after([](SlabHeader &, SlabTensorEntry &e) { e.cols += 1; }),
                         "tensor 3: data_bytes is 8256, expected 8320");
@@ -485,8 +487,8 @@ std::vector<TensorShape> streamed_block(uint64_t c, uint64_t mlp_ratio) {
 TEST(SlabV2, Nf4ImageIsAtMost030OfBf16ForTheShippedBlocks) {
   const std::vector<TensorShape> shipped = streamed_block(128, 4);  // configs/default.yaml
   const uint64_t bf16 = slab_image_bytes(SlabEncoding{SlabPrecision::kBf16}, shipped.data(), shipped.size());
-  const uint64_t nf4 = slab_image_bytes(SlabEncoding{SlabPrecision::kNf4, kNf4DefaultGroupSize}, shipped.data(),
-                                        shipped.size());
+  const uint64_t nf4 =
+      slab_image_bytes(SlabEncoding{SlabPrecision::kNf4, kNf4DefaultGroupSize}, shipped.data(), shipped.size());
   const uint64_t int8 = slab_image_bytes(SlabEncoding{SlabPrecision::kInt8, 64}, shipped.data(), shipped.size());
   // 196 608 weights: bf16 = 512 + 393 216; nf4 = 512 + 98 304 codes + 3 072 x 2 scale bytes.
   EXPECT_EQ(bf16, 393728u);
@@ -499,7 +501,8 @@ TEST(SlabV2, Nf4ImageIsAtMost030OfBf16ForTheShippedBlocks) {
   // Every group size and wider models (with the norms too, as gpt_block streams them) as well.
   for (const uint64_t d : {128u, 1024u, 4096u}) {
     for (const std::vector<TensorShape> &shapes : {streamed_block(d, 4), gpt_block(d)}) {
-      const double b = static_cast<double>(slab_image_bytes(SlabEncoding{SlabPrecision::kBf16}, shapes.data(), shapes.size()));
+      const double b =
+          static_cast<double>(slab_image_bytes(SlabEncoding{SlabPrecision::kBf16}, shapes.data(), shapes.size()));
       for (const uint32_t group : {32u, 64u, 128u, 256u}) {
         const double q = static_cast<double>(
             slab_image_bytes(SlabEncoding{SlabPrecision::kNf4, group}, shapes.data(), shapes.size()));

@@ -46,9 +46,12 @@ inline std::vector<float> special_matrix(std::size_t rows, std::size_t cols, uin
   if (rows > 1) row(1)[cols / 2] = std::numeric_limits<float>::quiet_NaN();
   if (rows > 2) row(2)[cols - 1] = std::numeric_limits<float>::infinity();
   if (rows > 3) row(3)[0] = -std::numeric_limits<float>::infinity();
-  if (rows > 4) for (std::size_t c = 0; c < cols; ++c) row(4)[c] *= 1e30f;
-  if (rows > 5) for (std::size_t c = 0; c < cols; ++c) row(5)[c] *= 1e-30f;
-  if (rows > 6) for (std::size_t c = 0; c < cols; ++c) row(6)[c] *= 1e-40f;
+  if (rows > 4)
+    for (std::size_t c = 0; c < cols; ++c) row(4)[c] *= 1e30f;
+  if (rows > 5)
+    for (std::size_t c = 0; c < cols; ++c) row(5)[c] *= 1e-30f;
+  if (rows > 6)
+    for (std::size_t c = 0; c < cols; ++c) row(6)[c] *= 1e-40f;
   return values;
 }
 
@@ -63,8 +66,7 @@ inline std::vector<Shape> odd_shapes() {
 }
 
 inline std::vector<CpuExec> fast_execs() {
-  return {CpuExec{CpuImpl::kVectorized, 1}, CpuExec{CpuImpl::kVectorized, 2},
-          CpuExec{CpuImpl::kVectorized, 3}};
+  return {CpuExec{CpuImpl::kVectorized, 1}, CpuExec{CpuImpl::kVectorized, 2}, CpuExec{CpuImpl::kVectorized, 3}};
 }
 
 inline std::string exec_name(const CpuExec &exec) {

@@ -155,7 +155,8 @@ struct StreamedModel::Impl {
   void adopt(Block block, std::size_t index) {
     if (block.name.empty()) block.name = fmt::format("block{}", index);
     const std::string& name = block.name;
-    if (!block.parameters) throw std::invalid_argument(fmt::format("StreamedModel: {} has no parameters callable", name));
+    if (!block.parameters)
+      throw std::invalid_argument(fmt::format("StreamedModel: {} has no parameters callable", name));
     if (!block.forward) throw std::invalid_argument(fmt::format("StreamedModel: {} has no forward", name));
     BlockState state;
     const NamedParameters params = block.parameters();
@@ -171,10 +172,10 @@ struct StreamedModel::Impl {
             fmt::format("StreamedModel: {} has no parameter '{}' (it has: {})", name, wanted, known));
       }
       if (!found->is_floating_point() || found->numel() == 0) {
-        throw std::invalid_argument(fmt::format(
-            "StreamedModel: {}: parameter '{}' is {} with {} elements; a streamed parameter is a non-empty "
-            "floating-point tensor",
-            name, wanted, c10::toString(found->scalar_type()), found->numel()));
+        throw std::invalid_argument(
+            fmt::format("StreamedModel: {}: parameter '{}' is {} with {} elements; a streamed parameter is a non-empty "
+                        "floating-point tensor",
+                        name, wanted, c10::toString(found->scalar_type()), found->numel()));
       }
       StreamedParam p;
       p.name = wanted;
@@ -251,8 +252,8 @@ struct StreamedModel::Impl {
     host.output_dir = options.output_dir;
     host.logger = log;
     host.fallback = sp::host::FallbackMode::last_good;
-    host.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) |
-                                SP_PRECISION_BIT(SP_PRECISION_NF4);
+    host.supported_precisions =
+        SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
     policy = std::make_unique<sp::host::PolicySession>(
         options.plugin_file, sp::host::PolicyConfig{options.config_yaml, options.config_source},
         std::move(descriptions), std::move(host));
@@ -532,7 +533,8 @@ struct StreamedModel::Impl {
       std::vector<torch::Tensor> reference{sample};
       eval_pass(pinned_to(SP_PRECISION_BF16),
                 [&](std::uint32_t b) { reference.push_back(blocks[b].block.forward(reference.back())); });
-      for (auto [precision, sums] : {std::pair{SP_PRECISION_INT8, &errors.int8}, std::pair{SP_PRECISION_NF4, &errors.nf4}}) {
+      for (auto [precision, sums] :
+           {std::pair{SP_PRECISION_INT8, &errors.int8}, std::pair{SP_PRECISION_NF4, &errors.nf4}}) {
         eval_pass(pinned_to(precision), [&, sums = sums](std::uint32_t b) {
           const torch::Tensor quantized = on_host(blocks[b].block.forward(reference[b]));
           const torch::Tensor expected = on_host(reference[b + 1]);
@@ -634,8 +636,8 @@ torch::Tensor StreamedModel::forward(const torch::Tensor& x) {
 void StreamedModel::begin_step(std::int64_t step) {
   Impl& m = *impl_;
   if (m.in_step) {
-    throw std::logic_error(fmt::format("StreamedModel::begin_step({}): step {} has not ended; call end_step()", step,
-                                       m.step));
+    throw std::logic_error(
+        fmt::format("StreamedModel::begin_step({}): step {} has not ended; call end_step()", step, m.step));
   }
   m.policy->begin_step(step);
   m.report = StepReport{};
@@ -720,13 +722,15 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
   if (m.in_step) throw std::logic_error("StreamedModel::export_state: call it between steps");
   std::map<std::string, torch::Tensor> state;
   for (const BlockState& b : m.blocks) {
-    for (const StreamedParam& p : b.streamed) state.emplace("master/" + b.block.name + "/" + p.name, p.master.detach().clone());
+    for (const StreamedParam& p : b.streamed)
+      state.emplace("master/" + b.block.name + "/" + p.name, p.master.detach().clone());
   }
   const std::vector<std::uint8_t> blob = m.policy->export_state();
   state.emplace("policy/state", torch::from_blob(const_cast<std::uint8_t*>(blob.data()),
                                                  {static_cast<std::int64_t>(blob.size())}, torch::kUInt8)
                                     .clone());
-  torch::Tensor hints = torch::empty({static_cast<std::int64_t>(m.applied_hints.size() * sizeof(sp_hint_v1))}, torch::kUInt8);
+  torch::Tensor hints =
+      torch::empty({static_cast<std::int64_t>(m.applied_hints.size() * sizeof(sp_hint_v1))}, torch::kUInt8);
   if (!m.applied_hints.empty()) std::memcpy(hints.data_ptr(), m.applied_hints.data(), hints.numel());
   state.emplace("policy/hints", hints);
   state.emplace("layer/passes", torch::tensor({m.engine_steps, m.eval_engine_steps}, torch::kInt64));

@@ -28,9 +28,7 @@ std::vector<TinyBlock> make_blocks(std::uint64_t seed) {
   return blocks;
 }
 
-std::string policy_yaml(const std::string& body) {
-  return "selective_precision:\n  telemetry_enabled: false\n" + body;
-}
+std::string policy_yaml(const std::string& body) { return "selective_precision:\n  telemetry_enabled: false\n" + body; }
 
 std::unique_ptr<tl::StreamedModel> wrap(const std::vector<TinyBlock>& blocks, const std::string& policy_body) {
   std::vector<tl::Block> list;
@@ -141,7 +139,8 @@ TEST(StreamedModel, AForwardWithoutBackwardIsClosedByTheNextOne) {
 
 TEST(StreamedModel, StaticPolicyRoutesBlocksThroughInt8AndNf4) {
   const auto blocks = make_blocks(9);
-  auto model = wrap(blocks, "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n  force_nf4_blocks: [2]\n");
+  auto model =
+      wrap(blocks, "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n  force_nf4_blocks: [2]\n");
   for (std::int64_t step = 0; step < 2; ++step) {
     model->begin_step(step);
     model->forward(input(10 + step)).pow(2).mean().backward();
@@ -225,7 +224,8 @@ TEST(StreamedModel, StateRoundTripResumesWithTheSameRoutesAndWeights) {
   }
   EXPECT_EQ(resumed->routes(), model->routes());
   for (std::uint32_t b = 0; b < kBlocks; ++b) {
-    for (const auto& [name, master] : model->masters(b)) EXPECT_TRUE(torch::equal(resumed->masters(b).at(name), master));
+    for (const auto& [name, master] : model->masters(b))
+      EXPECT_TRUE(torch::equal(resumed->masters(b).at(name), master));
   }
   torch::NoGradGuard no_grad;
   EXPECT_TRUE(torch::equal(resumed->forward(input(19)), model->forward(input(19))));
@@ -253,7 +253,8 @@ TEST(StreamedModel, NamedErrors) {
   model->begin_step(0);
   EXPECT_THROW(model->end_step(0.0), std::logic_error);  // no post_backward
   options.plugin_file = "/nonexistent/libnothing.so";
-  EXPECT_ANY_THROW(tl::StreamedModel(std::vector<tl::Block>{tl::make_block(make_blocks(23)[0], {"fc1.weight"})}, options));
+  EXPECT_ANY_THROW(
+      tl::StreamedModel(std::vector<tl::Block>{tl::make_block(make_blocks(23)[0], {"fc1.weight"})}, options));
 }
 
 TEST(StreamedModel, AReplacedParameterIsRefusedNotRead) {

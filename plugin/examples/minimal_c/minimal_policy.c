@@ -96,8 +96,7 @@ static const char *trim_end(const char *begin, const char *end) {
 }
 
 /* Parses one `key: value` line into ctx; returns SP_OK or SP_ERR_CONFIG with a message. */
-static sp_status parse_config_line(sp_policy_ctx *ctx, unsigned line_number, const char *begin,
-                                   const char *end) {
+static sp_status parse_config_line(sp_policy_ctx *ctx, unsigned line_number, const char *begin, const char *end) {
   const char *colon = memchr(begin, ':', (size_t)(end - begin));
   char key[64];
   char value[64];
@@ -124,20 +123,20 @@ static sp_status parse_config_line(sp_policy_ctx *ctx, unsigned line_number, con
   if (strcmp(key, "int8_max_l2") == 0) {
     const double parsed = strtod(value, &value_end);
     if (value_length == 0 || *value_end != '\0' || errno != 0 || !isfinite(parsed) || parsed <= 0.0) {
-      return fail(create_error, SP_ERR_CONFIG,
-                  "config line %u: int8_max_l2 is '%s', expected a finite number > 0", line_number, value);
+      return fail(create_error, SP_ERR_CONFIG, "config line %u: int8_max_l2 is '%s', expected a finite number > 0",
+                  line_number, value);
     }
     ctx->int8_max_l2 = parsed;
   } else if (strcmp(key, "min_samples") == 0) {
     const long long parsed = strtoll(value, &value_end, 10);
     if (value_length == 0 || *value_end != '\0' || errno != 0 || parsed < 1) {
-      return fail(create_error, SP_ERR_CONFIG,
-                  "config line %u: min_samples is '%s', expected an integer >= 1", line_number, value);
+      return fail(create_error, SP_ERR_CONFIG, "config line %u: min_samples is '%s', expected an integer >= 1",
+                  line_number, value);
     }
     ctx->min_samples = (uint64_t)parsed;
   } else {
-    return fail(create_error, SP_ERR_CONFIG,
-                "config line %u: unknown key '%s'; expected int8_max_l2 or min_samples", line_number, key);
+    return fail(create_error, SP_ERR_CONFIG, "config line %u: unknown key '%s'; expected int8_max_l2 or min_samples",
+                line_number, key);
   }
   return SP_OK;
 }
@@ -160,9 +159,8 @@ static sp_status parse_config(sp_policy_ctx *ctx, const char *text) {
 
 /* ---- lifecycle ---------------------------------------------------------------------- */
 
-static sp_status policy_create(const sp_host_api_v1 *host, const char *config_yaml,
-                               const sp_block_desc_v1 *blocks, uint32_t n_blocks,
-                               sp_policy_ctx **out_ctx) {
+static sp_status policy_create(const sp_host_api_v1 *host, const char *config_yaml, const sp_block_desc_v1 *blocks,
+                               uint32_t n_blocks, sp_policy_ctx **out_ctx) {
   sp_policy_ctx *ctx;
   sp_status status;
 
@@ -214,8 +212,7 @@ static sp_status policy_begin_step(sp_policy_ctx *ctx, int64_t step) {
   return SP_OK;
 }
 
-static sp_status policy_post_backward(sp_policy_ctx *ctx, int64_t step, const sp_grad_moments_v1 *moments,
-                                      uint32_t n) {
+static sp_status policy_post_backward(sp_policy_ctx *ctx, int64_t step, const sp_grad_moments_v1 *moments, uint32_t n) {
   uint32_t i;
   if (ctx == NULL) return SP_ERR_INVALID_ARGUMENT;
   if (moments == NULL && n > 0) return fail(ctx->error, SP_ERR_INVALID_ARGUMENT, "moments is NULL");
@@ -287,8 +284,8 @@ static sp_status policy_set_calibration_errors(sp_policy_ctx *ctx, const uint32_
   /* The policy ignores calibration errors but still rejects ids that do not exist. */
   for (i = 0; i < n; ++i) {
     if (block_ids[i] >= ctx->n_blocks) {
-      return fail(ctx->error, SP_ERR_INVALID_ARGUMENT, "block_ids[%u] is %u, but there are %u blocks", i,
-                  block_ids[i], ctx->n_blocks);
+      return fail(ctx->error, SP_ERR_INVALID_ARGUMENT, "block_ids[%u] is %u, but there are %u blocks", i, block_ids[i],
+                  ctx->n_blocks);
     }
   }
   return SP_OK;
@@ -296,12 +293,36 @@ static sp_status policy_set_calibration_errors(sp_policy_ctx *ctx, const uint32_
 
 /* ---- state migration ---------------------------------------------------------------- */
 
-static void put_u32(uint8_t **cursor, uint32_t value) { memcpy(*cursor, &value, 4); *cursor += 4; }
-static void put_u64(uint8_t **cursor, uint64_t value) { memcpy(*cursor, &value, 8); *cursor += 8; }
-static void put_f64(uint8_t **cursor, double value) { memcpy(*cursor, &value, 8); *cursor += 8; }
-static uint32_t get_u32(const uint8_t **cursor) { uint32_t v; memcpy(&v, *cursor, 4); *cursor += 4; return v; }
-static uint64_t get_u64(const uint8_t **cursor) { uint64_t v; memcpy(&v, *cursor, 8); *cursor += 8; return v; }
-static double get_f64(const uint8_t **cursor) { double v; memcpy(&v, *cursor, 8); *cursor += 8; return v; }
+static void put_u32(uint8_t **cursor, uint32_t value) {
+  memcpy(*cursor, &value, 4);
+  *cursor += 4;
+}
+static void put_u64(uint8_t **cursor, uint64_t value) {
+  memcpy(*cursor, &value, 8);
+  *cursor += 8;
+}
+static void put_f64(uint8_t **cursor, double value) {
+  memcpy(*cursor, &value, 8);
+  *cursor += 8;
+}
+static uint32_t get_u32(const uint8_t **cursor) {
+  uint32_t v;
+  memcpy(&v, *cursor, 4);
+  *cursor += 4;
+  return v;
+}
+static uint64_t get_u64(const uint8_t **cursor) {
+  uint64_t v;
+  memcpy(&v, *cursor, 8);
+  *cursor += 8;
+  return v;
+}
+static double get_f64(const uint8_t **cursor) {
+  double v;
+  memcpy(&v, *cursor, 8);
+  *cursor += 8;
+  return v;
+}
 
 static sp_status policy_export_state(sp_policy_ctx *ctx, uint8_t *buffer, uint64_t capacity, uint64_t *size_out) {
   const uint64_t size = STATE_HEADER_BYTES + (uint64_t)STATE_BLOCK_BYTES * (ctx != NULL ? ctx->n_blocks : 0);
@@ -333,8 +354,9 @@ static sp_status policy_import_state(sp_policy_ctx *ctx, const uint8_t *blob, ui
   uint32_t id;
   if (ctx == NULL) return SP_ERR_INVALID_ARGUMENT;
   if (blob == NULL || size < STATE_HEADER_BYTES || memcmp(blob, STATE_MAGIC, 4) != 0) {
-    return fail(ctx->error, SP_ERR_STATE, "the state blob (%llu bytes) does not start with the " PLUGIN_NAME
-                " header '" STATE_MAGIC "'", (unsigned long long)size);
+    return fail(ctx->error, SP_ERR_STATE,
+                "the state blob (%llu bytes) does not start with the " PLUGIN_NAME " header '" STATE_MAGIC "'",
+                (unsigned long long)size);
   }
   cursor += 4;
   format_version = get_u32(&cursor);
@@ -372,9 +394,7 @@ static sp_status policy_import_state(sp_policy_ctx *ctx, const uint8_t *blob, ui
   return SP_OK;
 }
 
-static const char *policy_last_error(const sp_policy_ctx *ctx) {
-  return ctx != NULL ? ctx->error : create_error;
-}
+static const char *policy_last_error(const sp_policy_ctx *ctx) { return ctx != NULL ? ctx->error : create_error; }
 
 static const sp_policy_plugin_v1_table plugin_table = {
     .struct_size = sizeof(sp_policy_plugin_v1_table),

@@ -29,28 +29,40 @@ constexpr std::size_t kKnownKeyCount = 28;
 constexpr std::size_t kKnownKeyCount = 22;
 #endif
 constexpr std::array<const char *, kKnownKeyCount> kKnownKeys = {
-    "enabled",           "mode",
-    "bf16_threshold",    "int8_threshold",
-    "ambiguous_default", "hysteresis_margin",
-    "grad_weight",       "error_weight",
+    "enabled",
+    "mode",
+    "bf16_threshold",
+    "int8_threshold",
+    "ambiguous_default",
+    "hysteresis_margin",
+    "grad_weight",
+    "error_weight",
     "grad_sensitivity_threshold",
-    "run_calibration",   "calibration_samples",
+    "run_calibration",
+    "calibration_samples",
     "quant_error_threshold",
-    "warmup_steps",      "history_window",
+    "warmup_steps",
+    "history_window",
     "update_interval_steps",
     "min_steps_between_switches",
-    "force_bf16_blocks", "force_int8_blocks",
-    "log_decisions",     "telemetry_enabled",
-    "telemetry_file",    "nonfinite_to_bf16",
+    "force_bf16_blocks",
+    "force_int8_blocks",
+    "log_decisions",
+    "telemetry_enabled",
+    "telemetry_file",
+    "nonfinite_to_bf16",
 #if SP_POLICY_EDITION >= 2
-    "tiers",             "force_nf4_blocks",
-    "nf4_threshold",     "nf4_quant_error_threshold",
-    "nf4_group_size",    "loss_guard",
+    "tiers",
+    "force_nf4_blocks",
+    "nf4_threshold",
+    "nf4_quant_error_threshold",
+    "nf4_group_size",
+    "loss_guard",
 #endif
 };
 
-constexpr std::array<const char *, 6> kLossGuardKeys = {"enabled", "window", "sigmas", "min_rise", "blame_steps",
-                                                        "penalty_steps"};
+constexpr std::array<const char *, 6> kLossGuardKeys = {"enabled",  "window",      "sigmas",
+                                                        "min_rise", "blame_steps", "penalty_steps"};
 constexpr const char *kTierChoices = "one of bf16, int8, nf4";
 
 std::string tiers_text(sp_precision_mask tiers) {
@@ -118,8 +130,7 @@ class SectionReader {
 
   std::vector<std::uint32_t> read_block_ids(std::string_view key, const YAML::Node &node,
                                             std::uint32_t n_blocks) const {
-    const std::string expected =
-        fmt::format("a list of block ids in [0, {}]", static_cast<std::int64_t>(n_blocks) - 1);
+    const std::string expected = fmt::format("a list of block ids in [0, {}]", static_cast<std::int64_t>(n_blocks) - 1);
     if (node.IsNull()) return {};
     if (!node.IsSequence()) fail(key, expected, node);
     std::vector<std::uint32_t> ids;
@@ -143,8 +154,7 @@ class SectionReader {
   std::string section_path_;
 };
 
-void require_range(const SectionReader &reader, std::string_view key, double value, double low,
-                   double high) {
+void require_range(const SectionReader &reader, std::string_view key, double value, double low, double high) {
   if (!(value >= low && value <= high)) {
     throw ConfigError(fmt::format("{}: expected a number in [{}, {}], found {}", reader.path(key), low, high, value));
   }
@@ -176,21 +186,22 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
   }
   if (!(config.hysteresis_margin >= 0.0 && config.hysteresis_margin <= config.int8_threshold)) {
     throw ConfigError(fmt::format("{}: expected a number in [0, int8_threshold = {}], found {}",
-                                  reader.path("hysteresis_margin"), config.int8_threshold,
-                                  config.hysteresis_margin));
+                                  reader.path("hysteresis_margin"), config.int8_threshold, config.hysteresis_margin));
   }
   if (config.grad_weight == 0.0 && config.error_weight == 0.0) {
-    throw ConfigError(fmt::format("{}: grad_weight and error_weight are both 0, so every block would score 0; "
-                                  "expected at least one weight > 0",
-                                  reader.path("grad_weight")));
+    throw ConfigError(
+        fmt::format("{}: grad_weight and error_weight are both 0, so every block would score 0; "
+                    "expected at least one weight > 0",
+                    reader.path("grad_weight")));
   }
   for (std::size_t i = 0; i < config.force_int8_blocks.size(); ++i) {
     const std::uint32_t block = config.force_int8_blocks[i];
     const auto &bf16 = config.force_bf16_blocks;
     if (std::find(bf16.begin(), bf16.end(), block) != bf16.end()) {
-      throw ConfigError(fmt::format("{}[{}]: block {} is also in force_bf16_blocks; expected each block in at "
-                                    "most one force list",
-                                    reader.path("force_int8_blocks"), i, block));
+      throw ConfigError(
+          fmt::format("{}[{}]: block {} is also in force_bf16_blocks; expected each block in at "
+                      "most one force list",
+                      reader.path("force_int8_blocks"), i, block));
     }
   }
   for (std::size_t i = 0; i < config.force_nf4_blocks.size(); ++i) {
@@ -198,16 +209,18 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
     for (const auto &[other_key, other] : {std::pair{"force_bf16_blocks", &config.force_bf16_blocks},
                                            std::pair{"force_int8_blocks", &config.force_int8_blocks}}) {
       if (std::find(other->begin(), other->end(), block) != other->end()) {
-        throw ConfigError(fmt::format("{}[{}]: block {} is also in {}; expected each block in at most one force "
-                                      "list",
-                                      reader.path("force_nf4_blocks"), i, block, other_key));
+        throw ConfigError(
+            fmt::format("{}[{}]: block {} is also in {}; expected each block in at most one force "
+                        "list",
+                        reader.path("force_nf4_blocks"), i, block, other_key));
       }
     }
   }
   if (!config.tier(SP_PRECISION_BF16)) {
-    throw ConfigError(fmt::format("{}: expected a list that contains bf16 (the precision every block can fall "
-                                  "back to), found {}",
-                                  reader.path("tiers"), tiers_text(config.tiers)));
+    throw ConfigError(
+        fmt::format("{}: expected a list that contains bf16 (the precision every block can fall "
+                    "back to), found {}",
+                    reader.path("tiers"), tiers_text(config.tiers)));
   }
   if (config.tier(SP_PRECISION_NF4)) {
     if (!(config.nf4_threshold < config.int8_threshold)) {
@@ -216,8 +229,7 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
     }
     if (!(config.hysteresis_margin <= config.nf4_threshold)) {
       throw ConfigError(fmt::format("{}: expected a number in [0, nf4_threshold = {}] when nf4 is a tier, found {}",
-                                    reader.path("hysteresis_margin"), config.nf4_threshold,
-                                    config.hysteresis_margin));
+                                    reader.path("hysteresis_margin"), config.nf4_threshold, config.hysteresis_margin));
     }
   }
   if (config.telemetry_enabled && config.telemetry_file.empty()) {
@@ -226,7 +238,8 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
   }
 }
 
-[[maybe_unused]] sp_precision_mask read_tiers(const SectionReader &reader, const std::string &key, const YAML::Node &node) {
+[[maybe_unused]] sp_precision_mask read_tiers(const SectionReader &reader, const std::string &key,
+                                              const YAML::Node &node) {
   constexpr const char *kExpected = "a list of precisions from [bf16, int8, nf4] that contains bf16";
   if (!node.IsSequence()) reader.fail(key, kExpected, node);
   sp_precision_mask tiers = 0;
@@ -244,8 +257,8 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
       reader.fail(element, kTierChoices, node[i]);
     }
     if ((tiers & SP_PRECISION_BIT(precision)) != 0) {
-      throw ConfigError(fmt::format("{}: {} is listed twice; expected each precision at most once",
-                                    reader.path(element), name));
+      throw ConfigError(
+          fmt::format("{}: {} is listed twice; expected each precision at most once", reader.path(element), name));
     }
     tiers |= SP_PRECISION_BIT(precision);
   }
@@ -253,15 +266,16 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
 }
 
 [[maybe_unused]] void read_loss_guard(const SectionReader &section, const std::string &key, const YAML::Node &node,
-                     PolicyConfig::LossGuard &guard) {
+                                      PolicyConfig::LossGuard &guard) {
   if (node.IsNull()) return;
-  if (!node.IsMap()) section.fail(key, "a mapping with enabled, window, sigmas, min_rise, blame_steps, penalty_steps", node);
+  if (!node.IsMap())
+    section.fail(key, "a mapping with enabled, window, sigmas, min_rise, blame_steps, penalty_steps", node);
   const SectionReader reader(section.path(key));
   std::set<std::string> seen;
   for (const auto &entry : node) {
     if (!entry.first.IsScalar()) {
-      throw ConfigError(fmt::format("{}: expected setting names, found {} as a key", section.path(key),
-                                    describe(entry.first)));
+      throw ConfigError(
+          fmt::format("{}: expected setting names, found {} as a key", section.path(key), describe(entry.first)));
     }
     const std::string name = entry.first.Scalar();
     const YAML::Node &value = entry.second;
@@ -294,8 +308,8 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
   }
 }
 
-void read_key(const SectionReader &reader, const std::string &key, const YAML::Node &value,
-              std::uint32_t n_blocks, PolicyConfig &config) {
+void read_key(const SectionReader &reader, const std::string &key, const YAML::Node &value, std::uint32_t n_blocks,
+              PolicyConfig &config) {
   constexpr const char *kUnit = "a number in [0, 1]";
   constexpr const char *kNonNegative = "a finite number >= 0";
   constexpr const char *kPositive = "a finite number > 0";
@@ -426,9 +440,10 @@ ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blo
                                   error.mark.column + 1, error.msg));
   }
   if (!root.IsDefined() || root.IsNull()) {
-    throw ConfigError(fmt::format("the configuration is empty; expected a '{}' section (standalone policy file) "
-                                  "or '{}' (training config)",
-                                  kTopLevelSection, kTrainingConfigSection));
+    throw ConfigError(
+        fmt::format("the configuration is empty; expected a '{}' section (standalone policy file) "
+                    "or '{}' (training config)",
+                    kTopLevelSection, kTrainingConfigSection));
   }
   if (!root.IsMap()) {
     throw ConfigError(fmt::format("the configuration must be a YAML mapping with a '{}' or '{}' section, found {}",
@@ -441,9 +456,10 @@ ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blo
                                   kTopLevelSection, kTrainingConfigSection));
   }
   if (!top_level.IsDefined() && !nested.IsDefined()) {
-    throw ConfigError(fmt::format("no policy section; expected '{}' (standalone policy file) or '{}' "
-                                  "(training config)",
-                                  kTopLevelSection, kTrainingConfigSection));
+    throw ConfigError(
+        fmt::format("no policy section; expected '{}' (standalone policy file) or '{}' "
+                    "(training config)",
+                    kTopLevelSection, kTrainingConfigSection));
   }
 
   ParsedConfig parsed;
@@ -451,15 +467,15 @@ ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blo
   const YAML::Node section = top_level.IsDefined() ? top_level : nested;
   const SectionReader reader(parsed.section_path);
   if (!section.IsNull() && !section.IsMap()) {
-    throw ConfigError(fmt::format("{}: expected a mapping of policy settings, found {}", parsed.section_path,
-                                  describe(section)));
+    throw ConfigError(
+        fmt::format("{}: expected a mapping of policy settings, found {}", parsed.section_path, describe(section)));
   }
   if (section.IsMap()) {
     std::set<std::string> seen;
     for (const auto &entry : section) {
       if (!entry.first.IsScalar()) {
-        throw ConfigError(fmt::format("{}: expected setting names, found {} as a key", parsed.section_path,
-                                      describe(entry.first)));
+        throw ConfigError(
+            fmt::format("{}: expected setting names, found {} as a key", parsed.section_path, describe(entry.first)));
       }
       const std::string key = entry.first.Scalar();
       if (!seen.insert(key).second) {
@@ -472,12 +488,11 @@ ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blo
 
   const PolicyConfig &config = parsed.config;
   if (config.effective_mode() == Mode::off &&
-      (!config.force_bf16_blocks.empty() || !config.force_int8_blocks.empty() ||
-       !config.force_nf4_blocks.empty())) {
-    parsed.warnings.push_back(fmt::format("{}: the policy is off ({}), so the force lists "
-                                          "are ignored and every block streams as BF16",
-                                          parsed.section_path,
-                                          config.enabled ? "mode: off" : "enabled: false"));
+      (!config.force_bf16_blocks.empty() || !config.force_int8_blocks.empty() || !config.force_nf4_blocks.empty())) {
+    parsed.warnings.push_back(
+        fmt::format("{}: the policy is off ({}), so the force lists "
+                    "are ignored and every block streams as BF16",
+                    parsed.section_path, config.enabled ? "mode: off" : "enabled: false"));
   }
   return parsed;
 }
@@ -511,26 +526,30 @@ void check_host_precisions(const ParsedConfig &parsed, sp_precision_mask support
   // transfers BF16 and INT8) would refuse every INT8 hint and apply its fallback instead.
   if ((supported & SP_PRECISION_BIT(SP_PRECISION_INT8)) == 0) {
     if (config.tier(SP_PRECISION_INT8)) {
-      throw ConfigError(fmt::format("{}.tiers: int8 is a tier, but the host cannot transfer INT8 (it supports {}); "
-                                    "expected tiers from {}",
-                                    parsed.section_path, tiers_text(supported), tiers_text(supported)));
+      throw ConfigError(
+          fmt::format("{}.tiers: int8 is a tier, but the host cannot transfer INT8 (it supports {}); "
+                      "expected tiers from {}",
+                      parsed.section_path, tiers_text(supported), tiers_text(supported)));
     }
     if (!config.force_int8_blocks.empty()) {
-      throw ConfigError(fmt::format("{}.force_int8_blocks: {} block(s) forced to int8, but the host cannot "
-                                    "transfer INT8 (it supports {}); expected an empty list",
-                                    parsed.section_path, config.force_int8_blocks.size(), tiers_text(supported)));
+      throw ConfigError(
+          fmt::format("{}.force_int8_blocks: {} block(s) forced to int8, but the host cannot "
+                      "transfer INT8 (it supports {}); expected an empty list",
+                      parsed.section_path, config.force_int8_blocks.size(), tiers_text(supported)));
     }
   }
   if ((supported & SP_PRECISION_BIT(SP_PRECISION_NF4)) != 0) return;
   if (config.tier(SP_PRECISION_NF4)) {
-    throw ConfigError(fmt::format("{}.tiers: nf4 is a tier, but the host cannot transfer NF4 (it supports {}); "
-                                  "expected tiers from {}",
-                                  parsed.section_path, tiers_text(supported), tiers_text(supported)));
+    throw ConfigError(
+        fmt::format("{}.tiers: nf4 is a tier, but the host cannot transfer NF4 (it supports {}); "
+                    "expected tiers from {}",
+                    parsed.section_path, tiers_text(supported), tiers_text(supported)));
   }
   if (!config.force_nf4_blocks.empty()) {
-    throw ConfigError(fmt::format("{}.force_nf4_blocks: {} block(s) forced to nf4, but the host cannot transfer "
-                                  "NF4 (it supports {}); expected an empty list",
-                                  parsed.section_path, config.force_nf4_blocks.size(), tiers_text(supported)));
+    throw ConfigError(
+        fmt::format("{}.force_nf4_blocks: {} block(s) forced to nf4, but the host cannot transfer "
+                    "NF4 (it supports {}); expected an empty list",
+                    parsed.section_path, config.force_nf4_blocks.size(), tiers_text(supported)));
   }
 }
 

@@ -115,16 +115,16 @@ bool PolicyEngine::is_decision_step(std::int64_t step) const {
   return step >= config_.warmup_steps && (step - config_.warmup_steps) % config_.update_interval_steps == 0;
 }
 
-void PolicyEngine::require_phase(const char *hook, std::int64_t step,
-                                 std::initializer_list<StepPhase> allowed) const {
+void PolicyEngine::require_phase(const char *hook, std::int64_t step, std::initializer_list<StepPhase> allowed) const {
   if (step != state_.current_step) {
     throw OrderError(fmt::format("{}({}) called while step {} is current; call begin_step({}) first", hook, step,
                                  state_.current_step, step));
   }
   if (std::find(allowed.begin(), allowed.end(), state_.phase) == allowed.end()) {
-    throw OrderError(fmt::format("{}({}) called {} of step {}; the order is begin_step, post_backward, "
-                                 "compute_hints, end_step, each at most once",
-                                 hook, step, phase_name(state_.phase), step));
+    throw OrderError(
+        fmt::format("{}({}) called {} of step {}; the order is begin_step, post_backward, "
+                    "compute_hints, end_step, each at most once",
+                    hook, step, phase_name(state_.phase), step));
   }
 }
 
@@ -145,21 +145,22 @@ void PolicyEngine::post_backward(std::int64_t step, const sp_grad_moments_v1 *mo
   for (std::uint32_t i = 0; i < n; ++i) {
     const sp_grad_moments_v1 &m = moments[i];
     if (m.block_id >= n_blocks()) {
-      throw InvalidArgument(fmt::format("post_backward: moments[{}] names block {}, but there are {} blocks", i,
-                                        m.block_id, n_blocks()));
+      throw InvalidArgument(
+          fmt::format("post_backward: moments[{}] names block {}, but there are {} blocks", i, m.block_id, n_blocks()));
     }
     if (seen_in_call_[m.block_id] == call_serial_) {
       throw InvalidArgument(fmt::format("post_backward: moments[{}] repeats block {}", i, m.block_id));
     }
     seen_in_call_[m.block_id] = call_serial_;
     if (m.count == 0) {
-      throw InvalidArgument(fmt::format("post_backward: block {} has count 0; a block without gradient elements "
-                                        "must be left out of the list",
-                                        m.block_id));
+      throw InvalidArgument(
+          fmt::format("post_backward: block {} has count 0; a block without gradient elements "
+                      "must be left out of the list",
+                      m.block_id));
     }
     if (m.nonfinite > m.count) {
-      throw InvalidArgument(fmt::format("post_backward: block {} reports {} non-finite elements out of {}",
-                                        m.block_id, m.nonfinite, m.count));
+      throw InvalidArgument(fmt::format("post_backward: block {} reports {} non-finite elements out of {}", m.block_id,
+                                        m.nonfinite, m.count));
     }
     if (moments_finite(m) && (m.sum_sq < 0.0 || m.max_abs < 0.0)) {
       throw InvalidArgument(fmt::format("post_backward: block {} has sum_sq {} and max_abs {}; both must be >= 0",
@@ -180,8 +181,8 @@ void PolicyEngine::post_backward(std::int64_t step, const sp_grad_moments_v1 *mo
 void PolicyEngine::compute_hints(std::int64_t step, sp_hint_v1 *hints_out, std::uint32_t n) {
   require_phase("compute_hints", step, {StepPhase::begun, StepPhase::backward_done});
   if (n != n_blocks()) {
-    throw InvalidArgument(fmt::format("compute_hints: n = {}, but the policy was created for {} blocks", n,
-                                      n_blocks()));
+    throw InvalidArgument(
+        fmt::format("compute_hints: n = {}, but the policy was created for {} blocks", n, n_blocks()));
   }
   if (hints_out == nullptr) throw InvalidArgument("compute_hints: hints_out is null");
 
@@ -211,7 +212,8 @@ void PolicyEngine::compute_hints(std::int64_t step, sp_hint_v1 *hints_out, std::
     hints_out[b] = hint;
   }
   state_.phase = StepPhase::hints_done;
-  if (telemetry_ && (decision_step || changes > 0)) pending_record_ = StepRecord{step, decision_step, changes, std::nullopt};
+  if (telemetry_ && (decision_step || changes > 0))
+    pending_record_ = StepRecord{step, decision_step, changes, std::nullopt};
 }
 
 void PolicyEngine::decide_off() {
@@ -255,10 +257,9 @@ void PolicyEngine::score_blocks() {
     score.error_score = calibration ? std::min(*calibration / config_.quant_error_threshold, 1.0) : 0.0;
     score.sensitivity =
         std::clamp(config_.grad_weight * score.grad_score + config_.error_weight * score.error_score, 0.0, 1.0);
-    score.nf4_error_score =
-        nf4_calibration ? std::min(*nf4_calibration / config_.nf4_quant_error_threshold, 1.0) : 0.0;
-    score.nf4_sensitivity = std::clamp(
-        config_.grad_weight * score.grad_score + config_.error_weight * score.nf4_error_score, 0.0, 1.0);
+    score.nf4_error_score = nf4_calibration ? std::min(*nf4_calibration / config_.nf4_quant_error_threshold, 1.0) : 0.0;
+    score.nf4_sensitivity =
+        std::clamp(config_.grad_weight * score.grad_score + config_.error_weight * score.nf4_error_score, 0.0, 1.0);
   }
 }
 
@@ -290,8 +291,7 @@ void PolicyEngine::decide_dynamic(std::int64_t step, bool decision_step) {
       block.last_down_move.reset();
       block.penalty_until = step + config_.loss_guard.penalty_steps;
       hint.reason = SP_REASON_LOSS_GUARD;
-    } else if (block.assignment != Assignment::unassigned &&
-               !config_.tier(precision_of(block.assignment))) {
+    } else if (block.assignment != Assignment::unassigned && !config_.tier(precision_of(block.assignment))) {
       // Imported from a state whose precision this config does not allow.
       assign(block, assignment_for(nearest_tier_up(precision_of(block.assignment))), step);
       hint.reason = SP_REASON_MODE;
@@ -480,8 +480,8 @@ void PolicyEngine::set_calibration_errors(const std::uint32_t *block_ids, const 
 
 void PolicyEngine::set_transfer_bytes(sp_precision precision, const std::uint64_t *bytes, std::uint32_t n) {
   if (n != n_blocks()) {
-    throw InvalidArgument(fmt::format("set_transfer_bytes: n = {}, but the policy was created for {} blocks", n,
-                                      n_blocks()));
+    throw InvalidArgument(
+        fmt::format("set_transfer_bytes: n = {}, but the policy was created for {} blocks", n, n_blocks()));
   }
   if (bytes == nullptr) throw InvalidArgument("set_transfer_bytes: bytes is null");
   switch (precision) {
@@ -495,18 +495,20 @@ void PolicyEngine::set_transfer_bytes(sp_precision precision, const std::uint64_
       for (std::uint32_t b = 0; b < n; ++b) block_bytes_[b].nf4 = bytes[b];
       break;
     default:
-      throw InvalidArgument(fmt::format("set_transfer_bytes: precision {} is unknown to this plugin (bf16 = 0, "
-                                        "int8 = 1, nf4 = 2)",
-                                        precision));
+      throw InvalidArgument(
+          fmt::format("set_transfer_bytes: precision {} is unknown to this plugin (bf16 = 0, "
+                      "int8 = 1, nf4 = 2)",
+                      precision));
   }
 }
 
 void PolicyEngine::set_precision_calibration_errors(sp_precision precision, const std::uint32_t *block_ids,
                                                     const double *errors, std::uint32_t n) {
   if (precision != SP_PRECISION_INT8 && precision != SP_PRECISION_NF4) {
-    throw InvalidArgument(fmt::format("set_precision_calibration_errors: precision {} has no calibration error; "
-                                      "expected int8 (1) or nf4 (2)",
-                                      precision));
+    throw InvalidArgument(
+        fmt::format("set_precision_calibration_errors: precision {} has no calibration error; "
+                    "expected int8 (1) or nf4 (2)",
+                    precision));
   }
   if (n > 0 && (block_ids == nullptr || errors == nullptr)) {
     throw InvalidArgument(fmt::format("set_calibration_errors: block_ids or errors is null but n = {}", n));
@@ -522,9 +524,10 @@ void PolicyEngine::set_precision_calibration_errors(sp_precision precision, cons
     }
     seen_in_call_[block_ids[i]] = call_serial_;
     if (!(std::isfinite(errors[i]) && errors[i] >= 0.0)) {
-      throw InvalidArgument(fmt::format("set_calibration_errors: block {} has error {}; expected a finite "
-                                        "relative error >= 0",
-                                        block_ids[i], errors[i]));
+      throw InvalidArgument(
+          fmt::format("set_calibration_errors: block {} has error {}; expected a finite "
+                      "relative error >= 0",
+                      block_ids[i], errors[i]));
     }
   }
   for (std::uint32_t i = 0; i < n; ++i) {
@@ -567,9 +570,8 @@ void PolicyEngine::write_pending_record() noexcept {
   if (!telemetry_ || !telemetry_->healthy()) return;
   try {
     const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-    telemetry_->append(
-        telemetry_record_line(record, mode_, state_, hints_, block_bytes_, state_.measured_since_record,
-                              config_.nf4_group_size, now));
+    telemetry_->append(telemetry_record_line(record, mode_, state_, hints_, block_bytes_, state_.measured_since_record,
+                                             config_.nf4_group_size, now));
     state_.measured_since_record = MeasuredBytes{};
   } catch (const std::exception &error) {
     if (log_ != nullptr && log_->wants(SP_LOG_WARN)) {

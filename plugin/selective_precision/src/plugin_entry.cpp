@@ -127,12 +127,12 @@ std::vector<sp::policy::BlockBytes> read_block_descs(const sp_block_desc_v1 *blo
   for (std::uint32_t i = 0; i < n_blocks; ++i) {
     const auto &desc = *reinterpret_cast<const sp_block_desc_v1 *>(base + static_cast<std::size_t>(i) * stride);
     if (desc.struct_size != stride) {
-      throw InvalidArgument(fmt::format("create: blocks[{}].struct_size is {}, blocks[0] says {}", i,
-                                        desc.struct_size, stride));
+      throw InvalidArgument(
+          fmt::format("create: blocks[{}].struct_size is {}, blocks[0] says {}", i, desc.struct_size, stride));
     }
     if (desc.block_id != i) {
-      throw InvalidArgument(fmt::format("create: blocks[{}].block_id is {}; descs must arrive sorted by id from 0",
-                                        i, desc.block_id));
+      throw InvalidArgument(
+          fmt::format("create: blocks[{}].block_id is {}; descs must arrive sorted by id from 0", i, desc.block_id));
     }
     bytes[i] = {desc.bf16_bytes, desc.int8_bytes, 0};
   }
@@ -172,11 +172,11 @@ sp_status sp_create(const sp_host_api_v1 *host, const char *config_yaml, const s
     for (const std::string &warning : parsed.warnings) ctx->log.write(SP_LOG_WARN, warning);
     const sp::policy::PolicyConfig &config = ctx->engine.config();
     if (ctx->log.wants(SP_LOG_INFO)) {
-      ctx->log.write(SP_LOG_INFO,
-                     fmt::format("policy v{} created from '{}': mode {}, {} blocks, thresholds int8 < {} / bf16 >= {}",
-                                 SP_POLICY_PLUGIN_VERSION, parsed.section_path,
-                                 sp::policy::mode_name(config.effective_mode()), n_blocks, config.int8_threshold,
-                                 config.bf16_threshold));
+      ctx->log.write(
+          SP_LOG_INFO,
+          fmt::format("policy v{} created from '{}': mode {}, {} blocks, thresholds int8 < {} / bf16 >= {}",
+                      SP_POLICY_PLUGIN_VERSION, parsed.section_path, sp::policy::mode_name(config.effective_mode()),
+                      n_blocks, config.int8_threshold, config.bf16_threshold));
     }
     *out_ctx = ctx.release();
   });
@@ -203,8 +203,7 @@ sp_status sp_end_step(sp_policy_ctx *ctx, int64_t step, const sp_step_feedback_v
   return on_context(ctx, "end_step", [&] { ctx->engine.end_step(step, feedback); });
 }
 
-sp_status sp_set_calibration_errors(sp_policy_ctx *ctx, const uint32_t *block_ids, const double *errors,
-                                    uint32_t n) {
+sp_status sp_set_calibration_errors(sp_policy_ctx *ctx, const uint32_t *block_ids, const double *errors, uint32_t n) {
   return on_context(ctx, "set_calibration_errors", [&] { ctx->engine.set_calibration_errors(block_ids, errors, n); });
 }
 

@@ -87,8 +87,8 @@ class Reader {
 
   void need(std::size_t bytes, const char *what) const {
     if (bytes > remaining()) {
-      throw StateError(fmt::format("state blob is truncated: {} needs {} bytes at offset {}, only {} left", what,
-                                   bytes, offset_, remaining()));
+      throw StateError(fmt::format("state blob is truncated: {} needs {} bytes at offset {}, only {} left", what, bytes,
+                                   offset_, remaining()));
     }
   }
   std::uint8_t u8(const char *what) {
@@ -235,8 +235,7 @@ PolicyFields read_policy_section(Reader &reader, std::uint32_t n_blocks, PolicyS
   state.phase = static_cast<StepPhase>(phase);
   const bool started = state.phase != StepPhase::before_first_step;
   if (started ? state.current_step < 0 : state.current_step != -1) {
-    throw StateError(fmt::format("state blob: current step {} does not fit step phase {}", state.current_step,
-                                 phase));
+    throw StateError(fmt::format("state blob: current step {} does not fit step phase {}", state.current_step, phase));
   }
   state.measured_since_record.steps = reader.u64("measured steps");
   state.measured_since_record.bf16 = reader.u64("measured bf16 bytes");
@@ -264,8 +263,7 @@ void read_score(Reader &reader, std::uint32_t b, ScoreParts &score) {
   }
 }
 
-void read_blocks_section(Reader &reader, std::size_t payload_end, const PolicyFields &fields,
-                         PolicyState &state) {
+void read_blocks_section(Reader &reader, std::size_t payload_end, const PolicyFields &fields, PolicyState &state) {
   for (std::uint32_t b = 0; b < state.blocks.size(); ++b) {
     BlockState &block = state.blocks[b];
     reader.need(kBlockFixedSize, "a block record");
@@ -281,16 +279,15 @@ void read_blocks_section(Reader &reader, std::size_t payload_end, const PolicyFi
     const bool has_calibration = reader.flag("has-calibration flag");
     const std::uint8_t previous = reader.u8("previous precision");
     if (previous != SP_PRECISION_BF16 && previous != SP_PRECISION_INT8 && !(v2 && previous == SP_PRECISION_NF4)) {
-      reject_block(b, fmt::format("previous precision must be 0 (bf16), 1 (int8){}, found {}",
-                                  v2 ? " or 2 (nf4)" : "", previous));
+      reject_block(b, fmt::format("previous precision must be 0 (bf16), 1 (int8){}, found {}", v2 ? " or 2 (nf4)" : "",
+                                  previous));
     }
     block.previous_precision = previous;
     const std::int64_t last_switch = reader.i64("last switch step");
     if (has_switched) {
       if (block.assignment == Assignment::unassigned) reject_block(b, "an unassigned block cannot have switched");
       if (last_switch < 0 || last_switch > state.current_step) {
-        reject_block(b, fmt::format("last switch step must be in [0, {}], found {}", state.current_step,
-                                    last_switch));
+        reject_block(b, fmt::format("last switch step must be in [0, {}], found {}", state.current_step, last_switch));
       }
       block.last_switch_step = last_switch;
     }
@@ -299,14 +296,13 @@ void read_blocks_section(Reader &reader, std::size_t payload_end, const PolicyFi
     read_score(reader, b, block.score);
     const std::uint32_t samples = reader.u32("window size");
     if (samples > fields.blob_window_capacity) {
-      reject_block(b, fmt::format("window holds {} samples, more than its capacity {}", samples,
-                                  fields.blob_window_capacity));
+      reject_block(
+          b, fmt::format("window holds {} samples, more than its capacity {}", samples, fields.blob_window_capacity));
     }
     if (static_cast<std::uint64_t>(samples) * kSampleSize > payload_end - reader.offset()) {
       reject_block(b, fmt::format("window of {} samples runs past the end of the blocks section", samples));
     }
-    const std::uint32_t dropped =
-        samples > state.windows.capacity() ? samples - state.windows.capacity() : 0;
+    const std::uint32_t dropped = samples > state.windows.capacity() ? samples - state.windows.capacity() : 0;
     for (std::uint32_t i = 0; i < samples; ++i) {
       GradSample sample;
       sample.l2 = non_negative_finite(reader, b, "sample l2");
@@ -316,8 +312,8 @@ void read_blocks_section(Reader &reader, std::size_t payload_end, const PolicyFi
     }
   }
   if (reader.offset() != payload_end) {
-    throw StateError(fmt::format("state blob: the blocks section has {} bytes after the last block",
-                                 payload_end - reader.offset()));
+    throw StateError(
+        fmt::format("state blob: the blocks section has {} bytes after the last block", payload_end - reader.offset()));
   }
 }
 
@@ -326,8 +322,8 @@ void read_guard_section(Reader &reader, std::size_t payload_end, PolicyState &st
   state.measured_since_record.nf4 = reader.u64("measured nf4 bytes");
   const std::uint32_t count = reader.u32("loss window size");
   if (count > kMaxHistoryWindow) {
-    throw StateError(fmt::format("state blob: the loss window holds {} losses, more than {}", count,
-                                 kMaxHistoryWindow));
+    throw StateError(
+        fmt::format("state blob: the loss window holds {} losses, more than {}", count, kMaxHistoryWindow));
   }
   if (static_cast<std::uint64_t>(count) * 8 != payload_end - reader.offset()) {
     throw StateError(fmt::format("state blob: the loss section holds {} bytes of losses, {} losses need {}",
@@ -471,16 +467,16 @@ PolicyState decode_state(const std::uint8_t *blob, std::size_t size, std::uint32
   const std::uint32_t section_count = header.u32("section count");
   const std::uint64_t total_size = header.u64("total size");
   if (total_size != size) {
-    throw StateError(fmt::format("state blob header says {} bytes but {} were given (truncated or padded)",
-                                 total_size, size));
+    throw StateError(
+        fmt::format("state blob header says {} bytes but {} were given (truncated or padded)", total_size, size));
   }
   const std::size_t body_end = size - kTrailerSize;
   Reader trailer(blob, size, body_end);
   const std::uint32_t stored_crc = trailer.u32("checksum");
   const std::uint32_t computed_crc = crc32(blob, body_end);
   if (stored_crc != computed_crc) {
-    throw StateError(fmt::format("state blob is corrupted: checksum 0x{:08x} stored, 0x{:08x} computed",
-                                 stored_crc, computed_crc));
+    throw StateError(
+        fmt::format("state blob is corrupted: checksum 0x{:08x} stored, 0x{:08x} computed", stored_crc, computed_crc));
   }
   if (section_count != section_count_of(version)) {
     throw StateError(fmt::format("state blob has {} sections; format version {} has {}", section_count, version,
@@ -506,8 +502,8 @@ PolicyState decode_state(const std::uint8_t *blob, std::size_t size, std::uint32
     Reader payload(blob, payload_end, reader.offset());
     if (tag == kPolicySection && !seen_policy) {
       if (payload_size != kPolicyPayloadSize) {
-        throw StateError(fmt::format("state blob: the policy section is {} bytes, expected {}", payload_size,
-                                     kPolicyPayloadSize));
+        throw StateError(
+            fmt::format("state blob: the policy section is {} bytes, expected {}", payload_size, kPolicyPayloadSize));
       }
       fields = read_policy_section(payload, n_blocks, state);
       fields.version = version;

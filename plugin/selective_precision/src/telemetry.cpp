@@ -74,12 +74,11 @@ nlohmann::ordered_json spike_json(const std::optional<SpikeRecord> &spike) {
 
 nlohmann::ordered_json measured_bandwidth(const MeasuredBytes &measured) {
   if (measured.steps == 0 || measured.all_bf16 == 0) return nullptr;
-  const double moved = static_cast<double>(measured.bf16) + static_cast<double>(measured.int8) +
-                       static_cast<double>(measured.nf4);
+  const double moved =
+      static_cast<double>(measured.bf16) + static_cast<double>(measured.int8) + static_cast<double>(measured.nf4);
   const double saved = static_cast<double>(measured.all_bf16) - moved;
-  nlohmann::ordered_json out = {{"steps", measured.steps},
-                                 {"h2d_bytes_bf16", measured.bf16},
-                                 {"h2d_bytes_int8", measured.int8}};
+  nlohmann::ordered_json out = {
+      {"steps", measured.steps}, {"h2d_bytes_bf16", measured.bf16}, {"h2d_bytes_int8", measured.int8}};
   if (kPolicyEdition >= 2) out["h2d_bytes_nf4"] = measured.nf4;
   out["h2d_bytes_all_bf16"] = measured.all_bf16;
   out["bytes_saved"] = saved;
@@ -123,8 +122,7 @@ const char *reason_name(sp_reason reason) {
 // but 1.0.0 never wrote them, and its state format 1 cannot carry them across a live upgrade.
 std::string telemetry_record_line(const StepRecord &record, Mode mode, const PolicyState &state,
                                   const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes,
-                                  const MeasuredBytes &measured, std::int64_t nf4_group_size,
-                                  double unix_seconds) {
+                                  const MeasuredBytes &measured, std::int64_t nf4_group_size, double unix_seconds) {
   std::uint32_t blocks_int8 = 0;
   std::uint32_t blocks_nf4 = 0;
   std::uint32_t scored = 0;

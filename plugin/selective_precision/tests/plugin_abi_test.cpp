@@ -20,8 +20,7 @@ class LoadedPlugin {
  public:
   explicit LoadedPlugin(const char *path) : handle_(dlopen(path, RTLD_NOW | RTLD_LOCAL)) {
     if (handle_ == nullptr) return;
-    const auto entry =
-        reinterpret_cast<sp_policy_plugin_entry_v1_fn>(dlsym(handle_, SP_PLUGIN_ENTRY_SYMBOL_V1));
+    const auto entry = reinterpret_cast<sp_policy_plugin_entry_v1_fn>(dlsym(handle_, SP_PLUGIN_ENTRY_SYMBOL_V1));
     if (entry != nullptr) table_ = entry();
   }
   ~LoadedPlugin() {
@@ -48,7 +47,6 @@ constexpr std::uint32_t kBlocks = 6;
 
 class PluginAbi : public ::testing::Test {
  protected:
-
   PluginAbi() : v1(SP_POLICY_PLUGIN_PATH), v2(SP_POLICY_PLUGIN_V2_PATH) {
     host.struct_size = sizeof host;
     host.abi_major = SP_PLUGIN_ABI_MAJOR;
@@ -85,8 +83,9 @@ class PluginAbi : public ::testing::Test {
   }
 
   static std::string yaml() {
-    return standalone("  warmup_steps: 3\n  update_interval_steps: 2\n  min_steps_between_switches: 4\n"
-                      "  history_window: 3\n  telemetry_enabled: false\n  force_bf16_blocks: [5]\n");
+    return standalone(
+        "  warmup_steps: 3\n  update_interval_steps: 2\n  min_steps_between_switches: 4\n"
+        "  history_window: 3\n  telemetry_enabled: false\n  force_bf16_blocks: [5]\n");
   }
 
   LoadedPlugin v1;
@@ -149,8 +148,7 @@ TEST_F(PluginAbi, TheOneDotZeroEditionDescribesItselfAsOneDotZero) {
   sp_policy_ctx *ctx = nullptr;
   const std::string v2_config = standalone("  tiers: [bf16, int8]\n");
   EXPECT_EQ(edition->create(&host, v2_config.c_str(), blocks.data(), kBlocks, &ctx), SP_ERR_CONFIG);
-  EXPECT_NE(std::string(edition->last_error(nullptr)).find("selective_precision.tiers: unknown key"),
-            std::string::npos)
+  EXPECT_NE(std::string(edition->last_error(nullptr)).find("selective_precision.tiers: unknown key"), std::string::npos)
       << edition->last_error(nullptr);
   // It exports state format 1.
   ctx = create(edition, yaml());
@@ -190,14 +188,16 @@ TEST_F(PluginAbi, Bf16OnlyHostRejectsAnInt8ConfigByName) {
   bf16_only.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16);
   const std::string defaults = standalone("  telemetry_enabled: false\n");  // tiers [bf16, int8]
   EXPECT_EQ(v1->create(&bf16_only, defaults.c_str(), blocks.data(), kBlocks, &ctx), SP_ERR_CONFIG);
-  EXPECT_NE(std::string(v1->last_error(nullptr)).find("selective_precision.tiers: int8 is a tier, but the host "
-                                                      "cannot transfer INT8"),
+  EXPECT_NE(std::string(v1->last_error(nullptr))
+                .find("selective_precision.tiers: int8 is a tier, but the host "
+                      "cannot transfer INT8"),
             std::string::npos)
       << v1->last_error(nullptr);
   const std::string forced = standalone("  telemetry_enabled: false\n  tiers: [bf16]\n  force_int8_blocks: [1]\n");
   EXPECT_EQ(v1->create(&bf16_only, forced.c_str(), blocks.data(), kBlocks, &ctx), SP_ERR_CONFIG);
-  EXPECT_NE(std::string(v1->last_error(nullptr)).find("selective_precision.force_int8_blocks: 1 block(s) forced "
-                                                      "to int8, but the host cannot transfer INT8"),
+  EXPECT_NE(std::string(v1->last_error(nullptr))
+                .find("selective_precision.force_int8_blocks: 1 block(s) forced "
+                      "to int8, but the host cannot transfer INT8"),
             std::string::npos)
       << v1->last_error(nullptr);
   const std::string bf16_tier = standalone("  telemetry_enabled: false\n  tiers: [bf16]\n");
@@ -211,8 +211,8 @@ TEST_F(PluginAbi, Bf16OnlyHostRejectsAnInt8ConfigByName) {
 }
 
 TEST_F(PluginAbi, OneDotOneFunctionsRouteCalibrationAndBytes) {
-  host.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) |
-                              SP_PRECISION_BIT(SP_PRECISION_NF4);
+  host.supported_precisions =
+      SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
   sp_policy_ctx *ctx = create(v1, standalone("  tiers: [bf16, int8, nf4]\n  telemetry_enabled: false\n"));
   ASSERT_NE(ctx, nullptr);
   const std::uint32_t ids[] = {0, 1};

@@ -477,8 +477,9 @@ std::vector<sp_grad_moments_v1> pseudo_random_moments(std::uint64_t &seed, std::
 }
 
 TEST(PolicyDeterminism, IdenticalInputsGiveIdenticalDecisionsAndState) {
-  const std::string yaml = standalone("  warmup_steps: 3\n  update_interval_steps: 2\n"
-                                      "  min_steps_between_switches: 4\n  telemetry_enabled: false\n");
+  const std::string yaml = standalone(
+      "  warmup_steps: 3\n  update_interval_steps: 2\n"
+      "  min_steps_between_switches: 4\n  telemetry_enabled: false\n");
   Driver first(yaml, 48);
   Driver second(yaml, 48);
   std::uint64_t seed_first = 42;

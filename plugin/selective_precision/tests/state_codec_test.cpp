@@ -24,9 +24,10 @@ constexpr std::size_t kFirstBlockRecord = kBlocksOffset + 12;
 constexpr std::size_t kFirstSample = kFirstBlockRecord + 5 + 8 + 8 + 5 * 8 + 4;
 
 std::string settings(int history_window) {
-  return standalone("  warmup_steps: 1\n  update_interval_steps: 2\n  min_steps_between_switches: 3\n"
-                    "  telemetry_enabled: false\n  history_window: " +
-                    std::to_string(history_window) + "\n");
+  return standalone(
+      "  warmup_steps: 1\n  update_interval_steps: 2\n  min_steps_between_switches: 3\n"
+      "  telemetry_enabled: false\n  history_window: " +
+      std::to_string(history_window) + "\n");
 }
 
 // A policy mid-run: samples, assignments, switches, calibration errors, an unsafe flag.

@@ -81,8 +81,8 @@ nlohmann::json run_steps(const Plugin &plugin, sp_policy_ctx *ctx, std::int64_t 
     check(plugin, ctx, plugin->end_step(ctx, step, nullptr), "end_step");
     nlohmann::json record{{"step", step}, {"moments", nlohmann::json::array()}, {"hints", nlohmann::json::array()}};
     for (const sp_grad_moments_v1 &m : moments) {
-      record["moments"].push_back({m.block_id, hex_bits(m.sum_sq), hex_bits(m.sum), hex_bits(m.max_abs), m.count,
-                                   m.nonfinite});
+      record["moments"].push_back(
+          {m.block_id, hex_bits(m.sum_sq), hex_bits(m.sum), hex_bits(m.max_abs), m.count, m.nonfinite});
     }
     for (const sp_hint_v1 &h : hints) record["hints"].push_back({h.precision, h.reason, hex_bits(h.sensitivity)});
     steps.push_back(std::move(record));
@@ -128,9 +128,10 @@ int main(int argc, char **argv) {
     const std::vector<std::uint32_t> calibrated{0, 1, 2, 3};
     const std::vector<double> errors{0.002, 0.03, 0.08, 0.01};
 
-    nlohmann::json fixture{{"written_by", {{"plugin", plugin->plugin_name}, {"version", version},
-                                           {"abi", std::to_string(plugin->abi_major) + "." +
-                                                       std::to_string(plugin->abi_minor)}}},
+    nlohmann::json fixture{{"written_by",
+                            {{"plugin", plugin->plugin_name},
+                             {"version", version},
+                             {"abi", std::to_string(plugin->abi_major) + "." + std::to_string(plugin->abi_minor)}}},
                            {"config_yaml", config},
                            {"blocks", block_list},
                            {"scenarios", nlohmann::json::array()}};
@@ -150,11 +151,11 @@ int main(int argc, char **argv) {
       const std::string state_file = "policy-" + version + "-" + scenario.name + ".state";
       std::ofstream(out_dir + "/" + state_file, std::ios::binary)
           .write(reinterpret_cast<const char *>(blob.data()), static_cast<std::streamsize>(blob.size()));
-      fixture["scenarios"].push_back({{"name", scenario.name},
-                                      {"state_file", state_file},
-                                      {"exported_after_step", scenario.export_after},
-                                      {"steps", run_steps(plugin, ctx, scenario.export_after + 1,
-                                                          scenario.continue_to)}});
+      fixture["scenarios"].push_back(
+          {{"name", scenario.name},
+           {"state_file", state_file},
+           {"exported_after_step", scenario.export_after},
+           {"steps", run_steps(plugin, ctx, scenario.export_after + 1, scenario.continue_to)}});
       plugin->destroy(ctx);
     }
     std::ofstream(out_dir + "/policy-" + version + "-continuation.json") << fixture.dump(1) << "\n";

@@ -72,8 +72,8 @@ sp_host_api_v1 test_host() {
   host.abi_minor = SP_PLUGIN_ABI_MINOR;
   host.host_name = "sp_policy_tests";
   host.host_version = "0";
-  host.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) |
-                              SP_PRECISION_BIT(SP_PRECISION_NF4);
+  host.supported_precisions =
+      SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
   return host;
 }
 
@@ -114,8 +114,8 @@ TEST_P(StateMigration, TwoDotZeroContinuesAOneDotZeroBlobWithIdenticalHints) {
     const std::int64_t step = step_record["step"];
     std::vector<sp_grad_moments_v1> moments;
     for (const auto &m : step_record["moments"]) {
-      moments.push_back(sp_grad_moments_v1{m[0].get<std::uint32_t>(), 0, from_hex(m[1]), from_hex(m[2]),
-                                           from_hex(m[3]), m[4].get<std::uint64_t>(), m[5].get<std::uint64_t>()});
+      moments.push_back(sp_grad_moments_v1{m[0].get<std::uint32_t>(), 0, from_hex(m[1]), from_hex(m[2]), from_hex(m[3]),
+                                           m[4].get<std::uint64_t>(), m[5].get<std::uint64_t>()});
     }
     ASSERT_EQ(plugin->begin_step(ctx, step), SP_OK) << plugin->last_error(ctx);
     ASSERT_EQ(plugin->post_backward(ctx, step, moments.data(), static_cast<std::uint32_t>(moments.size())), SP_OK)
@@ -126,8 +126,7 @@ TEST_P(StateMigration, TwoDotZeroContinuesAOneDotZeroBlobWithIdenticalHints) {
       const auto &expected = step_record["hints"][b];
       EXPECT_EQ(hints[b].precision, expected[0].get<sp_precision>()) << "step " << step << " block " << b;
       EXPECT_EQ(hints[b].reason, expected[1].get<sp_reason>()) << "step " << step << " block " << b;
-      EXPECT_EQ(bits_of(hints[b].sensitivity), bits_of(from_hex(expected[2])))
-          << "step " << step << " block " << b;
+      EXPECT_EQ(bits_of(hints[b].sensitivity), bits_of(from_hex(expected[2]))) << "step " << step << " block " << b;
       ++compared;
     }
   }
@@ -144,7 +143,8 @@ TEST_P(StateMigration, TwoDotZeroContinuesAOneDotZeroBlobWithIdenticalHints) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, StateMigration, ::testing::Values("fresh", "mid_run"));
 
 TEST(StateMigration, AOneDotZeroBlobImportsWithAnEmptyLossWindowAndNoMoves) {
-  const std::vector<std::uint8_t> blob = read_file(std::string(SP_POLICY_TEST_DATA_DIR) + "/policy-1.0.0-mid_run.state");
+  const std::vector<std::uint8_t> blob =
+      read_file(std::string(SP_POLICY_TEST_DATA_DIR) + "/policy-1.0.0-mid_run.state");
   const PolicyState state = decode_state(blob.data(), blob.size(), 6, 3);
   EXPECT_TRUE(state.loss_window.losses.empty());
   for (const BlockState &block : state.blocks) {
@@ -161,8 +161,9 @@ TEST(StateMigration, AOneDotZeroBlobImportsWithAnEmptyLossWindowAndNoMoves) {
 class V2Blob : public ::testing::Test {
  protected:
   V2Blob()
-      : source(standalone(immediate_settings() + "  tiers: [bf16, int8, nf4]\n  loss_guard: {enabled: true, window: 3}\n"),
-               3),
+      : source(
+            standalone(immediate_settings() + "  tiers: [bf16, int8, nf4]\n  loss_guard: {enabled: true, window: 3}\n"),
+            3),
         target(standalone(immediate_settings() + "  tiers: [bf16, int8, nf4]\n"), 3) {
     for (int step = 0; step < 6; ++step) {
       sp_step_feedback_v1 feedback{};
@@ -226,16 +227,15 @@ std::string random_v1_config(std::mt19937_64 &rng, std::uint32_t n_blocks) {
   const double int8_threshold = 0.1 + 0.3 * unit(rng);
   const double bf16_threshold = int8_threshold + 0.05 + 0.4 * unit(rng);
   const double margin = int8_threshold * unit(rng);
-  std::string text = "  warmup_steps: " + std::to_string(small(rng)) +
-                     "\n  update_interval_steps: " + std::to_string(1 + small(rng)) +
-                     "\n  min_steps_between_switches: " + std::to_string(small(rng) * 2) +
-                     "\n  history_window: " + std::to_string(1 + small(rng)) +
-                     "\n  int8_threshold: " + std::to_string(int8_threshold) +
-                     "\n  bf16_threshold: " + std::to_string(bf16_threshold) +
-                     "\n  hysteresis_margin: " + std::to_string(margin) +
-                     "\n  ambiguous_default: " + (unit(rng) < 0.5 ? "bf16" : "int8") +
-                     "\n  nonfinite_to_bf16: " + (unit(rng) < 0.8 ? "true" : "false") +
-                     "\n  telemetry_enabled: false\n  log_decisions: false\n";
+  std::string text =
+      "  warmup_steps: " + std::to_string(small(rng)) + "\n  update_interval_steps: " + std::to_string(1 + small(rng)) +
+      "\n  min_steps_between_switches: " + std::to_string(small(rng) * 2) +
+      "\n  history_window: " + std::to_string(1 + small(rng)) +
+      "\n  int8_threshold: " + std::to_string(int8_threshold) +
+      "\n  bf16_threshold: " + std::to_string(bf16_threshold) + "\n  hysteresis_margin: " + std::to_string(margin) +
+      "\n  ambiguous_default: " + (unit(rng) < 0.5 ? "bf16" : "int8") +
+      "\n  nonfinite_to_bf16: " + (unit(rng) < 0.8 ? "true" : "false") +
+      "\n  telemetry_enabled: false\n  log_decisions: false\n";
   if (unit(rng) < 0.5) text += "  force_bf16_blocks: [" + std::to_string(n_blocks - 1) + "]\n";
   if (unit(rng) < 0.5) text += "  force_int8_blocks: [0]\n";
   if (unit(rng) < 0.2) text += "  mode: static\n";
@@ -258,7 +258,8 @@ TEST(V2Rules, CompatibilityWithV1Config) {
     Driver v2(config, kBlocks);
     sp_policy_ctx *ctx = nullptr;
     ASSERT_EQ(edition->create(&host, config.c_str(), descs.data(), kBlocks, &ctx), SP_OK)
-        << edition->last_error(nullptr) << "\n" << config;
+        << edition->last_error(nullptr) << "\n"
+        << config;
     std::vector<sp_hint_v1> hints(kBlocks);
     for (std::int64_t step = 0; step < 60; ++step) {
       if (unit(rng) < 0.1) {

@@ -17,8 +17,7 @@ class PolicyTelemetry : public ::testing::Test {
  protected:
   PolicyTelemetry() {
     const auto *test = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir = fs::path(::testing::TempDir()) /
-          ("sp_policy_telemetry_" + std::to_string(::getpid()) + "_" + test->name());
+    dir = fs::path(::testing::TempDir()) / ("sp_policy_telemetry_" + std::to_string(::getpid()) + "_" + test->name());
     fs::remove_all(dir);
     fs::create_directories(dir);
   }
@@ -79,9 +78,9 @@ TEST_F(PolicyTelemetry, RecordHasTheSeedsFieldsMeasuredBytesAndBlockDetails) {
   const auto all = records();
   ASSERT_EQ(all.size(), 1u);
   const nlohmann::json &record = all[0];
-  for (const char *field : {"step_id", "timestamp", "blocks_bf16", "blocks_int8", "mean_sensitivity",
-                            "max_sensitivity", "min_sensitivity", "precision_changes",
-                            "estimated_bandwidth_saving_pct", "block_details"}) {
+  for (const char *field :
+       {"step_id", "timestamp", "blocks_bf16", "blocks_int8", "mean_sensitivity", "max_sensitivity", "min_sensitivity",
+        "precision_changes", "estimated_bandwidth_saving_pct", "block_details"}) {
     EXPECT_TRUE(record.contains(field)) << field;
   }
   EXPECT_EQ(record["blocks_bf16"], 1);
@@ -114,8 +113,8 @@ TEST_F(PolicyTelemetry, NominalNf4BytesFollowTheGroupSize) {
   for (const int group : {32, 64, 256}) {
     const std::string file = "nf4_" + std::to_string(group) + ".jsonl";
     {
-      Driver driver(standalone("  mode: static\n  force_nf4_blocks: [0]\n  nf4_group_size: " +
-                               std::to_string(group) + "\n  telemetry_file: " + file + "\n"),
+      Driver driver(standalone("  mode: static\n  force_nf4_blocks: [0]\n  nf4_group_size: " + std::to_string(group) +
+                               "\n  telemetry_file: " + file + "\n"),
                     2, &log, dir.string());
       driver.step_l2(0, {1.0, 1.0});  // block 0 nf4: a change, so a record
     }
@@ -128,8 +127,8 @@ TEST_F(PolicyTelemetry, NominalNf4BytesFollowTheGroupSize) {
 }
 
 TEST_F(PolicyTelemetry, NeverScoredValuesAreNullNotNaN) {
-  Driver driver(standalone("  mode: static\n  force_int8_blocks: [0]\n  telemetry_file: telemetry.jsonl\n"), 2,
-                &log, dir.string());
+  Driver driver(standalone("  mode: static\n  force_int8_blocks: [0]\n  telemetry_file: telemetry.jsonl\n"), 2, &log,
+                dir.string());
   driver.step_l2(0, {1.0, 1.0});
   const auto all = records();
   ASSERT_EQ(all.size(), 1u) << "step 0 has a change";

@@ -21,10 +21,11 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 // Every step a decision step; s8 = INT8 error, s4 = NF4 error (grad_weight 0, error_weight 1,
 // both error thresholds 1). B = 0.6, I = 0.3, N = 0.15, m = 0.1.
 std::string v2_settings(const std::string &extra = "", int cooldown = 0) {
-  return standalone("  warmup_steps: 0\n  update_interval_steps: 1\n  telemetry_enabled: false\n"
-                    "  log_decisions: false\n  grad_weight: 0\n  error_weight: 1\n  quant_error_threshold: 1\n"
-                    "  nf4_quant_error_threshold: 1\n  nf4_threshold: 0.15\n  min_steps_between_switches: " +
-                    std::to_string(cooldown) + "\n" + extra);
+  return standalone(
+      "  warmup_steps: 0\n  update_interval_steps: 1\n  telemetry_enabled: false\n"
+      "  log_decisions: false\n  grad_weight: 0\n  error_weight: 1\n  quant_error_threshold: 1\n"
+      "  nf4_quant_error_threshold: 1\n  nf4_threshold: 0.15\n  min_steps_between_switches: " +
+      std::to_string(cooldown) + "\n" + extra);
 }
 const std::string kThreeTiers = "  tiers: [bf16, int8, nf4]\n";
 const std::string kNoInt8 = "  tiers: [bf16, nf4]\n";
@@ -194,8 +195,7 @@ TEST(V2Rules, ForceNf4BlocksWinEvenOutsideTiers) {
 }
 
 TEST(V2Rules, StaticModeUsesTheForceListsIncludingNf4) {
-  Driver driver(v2_settings(kThreeTiers + "  mode: static\n  force_nf4_blocks: [0]\n  force_int8_blocks: [1]\n"),
-                3);
+  Driver driver(v2_settings(kThreeTiers + "  mode: static\n  force_nf4_blocks: [0]\n  force_int8_blocks: [1]\n"), 3);
   const auto &hints = run(driver, 0, {0.0, 0.0, 0.0}, {0.0, 0.0, 0.0});
   expect_hint(hints[0], SP_PRECISION_NF4, SP_REASON_FORCED);
   expect_hint(hints[1], SP_PRECISION_INT8, SP_REASON_FORCED);
@@ -203,7 +203,8 @@ TEST(V2Rules, StaticModeUsesTheForceListsIncludingNf4) {
 }
 
 TEST(V2Rules, OffModeIsBf16Everywhere) {
-  const ParsedConfig parsed = parse_policy_config(v2_settings(kThreeTiers + "  mode: off\n  force_nf4_blocks: [0]\n"), 2);
+  const ParsedConfig parsed =
+      parse_policy_config(v2_settings(kThreeTiers + "  mode: off\n  force_nf4_blocks: [0]\n"), 2);
   EXPECT_EQ(parsed.warnings.size(), 1u);
   Driver driver(v2_settings(kThreeTiers + "  mode: off\n  force_nf4_blocks: [0]\n"), 2);
   const auto &hints = run(driver, 0, {0.0, 0.0}, {0.0, 0.0});
@@ -322,7 +323,7 @@ TEST(V2Rules, LossGuardRevertIsNotScored) {
 TEST(V2Rules, LossGuardRevertGoesToThePrecisionBeforeTheLastDownMove) {
   Driver driver(v2_settings(kGuard + kThreeTiers), 1);
   for (int step = 0; step < 4; ++step) run(driver, step, {0.2}, {0.2}, step % 2 ? 1.2 : 1.0);  // int8
-  run(driver, 4, {0.2}, {0.0}, 5.0);  // int8 -> nf4, spike
+  run(driver, 4, {0.2}, {0.0}, 5.0);                                                           // int8 -> nf4, spike
   expect_hint(run(driver, 5, {0.2}, {0.0}, 1.1)[0], SP_PRECISION_INT8, SP_REASON_LOSS_GUARD);
 }
 

@@ -16,13 +16,12 @@ namespace sp::runtime {
 namespace {
 
 std::filesystem::path make_temp_path(const std::filesystem::path& target) {
-  const std::filesystem::path dir =
-      target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
+  const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
   std::string pattern = (dir / ("." + target.filename().string() + ".tmp-XXXXXX")).string();
   const int fd = ::mkstemp(pattern.data());
   if (fd < 0) {
-    throw std::runtime_error(fmt::format("{}: cannot create a temporary file in {}: {}", target,
-                                         dir, std::strerror(errno)));
+    throw std::runtime_error(
+        fmt::format("{}: cannot create a temporary file in {}: {}", target, dir, std::strerror(errno)));
   }
   // mkstemp creates 0600; outputs are ordinary files that other users may read.
   ::fchmod(fd, 0644);
@@ -62,15 +61,13 @@ void AtomicFileWriter::commit() {
   const bool written = static_cast<bool>(out_);
   out_.close();
   if (!written || out_.fail()) {
-    throw std::runtime_error(fmt::format("{}: writing failed (disk full?); the previous file is kept",
-                                         target_));
+    throw std::runtime_error(fmt::format("{}: writing failed (disk full?); the previous file is kept", target_));
   }
   fsync_path(temp_);
   std::error_code ec;
   std::filesystem::rename(temp_, target_, ec);
   if (ec) {
-    throw std::runtime_error(
-        fmt::format("{}: cannot rename {} over it: {}", target_, temp_, ec.message()));
+    throw std::runtime_error(fmt::format("{}: cannot rename {} over it: {}", target_, temp_, ec.message()));
   }
   committed_ = true;
   fsync_path(target_.has_parent_path() ? target_.parent_path() : std::filesystem::path("."));

@@ -91,11 +91,14 @@ TEST_F(AtomicFileTest, ReadingAWholeFileNamesWhatWentWrong) {
     return {"no error", false};
   };
   EXPECT_EQ(message_of(dir_), std::make_pair(dir_.string() + ": is a directory; expected the checkpoint", false));
-  EXPECT_EQ(message_of("/dev/zero"), std::make_pair(std::string("/dev/zero: is not a regular file; expected the checkpoint"), false));
+  EXPECT_EQ(message_of("/dev/zero"),
+            std::make_pair(std::string("/dev/zero: is not a regular file; expected the checkpoint"), false));
   ASSERT_EQ(::mkfifo((dir_ / "fifo").c_str(), 0600), 0);
-  EXPECT_EQ(message_of(dir_ / "fifo").first, (dir_ / "fifo").string() + ": is not a regular file; expected the checkpoint");
+  EXPECT_EQ(message_of(dir_ / "fifo").first,
+            (dir_ / "fifo").string() + ": is not a regular file; expected the checkpoint");
   const auto [missing, is_missing] = message_of(dir_ / "absent");
-  EXPECT_THAT(missing, ::testing::StartsWith((dir_ / "absent").string() + ": cannot open the checkpoint: No such file"));
+  EXPECT_THAT(missing,
+              ::testing::StartsWith((dir_ / "absent").string() + ": cannot open the checkpoint: No such file"));
   EXPECT_TRUE(is_missing);
 }
 

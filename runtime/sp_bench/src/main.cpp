@@ -48,8 +48,8 @@ CLI::Validator group_size_check(bool (*supported)(uint32_t), std::string expecte
         uint64_t value = 0;
         const char* end = text.data() + text.size();
         const auto [last, error] = std::from_chars(text.data(), end, value);
-        const bool ok = error == std::errc() && last == end && value <= UINT32_MAX &&
-                        supported(static_cast<uint32_t>(value));
+        const bool ok =
+            error == std::errc() && last == end && value <= UINT32_MAX && supported(static_cast<uint32_t>(value));
         return ok ? std::string() : fmt::format("expected {}, found {}", expected, text);
       },
       "SIZE", "group_size");
@@ -76,13 +76,13 @@ sp::bench::TransferReport sweep(sp::adapters::TransferBackend& backend, const Tr
   sp::bench::TransferReport report;
   const auto measure = [&](const std::vector<sp::bench::MatrixShape>& shapes, const std::string& label) {
     sp::bench::TransferPoint point = sp::bench::measure_transfer_point(backend, shapes, options.measure);
-    fmt::print("{:>18}  bf16 {:>10}  raw {:7.2f} GB/s  bf16 path {:5.1f}% of raw  int8 {:5.2f}x faster "
-               "(frozen), {:5.2f}x (trained)  nf4 {:5.2f}x (frozen), {:5.2f}x (trained)\n",
-               label, describe_bytes(point.bf16_bytes), point.bf16_bytes / point.raw_copy_s / 1e9,
-               100.0 * point.raw_copy_s / point.bf16_path_s, point.speedup(sp::bench::TransferPath::kInt8Frozen),
-               point.speedup(sp::bench::TransferPath::kInt8Trained),
-               point.speedup(sp::bench::TransferPath::kNf4Frozen),
-               point.speedup(sp::bench::TransferPath::kNf4Trained));
+    fmt::print(
+        "{:>18}  bf16 {:>10}  raw {:7.2f} GB/s  bf16 path {:5.1f}% of raw  int8 {:5.2f}x faster "
+        "(frozen), {:5.2f}x (trained)  nf4 {:5.2f}x (frozen), {:5.2f}x (trained)\n",
+        label, describe_bytes(point.bf16_bytes), point.bf16_bytes / point.raw_copy_s / 1e9,
+        100.0 * point.raw_copy_s / point.bf16_path_s, point.speedup(sp::bench::TransferPath::kInt8Frozen),
+        point.speedup(sp::bench::TransferPath::kInt8Trained), point.speedup(sp::bench::TransferPath::kNf4Frozen),
+        point.speedup(sp::bench::TransferPath::kNf4Trained));
     std::fflush(stdout);
     report.points.push_back(point);
   };
@@ -184,8 +184,9 @@ int main(int argc, char** argv) {
   measure->add_option("--backend", transfer_options.backend, "cuda, host (emulated link), or auto")
       ->check(CLI::IsMember({"auto", "cuda", "host"}))
       ->capture_default_str();
-  measure->add_option("--bandwidth-cap-gbps", transfer_options.cap_gbps,
-                      "host backend: emulated link bandwidth in GB/s, 0 for none")
+  measure
+      ->add_option("--bandwidth-cap-gbps", transfer_options.cap_gbps,
+                   "host backend: emulated link bandwidth in GB/s, 0 for none")
       ->check(CLI::Validator(
           [](std::string& text) {
             errno = 0;
@@ -201,8 +202,9 @@ int main(int argc, char** argv) {
   measure->add_option("--min-kib", transfer_options.min_kib, "smallest BF16 block in KiB")
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30))
       ->capture_default_str();
-  measure->add_option("--max-kib", transfer_options.max_kib,
-                      "largest BF16 block in KiB (default: 512 MiB on a GPU, 64 MiB on the host)")
+  measure
+      ->add_option("--max-kib", transfer_options.max_kib,
+                   "largest BF16 block in KiB (default: 512 MiB on a GPU, 64 MiB on the host)")
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30));
   measure->add_option("--gpt-d-model", transfer_options.gpt_d_model, "also measure GPT blocks of these widths")
       ->check(CLI::Range(uint64_t{8}, uint64_t{65536}));
@@ -218,15 +220,18 @@ int main(int argc, char** argv) {
   measure->add_option("--repeats", transfer_options.measure.repeats, "timed steps per path")
       ->check(CLI::Range(1, 10000))
       ->capture_default_str();
-  measure->add_option("--int8-group-size", transfer_options.measure.int8_group_size,
-                      "INT8 scales: 0 per row, else 32, 64, 128 or 256")
+  measure
+      ->add_option("--int8-group-size", transfer_options.measure.int8_group_size,
+                   "INT8 scales: 0 per row, else 32, 64, 128 or 256")
       ->check(group_size_check(sp::kernels::is_supported_group_size, "0 (one scale per row), 32, 64, 128 or 256"))
       ->capture_default_str();
-  measure->add_option("--nf4-group-size", transfer_options.measure.nf4_group_size,
-                      "NF4 scales: 32, 64, 128 or 256 elements per bf16 scale")
+  measure
+      ->add_option("--nf4-group-size", transfer_options.measure.nf4_group_size,
+                   "NF4 scales: 32, 64, 128 or 256 elements per bf16 scale")
       ->check(group_size_check(sp::kernels::is_supported_nf4_group_size, "32, 64, 128 or 256"))
       ->capture_default_str();
-  measure->add_option("--machine", transfer_options.machine, "label of this machine in the report (default: host name)");
+  measure->add_option("--machine", transfer_options.machine,
+                      "label of this machine in the report (default: host name)");
   measure->add_option("--out", transfer_options.output, "report file to write (atomically)")
       ->required()
       ->check(sp::runtime::output_file());

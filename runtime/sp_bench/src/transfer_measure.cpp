@@ -15,9 +15,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using adapters::Precision;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 constexpr uint64_t kSweepCols = 4096;
 
@@ -52,9 +50,7 @@ std::vector<MatrixShape> sweep_block_shapes(uint64_t bf16_bytes) {
   return {{elements / kSweepCols, kSweepCols}};
 }
 
-std::vector<MatrixShape> gpt_block_shapes(uint64_t d) {
-  return {{3 * d, d}, {d, d}, {4 * d, d}, {d, 4 * d}};
-}
+std::vector<MatrixShape> gpt_block_shapes(uint64_t d) { return {{3 * d, d}, {d, d}, {4 * d, d}, {d, 4 * d}}; }
 
 adapters::StreamingConfig streaming_config_for(const SyntheticBlocks& blocks, uint32_t window, bool backward) {
   std::vector<kernels::TensorShape> shapes;
@@ -82,8 +78,8 @@ void route_all(adapters::StreamingEngine& engine, Precision precision) {
   engine.policy_bridge().set_plugin_hints(hints.data(), static_cast<uint32_t>(hints.size()));
 }
 
-double raw_copy_seconds(adapters::TransferBackend& backend, uint64_t bytes, uint32_t sources,
-                        uint32_t destinations, int repeats) {
+double raw_copy_seconds(adapters::TransferBackend& backend, uint64_t bytes, uint32_t sources, uint32_t destinations,
+                        int repeats) {
   std::vector<adapters::Region> host;
   std::vector<adapters::Region> device;
   for (uint32_t i = 0; i < sources; ++i) {
@@ -128,7 +124,7 @@ struct PathSamples {
   std::vector<double> per_block;  // wall seconds of a step / fetches
   std::vector<double> copy;       // event seconds per fetch
   std::vector<double> dequant;
-  std::vector<double> rebuild;    // host seconds of one block's on_weights_updated
+  std::vector<double> rebuild;  // host seconds of one block's on_weights_updated
 };
 
 PathSamples measure_path(adapters::TransferBackend& backend, const SyntheticBlocks& blocks, Precision precision,
@@ -177,8 +173,8 @@ TransferPoint measure_transfer_point(adapters::TransferBackend& backend, const s
   encoding.precision = kernels::SlabPrecision::kNf4;
   encoding.group_size = options.nf4_group_size;
   nf4.nf4_bytes = kernels::slab_image_bytes(encoding, slab_shapes.data(), slab_shapes.size());
-  point.raw_copy_s = raw_copy_seconds(backend, point.bf16_bytes, options.blocks, options.window + 2,
-                                      std::max(options.repeats, 3));
+  point.raw_copy_s =
+      raw_copy_seconds(backend, point.bf16_bytes, options.blocks, options.window + 2, std::max(options.repeats, 3));
   const PathSamples bf16 = measure_path(backend, blocks, Precision::bf16, options);
   const PathSamples int8 = measure_path(backend, blocks, Precision::int8, options);
   const PathSamples nf4_samples = measure_path(backend, blocks, Precision::nf4, options);

@@ -138,10 +138,14 @@ double positive(const JsonFields& fields, const json& j, const char* key, const 
 
 const char* transfer_path_name(TransferPath path) {
   switch (path) {
-    case TransferPath::kInt8Frozen: return "int8_frozen";
-    case TransferPath::kInt8Trained: return "int8_trained";
-    case TransferPath::kNf4Frozen: return "nf4_frozen";
-    case TransferPath::kNf4Trained: return "nf4_trained";
+    case TransferPath::kInt8Frozen:
+      return "int8_frozen";
+    case TransferPath::kInt8Trained:
+      return "int8_trained";
+    case TransferPath::kNf4Frozen:
+      return "nf4_frozen";
+    case TransferPath::kNf4Trained:
+      return "nf4_trained";
   }
   return "unknown";
 }
@@ -163,10 +167,14 @@ std::optional<TransferPath> parse_transfer_path(const std::string& name) {
 
 double TransferPoint::speedup(TransferPath path) const {
   switch (path) {
-    case TransferPath::kInt8Frozen: return bf16_path_s / int8_frozen_path_s;
-    case TransferPath::kInt8Trained: return bf16_trained_path_s / int8_trained_path_s;
-    case TransferPath::kNf4Frozen: return nf4 ? bf16_path_s / nf4->frozen_path_s : 0.0;
-    case TransferPath::kNf4Trained: return nf4 ? bf16_trained_path_s / nf4->trained_path_s : 0.0;
+    case TransferPath::kInt8Frozen:
+      return bf16_path_s / int8_frozen_path_s;
+    case TransferPath::kInt8Trained:
+      return bf16_trained_path_s / int8_trained_path_s;
+    case TransferPath::kNf4Frozen:
+      return nf4 ? bf16_path_s / nf4->frozen_path_s : 0.0;
+    case TransferPath::kNf4Trained:
+      return nf4 ? bf16_trained_path_s / nf4->trained_path_s : 0.0;
   }
   return 0.0;
 }
@@ -194,23 +202,21 @@ std::string report_to_json(const TransferReport& report) {
                       {"int8_trained_path_s", p.int8_trained_path_s},
                       {"speedup", speedup}});
     if (p.nf4) {
-      points.back()["nf4"] = {{"group_size", p.nf4->group_size},
-                              {"nf4_bytes", p.nf4->nf4_bytes},
-                              {"copy", stats_to_json(p.nf4->copy)},
-                              {"dequant", stats_to_json(p.nf4->dequant)},
-                              {"rebuild", stats_to_json(p.nf4->rebuild)},
-                              {"frozen_path_s", p.nf4->frozen_path_s},
+      points.back()["nf4"] = {{"group_size", p.nf4->group_size},          {"nf4_bytes", p.nf4->nf4_bytes},
+                              {"copy", stats_to_json(p.nf4->copy)},       {"dequant", stats_to_json(p.nf4->dequant)},
+                              {"rebuild", stats_to_json(p.nf4->rebuild)}, {"frozen_path_s", p.nf4->frozen_path_s},
                               {"trained_path_s", p.nf4->trained_path_s}};
     }
   }
-  const json doc = {{"format", kReportFormat},
-                    {"version", TransferReport::kFormatVersion},
-                    {"machine", report.machine},
-                    {"backend", report.backend},
-                    {"device", report.device},
-                    {"bandwidth_cap_gbps", report.bandwidth_cap_gbps ? json(*report.bandwidth_cap_gbps) : json(nullptr)},
-                    {"reference_h2d_gbps", report.reference_h2d_gbps},
-                    {"points", points}};
+  const json doc = {
+      {"format", kReportFormat},
+      {"version", TransferReport::kFormatVersion},
+      {"machine", report.machine},
+      {"backend", report.backend},
+      {"device", report.device},
+      {"bandwidth_cap_gbps", report.bandwidth_cap_gbps ? json(*report.bandwidth_cap_gbps) : json(nullptr)},
+      {"reference_h2d_gbps", report.reference_h2d_gbps},
+      {"points", points}};
   return doc.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
 }
 
@@ -219,8 +225,10 @@ TransferReport report_from_json(const std::string& text, const std::string& sour
     const JsonFields fields(source_name);
     const json doc = parse_document(text, fields);
     check_format(doc, fields, kReportFormat, TransferReport::kFormatVersion);
-    fields.only_keys(doc, {"format", "version", "machine", "backend", "device", "bandwidth_cap_gbps",
-                           "reference_h2d_gbps", "points"}, "");
+    fields.only_keys(
+        doc,
+        {"format", "version", "machine", "backend", "device", "bandwidth_cap_gbps", "reference_h2d_gbps", "points"},
+        "");
     TransferReport report;
     report.machine = fields.string(fields.require(doc, "machine", "machine"), "machine");
     report.backend = fields.string(fields.require(doc, "backend", "backend"), "backend");
@@ -237,12 +245,16 @@ TransferReport report_from_json(const std::string& text, const std::string& sour
       const std::string at = fmt::format("points[{}]", i);
       const json& j = points[i];
       fields.require_object(j, at);
-      fields.only_keys(j, {"bf16_bytes", "int8_bytes", "raw_copy_s", "bf16_copy", "int8_copy", "int8_dequant", "bf16_rebuild",
-                           "int8_rebuild", "bf16_path_s", "int8_frozen_path_s", "bf16_trained_path_s",
-                           "int8_trained_path_s", "speedup", "nf4"}, at);
+      fields.only_keys(j,
+                       {"bf16_bytes", "int8_bytes", "raw_copy_s", "bf16_copy", "int8_copy", "int8_dequant",
+                        "bf16_rebuild", "int8_rebuild", "bf16_path_s", "int8_frozen_path_s", "bf16_trained_path_s",
+                        "int8_trained_path_s", "speedup", "nf4"},
+                       at);
       TransferPoint p;
-      p.bf16_bytes = fields.non_negative_integer(fields.require(j, "bf16_bytes", at + ".bf16_bytes"), at + ".bf16_bytes");
-      p.int8_bytes = fields.non_negative_integer(fields.require(j, "int8_bytes", at + ".int8_bytes"), at + ".int8_bytes");
+      p.bf16_bytes =
+          fields.non_negative_integer(fields.require(j, "bf16_bytes", at + ".bf16_bytes"), at + ".bf16_bytes");
+      p.int8_bytes =
+          fields.non_negative_integer(fields.require(j, "int8_bytes", at + ".int8_bytes"), at + ".int8_bytes");
       if (p.bf16_bytes == 0) fields.fail(at + ".bf16_bytes", "expected a size > 0");
       const auto stats = [&](const char* key) {
         return stats_from_json(fields, fields.require(j, key, at + "." + key), at + "." + key);
@@ -259,7 +271,8 @@ TransferReport report_from_json(const std::string& text, const std::string& sour
       p.int8_trained_path_s = positive(fields, j, "int8_trained_path_s", at);
       // Each time is finite, but their ratio need not be (1e300 / 1e-300), and a policy
       // written from an infinite speedup would not load.
-      if (!std::isfinite(p.bf16_path_s / p.int8_frozen_path_s) || !std::isfinite(p.bf16_trained_path_s / p.int8_trained_path_s)) {
+      if (!std::isfinite(p.bf16_path_s / p.int8_frozen_path_s) ||
+          !std::isfinite(p.bf16_trained_path_s / p.int8_trained_path_s)) {
         fields.fail(at, "the INT8 speedup over BF16 it implies is not a finite number");
       }
       // Optional: reports written before NF4 have none, and NF4 then pays nowhere.
@@ -267,16 +280,17 @@ TransferReport report_from_json(const std::string& text, const std::string& sour
         const std::string nat = at + ".nf4";
         const json& n = j.at("nf4");
         fields.require_object(n, nat);
-        fields.only_keys(n, {"group_size", "nf4_bytes", "copy", "dequant", "rebuild", "frozen_path_s", "trained_path_s"},
-                         nat);
+        fields.only_keys(
+            n, {"group_size", "nf4_bytes", "copy", "dequant", "rebuild", "frozen_path_s", "trained_path_s"}, nat);
         Nf4Measurement m;
-        const uint64_t group = fields.non_negative_integer(fields.require(n, "group_size", nat + ".group_size"),
-                                                           nat + ".group_size");
+        const uint64_t group =
+            fields.non_negative_integer(fields.require(n, "group_size", nat + ".group_size"), nat + ".group_size");
         if (group > UINT32_MAX || !kernels::is_supported_nf4_group_size(static_cast<uint32_t>(group))) {
           fields.fail(nat + ".group_size", fmt::format("expected 32, 64, 128 or 256, got {}", group));
         }
         m.group_size = static_cast<uint32_t>(group);
-        m.nf4_bytes = fields.non_negative_integer(fields.require(n, "nf4_bytes", nat + ".nf4_bytes"), nat + ".nf4_bytes");
+        m.nf4_bytes =
+            fields.non_negative_integer(fields.require(n, "nf4_bytes", nat + ".nf4_bytes"), nat + ".nf4_bytes");
         const auto nstats = [&](const char* key) {
           return stats_from_json(fields, fields.require(n, key, nat + "." + key), nat + "." + key);
         };
@@ -285,7 +299,8 @@ TransferReport report_from_json(const std::string& text, const std::string& sour
         m.rebuild = nstats("rebuild");
         m.frozen_path_s = positive(fields, n, "frozen_path_s", nat);
         m.trained_path_s = positive(fields, n, "trained_path_s", nat);
-        if (!std::isfinite(p.bf16_path_s / m.frozen_path_s) || !std::isfinite(p.bf16_trained_path_s / m.trained_path_s)) {
+        if (!std::isfinite(p.bf16_path_s / m.frozen_path_s) ||
+            !std::isfinite(p.bf16_trained_path_s / m.trained_path_s)) {
           fields.fail(nat, "the NF4 speedup over BF16 it implies is not a finite number");
         }
         p.nf4 = m;
@@ -384,12 +399,14 @@ TransferPolicy TransferPolicy::from_json(const std::string& text, const std::str
         fields.require_object(j, at);
         fields.only_keys(j, {"min_bytes", "max_bytes", "measured_speedup"}, at);
         TransferRule rule;
-        rule.min_bytes = fields.non_negative_integer(fields.require(j, "min_bytes", at + ".min_bytes"), at + ".min_bytes");
+        rule.min_bytes =
+            fields.non_negative_integer(fields.require(j, "min_bytes", at + ".min_bytes"), at + ".min_bytes");
         const json& max = fields.require(j, "max_bytes", at + ".max_bytes");
         if (!max.is_null()) {
           rule.max_bytes = fields.non_negative_integer(max, at + ".max_bytes");
           if (*rule.max_bytes <= rule.min_bytes) {
-            fields.fail(at + ".max_bytes", fmt::format("expected a size > min_bytes ({}), got {}", rule.min_bytes, *rule.max_bytes));
+            fields.fail(at + ".max_bytes",
+                        fmt::format("expected a size > min_bytes ({}), got {}", rule.min_bytes, *rule.max_bytes));
           }
         }
         rule.measured_speedup = positive(fields, j, "measured_speedup", at);

@@ -35,7 +35,8 @@ class SpBenchCli : public ::testing::Test {
 TEST_F(SpBenchCli, HostSmokeRunWritesAValidReportAndPolicy) {
   const runtime::CommandResult transfer =
       run("transfer --backend host --bandwidth-cap-gbps 1 --min-kib 64 --max-kib 128 --gpt-d-model 32 "
-          "--blocks 2 --warmup 1 --repeats 2 --machine smoke --out " + path("report.json"));
+          "--blocks 2 --warmup 1 --repeats 2 --machine smoke --out " +
+          path("report.json"));
   ASSERT_EQ(transfer.exit_code, 0) << transfer.output;
   const TransferReport report = load_report(path("report.json"));
   EXPECT_EQ(report.machine, "smoke");
@@ -57,7 +58,7 @@ TEST_F(SpBenchCli, HostSmokeRunWritesAValidReportAndPolicy) {
   EXPECT_GT(report.reference_h2d_gbps, 0.0);
 
   const runtime::CommandResult merge = run("merge-policy --reports " + path("report.json") + " " + path("report.json") +
-                              " --output " + path("policy.json"));
+                                           " --output " + path("policy.json"));
   ASSERT_EQ(merge.exit_code, 0) << merge.output;
   EXPECT_THAT(merge.output, HasSubstr("nf4_frozen: NF4"));
   const TransferPolicy policy = TransferPolicy::load(path("policy.json"));
@@ -70,15 +71,16 @@ TEST_F(SpBenchCli, BadArgumentsAndFilesAreExitCodeTwo) {
   EXPECT_EQ(run("transfer --backend tpu --out " + path("r.json")).exit_code, 2);
   // Group sizes are checked by the kernels' own rules before anything runs.
   for (const char* group : {"48", "0", "4294967328", "64x"}) {
-    const runtime::CommandResult nf4 = run(std::string("transfer --backend host --nf4-group-size ") + group +
-                                           " --out " + path("r.json"));
+    const runtime::CommandResult nf4 =
+        run(std::string("transfer --backend host --nf4-group-size ") + group + " --out " + path("r.json"));
     EXPECT_EQ(nf4.exit_code, 2) << group;
     EXPECT_THAT(nf4.output, HasSubstr(std::string("expected 32, 64, 128 or 256, found ") + group));
   }
   const runtime::CommandResult int8 = run("transfer --backend host --int8-group-size 48 --out " + path("r.json"));
   EXPECT_EQ(int8.exit_code, 2);
   EXPECT_THAT(int8.output, HasSubstr("expected 0 (one scale per row), 32, 64, 128 or 256, found 48"));
-  const runtime::CommandResult inverted = run("transfer --backend host --min-kib 512 --max-kib 64 --out " + path("r.json"));
+  const runtime::CommandResult inverted =
+      run("transfer --backend host --min-kib 512 --max-kib 64 --out " + path("r.json"));
   EXPECT_EQ(inverted.exit_code, 2);
   EXPECT_THAT(inverted.output, HasSubstr("--min-kib 512 is above --max-kib 64"));
   EXPECT_FALSE(fs::exists(dir_ / "r.json"));
@@ -91,12 +93,12 @@ TEST_F(SpBenchCli, BadArgumentsAndFilesAreExitCodeTwo) {
   const runtime::CommandResult out_dir = run("transfer --backend host --out " + dir_.string());
   EXPECT_EQ(out_dir.exit_code, 2);
   EXPECT_THAT(out_dir.output, HasSubstr("--out: " + dir_.string() + " is a directory"));
-  const runtime::CommandResult no_parent = run("merge-policy --reports " + path("bad.json") + " --output " +
-                                               path("absent/p.json"));
+  const runtime::CommandResult no_parent =
+      run("merge-policy --reports " + path("bad.json") + " --output " + path("absent/p.json"));
   EXPECT_EQ(no_parent.exit_code, 2);
   EXPECT_THAT(no_parent.output, HasSubstr("--output: the directory " + path("absent") + " of"));
-  const runtime::CommandResult over_input = run("merge-policy --reports " + path("bad.json") + " --output " +
-                                                path("bad.json"));
+  const runtime::CommandResult over_input =
+      run("merge-policy --reports " + path("bad.json") + " --output " + path("bad.json"));
   EXPECT_EQ(over_input.exit_code, 2);
   EXPECT_THAT(over_input.output, HasSubstr("is also one of the --reports"));
 }

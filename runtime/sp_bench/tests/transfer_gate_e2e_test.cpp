@@ -20,7 +20,8 @@ class TwoSizeModel {
     for (uint32_t b = 0; b < 4; ++b) {
       const uint64_t rows = b < 2 ? 8 : 96;  // the shared test config has 64 KiB slots
       auto values = std::make_unique<std::vector<float>>(rows * 256);
-      for (size_t i = 0; i < values->size(); ++i) values->at(i) = 0.01f * static_cast<float>((i * 7919 + b) % 201) - 1.0f;
+      for (size_t i = 0; i < values->size(); ++i)
+        values->at(i) = 0.01f * static_cast<float>((i * 7919 + b) % 201) - 1.0f;
       blocks_.push_back({"block" + std::to_string(b), {{"weight", values->data(), rows, 256}}});
       storage_.push_back(std::move(values));
     }
@@ -70,8 +71,9 @@ TEST(TransferGateEndToEnd, Int8OnlyWhereBothPoliciesSayIt) {
     engine.release(use.block);
   }
   const adapters::StepTransferMetrics metrics = engine.end_step();
-  const uint32_t fetches_of_block0 = static_cast<uint32_t>(std::count_if(
-      engine.schedule().fetches().begin(), engine.schedule().fetches().end(), [](const auto& f) { return f.block == 0; }));
+  const uint32_t fetches_of_block0 =
+      static_cast<uint32_t>(std::count_if(engine.schedule().fetches().begin(), engine.schedule().fetches().end(),
+                                          [](const auto& f) { return f.block == 0; }));
   EXPECT_EQ(metrics.fetches_bf16_by_transfer_policy, fetches_of_block0)
       << "only block 0 was held back by the transfer policy; block 1 was BF16 by the plugin";
   EXPECT_GT(metrics.fetches_int8, 0u);

@@ -47,10 +47,9 @@ TransferReport report(const std::string& machine, std::vector<TransferPoint> poi
 }
 
 TEST(TransferPolicyMerge, AllowsFromTheFirstGoodSizeUpwards) {
-  const auto policy = TransferPolicy::merge(
-      {report("a", {point(1 * MiB, 0.6, 0.3), point(4 * MiB, 1.2, 0.8), point(16 * MiB, 1.8, 1.1),
-                    point(64 * MiB, 1.9, 1.3)})},
-      1.0);
+  const auto policy = TransferPolicy::merge({report("a", {point(1 * MiB, 0.6, 0.3), point(4 * MiB, 1.2, 0.8),
+                                                          point(16 * MiB, 1.8, 1.1), point(64 * MiB, 1.9, 1.3)})},
+                                            1.0);
   ASSERT_EQ(policy.rules(TransferPath::kInt8Frozen).size(), 1u);
   const TransferRule& frozen = policy.rules(TransferPath::kInt8Frozen)[0];
   EXPECT_EQ(frozen.min_bytes, 4 * MiB);
@@ -76,10 +75,9 @@ TEST(TransferPolicyMerge, ThresholdIsInclusiveAndRaisingItNarrowsTheRules) {
 TEST(TransferPolicyMerge, AGoodSizeBetweenBadOnesIsNotExtrapolated) {
   // INT8 pays only in a middle band (a fast link makes large copies cheap); a lone good size
   // with bad neighbours gives no rule, because nothing was measured around it.
-  const auto policy = TransferPolicy::merge(
-      {report("a", {point(1 * MiB, 0.7, 0.7), point(4 * MiB, 1.3, 1.3), point(8 * MiB, 1.2, 0.9),
-                    point(32 * MiB, 0.95, 0.9)})},
-      1.0);
+  const auto policy = TransferPolicy::merge({report("a", {point(1 * MiB, 0.7, 0.7), point(4 * MiB, 1.3, 1.3),
+                                                          point(8 * MiB, 1.2, 0.9), point(32 * MiB, 0.95, 0.9)})},
+                                            1.0);
   ASSERT_EQ(policy.rules(TransferPath::kInt8Frozen).size(), 1u);
   const TransferRule& band = policy.rules(TransferPath::kInt8Frozen)[0];
   EXPECT_EQ(band.min_bytes, 4 * MiB);
@@ -160,8 +158,8 @@ TEST(TransferPolicyMerge, Nf4RulesComeFromTheNf4Measurements) {
 // a report that did measure it (every report must allow a size).
 TEST(TransferPolicyMerge, AReportWithoutNf4AllowsNf4Nowhere) {
   const auto old = report("old", {point(1 * MiB, 1.5, 1.5), point(64 * MiB, 1.5, 1.5)});
-  const auto fresh = report("new", {with_nf4(point(1 * MiB, 1.5, 1.5), 2.0, 2.0),
-                                    with_nf4(point(64 * MiB, 1.5, 1.5), 2.0, 2.0)});
+  const auto fresh =
+      report("new", {with_nf4(point(1 * MiB, 1.5, 1.5), 2.0, 2.0), with_nf4(point(64 * MiB, 1.5, 1.5), 2.0, 2.0)});
   EXPECT_EQ(old.points[0].speedup(TransferPath::kNf4Frozen), 0.0);
   EXPECT_TRUE(TransferPolicy::merge({old}, 1.0).rules(TransferPath::kNf4Frozen).empty());
   EXPECT_EQ(TransferPolicy::merge({fresh}, 1.0).rules(TransferPath::kNf4Frozen).size(), 1u);
@@ -266,10 +264,12 @@ TEST(TransferPolicyFile, RefusesCorruptFilesWithTheField) {
   EXPECT_THAT(policy_error(head + R"("rules":{"int8_frozen":[{"min_bytes":8,"max_bytes":null,"measured_speedup":1.2},)"
                                   R"({"min_bytes":16,"max_bytes":null,"measured_speedup":1.3}]}})"),
               HasSubstr("rules.int8_frozen[1].min_bytes: rules must be sorted by size and must not overlap"));
-  EXPECT_THAT(policy_error(head + R"("rules":{"int8_frozen":[{"min_bytes":-1,"max_bytes":null,"measured_speedup":1}]}})"),
-              HasSubstr("rules.int8_frozen[0].min_bytes: expected an integer >= 0, got -1"));
-  EXPECT_THAT(policy_error(head + R"("rules":{"int8_frozen":[{"min_bytes":1,"max_bytes":null,"measured_speedup":0}]}})"),
-              HasSubstr("rules.int8_frozen[0].measured_speedup: expected a number > 0"));
+  EXPECT_THAT(
+      policy_error(head + R"("rules":{"int8_frozen":[{"min_bytes":-1,"max_bytes":null,"measured_speedup":1}]}})"),
+      HasSubstr("rules.int8_frozen[0].min_bytes: expected an integer >= 0, got -1"));
+  EXPECT_THAT(
+      policy_error(head + R"("rules":{"int8_frozen":[{"min_bytes":1,"max_bytes":null,"measured_speedup":0}]}})"),
+      HasSubstr("rules.int8_frozen[0].measured_speedup: expected a number > 0"));
   EXPECT_THAT(policy_error(head + R"("rules":{}, "extra": 1})"), HasSubstr("extra: unknown key"));
 }
 
@@ -291,8 +291,8 @@ TEST(TransferPolicyFile, DefaultPolicyAllowsInt8AndNf4Nowhere) {
 }
 
 TEST(TransferPath, NamesRoundTrip) {
-  for (TransferPath path : {TransferPath::kInt8Frozen, TransferPath::kInt8Trained, TransferPath::kNf4Frozen,
-                            TransferPath::kNf4Trained}) {
+  for (TransferPath path :
+       {TransferPath::kInt8Frozen, TransferPath::kInt8Trained, TransferPath::kNf4Frozen, TransferPath::kNf4Trained}) {
     EXPECT_EQ(parse_transfer_path(transfer_path_name(path)), std::optional<TransferPath>(path));
   }
   EXPECT_EQ(nf4_path(BlockWeights::kTrained), TransferPath::kNf4Trained);

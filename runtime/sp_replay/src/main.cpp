@@ -54,8 +54,7 @@ struct Options {
 
 class ReplayFailure : public std::runtime_error {
  public:
-  ReplayFailure(int exit_code, const std::string& message)
-      : std::runtime_error(message), exit_code_(exit_code) {}
+  ReplayFailure(int exit_code, const std::string& message) : std::runtime_error(message), exit_code_(exit_code) {}
   int exit_code() const { return exit_code_; }
 
  private:
@@ -138,7 +137,8 @@ void check_no_hook_failed(const sp::host::PolicyHost& host, int64_t step, const 
 void check_outputs_are_not_inputs(const Options& options) {
   const std::pair<const char*, const fs::path*> inputs[] = {
       {"--trace", &options.trace}, {"--config", &options.config}, {"--calibration", &options.calibration}};
-  const std::pair<const char*, const fs::path*> outputs[] = {{"--out", &options.out}, {"--telemetry", &options.telemetry}};
+  const std::pair<const char*, const fs::path*> outputs[] = {{"--out", &options.out},
+                                                             {"--telemetry", &options.telemetry}};
   for (const auto& [output_flag, output] : outputs) {
     if (output->empty()) continue;
     std::error_code ignored;
@@ -173,13 +173,13 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
   host_options.host_name = "sp-replay";
   host_options.logger = logger;
   // The replay moves no bytes; it stands for a host that can transfer every precision.
-  host_options.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) |
-                                      SP_PRECISION_BIT(SP_PRECISION_NF4);
+  host_options.supported_precisions =
+      SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
   std::unique_ptr<sp::host::PolicyHost> host;
   try {
-    host = std::make_unique<sp::host::PolicyHost>(
-        plugin_file, sp::host::PolicyConfig{config_text, options.config.string()},
-        describe_blocks(options.blocks), host_options);
+    host = std::make_unique<sp::host::PolicyHost>(plugin_file,
+                                                  sp::host::PolicyConfig{config_text, options.config.string()},
+                                                  describe_blocks(options.blocks), host_options);
   } catch (const sp::host::PluginError& e) {
     throw ReplayFailure(kExitPluginLoad, e.what());
   }
@@ -225,7 +225,8 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
     ++tally.steps;
   }
   if (tally.steps == 0) {
-    throw ReplayFailure(kExitBadInput, fmt::format("{}: the trace holds no steps; nothing to replay", options.trace.string()));
+    throw ReplayFailure(kExitBadInput,
+                        fmt::format("{}: the trace holds no steps; nothing to replay", options.trace.string()));
   }
 
   if (options.out.empty()) {
@@ -250,11 +251,12 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
   const double nominal_saving = 0.5 * int8_share + 0.75 * nf4_share;
   logger->info("replayed {} steps of {} blocks: {} precision changes", tally.steps, options.blocks,
                tally.precision_changes);
-  logger->info("final precision (B=bf16, I=int8, N=nf4): {} ({} NF4, {} INT8, {} BF16)", final_map, nf4_now,
-               int8_now, options.blocks - int8_now - nf4_now);
-  logger->info("share of block transfers: INT8 {:.1f}%, NF4 {:.1f}% -> about {:.1f}% fewer H2D payload bytes "
-               "than all-BF16",
-               100.0 * int8_share, 100.0 * nf4_share, 100.0 * nominal_saving);
+  logger->info("final precision (B=bf16, I=int8, N=nf4): {} ({} NF4, {} INT8, {} BF16)", final_map, nf4_now, int8_now,
+               options.blocks - int8_now - nf4_now);
+  logger->info(
+      "share of block transfers: INT8 {:.1f}%, NF4 {:.1f}% -> about {:.1f}% fewer H2D payload bytes "
+      "than all-BF16",
+      100.0 * int8_share, 100.0 * nf4_share, 100.0 * nominal_saving);
   if (!options.out.empty()) logger->info("decisions written to {}", options.out.string());
   if (!options.telemetry.empty()) logger->info("telemetry written to {}", options.telemetry.string());
   return kExitOk;
@@ -282,8 +284,7 @@ int main(int argc, char** argv) {
   app.add_option("--blocks", options.blocks, "number of blocks")->required()->check(CLI::Range(1u, 1u << 20));
   app.add_option("--trace", options.trace, "gradient-moment trace, JSON Lines")->required();
   app.add_option("--calibration", options.calibration, "per-block INT8 and NF4 calibration errors, JSON");
-  app.add_option("--plugin-dir", options.plugin_dir, "directory holding the plugin .so")
-      ->capture_default_str();
+  app.add_option("--plugin-dir", options.plugin_dir, "directory holding the plugin .so")->capture_default_str();
   app.add_option("--plugin", options.plugin, "plugin to load: <plugin-dir>/lib<NAME>.so")->capture_default_str();
   app.add_option("--out", options.out, "write the decisions here (atomically) instead of stdout")
       ->check(sp::runtime::output_file());

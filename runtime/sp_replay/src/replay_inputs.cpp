@@ -16,13 +16,11 @@ using nlohmann::json;
 using runtime::JsonFieldError;
 using runtime::JsonFields;
 
-sp_grad_moments_v1 read_block(const JsonFields& fields, const json& entry, const std::string& at,
-                              uint32_t n_blocks, std::vector<bool>& seen) {
+sp_grad_moments_v1 read_block(const JsonFields& fields, const json& entry, const std::string& at, uint32_t n_blocks,
+                              std::vector<bool>& seen) {
   fields.require_object(entry, at);
   fields.only_keys(entry, {"id", "sum_sq", "sum", "max_abs", "count", "nonfinite"}, at);
-  const auto field = [&](const char* key) -> const json& {
-    return fields.require(entry, key, at + "." + key);
-  };
+  const auto field = [&](const char* key) -> const json& { return fields.require(entry, key, at + "." + key); };
   sp_grad_moments_v1 m{};
   const uint64_t id = fields.non_negative_integer(field("id"), at + ".id");
   if (id >= n_blocks) {

@@ -23,13 +23,13 @@ class InputError : public std::runtime_error {
 
 struct TraceStep {
   int64_t step = 0;
-  std::vector<sp_grad_moments_v1> moments;  // blocks without a gradient this step are absent
+  std::vector<sp_grad_moments_v1> moments;                 // blocks without a gradient this step are absent
   double loss = std::numeric_limits<double>::quiet_NaN();  // the step's training loss; NaN = unknown
 };
 
 // Reads {"step": s, "blocks": [{"id", "sum_sq", "sum", "max_abs", "count", "nonfinite"}],
-// "loss": l} one line at a time; "loss" is optional, a finite number or null (unknown). Steps must be 0, 1, 2, ... in order, because the policy's windows,
-// warm-up and cooldown count steps. Blank lines are skipped.
+// "loss": l} one line at a time; "loss" is optional, a finite number or null (unknown). Steps must be 0, 1, 2, ... in
+// order, because the policy's windows, warm-up and cooldown count steps. Blank lines are skipped.
 class TraceReader {
  public:
   TraceReader(std::istream& in, std::string source_name, uint32_t n_blocks);

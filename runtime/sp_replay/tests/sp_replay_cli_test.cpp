@@ -59,8 +59,8 @@ class SpReplayCli : public ::testing::Test {
 
 TEST_F(SpReplayCli, WritesOneDecisionLinePerStepAndTelemetry) {
   write("t.jsonl", trace(4));
-  const RunResult r = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
-                          " --out " + path("d.jsonl") + " --telemetry " + path("tel.jsonl"));
+  const RunResult r = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") + " --out " +
+                          path("d.jsonl") + " --telemetry " + path("tel.jsonl"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::ifstream decisions(dir_ / "d.jsonl");
   std::vector<nlohmann::json> lines;
@@ -91,9 +91,8 @@ TEST_F(SpReplayCli, ThreeTiersAndTheLossGuardFromTraceLosses) {
     text += line + ",\"loss\":" + std::to_string(losses[step]) + "}\n";
   }
   write("t.jsonl", text);
-  const RunResult r = run("--config " + path("v2.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
-                          " --calibration " + path("k.json") + " --out " + path("d.jsonl") + " --telemetry " +
-                          path("tel.jsonl"));
+  const RunResult r = run("--config " + path("v2.yaml") + " --blocks 2 --trace " + path("t.jsonl") + " --calibration " +
+                          path("k.json") + " --out " + path("d.jsonl") + " --telemetry " + path("tel.jsonl"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::ifstream decisions(dir_ / "d.jsonl");
   std::vector<nlohmann::json> lines;
@@ -119,8 +118,8 @@ TEST_F(SpReplayCli, WithoutTelemetryOptionWritesNoTelemetryFile) {
 
 TEST_F(SpReplayCli, MalformedTraceLineNamesTheLineAndWritesNothing) {
   write("t.jsonl", trace(2) + "{\"step\":2,\"blocks\":[{\"id\":5}]}\n");
-  const RunResult r = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
-                          " --out " + path("d.jsonl"));
+  const RunResult r =
+      run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") + " --out " + path("d.jsonl"));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.output, HasSubstr("t.jsonl:3: blocks[0].id: block id 5 is out of range: --blocks is 2"));
   EXPECT_FALSE(fs::exists(dir_ / "d.jsonl")) << "a failed replay must not leave a decisions file";
@@ -138,8 +137,8 @@ TEST_F(SpReplayCli, BadConfigIsRejectedByThePluginWithTheFileAndKey) {
 
 TEST_F(SpReplayCli, MissingPluginIsExitCodeThree) {
   write("t.jsonl", trace(1));
-  const RunResult r = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
-                          " --plugin no_such_plugin");
+  const RunResult r =
+      run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") + " --plugin no_such_plugin");
   EXPECT_EQ(r.exit_code, 3);
   EXPECT_THAT(r.output, HasSubstr("libno_such_plugin.so"));
 }
@@ -161,13 +160,13 @@ TEST_F(SpReplayCli, BadArgumentsAreExitCodeTwo) {
                                         " --calibration " + dir_.string());
   EXPECT_EQ(calibration_dir.exit_code, 2);
   EXPECT_THAT(calibration_dir.output, HasSubstr(dir_.string() + ": is a directory"));
-  const RunResult empty_trace = run("--config " + path("policy.yaml") + " --blocks 2 --trace " +
-                                    write("empty.jsonl", "").string());
+  const RunResult empty_trace =
+      run("--config " + path("policy.yaml") + " --blocks 2 --trace " + write("empty.jsonl", "").string());
   EXPECT_EQ(empty_trace.exit_code, 2);
   EXPECT_THAT(empty_trace.output, HasSubstr("empty.jsonl: the trace holds no steps"));
   // Outputs that would overwrite an input, or land in a directory, are refused before the replay.
-  const RunResult over_trace = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
-                                   " --out " + path("t.jsonl"));
+  const RunResult over_trace =
+      run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") + " --out " + path("t.jsonl"));
   EXPECT_EQ(over_trace.exit_code, 2);
   EXPECT_THAT(over_trace.output, HasSubstr("--out " + path("t.jsonl") + " is also the --trace"));
   const RunResult telemetry_dir = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
@@ -183,8 +182,8 @@ TEST_F(SpReplayCli, BadArgumentsAreExitCodeTwo) {
   EXPECT_EQ(trace_dir.exit_code, 2);
   EXPECT_THAT(trace_dir.output, HasSubstr(dir_.string() + ": is a directory; expected the trace"));
   // An output path that cannot be written is refused before the replay runs.
-  const RunResult out_dir = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") +
-                                " --out " + dir_.string());
+  const RunResult out_dir =
+      run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl") + " --out " + dir_.string());
   EXPECT_EQ(out_dir.exit_code, 2);
   EXPECT_THAT(out_dir.output, HasSubstr("--out: " + dir_.string() + " is a directory; expected a file path"));
 }

@@ -11,8 +11,8 @@ std::size_t AdamW::add(std::string name, float* weights, const float* grads, std
   if (n != 0 && (weights == nullptr || grads == nullptr)) {
     throw std::invalid_argument(fmt::format("AdamW: parameter '{}' has no weights or gradients", name));
   }
-  params_.push_back(Param{std::move(name), weights, grads, n, decay, std::vector<float>(n, 0.0f),
-                          std::vector<float>(n, 0.0f)});
+  params_.push_back(
+      Param{std::move(name), weights, grads, n, decay, std::vector<float>(n, 0.0f), std::vector<float>(n, 0.0f)});
   return params_.size() - 1;
 }
 
@@ -28,8 +28,7 @@ void AdamW::step_parameter(std::size_t index) {
   const auto b2 = static_cast<float>(settings_.beta2);
   const auto eps = static_cast<float>(settings_.eps);
   const auto scale = static_cast<float>(grad_scale_);
-  const auto step_size =
-      static_cast<float>(lr_ / (1.0 - std::pow(settings_.beta1, static_cast<double>(steps_))));
+  const auto step_size = static_cast<float>(lr_ / (1.0 - std::pow(settings_.beta1, static_cast<double>(steps_))));
   const auto inv_bias2 =
       static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(settings_.beta2, static_cast<double>(steps_))));
   const float decay = p.decay ? static_cast<float>(1.0 - lr_ * settings_.weight_decay) : 1.0f;

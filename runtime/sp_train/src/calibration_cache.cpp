@@ -29,10 +29,14 @@ std::string checksum_of(const std::string& fingerprint, const nlohmann::json& in
 
 const char* cache_status_name(CacheStatus status) {
   switch (status) {
-    case CacheStatus::hit: return "hit";
-    case CacheStatus::missing: return "missing";
-    case CacheStatus::mismatch: return "mismatch";
-    case CacheStatus::corrupt: return "corrupt";
+    case CacheStatus::hit:
+      return "hit";
+    case CacheStatus::missing:
+      return "missing";
+    case CacheStatus::mismatch:
+      return "mismatch";
+    case CacheStatus::corrupt:
+      return "corrupt";
   }
   return "?";
 }
@@ -46,8 +50,7 @@ fs::path calibration_cache_file(const fs::path& dir, const std::string& fingerpr
   return dir / fmt::format("calibration-{}.json", fingerprint);
 }
 
-CacheLookup read_calibration_cache(const fs::path& file, const std::string& fingerprint,
-                                   std::uint32_t n_blocks) {
+CacheLookup read_calibration_cache(const fs::path& file, const std::string& fingerprint, std::uint32_t n_blocks) {
   CacheLookup lookup;
   auto corrupt = [&](const std::string& why) {
     lookup.status = CacheStatus::corrupt;
@@ -100,7 +103,7 @@ CacheLookup read_calibration_cache(const fs::path& file, const std::string& fing
     return lookup;
   }
   const std::pair<const nlohmann::json*, std::vector<double>*> lists[] = {{&*int8, &lookup.errors.int8},
-                                                                           {&*nf4, &lookup.errors.nf4}};
+                                                                          {&*nf4, &lookup.errors.nf4}};
   for (std::size_t k = 0; k < 2; ++k) {
     const auto& [stored, out] = lists[k];
     if (stored->size() != n_blocks) {
@@ -121,8 +124,8 @@ CacheLookup read_calibration_cache(const fs::path& file, const std::string& fing
   return lookup;
 }
 
-void write_calibration_cache(const fs::path& file, const std::string& fingerprint,
-                             const nlohmann::json& identity, const CalibrationErrors& errors) {
+void write_calibration_cache(const fs::path& file, const std::string& fingerprint, const nlohmann::json& identity,
+                             const CalibrationErrors& errors) {
   fs::create_directories(file.parent_path());
   const nlohmann::json int8 = errors.int8;
   const nlohmann::json nf4 = errors.nf4;

@@ -32,8 +32,7 @@ struct CacheLookup {
 // Hex digest of the identity object (its canonical dump).
 std::string calibration_fingerprint(const nlohmann::json& identity);
 // <dir>/calibration-<fingerprint>.json
-std::filesystem::path calibration_cache_file(const std::filesystem::path& dir,
-                                             const std::string& fingerprint);
+std::filesystem::path calibration_cache_file(const std::filesystem::path& dir, const std::string& fingerprint);
 
 CacheLookup read_calibration_cache(const std::filesystem::path& file, const std::string& fingerprint,
                                    std::uint32_t n_blocks);

@@ -24,8 +24,7 @@ void append(Bytes& out, T value) {
 
 class Cursor {
  public:
-  Cursor(const Bytes& data, std::size_t end, std::string file)
-      : data_(data), end_(end), file_(std::move(file)) {}
+  Cursor(const Bytes& data, std::size_t end, std::string file) : data_(data), end_(end), file_(std::move(file)) {}
 
   template <typename T>
   T read(const char* what) {
@@ -35,8 +34,8 @@ class Cursor {
   }
   void take(void* dst, std::size_t bytes, const std::string& what) {
     if (bytes > end_ - pos_) {
-      throw CheckpointError(fmt::format("{}: truncated: {} needs {} bytes at offset {}, {} remain",
-                                        file_, what, bytes, pos_, end_ - pos_));
+      throw CheckpointError(fmt::format("{}: truncated: {} needs {} bytes at offset {}, {} remain", file_, what, bytes,
+                                        pos_, end_ - pos_));
     }
     if (bytes != 0) std::memcpy(dst, data_.data() + pos_, bytes);
     pos_ += bytes;
@@ -52,9 +51,7 @@ class Cursor {
 
 }  // namespace
 
-void CheckpointSections::put(const std::string& name, Bytes payload) {
-  sections_[name] = std::move(payload);
-}
+void CheckpointSections::put(const std::string& name, Bytes payload) { sections_[name] = std::move(payload); }
 
 void CheckpointSections::put(const std::string& name, const void* data, std::size_t bytes) {
   const auto* p = static_cast<const std::uint8_t*>(data);
@@ -72,8 +69,8 @@ const Bytes& CheckpointSections::get(const std::string& name) const {
 void CheckpointSections::get_into(const std::string& name, void* dst, std::size_t bytes) const {
   const Bytes& payload = get(name);
   if (payload.size() != bytes) {
-    throw CheckpointError(fmt::format("{}: section '{}' holds {} bytes; this model needs {}",
-                                      source_, name, payload.size(), bytes));
+    throw CheckpointError(
+        fmt::format("{}: section '{}' holds {} bytes; this model needs {}", source_, name, payload.size(), bytes));
   }
   if (bytes != 0) std::memcpy(dst, payload.data(), bytes);
 }
@@ -120,7 +117,8 @@ CheckpointSections CheckpointSections::read(const std::filesystem::path& file) {
   cursor.take(magic, sizeof magic, "the magic");
   const auto version = cursor.read<std::uint32_t>("the version");
   if (version != kVersion) {
-    throw CheckpointError(fmt::format("{}: format version {}; this sp-train reads version {}", name, version, kVersion));
+    throw CheckpointError(
+        fmt::format("{}: format version {}; this sp-train reads version {}", name, version, kVersion));
   }
   const auto count = cursor.read<std::uint32_t>("the section count");
   CheckpointSections sections;
@@ -128,8 +126,8 @@ CheckpointSections CheckpointSections::read(const std::filesystem::path& file) {
   for (std::uint32_t i = 0; i < count; ++i) {
     const auto name_length = cursor.read<std::uint32_t>("a section name length");
     if (name_length > body - cursor.position()) {  // before allocating what the header claims
-      throw CheckpointError(fmt::format("{}: the name of section {} claims {} bytes, more than the file", name, i,
-                                        name_length));
+      throw CheckpointError(
+          fmt::format("{}: the name of section {} claims {} bytes, more than the file", name, i, name_length));
     }
     std::string section(name_length, '\0');
     cursor.take(section.data(), name_length, fmt::format("the name of section {}", i));
@@ -144,7 +142,8 @@ CheckpointSections CheckpointSections::read(const std::filesystem::path& file) {
     }
   }
   if (cursor.position() != body) {
-    throw CheckpointError(fmt::format("{}: {} unexpected bytes after the last section", name, body - cursor.position()));
+    throw CheckpointError(
+        fmt::format("{}: {} unexpected bytes after the last section", name, body - cursor.position()));
   }
   return sections;
 }

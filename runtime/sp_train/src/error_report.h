@@ -18,7 +18,8 @@ struct ErrorReport {
   std::string message;
 };
 
-inline constexpr const char* kBugReportPrefix = "internal error (a bug in sp-train; please report it with the command line): ";
+inline constexpr const char* kBugReportPrefix =
+    "internal error (a bug in sp-train; please report it with the command line): ";
 
 inline ErrorReport report_error(std::exception_ptr error) {
   try {

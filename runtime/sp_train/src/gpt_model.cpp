@@ -33,7 +33,8 @@ GptModel::GptModel(const ModelConfig& config, TrainMode mode, const LoraConfig& 
   // in depth.
   const double residual_std = config.init_std / std::sqrt(2.0 * config.n_blocks);
   wte_ = add_resident("wte", torch::randn({kVocab, c}) * config.init_std, true);
-  wpe_ = add_resident("wpe", torch::randn({static_cast<std::int64_t>(config.seq_len), c}) * (config.init_std / 2), false);
+  wpe_ =
+      add_resident("wpe", torch::randn({static_cast<std::int64_t>(config.seq_len), c}) * (config.init_std / 2), false);
   masters_.resize(config.n_blocks);
   block_resident_.resize(config.n_blocks);
   block_adapters_.resize(config.n_blocks);
@@ -50,8 +51,9 @@ GptModel::GptModel(const ModelConfig& config, TrainMode mode, const LoraConfig& 
       const std::int64_t r = lora.rank;
       for (std::size_t t = 0; t < kStreamedPerBlock; ++t) {
         // B starts at zero so that the adapted model starts as the base model.
-        const std::size_t a = add_resident(fmt::format("block{}.{}.lora_a", b, kStreamedNames[t]),
-                                           torch::randn({r, shapes[t][1]}) / std::sqrt(static_cast<double>(shapes[t][1])), false);
+        const std::size_t a =
+            add_resident(fmt::format("block{}.{}.lora_a", b, kStreamedNames[t]),
+                         torch::randn({r, shapes[t][1]}) / std::sqrt(static_cast<double>(shapes[t][1])), false);
         const std::size_t bb = add_resident(fmt::format("block{}.{}.lora_b", b, kStreamedNames[t]),
                                             torch::zeros({shapes[t][0], r}), false);
         block_resident_[b].push_back(a);
@@ -138,15 +140,13 @@ torch::Tensor GptModel::embed(const torch::Tensor& idx) {
 
 torch::Tensor GptModel::head_loss(const torch::Tensor& h, const torch::Tensor& targets) {
   const std::int64_t c = config_.d_model;
-  const torch::Tensor normed =
-      torch::layer_norm(h, {c}, resident_[lnf_w_].compute, resident_[lnf_b_].compute);
+  const torch::Tensor normed = torch::layer_norm(h, {c}, resident_[lnf_w_].compute, resident_[lnf_b_].compute);
   // The loss is reduced in fp32 whatever the compute dtype.
   const torch::Tensor logits = torch::matmul(normed, resident_[wte_].compute.t()).to(torch::kFloat32);
   return torch::nn::functional::cross_entropy(logits.view({-1, kVocab}), targets.view({-1}));
 }
 
-torch::Tensor GptModel::linear(std::uint32_t block, std::size_t which, const torch::Tensor& x,
-                               const torch::Tensor& w) {
+torch::Tensor GptModel::linear(std::uint32_t block, std::size_t which, const torch::Tensor& x, const torch::Tensor& w) {
   torch::Tensor y = torch::matmul(x, w.t());
   if (mode_ == TrainMode::lora) {
     const torch::Tensor& a = resident_[block_adapters_[block][2 * which]].compute;
@@ -164,10 +164,8 @@ torch::Tensor GptModel::block_forward(std::uint32_t block, const torch::Tensor& 
   const torch::Tensor qkv = linear(block, 0, h1, w[0]).view({batch, t, 3, heads, head_dim}).permute({2, 0, 3, 1, 4});
   const torch::Tensor scores =
       torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(head_dim)));
-  const torch::Tensor attention =
-      torch::softmax(scores.masked_fill(causal_mask_.narrow(0, 0, t).narrow(1, 0, t),
-                                        -std::numeric_limits<float>::infinity()),
-                     -1);
+  const torch::Tensor attention = torch::softmax(
+      scores.masked_fill(causal_mask_.narrow(0, 0, t).narrow(1, 0, t), -std::numeric_limits<float>::infinity()), -1);
   const torch::Tensor mixed = torch::matmul(attention, qkv[2]).transpose(1, 2).reshape({batch, t, c});
   const torch::Tensor x1 = x + linear(block, 1, mixed, w[1]);
   const torch::Tensor h2 = torch::layer_norm(x1, {c}, resident_[norms[2]].compute, resident_[norms[3]].compute);

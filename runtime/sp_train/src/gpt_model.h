@@ -19,8 +19,8 @@
 namespace sp::train {
 
 inline constexpr std::size_t kStreamedPerBlock = 4;
-inline constexpr std::array<const char*, kStreamedPerBlock> kStreamedNames = {
-    "attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"};
+inline constexpr std::array<const char*, kStreamedPerBlock> kStreamedNames = {"attn.qkv", "attn.proj", "mlp.fc",
+                                                                              "mlp.proj"};
 inline constexpr std::int64_t kVocab = 256;
 
 using BlockWeights = std::array<torch::Tensor, kStreamedPerBlock>;

@@ -81,9 +81,11 @@ int main(int argc, char** argv) {
   app.add_option("--out", out, "run directory: metrics, telemetry, checkpoint, summary.json")->capture_default_str();
   app.add_option("--plugin-dir", plugin_dir, "directory holding lib<train.plugin>.so; watched for new versions")
       ->capture_default_str();
-  app.add_option("--set", sets, "override a config key, e.g. --set train.mode=lora --set "
-                                "memory.stagehand.selective_precision.mode=off (repeatable; value is YAML)")
-      ->take_all()->allow_extra_args(false);
+  app.add_option("--set", sets,
+                 "override a config key, e.g. --set train.mode=lora --set "
+                 "memory.stagehand.selective_precision.mode=off (repeatable; value is YAML)")
+      ->take_all()
+      ->allow_extra_args(false);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -115,14 +117,14 @@ int main(int argc, char** argv) {
 
     const nlohmann::json& s = summary.json;
     const auto& bytes = s["h2d_bytes"];
-    logger->info("{} {} steps in {:.1f}s ({:.0f} tokens/s)", summary.outcome == sp::train::RunOutcome::completed ? "finished" : "stopped at",
+    logger->info("{} {} steps in {:.1f}s ({:.0f} tokens/s)",
+                 summary.outcome == sp::train::RunOutcome::completed ? "finished" : "stopped at",
                  s["steps"].get<std::int64_t>(), s["wall_seconds"].get<double>(), s["tokens_per_second"].get<double>());
     if (!s["final_val_loss"].is_null()) logger->info("final validation loss {:.4f}", s["final_val_loss"].get<double>());
     logger->info("H2D: {} BF16 + {} INT8 + {} NF4 = {}; all-BF16 would be {}: {:.1f}% saved",
                  sp::train::format_bytes(bytes["bf16"]), sp::train::format_bytes(bytes["int8"]),
-                 sp::train::format_bytes(bytes["nf4"]),
-                 sp::train::format_bytes(bytes["total"]), sp::train::format_bytes(bytes["all_bf16_equivalent"]),
-                 100.0 * bytes["saved_fraction"].get<double>());
+                 sp::train::format_bytes(bytes["nf4"]), sp::train::format_bytes(bytes["total"]),
+                 sp::train::format_bytes(bytes["all_bf16_equivalent"]), 100.0 * bytes["saved_fraction"].get<double>());
     logger->info("summary: {}", (out / "summary.json").string());
     return summary.outcome == sp::train::RunOutcome::completed ? kExitOk : kExitInterrupted;
   } catch (...) {

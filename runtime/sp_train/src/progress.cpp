@@ -21,11 +21,11 @@ std::string format_progress(const ProgressState& s) {
   const int width = 20;
   const int filled = s.total > 0 ? static_cast<int>(width * s.step / s.total) : width;
   const double saved_pct = s.bytes_all_bf16 ? 100.0 * s.bytes_saved / s.bytes_all_bf16 : 0.0;
-  return fmt::format("[{}{}] step {}/{} | loss {:.4f}{} | {:.0f} tok/s | BF16 {} INT8 {} NF4 {} | saved {} ({:.1f}%) | eta {:.0f}s",
-                     std::string(filled, '#'), std::string(width - filled, '.'), s.step, s.total, s.loss,
-                     s.val_loss ? fmt::format(" val {:.4f}", *s.val_loss) : std::string(),
-                     s.tokens_per_second, s.bf16_blocks, s.int8_blocks, s.nf4_blocks, format_bytes(s.bytes_saved),
-                     saved_pct, s.eta_seconds);
+  return fmt::format(
+      "[{}{}] step {}/{} | loss {:.4f}{} | {:.0f} tok/s | BF16 {} INT8 {} NF4 {} | saved {} ({:.1f}%) | eta {:.0f}s",
+      std::string(filled, '#'), std::string(width - filled, '.'), s.step, s.total, s.loss,
+      s.val_loss ? fmt::format(" val {:.4f}", *s.val_loss) : std::string(), s.tokens_per_second, s.bf16_blocks,
+      s.int8_blocks, s.nf4_blocks, format_bytes(s.bytes_saved), saved_pct, s.eta_seconds);
 }
 
 ProgressLine::ProgressLine(std::FILE* out, bool enabled)

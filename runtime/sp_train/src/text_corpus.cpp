@@ -49,8 +49,7 @@ std::vector<fs::path> text_files(const fs::path& path) {
 
 }  // namespace
 
-TextCorpus::TextCorpus(const fs::path& path, double val_fraction, std::uint32_t chunk_bytes,
-                       std::uint32_t seq_len)
+TextCorpus::TextCorpus(const fs::path& path, double val_fraction, std::uint32_t chunk_bytes, std::uint32_t seq_len)
     : seq_len_(seq_len) {
   std::vector<std::uint8_t> text;
   std::uint64_t file_bytes = 0;  // without the newline that separates files
@@ -76,11 +75,11 @@ TextCorpus::TextCorpus(const fs::path& path, double val_fraction, std::uint32_t 
   stats_.val_bytes = val_.size();
   const std::uint64_t need = std::uint64_t{seq_len} + 1;
   if (train_.size() < need || val_.size() < need) {
-    throw DataError(fmt::format(
-        "{}: {} bytes of text in {} file(s) give {} train and {} validation bytes; each split "
-        "needs at least model.seq_len + 1 = {} (lower data.val_fraction or data.chunk_bytes, or "
-        "give more text)",
-        path.string(), file_bytes, stats_.files, train_.size(), val_.size(), need));
+    throw DataError(
+        fmt::format("{}: {} bytes of text in {} file(s) give {} train and {} validation bytes; each split "
+                    "needs at least model.seq_len + 1 = {} (lower data.val_fraction or data.chunk_bytes, or "
+                    "give more text)",
+                    path.string(), file_bytes, stats_.files, train_.size(), val_.size(), need));
   }
   fingerprint_ = sp::runtime::fnv1a64(train_.data(), train_.size());
   fingerprint_ = sp::runtime::fnv1a64(val_.data(), val_.size(), fingerprint_);
@@ -93,7 +92,8 @@ void TextCorpus::train_batch(std::uint64_t seed, std::int64_t step, std::uint32_
   tokens.resize(std::size_t{batch_size} * window);
   for (std::uint32_t row = 0; row < batch_size; ++row) {
     const std::uint64_t offset =
-        sp::runtime::mix64(sp::runtime::mix64(seed ^ sp::runtime::mix64(static_cast<std::uint64_t>(step))) + row) % starts;
+        sp::runtime::mix64(sp::runtime::mix64(seed ^ sp::runtime::mix64(static_cast<std::uint64_t>(step))) + row) %
+        starts;
     std::copy_n(train_.begin() + static_cast<std::ptrdiff_t>(offset), window,
                 tokens.begin() + static_cast<std::ptrdiff_t>(row * window));
   }

@@ -27,8 +27,7 @@ class TextCorpus {
   // read once). Chunk i of `chunk_bytes` goes to validation when floor((i+1)*f) > floor(i*f),
   // f = val_fraction: an even stride through the text. Throws DataError when either split is
   // shorter than seq_len + 1 bytes.
-  TextCorpus(const std::filesystem::path& path, double val_fraction, std::uint32_t chunk_bytes,
-             std::uint32_t seq_len);
+  TextCorpus(const std::filesystem::path& path, double val_fraction, std::uint32_t chunk_bytes, std::uint32_t seq_len);
 
   const CorpusStats& stats() const { return stats_; }
   // A fingerprint of the text and the split, for checkpoints and the calibration cache.

@@ -26,8 +26,7 @@ using yaml_diagnostics::is_plain_scalar;
 
 // How the user wrote an override, for messages about it.
 std::string given_as(const Override& override) {
-  return override.given_as.empty() ? fmt::format("--set {}={}", override.key_path, override.value)
-                                   : override.given_as;
+  return override.given_as.empty() ? fmt::format("--set {}={}", override.key_path, override.value) : override.given_as;
 }
 
 // Where a key's value came from: the config file, or the command-line flag that overrode it.
@@ -78,8 +77,8 @@ class Section {
   Section(const Origins& origins, std::string path, YAML::Node node, std::vector<const char*> known)
       : origins_(origins), path_(std::move(path)), node_(or_empty_map(node)), known_(std::move(known)) {
     if (!node_.IsMap()) {
-      throw ConfigError(fmt::format("{}: {}: expected a mapping, found {}", origins_.of(path_), path_,
-                                    describe(node_)));
+      throw ConfigError(
+          fmt::format("{}: {}: expected a mapping, found {}", origins_.of(path_), path_, describe(node_)));
     }
     std::vector<std::pair<std::string, YAML::Mark>> seen;
     for (const auto& entry : node_) {
@@ -99,8 +98,8 @@ class Section {
         const std::optional<std::string_view> suggestion = yaml_diagnostics::closest_key(key, known_);
         const std::string hint = suggestion ? fmt::format("did you mean '{}'? ", *suggestion) : "";
         throw ConfigError(path_.empty()
-                              ? fmt::format("{}: {}: unknown top-level key; {}expected one of: {}",
-                                            origins_.of(key), key, hint, fmt::join(known_, ", "))
+                              ? fmt::format("{}: {}: unknown top-level key; {}expected one of: {}", origins_.of(key),
+                                            key, hint, fmt::join(known_, ", "))
                               : fmt::format("{}: {}: unknown key; {}{} accepts: {}", origins_.of(key_path(key)),
                                             key_path(key), hint, path_, fmt::join(known_, ", ")));
       }
@@ -108,8 +107,8 @@ class Section {
   }
 
   [[noreturn]] void fail(const char* key, const std::string& expected, const YAML::Node& found) const {
-    throw ConfigError(fmt::format("{}: {}: expected {}, found {}", origins_.of(key_path(key)), key_path(key),
-                                  expected, describe(found)));
+    throw ConfigError(fmt::format("{}: {}: expected {}, found {}", origins_.of(key_path(key)), key_path(key), expected,
+                                  describe(found)));
   }
 
   std::string key_path(std::string_view key) const {
@@ -122,8 +121,7 @@ class Section {
     if (!node.IsDefined()) return;
     const std::string expected = fmt::format("an integer in [{}, {}]", min, max);
     std::int64_t parsed = 0;
-    if (!is_plain_scalar(node) || !YAML::convert<std::int64_t>::decode(node, parsed) ||
-        parsed < min || parsed > max) {
+    if (!is_plain_scalar(node) || !YAML::convert<std::int64_t>::decode(node, parsed) || parsed < min || parsed > max) {
       fail(key, expected, node);
     }
     value = static_cast<Int>(parsed);
@@ -132,11 +130,10 @@ class Section {
   void number(const char* key, double& value, double min, double max, bool min_exclusive = false) const {
     const YAML::Node node = node_[key];
     if (!node.IsDefined()) return;
-    const std::string expected =
-        fmt::format("a number in {}{}, {}]", min_exclusive ? "(" : "[", min, max);
+    const std::string expected = fmt::format("a number in {}{}, {}]", min_exclusive ? "(" : "[", min, max);
     double parsed = 0.0;
-    if (!is_plain_scalar(node) || !YAML::convert<double>::decode(node, parsed) ||
-        !std::isfinite(parsed) || parsed < min || (min_exclusive && parsed == min) || parsed > max) {
+    if (!is_plain_scalar(node) || !YAML::convert<double>::decode(node, parsed) || !std::isfinite(parsed) ||
+        parsed < min || (min_exclusive && parsed == min) || parsed > max) {
       fail(key, expected, node);
     }
     value = parsed;
@@ -160,8 +157,7 @@ class Section {
   }
 
   template <typename Enum>
-  void choice(const char* key, Enum& value,
-              const std::vector<std::pair<const char*, Enum>>& choices) const {
+  void choice(const char* key, Enum& value, const std::vector<std::pair<const char*, Enum>>& choices) const {
     const YAML::Node node = node_[key];
     if (!node.IsDefined()) return;
     std::vector<const char*> names;
@@ -255,8 +251,7 @@ void read_train(const Origins& origins, const Section& s, TrainLoopConfig& t) {
   s.integer("plugin_poll_steps", t.plugin_poll_steps, 0, kMaxSteps);
   s.string("calibration_cache_dir", t.calibration_cache_dir, /*allow_empty=*/true);
   s.string("init_checkpoint", t.init_checkpoint, /*allow_empty=*/true);
-  s.choice<ResumePolicy>("resume", t.resume,
-                         {{"auto", ResumePolicy::auto_resume}, {"never", ResumePolicy::never}});
+  s.choice<ResumePolicy>("resume", t.resume, {{"auto", ResumePolicy::auto_resume}, {"never", ResumePolicy::never}});
   const Section lora(origins, "train.lora", s.node()["lora"], {"rank", "alpha"});
   lora.integer("rank", t.lora.rank, 1, 4096);
   lora.number("alpha", t.lora.alpha, 0.0, 1e6, /*min_exclusive=*/true);
@@ -269,10 +264,9 @@ void read_train(const Origins& origins, const Section& s, TrainLoopConfig& t) {
 void read_streaming(const Section& s, StreamingSection& st) {
   s.integer("prefetch_window", st.prefetch_window, 0, 64);
   s.integer("int8_group_size", st.int8_group_size, 0, 256);
-  if (st.int8_group_size != 0 && st.int8_group_size != 32 && st.int8_group_size != 64 &&
-      st.int8_group_size != 128 && st.int8_group_size != 256) {
-    s.fail("int8_group_size", "0 (one scale per row), 32, 64, 128 or 256",
-           s.node()["int8_group_size"]);
+  if (st.int8_group_size != 0 && st.int8_group_size != 32 && st.int8_group_size != 64 && st.int8_group_size != 128 &&
+      st.int8_group_size != 256) {
+    s.fail("int8_group_size", "0 (one scale per row), 32, 64, 128 or 256", s.node()["int8_group_size"]);
   }
   s.integer("spare_slabs", st.spare_slabs, 0, 1024);
   s.number("bandwidth_cap_gbps", st.bandwidth_cap_gbps, 0.0, 1e6);
@@ -296,12 +290,9 @@ void read_policy_keys(const Origins& origins, const YAML::Node& section, PolicyH
   }
   if (const YAML::Node samples = section["calibration_samples"]; samples.IsDefined()) {
     std::int64_t n = 0;
-    if (!is_plain_scalar(samples) || !YAML::convert<std::int64_t>::decode(samples, n) || n < 1 ||
-        n > 4096) {
-      throw ConfigError(fmt::format(
-          "{}: {}.calibration_samples: expected an integer in [1, 4096], found {}",
-          origins.of(path + ".calibration_samples"), path,
-          describe(samples)));
+    if (!is_plain_scalar(samples) || !YAML::convert<std::int64_t>::decode(samples, n) || n < 1 || n > 4096) {
+      throw ConfigError(fmt::format("{}: {}.calibration_samples: expected an integer in [1, 4096], found {}",
+                                    origins.of(path + ".calibration_samples"), path, describe(samples)));
     }
     c.calibration_samples = static_cast<std::uint32_t>(n);
   }
@@ -336,15 +327,15 @@ void check_log_file_name(const Origins& origins, const std::string& key_path, co
     if (!other_log.empty() && name == other_log) problem = "the other log's file";
   }
   if (problem != nullptr) {
-    throw ConfigError(fmt::format("{}: {}: expected a plain file name inside the run directory other than {}, {}, "
-                                  "{}, {} and the other log; found '{}' ({})",
-                                  origins.of(key_path), key_path, kRunConfigFile, kRunTrainMetricsFile,
-                                  kRunCheckpointFile, kRunSummaryFile, name, problem));
+    throw ConfigError(
+        fmt::format("{}: {}: expected a plain file name inside the run directory other than {}, {}, "
+                    "{}, {} and the other log; found '{}' ({})",
+                    origins.of(key_path), key_path, kRunConfigFile, kRunTrainMetricsFile, kRunCheckpointFile,
+                    kRunSummaryFile, name, problem));
   }
 }
 
-void apply_override(YAML::Node& root, const Override& override, const std::string& source,
-                    Origins::Created& created) {
+void apply_override(YAML::Node& root, const Override& override, const std::string& source, Origins::Created& created) {
   YAML::Node value;
   if (override.literal) {
     value = YAML::Node(override.value);
@@ -375,8 +366,8 @@ void apply_override(YAML::Node& root, const Override& override, const std::strin
       child.reset(node[keys[i]]);
       created.emplace_back(walked, &override);
     } else if (!child.IsMap()) {
-      throw ConfigError(fmt::format("{}: {}: {} is {}, not a mapping", given_as(override), source, walked,
-                                    describe(child)));
+      throw ConfigError(
+          fmt::format("{}: {}: {} is {}, not a mapping", given_as(override), source, walked, describe(child)));
     }
     node.reset(child);
   }
@@ -400,8 +391,8 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     const std::vector<YAML::Node> documents = YAML::LoadAll(text);
     // A second document would be read by no one, and a key there silently ignored.
     if (documents.size() > 1) {
-      throw ConfigError(fmt::format("{}: holds {} YAML documents (separated by ---); expected one", source_name,
-                                    documents.size()));
+      throw ConfigError(
+          fmt::format("{}: holds {} YAML documents (separated by ---); expected one", source_name, documents.size()));
     }
     if (!documents.empty()) root.reset(documents.front());
   } catch (const YAML::Exception& e) {
@@ -409,8 +400,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
   }
   if (!root.IsDefined() || root.IsNull()) root.reset(YAML::Node(YAML::NodeType::Map));
   if (!root.IsMap()) {
-    throw ConfigError(fmt::format("{}: expected a mapping at the top level, found {}", source_name,
-                                  describe(root)));
+    throw ConfigError(fmt::format("{}: expected a mapping at the top level, found {}", source_name, describe(root)));
   }
   Origins::Created created;
   for (const Override& override : overrides) apply_override(root, override, source_name, created);
@@ -424,29 +414,45 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
              Section(origins, "model", root["model"],
                      {"d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio", "init_std", "outliers"}),
              config.model);
-  read_data(Section(origins, "data", root["data"], {"path", "val_fraction", "chunk_bytes"}),
-            config.data);
+  read_data(Section(origins, "data", root["data"], {"path", "val_fraction", "chunk_bytes"}), config.data);
   read_train(origins,
              Section(origins, "train", root["train"],
-                     {"mode", "device", "compute_dtype", "steps", "batch_size", "lr", "min_lr_ratio",
-                      "lr_warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip",
-                      "eval_interval", "eval_batches", "checkpoint_interval", "seed", "threads",
-                      "lora", "plugin", "plugin_poll_steps", "calibration_cache_dir", "init_checkpoint",
+                     {"mode",
+                      "device",
+                      "compute_dtype",
+                      "steps",
+                      "batch_size",
+                      "lr",
+                      "min_lr_ratio",
+                      "lr_warmup_steps",
+                      "weight_decay",
+                      "beta1",
+                      "beta2",
+                      "eps",
+                      "grad_clip",
+                      "eval_interval",
+                      "eval_batches",
+                      "checkpoint_interval",
+                      "seed",
+                      "threads",
+                      "lora",
+                      "plugin",
+                      "plugin_poll_steps",
+                      "calibration_cache_dir",
+                      "init_checkpoint",
                       "resume"}),
              config.train);
   const Section memory(origins, "memory", root["memory"], {"stagehand"});
   const Section stagehand(origins, "memory.stagehand", memory.node()["stagehand"],
                           {"streaming", "selective_precision"});
   read_streaming(Section(origins, "memory.stagehand.streaming", stagehand.node()["streaming"],
-                         {"prefetch_window", "int8_group_size", "spare_slabs",
-                          "bandwidth_cap_gbps", "metrics_file", "transfer_policy_path"}),
+                         {"prefetch_window", "int8_group_size", "spare_slabs", "bandwidth_cap_gbps", "metrics_file",
+                          "transfer_policy_path"}),
                  config.streaming);
   const YAML::Node policy = stagehand.node()["selective_precision"];
   if (policy.IsDefined() && !policy.IsNull() && !policy.IsMap()) {
-    throw ConfigError(fmt::format(
-        "{}: memory.stagehand.selective_precision: expected a mapping, found {}",
-        origins.of("memory.stagehand.selective_precision"),
-        describe(policy)));
+    throw ConfigError(fmt::format("{}: memory.stagehand.selective_precision: expected a mapping, found {}",
+                                  origins.of("memory.stagehand.selective_precision"), describe(policy)));
   }
   read_policy_keys(origins, policy, config.policy_keys);
   const std::string& metrics_file = config.streaming.metrics_file;
@@ -470,8 +476,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
   return config;
 }
 
-TrainConfig load_train_config(const std::filesystem::path& file,
-                              const std::vector<Override>& overrides) {
+TrainConfig load_train_config(const std::filesystem::path& file, const std::vector<Override>& overrides) {
   std::string text;
   try {
     text = sp::runtime::read_whole_file(file, "config file");
@@ -485,8 +490,6 @@ const char* mode_name(TrainMode mode) { return mode == TrainMode::lora ? "lora" 
 
 const char* compute_device_name(ComputeDevice device) { return device == ComputeDevice::cuda ? "cuda" : "cpu"; }
 
-const char* compute_dtype_name(ComputeDtype dtype) {
-  return dtype == ComputeDtype::bf16 ? "bf16" : "fp32";
-}
+const char* compute_dtype_name(ComputeDtype dtype) { return dtype == ComputeDtype::bf16 ? "bf16" : "fp32"; }
 
 }  // namespace sp::train

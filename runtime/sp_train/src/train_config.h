@@ -146,8 +146,7 @@ Override parse_override(const std::string& argument);
 TrainConfig parse_train_config(const std::string& text, const std::string& source_name,
                                const std::vector<Override>& overrides = {});
 // Reads the file first; a missing or unreadable file is a ConfigError naming it.
-TrainConfig load_train_config(const std::filesystem::path& file,
-                              const std::vector<Override>& overrides = {});
+TrainConfig load_train_config(const std::filesystem::path& file, const std::vector<Override>& overrides = {});
 
 const char* mode_name(TrainMode mode);
 const char* compute_device_name(ComputeDevice device);

@@ -40,9 +40,7 @@ constexpr std::uint64_t kCalibrationSalt = 0xca11b7a7e5eedull;
 // Steps in a row with a non-finite loss or gradient (each skipped) before the run gives up.
 constexpr int kMaxNonFiniteSteps = 8;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 // A route as the sp_precision value that step records, checkpoints and plots use.
 std::uint8_t route_code(ad::Precision precision) {
@@ -76,8 +74,9 @@ void keep_records_before(const fs::path& file, const char* key, std::int64_t ste
   in.close();
   std::error_code error;
   if (fs::file_size(file, error) != kept_bytes && !error) fs::resize_file(file, kept_bytes, error);
-  if (error) throw std::runtime_error(fmt::format("{}: cannot cut it back to the records before step {}: {}",
-                                                  file.string(), step, error.message()));
+  if (error)
+    throw std::runtime_error(
+        fmt::format("{}: cannot cut it back to the records before step {}: {}", file.string(), step, error.message()));
 }
 
 // The device and dtype of the model's math. Checked before anything is built: a LibTorch
@@ -87,9 +86,10 @@ torch::TensorOptions compute_options(const TrainConfig& config) {
   torch::TensorOptions options = torch::TensorOptions().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32);
   if (config.train.device == ComputeDevice::cpu) return options.device(torch::kCPU);
   if (!torch::cuda::is_available()) {
-    throw ConfigError(fmt::format("{}: train.device: cuda, but LibTorch sees no CUDA device (this LibTorch was built "
-                                  "without CUDA, or no GPU is visible); use train.device: cpu",
-                                  config.source_name));
+    throw ConfigError(
+        fmt::format("{}: train.device: cuda, but LibTorch sees no CUDA device (this LibTorch was built "
+                    "without CUDA, or no GPU is visible); use train.device: cpu",
+                    config.source_name));
   }
   return options.device(torch::Device(torch::kCUDA, 0));
 }
@@ -126,13 +126,13 @@ struct Trainer::Impl {
   std::int64_t eval_engine_steps = 0;
   std::unique_ptr<sp::host::PolicySession> policy;
   std::unique_ptr<AdamW> adam;
-  std::vector<std::size_t> adam_resident;                     // resident index -> adam index
+  std::vector<std::size_t> adam_resident;  // resident index -> adam index
   std::vector<std::array<std::size_t, kStreamedPerBlock>> adam_masters;
   std::vector<std::size_t> non_adapter_resident;  // resident tensors outside the block moments
   std::unique_ptr<ad::MetricsJsonlWriter> train_metrics;
 
   std::int64_t next_step = 0;
-  std::vector<std::uint8_t> decisions;  // the bridge's current routes
+  std::vector<std::uint8_t> decisions;    // the bridge's current routes
   std::vector<sp_hint_v1> applied_hints;  // the plugin hints those routes came from
   std::string calibration_status = "disabled";
   CalibrationErrors calibration_errors;
@@ -159,13 +159,14 @@ struct Trainer::Impl {
     // passed: a mistyped resume must not lose the directory's config or logs.
     prepare_run_directory();
 
-    corpus = std::make_unique<TextCorpus>(config.data.path, config.data.val_fraction,
-                                          config.data.chunk_bytes, config.model.seq_len);
-    log->info("data: {} file(s) from {}: {} train bytes, {} validation bytes", corpus->stats().files,
-              config.data.path, corpus->stats().train_bytes, corpus->stats().val_bytes);
+    corpus = std::make_unique<TextCorpus>(config.data.path, config.data.val_fraction, config.data.chunk_bytes,
+                                          config.model.seq_len);
+    log->info("data: {} file(s) from {}: {} train bytes, {} validation bytes", corpus->stats().files, config.data.path,
+              corpus->stats().train_bytes, corpus->stats().val_bytes);
 
     std::optional<CheckpointSections> checkpoint = find_checkpoint();
-    if (checkpoint) next_step = read_meta(*checkpoint, checkpoint_path(options.out_dir)).at("next_step").get<std::int64_t>();
+    if (checkpoint)
+      next_step = read_meta(*checkpoint, checkpoint_path(options.out_dir)).at("next_step").get<std::int64_t>();
 
     model = std::make_unique<GptModel>(config.model, config.train.mode, config.train.lora, config.train.seed, compute);
     if (!checkpoint) {
@@ -204,8 +205,8 @@ struct Trainer::Impl {
       throw ConfigError(fmt::format("run directory '{}' (--out): cannot create it as a directory: {}",
                                     options.out_dir.string(),
                                     options.out_dir.empty() ? "the path is empty"
-                                    : error               ? error.message()
-                                                          : "a file of that name exists"));
+                                    : error                 ? error.message()
+                                                            : "a file of that name exists"));
     }
     // Refused now rather than after the run has rewritten its config and cut its logs.
     std::vector<std::string> files = {kRunConfigFile, kRunTrainMetricsFile, kRunCheckpointFile, kRunSummaryFile};
@@ -214,9 +215,10 @@ struct Trainer::Impl {
     for (const std::string& name : files) {
       const fs::file_status status = fs::symlink_status(options.out_dir / name, error);
       if (fs::exists(status) && !fs::is_regular_file(status)) {
-        throw ConfigError(fmt::format("run directory '{}' (--out): {} is not a regular file; remove it or use "
-                                      "another run directory",
-                                      options.out_dir.string(), name));
+        throw ConfigError(
+            fmt::format("run directory '{}' (--out): {} is not a regular file; remove it or use "
+                        "another run directory",
+                        options.out_dir.string(), name));
       }
     }
   }
@@ -233,8 +235,12 @@ struct Trainer::Impl {
 
   nlohmann::json model_identity() const {
     const ModelConfig& m = config.model;
-    return {{"d_model", m.d_model}, {"n_heads", m.n_heads}, {"n_blocks", m.n_blocks},
-            {"seq_len", m.seq_len}, {"mlp_ratio", m.mlp_ratio}, {"mode", mode_name(config.train.mode)},
+    return {{"d_model", m.d_model},
+            {"n_heads", m.n_heads},
+            {"n_blocks", m.n_blocks},
+            {"seq_len", m.seq_len},
+            {"mlp_ratio", m.mlp_ratio},
+            {"mode", mode_name(config.train.mode)},
             {"lora_rank", config.train.mode == TrainMode::lora ? config.train.lora.rank : 0},
             {"int8_group_size", config.streaming.int8_group_size},
             {"nf4_group_size", config.policy_keys.nf4_group_size}};
@@ -253,9 +259,10 @@ struct Trainer::Impl {
     if (!parsed.is_object() || !parsed.contains("next_step") || !parsed["next_step"].is_number_integer() ||
         parsed["next_step"].get<std::int64_t>() < 0 || parsed["next_step"].get<std::int64_t>() > kMaxSteps ||
         !parsed.contains("model") || !parsed["model"].is_object()) {
-      throw ResumeError(fmt::format("{}: section 'meta' is not a JSON object with next_step in [0, {}] and a model "
-                                    "object",
-                                    file.string(), kMaxSteps));
+      throw ResumeError(
+          fmt::format("{}: section 'meta' is not a JSON object with next_step in [0, {}] and a model "
+                      "object",
+                      file.string(), kMaxSteps));
     }
     return parsed;
   }
@@ -318,9 +325,9 @@ struct Trainer::Impl {
         for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
           torch::Tensor& w = model->masters()[b][i];
           master_grads[b][i] = model->host_gradient_buffer(w);
-          adam_masters[b][i] = adam->add(fmt::format("block{}.{}", b, kStreamedNames[i]), w.data_ptr<float>(),
-                                         master_grads[b][i].data_ptr<float>(),
-                                         static_cast<std::size_t>(w.numel()), true);
+          adam_masters[b][i] =
+              adam->add(fmt::format("block{}.{}", b, kStreamedNames[i]), w.data_ptr<float>(),
+                        master_grads[b][i].data_ptr<float>(), static_cast<std::size_t>(w.numel()), true);
         }
       }
     }
@@ -393,9 +400,10 @@ struct Trainer::Impl {
     host_options.output_dir = options.out_dir;
     host_options.logger = log;
     host_options.fallback = sp::host::FallbackMode::last_good;
-    host_options.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) |
-                                        SP_PRECISION_BIT(SP_PRECISION_NF4);
-    policy = std::make_unique<sp::host::PolicySession>(plugin_file, sp::host::PolicyConfig{config.resolved_yaml, config.source_name},
+    host_options.supported_precisions =
+        SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
+    policy = std::make_unique<sp::host::PolicySession>(plugin_file,
+                                                       sp::host::PolicyConfig{config.resolved_yaml, config.source_name},
                                                        std::move(blocks), std::move(host_options));
     log->info("policy plugin {} {} from {}", policy->host().plugin_name(), policy->plugin_version(),
               plugin_file.string());
@@ -478,23 +486,25 @@ struct Trainer::Impl {
     }
     return {{"model", model_identity()},
             {"weights_fnv1a64", fmt::format("{:016x}", weights)},
-            {"quant", {{"int8", {{"format", "int8 symmetric"}, {"group_size", config.streaming.int8_group_size}}},
-                       {"nf4", {{"format", "nf4 absmax, bf16 scales"}, {"group_size", config.policy_keys.nf4_group_size}}}}},
+            {"quant",
+             {{"int8", {{"format", "int8 symmetric"}, {"group_size", config.streaming.int8_group_size}}},
+              {"nf4", {{"format", "nf4 absmax, bf16 scales"}, {"group_size", config.policy_keys.nf4_group_size}}}}},
             {"blocks", layout},
-            {"calibration", {{"samples", config.policy_keys.calibration_samples},
-                             {"batch_size", config.train.batch_size},
-                             {"data_fnv1a64", fmt::format("{:016x}", corpus->fingerprint())},
-                             {"seed", config.train.seed},
-                             // The errors are measured in the compute dtype on the compute device,
-                             // so a bf16 GPU run and an fp32 CPU run do not share them.
-                             {"device", compute_device_name(config.train.device)},
-                             {"compute_dtype", compute_dtype_name(config.train.compute_dtype)},
-                             // Every route is pinned while measuring (measure_calibration_errors),
-                             // and a pin outranks the transfer gate: the errors cannot depend on a
-                             // gate, so no gate is part of the identity. The entry also retires
-                             // caches of an sp-train that forced routes through plugin hints, which
-                             // a gate could filter into BF16 against BF16 (errors of 0).
-                             {"routes", "runtime pins"}}}};
+            {"calibration",
+             {{"samples", config.policy_keys.calibration_samples},
+              {"batch_size", config.train.batch_size},
+              {"data_fnv1a64", fmt::format("{:016x}", corpus->fingerprint())},
+              {"seed", config.train.seed},
+              // The errors are measured in the compute dtype on the compute device,
+              // so a bf16 GPU run and an fp32 CPU run do not share them.
+              {"device", compute_device_name(config.train.device)},
+              {"compute_dtype", compute_dtype_name(config.train.compute_dtype)},
+              // Every route is pinned while measuring (measure_calibration_errors),
+              // and a pin outranks the transfer gate: the errors cannot depend on a
+              // gate, so no gate is part of the identity. The entry also retires
+              // caches of an sp-train that forced routes through plugin hints, which
+              // a gate could filter into BF16 against BF16 (errors of 0).
+              {"routes", "runtime pins"}}}};
   }
 
   // Every block pinned to `precision` for one step. A runtime pin outranks the plugin's hints
@@ -532,9 +542,8 @@ struct Trainer::Impl {
           const auto on_host = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kFloat32).contiguous(); };
           const torch::Tensor quantized = on_host(model->block_forward(b, reference[b], delivered(view, false)));
           const torch::Tensor expected = on_host(reference[b + 1]);
-          (*sums)[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32,
-                                           quantized.data_ptr<float>(), kn::DType::kFloat32,
-                                           static_cast<std::size_t>(expected.numel()));
+          (*sums)[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32, quantized.data_ptr<float>(),
+                                           kn::DType::kFloat32, static_cast<std::size_t>(expected.numel()));
           eval_engine->release(b);
         }
         totals.eval_h2d += eval_transfer_bytes(eval_engine->end_step());
@@ -555,7 +564,7 @@ struct Trainer::Impl {
     const nlohmann::json identity = calibration_identity();
     const std::string fingerprint = calibration_fingerprint(identity);
     const fs::path dir = config.train.calibration_cache_dir.empty() ? default_calibration_cache_dir()
-                                                                     : fs::path(config.train.calibration_cache_dir);
+                                                                    : fs::path(config.train.calibration_cache_dir);
     const fs::path file = calibration_cache_file(dir, fingerprint);
     CacheLookup cached = read_calibration_cache(file, fingerprint, n_blocks);
     if (cached.status == CacheStatus::hit) {
@@ -661,7 +670,8 @@ struct Trainer::Impl {
       if (full) {
         // Queued, not waited for: the buffers are pinned on a GPU, and the step reads them
         // only after the loss read, which waits for these copies.
-        for (std::size_t i = 0; i < kStreamedPerBlock; ++i) master_grads[b][i].copy_(grads[next++], /*non_blocking=*/true);
+        for (std::size_t i = 0; i < kStreamedPerBlock; ++i)
+          master_grads[b][i].copy_(grads[next++], /*non_blocking=*/true);
       }
       for (std::size_t r : own) accumulate(resident[r], grads[next++]);
       upstream = grads[0];
@@ -738,9 +748,9 @@ struct Trainer::Impl {
     std::vector<torch::Tensor> inputs = forward_blocks(embedded, record);
     const torch::Tensor top = inputs.back().detach().requires_grad_(true);
     const torch::Tensor loss = model->head_loss(top, targets);
-    const std::vector<torch::Tensor> head_grads = torch::autograd::grad(
-        {loss}, {top, resident[model->wte()].compute, resident[model->lnf_weight()].compute,
-                 resident[model->lnf_bias()].compute});
+    const std::vector<torch::Tensor> head_grads =
+        torch::autograd::grad({loss}, {top, resident[model->wte()].compute, resident[model->lnf_weight()].compute,
+                                       resident[model->lnf_bias()].compute});
     accumulate(resident[model->wte()], head_grads[1]);
     accumulate(resident[model->lnf_weight()], head_grads[2]);
     accumulate(resident[model->lnf_bias()], head_grads[3]);
@@ -769,9 +779,10 @@ struct Trainer::Impl {
       nonfinite_streak = 0;
       optimizer_step(record.lr, record.grad_norm);
     } else if (++nonfinite_streak >= kMaxNonFiniteSteps) {
-      throw DivergedError(fmt::format("step {}: loss {}, gradient norm {}; {} steps in a row were skipped "
-                                      "(lower train.lr?)",
-                                      step, record.loss, record.grad_norm, nonfinite_streak));
+      throw DivergedError(
+          fmt::format("step {}: loss {}, gradient norm {}; {} steps in a row were skipped "
+                      "(lower train.lr?)",
+                      step, record.loss, record.grad_norm, nonfinite_streak));
     } else {
       log->warn("step {}: non-finite loss or gradients; the update is skipped", step);
     }
@@ -794,8 +805,10 @@ struct Trainer::Impl {
                                : fmt::format("swap failed, kept {}: {}", swap.old_version, swap.message);
     (swapped ? log->info("step {}: plugin {}", step, record.swap_note)
              : log->warn("step {}: plugin {}", step, record.swap_note));
-    totals.swaps.push_back({{"step", step}, {"outcome", swapped ? "swapped" : "failed"},
-                            {"old_version", swap.old_version}, {"new_version", swap.new_version},
+    totals.swaps.push_back({{"step", step},
+                            {"outcome", swapped ? "swapped" : "failed"},
+                            {"old_version", swap.old_version},
+                            {"new_version", swap.new_version},
                             {"message", swap.message}});
   }
 
@@ -819,26 +832,35 @@ struct Trainer::Impl {
   nlohmann::json totals_json() const {
     nlohmann::json val = nlohmann::json::array();
     for (const auto& [step, loss] : totals.val_history) val.push_back({step, loss});
-    return {{"h2d_bf16", totals.h2d_bf16}, {"h2d_int8", totals.h2d_int8}, {"h2d_nf4", totals.h2d_nf4},
-            {"h2d_all_bf16", totals.h2d_all_bf16}, {"eval_h2d", totals.eval_h2d}, {"tokens", totals.tokens},
-            {"bf16_block_steps", totals.bf16_block_steps}, {"int8_block_steps", totals.int8_block_steps},
-            {"nf4_block_steps", totals.nf4_block_steps}, {"train_seconds", totals.train_seconds},
-            {"val_history", val}, {"swaps", totals.swaps}, {"last_loss", totals.last_loss}};
+    return {{"h2d_bf16", totals.h2d_bf16},
+            {"h2d_int8", totals.h2d_int8},
+            {"h2d_nf4", totals.h2d_nf4},
+            {"h2d_all_bf16", totals.h2d_all_bf16},
+            {"eval_h2d", totals.eval_h2d},
+            {"tokens", totals.tokens},
+            {"bf16_block_steps", totals.bf16_block_steps},
+            {"int8_block_steps", totals.int8_block_steps},
+            {"nf4_block_steps", totals.nf4_block_steps},
+            {"train_seconds", totals.train_seconds},
+            {"val_history", val},
+            {"swaps", totals.swaps},
+            {"last_loss", totals.last_loss}};
   }
 
   void save_checkpoint() {
     const auto start = Clock::now();
     CheckpointSections out;
-    const nlohmann::json meta = {{"next_step", next_step},
-                                 {"model", model_identity()},
-                                 {"seed", config.train.seed},
-                                 {"data_fnv1a64", fmt::format("{:016x}", corpus->fingerprint())},
-                                 {"plugin", {{"name", policy->host().plugin_name()}, {"version", policy->plugin_version()}}},
-                                 {"calibration_status", calibration_status},
-                                 {"calibration_errors", calibration_errors.int8},
-                                 {"nf4_calibration_errors", calibration_errors.nf4},
-                                 {"decisions", decisions},
-                                 {"totals", totals_json()}};
+    const nlohmann::json meta = {
+        {"next_step", next_step},
+        {"model", model_identity()},
+        {"seed", config.train.seed},
+        {"data_fnv1a64", fmt::format("{:016x}", corpus->fingerprint())},
+        {"plugin", {{"name", policy->host().plugin_name()}, {"version", policy->plugin_version()}}},
+        {"calibration_status", calibration_status},
+        {"calibration_errors", calibration_errors.int8},
+        {"nf4_calibration_errors", calibration_errors.nf4},
+        {"decisions", decisions},
+        {"totals", totals_json()}};
     const std::string meta_text = meta.dump();
     out.put("meta", meta_text.data(), meta_text.size());
     for (std::uint32_t b = 0; b < n_blocks; ++b) {
@@ -852,7 +874,8 @@ struct Trainer::Impl {
     }
     for (std::size_t i = 0; i < adam->size(); ++i) {
       out.put("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg(i).data(), adam->exp_avg(i).size() * sizeof(float));
-      out.put("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq(i).data(), adam->exp_avg_sq(i).size() * sizeof(float));
+      out.put("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq(i).data(),
+              adam->exp_avg_sq(i).size() * sizeof(float));
     }
     out.put("adam/steps", pod_bytes(adam->steps_taken()));
     out.put("policy/state", policy->export_state());
@@ -876,15 +899,17 @@ struct Trainer::Impl {
         // A checkpoint from before the NF4 route never sent an NF4 image: any group size fits it.
         if (std::string_view(key) == "nf4_group_size" && !meta["model"].contains(key)) continue;
         if (!meta["model"].contains(key) || meta["model"][key] != value) {
-          throw ResumeError(fmt::format("{}: made for {} = {}, this config has {} (use another --out, or "
-                                        "--set train.resume=never)",
-                                        checkpoint_path(options.out_dir).string(), key,
-                                        meta["model"].value(key, nlohmann::json()).dump(), value.dump()));
+          throw ResumeError(
+              fmt::format("{}: made for {} = {}, this config has {} (use another --out, or "
+                          "--set train.resume=never)",
+                          checkpoint_path(options.out_dir).string(), key,
+                          meta["model"].value(key, nlohmann::json()).dump(), value.dump()));
         }
       }
       if (meta.value("seed", std::uint64_t{0}) != config.train.seed) {
-        throw ResumeError(fmt::format("{}: made with train.seed {}, this run has {}", checkpoint_path(options.out_dir).string(),
-                                      meta.value("seed", std::uint64_t{0}), config.train.seed));
+        throw ResumeError(fmt::format("{}: made with train.seed {}, this run has {}",
+                                      checkpoint_path(options.out_dir).string(), meta.value("seed", std::uint64_t{0}),
+                                      config.train.seed));
       }
       for (std::uint32_t b = 0; b < n_blocks; ++b) {
         for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
@@ -897,8 +922,10 @@ struct Trainer::Impl {
       }
       model->refresh_compute();
       for (std::size_t i = 0; i < adam->size(); ++i) {
-        in.get_into("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg(i).data(), adam->exp_avg(i).size() * sizeof(float));
-        in.get_into("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq(i).data(), adam->exp_avg_sq(i).size() * sizeof(float));
+        in.get_into("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg(i).data(),
+                    adam->exp_avg(i).size() * sizeof(float));
+        in.get_into("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq(i).data(),
+                    adam->exp_avg_sq(i).size() * sizeof(float));
       }
       std::int64_t steps = 0;
       in.get_into("adam/steps", &steps, sizeof steps);
@@ -921,14 +948,16 @@ struct Trainer::Impl {
       calibration_errors.int8 = meta.at("calibration_errors").get<std::vector<double>>();
       // A checkpoint from before the NF4 route holds INT8 errors only.
       calibration_errors.nf4 = meta.value("nf4_calibration_errors", std::vector<double>{});
-      for (const auto& [key, errors] : {std::pair<const char*, const std::vector<double>*>{"calibration_errors", &calibration_errors.int8},
-                                        {"nf4_calibration_errors", &calibration_errors.nf4}}) {
+      for (const auto& [key, errors] :
+           {std::pair<const char*, const std::vector<double>*>{"calibration_errors", &calibration_errors.int8},
+            {"nf4_calibration_errors", &calibration_errors.nf4}}) {
         const bool errors_valid =
             std::all_of(errors->begin(), errors->end(), [](double e) { return std::isfinite(e) && e >= 0.0; });
         if ((!errors->empty() && errors->size() != n_blocks) || !errors_valid) {
-          throw CheckpointError(fmt::format("{}: section 'meta': {} holds {} values; expected none or {} finite "
-                                            "values >= 0",
-                                            checkpoint_path(options.out_dir).string(), key, errors->size(), n_blocks));
+          throw CheckpointError(
+              fmt::format("{}: section 'meta': {} holds {} values; expected none or {} finite "
+                          "values >= 0",
+                          checkpoint_path(options.out_dir).string(), key, errors->size(), n_blocks));
         }
       }
       calibration_status = "restored from checkpoint";
@@ -947,7 +976,8 @@ struct Trainer::Impl {
       for (const nlohmann::json& s : t.at("swaps")) totals.swaps.push_back(s);
       totals.last_loss = t.at("last_loss").is_number() ? t.at("last_loss").get<double>() : NAN;
     } catch (const nlohmann::json::exception& e) {
-      throw ResumeError(fmt::format("{}: section 'meta' is malformed: {}", checkpoint_path(options.out_dir).string(), e.what()));
+      throw ResumeError(
+          fmt::format("{}: section 'meta' is malformed: {}", checkpoint_path(options.out_dir).string(), e.what()));
     } catch (const CheckpointError& e) {
       throw ResumeError(e.what());
     }
@@ -961,7 +991,7 @@ struct Trainer::Impl {
     } catch (const CheckpointError& e) {
       throw ResumeError(e.what());
     } catch (const std::logic_error&) {
-      throw;  // a bug on this side, not a defect of the checkpoint
+      throw;                             // a bug on this side, not a defect of the checkpoint
     } catch (const std::exception& e) {  // the plugin rejected the state
       throw ResumeError(fmt::format("{}: {}", file, e.what()));
     }
@@ -990,11 +1020,17 @@ struct Trainer::Impl {
   // ---- the run ---------------------------------------------------------------------------
 
   void write_step_record(const StepRecord& r) {
-    nlohmann::json record = {{"step", r.step}, {"loss", r.loss}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
-                             {"routes", r.routes}, {"decisions", r.decisions},
-                             {"h2d_bytes_bf16", r.h2d_bytes_bf16}, {"h2d_bytes_int8", r.h2d_bytes_int8},
+    nlohmann::json record = {{"step", r.step},
+                             {"loss", r.loss},
+                             {"lr", r.lr},
+                             {"grad_norm", r.grad_norm},
+                             {"routes", r.routes},
+                             {"decisions", r.decisions},
+                             {"h2d_bytes_bf16", r.h2d_bytes_bf16},
+                             {"h2d_bytes_int8", r.h2d_bytes_int8},
                              {"h2d_bytes_nf4", r.h2d_bytes_nf4},
-                             {"h2d_bytes_all_bf16", r.h2d_bytes_all_bf16}, {"seconds", r.seconds},
+                             {"h2d_bytes_all_bf16", r.h2d_bytes_all_bf16},
+                             {"seconds", r.seconds},
                              {"plugin_version", r.plugin_version}};
     if (r.val_loss) record["val_loss"] = *r.val_loss;
     if (!r.swap_note.empty()) record["plugin_swap"] = r.swap_note;
@@ -1005,35 +1041,43 @@ struct Trainer::Impl {
     const std::uint64_t moved = totals.h2d_bf16 + totals.h2d_int8 + totals.h2d_nf4;
     const std::uint64_t saved = totals.h2d_all_bf16 - moved;
     const double tokens_per_second = totals.train_seconds > 0 ? totals.tokens / totals.train_seconds : 0.0;
-    return {{"outcome", outcome == RunOutcome::completed ? "completed" : "interrupted"},
-            {"steps", next_step},
-            {"final_val_loss", totals.val_history.empty() ? nlohmann::json() : nlohmann::json(totals.val_history.back().second)},
-            {"final_train_loss", std::isfinite(totals.last_loss) ? nlohmann::json(totals.last_loss) : nlohmann::json()},
-            {"val_loss_history", totals_json()["val_history"]},
-            {"h2d_bytes", {{"bf16", totals.h2d_bf16}, {"int8", totals.h2d_int8}, {"nf4", totals.h2d_nf4}, {"total", moved},
-                           {"all_bf16_equivalent", totals.h2d_all_bf16}, {"saved", saved},
-                           {"saved_fraction", totals.h2d_all_bf16 ? static_cast<double>(saved) / totals.h2d_all_bf16 : 0.0}}},
-            {"eval_h2d_bytes", totals.eval_h2d},
-            {"block_steps", {{"bf16", totals.bf16_block_steps}, {"int8", totals.int8_block_steps},
-                             {"nf4", totals.nf4_block_steps}}},
-            {"final_decisions", decisions},
-            {"tokens", totals.tokens},
-            {"tokens_per_second", tokens_per_second},
-            {"train_seconds", totals.train_seconds},
-            {"wall_seconds", wall_seconds},
-            {"mode", mode_name(config.train.mode)},
-            {"device", compute_device_name(config.train.device)},
-            {"compute_dtype", compute_dtype_name(config.train.compute_dtype)},
-            {"model", model_identity()},
-            {"plugin", {{"name", policy->host().plugin_name()}, {"version", policy->plugin_version()},
-                        {"hook_failures", policy->host().hook_failures().total()}}},
-            {"plugin_swaps", totals.swaps},
-            {"calibration", {{"status", calibration_status}, {"errors", calibration_errors.int8},
-                             {"nf4_errors", calibration_errors.nf4}}},
-            {"config", config.source_name},
-            {"model_outliers", {{"blocks", config.model.outlier_blocks},
-                                {"magnitude", config.model.outlier_magnitude}}},
-            {"torch_threads", torch::get_num_threads()}};
+    return {
+        {"outcome", outcome == RunOutcome::completed ? "completed" : "interrupted"},
+        {"steps", next_step},
+        {"final_val_loss",
+         totals.val_history.empty() ? nlohmann::json() : nlohmann::json(totals.val_history.back().second)},
+        {"final_train_loss", std::isfinite(totals.last_loss) ? nlohmann::json(totals.last_loss) : nlohmann::json()},
+        {"val_loss_history", totals_json()["val_history"]},
+        {"h2d_bytes",
+         {{"bf16", totals.h2d_bf16},
+          {"int8", totals.h2d_int8},
+          {"nf4", totals.h2d_nf4},
+          {"total", moved},
+          {"all_bf16_equivalent", totals.h2d_all_bf16},
+          {"saved", saved},
+          {"saved_fraction", totals.h2d_all_bf16 ? static_cast<double>(saved) / totals.h2d_all_bf16 : 0.0}}},
+        {"eval_h2d_bytes", totals.eval_h2d},
+        {"block_steps",
+         {{"bf16", totals.bf16_block_steps}, {"int8", totals.int8_block_steps}, {"nf4", totals.nf4_block_steps}}},
+        {"final_decisions", decisions},
+        {"tokens", totals.tokens},
+        {"tokens_per_second", tokens_per_second},
+        {"train_seconds", totals.train_seconds},
+        {"wall_seconds", wall_seconds},
+        {"mode", mode_name(config.train.mode)},
+        {"device", compute_device_name(config.train.device)},
+        {"compute_dtype", compute_dtype_name(config.train.compute_dtype)},
+        {"model", model_identity()},
+        {"plugin",
+         {{"name", policy->host().plugin_name()},
+          {"version", policy->plugin_version()},
+          {"hook_failures", policy->host().hook_failures().total()}}},
+        {"plugin_swaps", totals.swaps},
+        {"calibration",
+         {{"status", calibration_status}, {"errors", calibration_errors.int8}, {"nf4_errors", calibration_errors.nf4}}},
+        {"config", config.source_name},
+        {"model_outliers", {{"blocks", config.model.outlier_blocks}, {"magnitude", config.model.outlier_magnitude}}},
+        {"torch_threads", torch::get_num_threads()}};
   }
 
   RunSummary run() {
@@ -1064,7 +1108,7 @@ struct Trainer::Impl {
       totals.train_seconds += record.seconds;
       totals.last_loss = record.loss;
       for (std::uint8_t route : record.routes) {
-        (route == SP_PRECISION_NF4 ? totals.nf4_block_steps
+        (route == SP_PRECISION_NF4    ? totals.nf4_block_steps
          : route == SP_PRECISION_INT8 ? totals.int8_block_steps
                                       : totals.bf16_block_steps)++;
       }
@@ -1078,7 +1122,8 @@ struct Trainer::Impl {
       state.step = next_step;
       state.total = total;
       state.loss = record.loss;
-      state.val_loss = totals.val_history.empty() ? std::nullopt : std::optional<double>(totals.val_history.back().second);
+      state.val_loss =
+          totals.val_history.empty() ? std::nullopt : std::optional<double>(totals.val_history.back().second);
       state.tokens_per_second = totals.train_seconds > 0 ? totals.tokens / totals.train_seconds : 0.0;
       state.int8_blocks =
           static_cast<std::uint32_t>(std::count(record.routes.begin(), record.routes.end(), SP_PRECISION_INT8));
@@ -1092,7 +1137,8 @@ struct Trainer::Impl {
 
       if (options.on_step) options.on_step(record);
       result.steps.push_back(std::move(record));
-      if (config.train.checkpoint_interval > 0 && next_step % config.train.checkpoint_interval == 0 && next_step < total) {
+      if (config.train.checkpoint_interval > 0 && next_step % config.train.checkpoint_interval == 0 &&
+          next_step < total) {
         save_checkpoint();
       }
     }
@@ -1100,7 +1146,9 @@ struct Trainer::Impl {
     engine->flush_metrics();
     save_checkpoint();
     result.json = summary(result.outcome, seconds_since(wall_start));
-    sp::runtime::write_file_atomically(options.out_dir / kRunSummaryFile, result.json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+    sp::runtime::write_file_atomically(
+        options.out_dir / kRunSummaryFile,
+        result.json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
     return result;
   }
 };

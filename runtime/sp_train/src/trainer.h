@@ -73,7 +73,7 @@ enum class RunOutcome { completed, interrupted };
 
 struct RunSummary {
   RunOutcome outcome = RunOutcome::completed;
-  nlohmann::json json;  // what summary.json holds
+  nlohmann::json json;            // what summary.json holds
   std::vector<StepRecord> steps;  // the steps run by this process
 };
 

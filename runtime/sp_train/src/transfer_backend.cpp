@@ -15,7 +15,8 @@ std::unique_ptr<sp::adapters::TransferBackend> make_transfer_backend(const Train
   }
 #ifdef SP_TRAIN_HAVE_CUDA
   if (!sp::adapters::CudaBackend::device_available()) {
-    throw ConfigError(config.source_name + ": train.device: cuda, but no CUDA device is visible; use train.device: cpu");
+    throw ConfigError(config.source_name +
+                      ": train.device: cuda, but no CUDA device is visible; use train.device: cpu");
   }
   sp::adapters::CudaBackendOptions options;
   options.compute_stream = cudaStreamLegacy;

@@ -91,7 +91,8 @@ TEST_F(Cli, PathsOfTheWrongKindAreNamed) {
   Result r = run_sp_train(args + " --out ''");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("run directory '' (--out): cannot create it as a directory: the path is empty"),
-            std::string::npos) << r.output;
+            std::string::npos)
+      << r.output;
   r = run_sp_train(args + " --out " + (dir_ / "a-file").string());
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("a-file' (--out): cannot create it as a directory"), std::string::npos) << r.output;
@@ -150,7 +151,8 @@ TEST_F(Cli, ARefusedRunLeavesTheRunDirectoryAsItWas) {
 TEST_F(Cli, ShortRunWritesTheRunDirectory) {
   const Result r = run_sp_train(base() + " --steps 3");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  for (const char* file : {"summary.json", "config.yaml", "train_metrics.jsonl", "transfer_metrics.jsonl", "checkpoint.bin"}) {
+  for (const char* file :
+       {"summary.json", "config.yaml", "train_metrics.jsonl", "transfer_metrics.jsonl", "checkpoint.bin"}) {
     EXPECT_TRUE(fs::exists(dir_ / "run" / file)) << file;
   }
   EXPECT_NE(r.output.find("step 3/3"), std::string::npos) << r.output;
@@ -195,8 +197,8 @@ int wait_exit_code(pid_t child) {
 // the next step boundary and exits with 130; the same command then resumes and finishes.
 TEST_F(Cli, SigintCheckpointsAndTheSameCommandResumes) {
   const fs::path run = dir_ / "run";
-  const pid_t child = spawn_sp_train({"--config", config_.string(), "--out", run.string(), "--steps", "400"},
-                                     dir_ / "interrupted.log");
+  const pid_t child =
+      spawn_sp_train({"--config", config_.string(), "--out", run.string(), "--steps", "400"}, dir_ / "interrupted.log");
   ASSERT_GT(child, 0);
   wait_for_steps(child, run / "train_metrics.jsonl", 1);
   if (HasFatalFailure()) return;

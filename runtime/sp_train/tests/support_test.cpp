@@ -177,9 +177,10 @@ TEST_F(CalibrationCache, HitsOnlyItsOwnFingerprint) {
   testing::write_text(file, "{\"format\": ");
   EXPECT_EQ(read_calibration_cache(file, fp, 2).status, CacheStatus::corrupt);
   // Fields of the wrong type are corrupt too, not an exception.
-  for (const char* doc : {"{\"format\": 5, \"version\": 2}", "{\"format\": \"sp-train-calibration\", \"version\": \"2\"}",
-                          "[1, 2]", "{\"format\": \"sp-train-calibration\", \"version\": 2, \"block_errors\": 3}",
-                          "{\"format\": \"sp-train-calibration\", \"version\": 2, \"block_errors\": [], \"nf4_block_errors\": 3}"}) {
+  for (const char* doc :
+       {"{\"format\": 5, \"version\": 2}", "{\"format\": \"sp-train-calibration\", \"version\": \"2\"}", "[1, 2]",
+        "{\"format\": \"sp-train-calibration\", \"version\": 2, \"block_errors\": 3}",
+        "{\"format\": \"sp-train-calibration\", \"version\": 2, \"block_errors\": [], \"nf4_block_errors\": 3}"}) {
     testing::write_text(file, doc);
     EXPECT_EQ(read_calibration_cache(file, fp, 2).status, CacheStatus::corrupt) << doc;
   }

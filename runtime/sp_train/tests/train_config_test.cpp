@@ -47,37 +47,48 @@ TEST(TrainConfig, OverridesEditTheDocumentAndReachThePlugin) {
 
 TEST(TrainConfig, EachBadValueNamesItsKeyAndExpectation) {
   EXPECT_EQ(error_of("model: {d_modle: 3}"),
-            "cfg.yaml: model.d_modle: unknown key; did you mean 'd_model'? model accepts: d_model, n_heads, n_blocks, seq_len, mlp_ratio, init_std, outliers");
+            "cfg.yaml: model.d_modle: unknown key; did you mean 'd_model'? model accepts: d_model, n_heads, n_blocks, "
+            "seq_len, mlp_ratio, init_std, outliers");
   EXPECT_EQ(error_of("model: {width: 3}"),
-            "cfg.yaml: model.width: unknown key; model accepts: d_model, n_heads, n_blocks, seq_len, mlp_ratio, init_std, outliers");
+            "cfg.yaml: model.width: unknown key; model accepts: d_model, n_heads, n_blocks, seq_len, mlp_ratio, "
+            "init_std, outliers");
   EXPECT_EQ(error_of("model: {d_model: -4}"), "cfg.yaml: model.d_model: expected an integer in [8, 65536], found '-4'");
   EXPECT_EQ(error_of("model: {d_model: 130, n_heads: 4}"),
             "cfg.yaml: model.n_heads: expected a divisor of model.d_model (130), found '4'");
   EXPECT_EQ(error_of("train: {mode: partial}"), "cfg.yaml: train.mode: expected one of full, lora, found 'partial'");
-  EXPECT_EQ(error_of("train: {lr: \"fast\"}"), "cfg.yaml: train.lr: expected a number in (0, 10], found the string \"fast\"");
+  EXPECT_EQ(error_of("train: {lr: \"fast\"}"),
+            "cfg.yaml: train.lr: expected a number in (0, 10], found the string \"fast\"");
   EXPECT_EQ(error_of("train: {compute_dtype: bf16}"),
             "cfg.yaml: train.compute_dtype: expected fp32 with train.device cpu (bf16 compute needs train.device: "
             "cuda), found 'bf16'");
   EXPECT_EQ(error_of("train: {device: gpu}"), "cfg.yaml: train.device: expected one of cpu, cuda, found 'gpu'");
-  EXPECT_EQ(error_of("train: {lora: {rank: 0}}"), "cfg.yaml: train.lora.rank: expected an integer in [1, 4096], found '0'");
-  EXPECT_EQ(error_of("data: {val_fraction: 0.9}"), "cfg.yaml: data.val_fraction: expected a number in (0, 0.5], found '0.9'");
+  EXPECT_EQ(error_of("train: {lora: {rank: 0}}"),
+            "cfg.yaml: train.lora.rank: expected an integer in [1, 4096], found '0'");
+  EXPECT_EQ(error_of("data: {val_fraction: 0.9}"),
+            "cfg.yaml: data.val_fraction: expected a number in (0, 0.5], found '0.9'");
   EXPECT_EQ(error_of("memory: {stagehand: {streaming: {int8_group_size: 48}}}"),
-            "cfg.yaml: memory.stagehand.streaming.int8_group_size: expected 0 (one scale per row), 32, 64, 128 or 256, found '48'");
+            "cfg.yaml: memory.stagehand.streaming.int8_group_size: expected 0 (one scale per row), 32, 64, 128 or 256, "
+            "found '48'");
   EXPECT_EQ(error_of("memory: {stagehand: {selective_precision: {calibration_samples: 0}}}"),
-            "cfg.yaml: memory.stagehand.selective_precision.calibration_samples: expected an integer in [1, 4096], found '0'");
+            "cfg.yaml: memory.stagehand.selective_precision.calibration_samples: expected an integer in [1, 4096], "
+            "found '0'");
   EXPECT_EQ(error_of("memory: {stagehand: {selective_precision: 3}}"),
             "cfg.yaml: memory.stagehand.selective_precision: expected a mapping, found '3'");
-  EXPECT_EQ(error_of("trian: {}"), "cfg.yaml: trian: unknown top-level key; did you mean 'train'? expected one of: model, data, train, memory");
+  EXPECT_EQ(
+      error_of("trian: {}"),
+      "cfg.yaml: trian: unknown top-level key; did you mean 'train'? expected one of: model, data, train, memory");
   EXPECT_EQ(error_of("- a\n- b\n"), "cfg.yaml: expected a mapping at the top level, found a list");
   EXPECT_NE(error_of("model: [unclosed").find("cfg.yaml: not valid YAML"), std::string::npos);
 }
 
 TEST(TrainConfig, OutlierBlocksAreDistinctIdsOfTheModel) {
-  const TrainConfig c = parse_train_config("model: {n_blocks: 4, outliers: {blocks: [3, 1], magnitude: 32}}", "cfg.yaml");
+  const TrainConfig c =
+      parse_train_config("model: {n_blocks: 4, outliers: {blocks: [3, 1], magnitude: 32}}", "cfg.yaml");
   EXPECT_EQ(c.model.outlier_blocks, (std::vector<std::uint32_t>{3, 1}));
   EXPECT_EQ(c.model.outlier_magnitude, 32.0);
   EXPECT_TRUE(parse_train_config("", "cfg.yaml").model.outlier_blocks.empty());
-  const std::string expected = "cfg.yaml: model.outliers.blocks: expected a list of distinct block ids in [0, 4) (model.n_blocks), found ";
+  const std::string expected =
+      "cfg.yaml: model.outliers.blocks: expected a list of distinct block ids in [0, 4) (model.n_blocks), found ";
   EXPECT_EQ(error_of("model: {n_blocks: 4, outliers: {blocks: [4]}}"), expected + "'4'");
   EXPECT_EQ(error_of("model: {n_blocks: 4, outliers: {blocks: [1, -1]}}"), expected + "'-1'");
   EXPECT_EQ(error_of("model: {n_blocks: 4, outliers: {blocks: [\"2\"]}}"), expected + "the string \"2\"");
@@ -87,8 +98,9 @@ TEST(TrainConfig, OutlierBlocksAreDistinctIdsOfTheModel) {
             "listed twice, found a list");
   EXPECT_EQ(error_of("model: {outliers: {magnitude: 0.5}}"),
             "cfg.yaml: model.outliers.magnitude: expected a number in [1, 10000], found '0.5'");
-  EXPECT_EQ(error_of("model: {outliers: {block: [1]}}"),
-            "cfg.yaml: model.outliers.block: unknown key; did you mean 'blocks'? model.outliers accepts: blocks, magnitude");
+  EXPECT_EQ(
+      error_of("model: {outliers: {block: [1]}}"),
+      "cfg.yaml: model.outliers.block: unknown key; did you mean 'blocks'? model.outliers accepts: blocks, magnitude");
   EXPECT_EQ(error_of("", {parse_override("model.outliers.blocks=[9]")}),
             "--set model.outliers.blocks=[9]: model.outliers.blocks: expected a list of distinct block ids in [0, 6) "
             "(model.n_blocks), found '9'");
@@ -102,13 +114,17 @@ TEST(TrainConfig, Bf16ComputeIsAcceptedOnTheGpu) {
 
 TEST(TrainConfig, BadOverridesAreNamed) {
   EXPECT_THROW(parse_override("train.steps"), ConfigError);
-  EXPECT_EQ(error_of("", {parse_override("train.steps=[1")}).rfind("--set train.steps=[1: the value is not valid YAML", 0), 0u);
+  EXPECT_EQ(
+      error_of("", {parse_override("train.steps=[1")}).rfind("--set train.steps=[1: the value is not valid YAML", 0),
+      0u);
   EXPECT_EQ(error_of("train: {steps: 3}", {parse_override("train.steps.x=1")}),
             "--set train.steps.x=1: cfg.yaml: train.steps is '3', not a mapping");
   EXPECT_EQ(error_of("", {parse_override("train..steps=1")}), "--set train..steps=1: empty key in the key path");
   EXPECT_EQ(error_of("", {parse_override("model.=5")}), "--set model.=5: empty key in the key path");
   // A misspelled section that only the override brought in is the override's too.
-  EXPECT_EQ(error_of("train: {steps: 3}", {parse_override("trian.steps=3")}).rfind("--set trian.steps=3: trian: unknown top-level key", 0), 0u);
+  EXPECT_EQ(error_of("train: {steps: 3}", {parse_override("trian.steps=3")})
+                .rfind("--set trian.steps=3: trian: unknown top-level key", 0),
+            0u);
   EXPECT_EQ(error_of("train: {steps: 3}\ntrain: {lr: 0.1}\n", {parse_override("train.steps=3")}),
             "cfg.yaml: train: duplicate key (lines 1 and 2); keep one");
   // A value that came from the command line is blamed on the flag, not on the file.
@@ -116,7 +132,8 @@ TEST(TrainConfig, BadOverridesAreNamed) {
             "--set train.steps=0: train.steps: expected an integer in [1, 1099511627776], found '0'");
   EXPECT_EQ(error_of("", {Override{"train.steps", "0", "--steps"}}),
             "--steps: train.steps: expected an integer in [1, 1099511627776], found '0'");
-  EXPECT_EQ(error_of("", {parse_override("train.stpes=3")}).rfind("--set train.stpes=3: train.stpes: unknown key", 0), 0u);
+  EXPECT_EQ(error_of("", {parse_override("train.stpes=3")}).rfind("--set train.stpes=3: train.stpes: unknown key", 0),
+            0u);
   EXPECT_EQ(error_of("", {parse_override("train.lora={rank: 0}")}),
             "--set train.lora={rank: 0}: train.lora.rank: expected an integer in [1, 4096], found '0'");
   // Keys the override did not touch are still the file's.

@@ -53,8 +53,7 @@ class TrainE2E : public ::testing::Test {
     return o;
   }
   RunSummary train(const std::string& run, std::vector<Override> overrides = {},
-                   std::function<void(const StepRecord&)> on_step = {},
-                   const std::atomic<bool>* stop = nullptr) {
+                   std::function<void(const StepRecord&)> on_step = {}, const std::atomic<bool>* stop = nullptr) {
     RunOptions o = options(run);
     o.on_step = std::move(on_step);
     o.stop_requested = stop;
@@ -147,8 +146,10 @@ TEST_F(TrainE2E, AllNf4StreamsNf4ImagesAndStillLearns) {
 // is small goes to NF4, and the routes and bytes follow the plugin's decisions.
 TEST_F(TrainE2E, ThreeTierPolicySendsTolerantBlocksToNf4) {
   const std::string p = "memory.stagehand.selective_precision.";
-  const std::vector<Override> v2 = {{p + "tiers", "[bf16, int8, nf4]"}, {p + "grad_weight", "0"},
-                                    {p + "error_weight", "1"},          {p + "nf4_threshold", "0.45"},
+  const std::vector<Override> v2 = {{p + "tiers", "[bf16, int8, nf4]"},
+                                    {p + "grad_weight", "0"},
+                                    {p + "error_weight", "1"},
+                                    {p + "nf4_threshold", "0.45"},
                                     {p + "nf4_quant_error_threshold", "1.0"}};
   const RunSummary run = train("v2", v2);
   EXPECT_GT(expect_bytes_follow_decisions(run, config(v2)).nf4, 0u) << "no block ever went to NF4";
@@ -161,7 +162,8 @@ TEST_F(TrainE2E, InterruptedRunResumesBitwiseIdentically) {
   const RunSummary straight = train("straight", outliers);
   // What SIGINT does: the flag is seen at the next step boundary, a checkpoint is written.
   std::atomic<bool> stop{false};
-  const RunSummary first_half = train("resumed", outliers, [&](const StepRecord& r) { stop = r.step == 9; }, &stop);
+  const RunSummary first_half = train(
+      "resumed", outliers, [&](const StepRecord& r) { stop = r.step == 9; }, &stop);
   EXPECT_EQ(first_half.outcome, RunOutcome::interrupted);
   ASSERT_EQ(first_half.steps.size(), 10u);
   Trainer resumed_trainer(config(outliers), options("resumed"));
@@ -172,7 +174,8 @@ TEST_F(TrainE2E, InterruptedRunResumesBitwiseIdentically) {
     const StepRecord& a = straight.steps[10 + i];
     const StepRecord& b = second_half.steps[i];
     ASSERT_EQ(a.step, b.step);
-    EXPECT_EQ(std::memcmp(&a.loss, &b.loss, sizeof a.loss), 0) << "step " << a.step << ": " << a.loss << " vs " << b.loss;
+    EXPECT_EQ(std::memcmp(&a.loss, &b.loss, sizeof a.loss), 0)
+        << "step " << a.step << ": " << a.loss << " vs " << b.loss;
     EXPECT_EQ(a.routes, b.routes) << "step " << a.step;
     EXPECT_EQ(a.decisions, b.decisions) << "step " << a.step;
   }
@@ -262,7 +265,8 @@ TEST_F(TrainE2E, LoraStartsFromTheWeightsOfAFullModeRun) {
     Trainer other(config({{"model.mlp_ratio", "3"}, {"train.init_checkpoint", base_checkpoint}}), options("other"));
     FAIL() << "expected a ResumeError";
   } catch (const ResumeError& e) {
-    EXPECT_NE(std::string(e.what()).find("made for model.mlp_ratio = 2, this config has 3"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("made for model.mlp_ratio = 2, this config has 3"), std::string::npos)
+        << e.what();
   }
 }
 
@@ -305,9 +309,10 @@ TEST_F(TrainE2E, ACheckpointWithOutOfRangeFieldsIsRefusedByName) {
   EXPECT_NE(resume_error("meta", meta.dump(), {{"train.mode", "lora"}}).find("made for mode = \"full\""),
             std::string::npos);
   const std::int64_t negative_steps = -1;
-  EXPECT_NE(resume_error("adam/steps", std::string(reinterpret_cast<const char*>(&negative_steps), sizeof negative_steps), {})
-                .find("'adam/steps' holds -1"),
-            std::string::npos);
+  EXPECT_NE(
+      resume_error("adam/steps", std::string(reinterpret_cast<const char*>(&negative_steps), sizeof negative_steps), {})
+          .find("'adam/steps' holds -1"),
+      std::string::npos);
   edited = meta;
   edited.erase("model");
   EXPECT_NE(resume_error("meta", edited.dump(), {}).find("and a model object"), std::string::npos);
@@ -318,11 +323,13 @@ TEST_F(TrainE2E, ACheckpointWithOutOfRangeFieldsIsRefusedByName) {
   std::vector<sp_hint_v1> hints(4);
   for (std::uint32_t b = 0; b < 4; ++b) hints[b] = sp_hint_v1{b, SP_PRECISION_BF16, 0.0f, SP_REASON_MODE, 0};
   hints[2].precision = 7;
-  EXPECT_NE(resume_error("policy/hints", std::string(reinterpret_cast<const char*>(hints.data()), 4 * sizeof(sp_hint_v1)), {})
-                .find("section 'policy/hints': PolicyBridge: hint for block 2 has precision 7"),
-            std::string::npos);
-  EXPECT_NE(resume_error("policy/hints", "abc", {}).find("section 'policy/hints' holds 3 bytes; expected none or 4 hints"),
-            std::string::npos);
+  EXPECT_NE(
+      resume_error("policy/hints", std::string(reinterpret_cast<const char*>(hints.data()), 4 * sizeof(sp_hint_v1)), {})
+          .find("section 'policy/hints': PolicyBridge: hint for block 2 has precision 7"),
+      std::string::npos);
+  EXPECT_NE(
+      resume_error("policy/hints", "abc", {}).find("section 'policy/hints' holds 3 bytes; expected none or 4 hints"),
+      std::string::npos);
   // The same checks guard a checkpoint named as initial weights, and a checkpoint without meta.
   const fs::path other = dir_ / "init.bin";
   CheckpointSections no_meta;
@@ -350,7 +357,8 @@ class TrainWithTransferPolicy : public TrainE2E {
     const fs::path file = dir_ / name;
     testing::write_text(file, R"({"format": "sp-transfer-policy", "version": 1, "speedup_threshold": 1.0,
       "sources": [{"machine": "fixture", "backend": "host", "device": "fixed report"}],
-      "rules": {"int8_frozen": [], "int8_trained": )" + trained_rules + "}}");
+      "rules": {"int8_frozen": [], "int8_trained": )" +
+                                  trained_rules + "}}");
     return file;
   }
 };
@@ -376,7 +384,8 @@ TEST_F(TrainWithTransferPolicy, BlocksStayBf16WhereInt8DoesNotPay) {
 }
 
 TEST_F(TrainWithTransferPolicy, WhereInt8PaysThePluginDecides) {
-  const fs::path always = write_policy("always.json", R"([{"min_bytes": 0, "max_bytes": null, "measured_speedup": 1.5}])");
+  const fs::path always =
+      write_policy("always.json", R"([{"min_bytes": 0, "max_bytes": null, "measured_speedup": 1.5}])");
   const RunSummary gated = train("always", {{"memory.stagehand.streaming.transfer_policy_path", always.string()}});
   const RunSummary plain = train("plain");
   ASSERT_EQ(gated.steps.size(), plain.steps.size());
@@ -387,7 +396,8 @@ TEST_F(TrainWithTransferPolicy, WhereInt8PaysThePluginDecides) {
 }
 
 TEST_F(TrainWithTransferPolicy, AnUnreadablePolicyFileMeansBf16AndTrainingGoesOn) {
-  const RunSummary run = train("missing", {{"memory.stagehand.streaming.transfer_policy_path", (dir_ / "nope.json").string()}});
+  const RunSummary run =
+      train("missing", {{"memory.stagehand.streaming.transfer_policy_path", (dir_ / "nope.json").string()}});
   ASSERT_EQ(run.steps.size(), 24u);
   for (const StepRecord& r : run.steps) EXPECT_EQ(r.h2d_bytes_int8, 0u) << "step " << r.step;
 }
@@ -444,7 +454,8 @@ TEST_F(TrainWithTransferPolicy, CalibrationUnderAGateWhereNothingPaysMeasuresEve
     }
     // What the log says, as printed (four decimals).
     for (const char* route : {"INT8", "NF4"}) {
-      std::istringstream listing(between(text, fmt::format("calibration: {} relative output error per block: ", route)));
+      std::istringstream listing(
+          between(text, fmt::format("calibration: {} relative output error per block: ", route)));
       std::vector<std::string> printed{std::istream_iterator<std::string>(listing), {}};
       ASSERT_EQ(printed.size(), 4u) << route << ": " << text;
       for (const std::string& value : printed) EXPECT_NE(value, "0.0000") << route;
@@ -456,7 +467,6 @@ TEST_F(TrainWithTransferPolicy, CalibrationUnderAGateWhereNothingPaysMeasuresEve
     EXPECT_EQ(plain.calibration_errors().nf4, measured.nf4);
   }
 }
-
 
 // The GPU's bf16 path, run on the host: a config file cannot ask for bf16 on the CPU (slow
 // there, and not the design), but the trainer's library API can. Then everything the GPU run

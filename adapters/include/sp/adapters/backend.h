@@ -65,8 +65,7 @@ class TransferBackend {
   virtual std::unique_ptr<Event> create_event() = 0;
 
   // Enqueued on Queue::copy. `host_src` must stay unchanged until the copy completes.
-  virtual void copy_host_to_device_async(std::byte *device_dst, const std::byte *host_src,
-                                         std::size_t bytes) = 0;
+  virtual void copy_host_to_device_async(std::byte *device_dst, const std::byte *host_src, std::size_t bytes) = 0;
   // Enqueued on Queue::dequant: the staged INT8 or NF4 image (device memory) becomes bf16
   // tensors (DequantJob says which; for_each_dequant dispatches).
   virtual void dequantize_async(const DequantJob &job) = 0;
@@ -82,8 +81,7 @@ class TransferBackend {
   // Seconds between two completed events.
   virtual double elapsed_seconds(const Event &start, const Event &end) = 0;
   // Blocking device-to-host read for checks and tests: a host synchronization.
-  virtual void read_device(std::byte *host_dst, const std::byte *device_src,
-                           std::size_t bytes) = 0;
+  virtual void read_device(std::byte *host_dst, const std::byte *device_src, std::size_t bytes) = 0;
 };
 
 }  // namespace sp::adapters

@@ -30,8 +30,7 @@ class InstrumentedBackend final : public TransferBackend {
   Region allocate_pinned_host(std::size_t bytes) override;
   Region allocate_device(std::size_t bytes) override;
   std::unique_ptr<Event> create_event() override;
-  void copy_host_to_device_async(std::byte *device_dst, const std::byte *host_src,
-                                 std::size_t bytes) override;
+  void copy_host_to_device_async(std::byte *device_dst, const std::byte *host_src, std::size_t bytes) override;
   void dequantize_async(const DequantJob &job) override;
   void record(Event &event, Queue queue) override;
   void wait(Queue waiter, const Event &event) override;

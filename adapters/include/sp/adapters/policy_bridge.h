@@ -16,9 +16,9 @@ namespace sp::adapters {
 // Limits the runtime imposes on the data path, e.g. under memory pressure or to protect the
 // optimizer phase. Unset fields impose nothing.
 struct RuntimeLimitHints {
-  std::optional<std::uint32_t> max_inflight_h2d;     // fetches issued ahead of the current one
-  std::optional<std::uint32_t> prefetch_window_cap;  // caps the configured prefetch window
-  bool suppress_speculative = false;  // no prefetch into the next phase before it begins
+  std::optional<std::uint32_t> max_inflight_h2d;           // fetches issued ahead of the current one
+  std::optional<std::uint32_t> prefetch_window_cap;        // caps the configured prefetch window
+  bool suppress_speculative = false;                       // no prefetch into the next phase before it begins
   std::map<std::uint32_t, Precision> block_precision_map;  // overrides the plugin's hint
 };
 

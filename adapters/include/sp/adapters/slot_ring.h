@@ -23,8 +23,8 @@ struct DeviceSlot {
 class DeviceSlotRing {
  public:
   // Throws std::invalid_argument for a zero compute size or count.
-  DeviceSlotRing(TransferBackend &backend, std::uint64_t compute_bytes,
-                 std::uint64_t staging_bytes, std::uint32_t slot_count);
+  DeviceSlotRing(TransferBackend &backend, std::uint64_t compute_bytes, std::uint64_t staging_bytes,
+                 std::uint32_t slot_count);
 
   std::uint32_t size() const { return static_cast<std::uint32_t>(slots_.size()); }
   std::uint64_t compute_bytes() const { return compute_bytes_; }

@@ -33,7 +33,7 @@
 namespace sp::adapters {
 
 struct StreamingConfig {
-  std::uint64_t host_slab_bytes = 0;   // room for the largest BF16 transfer image
+  std::uint64_t host_slab_bytes = 0;  // room for the largest BF16 transfer image
   // At least one slab per block. Spare slabs let an image be rebuilt while its previous
   // version is still being copied, instead of blocking the host.
   std::uint32_t host_slab_count = 0;
@@ -64,15 +64,13 @@ struct BlockView {
 // Sizes `config` for `blocks` from its group sizes: host_slab_bytes (the largest image on any
 // route), device_slot_bytes (the largest BF16 image) and host_slab_count (one slab per block
 // plus `spare_slabs`). What every host would otherwise compute by hand.
-void size_streaming_config(StreamingConfig &config, const std::vector<BlockSpec> &blocks,
-                           std::uint32_t spare_slabs);
+void size_streaming_config(StreamingConfig &config, const std::vector<BlockSpec> &blocks, std::uint32_t spare_slabs);
 
 class StreamingEngine {
  public:
   // Sizes everything once. Throws std::invalid_argument naming the field or block when the
   // config or a block does not fit, and std::runtime_error when the slab pool is exhausted.
-  StreamingEngine(TransferBackend &backend, const StreamingConfig &config,
-                  std::vector<BlockSpec> blocks);
+  StreamingEngine(TransferBackend &backend, const StreamingConfig &config, std::vector<BlockSpec> blocks);
   ~StreamingEngine();
   StreamingEngine(const StreamingEngine &) = delete;
   StreamingEngine &operator=(const StreamingEngine &) = delete;
@@ -85,9 +83,7 @@ class StreamingEngine {
   std::uint64_t image_bytes(std::uint32_t block, Precision precision) const;
   // image_bytes(block, Precision::nf4): what the host library's BlockDescription::nf4_bytes
   // takes, since sp_block_desc_v1 is frozen and carries only the BF16 and INT8 sizes.
-  std::uint64_t nf4_image_bytes(std::uint32_t block) const {
-    return image_bytes(block, Precision::nf4);
-  }
+  std::uint64_t nf4_image_bytes(std::uint32_t block) const { return image_bytes(block, Precision::nf4); }
   // Block descriptions for the plugin's create(); names point into this engine.
   std::vector<sp_block_desc_v1> block_descs() const;
 
@@ -114,9 +110,7 @@ class StreamingEngine {
   // Waits for the timing events of finished steps and writes their records.
   void flush_metrics();
   // The most recent step whose timings are complete (after flush_metrics(), the last step).
-  const std::optional<StepTransferMetrics> &last_completed_metrics() const {
-    return last_completed_;
-  }
+  const std::optional<StepTransferMetrics> &last_completed_metrics() const { return last_completed_; }
 
  private:
   struct BlockImage;

@@ -71,13 +71,13 @@ template <class Int8Kernel, class Nf4Kernel>
 void for_each_dequant(const DequantJob &job, Int8Kernel &&int8, Nf4Kernel &&nf4) {
   if (job.precision == Precision::int8) {
     for (const DequantTensor &t : job.tensors) {
-      int8(static_cast<const std::int8_t *>(t.codes), static_cast<const float *>(t.scales), t.rows,
-           t.cols, job.group_size, t.bf16_out);
+      int8(static_cast<const std::int8_t *>(t.codes), static_cast<const float *>(t.scales), t.rows, t.cols,
+           job.group_size, t.bf16_out);
     }
   } else if (job.precision == Precision::nf4) {
     for (const DequantTensor &t : job.tensors) {
-      nf4(static_cast<const std::uint8_t *>(t.codes), static_cast<const std::uint16_t *>(t.scales),
-          t.rows, t.cols, job.group_size, t.bf16_out);
+      nf4(static_cast<const std::uint8_t *>(t.codes), static_cast<const std::uint16_t *>(t.scales), t.rows, t.cols,
+          job.group_size, t.bf16_out);
     }
   } else {
     throw std::invalid_argument("DequantJob: a bf16 image needs no dequantization");

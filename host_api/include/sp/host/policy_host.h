@@ -64,8 +64,7 @@ struct PolicyHostOptions {
   /// BF16 and INT8). A hint with a precision outside it, or outside what the plugin's ABI
   /// minor defines (NF4 from a 1.0 plugin), is refused: counted under invalid_hints and
   /// replaced by fallback hints.
-  sp_precision_mask supported_precisions =
-      SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
+  sp_precision_mask supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
 };
 
 /// Failed hook calls since the host was created, per hook. A compute_hints call whose
@@ -115,8 +114,8 @@ class PolicyHost {
   /// loaded or the plugin rejects the configuration or the transfer bytes; the message
   /// names the file, the config source and the plugin's reason. Throws
   /// std::invalid_argument for bad block ids or bad options.supported_precisions.
-  PolicyHost(const std::filesystem::path& plugin_file, PolicyConfig config,
-             std::vector<BlockDescription> blocks, PolicyHostOptions options = {});
+  PolicyHost(const std::filesystem::path& plugin_file, PolicyConfig config, std::vector<BlockDescription> blocks,
+             PolicyHostOptions options = {});
   ~PolicyHost();
   PolicyHost(const PolicyHost&) = delete;
   PolicyHost& operator=(const PolicyHost&) = delete;
@@ -131,8 +130,7 @@ class PolicyHost {
   /// a 1.1 plugin only.
   void end_step(std::int64_t step, const sp_step_feedback_v1* feedback = nullptr);
   /// INT8 calibration errors: set_calibration_errors(SP_PRECISION_INT8, block_ids, errors).
-  bool set_calibration_errors(const std::vector<std::uint32_t>& block_ids,
-                              const std::vector<double>& errors);
+  bool set_calibration_errors(const std::vector<std::uint32_t>& block_ids, const std::vector<double>& errors);
   /// Per-block relative output error of `precision` against BF16 (a calibration pass),
   /// for the listed blocks; other blocks keep theirs. INT8 goes to the plugin's 1.0
   /// set_calibration_errors, NF4 to a 1.1 plugin's set_precision_calibration_errors.
@@ -163,12 +161,10 @@ class PolicyHost {
   /// counted and noted in the result's message, and does not undo the swap).
   /// Returns pending, or failed with the reason; either way it is logged.
   /// A newer request replaces a pending one.
-  SwapResult request_swap(const std::filesystem::path& plugin_file,
-                          std::optional<PolicyConfig> config = std::nullopt);
+  SwapResult request_swap(const std::filesystem::path& plugin_file, std::optional<PolicyConfig> config = std::nullopt);
   /// The whole swap at once. Only between steps (before the first begin_step or after an
   /// end_step); otherwise throws std::logic_error.
-  SwapResult swap_now(const std::filesystem::path& plugin_file,
-                      std::optional<PolicyConfig> config = std::nullopt);
+  SwapResult swap_now(const std::filesystem::path& plugin_file, std::optional<PolicyConfig> config = std::nullopt);
   /// Outcome of the most recent swap that was applied or failed at a step boundary.
   const std::optional<SwapResult>& last_swap_result() const;
   bool swap_pending() const;

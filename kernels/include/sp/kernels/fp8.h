@@ -28,16 +28,13 @@ float fp8_e4m3_to_float(uint8_t code);
 
 // Same contract as quantize_int8 (group_size 0 = per row, else one of kSupportedGroupSizes),
 // with E4M3 codes. Round to nearest even only.
-void quantize_fp8_e4m3(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-                       uint32_t group_size, uint8_t *codes, float *scales,
-                       const CpuExec &exec = {});
+void quantize_fp8_e4m3(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
+                       uint8_t *codes, float *scales, const CpuExec &exec = {});
 
-void dequantize_fp8_e4m3_to_bf16(const uint8_t *codes, const float *scales, std::size_t rows,
-                                 std::size_t cols, uint32_t group_size, uint16_t *dst,
-                                 const CpuExec &exec = {});
+void dequantize_fp8_e4m3_to_bf16(const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                                 uint32_t group_size, uint16_t *dst, const CpuExec &exec = {});
 
-void dequantize_fp8_e4m3_to_fp32(const uint8_t *codes, const float *scales, std::size_t rows,
-                                 std::size_t cols, uint32_t group_size, float *dst,
-                                 const CpuExec &exec = {});
+void dequantize_fp8_e4m3_to_fp32(const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                                 uint32_t group_size, float *dst, const CpuExec &exec = {});
 
 }  // namespace sp::kernels

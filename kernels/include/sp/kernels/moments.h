@@ -29,8 +29,8 @@ struct GradTensor {
 // order, so its result is bit-identical for any thread count.
 // Throws std::invalid_argument for a block id >= n_blocks, a null pointer with a non-zero
 // count, or a null `out` with n_blocks > 0.
-void grad_moments(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blocks,
-                  sp_grad_moments_v1 *out, const CpuExec &exec = {});
+void grad_moments(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blocks, sp_grad_moments_v1 *out,
+                  const CpuExec &exec = {});
 
 constexpr std::size_t kGradMomentsChunk = 16384;
 

@@ -50,18 +50,15 @@ std::size_t nf4_scale_count(std::size_t rows, std::size_t cols, uint32_t group_s
 // (nf4_scale_count). Empty tensors are allowed (nothing written). Throws
 // std::invalid_argument on an unsupported dtype or group size, or a null pointer with a
 // non-empty tensor.
-void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-                  uint32_t group_size, uint8_t *codes, uint16_t *scales,
-                  const CpuExec &exec = {});
+void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
+                  uint8_t *codes, uint16_t *scales, const CpuExec &exec = {});
 
 // codes + scales -> bf16 bit patterns (rows * cols).
-void dequantize_nf4_to_bf16(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
-                            std::size_t cols, uint32_t group_size, uint16_t *dst,
-                            const CpuExec &exec = {});
+void dequantize_nf4_to_bf16(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+                            uint32_t group_size, uint16_t *dst, const CpuExec &exec = {});
 
 // codes + scales -> fp32 (rows * cols).
-void dequantize_nf4_to_fp32(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
-                            std::size_t cols, uint32_t group_size, float *dst,
-                            const CpuExec &exec = {});
+void dequantize_nf4_to_fp32(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+                            uint32_t group_size, float *dst, const CpuExec &exec = {});
 
 }  // namespace sp::kernels

@@ -46,18 +46,15 @@ struct QuantizeOptions {
 // (scale_count(rows, cols, group_size) floats). Empty tensors are allowed (nothing written).
 // Throws std::invalid_argument on an unsupported dtype or group size, or a null pointer
 // with a non-empty tensor.
-void quantize_int8(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-                   const QuantizeOptions &options, int8_t *codes, float *scales,
-                   const CpuExec &exec = {});
+void quantize_int8(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, const QuantizeOptions &options,
+                   int8_t *codes, float *scales, const CpuExec &exec = {});
 
 // codes + scales -> bf16 bit patterns (rows * cols).
-void dequantize_int8_to_bf16(const int8_t *codes, const float *scales, std::size_t rows,
-                             std::size_t cols, uint32_t group_size, uint16_t *dst,
-                             const CpuExec &exec = {});
+void dequantize_int8_to_bf16(const int8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                             uint32_t group_size, uint16_t *dst, const CpuExec &exec = {});
 
 // codes + scales -> fp32 (rows * cols), x' = float(q) * scale without the bf16 step.
-void dequantize_int8_to_fp32(const int8_t *codes, const float *scales, std::size_t rows,
-                             std::size_t cols, uint32_t group_size, float *dst,
-                             const CpuExec &exec = {});
+void dequantize_int8_to_fp32(const int8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                             uint32_t group_size, float *dst, const CpuExec &exec = {});
 
 }  // namespace sp::kernels

@@ -35,27 +35,27 @@ enum class SlabPrecision : uint32_t {
 
 const char *slab_precision_name(SlabPrecision precision);
 
-constexpr uint32_t kSlabMagic = 0x42414C53u;  // "SLAB" read as little-endian bytes
-constexpr uint16_t kSlabVersion = 2;           // what build_slab() writes
+constexpr uint32_t kSlabMagic = 0x42414C53u;        // "SLAB" read as little-endian bytes
+constexpr uint16_t kSlabVersion = 2;                // what build_slab() writes
 constexpr uint16_t kSlabOldestReadableVersion = 1;  // read_slab() accepts 1 and 2
 constexpr uint64_t kSlabDataAlignment = 256;
 constexpr uint64_t kSlabScaleAlignment = 16;
 
 struct SlabHeader {
-  uint32_t magic;          // kSlabMagic
-  uint16_t version;        // kSlabVersion (1 is still read: no kNf4)
-  uint16_t header_bytes;   // sizeof(SlabHeader)
-  uint32_t precision;      // SlabPrecision
-  uint32_t group_size;     // 0 = per row; quantized precisions only (0 for kBf16; kNf4 needs
-                           // 32, 64, 128 or 256)
+  uint32_t magic;         // kSlabMagic
+  uint16_t version;       // kSlabVersion (1 is still read: no kNf4)
+  uint16_t header_bytes;  // sizeof(SlabHeader)
+  uint32_t precision;     // SlabPrecision
+  uint32_t group_size;    // 0 = per row; quantized precisions only (0 for kBf16; kNf4 needs
+                          // 32, 64, 128 or 256)
   uint32_t tensor_count;
-  uint32_t entry_bytes;    // sizeof(SlabTensorEntry)
-  uint64_t total_bytes;    // size of the whole image
-  uint64_t payload_offset; // first payload byte (256-aligned)
-  uint64_t scales_offset;  // first scale byte; == total_bytes when there are no scales
-  uint32_t table_crc32;    // CRC-32 (IEEE) of this header with table_crc32 = 0, then the entries
-  uint32_t reserved0;      // zero
-  uint64_t reserved1;      // zero
+  uint32_t entry_bytes;     // sizeof(SlabTensorEntry)
+  uint64_t total_bytes;     // size of the whole image
+  uint64_t payload_offset;  // first payload byte (256-aligned)
+  uint64_t scales_offset;   // first scale byte; == total_bytes when there are no scales
+  uint32_t table_crc32;     // CRC-32 (IEEE) of this header with table_crc32 = 0, then the entries
+  uint32_t reserved0;       // zero
+  uint64_t reserved1;       // zero
 };
 static_assert(sizeof(SlabHeader) == 64, "slab header layout is part of the format");
 
@@ -80,18 +80,17 @@ struct TensorShape {
 
 struct SlabEncoding {
   SlabPrecision precision = SlabPrecision::kBf16;
-  uint32_t group_size = 0;  // kInt8 / kFp8E4M3: 0 = per row, else one of kSupportedGroupSizes;
-                            // kNf4: 32, 64, 128 or 256 (kNf4DefaultGroupSize = 64)
+  uint32_t group_size = 0;                     // kInt8 / kFp8E4M3: 0 = per row, else one of kSupportedGroupSizes;
+                                               // kNf4: 32, 64, 128 or 256 (kNf4DefaultGroupSize = 64)
   Rounding rounding = Rounding::kNearestEven;  // kBf16 and kInt8; kFp8E4M3 and kNf4 are RNE only
-  uint64_t seed = 0;  // stochastic rounding: tensor i uses a seed derived from (seed, i)
+  uint64_t seed = 0;                           // stochastic rounding: tensor i uses a seed derived from (seed, i)
 };
 
 // Exact size in bytes of the image build_slab() writes for these shapes.
 // Throws std::invalid_argument for a bad encoding (unknown precision, unsupported group size,
 // group size with kBf16, group size 0 with kNf4, stochastic rounding with kFp8E4M3 or kNf4) or
 // a size overflow.
-uint64_t slab_image_bytes(const SlabEncoding &encoding, const TensorShape *shapes,
-                          std::size_t n_tensors);
+uint64_t slab_image_bytes(const SlabEncoding &encoding, const TensorShape *shapes, std::size_t n_tensors);
 
 // One fp32 master tensor to pack.
 struct SlabTensorSource {
@@ -103,9 +102,8 @@ struct SlabTensorSource {
 // and returns its size (== slab_image_bytes). Padding bytes are zero, so equal inputs give
 // byte-identical images. Throws std::invalid_argument when capacity is too small, on a bad
 // encoding or on a null master with a non-empty shape.
-uint64_t build_slab(const SlabEncoding &encoding, const SlabTensorSource *tensors,
-                    std::size_t n_tensors, uint8_t *image, uint64_t capacity,
-                    const CpuExec &exec = {});
+uint64_t build_slab(const SlabEncoding &encoding, const SlabTensorSource *tensors, std::size_t n_tensors,
+                    uint8_t *image, uint64_t capacity, const CpuExec &exec = {});
 
 // A validated image, as plain numbers; offsets are relative to the image start.
 struct SlabTensorView {
@@ -140,9 +138,9 @@ SlabReadResult read_slab(const uint8_t *image, uint64_t size);
 // Decodes tensor `index` of a validated image (view from read_slab on the same bytes) into
 // rows * cols values. kBf16 images copy their bit patterns; quantized ones dequantize.
 // Throws std::out_of_range for a bad index.
-void decode_slab_tensor_to_bf16(const uint8_t *image, const SlabView &view, std::size_t index,
-                                uint16_t *dst, const CpuExec &exec = {});
-void decode_slab_tensor_to_fp32(const uint8_t *image, const SlabView &view, std::size_t index,
-                                float *dst, const CpuExec &exec = {});
+void decode_slab_tensor_to_bf16(const uint8_t *image, const SlabView &view, std::size_t index, uint16_t *dst,
+                                const CpuExec &exec = {});
+void decode_slab_tensor_to_fp32(const uint8_t *image, const SlabView &view, std::size_t index, float *dst,
+                                const CpuExec &exec = {});
 
 }  // namespace sp::kernels

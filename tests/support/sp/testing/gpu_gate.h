@@ -18,10 +18,10 @@ inline bool gpu_required() {
 }  // namespace sp::testing
 
 // In a test body or SetUp: returns from it, failed or skipped, when `usable` is false.
-#define SP_SKIP_UNLESS_GPU(usable, why)                                                   \
-  do {                                                                                    \
-    if (!(usable)) {                                                                      \
-      if (::sp::testing::gpu_required()) FAIL() << "SP_REQUIRE_GPU=1, but " << (why);     \
-      GTEST_SKIP() << (why);                                                              \
-    }                                                                                     \
+#define SP_SKIP_UNLESS_GPU(usable, why)                                               \
+  do {                                                                                \
+    if (!(usable)) {                                                                  \
+      if (::sp::testing::gpu_required()) FAIL() << "SP_REQUIRE_GPU=1, but " << (why); \
+      GTEST_SKIP() << (why);                                                          \
+    }                                                                                 \
   } while (false)

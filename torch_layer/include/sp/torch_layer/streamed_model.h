@@ -75,7 +75,8 @@ Block make_block(ModuleHolder module, std::vector<std::string> streamed, std::st
   return Block{std::move(name),
                [shared] {
                  NamedParameters out;
-                 for (const auto& item : shared->named_parameters(/*recurse=*/true)) out.emplace_back(item.key(), item.value());
+                 for (const auto& item : shared->named_parameters(/*recurse=*/true))
+                   out.emplace_back(item.key(), item.value());
                  return out;
                },
                [shared](const torch::Tensor& x) { return shared->forward(x); }, std::move(streamed)};
@@ -100,9 +101,9 @@ struct StreamedModelOptions {
   // Streaming engine.
   std::uint32_t prefetch_window = 1;
   std::uint32_t spare_slabs = 2;
-  std::uint32_t int8_group_size = 0;   // 0: one scale per row; else 32, 64, 128 or 256
-  std::uint32_t nf4_group_size = 64;   // 32, 64, 128 or 256
-  std::string metrics_path;            // JSONL of the training passes' transfers; empty: none
+  std::uint32_t int8_group_size = 0;  // 0: one scale per row; else 32, 64, 128 or 256
+  std::uint32_t nf4_group_size = 64;  // 32, 64, 128 or 256
+  std::string metrics_path;           // JSONL of the training passes' transfers; empty: none
 
   // Online re-calibration: every this many steps (0: never), end_step() measures the blocks'
   // INT8 and NF4 output errors again, on the first-block input of the step's last training
@@ -123,7 +124,7 @@ struct StepReport {
   std::uint64_t h2d_bytes_all_bf16 = 0;  // what the same fetches would have moved as BF16
   std::uint64_t eval_h2d_bytes = 0;      // of the evaluation passes
   std::uint32_t training_passes = 0;
-  std::vector<sp_precision> routes;     // per block, for the next step
+  std::vector<sp_precision> routes;          // per block, for the next step
   std::optional<sp::host::SwapResult> swap;  // a hot swap applied (or failed) at begin_step
   // Set on the steps that re-calibrated (StreamedModelOptions::recalibrate_every).
   std::optional<CalibrationErrors> calibration;

@@ -23,8 +23,7 @@ bool is_plain_scalar(const YAML::Node& node);
 // The candidate closest to `unknown` by case-insensitive edit distance, if it is near enough
 // to be a misspelling (at most max(3, |unknown|/3) edits); nothing otherwise. The view points
 // into `candidates`.
-std::optional<std::string_view> closest_key(std::string_view unknown, const char* const* candidates,
-                                            std::size_t count);
+std::optional<std::string_view> closest_key(std::string_view unknown, const char* const* candidates, std::size_t count);
 
 template <typename Container>
 std::optional<std::string_view> closest_key(std::string_view unknown, const Container& candidates) {

@@ -11,8 +11,7 @@
 
 namespace sp::kernels::cuda {
 
-void fp32_to_bf16(const float *src, uint16_t *dst, std::size_t n, const Bf16Options &options,
-                  cudaStream_t stream);
+void fp32_to_bf16(const float *src, uint16_t *dst, std::size_t n, const Bf16Options &options, cudaStream_t stream);
 
 void bf16_to_fp32(const uint16_t *src, float *dst, std::size_t n, cudaStream_t stream);
 

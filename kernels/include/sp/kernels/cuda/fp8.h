@@ -16,15 +16,13 @@ namespace sp::kernels::cuda {
 void fp8_e4m3_encode(const float *src, uint8_t *dst, std::size_t n, cudaStream_t stream);
 void fp8_e4m3_decode(const uint8_t *src, float *dst, std::size_t n, cudaStream_t stream);
 
-void quantize_fp8_e4m3(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-                       uint32_t group_size, uint8_t *codes, float *scales, cudaStream_t stream);
+void quantize_fp8_e4m3(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
+                       uint8_t *codes, float *scales, cudaStream_t stream);
 
-void dequantize_fp8_e4m3_to_bf16(const uint8_t *codes, const float *scales, std::size_t rows,
-                                 std::size_t cols, uint32_t group_size, uint16_t *dst,
-                                 cudaStream_t stream);
+void dequantize_fp8_e4m3_to_bf16(const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                                 uint32_t group_size, uint16_t *dst, cudaStream_t stream);
 
-void dequantize_fp8_e4m3_to_fp32(const uint8_t *codes, const float *scales, std::size_t rows,
-                                 std::size_t cols, uint32_t group_size, float *dst,
-                                 cudaStream_t stream);
+void dequantize_fp8_e4m3_to_fp32(const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                                 uint32_t group_size, float *dst, cudaStream_t stream);
 
 }  // namespace sp::kernels::cuda

@@ -18,18 +18,16 @@ namespace sp::kernels::cuda {
 
 // Two kernels on `stream`: the group scales (one warp per group), then the packed codes (one
 // thread per code byte, so a byte that straddles two rows has a single writer).
-void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-                  uint32_t group_size, uint8_t *codes, uint16_t *scales, cudaStream_t stream);
+void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
+                  uint8_t *codes, uint16_t *scales, cudaStream_t stream);
 
 // The step after every NF4 transfer: reads 0.5 byte + 2/G bytes of scale per element, writes
 // 2. With cols % 32 == 0 and 16-byte aligned codes and dst (slab payloads are 256-aligned),
 // each thread turns one 16-byte load (32 codes, one group) into four 16-byte stores.
-void dequantize_nf4_to_bf16(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
-                            std::size_t cols, uint32_t group_size, uint16_t *dst,
-                            cudaStream_t stream);
+void dequantize_nf4_to_bf16(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+                            uint32_t group_size, uint16_t *dst, cudaStream_t stream);
 
-void dequantize_nf4_to_fp32(const uint8_t *codes, const uint16_t *scales, std::size_t rows,
-                            std::size_t cols, uint32_t group_size, float *dst,
-                            cudaStream_t stream);
+void dequantize_nf4_to_fp32(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+                            uint32_t group_size, float *dst, cudaStream_t stream);
 
 }  // namespace sp::kernels::cuda

@@ -15,17 +15,14 @@
 
 namespace sp::kernels::cuda {
 
-void quantize_int8(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-                   const QuantizeOptions &options, int8_t *codes, float *scales,
-                   cudaStream_t stream);
+void quantize_int8(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, const QuantizeOptions &options,
+                   int8_t *codes, float *scales, cudaStream_t stream);
 
 // The step after every INT8 transfer: reads 1 byte + 1/G scale per element, writes 2 bytes.
-void dequantize_int8_to_bf16(const int8_t *codes, const float *scales, std::size_t rows,
-                             std::size_t cols, uint32_t group_size, uint16_t *dst,
-                             cudaStream_t stream);
+void dequantize_int8_to_bf16(const int8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                             uint32_t group_size, uint16_t *dst, cudaStream_t stream);
 
-void dequantize_int8_to_fp32(const int8_t *codes, const float *scales, std::size_t rows,
-                             std::size_t cols, uint32_t group_size, float *dst,
-                             cudaStream_t stream);
+void dequantize_int8_to_fp32(const int8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                             uint32_t group_size, float *dst, cudaStream_t stream);
 
 }  // namespace sp::kernels::cuda

@@ -14,8 +14,7 @@ namespace sp::kernels::cuda {
 // and returns without launching. Otherwise *workspace_bytes must be at least that size, and
 // the result (same special cases as the CPU version) is written to *result_device, on
 // `stream`, without a host sync.
-void relative_error(const void *a, DType a_dtype, const void *b, DType b_dtype, std::size_t n,
-                    void *workspace, std::size_t *workspace_bytes, double *result_device,
-                    cudaStream_t stream);
+void relative_error(const void *a, DType a_dtype, const void *b, DType b_dtype, std::size_t n, void *workspace,
+                    std::size_t *workspace_bytes, double *result_device, cudaStream_t stream);
 
 }  // namespace sp::kernels::cuda

@@ -25,8 +25,7 @@ class PolicyEngine {
   // `block_bytes` has one entry per block (block id = index). `log` may be null and must
   // outlive the engine. A relative telemetry_file is resolved against `output_dir`
   // (empty = the working directory).
-  PolicyEngine(PolicyConfig config, std::vector<BlockBytes> block_bytes, LogSink *log,
-               const std::string &output_dir);
+  PolicyEngine(PolicyConfig config, std::vector<BlockBytes> block_bytes, LogSink *log, const std::string &output_dir);
   // Writes the telemetry record of a step that never reached end_step.
   ~PolicyEngine();
   PolicyEngine(const PolicyEngine &) = delete;
@@ -44,8 +43,8 @@ class PolicyEngine {
   void set_calibration_errors(const std::uint32_t *block_ids, const double *errors, std::uint32_t n);
   // v2: INT8 is set_calibration_errors; NF4 sets the errors behind e4. BF16 or an unknown
   // precision is InvalidArgument.
-  void set_precision_calibration_errors(sp_precision precision, const std::uint32_t *block_ids,
-                                        const double *errors, std::uint32_t n);
+  void set_precision_calibration_errors(sp_precision precision, const std::uint32_t *block_ids, const double *errors,
+                                        std::uint32_t n);
   // v2: bytes one transfer of each block at `precision` puts on the wire (n = n_blocks()).
   void set_transfer_bytes(sp_precision precision, const std::uint64_t *bytes, std::uint32_t n);
   const std::vector<BlockBytes> &block_bytes() const { return block_bytes_; }

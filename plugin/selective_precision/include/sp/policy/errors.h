@@ -11,8 +11,7 @@ namespace sp::policy {
 
 class PolicyError : public std::runtime_error {
  public:
-  PolicyError(sp_status status, const std::string &message)
-      : std::runtime_error(message), status_(status) {}
+  PolicyError(sp_status status, const std::string &message) : std::runtime_error(message), status_(status) {}
   sp_status status() const noexcept { return status_; }
 
  private:
@@ -34,8 +33,7 @@ class StateError : public PolicyError {
 // A null pointer, a bad count, an unknown or duplicate block id, or an invalid value.
 class InvalidArgument : public PolicyError {
  public:
-  explicit InvalidArgument(const std::string &message)
-      : PolicyError(SP_ERR_INVALID_ARGUMENT, message) {}
+  explicit InvalidArgument(const std::string &message) : PolicyError(SP_ERR_INVALID_ARGUMENT, message) {}
 };
 
 // A hook was called out of lifecycle order (steps going backwards, a hook twice in a step).

@@ -41,8 +41,7 @@ struct StepRecord {
 // the host never sent (nominal_nf4_ratio).
 std::string telemetry_record_line(const StepRecord &record, Mode mode, const PolicyState &state,
                                   const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes,
-                                  const MeasuredBytes &measured, std::int64_t nf4_group_size,
-                                  double unix_seconds);
+                                  const MeasuredBytes &measured, std::int64_t nf4_group_size, double unix_seconds);
 
 // NF4 bytes over BF16 bytes of an NF4 image in theory: (0.5 + 2/nf4_group_size) / 2.
 double nominal_nf4_ratio(std::int64_t nf4_group_size);

@@ -24,8 +24,7 @@ class JsonFields {
 
   [[noreturn]] void fail(const std::string& field, const std::string& problem) const;
 
-  const nlohmann::json& require(const nlohmann::json& object, const char* key,
-                                const std::string& field) const;
+  const nlohmann::json& require(const nlohmann::json& object, const char* key, const std::string& field) const;
   // Rejects keys not in `allowed`, naming the first unknown one and the allowed set.
   void only_keys(const nlohmann::json& object, std::initializer_list<const char*> allowed,
                  const std::string& field_prefix) const;

@@ -50,18 +50,18 @@ void route_all(adapters::StreamingEngine& engine, adapters::Precision precision)
 // copy queue and timed by the backend's events: the physical limit of this run. Copies rotate
 // over `sources` x `destinations` buffers so neither side is measured cache-hot when the
 // engine's copies are not.
-double raw_copy_seconds(adapters::TransferBackend& backend, uint64_t bytes, uint32_t sources,
-                        uint32_t destinations, int repeats);
+double raw_copy_seconds(adapters::TransferBackend& backend, uint64_t bytes, uint32_t sources, uint32_t destinations,
+                        int repeats);
 
 // Runs one forward-only step with no compute and waits for its transfers (through the
 // engine's own events, so any backend works). Returns wall seconds.
 double run_transfer_step(adapters::StreamingEngine& engine, int64_t step);
 
 struct MeasureOptions {
-  uint32_t blocks = 4;   // blocks streamed per step
-  uint32_t window = 2;   // prefetch window
+  uint32_t blocks = 4;  // blocks streamed per step
+  uint32_t window = 2;  // prefetch window
   int warmup_steps = 2;
-  int repeats = 7;       // timed steps per path; the report keeps median, min and max
+  int repeats = 7;  // timed steps per path; the report keeps median, min and max
   uint32_t int8_group_size = 0;
   uint32_t nf4_group_size = 64;
 };

@@ -67,9 +67,9 @@ struct Nf4Measurement {
 
 // One block size, all paths. Per-block seconds throughout.
 struct TransferPoint {
-  uint64_t bf16_bytes = 0;  // bytes of the block's BF16 image: the size rules are keyed by
-  uint64_t int8_bytes = 0;  // bytes of its INT8 image (codes + scales + header)
-  double raw_copy_s = 0;    // the physical limit: a bare pinned copy of bf16_bytes, same run
+  uint64_t bf16_bytes = 0;   // bytes of the block's BF16 image: the size rules are keyed by
+  uint64_t int8_bytes = 0;   // bytes of its INT8 image (codes + scales + header)
+  double raw_copy_s = 0;     // the physical limit: a bare pinned copy of bf16_bytes, same run
   TimingStats bf16_copy;     // BF16 path: H2D copy, from the backend's events
   TimingStats int8_copy;     // INT8 path: H2D copy of the INT8 image, from events
   TimingStats int8_dequant;  // INT8 path: dequant into the compute slot, from events
@@ -93,11 +93,11 @@ struct TransferPoint {
 
 struct TransferReport {
   static constexpr int kFormatVersion = 1;
-  std::string machine;   // host name or a label given on the command line
-  std::string backend;   // "cuda" or "host"
-  std::string device;    // e.g. "NVIDIA H200" or "host memcpy, 25 GB/s cap"
+  std::string machine;                       // host name or a label given on the command line
+  std::string backend;                       // "cuda" or "host"
+  std::string device;                        // e.g. "NVIDIA H200" or "host memcpy, 25 GB/s cap"
   std::optional<double> bandwidth_cap_gbps;  // set for the emulating host backend
-  double reference_h2d_gbps = 0;  // raw pinned copy bandwidth measured in the same run
+  double reference_h2d_gbps = 0;             // raw pinned copy bandwidth measured in the same run
   std::vector<TransferPoint> points;
 };
 
@@ -108,9 +108,9 @@ TransferReport load_report(const std::string& path);
 // ---- Policies ------------------------------------------------------------------------
 
 struct TransferRule {
-  uint64_t min_bytes = 0;                 // inclusive, BF16 image bytes
-  std::optional<uint64_t> max_bytes;      // exclusive; none = no upper bound
-  double measured_speedup = 0;            // the smallest speedup measured inside the range
+  uint64_t min_bytes = 0;             // inclusive, BF16 image bytes
+  std::optional<uint64_t> max_bytes;  // exclusive; none = no upper bound
+  double measured_speedup = 0;        // the smallest speedup measured inside the range
 };
 
 struct MergeSource {
