@@ -236,27 +236,9 @@ struct StreamedModel::Impl {
   }
 
   void build_policy() {
-    std::vector<sp::host::BlockDescription> descriptions;
-    for (const sp_block_desc_v1& d : engine->block_descs()) {
-      sp::host::BlockDescription block;
-      block.id = d.block_id;
-      block.num_params = d.num_params;
-      block.bf16_bytes = d.bf16_bytes;
-      block.int8_bytes = d.int8_bytes;
-      block.nf4_bytes = engine->nf4_image_bytes(d.block_id);
-      block.name = d.name;
-      descriptions.push_back(std::move(block));
-    }
-    sp::host::PolicyHostOptions host;
-    host.host_name = "sp-torch-layer";
-    host.output_dir = options.output_dir;
-    host.logger = log;
-    host.fallback = sp::host::FallbackMode::last_good;
-    host.supported_precisions =
-        SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
-    policy = std::make_unique<sp::host::PolicySession>(
-        options.plugin_file, sp::host::PolicyConfig{options.config_yaml, options.config_source},
-        std::move(descriptions), std::move(host));
+    policy = open_policy_session(*engine, options.plugin_file,
+                                 sp::host::PolicyConfig{options.config_yaml, options.config_source}, "sp-torch-layer",
+                                 options.output_dir, log);
   }
 
   // ---- weights in and out of the module ----------------------------------------------------
@@ -580,6 +562,32 @@ struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFun
     return out;
   }
 };
+
+std::unique_ptr<sp::host::PolicySession> open_policy_session(const ad::StreamingEngine& engine,
+                                                             const std::filesystem::path& plugin_file,
+                                                             sp::host::PolicyConfig config, std::string host_name,
+                                                             std::filesystem::path output_dir,
+                                                             std::shared_ptr<spdlog::logger> logger) {
+  std::vector<sp::host::BlockDescription> blocks;
+  for (const sp_block_desc_v1& d : engine.block_descs()) {
+    sp::host::BlockDescription block;
+    block.id = d.block_id;
+    block.num_params = d.num_params;
+    block.bf16_bytes = d.bf16_bytes;
+    block.int8_bytes = d.int8_bytes;
+    block.nf4_bytes = engine.nf4_image_bytes(d.block_id);
+    block.name = d.name;
+    blocks.push_back(std::move(block));
+  }
+  sp::host::PolicyHostOptions host;
+  host.host_name = std::move(host_name);
+  host.output_dir = std::move(output_dir);
+  host.logger = std::move(logger);
+  host.fallback = sp::host::FallbackMode::last_good;
+  host.supported_precisions =
+      SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
+  return std::make_unique<sp::host::PolicySession>(plugin_file, std::move(config), std::move(blocks), std::move(host));
+}
 
 StreamedModel::StreamedModel(std::vector<Block> blocks, StreamedModelOptions options)
     : impl_(std::make_unique<Impl>(std::move(blocks), std::move(options))) {}

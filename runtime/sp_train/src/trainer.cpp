@@ -20,6 +20,7 @@
 #include "progress.h"
 #include "sp/adapters/metrics.h"
 #include "sp/host/policy_session.h"
+#include "sp/torch_layer/streamed_model.h"
 #include "sp/adapters/streaming_engine.h"
 #include "sp/kernels/moments.h"
 #include "sp/kernels/relative_error.h"
@@ -383,28 +384,10 @@ struct Trainer::Impl {
   }
 
   void build_policy() {
-    std::vector<sp::host::BlockDescription> blocks;
-    for (const sp_block_desc_v1& d : engine->block_descs()) {
-      sp::host::BlockDescription block;
-      block.id = d.block_id;
-      block.num_params = d.num_params;
-      block.bf16_bytes = d.bf16_bytes;
-      block.int8_bytes = d.int8_bytes;
-      block.nf4_bytes = engine->nf4_image_bytes(d.block_id);
-      block.name = d.name;
-      blocks.push_back(std::move(block));
-    }
     const fs::path plugin_file = options.plugin_dir / ("lib" + config.train.plugin + ".so");
-    sp::host::PolicyHostOptions host_options;
-    host_options.host_name = "sp-train";
-    host_options.output_dir = options.out_dir;
-    host_options.logger = log;
-    host_options.fallback = sp::host::FallbackMode::last_good;
-    host_options.supported_precisions =
-        SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
-    policy = std::make_unique<sp::host::PolicySession>(plugin_file,
-                                                       sp::host::PolicyConfig{config.resolved_yaml, config.source_name},
-                                                       std::move(blocks), std::move(host_options));
+    policy = sp::torch_layer::open_policy_session(*engine, plugin_file,
+                                                  sp::host::PolicyConfig{config.resolved_yaml, config.source_name},
+                                                  "sp-train", options.out_dir, log);
     log->info("policy plugin {} {} from {}", policy->host().plugin_name(), policy->plugin_version(),
               plugin_file.string());
   }

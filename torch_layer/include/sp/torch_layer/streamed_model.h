@@ -47,6 +47,7 @@
 
 #include "sp/adapters/metrics.h"
 #include "sp/adapters/policy_bridge.h"
+#include "sp/adapters/streaming_engine.h"
 #include "sp/host/policy_session.h"
 
 namespace sp::torch_layer {
@@ -130,6 +131,16 @@ struct StepReport {
   std::optional<CalibrationErrors> calibration;
   double calibration_seconds = 0.0;
 };
+
+// A policy session for `engine`'s blocks as a training loop runs one: the plugin is offered
+// every route the engine streams (BF16, INT8, NF4), and keeps its last good hints when a hook
+// fails. StreamedModel opens its own here; a host driving the engine itself (sp-train) too.
+// Throws as PolicySession's constructor does.
+std::unique_ptr<sp::host::PolicySession> open_policy_session(const sp::adapters::StreamingEngine& engine,
+                                                             const std::filesystem::path& plugin_file,
+                                                             sp::host::PolicyConfig config, std::string host_name,
+                                                             std::filesystem::path output_dir,
+                                                             std::shared_ptr<spdlog::logger> logger);
 
 class StreamedModel {
  public:
