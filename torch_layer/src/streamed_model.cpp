@@ -26,26 +26,8 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 ad::Precision route_of(sp_precision precision) {
-  switch (precision) {
-    case SP_PRECISION_BF16:
-      return ad::Precision::bf16;
-    case SP_PRECISION_INT8:
-      return ad::Precision::int8;
-    case SP_PRECISION_NF4:
-      return ad::Precision::nf4;
-  }
+  if (const std::optional<ad::Precision> route = ad::route_of(precision)) return *route;
   throw std::invalid_argument(fmt::format("sp_precision {} is not BF16, INT8 or NF4", static_cast<int>(precision)));
-}
-
-sp_precision precision_of(ad::Precision route) {
-  switch (route) {
-    case ad::Precision::int8:
-      return SP_PRECISION_INT8;
-    case ad::Precision::nf4:
-      return SP_PRECISION_NF4;
-    default:
-      return SP_PRECISION_BF16;
-  }
 }
 
 std::unique_ptr<ad::TransferBackend> make_backend(const StreamedModelOptions& options) {
@@ -489,7 +471,8 @@ struct StreamedModel::Impl {
 
   std::vector<sp_precision> current_routes() const {
     std::vector<sp_precision> routes;
-    for (std::uint32_t b = 0; b < blocks.size(); ++b) routes.push_back(precision_of(engine->policy_bridge().route(b)));
+    for (std::uint32_t b = 0; b < blocks.size(); ++b)
+      routes.push_back(ad::abi_precision(engine->policy_bridge().route(b)));
     return routes;
   }
 

@@ -43,18 +43,6 @@ constexpr int kMaxNonFiniteSteps = 8;
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-// A route as the sp_precision value that step records, checkpoints and plots use.
-std::uint8_t route_code(ad::Precision precision) {
-  switch (precision) {
-    case ad::Precision::int8:
-      return SP_PRECISION_INT8;
-    case ad::Precision::nf4:
-      return SP_PRECISION_NF4;
-    default:
-      return SP_PRECISION_BF16;
-  }
-}
-
 // Cuts a JSONL log back to its leading complete records whose `key` is below `step`: on
 // resume the steps after the checkpoint run again and must not appear twice, and a fresh run
 // starts its logs empty. In place, with one truncate: the plugin and the transfer engine
@@ -625,7 +613,7 @@ struct Trainer::Impl {
     record.routes.assign(n_blocks, 0);
     for (std::uint32_t b = 0; b < n_blocks; ++b) {
       const ad::BlockView& view = engine->acquire(b);
-      record.routes[b] = route_code(view.precision);
+      record.routes[b] = ad::abi_precision(view.precision);
       inputs.push_back(model->block_forward(b, inputs.back(), delivered(view, false)));
       engine->release(b);
     }
