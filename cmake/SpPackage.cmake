@@ -31,10 +31,10 @@ function(selective_precision_install_component component)
 endfunction()
 
 set(SP_PACKAGE_COMPONENTS plugin_abi host kernels adapters)
-selective_precision_install_component(plugin_abi TARGETS selective_precision_plugin_abi)
-install(FILES ${PROJECT_SOURCE_DIR}/host_api/include/sp/plugin_abi_v1.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/sp)
-selective_precision_install_component(host TARGETS selective_precision_host
+# host_api/include holds both: the ABI header and sp/host/.
+selective_precision_install_component(plugin_abi TARGETS selective_precision_plugin_abi
   HEADERS ${PROJECT_SOURCE_DIR}/host_api/include)
+selective_precision_install_component(host TARGETS selective_precision_host)
 set(sp_kernel_targets selective_precision_kernels)
 set(sp_adapter_targets selective_precision_adapters)
 if(SP_HAVE_CUDA)
@@ -58,7 +58,6 @@ if(SP_BUILD_TOOLS)
   install(TARGETS sp-train sp-replay sp-bench RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()
 
-set(SP_PACKAGE_HAVE_CUDA ${SP_HAVE_CUDA})
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/SelectivePrecisionConfig.cmake.in
   ${PROJECT_BINARY_DIR}/SelectivePrecisionConfig.cmake
   INSTALL_DESTINATION ${SP_INSTALL_CMAKEDIR}

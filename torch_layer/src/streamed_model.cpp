@@ -408,12 +408,18 @@ struct StreamedModel::Impl {
       grads_staged = true;
       return;
     }
-    torch::Tensor host = g.to(torch::kCPU, torch::kFloat32);
+    add_to_master_grad(p, g.to(torch::kCPU, torch::kFloat32));
+  }
+
+  // The first contribution is copied: it is a view (of the backward's result, reshaped) or the
+  // staging buffer the next pass reuses, and a .grad must own its storage (zero_grad() detaches
+  // it in place).
+  static void add_to_master_grad(StreamedParam& p, const torch::Tensor& g) {
     torch::Tensor& grad = p.master.mutable_grad();
     if (grad.defined()) {
-      grad.add_(host);
+      grad.add_(g);
     } else {
-      grad = host.clone();
+      grad = g.clone();
     }
   }
 
@@ -425,13 +431,7 @@ struct StreamedModel::Impl {
     backend->synchronize(*compute_done);
     for (BlockState& b : blocks) {
       for (StreamedParam& p : b.streamed) {
-        if (!p.staging.defined()) continue;
-        torch::Tensor& grad = p.master.mutable_grad();
-        if (grad.defined()) {
-          grad.add_(p.staging);
-        } else {
-          grad = p.staging.clone();
-        }
+        if (p.staging.defined()) add_to_master_grad(p, p.staging);
       }
     }
     grads_staged = false;
