@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -49,14 +50,14 @@ std::unique_ptr<ad::TransferBackend> make_backend(const StreamedModelOptions& op
     return std::make_unique<ad::CudaBackend>(cuda);
   }
 #endif
-  throw std::invalid_argument(fmt::format("StreamedModelOptions::device {}: this build streams to the CPU{} only",
-                                          options.device.str(),
+  throw std::invalid_argument(fmt::format(
+      "StreamedModelOptions::device is {}, but this build streams to the CPU{} only", options.device.str(),
 #ifdef SP_TORCH_LAYER_HAVE_CUDA
-                                          " and CUDA"
+      " and CUDA"
 #else
-                                          ""
+      ""
 #endif
-                                          ));
+      ));
 }
 
 const torch::Tensor* find(const NamedParameters& params, const std::string& name) {
@@ -83,10 +84,18 @@ struct BlockState {
   std::map<std::string, torch::Tensor> masters;
   std::vector<torch::Tensor> resident;
   std::vector<torch::Tensor> trainable_resident;  // resident parameters that require grad
+  std::vector<torch::Tensor> moment_sources;      // Block::moments_from; empty: the default rule
   bool trainable_masters = false;
 };
 
+std::string master_key(const BlockState& b, const StreamedParam& p) { return "master/" + b.block.name + "." + p.name; }
+
 }  // namespace
+
+StateEntryError::StateEntryError(std::string entry, const std::string& detail)
+    : std::invalid_argument(fmt::format("StreamedModel::restore_state: '{}': {}", entry, detail)),
+      entry_(std::move(entry)),
+      detail_(detail) {}
 
 struct StreamedModel::Impl {
   StreamedModelOptions options;
@@ -103,7 +112,8 @@ struct StreamedModel::Impl {
   Pass pass = Pass::none;
   std::uint64_t pass_id = 0;
   std::int64_t engine_steps = 0, eval_engine_steps = 0;
-  bool eval_images_stale = false;
+  std::vector<bool> eval_image_stale;  // per block: its masters changed since the evaluation engine built its image
+  std::uint64_t evaluation_bytes = 0;
   bool grads_staged = false;
 
   bool in_step = false;
@@ -188,6 +198,16 @@ struct StreamedModel::Impl {
     if (state.streamed.empty()) {
       throw std::invalid_argument(fmt::format("StreamedModel: {} streams no parameter; list at least one", name));
     }
+    for (const std::string& wanted : block.moments_from) {
+      const torch::Tensor* found = find(params, wanted);
+      if (!found) {
+        throw std::invalid_argument(fmt::format(
+            "StreamedModel: {}: moments_from names '{}', which is not one of its parameters", name, wanted));
+      }
+      const auto streamed = std::find_if(state.streamed.begin(), state.streamed.end(),
+                                         [&](const StreamedParam& p) { return p.name == wanted; });
+      state.moment_sources.push_back(streamed != state.streamed.end() ? streamed->master : *found);
+    }
     state.block = std::move(block);
     blocks.push_back(std::move(state));
   }
@@ -215,11 +235,12 @@ struct StreamedModel::Impl {
     config.metrics_path.clear();
     eval_engine = std::make_unique<ad::StreamingEngine>(*backend, config, specs);
     compute_done = backend->create_event();
+    eval_image_stale.assign(blocks.size(), false);
   }
 
   void build_policy() {
     policy = open_policy_session(*engine, options.plugin_file,
-                                 sp::host::PolicyConfig{options.config_yaml, options.config_source}, "sp-torch-layer",
+                                 sp::host::PolicyConfig{options.config_yaml, options.config_source}, options.host_name,
                                  options.output_dir, log);
   }
 
@@ -304,9 +325,10 @@ struct StreamedModel::Impl {
   // its delivered weights. The block is released and the pass ended even when run() throws.
   template <typename Run>
   ad::StepTransferMetrics eval_pass(const ad::RuntimeLimitHints& limits, Run&& run) {
-    if (eval_images_stale) {
-      for (std::uint32_t b = 0; b < blocks.size(); ++b) eval_engine->on_weights_updated(b);
-      eval_images_stale = false;
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+      if (!eval_image_stale[b]) continue;
+      eval_engine->on_weights_updated(b);
+      eval_image_stale[b] = false;
     }
     eval_engine->begin_step(eval_engine_steps++, limits);
     for (std::uint32_t b = 0; b < blocks.size(); ++b) {
@@ -323,7 +345,9 @@ struct StreamedModel::Impl {
       detach(blocks[b]);
       eval_engine->release(b);
     }
-    return eval_engine->end_step();
+    const ad::StepTransferMetrics m = eval_engine->end_step();
+    evaluation_bytes += m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
+    return m;
   }
 
   torch::Tensor eval_forward(torch::Tensor x) {
@@ -458,7 +482,9 @@ struct StreamedModel::Impl {
       tensors.push_back({host.data_ptr<float>(), static_cast<std::size_t>(host.numel()), kn::DType::kFloat32, b});
     };
     for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-      if (blocks[b].trainable_masters) {
+      if (!blocks[b].moment_sources.empty()) {
+        for (const torch::Tensor& t : blocks[b].moment_sources) add(t.grad(), b);
+      } else if (blocks[b].trainable_masters) {
         for (const StreamedParam& p : blocks[b].streamed) add(p.master.grad(), b);
       } else {
         for (const torch::Tensor& r : blocks[b].trainable_resident) add(r.grad(), b);
@@ -487,9 +513,9 @@ struct StreamedModel::Impl {
     return limits;
   }
 
-  CalibrationErrors calibrate(const std::vector<torch::Tensor>& samples) {
-    if (in_step) throw std::logic_error("StreamedModel::calibrate: call it between steps, not inside one");
-    if (samples.empty()) throw std::invalid_argument("StreamedModel::calibrate: no samples");
+  CalibrationErrors measure_calibration_errors(const std::vector<torch::Tensor>& samples) {
+    if (in_step) throw std::logic_error("StreamedModel: calibrate between steps, not inside one");
+    if (samples.empty()) throw std::invalid_argument("StreamedModel: calibration without samples");
     torch::NoGradGuard no_grad;
     const std::size_t n = blocks.size();
     CalibrationErrors errors{std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
@@ -508,15 +534,23 @@ struct StreamedModel::Impl {
         });
       }
     }
+    // The last pass's pins would stand until the next evaluation pass; dropped now, so that an
+    // image rebuilt in between is built for the route the block takes next.
+    eval_engine->policy_bridge().begin_step();
     for (double& e : errors.int8) e /= static_cast<double>(samples.size());
     for (double& e : errors.nf4) e /= static_cast<double>(samples.size());
-    if (!policy->set_calibration_errors(SP_PRECISION_INT8, errors.int8)) {
-      log->warn("calibration: the plugin rejected the INT8 errors; it decides without them");
-    }
-    if (!policy->set_calibration_errors(SP_PRECISION_NF4, errors.nf4)) {
-      log->warn("calibration: the plugin rejected the NF4 errors; it decides without them");
-    }
     return errors;
+  }
+
+  bool set_calibration_errors(const CalibrationErrors& errors) {
+    bool accepted = true;
+    for (const auto& [precision, values, name] :
+         {std::tuple{SP_PRECISION_INT8, &errors.int8, "INT8"}, std::tuple{SP_PRECISION_NF4, &errors.nf4, "NF4"}}) {
+      if (policy->set_calibration_errors(precision, *values)) continue;
+      log->warn("calibration: the plugin rejected the {} errors; it decides without them", name);
+      accepted = false;
+    }
+    return accepted;
   }
 };
 
@@ -674,7 +708,8 @@ StepReport StreamedModel::end_step(double loss) {
     // On the updated weights, between steps (where the ABI takes calibration errors): the
     // plugin decides with them from the next step on.
     const auto start = Clock::now();
-    m.report.calibration = m.calibrate({m.last_input});
+    m.report.calibration = m.measure_calibration_errors({m.last_input});
+    m.set_calibration_errors(*m.report.calibration);
     m.report.calibration_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   }
   StepReport report = m.report;
@@ -689,13 +724,25 @@ StepReport StreamedModel::end_step(double loss) {
 void StreamedModel::refresh_images() {
   Impl& m = *impl_;
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
-    if (m.blocks[b].trainable_masters) m.engine->on_weights_updated(b);
+    if (!m.blocks[b].trainable_masters) continue;
+    m.engine->on_weights_updated(b);
+    m.eval_image_stale[b] = true;
   }
-  m.eval_images_stale = true;
 }
 
 CalibrationErrors StreamedModel::calibrate(const std::vector<torch::Tensor>& samples) {
-  return impl_->calibrate(samples);
+  CalibrationErrors errors = impl_->measure_calibration_errors(samples);
+  impl_->set_calibration_errors(errors);
+  return errors;
+}
+
+CalibrationErrors StreamedModel::measure_calibration_errors(const std::vector<torch::Tensor>& samples) {
+  return impl_->measure_calibration_errors(samples);
+}
+
+bool StreamedModel::set_calibration_errors(const CalibrationErrors& errors) {
+  if (impl_->in_step) throw std::logic_error("StreamedModel::set_calibration_errors: call it between steps");
+  return impl_->set_calibration_errors(errors);
 }
 
 void StreamedModel::set_transfer_gate(sp::adapters::TransferGate gate) {
@@ -713,8 +760,7 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
   if (m.in_step) throw std::logic_error("StreamedModel::export_state: call it between steps");
   std::map<std::string, torch::Tensor> state;
   for (const BlockState& b : m.blocks) {
-    for (const StreamedParam& p : b.streamed)
-      state.emplace("master/" + b.block.name + "/" + p.name, p.master.detach().clone());
+    for (const StreamedParam& p : b.streamed) state.emplace(master_key(b, p), p.master.detach());
   }
   const std::vector<std::uint8_t> blob = m.policy->export_state();
   state.emplace("policy/state", torch::from_blob(const_cast<std::uint8_t*>(blob.data()),
@@ -731,55 +777,70 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
 void StreamedModel::restore_state(const std::map<std::string, torch::Tensor>& state) {
   Impl& m = *impl_;
   if (m.in_step) throw std::logic_error("StreamedModel::restore_state: call it between steps");
-  const auto entry = [&](const std::string& key, torch::ScalarType type) -> const torch::Tensor& {
+  const auto entry = [&](const std::string& key, torch::ScalarType type) -> torch::Tensor {
     const auto it = state.find(key);
-    if (it == state.end()) throw std::invalid_argument(fmt::format("StreamedModel::restore_state: no entry '{}'", key));
+    if (it == state.end()) throw StateEntryError(key, "missing");
     if (it->second.scalar_type() != type || !it->second.device().is_cpu()) {
-      throw std::invalid_argument(fmt::format("StreamedModel::restore_state: '{}' is {} on {}; expected {} on the CPU",
-                                              key, c10::toString(it->second.scalar_type()), it->second.device().str(),
-                                              c10::toString(type)));
+      throw StateEntryError(key,
+                            fmt::format("{} on {}; expected {} on the CPU", c10::toString(it->second.scalar_type()),
+                                        it->second.device().str(), c10::toString(type)));
     }
-    return it->second;
+    return it->second.contiguous();
   };
   // Everything is checked before anything changes.
-  std::vector<std::pair<StreamedParam*, const torch::Tensor*>> masters;
+  std::vector<std::pair<StreamedParam*, torch::Tensor>> masters;
   for (BlockState& b : m.blocks) {
     for (StreamedParam& p : b.streamed) {
-      const std::string key = "master/" + b.block.name + "/" + p.name;
-      const torch::Tensor& saved = entry(key, torch::kFloat32);
+      const std::string key = master_key(b, p);
+      torch::Tensor saved = entry(key, torch::kFloat32);
       if (saved.sizes() != p.master.sizes()) {
-        throw std::invalid_argument(fmt::format("StreamedModel::restore_state: '{}' has shape {}; expected {}", key,
-                                                fmt::join(saved.sizes(), "x"), fmt::join(p.master.sizes(), "x")));
+        throw StateEntryError(
+            key, fmt::format("shape {}; expected {}", fmt::join(saved.sizes(), "x"), fmt::join(p.master.sizes(), "x")));
       }
-      masters.emplace_back(&p, &saved);
+      masters.emplace_back(&p, std::move(saved));
     }
   }
-  const torch::Tensor& blob = entry("policy/state", torch::kUInt8);
-  const torch::Tensor& hints = entry("policy/hints", torch::kUInt8);
-  const torch::Tensor& passes = entry("layer/passes", torch::kInt64);
+  const torch::Tensor blob = entry("policy/state", torch::kUInt8);
+  const torch::Tensor hints = entry("policy/hints", torch::kUInt8);
+  const torch::Tensor passes = entry("layer/passes", torch::kInt64);
   const std::size_t hint_bytes = static_cast<std::size_t>(hints.numel());
-  if (hint_bytes % sizeof(sp_hint_v1) != 0 || (hint_bytes != 0 && hint_bytes != m.blocks.size() * sizeof(sp_hint_v1)) ||
-      passes.numel() != 2) {
-    throw std::invalid_argument(fmt::format(
-        "StreamedModel::restore_state: 'policy/hints' holds {} bytes and 'layer/passes' {} values; expected {} hints "
-        "of {} bytes (or none) and 2 values",
-        hint_bytes, passes.numel(), m.blocks.size(), sizeof(sp_hint_v1)));
+  if (hint_bytes % sizeof(sp_hint_v1) != 0 || (hint_bytes != 0 && hint_bytes != m.blocks.size() * sizeof(sp_hint_v1))) {
+    throw StateEntryError("policy/hints",
+                          fmt::format("holds {} bytes; expected none or {} hints", hint_bytes, m.blocks.size()));
   }
-  const torch::Tensor blob_bytes = blob.contiguous();
-  m.policy->restore_state(std::vector<std::uint8_t>(blob_bytes.data_ptr<std::uint8_t>(),
-                                                    blob_bytes.data_ptr<std::uint8_t>() + blob_bytes.numel()));
+  if (passes.numel() != 2)
+    throw StateEntryError("layer/passes", fmt::format("holds {} values; expected 2", passes.numel()));
+  std::vector<sp_hint_v1> restored(hint_bytes / sizeof(sp_hint_v1));
+  if (hint_bytes) std::memcpy(restored.data(), hints.data_ptr(), hint_bytes);
+  // The bridges check every hint before taking any; the plugin's state comes after them, and
+  // a plugin that rejects it leaves the previous hints in force.
+  const std::vector<sp_hint_v1> previous = m.applied_hints;
+  try {
+    m.apply_hints(restored);
+  } catch (const std::invalid_argument& e) {
+    throw StateEntryError("policy/hints", e.what());
+  }
+  try {
+    m.policy->restore_state(
+        std::vector<std::uint8_t>(blob.data_ptr<std::uint8_t>(), blob.data_ptr<std::uint8_t>() + blob.numel()));
+  } catch (...) {
+    if (previous.empty()) {
+      m.engine->policy_bridge().clear_plugin_hints();
+      m.eval_engine->policy_bridge().clear_plugin_hints();
+      m.applied_hints.clear();
+    } else {
+      m.apply_hints(previous);
+    }
+    throw;
+  }
   {
     torch::NoGradGuard no_grad;
-    for (auto& [p, saved] : masters) p->master.copy_(*saved);
+    for (auto& [p, saved] : masters) p->master.copy_(saved);
   }
-  std::vector<sp_hint_v1> restored(hint_bytes / sizeof(sp_hint_v1));
-  if (hint_bytes) std::memcpy(restored.data(), hints.contiguous().data_ptr(), hint_bytes);
-  m.apply_hints(restored);
-  const torch::Tensor counters = passes.contiguous();
-  m.engine_steps = counters.data_ptr<std::int64_t>()[0];
-  m.eval_engine_steps = counters.data_ptr<std::int64_t>()[1];
+  m.engine_steps = passes.data_ptr<std::int64_t>()[0];
+  m.eval_engine_steps = passes.data_ptr<std::int64_t>()[1];
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) m.engine->on_weights_updated(b);
-  m.eval_images_stale = true;
+  m.eval_image_stale.assign(m.blocks.size(), true);
 }
 
 std::uint64_t StreamedModel::image_bytes(std::uint32_t block, sp_precision precision) const {
@@ -789,5 +850,11 @@ std::uint64_t StreamedModel::image_bytes(std::uint32_t block, sp_precision preci
 const sp::host::PolicySession& StreamedModel::policy() const { return *impl_->policy; }
 
 std::vector<sp_precision> StreamedModel::routes() const { return impl_->current_routes(); }
+
+const std::vector<sp_hint_v1>& StreamedModel::hints() const { return impl_->applied_hints; }
+
+std::uint64_t StreamedModel::evaluation_h2d_bytes() const { return impl_->evaluation_bytes; }
+
+void StreamedModel::flush_metrics() { impl_->engine->flush_metrics(); }
 
 }  // namespace sp::torch_layer

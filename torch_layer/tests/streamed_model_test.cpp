@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
 
 namespace {
 namespace tl = sp::torch_layer;
@@ -230,9 +233,97 @@ TEST(StreamedModel, StateRoundTripResumesWithTheSameRoutesAndWeights) {
   torch::NoGradGuard no_grad;
   EXPECT_TRUE(torch::equal(resumed->forward(input(19)), model->forward(input(19))));
 
-  auto broken = state;
-  broken.erase("policy/state");
-  EXPECT_THROW(resumed->restore_state(broken), std::invalid_argument);
+  // A refused state names its entry and changes nothing: not the hints, not the masters.
+  const auto refused_entry = [&](std::map<std::string, torch::Tensor> edited) -> std::string {
+    try {
+      resumed->restore_state(edited);
+    } catch (const tl::StateEntryError& e) {
+      return e.entry();
+    }
+    return "restored";
+  };
+  auto edited = state;
+  edited.erase("policy/state");
+  EXPECT_EQ(refused_entry(edited), "policy/state");
+  edited = state;
+  edited["master/block1.fc2.weight"] = torch::zeros({2, 2});
+  EXPECT_EQ(refused_entry(edited), "master/block1.fc2.weight");
+  edited = state;
+  edited["policy/hints"] = state.at("policy/hints").clone();
+  edited["policy/hints"].data_ptr<std::uint8_t>()[4] = 7;  // block 0's precision
+  EXPECT_EQ(refused_entry(edited), "policy/hints");
+  // A state the plugin itself rejects, on a model whose weights and hints differ from it.
+  auto other = wrap(make_blocks(98), policy);
+  const std::vector<sp_precision> routes_before = other->routes();
+  const torch::Tensor master_before = other->masters(0).at("fc1.weight").clone();
+  edited = state;
+  edited["policy/state"] = torch::full({16}, 0x5a, torch::kUInt8);
+  EXPECT_THROW(other->restore_state(edited), std::runtime_error);
+  EXPECT_TRUE(other->hints().empty());
+  EXPECT_EQ(other->routes(), routes_before);
+  EXPECT_NE(other->routes(), model->routes());
+  EXPECT_TRUE(torch::equal(other->masters(0).at("fc1.weight"), master_before));
+}
+
+// Where the streamed weights are frozen (LoRA), the host names the parameters whose gradients
+// describe each block to the policy; by default every trainable resident one does.
+TEST(StreamedModel, MomentsComeFromTheParametersTheHostNames) {
+  const auto moments_of = [&](std::vector<std::string> moments_from) {
+    const auto blocks = make_blocks(21);
+    std::vector<tl::Block> list;
+    for (const TinyBlock& b : blocks) {
+      b->fc1->weight.set_requires_grad(false);
+      b->fc2->weight.set_requires_grad(false);
+      tl::Block block = tl::make_block(b, {"fc1.weight", "fc2.weight"});
+      block.moments_from = moments_from;
+      list.push_back(std::move(block));
+    }
+    tl::StreamedModelOptions options;
+    options.plugin_file = SP_PLUGIN_FILE;
+    options.config_yaml = policy_yaml("  mode: off\n");
+    tl::StreamedModel model(std::move(list), options);
+    for (const torch::Tensor& r : model.resident_parameters()) r.mutable_grad() = torch::Tensor();
+    model.begin_step(0);
+    model.forward(input(22)).pow(2).mean().backward();
+    const std::vector<sp_grad_moments_v1> moments = model.post_backward();
+    model.end_step(1.0);
+    return moments;
+  };
+  const std::vector<sp_grad_moments_v1> by_default = moments_of({});
+  const std::vector<sp_grad_moments_v1> fc1_bias = moments_of({"fc1.bias"});
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    EXPECT_EQ(by_default[b].count, static_cast<std::uint64_t>(2 * kDim + kHidden + kDim)) << "ln, fc1.bias, fc2.bias";
+    EXPECT_EQ(fc1_bias[b].count, static_cast<std::uint64_t>(kHidden));
+    EXPECT_GT(fc1_bias[b].sum_sq, 0.0);
+    EXPECT_LT(fc1_bias[b].sum_sq, by_default[b].sum_sq);
+  }
+  EXPECT_THROW(moments_of({"fc9.bias"}), std::invalid_argument);
+}
+
+// Evaluation and calibration passes are counted apart from the training passes, and the two
+// halves of calibrate() measure and hand over what calibrate() does.
+TEST(StreamedModel, ForwardOnlyBytesAndCalibrationInTwoHalves) {
+  const auto blocks = make_blocks(23);
+  auto model = wrap(blocks, "  mode: off\n");
+  EXPECT_EQ(model->evaluation_h2d_bytes(), 0u);
+  {
+    torch::NoGradGuard no_grad;
+    model->forward(input(24));
+  }
+  const auto pass_bytes = [&](sp_precision precision) {
+    std::uint64_t bytes = 0;
+    for (std::uint32_t b = 0; b < kBlocks; ++b) bytes += model->image_bytes(b, precision);
+    return bytes;
+  };
+  const std::uint64_t bf16 = pass_bytes(SP_PRECISION_BF16);
+  EXPECT_EQ(model->evaluation_h2d_bytes(), bf16);
+  const tl::CalibrationErrors measured = model->measure_calibration_errors({input(25)});
+  // A BF16 reference pass, then an INT8 and an NF4 one.
+  EXPECT_EQ(model->evaluation_h2d_bytes(), 2 * bf16 + pass_bytes(SP_PRECISION_INT8) + pass_bytes(SP_PRECISION_NF4));
+  EXPECT_TRUE(model->set_calibration_errors(measured));
+  const tl::CalibrationErrors again = model->calibrate({input(25)});
+  EXPECT_EQ(again.int8, measured.int8);
+  EXPECT_EQ(again.nf4, measured.nf4);
 }
 
 TEST(StreamedModel, NamedErrors) {

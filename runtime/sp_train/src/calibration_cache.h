@@ -12,16 +12,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "sp/host/policy_session.h"
+
 namespace sp::train {
 
 enum class CacheStatus { hit, missing, mismatch, corrupt };
 const char* cache_status_name(CacheStatus status);
 
-// One relative output error per block and precision.
-struct CalibrationErrors {
-  std::vector<double> int8;
-  std::vector<double> nf4;
-};
+using CalibrationErrors = sp::host::CalibrationErrors;
 
 struct CacheLookup {
   CacheStatus status = CacheStatus::missing;

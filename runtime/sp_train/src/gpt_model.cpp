@@ -35,13 +35,15 @@ GptModel::GptModel(const ModelConfig& config, TrainMode mode, const LoraConfig& 
   wte_ = add_resident("wte", torch::randn({kVocab, c}) * config.init_std, true);
   wpe_ =
       add_resident("wpe", torch::randn({static_cast<std::int64_t>(config.seq_len), c}) * (config.init_std / 2), false);
-  masters_.resize(config.n_blocks);
+  streamed_.resize(config.n_blocks);
   block_resident_.resize(config.n_blocks);
   block_adapters_.resize(config.n_blocks);
   for (std::uint32_t b = 0; b < config.n_blocks; ++b) {
     for (std::size_t t = 0; t < kStreamedPerBlock; ++t) {
       const double std = (t == 1 || t == 3) ? residual_std : config.init_std;
-      masters_[b][t] = (torch::randn({shapes[t][0], shapes[t][1]}) * std).contiguous();
+      // Trained through the layer's masters in full mode, frozen under LoRA.
+      streamed_[b][t] =
+          (torch::randn({shapes[t][0], shapes[t][1]}) * std).contiguous().requires_grad_(mode == TrainMode::full);
     }
     for (const char* norm : {"ln1", "ln2"}) {
       block_resident_[b].push_back(add_resident(fmt::format("block{}.{}.weight", b, norm), torch::ones({c}), false));
@@ -71,14 +73,14 @@ GptModel::GptModel(const ModelConfig& config, TrainMode mode, const LoraConfig& 
 
 std::size_t GptModel::add_resident(std::string name, torch::Tensor value, bool decay) {
   value = value.contiguous().requires_grad_(true);
+  torch::Tensor grad = host_gradient_buffer(value);
   torch::Tensor compute = value;
-  torch::Tensor compute_grad;
-  if (!computes_on_masters(compute_)) {
+  if (computes_on_masters(compute_)) {
+    value.mutable_grad() = grad;  // autograd accumulates into a defined .grad in place
+  } else {
     compute = value.detach().to(compute_, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true);
-    compute_grad = torch::zeros_like(compute, compute.options().dtype(torch::kFloat32));
   }
-  resident_.push_back(ResidentParam{std::move(name), value, host_gradient_buffer(value), decay, std::move(compute),
-                                    std::move(compute_grad)});
+  resident_.push_back(ResidentParam{std::move(name), value, std::move(grad), decay, std::move(compute)});
   return resident_.size() - 1;
 }
 
@@ -100,6 +102,16 @@ void GptModel::refresh_compute() {
   }
 }
 
+void GptModel::queue_resident_gradients_to_host() {
+  if (computes_on_masters(compute_)) return;
+  for (ResidentParam& p : resident_) {
+    torch::Tensor& computed = p.compute.mutable_grad();
+    if (!computed.defined()) continue;
+    p.grad.copy_(computed, /*non_blocking=*/true);
+    computed.reset();
+  }
+}
+
 void GptModel::plant_outlier_channels(std::uint64_t seed) {
   const std::int64_t c = config_.d_model;
   const float magnitude = static_cast<float>(config_.outlier_magnitude);
@@ -107,7 +119,8 @@ void GptModel::plant_outlier_channels(std::uint64_t seed) {
     // A generator of its own: the channel must not depend on, nor change, the init's draws.
     std::mt19937_64 generator(seed ^ (0x9e3779b97f4a7c15ull * (b + 1)));
     const std::int64_t channel = std::uniform_int_distribution<std::int64_t>(0, c - 1)(generator);
-    BlockWeights& w = masters_[b];
+    torch::NoGradGuard no_grad;
+    BlockWeights& w = streamed_[b];
     w[0].select(0, 2 * c + channel).div_(magnitude);  // the channel's value row
     w[1].select(1, channel).mul_(magnitude);          // the column of attn.proj that reads it
   }
@@ -118,19 +131,25 @@ torch::Tensor GptModel::host_gradient_buffer(const torch::Tensor& like) const {
                       torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(compute_.device().is_cuda()));
 }
 
-BlockWeights GptModel::delivered_weights(const std::array<const std::uint16_t*, kStreamedPerBlock>& slot_bf16,
-                                         bool requires_grad) const {
-  const auto shapes = streamed_shapes(config_);
-  const torch::TensorOptions slot_options = compute_.dtype(torch::kBFloat16);
-  BlockWeights w;
-  for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
-    // from_blob never frees or writes: the engine owns the slot, and autograd only reads it.
-    const torch::Tensor slot =
-        torch::from_blob(const_cast<std::uint16_t*>(slot_bf16[i]), {shapes[i][0], shapes[i][1]}, slot_options);
-    w[i] = slot.to(compute_.dtype());
-    if (requires_grad) w[i].requires_grad_(true);
+std::vector<sp::torch_layer::Block> GptModel::layer_blocks() {
+  std::vector<sp::torch_layer::Block> blocks;
+  for (std::uint32_t b = 0; b < config_.n_blocks; ++b) {
+    const std::string prefix = fmt::format("block{}.", b);
+    std::vector<std::string> moments_from;
+    for (std::size_t a : block_adapters_[b]) moments_from.push_back(resident_[a].name.substr(prefix.size()));
+    blocks.push_back(sp::torch_layer::Block{
+        fmt::format("block{}", b),
+        [this, b, prefix] {
+          sp::torch_layer::NamedParameters params;
+          for (std::size_t i = 0; i < kStreamedPerBlock; ++i) params.emplace_back(kStreamedNames[i], streamed_[b][i]);
+          for (std::size_t r : block_resident_[b])
+            params.emplace_back(resident_[r].name.substr(prefix.size()), resident_[r].compute);
+          return params;
+        },
+        [this, b](const torch::Tensor& x) { return block_forward(b, x); },
+        std::vector<std::string>(kStreamedNames.begin(), kStreamedNames.end()), std::move(moments_from)});
   }
-  return w;
+  return blocks;
 }
 
 torch::Tensor GptModel::embed(const torch::Tensor& idx) {
@@ -146,8 +165,8 @@ torch::Tensor GptModel::head_loss(const torch::Tensor& h, const torch::Tensor& t
   return torch::nn::functional::cross_entropy(logits.view({-1, kVocab}), targets.view({-1}));
 }
 
-torch::Tensor GptModel::linear(std::uint32_t block, std::size_t which, const torch::Tensor& x, const torch::Tensor& w) {
-  torch::Tensor y = torch::matmul(x, w.t());
+torch::Tensor GptModel::linear(std::uint32_t block, std::size_t which, const torch::Tensor& x) {
+  torch::Tensor y = torch::matmul(x, streamed_[block][which].t());
   if (mode_ == TrainMode::lora) {
     const torch::Tensor& a = resident_[block_adapters_[block][2 * which]].compute;
     const torch::Tensor& b = resident_[block_adapters_[block][2 * which + 1]].compute;
@@ -156,20 +175,20 @@ torch::Tensor GptModel::linear(std::uint32_t block, std::size_t which, const tor
   return y;
 }
 
-torch::Tensor GptModel::block_forward(std::uint32_t block, const torch::Tensor& x, const BlockWeights& w) {
+torch::Tensor GptModel::block_forward(std::uint32_t block, const torch::Tensor& x) {
   const std::int64_t batch = x.size(0), t = x.size(1), c = x.size(2);
   const std::int64_t heads = config_.n_heads, head_dim = c / heads;
   const auto& norms = block_resident_[block];
   const torch::Tensor h1 = torch::layer_norm(x, {c}, resident_[norms[0]].compute, resident_[norms[1]].compute);
-  const torch::Tensor qkv = linear(block, 0, h1, w[0]).view({batch, t, 3, heads, head_dim}).permute({2, 0, 3, 1, 4});
+  const torch::Tensor qkv = linear(block, 0, h1).view({batch, t, 3, heads, head_dim}).permute({2, 0, 3, 1, 4});
   const torch::Tensor scores =
       torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(head_dim)));
   const torch::Tensor attention = torch::softmax(
       scores.masked_fill(causal_mask_.narrow(0, 0, t).narrow(1, 0, t), -std::numeric_limits<float>::infinity()), -1);
   const torch::Tensor mixed = torch::matmul(attention, qkv[2]).transpose(1, 2).reshape({batch, t, c});
-  const torch::Tensor x1 = x + linear(block, 1, mixed, w[1]);
+  const torch::Tensor x1 = x + linear(block, 1, mixed);
   const torch::Tensor h2 = torch::layer_norm(x1, {c}, resident_[norms[2]].compute, resident_[norms[3]].compute);
-  return x1 + linear(block, 3, torch::gelu(linear(block, 2, h2, w[2])), w[3]);
+  return x1 + linear(block, 3, torch::gelu(linear(block, 2, h2)));
 }
 
 }  // namespace sp::train

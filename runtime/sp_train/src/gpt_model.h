@@ -1,10 +1,11 @@
 // A GPT-style byte-level decoder whose transformer blocks are the streaming unit.
 //
-// Streamed per block (fp32 masters on the host, never touched by autograd): the four matrices
-// attn.qkv, attn.proj, mlp.fc, mlp.proj. Resident (small): token and position embeddings, the
-// tied output head, every LayerNorm, and in LoRA mode the adapters of each streamed matrix.
-// A block's forward takes its compute weights as an argument, so the trainer decides where
-// they come from: the device slot the streaming engine filled.
+// Streamed per block: the four matrices attn.qkv, attn.proj, mlp.fc, mlp.proj. The model
+// creates them with their initial values; layer_blocks() hands the blocks to the LibTorch
+// layer (sp/torch_layer/streamed_model.h), which from then on keeps their fp32 masters and
+// points these tensors at the weights each fetch delivered. Resident (small): token and
+// position embeddings, the tied output head, every LayerNorm, and in LoRA mode the adapters of
+// each streamed matrix.
 #pragma once
 
 #include <array>
@@ -14,6 +15,7 @@
 
 #include <torch/torch.h>
 
+#include "sp/torch_layer/streamed_model.h"
 #include "train_config.h"
 
 namespace sp::train {
@@ -27,18 +29,16 @@ using BlockWeights = std::array<torch::Tensor, kStreamedPerBlock>;
 
 // A trainable resident tensor. `value` is the fp32 master that the CPU optimizer updates and
 // `grad` its gradient buffer (same shape, zeroed every step), both on the host. `compute` is
-// what the model reads and differentiates: `value` itself when computing in fp32 on the CPU,
-// else a copy on the compute device in the compute dtype, refreshed by refresh_compute().
-// `compute_grad` is defined only in that second case: an fp32 accumulator beside `compute`, so
-// the backward adds a block's gradient where it was computed and the step sends the sum to
-// `grad` once, instead of a copy back to the host per block.
+// what the model reads and autograd differentiates: `value` itself when computing in fp32 on
+// the CPU (its .grad is then `grad`, so the backward accumulates straight into the buffer the
+// optimizer reads), else a copy on the compute device in the compute dtype, refreshed by
+// refresh_compute(), whose gradient queue_resident_gradients_to_host() sends to `grad`.
 struct ResidentParam {
   std::string name;
   torch::Tensor value;
   torch::Tensor grad;
   bool decay = false;
   torch::Tensor compute;
-  torch::Tensor compute_grad;
 };
 
 class GptModel {
@@ -54,6 +54,10 @@ class GptModel {
   // pinned buffers without blocking the host; the caching host allocator keeps each buffer
   // until its copy has run.
   void refresh_compute();
+  // After a backward: queues each resident gradient from its compute tensor to the host buffer
+  // and clears the compute one; a no-op where they are the same tensor. The host buffers are
+  // complete once the compute stream has run past this point (reading the loss waits for it).
+  void queue_resident_gradients_to_host();
   // The stress test of model.outliers, for a fresh run once its initial weights are in place:
   // in each listed block, one attention channel's value row is divided by the magnitude and
   // the attn.proj column that reads the channel multiplied by it. Attention is linear in the
@@ -66,44 +70,39 @@ class GptModel {
   // is queued on the compute stream instead of blocking the host.
   torch::Tensor host_gradient_buffer(const torch::Tensor& like) const;
   TrainMode mode() const { return mode_; }
-  // [block][tensor] fp32 masters, contiguous, rows = out features.
-  std::vector<BlockWeights>& masters() { return masters_; }
+  // [block][tensor] the streamed weights the blocks' forward reads, rows = out features: the
+  // initial fp32 values until layer_blocks() hands them over, then what the layer delivers.
+  std::vector<BlockWeights>& streamed() { return streamed_; }
   std::vector<ResidentParam>& resident() { return resident_; }
 
-  // Views of the streamed weights a block's route delivered into its device slot, in the
-  // compute dtype: the slot itself for bf16, an exact fp32 widening otherwise. They read no
-  // fp32 master, so the math sees exactly what crossed the link. Valid until the slot's release.
-  BlockWeights delivered_weights(const std::array<const std::uint16_t*, kStreamedPerBlock>& slot_bf16,
-                                 bool requires_grad) const;
+  // The blocks as the LibTorch layer takes them: each lists its four streamed matrices, then
+  // its resident norms and adapters under block-relative names ("ln1.weight",
+  // "attn.qkv.lora_a"), and computes block_forward(); in LoRA mode the adapters are the
+  // block's gradient moments. The model must outlive the StreamedModel built on them.
+  std::vector<sp::torch_layer::Block> layer_blocks();
 
   // Token + position embedding of idx [B, T]; differentiable in the embedding tables.
   torch::Tensor embed(const torch::Tensor& idx);
   // Mean next-byte cross-entropy of the final norm + tied head over h [B, T, C].
   torch::Tensor head_loss(const torch::Tensor& h, const torch::Tensor& targets);
-  // One block with the given compute weights (and the block's resident norms and adapters).
-  torch::Tensor block_forward(std::uint32_t block, const torch::Tensor& x, const BlockWeights& w);
+  // One block on its streamed weights (and its resident norms and adapters).
+  torch::Tensor block_forward(std::uint32_t block, const torch::Tensor& x);
 
-  // Resident tensors the block's forward reads, in a fixed order: its norms, then its LoRA
-  // adapters (A, B per streamed matrix) in LoRA mode. Indices into resident().
-  const std::vector<std::size_t>& block_resident(std::uint32_t block) const { return block_resident_[block]; }
   // In LoRA mode, the adapter indices of the block (the source of its gradient moments).
   const std::vector<std::size_t>& block_adapters(std::uint32_t block) const { return block_adapters_[block]; }
-  // Indices of wte, wpe, ln_f weight and bias.
-  std::size_t wte() const { return wte_; }
-  std::size_t wpe() const { return wpe_; }
-  std::size_t lnf_weight() const { return lnf_w_; }
-  std::size_t lnf_bias() const { return lnf_b_; }
 
  private:
   std::size_t add_resident(std::string name, torch::Tensor value, bool decay);
-  torch::Tensor linear(std::uint32_t block, std::size_t which, const torch::Tensor& x, const torch::Tensor& w);
+  torch::Tensor linear(std::uint32_t block, std::size_t which, const torch::Tensor& x);
 
   ModelConfig config_;
   TrainMode mode_;
   torch::TensorOptions compute_;
   double lora_scale_ = 0.0;
-  std::vector<BlockWeights> masters_;
+  std::vector<BlockWeights> streamed_;
   std::vector<ResidentParam> resident_;
+  // Resident tensors a block's forward reads, in a fixed order: its norms, then its LoRA
+  // adapters (A, B per streamed matrix) in LoRA mode. Indices into resident_.
   std::vector<std::vector<std::size_t>> block_resident_;
   std::vector<std::vector<std::size_t>> block_adapters_;
   std::size_t wte_ = 0, wpe_ = 0, lnf_w_ = 0, lnf_b_ = 0;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -16,23 +17,18 @@
 #include "calibration_cache.h"
 #include "checkpoint_file.h"
 #include "gpt_model.h"
-#include "sp/bench/transfer_policy.h"
 #include "progress.h"
 #include "sp/adapters/metrics.h"
-#include "sp/host/policy_session.h"
-#include "sp/torch_layer/streamed_model.h"
-#include "sp/adapters/streaming_engine.h"
-#include "sp/kernels/moments.h"
-#include "sp/kernels/relative_error.h"
+#include "sp/bench/transfer_policy.h"
 #include "sp/runtime/atomic_file.h"
 #include "sp/runtime/hash.h"
+#include "sp/torch_layer/streamed_model.h"
 #include "text_corpus.h"
-#include "transfer_backend.h"
 
 namespace sp::train {
 namespace fs = std::filesystem;
 namespace ad = sp::adapters;
-namespace kn = sp::kernels;
+namespace tl = sp::torch_layer;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -106,23 +102,17 @@ struct Trainer::Impl {
 
   std::unique_ptr<TextCorpus> corpus;
   std::unique_ptr<GptModel> model;
-  std::vector<BlockWeights> master_grads;  // full mode
-  std::vector<ad::BlockSpec> block_specs;
   torch::TensorOptions compute;  // device and dtype of the model's math
-  std::unique_ptr<ad::TransferBackend> backend;
-  std::unique_ptr<ad::StreamingEngine> engine;       // training steps: forward + backward
-  std::unique_ptr<ad::StreamingEngine> eval_engine;  // forward only: validation, calibration
-  std::int64_t eval_engine_steps = 0;
-  std::unique_ptr<sp::host::PolicySession> policy;
+  // The streamed blocks: engines, masters, autograd, the policy session.
+  std::unique_ptr<tl::StreamedModel> layer;
+  std::vector<torch::Tensor> master_grads;  // full mode: the masters' .grad, which AdamW reads
   std::unique_ptr<AdamW> adam;
-  std::vector<std::size_t> adam_resident;  // resident index -> adam index
-  std::vector<std::array<std::size_t, kStreamedPerBlock>> adam_masters;
+  std::vector<std::size_t> adam_resident;         // resident index -> adam index
+  std::vector<std::size_t> adam_masters;          // full mode: adam indices of the masters
   std::vector<std::size_t> non_adapter_resident;  // resident tensors outside the block moments
   std::unique_ptr<ad::MetricsJsonlWriter> train_metrics;
 
   std::int64_t next_step = 0;
-  std::vector<std::uint8_t> decisions;    // the bridge's current routes
-  std::vector<sp_hint_v1> applied_hints;  // the plugin hints those routes came from
   std::string calibration_status = "disabled";
   CalibrationErrors calibration_errors;
   int nonfinite_streak = 0;
@@ -130,7 +120,7 @@ struct Trainer::Impl {
   // Totals over the whole run, carried across resumes.
   struct Totals {
     std::uint64_t h2d_bf16 = 0, h2d_int8 = 0, h2d_nf4 = 0, h2d_all_bf16 = 0;
-    std::uint64_t eval_h2d = 0;
+    std::uint64_t eval_h2d_before = 0;  // of the runs before a resume; this one's: layer
     std::uint64_t tokens = 0;
     std::uint64_t bf16_block_steps = 0, int8_block_steps = 0, nf4_block_steps = 0;
     double train_seconds = 0.0;
@@ -163,13 +153,11 @@ struct Trainer::Impl {
       // A resumed run's masters carry the outliers already.
       model->plant_outlier_channels(config.train.seed);
     }
+    build_layer();
     build_optimizer();
-    build_engines();
-    // The engines are complete before anything streams through them. Calibration does not
-    // depend on the gate: it pins its routes, and a pin outranks the gate
-    // (measure_calibration_errors).
+    // The gate is set before anything streams. Calibration does not depend on it: the layer
+    // pins its routes, and a pin outranks the gate.
     if (!config.streaming.transfer_policy_path.empty()) apply_transfer_policy(config.streaming.transfer_policy_path);
-    build_policy();
     if (checkpoint) {
       restore(*checkpoint);
     } else if (config.policy_keys.run_calibration) {
@@ -273,7 +261,7 @@ struct Trainer::Impl {
       }
       for (std::uint32_t b = 0; b < n_blocks; ++b) {
         for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
-          torch::Tensor& w = model->masters()[b][i];
+          torch::Tensor& w = model->streamed()[b][i];
           in.get_into(fmt::format("master/block{}.{}", b, kStreamedNames[i]), w.data_ptr(), w.numel() * sizeof(float));
         }
       }
@@ -293,6 +281,38 @@ struct Trainer::Impl {
     }
   }
 
+  // The streamed blocks go to the LibTorch layer, which sizes the engines from their shapes
+  // and opens the policy session.
+  void build_layer() {
+    tl::StreamedModelOptions o;
+    o.plugin_file = options.plugin_dir / ("lib" + config.train.plugin + ".so");
+    o.config_yaml = config.resolved_yaml;
+    o.config_source = config.source_name;
+    o.output_dir = options.out_dir;
+    o.logger = log;
+    o.host_name = "sp-train";
+    o.device = compute.device();
+    o.compute_dtype = c10::typeMetaToScalarType(compute.dtype());
+    o.host_bandwidth_cap_gbps = config.streaming.bandwidth_cap_gbps;
+    o.prefetch_window = config.streaming.prefetch_window;
+    o.spare_slabs = config.streaming.spare_slabs;
+    o.int8_group_size = config.streaming.int8_group_size;
+    o.nf4_group_size = config.policy_keys.nf4_group_size;
+    if (!config.streaming.metrics_file.empty())
+      o.metrics_path = (options.out_dir / config.streaming.metrics_file).string();
+    try {
+      layer = std::make_unique<tl::StreamedModel>(model->layer_blocks(), std::move(o));
+    } catch (const std::invalid_argument& e) {
+      // What the model builds is valid by construction; the device is the config's part.
+      if (config.train.device != ComputeDevice::cuda) throw;
+      throw ConfigError(
+          fmt::format("{}: train.device: cuda, but the streaming layer refuses it ({}); use train.device: cpu",
+                      config.source_name, e.what()));
+    }
+    log->info("policy plugin {} {} from {}", layer->policy().host().plugin_name(), layer->policy().plugin_version(),
+              (options.plugin_dir / ("lib" + config.train.plugin + ".so")).string());
+  }
+
   void build_optimizer() {
     const TrainLoopConfig& t = config.train;
     adam = std::make_unique<AdamW>(AdamWSettings{t.beta1, t.beta2, t.eps, t.weight_decay});
@@ -307,49 +327,19 @@ struct Trainer::Impl {
       adam_resident.push_back(adam->add(p.name, p.value.data_ptr<float>(), p.grad.data_ptr<float>(),
                                         static_cast<std::size_t>(p.value.numel()), p.decay));
     }
-    if (t.mode == TrainMode::full) {
-      master_grads.resize(n_blocks);
-      adam_masters.resize(n_blocks);
-      for (std::uint32_t b = 0; b < n_blocks; ++b) {
-        for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
-          torch::Tensor& w = model->masters()[b][i];
-          master_grads[b][i] = model->host_gradient_buffer(w);
-          adam_masters[b][i] =
-              adam->add(fmt::format("block{}.{}", b, kStreamedNames[i]), w.data_ptr<float>(),
-                        master_grads[b][i].data_ptr<float>(), static_cast<std::size_t>(w.numel()), true);
-        }
-      }
-    }
-  }
-
-  void build_engines() {
+    if (t.mode != TrainMode::full) return;
     for (std::uint32_t b = 0; b < n_blocks; ++b) {
-      ad::BlockSpec spec;
-      spec.name = fmt::format("block{}", b);
-      for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
-        const torch::Tensor& w = model->masters()[b][i];
-        spec.tensors.push_back(ad::TensorSpec{kStreamedNames[i], w.data_ptr<float>(),
-                                              static_cast<std::uint64_t>(w.size(0)),
-                                              static_cast<std::uint64_t>(w.size(1))});
+      for (const char* name : kStreamedNames) {
+        torch::Tensor master = layer->masters(b).at(name);
+        // A defined .grad: the layer adds each pass's gradient into it in place, where AdamW
+        // reads it.
+        torch::Tensor grad = model->host_gradient_buffer(master);
+        master.mutable_grad() = grad;
+        master_grads.push_back(grad);
+        adam_masters.push_back(adam->add(fmt::format("block{}.{}", b, name), master.data_ptr<float>(),
+                                         grad.data_ptr<float>(), static_cast<std::size_t>(master.numel()), true));
       }
-      block_specs.push_back(std::move(spec));
     }
-    const StreamingSection& s = config.streaming;
-    ad::StreamingConfig engine_config;
-    engine_config.prefetch_window = s.prefetch_window;
-    engine_config.int8_group_size = s.int8_group_size;
-    engine_config.nf4_group_size = config.policy_keys.nf4_group_size;
-    ad::size_streaming_config(engine_config, block_specs, s.spare_slabs);
-    engine_config.backward = true;
-    if (!s.metrics_file.empty()) engine_config.metrics_path = (options.out_dir / s.metrics_file).string();
-
-    backend = make_transfer_backend(config);
-    engine = std::make_unique<ad::StreamingEngine>(*backend, engine_config, block_specs);
-    ad::StreamingConfig eval_config = engine_config;
-    eval_config.backward = false;
-    eval_config.metrics_path.clear();
-    eval_engine = std::make_unique<ad::StreamingEngine>(*backend, eval_config, block_specs);
-    decisions.assign(n_blocks, 0);
   }
 
   // The benchmark-driven half of the route: INT8 and NF4 only for the block sizes where this
@@ -361,38 +351,23 @@ struct Trainer::Impl {
     const sp::bench::BlockWeights weights =
         config.train.mode == TrainMode::full ? sp::bench::BlockWeights::kTrained : sp::bench::BlockWeights::kFrozen;
     std::vector<std::uint64_t> sizes;
-    for (std::uint32_t b = 0; b < n_blocks; ++b) sizes.push_back(engine->image_bytes(b, ad::Precision::bf16));
+    for (std::uint32_t b = 0; b < n_blocks; ++b) sizes.push_back(layer->image_bytes(b, SP_PRECISION_BF16));
     const ad::TransferGate gate = sp::bench::transfer_gate(transfer_policy, weights, sizes);
-    engine->policy_bridge().set_transfer_gate(gate);
-    eval_engine->policy_bridge().set_transfer_gate(gate);
     const auto paying = [](const std::vector<bool>& pays) { return std::count(pays.begin(), pays.end(), true); };
     log->info("transfer policy {} ({} blocks): INT8 pays for {}, NF4 for {} of {} blocks", path,
               weights == sp::bench::BlockWeights::kTrained ? "trained" : "frozen", paying(gate.int8_pays),
               paying(gate.nf4_pays), n_blocks);
+    layer->set_transfer_gate(gate);
   }
 
-  void build_policy() {
-    const fs::path plugin_file = options.plugin_dir / ("lib" + config.train.plugin + ".so");
-    policy = sp::torch_layer::open_policy_session(*engine, plugin_file,
-                                                  sp::host::PolicyConfig{config.resolved_yaml, config.source_name},
-                                                  "sp-train", options.out_dir, log);
-    log->info("policy plugin {} {} from {}", policy->host().plugin_name(), policy->plugin_version(),
-              plugin_file.string());
+  // The plugin's hints in force, one sp_precision per block (BF16 before its first hints).
+  std::vector<std::uint8_t> decisions() const {
+    std::vector<std::uint8_t> out(n_blocks, SP_PRECISION_BF16);
+    for (const sp_hint_v1& h : layer->hints()) out[h.block_id] = static_cast<std::uint8_t>(h.precision);
+    return out;
   }
 
-  void apply_hints(const std::vector<sp_hint_v1>& hints) {
-    if (hints.empty()) return;
-    applied_hints = hints;
-    engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
-    eval_engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
-    for (const sp_hint_v1& h : hints) decisions[h.block_id] = static_cast<std::uint8_t>(h.precision);
-  }
-
-  BlockWeights delivered(const ad::BlockView& view, bool requires_grad) const {
-    std::array<const std::uint16_t*, kStreamedPerBlock> slot{};
-    for (std::size_t i = 0; i < kStreamedPerBlock; ++i) slot[i] = view.tensors[i].bf16;
-    return model->delivered_weights(slot, requires_grad);
-  }
+  std::uint64_t eval_h2d() const { return totals.eval_h2d_before + layer->evaluation_h2d_bytes(); }
 
   std::pair<torch::Tensor, torch::Tensor> tensors_of(std::vector<std::int64_t>& tokens, std::uint32_t batch) const {
     const std::int64_t window = config.model.seq_len + 1;
@@ -403,40 +378,14 @@ struct Trainer::Impl {
     return {place(all.narrow(1, 0, window - 1)), place(all.narrow(1, 1, window - 1))};
   }
 
-  // Runs the forward of every block through the forward-only engine, under `limits` for the
-  // step, returning the block inputs and the final hidden state.
-  std::vector<torch::Tensor> streamed_forward(const torch::Tensor& idx, const ad::RuntimeLimitHints& limits = {}) {
-    torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> states{model->embed(idx)};
-    eval_engine->begin_step(eval_engine_steps++, limits);
-    for (std::uint32_t b = 0; b < n_blocks; ++b) {
-      const ad::BlockView& view = eval_engine->acquire(b);
-      states.push_back(model->block_forward(b, states.back(), delivered(view, false)));
-      eval_engine->release(b);
-    }
-    totals.eval_h2d += eval_transfer_bytes(eval_engine->end_step());
-    return states;
-  }
-
-  static std::uint64_t eval_transfer_bytes(const ad::StepTransferMetrics& m) {
-    return m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
-  }
-
-  void refresh_eval_images() {
-    if (config.train.mode != TrainMode::full) return;
-    for (std::uint32_t b = 0; b < n_blocks; ++b) eval_engine->on_weights_updated(b);
-  }
-
   double evaluate() {
-    refresh_eval_images();
+    torch::NoGradGuard no_grad;
     std::vector<std::int64_t> tokens;
     double sum = 0.0;
     for (std::uint32_t i = 0; i < config.train.eval_batches; ++i) {
       corpus->val_batch(i, config.train.eval_batches, config.train.batch_size, tokens);
       auto [idx, targets] = tensors_of(tokens, config.train.batch_size);
-      const std::vector<torch::Tensor> states = streamed_forward(idx);
-      torch::NoGradGuard no_grad;
-      sum += model->head_loss(states.back(), targets).item<double>();
+      sum += model->head_loss(layer->forward(model->embed(idx)), targets).item<double>();
     }
     return sum / config.train.eval_batches;
   }
@@ -445,16 +394,17 @@ struct Trainer::Impl {
 
   nlohmann::json calibration_identity() const {
     std::uint64_t weights = 0xcbf29ce484222325ull;
-    for (const BlockWeights& block : model->masters()) {
-      for (const torch::Tensor& t : block) weights = hash_tensor(t, weights);
+    nlohmann::json layout = nlohmann::json::array();
+    for (std::uint32_t b = 0; b < n_blocks; ++b) {
+      nlohmann::json tensors = nlohmann::json::array();
+      for (const char* name : kStreamedNames) {
+        const torch::Tensor& master = layer->masters(b).at(name);
+        weights = hash_tensor(master.detach(), weights);
+        tensors.push_back({name, master.size(0), master.size(1)});
+      }
+      layout.push_back({{"name", fmt::format("block{}", b)}, {"tensors", tensors}});
     }
     for (const ResidentParam& p : model->resident()) weights = hash_tensor(p.value.detach(), weights);
-    nlohmann::json layout = nlohmann::json::array();
-    for (const ad::BlockSpec& spec : block_specs) {
-      nlohmann::json tensors = nlohmann::json::array();
-      for (const ad::TensorSpec& t : spec.tensors) tensors.push_back({t.name, t.rows, t.cols});
-      layout.push_back({{"name", spec.name}, {"tensors", tensors}});
-    }
     return {{"model", model_identity()},
             {"weights_fnv1a64", fmt::format("{:016x}", weights)},
             {"quant",
@@ -478,56 +428,16 @@ struct Trainer::Impl {
               {"routes", "runtime pins"}}}};
   }
 
-  // Every block pinned to `precision` for one step. A runtime pin outranks the plugin's hints
-  // and the transfer gate (PolicyBridge::decide), and given to begin_step it routes the fetches
-  // begin_step issues ahead too; the bridge's plugin hints and gate are left as they are.
-  ad::RuntimeLimitHints all_blocks_pinned(ad::Precision precision) const {
-    ad::RuntimeLimitHints pins;
-    for (std::uint32_t b = 0; b < n_blocks; ++b) pins.block_precision_map.emplace(b, precision);
-    return pins;
-  }
-
-  // Per block and quantized precision: the relative error of the block's output with its
-  // INT8 (or NF4) weights against its BF16 weights, on the same real input (the activation
-  // the BF16 model feeds it), all delivered through the streaming engine's routes. Each route
-  // is pinned, so the errors are those of the route itself whatever the plugin hinted and
-  // whatever a transfer gate lets through (a gated block once measured BF16 against BF16).
-  CalibrationErrors measure_calibration_errors() {
+  // The first-block inputs calibration measures on: the embeddings of its own batches.
+  std::vector<torch::Tensor> calibration_samples() {
     torch::NoGradGuard no_grad;
-    CalibrationErrors errors{std::vector<double>(n_blocks, 0.0), std::vector<double>(n_blocks, 0.0)};
-    const std::pair<ad::Precision, std::vector<double>*> precisions[] = {{ad::Precision::int8, &errors.int8},
-                                                                         {ad::Precision::nf4, &errors.nf4}};
+    std::vector<torch::Tensor> samples;
     std::vector<std::int64_t> tokens;
     for (std::uint32_t s = 0; s < config.policy_keys.calibration_samples; ++s) {
       corpus->train_batch(config.train.seed ^ kCalibrationSalt, s, config.train.batch_size, tokens);
-      auto [idx, targets] = tensors_of(tokens, config.train.batch_size);
-      const std::vector<torch::Tensor> reference = streamed_forward(idx, all_blocks_pinned(ad::Precision::bf16));
-      for (const auto& [precision, sums] : precisions) {
-        eval_engine->begin_step(eval_engine_steps++, all_blocks_pinned(precision));
-        for (std::uint32_t b = 0; b < n_blocks; ++b) {
-          const ad::BlockView& view = eval_engine->acquire(b);
-          if (view.precision != precision) {
-            throw std::logic_error(fmt::format("calibration: block {} was delivered {}, pinned {}", b,
-                                               ad::precision_name(view.precision), ad::precision_name(precision)));
-          }
-          const auto on_host = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kFloat32).contiguous(); };
-          const torch::Tensor quantized = on_host(model->block_forward(b, reference[b], delivered(view, false)));
-          const torch::Tensor expected = on_host(reference[b + 1]);
-          (*sums)[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32, quantized.data_ptr<float>(),
-                                           kn::DType::kFloat32, static_cast<std::size_t>(expected.numel()));
-          eval_engine->release(b);
-        }
-        totals.eval_h2d += eval_transfer_bytes(eval_engine->end_step());
-      }
+      samples.push_back(model->embed(tensors_of(tokens, config.train.batch_size).first));
     }
-    // The last step's pins would stand until the engine's next step; drop them now, so that an
-    // image rebuilt in between (on_weights_updated) is built for the route the block takes
-    // next. The plugin's hints and the gate were never touched.
-    eval_engine->policy_bridge().begin_step();
-    for (auto& [precision, sums] : precisions) {
-      for (double& e : *sums) e /= config.policy_keys.calibration_samples;
-    }
-    return errors;
+    return samples;
   }
 
   void calibrate() {
@@ -548,7 +458,7 @@ struct Trainer::Impl {
       } else {
         log->warn("calibration: {}; measuring again", cached.detail);
       }
-      calibration_errors = measure_calibration_errors();
+      calibration_errors = layer->measure_calibration_errors(calibration_samples());
       calibration_status = fmt::format("computed ({})", cache_status_name(cached.status));
       std::string where;
       try {
@@ -561,17 +471,11 @@ struct Trainer::Impl {
       log->info("calibration: {} samples per block in {:.1f}s, {}", config.policy_keys.calibration_samples,
                 seconds_since(start), where);
     }
-    const std::pair<sp_precision, const std::vector<double>*> precisions[] = {
-        {SP_PRECISION_INT8, &calibration_errors.int8}, {SP_PRECISION_NF4, &calibration_errors.nf4}};
-    for (const auto& [precision, errors] : precisions) {
-      const char* name = precision == SP_PRECISION_INT8 ? "INT8" : "NF4";
-      std::string listing;
-      for (std::uint32_t b = 0; b < n_blocks; ++b) listing += fmt::format("{}{:.4f}", b ? " " : "", (*errors)[b]);
-      log->info("calibration: {} relative output error per block: {}", name, listing);
-      if (!policy->set_calibration_errors(precision, *errors)) {
-        log->warn("calibration: the plugin rejected the {} errors; it decides without them", name);
-      }
+    for (const auto& [name, errors] :
+         {std::pair{"INT8", &calibration_errors.int8}, std::pair{"NF4", &calibration_errors.nf4}}) {
+      log->info("calibration: {} relative output error per block: {:.4f}", name, fmt::join(*errors, " "));
     }
+    layer->set_calibration_errors(calibration_errors);
   }
 
   // ---- the training step -----------------------------------------------------------------
@@ -583,91 +487,6 @@ struct Trainer::Impl {
     const double progress = std::min(1.0, static_cast<double>(step - t.lr_warmup_steps) / span);
     const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
     return t.lr * (t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine);
-  }
-
-  // Adds a gradient of a resident tensor where it was computed: straight into the fp32 host
-  // buffer on an fp32 CPU run, else into the fp32 accumulator beside the compute copy, which
-  // queue_resident_gradients_to_host() sends to the host once per step.
-  void accumulate(ResidentParam& p, const torch::Tensor& grad) {
-    if (!grad.defined()) return;
-    if (p.compute_grad.defined()) {
-      p.compute_grad.add_(grad);
-    } else {
-      p.grad.add_(grad);
-    }
-  }
-
-  void queue_resident_gradients_to_host() {
-    for (ResidentParam& p : model->resident()) {
-      if (!p.compute_grad.defined()) continue;
-      p.grad.copy_(p.compute_grad, /*non_blocking=*/true);
-      p.compute_grad.zero_();
-    }
-  }
-
-  // Forward through every block without autograd; returns the block inputs and the final
-  // hidden state (inputs[N]). records the route each block's fetch took.
-  std::vector<torch::Tensor> forward_blocks(const torch::Tensor& embedded, StepRecord& record) {
-    torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> inputs{embedded.detach()};
-    record.routes.assign(n_blocks, 0);
-    for (std::uint32_t b = 0; b < n_blocks; ++b) {
-      const ad::BlockView& view = engine->acquire(b);
-      record.routes[b] = ad::abi_precision(view.precision);
-      inputs.push_back(model->block_forward(b, inputs.back(), delivered(view, false)));
-      engine->release(b);
-    }
-    return inputs;
-  }
-
-  // The engine brings the blocks back in reverse; each block's forward is recomputed with
-  // autograd on the weights it delivered, then differentiated with the upstream gradient.
-  // Fills master_grads (full mode) and the resident gradients; returns d loss / d embedding.
-  torch::Tensor backward_blocks(std::vector<torch::Tensor>& inputs, torch::Tensor upstream) {
-    const bool full = config.train.mode == TrainMode::full;
-    std::vector<ResidentParam>& resident = model->resident();
-    for (std::uint32_t b = n_blocks; b-- > 0;) {
-      const ad::BlockView& view = engine->acquire(b);
-      const BlockWeights weights = delivered(view, full);
-      const torch::Tensor x = inputs[b].requires_grad_(true);
-      const torch::Tensor y = model->block_forward(b, x, weights);
-      std::vector<torch::Tensor> wrt{x};
-      if (full) wrt.insert(wrt.end(), weights.begin(), weights.end());
-      const std::vector<std::size_t>& own = model->block_resident(b);
-      for (std::size_t r : own) wrt.push_back(resident[r].compute);
-      const std::vector<torch::Tensor> grads = torch::autograd::grad({y}, wrt, {upstream});
-      engine->release(b);
-      std::size_t next = 1;
-      if (full) {
-        // Queued, not waited for: the buffers are pinned on a GPU, and the step reads them
-        // only after the loss read, which waits for these copies.
-        for (std::size_t i = 0; i < kStreamedPerBlock; ++i)
-          master_grads[b][i].copy_(grads[next++], /*non_blocking=*/true);
-      }
-      for (std::size_t r : own) accumulate(resident[r], grads[next++]);
-      upstream = grads[0];
-      inputs[b + 1] = torch::Tensor();
-    }
-    return upstream;
-  }
-
-  // Gradient moments of every block in one fused call: the streamed matrices' gradients in
-  // full mode, the block's adapters in LoRA mode.
-  std::vector<sp_grad_moments_v1> block_moments() {
-    std::vector<kn::GradTensor> grad_tensors;
-    for (std::uint32_t b = 0; b < n_blocks; ++b) {
-      auto add = [&](const torch::Tensor& g) {
-        grad_tensors.push_back({g.data_ptr<float>(), static_cast<std::size_t>(g.numel()), kn::DType::kFloat32, b});
-      };
-      if (config.train.mode == TrainMode::full) {
-        for (const torch::Tensor& g : master_grads[b]) add(g);
-      } else {
-        for (std::size_t r : model->block_adapters(b)) add(model->resident()[r].grad);
-      }
-    }
-    std::vector<sp_grad_moments_v1> moments(n_blocks);
-    kn::grad_moments(grad_tensors.data(), grad_tensors.size(), n_blocks, moments.data());
-    return moments;
   }
 
   // Global gradient norm for clipping: the block moments already hold the streamed (or
@@ -683,18 +502,14 @@ struct Trainer::Impl {
     return std::sqrt(sum_sq);
   }
 
-  // AdamW over the resident tensors, then block by block over the masters, each block's
-  // transfer image rebuilt as soon as its weights are final, in the precision it travels next.
+  // AdamW over the resident tensors, then over the masters; the layer rebuilds the transfer
+  // images of the updated masters at end_step, in the precision each block travels next.
   void optimizer_step(double lr, double grad_norm) {
     const double clip = config.train.grad_clip;
     adam->begin_step(lr, clip > 0.0 && grad_norm > clip ? clip / grad_norm : 1.0);
     for (std::size_t index : adam_resident) adam->step_parameter(index);
     model->refresh_compute();
-    if (config.train.mode != TrainMode::full) return;
-    for (std::uint32_t b = 0; b < n_blocks; ++b) {
-      for (std::size_t index : adam_masters[b]) adam->step_parameter(index);
-      engine->on_weights_updated(b);
-    }
+    for (std::size_t index : adam_masters) adam->step_parameter(index);
   }
 
   StepRecord train_step(std::int64_t step) {
@@ -704,47 +519,29 @@ struct Trainer::Impl {
     record.step = step;
     record.lr = learning_rate(step);
 
-    policy->begin_step(step);
-    if (std::optional<sp::host::SwapResult> swap = policy->take_swap_outcome()) note_swap(step, *swap, record);
-    record.plugin_version = std::string(policy->plugin_version());
-    engine->begin_step(step);
+    layer->begin_step(step);
+    record.plugin_version = std::string(layer->policy().plugin_version());
+    for (sp_precision route : layer->routes()) record.routes.push_back(static_cast<std::uint8_t>(route));
 
     std::vector<std::int64_t> tokens;
     corpus->train_batch(config.train.seed, step, batch, tokens);
     auto [idx, targets] = tensors_of(tokens, batch);
-    std::vector<ResidentParam>& resident = model->resident();
-    for (ResidentParam& p : resident) p.grad.zero_();
+    for (ResidentParam& p : model->resident()) p.grad.zero_();
+    for (torch::Tensor& g : master_grads) g.zero_();
 
-    const torch::Tensor embedded = model->embed(idx);
-    std::vector<torch::Tensor> inputs = forward_blocks(embedded, record);
-    const torch::Tensor top = inputs.back().detach().requires_grad_(true);
-    const torch::Tensor loss = model->head_loss(top, targets);
-    const std::vector<torch::Tensor> head_grads =
-        torch::autograd::grad({loss}, {top, resident[model->wte()].compute, resident[model->lnf_weight()].compute,
-                                       resident[model->lnf_bias()].compute});
-    accumulate(resident[model->wte()], head_grads[1]);
-    accumulate(resident[model->lnf_weight()], head_grads[2]);
-    accumulate(resident[model->lnf_bias()], head_grads[3]);
-    const torch::Tensor embedding_upstream = backward_blocks(inputs, head_grads[0]);
-    const std::vector<torch::Tensor> embedding_grads = torch::autograd::grad(
-        {embedded}, {resident[model->wte()].compute, resident[model->wpe()].compute}, {embedding_upstream});
-    accumulate(resident[model->wte()], embedding_grads[0]);
-    accumulate(resident[model->wpe()], embedding_grads[1]);
-    queue_resident_gradients_to_host();
+    // The layer fetches each block for the forward and again, in reverse, for the backward,
+    // where it recomputes and differentiates it; the masters' gradients land in their .grad.
+    const torch::Tensor loss = model->head_loss(layer->forward(model->embed(idx)), targets);
+    loss.backward();
+    model->queue_resident_gradients_to_host();
     // The backward's one host synchronization. Reading the loss waits for the compute stream,
     // on which every gradient copy to the host was queued before it, so the host gradients
-    // are complete from here on. That holds while torch's current stream is the engine's
-    // compute stream (the legacy default stream, transfer_backend.cpp); a stream guard around
-    // the step would have to synchronize its stream here instead. Read earlier, the loss would
-    // stall the host before the backward was queued.
+    // are complete from here on. Read earlier, the loss would stall the host before the
+    // backward was queued.
     record.loss = loss.item<double>();
-    const ad::StepTransferMetrics transfer = engine->end_step();
 
-    const std::vector<sp_grad_moments_v1> moments = block_moments();
-    policy->post_backward(step, moments);
-    apply_hints(policy->compute_hints(step));
-    record.decisions = decisions;
-
+    const std::vector<sp_grad_moments_v1>& moments = layer->post_backward();
+    record.decisions = decisions();
     record.grad_norm = global_grad_norm(moments);
     if (std::isfinite(record.grad_norm) && std::isfinite(record.loss)) {
       nonfinite_streak = 0;
@@ -758,15 +555,13 @@ struct Trainer::Impl {
       log->warn("step {}: non-finite loss or gradients; the update is skipped", step);
     }
 
-    record.h2d_bytes_bf16 = transfer.h2d_bytes_bf16;
-    record.h2d_bytes_int8 = transfer.h2d_bytes_int8;
-    record.h2d_bytes_nf4 = transfer.h2d_bytes_nf4;
-    record.h2d_bytes_all_bf16 = transfer.h2d_bytes_all_bf16;
-    sp_step_feedback_v1 feedback = transfer.to_feedback();
-    feedback.loss = record.loss;
+    const tl::StepReport report = layer->end_step(record.loss);
+    if (report.swap) note_swap(step, *report.swap, record);
+    record.h2d_bytes_bf16 = report.h2d_bytes_bf16;
+    record.h2d_bytes_int8 = report.h2d_bytes_int8;
+    record.h2d_bytes_nf4 = report.h2d_bytes_nf4;
+    record.h2d_bytes_all_bf16 = report.h2d_bytes_all_bf16;
     record.seconds = seconds_since(start);
-    feedback.step_seconds = record.seconds;
-    policy->end_step(step, feedback);
     return record;
   }
 
@@ -787,9 +582,9 @@ struct Trainer::Impl {
     const bool forced = options.plugin_check_requested && options.plugin_check_requested->exchange(false);
     const std::int64_t every = config.train.plugin_poll_steps;
     if (!forced && (every == 0 || step % every != 0)) return;
-    if (std::optional<sp::host::SwapResult> request = policy->check_for_new_version(forced)) {
+    if (std::optional<sp::host::SwapResult> request = layer->poll_plugin(forced)) {
       if (request->outcome == sp::host::SwapResult::Outcome::failed) {
-        log->warn("plugin file changed but cannot be swapped in; keeping {}: {}", policy->plugin_version(),
+        log->warn("plugin file changed but cannot be swapped in; keeping {}: {}", layer->policy().plugin_version(),
                   request->message);
         totals.swaps.push_back({{"step", step}, {"outcome", "failed"}, {"message", request->message}});
       } else {
@@ -807,7 +602,7 @@ struct Trainer::Impl {
             {"h2d_int8", totals.h2d_int8},
             {"h2d_nf4", totals.h2d_nf4},
             {"h2d_all_bf16", totals.h2d_all_bf16},
-            {"eval_h2d", totals.eval_h2d},
+            {"eval_h2d", eval_h2d()},
             {"tokens", totals.tokens},
             {"bf16_block_steps", totals.bf16_block_steps},
             {"int8_block_steps", totals.int8_block_steps},
@@ -826,20 +621,16 @@ struct Trainer::Impl {
         {"model", model_identity()},
         {"seed", config.train.seed},
         {"data_fnv1a64", fmt::format("{:016x}", corpus->fingerprint())},
-        {"plugin", {{"name", policy->host().plugin_name()}, {"version", policy->plugin_version()}}},
+        {"plugin", {{"name", layer->policy().host().plugin_name()}, {"version", layer->policy().plugin_version()}}},
         {"calibration_status", calibration_status},
         {"calibration_errors", calibration_errors.int8},
         {"nf4_calibration_errors", calibration_errors.nf4},
-        {"decisions", decisions},
+        {"decisions", decisions()},
         {"totals", totals_json()}};
     const std::string meta_text = meta.dump();
     out.put("meta", meta_text.data(), meta_text.size());
-    for (std::uint32_t b = 0; b < n_blocks; ++b) {
-      for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
-        const torch::Tensor& w = model->masters()[b][i];
-        out.put(fmt::format("master/block{}.{}", b, kStreamedNames[i]), w.data_ptr(), w.numel() * sizeof(float));
-      }
-    }
+    // The layer's state: the masters, the plugin state, the hints in force, its pass counters.
+    for (const auto& [key, t] : layer->export_state()) out.put(key, t.data_ptr(), t.numel() * t.element_size());
     for (const ResidentParam& p : model->resident()) {
       out.put("resident/" + p.name, p.value.data_ptr(), p.value.numel() * sizeof(float));
     }
@@ -849,8 +640,6 @@ struct Trainer::Impl {
               adam->exp_avg_sq(i).size() * sizeof(float));
     }
     out.put("adam/steps", pod_bytes(adam->steps_taken()));
-    out.put("policy/state", policy->export_state());
-    out.put("policy/hints", applied_hints.data(), applied_hints.size() * sizeof(sp_hint_v1));
     const torch::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
     out.put("rng/torch", rng.data_ptr(), static_cast<std::size_t>(rng.numel()));
     out.write_atomically(checkpoint_path(options.out_dir));
@@ -858,8 +647,40 @@ struct Trainer::Impl {
               seconds_since(start));
   }
 
+  // The layer's state entries from the checkpoint sections of the same names, each shaped as
+  // the layer's own export shows (a 1-D byte entry takes the section's length).
+  std::map<std::string, torch::Tensor> read_layer_state(const CheckpointSections& in) const {
+    const std::string file = checkpoint_path(options.out_dir).string();
+    std::map<std::string, torch::Tensor> state;
+    for (const auto& [key, like] : layer->export_state()) {
+      if (key == "layer/passes" && !in.has(key)) {
+        // A checkpoint from before the layer: one training pass per step, evaluation passes
+        // uncounted (they only number the evaluation engine's steps).
+        state.emplace(key, torch::tensor({next_step, std::int64_t{0}}, torch::kInt64));
+        continue;
+      }
+      if (like.dim() == 1 && like.scalar_type() == torch::kUInt8) {
+        const Bytes& bytes = in.get(key);
+        if (key == "policy/hints" && (bytes.size() % sizeof(sp_hint_v1) != 0 ||
+                                      (!bytes.empty() && bytes.size() != n_blocks * sizeof(sp_hint_v1)))) {
+          throw ResumeError(fmt::format("{}: section 'policy/hints' holds {} bytes; expected none or {} hints", file,
+                                        bytes.size(), n_blocks));
+        }
+        torch::Tensor t = torch::empty({static_cast<std::int64_t>(bytes.size())}, torch::kUInt8);
+        if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+        state.emplace(key, std::move(t));
+      } else {
+        torch::Tensor t = torch::empty(like.sizes(), like.options());
+        in.get_into(key, t.data_ptr(), static_cast<std::size_t>(t.numel()) * t.element_size());
+        state.emplace(key, std::move(t));
+      }
+    }
+    return state;
+  }
+
   void restore(const CheckpointSections& in) {
     const nlohmann::json meta = read_meta(in, checkpoint_path(options.out_dir));
+    std::map<std::string, torch::Tensor> layer_state;
     try {
       const nlohmann::json expected = model_identity();
       // The mode first: a LoRA config resuming a full run differs in lora_rank too, and the
@@ -882,12 +703,7 @@ struct Trainer::Impl {
                                       checkpoint_path(options.out_dir).string(), meta.value("seed", std::uint64_t{0}),
                                       config.train.seed));
       }
-      for (std::uint32_t b = 0; b < n_blocks; ++b) {
-        for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
-          torch::Tensor& w = model->masters()[b][i];
-          in.get_into(fmt::format("master/block{}.{}", b, kStreamedNames[i]), w.data_ptr(), w.numel() * sizeof(float));
-        }
-      }
+      layer_state = read_layer_state(in);
       for (ResidentParam& p : model->resident()) {
         in.get_into("resident/" + p.name, p.value.data_ptr(), p.value.numel() * sizeof(float));
       }
@@ -937,7 +753,7 @@ struct Trainer::Impl {
       totals.h2d_int8 = t.at("h2d_int8");
       totals.h2d_nf4 = t.value("h2d_nf4", std::uint64_t{0});  // absent before the NF4 route
       totals.h2d_all_bf16 = t.at("h2d_all_bf16");
-      totals.eval_h2d = t.at("eval_h2d");
+      totals.eval_h2d_before = t.at("eval_h2d");
       totals.tokens = t.at("tokens");
       totals.bf16_block_steps = t.at("bf16_block_steps");
       totals.int8_block_steps = t.at("int8_block_steps");
@@ -952,38 +768,15 @@ struct Trainer::Impl {
     } catch (const CheckpointError& e) {
       throw ResumeError(e.what());
     }
-    for (std::uint32_t b = 0; b < n_blocks; ++b) {
-      engine->on_weights_updated(b);
-      eval_engine->on_weights_updated(b);
-    }
     const std::string file = checkpoint_path(options.out_dir).string();
     try {
-      policy->restore_state(in.get("policy/state"));
-    } catch (const CheckpointError& e) {
-      throw ResumeError(e.what());
+      layer->restore_state(layer_state);
+    } catch (const tl::StateEntryError& e) {
+      throw ResumeError(fmt::format("{}: section '{}': {}", file, e.entry(), e.detail()));
     } catch (const std::logic_error&) {
       throw;                             // a bug on this side, not a defect of the checkpoint
     } catch (const std::exception& e) {  // the plugin rejected the state
       throw ResumeError(fmt::format("{}: {}", file, e.what()));
-    }
-    // The routes in force when the checkpoint was written: the plugin's next hints come
-    // only after the next step's backward pass.
-    std::vector<sp_hint_v1> hints;
-    try {
-      const Bytes& hint_bytes = in.get("policy/hints");
-      hints.resize(hint_bytes.size() / sizeof(sp_hint_v1));
-      if (hint_bytes.size() % sizeof(sp_hint_v1) != 0 || (!hints.empty() && hints.size() != n_blocks)) {
-        throw ResumeError(fmt::format("{}: section 'policy/hints' holds {} bytes; expected none or {} hints", file,
-                                      hint_bytes.size(), n_blocks));
-      }
-      std::memcpy(hints.data(), hint_bytes.data(), hint_bytes.size());
-    } catch (const CheckpointError& e) {
-      throw ResumeError(e.what());
-    }
-    try {
-      apply_hints(hints);
-    } catch (const std::invalid_argument& e) {  // PolicyBridge::set_plugin_hints names the bad hint
-      throw ResumeError(fmt::format("{}: section 'policy/hints': {}", file, e.what()));
     }
     log->info("resumed from {} at step {}", checkpoint_path(options.out_dir).string(), next_step);
   }
@@ -1027,10 +820,10 @@ struct Trainer::Impl {
           {"all_bf16_equivalent", totals.h2d_all_bf16},
           {"saved", saved},
           {"saved_fraction", totals.h2d_all_bf16 ? static_cast<double>(saved) / totals.h2d_all_bf16 : 0.0}}},
-        {"eval_h2d_bytes", totals.eval_h2d},
+        {"eval_h2d_bytes", eval_h2d()},
         {"block_steps",
          {{"bf16", totals.bf16_block_steps}, {"int8", totals.int8_block_steps}, {"nf4", totals.nf4_block_steps}}},
-        {"final_decisions", decisions},
+        {"final_decisions", decisions()},
         {"tokens", totals.tokens},
         {"tokens_per_second", tokens_per_second},
         {"train_seconds", totals.train_seconds},
@@ -1040,9 +833,9 @@ struct Trainer::Impl {
         {"compute_dtype", compute_dtype_name(config.train.compute_dtype)},
         {"model", model_identity()},
         {"plugin",
-         {{"name", policy->host().plugin_name()},
-          {"version", policy->plugin_version()},
-          {"hook_failures", policy->host().hook_failures().total()}}},
+         {{"name", layer->policy().host().plugin_name()},
+          {"version", layer->policy().plugin_version()},
+          {"hook_failures", layer->policy().host().hook_failures().total()}}},
         {"plugin_swaps", totals.swaps},
         {"calibration",
          {{"status", calibration_status}, {"errors", calibration_errors.int8}, {"nf4_errors", calibration_errors.nf4}}},
@@ -1114,7 +907,7 @@ struct Trainer::Impl {
       }
     }
     progress.finish();
-    engine->flush_metrics();
+    layer->flush_metrics();
     save_checkpoint();
     result.json = summary(result.outcome, seconds_since(wall_start));
     sp::runtime::write_file_atomically(

@@ -1,11 +1,12 @@
 // The sp-train training loop, free of LibTorch in its interface so that the CLI and the tests
-// compile quickly. Per step, in this order:
-//   begin_step -> forward (blocks streamed, no autograd, block inputs kept)
-//   -> backward (blocks streamed in reverse with prefetch across the turn; each block's forward
-//      is recomputed with autograd on the delivered weights and the upstream gradient is
-//      propagated through it) -> gradient moments (one fused kernel call over every block)
-//   -> post_backward -> compute_hints -> PolicyBridge -> AdamW (each block's transfer image
-//      is rebuilt right after its update, in its next precision) -> end_step(loss, bytes).
+// compile quickly. sp-train is one host of the LibTorch layer (sp/torch_layer/streamed_model.h):
+// it owns the CLI's config, the corpus, the GPT model, AdamW, the run directory, checkpoints
+// and the summary; the layer streams the blocks and drives the policy. Per step:
+//   layer.begin_step -> embed -> layer.forward (blocks fetched on the routes decided) -> head
+//   loss -> loss.backward() (the layer fetches the blocks again in reverse, recomputes and
+//   differentiates each; master gradients land in their .grad) -> layer.post_backward
+//   (gradient moments to the plugin, its hints to the engines) -> AdamW -> layer.end_step
+//   (images of the updated masters rebuilt for their next routes; the plugin's end_step).
 #pragma once
 
 #include <atomic>

@@ -1,6 +1,6 @@
 // The model's compute tensors: what it reads when its math runs in another dtype (or on
 // another device) than the fp32 host masters.
-#include <array>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -22,45 +22,16 @@ ModelConfig tiny_model() {
 
 const torch::TensorOptions kBf16OnHost = torch::TensorOptions().dtype(torch::kBFloat16);
 
-// bf16 compute wraps the slot itself: no copy between what crossed the link and the matmul.
-TEST(GptModelCompute, Bf16WeightsAreTheSlotInPlace) {
-  GptModel model(tiny_model(), TrainMode::full, LoraConfig{}, 7, kBf16OnHost);
-  const BlockWeights& masters = model.masters()[0];
-  std::array<std::vector<std::uint16_t>, kStreamedPerBlock> slot;
-  std::array<const std::uint16_t*, kStreamedPerBlock> slot_pointers{};
-  for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
-    slot[i].assign(static_cast<std::size_t>(masters[i].numel()), 0x3f80);  // bf16 1.0
-    slot_pointers[i] = slot[i].data();
-  }
-  const BlockWeights delivered = model.delivered_weights(slot_pointers, /*requires_grad=*/true);
-  for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
-    EXPECT_EQ(delivered[i].data_ptr(), static_cast<const void*>(slot[i].data())) << "tensor " << i;
-    EXPECT_EQ(delivered[i].sizes(), masters[i].sizes()) << "tensor " << i;
-    EXPECT_EQ(delivered[i].scalar_type(), torch::kBFloat16);
-    EXPECT_TRUE(delivered[i].requires_grad());
-  }
-  // The block's backward differentiates through the wrapped slot without writing it.
-  const torch::Tensor x = torch::randn({1, 8, 32}, kBf16OnHost);
-  torch::autograd::grad({model.block_forward(0, x, delivered).sum()}, {delivered[0]});
-  for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
-    for (std::uint16_t v : slot[i]) ASSERT_EQ(v, 0x3f80) << "tensor " << i;
-  }
-}
-
 // Where the math does not run on the fp32 masters, each resident tensor has its own compute
-// copy, which follows the master only through refresh_compute(), and an fp32 gradient
-// accumulator beside it, apart from the host gradient the optimizer reads.
+// copy, which follows the master only through refresh_compute(); its gradient reaches the
+// host buffer the optimizer reads only through queue_resident_gradients_to_host().
 TEST(GptModelCompute, ResidentCopiesFollowTheMastersOnRefresh) {
   GptModel model(tiny_model(), TrainMode::lora, LoraConfig{}, 7, kBf16OnHost);
   for (ResidentParam& p : model.resident()) {
     ASSERT_NE(p.compute.data_ptr(), p.value.data_ptr()) << p.name;
     EXPECT_EQ(p.compute.scalar_type(), torch::kBFloat16) << p.name;
-    ASSERT_TRUE(p.compute_grad.defined()) << p.name;
-    EXPECT_EQ(p.compute_grad.scalar_type(), torch::kFloat32) << p.name;
-    EXPECT_EQ(p.compute_grad.device(), p.compute.device()) << p.name;
-    EXPECT_EQ(p.compute_grad.sizes(), p.value.sizes()) << p.name;
-    EXPECT_NE(p.compute_grad.data_ptr(), p.grad.data_ptr()) << p.name;
-    EXPECT_EQ(p.compute_grad.count_nonzero().item<std::int64_t>(), 0) << p.name;
+    EXPECT_TRUE(p.compute.requires_grad()) << p.name;
+    EXPECT_EQ(p.grad.scalar_type(), torch::kFloat32) << p.name;
     EXPECT_TRUE(torch::equal(p.compute, p.value.detach().to(torch::kBFloat16))) << p.name;
     p.value.detach().add_(1.0f);
   }
@@ -70,30 +41,67 @@ TEST(GptModelCompute, ResidentCopiesFollowTheMastersOnRefresh) {
   for (const ResidentParam& p : model.resident()) {
     EXPECT_TRUE(torch::equal(p.compute, p.value.detach().to(torch::kBFloat16))) << p.name;
   }
+
+  {
+    // What the layer does while the block computes: its streamed weights in the compute dtype.
+    torch::NoGradGuard no_grad;
+    for (torch::Tensor& w : model.streamed()[0]) w.set_data(w.to(torch::kBFloat16));
+  }
+  const torch::Tensor x = torch::randn({1, 8, 32}, kBf16OnHost);
+  model.block_forward(0, x).sum().backward();
+  ResidentParam& norm = model.resident()[2];  // block0.ln1.weight
+  ASSERT_EQ(norm.name, "block0.ln1.weight");
+  ASSERT_TRUE(norm.compute.grad().defined());
+  const torch::Tensor computed = norm.compute.grad().to(torch::kFloat32);
+  EXPECT_EQ(norm.grad.count_nonzero().item<std::int64_t>(), 0) << "the host buffer waits for the queue";
+  model.queue_resident_gradients_to_host();
+  EXPECT_TRUE(torch::equal(norm.grad, computed));
+  EXPECT_FALSE(norm.compute.grad().defined()) << "the next backward starts from no gradient";
 }
 
-// fp32 on the host computes on the masters themselves, and widens the slot exactly.
-TEST(GptModelCompute, Fp32OnTheHostUsesTheMastersAndWidensTheSlotExactly) {
+// fp32 on the host computes on the masters themselves, and the backward accumulates into the
+// host buffer the optimizer reads.
+TEST(GptModelCompute, Fp32OnTheHostAccumulatesIntoTheOptimizersBuffers) {
   GptModel model(tiny_model(), TrainMode::full, LoraConfig{}, 7, torch::TensorOptions().dtype(torch::kFloat32));
   for (const ResidentParam& p : model.resident()) {
     EXPECT_EQ(p.compute.data_ptr(), p.value.data_ptr()) << p.name;
-    // Gradients are accumulated straight into the host buffer the optimizer reads.
-    EXPECT_FALSE(p.compute_grad.defined()) << p.name;
-    EXPECT_EQ(p.grad.scalar_type(), torch::kFloat32) << p.name;
-    EXPECT_EQ(p.grad.sizes(), p.value.sizes()) << p.name;
+    ASSERT_TRUE(p.value.grad().defined()) << p.name;
+    EXPECT_EQ(p.value.grad().data_ptr(), p.grad.data_ptr()) << p.name;
   }
-  const BlockWeights& masters = model.masters()[0];
-  std::array<torch::Tensor, kStreamedPerBlock> bf16;
-  std::array<const std::uint16_t*, kStreamedPerBlock> slot_pointers{};
+  const torch::Tensor x = torch::randn({1, 8, 32});
+  model.block_forward(1, x).sum().backward();
+  model.block_forward(1, x).sum().backward();
+  const ResidentParam& norm = model.resident()[6];  // block1.ln1.weight
+  ASSERT_EQ(norm.name, "block1.ln1.weight");
+  EXPECT_GT(norm.grad.abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(norm.value.grad().data_ptr(), norm.grad.data_ptr()) << "accumulated in place, twice";
+}
+
+// What the layer takes: per block the four streamed matrices, then the block's norms and
+// adapters by block-relative name, the model's own tensors, and in LoRA mode the adapters as
+// the source of the block's gradient moments.
+TEST(GptModelLayerBlocks, ListTheModelsOwnTensorsByBlockRelativeName) {
+  GptModel model(tiny_model(), TrainMode::lora, LoraConfig{}, 7, torch::TensorOptions().dtype(torch::kFloat32));
+  const std::vector<sp::torch_layer::Block> blocks = model.layer_blocks();
+  ASSERT_EQ(blocks.size(), 2u);
+  EXPECT_EQ(blocks[1].name, "block1");
+  EXPECT_EQ(blocks[1].streamed, (std::vector<std::string>{"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"}));
+  EXPECT_EQ(blocks[1].moments_from.size(), 8u);
+  EXPECT_EQ(blocks[1].moments_from.front(), "attn.qkv.lora_a");
+  const sp::torch_layer::NamedParameters params = blocks[1].parameters();
+  ASSERT_EQ(params.size(), 4u + 4u + 8u);
   for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
-    bf16[i] = masters[i].to(torch::kBFloat16).contiguous();
-    slot_pointers[i] = static_cast<const std::uint16_t*>(bf16[i].data_ptr());
+    EXPECT_EQ(params[i].first, kStreamedNames[i]);
+    EXPECT_TRUE(params[i].second.is_same(model.streamed()[1][i]));
+    EXPECT_FALSE(params[i].second.requires_grad()) << "frozen under LoRA";
   }
-  const BlockWeights delivered = model.delivered_weights(slot_pointers, /*requires_grad=*/false);
-  for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
-    EXPECT_EQ(delivered[i].scalar_type(), torch::kFloat32);
-    EXPECT_TRUE(torch::equal(delivered[i], bf16[i].to(torch::kFloat32))) << "tensor " << i;
-  }
+  EXPECT_EQ(params[4].first, "ln1.weight");
+  const torch::Tensor x = torch::randn({2, 8, 32});
+  EXPECT_TRUE(torch::equal(blocks[1].forward(x), model.block_forward(1, x)));
+  EXPECT_TRUE(model.layer_blocks()[0].moments_from.size() == 8u);
+  GptModel full(tiny_model(), TrainMode::full, LoraConfig{}, 7, torch::TensorOptions().dtype(torch::kFloat32));
+  EXPECT_TRUE(full.layer_blocks()[0].moments_from.empty()) << "full mode: the streamed masters' gradients";
+  EXPECT_TRUE(full.streamed()[0][0].requires_grad());
 }
 
 // The stress test's outlier channel: in a listed block one value row shrinks and the
@@ -109,10 +117,10 @@ TEST(GptModelInit, OutlierChannelsMoveScaleWithoutChangingTheFunction) {
   with_outliers.plant_outlier_channels(7);
   const std::int64_t c = stressed.d_model;
   for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
-    EXPECT_TRUE(torch::equal(plain.masters()[0][i], with_outliers.masters()[0][i])) << "tensor " << i;
+    EXPECT_TRUE(torch::equal(plain.streamed()[0][i], with_outliers.streamed()[0][i])) << "tensor " << i;
   }
-  const BlockWeights& before = plain.masters()[1];
-  const BlockWeights& after = with_outliers.masters()[1];
+  const BlockWeights& before = plain.streamed()[1];
+  const BlockWeights& after = with_outliers.streamed()[1];
   EXPECT_TRUE(torch::equal(before[2], after[2]));
   EXPECT_TRUE(torch::equal(before[3], after[3]));
   const torch::Tensor changed_rows = (before[0] != after[0]).any(1).nonzero().flatten();
@@ -127,13 +135,13 @@ TEST(GptModelInit, OutlierChannelsMoveScaleWithoutChangingTheFunction) {
   EXPECT_TRUE(torch::equal(std::get<1>(after[1].abs().max(1)), torch::full({c}, channel, torch::kLong)));
 
   const torch::Tensor x = torch::randn({2, 8, c});
-  const torch::Tensor y_plain = plain.block_forward(1, x, before);
-  const torch::Tensor y_outliers = with_outliers.block_forward(1, x, after);
+  const torch::Tensor y_plain = plain.block_forward(1, x);
+  const torch::Tensor y_outliers = with_outliers.block_forward(1, x);
   EXPECT_TRUE(torch::allclose(y_plain, y_outliers, 1e-5, 1e-5));
 
   GptModel again(stressed, TrainMode::full, LoraConfig{}, 7, fp32);
   again.plant_outlier_channels(7);
-  EXPECT_TRUE(torch::equal(again.masters()[1][1], after[1])) << "the channel is a function of the seed";
+  EXPECT_TRUE(torch::equal(again.streamed()[1][1], after[1])) << "the channel is a function of the seed";
 }
 
 }  // namespace

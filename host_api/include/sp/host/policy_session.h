@@ -15,6 +15,13 @@
 
 namespace sp::host {
 
+// What calibration measures: per block, the relative output error of its INT8 and of its NF4
+// weights against its BF16 weights (one value per block in each).
+struct CalibrationErrors {
+  std::vector<double> int8;
+  std::vector<double> nf4;
+};
+
 class PolicySession {
  public:
   // Loads `plugin_file` with `config` for `blocks`. Throws PluginError when the plugin cannot

@@ -40,6 +40,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,11 @@ struct Block {
   // Names as `parameters` lists them (e.g. "attn.wq.weight"). Every other parameter stays
   // resident.
   std::vector<std::string> streamed;
+  // The parameters whose gradients describe the block to the policy (its gradient moments),
+  // in this order. Empty: the streamed ones when they train, else every trainable resident
+  // one. A LoRA host names the adapters, so that the norms beside them do not dilute the
+  // signal.
+  std::vector<std::string> moments_from = {};
 };
 
 // A block from a torch::nn module holder whose forward takes and returns one tensor.
@@ -91,7 +97,8 @@ struct StreamedModelOptions {
   std::string config_source = "<config>";
   // Where the plugin writes its relative output files (telemetry); empty: the working dir.
   std::filesystem::path output_dir;
-  std::shared_ptr<spdlog::logger> logger;  // null: spdlog's default logger
+  std::shared_ptr<spdlog::logger> logger;    // null: spdlog's default logger
+  std::string host_name = "sp-torch-layer";  // how the plugin's create() names its host
 
   // Where and in what dtype the blocks compute. CPU uses the host backend (a bandwidth cap
   // emulates a link); CUDA the CUDA backend on torch's default stream.
@@ -112,11 +119,7 @@ struct StreamedModelOptions {
   std::uint32_t recalibrate_every = 0;
 };
 
-// Relative output error of each block with quantized weights against BF16 weights.
-struct CalibrationErrors {
-  std::vector<double> int8;
-  std::vector<double> nf4;
-};
+using CalibrationErrors = sp::host::CalibrationErrors;
 
 // What one step moved and decided.
 struct StepReport {
@@ -130,6 +133,18 @@ struct StepReport {
   // Set on the steps that re-calibrated (StreamedModelOptions::recalibrate_every).
   std::optional<CalibrationErrors> calibration;
   double calibration_seconds = 0.0;
+};
+
+// A state entry restore_state() cannot take: `entry` names it, `detail` says why, so a host
+// can name the place it stored the entry (sp-train: the checkpoint section).
+class StateEntryError : public std::invalid_argument {
+ public:
+  StateEntryError(std::string entry, const std::string& detail);
+  const std::string& entry() const { return entry_; }
+  const std::string& detail() const { return detail_; }
+
+ private:
+  std::string entry_, detail_;
 };
 
 // A policy session for `engine`'s blocks as a training loop runs one: the plugin is offered
@@ -179,6 +194,11 @@ class StreamedModel {
   // with NF4 weights against BF16 weights (all through the engine's routes, pinned), and
   // gives them to the plugin. Call between steps.
   CalibrationErrors calibrate(const std::vector<torch::Tensor>& samples);
+  // The two halves of calibrate(), for a host that caches the errors: measuring alone, and
+  // giving errors (measured now or read back) to the plugin. Returns false for each
+  // precision the plugin rejected (logged), which it then decides without.
+  CalibrationErrors measure_calibration_errors(const std::vector<torch::Tensor>& samples);
+  bool set_calibration_errors(const CalibrationErrors& errors);
 
   // The benchmark-driven half of the route (sp-bench's transfer policy).
   void set_transfer_gate(sp::adapters::TransferGate gate);
@@ -187,16 +207,29 @@ class StreamedModel {
   std::optional<sp::host::SwapResult> poll_plugin(bool force = false);
 
   // Everything the layer needs to resume with identical decisions: the masters (by
-  // "<block>/<parameter>"), the plugin state, the routes in force and the step counters, as
-  // named tensors a host saves with torch::save or its own format. restore_state() throws
-  // std::invalid_argument naming the entry that is missing or of the wrong shape.
+  // "master/<block>.<parameter>"), the plugin state ("policy/state"), the routes in force
+  // ("policy/hints") and the pass counters ("layer/passes"), as named CPU tensors a host saves
+  // with torch::save or its own format. The masters are the live tensors, detached, not
+  // copies: save them before the next step changes them. Byte blobs are 1-D kUInt8 of any
+  // length; every other entry has a fixed dtype and shape, which a fresh export shows.
   std::map<std::string, torch::Tensor> export_state() const;
+  // Throws StateEntryError naming an entry that is missing, of the wrong dtype or shape, or
+  // holds hints the bridge refuses, before anything changes; what the plugin throws when it
+  // rejects its state, with the layer left as it was.
   void restore_state(const std::map<std::string, torch::Tensor>& state);
 
   // Bytes of one transfer of the block on each route (image header, payload, scales).
   std::uint64_t image_bytes(std::uint32_t block, sp_precision precision) const;
   const sp::host::PolicySession& policy() const;
+  // The route each block's next fetch takes (the plugin's hint through the transfer gate).
   std::vector<sp_precision> routes() const;
+  // The plugin hints in force (empty until its first hints), as it gave them.
+  const std::vector<sp_hint_v1>& hints() const;
+  // Bytes every forward-only pass (evaluation and calibration) moved since construction.
+  std::uint64_t evaluation_h2d_bytes() const;
+  // Writes the training engine's pending per-pass metrics records (metrics_path), waiting for
+  // their timings.
+  void flush_metrics();
 
   struct Impl;
 
