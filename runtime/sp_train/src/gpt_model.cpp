@@ -131,25 +131,59 @@ torch::Tensor GptModel::host_gradient_buffer(const torch::Tensor& like) const {
                       torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(compute_.device().is_cuda()));
 }
 
-std::vector<sp::torch_layer::Block> GptModel::layer_blocks() {
-  std::vector<sp::torch_layer::Block> blocks;
-  for (std::uint32_t b = 0; b < config_.n_blocks; ++b) {
-    const std::string prefix = fmt::format("block{}.", b);
-    std::vector<std::string> moments_from;
-    for (std::size_t a : block_adapters_[b]) moments_from.push_back(resident_[a].name.substr(prefix.size()));
-    blocks.push_back(sp::torch_layer::Block{
-        fmt::format("block{}", b),
-        [this, b, prefix] {
-          sp::torch_layer::NamedParameters params;
-          for (std::size_t i = 0; i < kStreamedPerBlock; ++i) params.emplace_back(kStreamedNames[i], streamed_[b][i]);
-          for (std::size_t r : block_resident_[b])
-            params.emplace_back(resident_[r].name.substr(prefix.size()), resident_[r].compute);
-          return params;
-        },
-        [this, b](const torch::Tensor& x) { return block_forward(b, x); },
-        std::vector<std::string>(kStreamedNames.begin(), kStreamedNames.end()), std::move(moments_from)});
+sp::torch_layer::Block GptModel::unit(std::string name, std::uint32_t block, std::vector<std::size_t> tensors,
+                                      std::vector<std::size_t> resident,
+                                      std::function<torch::Tensor(const torch::Tensor&)> forward) {
+  const std::string prefix = fmt::format("block{}.", block);
+  std::vector<std::string> streamed, moments_from;
+  for (std::size_t t : tensors) {
+    streamed.push_back(kStreamedNames[t]);
+    if (mode_ != TrainMode::lora) continue;
+    for (std::size_t a : {block_adapters_[block][2 * t], block_adapters_[block][2 * t + 1]}) {
+      resident.push_back(a);
+      moments_from.push_back(resident_[a].name.substr(prefix.size()));
+    }
   }
-  return blocks;
+  return sp::torch_layer::Block{std::move(name),
+                                [this, block, tensors, resident, prefix] {
+                                  sp::torch_layer::NamedParameters params;
+                                  for (std::size_t t : tensors)
+                                    params.emplace_back(kStreamedNames[t], streamed_[block][t]);
+                                  for (std::size_t r : resident)
+                                    params.emplace_back(resident_[r].name.substr(prefix.size()), resident_[r].compute);
+                                  return params;
+                                },
+                                std::move(forward), std::move(streamed), std::move(moments_from)};
+}
+
+std::vector<sp::torch_layer::Block> GptModel::layer_blocks() {
+  std::vector<sp::torch_layer::Block> units;
+  for (std::uint32_t b = 0; b < config_.n_blocks; ++b) {
+    const std::vector<std::size_t>& norms = block_resident_[b];  // ln1 weight, bias, ln2 weight, bias
+    if (config_.streaming_unit == StreamingUnit::block) {
+      units.push_back(unit(unit_name(b), b, {0, 1, 2, 3}, {norms[0], norms[1], norms[2], norms[3]},
+                           [this, b](const torch::Tensor& x) { return block_forward(b, x); }));
+    } else {
+      units.push_back(unit(unit_name(2 * b), b, {0, 1}, {norms[0], norms[1]},
+                           [this, b](const torch::Tensor& x) { return attention_sublayer(b, x); }));
+      units.push_back(unit(unit_name(2 * b + 1), b, {2, 3}, {norms[2], norms[3]},
+                           [this, b](const torch::Tensor& x) { return mlp_sublayer(b, x); }));
+    }
+  }
+  return units;
+}
+
+std::uint32_t GptModel::num_units() const {
+  return config_.streaming_unit == StreamingUnit::block ? config_.n_blocks : 2 * config_.n_blocks;
+}
+
+std::string GptModel::unit_name(std::uint32_t unit) const {
+  if (config_.streaming_unit == StreamingUnit::block) return fmt::format("block{}", unit);
+  return fmt::format("block{}.{}", unit / 2, unit % 2 == 0 ? "attn" : "mlp");
+}
+
+std::uint32_t GptModel::unit_of(std::uint32_t block, std::size_t tensor) const {
+  return config_.streaming_unit == StreamingUnit::block ? block : 2 * block + (tensor >= 2 ? 1 : 0);
 }
 
 torch::Tensor GptModel::embed(const torch::Tensor& idx) {
@@ -176,6 +210,10 @@ torch::Tensor GptModel::linear(std::uint32_t block, std::size_t which, const tor
 }
 
 torch::Tensor GptModel::block_forward(std::uint32_t block, const torch::Tensor& x) {
+  return mlp_sublayer(block, attention_sublayer(block, x));
+}
+
+torch::Tensor GptModel::attention_sublayer(std::uint32_t block, const torch::Tensor& x) {
   const std::int64_t batch = x.size(0), t = x.size(1), c = x.size(2);
   const std::int64_t heads = config_.n_heads, head_dim = c / heads;
   const auto& norms = block_resident_[block];
@@ -186,9 +224,14 @@ torch::Tensor GptModel::block_forward(std::uint32_t block, const torch::Tensor& 
   const torch::Tensor attention = torch::softmax(
       scores.masked_fill(causal_mask_.narrow(0, 0, t).narrow(1, 0, t), -std::numeric_limits<float>::infinity()), -1);
   const torch::Tensor mixed = torch::matmul(attention, qkv[2]).transpose(1, 2).reshape({batch, t, c});
-  const torch::Tensor x1 = x + linear(block, 1, mixed);
-  const torch::Tensor h2 = torch::layer_norm(x1, {c}, resident_[norms[2]].compute, resident_[norms[3]].compute);
-  return x1 + linear(block, 3, torch::gelu(linear(block, 2, h2)));
+  return x + linear(block, 1, mixed);
+}
+
+torch::Tensor GptModel::mlp_sublayer(std::uint32_t block, const torch::Tensor& x) {
+  const std::int64_t c = x.size(2);
+  const auto& norms = block_resident_[block];
+  const torch::Tensor h2 = torch::layer_norm(x, {c}, resident_[norms[2]].compute, resident_[norms[3]].compute);
+  return x + linear(block, 3, torch::gelu(linear(block, 2, h2)));
 }
 
 }  // namespace sp::train

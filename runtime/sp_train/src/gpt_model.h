@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -75,24 +76,38 @@ class GptModel {
   std::vector<BlockWeights>& streamed() { return streamed_; }
   std::vector<ResidentParam>& resident() { return resident_; }
 
-  // The blocks as the LibTorch layer takes them: each lists its four streamed matrices, then
-  // its resident norms and adapters under block-relative names ("ln1.weight",
-  // "attn.qkv.lora_a"), and computes block_forward(); in LoRA mode the adapters are the
-  // block's gradient moments. The model must outlive the StreamedModel built on them.
+  // The streaming units as the LibTorch layer takes them (model.streaming_unit): per
+  // transformer block one unit "block<b>" with its four streamed matrices, or two,
+  // "block<b>.attn" (qkv, proj) and "block<b>.mlp" (fc, proj). Each lists its streamed
+  // matrices, then its resident norms and adapters under block-relative names ("ln1.weight",
+  // "attn.qkv.lora_a"), and computes its part of block_forward(); in LoRA mode its adapters
+  // are its gradient moments. The model must outlive the StreamedModel built on them.
   std::vector<sp::torch_layer::Block> layer_blocks();
+  std::uint32_t num_units() const;
+  std::string unit_name(std::uint32_t unit) const;
+  // The unit that streams matrix `tensor` (an index into kStreamedNames) of block `block`.
+  std::uint32_t unit_of(std::uint32_t block, std::size_t tensor) const;
 
   // Token + position embedding of idx [B, T]; differentiable in the embedding tables.
   torch::Tensor embed(const torch::Tensor& idx);
   // Mean next-byte cross-entropy of the final norm + tied head over h [B, T, C].
   torch::Tensor head_loss(const torch::Tensor& h, const torch::Tensor& targets);
-  // One block on its streamed weights (and its resident norms and adapters).
+  // One block on its streamed weights (and its resident norms and adapters): the attention
+  // sublayer, then the MLP sublayer, each a residual step.
   torch::Tensor block_forward(std::uint32_t block, const torch::Tensor& x);
+  torch::Tensor attention_sublayer(std::uint32_t block, const torch::Tensor& x);
+  torch::Tensor mlp_sublayer(std::uint32_t block, const torch::Tensor& x);
 
   // In LoRA mode, the adapter indices of the block (the source of its gradient moments).
   const std::vector<std::size_t>& block_adapters(std::uint32_t block) const { return block_adapters_[block]; }
 
  private:
   std::size_t add_resident(std::string name, torch::Tensor value, bool decay);
+  // A unit streaming the block's matrices `tensors`, with the block's resident tensors
+  // `resident` (indices into resident_) and, in LoRA mode, the adapters of those matrices.
+  sp::torch_layer::Block unit(std::string name, std::uint32_t block, std::vector<std::size_t> tensors,
+                              std::vector<std::size_t> resident,
+                              std::function<torch::Tensor(const torch::Tensor&)> forward);
   torch::Tensor linear(std::uint32_t block, std::size_t which, const torch::Tensor& x);
 
   ModelConfig config_;

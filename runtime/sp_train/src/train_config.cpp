@@ -216,6 +216,8 @@ void read_model(const Origins& origins, const Section& s, ModelConfig& m) {
   const Section outliers(origins, "model.outliers", s.node()["outliers"], {"blocks", "magnitude"});
   outliers.block_ids("blocks", m.outlier_blocks, m.n_blocks);
   outliers.number("magnitude", m.outlier_magnitude, 1.0, 1e4);
+  s.choice<StreamingUnit>("streaming_unit", m.streaming_unit,
+                          {{"block", StreamingUnit::block}, {"sublayer", StreamingUnit::sublayer}});
 }
 
 void read_data(const Section& s, DataConfig& d) {
@@ -249,6 +251,7 @@ void read_train(const Origins& origins, const Section& s, TrainLoopConfig& t) {
     s.fail("plugin", "a plugin name (lib<name>.so is looked up in --plugin-dir), not a path", s.node()["plugin"]);
   }
   s.integer("plugin_poll_steps", t.plugin_poll_steps, 0, kMaxSteps);
+  s.integer("recalibrate_every", t.recalibrate_every, 0, kMaxU32);
   s.string("calibration_cache_dir", t.calibration_cache_dir, /*allow_empty=*/true);
   s.string("init_checkpoint", t.init_checkpoint, /*allow_empty=*/true);
   s.choice<ResumePolicy>("resume", t.resume, {{"auto", ResumePolicy::auto_resume}, {"never", ResumePolicy::never}});
@@ -410,10 +413,11 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
   config.source_name = source_name;
   // Constructing a section checks its keys.
   const Section top_level(origins, "", root, {"model", "data", "train", "memory"});
-  read_model(origins,
-             Section(origins, "model", root["model"],
-                     {"d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio", "init_std", "outliers"}),
-             config.model);
+  read_model(
+      origins,
+      Section(origins, "model", root["model"],
+              {"d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio", "init_std", "outliers", "streaming_unit"}),
+      config.model);
   read_data(Section(origins, "data", root["data"], {"path", "val_fraction", "chunk_bytes"}), config.data);
   read_train(origins,
              Section(origins, "train", root["train"],
@@ -438,6 +442,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
                       "lora",
                       "plugin",
                       "plugin_poll_steps",
+                      "recalibrate_every",
                       "calibration_cache_dir",
                       "init_checkpoint",
                       "resume"}),
@@ -489,6 +494,8 @@ TrainConfig load_train_config(const std::filesystem::path& file, const std::vect
 const char* mode_name(TrainMode mode) { return mode == TrainMode::lora ? "lora" : "full"; }
 
 const char* compute_device_name(ComputeDevice device) { return device == ComputeDevice::cuda ? "cuda" : "cpu"; }
+
+const char* streaming_unit_name(StreamingUnit unit) { return unit == StreamingUnit::sublayer ? "sublayer" : "block"; }
 
 const char* compute_dtype_name(ComputeDtype dtype) { return dtype == ComputeDtype::bf16 ? "bf16" : "fp32"; }
 

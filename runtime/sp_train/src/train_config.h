@@ -16,6 +16,11 @@ namespace sp::train {
 
 // ConfigError: train_error.h.
 
+// What one policy decision covers: a whole transformer block (its four matrices), or each of
+// its two sublayers (attention: qkv and proj; MLP: fc and proj), so that a block's tolerant
+// half can travel in a cheaper format than its sensitive one.
+enum class StreamingUnit { block, sublayer };
+
 struct ModelConfig {
   std::uint32_t d_model = 128;
   std::uint32_t n_heads = 4;
@@ -28,6 +33,7 @@ struct ModelConfig {
   // reads it (GptModel::plant_outlier_channels).
   std::vector<std::uint32_t> outlier_blocks;
   double outlier_magnitude = 64.0;
+  StreamingUnit streaming_unit = StreamingUnit::block;
 };
 
 struct DataConfig {
@@ -76,7 +82,10 @@ struct TrainLoopConfig {
   LoraConfig lora;
   std::string plugin = "sp_selective_precision";
   std::int64_t plugin_poll_steps = 1;  // 0: only on SIGHUP
-  std::string calibration_cache_dir;   // empty: $XDG_CACHE_HOME/sp-train or ~/.cache/sp-train
+  // Every this many steps (0: never), the calibration errors are measured again on the
+  // trained weights (on the step's own batch) and given to the plugin.
+  std::uint32_t recalibrate_every = 0;
+  std::string calibration_cache_dir;  // empty: $XDG_CACHE_HOME/sp-train or ~/.cache/sp-train
   // A checkpoint of the same model shape whose weights replace the random initialization
   // (e.g. LoRA on a base trained in full mode); empty: random. A resume ignores it.
   std::string init_checkpoint;
@@ -150,6 +159,7 @@ TrainConfig load_train_config(const std::filesystem::path& file, const std::vect
 
 const char* mode_name(TrainMode mode);
 const char* compute_device_name(ComputeDevice device);
+const char* streaming_unit_name(StreamingUnit unit);
 const char* compute_dtype_name(ComputeDtype dtype);
 
 }  // namespace sp::train

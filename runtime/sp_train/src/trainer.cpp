@@ -98,7 +98,8 @@ struct Trainer::Impl {
   TrainConfig config;
   RunOptions options;
   std::shared_ptr<spdlog::logger> log;
-  std::uint32_t n_blocks = 0;
+  std::uint32_t n_blocks = 0;  // transformer blocks
+  std::uint32_t n_units = 0;   // streaming units: what the plugin decides for (model.streaming_unit)
 
   std::unique_ptr<TextCorpus> corpus;
   std::unique_ptr<GptModel> model;
@@ -217,6 +218,7 @@ struct Trainer::Impl {
             {"n_blocks", m.n_blocks},
             {"seq_len", m.seq_len},
             {"mlp_ratio", m.mlp_ratio},
+            {"streaming_unit", streaming_unit_name(m.streaming_unit)},
             {"mode", mode_name(config.train.mode)},
             {"lora_rank", config.train.mode == TrainMode::lora ? config.train.lora.rank : 0},
             {"int8_group_size", config.streaming.int8_group_size},
@@ -298,10 +300,12 @@ struct Trainer::Impl {
     o.spare_slabs = config.streaming.spare_slabs;
     o.int8_group_size = config.streaming.int8_group_size;
     o.nf4_group_size = config.policy_keys.nf4_group_size;
+    o.recalibrate_every = config.train.recalibrate_every;
     if (!config.streaming.metrics_file.empty())
       o.metrics_path = (options.out_dir / config.streaming.metrics_file).string();
     try {
       layer = std::make_unique<tl::StreamedModel>(model->layer_blocks(), std::move(o));
+      n_units = layer->num_blocks();
     } catch (const std::invalid_argument& e) {
       // What the model builds is valid by construction; the device is the config's part.
       if (config.train.device != ComputeDevice::cuda) throw;
@@ -329,8 +333,9 @@ struct Trainer::Impl {
     }
     if (t.mode != TrainMode::full) return;
     for (std::uint32_t b = 0; b < n_blocks; ++b) {
-      for (const char* name : kStreamedNames) {
-        torch::Tensor master = layer->masters(b).at(name);
+      for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+        const char* name = kStreamedNames[i];
+        torch::Tensor master = layer->masters(model->unit_of(b, i)).at(name);
         // A defined .grad: the layer adds each pass's gradient into it in place, where AdamW
         // reads it.
         torch::Tensor grad = model->host_gradient_buffer(master);
@@ -394,16 +399,18 @@ struct Trainer::Impl {
 
   nlohmann::json calibration_identity() const {
     std::uint64_t weights = 0xcbf29ce484222325ull;
-    nlohmann::json layout = nlohmann::json::array();
+    std::vector<nlohmann::json> unit_tensors(n_units, nlohmann::json::array());
     for (std::uint32_t b = 0; b < n_blocks; ++b) {
-      nlohmann::json tensors = nlohmann::json::array();
-      for (const char* name : kStreamedNames) {
-        const torch::Tensor& master = layer->masters(b).at(name);
+      for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
+        const std::uint32_t unit = model->unit_of(b, i);
+        const torch::Tensor& master = layer->masters(unit).at(kStreamedNames[i]);
         weights = hash_tensor(master.detach(), weights);
-        tensors.push_back({name, master.size(0), master.size(1)});
+        unit_tensors[unit].push_back({kStreamedNames[i], master.size(0), master.size(1)});
       }
-      layout.push_back({{"name", fmt::format("block{}", b)}, {"tensors", tensors}});
     }
+    nlohmann::json layout = nlohmann::json::array();
+    for (std::uint32_t u = 0; u < n_units; ++u)
+      layout.push_back({{"name", model->unit_name(u)}, {"tensors", unit_tensors[u]}});
     for (const ResidentParam& p : model->resident()) weights = hash_tensor(p.value.detach(), weights);
     return {{"model", model_identity()},
             {"weights_fnv1a64", fmt::format("{:016x}", weights)},
@@ -447,7 +454,7 @@ struct Trainer::Impl {
     const fs::path dir = config.train.calibration_cache_dir.empty() ? default_calibration_cache_dir()
                                                                     : fs::path(config.train.calibration_cache_dir);
     const fs::path file = calibration_cache_file(dir, fingerprint);
-    CacheLookup cached = read_calibration_cache(file, fingerprint, n_blocks);
+    CacheLookup cached = read_calibration_cache(file, fingerprint, n_units);
     if (cached.status == CacheStatus::hit) {
       calibration_errors = std::move(cached.errors);
       calibration_status = "hit";
@@ -557,6 +564,14 @@ struct Trainer::Impl {
 
     const tl::StepReport report = layer->end_step(record.loss);
     if (report.swap) note_swap(step, *report.swap, record);
+    if (report.calibration) {
+      calibration_errors = *report.calibration;
+      calibration_status = fmt::format("re-calibrated at step {}", step);
+      record.recalibration = nlohmann::json{
+          {"seconds", report.calibration_seconds}, {"int8", calibration_errors.int8}, {"nf4", calibration_errors.nf4}};
+      log->debug("step {}: re-calibrated in {:.3f}s: INT8 {:.4f}, NF4 {:.4f}", step, report.calibration_seconds,
+                 fmt::join(calibration_errors.int8, " "), fmt::join(calibration_errors.nf4, " "));
+    }
     record.h2d_bytes_bf16 = report.h2d_bytes_bf16;
     record.h2d_bytes_int8 = report.h2d_bytes_int8;
     record.h2d_bytes_nf4 = report.h2d_bytes_nf4;
@@ -662,9 +677,9 @@ struct Trainer::Impl {
       if (like.dim() == 1 && like.scalar_type() == torch::kUInt8) {
         const Bytes& bytes = in.get(key);
         if (key == "policy/hints" && (bytes.size() % sizeof(sp_hint_v1) != 0 ||
-                                      (!bytes.empty() && bytes.size() != n_blocks * sizeof(sp_hint_v1)))) {
+                                      (!bytes.empty() && bytes.size() != n_units * sizeof(sp_hint_v1)))) {
           throw ResumeError(fmt::format("{}: section 'policy/hints' holds {} bytes; expected none or {} hints", file,
-                                        bytes.size(), n_blocks));
+                                        bytes.size(), n_units));
         }
         torch::Tensor t = torch::empty({static_cast<std::int64_t>(bytes.size())}, torch::kUInt8);
         if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
@@ -686,11 +701,15 @@ struct Trainer::Impl {
       // The mode first: a LoRA config resuming a full run differs in lora_rank too, and the
       // mode is the difference to report.
       for (const char* key : {"mode", "d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio", "lora_rank",
-                              "int8_group_size", "nf4_group_size"}) {
+                              "streaming_unit", "int8_group_size", "nf4_group_size"}) {
         const nlohmann::json& value = expected.at(key);
         // A checkpoint from before the NF4 route never sent an NF4 image: any group size fits it.
         if (std::string_view(key) == "nf4_group_size" && !meta["model"].contains(key)) continue;
-        if (!meta["model"].contains(key) || meta["model"][key] != value) {
+        // One from before streaming units streamed whole blocks.
+        const nlohmann::json saved = std::string_view(key) == "streaming_unit" && !meta["model"].contains(key)
+                                         ? nlohmann::json("block")
+                                         : meta["model"].value(key, nlohmann::json());
+        if (saved.is_null() || saved != value) {
           throw ResumeError(
               fmt::format("{}: made for {} = {}, this config has {} (use another --out, or "
                           "--set train.resume=never)",
@@ -740,11 +759,11 @@ struct Trainer::Impl {
             {"nf4_calibration_errors", &calibration_errors.nf4}}) {
         const bool errors_valid =
             std::all_of(errors->begin(), errors->end(), [](double e) { return std::isfinite(e) && e >= 0.0; });
-        if ((!errors->empty() && errors->size() != n_blocks) || !errors_valid) {
+        if ((!errors->empty() && errors->size() != n_units) || !errors_valid) {
           throw CheckpointError(
               fmt::format("{}: section 'meta': {} holds {} values; expected none or {} finite "
                           "values >= 0",
-                          checkpoint_path(options.out_dir).string(), key, errors->size(), n_blocks));
+                          checkpoint_path(options.out_dir).string(), key, errors->size(), n_units));
         }
       }
       calibration_status = "restored from checkpoint";
@@ -798,6 +817,7 @@ struct Trainer::Impl {
                              {"plugin_version", r.plugin_version}};
     if (r.val_loss) record["val_loss"] = *r.val_loss;
     if (!r.swap_note.empty()) record["plugin_swap"] = r.swap_note;
+    if (r.recalibration) record["recalibration"] = *r.recalibration;
     train_metrics->append(record);
   }
 
@@ -893,7 +913,7 @@ struct Trainer::Impl {
           static_cast<std::uint32_t>(std::count(record.routes.begin(), record.routes.end(), SP_PRECISION_INT8));
       state.nf4_blocks =
           static_cast<std::uint32_t>(std::count(record.routes.begin(), record.routes.end(), SP_PRECISION_NF4));
-      state.bf16_blocks = n_blocks - state.int8_blocks - state.nf4_blocks;
+      state.bf16_blocks = n_units - state.int8_blocks - state.nf4_blocks;
       state.bytes_all_bf16 = totals.h2d_all_bf16;
       state.bytes_saved = totals.h2d_all_bf16 - totals.h2d_bf16 - totals.h2d_int8 - totals.h2d_nf4;
       state.eta_seconds = seconds_since(run_start) / (next_step - first) * (total - next_step);

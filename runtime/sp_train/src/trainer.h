@@ -53,6 +53,8 @@ struct StepRecord {
   double seconds = 0.0;
   std::string plugin_version;
   std::string swap_note;  // non-empty at the step a hot swap took effect or failed
+  // At the steps that re-calibrated (train.recalibrate_every): the errors and the seconds.
+  std::optional<nlohmann::json> recalibration;
 };
 
 struct RunOptions {
@@ -94,7 +96,7 @@ class Trainer {
 
   // The step the next run() starts at (> 0 after a resume).
   std::int64_t next_step() const;
-  // "hit", "computed (<why>)", "disabled" or "restored from checkpoint".
+  // "hit", "computed (<why>)", "disabled", "restored from checkpoint" or "re-calibrated at step N".
   const std::string& calibration_status() const;
   const CalibrationErrors& calibration_errors() const;
 

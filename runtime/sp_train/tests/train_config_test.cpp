@@ -48,14 +48,18 @@ TEST(TrainConfig, OverridesEditTheDocumentAndReachThePlugin) {
 TEST(TrainConfig, EachBadValueNamesItsKeyAndExpectation) {
   EXPECT_EQ(error_of("model: {d_modle: 3}"),
             "cfg.yaml: model.d_modle: unknown key; did you mean 'd_model'? model accepts: d_model, n_heads, n_blocks, "
-            "seq_len, mlp_ratio, init_std, outliers");
+            "seq_len, mlp_ratio, init_std, outliers, streaming_unit");
   EXPECT_EQ(error_of("model: {width: 3}"),
             "cfg.yaml: model.width: unknown key; model accepts: d_model, n_heads, n_blocks, seq_len, mlp_ratio, "
-            "init_std, outliers");
+            "init_std, outliers, streaming_unit");
   EXPECT_EQ(error_of("model: {d_model: -4}"), "cfg.yaml: model.d_model: expected an integer in [8, 65536], found '-4'");
   EXPECT_EQ(error_of("model: {d_model: 130, n_heads: 4}"),
             "cfg.yaml: model.n_heads: expected a divisor of model.d_model (130), found '4'");
   EXPECT_EQ(error_of("train: {mode: partial}"), "cfg.yaml: train.mode: expected one of full, lora, found 'partial'");
+  EXPECT_EQ(error_of("model: {streaming_unit: layer}"),
+            "cfg.yaml: model.streaming_unit: expected one of block, sublayer, found 'layer'");
+  EXPECT_EQ(error_of("train: {recalibrate_every: -1}"),
+            "cfg.yaml: train.recalibrate_every: expected an integer in [0, 4294967295], found '-1'");
   EXPECT_EQ(error_of("train: {lr: \"fast\"}"),
             "cfg.yaml: train.lr: expected a number in (0, 10], found the string \"fast\"");
   EXPECT_EQ(error_of("train: {compute_dtype: bf16}"),

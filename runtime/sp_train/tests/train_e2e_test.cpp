@@ -183,6 +183,70 @@ TEST_F(TrainE2E, InterruptedRunResumesBitwiseIdentically) {
   EXPECT_EQ(straight.json["h2d_bytes"], second_half.json["h2d_bytes"]);
 }
 
+// model.streaming_unit: sublayer gives the plugin one unit per attention and per MLP sublayer.
+// With every unit BF16 the math is the whole-block run's, to rounding; with the MLP halves
+// forced to NF4, those cross as NF4 and the attention halves as BF16.
+TEST_F(TrainE2E, SublayerUnitsAreDecidedAndStreamedHalfABlockEach) {
+  const std::vector<Override> bf16_only = {{"memory.stagehand.selective_precision.mode", "off"}};
+  std::vector<Override> sublayer_bf16 = bf16_only;
+  sublayer_bf16.push_back({"model.streaming_unit", "sublayer"});
+  const RunSummary blocks = train("blocks", bf16_only);
+  const RunSummary halves = train("halves", sublayer_bf16);
+  ASSERT_EQ(halves.steps.size(), blocks.steps.size());
+  for (std::size_t s = 0; s < blocks.steps.size(); ++s) {
+    EXPECT_NEAR(halves.steps[s].loss, blocks.steps[s].loss, 1e-5 * blocks.steps[s].loss) << "step " << s;
+    EXPECT_EQ(halves.steps[s].routes.size(), 8u);
+  }
+  EXPECT_EQ(halves.json["model"]["streaming_unit"], "sublayer");
+
+  const std::vector<Override> mlp_nf4 = {{"model.streaming_unit", "sublayer"},
+                                         {"memory.stagehand.selective_precision.mode", "static"},
+                                         {"memory.stagehand.selective_precision.force_nf4_blocks", "[1, 3, 5, 7]"}};
+  const RunSummary run = train("mlp-nf4", mlp_nf4);
+  const std::vector<std::uint8_t> expected = {0, 2, 0, 2, 0, 2, 0, 2};
+  EXPECT_EQ(run.steps.back().routes, expected);
+  EXPECT_EQ(run.json["block_steps"]["nf4"], 23u * 4u);
+  EXPECT_EQ(run.json["block_steps"]["bf16"], 24u * 4u + 4u);
+  EXPECT_LT(mean_loss(run.steps, 19, 24), mean_loss(run.steps, 0, 5) - 0.3);
+  const double saved = run.json["h2d_bytes"]["saved_fraction"];
+  // At mlp_ratio 2 the MLP half holds half a block's weights (fc + proj: 4c^2, as qkv + proj):
+  // NF4 on it saves about half of NF4's 72%.
+  EXPECT_GT(saved, 0.3);
+  EXPECT_LT(saved, 0.5);
+}
+
+// train.recalibrate_every: the errors are measured again on the trained weights, reported on
+// the steps that did it, and a run interrupted between re-calibrations resumes bitwise.
+TEST_F(TrainE2E, OnlineRecalibrationFollowsTheWeightsAndResumesBitwise) {
+  const std::vector<Override> every4 = {{"train.recalibrate_every", "4"}};
+  const RunSummary straight = train("recal", every4);
+  std::vector<double> first_int8;
+  for (const StepRecord& r : straight.steps) {
+    ASSERT_EQ(r.recalibration.has_value(), (r.step + 1) % 4 == 0) << "step " << r.step;
+    if (!r.recalibration) continue;
+    const std::vector<double> int8 = (*r.recalibration)["int8"].get<std::vector<double>>();
+    ASSERT_EQ(int8.size(), 4u);
+    if (first_int8.empty()) first_int8 = int8;
+  }
+  const std::vector<double> last_int8 = straight.json["calibration"]["errors"].get<std::vector<double>>();
+  EXPECT_NE(last_int8, first_int8) << "the errors follow the trained weights";
+  EXPECT_EQ(straight.json["calibration"]["status"], "re-calibrated at step 23");
+
+  std::atomic<bool> stop{false};
+  train(
+      "recal-resumed", every4, [&](const StepRecord& r) { stop = r.step == 9; }, &stop);
+  Trainer resumed(config(every4), options("recal-resumed"));
+  const RunSummary second_half = resumed.run();
+  ASSERT_EQ(second_half.steps.size(), 14u);
+  for (std::size_t i = 0; i < second_half.steps.size(); ++i) {
+    const StepRecord& a = straight.steps[10 + i];
+    const StepRecord& b = second_half.steps[i];
+    EXPECT_EQ(std::memcmp(&a.loss, &b.loss, sizeof a.loss), 0) << "step " << a.step;
+    EXPECT_EQ(a.decisions, b.decisions) << "step " << a.step;
+  }
+  EXPECT_EQ(straight.json["calibration"]["errors"], second_half.json["calibration"]["errors"]);
+}
+
 // The live upgrade: a run that started on policy 1.0.0 moves to 2.0.0 at a step boundary, its
 // state migrated through export/import; with a v1 config, 2.0.0 takes 1.0.0's decisions.
 TEST_F(TrainE2E, HotSwapMidRunKeepsTheDecisions) {
