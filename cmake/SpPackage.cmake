@@ -36,7 +36,9 @@ selective_precision_install_component(plugin_abi TARGETS selective_precision_plu
   HEADERS ${PROJECT_SOURCE_DIR}/host_api/include)
 selective_precision_install_component(host TARGETS selective_precision_host)
 set(sp_kernel_targets selective_precision_kernels)
-set(sp_adapter_targets selective_precision_adapters)
+# input_files (whole-file reads, typed JSON fields) is a private link dependency of the static
+# adapters library, exported with it; its headers are not installed.
+set(sp_adapter_targets selective_precision_adapters selective_precision_input_files)
 if(SP_HAVE_CUDA)
   list(APPEND sp_kernel_targets selective_precision_kernels_cuda)
   list(APPEND sp_adapter_targets selective_precision_adapters_cuda)

@@ -15,7 +15,7 @@
 
 #include "sp/adapters/host_backend.h"
 #include "sp/bench/transfer_measure.h"
-#include "sp/bench/transfer_policy.h"
+#include "sp/adapters/transfer_policy.h"
 #include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
 #include "sp/runtime/atomic_file.h"
@@ -72,17 +72,17 @@ std::string host_name() {
   return name;
 }
 
-sp::bench::TransferReport sweep(sp::adapters::TransferBackend& backend, const TransferOptions& options) {
-  sp::bench::TransferReport report;
+sp::adapters::TransferReport sweep(sp::adapters::TransferBackend& backend, const TransferOptions& options) {
+  sp::adapters::TransferReport report;
   const auto measure = [&](const std::vector<sp::bench::MatrixShape>& shapes, const std::string& label) {
-    sp::bench::TransferPoint point = sp::bench::measure_transfer_point(backend, shapes, options.measure);
+    sp::adapters::TransferPoint point = sp::bench::measure_transfer_point(backend, shapes, options.measure);
     fmt::print(
         "{:>18}  bf16 {:>10}  raw {:7.2f} GB/s  bf16 path {:5.1f}% of raw  int8 {:5.2f}x faster "
         "(frozen), {:5.2f}x (trained)  nf4 {:5.2f}x (frozen), {:5.2f}x (trained)\n",
         label, describe_bytes(point.bf16_bytes), point.bf16_bytes / point.raw_copy_s / 1e9,
-        100.0 * point.raw_copy_s / point.bf16_path_s, point.speedup(sp::bench::TransferPath::kInt8Frozen),
-        point.speedup(sp::bench::TransferPath::kInt8Trained), point.speedup(sp::bench::TransferPath::kNf4Frozen),
-        point.speedup(sp::bench::TransferPath::kNf4Trained));
+        100.0 * point.raw_copy_s / point.bf16_path_s, point.speedup(sp::adapters::TransferPath::kInt8Frozen),
+        point.speedup(sp::adapters::TransferPath::kInt8Trained), point.speedup(sp::adapters::TransferPath::kNf4Frozen),
+        point.speedup(sp::adapters::TransferPath::kNf4Trained));
     std::fflush(stdout);
     report.points.push_back(point);
   };
@@ -101,17 +101,17 @@ int transfer(TransferOptions options) {
 #ifdef SP_BENCH_WITH_CUDA
   if (options.backend == "auto") use_cuda = sp::adapters::CudaBackend::device_available();
   if (use_cuda && !sp::adapters::CudaBackend::device_available()) {
-    throw sp::bench::TransferPolicyError("--backend cuda: no CUDA device is available");
+    throw sp::adapters::TransferPolicyError("--backend cuda: no CUDA device is available");
   }
 #else
-  if (use_cuda) throw sp::bench::TransferPolicyError("--backend cuda: this build has no CUDA support");
+  if (use_cuda) throw sp::adapters::TransferPolicyError("--backend cuda: this build has no CUDA support");
 #endif
   if (options.max_kib == 0) options.max_kib = use_cuda ? (512u << 10) : (64u << 10);
   if (options.min_kib > options.max_kib) {
-    throw sp::bench::TransferPolicyError(
+    throw sp::adapters::TransferPolicyError(
         fmt::format("--min-kib {} is above --max-kib {}", options.min_kib, options.max_kib));
   }
-  sp::bench::TransferReport report;
+  sp::adapters::TransferReport report;
   if (use_cuda) {
 #ifdef SP_BENCH_WITH_CUDA
     sp::adapters::CudaBackend backend;
@@ -130,35 +130,36 @@ int transfer(TransferOptions options) {
     if (options.cap_gbps > 0) report.bandwidth_cap_gbps = options.cap_gbps;
   }
   report.machine = options.machine.empty() ? host_name() : options.machine;
-  sp::runtime::write_file_atomically(options.output, sp::bench::report_to_json(report));
+  sp::runtime::write_file_atomically(options.output, sp::adapters::report_to_json(report));
   fmt::print("report of {} sizes on {} ({}) written to {}\n", report.points.size(), report.machine, report.device,
              options.output);
   return kExitOk;
 }
 
 int merge_policy(const std::vector<std::string>& report_paths, const std::string& output, double threshold) {
-  std::vector<sp::bench::TransferReport> reports;
+  std::vector<sp::adapters::TransferReport> reports;
   for (const std::string& path : report_paths) {
     std::error_code ignored;
     if (std::filesystem::equivalent(path, output, ignored)) {
-      throw sp::bench::TransferPolicyError(
+      throw sp::adapters::TransferPolicyError(
           fmt::format("--output {} is also one of the --reports; the report would be overwritten", output));
     }
-    reports.push_back(sp::bench::load_report(path));
+    reports.push_back(sp::adapters::load_report(path));
   }
-  const sp::bench::TransferPolicy policy = sp::bench::TransferPolicy::merge(reports, threshold);
+  const sp::adapters::TransferPolicy policy = sp::adapters::TransferPolicy::merge(reports, threshold);
   sp::runtime::write_file_atomically(output, policy.to_json());
-  for (auto path : {sp::bench::TransferPath::kInt8Frozen, sp::bench::TransferPath::kInt8Trained,
-                    sp::bench::TransferPath::kNf4Frozen, sp::bench::TransferPath::kNf4Trained}) {
-    const bool nf4 = path == sp::bench::TransferPath::kNf4Frozen || path == sp::bench::TransferPath::kNf4Trained;
+  for (auto path : {sp::adapters::TransferPath::kInt8Frozen, sp::adapters::TransferPath::kInt8Trained,
+                    sp::adapters::TransferPath::kNf4Frozen, sp::adapters::TransferPath::kNf4Trained}) {
+    const bool nf4 = path == sp::adapters::TransferPath::kNf4Frozen || path == sp::adapters::TransferPath::kNf4Trained;
     const char* route = nf4 ? "NF4" : "INT8";
     const auto& rules = policy.rules(path);
     if (rules.empty()) {
-      fmt::print("{}: {} never measured >= {}x faster: no block takes {} ({})\n", sp::bench::transfer_path_name(path),
-                 route, threshold, route, nf4 ? "NF4 hints fall back to INT8 where it pays, else BF16" : "BF16");
+      fmt::print("{}: {} never measured >= {}x faster: no block takes {} ({})\n",
+                 sp::adapters::transfer_path_name(path), route, threshold, route,
+                 nf4 ? "NF4 hints fall back to INT8 where it pays, else BF16" : "BF16");
     }
     for (const auto& rule : rules) {
-      fmt::print("{}: {} from {} {} (measured speedup >= {:.2f}x)\n", sp::bench::transfer_path_name(path), route,
+      fmt::print("{}: {} from {} {} (measured speedup >= {:.2f}x)\n", sp::adapters::transfer_path_name(path), route,
                  describe_bytes(rule.min_bytes),
                  rule.max_bytes ? "below " + describe_bytes(*rule.max_bytes) : std::string("upwards"),
                  rule.measured_speedup);
@@ -259,7 +260,7 @@ int main(int argc, char** argv) {
   try {
     if (*measure) return transfer(transfer_options);
     if (*merge) return merge_policy(reports, output, threshold);
-  } catch (const sp::bench::TransferPolicyError& e) {
+  } catch (const sp::adapters::TransferPolicyError& e) {
     fmt::print(stderr, "sp-bench: {}\n", e.what());
     return kExitBadInput;
   } catch (const std::bad_alloc&) {

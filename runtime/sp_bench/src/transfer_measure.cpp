@@ -112,7 +112,7 @@ double run_transfer_step(adapters::StreamingEngine& engine, int64_t step) {
   return seconds_since(start);
 }
 
-TimingStats timing_stats(std::vector<double> samples) {
+adapters::TimingStats timing_stats(std::vector<double> samples) {
   if (samples.empty()) throw std::invalid_argument("timing_stats: no samples");
   std::sort(samples.begin(), samples.end());
   return {samples[samples.size() / 2], samples.front(), samples.back(), static_cast<uint32_t>(samples.size())};
@@ -155,20 +155,20 @@ PathSamples measure_path(adapters::TransferBackend& backend, const SyntheticBloc
 
 }  // namespace
 
-TransferPoint measure_transfer_point(adapters::TransferBackend& backend, const std::vector<MatrixShape>& shapes,
-                                     const MeasureOptions& options) {
+adapters::TransferPoint measure_transfer_point(adapters::TransferBackend& backend,
+                                               const std::vector<MatrixShape>& shapes, const MeasureOptions& options) {
   if (options.repeats < 1) throw std::invalid_argument("measure_transfer_point: repeats must be >= 1");
   const SyntheticBlocks blocks(options.blocks, shapes, /*seed=*/shapes.front().rows * 131 + shapes.size());
   std::vector<kernels::TensorShape> slab_shapes;
   for (const MatrixShape& s : shapes) slab_shapes.push_back({s.rows, s.cols});
   kernels::SlabEncoding encoding;
-  TransferPoint point;
+  adapters::TransferPoint point;
   encoding.precision = kernels::SlabPrecision::kBf16;
   point.bf16_bytes = kernels::slab_image_bytes(encoding, slab_shapes.data(), slab_shapes.size());
   encoding.precision = kernels::SlabPrecision::kInt8;
   encoding.group_size = options.int8_group_size;
   point.int8_bytes = kernels::slab_image_bytes(encoding, slab_shapes.data(), slab_shapes.size());
-  Nf4Measurement nf4;
+  adapters::Nf4Measurement nf4;
   nf4.group_size = options.nf4_group_size;
   encoding.precision = kernels::SlabPrecision::kNf4;
   encoding.group_size = options.nf4_group_size;

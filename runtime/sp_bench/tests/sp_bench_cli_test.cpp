@@ -6,13 +6,18 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "sp/bench/transfer_policy.h"
+#include "sp/adapters/transfer_policy.h"
 #include "sp/runtime/run_command.h"
 
 namespace sp::bench {
 namespace {
 
 namespace fs = std::filesystem;
+using adapters::load_report;
+using adapters::TransferPath;
+using adapters::TransferPoint;
+using adapters::TransferPolicy;
+using adapters::TransferReport;
 using ::testing::HasSubstr;
 
 runtime::CommandResult run(const std::string& args) {

@@ -6,12 +6,10 @@
 #include "engine_test_support.h"
 #include "sp/adapters/host_backend.h"
 #include "sp/adapters/streaming_engine.h"
-#include "sp/bench/transfer_policy.h"
+#include "sp/adapters/transfer_policy.h"
 
-namespace sp::bench {
+namespace sp::adapters {
 namespace {
-
-using adapters::Precision;
 
 // Two tensors per block: blocks 0-1 small, blocks 2-3 large.
 class TwoSizeModel {
@@ -151,4 +149,4 @@ TEST(TransferGateEndToEnd, UnreadablePolicyFileKeepsEveryBlockBf16AndWarnsOnce) 
 }
 
 }  // namespace
-}  // namespace sp::bench
+}  // namespace sp::adapters

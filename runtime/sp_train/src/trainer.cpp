@@ -19,7 +19,7 @@
 #include "gpt_model.h"
 #include "progress.h"
 #include "sp/adapters/metrics.h"
-#include "sp/bench/transfer_policy.h"
+#include "sp/adapters/transfer_policy.h"
 #include "sp/runtime/atomic_file.h"
 #include "sp/runtime/hash.h"
 #include "sp/torch_layer/streamed_model.h"
@@ -351,16 +351,16 @@ struct Trainer::Impl {
   // machine's measurements say they pay, on the path this mode takes (trained blocks also pay
   // an image rebuild per step).
   void apply_transfer_policy(const std::string& path) {
-    const sp::bench::TransferPolicy transfer_policy = sp::bench::load_transfer_policy_or_bf16(
-        path, [&](const std::string& why) { log->warn("transfer policy {}", why); });
-    const sp::bench::BlockWeights weights =
-        config.train.mode == TrainMode::full ? sp::bench::BlockWeights::kTrained : sp::bench::BlockWeights::kFrozen;
+    const ad::TransferPolicy transfer_policy =
+        ad::load_transfer_policy_or_bf16(path, [&](const std::string& why) { log->warn("transfer policy {}", why); });
+    const ad::BlockWeights weights =
+        config.train.mode == TrainMode::full ? ad::BlockWeights::kTrained : ad::BlockWeights::kFrozen;
     std::vector<std::uint64_t> sizes;
     for (std::uint32_t b = 0; b < n_blocks; ++b) sizes.push_back(layer->image_bytes(b, SP_PRECISION_BF16));
-    const ad::TransferGate gate = sp::bench::transfer_gate(transfer_policy, weights, sizes);
+    const ad::TransferGate gate = ad::transfer_gate(transfer_policy, weights, sizes);
     const auto paying = [](const std::vector<bool>& pays) { return std::count(pays.begin(), pays.end(), true); };
     log->info("transfer policy {} ({} blocks): INT8 pays for {}, NF4 for {} of {} blocks", path,
-              weights == sp::bench::BlockWeights::kTrained ? "trained" : "frozen", paying(gate.int8_pays),
+              weights == ad::BlockWeights::kTrained ? "trained" : "frozen", paying(gate.int8_pays),
               paying(gate.nf4_pays), n_blocks);
     layer->set_transfer_gate(gate);
   }

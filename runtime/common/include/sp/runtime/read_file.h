@@ -1,34 +1,13 @@
-// Whole-file reads for the reference host tools' inputs (configs, checkpoints, caches,
-// traces), with the one error wording they share.
+// Whole-file reads for the reference host tools' inputs: sp/input_files/read_file.h (shared with
+// the adapters) under the runtime's names.
 #pragma once
 
-#include <filesystem>
-#include <fstream>
-#include <stdexcept>
-#include <string>
-#include <string_view>
+#include "sp/input_files/read_file.h"
 
 namespace sp::runtime {
 
-class FileReadError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-  // True when the file does not exist (as opposed to existing and being unreadable).
-  bool missing() const { return missing_; }
-
- private:
-  friend std::ifstream open_input_file(const std::filesystem::path&, std::string_view);
-  bool missing_ = false;
-};
-
-// An input stream on `file`, for inputs read piece by piece (traces). Throws FileReadError
-// "<file>: cannot open the <what>: <reason>" or "<file>: is a directory; expected the <what>"
-// (std::ifstream opens a directory and fails only on the first read, which callers would see
-// as an empty input or an internal error).
-std::ifstream open_input_file(const std::filesystem::path& file, std::string_view what);
-
-// The file's bytes; throws FileReadError as open_input_file() does, when the file is not a
-// regular file (a FIFO or a device has no end to read to), or when reading fails.
-std::string read_whole_file(const std::filesystem::path& file, std::string_view what);
+using input_files::FileReadError;
+using input_files::open_input_file;
+using input_files::read_whole_file;
 
 }  // namespace sp::runtime

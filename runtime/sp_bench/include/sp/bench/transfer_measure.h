@@ -9,7 +9,7 @@
 
 #include "sp/adapters/backend.h"
 #include "sp/adapters/streaming_engine.h"
-#include "sp/bench/transfer_policy.h"
+#include "sp/adapters/transfer_policy.h"
 
 namespace sp::bench {
 
@@ -68,9 +68,9 @@ struct MeasureOptions {
 
 // All three paths for blocks of `shapes`: copy and dequant times from events, rebuild times
 // on the host, and the streaming time per block measured whole.
-TransferPoint measure_transfer_point(adapters::TransferBackend& backend, const std::vector<MatrixShape>& shapes,
-                                     const MeasureOptions& options);
+adapters::TransferPoint measure_transfer_point(adapters::TransferBackend& backend,
+                                               const std::vector<MatrixShape>& shapes, const MeasureOptions& options);
 
-TimingStats timing_stats(std::vector<double> samples);
+adapters::TimingStats timing_stats(std::vector<double> samples);
 
 }  // namespace sp::bench

@@ -12,6 +12,9 @@
 // "nf4_frozen" / "nf4_trained" rules) still load: NF4 was not measured there, so it pays
 // nowhere, and merging such a report with newer ones leaves no NF4 rule (a size is allowed
 // only where every report allows it).
+//
+// The formats, the merge rule and the gate live here, beside the PolicyBridge that consumes the
+// gate; the measuring (runtime/sp_bench's transfer_measure.h) stays with the tool.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +27,7 @@
 
 #include "sp/adapters/policy_bridge.h"
 
-namespace sp::bench {
+namespace sp::adapters {
 
 // Which quantized path a measurement or rule is about. A frozen block (LoRA base weights)
 // pays copy + dequant; a trained block also pays the rebuild of its quantized image after
@@ -154,11 +157,11 @@ class TransferPolicy {
   std::vector<MergeSource> sources_;
 };
 
-// The gate the adapters' PolicyBridge combines with the plugin's hints, both quantized routes
+// The gate the PolicyBridge combines with the plugin's hints, both quantized routes
 // for blocks whose weights are `weights`: a route only where both policies say so, NF4 hints
 // falling back to INT8 where only INT8 pays (PolicyBridge::decide).
-adapters::TransferGate transfer_gate(const TransferPolicy& policy, BlockWeights weights,
-                                     const std::vector<uint64_t>& block_bf16_bytes);
+TransferGate transfer_gate(const TransferPolicy& policy, BlockWeights weights,
+                           const std::vector<uint64_t>& block_bf16_bytes);
 
 // Loads the transfer policy a run was configured with. A missing or unusable file is not
 // fatal: `warn` is called once with the reason, and the result allows INT8 nowhere, so
@@ -166,4 +169,4 @@ adapters::TransferGate transfer_gate(const TransferPolicy& policy, BlockWeights 
 TransferPolicy load_transfer_policy_or_bf16(const std::string& path,
                                             const std::function<void(const std::string&)>& warn);
 
-}  // namespace sp::bench
+}  // namespace sp::adapters

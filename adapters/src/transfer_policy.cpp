@@ -1,4 +1,4 @@
-#include "sp/bench/transfer_policy.h"
+#include "sp/adapters/transfer_policy.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,15 +11,15 @@
 #include <nlohmann/json.hpp>
 
 #include "sp/kernels/nf4.h"
-#include "sp/runtime/json_fields.h"
-#include "sp/runtime/read_file.h"
+#include "sp/input_files/json_fields.h"
+#include "sp/input_files/read_file.h"
 
-namespace sp::bench {
+namespace sp::adapters {
 namespace {
 
+using input_files::JsonFieldError;
+using input_files::JsonFields;
 using nlohmann::json;
-using runtime::JsonFieldError;
-using runtime::JsonFields;
 
 constexpr const char* kReportFormat = "sp-transfer-report";
 constexpr const char* kPolicyFormat = "sp-transfer-policy";
@@ -84,8 +84,8 @@ std::vector<Interval> intersect(const std::vector<Interval>& a, const std::vecto
 
 std::string read_text_file(const std::string& path, const char* what) {
   try {
-    return sp::runtime::read_whole_file(path, what);
-  } catch (const sp::runtime::FileReadError& e) {
+    return input_files::read_whole_file(path, what);
+  } catch (const input_files::FileReadError& e) {
     throw TransferPolicyError(e.what());
   }
 }
@@ -443,15 +443,15 @@ bool TransferPolicy::pays(TransferPath path, uint64_t bf16_bytes) const {
   return find_rule(path, bf16_bytes) != nullptr;
 }
 
-adapters::TransferGate transfer_gate(const TransferPolicy& policy, BlockWeights weights,
-                                     const std::vector<uint64_t>& block_bf16_bytes) {
+TransferGate transfer_gate(const TransferPolicy& policy, BlockWeights weights,
+                           const std::vector<uint64_t>& block_bf16_bytes) {
   // Per block, whether `path` pays for its BF16 image size.
   const auto verdicts = [&](TransferPath path) {
     std::vector<bool> pays(block_bf16_bytes.size());
     for (size_t b = 0; b < block_bf16_bytes.size(); ++b) pays[b] = policy.pays(path, block_bf16_bytes[b]);
     return pays;
   };
-  return adapters::TransferGate{verdicts(int8_path(weights)), verdicts(nf4_path(weights))};
+  return TransferGate{verdicts(int8_path(weights)), verdicts(nf4_path(weights))};
 }
 
 TransferPolicy load_transfer_policy_or_bf16(const std::string& path,
@@ -464,4 +464,4 @@ TransferPolicy load_transfer_policy_or_bf16(const std::string& path,
   }
 }
 
-}  // namespace sp::bench
+}  // namespace sp::adapters

@@ -1,4 +1,4 @@
-#include "sp/bench/transfer_policy.h"
+#include "sp/adapters/transfer_policy.h"
 
 #include <filesystem>
 #include <fstream>
@@ -6,7 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-namespace sp::bench {
+namespace sp::adapters {
 namespace {
 
 using ::testing::HasSubstr;
@@ -146,10 +146,10 @@ TEST(TransferPolicyMerge, Nf4RulesComeFromTheNf4Measurements) {
   EXPECT_FALSE(policy.pays(TransferPath::kNf4Frozen, 1 * MiB));
 
   // The gate for the PolicyBridge: both routes, per block size.
-  const adapters::TransferGate frozen = transfer_gate(policy, BlockWeights::kFrozen, {1 * MiB, 8 * MiB});
+  const TransferGate frozen = transfer_gate(policy, BlockWeights::kFrozen, {1 * MiB, 8 * MiB});
   EXPECT_EQ(frozen.int8_pays, (std::vector<bool>{true, true}));
   EXPECT_EQ(frozen.nf4_pays, (std::vector<bool>{false, true}));
-  const adapters::TransferGate trained = transfer_gate(policy, BlockWeights::kTrained, {1 * MiB, 8 * MiB});
+  const TransferGate trained = transfer_gate(policy, BlockWeights::kTrained, {1 * MiB, 8 * MiB});
   EXPECT_EQ(trained.int8_pays, (std::vector<bool>{true, true}));
   EXPECT_EQ(trained.nf4_pays, (std::vector<bool>{false, false}));
 }
@@ -176,7 +176,7 @@ TEST(TransferPolicyFile, APolicyFromBeforeNf4LoadsAndAllowsNf4Nowhere) {
   const TransferPolicy policy = TransferPolicy::from_json(old, "old-policy.json");
   EXPECT_TRUE(policy.pays(TransferPath::kInt8Frozen, 4096));
   EXPECT_FALSE(policy.pays(TransferPath::kNf4Frozen, 4096));
-  const adapters::TransferGate gate = transfer_gate(policy, BlockWeights::kFrozen, {4096, 512});
+  const TransferGate gate = transfer_gate(policy, BlockWeights::kFrozen, {4096, 512});
   EXPECT_EQ(gate.int8_pays, (std::vector<bool>{true, false}));
   EXPECT_EQ(gate.nf4_pays, (std::vector<bool>{false, false}));
   // Written back, it names all four paths.
@@ -300,4 +300,4 @@ TEST(TransferPath, NamesRoundTrip) {
 }
 
 }  // namespace
-}  // namespace sp::bench
+}  // namespace sp::adapters

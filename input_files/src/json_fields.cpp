@@ -1,10 +1,10 @@
-#include "sp/runtime/json_fields.h"
+#include "sp/input_files/json_fields.h"
 
 #include <cmath>
 
 #include <fmt/core.h>
 
-namespace sp::runtime {
+namespace sp::input_files {
 
 using nlohmann::json;
 
@@ -72,4 +72,4 @@ std::string JsonFields::string(const json& value, const std::string& field) cons
   return value.get<std::string>();
 }
 
-}  // namespace sp::runtime
+}  // namespace sp::input_files

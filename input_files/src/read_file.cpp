@@ -1,4 +1,4 @@
-#include "sp/runtime/read_file.h"
+#include "sp/input_files/read_file.h"
 
 #include <cerrno>
 #include <cstring>
@@ -8,7 +8,7 @@
 
 #include <fmt/format.h>
 
-namespace sp::runtime {
+namespace sp::input_files {
 
 std::ifstream open_input_file(const std::filesystem::path& file, std::string_view what) {
   if (file.empty()) throw FileReadError(fmt::format("expected a path to the {}, found an empty string", what));
@@ -44,4 +44,4 @@ std::string read_whole_file(const std::filesystem::path& file, std::string_view 
   }
 }
 
-}  // namespace sp::runtime
+}  // namespace sp::input_files
