@@ -356,18 +356,18 @@ struct Trainer::Impl {
     const ad::BlockWeights weights =
         config.train.mode == TrainMode::full ? ad::BlockWeights::kTrained : ad::BlockWeights::kFrozen;
     std::vector<std::uint64_t> sizes;
-    for (std::uint32_t b = 0; b < n_blocks; ++b) sizes.push_back(layer->image_bytes(b, SP_PRECISION_BF16));
+    for (std::uint32_t u = 0; u < n_units; ++u) sizes.push_back(layer->image_bytes(u, SP_PRECISION_BF16));
     const ad::TransferGate gate = ad::transfer_gate(transfer_policy, weights, sizes);
     const auto paying = [](const std::vector<bool>& pays) { return std::count(pays.begin(), pays.end(), true); };
     log->info("transfer policy {} ({} blocks): INT8 pays for {}, NF4 for {} of {} blocks", path,
               weights == ad::BlockWeights::kTrained ? "trained" : "frozen", paying(gate.int8_pays),
-              paying(gate.nf4_pays), n_blocks);
+              paying(gate.nf4_pays), n_units);
     layer->set_transfer_gate(gate);
   }
 
   // The plugin's hints in force, one sp_precision per block (BF16 before its first hints).
   std::vector<std::uint8_t> decisions() const {
-    std::vector<std::uint8_t> out(n_blocks, SP_PRECISION_BF16);
+    std::vector<std::uint8_t> out(n_units, SP_PRECISION_BF16);
     for (const sp_hint_v1& h : layer->hints()) out[h.block_id] = static_cast<std::uint8_t>(h.precision);
     return out;
   }
