@@ -107,6 +107,15 @@ struct StreamedModel::Impl {
   std::unique_ptr<ad::StreamingEngine> eval_engine;  // forward-only passes
   std::unique_ptr<ad::Event> compute_done;
   std::unique_ptr<sp::host::PolicySession> policy;
+  std::shared_ptr<Collectives> collectives;  // null: one process
+  // A block's master gradients of the current pass, flattened into one bucket, on their way
+  // through an all-reduce started in the backward; folded into the masters at the pass's end.
+  struct ReducingBucket {
+    std::vector<StreamedParam*> params;
+    torch::Tensor bucket;
+    std::unique_ptr<Collectives::Pending> pending;
+  };
+  std::vector<ReducingBucket> reducing;
 
   enum class Pass { none, forwarded, in_backward };
   Pass pass = Pass::none;
@@ -126,7 +135,8 @@ struct StreamedModel::Impl {
   std::vector<sp_hint_v1> applied_hints;
   torch::Tensor last_input;  // first-block input of the latest training pass, for re-calibration
 
-  Impl(std::vector<Block> in, StreamedModelOptions opts) : options(std::move(opts)), log(options.logger) {
+  Impl(std::vector<Block> in, StreamedModelOptions opts)
+      : options(std::move(opts)), log(options.logger), collectives(options.collectives) {
     if (!log) log = spdlog::default_logger();
     compute = torch::TensorOptions().dtype(options.compute_dtype).device(options.device);
     if (in.empty()) throw std::invalid_argument("StreamedModel: there are no blocks");
@@ -411,15 +421,36 @@ struct StreamedModel::Impl {
     engine->release(b);
 
     std::size_t next = input_grad ? 1 : 0;
+    ReducingBucket bucket;
+    std::vector<torch::Tensor> flat;
     for (StreamedParam& p : block.streamed) {
       if (!p.master.requires_grad()) continue;
       const torch::Tensor& g = grads[next++];
       if (!g.defined()) continue;
+      if (collectives && !p.staging.defined()) {
+        bucket.params.push_back(&p);
+        flat.push_back(g.reshape({-1}).to(torch::kCPU, torch::kFloat32));
+        continue;
+      }
       stage_master_gradient(p, g.reshape(p.shape));
+    }
+    if (!flat.empty()) {
+      // Started now, so that it runs while the backward goes on through the blocks before.
+      bucket.bucket = torch::cat(flat);
+      bucket.pending =
+          collectives->all_reduce(bucket.bucket, Reduction::sum, fmt::format("gradients of {}", block.block.name));
+      reducing.push_back(std::move(bucket));
     }
     variable_list out;
     out.push_back(input_grad ? grads[0] : torch::Tensor());
-    for (std::size_t i = 0; i < block.trainable_resident.size(); ++i) out.push_back(grads[next++]);
+    std::vector<torch::Tensor> resident_grads;
+    for (std::size_t i = 0; i < block.trainable_resident.size(); ++i) {
+      out.push_back(grads[next++]);
+      if (out.back().defined()) resident_grads.push_back(out.back());
+    }
+    // Averaged before autograd adds them to the .grad: whatever the host does next, the
+    // resident parameters of every rank see the same gradient.
+    average_in_place(resident_grads, fmt::format("gradients of {}'s resident parameters", block.block.name));
     if (b == 0) finish_pass();
     return out;
   }
@@ -450,15 +481,78 @@ struct StreamedModel::Impl {
   void finish_pass() {
     add_transfer(engine->end_step());
     pass = Pass::none;
+    for (ReducingBucket& r : reducing) r.pending->wait();
+    for (ReducingBucket& r : reducing) fold_averaged(r.params, r.bucket);
+    reducing.clear();
     if (!grads_staged) return;
     backend->record(*compute_done, ad::Queue::compute);
     backend->synchronize(*compute_done);
+    std::vector<StreamedParam*> staged;
     for (BlockState& b : blocks) {
       for (StreamedParam& p : b.streamed) {
-        if (p.staging.defined()) add_to_master_grad(p, p.staging);
+        if (p.staging.defined()) staged.push_back(&p);
       }
     }
+    if (collectives) {
+      // On a GPU the gradients reach the host only here: one bucket for the whole pass.
+      std::vector<torch::Tensor> flat;
+      for (StreamedParam* p : staged) flat.push_back(p->staging.reshape({-1}));
+      torch::Tensor bucket = torch::cat(flat);
+      collectives->all_reduce(bucket, Reduction::sum, "gradients of the pass")->wait();
+      fold_averaged(staged, bucket);
+    } else {
+      for (StreamedParam* p : staged) add_to_master_grad(*p, p->staging);
+    }
     grads_staged = false;
+  }
+
+  // A bucket of summed gradients, one slice per parameter in order, divided by the ranks.
+  void fold_averaged(const std::vector<StreamedParam*>& params, torch::Tensor& bucket) {
+    bucket.div_(collectives->size());
+    std::int64_t offset = 0;
+    for (StreamedParam* p : params) {
+      const std::int64_t n = p->master.numel();
+      add_to_master_grad(*p, bucket.narrow(0, offset, n).view(p->shape));
+      offset += n;
+    }
+  }
+
+  // The mean across ranks, in place, of tensors of any dtype and shape (one bucket).
+  void average_in_place(const std::vector<torch::Tensor>& tensors, const std::string& what) {
+    if (!collectives || tensors.empty()) return;
+    std::vector<torch::Tensor> flat;
+    for (const torch::Tensor& t : tensors) flat.push_back(t.reshape({-1}).to(torch::kFloat32));
+    torch::Tensor bucket = torch::cat(flat);
+    collectives->all_reduce(bucket, Reduction::sum, what)->wait();
+    bucket.div_(collectives->size());
+    torch::NoGradGuard no_grad;
+    std::int64_t offset = 0;
+    for (const torch::Tensor& t : tensors) {
+      t.copy_(bucket.narrow(0, offset, t.numel()).view_as(t));
+      offset += t.numel();
+    }
+  }
+
+  // Every rank's plugin hints must be the same: the blocks where they differ, by name.
+  void check_ranks_agree(const std::vector<std::int32_t>& values, const std::string& what) {
+    if (!collectives) return;
+    const torch::Tensor mine = torch::tensor(values, torch::kInt32);
+    torch::Tensor high = mine.clone(), low = mine.clone();
+    auto max = collectives->all_reduce(high, Reduction::max, what);
+    auto min = collectives->all_reduce(low, Reduction::min, what);
+    max->wait();
+    min->wait();
+    std::vector<std::string> differ;
+    for (std::size_t b = 0; b < values.size(); ++b) {
+      if (high[b].item<std::int32_t>() != low[b].item<std::int32_t>()) {
+        differ.push_back(fmt::format("{} ({} to {})", b < blocks.size() ? blocks[b].block.name : "plugin",
+                                     low[b].item<std::int32_t>(), high[b].item<std::int32_t>()));
+      }
+    }
+    if (!differ.empty()) {
+      throw RankMismatchError(fmt::format("step {}: rank {} of {}: {} differ across ranks for {}", step,
+                                          collectives->rank(), collectives->size(), what, fmt::join(differ, ", ")));
+    }
   }
 
   // ---- policy --------------------------------------------------------------------------------
@@ -542,7 +636,18 @@ struct StreamedModel::Impl {
     return errors;
   }
 
-  bool set_calibration_errors(const CalibrationErrors& errors) {
+  bool set_calibration_errors(CalibrationErrors& errors) {
+    if (collectives) {
+      // Measured on every rank from the same weights and samples, but given from rank 0, so
+      // that no rounding difference between machines can split the ranks' decisions.
+      torch::Tensor values =
+          torch::empty({static_cast<std::int64_t>(errors.int8.size() + errors.nf4.size())}, torch::kFloat64);
+      std::copy(errors.int8.begin(), errors.int8.end(), values.data_ptr<double>());
+      std::copy(errors.nf4.begin(), errors.nf4.end(), values.data_ptr<double>() + errors.int8.size());
+      collectives->broadcast(values, 0, "calibration errors");
+      std::copy_n(values.data_ptr<double>(), errors.int8.size(), errors.int8.begin());
+      std::copy_n(values.data_ptr<double>() + errors.int8.size(), errors.nf4.size(), errors.nf4.begin());
+    }
     bool accepted = true;
     for (const auto& [precision, values, name] :
          {std::tuple{SP_PRECISION_INT8, &errors.int8, "INT8"}, std::tuple{SP_PRECISION_NF4, &errors.nf4, "NF4"}}) {
@@ -668,6 +773,13 @@ void StreamedModel::begin_step(std::int64_t step) {
   m.report = StepReport{};
   m.report.step = step;
   m.report.swap = m.policy->take_swap_outcome();
+  if (m.collectives) {
+    // Every rank was asked to swap at this boundary (poll_plugin): each must have the same
+    // outcome, or their plugins would now differ.
+    const bool swapped = m.report.swap && m.report.swap->outcome == sp::host::SwapResult::Outcome::swapped;
+    m.step = step;
+    m.check_ranks_agree({swapped ? 1 : 0}, "plugin swap outcomes (1: swapped)");
+  }
   m.step_transfer = ad::StepTransferMetrics{};
   m.step_transfer.step = step;
   m.step = step;
@@ -684,6 +796,11 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
   m.moments = m.block_moments();
   m.policy->post_backward(m.step, m.moments);
   m.apply_hints(m.policy->compute_hints(m.step));
+  if (m.collectives) {
+    std::vector<std::int32_t> precisions(m.blocks.size(), -1);
+    for (const sp_hint_v1& h : m.applied_hints) precisions[h.block_id] = h.precision;
+    m.check_ranks_agree(precisions, "the plugin's hints");
+  }
   m.after_backward = true;
   return m.moments;
 }
@@ -742,7 +859,8 @@ CalibrationErrors StreamedModel::measure_calibration_errors(const std::vector<to
 
 bool StreamedModel::set_calibration_errors(const CalibrationErrors& errors) {
   if (impl_->in_step) throw std::logic_error("StreamedModel::set_calibration_errors: call it between steps");
-  return impl_->set_calibration_errors(errors);
+  CalibrationErrors given = errors;
+  return impl_->set_calibration_errors(given);
 }
 
 void StreamedModel::set_transfer_gate(sp::adapters::TransferGate gate) {
@@ -752,7 +870,17 @@ void StreamedModel::set_transfer_gate(sp::adapters::TransferGate gate) {
 
 std::optional<sp::host::SwapResult> StreamedModel::poll_plugin(bool force) {
   if (impl_->in_step) throw std::logic_error("StreamedModel::poll_plugin: call it between steps");
-  return impl_->policy->check_for_new_version(force);
+  Impl& m = *impl_;
+  if (!m.collectives) return m.policy->check_for_new_version(force);
+  // Rank 0 looks at the file; every rank then asks for the swap at the same step boundary.
+  std::optional<sp::host::SwapResult> request;
+  if (m.collectives->rank() == 0) request = m.policy->check_for_new_version(force);
+  torch::Tensor requested =
+      torch::tensor({request && request->outcome != sp::host::SwapResult::Outcome::failed ? 1 : 0}, torch::kInt32);
+  m.collectives->broadcast(requested, 0, "plugin swap request");
+  if (m.collectives->rank() != 0 && requested.item<std::int32_t>() == 1)
+    request = m.policy->check_for_new_version(/*force=*/true);
+  return request;
 }
 
 std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
@@ -856,5 +984,26 @@ const std::vector<sp_hint_v1>& StreamedModel::hints() const { return impl_->appl
 std::uint64_t StreamedModel::evaluation_h2d_bytes() const { return impl_->evaluation_bytes; }
 
 void StreamedModel::flush_metrics() { impl_->engine->flush_metrics(); }
+
+int StreamedModel::rank() const { return impl_->collectives ? impl_->collectives->rank() : 0; }
+
+int StreamedModel::world_size() const { return impl_->collectives ? impl_->collectives->size() : 1; }
+
+Collectives* StreamedModel::collectives() const { return impl_->collectives.get(); }
+
+void StreamedModel::average_gradients(const std::vector<torch::Tensor>& parameters) {
+  std::vector<torch::Tensor> grads;
+  for (const torch::Tensor& p : parameters) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  impl_->average_in_place(grads, "gradients of the host's parameters");
+}
+
+double StreamedModel::average(double value) {
+  if (!impl_->collectives) return value;
+  torch::Tensor sum = torch::tensor({value}, torch::kFloat64);
+  impl_->collectives->all_reduce(sum, Reduction::sum, "mean across ranks")->wait();
+  return sum.item<double>() / impl_->collectives->size();
+}
 
 }  // namespace sp::torch_layer

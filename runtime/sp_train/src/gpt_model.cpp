@@ -173,6 +173,12 @@ std::vector<sp::torch_layer::Block> GptModel::layer_blocks() {
   return units;
 }
 
+std::vector<torch::Tensor> GptModel::outside_blocks() const {
+  std::vector<torch::Tensor> out;
+  for (std::size_t r : {wte_, wpe_, lnf_w_, lnf_b_}) out.push_back(resident_[r].compute);
+  return out;
+}
+
 std::uint32_t GptModel::num_units() const {
   return config_.streaming_unit == StreamingUnit::block ? config_.n_blocks : 2 * config_.n_blocks;
 }

@@ -98,6 +98,9 @@ class GptModel {
   torch::Tensor attention_sublayer(std::uint32_t block, const torch::Tensor& x);
   torch::Tensor mlp_sublayer(std::uint32_t block, const torch::Tensor& x);
 
+  // The compute tensors of the parameters outside every block: embeddings and final norm (the
+  // tied head is the token embedding).
+  std::vector<torch::Tensor> outside_blocks() const;
   // In LoRA mode, the adapter indices of the block (the source of its gradient moments).
   const std::vector<std::size_t>& block_adapters(std::uint32_t block) const { return block_adapters_[block]; }
 

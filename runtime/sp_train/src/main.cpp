@@ -37,7 +37,8 @@ constexpr const char* kFooter =
     "checks such as a file it cannot write); 2 bad command line or config (the "
     "message names the file and key); 3 the policy plugin could not be loaded or rejected its "
     "config section; 4 unusable data path or checkpoint; 5 the loss diverged (non-finite for 8 "
-    "steps in a row); 130 interrupted by SIGINT after writing a checkpoint (run the same command "
+    "steps in a row); 6 data-parallel training stopped (a rank died or stalled, or the ranks' "
+    "decisions differed); 130 interrupted by SIGINT after writing a checkpoint (run the same command "
     "again to resume).\n"
     "Signals: SIGINT checkpoints at the next step boundary and exits; SIGHUP makes the trainer "
     "look for a new plugin version at the next step boundary.\n"
@@ -125,7 +126,7 @@ int main(int argc, char** argv) {
                  sp::train::format_bytes(bytes["bf16"]), sp::train::format_bytes(bytes["int8"]),
                  sp::train::format_bytes(bytes["nf4"]), sp::train::format_bytes(bytes["total"]),
                  sp::train::format_bytes(bytes["all_bf16_equivalent"]), 100.0 * bytes["saved_fraction"].get<double>());
-    logger->info("summary: {}", (out / "summary.json").string());
+    logger->info("summary: {}", summary.summary_file.string());
     return summary.outcome == sp::train::RunOutcome::completed ? kExitOk : kExitInterrupted;
   } catch (...) {
     const sp::train::ErrorReport report = sp::train::report_error(std::current_exception());

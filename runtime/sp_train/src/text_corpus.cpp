@@ -86,13 +86,14 @@ TextCorpus::TextCorpus(const fs::path& path, double val_fraction, std::uint32_t 
 }
 
 void TextCorpus::train_batch(std::uint64_t seed, std::int64_t step, std::uint32_t batch_size,
-                             std::vector<std::int64_t>& tokens) const {
+                             std::vector<std::int64_t>& tokens, std::uint64_t first_row) const {
   const std::size_t window = seq_len_ + 1;
   const std::uint64_t starts = train_.size() - window + 1;
   tokens.resize(std::size_t{batch_size} * window);
   for (std::uint32_t row = 0; row < batch_size; ++row) {
     const std::uint64_t offset =
-        sp::runtime::mix64(sp::runtime::mix64(seed ^ sp::runtime::mix64(static_cast<std::uint64_t>(step))) + row) %
+        sp::runtime::mix64(sp::runtime::mix64(seed ^ sp::runtime::mix64(static_cast<std::uint64_t>(step))) + first_row +
+                           row) %
         starts;
     std::copy_n(train_.begin() + static_cast<std::ptrdiff_t>(offset), window,
                 tokens.begin() + static_cast<std::ptrdiff_t>(row * window));
@@ -100,13 +101,14 @@ void TextCorpus::train_batch(std::uint64_t seed, std::int64_t step, std::uint32_
 }
 
 void TextCorpus::val_batch(std::uint32_t index, std::uint32_t batches, std::uint32_t batch_size,
-                           std::vector<std::int64_t>& tokens) const {
+                           std::vector<std::int64_t>& tokens, std::uint32_t first_row, std::uint32_t rows) const {
+  if (rows == 0) rows = batch_size;
   const std::size_t window = seq_len_ + 1;
   const std::uint64_t starts = val_.size() - window + 1;
   const std::uint64_t total = std::uint64_t{batches} * batch_size;
-  tokens.resize(std::size_t{batch_size} * window);
-  for (std::uint32_t row = 0; row < batch_size; ++row) {
-    const std::uint64_t k = std::uint64_t{index} * batch_size + row;
+  tokens.resize(std::size_t{rows} * window);
+  for (std::uint32_t row = 0; row < rows; ++row) {
+    const std::uint64_t k = std::uint64_t{index} * batch_size + first_row + row;
     const std::uint64_t offset = total > 1 ? k * (starts - 1) / (total - 1) : 0;
     std::copy_n(val_.begin() + static_cast<std::ptrdiff_t>(offset), window,
                 tokens.begin() + static_cast<std::ptrdiff_t>(row * window));

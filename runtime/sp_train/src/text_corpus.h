@@ -36,10 +36,15 @@ class TextCorpus {
   // batch_size windows of seq_len + 1 bytes (inputs are [0, seq_len), targets [1, seq_len]),
   // row-major into `tokens` (resized). Train windows start at offsets drawn from (seed, step,
   // row); validation batch `index` takes evenly spaced fixed windows.
-  void train_batch(std::uint64_t seed, std::int64_t step, std::uint32_t batch_size,
-                   std::vector<std::int64_t>& tokens) const;
+  // Rows first_row .. first_row + batch_size - 1 of the step's draw: data-parallel rank r of a
+  // per-rank batch b takes first_row = r * b, so that N ranks see what one process with batch
+  // N * b sees.
+  void train_batch(std::uint64_t seed, std::int64_t step, std::uint32_t batch_size, std::vector<std::int64_t>& tokens,
+                   std::uint64_t first_row = 0) const;
+  // Validation rows: of batch `index` of `batches` batches of batch_size, the `rows` rows from
+  // first_row on (all of them by default); data-parallel ranks split each batch this way.
   void val_batch(std::uint32_t index, std::uint32_t batches, std::uint32_t batch_size,
-                 std::vector<std::int64_t>& tokens) const;
+                 std::vector<std::int64_t>& tokens, std::uint32_t first_row = 0, std::uint32_t rows = 0) const;
 
  private:
   std::vector<std::uint8_t> train_;

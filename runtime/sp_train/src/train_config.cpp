@@ -252,6 +252,7 @@ void read_train(const Origins& origins, const Section& s, TrainLoopConfig& t) {
   }
   s.integer("plugin_poll_steps", t.plugin_poll_steps, 0, kMaxSteps);
   s.integer("recalibrate_every", t.recalibrate_every, 0, kMaxU32);
+  s.integer("collective_timeout_seconds", t.collective_timeout_seconds, 1, 86400);
   s.string("calibration_cache_dir", t.calibration_cache_dir, /*allow_empty=*/true);
   s.string("init_checkpoint", t.init_checkpoint, /*allow_empty=*/true);
   s.choice<ResumePolicy>("resume", t.resume, {{"auto", ResumePolicy::auto_resume}, {"never", ResumePolicy::never}});
@@ -443,6 +444,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
                       "plugin",
                       "plugin_poll_steps",
                       "recalibrate_every",
+                      "collective_timeout_seconds",
                       "calibration_cache_dir",
                       "init_checkpoint",
                       "resume"}),

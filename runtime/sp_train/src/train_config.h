@@ -85,6 +85,9 @@ struct TrainLoopConfig {
   // Every this many steps (0: never), the calibration errors are measured again on the
   // trained weights (on the step's own batch) and given to the plugin.
   std::uint32_t recalibrate_every = 0;
+  // Data parallelism (RANK, WORLD_SIZE from torchrun): how long a collective may wait for the
+  // other ranks before the run stops with exit code 6.
+  std::uint32_t collective_timeout_seconds = 300;
   std::string calibration_cache_dir;  // empty: $XDG_CACHE_HOME/sp-train or ~/.cache/sp-train
   // A checkpoint of the same model shape whose weights replace the random initialization
   // (e.g. LoRA on a base trained in full mode); empty: random. A resume ignores it.

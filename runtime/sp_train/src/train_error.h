@@ -20,6 +20,7 @@ enum class ExitCode : int {
   plugin = 3,
   bad_input = 4,
   diverged = 5,
+  distributed = 6,
   interrupted = 130,
 };
 
@@ -64,6 +65,13 @@ class ResumeError : public TrainError {
 class DivergedError : public TrainError {
  public:
   explicit DivergedError(const std::string& what) : TrainError(ExitCode::diverged, what) {}
+};
+
+// Data-parallel training stopped: another rank died, stalled or left (a collective failed or
+// timed out), or the ranks' plugins decided differently. Exit code 6.
+class DistributedError : public TrainError {
+ public:
+  explicit DistributedError(const std::string& what) : TrainError(ExitCode::distributed, what) {}
 };
 
 }  // namespace sp::train

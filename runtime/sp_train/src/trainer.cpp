@@ -101,6 +101,10 @@ struct Trainer::Impl {
   std::uint32_t n_blocks = 0;  // transformer blocks
   std::uint32_t n_units = 0;   // streaming units: what the plugin decides for (model.streaming_unit)
 
+  // Data parallelism: the ranks (null in one process), and this rank's own run directory
+  // (--out itself on rank 0, --out/rank<r> on the others; the checkpoint is rank 0's alone).
+  std::shared_ptr<tl::Collectives> collectives;
+  fs::path run_dir;
   std::unique_ptr<TextCorpus> corpus;
   std::unique_ptr<GptModel> model;
   torch::TensorOptions compute;  // device and dtype of the model's math
@@ -135,6 +139,7 @@ struct Trainer::Impl {
     if (!log) log = spdlog::default_logger();
     n_blocks = config.model.n_blocks;
     if (config.train.threads != 0) torch::set_num_threads(static_cast<int>(config.train.threads));
+    join_ranks();
     // Nothing in the run directory is rewritten until everything that can reject the run has
     // passed: a mistyped resume must not lose the directory's config or logs.
     prepare_run_directory();
@@ -165,23 +170,49 @@ struct Trainer::Impl {
       calibrate();
     }
 
-    sp::runtime::write_file_atomically(options.out_dir / kRunConfigFile, config.resolved_yaml);
-    keep_records_before(options.out_dir / kRunTrainMetricsFile, "step", next_step);
+    sp::runtime::write_file_atomically(run_dir / kRunConfigFile, config.resolved_yaml);
+    keep_records_before(run_dir / kRunTrainMetricsFile, "step", next_step);
     if (!config.streaming.metrics_file.empty()) {
-      keep_records_before(options.out_dir / config.streaming.metrics_file, "step", next_step);
+      keep_records_before(run_dir / config.streaming.metrics_file, "step", next_step);
     }
     if (config.policy_keys.telemetry_enabled) {
-      keep_records_before(options.out_dir / config.policy_keys.telemetry_file, "step_id", next_step);
+      keep_records_before(run_dir / config.policy_keys.telemetry_file, "step_id", next_step);
     }
-    train_metrics = std::make_unique<ad::MetricsJsonlWriter>(options.out_dir / kRunTrainMetricsFile);
+    train_metrics = std::make_unique<ad::MetricsJsonlWriter>(run_dir / kRunTrainMetricsFile);
+  }
+
+  // torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): one rank of a
+  // data-parallel run over Gloo; without them, the one process.
+  void join_ranks() {
+    try {
+      collectives = tl::gloo_from_environment(std::chrono::seconds(config.train.collective_timeout_seconds));
+    } catch (const std::invalid_argument& e) {
+      throw ConfigError(e.what());
+    } catch (const tl::CollectiveError& e) {
+      throw DistributedError(e.what());
+    }
+    run_dir = rank() == 0 ? options.out_dir : options.out_dir / fmt::format("rank{}", rank());
+    if (collectives) {
+      log->info("data parallel: rank {} of {}, run files in {}", rank(), world_size(), run_dir.string());
+    }
+  }
+
+  int rank() const { return collectives ? collectives->rank() : 0; }
+  int world_size() const { return collectives ? collectives->size() : 1; }
+
+  // Whether `flag` is set on any rank (the same answer on every rank).
+  bool on_any_rank(bool flag) const {
+    if (!collectives) return flag;
+    torch::Tensor value = torch::tensor({flag ? 1 : 0}, torch::kInt32);
+    collectives->all_reduce(value, tl::Reduction::max, "stop and swap requests")->wait();
+    return value.item<std::int32_t>() != 0;
   }
 
   void prepare_run_directory() const {
     std::error_code error;
-    if (!options.out_dir.empty()) fs::create_directories(options.out_dir, error);
-    if (options.out_dir.empty() || error || !fs::is_directory(options.out_dir)) {
-      throw ConfigError(fmt::format("run directory '{}' (--out): cannot create it as a directory: {}",
-                                    options.out_dir.string(),
+    if (!options.out_dir.empty()) fs::create_directories(run_dir, error);
+    if (options.out_dir.empty() || error || !fs::is_directory(run_dir)) {
+      throw ConfigError(fmt::format("run directory '{}' (--out): cannot create it as a directory: {}", run_dir.string(),
                                     options.out_dir.empty() ? "the path is empty"
                                     : error                 ? error.message()
                                                             : "a file of that name exists"));
@@ -191,12 +222,12 @@ struct Trainer::Impl {
     if (!config.streaming.metrics_file.empty()) files.push_back(config.streaming.metrics_file);
     if (config.policy_keys.telemetry_enabled) files.push_back(config.policy_keys.telemetry_file);
     for (const std::string& name : files) {
-      const fs::file_status status = fs::symlink_status(options.out_dir / name, error);
+      const fs::file_status status = fs::symlink_status(run_dir / name, error);
       if (fs::exists(status) && !fs::is_regular_file(status)) {
         throw ConfigError(
             fmt::format("run directory '{}' (--out): {} is not a regular file; remove it or use "
                         "another run directory",
-                        options.out_dir.string(), name));
+                        run_dir.string(), name));
       }
     }
   }
@@ -290,7 +321,7 @@ struct Trainer::Impl {
     o.plugin_file = options.plugin_dir / ("lib" + config.train.plugin + ".so");
     o.config_yaml = config.resolved_yaml;
     o.config_source = config.source_name;
-    o.output_dir = options.out_dir;
+    o.output_dir = run_dir;
     o.logger = log;
     o.host_name = "sp-train";
     o.device = compute.device();
@@ -301,8 +332,8 @@ struct Trainer::Impl {
     o.int8_group_size = config.streaming.int8_group_size;
     o.nf4_group_size = config.policy_keys.nf4_group_size;
     o.recalibrate_every = config.train.recalibrate_every;
-    if (!config.streaming.metrics_file.empty())
-      o.metrics_path = (options.out_dir / config.streaming.metrics_file).string();
+    o.collectives = collectives;
+    if (!config.streaming.metrics_file.empty()) o.metrics_path = (run_dir / config.streaming.metrics_file).string();
     try {
       layer = std::make_unique<tl::StreamedModel>(model->layer_blocks(), std::move(o));
       n_units = layer->num_blocks();
@@ -388,11 +419,13 @@ struct Trainer::Impl {
     std::vector<std::int64_t> tokens;
     double sum = 0.0;
     for (std::uint32_t i = 0; i < config.train.eval_batches; ++i) {
-      corpus->val_batch(i, config.train.eval_batches, config.train.batch_size, tokens);
-      auto [idx, targets] = tensors_of(tokens, config.train.batch_size);
+      // Each rank takes its share of a batch of batch_size * world_size rows, as in training.
+      const std::uint32_t rows = config.train.batch_size;
+      corpus->val_batch(i, config.train.eval_batches, rows * world_size(), tokens, rows * rank(), rows);
+      auto [idx, targets] = tensors_of(tokens, rows);
       sum += model->head_loss(layer->forward(model->embed(idx)), targets).item<double>();
     }
-    return sum / config.train.eval_batches;
+    return layer->average(sum / config.train.eval_batches);
   }
 
   // ---- calibration -----------------------------------------------------------------------
@@ -531,7 +564,8 @@ struct Trainer::Impl {
     for (sp_precision route : layer->routes()) record.routes.push_back(static_cast<std::uint8_t>(route));
 
     std::vector<std::int64_t> tokens;
-    corpus->train_batch(config.train.seed, step, batch, tokens);
+    corpus->train_batch(config.train.seed, step, batch, tokens,
+                        std::uint64_t{batch} * static_cast<std::uint64_t>(rank()));
     auto [idx, targets] = tensors_of(tokens, batch);
     for (ResidentParam& p : model->resident()) p.grad.zero_();
     for (torch::Tensor& g : master_grads) g.zero_();
@@ -540,12 +574,15 @@ struct Trainer::Impl {
     // where it recomputes and differentiates it; the masters' gradients land in their .grad.
     const torch::Tensor loss = model->head_loss(layer->forward(model->embed(idx)), targets);
     loss.backward();
+    // The layer averaged across ranks the gradients its blocks produced; the embedding and
+    // the head are this host's.
+    layer->average_gradients(model->outside_blocks());
     model->queue_resident_gradients_to_host();
     // The backward's one host synchronization. Reading the loss waits for the compute stream,
     // on which every gradient copy to the host was queued before it, so the host gradients
     // are complete from here on. Read earlier, the loss would stall the host before the
-    // backward was queued.
-    record.loss = loss.item<double>();
+    // backward was queued. Every rank records, and the plugin sees, the mean across ranks.
+    record.loss = layer->average(loss.item<double>());
 
     const std::vector<sp_grad_moments_v1>& moments = layer->post_backward();
     record.decisions = decisions();
@@ -594,7 +631,8 @@ struct Trainer::Impl {
   }
 
   void poll_plugin(std::int64_t step) {
-    const bool forced = options.plugin_check_requested && options.plugin_check_requested->exchange(false);
+    // Every rank takes the same branch: the layer's poll is a collective.
+    const bool forced = on_any_rank(options.plugin_check_requested && options.plugin_check_requested->exchange(false));
     const std::int64_t every = config.train.plugin_poll_steps;
     if (!forced && (every == 0 || step % every != 0)) return;
     if (std::optional<sp::host::SwapResult> request = layer->poll_plugin(forced)) {
@@ -628,13 +666,17 @@ struct Trainer::Impl {
             {"last_loss", totals.last_loss}};
   }
 
+  // Rank 0 writes the replicated state; a rank's own state is its data position, which is
+  // the step and its rank.
   void save_checkpoint() {
+    if (rank() != 0) return;
     const auto start = Clock::now();
     CheckpointSections out;
     const nlohmann::json meta = {
         {"next_step", next_step},
         {"model", model_identity()},
         {"seed", config.train.seed},
+        {"world_size", world_size()},
         {"data_fnv1a64", fmt::format("{:016x}", corpus->fingerprint())},
         {"plugin", {{"name", layer->policy().host().plugin_name()}, {"version", layer->policy().plugin_version()}}},
         {"calibration_status", calibration_status},
@@ -721,6 +763,14 @@ struct Trainer::Impl {
         throw ResumeError(fmt::format("{}: made with train.seed {}, this run has {}",
                                       checkpoint_path(options.out_dir).string(), meta.value("seed", std::uint64_t{0}),
                                       config.train.seed));
+      }
+      // Each rank's share of a step's batch depends on the world size, and with it the data
+      // order: a run resumes on the world size it was made with.
+      if (meta.value("world_size", 1) != world_size()) {
+        throw ResumeError(
+            fmt::format("{}: made with {} data-parallel rank(s), this run has {} (WORLD_SIZE); resume "
+                        "on the same number of ranks, or use another --out",
+                        checkpoint_path(options.out_dir).string(), meta.value("world_size", 1), world_size()));
       }
       layer_state = read_layer_state(in);
       for (ResidentParam& p : model->resident()) {
@@ -861,21 +911,22 @@ struct Trainer::Impl {
          {{"status", calibration_status}, {"errors", calibration_errors.int8}, {"nf4_errors", calibration_errors.nf4}}},
         {"config", config.source_name},
         {"model_outliers", {{"blocks", config.model.outlier_blocks}, {"magnitude", config.model.outlier_magnitude}}},
-        {"torch_threads", torch::get_num_threads()}};
+        {"torch_threads", torch::get_num_threads()},
+        {"data_parallel", {{"rank", rank()}, {"world_size", world_size()}}}};
   }
 
   RunSummary run() {
     const auto wall_start = Clock::now();
     RunSummary result;
     ProgressLine no_progress(stdout, false);
-    ProgressLine& progress = options.progress ? *options.progress : no_progress;
+    ProgressLine& progress = options.progress && rank() == 0 ? *options.progress : no_progress;
     const std::int64_t total = config.train.steps;
     const std::uint64_t tokens_per_step = std::uint64_t{config.train.batch_size} * config.model.seq_len;
     if (next_step >= total) log->info("nothing to do: the run is already at step {} of {}", next_step, total);
     const auto run_start = Clock::now();
     const std::int64_t first = next_step;
     while (next_step < total) {
-      if (options.stop_requested && options.stop_requested->load()) {
+      if (on_any_rank(options.stop_requested && options.stop_requested->load())) {
         progress.finish();
         log->warn("interrupted: writing a checkpoint at step {}", next_step);
         result.outcome = RunOutcome::interrupted;
@@ -930,9 +981,9 @@ struct Trainer::Impl {
     layer->flush_metrics();
     save_checkpoint();
     result.json = summary(result.outcome, seconds_since(wall_start));
+    result.summary_file = run_dir / kRunSummaryFile;
     sp::runtime::write_file_atomically(
-        options.out_dir / kRunSummaryFile,
-        result.json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+        result.summary_file, result.json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
     return result;
   }
 };
@@ -941,6 +992,7 @@ namespace {
 
 // LibTorch's errors carry a C++ backtrace meant for its own developers; the user gets the
 // message. Running out of memory is a model or batch too big for this machine: a config matter.
+// The layer's data-parallel failures end the run with their own exit code.
 template <typename Work>
 auto reporting_torch_errors(Work&& work) {
   constexpr const char* kTooBig =
@@ -948,6 +1000,10 @@ auto reporting_torch_errors(Work&& work) {
       "train.batch_size); lower them: {}";
   try {
     return work();
+  } catch (const tl::CollectiveError& e) {
+    throw DistributedError(e.what());
+  } catch (const tl::RankMismatchError& e) {
+    throw DistributedError(e.what());
   } catch (const std::bad_alloc& e) {
     throw ConfigError(fmt::format(kTooBig, e.what()));
   } catch (const c10::Error& e) {

@@ -76,8 +76,9 @@ enum class RunOutcome { completed, interrupted };
 
 struct RunSummary {
   RunOutcome outcome = RunOutcome::completed;
-  nlohmann::json json;            // what summary.json holds
-  std::vector<StepRecord> steps;  // the steps run by this process
+  nlohmann::json json;                 // what summary.json holds
+  std::vector<StepRecord> steps;       // the steps run by this process
+  std::filesystem::path summary_file;  // where `json` was written (a rank's own run directory)
 };
 
 class Trainer {

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "sp/runtime/run_command.h"
+#include "process_support.h"
 #include "train_test_support.h"
 
 namespace {
@@ -21,6 +22,10 @@ namespace {
 namespace fs = std::filesystem;
 
 using Result = sp::runtime::CommandResult;
+using sp::train::testing::line_count;
+using sp::train::testing::spawn_sp_train;
+using sp::train::testing::wait_exit_code;
+using sp::train::testing::wait_for_steps;
 
 Result run_sp_train(const std::string& args) {
   return sp::runtime::run_command(std::string(SP_TRAIN_BINARY) + " " + args + " 2>&1");
@@ -156,41 +161,6 @@ TEST_F(Cli, ShortRunWritesTheRunDirectory) {
     EXPECT_TRUE(fs::exists(dir_ / "run" / file)) << file;
   }
   EXPECT_NE(r.output.find("step 3/3"), std::string::npos) << r.output;
-}
-
-std::size_t line_count(const fs::path& file) {
-  std::ifstream in(file);
-  std::size_t lines = 0;
-  for (std::string line; std::getline(in, line);) ++lines;
-  return lines;
-}
-
-// Starts sp-train with `args` in a child process whose output goes to `log`.
-pid_t spawn_sp_train(const std::vector<std::string>& args, const fs::path& log) {
-  const pid_t child = ::fork();
-  if (child != 0) return child;
-  std::vector<char*> argv{const_cast<char*>(SP_TRAIN_BINARY)};
-  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  std::FILE* sink = std::freopen(log.c_str(), "w", stdout);
-  if (sink == nullptr || ::dup2(::fileno(stdout), 2) < 0) ::_exit(99);
-  ::execv(SP_TRAIN_BINARY, argv.data());
-  ::_exit(98);
-}
-
-// Polls the run's own progress record, so that a test waits for an event, not for a time.
-void wait_for_steps(pid_t child, const fs::path& metrics, std::size_t steps) {
-  while (line_count(metrics) < steps) {
-    int status = 0;
-    ASSERT_EQ(::waitpid(child, &status, WNOHANG), 0) << "sp-train exited before step " << steps;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-}
-
-int wait_exit_code(pid_t child) {
-  int status = 0;
-  if (::waitpid(child, &status, 0) != child || !WIFEXITED(status)) return -1;
-  return WEXITSTATUS(status);
 }
 
 // A real SIGINT, sent once the run has finished a step: the process writes a checkpoint at

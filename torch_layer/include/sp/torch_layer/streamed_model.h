@@ -50,6 +50,7 @@
 #include "sp/adapters/policy_bridge.h"
 #include "sp/adapters/streaming_engine.h"
 #include "sp/host/policy_session.h"
+#include "sp/torch_layer/collectives.h"
 
 namespace sp::torch_layer {
 
@@ -112,6 +113,9 @@ struct StreamedModelOptions {
   std::uint32_t int8_group_size = 0;  // 0: one scale per row; else 32, 64, 128 or 256
   std::uint32_t nf4_group_size = 64;  // 32, 64, 128 or 256
   std::string metrics_path;           // JSONL of the training passes' transfers; empty: none
+
+  // Data parallelism (collectives.h): the ranks this model trains on; null: one process.
+  std::shared_ptr<Collectives> collectives;
 
   // Online re-calibration: every this many steps (0: never), end_step() measures the blocks'
   // INT8 and NF4 output errors again, on the first-block input of the step's last training
@@ -227,6 +231,15 @@ class StreamedModel {
   const std::vector<sp_hint_v1>& hints() const;
   // Bytes every forward-only pass (evaluation and calibration) moved since construction.
   std::uint64_t evaluation_h2d_bytes() const;
+  // Data parallelism (collectives.h). rank() 0 and world_size() 1 without collectives.
+  int rank() const;
+  int world_size() const;
+  Collectives* collectives() const;  // null without; owned by the model
+  // Replaces each parameter's .grad by its mean across ranks (one bucket); for the host's own
+  // parameters (embedding, head) after the backward. A no-op in one process.
+  void average_gradients(const std::vector<torch::Tensor>& parameters);
+  // The mean of `value` across ranks (the step's loss for end_step()); `value` in one process.
+  double average(double value);
   // Writes the training engine's pending per-pass metrics records (metrics_path), waiting for
   // their timings.
   void flush_metrics();

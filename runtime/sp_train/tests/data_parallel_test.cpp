@@ -1,0 +1,164 @@
+// sp-train as N processes on c10d (Gloo over the loopback), started as torchrun would start
+// them: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each one's environment.
+#include <signal.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "process_support.h"
+#include "train_test_support.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace t = sp::train::testing;
+
+std::vector<nlohmann::json> records(const fs::path& file) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(file);
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+std::string text_of(const fs::path& file) {
+  std::ifstream in(file);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+class DataParallel : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = t::make_scratch_dir("dp");
+    corpus_ = t::write_corpus(dir_);
+    config_ = dir_ / "tiny.yaml";
+    t::write_text(config_, t::tiny_config(corpus_, dir_ / "cache"));
+    port_ = t::free_port();
+    ASSERT_GT(port_, 0);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::vector<std::string> args(const fs::path& out, std::vector<std::string> extra) const {
+    std::vector<std::string> a{"--config",   config_.string(), "--out",
+                               out.string(), "--set",          "train.collective_timeout_seconds=20"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  }
+  pid_t spawn_rank(int rank, int world, const fs::path& out, const std::vector<std::string>& extra) const {
+    return t::spawn_sp_train(args(out, extra), dir_ / ("rank" + std::to_string(rank) + ".log"),
+                             {{"RANK", std::to_string(rank)},
+                              {"WORLD_SIZE", std::to_string(world)},
+                              {"MASTER_ADDR", "127.0.0.1"},
+                              {"MASTER_PORT", std::to_string(port_)}});
+  }
+  // Both ranks to the end; their exit codes.
+  std::vector<int> run_two_ranks(const fs::path& out, const std::vector<std::string>& extra) const {
+    const pid_t r0 = spawn_rank(0, 2, out, extra), r1 = spawn_rank(1, 2, out, extra);
+    return {t::wait_exit_code(r0), t::wait_exit_code(r1)};
+  }
+  std::string log_of(int rank) const { return text_of(dir_ / ("rank" + std::to_string(rank) + ".log")); }
+
+  fs::path dir_, corpus_, config_;
+  int port_ = 0;
+};
+
+// Every step's decisions agree on both ranks, and two ranks of batch 4 train as one process
+// with batch 8: the same rows, the gradients averaged, the same decisions, the losses equal to
+// rounding (the sums run in another order).
+TEST_F(DataParallel, TwoRanksDecideAlikeAndTrainAsOneRankWithTheDoubleBatch) {
+  const fs::path two = dir_ / "two", one = dir_ / "one";
+  ASSERT_EQ(run_two_ranks(two, {"--set", "train.batch_size=4"}), (std::vector<int>{0, 0})) << log_of(0) << log_of(1);
+  const pid_t single = t::spawn_sp_train(args(one, {"--set", "train.batch_size=8"}), dir_ / "one.log");
+  ASSERT_EQ(t::wait_exit_code(single), 0) << text_of(dir_ / "one.log");
+
+  const auto rank0 = records(two / "train_metrics.jsonl"), rank1 = records(two / "rank1" / "train_metrics.jsonl");
+  const auto alone = records(one / "train_metrics.jsonl");
+  ASSERT_EQ(rank0.size(), 24u);
+  ASSERT_EQ(rank1.size(), 24u);
+  ASSERT_EQ(alone.size(), 24u);
+  std::size_t quantized_steps = 0;
+  for (std::size_t s = 0; s < alone.size(); ++s) {
+    EXPECT_EQ(rank0[s]["decisions"], rank1[s]["decisions"]) << "step " << s;
+    EXPECT_EQ(rank0[s]["routes"], rank1[s]["routes"]) << "step " << s;
+    EXPECT_EQ(rank0[s]["loss"], rank1[s]["loss"]) << "step " << s << ": every rank records the mean";
+    EXPECT_EQ(rank0[s]["decisions"], alone[s]["decisions"]) << "step " << s;
+    const double two_ranks = rank0[s]["loss"], one_rank = alone[s]["loss"];
+    EXPECT_NEAR(two_ranks, one_rank, 1e-4 * one_rank) << "step " << s;
+    quantized_steps += rank0[s]["h2d_bytes_int8"].get<std::uint64_t>() != 0;
+  }
+  EXPECT_GT(quantized_steps, 0u) << "the decisions compared never left BF16";
+  const auto summary0 = nlohmann::json::parse(text_of(two / "summary.json"));
+  const auto summary_alone = nlohmann::json::parse(text_of(one / "summary.json"));
+  EXPECT_EQ(summary0["data_parallel"]["world_size"], 2);
+  const double val_two = summary0["final_val_loss"], val_one = summary_alone["final_val_loss"];
+  EXPECT_NEAR(val_two, val_one, 1e-4 * val_one) << "validation is split across the ranks the same way";
+  EXPECT_TRUE(fs::exists(two / "checkpoint.bin"));
+  EXPECT_FALSE(fs::exists(two / "rank1" / "checkpoint.bin")) << "rank 0 alone writes the replicated state";
+
+  // The checkpoint holds the world size: a resume on another one is refused by name.
+  const pid_t other = t::spawn_sp_train(args(two, {"--set", "train.steps=30"}), dir_ / "resume.log");
+  EXPECT_EQ(t::wait_exit_code(other), 4);
+  EXPECT_NE(text_of(dir_ / "resume.log").find("made with 2 data-parallel rank(s), this run has 1"), std::string::npos)
+      << text_of(dir_ / "resume.log");
+}
+
+// A rank killed mid-run: the other stops with exit code 6 and a message naming the failed
+// collective, within the collective timeout, not a hang; the checkpoint is intact.
+TEST_F(DataParallel, AKilledRankStopsTheOtherByName) {
+  const fs::path out = dir_ / "killed";
+  const std::vector<std::string> extra = {"--set", "train.steps=100000", "--set", "train.checkpoint_interval=2"};
+  const pid_t r0 = spawn_rank(0, 2, out, extra), r1 = spawn_rank(1, 2, out, extra);
+  t::wait_for_steps(r1, out / "rank1" / "train_metrics.jsonl", 3);
+  if (HasFatalFailure()) {
+    ::kill(r0, SIGKILL);
+    return;
+  }
+  ASSERT_EQ(::kill(r1, SIGKILL), 0);
+  t::wait_exit_code(r1);
+  EXPECT_EQ(t::wait_exit_code(r0), 6) << log_of(0);
+  EXPECT_NE(log_of(0).find("rank 0 of 2: the collective"), std::string::npos) << log_of(0);
+  // Rank 0 wrote its checkpoints whole (atomically): a single process cannot take them (world
+  // size 2), and says so rather than reporting a damaged file.
+  const pid_t reader = t::spawn_sp_train(args(out, {}), dir_ / "reader.log");
+  EXPECT_EQ(t::wait_exit_code(reader), 4);
+  EXPECT_NE(text_of(dir_ / "reader.log").find("made with 2 data-parallel rank(s)"), std::string::npos)
+      << text_of(dir_ / "reader.log");
+}
+
+// A new plugin version lands mid-run: rank 0 sees it, every rank swaps at the same step
+// boundary, and the decisions stay identical across the ranks.
+TEST_F(DataParallel, HotSwapHappensOnEveryRankAtTheSameStep) {
+  const fs::path plugins = dir_ / "plugins";
+  fs::create_directories(plugins);
+  fs::copy_file(SP_PLUGIN_V1_FILE, plugins / "libsp_selective_precision.so");
+  const fs::path out = dir_ / "swap";
+  const std::vector<std::string> extra = {"--plugin-dir", plugins.string(), "--set", "train.steps=40"};
+  const pid_t r0 = spawn_rank(0, 2, out, extra), r1 = spawn_rank(1, 2, out, extra);
+  t::wait_for_steps(r0, out / "train_metrics.jsonl", 2);
+  if (HasFatalFailure()) {
+    ::kill(r1, SIGKILL);
+    return;
+  }
+  fs::copy_file(SP_PLUGIN_FILE, plugins / "incoming.so");
+  fs::rename(plugins / "incoming.so", plugins / "libsp_selective_precision.so");
+  ASSERT_EQ(t::wait_exit_code(r0), 0) << log_of(0);
+  ASSERT_EQ(t::wait_exit_code(r1), 0) << log_of(1);
+  const auto rank0 = records(out / "train_metrics.jsonl"), rank1 = records(out / "rank1" / "train_metrics.jsonl");
+  ASSERT_EQ(rank0.size(), rank1.size());
+  int swapped_at = -1;
+  for (std::size_t s = 0; s < rank0.size(); ++s) {
+    EXPECT_EQ(rank0[s]["plugin_version"], rank1[s]["plugin_version"]) << "step " << s;
+    EXPECT_EQ(rank0[s].value("plugin_swap", ""), rank1[s].value("plugin_swap", "")) << "step " << s;
+    EXPECT_EQ(rank0[s]["decisions"], rank1[s]["decisions"]) << "step " << s;
+    if (rank0[s].value("plugin_swap", "") == "swapped 1.0.0 -> 2.0.0") swapped_at = static_cast<int>(s);
+  }
+  EXPECT_GE(swapped_at, 2) << "the swap happened on both ranks at one step";
+  EXPECT_EQ(rank0.back()["plugin_version"], "2.0.0");
+}
+
+}  // namespace

@@ -1,0 +1,136 @@
+// Data parallelism for the LibTorch layer: the collectives a StreamedModel needs when N
+// processes train one model, each on its own share of the batch, over torch.distributed's c10d.
+//
+// A StreamedModel given Collectives (StreamedModelOptions::collectives) keeps every rank's
+// policy on identical inputs, so that every rank takes identical precision decisions:
+//   - the masters' gradients are averaged across ranks, block by block, each block's
+//     all-reduce started in the backward as soon as the block's gradient exists;
+//   - the gradients of the blocks' resident parameters are averaged as the backward produces
+//     them (one bucket per block, before autograd adds them to the .grad);
+//   - post_backward() computes the moments from the averaged gradients: the same numbers on
+//     every rank, and the moments of the step's real gradient (those of N ranks x batch b are
+//     those of 1 rank x batch N*b, to rounding), not a sum of N noisier per-rank moments;
+//   - calibration errors come from rank 0 (broadcast);
+//   - after compute_hints, every rank's hints are compared (a max and a min all-reduce of the
+//     precisions); a difference stops the run with RankMismatchError naming the step and the
+//     blocks;
+//   - a hot swap is requested by rank 0 on every rank at the same step boundary, and its
+//     outcome compared.
+// The host averages its own parameters' gradients (average_gradients()) and passes the mean
+// loss across ranks (average()) to end_step().
+//
+// Collectives is an interface so that the layer does not depend on one c10d release's class
+// layout: over_process_group() adapts any c10d group (ProcessGroupGloo, ProcessGroupNCCL),
+// gloo_from_environment() builds a Gloo group from the variables torchrun sets.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+namespace sp::torch_layer {
+
+// A collective that failed or timed out: a rank died, stalled or left. what() names the
+// operation and the rank.
+class CollectiveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The ranks' policies decided differently (or a hot swap succeeded on some ranks only).
+class RankMismatchError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class Reduction { sum, max, min };
+
+class Collectives {
+ public:
+  // An operation in flight; wait() blocks until it completed, and throws CollectiveError.
+  class Pending {
+   public:
+    virtual ~Pending() = default;
+    virtual void wait() = 0;
+  };
+
+  virtual ~Collectives() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // In place over one contiguous tensor; `what` names the operation in errors.
+  virtual std::unique_ptr<Pending> all_reduce(torch::Tensor tensor, Reduction op, std::string what) = 0;
+  virtual void broadcast(torch::Tensor tensor, int root, std::string what) = 0;
+};
+
+namespace detail {
+std::string collective_failure(int rank, int size, const std::string& what, const std::string& why);
+
+// A c10d work handle (its type differs between c10d releases), waited on with named errors.
+template <typename Handle>
+class PendingWork final : public Collectives::Pending {
+ public:
+  PendingWork(Handle handle, int rank, int size, std::string what)
+      : handle_(std::move(handle)), rank_(rank), size_(size), what_(std::move(what)) {}
+  void wait() override {
+    try {
+      handle_->wait();
+    } catch (const std::exception& e) {
+      throw CollectiveError(collective_failure(rank_, size_, what_, e.what()));
+    }
+  }
+
+ private:
+  Handle handle_;
+  int rank_, size_;
+  std::string what_;
+};
+
+template <typename Group>
+class ProcessGroupCollectives final : public Collectives {
+ public:
+  explicit ProcessGroupCollectives(c10::intrusive_ptr<Group> group) : group_(std::move(group)) {}
+  int rank() const override { return group_->getRank(); }
+  int size() const override { return group_->getSize(); }
+  std::unique_ptr<Pending> all_reduce(torch::Tensor tensor, Reduction op, std::string what) override {
+    c10d::AllreduceOptions options;
+    options.reduceOp = op == Reduction::sum   ? c10d::ReduceOp::SUM
+                       : op == Reduction::max ? c10d::ReduceOp::MAX
+                                              : c10d::ReduceOp::MIN;
+    std::vector<torch::Tensor> tensors{std::move(tensor)};
+    return pending(group_->allreduce(tensors, options), std::move(what));
+  }
+  void broadcast(torch::Tensor tensor, int root, std::string what) override {
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    std::vector<torch::Tensor> tensors{std::move(tensor)};
+    pending(group_->broadcast(tensors, options), std::move(what))->wait();
+  }
+
+ private:
+  template <typename Handle>
+  std::unique_ptr<Pending> pending(Handle handle, std::string what) const {
+    return std::make_unique<PendingWork<Handle>>(std::move(handle), rank(), size(), std::move(what));
+  }
+  c10::intrusive_ptr<Group> group_;
+};
+}  // namespace detail
+
+// Any c10d process group type (ProcessGroupGloo, ProcessGroupNCCL): its allreduce and
+// broadcast, one tensor each.
+template <typename Group>
+std::shared_ptr<Collectives> over_process_group(c10::intrusive_ptr<Group> group) {
+  return std::make_shared<detail::ProcessGroupCollectives<Group>>(std::move(group));
+}
+
+// A Gloo group from torchrun's variables: RANK, WORLD_SIZE, MASTER_ADDR (default 127.0.0.1),
+// MASTER_PORT (default 29500). Null when WORLD_SIZE is unset or 1. Every collective, and the
+// rendezvous, gives up after `timeout` with a CollectiveError. Throws std::invalid_argument
+// naming a variable that is malformed.
+std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds timeout);
+
+}  // namespace sp::torch_layer
