@@ -4,6 +4,7 @@
 #include <limits>
 
 #include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -46,13 +47,18 @@ std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds tim
   const std::string host = address != nullptr && *address != '\0' ? address : "127.0.0.1";
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<std::uint16_t>(integer_variable("MASTER_PORT", 1, 65535, 29500));
-  store_options.isServer = rank == 0;
+  // Under torchrun the agent already serves the store at MASTER_PORT (it says so in
+  // TORCHELASTIC_USE_AGENT_STORE): every rank joins it as a client.
+  const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  store_options.isServer = rank == 0 && !(agent_store != nullptr && std::string(agent_store) == "True");
   store_options.numWorkers = static_cast<std::size_t>(size);
   store_options.waitWorkers = true;
   store_options.timeout = timeout;
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+    // Under a prefix of its own, apart from the agent's rendezvous keys.
+    store = c10::make_intrusive<c10d::PrefixStore>("selective_precision",
+                                                   c10::make_intrusive<c10d::TCPStore>(host, store_options));
   } catch (const std::exception& e) {
     throw CollectiveError(detail::collective_failure(
         static_cast<int>(rank), static_cast<int>(size),

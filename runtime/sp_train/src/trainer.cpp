@@ -84,6 +84,15 @@ std::uint64_t hash_tensor(const torch::Tensor& t, std::uint64_t state) {
   return sp::runtime::fnv1a64(c.data_ptr(), static_cast<std::size_t>(c.numel()) * c.element_size(), state);
 }
 
+// This process's peak resident set (VmHWM), in bytes; 0 where /proc does not say.
+std::uint64_t peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
 template <typename T>
 std::vector<std::uint8_t> pod_bytes(const T& value) {
   const auto* p = reinterpret_cast<const std::uint8_t*>(&value);
@@ -912,7 +921,8 @@ struct Trainer::Impl {
         {"config", config.source_name},
         {"model_outliers", {{"blocks", config.model.outlier_blocks}, {"magnitude", config.model.outlier_magnitude}}},
         {"torch_threads", torch::get_num_threads()},
-        {"data_parallel", {{"rank", rank()}, {"world_size", world_size()}}}};
+        {"data_parallel", {{"rank", rank()}, {"world_size", world_size()}}},
+        {"peak_rss_bytes", peak_rss_bytes()}};
   }
 
   RunSummary run() {
