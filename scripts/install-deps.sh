@@ -11,6 +11,9 @@ packages=(
   # sp-train: Debian's CPU LibTorch; its c10d headers need Gloo's, and without OpenBLAS
   # it falls back to a slow reference BLAS.
   libtorch-dev libgloo-dev libopenblas0-pthread
+  # The Python module: Debian's Python torch (the same libtorch, and torchrun), pybind11, and
+  # pytest for its tests.
+  python3-dev python3-torch pybind11-dev python3-pytest
 )
 packages+=("$@")
 

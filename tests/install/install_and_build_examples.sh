@@ -37,3 +37,19 @@ echo "llama_streamed: $sp_lines lines concern Selective Precision"
 cmake -S "$work/llama-src" -B "$work/llama" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" >"$work/llama.log"
 cmake --build "$work/llama" >>"$work/llama.log" || { cat "$work/llama.log"; exit 1; }
 "$work/llama/llama_streamed" 4
+
+# The Python package, where it was built: imported from the prefix alone, it finds the
+# installed plugins and runs a step.
+if [ -d "$build/python/selective_precision" ]; then
+  PYTHONPATH="$prefix/lib/python3/dist-packages" SP_PLUGIN_DIR= /usr/bin/python3 - <<'PY'
+import torch
+import selective_precision as sp
+assert sp.default_plugin_dir().endswith("lib/selective_precision/plugins"), sp.default_plugin_dir()
+blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+streamed = sp.StreamedBlocks(blocks)
+streamed.begin_step(0)
+streamed(torch.randn(2, 16)).sum().backward()
+streamed.post_backward()
+print("python from the prefix:", streamed.end_step(1.0)["routes"])
+PY
+fi

@@ -1,0 +1,235 @@
+"""Selective Precision for PyTorch training scripts.
+
+Wrap the blocks of a model (a ``torch.nn.ModuleList`` such as ``model.transformer.h``) and
+their weights stream from host memory, one block at a time, in the precision a policy plugin
+chooses per block: BF16, INT8 or NF4. The fp32 masters stay on the host; ``loss.backward()``
+fetches the blocks again in reverse and puts the gradients in the masters' ``.grad``, so a
+stock ``torch.optim`` optimizer steps them::
+
+    import selective_precision as sp
+    streamed = sp.StreamedBlocks(model.blocks, config="policy.yaml")
+    optimizer = torch.optim.AdamW(streamed.optimizer_parameters(model), lr=3e-4)
+    for step in range(steps):
+        with streamed.step(step, optimizer) as s:
+            s.loss = loss_fn(model(x), y)    # model.forward calls streamed(h)
+            s.loss.backward()
+        print(s.report["h2d_bytes_int8"])
+
+This is a binding of the C++ LibTorch layer (``sp/torch_layer/streamed_model.h``): the rules,
+errors and state are the same (docs/integration.md, "Python").
+"""
+
+import contextlib
+import os
+
+import torch  # loads libtorch before the extension that links it
+
+from ._selective_precision import (  # noqa: F401  (re-exported)
+    CollectiveError,
+    PluginError,
+    RankMismatchError,
+    StateEntryError,
+    _StreamedModel,
+)
+
+__all__ = [
+    "StreamedBlocks",
+    "default_plugin_dir",
+    "PluginError",
+    "StateEntryError",
+    "CollectiveError",
+    "RankMismatchError",
+]
+
+_PLUGIN_NAME = "sp_selective_precision"
+
+
+def default_plugin_dir():
+    """Where the policy plugins are: $SP_PLUGIN_DIR, else beside an installed package
+    (<prefix>/lib/selective_precision/plugins), else the build tree's plugins/."""
+    if os.environ.get("SP_PLUGIN_DIR"):
+        return os.environ["SP_PLUGIN_DIR"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (
+        os.path.join(here, "..", "..", "..", "selective_precision", "plugins"),  # lib/python3/dist-packages
+        os.path.join(here, "..", "..", "plugins"),  # build/python/selective_precision
+    ):
+        if os.path.isdir(candidate):
+            return os.path.normpath(candidate)
+    return os.path.join(here, "plugins")
+
+
+def _streamed_names(block):
+    """By default every 2-D floating-point weight of a block streams: its matrices."""
+    return [
+        name
+        for name, p in block.named_parameters()
+        if p.dim() == 2 and p.is_floating_point() and name.endswith("weight")
+    ]
+
+
+class StepContext:
+    """What `StreamedBlocks.step()` yields: set `loss` (a tensor or a float) inside the block;
+    after it, `report` holds what the step moved and decided."""
+
+    def __init__(self):
+        self.loss = None
+        self.report = None
+        self.moments = None
+
+
+class StreamedBlocks:
+    """The streamed blocks of a model. Call it on the first block's input, as the ModuleList
+    would be called; the blocks' matrices are no longer the module's to read or replace.
+
+    blocks: a torch.nn.ModuleList (or any list of modules taking and returning one tensor).
+    streamed: the parameter names, relative to a block, that stream (default: its 2-D weights);
+        every other parameter stays resident and trains the usual way.
+    config: the policy's YAML, as a path or as text (its section `selective_precision`);
+        None: the plugin's defaults.
+    plugin, plugin_dir: loads <plugin_dir>/lib<plugin>.so.
+    device, compute_dtype: where and in what dtype the blocks compute.
+    moments_from: parameter names whose gradients describe a block to the policy (e.g. LoRA
+        adapters); default: the streamed ones when they train.
+    """
+
+    def __init__(
+        self,
+        blocks,
+        streamed=None,
+        config=None,
+        plugin=_PLUGIN_NAME,
+        plugin_dir=None,
+        output_dir=".",
+        device="cpu",
+        compute_dtype=torch.float32,
+        moments_from=(),
+        prefetch_window=1,
+        spare_slabs=2,
+        int8_group_size=0,
+        nf4_group_size=64,
+        metrics_path="",
+        recalibrate_every=0,
+        host_bandwidth_cap_gbps=0.0,
+    ):
+        modules = list(blocks)
+        if not modules:
+            raise ValueError("StreamedBlocks: the module list is empty")
+        if streamed is None:
+            streamed = _streamed_names(modules[0])
+        config_yaml, config_source = "selective_precision: {}\n", "<defaults>"
+        if config is not None:
+            if os.path.isfile(str(config)):
+                with open(config, encoding="utf-8") as f:
+                    config_yaml, config_source = f.read(), str(config)
+            else:
+                config_yaml, config_source = str(config), "<config text>"
+        plugin_file = os.path.join(plugin_dir or default_plugin_dir(), "lib%s.so" % plugin)
+        self._streamed_names = list(streamed)
+        self._model = _StreamedModel(
+            modules,
+            self._streamed_names,
+            list(moments_from),
+            plugin_file,
+            config_yaml,
+            config_source,
+            str(output_dir),
+            str(device),
+            compute_dtype,
+            float(host_bandwidth_cap_gbps),
+            int(prefetch_window),
+            int(spare_slabs),
+            int(int8_group_size),
+            int(nf4_group_size),
+            str(metrics_path),
+            int(recalibrate_every),
+        )
+        self._placeholders = {id(p) for m in modules for n, p in m.named_parameters() if n in self._streamed_names}
+
+    # ---- the model -------------------------------------------------------------------------
+
+    def __call__(self, x):
+        return self._model.forward(x)
+
+    forward = __call__
+
+    def master_parameters(self):
+        """The fp32 host masters of the streamed parameters: give them to the optimizer."""
+        return self._model.master_parameters()
+
+    def masters(self, block):
+        return self._model.masters(block)
+
+    def resident_parameters(self):
+        return self._model.resident_parameters()
+
+    def optimizer_parameters(self, model):
+        """The masters, and every parameter of `model` that is not a streamed placeholder."""
+        own = [p for p in model.parameters() if id(p) not in self._placeholders]
+        return list(self.master_parameters()) + own
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def begin_step(self, step):
+        self._model.begin_step(int(step))
+
+    def post_backward(self):
+        return self._model.post_backward()
+
+    def end_step(self, loss):
+        return self._model.end_step(float(loss))
+
+    @contextlib.contextmanager
+    def step(self, step, optimizer=None):
+        """begin_step on entry; on a normal exit post_backward, optimizer.step() and
+        optimizer.zero_grad() (when given) and end_step with the loss set on the context."""
+        self.begin_step(step)
+        context = StepContext()
+        yield context
+        if context.loss is None:
+            raise ValueError("StreamedBlocks.step(): set .loss on the step context before leaving it")
+        loss = context.loss.item() if isinstance(context.loss, torch.Tensor) else float(context.loss)
+        context.moments = self.post_backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
+        context.report = self.end_step(loss)
+
+    def refresh_images(self):
+        self._model.refresh_images()
+
+    # ---- policy ----------------------------------------------------------------------------
+
+    def calibrate(self, samples):
+        """Measures each block's INT8 and NF4 output error on first-block inputs `samples`
+        and gives them to the plugin; returns {"int8": [...], "nf4": [...]}."""
+        return self._model.calibrate(list(samples))
+
+    def poll_plugin(self, force=False):
+        return self._model.poll_plugin(bool(force))
+
+    def routes(self):
+        return self._model.routes()
+
+    def plugin_version(self):
+        return self._model.plugin_version()
+
+    def image_bytes(self, block, precision):
+        return self._model.image_bytes(int(block), precision)
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def export_state(self):
+        """Named CPU tensors (masters, plugin state, routes, counters) for torch.save."""
+        return self._model.export_state()
+
+    def restore_state(self, state):
+        self._model.restore_state(dict(state))
+
+    def close(self):
+        """Releases the engines and the plugin; any later call raises RuntimeError."""
+        self._model.close()
+
+    @property
+    def closed(self):
+        return self._model.closed

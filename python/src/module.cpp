@@ -1,0 +1,222 @@
+// The Python binding of the LibTorch layer (sp/torch_layer/streamed_model.h): the layer itself,
+// unchanged, with Python modules as its blocks. selective_precision/__init__.py is the thin
+// Python part on top.
+//
+// The GIL: a block's parameters and forward are Python calls, made with the GIL held; autograd
+// runs a block's backward (which recomputes its forward) with the GIL released, on its own
+// thread or the caller's, so each call takes the GIL itself. The Python modules are held by
+// pointers whose last release takes the GIL too.
+#include <torch/extension.h>
+
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "sp/host/plugin_library.h"
+#include "sp/torch_layer/collectives.h"
+#include "sp/torch_layer/streamed_model.h"
+
+namespace py = pybind11;
+namespace tl = sp::torch_layer;
+
+namespace {
+
+std::shared_ptr<py::object> hold(py::object object) {
+  return std::shared_ptr<py::object>(new py::object(std::move(object)), [](py::object* o) {
+    py::gil_scoped_acquire gil;
+    delete o;
+  });
+}
+
+tl::Block python_block(py::object module, std::vector<std::string> streamed, std::vector<std::string> moments_from,
+                       std::string name) {
+  if (!py::hasattr(module, "named_parameters") || !PyCallable_Check(module.ptr())) {
+    throw std::invalid_argument(
+        fmt::format("block '{}' is not a torch.nn.Module: it has no named_parameters() or is "
+                    "not callable",
+                    name));
+  }
+  const std::shared_ptr<py::object> held = hold(std::move(module));
+  return tl::Block{std::move(name),
+                   [held] {
+                     py::gil_scoped_acquire gil;
+                     tl::NamedParameters out;
+                     for (py::handle item : held->attr("named_parameters")()) {
+                       const py::tuple pair = item.cast<py::tuple>();
+                       out.emplace_back(pair[0].cast<std::string>(), pair[1].cast<torch::Tensor>());
+                     }
+                     return out;
+                   },
+                   [held](const torch::Tensor& x) {
+                     py::gil_scoped_acquire gil;
+                     py::object y = (*held)(x);
+                     if (!THPVariable_Check(y.ptr())) {
+                       throw std::invalid_argument("a streamed block's forward must return one tensor");
+                     }
+                     return y.cast<torch::Tensor>();
+                   },
+                   std::move(streamed), std::move(moments_from)};
+}
+
+sp_precision precision_of(const std::string& name) {
+  if (name == "bf16") return SP_PRECISION_BF16;
+  if (name == "int8") return SP_PRECISION_INT8;
+  if (name == "nf4") return SP_PRECISION_NF4;
+  throw std::invalid_argument(fmt::format("precision '{}': expected 'bf16', 'int8' or 'nf4'", name));
+}
+
+const char* precision_name(sp_precision precision) {
+  return precision == SP_PRECISION_NF4 ? "nf4" : precision == SP_PRECISION_INT8 ? "int8" : "bf16";
+}
+
+py::dict swap_dict(const sp::host::SwapResult& swap) {
+  py::dict d;
+  d["outcome"] = swap.outcome == sp::host::SwapResult::Outcome::swapped   ? "swapped"
+                 : swap.outcome == sp::host::SwapResult::Outcome::pending ? "pending"
+                                                                          : "failed";
+  d["message"] = swap.message;
+  d["old_version"] = swap.old_version;
+  d["new_version"] = swap.new_version;
+  return d;
+}
+
+py::dict errors_dict(const tl::CalibrationErrors& errors) {
+  py::dict d;
+  d["int8"] = errors.int8;
+  d["nf4"] = errors.nf4;
+  return d;
+}
+
+// The layer behind a close(): every call after it is refused by name, not made on freed state.
+class PyStreamedModel {
+ public:
+  PyStreamedModel(const py::list& modules, const std::vector<std::string>& streamed,
+                  const std::vector<std::string>& moments_from, tl::StreamedModelOptions options) {
+    if (modules.empty()) throw std::invalid_argument("StreamedModel: the module list is empty");
+    std::vector<tl::Block> blocks;
+    for (std::size_t b = 0; b < modules.size(); ++b) {
+      blocks.push_back(python_block(modules[b], streamed, moments_from, fmt::format("block{}", b)));
+    }
+    model_ = std::make_unique<tl::StreamedModel>(std::move(blocks), std::move(options));
+  }
+
+  tl::StreamedModel& model() {
+    if (!model_) throw std::runtime_error("StreamedModel is closed");
+    return *model_;
+  }
+  void close() { model_.reset(); }
+  bool closed() const { return !model_; }
+
+ private:
+  std::unique_ptr<tl::StreamedModel> model_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_selective_precision, m) {
+  m.doc() = "Selective Precision: stream the blocks of a PyTorch model through a precision policy plugin.";
+
+  py::register_exception<sp::host::PluginError>(m, "PluginError", PyExc_RuntimeError);
+  py::register_exception<tl::StateEntryError>(m, "StateEntryError", PyExc_ValueError);
+  py::register_exception<tl::CollectiveError>(m, "CollectiveError", PyExc_RuntimeError);
+  py::register_exception<tl::RankMismatchError>(m, "RankMismatchError", PyExc_RuntimeError);
+
+  py::class_<PyStreamedModel>(m, "_StreamedModel")
+      .def(py::init([](const py::list& modules, const std::vector<std::string>& streamed,
+                       const std::vector<std::string>& moments_from, const std::string& plugin_file,
+                       const std::string& config_yaml, const std::string& config_source, const std::string& output_dir,
+                       const std::string& device, py::object compute_dtype, double host_bandwidth_cap_gbps,
+                       std::uint32_t prefetch_window, std::uint32_t spare_slabs, std::uint32_t int8_group_size,
+                       std::uint32_t nf4_group_size, const std::string& metrics_path, std::uint32_t recalibrate_every) {
+             tl::StreamedModelOptions o;
+             o.plugin_file = plugin_file;
+             o.config_yaml = config_yaml;
+             o.config_source = config_source;
+             o.output_dir = output_dir;
+             o.host_name = "selective_precision (Python)";
+             o.device = torch::Device(device);
+             o.compute_dtype = torch::python::detail::py_object_to_dtype(compute_dtype);
+             o.host_bandwidth_cap_gbps = host_bandwidth_cap_gbps;
+             o.prefetch_window = prefetch_window;
+             o.spare_slabs = spare_slabs;
+             o.int8_group_size = int8_group_size;
+             o.nf4_group_size = nf4_group_size;
+             o.metrics_path = metrics_path;
+             o.recalibrate_every = recalibrate_every;
+             return std::make_unique<PyStreamedModel>(modules, streamed, moments_from, std::move(o));
+           }),
+           py::arg("modules"), py::arg("streamed"), py::arg("moments_from"), py::arg("plugin_file"),
+           py::arg("config_yaml"), py::arg("config_source"), py::arg("output_dir"), py::arg("device"),
+           py::arg("compute_dtype"), py::arg("host_bandwidth_cap_gbps"), py::arg("prefetch_window"),
+           py::arg("spare_slabs"), py::arg("int8_group_size"), py::arg("nf4_group_size"), py::arg("metrics_path"),
+           py::arg("recalibrate_every"))
+      .def("close", &PyStreamedModel::close)
+      .def_property_readonly("closed", &PyStreamedModel::closed)
+      .def("num_blocks", [](PyStreamedModel& s) { return s.model().num_blocks(); })
+      .def("forward", [](PyStreamedModel& s, const torch::Tensor& x) { return s.model().forward(x); })
+      .def("master_parameters", [](PyStreamedModel& s) { return s.model().master_parameters(); })
+      .def("masters", [](PyStreamedModel& s, std::uint32_t block) { return s.model().masters(block); })
+      .def("resident_parameters", [](PyStreamedModel& s) { return s.model().resident_parameters(); })
+      .def("begin_step", [](PyStreamedModel& s, std::int64_t step) { s.model().begin_step(step); })
+      .def("post_backward",
+           [](PyStreamedModel& s) {
+             py::list out;
+             for (const sp_grad_moments_v1& g : s.model().post_backward()) {
+               py::dict d;
+               d["sum_sq"] = g.sum_sq;
+               d["sum"] = g.sum;
+               d["max_abs"] = g.max_abs;
+               d["count"] = g.count;
+               d["nonfinite"] = g.nonfinite;
+               out.append(d);
+             }
+             return out;
+           })
+      .def("end_step",
+           [](PyStreamedModel& s, double loss) {
+             const tl::StepReport r = s.model().end_step(loss);
+             py::dict d;
+             d["step"] = r.step;
+             d["h2d_bytes_bf16"] = r.h2d_bytes_bf16;
+             d["h2d_bytes_int8"] = r.h2d_bytes_int8;
+             d["h2d_bytes_nf4"] = r.h2d_bytes_nf4;
+             d["h2d_bytes_all_bf16"] = r.h2d_bytes_all_bf16;
+             d["eval_h2d_bytes"] = r.eval_h2d_bytes;
+             d["training_passes"] = r.training_passes;
+             py::list routes;
+             for (sp_precision p : r.routes) routes.append(precision_name(p));
+             d["routes"] = routes;
+             d["swap"] = r.swap ? py::object(swap_dict(*r.swap)) : py::none();
+             d["calibration"] = r.calibration ? py::object(errors_dict(*r.calibration)) : py::none();
+             return d;
+           })
+      .def("refresh_images", [](PyStreamedModel& s) { s.model().refresh_images(); })
+      .def("calibrate",
+           [](PyStreamedModel& s, const std::vector<torch::Tensor>& samples) {
+             return errors_dict(s.model().calibrate(samples));
+           })
+      .def("poll_plugin",
+           [](PyStreamedModel& s, bool force) -> py::object {
+             const std::optional<sp::host::SwapResult> r = s.model().poll_plugin(force);
+             return r ? py::object(swap_dict(*r)) : py::none();
+           })
+      .def("export_state", [](PyStreamedModel& s) { return s.model().export_state(); })
+      .def("restore_state", [](PyStreamedModel& s,
+                               const std::map<std::string, torch::Tensor>& state) { s.model().restore_state(state); })
+      .def("image_bytes",
+           [](PyStreamedModel& s, std::uint32_t block, const std::string& precision) {
+             return s.model().image_bytes(block, precision_of(precision));
+           })
+      .def("routes",
+           [](PyStreamedModel& s) {
+             std::vector<std::string> out;
+             for (sp_precision p : s.model().routes()) out.emplace_back(precision_name(p));
+             return out;
+           })
+      .def("plugin_version", [](PyStreamedModel& s) { return std::string(s.model().policy().plugin_version()); })
+      .def("evaluation_h2d_bytes", [](PyStreamedModel& s) { return s.model().evaluation_h2d_bytes(); });
+}

@@ -1,0 +1,173 @@
+"""The Python module over the LibTorch layer: the same decisions as the C++ layer, gradients
+into the masters, a stock optimizer, and named errors instead of crashes."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+import selective_precision as sp
+
+DIM, HIDDEN, BLOCKS, STEPS, LR = 32, 64, 3, 12, 0.05
+POLICY = (
+    "selective_precision:\n  telemetry_enabled: false\n  mode: dynamic\n  warmup_steps: 2\n"
+    "  update_interval_steps: 2\n  history_window: 2\n  min_steps_between_switches: 2\n"
+    "  int8_threshold: 0.5\n  bf16_threshold: 0.7\n  quant_error_threshold: 1.0\n"
+)
+
+
+class ReferenceBlock(torch.nn.Module):
+    """torch_layer/tests/reference_run.cpp's block: the same parameters from the same draws."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_parameter("ln_weight", torch.nn.Parameter(torch.ones(DIM)))
+        self.register_parameter("ln_bias", torch.nn.Parameter(torch.zeros(DIM)))
+        self.fc1 = torch.nn.Linear(DIM, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, DIM)
+        with torch.no_grad():
+            self.fc1.weight.copy_(torch.randn(HIDDEN, DIM) * 0.1)
+            self.fc1.bias.zero_()
+            self.fc2.weight.copy_(torch.randn(DIM, HIDDEN) * 0.1)
+            self.fc2.bias.zero_()
+
+    def forward(self, x):
+        h = torch.nn.functional.layer_norm(x, (DIM,), self.ln_weight, self.ln_bias)
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(h)))
+
+
+def wrap(blocks, policy=POLICY, **options):
+    return sp.StreamedBlocks(blocks, streamed=["fc1.weight", "fc2.weight"], config=policy, **options)
+
+
+def test_the_python_run_takes_the_cpp_layers_decisions(tmp_path):
+    out = tmp_path / "cpp.json"
+    plugin = os.path.join(sp.default_plugin_dir(), "libsp_selective_precision.so")
+    subprocess.run([os.environ["SP_TORCH_LAYER_REFERENCE"], plugin, str(out)], check=True)
+    cpp = json.loads(out.read_text())
+
+    # Linear's own init draws first in Python; the block then draws the C++ run's numbers.
+    torch.manual_seed(7)
+    blocks = []
+    state = torch.get_rng_state()
+    for _ in range(BLOCKS):
+        block = _draw_block_like_cpp(state)
+        state = torch.get_rng_state()
+        blocks.append(block)
+    streamed = wrap(torch.nn.ModuleList(blocks))
+    params = list(streamed.master_parameters()) + list(streamed.resident_parameters())
+    losses, routes = [], []
+    for step in range(STEPS):
+        torch.manual_seed(1000 + step)
+        x = torch.randn(4, 8, DIM)
+        target = torch.randn(4, 8, DIM)
+        streamed.begin_step(step)
+        loss = torch.nn.functional.mse_loss(streamed(x), target)
+        loss.backward()
+        streamed.post_backward()
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-LR)
+                    p.grad.zero_()
+        report = streamed.end_step(loss.item())
+        losses.append(loss.item())
+        routes.append(report["routes"])
+    assert routes == cpp["routes"]
+    assert any(r != "bf16" for step in routes for r in step), "the compared decisions never left BF16"
+    assert losses == pytest.approx(cpp["losses"], rel=1e-6)
+
+
+def _draw_block_like_cpp(state):
+    """A block whose parameters are drawn exactly as the C++ module's constructor draws them,
+    from generator state `state` (Linear's own initialization draws are overwritten)."""
+    block = ReferenceBlock()
+    torch.set_rng_state(state)
+    w1 = torch.randn(HIDDEN, DIM) * 0.1
+    w2 = torch.randn(DIM, HIDDEN) * 0.1
+    with torch.no_grad():
+        block.fc1.weight.copy_(w1)
+        block.fc2.weight.copy_(w2)
+    return block
+
+
+def test_gradients_reach_the_masters_and_a_stock_optimizer_trains(tmp_path):
+    torch.manual_seed(3)
+    model = torch.nn.ModuleList(ReferenceBlock() for _ in range(BLOCKS))
+    streamed = wrap(model, policy="selective_precision:\n  telemetry_enabled: false\n  mode: off\n")
+    optimizer = torch.optim.AdamW(streamed.optimizer_parameters(model), lr=1e-2)
+    x, target = torch.randn(4, 8, DIM), torch.zeros(4, 8, DIM)
+    first = last = None
+    for step in range(8):
+        with streamed.step(step, optimizer) as s:
+            s.loss = torch.nn.functional.mse_loss(streamed(x), target)
+            s.loss.backward()
+            if step == 0:
+                for master in streamed.master_parameters():
+                    assert master.grad is not None and master.grad.abs().sum() > 0
+                assert model[0].ln_weight.grad is not None, "resident parameters get theirs from autograd"
+        first = first if first is not None else s.loss.item()
+        last = s.loss.item()
+        assert s.report["h2d_bytes_bf16"] > 0
+    assert last < 0.8 * first
+    assert streamed.masters(0)["fc1.weight"].dtype == torch.float32
+
+
+def test_a_replaced_parameter_is_refused_not_read():
+    torch.manual_seed(4)
+    model = torch.nn.ModuleList(ReferenceBlock() for _ in range(2))
+    streamed = wrap(model)
+    model[1].fc2.weight = torch.nn.Parameter(torch.randn(DIM, HIDDEN))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="fc2.weight' was replaced"):
+        streamed(torch.randn(2, 4, DIM))
+
+
+def test_bad_inputs_raise_named_exceptions(tmp_path):
+    torch.manual_seed(5)
+    with pytest.raises(ValueError, match="module list is empty"):
+        sp.StreamedBlocks(torch.nn.ModuleList())
+    with pytest.raises(ValueError, match="streams no parameter"):
+        sp.StreamedBlocks([torch.nn.ReLU()], streamed=[])
+    with pytest.raises(ValueError, match="has no parameter 'fc3.weight'"):
+        sp.StreamedBlocks([ReferenceBlock()], streamed=["fc3.weight"])
+    integer = torch.nn.Module()
+    integer.register_buffer("unused", torch.zeros(1))
+    integer.weight = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.int32), requires_grad=False)
+    with pytest.raises(ValueError, match="floating-point"):
+        sp.StreamedBlocks([integer], streamed=["weight"])
+    with pytest.raises(sp.PluginError):
+        sp.StreamedBlocks([ReferenceBlock()], plugin_dir=str(tmp_path))
+    with pytest.raises(sp.PluginError, match="int8_threshold"):
+        wrap([ReferenceBlock()], policy="selective_precision:\n  int8_threshold: high\n")
+    streamed = wrap([ReferenceBlock()])
+    with pytest.raises(ValueError, match="precision 'fp8'"):
+        streamed.image_bytes(0, "fp8")
+    with pytest.raises(RuntimeError, match="no step is active"):
+        streamed(torch.randn(2, 4, DIM))
+    streamed.close()
+    assert streamed.closed
+    with pytest.raises(RuntimeError, match="StreamedModel is closed"):
+        streamed.routes()
+
+
+def test_state_round_trips_through_torch_save(tmp_path):
+    torch.manual_seed(6)
+    policy = "selective_precision:\n  telemetry_enabled: false\n  mode: static\n  tiers: [bf16, int8, nf4]\n  force_nf4_blocks: [1]\n"
+    model = torch.nn.ModuleList(ReferenceBlock() for _ in range(2))
+    streamed = wrap(model, policy=policy)
+    optimizer = torch.optim.SGD(streamed.optimizer_parameters(model), lr=0.1)
+    for step in range(2):
+        with streamed.step(step, optimizer) as s:
+            s.loss = streamed(torch.randn(2, 4, DIM)).pow(2).mean()
+            s.loss.backward()
+    torch.save(streamed.export_state(), tmp_path / "state.pt")
+    fresh = wrap(torch.nn.ModuleList(ReferenceBlock() for _ in range(2)), policy=policy)
+    fresh.restore_state(torch.load(tmp_path / "state.pt"))
+    assert fresh.routes() == streamed.routes() == ["bf16", "nf4"]
+    assert torch.equal(fresh.masters(1)["fc2.weight"], streamed.masters(1)["fc2.weight"])
+    broken = torch.load(tmp_path / "state.pt")
+    del broken["policy/state"]
+    with pytest.raises(sp.StateEntryError, match="policy/state"):
+        fresh.restore_state(broken)
