@@ -122,7 +122,7 @@ struct StreamedModel::Impl {
   std::uint64_t pass_id = 0;
   std::int64_t engine_steps = 0, eval_engine_steps = 0;
   std::vector<bool> eval_image_stale;  // per block: its masters changed since the evaluation engine built its image
-  std::uint64_t evaluation_bytes = 0;
+  std::uint64_t evaluation_bytes = 0, calibration_bytes = 0;  // of the forward-only passes
   bool grads_staged = false;
 
   bool in_step = false;
@@ -334,7 +334,7 @@ struct StreamedModel::Impl {
   // One forward-only pass of the evaluation engine under `limits`; run(b) computes block b on
   // its delivered weights. The block is released and the pass ended even when run() throws.
   template <typename Run>
-  ad::StepTransferMetrics eval_pass(const ad::RuntimeLimitHints& limits, Run&& run) {
+  ad::StepTransferMetrics eval_pass(const ad::RuntimeLimitHints& limits, std::uint64_t& bytes, Run&& run) {
     for (std::uint32_t b = 0; b < blocks.size(); ++b) {
       if (!eval_image_stale[b]) continue;
       eval_engine->on_weights_updated(b);
@@ -356,12 +356,13 @@ struct StreamedModel::Impl {
       eval_engine->release(b);
     }
     const ad::StepTransferMetrics m = eval_engine->end_step();
-    evaluation_bytes += m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
+    bytes += m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
     return m;
   }
 
   torch::Tensor eval_forward(torch::Tensor x) {
-    const ad::StepTransferMetrics m = eval_pass({}, [&](std::uint32_t b) { x = blocks[b].block.forward(x); });
+    const ad::StepTransferMetrics m =
+        eval_pass({}, evaluation_bytes, [&](std::uint32_t b) { x = blocks[b].block.forward(x); });
     report.eval_h2d_bytes += m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
     return x;
   }
@@ -616,11 +617,11 @@ struct StreamedModel::Impl {
     const auto on_host = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kFloat32).contiguous(); };
     for (const torch::Tensor& sample : samples) {
       std::vector<torch::Tensor> reference{sample};
-      eval_pass(pinned_to(SP_PRECISION_BF16),
+      eval_pass(pinned_to(SP_PRECISION_BF16), calibration_bytes,
                 [&](std::uint32_t b) { reference.push_back(blocks[b].block.forward(reference.back())); });
       for (auto [precision, sums] :
            {std::pair{SP_PRECISION_INT8, &errors.int8}, std::pair{SP_PRECISION_NF4, &errors.nf4}}) {
-        eval_pass(pinned_to(precision), [&, sums = sums](std::uint32_t b) {
+        eval_pass(pinned_to(precision), calibration_bytes, [&, sums = sums](std::uint32_t b) {
           const torch::Tensor quantized = on_host(blocks[b].block.forward(reference[b]));
           const torch::Tensor expected = on_host(reference[b + 1]);
           (*sums)[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32, quantized.data_ptr<float>(),
@@ -982,6 +983,8 @@ std::vector<sp_precision> StreamedModel::routes() const { return impl_->current_
 const std::vector<sp_hint_v1>& StreamedModel::hints() const { return impl_->applied_hints; }
 
 std::uint64_t StreamedModel::evaluation_h2d_bytes() const { return impl_->evaluation_bytes; }
+
+std::uint64_t StreamedModel::calibration_h2d_bytes() const { return impl_->calibration_bytes; }
 
 void StreamedModel::flush_metrics() { impl_->engine->flush_metrics(); }
 

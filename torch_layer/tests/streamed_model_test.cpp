@@ -300,9 +300,9 @@ TEST(StreamedModel, MomentsComeFromTheParametersTheHostNames) {
   EXPECT_THROW(moments_of({"fc9.bias"}), std::invalid_argument);
 }
 
-// Evaluation and calibration passes are counted apart from the training passes, and the two
-// halves of calibrate() measure and hand over what calibrate() does.
-TEST(StreamedModel, ForwardOnlyBytesAndCalibrationInTwoHalves) {
+// Evaluation and calibration passes are counted apart, from each other and from the training
+// passes, and the two halves of calibrate() measure and hand over what calibrate() does.
+TEST(StreamedModel, EvaluationAndCalibrationBytesApartAndCalibrationInTwoHalves) {
   const auto blocks = make_blocks(23);
   auto model = wrap(blocks, "  mode: off\n");
   EXPECT_EQ(model->evaluation_h2d_bytes(), 0u);
@@ -318,8 +318,9 @@ TEST(StreamedModel, ForwardOnlyBytesAndCalibrationInTwoHalves) {
   const std::uint64_t bf16 = pass_bytes(SP_PRECISION_BF16);
   EXPECT_EQ(model->evaluation_h2d_bytes(), bf16);
   const tl::CalibrationErrors measured = model->measure_calibration_errors({input(25)});
-  // A BF16 reference pass, then an INT8 and an NF4 one.
-  EXPECT_EQ(model->evaluation_h2d_bytes(), 2 * bf16 + pass_bytes(SP_PRECISION_INT8) + pass_bytes(SP_PRECISION_NF4));
+  // A BF16 reference pass, then an INT8 and an NF4 one, counted apart from evaluation.
+  EXPECT_EQ(model->evaluation_h2d_bytes(), bf16);
+  EXPECT_EQ(model->calibration_h2d_bytes(), bf16 + pass_bytes(SP_PRECISION_INT8) + pass_bytes(SP_PRECISION_NF4));
   EXPECT_TRUE(model->set_calibration_errors(measured));
   const tl::CalibrationErrors again = model->calibrate({input(25)});
   EXPECT_EQ(again.int8, measured.int8);

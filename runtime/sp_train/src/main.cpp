@@ -38,21 +38,24 @@ constexpr const char* kFooter =
     "message names the file and key); 3 the policy plugin could not be loaded or rejected its "
     "config section; 4 unusable data path or checkpoint; 5 the loss diverged (non-finite for 8 "
     "steps in a row); 6 data-parallel training stopped (a rank died or stalled, or the ranks' "
-    "decisions differed); 130 interrupted by SIGINT after writing a checkpoint (run the same command "
+    "decisions differed); 130 interrupted by SIGINT, 143 by SIGTERM, after writing a checkpoint (run the same command "
     "again to resume).\n"
-    "Signals: SIGINT checkpoints at the next step boundary and exits; SIGHUP makes the trainer "
+    "Signals: SIGINT and SIGTERM checkpoint at the next step boundary and exit; SIGHUP makes the trainer "
     "look for a new plugin version at the next step boundary.\n"
     "The run directory holds config.yaml, train_metrics.jsonl, transfer_metrics.jsonl, the "
     "plugin's telemetry, checkpoint.bin and summary.json. A run directory that holds a "
     "checkpoint is resumed (train.resume: never starts over).";
 
 std::atomic<bool> g_stop{false};
+std::atomic<int> g_stop_signal{0};
 std::atomic<bool> g_plugin_check{false};
 
-extern "C" void on_sigint(int) {
+// SIGINT (Ctrl-C) and SIGTERM (what schedulers and `docker stop` send) both stop the run at the
+// next step boundary with a checkpoint. A second one kills the process the usual way.
+extern "C" void on_stop_signal(int signal) {
+  g_stop_signal.store(signal);
   g_stop.store(true);
-  // A second Ctrl-C kills the process the usual way.
-  std::signal(SIGINT, SIG_DFL);
+  std::signal(signal, SIG_DFL);
 }
 extern "C" void on_sighup(int) { g_plugin_check.store(true); }
 
@@ -104,7 +107,8 @@ int main(int argc, char** argv) {
     if (*seed_option) overrides.push_back({"train.seed", seed, "--seed"});
     sp::train::TrainConfig config = sp::train::load_train_config(config_file, overrides);
 
-    std::signal(SIGINT, on_sigint);
+    std::signal(SIGINT, on_stop_signal);
+    std::signal(SIGTERM, on_stop_signal);
     std::signal(SIGHUP, on_sighup);
     sp::train::RunOptions options;
     options.out_dir = out;
@@ -127,7 +131,8 @@ int main(int argc, char** argv) {
                  sp::train::format_bytes(bytes["nf4"]), sp::train::format_bytes(bytes["total"]),
                  sp::train::format_bytes(bytes["all_bf16_equivalent"]), 100.0 * bytes["saved_fraction"].get<double>());
     logger->info("summary: {}", summary.summary_file.string());
-    return summary.outcome == sp::train::RunOutcome::completed ? kExitOk : kExitInterrupted;
+    if (summary.outcome == sp::train::RunOutcome::completed) return kExitOk;
+    return g_stop_signal.load() == SIGTERM ? exit_code(ExitCode::terminated) : kExitInterrupted;
   } catch (...) {
     const sp::train::ErrorReport report = sp::train::report_error(std::current_exception());
     logger->error("{}", report.message);

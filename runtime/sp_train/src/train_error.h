@@ -21,7 +21,8 @@ enum class ExitCode : int {
   bad_input = 4,
   diverged = 5,
   distributed = 6,
-  interrupted = 130,
+  interrupted = 130,  // by SIGINT, after writing a checkpoint
+  terminated = 143,   // by SIGTERM, after writing a checkpoint
 };
 
 class TrainError : public std::runtime_error {

@@ -18,6 +18,7 @@
 #include "checkpoint_file.h"
 #include "gpt_model.h"
 #include "progress.h"
+#include "run_lock.h"
 #include "sp/adapters/metrics.h"
 #include "sp/adapters/transfer_policy.h"
 #include "sp/runtime/atomic_file.h"
@@ -84,6 +85,35 @@ std::uint64_t hash_tensor(const torch::Tensor& t, std::uint64_t state) {
   return sp::runtime::fnv1a64(c.data_ptr(), static_cast<std::size_t>(c.numel()) * c.element_size(), state);
 }
 
+// The host memory a run of `c` holds at its peak, by its largest parts: the fp32 masters of the
+// streamed matrices (in full mode also their gradients and AdamW's two moments), the slabs of
+// the training and the evaluation engine (one per unit plus the spares, each as large as the
+// largest unit's BF16 image, which an NF4 or INT8 image never exceeds), and the activations the
+// recompute keeps (one input per block) plus the attention scores of one block.
+std::uint64_t estimated_host_bytes(const TrainConfig& c) {
+  const ModelConfig& m = c.model;
+  const std::uint64_t d = m.d_model, tokens = std::uint64_t{c.train.batch_size} * m.seq_len;
+  const std::uint64_t attention = 4 * d * d, mlp = 2 * std::uint64_t{m.mlp_ratio} * d * d;
+  const std::uint64_t streamed = (attention + mlp) * m.n_blocks;
+  const bool sublayers = m.streaming_unit == StreamingUnit::sublayer;
+  const std::uint64_t units = sublayers ? 2 * std::uint64_t{m.n_blocks} : m.n_blocks;
+  const std::uint64_t largest_unit = sublayers ? std::max(attention, mlp) : attention + mlp;
+  const std::uint64_t masters = streamed * 4 * (c.train.mode == TrainMode::full ? 4 : 1);
+  const std::uint64_t slabs = 2 * (units + c.streaming.spare_slabs) * largest_unit * 2;
+  const std::uint64_t activations =
+      tokens * d * 4 * (m.n_blocks + 8) + std::uint64_t{c.train.batch_size} * m.n_heads * m.seq_len * m.seq_len * 4 * 2;
+  return masters + slabs + activations;
+}
+
+// MemAvailable of /proc/meminfo, in bytes; 0 where it does not say.
+std::uint64_t available_host_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string line; std::getline(meminfo, line);) {
+    if (line.rfind("MemAvailable:", 0) == 0) return std::stoull(line.substr(13)) * 1024;
+  }
+  return 0;
+}
+
 // This process's peak resident set (VmHWM), in bytes; 0 where /proc does not say.
 std::uint64_t peak_rss_bytes() {
   std::ifstream status("/proc/self/status");
@@ -114,6 +144,7 @@ struct Trainer::Impl {
   // (--out itself on rank 0, --out/rank<r> on the others; the checkpoint is rank 0's alone).
   std::shared_ptr<tl::Collectives> collectives;
   fs::path run_dir;
+  std::unique_ptr<RunDirectoryLock> run_lock;
   std::unique_ptr<TextCorpus> corpus;
   std::unique_ptr<GptModel> model;
   torch::TensorOptions compute;  // device and dtype of the model's math
@@ -134,7 +165,8 @@ struct Trainer::Impl {
   // Totals over the whole run, carried across resumes.
   struct Totals {
     std::uint64_t h2d_bf16 = 0, h2d_int8 = 0, h2d_nf4 = 0, h2d_all_bf16 = 0;
-    std::uint64_t eval_h2d_before = 0;  // of the runs before a resume; this one's: layer
+    // Of the runs before a resume; this one's are the layer's counters.
+    std::uint64_t eval_h2d_before = 0, calibration_h2d_before = 0;
     std::uint64_t tokens = 0;
     std::uint64_t bf16_block_steps = 0, int8_block_steps = 0, nf4_block_steps = 0;
     double train_seconds = 0.0;
@@ -152,6 +184,11 @@ struct Trainer::Impl {
     // Nothing in the run directory is rewritten until everything that can reject the run has
     // passed: a mistyped resume must not lose the directory's config or logs.
     prepare_run_directory();
+    run_lock = std::make_unique<RunDirectoryLock>(run_dir);
+    for (const fs::path& stale :
+         remove_stale_temporaries(run_dir, {kRunCheckpointFile, kRunSummaryFile, kRunConfigFile}))
+      log->info("removed {}, left by a write that was killed", stale.string());
+    refuse_what_cannot_fit();
 
     corpus = std::make_unique<TextCorpus>(config.data.path, config.data.val_fraction, config.data.chunk_bytes,
                                           config.model.seq_len);
@@ -204,6 +241,24 @@ struct Trainer::Impl {
     if (collectives) {
       log->info("data parallel: rank {} of {}, run files in {}", rank(), world_size(), run_dir.string());
     }
+  }
+
+  // The run's largest parts in host memory, estimated before any of them is allocated, against
+  // what the machine has available: a model far larger than memory is refused by name instead
+  // of meeting the OOM killer minutes later.
+  void refuse_what_cannot_fit() const {
+    const std::uint64_t needed = estimated_host_bytes(config);
+    const std::uint64_t available = available_host_bytes();
+    if (available == 0 || needed <= available) return;
+    const ModelConfig& m = config.model;
+    throw ConfigError(fmt::format(
+        "{}: model.d_model {} x model.n_blocks {} (mlp_ratio {}, train.mode {}, train.batch_size {}) needs about "
+        "{:.1f} "
+        "GiB of host memory (fp32 masters{}, the transfer images of two engines, activations); this machine has {:.1f} "
+        "GiB available (MemAvailable); lower model.d_model, model.n_blocks or train.batch_size, or train in lora mode",
+        config.source_name, m.d_model, m.n_blocks, m.mlp_ratio, mode_name(config.train.mode), config.train.batch_size,
+        needed / 1073741824.0, config.train.mode == TrainMode::full ? ", their gradients and AdamW moments" : "",
+        available / 1073741824.0));
   }
 
   int rank() const { return collectives ? collectives->rank() : 0; }
@@ -413,6 +468,7 @@ struct Trainer::Impl {
   }
 
   std::uint64_t eval_h2d() const { return totals.eval_h2d_before + layer->evaluation_h2d_bytes(); }
+  std::uint64_t calibration_h2d() const { return totals.calibration_h2d_before + layer->calibration_h2d_bytes(); }
 
   std::pair<torch::Tensor, torch::Tensor> tensors_of(std::vector<std::int64_t>& tokens, std::uint32_t batch) const {
     const std::int64_t window = config.model.seq_len + 1;
@@ -665,6 +721,7 @@ struct Trainer::Impl {
             {"h2d_nf4", totals.h2d_nf4},
             {"h2d_all_bf16", totals.h2d_all_bf16},
             {"eval_h2d", eval_h2d()},
+            {"calibration_h2d", calibration_h2d()},
             {"tokens", totals.tokens},
             {"bf16_block_steps", totals.bf16_block_steps},
             {"int8_block_steps", totals.int8_block_steps},
@@ -832,6 +889,8 @@ struct Trainer::Impl {
       totals.h2d_nf4 = t.value("h2d_nf4", std::uint64_t{0});  // absent before the NF4 route
       totals.h2d_all_bf16 = t.at("h2d_all_bf16");
       totals.eval_h2d_before = t.at("eval_h2d");
+      // Absent before calibration bytes were counted apart (they were in eval_h2d then).
+      totals.calibration_h2d_before = t.value("calibration_h2d", std::uint64_t{0});
       totals.tokens = t.at("tokens");
       totals.bf16_block_steps = t.at("bf16_block_steps");
       totals.int8_block_steps = t.at("int8_block_steps");
@@ -900,6 +959,7 @@ struct Trainer::Impl {
           {"saved", saved},
           {"saved_fraction", totals.h2d_all_bf16 ? static_cast<double>(saved) / totals.h2d_all_bf16 : 0.0}}},
         {"eval_h2d_bytes", eval_h2d()},
+        {"calibration_h2d_bytes", calibration_h2d()},
         {"block_steps",
          {{"bf16", totals.bf16_block_steps}, {"int8", totals.int8_block_steps}, {"nf4", totals.nf4_block_steps}}},
         {"final_decisions", decisions()},
@@ -922,7 +982,8 @@ struct Trainer::Impl {
         {"model_outliers", {{"blocks", config.model.outlier_blocks}, {"magnitude", config.model.outlier_magnitude}}},
         {"torch_threads", torch::get_num_threads()},
         {"data_parallel", {{"rank", rank()}, {"world_size", world_size()}}},
-        {"peak_rss_bytes", peak_rss_bytes()}};
+        {"peak_rss_bytes", peak_rss_bytes()},
+        {"estimated_host_bytes", estimated_host_bytes(config)}};
   }
 
   RunSummary run() {

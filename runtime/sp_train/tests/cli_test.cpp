@@ -163,25 +163,56 @@ TEST_F(Cli, ShortRunWritesTheRunDirectory) {
   EXPECT_NE(r.output.find("step 3/3"), std::string::npos) << r.output;
 }
 
-// A real SIGINT, sent once the run has finished a step: the process writes a checkpoint at
-// the next step boundary and exits with 130; the same command then resumes and finishes.
-TEST_F(Cli, SigintCheckpointsAndTheSameCommandResumes) {
-  const fs::path run = dir_ / "run";
-  const pid_t child =
-      spawn_sp_train({"--config", config_.string(), "--out", run.string(), "--steps", "400"}, dir_ / "interrupted.log");
-  ASSERT_GT(child, 0);
-  wait_for_steps(child, run / "train_metrics.jsonl", 1);
-  if (HasFatalFailure()) return;
-  ASSERT_EQ(::kill(child, SIGINT), 0);
-  EXPECT_EQ(wait_exit_code(child), 130);
-  ASSERT_TRUE(fs::exists(run / "checkpoint.bin"));
-  const std::size_t steps_done = line_count(run / "train_metrics.jsonl");
-  EXPECT_LT(steps_done, 400u);
+// A real SIGINT, or the SIGTERM that schedulers and `docker stop` send, once the run has
+// finished a step: the process writes a checkpoint at the next step boundary and exits with
+// 130 (SIGINT) or 143 (SIGTERM); the same command then resumes and finishes.
+TEST_F(Cli, SigintAndSigtermCheckpointAndTheSameCommandResumes) {
+  for (const auto& [signal, code] : {std::pair{SIGINT, 130}, std::pair{SIGTERM, 143}}) {
+    SCOPED_TRACE(signal == SIGINT ? "SIGINT" : "SIGTERM");
+    const fs::path run = dir_ / ("run-" + std::to_string(signal));
+    const pid_t child = spawn_sp_train({"--config", config_.string(), "--out", run.string(), "--steps", "400"},
+                                       dir_ / "interrupted.log");
+    ASSERT_GT(child, 0);
+    wait_for_steps(child, run / "train_metrics.jsonl", 1);
+    if (HasFatalFailure()) return;
+    ASSERT_EQ(::kill(child, signal), 0);
+    EXPECT_EQ(wait_exit_code(child), code);
+    ASSERT_TRUE(fs::exists(run / "checkpoint.bin"));
+    const std::size_t steps_done = line_count(run / "train_metrics.jsonl");
+    EXPECT_LT(steps_done, 400u);
 
-  const Result resumed = run_sp_train(base() + " --steps " + std::to_string(steps_done + 2));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
-  EXPECT_EQ(line_count(run / "train_metrics.jsonl"), steps_done + 2);
+    const Result resumed = run_sp_train("--config " + config_.string() + " --out " + run.string() + " --steps " +
+                                        std::to_string(steps_done + 2));
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+    EXPECT_EQ(line_count(run / "train_metrics.jsonl"), steps_done + 2);
+  }
+}
+
+// A second sp-train on a run directory in use is refused before it touches anything: the
+// first one's logs keep every step once.
+TEST_F(Cli, ASecondRunOnTheSameDirectoryIsRefusedByName) {
+  const fs::path run = dir_ / "run";
+  const pid_t first =
+      spawn_sp_train({"--config", config_.string(), "--out", run.string(), "--steps", "400"}, dir_ / "first.log");
+  ASSERT_GT(first, 0);
+  wait_for_steps(first, run / "train_metrics.jsonl", 1);
+  if (HasFatalFailure()) return;
+  const Result second = run_sp_train(base() + " --steps 400");
+  EXPECT_EQ(second.exit_code, 2) << second.output;
+  EXPECT_NE(second.output.find("is in use by another sp-train (pid " + std::to_string(first) + ")"), std::string::npos)
+      << second.output;
+  ASSERT_EQ(::kill(first, SIGINT), 0);
+  EXPECT_EQ(wait_exit_code(first), 130);
+  // Every step once, in order.
+  std::ifstream in(run / "train_metrics.jsonl");
+  std::size_t expected = 0;
+  for (std::string line; std::getline(in, line); ++expected) {
+    const std::string key = "\"step\":" + std::to_string(expected);
+    const std::size_t at = line.find(key);
+    ASSERT_NE(at, std::string::npos) << line;
+    EXPECT_TRUE(line[at + key.size()] == ',' || line[at + key.size()] == '}') << line;
+  }
 }
 
 // With polling off, a new plugin version is picked up when SIGHUP asks for it.

@@ -308,6 +308,53 @@ TEST_F(TrainE2E, CorruptCalibrationCacheIsDetectedAndRebuilt) {
   EXPECT_EQ(read_calibration_cache(files[0], files[0].stem().string().substr(12), 4).status, CacheStatus::hit);
 }
 
+// Calibration bytes are reported apart from the evaluation's, so a cache hit and a miss report
+// the same evaluation bytes.
+TEST_F(TrainE2E, CalibrationBytesAreReportedApartFromEvaluation) {
+  const std::vector<Override> two_steps = {{"train.steps", "2"}, {"train.eval_interval", "1"}};
+  const RunSummary miss = train("miss", two_steps);
+  const RunSummary hit = train("hit", two_steps);
+  EXPECT_EQ(miss.json["calibration"]["status"], "computed (missing)");
+  EXPECT_EQ(hit.json["calibration"]["status"], "hit");
+  EXPECT_EQ(miss.json["eval_h2d_bytes"], hit.json["eval_h2d_bytes"]);
+  EXPECT_GT(miss.json["eval_h2d_bytes"].get<std::uint64_t>(), 0u);
+  EXPECT_GT(miss.json["calibration_h2d_bytes"].get<std::uint64_t>(), 0u);
+  EXPECT_EQ(hit.json["calibration_h2d_bytes"], 0u);
+}
+
+// A model far larger than this machine's memory is refused by name before anything is
+// allocated, not left to the OOM killer.
+TEST_F(TrainE2E, AModelFarLargerThanMemoryIsRefusedBeforeAllocation) {
+  try {
+    Trainer trainer(config({{"model.d_model", "8192"}, {"model.n_heads", "64"}, {"model.n_blocks", "48"}}),
+                    options("huge"));
+    FAIL() << "expected a ConfigError";
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("model.d_model 8192 x model.n_blocks 48"), std::string::npos) << what;
+    EXPECT_NE(what.find("GiB of host memory"), std::string::npos) << what;
+    EXPECT_NE(what.find("MemAvailable"), std::string::npos) << what;
+  }
+  // The estimate of the tiny model fits, and is reported beside the measured peak.
+  const RunSummary run = train("tiny", {{"train.steps", "1"}});
+  EXPECT_GT(run.json["estimated_host_bytes"].get<std::uint64_t>(), 0u);
+  EXPECT_GT(run.json["peak_rss_bytes"].get<std::uint64_t>(), 0u);
+}
+
+// Temporary files that killed checkpoint writes left behind are removed when the next run
+// takes the directory.
+TEST_F(TrainE2E, StaleTemporariesOfKilledWritesAreRemovedAtStart) {
+  const fs::path run = dir_ / "stale";
+  fs::create_directories(run);
+  const fs::path stale = run / ".checkpoint.bin.tmp-Ab12Cd";
+  const fs::path unrelated = run / ".notes.tmp-Ab12Cd";
+  testing::write_text(stale, "half a checkpoint");
+  testing::write_text(unrelated, "not ours");
+  train("stale", {{"train.steps", "1"}});
+  EXPECT_FALSE(fs::exists(stale));
+  EXPECT_TRUE(fs::exists(unrelated));
+}
+
 TEST_F(TrainE2E, LoraTrainsAdaptersOverFrozenStreamedWeights) {
   const RunSummary run = train("lora", {{"train.mode", "lora"}, {"train.lora.rank", "4"}});
   ASSERT_EQ(run.steps.size(), 24u);

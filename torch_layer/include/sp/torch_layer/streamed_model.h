@@ -229,8 +229,10 @@ class StreamedModel {
   std::vector<sp_precision> routes() const;
   // The plugin hints in force (empty until its first hints), as it gave them.
   const std::vector<sp_hint_v1>& hints() const;
-  // Bytes every forward-only pass (evaluation and calibration) moved since construction.
+  // Bytes the evaluation passes (no-grad forwards) moved since construction, and apart from
+  // them those of the calibration passes (calibrate(), online re-calibration).
   std::uint64_t evaluation_h2d_bytes() const;
+  std::uint64_t calibration_h2d_bytes() const;
   // Data parallelism (collectives.h). rank() 0 and world_size() 1 without collectives.
   int rank() const;
   int world_size() const;

@@ -1,0 +1,68 @@
+#include "run_lock.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "train_error.h"
+
+namespace sp::train {
+namespace fs = std::filesystem;
+
+RunDirectoryLock::RunDirectoryLock(const fs::path& run_dir) {
+  const fs::path file = run_dir / ".sp-train.lock";
+  fd_ = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    throw ConfigError(fmt::format("run directory '{}' (--out): cannot create its lock file {}: {}", run_dir.string(),
+                                  file.string(), std::strerror(errno)));
+  }
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    std::ifstream in(file);
+    std::string holder;
+    std::getline(in, holder);
+    ::close(fd_);
+    fd_ = -1;
+    if (error == EWOULDBLOCK) {
+      throw ConfigError(
+          fmt::format("run directory '{}' (--out) is in use by another sp-train (pid {}); wait for it, stop it, or use "
+                      "another --out",
+                      run_dir.string(), holder.empty() ? "unknown" : holder));
+    }
+    throw ConfigError(fmt::format("run directory '{}' (--out): cannot lock {}: {}", run_dir.string(), file.string(),
+                                  std::strerror(error)));
+  }
+  // Who holds it, for the message of the run that is refused.
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd_, 0) == 0) {
+    [[maybe_unused]] const ssize_t written = ::pwrite(fd_, pid.data(), pid.size(), 0);
+  }
+}
+
+RunDirectoryLock::~RunDirectoryLock() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::vector<fs::path> remove_stale_temporaries(const fs::path& run_dir, const std::vector<std::string>& names) {
+  std::vector<fs::path> removed;
+  std::error_code error;
+  for (const fs::directory_entry& entry : fs::directory_iterator(run_dir, error)) {
+    const std::string file = entry.path().filename().string();
+    for (const std::string& name : names) {
+      const std::string prefix = "." + name + ".tmp-";
+      if (file.size() == prefix.size() + 6 && file.compare(0, prefix.size(), prefix) == 0 &&
+          entry.is_regular_file(error)) {
+        if (fs::remove(entry.path(), error)) removed.push_back(entry.path());
+      }
+    }
+  }
+  return removed;
+}
+
+}  // namespace sp::train
