@@ -1,5 +1,10 @@
 #include "sp/adapters/metrics.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -51,31 +56,56 @@ sp_step_feedback_v1 StepTransferMetrics::to_feedback() const {
 }
 
 MetricsJsonlWriter::MetricsJsonlWriter(std::filesystem::path path) : path_(std::move(path)) {
-  out_.open(path_, std::ios::out | std::ios::app);
-  if (!out_) {
-    fail(std::string("cannot open for appending: ") + std::strerror(errno));
-  }
+  if (!open_file()) lose("cannot open it for appending", errno);
 }
 
-void MetricsJsonlWriter::fail(const std::string &what) noexcept {
-  if (healthy_) {
-    spdlog::error("transfer metrics {}: {}; no further records are written", path_.string(), what);
+MetricsJsonlWriter::~MetricsJsonlWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+bool MetricsJsonlWriter::open_file() noexcept {
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd_ < 0) return false;
+  struct stat st {};
+  complete_bytes_ = ::fstat(fd_, &st) == 0 ? static_cast<std::uint64_t>(st.st_size) : 0;
+  return true;
+}
+
+void MetricsJsonlWriter::lose(const char *what, int error) noexcept {
+  ++lost_;
+  if (!losing_) {
+    spdlog::error("{}: {}: {}; the record is lost, the next one is tried again", path_.string(), what,
+                  std::strerror(error));
   }
-  healthy_ = false;
+  losing_ = true;
 }
 
 void MetricsJsonlWriter::append(const nlohmann::json &record) noexcept {
-  if (!healthy_) {
-    return;
-  }
+  if (fd_ < 0 && !open_file()) return lose("cannot open it for appending", errno);
+  std::string line;
   try {
-    out_ << record.dump() << '\n';
-    out_.flush();
-    if (!out_) {
-      fail("write failed");
+    line = record.dump() + '\n';
+  } catch (const std::exception &) {
+    return lose("a record could not be serialized", EINVAL);
+  }
+  std::size_t written = 0;
+  while (written < line.size()) {
+    const ssize_t n = ::write(fd_, line.data() + written, line.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int error = n < 0 ? errno : ENOSPC;
+      // No torn line: the file goes back to its last complete record.
+      if (written > 0 && ::ftruncate(fd_, static_cast<off_t>(complete_bytes_)) != 0) {
+        spdlog::error("{}: cannot cut a torn record back: {}", path_.string(), std::strerror(errno));
+      }
+      return lose("a write failed", error);
     }
-  } catch (const std::exception &error) {
-    fail(error.what());
+    written += static_cast<std::size_t>(n);
+  }
+  complete_bytes_ += line.size();
+  if (losing_) {
+    spdlog::warn("{}: writing again; {} record(s) lost so far", path_.string(), lost_);
+    losing_ = false;
   }
 }
 

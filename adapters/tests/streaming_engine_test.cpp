@@ -1,8 +1,12 @@
 #include "sp/adapters/streaming_engine.h"
 
+#include <sys/resource.h>
+
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -440,6 +444,38 @@ TEST(StreamingEngine, WritesOneMetricsRecordPerStep) {
     ++records;
   }
   EXPECT_EQ(records, 3);
+  std::filesystem::remove(path);
+}
+
+// A full disk (here: the file size limit) loses the records that do not fit, never a torn
+// line, and the log goes on once there is room again, counting what it lost.
+TEST(MetricsJsonlWriter, AFullDiskLosesRecordsNotTheLog) {
+  const std::filesystem::path path = std::filesystem::temp_directory_path() / "sp_metrics_full_disk.jsonl";
+  std::filesystem::remove(path);
+  std::signal(SIGXFSZ, SIG_IGN);  // over the limit, write() fails with EFBIG instead
+  rlimit previous{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &previous), 0);
+  MetricsJsonlWriter writer(path);
+  rlimit small = previous;
+  small.rlim_cur = 100;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  for (int step = 0; step < 6; ++step) writer.append(nlohmann::json{{"step", step}, {"padding", "0123456789"}});
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &previous), 0);
+  EXPECT_FALSE(writer.healthy());
+  const std::uint64_t lost = writer.lost();
+  EXPECT_GT(lost, 0u);
+  EXPECT_LT(lost, 6u);
+  for (int step = 6; step < 8; ++step) writer.append(nlohmann::json{{"step", step}, {"padding", "0123456789"}});
+  EXPECT_EQ(writer.lost(), lost) << "once there is room, every record is written";
+  std::ifstream in(path);
+  std::vector<int> steps;
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(record.is_object()) << "a torn line: " << line;
+    steps.push_back(record["step"]);
+  }
+  EXPECT_EQ(steps.size(), 8u - lost);
+  EXPECT_EQ(steps.back(), 7);
   std::filesystem::remove(path);
 }
 

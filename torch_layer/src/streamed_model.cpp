@@ -988,6 +988,8 @@ std::uint64_t StreamedModel::calibration_h2d_bytes() const { return impl_->calib
 
 void StreamedModel::flush_metrics() { impl_->engine->flush_metrics(); }
 
+std::uint64_t StreamedModel::metrics_records_lost() const { return impl_->engine->metrics_records_lost(); }
+
 int StreamedModel::rank() const { return impl_->collectives ? impl_->collectives->rank() : 0; }
 
 int StreamedModel::world_size() const { return impl_->collectives ? impl_->collectives->size() : 1; }

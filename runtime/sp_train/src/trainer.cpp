@@ -983,7 +983,10 @@ struct Trainer::Impl {
         {"torch_threads", torch::get_num_threads()},
         {"data_parallel", {{"rank", rank()}, {"world_size", world_size()}}},
         {"peak_rss_bytes", peak_rss_bytes()},
-        {"estimated_host_bytes", estimated_host_bytes(config)}};
+        {"estimated_host_bytes", estimated_host_bytes(config)},
+        // Records the run could not write (disk full, ...): each loss was logged when it happened.
+        {"log_records_lost",
+         {{kRunTrainMetricsFile, train_metrics->lost()}, {"transfer_metrics", layer->metrics_records_lost()}}}};
   }
 
   RunSummary run() {
@@ -1052,6 +1055,9 @@ struct Trainer::Impl {
     layer->flush_metrics();
     save_checkpoint();
     result.json = summary(result.outcome, seconds_since(wall_start));
+    if (const std::uint64_t lost = train_metrics->lost() + layer->metrics_records_lost()) {
+      log->error("{} log record(s) could not be written (disk full?); summary.json counts them per file", lost);
+    }
     result.summary_file = run_dir / kRunSummaryFile;
     sp::runtime::write_file_atomically(
         result.summary_file, result.json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");

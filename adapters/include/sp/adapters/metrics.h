@@ -55,22 +55,33 @@ struct StepTransferMetrics {
   sp_step_feedback_v1 to_feedback() const;
 };
 
-// Appends one JSON object per line and flushes after each, so a crash loses at most the line
-// being written. A failure to open or write is logged once and the training continues.
+// Appends one JSON object per line, each written whole or not at all, so that a reader never
+// meets a torn line. A record that cannot be written (disk full, file too large, I/O error)
+// is counted lost, the file is cut back to its last complete record, and the next record is
+// tried again: once space is free the log goes on. The first loss of a streak and the
+// recovery are logged; nothing throws, the training continues.
 class MetricsJsonlWriter {
  public:
   explicit MetricsJsonlWriter(std::filesystem::path path);
+  ~MetricsJsonlWriter();
+  MetricsJsonlWriter(const MetricsJsonlWriter &) = delete;
+  MetricsJsonlWriter &operator=(const MetricsJsonlWriter &) = delete;
 
   const std::filesystem::path &path() const { return path_; }
-  bool healthy() const { return healthy_; }
+  // No record lost so far (and the file could be opened).
+  bool healthy() const { return lost_ == 0 && fd_ >= 0; }
+  std::uint64_t lost() const { return lost_; }
   void append(const nlohmann::json &record) noexcept;
 
  private:
-  void fail(const std::string &what) noexcept;
+  bool open_file() noexcept;
+  void lose(const char *what, int error) noexcept;
 
   std::filesystem::path path_;
-  std::ofstream out_;
-  bool healthy_ = true;
+  int fd_ = -1;
+  std::uint64_t complete_bytes_ = 0;  // the file's size up to its last complete record
+  std::uint64_t lost_ = 0;
+  bool losing_ = false;  // the last record was lost
 };
 
 }  // namespace sp::adapters

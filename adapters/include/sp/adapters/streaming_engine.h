@@ -109,6 +109,8 @@ class StreamingEngine {
   std::uint32_t issued_fetches() const { return next_fetch_; }
   // Waits for the timing events of finished steps and writes their records.
   void flush_metrics();
+  // Records of metrics_path that could not be written (disk full, ...): MetricsJsonlWriter.
+  std::uint64_t metrics_records_lost() const { return metrics_writer_ ? metrics_writer_->lost() : 0; }
   // The most recent step whose timings are complete (after flush_metrics(), the last step).
   const std::optional<StepTransferMetrics> &last_completed_metrics() const { return last_completed_; }
 

@@ -245,6 +245,8 @@ class StreamedModel {
   // Writes the training engine's pending per-pass metrics records (metrics_path), waiting for
   // their timings.
   void flush_metrics();
+  // Records of metrics_path that could not be written (disk full, ...), each logged.
+  std::uint64_t metrics_records_lost() const;
 
   struct Impl;
 
