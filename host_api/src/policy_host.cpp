@@ -664,6 +664,17 @@ SwapResult PolicyHost::swap_now(const std::filesystem::path& plugin_file, std::o
 
 const std::optional<SwapResult>& PolicyHost::last_swap_result() const { return impl_->last_swap; }
 bool PolicyHost::swap_pending() const { return impl_->pending != nullptr; }
+
+std::optional<SwapResult> PolicyHost::cancel_swap(const std::string& why) {
+  if (!impl_->pending) return std::nullopt;
+  impl_->logger->warn("hot swap to {} cancelled, {} stays: {}", impl_->pending->label(), impl_->active->label(), why);
+  impl_->pending.reset();
+  SwapResult result = impl_->pending_result;
+  result.outcome = SwapResult::Outcome::failed;
+  result.message = why;
+  impl_->last_swap = result;
+  return result;
+}
 HintSource PolicyHost::last_hint_source() const { return impl_->hint_source; }
 const HookFailureCounts& PolicyHost::hook_failures() const { return impl_->failures; }
 std::string_view PolicyHost::plugin_name() const { return impl_->active->name(); }

@@ -56,6 +56,12 @@ std::optional<SwapResult> PolicySession::check_for_new_version(bool force) {
   return result;
 }
 
+std::optional<SwapResult> PolicySession::cancel_swap(const std::string& why) {
+  std::optional<SwapResult> result = host_->cancel_swap(why);
+  swap_requested_ = false;
+  return result;
+}
+
 std::optional<SwapResult> PolicySession::take_swap_outcome() {
   if (!swap_requested_ || host_->swap_pending()) return std::nullopt;
   swap_requested_ = false;

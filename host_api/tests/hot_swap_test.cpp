@@ -98,6 +98,26 @@ TEST(HotSwap, RequestedSwapTakesOverAtTheNextBeginStep) {
   EXPECT_THAT(log.text(), HasSubstr("scripted_fixture 1.0.0 replaced minimal_c 1.0.0 from step 6"));
 }
 
+// A staged swap can be dropped before it takes over (data parallel: another rank could not
+// stage it): the new version is unloaded, the old one keeps deciding, the reason is recorded.
+TEST(HotSwap, ACancelledSwapUnloadsTheNewVersionAndKeepsTheOld) {
+  CapturedLog log;
+  PolicyHost host(SP_EXAMPLE_MINIMAL_C, kConfig, make_blocks(kBlocks), quiet_options(log));
+  run_step(host, 0);
+  EXPECT_FALSE(host.cancel_swap("nothing pending").has_value());
+  ASSERT_EQ(host.request_swap(SP_FIXTURE_SCRIPTED).outcome, SwapResult::Outcome::pending);
+  const std::optional<SwapResult> cancelled = host.cancel_swap("rank 1 of 2 could not load it");
+  ASSERT_TRUE(cancelled.has_value());
+  EXPECT_EQ(cancelled->outcome, SwapResult::Outcome::failed);
+  EXPECT_EQ(cancelled->message, "rank 1 of 2 could not load it");
+  EXPECT_FALSE(host.swap_pending());
+  EXPECT_EQ(testing::mapped_regions_containing("libsp_fixture_scripted.so"), 0u);
+  run_step(host, 1);
+  EXPECT_EQ(host.plugin_name(), "minimal_c");
+  EXPECT_EQ(host.last_swap_result()->outcome, SwapResult::Outcome::failed);
+  EXPECT_THAT(log.text(), HasSubstr("cancelled, minimal_c 1.0.0 stays: rank 1 of 2 could not load it"));
+}
+
 TEST(HotSwap, SwapNowInsideAStepIsACallerBug) {
   PolicyHost host(SP_EXAMPLE_MINIMAL_C, kConfig, make_blocks(kBlocks));
   host.begin_step(0);

@@ -879,8 +879,20 @@ std::optional<sp::host::SwapResult> StreamedModel::poll_plugin(bool force) {
   torch::Tensor requested =
       torch::tensor({request && request->outcome != sp::host::SwapResult::Outcome::failed ? 1 : 0}, torch::kInt32);
   m.collectives->broadcast(requested, 0, "plugin swap request");
-  if (m.collectives->rank() != 0 && requested.item<std::int32_t>() == 1)
-    request = m.policy->check_for_new_version(/*force=*/true);
+  if (requested.item<std::int32_t>() == 0) return request;
+  if (m.collectives->rank() != 0) request = m.policy->check_for_new_version(/*force=*/true);
+  // All or nothing: the lowest rank that could not stage the new version, or the world size
+  // when every rank did. Where one failed, every rank drops its staged copy and keeps the old.
+  const bool staged = request && request->outcome == sp::host::SwapResult::Outcome::pending;
+  torch::Tensor first_failure = torch::tensor({staged ? m.collectives->size() : m.collectives->rank()}, torch::kInt32);
+  m.collectives->all_reduce(first_failure, Reduction::min, "plugin swap staging")->wait();
+  const int failed_rank = first_failure.item<std::int32_t>();
+  if (failed_rank == m.collectives->size()) return request;
+  const std::string why =
+      fmt::format("rank {} of {} could not load the new version, so every rank keeps the old one{}", failed_rank,
+                  m.collectives->size(), staged ? "" : fmt::format(" ({})", request ? request->message : "no file"));
+  if (staged) return m.policy->cancel_swap(why);
+  if (request) request->message = why;
   return request;
 }
 

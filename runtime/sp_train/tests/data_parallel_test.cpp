@@ -161,4 +161,42 @@ TEST_F(DataParallel, HotSwapHappensOnEveryRankAtTheSameStep) {
   EXPECT_EQ(rank0.back()["plugin_version"], "2.0.0");
 }
 
+// All or nothing: when one rank cannot load the new version, no rank switches. Each rank
+// reads its own plugin directory here, so that only rank 1's copy can be broken.
+TEST_F(DataParallel, ASwapThatOneRankCannotLoadIsDroppedOnEveryRank) {
+  std::vector<fs::path> plugins{dir_ / "plugins0", dir_ / "plugins1"};
+  for (const fs::path& p : plugins) {
+    fs::create_directories(p);
+    fs::copy_file(SP_PLUGIN_V1_FILE, p / "libsp_selective_precision.so");
+  }
+  const fs::path out = dir_ / "half-swap";
+  const auto extra = [&](int rank) {
+    return std::vector<std::string>{"--plugin-dir", plugins[rank].string(), "--set", "train.steps=40"};
+  };
+  const pid_t r0 = spawn_rank(0, 2, out, extra(0)), r1 = spawn_rank(1, 2, out, extra(1));
+  t::wait_for_steps(r0, out / "train_metrics.jsonl", 2);
+  if (HasFatalFailure()) {
+    ::kill(r1, SIGKILL);
+    return;
+  }
+  t::write_text(plugins[1] / "incoming.so", "not a shared library");
+  fs::rename(plugins[1] / "incoming.so", plugins[1] / "libsp_selective_precision.so");
+  fs::copy_file(SP_PLUGIN_FILE, plugins[0] / "incoming.so");
+  fs::rename(plugins[0] / "incoming.so", plugins[0] / "libsp_selective_precision.so");
+  ASSERT_EQ(t::wait_exit_code(r0), 0) << log_of(0);
+  ASSERT_EQ(t::wait_exit_code(r1), 0) << log_of(1);
+  for (const fs::path& run : {out, out / "rank1"}) {
+    const auto steps = records(run / "train_metrics.jsonl");
+    ASSERT_EQ(steps.size(), 40u);
+    for (const auto& r : steps) EXPECT_EQ(r["plugin_version"], "1.0.0") << run;
+    const auto summary = nlohmann::json::parse(text_of(run / "summary.json"));
+    ASSERT_FALSE(summary["plugin_swaps"].empty()) << run;
+    EXPECT_EQ(summary["plugin_swaps"][0]["outcome"], "failed");
+    EXPECT_NE(
+        summary["plugin_swaps"][0]["message"].get<std::string>().find("rank 1 of 2 could not load the new version"),
+        std::string::npos)
+        << summary["plugin_swaps"];
+  }
+}
+
 }  // namespace

@@ -162,6 +162,11 @@ class PolicyHost {
   /// Returns pending, or failed with the reason; either way it is logged.
   /// A newer request replaces a pending one.
   SwapResult request_swap(const std::filesystem::path& plugin_file, std::optional<PolicyConfig> config = std::nullopt);
+  /// Drops a pending swap (the new version is unloaded, the active one stays), e.g. because
+  /// other processes of a data-parallel run could not stage the same version. Returns the
+  /// failed result with `why` as its message, also recorded as the last swap result; nullopt
+  /// when no swap was pending.
+  std::optional<SwapResult> cancel_swap(const std::string& why);
   /// The whole swap at once. Only between steps (before the first begin_step or after an
   /// end_step); otherwise throws std::logic_error.
   SwapResult swap_now(const std::filesystem::path& plugin_file, std::optional<PolicyConfig> config = std::nullopt);

@@ -41,6 +41,9 @@ class PolicySession {
   // SIGHUP), asks the host library to swap to it at the next begin_step. Returns the
   // request's outcome when one was made.
   std::optional<SwapResult> check_for_new_version(bool force);
+  // Drops the swap requested by check_for_new_version() before it takes over (PolicyHost::
+  // cancel_swap); its failed result is what take_swap_outcome() then reports.
+  std::optional<SwapResult> cancel_swap(const std::string& why);
   // The swap applied (or failed) by the latest begin_step, if any, once.
   std::optional<SwapResult> take_swap_outcome();
 
