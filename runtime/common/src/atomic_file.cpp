@@ -8,6 +8,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <system_error>
+#include <vector>
 
 #include <fmt/core.h>
 #include <fmt/std.h>
@@ -38,32 +39,85 @@ void fsync_path(const std::filesystem::path& path) {
 
 }  // namespace
 
+// A std::streambuf over a file descriptor that remembers why the first write failed, which
+// std::ofstream forgets: the error a user sees names the cause, not a guess.
+class AtomicFileWriter::FileBuffer : public std::streambuf {
+ public:
+  explicit FileBuffer(int fd) : fd_(fd), buffer_(1 << 16) { setp(buffer_.data(), buffer_.data() + buffer_.size()); }
+  ~FileBuffer() override {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int error() const { return error_; }
+  // Flushes and fsyncs; false (with error()) when either failed.
+  bool finish() {
+    if (sync() != 0) return false;
+    if (::fsync(fd_) != 0 && error_ == 0) error_ = errno;
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0 && error_ == 0) error_ = errno;
+    return error_ == 0;
+  }
+
+ protected:
+  int_type overflow(int_type c) override {
+    if (sync() != 0) return traits_type::eof();
+    if (!traits_type::eq_int_type(c, traits_type::eof())) {
+      *pptr() = traits_type::to_char_type(c);
+      pbump(1);
+    }
+    return traits_type::not_eof(c);
+  }
+  int sync() override {
+    if (error_ != 0) return -1;
+    const char* data = pbase();
+    std::size_t left = static_cast<std::size_t>(pptr() - pbase());
+    while (left > 0) {
+      const ssize_t n = ::write(fd_, data, left);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        error_ = n < 0 ? errno : ENOSPC;
+        return -1;
+      }
+      data += n;
+      left -= static_cast<std::size_t>(n);
+    }
+    setp(buffer_.data(), buffer_.data() + buffer_.size());
+    return 0;
+  }
+
+ private:
+  int fd_;
+  std::vector<char> buffer_;
+  int error_ = 0;
+};
+
 AtomicFileWriter::AtomicFileWriter(std::filesystem::path target)
-    : target_(std::move(target)), temp_(make_temp_path(target_)) {
-  out_.open(temp_, std::ios::binary | std::ios::trunc);
-  if (!out_) {
+    : target_(std::move(target)), temp_(make_temp_path(target_)), out_(nullptr) {
+  const int fd = ::open(temp_.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+  if (fd < 0) {
+    const int error = errno;
     std::error_code ignored;
     std::filesystem::remove(temp_, ignored);
-    throw std::runtime_error(fmt::format("{}: cannot open {} for writing", target_, temp_));
+    throw std::runtime_error(fmt::format("{}: cannot open {} for writing: {}", target_, temp_, std::strerror(error)));
   }
+  buffer_ = std::make_unique<FileBuffer>(fd);
+  out_.rdbuf(buffer_.get());
 }
 
 AtomicFileWriter::~AtomicFileWriter() {
   if (!committed_) {
-    out_.close();
+    out_.rdbuf(nullptr);
+    buffer_.reset();
     std::error_code ignored;
     std::filesystem::remove(temp_, ignored);
   }
 }
 
 void AtomicFileWriter::commit() {
-  out_.flush();
-  const bool written = static_cast<bool>(out_);
-  out_.close();
-  if (!written || out_.fail()) {
-    throw std::runtime_error(fmt::format("{}: writing failed (disk full?); the previous file is kept", target_));
+  if (!out_ || !buffer_->finish()) {
+    throw std::runtime_error(fmt::format("{}: writing {} failed: {}; the previous file is kept", target_, temp_,
+                                         buffer_->error() != 0 ? std::strerror(buffer_->error()) : "stream error"));
   }
-  fsync_path(temp_);
   std::error_code ec;
   std::filesystem::rename(temp_, target_, ec);
   if (ec) {

@@ -1,7 +1,12 @@
 #include "sp/runtime/atomic_file.h"
 #include "sp/runtime/read_file.h"
 
+#include <sys/resource.h>
 #include <sys/stat.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstring>
 
 #include <filesystem>
 #include <fstream>
@@ -56,6 +61,29 @@ TEST_F(AtomicFileTest, AbandonedWriterKeepsTheOldFileAndLeavesNoTemporary) {
   }
   EXPECT_EQ(read(target), "old");
   EXPECT_EQ(entries(), 1u);
+}
+
+// A full disk (here: the file size limit) names the system's reason and keeps the previous file.
+TEST_F(AtomicFileTest, AFailedWriteNamesItsCauseAndKeepsThePreviousFile) {
+  const fs::path target = dir_ / "checkpoint.bin";
+  std::ofstream(target) << "previous";
+  std::signal(SIGXFSZ, SIG_IGN);  // over the limit, write() fails with EFBIG instead
+  rlimit previous{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &previous), 0);
+  rlimit small = previous;
+  small.rlim_cur = 1000;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  std::string message;
+  try {
+    write_file_atomically(target, std::string(200000, 'x'));
+  } catch (const std::runtime_error& e) {
+    message = e.what();
+  }
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &previous), 0);
+  EXPECT_NE(message.find(std::strerror(EFBIG)), std::string::npos) << message;
+  EXPECT_NE(message.find("the previous file is kept"), std::string::npos) << message;
+  EXPECT_EQ(read(target), "previous");
+  EXPECT_EQ(entries(), 1u) << "the temporary file must be gone";
 }
 
 TEST_F(AtomicFileTest, MissingDirectoryIsAClearError) {

@@ -4,7 +4,8 @@
 #pragma once
 
 #include <filesystem>
-#include <fstream>
+#include <memory>
+#include <ostream>
 #include <string>
 
 namespace sp::runtime {
@@ -19,16 +20,20 @@ class AtomicFileWriter {
   AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
 
   std::ostream& stream() { return out_; }
-  // Flushes, fsyncs and renames over the target. Throws std::runtime_error on failure,
-  // leaving any previous target file untouched.
+  // Flushes, fsyncs and renames over the target. Throws std::runtime_error naming the target
+  // and the system's reason (errno: "No space left on device", "File too large", ...) on
+  // failure, leaving any previous target file untouched.
   void commit();
 
   const std::filesystem::path& target() const { return target_; }
 
  private:
+  class FileBuffer;  // writes to the temporary file's descriptor, keeping the first errno
+
   std::filesystem::path target_;
   std::filesystem::path temp_;
-  std::ofstream out_;
+  std::unique_ptr<FileBuffer> buffer_;
+  std::ostream out_;
   bool committed_ = false;
 };
 
