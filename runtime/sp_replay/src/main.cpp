@@ -5,7 +5,10 @@
 #include <unistd.h>
 
 #include <array>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -72,6 +75,20 @@ std::string read_text(const fs::path& path, const char* what) {
 // The replay decides where telemetry goes: into --telemetry, or nowhere, so that a run
 // never drops files into the working directory. The config's section is found where the
 // plugin looks for it; anything malformed is left for the plugin to report.
+// The original stdout, set aside in main() before the plugin is loaded (-1: --out is used).
+int g_decisions_fd = -1;
+
+void write_decisions_to_stdout(const std::string& text) {
+  std::size_t written = 0;
+  while (written < text.size()) {
+    const ssize_t n = ::write(g_decisions_fd, text.data() + written, text.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0)
+      throw std::runtime_error(fmt::format("writing the decisions to stdout failed: {}", std::strerror(errno)));
+    written += static_cast<std::size_t>(n);
+  }
+}
+
 std::string with_replay_telemetry(const std::string& config_text, const Options& options) {
   YAML::Node root;
   try {
@@ -230,7 +247,7 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
   }
 
   if (options.out.empty()) {
-    std::cout << decisions.str() << std::flush;
+    write_decisions_to_stdout(decisions.str());
   } else {
     sp::runtime::write_file_atomically(options.out, decisions.str());
   }
@@ -298,6 +315,15 @@ int main(int argc, char** argv) {
     return code == 0 ? kExitOk : kExitBadInput;
   }
 
+  // Decisions on stdout travel on a descriptor of their own: the plugin runs in this process,
+  // and whatever it prints on stdout goes to stderr instead of into the decisions.
+  if (options.out.empty()) {
+    g_decisions_fd = ::dup(STDOUT_FILENO);
+    if (g_decisions_fd < 0 || ::dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
+      std::fprintf(stderr, "sp-replay: cannot set stdout aside for the decisions: %s\n", std::strerror(errno));
+      return kExitInternal;
+    }
+  }
   auto logger = spdlog::stderr_color_mt("sp-replay");
   logger->set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");
   try {

@@ -108,6 +108,28 @@ TEST_F(SpReplayCli, ThreeTiersAndTheLossGuardFromTraceLosses) {
   EXPECT_THAT(r.output, HasSubstr("N=nf4"));
 }
 
+// The plugin runs in sp-replay's process: what it prints on stdout must not land among the
+// decisions, which are on stdout without --out.
+TEST_F(SpReplayCli, APluginPrintingOnStdoutDoesNotMixIntoTheDecisions) {
+  write("t.jsonl", trace(3));
+  write("minimal.yaml", "min_samples: 1\n");
+  const std::string args = std::string(SP_REPLAY_BINARY) + " --plugin-dir " + SP_FIXTURE_DIR +
+                           " --plugin sp_fixture_noisy_stdout --config " + path("minimal.yaml") +
+                           " --blocks 2 --trace " + path("t.jsonl");
+  const RunResult decisions = sp::runtime::run_command(args + " 2>" + path("stderr.txt"));
+  ASSERT_EQ(decisions.exit_code, 0) << decisions.output;
+  std::istringstream lines(decisions.output);
+  int count = 0;
+  for (std::string line; std::getline(lines, line); ++count) {
+    const nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(record.is_object() && record.contains("precision")) << "not a decision: " << line;
+  }
+  EXPECT_EQ(count, 3);
+  std::ifstream err(dir_ / "stderr.txt");
+  const std::string err_text((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(err_text, HasSubstr("fixture noise on stdout at step 2"));
+}
+
 TEST_F(SpReplayCli, WithoutTelemetryOptionWritesNoTelemetryFile) {
   write("t.jsonl", trace(3));
   const RunResult r = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl"));
