@@ -12,6 +12,13 @@ if(SP_SANITIZE)
                       $<$<COMPILE_LANGUAGE:C,CXX>:-fno-sanitize-recover=undefined>)
   add_link_options(-fsanitize=address,undefined)
 endif()
+if(SP_SANITIZE_THREAD)
+  if(SP_SANITIZE)
+    message(FATAL_ERROR "SP_SANITIZE and SP_SANITIZE_THREAD cannot be combined")
+  endif()
+  add_compile_options($<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=thread> $<$<COMPILE_LANGUAGE:C,CXX>:-fno-omit-frame-pointer>)
+  add_link_options(-fsanitize=thread)
+endif()
 
 # selective_precision_add_plugin(<target> SOURCES ... [OUTPUT_DIR dir] [OUTPUT_NAME name])
 #

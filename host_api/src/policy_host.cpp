@@ -1,5 +1,7 @@
 #include <sp/host/policy_host.h>
 
+#include "hook_watchdog.h"
+
 #include <fmt/format.h>
 #include <fmt/std.h>
 #include <spdlog/spdlog.h>
@@ -262,6 +264,10 @@ struct PolicyHost::Impl {
   std::unique_ptr<PluginInstance> active;
   std::unique_ptr<PluginInstance> pending;
   SwapResult pending_result;
+  // PolicyHostOptions::hook_deadline: the step hooks' supervisor (null: none), and why the
+  // active plugin is quarantined (empty: it is not).
+  std::unique_ptr<HookWatchdog> watchdog;
+  std::string quarantine;
   std::optional<SwapResult> last_swap;
   std::optional<std::int64_t> open_step;
   std::optional<std::int64_t> last_ended_step;
@@ -319,10 +325,36 @@ struct PolicyHost::Impl {
     }
   }
 
+  // A step hook, under the deadline when there is one. A quarantined plugin is not called; a
+  // hook that passes the deadline quarantines it. Either way the hook counts as failed.
+  sp_status supervised(const char* hook, std::int64_t step, std::function<sp_status()> call) {
+    if (!quarantine.empty()) return SP_ERR_INTERNAL;
+    if (!watchdog) return call();
+    if (const std::optional<sp_status> status = watchdog->run(std::move(call))) return *status;
+    quarantine = fmt::format("{} did not return from {} at step {} within {} ms", active->label(), hook, step,
+                             watchdog->deadline().count());
+    logger->error(
+        "policy plugin {}; it is quarantined: its hooks are no longer called and the steps go on with "
+        "fallback hints until a new version is swapped in",
+        quarantine);
+    return SP_ERR_INTERNAL;
+  }
+
+  void start_watchdog() {
+    // An abandoned supervisor keeps its thread (and the plugin it is stuck in) alive.
+    if (watchdog && watchdog->abandoned()) (void)watchdog.release();
+    watchdog = options.hook_deadline.count() > 0 ? std::make_unique<HookWatchdog>(options.hook_deadline) : nullptr;
+  }
+
   // True when the hook succeeded; otherwise logs the plugin's reason and counts it.
   bool check_hook(const char* hook, std::string_view when, sp_status status, std::uint64_t& failure_count) {
     if (status == SP_OK) return true;
     ++failure_count;
+    if (!quarantine.empty()) {
+      // Logged once, when it happened; the plugin itself must not be asked (it may hold a lock).
+      logger->debug("policy plugin {} skipped in {} {}: quarantined", active->label(), hook, when);
+      return false;
+    }
     logger->error("policy plugin {} failed in {} {} with {}: {}", active->label(), hook, when, status_text(status),
                   active->last_error());
     return false;
@@ -435,6 +467,7 @@ struct PolicyHost::Impl {
   }
 
   SwapResult migrate_and_switch(SwapResult result, std::optional<std::int64_t> first_step) {
+    if (!quarantine.empty()) return replace_quarantined(std::move(result), first_step);
     std::string error;
     const std::optional<std::vector<std::uint8_t>> blob = export_active_state(error);
     if (!blob) return fail_swap(std::move(result), error);
@@ -473,6 +506,25 @@ struct PolicyHost::Impl {
     last_swap = result;
     return result;
   }
+
+  // The quarantined plugin cannot hand over its state (it is stuck in a hook): the new version
+  // starts fresh, and the old one is left loaded, since its thread may still run its code.
+  SwapResult replace_quarantined(SwapResult result, std::optional<std::int64_t> first_step) {
+    const std::string retired_label = active->label();
+    (void)active.release();
+    active = std::move(pending);
+    start_watchdog();
+    result.outcome = SwapResult::Outcome::swapped;
+    result.first_step = first_step;
+    first_step_unknown = !first_step;
+    result.old_library_unloaded = false;
+    result.message = fmt::format("hot swap: {} replaced the quarantined {} without its state ({})", active->label(),
+                                 retired_label, quarantine);
+    quarantine.clear();
+    logger->warn("{}", result.message);
+    last_swap = result;
+    return result;
+  }
 };
 
 PolicyHost::PolicyHost(const std::filesystem::path& plugin_file, PolicyConfig config,
@@ -500,10 +552,19 @@ PolicyHost::PolicyHost(const std::filesystem::path& plugin_file, PolicyConfig co
   impl_->blocks = std::move(blocks);
   impl_->active = PluginInstance::create(PluginLibrary::load(plugin_file), std::move(config), impl_->blocks,
                                          impl_->options, impl_->logger);
+  impl_->start_watchdog();
 }
 
 PolicyHost::~PolicyHost() {
   if (impl_->pending) impl_->pending->close();
+  if (!impl_->quarantine.empty()) {
+    // Its supervisor's thread may still be inside the plugin: neither is destroyed.
+    impl_->logger->warn("policy plugin {} is left loaded: it is quarantined ({})", impl_->active->label(),
+                        impl_->quarantine);
+    (void)impl_->active.release();
+    (void)impl_->watchdog.release();
+    return;
+  }
   const UnloadReport unload = impl_->active->close();
   if (!unload.unloaded) impl_->logger->warn("{}", unload.detail);
 }
@@ -521,7 +582,10 @@ void PolicyHost::begin_step(std::int64_t step) {
     impl_->first_step_unknown = false;
   }
   impl_->open_step = step;
-  impl_->check_hook("begin_step", step, impl_->active->table().begin_step(impl_->active->ctx(), step),
+  const sp_policy_plugin_v1_table& table = impl_->active->table();
+  sp_policy_ctx* ctx = impl_->active->ctx();
+  impl_->check_hook("begin_step", step,
+                    impl_->supervised("begin_step", step, [&table, ctx, step] { return table.begin_step(ctx, step); }),
                     impl_->failures.begin_step);
 }
 
@@ -531,18 +595,31 @@ void PolicyHost::post_backward(std::int64_t step, const std::vector<sp_grad_mome
     throw std::invalid_argument(fmt::format("PolicyHost::post_backward({}): {} moments for {} blocks", step,
                                             moments.size(), impl_->blocks.size()));
   }
+  const sp_policy_plugin_v1_table& table = impl_->active->table();
+  sp_policy_ctx* ctx = impl_->active->ctx();
+  // The call owns its copy: an abandoned call may still read it after this returns.
+  auto copy = std::make_shared<const std::vector<sp_grad_moments_v1>>(moments);
   impl_->check_hook("post_backward", step,
-                    impl_->active->table().post_backward(impl_->active->ctx(), step, moments.data(),
-                                                         static_cast<std::uint32_t>(moments.size())),
+                    impl_->supervised("post_backward", step,
+                                      [&table, ctx, step, copy] {
+                                        return table.post_backward(ctx, step, copy->data(),
+                                                                   static_cast<std::uint32_t>(copy->size()));
+                                      }),
                     impl_->failures.post_backward);
 }
 
 const std::vector<sp_hint_v1>& PolicyHost::compute_hints(std::int64_t step) {
   impl_->require_open_step("compute_hints", step);
   Impl& impl = *impl_;
-  impl.plugin_hints.assign(impl.blocks.size(), sp_hint_v1{});
-  const sp_status status =
-      impl.active->table().compute_hints(impl.active->ctx(), step, impl.plugin_hints.data(), impl.block_count());
+  const sp_policy_plugin_v1_table& table = impl.active->table();
+  sp_policy_ctx* ctx = impl.active->ctx();
+  // Written by the call into a buffer it owns: an abandoned call may write it later.
+  auto buffer = std::make_shared<std::vector<sp_hint_v1>>(impl.blocks.size(), sp_hint_v1{});
+  const std::uint32_t n = impl.block_count();
+  const sp_status status = impl.supervised("compute_hints", step, [&table, ctx, step, buffer, n] {
+    return table.compute_hints(ctx, step, buffer->data(), n);
+  });
+  if (status == SP_OK) impl.plugin_hints = *buffer;
   if (!impl.check_hook("compute_hints", step, status, impl.failures.compute_hints)) {
     impl.use_fallback_hints(step);
     return impl.hints;
@@ -570,8 +647,14 @@ void PolicyHost::end_step(std::int64_t step, const sp_step_feedback_v1* feedback
     stamped->struct_size = impl_->active->abi_minor() >= 1 ? static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1))
                                                            : SP_STEP_FEEDBACK_V1_0_SIZE;
   }
+  const sp_policy_plugin_v1_table& table = impl_->active->table();
+  sp_policy_ctx* ctx = impl_->active->ctx();
+  auto copy = std::make_shared<const std::optional<sp_step_feedback_v1>>(stamped);
   impl_->check_hook("end_step", step,
-                    impl_->active->table().end_step(impl_->active->ctx(), step, stamped ? &*stamped : nullptr),
+                    impl_->supervised("end_step", step,
+                                      [&table, ctx, step, copy] {
+                                        return table.end_step(ctx, step, copy->has_value() ? &**copy : nullptr);
+                                      }),
                     impl_->failures.end_step);
   impl_->open_step.reset();
   impl_->last_ended_step = step;
@@ -595,6 +678,10 @@ bool PolicyHost::set_calibration_errors(sp_precision precision, const std::vecto
         precision, precision_name(precision)));
   }
   Impl& impl = *impl_;
+  if (!impl.quarantine.empty()) {
+    impl.logger->error("calibration errors not set: the plugin is quarantined ({})", impl.quarantine);
+    return false;
+  }
   PluginInstance& active = *impl.active;
   const auto n = static_cast<std::uint32_t>(block_ids.size());
   if (precision == SP_PRECISION_INT8) {
@@ -640,6 +727,10 @@ SwapResult PolicyHost::request_swap(const std::filesystem::path& plugin_file, st
 
 std::vector<std::uint8_t> PolicyHost::export_state() const {
   impl_->require_between_steps("export_state");
+  if (!impl_->quarantine.empty()) {
+    throw PluginError(
+        fmt::format("the policy state cannot be exported: the plugin is quarantined ({})", impl_->quarantine));
+  }
   std::string error;
   std::optional<std::vector<std::uint8_t>> blob = impl_->export_active_state(error);
   if (!blob) throw PluginError(error);
@@ -648,6 +739,10 @@ std::vector<std::uint8_t> PolicyHost::export_state() const {
 
 bool PolicyHost::import_state(const std::vector<std::uint8_t>& blob) {
   impl_->require_between_steps("import_state");
+  if (!impl_->quarantine.empty()) {
+    impl_->logger->error("policy state not imported: the plugin is quarantined ({})", impl_->quarantine);
+    return false;
+  }
   const sp_status status = impl_->active->table().import_state(impl_->active->ctx(), blob.data(), blob.size());
   if (status == SP_OK) return true;
   impl_->logger->error("policy plugin {} rejected a {}-byte state with {}: {}", impl_->active->label(), blob.size(),
@@ -664,6 +759,8 @@ SwapResult PolicyHost::swap_now(const std::filesystem::path& plugin_file, std::o
 
 const std::optional<SwapResult>& PolicyHost::last_swap_result() const { return impl_->last_swap; }
 bool PolicyHost::swap_pending() const { return impl_->pending != nullptr; }
+
+const std::string& PolicyHost::quarantine_reason() const { return impl_->quarantine; }
 
 std::optional<SwapResult> PolicyHost::cancel_swap(const std::string& why) {
   if (!impl_->pending) return std::nullopt;

@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -164,6 +165,38 @@ TEST(FallbackHints, LastGoodRepeatsThePreviousHints) {
   for (const sp_hint_v1& hint : hints[5]) EXPECT_EQ(hint.reason, SP_REASON_HOST_FALLBACK);
   EXPECT_EQ(failures.compute_hints, 1u);
   EXPECT_THAT(log.text(), HasSubstr("step 5: using the last good hints instead of the plugin's"));
+}
+
+// A hook that never returns costs one deadline, not the run: the plugin is quarantined, the
+// steps go on with fallback hints without calling it, its state is not exported, and a new
+// version swapped in takes over (without the old state).
+TEST(HookDeadline, AHookThatNeverReturnsQuarantinesThePluginAndTheStepsGoOn) {
+  CapturedLog log;
+  PolicyHostOptions options = options_with(log, FallbackMode::last_good);
+  options.hook_deadline = std::chrono::milliseconds(200);
+  const std::string config = kExampleConfig + "fixture_block_hook: compute_hints\nfixture_fail_at_step: 5\n";
+  PolicyHost host(SP_FIXTURE_SCRIPTED, {config, "scripted.yaml"}, make_blocks(kBlocks), options);
+  std::vector<std::vector<sp_hint_v1>> hints;
+  for (std::int64_t step = 0; step < 8; ++step) hints.push_back(run_step(host, step));
+  ASSERT_FALSE(all_bf16(hints[4])) << "the trace must give the plugin INT8 blocks before the hang";
+  for (std::int64_t step = 5; step < 8; ++step) {
+    EXPECT_TRUE(same_precisions(hints[step], hints[4])) << "step " << step << ": the last good hints";
+    EXPECT_EQ(hints[step][0].reason, SP_REASON_HOST_FALLBACK);
+  }
+  EXPECT_EQ(host.last_hint_source(), HintSource::fallback);
+  EXPECT_THAT(host.quarantine_reason(), HasSubstr("did not return from compute_hints at step 5 within 200 ms"));
+  EXPECT_THAT(log.text(), HasSubstr("it is quarantined"));
+  // Every later hook is skipped and counted, not called (a call would block again).
+  EXPECT_EQ(host.hook_failures().compute_hints, 3u);
+  EXPECT_EQ(host.hook_failures().end_step, 3u);
+  EXPECT_THROW(host.export_state(), PluginError);
+
+  const SwapResult swapped = host.swap_now(SP_EXAMPLE_MINIMAL_C, PolicyConfig{kExampleConfig, "example.yaml"});
+  EXPECT_EQ(swapped.outcome, SwapResult::Outcome::swapped) << swapped.message;
+  EXPECT_THAT(swapped.message, HasSubstr("replaced the quarantined"));
+  EXPECT_TRUE(host.quarantine_reason().empty());
+  run_step(host, 8);
+  EXPECT_EQ(host.last_hint_source(), HintSource::plugin);
 }
 
 TEST(FallbackHints, LastGoodBeforeAnyGoodHintsIsAllBf16) {

@@ -251,7 +251,7 @@ struct StreamedModel::Impl {
   void build_policy() {
     policy = open_policy_session(*engine, options.plugin_file,
                                  sp::host::PolicyConfig{options.config_yaml, options.config_source}, options.host_name,
-                                 options.output_dir, log);
+                                 options.output_dir, log, options.plugin_hook_deadline);
   }
 
   // ---- weights in and out of the module ----------------------------------------------------
@@ -690,7 +690,8 @@ std::unique_ptr<sp::host::PolicySession> open_policy_session(const ad::Streaming
                                                              const std::filesystem::path& plugin_file,
                                                              sp::host::PolicyConfig config, std::string host_name,
                                                              std::filesystem::path output_dir,
-                                                             std::shared_ptr<spdlog::logger> logger) {
+                                                             std::shared_ptr<spdlog::logger> logger,
+                                                             std::chrono::milliseconds hook_deadline) {
   std::vector<sp::host::BlockDescription> blocks;
   for (const sp_block_desc_v1& d : engine.block_descs()) {
     sp::host::BlockDescription block;
@@ -707,6 +708,7 @@ std::unique_ptr<sp::host::PolicySession> open_policy_session(const ad::Streaming
   host.output_dir = std::move(output_dir);
   host.logger = std::move(logger);
   host.fallback = sp::host::FallbackMode::last_good;
+  host.hook_deadline = hook_deadline;
   host.supported_precisions =
       SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
   return std::make_unique<sp::host::PolicySession>(plugin_file, std::move(config), std::move(blocks), std::move(host));

@@ -253,6 +253,7 @@ void read_train(const Origins& origins, const Section& s, TrainLoopConfig& t) {
   s.integer("plugin_poll_steps", t.plugin_poll_steps, 0, kMaxSteps);
   s.integer("recalibrate_every", t.recalibrate_every, 0, kMaxU32);
   s.integer("collective_timeout_seconds", t.collective_timeout_seconds, 1, 86400);
+  s.number("plugin_hook_deadline_seconds", t.plugin_hook_deadline_seconds, 0.0, 86400.0);
   s.string("calibration_cache_dir", t.calibration_cache_dir, /*allow_empty=*/true);
   s.string("init_checkpoint", t.init_checkpoint, /*allow_empty=*/true);
   s.choice<ResumePolicy>("resume", t.resume, {{"auto", ResumePolicy::auto_resume}, {"never", ResumePolicy::never}});
@@ -445,6 +446,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
                       "plugin_poll_steps",
                       "recalibrate_every",
                       "collective_timeout_seconds",
+                      "plugin_hook_deadline_seconds",
                       "calibration_cache_dir",
                       "init_checkpoint",
                       "resume"}),

@@ -88,6 +88,8 @@ struct TrainLoopConfig {
   // Data parallelism (RANK, WORLD_SIZE from torchrun): how long a collective may wait for the
   // other ranks before the run stops with exit code 6.
   std::uint32_t collective_timeout_seconds = 300;
+  // How long one plugin hook may take before the plugin is quarantined (0: no deadline).
+  double plugin_hook_deadline_seconds = 60.0;
   std::string calibration_cache_dir;  // empty: $XDG_CACHE_HOME/sp-train or ~/.cache/sp-train
   // A checkpoint of the same model shape whose weights replace the random initialization
   // (e.g. LoRA on a base trained in full mode); empty: random. A resume ignores it.

@@ -397,6 +397,8 @@ struct Trainer::Impl {
     o.nf4_group_size = config.policy_keys.nf4_group_size;
     o.recalibrate_every = config.train.recalibrate_every;
     o.collectives = collectives;
+    o.plugin_hook_deadline = std::chrono::milliseconds(
+        static_cast<std::int64_t>(std::llround(config.train.plugin_hook_deadline_seconds * 1000.0)));
     if (!config.streaming.metrics_file.empty()) o.metrics_path = (run_dir / config.streaming.metrics_file).string();
     try {
       layer = std::make_unique<tl::StreamedModel>(model->layer_blocks(), std::move(o));

@@ -6,6 +6,7 @@
 #include <sp/host/plugin_library.h>
 #include <sp/plugin_abi_v1.h>
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -65,6 +66,13 @@ struct PolicyHostOptions {
   /// minor defines (NF4 from a 1.0 plugin), is refused: counted under invalid_hints and
   /// replaced by fallback hints.
   sp_precision_mask supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
+  /// A deadline for the step hooks (begin_step, post_backward, compute_hints, end_step); 0:
+  /// none, and they run on the caller's thread. With one they run on a supervised thread; a
+  /// hook that has not returned when it passes leaves that thread behind and quarantines the
+  /// plugin: its hooks are no longer called (the step goes on with fallback hints, the failure
+  /// is counted and logged once), its state cannot be exported, and it is never unloaded,
+  /// until a new version is swapped in (which then starts without the old state).
+  std::chrono::milliseconds hook_deadline{0};
 };
 
 /// Failed hook calls since the host was created, per hook. A compute_hints call whose
@@ -162,6 +170,8 @@ class PolicyHost {
   /// Returns pending, or failed with the reason; either way it is logged.
   /// A newer request replaces a pending one.
   SwapResult request_swap(const std::filesystem::path& plugin_file, std::optional<PolicyConfig> config = std::nullopt);
+  /// Why the plugin is quarantined (a hook passed hook_deadline), or empty.
+  const std::string& quarantine_reason() const;
   /// Drops a pending swap (the new version is unloaded, the active one stays), e.g. because
   /// other processes of a data-parallel run could not stage the same version. Returns the
   /// failed result with `why` as its message, also recorded as the last swap result; nullopt

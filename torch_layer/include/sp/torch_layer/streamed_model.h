@@ -34,6 +34,7 @@
 // another thread; the layer is only ever entered by one at a time.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -100,6 +101,8 @@ struct StreamedModelOptions {
   std::filesystem::path output_dir;
   std::shared_ptr<spdlog::logger> logger;    // null: spdlog's default logger
   std::string host_name = "sp-torch-layer";  // how the plugin's create() names its host
+  // A deadline for the plugin's step hooks (PolicyHostOptions::hook_deadline); 0: none.
+  std::chrono::milliseconds plugin_hook_deadline{0};
 
   // Where and in what dtype the blocks compute. CPU uses the host backend (a bandwidth cap
   // emulates a link); CUDA the CUDA backend on torch's default stream.
@@ -159,7 +162,8 @@ std::unique_ptr<sp::host::PolicySession> open_policy_session(const sp::adapters:
                                                              const std::filesystem::path& plugin_file,
                                                              sp::host::PolicyConfig config, std::string host_name,
                                                              std::filesystem::path output_dir,
-                                                             std::shared_ptr<spdlog::logger> logger);
+                                                             std::shared_ptr<spdlog::logger> logger,
+                                                             std::chrono::milliseconds hook_deadline = {});
 
 class StreamedModel {
  public:
