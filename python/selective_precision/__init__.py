@@ -185,7 +185,15 @@ class StreamedBlocks:
         optimizer.zero_grad() (when given) and end_step with the loss set on the context."""
         self.begin_step(step)
         context = StepContext()
-        yield context
+        try:
+            yield context
+        except BaseException:
+            # The step is dropped (the plugin sees a failed step), so that the next one can
+            # begin; the masters' gradients of the dropped step are cleared.
+            self._model.abort_step()
+            for master in self.master_parameters():
+                master.grad = None
+            raise
         if context.loss is None:
             raise ValueError("StreamedBlocks.step(): set .loss on the step context before leaving it")
         loss = context.loss.item() if isinstance(context.loss, torch.Tensor) else float(context.loss)
@@ -194,6 +202,10 @@ class StreamedBlocks:
             optimizer.step()
             optimizer.zero_grad()
         context.report = self.end_step(loss)
+
+    def abort_step(self):
+        """Ends a step an exception cut short; zero the masters' gradients afterwards."""
+        self._model.abort_step()
 
     def refresh_images(self):
         self._model.refresh_images()

@@ -195,6 +195,7 @@ PYBIND11_MODULE(_selective_precision, m) {
              return d;
            })
       .def("refresh_images", [](PyStreamedModel& s) { s.model().refresh_images(); })
+      .def("abort_step", [](PyStreamedModel& s) { s.model().abort_step(); })
       .def("calibrate",
            [](PyStreamedModel& s, const std::vector<torch::Tensor>& samples) {
              return errors_dict(s.model().calibrate(samples));

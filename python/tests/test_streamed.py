@@ -171,3 +171,29 @@ def test_state_round_trips_through_torch_save(tmp_path):
     del broken["policy/state"]
     with pytest.raises(sp.StateEntryError, match="policy/state"):
         fresh.restore_state(broken)
+
+
+def test_an_exception_inside_a_step_leaves_the_model_usable():
+    torch.manual_seed(8)
+    model = torch.nn.ModuleList(ReferenceBlock() for _ in range(2))
+    streamed = wrap(model, policy="selective_precision:\n  telemetry_enabled: false\n  mode: off\n")
+    optimizer = torch.optim.SGD(streamed.optimizer_parameters(model), lr=0.1)
+    with pytest.raises(KeyError):
+        with streamed.step(0, optimizer) as s:
+            s.loss = streamed(torch.randn(2, 4, DIM)).pow(2).mean()
+            raise KeyError("the script failed mid-step")
+    assert all(m.grad is None for m in streamed.master_parameters())
+    with streamed.step(1, optimizer) as s:
+        s.loss = streamed(torch.randn(2, 4, DIM)).pow(2).mean()
+        s.loss.backward()
+    assert s.report["training_passes"] == 1
+
+
+def test_a_graph_that_outlives_its_model_is_refused():
+    torch.manual_seed(9)
+    streamed = wrap(torch.nn.ModuleList(ReferenceBlock() for _ in range(2)))
+    streamed.begin_step(0)
+    loss = streamed(torch.randn(2, 4, DIM)).pow(2).mean()
+    streamed.close()
+    with pytest.raises(RuntimeError, match="destroyed or closed"):
+        loss.backward()

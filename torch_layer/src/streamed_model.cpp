@@ -5,6 +5,9 @@
 #include <cstring>
 #include <stdexcept>
 #include <tuple>
+#include <limits>
+#include <mutex>
+#include <unordered_map>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -74,6 +77,7 @@ struct StreamedParam {
   torch::Tensor param;
   torch::Tensor master;
   torch::Tensor staging;  // CUDA: pinned fp32, the gradient's way to the host without a sync
+  bool staged = false;    // staging holds this pass's gradient
   std::vector<std::int64_t> shape;
   std::uint64_t rows = 0, cols = 0;
 };
@@ -85,6 +89,10 @@ struct BlockState {
   std::vector<torch::Tensor> resident;
   std::vector<torch::Tensor> trainable_resident;  // resident parameters that require grad
   std::vector<torch::Tensor> moment_sources;      // Block::moments_from; empty: the default rule
+  // What the block's autograd node takes as inputs besides x: its trainable resident
+  // parameters, and one trainable master, so that a block whose only trainable weights stream
+  // still gets a backward when its input needs no gradient.
+  std::vector<torch::Tensor> autograd_inputs;
   bool trainable_masters = false;
 };
 
@@ -124,6 +132,9 @@ struct StreamedModel::Impl {
   std::vector<bool> eval_image_stale;  // per block: its masters changed since the evaluation engine built its image
   std::uint64_t evaluation_bytes = 0, calibration_bytes = 0;  // of the forward-only passes
   bool grads_staged = false;
+  // The lowest block whose autograd node runs in the current pass: its backward ends the pass.
+  std::uint32_t pass_end_block = 0;
+  std::int64_t id = 0;  // in the registry of live models (StreamedBlockFunction)
 
   bool in_step = false;
   bool after_backward = false;
@@ -217,6 +228,12 @@ struct StreamedModel::Impl {
       const auto streamed = std::find_if(state.streamed.begin(), state.streamed.end(),
                                          [&](const StreamedParam& p) { return p.name == wanted; });
       state.moment_sources.push_back(streamed != state.streamed.end() ? streamed->master : *found);
+    }
+    state.autograd_inputs = state.trainable_resident;
+    for (const StreamedParam& p : state.streamed) {
+      if (!p.master.requires_grad()) continue;
+      state.autograd_inputs.push_back(p.master);
+      break;
     }
     state.block = std::move(block);
     blocks.push_back(std::move(state));
@@ -416,6 +433,7 @@ struct StreamedModel::Impl {
     } catch (...) {
       detach(block);
       engine->release(b);
+      abandon_pass();
       throw;
     }
     detach(block);
@@ -426,7 +444,9 @@ struct StreamedModel::Impl {
     std::vector<torch::Tensor> flat;
     for (StreamedParam& p : block.streamed) {
       if (!p.master.requires_grad()) continue;
-      const torch::Tensor& g = grads[next++];
+      torch::Tensor g = grads[next++];
+      // Every rank's bucket holds every trainable parameter, whether or not it got a gradient here.
+      if (!g.defined() && collectives) g = torch::zeros(p.shape, p.master.options());
       if (!g.defined()) continue;
       if (collectives && !p.staging.defined()) {
         bucket.params.push_back(&p);
@@ -444,15 +464,25 @@ struct StreamedModel::Impl {
     }
     variable_list out;
     out.push_back(input_grad ? grads[0] : torch::Tensor());
-    std::vector<torch::Tensor> resident_grads;
     for (std::size_t i = 0; i < block.trainable_resident.size(); ++i) {
-      out.push_back(grads[next++]);
-      if (out.back().defined()) resident_grads.push_back(out.back());
+      torch::Tensor g = grads[next++];
+      if (!g.defined() && collectives) g = torch::zeros_like(block.trainable_resident[i]);
+      out.push_back(g);
     }
-    // Averaged before autograd adds them to the .grad: whatever the host does next, the
-    // resident parameters of every rank see the same gradient.
-    average_in_place(resident_grads, fmt::format("gradients of {}'s resident parameters", block.block.name));
-    if (b == 0) finish_pass();
+    if (collectives) {
+      // Averaged before autograd adds them to the .grad, into tensors of their own (autograd's
+      // may alias the upstream gradient, or be expanded views): every rank's resident
+      // parameters see the same gradient, whatever the host does next.
+      std::vector<torch::Tensor> resident(out.begin() + 1, out.end());
+      try {
+        resident = averaged(resident, fmt::format("gradients of {}'s resident parameters", block.block.name));
+      } catch (...) {
+        abandon_pass();
+        throw;
+      }
+      std::copy(resident.begin(), resident.end(), out.begin() + 1);
+    }
+    if (b == pass_end_block) finish_pass();
     return out;
   }
 
@@ -461,6 +491,7 @@ struct StreamedModel::Impl {
   void stage_master_gradient(StreamedParam& p, const torch::Tensor& g) {
     if (p.staging.defined()) {
       p.staging.copy_(g, /*non_blocking=*/true);
+      p.staged = true;
       grads_staged = true;
       return;
     }
@@ -479,10 +510,39 @@ struct StreamedModel::Impl {
     }
   }
 
+  // A pass cut short (an exception in its backward, or a step aborted): the collectives in
+  // flight are waited for and dropped, the engine's pass ends, the model takes new passes.
+  // Gradients already folded into the masters stay: the host discards the step's.
+  void abandon_pass() noexcept {
+    for (ReducingBucket& r : reducing) {
+      try {
+        r.pending->wait();
+      } catch (const std::exception& e) {
+        log->warn("StreamedModel: dropping an all-reduce of an abandoned pass: {}", e.what());
+      }
+    }
+    reducing.clear();
+    try {
+      if (pass != Pass::none) engine->end_step();
+    } catch (const std::exception& e) {
+      log->warn("StreamedModel: ending an abandoned pass: {}", e.what());
+    }
+    pass = Pass::none;
+    grads_staged = false;
+    for (BlockState& b : blocks) {
+      for (StreamedParam& p : b.streamed) p.staged = false;
+    }
+  }
+
   void finish_pass() {
+    try {
+      for (ReducingBucket& r : reducing) r.pending->wait();
+    } catch (...) {
+      abandon_pass();
+      throw;
+    }
     add_transfer(engine->end_step());
     pass = Pass::none;
-    for (ReducingBucket& r : reducing) r.pending->wait();
     for (ReducingBucket& r : reducing) fold_averaged(r.params, r.bucket);
     reducing.clear();
     if (!grads_staged) return;
@@ -491,7 +551,9 @@ struct StreamedModel::Impl {
     std::vector<StreamedParam*> staged;
     for (BlockState& b : blocks) {
       for (StreamedParam& p : b.streamed) {
-        if (p.staging.defined()) staged.push_back(&p);
+        if (!p.staged) continue;
+        staged.push_back(&p);
+        p.staged = false;
       }
     }
     if (collectives) {
@@ -518,20 +580,29 @@ struct StreamedModel::Impl {
     }
   }
 
-  // The mean across ranks, in place, of tensors of any dtype and shape (one bucket).
-  void average_in_place(const std::vector<torch::Tensor>& tensors, const std::string& what) {
-    if (!collectives || tensors.empty()) return;
+  // The mean across ranks of tensors of any dtype and shape (one bucket), as new tensors.
+  std::vector<torch::Tensor> averaged(const std::vector<torch::Tensor>& tensors, const std::string& what) {
+    if (!collectives || tensors.empty()) return tensors;
     std::vector<torch::Tensor> flat;
     for (const torch::Tensor& t : tensors) flat.push_back(t.reshape({-1}).to(torch::kFloat32));
     torch::Tensor bucket = torch::cat(flat);
     collectives->all_reduce(bucket, Reduction::sum, what)->wait();
     bucket.div_(collectives->size());
-    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> out;
     std::int64_t offset = 0;
     for (const torch::Tensor& t : tensors) {
-      t.copy_(bucket.narrow(0, offset, t.numel()).view_as(t));
+      out.push_back(bucket.narrow(0, offset, t.numel()).view(t.sizes()).to(t.scalar_type()).clone());
       offset += t.numel();
     }
+    return out;
+  }
+
+  // The same, into the tensors themselves (gradients the host owns).
+  void average_in_place(const std::vector<torch::Tensor>& tensors, const std::string& what) {
+    if (!collectives || tensors.empty()) return;
+    const std::vector<torch::Tensor> means = averaged(tensors, what);
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(means[i]);
   }
 
   // Every rank's plugin hints must be the same: the blocks where they differ, by name.
@@ -662,26 +733,49 @@ struct StreamedModel::Impl {
 
 // The autograd node of one streamed block: its forward fetches the block and runs it without
 // a graph; its backward fetches it again, recomputes and differentiates (see backward_block).
+namespace {
+
+// The models alive, by id: a graph that outlives its model (closed, or replaced while a loss
+// was kept) finds it gone, instead of reading freed memory, and a backward keeps its model
+// alive until it returns.
+std::mutex g_models_mutex;
+std::unordered_map<std::int64_t, std::weak_ptr<StreamedModel::Impl>> g_models;
+std::int64_t g_next_model_id = 1;
+
+std::shared_ptr<StreamedModel::Impl> live_model(std::int64_t id) {
+  std::lock_guard<std::mutex> lock(g_models_mutex);
+  const auto it = g_models.find(id);
+  return it == g_models.end() ? nullptr : it->second.lock();
+}
+
+}  // namespace
+
 struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, StreamedModel::Impl* impl,
-                               std::int64_t block, std::int64_t pass, at::TensorList resident) {
-    (void)resident;  // inputs only so that autograd routes their gradients
+                               std::int64_t block, std::int64_t pass, at::TensorList inputs) {
     ctx->saved_data["block"] = block;
     ctx->saved_data["pass"] = pass;
-    ctx->saved_data["impl"] = static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(impl));
+    ctx->saved_data["model"] = impl->id;
+    ctx->saved_data["inputs"] = static_cast<std::int64_t>(inputs.size());  // only so that autograd routes theirs
     ctx->save_for_backward({x});
     return impl->forward_block(static_cast<std::uint32_t>(block), x);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    auto* impl = reinterpret_cast<StreamedModel::Impl*>(static_cast<std::intptr_t>(ctx->saved_data["impl"].toInt()));
+    const std::shared_ptr<StreamedModel::Impl> impl = live_model(ctx->saved_data["model"].toInt());
     const auto block = static_cast<std::uint32_t>(ctx->saved_data["block"].toInt());
+    if (!impl) {
+      throw std::logic_error(
+          fmt::format("StreamedModel: backward through block {} of a model that was destroyed or closed", block));
+    }
     const auto pass = static_cast<std::uint64_t>(ctx->saved_data["pass"].toInt());
     const torch::Tensor x = ctx->get_saved_variables()[0];
     variable_list grads = impl->backward_block(block, pass, x, grad_outputs[0]);
-    // One gradient per forward argument: x, impl, block, pass, then each resident tensor.
+    // One gradient per forward argument: x, impl, block, pass, then each resident tensor (the
+    // master anchor, last when there is one, gets none: its gradient went to the master).
     variable_list out{grads[0], torch::Tensor(), torch::Tensor(), torch::Tensor()};
     out.insert(out.end(), grads.begin() + 1, grads.end());
+    out.resize(4 + static_cast<std::size_t>(ctx->saved_data["inputs"].toInt()));
     return out;
   }
 };
@@ -715,9 +809,16 @@ std::unique_ptr<sp::host::PolicySession> open_policy_session(const ad::Streaming
 }
 
 StreamedModel::StreamedModel(std::vector<Block> blocks, StreamedModelOptions options)
-    : impl_(std::make_unique<Impl>(std::move(blocks), std::move(options))) {}
+    : impl_(std::make_shared<Impl>(std::move(blocks), std::move(options))) {
+  std::lock_guard<std::mutex> lock(g_models_mutex);
+  impl_->id = g_next_model_id++;
+  g_models.emplace(impl_->id, impl_);
+}
 
-StreamedModel::~StreamedModel() = default;
+StreamedModel::~StreamedModel() {
+  std::lock_guard<std::mutex> lock(g_models_mutex);
+  g_models.erase(impl_->id);
+}
 
 std::uint32_t StreamedModel::num_blocks() const { return static_cast<std::uint32_t>(impl_->blocks.size()); }
 
@@ -752,11 +853,19 @@ torch::Tensor StreamedModel::forward(const torch::Tensor& x) {
   m.engine->begin_step(m.engine_steps++);
   m.pass = Impl::Pass::forwarded;
   ++m.pass_id;
+  // The backward reaches down to block 0 when x needs a gradient, else to the first block with
+  // something to train; past the last block (none) no backward comes, and the next forward or
+  // post_backward() closes the pass.
+  m.pass_end_block = 0;
+  while (!x.requires_grad() && m.pass_end_block < m.blocks.size() &&
+         m.blocks[m.pass_end_block].autograd_inputs.empty()) {
+    ++m.pass_end_block;
+  }
   torch::Tensor h = x;
   try {
     for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
       h = StreamedBlockFunction::apply(h, &m, static_cast<std::int64_t>(b), static_cast<std::int64_t>(m.pass_id),
-                                       at::TensorList(m.blocks[b].trainable_resident));
+                                       at::TensorList(m.blocks[b].autograd_inputs));
     }
   } catch (...) {
     m.engine->end_step();
@@ -839,6 +948,19 @@ StepReport StreamedModel::end_step(double loss) {
   report.h2d_bytes_all_bf16 = m.step_transfer.h2d_bytes_all_bf16;
   report.routes = m.current_routes();
   return report;
+}
+
+void StreamedModel::abort_step() {
+  Impl& m = *impl_;
+  m.abandon_pass();
+  if (!m.in_step) return;
+  // The plugin's step ends too, marked as failed (a NaN loss), so that its hooks stay paired.
+  sp_step_feedback_v1 feedback = m.step_transfer.to_feedback();
+  feedback.loss = std::numeric_limits<double>::quiet_NaN();
+  feedback.step_seconds = std::chrono::duration<double>(Clock::now() - m.step_start).count();
+  m.in_step = false;
+  m.after_backward = false;
+  m.policy->end_step(m.step, feedback);
 }
 
 void StreamedModel::refresh_images() {
@@ -959,7 +1081,14 @@ void StreamedModel::restore_state(const std::map<std::string, torch::Tensor>& st
   // a plugin that rejects it leaves the previous hints in force.
   const std::vector<sp_hint_v1> previous = m.applied_hints;
   try {
-    m.apply_hints(restored);
+    if (restored.empty()) {
+      // A state exported before the plugin's first hints: the default routes again.
+      m.engine->policy_bridge().clear_plugin_hints();
+      m.eval_engine->policy_bridge().clear_plugin_hints();
+      m.applied_hints.clear();
+    } else {
+      m.apply_hints(restored);
+    }
   } catch (const std::invalid_argument& e) {
     throw StateEntryError("policy/hints", e.what());
   }

@@ -426,3 +426,91 @@ TEST(StreamedModel, OnlineRecalibrationFollowsTheTrainedWeights) {
 }
 
 }  // namespace
+
+namespace {
+
+// A graph that outlives its model finds it gone, by name, instead of reading freed memory.
+TEST(StreamedModel, ABackwardAfterTheModelIsGoneIsRefusedByName) {
+  const auto blocks = make_blocks(30);
+  auto model = wrap(blocks, "  mode: off\n");
+  model->begin_step(0);
+  const torch::Tensor loss = model->forward(input(31)).pow(2).mean();
+  model.reset();
+  try {
+    loss.backward();
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("of a model that was destroyed or closed"), std::string::npos) << e.what();
+  }
+}
+
+// An exception inside a step leaves the model usable: abort_step() drops the step, the next
+// one trains as usual.
+TEST(StreamedModel, AStepCutShortByAnExceptionIsAbortedAndTheNextOneRuns) {
+  const auto blocks = make_blocks(32);
+  std::vector<tl::Block> list;
+  bool fail = false;
+  for (const TinyBlock& b : blocks) {
+    tl::Block block = tl::make_block(b, {"fc1.weight", "fc2.weight"});
+    auto forward = block.forward;
+    block.forward = [forward, &fail](const torch::Tensor& x) {
+      // Fails only in the backward's recompute (grad mode on inside the layer's backward).
+      if (fail && torch::GradMode::is_enabled()) throw std::runtime_error("a block failed");
+      return forward(x);
+    };
+    list.push_back(std::move(block));
+  }
+  tl::StreamedModelOptions options;
+  options.plugin_file = SP_PLUGIN_FILE;
+  options.config_yaml = policy_yaml("  mode: off\n");
+  tl::StreamedModel model(std::move(list), options);
+  model.begin_step(0);
+  fail = true;
+  EXPECT_ANY_THROW(model.forward(input(33)).pow(2).mean().backward());
+  fail = false;
+  model.abort_step();
+  model.abort_step();  // nothing open: a no-op
+  for (std::int64_t step = 1; step < 3; ++step) {
+    model.begin_step(step);
+    model.forward(input(34)).pow(2).mean().backward();
+    model.post_backward();
+    EXPECT_EQ(model.end_step(1.0).training_passes, 1u);
+  }
+}
+
+// A first block with nothing to train, fed an input that needs no gradient: the pass ends
+// with the last block that has a backward, and the next steps run.
+TEST(StreamedModel, AFrozenFirstBlockStillEndsThePass) {
+  const auto blocks = make_blocks(35);
+  for (auto& p : blocks[0]->parameters()) p.set_requires_grad(false);
+  auto model = wrap(blocks, "  mode: off\n");
+  for (std::int64_t step = 0; step < 2; ++step) {
+    model->begin_step(step);
+    model->forward(input(36)).pow(2).mean().backward();
+    const auto& moments = model->post_backward();
+    EXPECT_EQ(moments[0].count, 0u);
+    EXPECT_GT(moments[1].count, 0u);
+    model->end_step(1.0);
+  }
+  EXPECT_FALSE(model->masters(0).at("fc1.weight").grad().defined());
+  EXPECT_TRUE(model->masters(1).at("fc1.weight").grad().defined());
+}
+
+// A state exported before the plugin's first hints restores the default routes.
+TEST(StreamedModel, RestoringAStateWithoutHintsRestoresTheDefaultRoutes) {
+  const std::string policy = "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_nf4_blocks: [0]\n";
+  const auto fresh = wrap(make_blocks(37), policy);
+  const auto state = fresh->export_state();
+  ASSERT_EQ(state.at("policy/hints").numel(), 0);
+  auto model = wrap(make_blocks(37), policy);
+  model->begin_step(0);
+  model->forward(input(38)).pow(2).mean().backward();
+  model->post_backward();
+  model->end_step(1.0);
+  ASSERT_EQ(model->routes()[0], SP_PRECISION_NF4);
+  model->restore_state(state);
+  EXPECT_EQ(model->routes(), std::vector<sp_precision>(kBlocks, SP_PRECISION_BF16));
+  EXPECT_TRUE(model->hints().empty());
+}
+
+}  // namespace

@@ -195,6 +195,11 @@ class StreamedModel {
   // the engines. Call once per step, after the backward passes.
   const std::vector<sp_grad_moments_v1>& post_backward();
   StepReport end_step(double loss);
+  // Ends a step that an exception cut short, wherever it was (a forward or backward thrown
+  // out, a collective that failed): the pass in flight is dropped, the plugin's step ends with a
+  // NaN loss, and the model takes a new begin_step(). The masters' .grad may hold part of the
+  // step's gradient: zero them. Safe to call when no step is open.
+  void abort_step();
   // Rebuilds the transfer images of blocks whose trainable masters changed outside a step.
   void refresh_images();
 
@@ -255,7 +260,7 @@ class StreamedModel {
   struct Impl;
 
  private:
-  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Impl> impl_;  // shared with the backward of a graph in flight
 };
 
 }  // namespace sp::torch_layer
