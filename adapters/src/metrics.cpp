@@ -88,6 +88,9 @@ void MetricsJsonlWriter::append(const nlohmann::json &record) noexcept {
   } catch (const std::exception &) {
     return lose("a record could not be serialized", EINVAL);
   }
+  // Where the last whole record ends now (a resume's cut may have moved it since the open).
+  struct stat st {};
+  if (::fstat(fd_, &st) == 0) complete_bytes_ = static_cast<std::uint64_t>(st.st_size);
   std::size_t written = 0;
   while (written < line.size()) {
     const ssize_t n = ::write(fd_, line.data() + written, line.size() - written);

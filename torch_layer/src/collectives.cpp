@@ -57,8 +57,11 @@ std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds tim
   c10::intrusive_ptr<c10d::Store> store;
   try {
     // Under a prefix of its own, apart from the agent's rendezvous keys.
-    store = c10::make_intrusive<c10d::PrefixStore>("selective_precision",
-                                                   c10::make_intrusive<c10d::TCPStore>(host, store_options));
+    // Per torchrun attempt: a restarted run must not meet the previous attempt's addresses.
+    const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    store =
+        c10::make_intrusive<c10d::PrefixStore>(fmt::format("selective_precision/attempt_{}", attempt ? attempt : "0"),
+                                               c10::make_intrusive<c10d::TCPStore>(host, store_options));
   } catch (const std::exception& e) {
     throw CollectiveError(detail::collective_failure(
         static_cast<int>(rank), static_cast<int>(size),

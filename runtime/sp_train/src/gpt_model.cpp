@@ -108,7 +108,13 @@ void GptModel::queue_resident_gradients_to_host() {
     torch::Tensor& computed = p.compute.mutable_grad();
     if (!computed.defined()) continue;
     p.grad.copy_(computed, /*non_blocking=*/true);
-    computed.reset();
+  }
+}
+
+void GptModel::clear_gradients() {
+  for (ResidentParam& p : resident_) {
+    p.grad.zero_();
+    if (!computes_on_masters(compute_)) p.compute.mutable_grad().reset();
   }
 }
 

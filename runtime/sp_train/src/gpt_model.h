@@ -55,10 +55,13 @@ class GptModel {
   // pinned buffers without blocking the host; the caching host allocator keeps each buffer
   // until its copy has run.
   void refresh_compute();
-  // After a backward: queues each resident gradient from its compute tensor to the host buffer
-  // and clears the compute one; a no-op where they are the same tensor. The host buffers are
-  // complete once the compute stream has run past this point (reading the loss waits for it).
+  // After a backward: queues each resident gradient from its compute tensor to the host buffer;
+  // a no-op where they are the same tensor. The host buffers are complete once the compute
+  // stream has run past this point (reading the loss waits for it). The compute gradients stay
+  // (the LoRA adapters' are the blocks' gradient moments) until clear_gradients().
   void queue_resident_gradients_to_host();
+  // Before a step: zeroes the host gradient buffers and drops the compute gradients.
+  void clear_gradients();
   // The stress test of model.outliers, for a fresh run once its initial weights are in place:
   // in each listed block, one attention channel's value row is divided by the magnitude and
   // the attn.proj column that reads the channel multiplied by it. Attention is linear in the

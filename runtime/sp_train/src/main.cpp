@@ -51,11 +51,13 @@ std::atomic<int> g_stop_signal{0};
 std::atomic<bool> g_plugin_check{false};
 
 // SIGINT (Ctrl-C) and SIGTERM (what schedulers and `docker stop` send) both stop the run at the
-// next step boundary with a checkpoint. A second one kills the process the usual way.
+// next step boundary with a checkpoint.
 extern "C" void on_stop_signal(int signal) {
   g_stop_signal.store(signal);
   g_stop.store(true);
-  std::signal(signal, SIG_DFL);
+  // A second Ctrl-C kills; a repeated SIGTERM (a scheduler and torchrun's agent may both send
+  // one) still waits for the checkpoint.
+  if (signal == SIGINT) std::signal(SIGINT, SIG_DFL);
 }
 extern "C" void on_sighup(int) { g_plugin_check.store(true); }
 

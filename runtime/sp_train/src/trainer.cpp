@@ -77,7 +77,14 @@ torch::TensorOptions compute_options(const TrainConfig& config) {
                     "without CUDA, or no GPU is visible); use train.device: cpu",
                     config.source_name));
   }
-  return options.device(torch::Device(torch::kCUDA, 0));
+  // Data-parallel ranks on one node take one GPU each (torchrun's LOCAL_RANK).
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  const int index = local_rank != nullptr ? std::atoi(local_rank) : 0;
+  if (index < 0 || static_cast<std::size_t>(index) >= torch::cuda::device_count()) {
+    throw ConfigError(fmt::format("{}: train.device: cuda, but LOCAL_RANK={} and this node has {} GPU(s)",
+                                  config.source_name, index, torch::cuda::device_count()));
+  }
+  return options.device(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index)));
 }
 
 std::uint64_t hash_tensor(const torch::Tensor& t, std::uint64_t state) {
@@ -101,7 +108,7 @@ std::uint64_t estimated_host_bytes(const TrainConfig& c) {
   const std::uint64_t masters = streamed * 4 * (c.train.mode == TrainMode::full ? 4 : 1);
   const std::uint64_t slabs = 2 * (units + c.streaming.spare_slabs) * largest_unit * 2;
   const std::uint64_t activations =
-      tokens * d * 4 * (m.n_blocks + 8) + std::uint64_t{c.train.batch_size} * m.n_heads * m.seq_len * m.seq_len * 4 * 2;
+      tokens * d * 4 * (units + 8) + std::uint64_t{c.train.batch_size} * m.n_heads * m.seq_len * m.seq_len * 4 * 2;
   return masters + slabs + activations;
 }
 
@@ -247,14 +254,18 @@ struct Trainer::Impl {
   // what the machine has available: a model far larger than memory is refused by name instead
   // of meeting the OOM killer minutes later.
   void refuse_what_cannot_fit() const {
-    const std::uint64_t needed = estimated_host_bytes(config);
+    // Ranks on one node share its memory (torchrun's LOCAL_WORLD_SIZE).
+    const char* local_ranks = std::getenv("LOCAL_WORLD_SIZE");
+    const std::uint64_t ranks_here = local_ranks != nullptr ? std::max(1, std::atoi(local_ranks)) : 1;
+    const std::uint64_t needed = estimated_host_bytes(config) * ranks_here;
     const std::uint64_t available = available_host_bytes();
     if (available == 0 || needed <= available) return;
     const ModelConfig& m = config.model;
     throw ConfigError(fmt::format(
         "{}: model.d_model {} x model.n_blocks {} (mlp_ratio {}, train.mode {}, train.batch_size {}) needs about "
         "{:.1f} "
-        "GiB of host memory (fp32 masters{}, the transfer images of two engines, activations); this machine has {:.1f} "
+        "GiB of host memory for the ranks on this node (fp32 masters{}, the transfer images of two engines, "
+        "activations); this machine has {:.1f} "
         "GiB available (MemAvailable); lower model.d_model, model.n_blocks or train.batch_size, or train in lora mode",
         config.source_name, m.d_model, m.n_blocks, m.mlp_ratio, mode_name(config.train.mode), config.train.batch_size,
         needed / 1073741824.0, config.train.mode == TrainMode::full ? ", their gradients and AdamW moments" : "",
@@ -634,7 +645,7 @@ struct Trainer::Impl {
     corpus->train_batch(config.train.seed, step, batch, tokens,
                         std::uint64_t{batch} * static_cast<std::uint64_t>(rank()));
     auto [idx, targets] = tensors_of(tokens, batch);
-    for (ResidentParam& p : model->resident()) p.grad.zero_();
+    model->clear_gradients();
     for (torch::Tensor& g : master_grads) g.zero_();
 
     // The layer fetches each block for the forward and again, in reverse, for the backward,

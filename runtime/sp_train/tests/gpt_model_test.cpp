@@ -56,7 +56,10 @@ TEST(GptModelCompute, ResidentCopiesFollowTheMastersOnRefresh) {
   EXPECT_EQ(norm.grad.count_nonzero().item<std::int64_t>(), 0) << "the host buffer waits for the queue";
   model.queue_resident_gradients_to_host();
   EXPECT_TRUE(torch::equal(norm.grad, computed));
+  EXPECT_TRUE(norm.compute.grad().defined()) << "kept for the moments (LoRA adapters) until the next step";
+  model.clear_gradients();
   EXPECT_FALSE(norm.compute.grad().defined()) << "the next backward starts from no gradient";
+  EXPECT_EQ(norm.grad.count_nonzero().item<std::int64_t>(), 0);
 }
 
 // fp32 on the host computes on the masters themselves, and the backward accumulates into the

@@ -20,8 +20,10 @@
 // loss across ranks (average()) to end_step().
 //
 // Collectives is an interface so that the layer does not depend on one c10d release's class
-// layout: over_process_group() adapts any c10d group (ProcessGroupGloo, ProcessGroupNCCL),
-// gloo_from_environment() builds a Gloo group from the variables torchrun sets.
+// layout: over_process_group() adapts a c10d group, gloo_from_environment() builds a Gloo group
+// from the variables torchrun sets. The layer's collectives run on CPU tensors (the masters'
+// gradients live on the host): a group must take those, as Gloo does; NCCL, which takes device
+// tensors only, is not supported.
 #pragma once
 
 #include <chrono>
@@ -120,8 +122,8 @@ class ProcessGroupCollectives final : public Collectives {
 };
 }  // namespace detail
 
-// Any c10d process group type (ProcessGroupGloo, ProcessGroupNCCL): its allreduce and
-// broadcast, one tensor each.
+// A c10d process group type (ProcessGroupGloo in 1.13 and 2.x, where it is a Backend): its
+// allreduce and broadcast, one CPU tensor each.
 template <typename Group>
 std::shared_ptr<Collectives> over_process_group(c10::intrusive_ptr<Group> group) {
   return std::make_shared<detail::ProcessGroupCollectives<Group>>(std::move(group));
