@@ -1027,7 +1027,17 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
   for (const BlockState& b : m.blocks) {
     for (const StreamedParam& p : b.streamed) state.emplace(master_key(b, p), p.master.detach());
   }
-  const std::vector<std::uint8_t> blob = m.policy->export_state();
+  std::vector<std::uint8_t> blob;
+  try {
+    blob = m.policy->export_state();
+  } catch (const sp::host::PluginError& e) {
+    // The rest of the state is the run's: a checkpoint without the plugin's beats none. An
+    // empty entry says so, and a resume starts the policy over (restore_state).
+    m.log->error(
+        "StreamedModel: the plugin's state is left out of this state ({}); a resume from it starts the "
+        "policy over",
+        e.what());
+  }
   state.emplace("policy/state", torch::from_blob(const_cast<std::uint8_t*>(blob.data()),
                                                  {static_cast<std::int64_t>(blob.size())}, torch::kUInt8)
                                     .clone());
@@ -1093,8 +1103,12 @@ void StreamedModel::restore_state(const std::map<std::string, torch::Tensor>& st
     throw StateEntryError("policy/hints", e.what());
   }
   try {
-    m.policy->restore_state(
-        std::vector<std::uint8_t>(blob.data_ptr<std::uint8_t>(), blob.data_ptr<std::uint8_t>() + blob.numel()));
+    if (blob.numel() == 0) {
+      m.log->warn("StreamedModel: the state holds no plugin state (it could not be exported); the policy starts over");
+    } else {
+      m.policy->restore_state(
+          std::vector<std::uint8_t>(blob.data_ptr<std::uint8_t>(), blob.data_ptr<std::uint8_t>() + blob.numel()));
+    }
   } catch (...) {
     if (previous.empty()) {
       m.engine->policy_bridge().clear_plugin_hints();

@@ -514,3 +514,37 @@ TEST(StreamedModel, RestoringAStateWithoutHintsRestoresTheDefaultRoutes) {
 }
 
 }  // namespace
+
+namespace {
+
+// A plugin that cannot export its state costs the checkpoint its policy state, not the rest:
+// the entry is empty, and a restore from it keeps the masters and starts the policy over.
+TEST(StreamedModel, AStateThePluginCannotExportKeepsEverythingElse) {
+  const auto with_plugin = [](const std::vector<TinyBlock>& blocks, const std::string& config) {
+    std::vector<tl::Block> list;
+    for (const TinyBlock& b : blocks) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+    tl::StreamedModelOptions options;
+    options.plugin_file = SP_FIXTURE_SCRIPTED;  // the minimal example, failing on command
+    options.config_yaml = config;
+    return std::make_unique<tl::StreamedModel>(std::move(list), options);
+  };
+  const std::string config = "int8_max_l2: 1.5\nmin_samples: 2\n";
+  auto model = with_plugin(make_blocks(40), config + "fixture_huge_export: 1\n");
+  torch::optim::SGD optimizer(model->master_parameters(), torch::optim::SGDOptions(0.1));
+  for (std::int64_t step = 0; step < 2; ++step) {
+    optimizer.zero_grad();
+    model->begin_step(step);
+    model->forward(input(41)).pow(2).mean().backward();
+    model->post_backward();
+    optimizer.step();
+    model->end_step(1.0);
+  }
+  const auto state = model->export_state();
+  EXPECT_EQ(state.at("policy/state").numel(), 0);
+  auto resumed = with_plugin(make_blocks(42), config);
+  resumed->restore_state(state);
+  EXPECT_TRUE(torch::equal(resumed->masters(1).at("fc2.weight"), model->masters(1).at("fc2.weight")));
+  EXPECT_EQ(resumed->routes(), model->routes());
+}
+
+}  // namespace

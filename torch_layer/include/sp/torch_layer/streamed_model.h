@@ -224,7 +224,9 @@ class StreamedModel {
   // ("policy/hints") and the pass counters ("layer/passes"), as named CPU tensors a host saves
   // with torch::save or its own format. The masters are the live tensors, detached, not
   // copies: save them before the next step changes them. Byte blobs are 1-D kUInt8 of any
-  // length; every other entry has a fixed dtype and shape, which a fresh export shows.
+  // length; every other entry has a fixed dtype and shape, which a fresh export shows. A
+  // plugin that cannot export its state (it fails, or is quarantined) leaves "policy/state"
+  // empty, logged, and a restore from it starts the policy over: the run's own state is kept.
   std::map<std::string, torch::Tensor> export_state() const;
   // Throws StateEntryError naming an entry that is missing, of the wrong dtype or shape, or
   // holds hints the bridge refuses, before anything changes; what the plugin throws when it
