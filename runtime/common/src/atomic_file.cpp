@@ -1,5 +1,7 @@
 #include "sp/runtime/atomic_file.h"
 
+#include "sp/runtime/write_all.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -69,18 +71,8 @@ class AtomicFileWriter::FileBuffer : public std::streambuf {
   }
   int sync() override {
     if (error_ != 0) return -1;
-    const char* data = pbase();
-    std::size_t left = static_cast<std::size_t>(pptr() - pbase());
-    while (left > 0) {
-      const ssize_t n = ::write(fd_, data, left);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        error_ = n < 0 ? errno : ENOSPC;
-        return -1;
-      }
-      data += n;
-      left -= static_cast<std::size_t>(n);
-    }
+    error_ = write_all(fd_, pbase(), static_cast<std::size_t>(pptr() - pbase()));
+    if (error_ != 0) return -1;
     setp(buffer_.data(), buffer_.data() + buffer_.size());
     return 0;
   }

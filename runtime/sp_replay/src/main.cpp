@@ -27,6 +27,7 @@
 #include "sp/host/policy_host.h"
 #include "sp/runtime/atomic_file.h"
 #include "sp/runtime/plugin_dir.h"
+#include "sp/runtime/write_all.h"
 
 namespace fs = std::filesystem;
 
@@ -79,13 +80,8 @@ std::string read_text(const fs::path& path, const char* what) {
 int g_decisions_fd = -1;
 
 void write_decisions_to_stdout(const std::string& text) {
-  std::size_t written = 0;
-  while (written < text.size()) {
-    const ssize_t n = ::write(g_decisions_fd, text.data() + written, text.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0)
-      throw std::runtime_error(fmt::format("writing the decisions to stdout failed: {}", std::strerror(errno)));
-    written += static_cast<std::size_t>(n);
+  if (const int error = sp::runtime::write_all(g_decisions_fd, text.data(), text.size())) {
+    throw std::runtime_error(fmt::format("writing the decisions to stdout failed: {}", std::strerror(error)));
   }
 }
 

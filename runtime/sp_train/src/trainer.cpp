@@ -275,12 +275,19 @@ struct Trainer::Impl {
   int rank() const { return collectives ? collectives->rank() : 0; }
   int world_size() const { return collectives ? collectives->size() : 1; }
 
-  // Whether `flag` is set on any rank (the same answer on every rank).
-  bool on_any_rank(bool flag) const {
-    if (!collectives) return flag;
-    torch::Tensor value = torch::tensor({flag ? 1 : 0}, torch::kInt32);
-    collectives->all_reduce(value, tl::Reduction::max, "stop and swap requests")->wait();
-    return value.item<std::int32_t>() != 0;
+  // The requests signals left for this step boundary (stop: SIGINT or SIGTERM; look at the
+  // plugin file: SIGHUP), each set when any rank has it, agreed in one collective.
+  struct BoundaryRequests {
+    bool stop = false;
+    bool check_plugin = false;
+  };
+  BoundaryRequests boundary_requests() const {
+    BoundaryRequests r{options.stop_requested && options.stop_requested->load(),
+                       options.plugin_check_requested && options.plugin_check_requested->exchange(false)};
+    if (!collectives) return r;
+    torch::Tensor flags = torch::tensor({r.stop ? 1 : 0, r.check_plugin ? 1 : 0}, torch::kInt32);
+    collectives->all_reduce(flags, tl::Reduction::max, "stop and swap requests")->wait();
+    return {flags[0].item<std::int32_t>() != 0, flags[1].item<std::int32_t>() != 0};
   }
 
   void prepare_run_directory() const {
@@ -708,9 +715,9 @@ struct Trainer::Impl {
                             {"message", swap.message}});
   }
 
-  void poll_plugin(std::int64_t step) {
-    // Every rank takes the same branch: the layer's poll is a collective.
-    const bool forced = on_any_rank(options.plugin_check_requested && options.plugin_check_requested->exchange(false));
+  // `forced` is the same on every rank (boundary_requests), so every rank takes the same
+  // branch: the layer's poll is a collective.
+  void poll_plugin(std::int64_t step, bool forced) {
     const std::int64_t every = config.train.plugin_poll_steps;
     if (!forced && (every == 0 || step % every != 0)) return;
     if (std::optional<sp::host::SwapResult> request = layer->poll_plugin(forced)) {
@@ -1013,13 +1020,14 @@ struct Trainer::Impl {
     const auto run_start = Clock::now();
     const std::int64_t first = next_step;
     while (next_step < total) {
-      if (on_any_rank(options.stop_requested && options.stop_requested->load())) {
+      const BoundaryRequests requests = boundary_requests();
+      if (requests.stop) {
         progress.finish();
         log->warn("interrupted: writing a checkpoint at step {}", next_step);
         result.outcome = RunOutcome::interrupted;
         break;
       }
-      poll_plugin(next_step);
+      poll_plugin(next_step, requests.check_plugin);
       StepRecord record = train_step(next_step);
       ++next_step;
       totals.h2d_bf16 += record.h2d_bytes_bf16;
