@@ -5,6 +5,7 @@
 
 #include "parallel.h"
 #include "reference.h"
+#include "row_encoders.h"
 #include "scalar_math.h"
 #include "simd.h"
 
@@ -36,6 +37,15 @@ SP_SIMD_CLONES void widen(const uint16_t *__restrict src, float *__restrict dst,
 
 }  // namespace
 
+void detail::fp32_to_bf16_span(const float *src, uint16_t *dst, std::size_t n, std::size_t first_index,
+                               const Bf16Options &options) {
+  if (options.rounding == Rounding::kStochastic) {
+    round_stochastic(src, dst, first_index, n, options.seed);
+  } else {
+    round_nearest_even(src, dst, n);
+  }
+}
+
 void fp32_to_bf16(const float *src, uint16_t *dst, std::size_t n, const Bf16Options &options, const CpuExec &exec) {
   check_pointers(src, dst, n, "fp32_to_bf16");
   if (exec.impl == CpuImpl::kReference) {
@@ -43,11 +53,7 @@ void fp32_to_bf16(const float *src, uint16_t *dst, std::size_t n, const Bf16Opti
     return;
   }
   detail::parallel_ranges(n, exec, kMinElementsPerThread, [&](std::size_t begin, std::size_t end) {
-    if (options.rounding == Rounding::kStochastic) {
-      round_stochastic(src + begin, dst + begin, begin, end - begin, options.seed);
-    } else {
-      round_nearest_even(src + begin, dst + begin, end - begin);
-    }
+    detail::fp32_to_bf16_span(src + begin, dst + begin, end - begin, begin, options);
   });
 }
 

@@ -15,6 +15,7 @@
 #include "parallel.h"
 #include "quantize_arguments.h"
 #include "reference.h"
+#include "row_encoders.h"
 #include "scalar_math.h"
 #include "simd.h"
 
@@ -96,33 +97,36 @@ SP_SIMD_CLONES void pack_nibbles(const uint8_t *__restrict one_per_byte, std::si
 }
 
 template <typename In>
+void quantize_row_of(const In *src_row, std::size_t row, std::size_t cols, uint32_t group_size, uint8_t *scratch,
+                     uint8_t *codes, uint16_t *scales_row) {
+  for (std::size_t column = 0, g = 0; column < cols; column += group_size, ++g) {
+    const std::size_t n = std::min<std::size_t>(group_size, cols - column);
+    const uint16_t scale_bits = detail::nf4_scale_bits(detail::max_abs_bits(src_row + column, n));
+    scales_row[g] = scale_bits;
+    if (scale_bits == detail::kBf16CanonicalNaN) {
+      std::fill(scratch + column, scratch + column + n, static_cast<uint8_t>(detail::kNf4ZeroCode));
+    } else {
+      encode_nf4(src_row + column, n, detail::bf16_bits_to_float(scale_bits), scratch + column);
+    }
+  }
+  pack_nibbles(scratch, cols, row * cols, codes);
+}
+
+template <typename In>
 void quantize_rows(const In *src, std::size_t rows, std::size_t cols, uint32_t group_size, uint8_t *codes,
                    uint16_t *scales, const CpuExec &exec) {
   const std::size_t groups = (cols + group_size - 1) / group_size;
-  // With odd cols a byte straddles rows r and r + 1 for even r, so ranges hold row pairs:
-  // every range then starts at an even element and no byte is written by two threads.
-  const std::size_t rows_per_unit = cols % 2 == 0 ? 1 : 2;
+  // Ranges hold whole units (row pairs when cols is odd): every range then starts at an even
+  // element and no byte is written by two threads.
+  const std::size_t rows_per_unit = detail::nf4_rows_per_unit(cols);
   const std::size_t units = (rows + rows_per_unit - 1) / rows_per_unit;
   const std::size_t min_units =
       std::max<std::size_t>(1, kMinElementsPerThread / std::max<std::size_t>(1, cols * rows_per_unit));
   detail::parallel_ranges(units, exec, min_units, [&](std::size_t unit_begin, std::size_t unit_end) {
-    std::vector<uint8_t> row_codes(cols);
+    std::vector<uint8_t> scratch(cols);
     const std::size_t row_end = std::min(rows, unit_end * rows_per_unit);
     for (std::size_t r = unit_begin * rows_per_unit; r < row_end; ++r) {
-      for (std::size_t g = 0; g < groups; ++g) {
-        const std::size_t column = g * group_size;
-        const std::size_t first = r * cols + column;
-        const std::size_t n = std::min<std::size_t>(group_size, cols - column);
-        const uint16_t scale_bits = detail::nf4_scale_bits(detail::max_abs_bits(src + first, n));
-        scales[r * groups + g] = scale_bits;
-        if (scale_bits == detail::kBf16CanonicalNaN) {
-          std::fill(row_codes.begin() + column, row_codes.begin() + column + n,
-                    static_cast<uint8_t>(detail::kNf4ZeroCode));
-        } else {
-          encode_nf4(src + first, n, detail::bf16_bits_to_float(scale_bits), row_codes.data() + column);
-        }
-      }
-      pack_nibbles(row_codes.data(), cols, r * cols, codes);
+      quantize_row_of(src + r * cols, r, cols, group_size, scratch.data(), codes, scales + r * groups);
     }
   });
 }
@@ -289,6 +293,11 @@ std::size_t nf4_scale_count(std::size_t rows, std::size_t cols, uint32_t group_s
                                 " is not supported for NF4 (expected 32, 64, 128 or 256)");
   }
   return rows * ((cols + group_size - 1) / group_size);
+}
+
+void detail::quantize_nf4_row(const float *src_row, std::size_t row, std::size_t cols, uint32_t group_size,
+                              uint8_t *scratch, uint8_t *codes, uint16_t *scales_row) {
+  quantize_row_of(src_row, row, cols, group_size, scratch, codes, scales_row);
 }
 
 void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,

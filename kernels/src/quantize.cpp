@@ -12,6 +12,7 @@
 #include "parallel.h"
 #include "quantize_arguments.h"
 #include "reference.h"
+#include "row_encoders.h"
 #include "scalar_math.h"
 #include "simd.h"
 #include "sp/kernels/fp8.h"
@@ -56,32 +57,41 @@ Layout make_layout(std::size_t rows, std::size_t cols, uint32_t group_size) {
                 group_size == 0 ? cols : group_size};
 }
 
+// Row `row` of the tensor (src_row, codes_row and scales_row point at its start).
+template <typename In>
+void quantize_row_of(CodeFormat format, const In *src_row, std::size_t row, const Layout &layout,
+                     const QuantizeOptions &options, uint8_t *codes_row, float *scales_row) {
+  const float max_code = format == CodeFormat::kInt8 ? 127.0f : kFp8E4M3Max;
+  for (std::size_t g = 0; g < layout.groups_per_row; ++g) {
+    const std::size_t column = g * layout.width;
+    const std::size_t n = std::min(layout.width, layout.cols - column);
+    const uint32_t abs_bits = detail::max_abs_bits(src_row + column, n);
+    const float scale = detail::quant_scale(abs_bits, max_code);
+    scales_row[g] = scale;
+    if (abs_bits >= detail::kInfBits) {
+      std::fill(codes_row + column, codes_row + column + n, uint8_t{0});
+      continue;
+    }
+    const float inv = detail::reciprocal(scale);
+    if (format == CodeFormat::kFp8E4M3) {
+      encode_fp8(src_row + column, n, inv, codes_row + column);
+    } else if (options.rounding == Rounding::kStochastic) {
+      encode_int8_stochastic(src_row + column, n, inv, reinterpret_cast<int8_t *>(codes_row + column), options.seed,
+                             row * layout.cols + column);
+    } else {
+      encode_int8(src_row + column, n, inv, reinterpret_cast<int8_t *>(codes_row + column));
+    }
+  }
+}
+
 template <typename In>
 void quantize_rows(CodeFormat format, const In *src, const Layout &layout, const QuantizeOptions &options,
                    uint8_t *codes, float *scales, const CpuExec &exec) {
-  const float max_code = format == CodeFormat::kInt8 ? 127.0f : kFp8E4M3Max;
   const std::size_t min_rows = std::max<std::size_t>(1, kMinElementsPerThread / std::max<std::size_t>(1, layout.cols));
   detail::parallel_ranges(layout.rows, exec, min_rows, [&](std::size_t row_begin, std::size_t row_end) {
     for (std::size_t r = row_begin; r < row_end; ++r) {
-      for (std::size_t g = 0; g < layout.groups_per_row; ++g) {
-        const std::size_t first = r * layout.cols + g * layout.width;
-        const std::size_t n = std::min(layout.width, layout.cols - g * layout.width);
-        const uint32_t abs_bits = detail::max_abs_bits(src + first, n);
-        const float scale = detail::quant_scale(abs_bits, max_code);
-        scales[r * layout.groups_per_row + g] = scale;
-        if (abs_bits >= detail::kInfBits) {
-          std::fill(codes + first, codes + first + n, uint8_t{0});
-          continue;
-        }
-        const float inv = detail::reciprocal(scale);
-        if (format == CodeFormat::kFp8E4M3) {
-          encode_fp8(src + first, n, inv, codes + first);
-        } else if (options.rounding == Rounding::kStochastic) {
-          encode_int8_stochastic(src + first, n, inv, reinterpret_cast<int8_t *>(codes + first), options.seed, first);
-        } else {
-          encode_int8(src + first, n, inv, reinterpret_cast<int8_t *>(codes + first));
-        }
-      }
+      quantize_row_of(format, src + r * layout.cols, r, layout, options, codes + r * layout.cols,
+                      scales + r * layout.groups_per_row);
     }
   });
 }
@@ -241,6 +251,11 @@ SP_SIMD_CLONES uint32_t max_abs_bits_of(const In *__restrict src, std::size_t n)
 }  // namespace
 
 uint32_t max_abs_bits(const float *src, std::size_t n) { return max_abs_bits_of(src, n); }
+
+void quantize_row(CodeFormat format, const float *src_row, std::size_t row, std::size_t cols,
+                  const QuantizeOptions &options, uint8_t *codes_row, float *scales_row) {
+  quantize_row_of(format, src_row, row, make_layout(1, cols, options.group_size), options, codes_row, scales_row);
+}
 uint32_t max_abs_bits(const Bf16Bits *src, std::size_t n) { return max_abs_bits_of(src, n); }
 
 }  // namespace detail

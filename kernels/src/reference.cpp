@@ -315,4 +315,18 @@ double relative_error(const void *a, DType a_dtype, const void *b, DType b_dtype
   return std::sqrt(norm_diff / norm_a);
 }
 
+void adamw_update(const AdamWStep &step, const AdamWTensor &tensor) {
+  const float decay = tensor.decay ? step.decay : 1.0f;
+  const std::size_t n = tensor.shape.rows * tensor.shape.cols;
+  for (std::size_t i = 0; i < n; ++i) {
+    const float grad = tensor.grad[i] * step.grad_scale;
+    float &m = tensor.exp_avg[i];
+    float &v = tensor.exp_avg_sq[i];
+    m = step.beta1 * m + (1.0f - step.beta1) * grad;
+    v = step.beta2 * v + (1.0f - step.beta2) * grad * grad;
+    const float denominator = std::sqrt(v) * step.inv_bias2 + step.eps;
+    tensor.master[i] = tensor.master[i] * decay - step.step_size * m / denominator;
+  }
+}
+
 }  // namespace sp::kernels::reference

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "sp/kernels/adamw.h"
 #include "sp/kernels/bf16.h"
 #include "sp/kernels/moments.h"
 #include "quantize_arguments.h"
@@ -43,6 +44,9 @@ void dequantize_nf4(const uint8_t *codes, const uint16_t *scales, std::size_t ro
                     uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32);
 
 void grad_moments(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blocks, sp_grad_moments_v1 *out);
+
+// AdamW element by element, the expression of sp/kernels/adamw.h written out.
+void adamw_update(const AdamWStep &step, const AdamWTensor &tensor);
 
 double relative_error(const void *a, DType a_dtype, const void *b, DType b_dtype, std::size_t n);
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "scalar_math.h"
+#include "slab_layout.h"
 #include "sp/kernels/bf16.h"
 #include "sp/kernels/fp8.h"
 #include "sp/kernels/nf4.h"
@@ -193,25 +194,22 @@ uint64_t slab_image_bytes(const SlabEncoding &encoding, const TensorShape *shape
       .total_bytes;
 }
 
-uint64_t build_slab(const SlabEncoding &encoding, const SlabTensorSource *tensors, std::size_t n_tensors,
-                    uint8_t *image, uint64_t capacity, const CpuExec &exec) {
-  require_valid_encoding(encoding, "build_slab");
-  if (n_tensors != 0 && tensors == nullptr) {
-    throw std::invalid_argument("build_slab: null tensor list with n_tensors = " + std::to_string(n_tensors));
+detail::SlabLayout detail::lay_out_slab(const SlabEncoding &encoding, const TensorShape *shapes,
+                                       std::size_t n_tensors, uint8_t *image, uint64_t capacity,
+                                       const char *function) {
+  require_valid_encoding(encoding, function);
+  if (n_tensors != 0 && shapes == nullptr) {
+    throw std::invalid_argument(std::string(function) + ": null tensor list with n_tensors = " +
+                                std::to_string(n_tensors));
   }
-  if (n_tensors > UINT32_MAX) throw std::invalid_argument("build_slab: more than 2^32-1 tensors");
+  if (n_tensors > UINT32_MAX) throw std::invalid_argument(std::string(function) + ": more than 2^32-1 tensors");
   const SlabPlan plan =
-      plan_slab(encoding.precision, encoding.group_size, n_tensors, [&](std::size_t i) { return tensors[i].shape; });
+      plan_slab(encoding.precision, encoding.group_size, n_tensors, [&](std::size_t i) { return shapes[i]; });
   if (image == nullptr || capacity < plan.total_bytes) {
-    throw std::invalid_argument("build_slab: the image needs " + std::to_string(plan.total_bytes) +
+    throw std::invalid_argument(std::string(function) + ": the image needs " + std::to_string(plan.total_bytes) +
                                 " bytes, the buffer has " + std::to_string(image == nullptr ? 0 : capacity));
   }
-  require_aligned_image(image, "build_slab");
-  for (std::size_t i = 0; i < n_tensors; ++i) {
-    if (tensors[i].master == nullptr && plan.tensors[i].data_bytes != 0) {
-      throw std::invalid_argument("build_slab: tensor " + std::to_string(i) + " has a null master pointer");
-    }
-  }
+  require_aligned_image(image, function);
 
   SlabHeader header{};
   header.magic = kSlabMagic;
@@ -225,7 +223,11 @@ uint64_t build_slab(const SlabEncoding &encoding, const SlabTensorSource *tensor
   header.payload_offset = plan.payload_offset;
   header.scales_offset = plan.scales_offset;
 
-  // Only the gaps are zeroed; payload and scales are written in full below.
+  // Only the gaps are zeroed; the caller writes payload and scales in full.
+  SlabLayout layout;
+  layout.total_bytes = plan.total_bytes;
+  std::vector<SlabTensorTarget> &targets = layout.tensors;
+  targets.resize(n_tensors);
   uint64_t written_end = sizeof(SlabHeader) + n_tensors * sizeof(SlabTensorEntry);
   for (std::size_t i = 0; i < n_tensors; ++i) {
     const PlannedTensor &planned = plan.tensors[i];
@@ -239,37 +241,53 @@ uint64_t build_slab(const SlabEncoding &encoding, const SlabTensorSource *tensor
     std::memcpy(image + sizeof(SlabHeader) + i * sizeof(SlabTensorEntry), &entry, sizeof entry);
     std::memset(image + written_end, 0, planned.data_offset - written_end);
     written_end = planned.data_offset + planned.data_bytes;
+    targets[i] = SlabTensorTarget{planned.shape, image + planned.data_offset, image + planned.scales_offset,
+                                  detail::derive_seed(encoding.seed, i)};
   }
   std::memset(image + written_end, 0, plan.scales_offset - written_end);
   header.table_crc32 = table_crc32(header, image + sizeof(SlabHeader), n_tensors);
   std::memcpy(image, &header, sizeof header);
+  return layout;
+}
 
+uint64_t build_slab(const SlabEncoding &encoding, const SlabTensorSource *tensors, std::size_t n_tensors,
+                    uint8_t *image, uint64_t capacity, const CpuExec &exec) {
+  if (n_tensors != 0 && tensors == nullptr) {
+    throw std::invalid_argument("build_slab: null tensor list with n_tensors = " + std::to_string(n_tensors));
+  }
+  std::vector<TensorShape> shapes(n_tensors);
   for (std::size_t i = 0; i < n_tensors; ++i) {
-    const PlannedTensor &planned = plan.tensors[i];
-    const uint64_t seed = detail::derive_seed(encoding.seed, i);
-    uint8_t *data = image + planned.data_offset;
-    float *scales = reinterpret_cast<float *>(image + planned.scales_offset);
+    shapes[i] = tensors[i].shape;
+    if (tensors[i].master == nullptr && shapes[i].rows != 0 && shapes[i].cols != 0) {
+      throw std::invalid_argument("build_slab: tensor " + std::to_string(i) + " has a null master pointer");
+    }
+  }
+  const detail::SlabLayout layout =
+      detail::lay_out_slab(encoding, shapes.data(), n_tensors, image, capacity, "build_slab");
+  for (std::size_t i = 0; i < n_tensors; ++i) {
+    const detail::SlabTensorTarget &target = layout.tensors[i];
+    const TensorShape &shape = target.shape;
     switch (encoding.precision) {
       case SlabPrecision::kBf16:
-        fp32_to_bf16(tensors[i].master, reinterpret_cast<uint16_t *>(data), planned.shape.rows * planned.shape.cols,
-                     Bf16Options{encoding.rounding, seed}, exec);
+        fp32_to_bf16(tensors[i].master, reinterpret_cast<uint16_t *>(target.data), shape.rows * shape.cols,
+                     Bf16Options{encoding.rounding, target.seed}, exec);
         break;
       case SlabPrecision::kInt8:
-        quantize_int8(tensors[i].master, DType::kFloat32, planned.shape.rows, planned.shape.cols,
-                      QuantizeOptions{encoding.group_size, encoding.rounding, seed}, reinterpret_cast<int8_t *>(data),
-                      scales, exec);
+        quantize_int8(tensors[i].master, DType::kFloat32, shape.rows, shape.cols,
+                      QuantizeOptions{encoding.group_size, encoding.rounding, target.seed},
+                      reinterpret_cast<int8_t *>(target.data), reinterpret_cast<float *>(target.scales), exec);
         break;
       case SlabPrecision::kFp8E4M3:
-        quantize_fp8_e4m3(tensors[i].master, DType::kFloat32, planned.shape.rows, planned.shape.cols,
-                          encoding.group_size, data, scales, exec);
+        quantize_fp8_e4m3(tensors[i].master, DType::kFloat32, shape.rows, shape.cols, encoding.group_size,
+                          target.data, reinterpret_cast<float *>(target.scales), exec);
         break;
       case SlabPrecision::kNf4:
-        quantize_nf4(tensors[i].master, DType::kFloat32, planned.shape.rows, planned.shape.cols, encoding.group_size,
-                     data, reinterpret_cast<uint16_t *>(image + planned.scales_offset), exec);
+        quantize_nf4(tensors[i].master, DType::kFloat32, shape.rows, shape.cols, encoding.group_size, target.data,
+                     reinterpret_cast<uint16_t *>(target.scales), exec);
         break;
     }
   }
-  return plan.total_bytes;
+  return layout.total_bytes;
 }
 
 SlabReadResult read_slab(const uint8_t *image, uint64_t size) {

@@ -1,0 +1,254 @@
+#include "sp/kernels/adamw.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "reference.h"
+#include "test_support.h"
+
+namespace sp::kernels {
+namespace {
+
+struct AlignedFree {
+  void operator()(uint8_t *p) const { std::free(p); }
+};
+using Image = std::unique_ptr<uint8_t[], AlignedFree>;
+
+Image allocate(uint64_t bytes, uint8_t fill) {
+  const uint64_t rounded = (bytes + 255) / 256 * 256 + 256;
+  Image image(static_cast<uint8_t *>(std::aligned_alloc(256, rounded)));
+  std::memset(image.get(), fill, rounded);
+  return image;
+}
+
+// One parameter's four buffers, seeded; copyable, so each path under test gets its own copy.
+struct Param {
+  TensorShape shape;
+  bool decay = true;
+  std::vector<float> master, grad, exp_avg, exp_avg_sq;
+
+  AdamWTensor tensor() {
+    return AdamWTensor{master.data(), grad.data(), exp_avg.data(), exp_avg_sq.data(), shape, decay};
+  }
+};
+
+// Masters with the special rows (zero, NaN, Inf, huge, tiny, subnormal), Gaussian gradients
+// with one NaN, and moments from a few earlier steps' worth of gradients.
+Param make_param(TensorShape shape, uint64_t seed, bool decay = true) {
+  Param p;
+  p.shape = shape;
+  p.decay = decay;
+  const std::size_t n = shape.rows * shape.cols;
+  p.master = testing::special_matrix(shape.rows, shape.cols, seed);
+  p.grad = testing::gaussian(n, seed + 1, 0.01f);
+  if (n > 3) p.grad[n / 3] = std::numeric_limits<float>::quiet_NaN();
+  p.exp_avg = testing::gaussian(n, seed + 2, 0.001f);
+  p.exp_avg_sq = testing::gaussian(n, seed + 3, 1e-4f);
+  for (float &v : p.exp_avg_sq) v *= v;
+  return p;
+}
+
+AdamWStep some_step(int64_t t = 3, double grad_scale = 0.5) {
+  return make_adamw_step(AdamWHyperparameters{0.9, 0.95, 1e-8, 0.1}, 3e-3, t, grad_scale);
+}
+
+void expect_same_param(const Param &a, const Param &b, const std::string &what) {
+  EXPECT_TRUE(testing::same_bits(a.master, b.master)) << what << ": masters differ";
+  EXPECT_TRUE(testing::same_bits(a.exp_avg, b.exp_avg)) << what << ": exp_avg differs";
+  EXPECT_TRUE(testing::same_bits(a.exp_avg_sq, b.exp_avg_sq)) << what << ": exp_avg_sq differs";
+}
+
+TEST(AdamWStep, ConstantsAreTheDoubleFormulasRoundedOnce) {
+  const AdamWHyperparameters hyper{0.9, 0.95, 1e-8, 0.1};
+  const AdamWStep step = make_adamw_step(hyper, 3e-3, 7, 0.25);
+  EXPECT_EQ(step.beta1, 0.9f);
+  EXPECT_EQ(step.beta2, 0.95f);
+  EXPECT_EQ(step.eps, 1e-8f);
+  EXPECT_EQ(step.step_size, static_cast<float>(3e-3 / (1.0 - std::pow(0.9, 7.0))));
+  EXPECT_EQ(step.inv_bias2, static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(0.95, 7.0))));
+  EXPECT_EQ(step.decay, static_cast<float>(1.0 - 3e-3 * 0.1));
+  EXPECT_EQ(step.grad_scale, 0.25f);
+  EXPECT_THROW(make_adamw_step(hyper, 3e-3, 0, 1.0), std::invalid_argument);
+}
+
+TEST(AdamWUpdate, OneElementByHand) {
+  Param p;
+  p.shape = {1, 1};
+  p.master = {1.0f};
+  p.grad = {0.5f};
+  p.exp_avg = {0.0f};
+  p.exp_avg_sq = {0.0f};
+  const AdamWStep step = make_adamw_step(AdamWHyperparameters{0.9, 0.95, 1e-8, 0.1}, 1e-2, 1, 1.0);
+  adamw_update(step, p.tensor());
+  // First step: m = 0.1 g, v = 0.05 g^2, so the bias-corrected update is lr * g / |g| = lr.
+  EXPECT_NEAR(p.exp_avg[0], 0.05f, 1e-7f);
+  EXPECT_NEAR(p.exp_avg_sq[0], 0.0125f, 1e-8f);
+  EXPECT_NEAR(p.master[0], 1.0f * (1.0f - 1e-3f) - 1e-2f, 1e-6f);
+}
+
+TEST(AdamWUpdate, VectorizedMatchesReferenceBitForBit) {
+  for (const testing::Shape &s : testing::odd_shapes()) {
+    for (bool decay : {true, false}) {
+      const Param original = make_param({s.rows, s.cols}, 11 + s.rows, decay);
+      Param expected = original;
+      adamw_update(some_step(), expected.tensor(), CpuExec{CpuImpl::kReference, 1});
+      for (const CpuExec &exec : testing::fast_execs()) {
+        Param actual = original;
+        adamw_update(some_step(), actual.tensor(), exec);
+        expect_same_param(actual, expected,
+                          std::to_string(s.rows) + "x" + std::to_string(s.cols) + " " + testing::exec_name(exec));
+      }
+    }
+  }
+}
+
+TEST(AdamWUpdate, RejectsNullBuffersByName) {
+  Param p = make_param({4, 4}, 5);
+  AdamWTensor t = p.tensor();
+  t.exp_avg_sq = nullptr;
+  try {
+    adamw_update(some_step(), t);
+    FAIL() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument &e) {
+    EXPECT_NE(std::string(e.what()).find("exp_avg_sq"), std::string::npos) << e.what();
+  }
+  Param empty;
+  empty.shape = {0, 7};
+  EXPECT_NO_THROW(adamw_update(some_step(), empty.tensor()));
+}
+
+std::vector<SlabEncoding> fused_encodings() {
+  std::vector<SlabEncoding> encodings;
+  encodings.push_back(SlabEncoding{SlabPrecision::kBf16, 0, Rounding::kNearestEven, 0});
+  encodings.push_back(SlabEncoding{SlabPrecision::kBf16, 0, Rounding::kStochastic, 9});
+  for (uint32_t g : {0u, 32u, 64u, 256u}) {
+    encodings.push_back(SlabEncoding{SlabPrecision::kInt8, g, Rounding::kNearestEven, 0});
+  }
+  encodings.push_back(SlabEncoding{SlabPrecision::kInt8, 64, Rounding::kStochastic, 17});
+  encodings.push_back(SlabEncoding{SlabPrecision::kFp8E4M3, 0, Rounding::kNearestEven, 0});
+  for (uint32_t g : {32u, 64u, 256u}) {
+    encodings.push_back(SlabEncoding{SlabPrecision::kNf4, g, Rounding::kNearestEven, 0});
+  }
+  return encodings;
+}
+
+std::string encoding_name(const SlabEncoding &e) {
+  return std::string(slab_precision_name(e.precision)) + "/g" + std::to_string(e.group_size) +
+         (e.rounding == Rounding::kStochastic ? "/stochastic" : "");
+}
+
+// A block: a GPT block's shapes plus the odd ones, a 1-D bias without decay among them. Wide
+// enough (64 x 1100 > 2^15 elements per thread) that every thread count splits the rows.
+std::vector<Param> make_block() {
+  const std::vector<TensorShape> shapes = {{257, 259}, {1, 7}, {0, 5}, {128, 129}, {1, 1},
+                                           {9, 1000},  {1, 300}, {64, 1100}, {5, 0}};
+  std::vector<Param> params;
+  for (std::size_t i = 0; i < shapes.size(); ++i) params.push_back(make_param(shapes[i], 40 + 7 * i, i != 6));
+  return params;
+}
+
+std::vector<AdamWTensor> tensors_of(std::vector<Param> &params) {
+  std::vector<AdamWTensor> tensors;
+  for (Param &p : params) tensors.push_back(p.tensor());
+  return tensors;
+}
+
+std::vector<TensorShape> shapes_of(const std::vector<Param> &params) {
+  std::vector<TensorShape> shapes;
+  for (const Param &p : params) shapes.push_back(p.shape);
+  return shapes;
+}
+
+// The unfused path, as the trainer ran it before the fused pass: update each tensor, then
+// build the image from the updated masters.
+uint64_t unfused(const SlabEncoding &encoding, const AdamWStep &step, std::vector<Param> &params, uint8_t *image,
+                 uint64_t capacity, const CpuExec &exec) {
+  std::vector<SlabTensorSource> sources;
+  for (Param &p : params) {
+    adamw_update(step, p.tensor(), exec);
+    sources.push_back(SlabTensorSource{p.master.data(), p.shape});
+  }
+  return build_slab(encoding, sources.data(), sources.size(), image, capacity, exec);
+}
+
+TEST(AdamWUpdateSlab, FusedEqualsUpdateThenBuildOnEveryEncodingAndThreadCount) {
+  const std::vector<Param> original = make_block();
+  const std::vector<TensorShape> shapes = shapes_of(original);
+  for (const SlabEncoding &encoding : fused_encodings()) {
+    const uint64_t bytes = slab_image_bytes(encoding, shapes.data(), shapes.size());
+    std::vector<Param> expected = original;
+    Image expected_image = allocate(bytes, 0xA5);
+    ASSERT_EQ(unfused(encoding, some_step(), expected, expected_image.get(), bytes, CpuExec{CpuImpl::kReference, 1}),
+              bytes);
+    std::vector<CpuExec> execs = testing::fast_execs();
+    execs.push_back(CpuExec{CpuImpl::kReference, 1});
+    for (const CpuExec &exec : execs) {
+      const std::string what = encoding_name(encoding) + " " + testing::exec_name(exec);
+      std::vector<Param> actual = original;
+      std::vector<AdamWTensor> tensors = tensors_of(actual);
+      // A dirty buffer: every byte of the image must be written.
+      Image image = allocate(bytes, 0x5A);
+      ASSERT_EQ(adamw_update_slab(encoding, some_step(), tensors.data(), tensors.size(), image.get(), bytes, exec),
+                bytes)
+          << what;
+      EXPECT_EQ(std::memcmp(image.get(), expected_image.get(), bytes), 0) << what << ": images differ";
+      for (std::size_t i = 0; i < actual.size(); ++i) expect_same_param(actual[i], expected[i], what);
+      EXPECT_TRUE(read_slab(image.get(), bytes).ok) << what;
+    }
+  }
+}
+
+TEST(AdamWUpdateSlab, StaysEqualOverSeveralSteps) {
+  const SlabEncoding encoding{SlabPrecision::kNf4, 64, Rounding::kNearestEven, 0};
+  std::vector<Param> fused = make_block();
+  std::vector<Param> reference = fused;
+  const std::vector<TensorShape> shapes = shapes_of(fused);
+  const uint64_t bytes = slab_image_bytes(encoding, shapes.data(), shapes.size());
+  Image a = allocate(bytes, 0), b = allocate(bytes, 0);
+  for (int64_t t = 1; t <= 4; ++t) {
+    std::vector<AdamWTensor> tensors = tensors_of(fused);
+    adamw_update_slab(encoding, some_step(t, 1.0 / t), tensors.data(), tensors.size(), a.get(), bytes,
+                      CpuExec{CpuImpl::kVectorized, 2});
+    unfused(encoding, some_step(t, 1.0 / t), reference, b.get(), bytes, CpuExec{CpuImpl::kVectorized, 1});
+    EXPECT_EQ(std::memcmp(a.get(), b.get(), bytes), 0) << "step " << t;
+  }
+  for (std::size_t i = 0; i < fused.size(); ++i) expect_same_param(fused[i], reference[i], "after 4 steps");
+}
+
+TEST(AdamWUpdateSlab, ValidatesEverythingBeforeTouchingTheWeights) {
+  const SlabEncoding encoding{SlabPrecision::kInt8, 64, Rounding::kNearestEven, 0};
+  const std::vector<Param> original = make_block();
+  const std::vector<TensorShape> shapes = shapes_of(original);
+  const uint64_t bytes = slab_image_bytes(encoding, shapes.data(), shapes.size());
+  Image image = allocate(bytes, 0);
+  const auto expect_rejected = [&](const char *what, auto mutate, const std::string &needle) {
+    std::vector<Param> params = original;
+    std::vector<AdamWTensor> tensors = tensors_of(params);
+    SlabEncoding e = encoding;
+    uint64_t capacity = bytes;
+    mutate(tensors, e, capacity);
+    try {
+      adamw_update_slab(e, some_step(), tensors.data(), tensors.size(), image.get(), capacity);
+      ADD_FAILURE() << what << ": expected std::invalid_argument";
+    } catch (const std::invalid_argument &error) {
+      EXPECT_NE(std::string(error.what()).find(needle), std::string::npos) << what << ": " << error.what();
+    }
+    for (std::size_t i = 0; i < params.size(); ++i) expect_same_param(params[i], original[i], what);
+  };
+  expect_rejected(
+      "small buffer", [](auto &, auto &, uint64_t &capacity) { capacity -= 1; }, "bytes");
+  expect_rejected(
+      "bad group size", [](auto &, SlabEncoding &e, uint64_t &) { e.group_size = 48; }, "group_size 48");
+  expect_rejected(
+      "null gradient", [](std::vector<AdamWTensor> &t, auto &, uint64_t &) { t[7].grad = nullptr; }, "tensor 7");
+}
+
+}  // namespace
+}  // namespace sp::kernels
