@@ -276,19 +276,9 @@ void StreamingEngine::reclaim_retired_slabs() {
 // The stale-image guard. An image is current when it was built for this precision from the
 // latest weights; otherwise it is rebuilt, never in a slab that a copy may still be reading.
 void StreamingEngine::ensure_image(std::uint32_t block, Precision precision) {
-  BlockImage &image = images_[block];
+  const BlockImage &image = images_[block];
   if (image.precision == precision && image.built_version == image.weights_version) {
     return;
-  }
-  std::uint32_t target = image.slab;
-  if (image.last_reader != nullptr && !backend_.query(*image.last_reader)) {
-    reclaim_retired_slabs();
-    if (std::optional<std::uint32_t> spare = pool_.try_acquire()) {
-      retired_.push_back(RetiredSlab{image.slab, image.last_reader});
-      target = *spare;
-    } else {
-      stall_on(*image.last_reader);
-    }
   }
   const BlockSpec &spec = blocks_[block];
   std::vector<kn::SlabTensorSource> sources;
@@ -296,14 +286,36 @@ void StreamingEngine::ensure_image(std::uint32_t block, Precision precision) {
   for (const TensorSpec &tensor : spec.tensors) {
     sources.push_back(kn::SlabTensorSource{tensor.master, kn::TensorShape{tensor.rows, tensor.cols}});
   }
+  write_image(block, precision, [&](const kn::SlabEncoding &encoding, std::uint8_t *slab, std::uint64_t capacity) {
+    return kn::build_slab(encoding, sources.data(), sources.size(), slab, capacity);
+  });
+}
+
+void StreamingEngine::write_image(std::uint32_t block, Precision precision, const ImageWriter &write) {
+  BlockImage &image = images_[block];
+  std::uint32_t target = image.slab;
+  if (image.last_reader != nullptr && !backend_.query(*image.last_reader)) {
+    reclaim_retired_slabs();
+    if (std::optional<std::uint32_t> spare = pool_.try_acquire()) {
+      target = *spare;
+    } else {
+      stall_on(*image.last_reader);
+    }
+  }
   auto *slab = reinterpret_cast<std::uint8_t *>(pool_.data(target));
-  const std::uint64_t bytes = kn::build_slab(encoding_for(precision, group_sizes(config_)), sources.data(),
-                                             sources.size(), slab, pool_.slab_bytes());
+  std::uint64_t bytes = 0;
+  try {
+    bytes = write(encoding_for(precision, group_sizes(config_)), slab, pool_.slab_bytes());
+  } catch (...) {
+    if (target != image.slab) pool_.release(target);
+    throw;
+  }
   kn::SlabReadResult read = kn::read_slab(slab, bytes);
   if (!read.ok) {
     throw std::logic_error(fmt::format("the {} transfer image of {} failed validation: {}", precision_name(precision),
-                                       block_label(spec, block), read.error));
+                                       block_label(blocks_[block], block), read.error));
   }
+  if (target != image.slab) retired_.push_back(RetiredSlab{image.slab, image.last_reader});
   image.view = std::move(read.view);
   image.slab = target;
   image.precision = precision;
@@ -526,6 +538,34 @@ void StreamingEngine::on_weights_updated(std::uint32_t block) {
   }
   ++images_[block].weights_version;
   ensure_image(block, bridge_.route(block));
+}
+
+void StreamingEngine::update_weights(std::uint32_t block, const kn::AdamWStep &step,
+                                     const std::vector<kn::AdamWTensor> &tensors) {
+  if (block >= blocks_.size()) {
+    throw std::invalid_argument(fmt::format(
+        "StreamingEngine::update_weights: block id {} is out of range (there are {} blocks)", block, blocks_.size()));
+  }
+  const BlockSpec &spec = blocks_[block];
+  if (tensors.size() != spec.tensors.size()) {
+    throw std::invalid_argument(fmt::format("StreamingEngine::update_weights: {} has {} tensors, {} were given",
+                                            block_label(spec, block), spec.tensors.size(), tensors.size()));
+  }
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const TensorSpec &expected = spec.tensors[i];
+    const kn::AdamWTensor &given = tensors[i];
+    if (given.master != expected.master || given.shape.rows != expected.rows || given.shape.cols != expected.cols) {
+      throw std::invalid_argument(fmt::format(
+          "StreamingEngine::update_weights: tensor {} of {} is not the block's master '{}' ({} x {}); tensors go in "
+          "the BlockSpec's order",
+          i, block_label(spec, block), expected.name, expected.rows, expected.cols));
+    }
+  }
+  ++images_[block].weights_version;
+  write_image(block, bridge_.route(block), [&](const kn::SlabEncoding &encoding, std::uint8_t *slab,
+                                               std::uint64_t capacity) {
+    return kn::adamw_update_slab(encoding, step, tensors.data(), tensors.size(), slab, capacity);
+  });
 }
 
 bool StreamingEngine::finalize(PendingStep &pending, bool may_block) {

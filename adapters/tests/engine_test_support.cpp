@@ -33,9 +33,14 @@ SyntheticModel::SyntheticModel(std::uint32_t num_blocks, std::uint32_t seed) {
   }
 }
 
+float *SyntheticModel::master(std::uint32_t block, std::size_t tensor) {
+  return storage_.at(block * blocks_.at(block).tensors.size() + tensor)->data();
+}
+
 void SyntheticModel::update_weights(std::uint32_t block, float delta) {
-  for (const TensorSpec &tensor : blocks_.at(block).tensors) {
-    auto *values = const_cast<float *>(tensor.master);
+  for (std::size_t t = 0; t < blocks_.at(block).tensors.size(); ++t) {
+    const TensorSpec &tensor = blocks_[block].tensors[t];
+    float *values = master(block, t);
     for (std::uint64_t i = 0; i < tensor.rows * tensor.cols; ++i) {
       values[i] += delta * static_cast<float>(i % 5 + 1);
     }

@@ -18,6 +18,8 @@ class SyntheticModel {
   const std::vector<BlockSpec> &blocks() const { return blocks_; }
   // Changes every master weight of `block` (as an optimizer step would).
   void update_weights(std::uint32_t block, float delta);
+  // The master of tensor `tensor` of `block`, writable (the model owns it).
+  float *master(std::uint32_t block, std::size_t tensor);
 
  private:
   std::vector<std::unique_ptr<std::vector<float>>> storage_;

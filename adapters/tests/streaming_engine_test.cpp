@@ -4,7 +4,9 @@
 
 #include <csignal>
 #include <filesystem>
+#include <cstring>
 #include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -14,6 +16,7 @@
 #include "engine_test_support.h"
 #include "sp/adapters/host_backend.h"
 #include "sp/adapters/instrumented_backend.h"
+#include "sp/kernels/adamw.h"
 
 namespace sp::adapters {
 namespace {
@@ -189,6 +192,96 @@ TEST(StreamingEngine, PrecisionSwitchAndWeightUpdateInTheSameStep) {
   }
   StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 1, 0);
   EXPECT_EQ(metrics.image_rebuilds, kBlocks);  // one rebuild per block covers both changes
+}
+
+// Gradients and AdamW moments for every tensor of a SyntheticModel, seeded.
+struct OptimizerState {
+  std::vector<std::vector<float>> grads, exp_avg, exp_avg_sq;
+
+  explicit OptimizerState(const std::vector<BlockSpec> &blocks) {
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal(0.0f, 0.01f);
+    for (const BlockSpec &block : blocks) {
+      for (const TensorSpec &tensor : block.tensors) {
+        const std::size_t n = tensor.rows * tensor.cols;
+        grads.emplace_back(n);
+        for (float &g : grads.back()) g = normal(rng);
+        exp_avg.emplace_back(n, 0.0f);
+        exp_avg_sq.emplace_back(n, 0.0f);
+      }
+    }
+  }
+
+  std::vector<sp::kernels::AdamWTensor> tensors(SyntheticModel &model, std::uint32_t block) {
+    std::vector<sp::kernels::AdamWTensor> out;
+    const std::size_t per_block = model.blocks()[block].tensors.size();
+    for (std::size_t t = 0; t < per_block; ++t) {
+      const TensorSpec &spec = model.blocks()[block].tensors[t];
+      const std::size_t i = block * per_block + t;
+      out.push_back(sp::kernels::AdamWTensor{model.master(block, t), grads[i].data(), exp_avg[i].data(),
+                                             exp_avg_sq[i].data(), {spec.rows, spec.cols}, true});
+    }
+    return out;
+  }
+};
+
+// The fused pass against AdamW followed by on_weights_updated, on every route: the same
+// masters and the same delivered weights (run_checked_step compares each slot with the kernels'
+// reference encoding of the current masters), and one rebuild per block.
+TEST(StreamingEngine, UpdateWeightsEqualsTheOptimizerThenTheRebuild) {
+  HostBackend backend;
+  SyntheticModel fused_model(kBlocks, 9), unfused_model(kBlocks, 9);
+  StreamingEngine fused(backend, config_for(fused_model.blocks(), 2, 2), fused_model.blocks());
+  StreamingEngine unfused(backend, config_for(unfused_model.blocks(), 2, 2), unfused_model.blocks());
+  OptimizerState fused_state(fused_model.blocks()), unfused_state(unfused_model.blocks());
+  const std::vector<Precision> routes = {Precision::bf16, Precision::int8, Precision::nf4,
+                                         Precision::nf4,  Precision::int8, Precision::bf16};
+  for (std::int64_t step = 0; step < 3; ++step) {
+    run_checked_step(fused, backend, fused_model.blocks(), step, 0);
+    run_checked_step(unfused, backend, unfused_model.blocks(), step, 0);
+    set_routes(fused, routes);
+    set_routes(unfused, routes);
+    const sp::kernels::AdamWStep adam =
+        sp::kernels::make_adamw_step(sp::kernels::AdamWHyperparameters{0.9, 0.95, 1e-8, 0.1}, 1e-2, step + 1, 0.5);
+    for (std::uint32_t b = 0; b < kBlocks; ++b) {
+      fused.update_weights(b, adam, fused_state.tensors(fused_model, b));
+      for (const sp::kernels::AdamWTensor &t : unfused_state.tensors(unfused_model, b)) {
+        sp::kernels::adamw_update(adam, t);
+      }
+      unfused.on_weights_updated(b);
+    }
+    for (std::uint32_t b = 0; b < kBlocks; ++b) {
+      for (std::size_t t = 0; t < fused_model.blocks()[b].tensors.size(); ++t) {
+        const TensorSpec &spec = fused_model.blocks()[b].tensors[t];
+        ASSERT_EQ(std::memcmp(fused_model.master(b, t), unfused_model.master(b, t), spec.rows * spec.cols * 4), 0)
+            << "step " << step << " block " << b << " " << spec.name;
+      }
+    }
+  }
+  const StepTransferMetrics metrics = run_checked_step(fused, backend, fused_model.blocks(), 3, 0);
+  EXPECT_EQ(metrics.h2d_bytes_nf4 > 0 && metrics.h2d_bytes_int8 > 0, true);
+}
+
+TEST(StreamingEngine, UpdateWeightsRefusesTensorsThatAreNotTheBlocksMasters) {
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 10);
+  StreamingEngine engine(backend, config_for(model.blocks(), 1), model.blocks());
+  OptimizerState state(model.blocks());
+  const sp::kernels::AdamWStep adam =
+      sp::kernels::make_adamw_step(sp::kernels::AdamWHyperparameters{}, 1e-2, 1, 1.0);
+  const std::vector<float> before(model.master(2, 0), model.master(2, 0) + 17 * 259);
+  std::vector<sp::kernels::AdamWTensor> swapped = state.tensors(model, 2);
+  std::swap(swapped[0], swapped[1]);
+  EXPECT_THAT([&] { engine.update_weights(2, adam, swapped); },
+              ::testing::ThrowsMessage<std::invalid_argument>(AllOf(HasSubstr("layer2"), HasSubstr("attn.qkv"))));
+  std::vector<sp::kernels::AdamWTensor> missing_grad = state.tensors(model, 2);
+  missing_grad[0].grad = nullptr;
+  EXPECT_THAT([&] { engine.update_weights(2, adam, missing_grad); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("null grad")));
+  EXPECT_THROW(engine.update_weights(kBlocks, adam, state.tensors(model, 2)), std::invalid_argument);
+  EXPECT_EQ(std::memcmp(before.data(), model.master(2, 0), before.size() * 4), 0);
+  // The engine still streams the untouched weights.
+  run_checked_step(engine, backend, model.blocks(), 0, 0);
 }
 
 TEST(StreamingEngine, StaleImageGuardFetchesTheNewWeightsAfterASwitch) {

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -27,6 +28,7 @@
 #include "sp/adapters/slab_pool.h"
 #include "sp/adapters/slot_ring.h"
 #include "sp/adapters/transfer_image.h"
+#include "sp/kernels/adamw.h"
 #include "sp/kernels/nf4.h"
 #include "sp/kernels/slab.h"
 
@@ -104,6 +106,14 @@ class StreamingEngine {
   // The optimizer changed the block's master weights: its image is rebuilt now for the route
   // the block will take next.
   void on_weights_updated(std::uint32_t block);
+  // The fused host optimizer: one AdamW step on the block's masters and the rebuild of its
+  // image for the route it takes next, in one sweep (sp::kernels::adamw_update_slab); replaces
+  // the optimizer's own update of these masters and on_weights_updated(block). `tensors` are
+  // the block's masters in BlockSpec order, each with its gradient and moments (owned by the
+  // caller; the masters and moments are updated in place). Throws std::invalid_argument, with
+  // nothing changed, when a tensor is not the block's master or its buffers are missing.
+  void update_weights(std::uint32_t block, const sp::kernels::AdamWStep &step,
+                      const std::vector<sp::kernels::AdamWTensor> &tensors);
 
   // Fetches issued so far in the current step (for schedule checks).
   std::uint32_t issued_fetches() const { return next_fetch_; }
@@ -122,6 +132,10 @@ class StreamingEngine {
   void issue_fetch(std::uint32_t fetch);
   void top_up(std::optional<std::uint32_t> current);
   void ensure_image(std::uint32_t block, Precision precision);
+  // Writes the block's image for `precision` with `write(encoding, slab, capacity)`, which
+  // returns the image size, in a slab no copy is reading; validates it and makes it current.
+  using ImageWriter = std::function<std::uint64_t(const sp::kernels::SlabEncoding &, std::uint8_t *, std::uint64_t)>;
+  void write_image(std::uint32_t block, Precision precision, const ImageWriter &write);
   void reclaim_retired_slabs();
   void stall_on(const Event &event);
   FetchEvents &events_of(std::uint32_t generation, std::uint32_t fetch);
