@@ -130,6 +130,7 @@ struct StreamedModel::Impl {
   std::uint64_t pass_id = 0;
   std::int64_t engine_steps = 0, eval_engine_steps = 0;
   std::vector<bool> eval_image_stale;  // per block: its masters changed since the evaluation engine built its image
+  std::vector<bool> updated_in_step;   // per block: update_masters() wrote its image this step
   std::uint64_t evaluation_bytes = 0, calibration_bytes = 0;  // of the forward-only passes
   bool grads_staged = false;
   // The lowest block whose autograd node runs in the current pass: its backward ends the pass.
@@ -263,6 +264,7 @@ struct StreamedModel::Impl {
     eval_engine = std::make_unique<ad::StreamingEngine>(*backend, config, specs);
     compute_done = backend->create_event();
     eval_image_stale.assign(blocks.size(), false);
+    updated_in_step.assign(blocks.size(), false);
   }
 
   void build_policy() {
@@ -898,6 +900,7 @@ void StreamedModel::begin_step(std::int64_t step) {
   m.step_start = Clock::now();
   m.in_step = true;
   m.after_backward = false;
+  m.updated_in_step.assign(m.blocks.size(), false);
 }
 
 const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
@@ -967,9 +970,55 @@ void StreamedModel::refresh_images() {
   Impl& m = *impl_;
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
     if (!m.blocks[b].trainable_masters) continue;
+    if (m.updated_in_step[b]) {
+      m.updated_in_step[b] = false;
+      continue;
+    }
     m.engine->on_weights_updated(b);
     m.eval_image_stale[b] = true;
   }
+}
+
+void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamWStep& step,
+                                   const std::map<std::string, MasterMoments>& moments) {
+  Impl& m = *impl_;
+  m.require_step("update_masters");
+  if (!m.after_backward) {
+    throw std::logic_error(
+        "StreamedModel::update_masters: call post_backward() first: the image is written for the route the plugin "
+        "decides there");
+  }
+  if (block >= m.blocks.size()) {
+    throw std::invalid_argument(fmt::format("StreamedModel::update_masters: block {} is out of range (there are {})",
+                                            block, m.blocks.size()));
+  }
+  if (m.updated_in_step[block]) {
+    throw std::logic_error(fmt::format("StreamedModel::update_masters: block {} was already updated in step {}",
+                                       m.blocks[block].block.name, m.step));
+  }
+  const BlockState& b = m.blocks[block];
+  std::vector<sp::kernels::AdamWTensor> tensors;
+  for (const StreamedParam& p : b.streamed) {
+    const auto problem = [&](const std::string& what) {
+      return std::invalid_argument(
+          fmt::format("StreamedModel::update_masters: {}.{} {}", b.block.name, p.name, what));
+    };
+    const torch::Tensor& grad = p.master.grad();
+    if (!grad.defined() || grad.scalar_type() != torch::kFloat32 || !grad.is_contiguous() ||
+        grad.numel() != p.master.numel() || !grad.device().is_cpu()) {
+      throw problem("has no fp32 contiguous host gradient in .grad of the master's size");
+    }
+    const auto found = moments.find(p.name);
+    if (found == moments.end() || found->second.exp_avg == nullptr || found->second.exp_avg_sq == nullptr) {
+      throw problem("has no AdamW moments (exp_avg and exp_avg_sq) in the map given");
+    }
+    tensors.push_back(sp::kernels::AdamWTensor{p.master.data_ptr<float>(), grad.data_ptr<float>(),
+                                               found->second.exp_avg, found->second.exp_avg_sq,
+                                               sp::kernels::TensorShape{p.rows, p.cols}, found->second.decay});
+  }
+  m.engine->update_weights(block, step, tensors);
+  m.updated_in_step[block] = true;
+  m.eval_image_stale[block] = true;
 }
 
 CalibrationErrors StreamedModel::calibrate(const std::vector<torch::Tensor>& samples) {

@@ -201,6 +201,105 @@ TEST(StreamedModel, StockOptimizerTrainsTheMastersAndImagesFollow) {
   EXPECT_TRUE(torch::equal(model->forward(x), run_plain(twins, x)));
 }
 
+// AdamW moments for every master of a model, by block and parameter name.
+struct Moments {
+  std::vector<std::map<std::string, torch::Tensor>> exp_avg, exp_avg_sq;
+  explicit Moments(const tl::StreamedModel& model) {
+    for (std::uint32_t b = 0; b < model.num_blocks(); ++b) {
+      exp_avg.emplace_back();
+      exp_avg_sq.emplace_back();
+      for (const auto& [name, master] : model.masters(b)) {
+        exp_avg.back().emplace(name, torch::zeros_like(master));
+        exp_avg_sq.back().emplace(name, torch::zeros_like(master));
+      }
+    }
+  }
+  std::map<std::string, tl::MasterMoments> of(std::uint32_t b) {
+    std::map<std::string, tl::MasterMoments> out;
+    for (auto& [name, m] : exp_avg[b]) {
+      out.emplace(name, tl::MasterMoments{m.data_ptr<float>(), exp_avg_sq[b].at(name).data_ptr<float>(), true});
+    }
+    return out;
+  }
+};
+
+// update_masters() against the kernels' AdamW on the masters followed by end_step's rebuild: the
+// same masters bit for bit and the same delivered weights, on each route.
+TEST(StreamedModel, FusedUpdateEqualsAdamWThenTheRebuild) {
+  const auto blocks_fused = make_blocks(21);
+  const auto blocks_unfused = make_blocks(21);
+  const std::string policy = "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n  force_nf4_blocks: [2]\n";
+  auto fused = wrap(blocks_fused, policy);
+  auto unfused = wrap(blocks_unfused, policy);
+  Moments fused_moments(*fused), unfused_moments(*unfused);
+  const torch::Tensor x = input(22);
+  for (std::int64_t step = 0; step < 3; ++step) {
+    const sp::kernels::AdamWStep adam =
+        sp::kernels::make_adamw_step(sp::kernels::AdamWHyperparameters{0.9, 0.95, 1e-8, 0.1}, 1e-2, step + 1, 1.0);
+    for (auto* model : {fused.get(), unfused.get()}) {
+      for (torch::Tensor& p : model->master_parameters()) {
+        if (p.grad().defined()) p.mutable_grad().zero_();
+      }
+      model->begin_step(step);
+      model->forward(x).pow(2).mean().backward();
+      model->post_backward();
+    }
+    for (std::uint32_t b = 0; b < kBlocks; ++b) {
+      fused->update_masters(b, adam, fused_moments.of(b));
+      for (const auto& [name, master] : unfused->masters(b)) {
+        torch::Tensor grad = master.grad();
+        sp::kernels::adamw_update(
+            adam, sp::kernels::AdamWTensor{master.data_ptr<float>(), grad.data_ptr<float>(),
+                                           unfused_moments.exp_avg[b].at(name).data_ptr<float>(),
+                                           unfused_moments.exp_avg_sq[b].at(name).data_ptr<float>(),
+                                           {static_cast<std::uint64_t>(master.size(0)),
+                                            static_cast<std::uint64_t>(master.size(1))},
+                                           true});
+      }
+    }
+    const tl::StepReport fused_report = fused->end_step(1.0);
+    unfused->end_step(1.0);
+    EXPECT_EQ(fused_report.routes, (std::vector<sp_precision>{SP_PRECISION_BF16, SP_PRECISION_INT8, SP_PRECISION_NF4}));
+    for (std::uint32_t b = 0; b < kBlocks; ++b) {
+      for (const auto& [name, master] : fused->masters(b)) {
+        EXPECT_TRUE(torch::equal(master, unfused->masters(b).at(name))) << "step " << step << " " << name;
+      }
+    }
+  }
+  // Both engines deliver the same weights: the training route and the evaluation engine.
+  fused->begin_step(3);
+  unfused->begin_step(3);
+  EXPECT_TRUE(torch::equal(fused->forward(x), unfused->forward(x)));
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(torch::equal(fused->forward(x), unfused->forward(x)));
+}
+
+TEST(StreamedModel, FusedUpdateOutsideItsWindowOrWithoutMomentsIsRefused) {
+  const auto blocks = make_blocks(23);
+  auto model = wrap(blocks, "  mode: off\n");
+  Moments moments(*model);
+  const sp::kernels::AdamWStep adam = sp::kernels::make_adamw_step({}, 1e-2, 1, 1.0);
+  model->begin_step(0);
+  model->forward(input(24)).pow(2).mean().backward();
+  EXPECT_THROW(model->update_masters(0, adam, moments.of(0)), std::logic_error);  // before post_backward
+  model->post_backward();
+  std::map<std::string, tl::MasterMoments> partial = moments.of(1);
+  partial.erase("fc2.weight");
+  const torch::Tensor before = model->masters(1).at("fc1.weight").clone();
+  try {
+    model->update_masters(1, adam, partial);
+    ADD_FAILURE() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("fc2.weight"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(torch::equal(before, model->masters(1).at("fc1.weight")));
+  model->update_masters(1, adam, moments.of(1));
+  EXPECT_FALSE(torch::equal(before, model->masters(1).at("fc1.weight")));
+  EXPECT_THROW(model->update_masters(1, adam, moments.of(1)), std::logic_error);  // twice in one step
+  EXPECT_THROW(model->update_masters(kBlocks, adam, moments.of(1)), std::invalid_argument);
+  model->end_step(1.0);
+}
+
 TEST(StreamedModel, StateRoundTripResumesWithTheSameRoutesAndWeights) {
   const std::string policy = "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_nf4_blocks: [0]\n";
   const auto blocks = make_blocks(17);

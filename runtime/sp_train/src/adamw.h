@@ -1,7 +1,9 @@
-// AdamW over fp32 master weights on the CPU (decoupled weight decay, bias-corrected moments).
-// The update is element-wise, vectorized by the compiler and split across threads with
-// OpenMP; every element sees the same arithmetic whatever the thread count, so a resumed run
-// reproduces the same weights bit for bit.
+// AdamW over fp32 weights on the CPU (decoupled weight decay, bias-corrected moments): the
+// trainer's bookkeeping (parameters, moments, step count, checkpoint access) around the
+// kernels' element update (sp/kernels/adamw.h), whose arithmetic does not depend on the thread
+// count, so a resumed run reproduces the same weights bit for bit. In full mode the streamed
+// masters' update can instead run fused with their image rebuild (StreamedModel::update_masters)
+// on these same moments.
 #pragma once
 
 #include <cstddef>
@@ -9,18 +11,13 @@
 #include <string>
 #include <vector>
 
-namespace sp::train {
+#include "sp/kernels/adamw.h"
 
-struct AdamWSettings {
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double eps = 1e-8;
-  double weight_decay = 0.0;
-};
+namespace sp::train {
 
 class AdamW {
  public:
-  explicit AdamW(AdamWSettings settings) : settings_(settings) {}
+  explicit AdamW(sp::kernels::AdamWHyperparameters settings) : settings_(settings) {}
 
   // Registers a parameter: `weights` and `grads` (n floats each) are owned by the caller and
   // must outlive the optimizer. Biases and norms are registered without weight decay.
@@ -30,15 +27,17 @@ class AdamW {
   // Starts an optimizer step (advances the bias-correction step count) at learning rate `lr`;
   // `grad_scale` multiplies every gradient (global-norm clipping).
   void begin_step(double lr, double grad_scale);
-  // Updates one parameter in place. Called once per parameter per step, in any order, so
-  // that the trainer can rebuild a block's transfer image as soon as its weights are done.
+  // The constants of the step begun last, for a fused update of registered parameters.
+  const sp::kernels::AdamWStep& step_constants() const { return step_; }
+  // Updates one parameter in place. Called at most once per parameter per step, in any order.
   void step_parameter(std::size_t index);
 
   std::int64_t steps_taken() const { return steps_; }
   std::size_t size() const { return params_.size(); }
   const std::string& name(std::size_t index) const { return params_.at(index).name; }
+  bool decay(std::size_t index) const { return params_.at(index).decay; }
 
-  // Checkpoint access: the moments of parameter `index` and the step count.
+  // The moments of parameter `index` (checkpoints, fused updates) and the step count.
   std::vector<float>& exp_avg(std::size_t index) { return params_.at(index).exp_avg; }
   std::vector<float>& exp_avg_sq(std::size_t index) { return params_.at(index).exp_avg_sq; }
   void set_steps_taken(std::int64_t steps) { steps_ = steps; }
@@ -53,11 +52,10 @@ class AdamW {
     std::vector<float> exp_avg;
     std::vector<float> exp_avg_sq;
   };
-  AdamWSettings settings_;
+  sp::kernels::AdamWHyperparameters settings_;
   std::vector<Param> params_;
   std::int64_t steps_ = 0;
-  double lr_ = 0.0;
-  double grad_scale_ = 1.0;
+  sp::kernels::AdamWStep step_;
 };
 
 }  // namespace sp::train

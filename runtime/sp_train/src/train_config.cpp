@@ -241,6 +241,8 @@ void read_train(const Origins& origins, const Section& s, TrainLoopConfig& t) {
   s.number("beta2", t.beta2, 0.0, 0.999999);
   s.number("eps", t.eps, 0.0, 1.0, /*min_exclusive=*/true);
   s.number("grad_clip", t.grad_clip, 0.0, 1e9);
+  s.choice<HostOptimizer>("host_optimizer", t.host_optimizer,
+                          {{"fused", HostOptimizer::fused}, {"unfused", HostOptimizer::unfused}});
   s.integer("eval_interval", t.eval_interval, 1, kMaxSteps);
   s.integer("eval_batches", t.eval_batches, 1, 1 << 16);
   s.integer("checkpoint_interval", t.checkpoint_interval, 0, kMaxSteps);
@@ -436,6 +438,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
                       "beta2",
                       "eps",
                       "grad_clip",
+                      "host_optimizer",
                       "eval_interval",
                       "eval_batches",
                       "checkpoint_interval",
@@ -498,6 +501,10 @@ TrainConfig load_train_config(const std::filesystem::path& file, const std::vect
 const char* mode_name(TrainMode mode) { return mode == TrainMode::lora ? "lora" : "full"; }
 
 const char* compute_device_name(ComputeDevice device) { return device == ComputeDevice::cuda ? "cuda" : "cpu"; }
+
+const char* host_optimizer_name(HostOptimizer optimizer) {
+  return optimizer == HostOptimizer::unfused ? "unfused" : "fused";
+}
 
 const char* streaming_unit_name(StreamingUnit unit) { return unit == StreamingUnit::sublayer ? "sublayer" : "block"; }
 

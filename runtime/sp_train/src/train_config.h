@@ -54,6 +54,10 @@ enum class ComputeDevice { cpu, cuda };
 // (GPU only: the CPU build of LibTorch has no fast bf16 matmul).
 enum class ComputeDtype { fp32, bf16 };
 enum class ResumePolicy { auto_resume, never };
+// How full mode updates the streamed masters: fused (AdamW and the image rebuild in one sweep,
+// sp/kernels/adamw.h) or unfused (AdamW, then the rebuild reading the masters again: the
+// reference path). Both give the same bits.
+enum class HostOptimizer { fused, unfused };
 
 struct LoraConfig {
   std::uint32_t rank = 8;
@@ -74,6 +78,7 @@ struct TrainLoopConfig {
   double beta2 = 0.95;
   double eps = 1e-8;
   double grad_clip = 1.0;  // global L2 norm; 0 disables clipping
+  HostOptimizer host_optimizer = HostOptimizer::fused;
   std::int64_t eval_interval = 50;
   std::uint32_t eval_batches = 8;
   std::int64_t checkpoint_interval = 100;  // 0: only at the end and on SIGINT
@@ -166,5 +171,6 @@ const char* mode_name(TrainMode mode);
 const char* compute_device_name(ComputeDevice device);
 const char* streaming_unit_name(StreamingUnit unit);
 const char* compute_dtype_name(ComputeDtype dtype);
+const char* host_optimizer_name(HostOptimizer optimizer);
 
 }  // namespace sp::train

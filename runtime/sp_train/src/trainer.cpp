@@ -161,6 +161,8 @@ struct Trainer::Impl {
   std::unique_ptr<AdamW> adam;
   std::vector<std::size_t> adam_resident;         // resident index -> adam index
   std::vector<std::size_t> adam_masters;          // full mode: adam indices of the masters
+  // Full mode, fused host optimizer: each streaming unit's masters' moments by parameter name.
+  std::vector<std::map<std::string, tl::MasterMoments>> unit_moments;
   std::vector<std::size_t> non_adapter_resident;  // resident tensors outside the block moments
   std::unique_ptr<ad::MetricsJsonlWriter> train_metrics;
 
@@ -177,6 +179,7 @@ struct Trainer::Impl {
     std::uint64_t tokens = 0;
     std::uint64_t bf16_block_steps = 0, int8_block_steps = 0, nf4_block_steps = 0;
     double train_seconds = 0.0;
+    double update_seconds = 0.0;
     std::vector<std::pair<std::int64_t, double>> val_history;
     std::vector<nlohmann::json> swaps;
     double last_loss = NAN;
@@ -434,7 +437,7 @@ struct Trainer::Impl {
 
   void build_optimizer() {
     const TrainLoopConfig& t = config.train;
-    adam = std::make_unique<AdamW>(AdamWSettings{t.beta1, t.beta2, t.eps, t.weight_decay});
+    adam = std::make_unique<AdamW>(sp::kernels::AdamWHyperparameters{t.beta1, t.beta2, t.eps, t.weight_decay});
     std::vector<bool> is_adapter(model->resident().size(), false);
     for (std::uint32_t b = 0; b < n_blocks; ++b) {
       for (std::size_t r : model->block_adapters(b)) is_adapter[r] = true;
@@ -458,6 +461,10 @@ struct Trainer::Impl {
         master_grads.push_back(grad);
         adam_masters.push_back(adam->add(fmt::format("block{}.{}", b, name), master.data_ptr<float>(),
                                          grad.data_ptr<float>(), static_cast<std::size_t>(master.numel()), true));
+        const std::size_t index = adam_masters.back();
+        unit_moments.resize(n_units);
+        unit_moments[model->unit_of(b, i)].emplace(
+            name, tl::MasterMoments{adam->exp_avg(index).data(), adam->exp_avg_sq(index).data(), adam->decay(index)});
       }
     }
   }
@@ -627,14 +634,21 @@ struct Trainer::Impl {
     return std::sqrt(sum_sq);
   }
 
-  // AdamW over the resident tensors, then over the masters; the layer rebuilds the transfer
+  // AdamW over the resident tensors, then over the masters. Fused, each unit's masters are
+  // updated in the sweep that writes its next transfer image; unfused, the layer rebuilds the
   // images of the updated masters at end_step, in the precision each block travels next.
   void optimizer_step(double lr, double grad_norm) {
     const double clip = config.train.grad_clip;
     adam->begin_step(lr, clip > 0.0 && grad_norm > clip ? clip / grad_norm : 1.0);
     for (std::size_t index : adam_resident) adam->step_parameter(index);
     model->refresh_compute();
-    for (std::size_t index : adam_masters) adam->step_parameter(index);
+    if (config.train.host_optimizer == HostOptimizer::fused) {
+      for (std::uint32_t u = 0; u < unit_moments.size(); ++u) {
+        layer->update_masters(u, adam->step_constants(), unit_moments[u]);
+      }
+    } else {
+      for (std::size_t index : adam_masters) adam->step_parameter(index);
+    }
   }
 
   StepRecord train_step(std::int64_t step) {
@@ -672,6 +686,7 @@ struct Trainer::Impl {
     const std::vector<sp_grad_moments_v1>& moments = layer->post_backward();
     record.decisions = decisions();
     record.grad_norm = global_grad_norm(moments);
+    const auto update_start = Clock::now();
     if (std::isfinite(record.grad_norm) && std::isfinite(record.loss)) {
       nonfinite_streak = 0;
       optimizer_step(record.lr, record.grad_norm);
@@ -685,6 +700,7 @@ struct Trainer::Impl {
     }
 
     const tl::StepReport report = layer->end_step(record.loss);
+    record.update_seconds = seconds_since(update_start);
     if (report.swap) note_swap(step, *report.swap, record);
     if (report.calibration) {
       calibration_errors = *report.calibration;
@@ -747,6 +763,7 @@ struct Trainer::Impl {
             {"int8_block_steps", totals.int8_block_steps},
             {"nf4_block_steps", totals.nf4_block_steps},
             {"train_seconds", totals.train_seconds},
+            {"update_seconds", totals.update_seconds},
             {"val_history", val},
             {"swaps", totals.swaps},
             {"last_loss", totals.last_loss}};
@@ -916,6 +933,7 @@ struct Trainer::Impl {
       totals.int8_block_steps = t.at("int8_block_steps");
       totals.nf4_block_steps = t.value("nf4_block_steps", std::uint64_t{0});
       totals.train_seconds = t.at("train_seconds");
+      totals.update_seconds = t.value("update_seconds", 0.0);  // absent before the fused optimizer
       for (const nlohmann::json& v : t.at("val_history")) totals.val_history.emplace_back(v.at(0), v.at(1));
       for (const nlohmann::json& s : t.at("swaps")) totals.swaps.push_back(s);
       totals.last_loss = t.at("last_loss").is_number() ? t.at("last_loss").get<double>() : NAN;
@@ -952,6 +970,7 @@ struct Trainer::Impl {
                              {"h2d_bytes_nf4", r.h2d_bytes_nf4},
                              {"h2d_bytes_all_bf16", r.h2d_bytes_all_bf16},
                              {"seconds", r.seconds},
+                             {"update_seconds", r.update_seconds},
                              {"plugin_version", r.plugin_version}};
     if (r.val_loss) record["val_loss"] = *r.val_loss;
     if (!r.swap_note.empty()) record["plugin_swap"] = r.swap_note;
@@ -986,8 +1005,13 @@ struct Trainer::Impl {
         {"tokens", totals.tokens},
         {"tokens_per_second", tokens_per_second},
         {"train_seconds", totals.train_seconds},
+        {"update_seconds", totals.update_seconds},
         {"wall_seconds", wall_seconds},
         {"mode", mode_name(config.train.mode)},
+        // Full mode only: LoRA's streamed masters are frozen.
+        {"host_optimizer", config.train.mode == TrainMode::full ? nlohmann::json(host_optimizer_name(
+                                                                        config.train.host_optimizer))
+                                                                  : nlohmann::json()},
         {"device", compute_device_name(config.train.device)},
         {"compute_dtype", compute_dtype_name(config.train.compute_dtype)},
         {"model", model_identity()},
@@ -1036,6 +1060,7 @@ struct Trainer::Impl {
       totals.h2d_all_bf16 += record.h2d_bytes_all_bf16;
       totals.tokens += tokens_per_step;
       totals.train_seconds += record.seconds;
+      totals.update_seconds += record.update_seconds;
       totals.last_loss = record.loss;
       for (std::uint8_t route : record.routes) {
         (route == SP_PRECISION_NF4    ? totals.nf4_block_steps

@@ -51,6 +51,9 @@ struct StepRecord {
   std::uint64_t h2d_bytes_all_bf16 = 0;
   std::optional<double> val_loss;
   double seconds = 0.0;
+  // Of `seconds`: the host's update after the backward (AdamW, the image rebuild, fused or not,
+  // and the plugin's end_step).
+  double update_seconds = 0.0;
   std::string plugin_version;
   std::string swap_note;  // non-empty at the step a hot swap took effect or failed
   // At the steps that re-calibrated (train.recalibrate_every): the errors and the seconds.

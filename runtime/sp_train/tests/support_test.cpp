@@ -188,7 +188,7 @@ TEST_F(CalibrationCache, HitsOnlyItsOwnFingerprint) {
 
 TEST(AdamW, MatchesTheDefinitionAndLeavesNonDecayedTensorsUndecayed) {
   std::vector<float> w = {1.0f, -0.5f}, g = {0.2f, -0.1f}, bias = {0.3f}, bias_g = {0.0f};
-  AdamW adam(AdamWSettings{0.9, 0.99, 1e-8, 0.1});
+  AdamW adam(kernels::AdamWHyperparameters{0.9, 0.99, 1e-8, 0.1});
   const std::size_t wi = adam.add("w", w.data(), g.data(), 2, true);
   const std::size_t bi = adam.add("b", bias.data(), bias_g.data(), 1, false);
   adam.begin_step(0.01, 0.5);

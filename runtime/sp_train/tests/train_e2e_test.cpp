@@ -183,6 +183,31 @@ TEST_F(TrainE2E, InterruptedRunResumesBitwiseIdentically) {
   EXPECT_EQ(straight.json["h2d_bytes"], second_half.json["h2d_bytes"]);
 }
 
+// train.host_optimizer: the fused pass (AdamW and the image rebuild in one sweep) and the
+// unfused reference give the same run bit for bit, with blocks on each of the three routes.
+TEST_F(TrainE2E, FusedAndUnfusedHostOptimizersTrainBitwiseIdentically) {
+  const std::string p = "memory.stagehand.selective_precision.";
+  const std::vector<Override> three_routes = {{p + "mode", "static"},
+                                              {p + "tiers", "[bf16, int8, nf4]"},
+                                              {p + "force_int8_blocks", "[1]"},
+                                              {p + "force_nf4_blocks", "[2, 3]"}};
+  std::vector<Override> unfused = three_routes;
+  unfused.push_back({"train.host_optimizer", "unfused"});
+  const RunSummary a = train("fused", three_routes);
+  const RunSummary b = train("unfused", unfused);
+  ASSERT_EQ(a.steps.size(), b.steps.size());
+  for (std::size_t s = 0; s < a.steps.size(); ++s) {
+    EXPECT_EQ(std::memcmp(&a.steps[s].loss, &b.steps[s].loss, sizeof(double)), 0) << "step " << s;
+    EXPECT_EQ(std::memcmp(&a.steps[s].grad_norm, &b.steps[s].grad_norm, sizeof(double)), 0) << "step " << s;
+    EXPECT_EQ(a.steps[s].routes, b.steps[s].routes) << "step " << s;
+  }
+  EXPECT_EQ(a.steps.back().routes, (std::vector<std::uint8_t>{0, 1, 2, 2}));
+  EXPECT_EQ(a.json["final_val_loss"], b.json["final_val_loss"]);
+  EXPECT_EQ(a.json["h2d_bytes"], b.json["h2d_bytes"]);
+  EXPECT_EQ(a.json["host_optimizer"], "fused");
+  EXPECT_EQ(b.json["host_optimizer"], "unfused");
+}
+
 // model.streaming_unit: sublayer gives the plugin one unit per attention and per MLP sublayer.
 // With every unit BF16 the math is the whole-block run's, to rounding; with the MLP halves
 // forced to NF4, those cross as NF4 and the attention halves as BF16.

@@ -24,7 +24,8 @@
 //     that may come at any time;
 //   post_backward();          after the last backward: moments to the plugin, its hints to
 //                             the engines; returns the moments (e.g. for clipping);
-//   optimizer.step();         updates the masters (any torch::optim optimizer, or your own)
+//   optimizer.step();         updates the masters (any torch::optim optimizer, or your own),
+//                             or update_masters(): AdamW fused with the image rebuild
 //   end_step(loss);           rebuilds the transfer images of the updated masters for the
 //                             routes just decided, and ends the plugin's step.
 // Every change of the masters must be followed by end_step() (or refresh_images()), or the
@@ -51,6 +52,7 @@
 #include "sp/adapters/policy_bridge.h"
 #include "sp/adapters/streaming_engine.h"
 #include "sp/host/policy_session.h"
+#include "sp/kernels/adamw.h"
 #include "sp/torch_layer/collectives.h"
 
 namespace sp::torch_layer {
@@ -165,6 +167,14 @@ std::unique_ptr<sp::host::PolicySession> open_policy_session(const sp::adapters:
                                                              std::shared_ptr<spdlog::logger> logger,
                                                              std::chrono::milliseconds hook_deadline = {});
 
+// The AdamW moments of one master for update_masters(), as many floats as the master has
+// elements each. Owned by the caller, updated in place.
+struct MasterMoments {
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  bool decay = true;  // decoupled weight decay applies to this master
+};
+
 class StreamedModel {
  public:
   // Takes the streamed parameters' values as the masters and points the module parameters
@@ -202,6 +212,16 @@ class StreamedModel {
   void abort_step();
   // Rebuilds the transfer images of blocks whose trainable masters changed outside a step.
   void refresh_images();
+  // The fused host optimizer, in place of an optimizer step on the block's masters and of
+  // end_step's rebuild of its image: one AdamW step (sp/kernels/adamw.h) on every master of
+  // `block`, reading its .grad (fp32, as the layer accumulates it) and `moments` (by parameter
+  // name), while the image of the route the block takes next is written in the same sweep, so
+  // each master byte is read once. Call after post_backward() and before end_step(), at most
+  // once per block and step. Throws std::logic_error outside that window, and
+  // std::invalid_argument naming the block and parameter, with nothing changed, when a master
+  // has no gradient or no moments.
+  void update_masters(std::uint32_t block, const sp::kernels::AdamWStep& step,
+                      const std::map<std::string, MasterMoments>& moments);
 
   // Measures, on the first-block inputs `samples`, each block's output error with INT8 and
   // with NF4 weights against BF16 weights (all through the engine's routes, pinned), and
