@@ -216,6 +216,7 @@ std::string report_to_json(const TransferReport& report) {
       {"device", report.device},
       {"bandwidth_cap_gbps", report.bandwidth_cap_gbps ? json(*report.bandwidth_cap_gbps) : json(nullptr)},
       {"reference_h2d_gbps", report.reference_h2d_gbps},
+      {"rebuild", report.rebuild},
       {"points", points}};
   return doc.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
 }
@@ -227,7 +228,8 @@ TransferReport report_from_json(const std::string& text, const std::string& sour
     check_format(doc, fields, kReportFormat, TransferReport::kFormatVersion);
     fields.only_keys(
         doc,
-        {"format", "version", "machine", "backend", "device", "bandwidth_cap_gbps", "reference_h2d_gbps", "points"},
+        {"format", "version", "machine", "backend", "device", "bandwidth_cap_gbps", "reference_h2d_gbps", "rebuild",
+         "points"},
         "");
     TransferReport report;
     report.machine = fields.string(fields.require(doc, "machine", "machine"), "machine");
@@ -239,6 +241,12 @@ TransferReport report_from_json(const std::string& text, const std::string& sour
     const json& cap = fields.require(doc, "bandwidth_cap_gbps", "bandwidth_cap_gbps");
     if (!cap.is_null()) report.bandwidth_cap_gbps = positive(fields, doc, "bandwidth_cap_gbps", "");
     report.reference_h2d_gbps = positive(fields, doc, "reference_h2d_gbps", "");
+    if (doc.contains("rebuild")) {  // optional: older reports measured the unfused rebuild
+      report.rebuild = fields.string(doc["rebuild"], "rebuild");
+      if (report.rebuild != "fused" && report.rebuild != "unfused") {
+        fields.fail("rebuild", fmt::format("expected \"fused\" or \"unfused\", got \"{}\"", report.rebuild));
+      }
+    }
     const json& points = fields.require(doc, "points", "points");
     fields.require_array(points, "points");
     for (size_t i = 0; i < points.size(); ++i) {

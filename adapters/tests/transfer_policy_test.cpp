@@ -241,6 +241,27 @@ TEST(TransferReportFile, RoundTripsThroughJson) {
   EXPECT_EQ(back.bandwidth_cap_gbps, std::optional<double>(25.0));
 }
 
+// How the trained paths' rebuild was measured travels with the report; a report from before the
+// fused optimizer has no key and measured the unfused rebuild.
+TEST(TransferReportFile, SaysHowTheRebuildWasMeasured) {
+  auto r = report("a", {point(1 * MiB, 1.1, 0.9)});
+  r.rebuild = "fused";
+  const std::string text = report_to_json(r);
+  EXPECT_EQ(report_from_json(text, "r.json").rebuild, "fused");
+  std::string old = text;
+  old.erase(old.find("\"rebuild\": \"fused\","), std::string("\"rebuild\": \"fused\",").size());
+  EXPECT_EQ(report_from_json(old, "old.json").rebuild, "unfused");
+  std::string bad = text;
+  bad.replace(bad.find("\"fused\""), 7, "\"later\"");
+  try {
+    report_from_json(bad, "r.json");
+    FAIL() << "an unknown rebuild was accepted";
+  } catch (const TransferPolicyError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("rebuild"));
+    EXPECT_THAT(e.what(), HasSubstr("later"));
+  }
+}
+
 std::string policy_error(const std::string& text) {
   try {
     TransferPolicy::from_json(text, "policy.json");

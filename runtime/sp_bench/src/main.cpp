@@ -64,6 +64,7 @@ struct TransferOptions {
   sp::bench::MeasureOptions measure;
   std::string machine;
   std::string output;
+  std::string rebuild = "fused";
 };
 
 std::string host_name() {
@@ -130,6 +131,7 @@ int transfer(TransferOptions options) {
     if (options.cap_gbps > 0) report.bandwidth_cap_gbps = options.cap_gbps;
   }
   report.machine = options.machine.empty() ? host_name() : options.machine;
+  report.rebuild = options.rebuild;
   sp::runtime::write_file_atomically(options.output, sp::adapters::report_to_json(report));
   fmt::print("report of {} sizes on {} ({}) written to {}\n", report.points.size(), report.machine, report.device,
              options.output);
@@ -231,6 +233,12 @@ int main(int argc, char** argv) {
                    "NF4 scales: 32, 64, 128 or 256 elements per bf16 scale")
       ->check(group_size_check(sp::kernels::is_supported_nf4_group_size, "32, 64, 128 or 256"))
       ->capture_default_str();
+  measure
+      ->add_option("--rebuild", transfer_options.rebuild,
+                   "trained paths: fused (what each image adds to the fused AdamW pass, as sp-train runs it) or "
+                   "unfused (the rebuild from the masters after the optimizer)")
+      ->check(CLI::IsMember({"fused", "unfused"}))
+      ->capture_default_str();
   measure->add_option("--machine", transfer_options.machine,
                       "label of this machine in the report (default: host name)");
   measure->add_option("--out", transfer_options.output, "report file to write (atomically)")
@@ -257,6 +265,7 @@ int main(int argc, char** argv) {
     const int code = app.exit(e);
     return code == 0 ? kExitOk : kExitBadInput;
   }
+  transfer_options.measure.fused_rebuild = transfer_options.rebuild == "fused";
   try {
     if (*measure) return transfer(transfer_options);
     if (*merge) return merge_policy(reports, output, threshold);

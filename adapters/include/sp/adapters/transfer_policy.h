@@ -101,6 +101,10 @@ struct TransferReport {
   std::string device;                        // e.g. "NVIDIA H200" or "host memcpy, 25 GB/s cap"
   std::optional<double> bandwidth_cap_gbps;  // set for the emulating host backend
   double reference_h2d_gbps = 0;             // raw pinned copy bandwidth measured in the same run
+  // How the rebuild times were measured: "fused" (what writing the image adds to the fused
+  // host optimizer's AdamW pass) or "unfused" (building the image from the masters after the
+  // optimizer; reports written before the fused optimizer, which have no such key).
+  std::string rebuild = "unfused";
   std::vector<TransferPoint> points;
 };
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "sp/kernels/adamw.h"
 #include "sp/adapters/backend.h"
 #include "sp/adapters/streaming_engine.h"
 #include "sp/adapters/transfer_policy.h"
@@ -26,9 +27,13 @@ class SyntheticBlocks {
   const std::vector<adapters::BlockSpec>& blocks() const { return blocks_; }
   // The BF16 payload of one block (what the image carries besides its header).
   uint64_t bf16_payload_bytes() const;
+  // Block `block`'s masters with seeded gradients and AdamW moments, for an optimizer step.
+  std::vector<kernels::AdamWTensor> adamw_tensors(uint32_t block);
 
  private:
   std::vector<std::unique_ptr<std::vector<float>>> storage_;
+  // Per tensor, in storage_'s order: gradient, exp_avg, exp_avg_sq.
+  std::vector<std::unique_ptr<std::vector<float>>> grads_, exp_avg_, exp_avg_sq_;
   std::vector<adapters::BlockSpec> blocks_;
 };
 
@@ -64,6 +69,10 @@ struct MeasureOptions {
   int repeats = 7;  // timed steps per path; the report keeps median, min and max
   uint32_t int8_group_size = 0;
   uint32_t nf4_group_size = 64;
+  // Trained paths: true measures what writing each route's image adds to the fused host
+  // optimizer's sweep (StreamingEngine::update_weights minus AdamW alone on the same block),
+  // false the rebuild from the masters after the optimizer (on_weights_updated).
+  bool fused_rebuild = true;
 };
 
 // All three paths for blocks of `shapes`: copy and dequant times from events, rebuild times
