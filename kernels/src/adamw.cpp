@@ -14,6 +14,7 @@
 #include "quantize_arguments.h"
 #include "reference.h"
 #include "row_encoders.h"
+#include "scalar_math.h"
 #include "simd.h"
 #include "slab_layout.h"
 #include "sp/kernels/nf4.h"
@@ -25,11 +26,27 @@ constexpr std::size_t kMinElementsPerThread = 1 << 15;
 // BF16 images are built chunk by chunk: 16 KiB of master, updated and then rounded from L1.
 constexpr std::size_t kBf16Chunk = 4096;
 
-// Elements [first, first + n) of `tensor`. The expression order is the header's, operation by
-// operation; the loop must stay free of reassociation (no -ffast-math) for the bits to match.
+inline float load_moment(float x) { return x; }
+inline float load_moment(uint16_t bits) { return detail::bf16_bits_to_float(bits); }
+
+// Stores moment k (0: m, 1: v) of element `index`.
+template <bool kStochastic>
+inline void store_moment(float x, float *dst, uint64_t, std::size_t, unsigned) {
+  *dst = x;
+}
+template <bool kStochastic>
+inline void store_moment(float x, uint16_t *dst, uint64_t seed, std::size_t index, unsigned k) {
+  *dst = kStochastic ? detail::bf16_round_stochastic(x, detail::random_bits(seed, 2 * static_cast<uint64_t>(index) + k))
+                     : detail::bf16_round_nearest_even(x);
+}
+
+// Elements [first, first + n) of a tensor (the pointers point at element `first`). The
+// expression order is the header's, operation by operation; the loop must stay free of
+// reassociation (no -ffast-math) for the bits to match.
+template <typename Moment, bool kStochastic>
 SP_WIDE_SIMD_CLONES void update_span(const AdamWStep &step, float decay, float *__restrict w,
-                                     const float *__restrict g, float *__restrict m, float *__restrict v,
-                                     std::size_t n) {
+                                     const float *__restrict g, Moment *__restrict m, Moment *__restrict v,
+                                     std::size_t n, uint64_t seed, std::size_t first) {
   const float b1 = step.beta1;
   const float b2 = step.beta2;
   const float one_minus_b1 = 1.0f - b1;
@@ -40,17 +57,29 @@ SP_WIDE_SIMD_CLONES void update_span(const AdamWStep &step, float decay, float *
   const float scale = step.grad_scale;
   for (std::size_t i = 0; i < n; ++i) {
     const float grad = g[i] * scale;
-    const float m_next = b1 * m[i] + one_minus_b1 * grad;
-    const float v_next = b2 * v[i] + one_minus_b2 * grad * grad;
-    m[i] = m_next;
-    v[i] = v_next;
+    const float m_next = b1 * load_moment(m[i]) + one_minus_b1 * grad;
+    const float v_next = b2 * load_moment(v[i]) + one_minus_b2 * grad * grad;
+    store_moment<kStochastic>(m_next, m + i, seed, first + i, 0);
+    store_moment<kStochastic>(v_next, v + i, seed, first + i, 1);
     w[i] = w[i] * decay - step_size * m_next / (std::sqrt(v_next) * inv_bias2 + eps);
   }
 }
 
 void update_elements(const AdamWStep &step, const AdamWTensor &t, std::size_t first, std::size_t n) {
-  update_span(step, t.decay ? step.decay : 1.0f, t.master + first, t.grad + first, t.exp_avg + first,
-              t.exp_avg_sq + first, n);
+  const float decay = t.decay ? step.decay : 1.0f;
+  if (t.moment_dtype == DType::kFloat32) {
+    update_span<float, false>(step, decay, t.master + first, t.grad + first, static_cast<float *>(t.exp_avg) + first,
+                              static_cast<float *>(t.exp_avg_sq) + first, n, 0, first);
+    return;
+  }
+  auto *m = static_cast<uint16_t *>(t.exp_avg) + first;
+  auto *v = static_cast<uint16_t *>(t.exp_avg_sq) + first;
+  const uint64_t seed = detail::derive_seed(t.moment_seed, static_cast<uint64_t>(step.t));
+  if (t.moment_rounding == Rounding::kStochastic) {
+    update_span<uint16_t, true>(step, decay, t.master + first, t.grad + first, m, v, n, seed, first);
+  } else {
+    update_span<uint16_t, false>(step, decay, t.master + first, t.grad + first, m, v, n, seed, first);
+  }
 }
 
 std::size_t element_count(const TensorShape &shape, std::size_t index, const char *function) {
@@ -64,6 +93,10 @@ std::size_t element_count(const TensorShape &shape, std::size_t index, const cha
 }
 
 void check_tensor(const AdamWTensor &t, std::size_t index, const char *function) {
+  if (t.moment_dtype != DType::kFloat32 && t.moment_dtype != DType::kBFloat16) {
+    throw std::invalid_argument(std::string(function) + ": tensor " + std::to_string(index) + " has " +
+                                dtype_name(t.moment_dtype) + " moments (expected float32 or bfloat16)");
+  }
   if (element_count(t.shape, index, function) == 0) return;
   const char *missing = t.master == nullptr       ? "master"
                         : t.grad == nullptr       ? "grad"
@@ -164,6 +197,7 @@ AdamWStep make_adamw_step(const AdamWHyperparameters &hyper, double lr, int64_t 
   step.inv_bias2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(hyper.beta2, steps)));
   step.decay = static_cast<float>(1.0 - lr * hyper.weight_decay);
   step.grad_scale = static_cast<float>(grad_scale);
+  step.t = t;
   return step;
 }
 

@@ -318,12 +318,27 @@ double relative_error(const void *a, DType a_dtype, const void *b, DType b_dtype
 void adamw_update(const AdamWStep &step, const AdamWTensor &tensor) {
   const float decay = tensor.decay ? step.decay : 1.0f;
   const std::size_t n = tensor.shape.rows * tensor.shape.cols;
+  const bool bf16 = tensor.moment_dtype == DType::kBFloat16;
+  const uint64_t seed = detail::derive_seed(tensor.moment_seed, static_cast<uint64_t>(step.t));
+  const auto load = [&](void *moments, std::size_t i) {
+    return bf16 ? float_of(static_cast<uint32_t>(static_cast<uint16_t *>(moments)[i]) << 16)
+                : static_cast<float *>(moments)[i];
+  };
+  const auto store = [&](void *moments, std::size_t i, float x, unsigned k) {
+    if (!bf16) {
+      static_cast<float *>(moments)[i] = x;
+    } else if (tensor.moment_rounding == Rounding::kStochastic) {
+      static_cast<uint16_t *>(moments)[i] = bf16_from_float_stochastic(x, detail::random_bits(seed, 2 * i + k));
+    } else {
+      static_cast<uint16_t *>(moments)[i] = bf16_from_float(x);
+    }
+  };
   for (std::size_t i = 0; i < n; ++i) {
     const float grad = tensor.grad[i] * step.grad_scale;
-    float &m = tensor.exp_avg[i];
-    float &v = tensor.exp_avg_sq[i];
-    m = step.beta1 * m + (1.0f - step.beta1) * grad;
-    v = step.beta2 * v + (1.0f - step.beta2) * grad * grad;
+    const float m = step.beta1 * load(tensor.exp_avg, i) + (1.0f - step.beta1) * grad;
+    const float v = step.beta2 * load(tensor.exp_avg_sq, i) + (1.0f - step.beta2) * grad * grad;
+    store(tensor.exp_avg, i, m, 0);
+    store(tensor.exp_avg_sq, i, v, 1);
     const float denominator = std::sqrt(v) * step.inv_bias2 + step.eps;
     tensor.master[i] = tensor.master[i] * decay - step.step_size * m / denominator;
   }

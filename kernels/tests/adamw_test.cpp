@@ -124,6 +124,112 @@ TEST(AdamWUpdate, RejectsNullBuffersByName) {
   EXPECT_NO_THROW(adamw_update(some_step(), empty.tensor()));
 }
 
+// bf16 moments: a Param's fp32 moments narrowed, with their own storage.
+struct Bf16Moments {
+  std::vector<uint16_t> exp_avg, exp_avg_sq;
+  Rounding rounding;
+  explicit Bf16Moments(const Param &p, Rounding r) : rounding(r) {
+    for (float x : p.exp_avg) exp_avg.push_back(testing::bf16_truncate(x));
+    for (float x : p.exp_avg_sq) exp_avg_sq.push_back(testing::bf16_truncate(x));
+  }
+  AdamWTensor tensor(Param &p) {
+    AdamWTensor t = p.tensor();
+    t.exp_avg = exp_avg.data();
+    t.exp_avg_sq = exp_avg_sq.data();
+    t.moment_dtype = DType::kBFloat16;
+    t.moment_rounding = rounding;
+    t.moment_seed = 77;
+    return t;
+  }
+};
+
+TEST(AdamWUpdate, Bf16MomentsMatchTheReferenceOnEveryThreadCount) {
+  for (Rounding rounding : {Rounding::kNearestEven, Rounding::kStochastic}) {
+    for (const testing::Shape &s : testing::odd_shapes()) {
+      const Param original = make_param({s.rows, s.cols}, 31 + s.cols);
+      Param expected = original;
+      Bf16Moments expected_moments(original, rounding);
+      adamw_update(some_step(), expected_moments.tensor(expected), CpuExec{CpuImpl::kReference, 1});
+      for (const CpuExec &exec : testing::fast_execs()) {
+        Param actual = original;
+        Bf16Moments moments(original, rounding);
+        adamw_update(some_step(), moments.tensor(actual), exec);
+        const std::string what = std::to_string(s.rows) + "x" + std::to_string(s.cols) + " " + testing::exec_name(exec);
+        EXPECT_TRUE(testing::same_bits(actual.master, expected.master)) << what;
+        EXPECT_EQ(moments.exp_avg, expected_moments.exp_avg) << what;
+        EXPECT_EQ(moments.exp_avg_sq, expected_moments.exp_avg_sq) << what;
+      }
+    }
+  }
+}
+
+// Why bf16 moments need stochastic rounding: with beta2 = 0.999 and a steady gradient, v's
+// per-step change falls below half a bf16 ulp long before v reaches g^2, and rounding to
+// nearest then stops it; stochastic rounding keeps the expected value on the fp32 course.
+TEST(AdamWUpdate, StochasticRoundingKeepsSmallMomentUpdatesThatNearestEvenErases) {
+  const std::size_t n = 4096;
+  Param fp32;
+  fp32.shape = {1, n};
+  fp32.master.assign(n, 0.0f);
+  fp32.grad.assign(n, 1.0f);
+  fp32.exp_avg.assign(n, 0.0f);
+  fp32.exp_avg_sq.assign(n, 0.0f);
+  Param nearest = fp32, stochastic = fp32;
+  Bf16Moments nearest_moments(nearest, Rounding::kNearestEven), stochastic_moments(stochastic, Rounding::kStochastic);
+  const AdamWHyperparameters hyper{0.9, 0.999, 1e-8, 0.0};
+  for (int64_t t = 1; t <= 3000; ++t) {
+    const AdamWStep step = make_adamw_step(hyper, 1e-6, t, 1.0);
+    adamw_update(step, fp32.tensor());
+    adamw_update(step, nearest_moments.tensor(nearest));
+    adamw_update(step, stochastic_moments.tensor(stochastic));
+  }
+  const auto mean = [](const std::vector<uint16_t> &bits) {
+    double sum = 0;
+    for (uint16_t b : bits) {
+      const uint32_t u = static_cast<uint32_t>(b) << 16;
+      float x;
+      std::memcpy(&x, &u, sizeof x);
+      sum += x;
+    }
+    return sum / static_cast<double>(bits.size());
+  };
+  const double exact = fp32.exp_avg_sq[0];  // 1 - 0.999^3000 = 0.950
+  EXPECT_NEAR(exact, 1.0 - std::pow(0.999, 3000.0), 1e-3);
+  EXPECT_LT(mean(nearest_moments.exp_avg_sq), 0.75 * exact) << "round to nearest stalls";
+  EXPECT_NEAR(mean(stochastic_moments.exp_avg_sq), exact, 0.01 * exact) << "stochastic rounding follows fp32";
+}
+
+TEST(AdamWUpdateSlab, Bf16MomentsFusedEqualsUpdateThenBuild) {
+  const SlabEncoding encoding{SlabPrecision::kInt8, 64, Rounding::kNearestEven, 0};
+  const std::vector<TensorShape> shapes = {{257, 259}, {64, 1100}, {1, 7}};
+  std::vector<Param> fused, unfused_params;
+  for (std::size_t i = 0; i < shapes.size(); ++i) fused.push_back(make_param(shapes[i], 90 + i));
+  unfused_params = fused;
+  std::vector<Bf16Moments> fused_moments, unfused_moments;
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    fused_moments.emplace_back(fused[i], Rounding::kStochastic);
+    unfused_moments.emplace_back(fused[i], Rounding::kStochastic);
+  }
+  const uint64_t bytes = slab_image_bytes(encoding, shapes.data(), shapes.size());
+  Image a = allocate(bytes, 1), b = allocate(bytes, 2);
+  std::vector<AdamWTensor> fused_tensors, unfused_tensors;
+  std::vector<SlabTensorSource> sources;
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    fused_tensors.push_back(fused_moments[i].tensor(fused[i]));
+    unfused_tensors.push_back(unfused_moments[i].tensor(unfused_params[i]));
+    sources.push_back({unfused_params[i].master.data(), shapes[i]});
+  }
+  adamw_update_slab(encoding, some_step(), fused_tensors.data(), fused_tensors.size(), a.get(), bytes,
+                    CpuExec{CpuImpl::kVectorized, 2});
+  for (const AdamWTensor &t : unfused_tensors) adamw_update(some_step(), t, CpuExec{CpuImpl::kReference, 1});
+  build_slab(encoding, sources.data(), sources.size(), b.get(), bytes);
+  EXPECT_EQ(std::memcmp(a.get(), b.get(), bytes), 0);
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    EXPECT_TRUE(testing::same_bits(fused[i].master, unfused_params[i].master)) << i;
+    EXPECT_EQ(fused_moments[i].exp_avg_sq, unfused_moments[i].exp_avg_sq) << i;
+  }
+}
+
 std::vector<SlabEncoding> fused_encodings() {
   std::vector<SlabEncoding> encodings;
   encodings.push_back(SlabEncoding{SlabPrecision::kBf16, 0, Rounding::kNearestEven, 0});

@@ -1012,9 +1012,10 @@ void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamW
     if (found == moments.end() || found->second.exp_avg == nullptr || found->second.exp_avg_sq == nullptr) {
       throw problem("has no AdamW moments (exp_avg and exp_avg_sq) in the map given");
     }
-    tensors.push_back(sp::kernels::AdamWTensor{p.master.data_ptr<float>(), grad.data_ptr<float>(),
-                                               found->second.exp_avg, found->second.exp_avg_sq,
-                                               sp::kernels::TensorShape{p.rows, p.cols}, found->second.decay});
+    const MasterMoments& moment = found->second;
+    tensors.push_back(sp::kernels::AdamWTensor{p.master.data_ptr<float>(), grad.data_ptr<float>(), moment.exp_avg,
+                                               moment.exp_avg_sq, sp::kernels::TensorShape{p.rows, p.cols},
+                                               moment.decay, moment.dtype, moment.rounding, moment.seed});
   }
   m.engine->update_weights(block, step, tensors);
   m.updated_in_step[block] = true;

@@ -10,8 +10,10 @@ std::size_t AdamW::add(std::string name, float* weights, const float* grads, std
   if (n != 0 && (weights == nullptr || grads == nullptr)) {
     throw std::invalid_argument(fmt::format("AdamW: parameter '{}' has no weights or gradients", name));
   }
-  params_.push_back(
-      Param{std::move(name), weights, grads, n, decay, std::vector<float>(n, 0.0f), std::vector<float>(n, 0.0f)});
+  // Zero bytes are a zero moment in both storages.
+  const std::size_t bytes = n * sp::kernels::dtype_size(moments_.dtype);
+  params_.push_back(Param{std::move(name), weights, grads, n, decay, std::vector<std::uint8_t>(bytes, 0),
+                          std::vector<std::uint8_t>(bytes, 0)});
   return params_.size() - 1;
 }
 
@@ -20,10 +22,16 @@ void AdamW::begin_step(double lr, double grad_scale) {
   step_ = sp::kernels::make_adamw_step(settings_, lr, steps_, grad_scale);
 }
 
-void AdamW::step_parameter(std::size_t index) {
+sp::kernels::AdamWTensor AdamW::tensor(std::size_t index) {
   Param& p = params_.at(index);
-  sp::kernels::adamw_update(step_, sp::kernels::AdamWTensor{p.weights, p.grads, p.exp_avg.data(), p.exp_avg_sq.data(),
-                                                            sp::kernels::TensorShape{1, p.n}, p.decay});
+  sp::kernels::AdamWTensor t{p.weights, p.grads, p.exp_avg.data(), p.exp_avg_sq.data(), sp::kernels::TensorShape{1, p.n},
+                             p.decay};
+  t.moment_dtype = moments_.dtype;
+  t.moment_rounding = moments_.rounding;
+  t.moment_seed = index;  // each parameter its own stream
+  return t;
 }
+
+void AdamW::step_parameter(std::size_t index) { sp::kernels::adamw_update(step_, tensor(index)); }
 
 }  // namespace sp::train

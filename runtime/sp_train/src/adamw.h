@@ -1,4 +1,5 @@
-// AdamW over fp32 weights on the CPU (decoupled weight decay, bias-corrected moments): the
+// AdamW over fp32 weights on the CPU (decoupled weight decay, bias-corrected moments in fp32 or
+// bf16): the
 // trainer's bookkeeping (parameters, moments, step count, checkpoint access) around the
 // kernels' element update (sp/kernels/adamw.h), whose arithmetic does not depend on the thread
 // count, so a resumed run reproduces the same weights bit for bit. In full mode the streamed
@@ -15,9 +16,16 @@
 
 namespace sp::train {
 
+// How the two moments are stored: fp32, or bf16 rounded to nearest even or stochastically.
+struct MomentStorage {
+  sp::kernels::DType dtype = sp::kernels::DType::kFloat32;  // kFloat32 or kBFloat16
+  sp::kernels::Rounding rounding = sp::kernels::Rounding::kNearestEven;
+};
+
 class AdamW {
  public:
-  explicit AdamW(sp::kernels::AdamWHyperparameters settings) : settings_(settings) {}
+  explicit AdamW(sp::kernels::AdamWHyperparameters settings, MomentStorage moments = {})
+      : settings_(settings), moments_(moments) {}
 
   // Registers a parameter: `weights` and `grads` (n floats each) are owned by the caller and
   // must outlive the optimizer. Biases and norms are registered without weight decay.
@@ -37,9 +45,11 @@ class AdamW {
   const std::string& name(std::size_t index) const { return params_.at(index).name; }
   bool decay(std::size_t index) const { return params_.at(index).decay; }
 
-  // The moments of parameter `index` (checkpoints, fused updates) and the step count.
-  std::vector<float>& exp_avg(std::size_t index) { return params_.at(index).exp_avg; }
-  std::vector<float>& exp_avg_sq(std::size_t index) { return params_.at(index).exp_avg_sq; }
+  // Parameter `index` as the kernels take it: weights, gradient, moments and their storage.
+  sp::kernels::AdamWTensor tensor(std::size_t index);
+  // The raw bytes of parameter `index`'s moments (checkpoints): fp32 or bf16 elements.
+  std::vector<std::uint8_t>& exp_avg_bytes(std::size_t index) { return params_.at(index).exp_avg; }
+  std::vector<std::uint8_t>& exp_avg_sq_bytes(std::size_t index) { return params_.at(index).exp_avg_sq; }
   void set_steps_taken(std::int64_t steps) { steps_ = steps; }
 
  private:
@@ -49,10 +59,11 @@ class AdamW {
     const float* grads;
     std::size_t n;
     bool decay;
-    std::vector<float> exp_avg;
-    std::vector<float> exp_avg_sq;
+    std::vector<std::uint8_t> exp_avg;
+    std::vector<std::uint8_t> exp_avg_sq;
   };
   sp::kernels::AdamWHyperparameters settings_;
+  MomentStorage moments_;
   std::vector<Param> params_;
   std::int64_t steps_ = 0;
   sp::kernels::AdamWStep step_;

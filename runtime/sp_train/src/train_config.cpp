@@ -243,6 +243,9 @@ void read_train(const Origins& origins, const Section& s, TrainLoopConfig& t) {
   s.number("grad_clip", t.grad_clip, 0.0, 1e9);
   s.choice<HostOptimizer>("host_optimizer", t.host_optimizer,
                           {{"fused", HostOptimizer::fused}, {"unfused", HostOptimizer::unfused}});
+  s.choice<AdamMoments>(
+      "adam_moments", t.adam_moments,
+      {{"fp32", AdamMoments::fp32}, {"bf16", AdamMoments::bf16}, {"bf16_stochastic", AdamMoments::bf16_stochastic}});
   s.integer("eval_interval", t.eval_interval, 1, kMaxSteps);
   s.integer("eval_batches", t.eval_batches, 1, 1 << 16);
   s.integer("checkpoint_interval", t.checkpoint_interval, 0, kMaxSteps);
@@ -439,6 +442,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
                       "eps",
                       "grad_clip",
                       "host_optimizer",
+                      "adam_moments",
                       "eval_interval",
                       "eval_batches",
                       "checkpoint_interval",
@@ -501,6 +505,18 @@ TrainConfig load_train_config(const std::filesystem::path& file, const std::vect
 const char* mode_name(TrainMode mode) { return mode == TrainMode::lora ? "lora" : "full"; }
 
 const char* compute_device_name(ComputeDevice device) { return device == ComputeDevice::cuda ? "cuda" : "cpu"; }
+
+const char* adam_moments_name(AdamMoments moments) {
+  switch (moments) {
+    case AdamMoments::bf16:
+      return "bf16";
+    case AdamMoments::bf16_stochastic:
+      return "bf16_stochastic";
+    case AdamMoments::fp32:
+      break;
+  }
+  return "fp32";
+}
 
 const char* host_optimizer_name(HostOptimizer optimizer) {
   return optimizer == HostOptimizer::unfused ? "unfused" : "fused";

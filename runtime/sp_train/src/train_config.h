@@ -58,6 +58,9 @@ enum class ResumePolicy { auto_resume, never };
 // sp/kernels/adamw.h) or unfused (AdamW, then the rebuild reading the masters again: the
 // reference path). Both give the same bits.
 enum class HostOptimizer { fused, unfused };
+// How AdamW stores its two moments: fp32 (8 bytes per parameter), or bf16 (4 bytes), rounded to
+// nearest even or stochastically (sp/kernels/adamw.h says why the latter).
+enum class AdamMoments { fp32, bf16, bf16_stochastic };
 
 struct LoraConfig {
   std::uint32_t rank = 8;
@@ -79,6 +82,7 @@ struct TrainLoopConfig {
   double eps = 1e-8;
   double grad_clip = 1.0;  // global L2 norm; 0 disables clipping
   HostOptimizer host_optimizer = HostOptimizer::fused;
+  AdamMoments adam_moments = AdamMoments::fp32;
   std::int64_t eval_interval = 50;
   std::uint32_t eval_batches = 8;
   std::int64_t checkpoint_interval = 100;  // 0: only at the end and on SIGINT
@@ -172,5 +176,6 @@ const char* compute_device_name(ComputeDevice device);
 const char* streaming_unit_name(StreamingUnit unit);
 const char* compute_dtype_name(ComputeDtype dtype);
 const char* host_optimizer_name(HostOptimizer optimizer);
+const char* adam_moments_name(AdamMoments moments);
 
 }  // namespace sp::train

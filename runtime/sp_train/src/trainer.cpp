@@ -105,7 +105,9 @@ std::uint64_t estimated_host_bytes(const TrainConfig& c) {
   const bool sublayers = m.streaming_unit == StreamingUnit::sublayer;
   const std::uint64_t units = sublayers ? 2 * std::uint64_t{m.n_blocks} : m.n_blocks;
   const std::uint64_t largest_unit = sublayers ? std::max(attention, mlp) : attention + mlp;
-  const std::uint64_t masters = streamed * 4 * (c.train.mode == TrainMode::full ? 4 : 1);
+  // Full mode: master and gradient in fp32, and the two moments (fp32, or bf16).
+  const std::uint64_t moment_bytes = c.train.adam_moments == AdamMoments::fp32 ? 8 : 4;
+  const std::uint64_t masters = streamed * (c.train.mode == TrainMode::full ? 8 + moment_bytes : 4);
   const std::uint64_t slabs = 2 * (units + c.streaming.spare_slabs) * largest_unit * 2;
   const std::uint64_t activations =
       tokens * d * 4 * (units + 8) + std::uint64_t{c.train.batch_size} * m.n_heads * m.seq_len * m.seq_len * 4 * 2;
@@ -435,9 +437,16 @@ struct Trainer::Impl {
               (options.plugin_dir / ("lib" + config.train.plugin + ".so")).string());
   }
 
+  static MomentStorage moment_storage(AdamMoments moments) {
+    if (moments == AdamMoments::fp32) return {};
+    return {sp::kernels::DType::kBFloat16, moments == AdamMoments::bf16_stochastic ? sp::kernels::Rounding::kStochastic
+                                                                                   : sp::kernels::Rounding::kNearestEven};
+  }
+
   void build_optimizer() {
     const TrainLoopConfig& t = config.train;
-    adam = std::make_unique<AdamW>(sp::kernels::AdamWHyperparameters{t.beta1, t.beta2, t.eps, t.weight_decay});
+    adam = std::make_unique<AdamW>(sp::kernels::AdamWHyperparameters{t.beta1, t.beta2, t.eps, t.weight_decay},
+                                   moment_storage(t.adam_moments));
     std::vector<bool> is_adapter(model->resident().size(), false);
     for (std::uint32_t b = 0; b < n_blocks; ++b) {
       for (std::size_t r : model->block_adapters(b)) is_adapter[r] = true;
@@ -463,8 +472,9 @@ struct Trainer::Impl {
                                          grad.data_ptr<float>(), static_cast<std::size_t>(master.numel()), true));
         const std::size_t index = adam_masters.back();
         unit_moments.resize(n_units);
+        const sp::kernels::AdamWTensor t = adam->tensor(index);
         unit_moments[model->unit_of(b, i)].emplace(
-            name, tl::MasterMoments{adam->exp_avg(index).data(), adam->exp_avg_sq(index).data(), adam->decay(index)});
+            name, tl::MasterMoments{t.exp_avg, t.exp_avg_sq, t.decay, t.moment_dtype, t.moment_rounding, t.moment_seed});
       }
     }
   }
@@ -775,7 +785,7 @@ struct Trainer::Impl {
     if (rank() != 0) return;
     const auto start = Clock::now();
     CheckpointSections out;
-    const nlohmann::json meta = {
+    nlohmann::json meta = {
         {"next_step", next_step},
         {"model", model_identity()},
         {"seed", config.train.seed},
@@ -787,6 +797,9 @@ struct Trainer::Impl {
         {"nf4_calibration_errors", calibration_errors.nf4},
         {"decisions", decisions()},
         {"totals", totals_json()}};
+    if (config.train.adam_moments != AdamMoments::fp32) {
+      meta["adam_moments"] = adam_moments_name(config.train.adam_moments);  // absent: fp32, as before
+    }
     const std::string meta_text = meta.dump();
     out.put("meta", meta_text.data(), meta_text.size());
     // The layer's state: the masters, the plugin state, the hints in force, its pass counters.
@@ -795,9 +808,8 @@ struct Trainer::Impl {
       out.put("resident/" + p.name, p.value.data_ptr(), p.value.numel() * sizeof(float));
     }
     for (std::size_t i = 0; i < adam->size(); ++i) {
-      out.put("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg(i).data(), adam->exp_avg(i).size() * sizeof(float));
-      out.put("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq(i).data(),
-              adam->exp_avg_sq(i).size() * sizeof(float));
+      out.put("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg_bytes(i));
+      out.put("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq_bytes(i));
     }
     out.put("adam/steps", pod_bytes(adam->steps_taken()));
     const torch::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
@@ -880,11 +892,20 @@ struct Trainer::Impl {
         in.get_into("resident/" + p.name, p.value.data_ptr(), p.value.numel() * sizeof(float));
       }
       model->refresh_compute();
+      // The moments' storage decides their size: a checkpoint resumes with the storage it was
+      // written with (one from before bf16 moments holds fp32).
+      const std::string saved_moments = meta.value("adam_moments", std::string("fp32"));
+      if (saved_moments != adam_moments_name(config.train.adam_moments)) {
+        throw ResumeError(fmt::format(
+            "{}: made with train.adam_moments {}, this config has {} (resume with the same storage, or use "
+            "another --out)",
+            checkpoint_path(options.out_dir).string(), saved_moments, adam_moments_name(config.train.adam_moments)));
+      }
       for (std::size_t i = 0; i < adam->size(); ++i) {
-        in.get_into("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg(i).data(),
-                    adam->exp_avg(i).size() * sizeof(float));
-        in.get_into("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq(i).data(),
-                    adam->exp_avg_sq(i).size() * sizeof(float));
+        std::vector<std::uint8_t>& exp_avg = adam->exp_avg_bytes(i);
+        std::vector<std::uint8_t>& exp_avg_sq = adam->exp_avg_sq_bytes(i);
+        in.get_into("adam/" + adam->name(i) + "/exp_avg", exp_avg.data(), exp_avg.size());
+        in.get_into("adam/" + adam->name(i) + "/exp_avg_sq", exp_avg_sq.data(), exp_avg_sq.size());
       }
       std::int64_t steps = 0;
       in.get_into("adam/steps", &steps, sizeof steps);
@@ -1012,6 +1033,7 @@ struct Trainer::Impl {
         {"host_optimizer", config.train.mode == TrainMode::full ? nlohmann::json(host_optimizer_name(
                                                                         config.train.host_optimizer))
                                                                   : nlohmann::json()},
+        {"adam_moments", adam_moments_name(config.train.adam_moments)},
         {"device", compute_device_name(config.train.device)},
         {"compute_dtype", compute_dtype_name(config.train.compute_dtype)},
         {"model", model_identity()},

@@ -406,6 +406,33 @@ TEST_F(TrainE2E, LoraStartsFromTheWeightsOfAFullModeRun) {
   }
 }
 
+// train.adam_moments: bf16 moments (stochastically rounded) still learn, resume bitwise, and a
+// checkpoint resumes only with the moment storage it was written with.
+TEST_F(TrainE2E, Bf16MomentsLearnResumeBitwiseAndAreCheckedOnResume) {
+  const std::vector<Override> bf16 = {{"train.adam_moments", "bf16_stochastic"}};
+  const RunSummary straight = train("bf16-straight", bf16);
+  EXPECT_LT(mean_loss(straight.steps, 19, 24), mean_loss(straight.steps, 0, 5) - 0.3);
+  EXPECT_EQ(straight.json["adam_moments"], "bf16_stochastic");
+  std::atomic<bool> stop{false};
+  train(
+      "bf16-resumed", bf16, [&](const StepRecord& r) { stop = r.step == 9; }, &stop);
+  Trainer resumed(config(bf16), options("bf16-resumed"));
+  const RunSummary second_half = resumed.run();
+  ASSERT_EQ(second_half.steps.size(), 14u);
+  for (std::size_t i = 0; i < second_half.steps.size(); ++i) {
+    EXPECT_EQ(std::memcmp(&straight.steps[10 + i].loss, &second_half.steps[i].loss, sizeof(double)), 0)
+        << "step " << second_half.steps[i].step;
+  }
+  stop = false;
+  train("bf16-other", bf16, [&](const StepRecord& r) { stop = r.step == 3; }, &stop);
+  try {
+    Trainer fp32(config({}), options("bf16-other"));
+    FAIL() << "expected a ResumeError";
+  } catch (const ResumeError& e) {
+    EXPECT_NE(std::string(e.what()).find("adam_moments bf16_stochastic"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(TrainE2E, CheckpointOfAnotherModelIsRefusedByName) {
   train("shape", {{"train.steps", "2"}});
   try {

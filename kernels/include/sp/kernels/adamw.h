@@ -10,6 +10,13 @@
 // with decay = 1 for tensors registered without weight decay. A NaN or Inf gradient poisons the
 // element, as in the unfused loop; callers skip steps with non-finite gradients.
 //
+// Moments may be stored in bf16 (half the optimizer state): they are widened to fp32 (exact),
+// the update runs in fp32 as above and uses those fp32 m and v, and m and v are stored rounded
+// to bf16, to nearest even or stochastically. Stochastic rounding draws its bits from
+// (moment_seed, step t, element index), so it is reproducible on every implementation and
+// thread count; it keeps the small per-step changes of a slowly moving moment, which round to
+// nearest erases once they fall below half a bf16 ulp (0.4 % of the value).
+//
 // adamw_update_slab() writes the masters, the moments and the image; its result is the same
 // bytes as adamw_update() over every tensor followed by build_slab() on the updated masters,
 // which is its CPU reference (CpuImpl::kReference runs exactly that).
@@ -39,6 +46,7 @@ struct AdamWStep {
   float inv_bias2 = 1.0f;   // 1 / sqrt(1 - beta2^t)
   float decay = 1.0f;       // 1 - lr * weight_decay, for tensors with decay
   float grad_scale = 1.0f;  // multiplies every gradient (global-norm clipping)
+  int64_t t = 1;            // the step count: seeds the stochastic rounding of bf16 moments
 };
 
 // The constants of step `t` (1 for the first step) at learning rate `lr`. Throws
@@ -51,14 +59,17 @@ AdamWStep make_adamw_step(const AdamWHyperparameters &hyper, double lr, int64_t 
 struct AdamWTensor {
   float *master = nullptr;
   const float *grad = nullptr;
-  float *exp_avg = nullptr;
-  float *exp_avg_sq = nullptr;
+  void *exp_avg = nullptr;     // moment_dtype elements: float, or bf16 bit patterns (uint16_t)
+  void *exp_avg_sq = nullptr;  // the same
   TensorShape shape;
   bool decay = true;
+  DType moment_dtype = DType::kFloat32;                // kFloat32 or kBFloat16
+  Rounding moment_rounding = Rounding::kNearestEven;  // how bf16 moments are stored
+  uint64_t moment_seed = 0;                            // stochastic rounding: this tensor's stream
 };
 
 // Updates one tensor in place. Throws std::invalid_argument on a null buffer for a non-empty
-// tensor or a size overflow.
+// tensor, a moment dtype other than fp32 and bf16, or a size overflow.
 void adamw_update(const AdamWStep &step, const AdamWTensor &tensor, const CpuExec &exec = {});
 
 // Updates every tensor and writes the image of the updated masters (as build_slab with

@@ -167,12 +167,15 @@ std::unique_ptr<sp::host::PolicySession> open_policy_session(const sp::adapters:
                                                              std::shared_ptr<spdlog::logger> logger,
                                                              std::chrono::milliseconds hook_deadline = {});
 
-// The AdamW moments of one master for update_masters(), as many floats as the master has
-// elements each. Owned by the caller, updated in place.
+// The AdamW moments of one master for update_masters(), as many elements as the master has
+// each, fp32 or bf16 (sp/kernels/adamw.h). Owned by the caller, updated in place.
 struct MasterMoments {
-  float* exp_avg = nullptr;
-  float* exp_avg_sq = nullptr;
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
   bool decay = true;  // decoupled weight decay applies to this master
+  sp::kernels::DType dtype = sp::kernels::DType::kFloat32;
+  sp::kernels::Rounding rounding = sp::kernels::Rounding::kNearestEven;
+  std::uint64_t seed = 0;  // stochastic rounding of bf16 moments: this master's stream
 };
 
 class StreamedModel {
