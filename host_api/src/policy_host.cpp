@@ -1,6 +1,7 @@
 #include <sp/host/policy_host.h>
 
 #include "hook_watchdog.h"
+#include "plugin_call_scope.h"
 
 #include <fmt/format.h>
 #include <fmt/std.h>
@@ -148,13 +149,19 @@ class PluginInstance {
 
     const sp_policy_plugin_v1_table& table = instance->table();
     sp_policy_ctx* ctx = nullptr;
-    const sp_status status = table.create(&host, instance->config_.text.c_str(), descs.data(),
-                                          static_cast<std::uint32_t>(descs.size()), &ctx);
+    const sp_status status = [&] {
+      const detail::PluginCallScope scope(instance->log_route_->label, "create");
+      return table.create(&host, instance->config_.text.c_str(), descs.data(),
+                          static_cast<std::uint32_t>(descs.size()), &ctx);
+    }();
     if (status != SP_OK || ctx == nullptr) {
       const std::string reason =
           status != SP_OK ? fmt::format("{}: {}", status_text(status), safe_message(table.last_error(nullptr)))
                           : std::string("create() returned SP_OK but no context");
-      if (ctx != nullptr) table.destroy(ctx);
+      if (ctx != nullptr) {
+        const detail::PluginCallScope scope(instance->log_route_->label, "destroy");
+        table.destroy(ctx);
+      }
       throw PluginError(fmt::format("{}: policy plugin {} ({}) rejected the configuration: {}",
                                     instance->config_.source_name, instance->log_route_->label,
                                     instance->library_.source_path(), reason));
@@ -167,8 +174,11 @@ class PluginInstance {
       std::vector<std::uint64_t> nf4_bytes;
       nf4_bytes.reserve(blocks.size());
       for (const BlockDescription& block : blocks) nf4_bytes.push_back(block.nf4_bytes);
-      const sp_status bytes_status = table.set_transfer_bytes(ctx, SP_PRECISION_NF4, nf4_bytes.data(),
-                                                              static_cast<std::uint32_t>(nf4_bytes.size()));
+      const sp_status bytes_status = [&] {
+        const detail::PluginCallScope scope(instance->log_route_->label, "set_transfer_bytes");
+        return table.set_transfer_bytes(ctx, SP_PRECISION_NF4, nf4_bytes.data(),
+                                        static_cast<std::uint32_t>(nf4_bytes.size()));
+      }();
       if (bytes_status != SP_OK) {
         const std::string reason = fmt::format("{}: {}", status_text(bytes_status), instance->last_error());
         // The destructor destroys the context and unloads the library.
@@ -188,7 +198,10 @@ class PluginInstance {
   // Destroys the context, then unloads the library and reports whether it really left.
   UnloadReport close() {
     if (ctx_ != nullptr) {
-      const sp_status status = table().destroy(ctx_);
+      const sp_status status = [&] {
+        const detail::PluginCallScope scope(log_route_->label, "destroy");
+        return table().destroy(ctx_);
+      }();
       if (status != SP_OK) {
         log_route_->logger->warn("policy plugin {}: destroy() returned {}", log_route_->label, status_text(status));
       }
@@ -302,8 +315,11 @@ struct PolicyHost::Impl {
       ids.push_back(id);
       errors.push_back(error);
     }
-    const sp_status status = instance.table().set_precision_calibration_errors(
-        instance.ctx(), SP_PRECISION_NF4, ids.data(), errors.data(), static_cast<std::uint32_t>(ids.size()));
+    const sp_status status = [&] {
+      const detail::PluginCallScope scope(instance.label(), "set_precision_calibration_errors");
+      return instance.table().set_precision_calibration_errors(instance.ctx(), SP_PRECISION_NF4, ids.data(),
+                                                               errors.data(), static_cast<std::uint32_t>(ids.size()));
+    }();
     if (status == SP_OK) {
       logger->debug("policy plugin {}: re-sent the NF4 calibration errors of {} blocks", instance.label(), ids.size());
       return true;
@@ -329,6 +345,7 @@ struct PolicyHost::Impl {
   // hook that passes the deadline quarantines it. Either way the hook counts as failed.
   sp_status supervised(const char* hook, std::int64_t step, std::function<sp_status()> call) {
     if (!quarantine.empty()) return SP_ERR_INTERNAL;
+    const detail::PluginCallScope scope(active->label(), hook, step);
     if (!watchdog) return call();
     if (const std::optional<sp_status> status = watchdog->run(std::move(call))) return *status;
     quarantine = fmt::format("{} did not return from {} at step {} within {} ms", active->label(), hook, step,
@@ -423,6 +440,7 @@ struct PolicyHost::Impl {
 
   std::optional<std::vector<std::uint8_t>> export_active_state(std::string& error) {
     const sp_policy_plugin_v1_table& table = active->table();
+    const detail::PluginCallScope scope(active->label(), "export_state");
     std::uint64_t size = 0;
     sp_status status = table.export_state(active->ctx(), nullptr, 0, &size);
     std::vector<std::uint8_t> blob;
@@ -472,7 +490,10 @@ struct PolicyHost::Impl {
     const std::optional<std::vector<std::uint8_t>> blob = export_active_state(error);
     if (!blob) return fail_swap(std::move(result), error);
 
-    const sp_status status = pending->table().import_state(pending->ctx(), blob->data(), blob->size());
+    const sp_status status = [&] {
+      const detail::PluginCallScope scope(pending->label(), "import_state");
+      return pending->table().import_state(pending->ctx(), blob->data(), blob->size());
+    }();
     if (status != SP_OK) {
       return fail_swap(std::move(result),
                        fmt::format("{} could not import the state of {} ({} bytes) with {}: {}", pending->label(),
@@ -685,13 +706,19 @@ bool PolicyHost::set_calibration_errors(sp_precision precision, const std::vecto
   PluginInstance& active = *impl.active;
   const auto n = static_cast<std::uint32_t>(block_ids.size());
   if (precision == SP_PRECISION_INT8) {
-    const sp_status status = active.table().set_calibration_errors(active.ctx(), block_ids.data(), errors.data(), n);
+    const sp_status status = [&] {
+      const detail::PluginCallScope scope(active.label(), "set_calibration_errors");
+      return active.table().set_calibration_errors(active.ctx(), block_ids.data(), errors.data(), n);
+    }();
     return impl.check_hook("set_calibration_errors", impl.now_text(), status, impl.failures.set_calibration_errors);
   }
   bool accepted = true;
   if (active.abi_minor() >= 1) {
-    const sp_status status = active.table().set_precision_calibration_errors(active.ctx(), SP_PRECISION_NF4,
-                                                                             block_ids.data(), errors.data(), n);
+    const sp_status status = [&] {
+      const detail::PluginCallScope scope(active.label(), "set_precision_calibration_errors");
+      return active.table().set_precision_calibration_errors(active.ctx(), SP_PRECISION_NF4, block_ids.data(),
+                                                             errors.data(), n);
+    }();
     accepted = impl.check_hook("set_precision_calibration_errors", fmt::format("(NF4) {}", impl.now_text()), status,
                                impl.failures.set_calibration_errors);
   } else {
@@ -743,7 +770,10 @@ bool PolicyHost::import_state(const std::vector<std::uint8_t>& blob) {
     impl_->logger->error("policy state not imported: the plugin is quarantined ({})", impl_->quarantine);
     return false;
   }
-  const sp_status status = impl_->active->table().import_state(impl_->active->ctx(), blob.data(), blob.size());
+  const sp_status status = [&] {
+    const detail::PluginCallScope scope(impl_->active->label(), "import_state");
+    return impl_->active->table().import_state(impl_->active->ctx(), blob.data(), blob.size());
+  }();
   if (status == SP_OK) return true;
   impl_->logger->error("policy plugin {} rejected a {}-byte state with {}: {}", impl_->active->label(), blob.size(),
                        status_text(status), impl_->active->last_error());

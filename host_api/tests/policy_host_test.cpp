@@ -1,4 +1,9 @@
 #include <sp/host/policy_host.h>
+#include <sp/host/plugin_call.h>
+
+#include <unistd.h>
+
+#include <csignal>
 
 #include "test_support.h"
 
@@ -197,6 +202,39 @@ TEST(HookDeadline, AHookThatNeverReturnsQuarantinesThePluginAndTheStepsGoOn) {
   EXPECT_TRUE(host.quarantine_reason().empty());
   run_step(host, 8);
   EXPECT_EQ(host.last_hint_source(), HintSource::plugin);
+}
+
+// What a fatal-signal handler learns from describe_plugin_call(): the plugin and the call it
+// crashed in (here a write through NULL in compute_hints, run on the watchdog's thread), and
+// nothing outside plugin calls.
+void print_plugin_call_and_exit(int) {
+  char text[256];
+  const std::size_t n = describe_plugin_call(text, sizeof text);
+  (void)!::write(2, "crashed in [", 12);
+  (void)!::write(2, text, n);
+  (void)!::write(2, "]\n", 2);
+  ::_exit(42);
+}
+
+TEST(PluginCallDeathTest, AHandlerLearnsWhichPluginCallCrashed) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  char outside[64] = "x";
+  EXPECT_EQ(describe_plugin_call(outside, sizeof outside), 0u);
+  EXPECT_STREQ(outside, "");
+  for (const bool watchdog : {false, true}) {
+    EXPECT_EXIT(
+        {
+          ::signal(SIGSEGV, print_plugin_call_and_exit);
+          PolicyHostOptions options;
+          if (watchdog) options.hook_deadline = std::chrono::milliseconds(10000);
+          const std::string config = kExampleConfig + "fixture_crash_hook: compute_hints\nfixture_fail_at_step: 2\n";
+          PolicyHost host(SP_FIXTURE_SCRIPTED, {config, "scripted.yaml"}, make_blocks(kBlocks), options);
+          for (std::int64_t step = 0; step < 4; ++step) run_step(host, step);
+        },
+        ::testing::ExitedWithCode(42), "crashed in \\[scripted_fixture [0-9.]+ in compute_hints at step 2\\]")
+        << (watchdog ? "on the watchdog's thread" : "on the calling thread");
+  }
+  EXPECT_EQ(describe_plugin_call(outside, sizeof outside), 0u);
 }
 
 TEST(FallbackHints, LastGoodBeforeAnyGoodHintsIsAllBf16) {

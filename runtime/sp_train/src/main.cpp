@@ -115,6 +115,7 @@ int main(int argc, char** argv) {
     sp::train::RunOptions options;
     options.out_dir = out;
     options.plugin_dir = plugin_dir;
+    options.crash_marker = true;
     options.logger = logger;
     options.progress = progress;
     options.stop_requested = &g_stop;

@@ -18,6 +18,7 @@
 #include "checkpoint_file.h"
 #include "gpt_model.h"
 #include "progress.h"
+#include "crash_marker.h"
 #include "run_lock.h"
 #include "sp/adapters/metrics.h"
 #include "sp/adapters/transfer_policy.h"
@@ -154,6 +155,7 @@ struct Trainer::Impl {
   std::shared_ptr<tl::Collectives> collectives;
   fs::path run_dir;
   std::unique_ptr<RunDirectoryLock> run_lock;
+  std::optional<std::string> previous_crash;  // what the crash marker of the run before said
   std::unique_ptr<TextCorpus> corpus;
   std::unique_ptr<GptModel> model;
   torch::TensorOptions compute;  // device and dtype of the model's math
@@ -200,6 +202,10 @@ struct Trainer::Impl {
     for (const fs::path& stale :
          remove_stale_temporaries(run_dir, {kRunCheckpointFile, kRunSummaryFile, kRunConfigFile}))
       log->info("removed {}, left by a write that was killed", stale.string());
+    // Before the plugin is loaded: its create() is the first call that can crash the run.
+    previous_crash = take_crash_marker(run_dir / kCrashMarkerFile);
+    if (previous_crash) log->error("the previous run in {} crashed: {}", run_dir.string(), *previous_crash);
+    if (options.crash_marker) install_crash_marker(run_dir / kCrashMarkerFile);
     refuse_what_cannot_fit();
 
     corpus = std::make_unique<TextCorpus>(config.data.path, config.data.val_fraction, config.data.chunk_bytes,
@@ -1049,6 +1055,7 @@ struct Trainer::Impl {
         {"torch_threads", torch::get_num_threads()},
         {"data_parallel", {{"rank", rank()}, {"world_size", world_size()}}},
         {"peak_rss_bytes", peak_rss_bytes()},
+        {"previous_crash", previous_crash ? nlohmann::json(*previous_crash) : nlohmann::json()},
         {"estimated_host_bytes", estimated_host_bytes(config)},
         // Records the run could not write (disk full, ...): each loss was logged when it happened.
         {"log_records_lost",

@@ -73,6 +73,10 @@ struct RunOptions {
   std::atomic<bool>* plugin_check_requested = nullptr;
   // Called after every step, at the step boundary (tests replace the plugin file here).
   std::function<void(const StepRecord&)> on_step;
+  // Installs the crash marker's fatal-signal handlers (crash_marker.h) for this run directory.
+  // The sp-train CLI does; a program embedding the Trainer keeps its own handlers. Either way a
+  // marker that a previous run left is reported and removed.
+  bool crash_marker = false;
 };
 
 enum class RunOutcome { completed, interrupted };

@@ -21,6 +21,7 @@
 #include "sp/testing/gpu_gate.h"
 #include "train_config.h"
 #include "train_test_support.h"
+#include "crash_marker.h"
 #include "trainer.h"
 
 namespace sp::train {
@@ -378,6 +379,20 @@ TEST_F(TrainE2E, StaleTemporariesOfKilledWritesAreRemovedAtStart) {
   train("stale", {{"train.steps", "1"}});
   EXPECT_FALSE(fs::exists(stale));
   EXPECT_TRUE(fs::exists(unrelated));
+}
+
+// A crash marker left by the run before (crash_marker_test.cpp makes real ones) is reported in
+// the log and the summary, and removed.
+TEST_F(TrainE2E, ACrashMarkerOfThePreviousRunIsReportedAndRemoved) {
+  const fs::path run = dir_ / "crashed";
+  fs::create_directories(run);
+  const std::string text =
+      "sp-train (pid 7) died of SIGSEGV inside policy plugin some_plugin 1.2.3 in compute_hints at step 4";
+  testing::write_text(run / kCrashMarkerFile, text + "\n");
+  const RunSummary summary = train("crashed", {{"train.steps", "1"}});
+  EXPECT_EQ(summary.json["previous_crash"], text);
+  EXPECT_FALSE(fs::exists(run / kCrashMarkerFile));
+  EXPECT_TRUE(train("crashed", {{"train.steps", "2"}}).json["previous_crash"].is_null());
 }
 
 TEST_F(TrainE2E, LoraTrainsAdaptersOverFrozenStreamedWeights) {
