@@ -16,17 +16,8 @@
 namespace sp::kernels {
 namespace {
 
-struct AlignedFree {
-  void operator()(uint8_t *p) const { std::free(p); }
-};
-using Image = std::unique_ptr<uint8_t[], AlignedFree>;
-
-Image allocate(uint64_t bytes, uint8_t fill) {
-  const uint64_t rounded = (bytes + 255) / 256 * 256 + 256;
-  Image image(static_cast<uint8_t *>(std::aligned_alloc(256, rounded)));
-  std::memset(image.get(), fill, rounded);
-  return image;
-}
+using Image = testing::AlignedBuffer;
+constexpr auto allocate = testing::aligned_buffer;
 
 // One parameter's four buffers, seeded; copyable, so each path under test gets its own copy.
 struct Param {

@@ -20,16 +20,8 @@
 namespace sp::kernels {
 namespace {
 
-struct AlignedFree {
-  void operator()(uint8_t *p) const { std::free(p); }
-};
-using Buffer = std::unique_ptr<uint8_t[], AlignedFree>;
-
-Buffer allocate(uint64_t bytes, uint8_t fill) {
-  Buffer buffer(static_cast<uint8_t *>(std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256)));
-  std::memset(buffer.get(), fill, (bytes + 255) / 256 * 256 + 256);
-  return buffer;
-}
+using Buffer = testing::AlignedBuffer;
+constexpr auto allocate = testing::aligned_buffer;
 
 // The tensors of one GPT block of width d: LN gains/biases, QKV, attention output, 4d MLP.
 std::vector<TensorShape> gpt_block(uint64_t d) {

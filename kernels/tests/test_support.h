@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstdlib>
+#include <memory>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -12,6 +14,20 @@
 #include "sp/kernels/dtype.h"
 
 namespace sp::kernels::testing {
+
+struct AlignedFree {
+  void operator()(uint8_t *p) const { std::free(p); }
+};
+using AlignedBuffer = std::unique_ptr<uint8_t[], AlignedFree>;
+
+// `bytes` (rounded up to 256, plus 256 of slack) at a 256-byte boundary, every byte `fill`: an
+// image buffer whose old contents a builder must overwrite.
+inline AlignedBuffer aligned_buffer(uint64_t bytes, uint8_t fill) {
+  const uint64_t rounded = (bytes + 255) / 256 * 256 + 256;
+  AlignedBuffer buffer(static_cast<uint8_t *>(std::aligned_alloc(256, rounded)));
+  std::memset(buffer.get(), fill, rounded);
+  return buffer;
+}
 
 inline uint16_t bf16_truncate(float x) {
   uint32_t u;

@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -44,24 +43,12 @@ void append(char* out, std::size_t capacity, std::size_t* length, const char* te
   while (*text != '\0' && *length + 1 < capacity) out[(*length)++] = *text++;
 }
 
-void append_number(char* out, std::size_t capacity, std::size_t* length, std::uint64_t value) {
-  char digits[24];
-  std::size_t n = 0;
-  do {
-    digits[n++] = static_cast<char>('0' + value % 10);
-    value /= 10;
-  } while (value != 0);
-  while (n > 0 && *length + 1 < capacity) out[(*length)++] = digits[--n];
-}
-
 // Async-signal-safe: fixed buffers, open/write/close, then the default action.
 void on_fatal_signal(int signal) {
   const int saved_errno = errno;
   char text[1024];
   std::size_t length = 0;
-  append(text, sizeof text, &length, "sp-train (pid ");
-  append_number(text, sizeof text, &length, static_cast<std::uint64_t>(::getpid()));
-  append(text, sizeof text, &length, ") died of ");
+  append(text, sizeof text, &length, "sp-train died of ");
   append(text, sizeof text, &length, signal_name(signal));
   char call[512];
   if (sp::host::describe_plugin_call(call, sizeof call) != 0) {

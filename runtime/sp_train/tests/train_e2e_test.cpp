@@ -387,7 +387,7 @@ TEST_F(TrainE2E, ACrashMarkerOfThePreviousRunIsReportedAndRemoved) {
   const fs::path run = dir_ / "crashed";
   fs::create_directories(run);
   const std::string text =
-      "sp-train (pid 7) died of SIGSEGV inside policy plugin some_plugin 1.2.3 in compute_hints at step 4";
+      "sp-train died of SIGSEGV inside policy plugin some_plugin 1.2.3 in compute_hints at step 4";
   testing::write_text(run / kCrashMarkerFile, text + "\n");
   const RunSummary summary = train("crashed", {{"train.steps", "1"}});
   EXPECT_EQ(summary.json["previous_crash"], text);
