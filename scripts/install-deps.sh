@@ -14,6 +14,9 @@ packages=(
   # The Python module: Debian's Python torch (the same libtorch, and torchrun), pybind11, and
   # pytest for its tests.
   python3-dev python3-torch pybind11-dev python3-pytest
+  # The libFuzzer harnesses (docs/fuzzing.md): Clang, and the package that holds
+  # libclang_rt.fuzzer-x86_64.a and the sanitizer runtimes for it.
+  clang libclang-rt-14-dev
 )
 packages+=("$@")
 

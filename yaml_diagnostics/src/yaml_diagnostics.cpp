@@ -45,7 +45,16 @@ std::string describe(const YAML::Node& node) {
   return fmt::format("'{}'", node.Scalar());
 }
 
-bool is_plain_scalar(const YAML::Node& node) { return node.IsScalar() && node.Tag() != "!"; }
+bool is_plain_scalar(const YAML::Node& node) {
+  if (!node.IsScalar() || node.Tag() == "!") return false;
+  // YAML strips the blanks around a plain scalar, so one that still has them came from bytes
+  // yaml-cpp reads as blanks (a NUL byte: "threads: 1<NUL> # ..." reads as "1     "). Its
+  // converters accept such a number, but the emitter writes the scalar back quoted, so the
+  // config a host resolves and hands on would read as a string (found by fuzzing, docs/fuzzing.md).
+  const std::string& text = node.Scalar();
+  const auto blank = [](char c) { return c == '\0' || std::isspace(static_cast<unsigned char>(c)) != 0; };
+  return text.empty() || (!blank(text.front()) && !blank(text.back()));
+}
 
 std::optional<std::string_view> closest_key(std::string_view unknown, const char* const* candidates,
                                             std::size_t count) {

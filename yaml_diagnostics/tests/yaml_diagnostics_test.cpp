@@ -1,6 +1,7 @@
 #include "sp/yaml_diagnostics/yaml_diagnostics.h"
 
 #include <array>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -18,6 +19,19 @@ TEST(Describe, SaysWhatYamlMadeOfTheValue) {
   EXPECT_TRUE(is_plain_scalar(doc["plain"]));
   EXPECT_FALSE(is_plain_scalar(doc["quoted"]));
   EXPECT_FALSE(is_plain_scalar(doc["list"]));
+}
+
+// Found by fuzzing sp-train's config (docs/fuzzing.md): yaml-cpp reads "1<NUL>" as "1" and
+// blanks, which its converters took for the number 1, while the emitter writes it back quoted,
+// so the resolved config (the run directory's config.yaml, the plugin's text) read as a string.
+TEST(Describe, ABlankEdgedScalarIsNoNumber) {
+  const YAML::Node doc = YAML::Load(std::string("threads: 1   \0   # two cores\nsteps: 3\n", 38));
+  ASSERT_TRUE(doc["threads"].IsScalar());
+  EXPECT_FALSE(is_plain_scalar(doc["threads"]));
+  EXPECT_TRUE(is_plain_scalar(doc["steps"]));
+  YAML::Emitter out;
+  out << doc;
+  EXPECT_FALSE(is_plain_scalar(YAML::Load(out.c_str())["threads"]));  // written back quoted
 }
 
 TEST(ClosestKey, SuggestsOnlyANearMisspelling) {

@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include "sp/adapters/host_backend.h"
@@ -211,7 +212,14 @@ void read_model(const Origins& origins, const Section& s, ModelConfig& m) {
   s.integer("mlp_ratio", m.mlp_ratio, 1, 64);
   s.number("init_std", m.init_std, 0.0, 1.0, /*min_exclusive=*/true);
   if (m.d_model % m.n_heads != 0) {
-    s.fail("n_heads", fmt::format("a divisor of model.d_model ({})", m.d_model), s.node()["n_heads"]);
+    // n_heads may be the default, absent from the text: its node is then invalid, and describing
+    // it threw YAML::InvalidNode past every ConfigError (found by fuzzing, docs/fuzzing.md).
+    const YAML::Node given = s.node()["n_heads"];
+    if (!given.IsDefined()) {
+      throw ConfigError(fmt::format("{}: model.n_heads: expected a divisor of model.d_model ({}), found the default {}",
+                                    origins.of("model.n_heads"), m.d_model, m.n_heads));
+    }
+    s.fail("n_heads", fmt::format("a divisor of model.d_model ({})", m.d_model), given);
   }
   const Section outliers(origins, "model.outliers", s.node()["outliers"], {"blocks", "magnitude"});
   outliers.block_ids("blocks", m.outlier_blocks, m.n_blocks);
@@ -384,6 +392,41 @@ void apply_override(YAML::Node& root, const Override& override, const std::strin
   node[keys.back()] = value;
 }
 
+// Counts the YAML documents of `text`. Not YAML::LoadAll: on some malformed text (a stray ','
+// where a document's first node should start) yaml-cpp 0.7's parser reports empty documents
+// forever without consuming anything, and LoadAll collects them until memory runs out (found
+// by fuzzing, docs/fuzzing.md). Each document must start past the one before.
+class DocumentStarts final : public YAML::EventHandler {
+ public:
+  void OnDocumentStart(const YAML::Mark& mark) override { last = mark; }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+  YAML::Mark last = YAML::Mark::null_mark();
+};
+
+std::size_t count_documents(const std::string& text, const std::string& source_name) {
+  std::istringstream in(text);
+  YAML::Parser parser(in);
+  DocumentStarts starts;
+  std::size_t documents = 0;
+  int previous_pos = -1;
+  while (parser.HandleNextDocument(starts)) {
+    if (starts.last.pos <= previous_pos) {
+      throw ConfigError(fmt::format("{}: not valid YAML: line {}, column {}: no node can start here", source_name,
+                                    starts.last.line + 1, starts.last.column + 1));
+    }
+    previous_pos = starts.last.pos;
+    ++documents;
+  }
+  return documents;
+}
+
 }  // namespace
 
 Override parse_override(const std::string& argument) {
@@ -398,13 +441,13 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
                                const std::vector<Override>& overrides) {
   YAML::Node root;
   try {
-    const std::vector<YAML::Node> documents = YAML::LoadAll(text);
+    const std::size_t documents = count_documents(text, source_name);
     // A second document would be read by no one, and a key there silently ignored.
-    if (documents.size() > 1) {
+    if (documents > 1) {
       throw ConfigError(
-          fmt::format("{}: holds {} YAML documents (separated by ---); expected one", source_name, documents.size()));
+          fmt::format("{}: holds {} YAML documents (separated by ---); expected one", source_name, documents));
     }
-    if (!documents.empty()) root.reset(documents.front());
+    if (documents == 1) root.reset(YAML::Load(text));
   } catch (const YAML::Exception& e) {
     throw ConfigError(fmt::format("{}: not valid YAML: {}", source_name, e.what()));
   }

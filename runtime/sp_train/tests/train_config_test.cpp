@@ -179,6 +179,24 @@ TEST(TrainConfig, ALiteralOverrideIsNotReadAsYaml) {
   EXPECT_EQ(c.data.path, "corpus #2: a*b.txt");
 }
 
+// Found by fuzzing (docs/fuzzing.md): yaml-cpp's LoadAll never returned on a stray ',' before
+// the first node (empty documents forever, until memory ran out); a NUL after a number read as
+// the number, while the resolved config wrote it back quoted, as a string; a d_model that the
+// default n_heads does not divide escaped as YAML::InvalidNode.
+TEST(TrainConfig, MalformedBytesAreConfigErrors) {
+  EXPECT_EQ(error_of(",a: 1\n"), "cfg.yaml: not valid YAML: line 1, column 1: no node can start here");
+  EXPECT_EQ(error_of("train:\n  steps: 3\n---\n,b\n"),
+            "cfg.yaml: not valid YAML: line 4, column 1: no node can start here");
+  EXPECT_EQ(error_of(std::string("train:\n  threads: 1   \0   # cores\n", 34)),
+            "cfg.yaml: train.threads: expected an integer in [0, 1024], found '1     '");
+  // A d_model that the default n_heads does not divide: describing the absent key threw
+  // YAML::InvalidNode (an internal error, exit code 1) instead of a ConfigError.
+  EXPECT_EQ(error_of("model:\n  d_model: 63\n"),
+            "cfg.yaml: model.n_heads: expected a divisor of model.d_model (63), found the default 4");
+  EXPECT_EQ(error_of("", {parse_override("model.d_model=66")}),
+            "cfg.yaml: model.n_heads: expected a divisor of model.d_model (66), found the default 4");
+}
+
 TEST(TrainConfig, ASecondYamlDocumentAndAPluginPathAreRefused) {
   EXPECT_EQ(error_of("train: {steps: 3}\n---\ntrain: {lr: 99}\n"),
             "cfg.yaml: holds 2 YAML documents (separated by ---); expected one");

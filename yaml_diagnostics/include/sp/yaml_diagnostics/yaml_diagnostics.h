@@ -17,7 +17,8 @@ namespace sp::yaml_diagnostics {
 std::string describe(const YAML::Node& node);
 
 // A scalar that YAML may read as a number or a boolean. A quoted scalar is a string even when
-// it looks like a number, so `"0.5"` is not a threshold.
+// it looks like a number, so `"0.5"` is not a threshold; so is one with blanks at either end,
+// which a plain scalar can only have from bytes such as NUL (it would be written back quoted).
 bool is_plain_scalar(const YAML::Node& node);
 
 // The candidate closest to `unknown` by case-insensitive edit distance, if it is near enough
