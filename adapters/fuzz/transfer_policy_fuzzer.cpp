@@ -8,6 +8,7 @@
 //   - its rules per path are sorted, disjoint and non-empty (min_bytes < max_bytes), as the
 //     lookups assume, and find_rule / pays agree with them at every rule's edges.
 // Any violation aborts.
+#include "fuzz_support.h"
 #include "sp/adapters/transfer_policy.h"
 
 #include <cstddef>
@@ -20,10 +21,7 @@ namespace {
 
 namespace a = sp::adapters;
 
-[[noreturn]] void fail(const std::string &what) {
-  std::fprintf(stderr, "transfer_policy_fuzzer: contract violated: %s\n", what.c_str());
-  std::abort();
-}
+[[noreturn]] void fail(const std::string &what) { sp::fuzz::contract_violated("transfer_policy_fuzzer", what); }
 
 }  // namespace
 

@@ -11,6 +11,7 @@
 //     sp-bench writes, a run can load;
 //   - the gate of the merged policy answers for every path without throwing.
 // Any violation aborts.
+#include "fuzz_support.h"
 #include "sp/adapters/transfer_policy.h"
 
 #include <cstddef>
@@ -24,10 +25,7 @@ namespace {
 
 namespace a = sp::adapters;
 
-[[noreturn]] void fail(const std::string &what) {
-  std::fprintf(stderr, "transfer_report_fuzzer: contract violated: %s\n", what.c_str());
-  std::abort();
-}
+[[noreturn]] void fail(const std::string &what) { sp::fuzz::contract_violated("transfer_report_fuzzer", what); }
 
 }  // namespace
 

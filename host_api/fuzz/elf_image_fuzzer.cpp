@@ -5,6 +5,7 @@
 // message names the file; no other exception, no crash, no sanitizer report. When it accepts a
 // file, the file is a native ELF shared object whose program header table and every segment with
 // file bytes lie inside the file (checked here again, independently); otherwise abort().
+#include "fuzz_support.h"
 #include "elf_image.h"
 
 #include <sp/host/plugin_library.h>
@@ -22,26 +23,8 @@
 
 namespace {
 
-[[noreturn]] void fail(const char *what) {
-  std::fprintf(stderr, "elf_image_fuzzer: contract violated: %s\n", what);
-  std::abort();
-}
+[[noreturn]] void fail(const std::string &what) { sp::fuzz::contract_violated("elf_image_fuzzer", what); }
 
-const std::string &scratch_file() {
-  static const std::string path = [] {
-    std::string p = "/tmp/sp-fuzz-elf-image-" + std::to_string(::getpid()) + ".so";
-    std::atexit([] { std::remove(scratch_file().c_str()); });
-    return p;
-  }();
-  return path;
-}
-
-void write_file(const std::string &path, const std::uint8_t *data, std::size_t size) {
-  std::FILE *f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) fail("cannot write the scratch file");
-  if (size != 0 && std::fwrite(data, 1, size, f) != size) fail("short write to the scratch file");
-  if (std::fclose(f) != 0) fail("cannot close the scratch file");
-}
 
 bool inside(std::uint64_t offset, std::uint64_t bytes, std::uint64_t size) {
   return offset <= size && bytes <= size - offset;
@@ -68,8 +51,9 @@ void check_accepted(const std::uint8_t *data, std::size_t size) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t *data, std::size_t size) {
-  const std::string &path = scratch_file();
-  write_file(path, data, size);
+  static const sp::fuzz::ScratchFile scratch("elf-image.so");
+  scratch.write(data, size);
+  const std::string &path = scratch.path();
   try {
     sp::host::check_elf_image("fuzz-plugin.so", path);
   } catch (const sp::host::PluginError &error) {

@@ -10,6 +10,7 @@
 // image decodes to fp32 as its bit patterns widened, and rebuilding a BF16 image from its decoded
 // values gives an image that read_slab() accepts with the same shapes and that decodes to the
 // same values. Any violation aborts.
+#include "fuzz_support.h"
 #include "sp/kernels/slab.h"
 
 #include <cmath>
@@ -26,10 +27,7 @@ namespace {
 
 namespace k = sp::kernels;
 
-[[noreturn]] void fail(const char *what) {
-  std::fprintf(stderr, "slab_image_fuzzer: contract violated: %s\n", what);
-  std::abort();
-}
+[[noreturn]] void fail(const std::string &what) { sp::fuzz::contract_violated("slab_image_fuzzer", what); }
 
 void check(bool ok, const char *what) {
   if (!ok) fail(what);

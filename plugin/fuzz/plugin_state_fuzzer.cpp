@@ -14,6 +14,7 @@
 //     exports the same bytes (a fixed point), and a whole step (begin_step, post_backward,
 //     compute_hints, end_step) runs on it without any exception and gives valid hints.
 // Any violation aborts.
+#include "fuzz_support.h"
 #include "sp/policy/config.h"
 #include "sp/policy/engine.h"
 #include "sp/policy/errors.h"
@@ -49,10 +50,7 @@ constexpr const char *kGuardConfig =
     "  telemetry_enabled: false\n  log_decisions: false\n  force_int8_blocks: [0]\n"
     "  loss_guard:\n    enabled: true\n    window: 4\n    blame_steps: 2\n    penalty_steps: 3\n";
 
-[[noreturn]] void fail(const std::string &what) {
-  std::fprintf(stderr, "plugin_state_fuzzer: contract violated: %s\n", what.c_str());
-  std::abort();
-}
+[[noreturn]] void fail(const std::string &what) { sp::fuzz::contract_violated("plugin_state_fuzzer", what); }
 
 const PolicyConfig &config(bool guard) {
   static const PolicyConfig fixture = sp::policy::parse_policy_config(kFixtureConfig, kBlocks).config;

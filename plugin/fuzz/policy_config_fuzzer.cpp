@@ -12,6 +12,7 @@
 //     path is ever written) on which two whole steps run without any exception and give hints
 //     of a known precision for every block, in block order.
 // Any violation aborts.
+#include "fuzz_support.h"
 #include "sp/policy/config.h"
 #include "sp/policy/engine.h"
 #include "sp/policy/errors.h"
@@ -29,10 +30,7 @@ namespace {
 
 constexpr std::uint32_t kBlocks = 8;
 
-[[noreturn]] void fail(const char *what) {
-  std::fprintf(stderr, "policy_config_fuzzer: contract violated: %s\n", what);
-  std::abort();
-}
+[[noreturn]] void fail(const std::string &what) { sp::fuzz::contract_violated("policy_config_fuzzer", what); }
 
 void run_steps(sp::policy::PolicyEngine &engine) {
   const std::uint32_t ids[] = {0, 3, 7};

@@ -7,6 +7,7 @@
 //   - what it returns is valid for the plugin's set_calibration_errors: per precision one error
 //     per id, ids below n_blocks and distinct, errors finite and >= 0.
 // Any violation aborts.
+#include "fuzz_support.h"
 #include "replay_inputs.h"
 
 #include <unistd.h>
@@ -23,18 +24,7 @@ namespace {
 
 constexpr std::uint32_t kBlocks = 4;
 
-[[noreturn]] void fail(const std::string &what) {
-  std::fprintf(stderr, "replay_calibration_fuzzer: contract violated: %s\n", what.c_str());
-  std::abort();
-}
-
-const std::string &scratch_file() {
-  static const struct Scratch {
-    std::string path = "/tmp/sp-fuzz-replay-calibration-" + std::to_string(::getpid()) + ".json";
-    ~Scratch() { std::remove(path.c_str()); }
-  } scratch;
-  return scratch.path;
-}
+[[noreturn]] void fail(const std::string &what) { sp::fuzz::contract_violated("replay_calibration_fuzzer", what); }
 
 void check(const sp::replay::CalibrationErrors &errors) {
   if (errors.block_ids.size() != errors.errors.size()) fail("ids and errors differ in count");
@@ -48,11 +38,9 @@ void check(const sp::replay::CalibrationErrors &errors) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t *data, std::size_t size) {
-  const std::string &path = scratch_file();
-  std::FILE *f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) fail("cannot write " + path);
-  if (size != 0 && std::fwrite(data, 1, size, f) != size) fail("short write to " + path);
-  if (std::fclose(f) != 0) fail("cannot close " + path);
+  static const sp::fuzz::ScratchFile scratch("replay-calibration.json");
+  scratch.write(data, size);
+  const std::string &path = scratch.path();
 
   sp::replay::CalibrationFile file;
   try {

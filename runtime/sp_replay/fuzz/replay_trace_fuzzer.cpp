@@ -9,6 +9,7 @@
 //     below n_blocks, each at most once; sum_sq and max_abs finite and >= 0, sum finite;
 //     nonfinite <= count; loss finite or NaN (unknown).
 // Any violation aborts.
+#include "fuzz_support.h"
 #include "replay_inputs.h"
 
 #include <cmath>
@@ -24,10 +25,7 @@ namespace {
 
 constexpr std::uint32_t kBlocks = 4;
 
-[[noreturn]] void fail(const char *what) {
-  std::fprintf(stderr, "replay_trace_fuzzer: contract violated: %s\n", what);
-  std::abort();
-}
+[[noreturn]] void fail(const std::string &what) { sp::fuzz::contract_violated("replay_trace_fuzzer", what); }
 
 }  // namespace
 

@@ -13,6 +13,7 @@
 //     else has a detail that names the file;
 //   - a hit round-trips: write_calibration_cache, read again, a hit with the same errors.
 // Any violation aborts.
+#include "fuzz_support.h"
 #include "calibration_cache.h"
 
 #include "sp/runtime/hash.h"
@@ -32,31 +33,8 @@
 
 namespace {
 
-[[noreturn]] void fail(const std::string &what) {
-  std::fprintf(stderr, "calibration_cache_fuzzer: contract violated: %s\n", what.c_str());
-  std::abort();
-}
+[[noreturn]] void fail(const std::string &what) { sp::fuzz::contract_violated("calibration_cache_fuzzer", what); }
 
-struct ScratchFiles {
-  std::string input = "/tmp/sp-fuzz-calibration-cache-" + std::to_string(::getpid()) + ".json";
-  std::string rewritten = "/tmp/sp-fuzz-calibration-cache-" + std::to_string(::getpid()) + "-rewritten.json";
-  ~ScratchFiles() {
-    std::remove(input.c_str());
-    std::remove(rewritten.c_str());
-  }
-};
-
-const ScratchFiles &scratch() {
-  static const ScratchFiles files;
-  return files;
-}
-
-void write_file(const std::string &path, const std::string &text) {
-  std::FILE *f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) fail("cannot write the scratch file " + path);
-  if (!text.empty() && std::fwrite(text.data(), 1, text.size(), f) != text.size()) fail("short write to " + path);
-  if (std::fclose(f) != 0) fail("cannot close " + path);
-}
 
 // The checksum calibration_cache.cpp stores: FNV-1a of fingerprint + both arrays' dumps.
 std::string checksum_of(const std::string &fingerprint, const nlohmann::json &int8, const nlohmann::json &nf4) {
@@ -105,15 +83,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t *data, std::size_t size
       text = doc.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
     }
   }
-  const ScratchFiles &files = scratch();
-  write_file(files.input, text);
+  static const sp::fuzz::ScratchFile input("calibration-cache.json"), rewritten("calibration-cache-rewritten.json");
+  input.write(text.data(), text.size());
 
-  const sp::train::CacheLookup lookup = sp::train::read_calibration_cache(files.input, fingerprint, n_blocks);
-  check_lookup(lookup, files.input, n_blocks);
+  const sp::train::CacheLookup lookup = sp::train::read_calibration_cache(input.path(), fingerprint, n_blocks);
+  check_lookup(lookup, input.path(), n_blocks);
   if (lookup.status != sp::train::CacheStatus::hit) return 0;
 
-  sp::train::write_calibration_cache(files.rewritten, fingerprint, nlohmann::json::object(), lookup.errors);
-  const sp::train::CacheLookup again = sp::train::read_calibration_cache(files.rewritten, fingerprint, n_blocks);
+  sp::train::write_calibration_cache(rewritten.path(), fingerprint, nlohmann::json::object(), lookup.errors);
+  const sp::train::CacheLookup again = sp::train::read_calibration_cache(rewritten.path(), fingerprint, n_blocks);
   if (again.status != sp::train::CacheStatus::hit) fail("a rewritten cache is not a hit: " + again.detail);
   if (!same_bits(again.errors.int8, lookup.errors.int8) || !same_bits(again.errors.nf4, lookup.errors.nf4)) {
     fail("a rewritten cache reads back other errors");

@@ -10,6 +10,7 @@
 //   - accepted sections round-trip: write_atomically, read again, same names and payloads;
 //   - get() of a section that is not there throws CheckpointError.
 // Any violation aborts.
+#include "fuzz_support.h"
 #include "checkpoint_file.h"
 
 #include "sp/runtime/hash.h"
@@ -26,31 +27,8 @@
 
 namespace {
 
-[[noreturn]] void fail(const std::string &what) {
-  std::fprintf(stderr, "checkpoint_fuzzer: contract violated: %s\n", what.c_str());
-  std::abort();
-}
+[[noreturn]] void fail(const std::string &what) { sp::fuzz::contract_violated("checkpoint_fuzzer", what); }
 
-struct ScratchFiles {
-  std::string input = "/tmp/sp-fuzz-checkpoint-" + std::to_string(::getpid()) + ".bin";
-  std::string rewritten = "/tmp/sp-fuzz-checkpoint-" + std::to_string(::getpid()) + "-rewritten.bin";
-  ~ScratchFiles() {
-    std::remove(input.c_str());
-    std::remove(rewritten.c_str());
-  }
-};
-
-const ScratchFiles &scratch() {
-  static const ScratchFiles files;
-  return files;
-}
-
-void write_file(const std::string &path, const std::uint8_t *data, std::size_t size) {
-  std::FILE *f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) fail("cannot write the scratch file " + path);
-  if (size != 0 && std::fwrite(data, 1, size, f) != size) fail("short write to " + path);
-  if (std::fclose(f) != 0) fail("cannot close " + path);
-}
 
 }  // namespace
 
@@ -62,21 +40,21 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t *data, std::size_t size
     const std::uint64_t sum = sp::runtime::fnv1a64(file.data(), file.size() - 8);
     std::memcpy(file.data() + file.size() - 8, &sum, sizeof sum);
   }
-  const ScratchFiles &files = scratch();
-  write_file(files.input, file.data(), file.size());
+  static const sp::fuzz::ScratchFile input("checkpoint.bin"), rewritten("checkpoint-rewritten.bin");
+  input.write(file.data(), file.size());
 
   sp::train::CheckpointSections sections;
   try {
-    sections = sp::train::CheckpointSections::read(files.input);
+    sections = sp::train::CheckpointSections::read(input.path());
   } catch (const sp::train::CheckpointError &error) {
-    if (std::string(error.what()).find(files.input) == std::string::npos) fail("the error does not name the file");
+    if (std::string(error.what()).find(input.path()) == std::string::npos) fail("the error does not name the file");
     return 0;
   }
 
-  sections.write_atomically(files.rewritten);
+  sections.write_atomically(rewritten.path());
   sp::train::CheckpointSections again;
   try {
-    again = sp::train::CheckpointSections::read(files.rewritten);
+    again = sp::train::CheckpointSections::read(rewritten.path());
   } catch (const sp::train::CheckpointError &error) {
     fail(std::string("a rewritten checkpoint is rejected: ") + error.what());
   }

@@ -14,6 +14,7 @@
 //     may lay out an empty mapping differently the second time), and a third parse gives the
 //     second text exactly (a fixed point).
 // Any violation aborts.
+#include "fuzz_support.h"
 #include "train_config.h"
 
 #include <cstddef>
@@ -27,10 +28,7 @@
 
 namespace {
 
-[[noreturn]] void fail(const std::string &what) {
-  std::fprintf(stderr, "train_config_fuzzer: contract violated: %s\n", what.c_str());
-  std::abort();
-}
+[[noreturn]] void fail(const std::string &what) { sp::fuzz::contract_violated("train_config_fuzzer", what); }
 
 constexpr const char *kSeparator = "\n#--set\n";
 
