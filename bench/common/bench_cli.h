@@ -29,6 +29,13 @@ inline int parse_command_line(CLI::App& app, int argc, char** argv) {
   return -1;
 }
 
+// The options every report-writing benchmark takes: where the JSON goes (checked before the run)
+// and the commit it records.
+inline void add_report_options(CLI::App& app, std::string& output, std::string& commit) {
+  app.add_option("-o,--output", output, "JSON result path")->capture_default_str()->check(sp::runtime::output_file());
+  app.add_option("--commit", commit, "commit the binary was built from (recorded in the JSON)");
+}
+
 // Labels given on the command line may hold any bytes; the report replaces invalid UTF-8
 // rather than failing after the whole run.
 inline void write_report(const std::filesystem::path& path, const nlohmann::json& report) {

@@ -307,10 +307,7 @@ void run(const Options &options) {
 int main(int argc, char **argv) {
   Options options;
   CLI::App app{"CPU kernel throughput against memcpy bandwidth measured in the same run"};
-  app.add_option("-o,--output", options.output, "JSON result path")
-      ->capture_default_str()
-      ->check(sp::runtime::output_file());
-  app.add_option("--commit", options.commit, "commit the binary was built from (recorded in the JSON)");
+  sp::bench::add_report_options(app, options.output, options.commit);
   app.add_option("--rows", options.rows, "rows of the weight matrix")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();

@@ -203,10 +203,7 @@ void run(const Options &options) {
 int main(int argc, char **argv) {
   Options options;
   CLI::App app{"GPU kernel throughput against device-to-device copy bandwidth measured in the same run"};
-  app.add_option("-o,--output", options.output, "JSON result path")
-      ->capture_default_str()
-      ->check(sp::runtime::output_file());
-  app.add_option("--commit", options.commit, "commit the binary was built from (recorded in the JSON)");
+  sp::bench::add_report_options(app, options.output, options.commit);
   app.add_option("--repeats", options.repeats, "timed repetitions (median reported)")
       ->check(CLI::Range(1, 1000))
       ->capture_default_str();

@@ -300,10 +300,7 @@ void run(const Options &options) {
 int main(int argc, char **argv) {
   Options options;
   CLI::App app{"The host optimizer (AdamW + transfer image) against a STREAM triad measured in the same run"};
-  app.add_option("-o,--output", options.output, "JSON result path")
-      ->capture_default_str()
-      ->check(sp::runtime::output_file());
-  app.add_option("--commit", options.commit, "commit the binary was built from (recorded in the JSON)");
+  sp::bench::add_report_options(app, options.output, options.commit);
   app.add_option("--d-model", options.d_model, "block width d: the block holds 12 d^2 parameters")
       ->check(CLI::Range(64, 16384))
       ->capture_default_str();

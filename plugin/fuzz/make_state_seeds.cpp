@@ -3,6 +3,7 @@
 // files are committed beside the 1.0.0 fixtures copied from plugin/selective_precision/tests/data:
 //
 //   build-fuzz/bin/plugin_state_seed_writer plugin/fuzz/corpus/plugin_state
+#include "state_configs.h"
 #include "sp/policy/config.h"
 #include "sp/policy/engine.h"
 
@@ -16,17 +17,9 @@
 
 namespace {
 
-constexpr std::uint32_t kBlocks = 6;
-// Must match plugin_state_fuzzer.cpp.
-constexpr const char *kFixtureConfig =
-    "selective_precision:\n  warmup_steps: 3\n  update_interval_steps: 2\n  min_steps_between_switches: 4\n"
-    "  history_window: 3\n  telemetry_enabled: false\n  log_decisions: false\n  force_bf16_blocks: [5]\n";
-constexpr const char *kGuardConfig =
-    "selective_precision:\n  mode: dynamic\n  tiers: [bf16, int8, nf4]\n  bf16_threshold: 0.6\n  int8_threshold: 0.45\n"
-    "  nf4_threshold: 0.3\n  warmup_steps: 1\n"
-    "  update_interval_steps: 1\n  min_steps_between_switches: 1\n  history_window: 4\n"
-    "  telemetry_enabled: false\n  log_decisions: false\n  force_int8_blocks: [0]\n"
-    "  loss_guard:\n    enabled: true\n    window: 4\n    blame_steps: 2\n    penalty_steps: 3\n";
+constexpr std::uint32_t kBlocks = sp::fuzz::kStateBlocks;
+constexpr const char *kFixtureConfig = sp::fuzz::kStateFixtureConfig;
+constexpr const char *kGuardConfig = sp::fuzz::kStateGuardConfig;
 
 void write_seed(const std::string &path, std::uint8_t flags, const std::vector<std::uint8_t> &blob) {
   std::ofstream out(path, std::ios::binary);

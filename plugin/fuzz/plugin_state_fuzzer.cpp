@@ -14,6 +14,7 @@
 //     exports the same bytes (a fixed point), and a whole step (begin_step, post_backward,
 //     compute_hints, end_step) runs on it without any exception and gives valid hints.
 // Any violation aborts.
+#include "state_configs.h"
 #include "fuzz_support.h"
 #include "sp/policy/config.h"
 #include "sp/policy/engine.h"
@@ -36,19 +37,9 @@ namespace {
 using sp::policy::PolicyConfig;
 using sp::policy::PolicyEngine;
 
-constexpr std::uint32_t kBlocks = 6;  // the blocks of plugin/selective_precision/tests/data/*.state
-
-// The config of the committed 1.0.0 state fixtures (state_fixture_writer.cpp).
-constexpr const char *kFixtureConfig =
-    "selective_precision:\n  warmup_steps: 3\n  update_interval_steps: 2\n  min_steps_between_switches: 4\n"
-    "  history_window: 3\n  telemetry_enabled: false\n  log_decisions: false\n  force_bf16_blocks: [5]\n";
-// Policy v2 with NF4 as a tier and the loss guard on.
-constexpr const char *kGuardConfig =
-    "selective_precision:\n  mode: dynamic\n  tiers: [bf16, int8, nf4]\n  bf16_threshold: 0.6\n  int8_threshold: 0.45\n"
-    "  nf4_threshold: 0.3\n  warmup_steps: 1\n"
-    "  update_interval_steps: 1\n  min_steps_between_switches: 1\n  history_window: 4\n"
-    "  telemetry_enabled: false\n  log_decisions: false\n  force_int8_blocks: [0]\n"
-    "  loss_guard:\n    enabled: true\n    window: 4\n    blame_steps: 2\n    penalty_steps: 3\n";
+constexpr std::uint32_t kBlocks = sp::fuzz::kStateBlocks;
+constexpr const char *kFixtureConfig = sp::fuzz::kStateFixtureConfig;
+constexpr const char *kGuardConfig = sp::fuzz::kStateGuardConfig;
 
 [[noreturn]] void fail(const std::string &what) { sp::fuzz::contract_violated("plugin_state_fuzzer", what); }
 
