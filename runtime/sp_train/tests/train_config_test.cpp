@@ -197,6 +197,20 @@ TEST(TrainConfig, MalformedBytesAreConfigErrors) {
             "cfg.yaml: model.n_heads: expected a divisor of model.d_model (66), found the default 4");
 }
 
+// yaml-cpp kept "10\r\r" of "interval: 10\r\r\r\n" as the scalar and wrote it back unquoted, so
+// the run's config.yaml read back as "10\r" (the fuzzer's finding): such returns are refused,
+// while CRLF line ends stay fine.
+TEST(TrainConfig, ACarriageReturnThatEndsNoLineIsRefused) {
+  EXPECT_EQ(error_of("train:\n  steps: 10\r\r\n"),
+            "cfg.yaml: line 2, column 12: a carriage return that ends no line (expected \\n or \\r\\n line ends)");
+  EXPECT_EQ(error_of("train: {steps: 3}\r"),
+            "cfg.yaml: line 1, column 18: a carriage return that ends no line (expected \\n or \\r\\n line ends)");
+  EXPECT_EQ(parse_train_config("train:\r\n  steps: 7\r\n", "cfg.yaml").train.steps, 7);
+  Override literal = parse_override("train.init_checkpoint=a.bin\r");
+  literal.literal = true;
+  EXPECT_EQ(error_of("", {literal}), "--set train.init_checkpoint=a.bin\r: holds a carriage return; expected none");
+}
+
 TEST(TrainConfig, ASecondYamlDocumentAndAPluginPathAreRefused) {
   EXPECT_EQ(error_of("train: {steps: 3}\n---\ntrain: {lr: 99}\n"),
             "cfg.yaml: holds 2 YAML documents (separated by ---); expected one");
