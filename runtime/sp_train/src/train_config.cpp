@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <string_view>
@@ -430,6 +431,37 @@ void refuse_lone_carriage_returns(const std::string& text, const std::string& so
   }
 }
 
+// A carriage return that reached a scalar another way (a quoted "\r", or yaml-cpp's reading of
+// a NUL byte before an 'r') has the same fault: the emitter writes it unquoted. The walk visits
+// each parsed node once (an alias points at a node already seen: same mark), so an aliased or
+// recursive document costs its size, not its expansion. Returns the key path of the first
+// scalar, key or value, that holds one. `visited` holds the nodes seen by their position (a map
+// and its first key share one), compared by identity.
+std::optional<std::string> find_carriage_return(const YAML::Node& node, const std::string& path,
+                                                std::multimap<int, YAML::Node>& visited) {
+  const YAML::Mark mark = node.Mark();
+  if (!mark.is_null()) {
+    const auto [first, last] = visited.equal_range(mark.pos);
+    if (std::any_of(first, last, [&](const auto& seen) { return seen.second.is(node); })) return std::nullopt;
+    visited.emplace(mark.pos, node);
+  }
+  if (node.IsScalar()) {
+    return node.Scalar().find('\r') != std::string::npos ? std::optional<std::string>(path) : std::nullopt;
+  }
+  std::size_t index = 0;
+  for (auto it = node.begin(); it != node.end(); ++it, ++index) {
+    if (node.IsSequence()) {
+      if (auto found = find_carriage_return(*it, fmt::format("{}[{}]", path, index), visited)) return found;
+      continue;
+    }
+    const std::string key = it->first.IsScalar() ? it->first.Scalar() : fmt::format("<key {}>", index);
+    const std::string child = path.empty() ? key : path + "." + key;
+    if (auto found = find_carriage_return(it->first, child, visited)) return found;
+    if (auto found = find_carriage_return(it->second, child, visited)) return found;
+  }
+  return std::nullopt;
+}
+
 std::size_t count_documents(const std::string& text, const std::string& source_name) {
   std::istringstream in(text);
   YAML::Parser parser(in);
@@ -461,12 +493,6 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
                                const std::vector<Override>& overrides) {
   YAML::Node root;
   refuse_lone_carriage_returns(text, source_name);
-  // An argument is no file: no line end is in order in it either.
-  for (const Override& override : overrides) {
-    if (override.value.find('\r') != std::string::npos || override.key_path.find('\r') != std::string::npos) {
-      throw ConfigError(fmt::format("{}: holds a carriage return; expected none", given_as(override)));
-    }
-  }
   try {
     const std::size_t documents = count_documents(text, source_name);
     // A second document would be read by no one, and a key there silently ignored.
@@ -555,6 +581,11 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
   // defaults (it refuses a config that has no section at all).
   if (!policy.IsDefined() || policy.IsNull()) {
     root["memory"]["stagehand"]["selective_precision"] = YAML::Node(YAML::NodeType::Map);
+  }
+  std::multimap<int, YAML::Node> visited;
+  if (const std::optional<std::string> path = find_carriage_return(root, "", visited)) {
+    throw ConfigError(fmt::format("{}: {}: holds a carriage return, which the run's config.yaml could not keep; expected none",
+                                  origins.of(*path), *path));
   }
   YAML::Emitter out;
   out << root;

@@ -199,7 +199,7 @@ TEST(TrainConfig, MalformedBytesAreConfigErrors) {
 
 // yaml-cpp kept "10\r\r" of "interval: 10\r\r\r\n" as the scalar and wrote it back unquoted, so
 // the run's config.yaml read back as "10\r" (the fuzzer's finding): such returns are refused,
-// while CRLF line ends stay fine.
+// by line and column in the text, by key wherever a scalar holds one; CRLF line ends stay fine.
 TEST(TrainConfig, ACarriageReturnThatEndsNoLineIsRefused) {
   EXPECT_EQ(error_of("train:\n  steps: 10\r\r\n"),
             "cfg.yaml: line 2, column 12: a carriage return that ends no line (expected \\n or \\r\\n line ends)");
@@ -208,7 +208,20 @@ TEST(TrainConfig, ACarriageReturnThatEndsNoLineIsRefused) {
   EXPECT_EQ(parse_train_config("train:\r\n  steps: 7\r\n", "cfg.yaml").train.steps, 7);
   Override literal = parse_override("train.init_checkpoint=a.bin\r");
   literal.literal = true;
-  EXPECT_EQ(error_of("", {literal}), "--set train.init_checkpoint=a.bin\r: holds a carriage return; expected none");
+  EXPECT_EQ(error_of("", {literal}),
+            "--set train.init_checkpoint=a.bin\r: train.init_checkpoint: holds a carriage return, which the run's "
+            "config.yaml could not keep; expected none");
+  // Reached by an escape, or by yaml-cpp's reading of a NUL byte before an 'r' (the fuzzer's
+  // second input), in a key or a value, also under an alias.
+  EXPECT_EQ(error_of("memory: {stagehand: {selective_precision: {note: \"a\\r\"}}}"),
+            "cfg.yaml: memory.stagehand.selective_precision.note: holds a carriage return, which the run's config.yaml "
+            "could not keep; expected none");
+  EXPECT_EQ(error_of(std::string("memory:\n  stagehand:\n    selective_precision:\n      w\0rmup_steps: 10\n", 69)),
+            "cfg.yaml: memory.stagehand.selective_precision.w\rmup_steps: holds a carriage return, which the run's "
+            "config.yaml could not keep; expected none");
+  EXPECT_EQ(error_of("memory: &m {stagehand: {selective_precision: {a: *m, b: \"\\r\"}}}"),
+            "cfg.yaml: memory.stagehand.selective_precision.b: holds a carriage return, which the run's config.yaml "
+            "could not keep; expected none");
 }
 
 TEST(TrainConfig, ASecondYamlDocumentAndAPluginPathAreRefused) {
