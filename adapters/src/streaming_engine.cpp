@@ -169,6 +169,7 @@ StreamingEngine::StreamingEngine(TransferBackend &backend, const StreamingConfig
              config_.prefetch_window + 2) {
   const auto n = static_cast<std::uint32_t>(blocks_.size());
   images_.resize(n);
+  updating_.assign(n, false);
   bf16_layouts_.resize(n);
   std::size_t most_tensors = 0;
   for (std::uint32_t b = 0; b < n; ++b) {
@@ -276,6 +277,7 @@ void StreamingEngine::reclaim_retired_slabs() {
 // The stale-image guard. An image is current when it was built for this precision from the
 // latest weights; otherwise it is rebuilt, never in a slab that a copy may still be reading.
 void StreamingEngine::ensure_image(std::uint32_t block, Precision precision) {
+  require_not_updating(block, "fetch");
   const BlockImage &image = images_[block];
   if (image.precision == precision && image.built_version == image.weights_version) {
     return;
@@ -292,36 +294,58 @@ void StreamingEngine::ensure_image(std::uint32_t block, Precision precision) {
 }
 
 void StreamingEngine::write_image(std::uint32_t block, Precision precision, const ImageWriter &write) {
-  BlockImage &image = images_[block];
-  std::uint32_t target = image.slab;
+  const std::uint32_t target = writable_slab(block);
+  std::uint64_t bytes = 0;
+  try {
+    bytes = write(encoding_for(precision, group_sizes(config_)), reinterpret_cast<std::uint8_t *>(pool_.data(target)),
+                  pool_.slab_bytes());
+  } catch (...) {
+    drop_written_slab(block, target);
+    throw;
+  }
+  install_image(block, precision, target, bytes);
+}
+
+std::uint32_t StreamingEngine::writable_slab(std::uint32_t block) {
+  const BlockImage &image = images_[block];
   if (image.last_reader != nullptr && !backend_.query(*image.last_reader)) {
     reclaim_retired_slabs();
     if (std::optional<std::uint32_t> spare = pool_.try_acquire()) {
-      target = *spare;
-    } else {
-      stall_on(*image.last_reader);
+      return *spare;
     }
+    stall_on(*image.last_reader);
   }
-  auto *slab = reinterpret_cast<std::uint8_t *>(pool_.data(target));
-  std::uint64_t bytes = 0;
-  try {
-    bytes = write(encoding_for(precision, group_sizes(config_)), slab, pool_.slab_bytes());
-  } catch (...) {
-    if (target != image.slab) pool_.release(target);
-    throw;
-  }
-  kn::SlabReadResult read = kn::read_slab(slab, bytes);
+  return image.slab;
+}
+
+void StreamingEngine::drop_written_slab(std::uint32_t block, std::uint32_t slab) {
+  if (slab != images_[block].slab) pool_.release(slab);
+}
+
+void StreamingEngine::install_image(std::uint32_t block, Precision precision, std::uint32_t slab,
+                                    std::uint64_t bytes) {
+  BlockImage &image = images_[block];
+  kn::SlabReadResult read = kn::read_slab(reinterpret_cast<const std::uint8_t *>(pool_.data(slab)), bytes);
   if (!read.ok) {
+    drop_written_slab(block, slab);
     throw std::logic_error(fmt::format("the {} transfer image of {} failed validation: {}", precision_name(precision),
                                        block_label(blocks_[block], block), read.error));
   }
-  if (target != image.slab) retired_.push_back(RetiredSlab{image.slab, image.last_reader});
+  if (slab != image.slab) retired_.push_back(RetiredSlab{image.slab, image.last_reader});
   image.view = std::move(read.view);
-  image.slab = target;
+  image.slab = slab;
   image.precision = precision;
   image.built_version = image.weights_version;
   image.last_reader = nullptr;
   ++current_.image_rebuilds;
+}
+
+void StreamingEngine::require_not_updating(std::uint32_t block, const char *call) const {
+  if (updating_[block]) {
+    throw std::logic_error(fmt::format("StreamingEngine::{}: {} is being updated (begin_update() without "
+                                       "finish_update()); its image is not valid",
+                                       call, block_label(blocks_[block], block)));
+  }
 }
 
 void StreamingEngine::issue_fetch(std::uint32_t fetch) {
@@ -540,13 +564,10 @@ void StreamingEngine::on_weights_updated(std::uint32_t block) {
   ensure_image(block, bridge_.route(block));
 }
 
-void StreamingEngine::update_weights(std::uint32_t block, const kn::AdamWStep &step,
-                                     const std::vector<kn::AdamWTensor> &tensors) {
-  if (block >= blocks_.size()) {
-    throw std::invalid_argument(fmt::format(
-        "StreamingEngine::update_weights: block id {} is out of range (there are {} blocks)", block, blocks_.size()));
-  }
-  const BlockSpec &spec = blocks_[block];
+namespace {
+
+// The tensors of a fused update must be the block's masters, in BlockSpec order.
+void check_update_tensors(const BlockSpec &spec, std::uint32_t block, const std::vector<kn::AdamWTensor> &tensors) {
   if (tensors.size() != spec.tensors.size()) {
     throw std::invalid_argument(fmt::format("StreamingEngine::update_weights: {} has {} tensors, {} were given",
                                             block_label(spec, block), spec.tensors.size(), tensors.size()));
@@ -561,11 +582,67 @@ void StreamingEngine::update_weights(std::uint32_t block, const kn::AdamWStep &s
           i, block_label(spec, block), expected.name, expected.rows, expected.cols));
     }
   }
+}
+
+}  // namespace
+
+void StreamingEngine::update_weights(std::uint32_t block, const kn::AdamWStep &step,
+                                     const std::vector<kn::AdamWTensor> &tensors) {
+  if (block < blocks_.size()) check_update_tensors(blocks_[block], block, tensors);
+  WeightUpdate update = begin_update(block);
+  update.run(step, tensors);
+  finish_update(update);
+}
+
+StreamingEngine::WeightUpdate StreamingEngine::begin_update(std::uint32_t block) {
+  if (block >= blocks_.size()) {
+    throw std::invalid_argument(fmt::format(
+        "StreamingEngine::update_weights: block id {} is out of range (there are {} blocks)", block, blocks_.size()));
+  }
+  require_not_updating(block, "begin_update");
+  WeightUpdate update;
+  update.spec_ = &blocks_[block];
+  update.block_ = block;
+  update.precision_ = bridge_.route(block);
+  update.encoding_ = encoding_for(update.precision_, group_sizes(config_));
+  update.slab_ = writable_slab(block);
+  update.data_ = reinterpret_cast<std::uint8_t *>(pool_.data(update.slab_));
+  update.capacity_ = pool_.slab_bytes();
+  updating_[block] = true;
+  return update;
+}
+
+void StreamingEngine::WeightUpdate::run(const kn::AdamWStep &step, const std::vector<kn::AdamWTensor> &tensors) noexcept {
+  if (ran_) {
+    error_ = std::make_exception_ptr(std::logic_error("StreamingEngine::WeightUpdate::run: called twice"));
+    return;
+  }
+  ran_ = true;
+  try {
+    check_update_tensors(*spec_, block_, tensors);
+    bytes_ = kn::adamw_update_slab(encoding_, step, tensors.data(), tensors.size(), data_, capacity_);
+  } catch (...) {
+    error_ = std::current_exception();
+  }
+}
+
+void StreamingEngine::finish_update(WeightUpdate &update) {
+  const std::uint32_t block = update.block_;
+  if (update.spec_ != &blocks_.at(block) || !updating_[block]) {
+    throw std::logic_error("StreamingEngine::finish_update: not an update begun by this engine, or finished already");
+  }
+  updating_[block] = false;
+  if (!update.ran_ || update.error_) {
+    // The kernel refuses before it writes anything, so the masters hold the old weights, whose
+    // image the slab may no longer hold: rebuilt at the block's next fetch.
+    drop_written_slab(block, update.slab_);
+    ++images_[block].weights_version;
+    if (update.error_) std::rethrow_exception(update.error_);
+    throw std::logic_error(fmt::format("StreamingEngine::finish_update: the update of {} never ran",
+                                       block_label(blocks_[block], block)));
+  }
   ++images_[block].weights_version;
-  write_image(block, bridge_.route(block), [&](const kn::SlabEncoding &encoding, std::uint8_t *slab,
-                                               std::uint64_t capacity) {
-    return kn::adamw_update_slab(encoding, step, tensors.data(), tensors.size(), slab, capacity);
-  });
+  install_image(block, update.precision_, update.slab_, update.bytes_);
 }
 
 bool StreamingEngine::finalize(PendingStep &pending, bool may_block) {

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -282,6 +283,79 @@ TEST(StreamingEngine, UpdateWeightsRefusesTensorsThatAreNotTheBlocksMasters) {
   EXPECT_EQ(std::memcmp(before.data(), model.master(2, 0), before.size() * 4), 0);
   // The engine still streams the untouched weights.
   run_checked_step(engine, backend, model.blocks(), 0, 0);
+}
+
+// The split update (begin_update, run on another thread, finish_update) while the engine
+// streams the other blocks, as the layer's update during the backward does: the same masters
+// as update_weights(), the block cannot be fetched in between, and a run that fails (or never
+// ran) leaves an engine that delivers the unchanged weights.
+TEST(StreamingEngine, ASplitUpdateRunsOnAnotherThreadWhileTheOtherBlocksStream) {
+  HostBackend backend;
+  SyntheticModel split_model(kBlocks, 11), whole_model(kBlocks, 11);
+  StreamingEngine split(backend, config_for(split_model.blocks(), 2, 2), split_model.blocks());
+  StreamingEngine whole(backend, config_for(whole_model.blocks(), 2, 2), whole_model.blocks());
+  OptimizerState split_state(split_model.blocks()), whole_state(whole_model.blocks());
+  const std::vector<Precision> routes = {Precision::nf4, Precision::bf16, Precision::int8,
+                                         Precision::nf4, Precision::int8, Precision::bf16};
+  set_routes(split, routes);
+  set_routes(whole, routes);
+  const sp::kernels::AdamWStep adam =
+      sp::kernels::make_adamw_step(sp::kernels::AdamWHyperparameters{0.9, 0.95, 1e-8, 0.1}, 1e-2, 1, 1.0);
+  run_checked_step(whole, backend, whole_model.blocks(), 0, 0);
+  for (std::uint32_t b = 0; b < kBlocks; ++b) whole.update_weights(b, adam, whole_state.tensors(whole_model, b));
+
+  // Block 5's sweep runs on a thread while a step streams blocks 0 and 1 (the prefetch window,
+  // 2, keeps the fetches short of block 5).
+  split.begin_step(0);
+  StreamingEngine::WeightUpdate update = split.begin_update(5);
+  EXPECT_THAT([&] { split.begin_update(5); },
+              ::testing::ThrowsMessage<std::logic_error>(HasSubstr("being updated")));
+  EXPECT_THAT([&] { split.on_weights_updated(5); },
+              ::testing::ThrowsMessage<std::logic_error>(HasSubstr("being updated")));
+  std::thread sweep([&] { update.run(adam, split_state.tensors(split_model, 5)); });
+  const std::vector<BlockUse> &uses = split.schedule().uses();
+  std::size_t use = 0;
+  try {
+    for (; uses[use].block < 2; ++use) {
+      split.acquire(uses[use].block);
+      split.release(uses[use].block);
+    }
+  } catch (...) {
+    sweep.join();
+    throw;
+  }
+  sweep.join();
+  split.finish_update(update);
+  for (; use < uses.size(); ++use) {
+    split.acquire(uses[use].block);
+    split.release(uses[use].block);
+  }
+  split.end_step();
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    if (b != 5) split.update_weights(b, adam, split_state.tensors(split_model, b));
+  }
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    for (std::size_t t = 0; t < split_model.blocks()[b].tensors.size(); ++t) {
+      const TensorSpec &spec = split_model.blocks()[b].tensors[t];
+      ASSERT_EQ(std::memcmp(split_model.master(b, t), whole_model.master(b, t), spec.rows * spec.cols * 4), 0)
+          << "block " << b << " " << spec.name;
+    }
+  }
+  run_checked_step(split, backend, split_model.blocks(), 1, 0);
+
+  StreamingEngine::WeightUpdate busy = split.begin_update(0);
+  // Never run: finish says so, and the block's image is rebuilt from the unchanged masters.
+  const std::vector<float> before(split_model.master(0, 0), split_model.master(0, 0) + 17 * 259);
+  EXPECT_THAT([&] { split.finish_update(busy); },
+              ::testing::ThrowsMessage<std::logic_error>(HasSubstr("never ran")));
+  EXPECT_THROW(split.finish_update(busy), std::logic_error);
+  // A failed run (the tensors are not the block's masters) rethrows its error at finish.
+  StreamingEngine::WeightUpdate refused = split.begin_update(0);
+  refused.run(adam, split_state.tensors(split_model, 1));
+  EXPECT_THAT([&] { split.finish_update(refused); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("not the block's master")));
+  EXPECT_EQ(std::memcmp(before.data(), split_model.master(0, 0), before.size() * 4), 0);
+  run_checked_step(split, backend, split_model.blocks(), 3, 0);
 }
 
 TEST(StreamingEngine, StaleImageGuardFetchesTheNewWeightsAfterASwitch) {

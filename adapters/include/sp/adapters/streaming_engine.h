@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -115,6 +116,42 @@ class StreamingEngine {
   void update_weights(std::uint32_t block, const sp::kernels::AdamWStep &step,
                       const std::vector<sp::kernels::AdamWTensor> &tensors);
 
+  // update_weights() in three parts, for a host that runs the sweep on a thread of its own
+  // while this engine streams other blocks (the LibTorch layer's update during the backward):
+  //   begin_update()       on the engine's thread: picks the slab the new image goes to, for
+  //                        the block's route now, and marks the block busy: fetching it throws
+  //                        std::logic_error until finish_update();
+  //   WeightUpdate::run()  on any thread, once: the sweep, which touches the tensors given and
+  //                        that slab, nothing else of the engine's;
+  //   finish_update()      on the engine's thread: validates and installs the image. A run
+  //                        that failed (or never ran) leaves the old weights' image to be
+  //                        rebuilt at the block's next fetch, and its error is rethrown here.
+  // The image is for the route of begin_update(); a route decided later gets its image at the
+  // block's next fetch, as after on_weights_updated().
+  class WeightUpdate {
+   public:
+    std::uint32_t block() const { return block_; }
+    // The fused sweep (as update_weights()). Never throws: an error waits for finish_update().
+    void run(const sp::kernels::AdamWStep &step, const std::vector<sp::kernels::AdamWTensor> &tensors) noexcept;
+
+   private:
+    friend class StreamingEngine;
+    const BlockSpec *spec_ = nullptr;
+    std::uint32_t block_ = 0;
+    Precision precision_ = Precision::bf16;
+    std::uint32_t slab_ = 0;
+    std::uint8_t *data_ = nullptr;
+    std::uint64_t capacity_ = 0;
+    sp::kernels::SlabEncoding encoding_{};
+    std::uint64_t bytes_ = 0;
+    bool ran_ = false;
+    std::exception_ptr error_;
+  };
+  // Throws std::invalid_argument for a block out of range, std::logic_error for a block
+  // already being updated.
+  WeightUpdate begin_update(std::uint32_t block);
+  void finish_update(WeightUpdate &update);
+
   // Fetches issued so far in the current step (for schedule checks).
   std::uint32_t issued_fetches() const { return next_fetch_; }
   // Waits for the timing events of finished steps and writes their records.
@@ -136,6 +173,12 @@ class StreamingEngine {
   // returns the image size, in a slab no copy is reading; validates it and makes it current.
   using ImageWriter = std::function<std::uint64_t(const sp::kernels::SlabEncoding &, std::uint8_t *, std::uint64_t)>;
   void write_image(std::uint32_t block, Precision precision, const ImageWriter &write);
+  // write_image()'s halves: the slab to write (the block's own, or a spare while a copy may
+  // still read the own one), and making the written image current (or dropping the slab).
+  std::uint32_t writable_slab(std::uint32_t block);
+  void install_image(std::uint32_t block, Precision precision, std::uint32_t slab, std::uint64_t bytes);
+  void drop_written_slab(std::uint32_t block, std::uint32_t slab);
+  void require_not_updating(std::uint32_t block, const char *call) const;
   void reclaim_retired_slabs();
   void stall_on(const Event &event);
   FetchEvents &events_of(std::uint32_t generation, std::uint32_t fetch);
@@ -152,6 +195,7 @@ class StreamingEngine {
   PinnedSlabPool pool_;
   DeviceSlotRing slots_;
   std::vector<BlockImage> images_;
+  std::vector<bool> updating_;  // per block: between begin_update() and finish_update()
   std::vector<sp::kernels::SlabView> bf16_layouts_;
   struct RetiredSlab {
     std::uint32_t slab;
