@@ -633,13 +633,11 @@ void StreamingEngine::finish_update(WeightUpdate &update) {
   }
   updating_[block] = false;
   if (!update.ran_ || update.error_) {
-    // The kernel refuses before it writes anything, so the masters hold the old weights, whose
-    // image the slab may no longer hold: rebuilt at the block's next fetch.
+    // Nothing was written: the tensor check and the kernel refuse before they write, so the
+    // masters and the current image still hold the old weights.
     drop_written_slab(block, update.slab_);
-    ++images_[block].weights_version;
     if (update.error_) std::rethrow_exception(update.error_);
-    throw std::logic_error(fmt::format("StreamingEngine::finish_update: the update of {} never ran",
-                                       block_label(blocks_[block], block)));
+    return;
   }
   ++images_[block].weights_version;
   install_image(block, update.precision_, update.slab_, update.bytes_);

@@ -123,9 +123,10 @@ class StreamingEngine {
   //                        std::logic_error until finish_update();
   //   WeightUpdate::run()  on any thread, once: the sweep, which touches the tensors given and
   //                        that slab, nothing else of the engine's;
-  //   finish_update()      on the engine's thread: validates and installs the image. A run
-  //                        that failed (or never ran) leaves the old weights' image to be
-  //                        rebuilt at the block's next fetch, and its error is rethrown here.
+  //   finish_update()      on the engine's thread: validates and installs the image. An
+  //                        update that never ran is cancelled; one whose run failed changed
+  //                        nothing either, and its error is rethrown here. Either way the
+  //                        block keeps the image of its unchanged weights.
   // The image is for the route of begin_update(); a route decided later gets its image at the
   // block's next fetch, as after on_weights_updated().
   class WeightUpdate {
