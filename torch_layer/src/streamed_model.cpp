@@ -4,9 +4,11 @@
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
-#include <tuple>
+#include <cmath>
+#include <future>
 #include <limits>
 #include <mutex>
+#include <tuple>
 #include <unordered_map>
 
 #include <fmt/format.h>
@@ -16,6 +18,7 @@
 #include "sp/adapters/streaming_engine.h"
 #include "sp/kernels/moments.h"
 #include "sp/kernels/relative_error.h"
+#include "serial_worker.h"
 #ifdef SP_TORCH_LAYER_HAVE_CUDA
 #include "sp/adapters/cuda_backend.h"
 #endif
@@ -98,6 +101,47 @@ struct BlockState {
 
 std::string master_key(const BlockState& b, const StreamedParam& p) { return "master/" + b.block.name + "." + p.name; }
 
+// The block's trainable masters as the fused update takes them, each with its gradient and
+// `moments` entry. Throws std::invalid_argument naming the parameter that has no fp32 host
+// gradient of its size, or no moments.
+std::vector<kn::AdamWTensor> fused_update_tensors(const BlockState& b, const std::map<std::string, MasterMoments>& moments) {
+  std::vector<kn::AdamWTensor> tensors;
+  for (const StreamedParam& p : b.streamed) {
+    const auto problem = [&](const std::string& what) {
+      return std::invalid_argument(fmt::format("StreamedModel::update_masters: {}.{} {}", b.block.name, p.name, what));
+    };
+    const torch::Tensor& grad = p.master.grad();
+    if (!grad.defined() || grad.scalar_type() != torch::kFloat32 || !grad.is_contiguous() ||
+        grad.numel() != p.master.numel() || !grad.device().is_cpu()) {
+      throw problem("has no fp32 contiguous host gradient in .grad of the master's size");
+    }
+    const auto found = moments.find(p.name);
+    if (found == moments.end() || found->second.exp_avg == nullptr || found->second.exp_avg_sq == nullptr) {
+      throw problem("has no AdamW moments (exp_avg and exp_avg_sq) in the map given");
+    }
+    const MasterMoments& moment = found->second;
+    tensors.push_back(kn::AdamWTensor{p.master.data_ptr<float>(), grad.data_ptr<float>(), moment.exp_avg,
+                                      moment.exp_avg_sq, kn::TensorShape{p.rows, p.cols}, moment.decay, moment.dtype,
+                                      moment.rounding, moment.seed});
+  }
+  return tensors;
+}
+
+// Whether every element of the block's master gradients is finite (an absent gradient counts
+// as finite: fused_update_tensors() refuses it by name).
+bool gradients_finite(const BlockState& b) {
+  for (const StreamedParam& p : b.streamed) {
+    const torch::Tensor& grad = p.master.grad();
+    if (!grad.defined() || grad.scalar_type() != torch::kFloat32 || !grad.is_contiguous()) continue;
+    const float* g = grad.data_ptr<float>();
+    const std::int64_t n = grad.numel();
+    bool finite = true;
+    for (std::int64_t i = 0; i < n; ++i) finite &= std::isfinite(g[i]);
+    if (!finite) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 StateEntryError::StateEntryError(std::string entry, const std::string& detail)
@@ -147,6 +191,25 @@ struct StreamedModel::Impl {
   std::vector<sp_hint_v1> applied_hints;
   torch::Tensor last_input;  // first-block input of the latest training pass, for re-calibration
 
+  // update_masters_during_backward(): the step's constants and moments while armed, and the
+  // updates the backward began, each running on `worker` until wait_for_updates().
+  struct ArmedUpdate {
+    kn::AdamWStep step;
+    std::vector<std::map<std::string, MasterMoments>> moments;  // per block
+    std::vector<bool> begun;                                    // per block
+  };
+  std::optional<ArmedUpdate> armed;
+  struct RunningUpdate {
+    std::uint32_t block = 0;
+    std::unique_ptr<ad::StreamingEngine::WeightUpdate> update;
+    std::shared_ptr<bool> skipped;  // the task found a non-finite gradient
+    std::future<void> done;
+  };
+  std::vector<RunningUpdate> running;
+  std::vector<bool> deferred_updates;  // per block: its gradient reaches the host only at the pass's end
+  std::vector<std::unique_ptr<ad::Event>> gradient_copied;  // per block: its staged gradient is on the host
+  SerialWorker worker;  // last: destroyed first, after its tasks ran
+
   Impl(std::vector<Block> in, StreamedModelOptions opts)
       : options(std::move(opts)), log(options.logger), collectives(options.collectives) {
     if (!log) log = spdlog::default_logger();
@@ -158,6 +221,12 @@ struct StreamedModel::Impl {
   }
 
   ~Impl() {
+    // Nor must an update still write the masters and a slab.
+    try {
+      wait_for_updates();
+    } catch (const std::exception& e) {
+      log->warn("StreamedModel: an update during the backward failed: {}", e.what());
+    }
     // The engines must not outlive a pass that an exception cut short.
     try {
       if (pass != Pass::none) engine->end_step();
@@ -264,6 +333,7 @@ struct StreamedModel::Impl {
     eval_engine = std::make_unique<ad::StreamingEngine>(*backend, config, specs);
     compute_done = backend->create_event();
     eval_image_stale.assign(blocks.size(), false);
+    deferred_updates.assign(blocks.size(), false);
     updated_in_step.assign(blocks.size(), false);
   }
 
@@ -380,6 +450,7 @@ struct StreamedModel::Impl {
   }
 
   torch::Tensor eval_forward(torch::Tensor x) {
+    wait_for_updates();  // the evaluation engine reads the masters
     const ad::StepTransferMetrics m =
         eval_pass({}, evaluation_bytes, [&](std::uint32_t b) { x = blocks[b].block.forward(x); });
     report.eval_h2d_bytes += m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
@@ -444,6 +515,7 @@ struct StreamedModel::Impl {
     std::size_t next = input_grad ? 1 : 0;
     ReducingBucket bucket;
     std::vector<torch::Tensor> flat;
+    std::vector<StreamedParam*> staged_here;
     for (StreamedParam& p : block.streamed) {
       if (!p.master.requires_grad()) continue;
       torch::Tensor g = grads[next++];
@@ -456,13 +528,40 @@ struct StreamedModel::Impl {
         continue;
       }
       stage_master_gradient(p, g.reshape(p.shape));
+      if (p.staged) staged_here.push_back(&p);
     }
+    // The update during the backward: what must happen, on the worker, before the block's
+    // gradient is final on the host.
+    const bool update_now = armed && block.trainable_masters && !armed->begun[b];
+    std::function<void()> gradient_ready;
     if (!flat.empty()) {
       // Started now, so that it runs while the backward goes on through the blocks before.
       bucket.bucket = torch::cat(flat);
       bucket.pending =
           collectives->all_reduce(bucket.bucket, Reduction::sum, fmt::format("gradients of {}", block.block.name));
-      reducing.push_back(std::move(bucket));
+      if (update_now) {
+        auto owned = std::make_shared<ReducingBucket>(std::move(bucket));
+        gradient_ready = [this, owned] {
+          owned->pending->wait();
+          fold_averaged(owned->params, owned->bucket);
+        };
+      } else {
+        reducing.push_back(std::move(bucket));
+      }
+    }
+    if (update_now && !staged_here.empty()) {
+      if (collectives) {
+        // Staged gradients of several ranks are reduced in one bucket at the pass's end.
+        deferred_updates[b] = true;
+      } else {
+        ad::Event& copied = gradient_copied_event(b);
+        backend->record(copied, ad::Queue::compute);
+        for (StreamedParam* p : staged_here) p->staged = false;
+        gradient_ready = [this, &copied, staged_here] {
+          backend->synchronize(copied);
+          for (StreamedParam* p : staged_here) add_to_master_grad(*p, p->staging);
+        };
+      }
     }
     variable_list out;
     out.push_back(input_grad ? grads[0] : torch::Tensor());
@@ -484,8 +583,97 @@ struct StreamedModel::Impl {
       }
       std::copy(resident.begin(), resident.end(), out.begin() + 1);
     }
+    try {
+      if (update_now && !deferred_updates[b]) begin_block_update(b, std::move(gradient_ready));
+    } catch (...) {
+      abandon_pass();
+      throw;
+    }
     if (b == pass_end_block) finish_pass();
     return out;
+  }
+
+  ad::Event& gradient_copied_event(std::uint32_t b) {
+    if (gradient_copied.empty()) gradient_copied.resize(blocks.size());
+    if (!gradient_copied[b]) gradient_copied[b] = backend->create_event();
+    return *gradient_copied[b];
+  }
+
+  // Begins block b's armed update: its slab is picked here, the sweep runs on the worker once
+  // `gradient_ready` (if any) has made the gradient final on the host.
+  void begin_block_update(std::uint32_t b, std::function<void()> gradient_ready) {
+    RunningUpdate running_update;
+    running_update.block = b;
+    running_update.update = std::make_unique<ad::StreamingEngine::WeightUpdate>(engine->begin_update(b));
+    running_update.skipped = std::make_shared<bool>(false);
+    armed->begun[b] = true;
+    ad::StreamingEngine::WeightUpdate* update = running_update.update.get();
+    bool* skipped = running_update.skipped.get();
+    const BlockState* block = &blocks[b];
+    const std::map<std::string, MasterMoments>* moments = &armed->moments[b];
+    const kn::AdamWStep step = armed->step;
+    try {
+      running_update.done = worker.submit([=, ready = std::move(gradient_ready)] {
+        if (ready) ready();
+        if (!gradients_finite(*block)) {
+          *skipped = true;
+          return;
+        }
+        update->run(step, fused_update_tensors(*block, *moments));
+      });
+    } catch (...) {
+      engine->finish_update(*update);  // never ran: a cancel
+      throw;
+    }
+    running.push_back(std::move(running_update));
+  }
+
+  // Waits for the updates begun in the backward and installs their images. Every update is
+  // waited for before the first error is rethrown.
+  void wait_for_updates() {
+    std::exception_ptr first_error;
+    for (RunningUpdate& r : running) {
+      bool ok = true;
+      try {
+        r.done.get();
+      } catch (...) {
+        ok = false;
+        if (!first_error) first_error = std::current_exception();
+      }
+      try {
+        engine->finish_update(*r.update);
+      } catch (...) {
+        ok = false;
+        if (!first_error) first_error = std::current_exception();
+      }
+      if (!ok) continue;
+      if (*r.skipped) {
+        report.updates_skipped.push_back(r.block);
+        log->warn("StreamedModel: step {}: {} was not updated: its gradient holds a non-finite element", step,
+                  blocks[r.block].block.name);
+      } else {
+        eval_image_stale[r.block] = true;
+      }
+      updated_in_step[r.block] = true;
+    }
+    running.clear();
+    if (first_error) std::rethrow_exception(first_error);
+  }
+
+  // The fused update of one block now, for the route in force (update_masters(), and the armed
+  // blocks the backward did not reach), skipping a non-finite gradient when `skip_nonfinite`.
+  void update_block(std::uint32_t b, const kn::AdamWStep& adam, const std::map<std::string, MasterMoments>& moments,
+                    bool skip_nonfinite) {
+    std::vector<kn::AdamWTensor> tensors = fused_update_tensors(blocks[b], moments);
+    if (skip_nonfinite && !gradients_finite(blocks[b])) {
+      report.updates_skipped.push_back(b);
+      log->warn("StreamedModel: step {}: {} was not updated: its gradient holds a non-finite element", step,
+                blocks[b].block.name);
+    } else {
+      engine->update_weights(b, adam, tensors);
+      eval_image_stale[b] = true;
+    }
+    updated_in_step[b] = true;
   }
 
   // The master's gradient, accumulated across passes. On a GPU it travels to pinned staging
@@ -516,6 +704,13 @@ struct StreamedModel::Impl {
   // flight are waited for and dropped, the engine's pass ends, the model takes new passes.
   // Gradients already folded into the masters stay: the host discards the step's.
   void abandon_pass() noexcept {
+    try {
+      wait_for_updates();
+    } catch (const std::exception& e) {
+      log->warn("StreamedModel: an update during the backward of an abandoned pass failed: {}", e.what());
+    }
+    armed.reset();
+    std::fill(deferred_updates.begin(), deferred_updates.end(), false);
     for (ReducingBucket& r : reducing) {
       try {
         r.pending->wait();
@@ -569,6 +764,11 @@ struct StreamedModel::Impl {
       for (StreamedParam* p : staged) add_to_master_grad(*p, p->staging);
     }
     grads_staged = false;
+    for (std::uint32_t b = 0; b < deferred_updates.size(); ++b) {
+      if (!deferred_updates[b]) continue;
+      deferred_updates[b] = false;
+      begin_block_update(b, {});
+    }
   }
 
   // A bucket of summed gradients, one slice per parameter in order, divided by the ranks.
@@ -851,6 +1051,7 @@ torch::Tensor StreamedModel::forward(const torch::Tensor& x) {
     throw std::logic_error("StreamedModel::forward: post_backward() already ran in this step; call end_step()");
   }
   m.close_abandoned_pass("forward");
+  m.wait_for_updates();  // the pass fetches the blocks they update
   if (m.options.recalibrate_every != 0) m.last_input = x.detach();
   m.engine->begin_step(m.engine_steps++);
   m.pass = Impl::Pass::forwarded;
@@ -901,6 +1102,7 @@ void StreamedModel::begin_step(std::int64_t step) {
   m.in_step = true;
   m.after_backward = false;
   m.updated_in_step.assign(m.blocks.size(), false);
+  m.armed.reset();
 }
 
 const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
@@ -908,6 +1110,7 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
   m.require_step("post_backward");
   if (m.after_backward) throw std::logic_error("StreamedModel::post_backward: already called in this step");
   m.close_abandoned_pass("post_backward");
+  m.wait_for_updates();
   m.moments = m.block_moments();
   m.policy->post_backward(m.step, m.moments);
   m.apply_hints(m.policy->compute_hints(m.step));
@@ -917,6 +1120,16 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
     m.check_ranks_agree(precisions, "the plugin's hints");
   }
   m.after_backward = true;
+  if (m.armed) {
+    // Armed blocks whose backward did not run (no training pass, or one that ended above them).
+    const Impl::ArmedUpdate armed = std::move(*m.armed);
+    m.armed.reset();
+    for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
+      if (m.blocks[b].trainable_masters && !armed.begun[b]) {
+        m.update_block(b, armed.step, armed.moments[b], /*skip_nonfinite=*/true);
+      }
+    }
+  }
   return m.moments;
 }
 
@@ -996,30 +1209,44 @@ void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamW
     throw std::logic_error(fmt::format("StreamedModel::update_masters: block {} was already updated in step {}",
                                        m.blocks[block].block.name, m.step));
   }
-  const BlockState& b = m.blocks[block];
-  std::vector<sp::kernels::AdamWTensor> tensors;
-  for (const StreamedParam& p : b.streamed) {
-    const auto problem = [&](const std::string& what) {
-      return std::invalid_argument(
-          fmt::format("StreamedModel::update_masters: {}.{} {}", b.block.name, p.name, what));
-    };
-    const torch::Tensor& grad = p.master.grad();
-    if (!grad.defined() || grad.scalar_type() != torch::kFloat32 || !grad.is_contiguous() ||
-        grad.numel() != p.master.numel() || !grad.device().is_cpu()) {
-      throw problem("has no fp32 contiguous host gradient in .grad of the master's size");
-    }
-    const auto found = moments.find(p.name);
-    if (found == moments.end() || found->second.exp_avg == nullptr || found->second.exp_avg_sq == nullptr) {
-      throw problem("has no AdamW moments (exp_avg and exp_avg_sq) in the map given");
-    }
-    const MasterMoments& moment = found->second;
-    tensors.push_back(sp::kernels::AdamWTensor{p.master.data_ptr<float>(), grad.data_ptr<float>(), moment.exp_avg,
-                                               moment.exp_avg_sq, sp::kernels::TensorShape{p.rows, p.cols},
-                                               moment.decay, moment.dtype, moment.rounding, moment.seed});
+  m.update_block(block, step, moments, /*skip_nonfinite=*/false);
+}
+
+void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep& step,
+                                                   std::vector<std::map<std::string, MasterMoments>> moments) {
+  Impl& m = *impl_;
+  m.require_step("update_masters_during_backward");
+  if (m.after_backward) {
+    throw std::logic_error(
+        "StreamedModel::update_masters_during_backward: post_backward() already ran in this step; use "
+        "update_masters()");
   }
-  m.engine->update_weights(block, step, tensors);
-  m.updated_in_step[block] = true;
-  m.eval_image_stale[block] = true;
+  if (m.pass == Impl::Pass::in_backward) {
+    throw std::logic_error(
+        "StreamedModel::update_masters_during_backward: a backward is running; arm the update before it starts");
+  }
+  if (m.armed) {
+    throw std::logic_error(
+        fmt::format("StreamedModel::update_masters_during_backward: already armed in step {}", m.step));
+  }
+  if (moments.size() != m.blocks.size()) {
+    throw std::invalid_argument(
+        fmt::format("StreamedModel::update_masters_during_backward: {} moment maps for {} blocks; give one per block",
+                    moments.size(), m.blocks.size()));
+  }
+  for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
+    if (!m.blocks[b].trainable_masters) continue;
+    for (const StreamedParam& p : m.blocks[b].streamed) {
+      const auto found = moments[b].find(p.name);
+      if (found == moments[b].end() || found->second.exp_avg == nullptr || found->second.exp_avg_sq == nullptr) {
+        throw std::invalid_argument(fmt::format(
+            "StreamedModel::update_masters_during_backward: {}.{} has no AdamW moments (exp_avg and exp_avg_sq) in "
+            "the map given",
+            m.blocks[b].block.name, p.name));
+      }
+    }
+  }
+  m.armed = Impl::ArmedUpdate{step, std::move(moments), std::vector<bool>(m.blocks.size(), false)};
 }
 
 CalibrationErrors StreamedModel::calibrate(const std::vector<torch::Tensor>& samples) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -297,6 +298,121 @@ TEST(StreamedModel, FusedUpdateOutsideItsWindowOrWithoutMomentsIsRefused) {
   EXPECT_FALSE(torch::equal(before, model->masters(1).at("fc1.weight")));
   EXPECT_THROW(model->update_masters(1, adam, moments.of(1)), std::logic_error);  // twice in one step
   EXPECT_THROW(model->update_masters(kBlocks, adam, moments.of(1)), std::invalid_argument);
+  model->end_step(1.0);
+}
+
+// The update during the backward against update_masters() after post_backward(), with the
+// same step constants: the same masters bit for bit, the same delivered weights, on every
+// route, over steps; then a block whose gradient is not finite is left as it was, the others
+// are updated.
+TEST(StreamedModel, UpdateDuringTheBackwardEqualsTheUpdateAfterIt) {
+  const auto blocks_overlapped = make_blocks(31);
+  const auto blocks_after = make_blocks(31);
+  const std::string policy = "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n  force_nf4_blocks: [2]\n";
+  auto overlapped = wrap(blocks_overlapped, policy);
+  auto after = wrap(blocks_after, policy);
+  Moments overlapped_moments(*overlapped), after_moments(*after);
+  const torch::Tensor x = input(32);
+  const auto zero_grads = [](tl::StreamedModel& model) {
+    for (torch::Tensor& p : model.master_parameters()) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+  };
+  const auto all_moments = [](Moments& moments) {
+    std::vector<std::map<std::string, tl::MasterMoments>> out;
+    for (std::uint32_t b = 0; b < kBlocks; ++b) out.push_back(moments.of(b));
+    return out;
+  };
+  for (std::int64_t step = 0; step < 3; ++step) {
+    const sp::kernels::AdamWStep adam =
+        sp::kernels::make_adamw_step(sp::kernels::AdamWHyperparameters{0.9, 0.95, 1e-8, 0.1}, 1e-2, step + 1, 0.7);
+    zero_grads(*overlapped);
+    overlapped->begin_step(step);
+    overlapped->update_masters_during_backward(adam, all_moments(overlapped_moments));
+    const torch::Tensor first_master = overlapped->masters(0).at("fc1.weight").clone();
+    overlapped->forward(x).pow(2).mean().backward();
+    if (step == 0) {
+      // The backward did the updates: an evaluation forward waits for them, and reads them.
+      torch::NoGradGuard no_grad;
+      overlapped->forward(x);
+      EXPECT_FALSE(torch::equal(first_master, overlapped->masters(0).at("fc1.weight")));
+    }
+    overlapped->post_backward();
+    const tl::StepReport report = overlapped->end_step(1.0);
+    EXPECT_TRUE(report.updates_skipped.empty());
+
+    zero_grads(*after);
+    after->begin_step(step);
+    after->forward(x).pow(2).mean().backward();
+    after->post_backward();
+    for (std::uint32_t b = 0; b < kBlocks; ++b) after->update_masters(b, adam, after_moments.of(b));
+    after->end_step(1.0);
+    for (std::uint32_t b = 0; b < kBlocks; ++b) {
+      for (const auto& [name, master] : overlapped->masters(b)) {
+        EXPECT_TRUE(torch::equal(master, after->masters(b).at(name))) << "step " << step << " " << name;
+      }
+    }
+  }
+  overlapped->begin_step(3);
+  after->begin_step(3);
+  EXPECT_TRUE(torch::equal(overlapped->forward(x), after->forward(x)));
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::equal(overlapped->forward(x), after->forward(x)));
+  }
+  overlapped->abort_step();
+
+  // A NaN in the loss's gradient reaches every block: none is updated, in the backward's order.
+  zero_grads(*overlapped);
+  overlapped->begin_step(4);
+  const sp::kernels::AdamWStep adam = sp::kernels::make_adamw_step({}, 1e-2, 5, 1.0);
+  overlapped->update_masters_during_backward(adam, all_moments(overlapped_moments));
+  std::vector<torch::Tensor> before;
+  for (std::uint32_t b = 0; b < kBlocks; ++b) before.push_back(overlapped->masters(b).at("fc1.weight").clone());
+  const torch::Tensor y = overlapped->forward(x);
+  (y.pow(2).mean() + y.sum() * std::numeric_limits<float>::quiet_NaN() * 0.0f).backward();
+  overlapped->post_backward();
+  const tl::StepReport report = overlapped->end_step(1.0);
+  EXPECT_EQ(report.updates_skipped, (std::vector<std::uint32_t>{2, 1, 0}));
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    EXPECT_TRUE(torch::equal(before[b], overlapped->masters(b).at("fc1.weight"))) << b;
+  }
+}
+
+TEST(StreamedModel, UpdateDuringTheBackwardIsArmedOncePerStepBeforeTheBackward) {
+  const auto blocks = make_blocks(33);
+  auto model = wrap(blocks, "  mode: off\n");
+  Moments moments(*model);
+  const sp::kernels::AdamWStep adam = sp::kernels::make_adamw_step({}, 1e-2, 1, 1.0);
+  std::vector<std::map<std::string, tl::MasterMoments>> all;
+  for (std::uint32_t b = 0; b < kBlocks; ++b) all.push_back(moments.of(b));
+  EXPECT_THROW(model->update_masters_during_backward(adam, all), std::logic_error);  // outside a step
+  model->begin_step(0);
+  std::vector<std::map<std::string, tl::MasterMoments>> partial = all;
+  partial[1].erase("fc2.weight");
+  try {
+    model->update_masters_during_backward(adam, partial);
+    ADD_FAILURE() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("fc2.weight"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(model->update_masters_during_backward(adam, {all[0]}), std::invalid_argument);  // one map per block
+  model->update_masters_during_backward(adam, all);
+  EXPECT_THROW(model->update_masters_during_backward(adam, all), std::logic_error);  // twice
+  const torch::Tensor before = model->masters(0).at("fc1.weight").clone();
+  // No backward runs: post_backward() updates every armed block (here: none has a gradient).
+  try {
+    model->post_backward();
+    ADD_FAILURE() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("gradient"), std::string::npos) << e.what();
+  }
+  model->abort_step();
+  EXPECT_TRUE(torch::equal(before, model->masters(0).at("fc1.weight")));
+  model->begin_step(1);
+  model->forward(input(34)).pow(2).mean().backward();
+  model->post_backward();
+  EXPECT_THROW(model->update_masters_during_backward(adam, all), std::logic_error);  // after post_backward
   model->end_step(1.0);
 }
 

@@ -25,7 +25,8 @@
 //   post_backward();          after the last backward: moments to the plugin, its hints to
 //                             the engines; returns the moments (e.g. for clipping);
 //   optimizer.step();         updates the masters (any torch::optim optimizer, or your own),
-//                             or update_masters(): AdamW fused with the image rebuild
+//                             or update_masters(): AdamW fused with the image rebuild, or
+//                             update_masters_during_backward() before the backward
 //   end_step(loss);           rebuilds the transfer images of the updated masters for the
 //                             routes just decided, and ends the plugin's step.
 // Every change of the masters must be followed by end_step() (or refresh_images()), or the
@@ -139,6 +140,9 @@ struct StepReport {
   std::uint32_t training_passes = 0;
   std::vector<sp_precision> routes;          // per block, for the next step
   std::optional<sp::host::SwapResult> swap;  // a hot swap applied (or failed) at begin_step
+  // Blocks that update_masters_during_backward() left as they were: their gradient held a
+  // non-finite element.
+  std::vector<std::uint32_t> updates_skipped;
   // Set on the steps that re-calibrated (StreamedModelOptions::recalibrate_every).
   std::optional<CalibrationErrors> calibration;
   double calibration_seconds = 0.0;
@@ -225,6 +229,30 @@ class StreamedModel {
   // has no gradient or no moments.
   void update_masters(std::uint32_t block, const sp::kernels::AdamWStep& step,
                       const std::map<std::string, MasterMoments>& moments);
+
+  // The fused update overlapped with the backward: arms the step's training pass whose backward
+  // runs next (its forward may have run already) so that each block is updated as soon as its
+  // gradient is final, on a worker thread, while the backward goes on through the blocks
+  // before it. That pass must be the step's last, and it replaces update_masters() for every
+  // block with trainable masters: `moments[b]` is what update_masters(b, ...) would take (empty
+  // for a block without trainable masters), and the caller keeps the moments alive until
+  // post_backward() returns. Since `step` is fixed before the backward, it cannot clip by this
+  // step's gradient norm: the host picks a rule (sp-train: the previous step's norm).
+  //   - A block whose gradient holds a non-finite element is left as it was
+  //     (StepReport::updates_skipped): the whole-step skip of a host that checks the norm first
+  //     cannot be had, since blocks after it are updated already.
+  //   - The image is written for the route in force during the backward; a block whose route
+  //     post_backward() changes gets its new image at its next fetch.
+  //   - post_backward() waits for the updates; an armed block whose backward did not run there
+  //     is updated in post_backward(), for the route just decided. So does a forward (either
+  //     mode) before it, which then reads the updated masters.
+  //   - Errors of an update (a missing gradient, a failed all-reduce) are thrown by the call
+  //     that waits, once every update of the step has ended; blocks updated by then stay so.
+  // Throws std::logic_error outside a step, after post_backward(), while a backward runs, or
+  // when already armed in this step; std::invalid_argument naming the block and parameter, with
+  // nothing armed, when moments are missing or `moments` has not one entry per block.
+  void update_masters_during_backward(const sp::kernels::AdamWStep& step,
+                                      std::vector<std::map<std::string, MasterMoments>> moments);
 
   // Measures, on the first-block inputs `samples`, each block's output error with INT8 and
   // with NF4 weights against BF16 weights (all through the engine's routes, pinned), and
