@@ -251,7 +251,9 @@ void read_train(const Origins& origins, const Section& s, TrainLoopConfig& t) {
   s.number("eps", t.eps, 0.0, 1.0, /*min_exclusive=*/true);
   s.number("grad_clip", t.grad_clip, 0.0, 1e9);
   s.choice<HostOptimizer>("host_optimizer", t.host_optimizer,
-                          {{"fused", HostOptimizer::fused}, {"unfused", HostOptimizer::unfused}});
+                          {{"fused", HostOptimizer::fused},
+                           {"unfused", HostOptimizer::unfused},
+                           {"overlapped", HostOptimizer::overlapped}});
   s.choice<AdamMoments>(
       "adam_moments", t.adam_moments,
       {{"fp32", AdamMoments::fp32}, {"bf16", AdamMoments::bf16}, {"bf16_stochastic", AdamMoments::bf16_stochastic}});
@@ -620,7 +622,15 @@ const char* adam_moments_name(AdamMoments moments) {
 }
 
 const char* host_optimizer_name(HostOptimizer optimizer) {
-  return optimizer == HostOptimizer::unfused ? "unfused" : "fused";
+  switch (optimizer) {
+    case HostOptimizer::unfused:
+      return "unfused";
+    case HostOptimizer::overlapped:
+      return "overlapped";
+    case HostOptimizer::fused:
+      break;
+  }
+  return "fused";
 }
 
 const char* streaming_unit_name(StreamingUnit unit) { return unit == StreamingUnit::sublayer ? "sublayer" : "block"; }

@@ -57,7 +57,7 @@ enum class ResumePolicy { auto_resume, never };
 // How full mode updates the streamed masters: fused (AdamW and the image rebuild in one sweep,
 // sp/kernels/adamw.h) or unfused (AdamW, then the rebuild reading the masters again: the
 // reference path). Both give the same bits.
-enum class HostOptimizer { fused, unfused };
+enum class HostOptimizer { fused, unfused, overlapped };
 // How AdamW stores its two moments: fp32 (8 bytes per parameter), or bf16 (4 bytes), rounded to
 // nearest even or stochastically (sp/kernels/adamw.h says why the latter).
 enum class AdamMoments { fp32, bf16, bf16_stochastic };

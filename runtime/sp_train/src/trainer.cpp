@@ -174,6 +174,7 @@ struct Trainer::Impl {
   std::string calibration_status = "disabled";
   CalibrationErrors calibration_errors;
   int nonfinite_streak = 0;
+  std::optional<double> previous_grad_norm;  // the last finite one: the overlapped update's clipping
 
   // Totals over the whole run, carried across resumes.
   struct Totals {
@@ -653,12 +654,20 @@ struct Trainer::Impl {
   // AdamW over the resident tensors, then over the masters. Fused, each unit's masters are
   // updated in the sweep that writes its next transfer image; unfused, the layer rebuilds the
   // images of the updated masters at end_step, in the precision each block travels next.
-  void optimizer_step(double lr, double grad_norm) {
+  double clip_scale(double grad_norm) const {
     const double clip = config.train.grad_clip;
-    adam->begin_step(lr, clip > 0.0 && grad_norm > clip ? clip / grad_norm : 1.0);
+    return clip > 0.0 && grad_norm > clip ? clip / grad_norm : 1.0;
+  }
+
+  void update_resident() {
     for (std::size_t index : adam_resident) adam->step_parameter(index);
     model->refresh_compute();
-    if (config.train.host_optimizer == HostOptimizer::fused) {
+  }
+
+  void optimizer_step(double lr, double grad_norm) {
+    adam->begin_step(lr, clip_scale(grad_norm));
+    update_resident();
+    if (config.train.host_optimizer != HostOptimizer::unfused) {
       for (std::uint32_t u = 0; u < unit_moments.size(); ++u) {
         layer->update_masters(u, adam->step_constants(), unit_moments[u]);
       }
@@ -684,6 +693,14 @@ struct Trainer::Impl {
     auto [idx, targets] = tensors_of(tokens, batch);
     model->clear_gradients();
     for (torch::Tensor& g : master_grads) g.zero_();
+    // The overlapped update steps the masters during the backward, before this step's gradient
+    // norm exists: it clips by the previous step's (the last finite one). A run's first step,
+    // or a resume from a checkpoint without that norm, has none and updates after the backward.
+    const bool overlapped = config.train.host_optimizer == HostOptimizer::overlapped && previous_grad_norm;
+    if (overlapped) {
+      adam->begin_step(record.lr, clip_scale(*previous_grad_norm));
+      layer->update_masters_during_backward(adam->step_constants(), unit_moments);
+    }
 
     // The layer fetches each block for the forward and again, in reverse, for the backward,
     // where it recomputes and differentiates it; the masters' gradients land in their .grad.
@@ -705,12 +722,22 @@ struct Trainer::Impl {
     const auto update_start = Clock::now();
     if (std::isfinite(record.grad_norm) && std::isfinite(record.loss)) {
       nonfinite_streak = 0;
-      optimizer_step(record.lr, record.grad_norm);
+      if (overlapped) {
+        update_resident();  // the streamed masters were updated during the backward
+      } else {
+        optimizer_step(record.lr, record.grad_norm);
+      }
+      previous_grad_norm = record.grad_norm;
     } else if (++nonfinite_streak >= kMaxNonFiniteSteps) {
       throw DivergedError(
           fmt::format("step {}: loss {}, gradient norm {}; {} steps in a row were skipped "
                       "(lower train.lr?)",
                       step, record.loss, record.grad_norm, nonfinite_streak));
+    } else if (overlapped) {
+      log->warn(
+          "step {}: non-finite loss or gradients; the resident parameters are not updated, the streamed blocks "
+          "whose gradients are finite were, during the backward",
+          step);
     } else {
       log->warn("step {}: non-finite loss or gradients; the update is skipped", step);
     }
@@ -805,6 +832,10 @@ struct Trainer::Impl {
         {"totals", totals_json()}};
     if (config.train.adam_moments != AdamMoments::fp32) {
       meta["adam_moments"] = adam_moments_name(config.train.adam_moments);  // absent: fp32, as before
+    }
+    // The overlapped update's next clipping; absent in the other modes, whose checkpoints stay as they were.
+    if (config.train.host_optimizer == HostOptimizer::overlapped && previous_grad_norm) {
+      meta["previous_grad_norm"] = *previous_grad_norm;
     }
     const std::string meta_text = meta.dump();
     out.put("meta", meta_text.data(), meta_text.size());
@@ -931,6 +962,13 @@ struct Trainer::Impl {
                                           checkpoint_path(options.out_dir).string(), rng.size()));
       }
 
+      if (const auto norm = meta.find("previous_grad_norm"); norm != meta.end()) {
+        if (!norm->is_number() || !std::isfinite(norm->get<double>()) || norm->get<double>() < 0.0) {
+          throw CheckpointError(fmt::format("{}: section 'meta': previous_grad_norm is {}; expected a finite number >= 0",
+                                            checkpoint_path(options.out_dir).string(), norm->dump()));
+        }
+        previous_grad_norm = norm->get<double>();
+      }
       calibration_errors.int8 = meta.at("calibration_errors").get<std::vector<double>>();
       // A checkpoint from before the NF4 route holds INT8 errors only.
       calibration_errors.nf4 = meta.value("nf4_calibration_errors", std::vector<double>{});

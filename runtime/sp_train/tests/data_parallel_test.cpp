@@ -107,6 +107,28 @@ TEST_F(DataParallel, TwoRanksDecideAlikeAndTrainAsOneRankWithTheDoubleBatch) {
       << text_of(dir_ / "resume.log");
 }
 
+// The overlapped update on two ranks: each block is updated on its worker once its all-reduce
+// is done, during the backward. Without clipping it trains as the fused update, bit for bit.
+TEST_F(DataParallel, OverlappedUpdateOnTwoRanksTrainsAsTheFusedOne) {
+  const fs::path fused = dir_ / "fused", overlapped = dir_ / "overlapped";
+  const std::vector<std::string> common = {"--set", "train.batch_size=4", "--set", "train.grad_clip=0"};
+  ASSERT_EQ(run_two_ranks(fused, common), (std::vector<int>{0, 0})) << log_of(0) << log_of(1);
+  port_ = t::free_port();
+  std::vector<std::string> overlap = common;
+  overlap.insert(overlap.end(), {"--set", "train.host_optimizer=overlapped"});
+  ASSERT_EQ(run_two_ranks(overlapped, overlap), (std::vector<int>{0, 0})) << log_of(0) << log_of(1);
+  const auto a = records(fused / "train_metrics.jsonl"), b = records(overlapped / "train_metrics.jsonl");
+  const auto b1 = records(overlapped / "rank1" / "train_metrics.jsonl");
+  ASSERT_EQ(a.size(), 24u);
+  ASSERT_EQ(b.size(), 24u);
+  for (std::size_t s = 0; s < a.size(); ++s) {
+    EXPECT_EQ(a[s]["loss"], b[s]["loss"]) << "step " << s;
+    EXPECT_EQ(a[s]["grad_norm"], b[s]["grad_norm"]) << "step " << s;
+    EXPECT_EQ(a[s]["decisions"], b[s]["decisions"]) << "step " << s;
+    EXPECT_EQ(b[s]["routes"], b1[s]["routes"]) << "step " << s;
+  }
+}
+
 // A rank killed mid-run: the other stops with exit code 6 and a message naming the failed
 // collective, within the collective timeout, not a hang; the checkpoint is intact.
 TEST_F(DataParallel, AKilledRankStopsTheOtherByName) {
