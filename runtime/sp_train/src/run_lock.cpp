@@ -38,6 +38,16 @@ RunDirectoryLock::RunDirectoryLock(const fs::path& run_dir) {
     throw ConfigError(fmt::format("run directory '{}' (--out): cannot lock {}: {}", run_dir.string(), file.string(),
                                   std::strerror(error)));
   }
+  // The lock file may be ours in a directory we may no longer write (made read-only, or on a
+  // read-only mount): every file of the run is written by a rename into it, so find out now,
+  // before a resume says it resumed.
+  if (::faccessat(AT_FDCWD, run_dir.c_str(), W_OK, AT_EACCESS) != 0) {
+    const int error = errno;
+    ::close(fd_);
+    fd_ = -1;
+    throw ConfigError(fmt::format("run directory '{}' (--out): cannot write in it: {}", run_dir.string(),
+                                  std::strerror(error)));
+  }
   // Who holds it, for the message of the run that is refused.
   const std::string pid = std::to_string(::getpid()) + "\n";
   if (::ftruncate(fd_, 0) == 0) {

@@ -215,6 +215,41 @@ TEST_F(Cli, ASecondRunOnTheSameDirectoryIsRefusedByName) {
   }
 }
 
+// A run directory sp-train may not write is refused by name with the exit code of a bad --out,
+// before anything resumes, and left as it was (the fault probe saw "resumed ... at step 5",
+// then exit code 1). Both ways in: a lock file it cannot open, and one it can (its own, left
+// by its last run) in a directory made read-only. Run as nobody when the test runs as root.
+TEST_F(Cli, ARunDirectoryItMayNotWriteIsRefusedBeforeResuming) {
+  const fs::path run = dir_ / "run";
+  ASSERT_EQ(run_sp_train(base() + " --steps 2").exit_code, 0);
+  using fs::perms;
+  fs::permissions(dir_, perms::group_exec | perms::others_exec, fs::perm_options::add);
+  for (const bool own_lock : {false, true}) {
+    SCOPED_TRACE(own_lock ? "its own lock file" : "a lock file it cannot open");
+    const fs::path lock = run / ".sp-train.lock";
+    if (::geteuid() == 0) {
+      if (own_lock) {
+        ASSERT_EQ(::chown(lock.c_str(), 65534, 65534), 0);
+      }
+    } else {
+      fs::permissions(lock, perms::owner_write, own_lock ? fs::perm_options::add : fs::perm_options::remove);
+    }
+    fs::permissions(run, perms::owner_write | perms::group_write | perms::others_write, fs::perm_options::remove);
+    const pid_t child = spawn_sp_train({"--config", config_.string(), "--out", run.string(), "--steps", "4"},
+                                       dir_ / "read-only.log", {}, sp::train::testing::RunAs::unprivileged);
+    const int exit_code = wait_exit_code(child);
+    fs::permissions(run, perms::owner_write, fs::perm_options::add);
+    std::ifstream in(dir_ / "read-only.log");
+    const std::string output((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(exit_code, 2) << output;
+    const std::string expected = own_lock ? "(--out): cannot write in it: Permission denied"
+                                          : "(--out): cannot create its lock file";
+    EXPECT_NE(output.find("run directory '" + run.string() + "' " + expected), std::string::npos) << output;
+    EXPECT_EQ(output.find("resumed"), std::string::npos) << output;
+    EXPECT_EQ(line_count(run / "train_metrics.jsonl"), 2u);
+  }
+}
+
 // With polling off, a new plugin version is picked up when SIGHUP asks for it.
 TEST_F(Cli, SighupSwapsToTheNewPluginVersion) {
   const fs::path plugins = dir_ / "plugins";

@@ -2,6 +2,7 @@
 // and environment variables, waited on by its own progress records, not by the clock.
 #pragma once
 
+#include <grp.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -29,10 +30,15 @@ inline std::size_t line_count(const std::filesystem::path& file) {
   return lines;
 }
 
+// Who the child runs as: the test's own user, or, when that is root (whom file permissions do
+// not stop), the unprivileged `nobody` (uid and gid 65534), for the tests of permissions.
+enum class RunAs { self, unprivileged };
+
 // Starts sp-train (SP_TRAIN_BINARY) with `args` and the extra environment `env` in a child
 // process whose output goes to `log`.
 inline pid_t spawn_sp_train(const std::vector<std::string>& args, const std::filesystem::path& log,
-                            const std::vector<std::pair<std::string, std::string>>& env = {}) {
+                            const std::vector<std::pair<std::string, std::string>>& env = {},
+                            RunAs run_as = RunAs::self) {
   const pid_t child = ::fork();
   if (child != 0) return child;
   std::vector<char*> argv{const_cast<char*>(SP_TRAIN_BINARY)};
@@ -41,6 +47,10 @@ inline pid_t spawn_sp_train(const std::vector<std::string>& args, const std::fil
   for (const auto& [name, value] : env) ::setenv(name.c_str(), value.c_str(), 1);
   std::FILE* sink = std::freopen(log.c_str(), "w", stdout);
   if (sink == nullptr || ::dup2(::fileno(stdout), 2) < 0) ::_exit(99);
+  if (run_as == RunAs::unprivileged && ::geteuid() == 0) {
+    constexpr uid_t kNobody = 65534;
+    if (::setgroups(0, nullptr) != 0 || ::setgid(kNobody) != 0 || ::setuid(kNobody) != 0) ::_exit(97);
+  }
   ::execv(SP_TRAIN_BINARY, argv.data());
   ::_exit(98);
 }
