@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <sstream>
 
@@ -217,6 +218,7 @@ struct Trainer::Impl {
     std::optional<CheckpointSections> checkpoint = find_checkpoint();
     if (checkpoint)
       next_step = read_meta(*checkpoint, checkpoint_path(options.out_dir)).at("next_step").get<std::int64_t>();
+    agree_across_ranks();
 
     model = std::make_unique<GptModel>(config.model, config.train.mode, config.train.lora, config.train.seed, compute);
     if (!checkpoint) {
@@ -283,6 +285,74 @@ struct Trainer::Impl {
         needed / 1073741824.0, config.train.mode == TrainMode::full ? ", their gradients and AdamW moments" : "",
         available / 1073741824.0));
   }
+
+  // Before anything is built: every rank must run the same config, plugin build and step, or
+  // they would part at a collective minutes later (a hang until its timeout, or a hint
+  // mismatch). Rank 0's config text and the digests of the rest are broadcast; each rank
+  // compares, and all learn which ranks differ and in what. A rank's own --out and data
+  // position are not compared: they differ by design.
+  void agree_across_ranks() {
+    if (!collectives) return;
+    const std::string plugin_bytes = [&] {
+      std::ifstream in(plugin_file(), std::ios::binary);
+      return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    }();
+    const std::vector<std::pair<const char*, std::int64_t>> mine = {
+        {"config", static_cast<std::int64_t>(sp::runtime::fnv1a64(config.resolved_yaml.data(), config.resolved_yaml.size()))},
+        {"plugin file", static_cast<std::int64_t>(sp::runtime::fnv1a64(plugin_bytes.data(), plugin_bytes.size()))},
+        {"step to resume at", next_step}};
+    std::vector<std::string> differ_in;
+    try {
+      torch::Tensor theirs = torch::empty({static_cast<std::int64_t>(mine.size())}, torch::kInt64);
+      for (std::size_t i = 0; i < mine.size(); ++i) theirs[static_cast<std::int64_t>(i)] = mine[i].second;
+      collectives->broadcast(theirs, 0, "rank 0's config, plugin and step digests");
+      for (std::size_t i = 0; i < mine.size(); ++i) {
+        if (theirs[static_cast<std::int64_t>(i)].item<std::int64_t>() != mine[i].second) differ_in.push_back(mine[i].first);
+      }
+      torch::Tensor text = torch::tensor({static_cast<std::int64_t>(config.resolved_yaml.size())}, torch::kInt64);
+      collectives->broadcast(text, 0, "the length of rank 0's config");
+      torch::Tensor rank0_yaml = torch::empty({text.item<std::int64_t>()}, torch::kUInt8);
+      if (rank() == 0) std::memcpy(rank0_yaml.data_ptr(), config.resolved_yaml.data(), config.resolved_yaml.size());
+      collectives->broadcast(rank0_yaml, 0, "rank 0's config");
+      if (!differ_in.empty()) {
+        log->error("this rank ({}) differs from rank 0 in: {}{}", rank(), fmt::join(differ_in, ", "),
+                   first_difference(std::string(reinterpret_cast<const char*>(rank0_yaml.data_ptr()),
+                                                static_cast<std::size_t>(rank0_yaml.numel())),
+                                    config.resolved_yaml));
+      }
+      torch::Tensor differing = torch::zeros({world_size()}, torch::kInt32);
+      differing[rank()] = differ_in.empty() ? 0 : 1;
+      collectives->all_reduce(differing, tl::Reduction::sum, "which ranks differ from rank 0")->wait();
+      std::vector<int> ranks;
+      for (int r = 0; r < world_size(); ++r) {
+        if (differing[r].item<std::int32_t>() != 0) ranks.push_back(r);
+      }
+      if (ranks.empty()) return;
+      throw ConfigError(fmt::format(
+          "data parallel: rank(s) {} run another config, plugin file or resume step than rank 0 (each such rank logs "
+          "which); start every rank with the same arguments and files",
+          fmt::join(ranks, ", ")));
+    } catch (const tl::CollectiveError& e) {
+      throw DistributedError(e.what());
+    }
+  }
+
+  // Where two config texts part, as " (config line N: rank 0 'a', this rank 'b')".
+  static std::string first_difference(const std::string& rank0, const std::string& own) {
+    if (rank0 == own) return "";
+    std::istringstream a(rank0), b(own);
+    std::string line_a, line_b;
+    for (int line = 1;; ++line) {
+      const bool more_a = static_cast<bool>(std::getline(a, line_a)), more_b = static_cast<bool>(std::getline(b, line_b));
+      if (!more_a && !more_b) return "";
+      if (!more_a || !more_b || line_a != line_b) {
+        return fmt::format(" (config line {}: rank 0 '{}', this rank '{}')", line, more_a ? line_a : "<end>",
+                           more_b ? line_b : "<end>");
+      }
+    }
+  }
+
+  fs::path plugin_file() const { return options.plugin_dir / ("lib" + config.train.plugin + ".so"); }
 
   int rank() const { return collectives ? collectives->rank() : 0; }
   int world_size() const { return collectives ? collectives->size() : 1; }
@@ -412,7 +482,7 @@ struct Trainer::Impl {
   // and opens the policy session.
   void build_layer() {
     tl::StreamedModelOptions o;
-    o.plugin_file = options.plugin_dir / ("lib" + config.train.plugin + ".so");
+    o.plugin_file = plugin_file();
     o.config_yaml = config.resolved_yaml;
     o.config_source = config.source_name;
     o.output_dir = run_dir;

@@ -107,6 +107,22 @@ TEST_F(DataParallel, TwoRanksDecideAlikeAndTrainAsOneRankWithTheDoubleBatch) {
       << text_of(dir_ / "resume.log");
 }
 
+// Ranks started with different arguments are refused before anything is built, by name: which
+// rank, and the first config line where it parts from rank 0.
+TEST_F(DataParallel, RanksWithAnotherConfigAreRefusedUpFront) {
+  const fs::path out = dir_ / "mismatch";
+  const pid_t r0 = spawn_rank(0, 2, out, {"--set", "train.batch_size=4"});
+  const pid_t r1 = spawn_rank(1, 2, out, {"--set", "train.batch_size=8"});
+  EXPECT_EQ(t::wait_exit_code(r0), 2) << log_of(0);
+  EXPECT_EQ(t::wait_exit_code(r1), 2) << log_of(1);
+  EXPECT_NE(log_of(0).find("data parallel: rank(s) 1 run another config, plugin file or resume step than rank 0"),
+            std::string::npos)
+      << log_of(0);
+  EXPECT_NE(log_of(1).find("this rank (1) differs from rank 0 in: config (config line"), std::string::npos) << log_of(1);
+  EXPECT_NE(log_of(1).find("rank 0 '  batch_size: 4', this rank '  batch_size: 8'"), std::string::npos) << log_of(1);
+  EXPECT_FALSE(fs::exists(out / "train_metrics.jsonl"));
+}
+
 // The overlapped update on two ranks: each block is updated on its worker once its all-reduce
 // is done, during the backward. Without clipping it trains as the fused update, bit for bit.
 TEST_F(DataParallel, OverlappedUpdateOnTwoRanksTrainsAsTheFusedOne) {
