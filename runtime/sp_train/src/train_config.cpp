@@ -433,14 +433,20 @@ void refuse_lone_carriage_returns(const std::string& text, const std::string& so
   }
 }
 
-// A carriage return that reached a scalar another way (a quoted "\r", or yaml-cpp's reading of
-// a NUL byte before an 'r') has the same fault: the emitter writes it unquoted. The walk visits
-// each parsed node once (an alias points at a node already seen: same mark), so an aliased or
-// recursive document costs its size, not its expansion. Returns the key path of the first
-// scalar, key or value, that holds one. `visited` holds the nodes seen by their position (a map
-// and its first key share one), compared by identity.
-std::optional<std::string> find_carriage_return(const YAML::Node& node, const std::string& path,
-                                                std::multimap<int, YAML::Node>& visited) {
+// What the run's config.yaml, written by yaml-cpp's emitter, could not keep, as a key path and
+// why (found by fuzzing, docs/fuzzing.md):
+//   - a carriage return in a scalar, key or value, however it got there (a quoted "\r", or
+//     yaml-cpp's reading of a NUL byte before an 'r'): the emitter writes it unquoted;
+//   - a key longer than kMaxKeyBytes or with control characters: the emitter writes it as an
+//     implicit key, which YAML limits to 1024 characters (escapes count four each), so the
+//     text would not read back. Keys are names; none needs either.
+// The walk visits each parsed node once (an alias points at a node already seen), so an aliased
+// or recursive document costs its size, not its expansion. `visited` holds the nodes seen by
+// their position (a map and its first key share one), compared by identity.
+constexpr std::size_t kMaxKeyBytes = 256;
+
+std::optional<std::pair<std::string, std::string>> find_unkeepable(const YAML::Node& node, const std::string& path,
+                                                                   std::multimap<int, YAML::Node>& visited) {
   const YAML::Mark mark = node.Mark();
   if (!mark.is_null()) {
     const auto [first, last] = visited.equal_range(mark.pos);
@@ -448,18 +454,31 @@ std::optional<std::string> find_carriage_return(const YAML::Node& node, const st
     visited.emplace(mark.pos, node);
   }
   if (node.IsScalar()) {
-    return node.Scalar().find('\r') != std::string::npos ? std::optional<std::string>(path) : std::nullopt;
+    if (node.Scalar().find('\r') == std::string::npos) return std::nullopt;
+    return std::pair{path, std::string("holds a carriage return, which the run's config.yaml could not keep; expected none")};
   }
   std::size_t index = 0;
   for (auto it = node.begin(); it != node.end(); ++it, ++index) {
     if (node.IsSequence()) {
-      if (auto found = find_carriage_return(*it, fmt::format("{}[{}]", path, index), visited)) return found;
+      if (auto found = find_unkeepable(*it, fmt::format("{}[{}]", path, index), visited)) return found;
       continue;
     }
     const std::string key = it->first.IsScalar() ? it->first.Scalar() : fmt::format("<key {}>", index);
     const std::string child = path.empty() ? key : path + "." + key;
-    if (auto found = find_carriage_return(it->first, child, visited)) return found;
-    if (auto found = find_carriage_return(it->second, child, visited)) return found;
+    if (auto found = find_unkeepable(it->first, child, visited)) return found;
+    if (it->first.IsScalar()) {
+      const bool control = std::any_of(key.begin(), key.end(), [](char c) {
+        return static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
+      });
+      if (key.size() > kMaxKeyBytes || control) {
+        const std::string shown = key.size() > 40 ? key.substr(0, 40) + "..." : key;
+        return std::pair{path.empty() ? shown : path + "." + shown,
+                         fmt::format("a key of {} bytes{}; expected a name of at most {} bytes without control "
+                                     "characters",
+                                     key.size(), control ? " with control characters" : "", kMaxKeyBytes)};
+      }
+    }
+    if (auto found = find_unkeepable(it->second, child, visited)) return found;
   }
   return std::nullopt;
 }
@@ -585,13 +604,21 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     root["memory"]["stagehand"]["selective_precision"] = YAML::Node(YAML::NodeType::Map);
   }
   std::multimap<int, YAML::Node> visited;
-  if (const std::optional<std::string> path = find_carriage_return(root, "", visited)) {
-    throw ConfigError(fmt::format("{}: {}: holds a carriage return, which the run's config.yaml could not keep; expected none",
-                                  origins.of(*path), *path));
+  if (const auto found = find_unkeepable(root, "", visited)) {
+    throw ConfigError(fmt::format("{}: {}: {}", origins.of(found->first), found->first, found->second));
   }
   YAML::Emitter out;
   out << root;
   config.resolved_yaml = std::string(out.c_str()) + "\n";
+  // The run keeps this text as its config.yaml and the plugin parses it: it must read back.
+  // The checks above cover what fuzzing found the emitter to get wrong; this names the rest.
+  try {
+    YAML::Load(config.resolved_yaml);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(fmt::format("{}: accepted, but yaml-cpp writes it back as text it cannot read ({}); simplify the "
+                                  "keys and values of the plugin's section",
+                                  source_name, e.msg));
+  }
   return config;
 }
 

@@ -219,6 +219,14 @@ TEST(TrainConfig, ACarriageReturnThatEndsNoLineIsRefused) {
   EXPECT_EQ(error_of(std::string("memory:\n  stagehand:\n    selective_precision:\n      w\0rmup_steps: 10\n", 69)),
             "cfg.yaml: memory.stagehand.selective_precision.w\rmup_steps: holds a carriage return, which the run's "
             "config.yaml could not keep; expected none");
+  // A key the emitter would write as an implicit key over YAML's 1024 characters (the fuzzer's
+  // third input), or with control characters.
+  EXPECT_EQ(error_of("memory: {stagehand: {selective_precision: {" + std::string(300, 'k') + ": 1}}}"),
+            "cfg.yaml: memory.stagehand.selective_precision." + std::string(40, 'k') +
+                "...: a key of 300 bytes; expected a name of at most 256 bytes without control characters");
+  EXPECT_EQ(error_of("memory: {stagehand: {selective_precision: {\"a\\x04b\": 1}}}"),
+            "cfg.yaml: memory.stagehand.selective_precision.a\x04" "b: a key of 3 bytes with control characters; expected "
+            "a name of at most 256 bytes without control characters");
   EXPECT_EQ(error_of("memory: &m {stagehand: {selective_precision: {a: *m, b: \"\\r\"}}}"),
             "cfg.yaml: memory.stagehand.selective_precision.b: holds a carriage return, which the run's config.yaml "
             "could not keep; expected none");
