@@ -5,7 +5,11 @@
 # the guard is to see the loss rise, blame that move and send the block back to BF16. LoRA
 # mode on that base, so that the damage of a 4-bit base block shows at once and lasts (the
 # base is frozen); the other five blocks are NF4 from step 0, outside the blame window.
-# The same run with the guard off is the control. Writes bench/results/train-loss-guard.json.
+# The same run with the guard off is the control. The base carries its outlier channel already
+# (model.outliers is not given again: planting it a second time would scale it by 1024 once
+# more), and LoRA's learning rate is 2e-3 instead of lora.yaml's 1e-2, under which this wider
+# base's loss jumps to 6 at the end of the warm-up and the guard sees nothing but that.
+# Writes bench/results/train-loss-guard.json.
 #
 #   bash runtime/sp_train/tools/run_loss_guard.sh [BUILD_DIR] [WORK_DIR]
 #
@@ -22,7 +26,7 @@ base=${SP_LORA_BASE:-$work/nf4-wide-outliers2-full-bf16-only/checkpoint.bin}
 [[ -f $base ]] || { echo "$base: no base checkpoint (run the nf4-wide-outliers2 set first, docs/results.md)" >&2; exit 2; }
 p=memory.stagehand.selective_precision
 common="--config configs/lora.yaml --set train.init_checkpoint=$base --set train.calibration_cache_dir=$work/calibration-cache
-        --set model.d_model=256 --set model.outliers.blocks=[2] --set model.outliers.magnitude=1024
+        --set model.d_model=256 --set train.lr=2e-3
         --set $p.tiers=[bf16,int8,nf4] --set $p.grad_weight=1 --set $p.error_weight=0
         --set $p.grad_sensitivity_threshold=1000 --set $p.force_nf4_blocks=[0,1,3,4,5] --set $p.warmup_steps=30
         --set $p.loss_guard.window=20 --set $p.loss_guard.sigmas=3 --set $p.loss_guard.min_rise=0.05
