@@ -435,6 +435,7 @@ void refuse_lone_carriage_returns(const std::string& text, const std::string& so
 
 // What the run's config.yaml, written by yaml-cpp's emitter, could not keep, as a key path and
 // why (found by fuzzing, docs/fuzzing.md):
+//   - bytes that are not UTF-8 in a scalar (is_utf8());
 //   - a carriage return in a scalar, key or value, however it got there (a quoted "\r", or
 //     yaml-cpp's reading of a NUL byte before an 'r'): the emitter writes it unquoted;
 //   - a key longer than kMaxKeyBytes or with control characters: the emitter writes it as an
@@ -445,6 +446,38 @@ void refuse_lone_carriage_returns(const std::string& text, const std::string& so
 // their position (a map and its first key share one), compared by identity.
 constexpr std::size_t kMaxKeyBytes = 256;
 
+// Well-formed UTF-8 (RFC 3629: no overlong forms, no surrogates, nothing past U+10FFFF).
+// yaml-cpp keeps other bytes as they are when it reads them, writes them back as they are,
+// and reads its own output with each bad sequence replaced by U+FFFD: the scalar changes.
+bool is_utf8(const std::string& text) {
+  const auto* p = reinterpret_cast<const unsigned char*>(text.data());
+  const auto* end = p + text.size();
+  while (p < end) {
+    const unsigned char lead = *p++;
+    if (lead < 0x80) continue;
+    int more = 0;
+    unsigned char low = 0x80, high = 0xbf;  // the allowed range of the first continuation byte
+    if (lead >= 0xc2 && lead <= 0xdf) {
+      more = 1;
+    } else if (lead >= 0xe0 && lead <= 0xef) {
+      more = 2;
+      if (lead == 0xe0) low = 0xa0;
+      if (lead == 0xed) high = 0x9f;
+    } else if (lead >= 0xf0 && lead <= 0xf4) {
+      more = 3;
+      if (lead == 0xf0) low = 0x90;
+      if (lead == 0xf4) high = 0x8f;
+    } else {
+      return false;
+    }
+    if (end - p < more || *p < low || *p > high) return false;
+    for (++p, --more; more > 0; --more, ++p) {
+      if ((*p & 0xc0) != 0x80) return false;
+    }
+  }
+  return true;
+}
+
 std::optional<std::pair<std::string, std::string>> find_unkeepable(const YAML::Node& node, const std::string& path,
                                                                    std::multimap<int, YAML::Node>& visited) {
   const YAML::Mark mark = node.Mark();
@@ -454,6 +487,9 @@ std::optional<std::pair<std::string, std::string>> find_unkeepable(const YAML::N
     visited.emplace(mark.pos, node);
   }
   if (node.IsScalar()) {
+    if (!is_utf8(node.Scalar())) {
+      return std::pair{path, std::string("holds bytes that are not UTF-8, which the run's config.yaml could not keep")};
+    }
     if (node.Scalar().find('\r') == std::string::npos) return std::nullopt;
     return std::pair{path, std::string("holds a carriage return, which the run's config.yaml could not keep; expected none")};
   }

@@ -227,6 +227,19 @@ TEST(TrainConfig, ACarriageReturnThatEndsNoLineIsRefused) {
   EXPECT_EQ(error_of("memory: {stagehand: {selective_precision: {\"a\\x04b\": 1}}}"),
             "cfg.yaml: memory.stagehand.selective_precision.a\x04" "b: a key of 3 bytes with control characters; expected "
             "a name of at most 256 bytes without control characters");
+  // Bytes that are not UTF-8 (the fuzzer's fourth input: read back, each became U+FFFD and its
+  // key grew past 256 bytes), in a key or a value; well-formed UTF-8 is kept.
+  EXPECT_EQ(error_of("memory: {stagehand: {selective_precision: {\"a\xf5" "b\": 1}}}"),
+            "cfg.yaml: memory.stagehand.selective_precision.a\xf5" "b: holds bytes that are not UTF-8, which the run's "
+            "config.yaml could not keep");
+  for (const char* bad : {"\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80", "\xe2\x82", "\x80"}) {
+    EXPECT_NE(error_of(std::string("memory: {stagehand: {selective_precision: {note: \"") + bad + "\"}}}")
+                  .find("not UTF-8"),
+              std::string::npos)
+        << bad;
+  }
+  EXPECT_EQ(error_of("memory: {stagehand: {selective_precision: {note: \"\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80\"}}}"),
+            "<accepted>");
   EXPECT_EQ(error_of("memory: &m {stagehand: {selective_precision: {a: *m, b: \"\\r\"}}}"),
             "cfg.yaml: memory.stagehand.selective_precision.b: holds a carriage return, which the run's config.yaml "
             "could not keep; expected none");
