@@ -632,12 +632,18 @@ void StreamingEngine::finish_update(WeightUpdate &update) {
     throw std::logic_error("StreamingEngine::finish_update: not an update begun by this engine, or finished already");
   }
   updating_[block] = false;
-  if (!update.ran_ || update.error_) {
-    // Nothing was written: the tensor check and the kernel refuse before they write, so the
-    // masters and the current image still hold the old weights.
+  if (!update.ran_) {
+    // A cancel: nothing was written, the current image still holds the masters' weights.
     drop_written_slab(block, update.slab_);
-    if (update.error_) std::rethrow_exception(update.error_);
     return;
+  }
+  if (update.error_) {
+    // The kernel refuses bad arguments before it writes, but a failure inside the sweep (a
+    // thread that could not start) may leave some masters stepped and the slab half written:
+    // the image is rebuilt from the masters at the block's next fetch.
+    drop_written_slab(block, update.slab_);
+    ++images_[block].weights_version;
+    std::rethrow_exception(update.error_);
   }
   ++images_[block].weights_version;
   install_image(block, update.precision_, update.slab_, update.bytes_);

@@ -35,8 +35,10 @@ class SerialWorker {
     std::future<void> done = packaged.get_future();
     {
       std::lock_guard lock(mutex_);
-      tasks_.push_back(std::move(packaged));
+      // Started before the task is queued: a thread that cannot start leaves no task behind
+      // for a later thread to run after its caller gave up on it.
       if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+      tasks_.push_back(std::move(packaged));
     }
     wake_.notify_one();
     return done;

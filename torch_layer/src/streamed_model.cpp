@@ -602,18 +602,23 @@ struct StreamedModel::Impl {
   // Begins block b's armed update: its slab is picked here, the sweep runs on the worker once
   // `gradient_ready` (if any) has made the gradient final on the host.
   void begin_block_update(std::uint32_t b, std::function<void()> gradient_ready) {
+    // Everything that can fail to allocate comes before the engine marks the block busy, and
+    // `running` has room for every block (reserved when armed), so that the entry is in place
+    // before the task that uses it exists.
     RunningUpdate running_update;
     running_update.block = b;
-    running_update.update = std::make_unique<ad::StreamingEngine::WeightUpdate>(engine->begin_update(b));
+    running_update.update = std::make_unique<ad::StreamingEngine::WeightUpdate>();
     running_update.skipped = std::make_shared<bool>(false);
+    *running_update.update = engine->begin_update(b);
     armed->begun[b] = true;
     ad::StreamingEngine::WeightUpdate* update = running_update.update.get();
     bool* skipped = running_update.skipped.get();
     const BlockState* block = &blocks[b];
     const std::map<std::string, MasterMoments>* moments = &armed->moments[b];
     const kn::AdamWStep step = armed->step;
+    running.push_back(std::move(running_update));
     try {
-      running_update.done = worker.submit([=, ready = std::move(gradient_ready)] {
+      running.back().done = worker.submit([=, ready = std::move(gradient_ready)] {
         if (ready) ready();
         if (!gradients_finite(*block)) {
           *skipped = true;
@@ -623,9 +628,9 @@ struct StreamedModel::Impl {
       });
     } catch (...) {
       engine->finish_update(*update);  // never ran: a cancel
+      running.pop_back();
       throw;
     }
-    running.push_back(std::move(running_update));
   }
 
   // Waits for the updates begun in the backward and installs their images. Every update is
@@ -764,10 +769,16 @@ struct StreamedModel::Impl {
       for (StreamedParam* p : staged) add_to_master_grad(*p, p->staging);
     }
     grads_staged = false;
+    std::vector<std::uint32_t> deferred;
     for (std::uint32_t b = 0; b < deferred_updates.size(); ++b) {
-      if (!deferred_updates[b]) continue;
-      deferred_updates[b] = false;
-      begin_block_update(b, {});
+      if (deferred_updates[b]) deferred.push_back(b);
+    }
+    std::fill(deferred_updates.begin(), deferred_updates.end(), false);
+    try {
+      for (std::uint32_t b : deferred) begin_block_update(b, {});
+    } catch (...) {
+      abandon_pass();
+      throw;
     }
   }
 
@@ -1051,6 +1062,11 @@ torch::Tensor StreamedModel::forward(const torch::Tensor& x) {
     throw std::logic_error("StreamedModel::forward: post_backward() already ran in this step; call end_step()");
   }
   m.close_abandoned_pass("forward");
+  if (m.armed && std::find(m.armed->begun.begin(), m.armed->begun.end(), true) != m.armed->begun.end()) {
+    throw std::logic_error(
+        "StreamedModel::forward: update_masters_during_backward() updated the masters in this step's last backward; "
+        "call post_backward() (a pass after it would add gradients that no update sees)");
+  }
   m.wait_for_updates();  // the pass fetches the blocks they update
   if (m.options.recalibrate_every != 0) m.last_input = x.detach();
   m.engine->begin_step(m.engine_steps++);
@@ -1246,6 +1262,7 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
       }
     }
   }
+  m.running.reserve(m.blocks.size());
   m.armed = Impl::ArmedUpdate{step, std::move(moments), std::vector<bool>(m.blocks.size(), false)};
 }
 

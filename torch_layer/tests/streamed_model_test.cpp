@@ -414,6 +414,13 @@ TEST(StreamedModel, UpdateDuringTheBackwardIsArmedOncePerStepBeforeTheBackward) 
   model->post_backward();
   EXPECT_THROW(model->update_masters_during_backward(adam, all), std::logic_error);  // after post_backward
   model->end_step(1.0);
+  // The armed backward must be the step's last: a grad-mode pass after it is refused.
+  model->begin_step(2);
+  model->update_masters_during_backward(adam, all);
+  model->forward(input(35)).pow(2).mean().backward();
+  EXPECT_THROW(model->forward(input(36)), std::logic_error);
+  model->post_backward();
+  model->end_step(1.0);
 }
 
 TEST(StreamedModel, StateRoundTripResumesWithTheSameRoutesAndWeights) {

@@ -766,7 +766,8 @@ struct Trainer::Impl {
     // The overlapped update steps the masters during the backward, before this step's gradient
     // norm exists: it clips by the previous step's (the last finite one). A run's first step,
     // or a resume from a checkpoint without that norm, has none and updates after the backward.
-    const bool overlapped = config.train.host_optimizer == HostOptimizer::overlapped && previous_grad_norm;
+    const bool overlapped = config.train.mode == TrainMode::full &&
+                            config.train.host_optimizer == HostOptimizer::overlapped && previous_grad_norm;
     if (overlapped) {
       adam->begin_step(record.lr, clip_scale(*previous_grad_norm));
       layer->update_masters_during_backward(adam->step_constants(), unit_moments);
@@ -814,6 +815,12 @@ struct Trainer::Impl {
 
     const tl::StepReport report = layer->end_step(record.loss);
     record.update_seconds = seconds_since(update_start);
+    // A non-finite step that the overlap left wholly unapplied (no block updated, nor the
+    // resident parameters) does not count for the bias correction, as in the exact modes; one
+    // that updated some blocks does.
+    if (overlapped && nonfinite_streak > 0 && report.updates_skipped.size() == unit_moments.size()) {
+      adam->set_steps_taken(adam->steps_taken() - 1);
+    }
     if (report.swap) note_swap(step, *report.swap, record);
     if (report.calibration) {
       calibration_errors = *report.calibration;

@@ -260,6 +260,10 @@ TEST_F(TrainE2E, OverlappedUpdateClipsByThePreviousNormAndResumesBitwise) {
   for (std::size_t s = 2; s < exact.steps.size(); ++s) parted |= straight.steps[s].loss != exact.steps[s].loss;
   EXPECT_TRUE(parted) << "clipping by the previous norm changed nothing: does the clip bind?";
   EXPECT_LT(mean_loss(straight.steps, 19, 24), mean_loss(straight.steps, 0, 5) - 0.3);
+  // The host optimizer is full mode's: LoRA takes the key and trains as before.
+  const RunSummary lora = train("lora", {{"train.mode", "lora"}, {"train.host_optimizer", "overlapped"}});
+  EXPECT_EQ(lora.outcome, RunOutcome::completed);
+  EXPECT_EQ(lora.steps.size(), straight.steps.size());
 }
 
 // model.streaming_unit: sublayer gives the plugin one unit per attention and per MLP sublayer.

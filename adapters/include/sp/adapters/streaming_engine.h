@@ -124,9 +124,9 @@ class StreamingEngine {
   //   WeightUpdate::run()  on any thread, once: the sweep, which touches the tensors given and
   //                        that slab, nothing else of the engine's;
   //   finish_update()      on the engine's thread: validates and installs the image. An
-  //                        update that never ran is cancelled; one whose run failed changed
-  //                        nothing either, and its error is rethrown here. Either way the
-  //                        block keeps the image of its unchanged weights.
+  //                        update that never ran is cancelled (the block keeps its image);
+  //                        after a run that failed, the image is rebuilt from the masters at
+  //                        the block's next fetch, and the error is rethrown here.
   // The image is for the route of begin_update(); a route decided later gets its image at the
   // block's next fetch, as after on_weights_updated().
   class WeightUpdate {

@@ -52,6 +52,9 @@ class RankMismatchError : public std::runtime_error {
 
 enum class Reduction { sum, max, min };
 
+// Threads: the layer calls rank(), size() and Pending::wait() from its update worker
+// (update_masters_during_backward) while its driving thread starts other collectives, so an
+// implementation must allow that, as c10d's process groups do.
 class Collectives {
  public:
   // An operation in flight; wait() blocks until it completed, and throws CollectiveError.

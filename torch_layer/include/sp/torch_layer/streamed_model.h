@@ -244,8 +244,9 @@ class StreamedModel {
   //   - The image is written for the route in force during the backward; a block whose route
   //     post_backward() changes gets its new image at its next fetch.
   //   - post_backward() waits for the updates; an armed block whose backward did not run there
-  //     is updated in post_backward(), for the route just decided. So does a forward (either
-  //     mode) before it, which then reads the updated masters.
+  //     is updated in post_backward(), for the route just decided. An evaluation forward
+  //     before it waits too, and reads the updated masters; a grad-mode forward after the
+  //     armed backward throws std::logic_error (its gradients would reach no update).
   //   - Errors of an update (a missing gradient, a failed all-reduce) are thrown by the call
   //     that waits, once every update of the step has ended; blocks updated by then stay so.
   // Throws std::logic_error outside a step, after post_backward(), while a backward runs, or
