@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh Debian machine: installs packages, builds, runs ctest.
 # GPU tests skip cleanly when no CUDA device is present.
-# Then every libFuzzer harness over its seed corpus (docs/fuzzing.md), built with Clang, ASan and
-# UBSan in build-fuzz/: the deterministic replay. The timed fuzzing (label fuzz-timed) finds
-# different inputs on each run, so it is not part of the test command.
+# Then every libFuzzer harness (docs/fuzzing.md), built with Clang, ASan and UBSan in build-fuzz/:
+# the replay of its seed corpus (deterministic), then a smoke run of SP_FUZZ_SMOKE_SECONDS of
+# fuzzing each (label fuzz-timed), whose new inputs differ from run to run: a failure there is
+# a new finding, kept in the test's build folder as crash-*, oom-* or timeout-*.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/install-deps.sh
@@ -16,3 +17,4 @@ CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWit
   -DSP_ENABLE_CUDA=OFF
 cmake --build build-fuzz --target selective_precision_fuzzers -j "$(nproc 2>/dev/null || echo 2)"
 ctest --test-dir build-fuzz -L '^fuzz$' --output-on-failure -j "$(nproc 2>/dev/null || echo 2)"
+ctest --test-dir build-fuzz -L fuzz-timed --output-on-failure -j "$(nproc 2>/dev/null || echo 2)"
