@@ -226,6 +226,17 @@ struct OptimizerState {
   }
 };
 
+// Two models of the same shapes whose fp32 masters are equal bit for bit.
+void expect_same_masters(SyntheticModel &a, SyntheticModel &b) {
+  for (std::uint32_t block = 0; block < a.blocks().size(); ++block) {
+    for (std::size_t t = 0; t < a.blocks()[block].tensors.size(); ++t) {
+      const TensorSpec &spec = a.blocks()[block].tensors[t];
+      ASSERT_EQ(std::memcmp(a.master(block, t), b.master(block, t), spec.rows * spec.cols * 4), 0)
+          << "block " << block << " " << spec.name;
+    }
+  }
+}
+
 // The fused pass against AdamW followed by on_weights_updated, on every route: the same
 // masters and the same delivered weights (run_checked_step compares each slot with the kernels'
 // reference encoding of the current masters), and one rebuild per block.
@@ -251,13 +262,9 @@ TEST(StreamingEngine, UpdateWeightsEqualsTheOptimizerThenTheRebuild) {
       }
       unfused.on_weights_updated(b);
     }
-    for (std::uint32_t b = 0; b < kBlocks; ++b) {
-      for (std::size_t t = 0; t < fused_model.blocks()[b].tensors.size(); ++t) {
-        const TensorSpec &spec = fused_model.blocks()[b].tensors[t];
-        ASSERT_EQ(std::memcmp(fused_model.master(b, t), unfused_model.master(b, t), spec.rows * spec.cols * 4), 0)
-            << "step " << step << " block " << b << " " << spec.name;
-      }
-    }
+    SCOPED_TRACE("step " + std::to_string(step));
+    expect_same_masters(fused_model, unfused_model);
+    if (HasFatalFailure()) return;
   }
   const StepTransferMetrics metrics = run_checked_step(fused, backend, fused_model.blocks(), 3, 0);
   EXPECT_EQ(metrics.h2d_bytes_nf4 > 0 && metrics.h2d_bytes_int8 > 0, true);
@@ -334,13 +341,7 @@ TEST(StreamingEngine, ASplitUpdateRunsOnAnotherThreadWhileTheOtherBlocksStream) 
   for (std::uint32_t b = 0; b < kBlocks; ++b) {
     if (b != 5) split.update_weights(b, adam, split_state.tensors(split_model, b));
   }
-  for (std::uint32_t b = 0; b < kBlocks; ++b) {
-    for (std::size_t t = 0; t < split_model.blocks()[b].tensors.size(); ++t) {
-      const TensorSpec &spec = split_model.blocks()[b].tensors[t];
-      ASSERT_EQ(std::memcmp(split_model.master(b, t), whole_model.master(b, t), spec.rows * spec.cols * 4), 0)
-          << "block " << b << " " << spec.name;
-    }
-  }
+  expect_same_masters(split_model, whole_model);
   run_checked_step(split, backend, split_model.blocks(), 1, 0);
 
   StreamingEngine::WeightUpdate busy = split.begin_update(0);

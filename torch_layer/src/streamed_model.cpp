@@ -104,6 +104,13 @@ std::string master_key(const BlockState& b, const StreamedParam& p) { return "ma
 // The block's trainable masters as the fused update takes them, each with its gradient and
 // `moments` entry. Throws std::invalid_argument naming the parameter that has no fp32 host
 // gradient of its size, or no moments.
+// The moments of master `name`, or null when `moments` lacks them or either buffer.
+const MasterMoments* moments_of(const std::map<std::string, MasterMoments>& moments, const std::string& name) {
+  const auto found = moments.find(name);
+  if (found == moments.end() || found->second.exp_avg == nullptr || found->second.exp_avg_sq == nullptr) return nullptr;
+  return &found->second;
+}
+
 std::vector<kn::AdamWTensor> fused_update_tensors(const BlockState& b, const std::map<std::string, MasterMoments>& moments) {
   std::vector<kn::AdamWTensor> tensors;
   for (const StreamedParam& p : b.streamed) {
@@ -115,11 +122,9 @@ std::vector<kn::AdamWTensor> fused_update_tensors(const BlockState& b, const std
         grad.numel() != p.master.numel() || !grad.device().is_cpu()) {
       throw problem("has no fp32 contiguous host gradient in .grad of the master's size");
     }
-    const auto found = moments.find(p.name);
-    if (found == moments.end() || found->second.exp_avg == nullptr || found->second.exp_avg_sq == nullptr) {
-      throw problem("has no AdamW moments (exp_avg and exp_avg_sq) in the map given");
-    }
-    const MasterMoments& moment = found->second;
+    const MasterMoments* found = moments_of(moments, p.name);
+    if (found == nullptr) throw problem("has no AdamW moments (exp_avg and exp_avg_sq) in the map given");
+    const MasterMoments& moment = *found;
     tensors.push_back(kn::AdamWTensor{p.master.data_ptr<float>(), grad.data_ptr<float>(), moment.exp_avg,
                                       moment.exp_avg_sq, kn::TensorShape{p.rows, p.cols}, moment.decay, moment.dtype,
                                       moment.rounding, moment.seed});
@@ -1253,8 +1258,7 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
     if (!m.blocks[b].trainable_masters) continue;
     for (const StreamedParam& p : m.blocks[b].streamed) {
-      const auto found = moments[b].find(p.name);
-      if (found == moments[b].end() || found->second.exp_avg == nullptr || found->second.exp_avg_sq == nullptr) {
+      if (moments_of(moments[b], p.name) == nullptr) {
         throw std::invalid_argument(fmt::format(
             "StreamedModel::update_masters_during_backward: {}.{} has no AdamW moments (exp_avg and exp_avg_sq) in "
             "the map given",

@@ -222,7 +222,19 @@ struct Moments {
     }
     return out;
   }
+  // Every block's, as update_masters_during_backward() takes them.
+  std::vector<std::map<std::string, tl::MasterMoments>> all() {
+    std::vector<std::map<std::string, tl::MasterMoments>> out;
+    for (std::size_t b = 0; b < exp_avg.size(); ++b) out.push_back(of(static_cast<std::uint32_t>(b)));
+    return out;
+  }
 };
+
+void zero_master_grads(tl::StreamedModel& model) {
+  for (torch::Tensor& p : model.master_parameters()) {
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+}
 
 // update_masters() against the kernels' AdamW on the masters followed by end_step's rebuild: the
 // same masters bit for bit and the same delivered weights, on each route.
@@ -238,9 +250,7 @@ TEST(StreamedModel, FusedUpdateEqualsAdamWThenTheRebuild) {
     const sp::kernels::AdamWStep adam =
         sp::kernels::make_adamw_step(sp::kernels::AdamWHyperparameters{0.9, 0.95, 1e-8, 0.1}, 1e-2, step + 1, 1.0);
     for (auto* model : {fused.get(), unfused.get()}) {
-      for (torch::Tensor& p : model->master_parameters()) {
-        if (p.grad().defined()) p.mutable_grad().zero_();
-      }
+      zero_master_grads(*model);
       model->begin_step(step);
       model->forward(x).pow(2).mean().backward();
       model->post_backward();
@@ -313,22 +323,12 @@ TEST(StreamedModel, UpdateDuringTheBackwardEqualsTheUpdateAfterIt) {
   auto after = wrap(blocks_after, policy);
   Moments overlapped_moments(*overlapped), after_moments(*after);
   const torch::Tensor x = input(32);
-  const auto zero_grads = [](tl::StreamedModel& model) {
-    for (torch::Tensor& p : model.master_parameters()) {
-      if (p.grad().defined()) p.mutable_grad().zero_();
-    }
-  };
-  const auto all_moments = [](Moments& moments) {
-    std::vector<std::map<std::string, tl::MasterMoments>> out;
-    for (std::uint32_t b = 0; b < kBlocks; ++b) out.push_back(moments.of(b));
-    return out;
-  };
   for (std::int64_t step = 0; step < 3; ++step) {
     const sp::kernels::AdamWStep adam =
         sp::kernels::make_adamw_step(sp::kernels::AdamWHyperparameters{0.9, 0.95, 1e-8, 0.1}, 1e-2, step + 1, 0.7);
-    zero_grads(*overlapped);
+    zero_master_grads(*overlapped);
     overlapped->begin_step(step);
-    overlapped->update_masters_during_backward(adam, all_moments(overlapped_moments));
+    overlapped->update_masters_during_backward(adam, overlapped_moments.all());
     const torch::Tensor first_master = overlapped->masters(0).at("fc1.weight").clone();
     overlapped->forward(x).pow(2).mean().backward();
     if (step == 0) {
@@ -341,7 +341,7 @@ TEST(StreamedModel, UpdateDuringTheBackwardEqualsTheUpdateAfterIt) {
     const tl::StepReport report = overlapped->end_step(1.0);
     EXPECT_TRUE(report.updates_skipped.empty());
 
-    zero_grads(*after);
+    zero_master_grads(*after);
     after->begin_step(step);
     after->forward(x).pow(2).mean().backward();
     after->post_backward();
@@ -363,10 +363,10 @@ TEST(StreamedModel, UpdateDuringTheBackwardEqualsTheUpdateAfterIt) {
   overlapped->abort_step();
 
   // A NaN in the loss's gradient reaches every block: none is updated, in the backward's order.
-  zero_grads(*overlapped);
+  zero_master_grads(*overlapped);
   overlapped->begin_step(4);
   const sp::kernels::AdamWStep adam = sp::kernels::make_adamw_step({}, 1e-2, 5, 1.0);
-  overlapped->update_masters_during_backward(adam, all_moments(overlapped_moments));
+  overlapped->update_masters_during_backward(adam, overlapped_moments.all());
   std::vector<torch::Tensor> before;
   for (std::uint32_t b = 0; b < kBlocks; ++b) before.push_back(overlapped->masters(b).at("fc1.weight").clone());
   const torch::Tensor y = overlapped->forward(x);
@@ -384,8 +384,7 @@ TEST(StreamedModel, UpdateDuringTheBackwardIsArmedOncePerStepBeforeTheBackward) 
   auto model = wrap(blocks, "  mode: off\n");
   Moments moments(*model);
   const sp::kernels::AdamWStep adam = sp::kernels::make_adamw_step({}, 1e-2, 1, 1.0);
-  std::vector<std::map<std::string, tl::MasterMoments>> all;
-  for (std::uint32_t b = 0; b < kBlocks; ++b) all.push_back(moments.of(b));
+  const std::vector<std::map<std::string, tl::MasterMoments>> all = moments.all();
   EXPECT_THROW(model->update_masters_during_backward(adam, all), std::logic_error);  // outside a step
   model->begin_step(0);
   std::vector<std::map<std::string, tl::MasterMoments>> partial = all;

@@ -184,24 +184,34 @@ TEST_F(TrainE2E, InterruptedRunResumesBitwiseIdentically) {
   EXPECT_EQ(straight.json["h2d_bytes"], second_half.json["h2d_bytes"]);
 }
 
-// train.host_optimizer: the fused pass (AdamW and the image rebuild in one sweep) and the
-// unfused reference give the same run bit for bit, with blocks on each of the three routes.
-TEST_F(TrainE2E, FusedAndUnfusedHostOptimizersTrainBitwiseIdentically) {
+// Block 0 BF16, block 1 INT8, blocks 2 and 3 NF4, from the plugin's first hints on.
+std::vector<Override> blocks_on_three_routes() {
   const std::string p = "memory.stagehand.selective_precision.";
-  const std::vector<Override> three_routes = {{p + "mode", "static"},
-                                              {p + "tiers", "[bf16, int8, nf4]"},
-                                              {p + "force_int8_blocks", "[1]"},
-                                              {p + "force_nf4_blocks", "[2, 3]"}};
-  std::vector<Override> unfused = three_routes;
-  unfused.push_back({"train.host_optimizer", "unfused"});
-  const RunSummary a = train("fused", three_routes);
-  const RunSummary b = train("unfused", unfused);
+  return {{p + "mode", "static"},
+          {p + "tiers", "[bf16, int8, nf4]"},
+          {p + "force_int8_blocks", "[1]"},
+          {p + "force_nf4_blocks", "[2, 3]"}};
+}
+
+// Two runs whose every step has the same loss and gradient norm bit for bit, and the same routes.
+void expect_bitwise_same_steps(const RunSummary& a, const RunSummary& b) {
   ASSERT_EQ(a.steps.size(), b.steps.size());
   for (std::size_t s = 0; s < a.steps.size(); ++s) {
     EXPECT_EQ(std::memcmp(&a.steps[s].loss, &b.steps[s].loss, sizeof(double)), 0) << "step " << s;
     EXPECT_EQ(std::memcmp(&a.steps[s].grad_norm, &b.steps[s].grad_norm, sizeof(double)), 0) << "step " << s;
     EXPECT_EQ(a.steps[s].routes, b.steps[s].routes) << "step " << s;
   }
+}
+
+// train.host_optimizer: the fused pass (AdamW and the image rebuild in one sweep) and the
+// unfused reference give the same run bit for bit, with blocks on each of the three routes.
+TEST_F(TrainE2E, FusedAndUnfusedHostOptimizersTrainBitwiseIdentically) {
+  const std::vector<Override> three_routes = blocks_on_three_routes();
+  std::vector<Override> unfused = three_routes;
+  unfused.push_back({"train.host_optimizer", "unfused"});
+  const RunSummary a = train("fused", three_routes);
+  const RunSummary b = train("unfused", unfused);
+  expect_bitwise_same_steps(a, b);
   EXPECT_EQ(a.steps.back().routes, (std::vector<std::uint8_t>{0, 1, 2, 2}));
   EXPECT_EQ(a.json["final_val_loss"], b.json["final_val_loss"]);
   EXPECT_EQ(a.json["h2d_bytes"], b.json["h2d_bytes"]);
@@ -213,22 +223,13 @@ TEST_F(TrainE2E, FusedAndUnfusedHostOptimizersTrainBitwiseIdentically) {
 // where the previous step's norm changes nothing, it is the fused run bit for bit, with blocks on
 // each route (the images written in the backward are those the fused sweep writes after it).
 TEST_F(TrainE2E, OverlappedUpdateWithoutClippingTrainsAsTheFusedOne) {
-  const std::string p = "memory.stagehand.selective_precision.";
-  const std::vector<Override> fused = {{p + "mode", "static"},
-                                       {p + "tiers", "[bf16, int8, nf4]"},
-                                       {p + "force_int8_blocks", "[1]"},
-                                       {p + "force_nf4_blocks", "[2, 3]"},
-                                       {"train.grad_clip", "0"}};
+  std::vector<Override> fused = blocks_on_three_routes();
+  fused.push_back({"train.grad_clip", "0"});
   std::vector<Override> overlapped = fused;
   overlapped.push_back({"train.host_optimizer", "overlapped"});
   const RunSummary a = train("fused", fused);
   const RunSummary b = train("overlapped", overlapped);
-  ASSERT_EQ(a.steps.size(), b.steps.size());
-  for (std::size_t s = 0; s < a.steps.size(); ++s) {
-    EXPECT_EQ(std::memcmp(&a.steps[s].loss, &b.steps[s].loss, sizeof(double)), 0) << "step " << s;
-    EXPECT_EQ(std::memcmp(&a.steps[s].grad_norm, &b.steps[s].grad_norm, sizeof(double)), 0) << "step " << s;
-    EXPECT_EQ(a.steps[s].routes, b.steps[s].routes) << "step " << s;
-  }
+  expect_bitwise_same_steps(a, b);
   EXPECT_EQ(a.json["final_val_loss"], b.json["final_val_loss"]);
   EXPECT_EQ(b.json["host_optimizer"], "overlapped");
 }
