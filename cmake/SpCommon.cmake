@@ -20,6 +20,11 @@ if(SP_SANITIZE_THREAD)
   add_link_options(-fsanitize=thread)
 endif()
 
+# Code that ends up in a plugin a host dlclose()s must not hold STB_GNU_UNIQUE symbols (glibc
+# would mark the library NODELETE). GCC makes inline statics unique unless told not to; Clang
+# never emits them and does not know the flag.
+set(SELECTIVE_PRECISION_NO_GNU_UNIQUE "$<$<AND:$<COMPILE_LANGUAGE:CXX>,$<CXX_COMPILER_ID:GNU>>:-fno-gnu-unique>")
+
 # selective_precision_add_plugin(<target> SOURCES ... [OUTPUT_DIR dir] [OUTPUT_NAME name])
 #
 # A policy plugin is a MODULE library that a host dlopen()s and later dlclose()s
@@ -49,10 +54,11 @@ function(selective_precision_add_plugin target)
   if(ARG_OUTPUT_NAME)
     set_target_properties(${target} PROPERTIES OUTPUT_NAME ${ARG_OUTPUT_NAME})
   endif()
-  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fno-gnu-unique>)
+  target_compile_options(${target} PRIVATE ${SELECTIVE_PRECISION_NO_GNU_UNIQUE})
+  # Under a sanitizer the plugin calls into the sanitizer's runtime, which the executable holds.
   target_link_options(${target} PRIVATE
     -Wl,--version-script=${version_script}
-    $<$<NOT:$<BOOL:${SP_SANITIZE}>>:-Wl,--no-undefined>)
+    $<$<NOT:$<OR:$<BOOL:${SP_SANITIZE}>,$<BOOL:${SP_SANITIZE_THREAD}>>>:-Wl,--no-undefined>)
   target_link_libraries(${target} PRIVATE selective_precision_warnings)
   target_link_libraries(${target} PRIVATE selective_precision_plugin_abi)
 endfunction()

@@ -22,7 +22,7 @@ using Clock = std::chrono::steady_clock;
 
 // Generation counting gives CUDA event semantics: a wait captures the generation of the
 // latest record() at the time of the call, so a later re-record does not move its target.
-class HostEvent final : public Event {
+class EventTimeline {
  public:
   std::uint64_t record() {
     std::lock_guard lock(mutex_);
@@ -63,15 +63,20 @@ class HostEvent final : public Event {
   Clock::time_point completed_at_{};
 };
 
-HostEvent &host_event(Event &event) {
-  auto *host = dynamic_cast<HostEvent *>(&event);
+// As with cudaEventDestroy, an event may be destroyed while a queue still has to record or wait
+// on it: the queued task shares the timeline, so it outlives the Event object when it must.
+class HostEvent final : public Event {
+ public:
+  const std::shared_ptr<EventTimeline> timeline = std::make_shared<EventTimeline>();
+};
+
+const std::shared_ptr<EventTimeline> &host_timeline(const Event &event) {
+  const auto *host = dynamic_cast<const HostEvent *>(&event);
   if (host == nullptr) {
     throw std::invalid_argument("HostBackend: the event was not created by a HostBackend");
   }
-  return *host;
+  return host->timeline;
 }
-
-const HostEvent &host_event(const Event &event) { return host_event(const_cast<Event &>(event)); }
 
 Region allocate_zeroed(std::size_t bytes) {
   constexpr std::size_t kAlignment = 256;  // as cudaMalloc: every slab and slot offset stays aligned
@@ -212,41 +217,41 @@ void HostBackend::dequantize_async(const DequantJob &job) {
 
 void HostBackend::record(Event &event, Queue queue) {
   rethrow_worker_failure();
-  HostEvent &host = host_event(event);
-  const std::uint64_t generation = host.record();
+  const std::shared_ptr<EventTimeline> &timeline = host_timeline(event);
+  const std::uint64_t generation = timeline->record();
   if (queue == Queue::compute) {
-    host.complete(generation);  // the compute queue is the caller: everything before is done
+    timeline->complete(generation);  // the compute queue is the caller: everything before is done
     return;
   }
-  worker(queue).push([&host, generation] { host.complete(generation); });
+  worker(queue).push([timeline, generation] { timeline->complete(generation); });
 }
 
 void HostBackend::wait(Queue waiter, const Event &event) {
   rethrow_worker_failure();
-  const HostEvent &host = host_event(event);
-  const std::uint64_t generation = host.latest();
+  const std::shared_ptr<EventTimeline> &timeline = host_timeline(event);
+  const std::uint64_t generation = timeline->latest();
   if (waiter == Queue::compute) {
-    host.wait_for(generation);
+    timeline->wait_for(generation);
     return;
   }
-  worker(waiter).push([&host, generation] { host.wait_for(generation); });
+  worker(waiter).push([timeline, generation] { timeline->wait_for(generation); });
 }
 
 bool HostBackend::query(const Event &event) {
   rethrow_worker_failure();
-  const HostEvent &host = host_event(event);
-  return host.reached(host.latest());
+  const EventTimeline &timeline = *host_timeline(event);
+  return timeline.reached(timeline.latest());
 }
 
 void HostBackend::synchronize(const Event &event) {
-  const HostEvent &host = host_event(event);
-  host.wait_for(host.latest());
+  const EventTimeline &timeline = *host_timeline(event);
+  timeline.wait_for(timeline.latest());
   rethrow_worker_failure();
 }
 
 double HostBackend::elapsed_seconds(const Event &start, const Event &end) {
-  const HostEvent &first = host_event(start);
-  const HostEvent &last = host_event(end);
+  const EventTimeline &first = *host_timeline(start);
+  const EventTimeline &last = *host_timeline(end);
   if (!first.reached(first.latest()) || !last.reached(last.latest())) {
     throw std::logic_error("HostBackend::elapsed_seconds: an event has not completed");
   }

@@ -15,7 +15,6 @@ namespace {
 constexpr char kMagic[8] = {'S', 'P', 'P', 'O', 'L', 'S', 'T', '\0'};
 constexpr std::size_t kHeaderSize = 8 + 4 + 4 + 8;
 constexpr std::size_t kTrailerSize = 4;
-constexpr std::size_t kSectionHeaderSize = 4 + 8;
 
 constexpr std::uint32_t four_cc(char a, char b, char c, char d) {
   return static_cast<std::uint32_t>(static_cast<unsigned char>(a)) |

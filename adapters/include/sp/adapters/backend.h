@@ -23,6 +23,8 @@ const char *queue_name(Queue queue);
 
 // A completion marker with CUDA event semantics: wait(), query() and synchronize() refer to
 // the most recent record() made before the call, so one event can be recorded again and again.
+// As with cudaEventDestroy, an event may be destroyed while a queue has still to record it or
+// wait on it: the queues keep what they need.
 class Event {
  public:
   virtual ~Event() = default;
