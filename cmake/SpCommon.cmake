@@ -58,7 +58,7 @@ function(selective_precision_add_plugin target)
   # Under a sanitizer the plugin calls into the sanitizer's runtime, which the executable holds.
   target_link_options(${target} PRIVATE
     -Wl,--version-script=${version_script}
-    $<$<NOT:$<OR:$<BOOL:${SP_SANITIZE}>,$<BOOL:${SP_SANITIZE_THREAD}>>>:-Wl,--no-undefined>)
+    $<$<NOT:$<OR:$<BOOL:${SP_SANITIZE}>,$<BOOL:${SP_SANITIZE_THREAD}>,$<BOOL:${SP_BUILD_FUZZERS}>>>:-Wl,--no-undefined>)
   target_link_libraries(${target} PRIVATE selective_precision_warnings)
   target_link_libraries(${target} PRIVATE selective_precision_plugin_abi)
 endfunction()

@@ -5,6 +5,7 @@
 # the replay of its seed corpus (deterministic), then a smoke run of SP_FUZZ_SMOKE_SECONDS of
 # fuzzing each (label fuzz-timed), whose new inputs differ from run to run: a failure there is
 # a new finding, kept in the test's build folder as crash-*, oom-* or timeout-*.
+# Last, the suite again under ThreadSanitizer (Clang, build-tsan/, docs/sanitizers.md).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/install-deps.sh
@@ -18,3 +19,5 @@ CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWit
 cmake --build build-fuzz --target selective_precision_fuzzers -j "$(nproc 2>/dev/null || echo 2)"
 ctest --test-dir build-fuzz -L '^fuzz$' --output-on-failure -j "$(nproc 2>/dev/null || echo 2)"
 ctest --test-dir build-fuzz -L fuzz-timed --output-on-failure -j "$(nproc 2>/dev/null || echo 2)"
+
+bash scripts/tsan.sh

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -180,7 +181,13 @@ TEST(HookDeadline, AHookThatNeverReturnsQuarantinesThePluginAndTheStepsGoOn) {
   PolicyHostOptions options = options_with(log, FallbackMode::last_good);
   options.hook_deadline = std::chrono::milliseconds(200);
   const std::string config = kExampleConfig + "fixture_block_hook: compute_hints\nfixture_fail_at_step: 5\n";
-  PolicyHost host(SP_FIXTURE_SCRIPTED, {config, "scripted.yaml"}, make_blocks(kBlocks), options);
+  // A quarantined plugin is never unloaded, so this library stays mapped for the life of the
+  // process: a copy under its own name keeps the other tests' checks that the fixture was
+  // unmapped true when the whole binary runs in one process.
+  testing::TempDir dir;
+  const std::filesystem::path hanging = dir.path() / "libsp_fixture_hanging.so";
+  std::filesystem::copy_file(SP_FIXTURE_SCRIPTED, hanging);
+  PolicyHost host(hanging, {config, "scripted.yaml"}, make_blocks(kBlocks), options);
   std::vector<std::vector<sp_hint_v1>> hints;
   for (std::int64_t step = 0; step < 8; ++step) hints.push_back(run_step(host, step));
   ASSERT_FALSE(all_bf16(hints[4])) << "the trace must give the plugin INT8 blocks before the hang";

@@ -13,6 +13,12 @@ trap 'rm -rf "$work"' EXIT
 prefix=$work/prefix
 
 cmake --install "$build" --prefix "$prefix" >"$work/install.log"
+# The examples build with the build's compilers; a sanitized build's static libraries also
+# need the sanitizer's runtime at link time, as a consumer of such a package would.
+cache_value() { sed -n "s/^$1:[A-Z]*=//p" "$build/CMakeCache.txt"; }
+consumer=(-DCMAKE_C_COMPILER="$(cache_value CMAKE_C_COMPILER)" -DCMAKE_CXX_COMPILER="$(cache_value CMAKE_CXX_COMPILER)")
+[ "$(cache_value SP_SANITIZE)" = ON ] && consumer+=(-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address,undefined)
+[ "$(cache_value SP_SANITIZE_THREAD)" = ON ] && consumer+=(-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread)
 for f in lib/cmake/SelectivePrecision/SelectivePrecisionConfig.cmake \
          lib/cmake/SelectivePrecision/SelectivePrecisionConfigVersion.cmake \
          lib/selective_precision/plugins/libsp_selective_precision.so \
@@ -25,7 +31,7 @@ done
 "$prefix/bin/sp-train" --help >/dev/null
 
 cp -r "$src/examples/plugin_host" "$work/plugin_host-src"
-cmake -S "$work/plugin_host-src" -B "$work/plugin_host" -DCMAKE_PREFIX_PATH="$prefix" \
+cmake -S "$work/plugin_host-src" -B "$work/plugin_host" -DCMAKE_PREFIX_PATH="$prefix" "${consumer[@]}" \
   -DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON --no-warn-unused-cli >"$work/plugin_host.log"
 cmake --build "$work/plugin_host" >>"$work/plugin_host.log" || { cat "$work/plugin_host.log"; exit 1; }
 "$work/plugin_host/plugin_host"
@@ -34,7 +40,8 @@ cp -r "$src/examples/llama_streamed" "$work/llama-src"
 sp_lines=$(grep -c '// \[sp\]' "$work/llama-src/main.cpp")
 echo "llama_streamed: $sp_lines lines concern Selective Precision"
 [ "$sp_lines" -le 30 ] || { echo "more than 30 Selective Precision lines"; exit 1; }
-cmake -S "$work/llama-src" -B "$work/llama" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" >"$work/llama.log"
+cmake -S "$work/llama-src" -B "$work/llama" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" "${consumer[@]}" \
+  >"$work/llama.log"
 cmake --build "$work/llama" >>"$work/llama.log" || { cat "$work/llama.log"; exit 1; }
 "$work/llama/llama_streamed" 4
 

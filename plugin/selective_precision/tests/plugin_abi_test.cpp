@@ -165,7 +165,7 @@ TEST_F(PluginAbi, NoNf4HostRejectsAnNf4ConfigByName) {
   sp_policy_ctx *ctx = nullptr;
   sp_host_api_v1 old_host = host;
   old_host.struct_size = SP_HOST_API_V1_0_SIZE;  // a 1.0 host: BF16 and INT8
-  const std::string tiers = standalone("  tiers: [bf16, int8, nf4]\n");
+  const std::string tiers = standalone("  tiers: [bf16, int8, nf4]\n  telemetry_enabled: false\n");
   EXPECT_EQ(v1->create(&old_host, tiers.c_str(), blocks.data(), kBlocks, &ctx), SP_ERR_CONFIG);
   EXPECT_NE(std::string(v1->last_error(nullptr)).find("selective_precision.tiers: nf4 is a tier, but the host"),
             std::string::npos)

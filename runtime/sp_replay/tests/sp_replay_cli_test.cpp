@@ -35,9 +35,10 @@ class SpReplayCli : public ::testing::Test {
     return dir_ / name;
   }
 
+  // Run in the test's own directory, where a file written to a relative path would land.
   RunResult run(const std::string& args) {
-    return sp::runtime::run_command(std::string(SP_REPLAY_BINARY) + " --plugin-dir " + SP_PLUGIN_DIR + " " + args +
-                                    " 2>&1");
+    return sp::runtime::run_command("cd '" + dir_.string() + "' && " + SP_REPLAY_BINARY + " --plugin-dir " +
+                                    SP_PLUGIN_DIR + " " + args + " 2>&1");
   }
 
   // Two blocks: block 0 has a tenth of block 1's gradient norm, so it goes INT8 at the
@@ -135,7 +136,7 @@ TEST_F(SpReplayCli, WithoutTelemetryOptionWritesNoTelemetryFile) {
   const RunResult r = run("--config " + path("policy.yaml") + " --blocks 2 --trace " + path("t.jsonl"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("{\"precision\":[\"int8\",\"bf16\"],\"step\":2}"));
-  EXPECT_FALSE(fs::exists("selective_precision_telemetry.jsonl"));
+  EXPECT_FALSE(fs::exists(dir_ / "selective_precision_telemetry.jsonl"));
 }
 
 TEST_F(SpReplayCli, MalformedTraceLineNamesTheLineAndWritesNothing) {
