@@ -63,11 +63,12 @@ class GptModel {
   // Before a step: zeroes the host gradient buffers and drops the compute gradients.
   void clear_gradients();
   // The stress test of model.outliers, for a fresh run once its initial weights are in place:
-  // in each listed block, one attention channel's value row is divided by the magnitude and
-  // the attn.proj column that reads the channel multiplied by it. Attention is linear in the
+  // in each listed block, the value rows of model.outliers.channels attention channels (one
+  // in each of as many equal spans of the channels) are divided by the magnitude and the
+  // attn.proj columns that read them multiplied by it. Attention is linear in the
   // values, so the block computes what it did (to rounding; LoRA adapters start at zero), but
-  // every row of attn.proj now carries one large weight, which stretches the scale of its
-  // INT8 group over the others: the outlier channels trained LLMs develop.
+  // every row of attn.proj now carries one large weight per span, which stretches the scale of
+  // its INT8 or NF4 group over the others: the outlier channels trained LLMs develop.
   void plant_outlier_channels(std::uint64_t seed);
   // An fp32 host buffer of zeros shaped like `like`, for gradients that the backward sends
   // back from the compute device: pinned when that device is a GPU, so that the copy into it

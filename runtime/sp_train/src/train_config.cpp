@@ -222,9 +222,10 @@ void read_model(const Origins& origins, const Section& s, ModelConfig& m) {
     }
     s.fail("n_heads", fmt::format("a divisor of model.d_model ({})", m.d_model), given);
   }
-  const Section outliers(origins, "model.outliers", s.node()["outliers"], {"blocks", "magnitude"});
+  const Section outliers(origins, "model.outliers", s.node()["outliers"], {"blocks", "magnitude", "channels"});
   outliers.block_ids("blocks", m.outlier_blocks, m.n_blocks);
   outliers.number("magnitude", m.outlier_magnitude, 1.0, 1e4);
+  outliers.integer("channels", m.outlier_channels, 1, m.d_model);
   s.choice<StreamingUnit>("streaming_unit", m.streaming_unit,
                           {{"block", StreamingUnit::block}, {"sublayer", StreamingUnit::sublayer}});
 }

@@ -29,10 +29,11 @@ struct ModelConfig {
   std::uint32_t mlp_ratio = 4;
   double init_std = 0.02;
   // A stress test of the policy, not a training feature: in these blocks a fresh run moves a
-  // factor `outlier_magnitude` from one attention value channel into the attn.proj column that
-  // reads it (GptModel::plant_outlier_channels).
+  // factor `outlier_magnitude` from `outlier_channels` attention value channels into the
+  // attn.proj columns that read them (GptModel::plant_outlier_channels).
   std::vector<std::uint32_t> outlier_blocks;
   double outlier_magnitude = 64.0;
+  std::uint32_t outlier_channels = 1;
   StreamingUnit streaming_unit = StreamingUnit::block;
 };
 

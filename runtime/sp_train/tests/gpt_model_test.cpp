@@ -147,5 +147,28 @@ TEST(GptModelInit, OutlierChannelsMoveScaleWithoutChangingTheFunction) {
   EXPECT_TRUE(torch::equal(again.streamed()[1][1], after[1])) << "the channel is a function of the seed";
 }
 
+// model.outliers.channels: n channels, one in each of n equal spans of the row, so that each
+// of n groups of an image row holds one; the function is still the block's.
+TEST(GptModelInit, OutlierChannelsAreSpreadOnePerSpan) {
+  const torch::TensorOptions fp32 = torch::TensorOptions().dtype(torch::kFloat32);
+  ModelConfig stressed = tiny_model();
+  stressed.outlier_blocks = {0};
+  stressed.outlier_channels = 4;
+  GptModel plain(stressed, TrainMode::full, LoraConfig{}, 7, fp32);
+  GptModel with_outliers(stressed, TrainMode::full, LoraConfig{}, 7, fp32);
+  with_outliers.plant_outlier_channels(7);
+  const std::int64_t c = stressed.d_model;
+  const torch::Tensor columns =
+      (plain.streamed()[0][1] != with_outliers.streamed()[0][1]).any(0).nonzero().flatten();
+  ASSERT_EQ(columns.numel(), 4);
+  for (std::int64_t k = 0; k < 4; ++k) {
+    const std::int64_t channel = columns[k].item<std::int64_t>();
+    EXPECT_GE(channel, k * c / 4);
+    EXPECT_LT(channel, (k + 1) * c / 4);
+  }
+  const torch::Tensor x = torch::randn({2, 8, c});
+  EXPECT_TRUE(torch::allclose(plain.block_forward(0, x), with_outliers.block_forward(0, x), 1e-5, 1e-5));
+}
+
 }  // namespace
 }  // namespace sp::train

@@ -104,7 +104,12 @@ TEST(TrainConfig, OutlierBlocksAreDistinctIdsOfTheModel) {
             "cfg.yaml: model.outliers.magnitude: expected a number in [1, 10000], found '0.5'");
   EXPECT_EQ(
       error_of("model: {outliers: {block: [1]}}"),
-      "cfg.yaml: model.outliers.block: unknown key; did you mean 'blocks'? model.outliers accepts: blocks, magnitude");
+      "cfg.yaml: model.outliers.block: unknown key; did you mean 'blocks'? model.outliers accepts: blocks, magnitude, "
+      "channels");
+  EXPECT_EQ(parse_train_config("model: {outliers: {channels: 2}}", "cfg.yaml").model.outlier_channels, 2u);
+  EXPECT_EQ(parse_train_config("", "cfg.yaml").model.outlier_channels, 1u);
+  EXPECT_EQ(error_of("model: {d_model: 64, n_heads: 4, outliers: {channels: 65}}"),
+            "cfg.yaml: model.outliers.channels: expected an integer in [1, 64], found '65'");
   EXPECT_EQ(error_of("", {parse_override("model.outliers.blocks=[9]")}),
             "--set model.outliers.blocks=[9]: model.outliers.blocks: expected a list of distinct block ids in [0, 6) "
             "(model.n_blocks), found '9'");
