@@ -10,8 +10,20 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <utility>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define SP_HOST_HAS_LSAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define SP_HOST_HAS_LSAN 1
+#endif
+#endif
+#ifdef SP_HOST_HAS_LSAN
+#include <sanitizer/lsan_interface.h>
+#endif
 
 namespace sp::host {
 namespace {
@@ -113,6 +125,17 @@ std::string mask_text(sp_precision_mask mask) {
     text += precision_name(precision);
   }
   return text;
+}
+
+// Gives up ownership for good: a thread may still run inside the object (a plugin stuck in a
+// hook, or the supervisor waiting on that hook), so it must never be destroyed. Under
+// AddressSanitizer, LeakSanitizer is told that this is on purpose.
+template <typename T>
+void abandon(std::unique_ptr<T>& owner) {
+  [[maybe_unused]] T* kept = owner.release();
+#ifdef SP_HOST_HAS_LSAN
+  if (kept != nullptr) __lsan_ignore_object(kept);
+#endif
 }
 
 // A plugin library with one live context created from it.
@@ -359,7 +382,7 @@ struct PolicyHost::Impl {
 
   void start_watchdog() {
     // An abandoned supervisor keeps its thread (and the plugin it is stuck in) alive.
-    if (watchdog && watchdog->abandoned()) (void)watchdog.release();
+    if (watchdog && watchdog->abandoned()) abandon(watchdog);
     watchdog = options.hook_deadline.count() > 0 ? std::make_unique<HookWatchdog>(options.hook_deadline) : nullptr;
   }
 
@@ -532,7 +555,7 @@ struct PolicyHost::Impl {
   // starts fresh, and the old one is left loaded, since its thread may still run its code.
   SwapResult replace_quarantined(SwapResult result, std::optional<std::int64_t> first_step) {
     const std::string retired_label = active->label();
-    (void)active.release();
+    abandon(active);
     active = std::move(pending);
     start_watchdog();
     result.outcome = SwapResult::Outcome::swapped;
@@ -582,8 +605,8 @@ PolicyHost::~PolicyHost() {
     // Its supervisor's thread may still be inside the plugin: neither is destroyed.
     impl_->logger->warn("policy plugin {} is left loaded: it is quarantined ({})", impl_->active->label(),
                         impl_->quarantine);
-    (void)impl_->active.release();
-    (void)impl_->watchdog.release();
+    abandon(impl_->active);
+    abandon(impl_->watchdog);
     return;
   }
   const UnloadReport unload = impl_->active->close();
