@@ -107,6 +107,17 @@ TEST(GptModelLayerBlocks, ListTheModelsOwnTensorsByBlockRelativeName) {
   EXPECT_TRUE(full.streamed()[0][0].requires_grad());
 }
 
+// The same initialization twice, the second with the outlier stress test planted.
+struct PlantedModels {
+  explicit PlantedModels(const ModelConfig& config)
+      : plain(config, TrainMode::full, LoraConfig{}, 7, torch::TensorOptions().dtype(torch::kFloat32)),
+        with_outliers(config, TrainMode::full, LoraConfig{}, 7, torch::TensorOptions().dtype(torch::kFloat32)) {
+    with_outliers.plant_outlier_channels(7);
+  }
+  GptModel plain;
+  GptModel with_outliers;
+};
+
 // The stress test's outlier channel: in a listed block one value row shrinks and the
 // attn.proj column that reads it grows by the magnitude, so the block computes what it did
 // while attn.proj's rows each carry one large weight; nothing else changes.
@@ -115,9 +126,9 @@ TEST(GptModelInit, OutlierChannelsMoveScaleWithoutChangingTheFunction) {
   ModelConfig stressed = tiny_model();
   stressed.outlier_blocks = {1};
   stressed.outlier_magnitude = 64.0;
-  GptModel plain(stressed, TrainMode::full, LoraConfig{}, 7, fp32);
-  GptModel with_outliers(stressed, TrainMode::full, LoraConfig{}, 7, fp32);
-  with_outliers.plant_outlier_channels(7);
+  PlantedModels models(stressed);
+  GptModel& plain = models.plain;
+  GptModel& with_outliers = models.with_outliers;
   const std::int64_t c = stressed.d_model;
   for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
     EXPECT_TRUE(torch::equal(plain.streamed()[0][i], with_outliers.streamed()[0][i])) << "tensor " << i;
@@ -150,16 +161,13 @@ TEST(GptModelInit, OutlierChannelsMoveScaleWithoutChangingTheFunction) {
 // model.outliers.channels: n channels, one in each of n equal spans of the row, so that each
 // of n groups of an image row holds one; the function is still the block's.
 TEST(GptModelInit, OutlierChannelsAreSpreadOnePerSpan) {
-  const torch::TensorOptions fp32 = torch::TensorOptions().dtype(torch::kFloat32);
   ModelConfig stressed = tiny_model();
   stressed.outlier_blocks = {0};
   stressed.outlier_channels = 4;
-  GptModel plain(stressed, TrainMode::full, LoraConfig{}, 7, fp32);
-  GptModel with_outliers(stressed, TrainMode::full, LoraConfig{}, 7, fp32);
-  with_outliers.plant_outlier_channels(7);
+  PlantedModels models(stressed);
   const std::int64_t c = stressed.d_model;
   const torch::Tensor columns =
-      (plain.streamed()[0][1] != with_outliers.streamed()[0][1]).any(0).nonzero().flatten();
+      (models.plain.streamed()[0][1] != models.with_outliers.streamed()[0][1]).any(0).nonzero().flatten();
   ASSERT_EQ(columns.numel(), 4);
   for (std::int64_t k = 0; k < 4; ++k) {
     const std::int64_t channel = columns[k].item<std::int64_t>();
@@ -167,7 +175,8 @@ TEST(GptModelInit, OutlierChannelsAreSpreadOnePerSpan) {
     EXPECT_LT(channel, (k + 1) * c / 4);
   }
   const torch::Tensor x = torch::randn({2, 8, c});
-  EXPECT_TRUE(torch::allclose(plain.block_forward(0, x), with_outliers.block_forward(0, x), 1e-5, 1e-5));
+  EXPECT_TRUE(
+      torch::allclose(models.plain.block_forward(0, x), models.with_outliers.block_forward(0, x), 1e-5, 1e-5));
 }
 
 }  // namespace
