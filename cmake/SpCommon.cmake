@@ -6,18 +6,24 @@ target_compile_options(selective_precision_warnings INTERFACE
   $<$<COMPILE_LANGUAGE:C,CXX>:-Wall -Wextra -Werror>
   $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Werror --Werror=all-warnings>)
 
+# What a sanitized build links with: also what a consumer of its installed package must link
+# with (SpPackage.cmake puts it on the exported libraries).
+set(SELECTIVE_PRECISION_SANITIZER_LINK_OPTION "")
 if(SP_SANITIZE)
   add_compile_options($<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=address,undefined>
                       $<$<COMPILE_LANGUAGE:C,CXX>:-fno-omit-frame-pointer>
                       $<$<COMPILE_LANGUAGE:C,CXX>:-fno-sanitize-recover=undefined>)
-  add_link_options(-fsanitize=address,undefined)
+  set(SELECTIVE_PRECISION_SANITIZER_LINK_OPTION -fsanitize=address,undefined)
 endif()
 if(SP_SANITIZE_THREAD)
   if(SP_SANITIZE)
     message(FATAL_ERROR "SP_SANITIZE and SP_SANITIZE_THREAD cannot be combined")
   endif()
   add_compile_options($<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=thread> $<$<COMPILE_LANGUAGE:C,CXX>:-fno-omit-frame-pointer>)
-  add_link_options(-fsanitize=thread)
+  set(SELECTIVE_PRECISION_SANITIZER_LINK_OPTION -fsanitize=thread)
+endif()
+if(SELECTIVE_PRECISION_SANITIZER_LINK_OPTION)
+  add_link_options(${SELECTIVE_PRECISION_SANITIZER_LINK_OPTION})
 endif()
 
 # Code that ends up in a plugin a host dlclose()s must not hold STB_GNU_UNIQUE symbols (glibc

@@ -17,6 +17,15 @@ set(SP_INSTALL_DATADIR ${CMAKE_INSTALL_DATADIR}/selective_precision)
 # selective_precision_install_component(<component> TARGETS ... [HEADERS dir...])
 function(selective_precision_install_component component)
   cmake_parse_arguments(ARG "" "" "TARGETS;HEADERS" ${ARGN})
+  # The installed libraries of a sanitized build call into the sanitizer's runtime.
+  if(SELECTIVE_PRECISION_SANITIZER_LINK_OPTION)
+    foreach(target IN LISTS ARG_TARGETS)
+      get_target_property(type ${target} TYPE)
+      if(NOT type STREQUAL "INTERFACE_LIBRARY")
+        target_link_options(${target} INTERFACE "$<INSTALL_INTERFACE:${SELECTIVE_PRECISION_SANITIZER_LINK_OPTION}>")
+      endif()
+    endforeach()
+  endif()
   install(TARGETS ${ARG_TARGETS} EXPORT SelectivePrecision_${component}
     ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
     LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}

@@ -13,12 +13,10 @@ trap 'rm -rf "$work"' EXIT
 prefix=$work/prefix
 
 cmake --install "$build" --prefix "$prefix" >"$work/install.log"
-# The examples build with the build's compilers; a sanitized build's static libraries also
-# need the sanitizer's runtime at link time, as a consumer of such a package would.
+# The examples build with the build's compilers: a sanitized package's libraries bring their
+# sanitizer's link option with them, which needs that compiler's runtime.
 cache_value() { sed -n "s/^$1:[A-Z]*=//p" "$build/CMakeCache.txt"; }
 consumer=(-DCMAKE_C_COMPILER="$(cache_value CMAKE_C_COMPILER)" -DCMAKE_CXX_COMPILER="$(cache_value CMAKE_CXX_COMPILER)")
-[ "$(cache_value SP_SANITIZE)" = ON ] && consumer+=(-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address,undefined)
-[ "$(cache_value SP_SANITIZE_THREAD)" = ON ] && consumer+=(-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread)
 for f in lib/cmake/SelectivePrecision/SelectivePrecisionConfig.cmake \
          lib/cmake/SelectivePrecision/SelectivePrecisionConfigVersion.cmake \
          lib/selective_precision/plugins/libsp_selective_precision.so \

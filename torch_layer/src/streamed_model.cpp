@@ -101,15 +101,16 @@ struct BlockState {
 
 std::string master_key(const BlockState& b, const StreamedParam& p) { return "master/" + b.block.name + "." + p.name; }
 
-// The block's trainable masters as the fused update takes them, each with its gradient and
-// `moments` entry. Throws std::invalid_argument naming the parameter that has no fp32 host
-// gradient of its size, or no moments.
 // The moments of master `name`, or null when `moments` lacks them or either buffer.
 const MasterMoments* moments_of(const std::map<std::string, MasterMoments>& moments, const std::string& name) {
   const auto found = moments.find(name);
   if (found == moments.end() || found->second.exp_avg == nullptr || found->second.exp_avg_sq == nullptr) return nullptr;
   return &found->second;
 }
+
+// The block's trainable masters as the fused update takes them, each with its gradient and
+// `moments` entry. Throws std::invalid_argument naming the parameter that has no fp32 host
+// gradient of its size, or no moments.
 
 std::vector<kn::AdamWTensor> fused_update_tensors(const BlockState& b, const std::map<std::string, MasterMoments>& moments) {
   std::vector<kn::AdamWTensor> tensors;

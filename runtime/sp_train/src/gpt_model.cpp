@@ -125,13 +125,13 @@ void GptModel::plant_outlier_channels(std::uint64_t seed) {
   for (std::uint32_t b : config_.outlier_blocks) {
     // A generator of its own: the channels must not depend on, nor change, the init's draws.
     std::mt19937_64 generator(seed ^ (0x9e3779b97f4a7c15ull * (b + 1)));
+    torch::NoGradGuard no_grad;
+    BlockWeights& w = streamed_[b];
     // One channel in each of `spans` equal spans of the row, so that n channels reach n
     // groups of an image whose groups are c / n wide.
     for (std::int64_t k = 0; k < spans; ++k) {
       const std::int64_t first = k * c / spans, last = (k + 1) * c / spans - 1;
       const std::int64_t channel = std::uniform_int_distribution<std::int64_t>(first, last)(generator);
-      torch::NoGradGuard no_grad;
-      BlockWeights& w = streamed_[b];
       w[0].select(0, 2 * c + channel).div_(magnitude);  // the channel's value row
       w[1].select(1, channel).mul_(magnitude);          // the column of attn.proj that reads it
     }
