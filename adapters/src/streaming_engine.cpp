@@ -170,6 +170,7 @@ StreamingEngine::StreamingEngine(TransferBackend &backend, const StreamingConfig
   const auto n = static_cast<std::uint32_t>(blocks_.size());
   images_.resize(n);
   updating_.assign(n, false);
+  masters_forgotten_.assign(n, false);
   bf16_layouts_.resize(n);
   std::size_t most_tensors = 0;
   for (std::uint32_t b = 0; b < n; ++b) {
@@ -283,6 +284,12 @@ void StreamingEngine::ensure_image(std::uint32_t block, Precision precision) {
     return;
   }
   const BlockSpec &spec = blocks_[block];
+  if (masters_forgotten_[block]) {
+    throw std::logic_error(fmt::format(
+        "StreamingEngine: the {} image of {} is not here and its masters live in another process; it must arrive "
+        "through receive_image() (its owner sends the image of the route this block takes)",
+        precision_name(precision), block_label(spec, block)));
+  }
   std::vector<kn::SlabTensorSource> sources;
   sources.reserve(spec.tensors.size());
   for (const TensorSpec &tensor : spec.tensors) {
@@ -338,6 +345,49 @@ void StreamingEngine::install_image(std::uint32_t block, Precision precision, st
   image.built_version = image.weights_version;
   image.last_reader = nullptr;
   ++current_.image_rebuilds;
+}
+
+void StreamingEngine::require_block(std::uint32_t block, const char *call) const {
+  if (block >= blocks_.size()) {
+    throw std::invalid_argument(fmt::format("StreamingEngine::{}: block id {} is out of range (there are {} blocks)",
+                                            call, block, blocks_.size()));
+  }
+  require_not_updating(block, call);
+}
+
+StreamingEngine::ImageBytes StreamingEngine::image(std::uint32_t block, Precision precision) {
+  require_block(block, "image");
+  ensure_image(block, precision);
+  const BlockImage &current = images_[block];
+  return ImageBytes{reinterpret_cast<const std::uint8_t *>(pool_.data(current.slab)), current.bytes_of(precision)};
+}
+
+void StreamingEngine::receive_image(std::uint32_t block, Precision precision,
+                                    const std::function<void(std::uint8_t *, std::uint64_t)> &fill) {
+  require_block(block, "receive_image");
+  const std::uint64_t expected = images_[block].bytes_of(precision);
+  write_image(block, precision, [&](const kn::SlabEncoding &encoding, std::uint8_t *slab, std::uint64_t capacity) {
+    if (expected > capacity) {
+      throw std::logic_error(fmt::format("StreamingEngine::receive_image: the {} image of {} needs {} bytes, the slab "
+                                         "holds {}",
+                                         precision_name(precision), block_label(blocks_[block], block), expected,
+                                         capacity));
+    }
+    fill(slab, expected);
+    const kn::SlabReadResult read = kn::read_slab(slab, expected);
+    if (read.ok && (read.view.precision != encoding.precision || read.view.group_size != encoding.group_size)) {
+      throw std::logic_error(fmt::format(
+          "StreamingEngine::receive_image: the image received for {} is not a {} image of this engine's group size",
+          block_label(blocks_[block], block), precision_name(precision)));
+    }
+    return expected;  // install_image() validates it whole
+  });
+}
+
+void StreamingEngine::forget_masters(std::uint32_t block) {
+  require_block(block, "forget_masters");
+  masters_forgotten_[block] = true;
+  for (TensorSpec &tensor : blocks_[block].tensors) tensor.master = nullptr;
 }
 
 void StreamingEngine::require_not_updating(std::uint32_t block, const char *call) const {
@@ -437,6 +487,12 @@ void StreamingEngine::begin_step(std::int64_t step, const RuntimeLimitHints &lim
   // Before any image is built or fetch issued below. tighten() checks every pinned block
   // before it changes anything, so a rejected pin leaves no step begun.
   bridge_.tighten(limits);
+  // The images of switched or updated blocks are built now rather than on the first fetch,
+  // before the step counts as begun: one that cannot be (its masters are elsewhere) leaves
+  // none begun.
+  for (std::uint32_t b = 0; b < blocks_.size(); ++b) {
+    ensure_image(b, bridge_.route(b));
+  }
   generation_ = static_cast<std::uint32_t>(steps_begun_ % 2);
   ++steps_begun_;
   // This generation's events still hold the timings of the step before last.
@@ -452,10 +508,6 @@ void StreamingEngine::begin_step(std::int64_t step, const RuntimeLimitHints &lim
   std::fill(fetch_used_.begin(), fetch_used_.end(), false);
   pool_.reset_peak();
   in_step_ = true;
-  // Build the images of switched or updated blocks now rather than on the first fetch.
-  for (std::uint32_t b = 0; b < blocks_.size(); ++b) {
-    ensure_image(b, bridge_.route(b));
-  }
   top_up(std::nullopt);
 }
 
@@ -560,6 +612,12 @@ void StreamingEngine::on_weights_updated(std::uint32_t block) {
         fmt::format("StreamingEngine::on_weights_updated: block id {} is out of range (there are {} blocks)", block,
                     blocks_.size()));
   }
+  if (masters_forgotten_[block]) {
+    throw std::logic_error(fmt::format(
+        "StreamingEngine::on_weights_updated: {}'s masters live in another process (forget_masters()); its image "
+        "arrives through receive_image()",
+        block_label(blocks_[block], block)));
+  }
   ++images_[block].weights_version;
   ensure_image(block, bridge_.route(block));
 }
@@ -600,6 +658,12 @@ StreamingEngine::WeightUpdate StreamingEngine::begin_update(std::uint32_t block)
         "StreamingEngine::update_weights: block id {} is out of range (there are {} blocks)", block, blocks_.size()));
   }
   require_not_updating(block, "begin_update");
+  if (masters_forgotten_[block]) {
+    throw std::logic_error(fmt::format(
+        "StreamingEngine::update_weights: {}'s masters live in another process (forget_masters()); it is updated "
+        "there",
+        block_label(blocks_[block], block)));
+  }
   WeightUpdate update;
   update.spec_ = &blocks_[block];
   update.block_ = block;

@@ -195,6 +195,59 @@ TEST(StreamingEngine, PrecisionSwitchAndWeightUpdateInTheSameStep) {
   EXPECT_EQ(metrics.image_rebuilds, kBlocks);  // one rebuild per block covers both changes
 }
 
+// Sharded data parallelism: an engine whose blocks' masters live elsewhere streams the images
+// their owner sends, bit for bit, and refuses to rebuild them from the freed masters.
+TEST(StreamingEngine, AnImageReceivedFromTheOwnerStreamsAsItsOwnWould) {
+  HostBackend backend;
+  SyntheticModel owner_model(kBlocks, 8), other_model(kBlocks, 9);
+  StreamingEngine owner(backend, config_for(owner_model.blocks(), 1, 1), owner_model.blocks());
+  StreamingEngine other(backend, config_for(other_model.blocks(), 1, 1), other_model.blocks());
+  const std::vector<Precision> routes{Precision::nf4, Precision::int8, Precision::bf16,
+                                      Precision::nf4, Precision::int8, Precision::bf16};
+  set_routes(owner, routes);
+  set_routes(other, routes);
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    owner_model.update_weights(b, 1e-3f);
+    owner.on_weights_updated(b);
+    other.forget_masters(b);
+    EXPECT_FALSE(other.has_masters(b));
+    const StreamingEngine::ImageBytes sent = owner.image(b, routes[b]);
+    ASSERT_EQ(sent.bytes, owner.image_bytes(b, routes[b]));
+    other.receive_image(b, routes[b], [&](std::uint8_t *data, std::uint64_t bytes) {
+      ASSERT_EQ(bytes, sent.bytes);
+      std::memcpy(data, sent.data, bytes);
+    });
+  }
+  // The other engine's slots now hold the owner's weights, not its own (different) masters.
+  run_checked_step(other, backend, owner_model.blocks(), 0, 0);
+
+  // A route it holds no image for, an update, or a rebuild: refused by name, never read from
+  // the freed masters.
+  set_routes(other, std::vector<Precision>(kBlocks, Precision::bf16));
+  EXPECT_THAT([&] { other.begin_step(1); },
+              ::testing::ThrowsMessage<std::logic_error>(AllOf(HasSubstr("layer0"), HasSubstr("receive_image()"))));
+  EXPECT_THAT([&] { other.on_weights_updated(2); },
+              ::testing::ThrowsMessage<std::logic_error>(HasSubstr("another process")));
+  EXPECT_THAT([&] { other.image(0, Precision::int8); },
+              ::testing::ThrowsMessage<std::logic_error>(HasSubstr("receive_image()")));
+
+  // Bytes of another route or group size are refused, and the image in force stays.
+  const StreamingEngine::ImageBytes int8_image = owner.image(1, Precision::int8);
+  EXPECT_THAT(
+      [&] {
+        other.receive_image(1, Precision::nf4, [&](std::uint8_t *data, std::uint64_t bytes) {
+          std::memcpy(data, int8_image.data, std::min(bytes, int8_image.bytes));
+        });
+      },
+      ::testing::ThrowsMessage<std::logic_error>(AllOf(HasSubstr("layer1"), HasSubstr("failed validation"))));
+  EXPECT_THAT([&] { other.receive_image(1, Precision::int8, [](std::uint8_t *, std::uint64_t) {
+                throw std::runtime_error("the sender died");
+              }); },
+              ::testing::ThrowsMessage<std::runtime_error>(HasSubstr("the sender died")));
+  set_routes(other, routes);
+  run_checked_step(other, backend, owner_model.blocks(), 1, 0);
+}
+
 // Gradients and AdamW moments for every tensor of a SyntheticModel, seeded.
 struct OptimizerState {
   std::vector<std::vector<float>> grads, exp_avg, exp_avg_sq;

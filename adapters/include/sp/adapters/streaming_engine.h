@@ -153,6 +153,34 @@ class StreamingEngine {
   WeightUpdate begin_update(std::uint32_t block);
   void finish_update(WeightUpdate &update);
 
+  // A block whose masters live in another process (the LibTorch layer's sharded data
+  // parallelism: each rank keeps the masters of some blocks and streams all of them). The
+  // owner sends its image's bytes; every other process installs them, and never builds that
+  // block's image itself:
+  //   image()          the block's image for `precision`, built now from the masters unless it
+  //                    is current: `bytes` bytes at `data`, which this engine owns, valid until
+  //                    the block's image next changes (a rebuild, an update, receive_image());
+  //   receive_image()  `fill(data, bytes)` writes image_bytes(block, precision) bytes, an image
+  //                    of an engine with the same blocks and group sizes, into a slab that no
+  //                    copy reads; they are validated and become the block's current image.
+  //                    Throws std::logic_error, with the old image kept, when they fail
+  //                    validation or are of another route; what `fill` throws, the same way;
+  //   forget_masters() from now on the block's masters are not read (the host may free them):
+  //                    a fetch, update or image() that would rebuild the image throws
+  //                    std::logic_error naming the block, so that a missing image can never be
+  //                    rebuilt from freed memory.
+  // Each throws std::invalid_argument for a block out of range, std::logic_error for a block
+  // being updated (begin_update()).
+  struct ImageBytes {
+    const std::uint8_t *data = nullptr;
+    std::uint64_t bytes = 0;
+  };
+  ImageBytes image(std::uint32_t block, Precision precision);
+  void receive_image(std::uint32_t block, Precision precision,
+                     const std::function<void(std::uint8_t *data, std::uint64_t bytes)> &fill);
+  void forget_masters(std::uint32_t block);
+  bool has_masters(std::uint32_t block) const { return !masters_forgotten_.at(block); }
+
   // Fetches issued so far in the current step (for schedule checks).
   std::uint32_t issued_fetches() const { return next_fetch_; }
   // Waits for the timing events of finished steps and writes their records.
@@ -180,6 +208,7 @@ class StreamingEngine {
   void install_image(std::uint32_t block, Precision precision, std::uint32_t slab, std::uint64_t bytes);
   void drop_written_slab(std::uint32_t block, std::uint32_t slab);
   void require_not_updating(std::uint32_t block, const char *call) const;
+  void require_block(std::uint32_t block, const char *call) const;
   void reclaim_retired_slabs();
   void stall_on(const Event &event);
   FetchEvents &events_of(std::uint32_t generation, std::uint32_t fetch);
@@ -197,6 +226,7 @@ class StreamingEngine {
   DeviceSlotRing slots_;
   std::vector<BlockImage> images_;
   std::vector<bool> updating_;  // per block: between begin_update() and finish_update()
+  std::vector<bool> masters_forgotten_;  // per block: forget_masters() was called
   std::vector<sp::kernels::SlabView> bf16_layouts_;
   struct RetiredSlab {
     std::uint32_t slab;
