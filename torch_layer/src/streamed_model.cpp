@@ -77,8 +77,9 @@ const torch::Tensor* find(const NamedParameters& params, const std::string& name
 // its block computes, at an empty tensor otherwise) and its fp32 host master.
 struct StreamedParam {
   std::string name;
+  std::uint32_t block = 0;
   torch::Tensor param;
-  torch::Tensor master;
+  torch::Tensor master;  // sharded, on a rank that does not own the block: an empty placeholder
   torch::Tensor staging;  // CUDA: pinned fp32, the gradient's way to the host without a sync
   bool staged = false;    // staging holds this pass's gradient
   std::vector<std::int64_t> shape;
@@ -166,6 +167,11 @@ struct StreamedModel::Impl {
   std::unique_ptr<ad::Event> compute_done;
   std::unique_ptr<sp::host::PolicySession> policy;
   std::shared_ptr<Collectives> collectives;  // null: one process
+  // Sharded data parallelism (StreamedModelOptions::shard_masters on more than one rank): each
+  // block's masters live on its owner alone, which sends its images to the other ranks.
+  bool sharded = false;
+  // Per block, the same on every rank: the route of the image the ranks last shared.
+  std::vector<ad::Precision> shared_route;
   // A block's master gradients of the current pass, flattened into one bucket, on their way
   // through an all-reduce started in the backward; folded into the masters at the pass's end.
   struct ReducingBucket {
@@ -221,8 +227,14 @@ struct StreamedModel::Impl {
     if (!log) log = spdlog::default_logger();
     compute = torch::TensorOptions().dtype(options.compute_dtype).device(options.device);
     if (in.empty()) throw std::invalid_argument("StreamedModel: there are no blocks");
+    if (options.shard_masters && !collectives) {
+      throw std::invalid_argument(
+          "StreamedModelOptions::shard_masters needs collectives: sharding spreads the masters over the ranks");
+    }
+    sharded = options.shard_masters && collectives->size() > 1;
     for (std::size_t b = 0; b < in.size(); ++b) adopt(std::move(in[b]), b);
     build_engines();
+    if (sharded) shard_masters();
     build_policy();
   }
 
@@ -268,6 +280,7 @@ struct StreamedModel::Impl {
       }
       StreamedParam p;
       p.name = wanted;
+      p.block = static_cast<std::uint32_t>(index);
       p.param = *found;
       p.shape = found->sizes().vec();
       p.rows = found->dim() >= 2 ? static_cast<std::uint64_t>(found->size(0)) : 1;
@@ -347,6 +360,200 @@ struct StreamedModel::Impl {
     policy = open_policy_session(*engine, options.plugin_file,
                                  sp::host::PolicyConfig{options.config_yaml, options.config_source}, options.host_name,
                                  options.output_dir, log, options.plugin_hook_deadline);
+  }
+
+  // ---- sharded data parallelism ------------------------------------------------------------
+
+  int owner(std::uint32_t b) const {
+    return sharded ? static_cast<int>(b % static_cast<std::uint32_t>(collectives->size()))
+                   : (collectives ? collectives->rank() : 0);
+  }
+  bool owns(std::uint32_t b) const { return owner(b) == (collectives ? collectives->rank() : 0); }
+
+  // Every rank starts from the owners' weights, whatever its host initialized, and keeps only
+  // the masters of its own blocks. The module's parameters were freed by adopt() already.
+  void shard_masters() {
+    shared_route.assign(blocks.size(), ad::Precision::bf16);  // every engine starts on BF16
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+      share_image(*engine, b, ad::Precision::bf16);
+      if (owns(b)) continue;
+      engine->forget_masters(b);
+      eval_engine->forget_masters(b);
+      eval_image_stale[b] = true;
+      BlockState& block = blocks[b];
+      for (StreamedParam& p : block.streamed) {
+        torch::Tensor placeholder = torch::empty({0}, torch::kFloat32);
+        placeholder.set_requires_grad(p.master.requires_grad());
+        p.master = placeholder;
+      }
+      block.masters.clear();
+      // The owner computes the block's moments; an anchor keeps the block's backward running.
+      block.moment_sources.clear();
+      block.autograd_inputs = block.trainable_resident;
+      for (const StreamedParam& p : block.streamed) {
+        if (!p.master.requires_grad()) continue;
+        block.autograd_inputs.push_back(p.master);
+        break;
+      }
+    }
+  }
+
+  // Block b's image on `precision` from its owner into `target` on every other rank (each
+  // rank's engine of the same role: the training engines, or the evaluation engines).
+  void share_image(ad::StreamingEngine& target, std::uint32_t b, ad::Precision precision) {
+    const int root = owner(b);
+    const std::string what = fmt::format("the {} image of {}", ad::precision_name(precision), blocks[b].block.name);
+    const auto send = [&](std::uint8_t* data, std::uint64_t bytes) {
+      collectives->broadcast(torch::from_blob(data, {static_cast<std::int64_t>(bytes)}, torch::kUInt8), root, what);
+    };
+    if (owns(b)) {
+      const ad::StreamingEngine::ImageBytes image = target.image(b, precision);
+      // A broadcast's root only reads its tensor.
+      send(const_cast<std::uint8_t*>(image.data), image.bytes);
+    } else {
+      target.receive_image(b, precision, send);
+    }
+  }
+
+  // After the owners rebuilt their images (end_step, refresh_images, restore_state), or at a
+  // step's start: every block whose image changed since the ranks last shared it goes out
+  // again, in the route it takes next. Which ones is decided alike on every rank: all blocks
+  // when `all`, else those whose masters train (their owner updated them) or whose route moved.
+  void share_images(bool all, bool trained) {
+    if (!sharded) return;
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+      const ad::Precision route = engine->policy_bridge().route(b);
+      if (!all && !(trained && blocks[b].trainable_masters) && shared_route[b] == route) continue;
+      share_image(*engine, b, route);
+      shared_route[b] = route;
+      eval_image_stale[b] = true;
+    }
+  }
+
+  // The evaluation engines' images of every block on one route (calibration's pinned passes).
+  void share_eval_images(ad::Precision precision) {
+    if (!sharded) return;
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+      if (owns(b) && eval_image_stale[b]) eval_engine->on_weights_updated(b);
+      share_image(*eval_engine, b, precision);
+      eval_image_stale[b] = false;
+    }
+  }
+
+  // A block's evaluation image after its masters changed: rebuilt by its owner, copied from the
+  // training engine's (which the owner sent) elsewhere.
+  void refresh_eval_image(std::uint32_t b) {
+    if (eval_engine->has_masters(b)) {
+      eval_engine->on_weights_updated(b);
+      return;
+    }
+    const ad::Precision route = eval_engine->policy_bridge().route(b);
+    const ad::StreamingEngine::ImageBytes image = engine->image(b, route);
+    eval_engine->receive_image(b, route,
+                               [&](std::uint8_t* data, std::uint64_t bytes) { std::memcpy(data, image.data, bytes); });
+  }
+
+  // The moments of the blocks this rank owns, added across ranks: the other ranks give zeros,
+  // so every rank ends with the owner's numbers exactly.
+  void gather_moments(std::vector<sp_grad_moments_v1>& moments) {
+    constexpr std::int64_t kFields = 5;
+    torch::Tensor values = torch::zeros({static_cast<std::int64_t>(moments.size()) * kFields}, torch::kFloat64);
+    double* v = values.data_ptr<double>();
+    for (std::uint32_t b = 0; b < moments.size(); ++b, v += kFields) {
+      if (!owns(b)) continue;
+      const sp_grad_moments_v1& m = moments[b];
+      v[0] = m.sum_sq, v[1] = m.sum, v[2] = m.max_abs;
+      v[3] = static_cast<double>(m.count), v[4] = static_cast<double>(m.nonfinite);
+    }
+    collectives->all_reduce(values, Reduction::sum, "the blocks' gradient moments")->wait();
+    v = values.data_ptr<double>();
+    for (std::uint32_t b = 0; b < moments.size(); ++b, v += kFields) {
+      sp_grad_moments_v1& m = moments[b];
+      m.sum_sq = v[0], m.sum = v[1], m.max_abs = v[2];
+      m.count = static_cast<std::uint64_t>(v[3]), m.nonfinite = static_cast<std::uint64_t>(v[4]);
+    }
+  }
+
+  // StreamedModel::restore_state() on this rank: everything checked before anything changes.
+  void restore_state(const std::map<std::string, torch::Tensor>& state) {
+    const auto entry = [&](const std::string& key, torch::ScalarType type) -> torch::Tensor {
+      const auto it = state.find(key);
+      if (it == state.end()) throw StateEntryError(key, "missing");
+      if (it->second.scalar_type() != type || !it->second.device().is_cpu()) {
+        throw StateEntryError(key,
+                              fmt::format("{} on {}; expected {} on the CPU", c10::toString(it->second.scalar_type()),
+                                          it->second.device().str(), c10::toString(type)));
+      }
+      return it->second.contiguous();
+    };
+    // Everything is checked before anything changes.
+    std::vector<std::pair<StreamedParam*, torch::Tensor>> masters;
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+      if (!owns(b)) continue;  // sharded: its owner restores it; an entry for it is not read
+      for (StreamedParam& p : blocks[b].streamed) {
+        const std::string key = master_key(blocks[b], p);
+        torch::Tensor saved = entry(key, torch::kFloat32);
+        if (saved.sizes() != p.master.sizes()) {
+          throw StateEntryError(
+              key, fmt::format("shape {}; expected {}", fmt::join(saved.sizes(), "x"), fmt::join(p.master.sizes(), "x")));
+        }
+        masters.emplace_back(&p, std::move(saved));
+      }
+    }
+    const torch::Tensor blob = entry("policy/state", torch::kUInt8);
+    const torch::Tensor hints = entry("policy/hints", torch::kUInt8);
+    const torch::Tensor passes = entry("layer/passes", torch::kInt64);
+    const std::size_t hint_bytes = static_cast<std::size_t>(hints.numel());
+    if (hint_bytes % sizeof(sp_hint_v1) != 0 || (hint_bytes != 0 && hint_bytes != blocks.size() * sizeof(sp_hint_v1))) {
+      throw StateEntryError("policy/hints",
+                            fmt::format("holds {} bytes; expected none or {} hints", hint_bytes, blocks.size()));
+    }
+    if (passes.numel() != 2)
+      throw StateEntryError("layer/passes", fmt::format("holds {} values; expected 2", passes.numel()));
+    std::vector<sp_hint_v1> restored(hint_bytes / sizeof(sp_hint_v1));
+    if (hint_bytes) std::memcpy(restored.data(), hints.data_ptr(), hint_bytes);
+    // The bridges check every hint before taking any; the plugin's state comes after them, and
+    // a plugin that rejects it leaves the previous hints in force.
+    const std::vector<sp_hint_v1> previous = applied_hints;
+    try {
+      if (restored.empty()) {
+        // A state exported before the plugin's first hints: the default routes again.
+        engine->policy_bridge().clear_plugin_hints();
+        eval_engine->policy_bridge().clear_plugin_hints();
+        applied_hints.clear();
+      } else {
+        apply_hints(restored);
+      }
+    } catch (const std::invalid_argument& e) {
+      throw StateEntryError("policy/hints", e.what());
+    }
+    try {
+      if (blob.numel() == 0) {
+        log->warn("StreamedModel: the state holds no plugin state (it could not be exported); the policy starts over");
+      } else {
+        policy->restore_state(
+            std::vector<std::uint8_t>(blob.data_ptr<std::uint8_t>(), blob.data_ptr<std::uint8_t>() + blob.numel()));
+      }
+    } catch (...) {
+      if (previous.empty()) {
+        engine->policy_bridge().clear_plugin_hints();
+        eval_engine->policy_bridge().clear_plugin_hints();
+        applied_hints.clear();
+      } else {
+        apply_hints(previous);
+      }
+      throw;
+    }
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& [p, saved] : masters) p->master.copy_(saved);
+    }
+    engine_steps = passes.data_ptr<std::int64_t>()[0];
+    eval_engine_steps = passes.data_ptr<std::int64_t>()[1];
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+      if (owns(b)) engine->on_weights_updated(b);
+    }
+    eval_image_stale.assign(blocks.size(), true);
   }
 
   // ---- weights in and out of the module ----------------------------------------------------
@@ -432,7 +639,7 @@ struct StreamedModel::Impl {
   ad::StepTransferMetrics eval_pass(const ad::RuntimeLimitHints& limits, std::uint64_t& bytes, Run&& run) {
     for (std::uint32_t b = 0; b < blocks.size(); ++b) {
       if (!eval_image_stale[b]) continue;
-      eval_engine->on_weights_updated(b);
+      refresh_eval_image(b);
       eval_image_stale[b] = false;
     }
     eval_engine->begin_step(eval_engine_steps++, limits);
@@ -538,13 +745,14 @@ struct StreamedModel::Impl {
     }
     // The update during the backward: what must happen, on the worker, before the block's
     // gradient is final on the host.
-    const bool update_now = armed && block.trainable_masters && !armed->begun[b];
+    const bool update_now = armed && block.trainable_masters && owns(b) && !armed->begun[b];
     std::function<void()> gradient_ready;
     if (!flat.empty()) {
       // Started now, so that it runs while the backward goes on through the blocks before.
       bucket.bucket = torch::cat(flat);
-      bucket.pending =
-          collectives->all_reduce(bucket.bucket, Reduction::sum, fmt::format("gradients of {}", block.block.name));
+      const std::string what = fmt::format("gradients of {}", block.block.name);
+      bucket.pending = sharded ? collectives->reduce(bucket.bucket, owner(b), Reduction::sum, what)
+                               : collectives->all_reduce(bucket.bucket, Reduction::sum, what);
       if (update_now) {
         auto owned = std::make_shared<ReducingBucket>(std::move(bucket));
         gradient_ready = [this, owned] {
@@ -793,8 +1001,9 @@ struct StreamedModel::Impl {
     bucket.div_(collectives->size());
     std::int64_t offset = 0;
     for (StreamedParam* p : params) {
-      const std::int64_t n = p->master.numel();
-      add_to_master_grad(*p, bucket.narrow(0, offset, n).view(p->shape));
+      const std::int64_t n = c10::multiply_integers(p->shape);
+      // Sharded, only the owner keeps a block's gradient.
+      if (owns(p->block)) add_to_master_grad(*p, bucket.narrow(0, offset, n).view(p->shape));
       offset += n;
     }
   }
@@ -867,6 +1076,7 @@ struct StreamedModel::Impl {
       tensors.push_back({host.data_ptr<float>(), static_cast<std::size_t>(host.numel()), kn::DType::kFloat32, b});
     };
     for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+      if (!owns(b)) continue;
       if (!blocks[b].moment_sources.empty()) {
         for (const torch::Tensor& t : blocks[b].moment_sources) add(t.grad(), b);
       } else if (blocks[b].trainable_masters) {
@@ -877,6 +1087,7 @@ struct StreamedModel::Impl {
     }
     std::vector<sp_grad_moments_v1> out(blocks.size());
     kn::grad_moments(tensors.data(), tensors.size(), static_cast<std::uint32_t>(blocks.size()), out.data());
+    if (sharded) gather_moments(out);
     return out;
   }
 
@@ -905,12 +1116,19 @@ struct StreamedModel::Impl {
     const std::size_t n = blocks.size();
     CalibrationErrors errors{std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
     const auto on_host = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kFloat32).contiguous(); };
+    // One route at a time over every sample, so that a sharded model shares each route's
+    // images once: the BF16 outputs of every block are kept for the quantized passes.
+    std::vector<std::vector<torch::Tensor>> references;
+    share_eval_images(ad::Precision::bf16);
     for (const torch::Tensor& sample : samples) {
-      std::vector<torch::Tensor> reference{sample};
+      std::vector<torch::Tensor>& reference = references.emplace_back(std::vector<torch::Tensor>{sample});
       eval_pass(pinned_to(SP_PRECISION_BF16), calibration_bytes,
                 [&](std::uint32_t b) { reference.push_back(blocks[b].block.forward(reference.back())); });
-      for (auto [precision, sums] :
-           {std::pair{SP_PRECISION_INT8, &errors.int8}, std::pair{SP_PRECISION_NF4, &errors.nf4}}) {
+    }
+    for (auto [precision, sums] :
+         {std::pair{SP_PRECISION_INT8, &errors.int8}, std::pair{SP_PRECISION_NF4, &errors.nf4}}) {
+      share_eval_images(route_of(precision));
+      for (const std::vector<torch::Tensor>& reference : references) {
         eval_pass(pinned_to(precision), calibration_bytes, [&, sums = sums](std::uint32_t b) {
           const torch::Tensor quantized = on_host(blocks[b].block.forward(reference[b]));
           const torch::Tensor expected = on_host(reference[b + 1]);
@@ -919,6 +1137,9 @@ struct StreamedModel::Impl {
         });
       }
     }
+    // The evaluation images are the pinned route's now: the next evaluation takes the routes in
+    // force again (rebuilt by the owner, copied elsewhere).
+    if (sharded) eval_image_stale.assign(blocks.size(), true);
     // The last pass's pins would stand until the next evaluation pass; dropped now, so that an
     // image rebuilt in between is built for the route the block takes next.
     eval_engine->policy_bridge().begin_step();
@@ -1043,8 +1264,9 @@ std::uint32_t StreamedModel::num_blocks() const { return static_cast<std::uint32
 
 std::vector<torch::Tensor> StreamedModel::master_parameters() const {
   std::vector<torch::Tensor> out;
-  for (const BlockState& b : impl_->blocks) {
-    for (const StreamedParam& p : b.streamed) out.push_back(p.master);
+  for (std::uint32_t b = 0; b < impl_->blocks.size(); ++b) {
+    if (!impl_->owns(b)) continue;
+    for (const StreamedParam& p : impl_->blocks[b].streamed) out.push_back(p.master);
   }
   return out;
 }
@@ -1117,6 +1339,9 @@ void StreamedModel::begin_step(std::int64_t step) {
     m.step = step;
     m.check_ranks_agree({swapped ? 1 : 0}, "plugin swap outcomes (1: swapped)");
   }
+  // Routes that moved since the images were last shared (hints restored, or a step aborted
+  // after its post_backward) get their owners' images before the first fetch.
+  m.share_images(/*all=*/false, /*trained=*/false);
   m.step_transfer = ad::StepTransferMetrics{};
   m.step_transfer.step = step;
   m.step = step;
@@ -1147,7 +1372,7 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
     const Impl::ArmedUpdate armed = std::move(*m.armed);
     m.armed.reset();
     for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
-      if (m.blocks[b].trainable_masters && !armed.begun[b]) {
+      if (m.blocks[b].trainable_masters && m.owns(b) && !armed.begun[b]) {
         m.update_block(b, armed.step, armed.moments[b], /*skip_nonfinite=*/true);
       }
     }
@@ -1204,7 +1429,7 @@ void StreamedModel::abort_step() {
 void StreamedModel::refresh_images() {
   Impl& m = *impl_;
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
-    if (!m.blocks[b].trainable_masters) continue;
+    if (!m.blocks[b].trainable_masters || !m.owns(b)) continue;
     if (m.updated_in_step[b]) {
       m.updated_in_step[b] = false;
       continue;
@@ -1212,6 +1437,7 @@ void StreamedModel::refresh_images() {
     m.engine->on_weights_updated(b);
     m.eval_image_stale[b] = true;
   }
+  m.share_images(/*all=*/false, /*trained=*/true);
 }
 
 void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamWStep& step,
@@ -1226,6 +1452,11 @@ void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamW
   if (block >= m.blocks.size()) {
     throw std::invalid_argument(fmt::format("StreamedModel::update_masters: block {} is out of range (there are {})",
                                             block, m.blocks.size()));
+  }
+  if (!m.owns(block)) {
+    throw std::logic_error(fmt::format(
+        "StreamedModel::update_masters: {} is owned by rank {}, which updates it (shard_masters); this is rank {}",
+        m.blocks[block].block.name, m.owner(block), rank()));
   }
   if (m.updated_in_step[block]) {
     throw std::logic_error(fmt::format("StreamedModel::update_masters: block {} was already updated in step {}",
@@ -1257,7 +1488,7 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
                     moments.size(), m.blocks.size()));
   }
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
-    if (!m.blocks[b].trainable_masters) continue;
+    if (!m.blocks[b].trainable_masters || !m.owns(b)) continue;
     for (const StreamedParam& p : m.blocks[b].streamed) {
       if (moments_of(moments[b], p.name) == nullptr) {
         throw std::invalid_argument(fmt::format(
@@ -1323,8 +1554,9 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
   const Impl& m = *impl_;
   if (m.in_step) throw std::logic_error("StreamedModel::export_state: call it between steps");
   std::map<std::string, torch::Tensor> state;
-  for (const BlockState& b : m.blocks) {
-    for (const StreamedParam& p : b.streamed) state.emplace(master_key(b, p), p.master.detach());
+  for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
+    if (!m.owns(b)) continue;
+    for (const StreamedParam& p : m.blocks[b].streamed) state.emplace(master_key(m.blocks[b], p), p.master.detach());
   }
   std::vector<std::uint8_t> blob;
   try {
@@ -1351,81 +1583,30 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
 void StreamedModel::restore_state(const std::map<std::string, torch::Tensor>& state) {
   Impl& m = *impl_;
   if (m.in_step) throw std::logic_error("StreamedModel::restore_state: call it between steps");
-  const auto entry = [&](const std::string& key, torch::ScalarType type) -> torch::Tensor {
-    const auto it = state.find(key);
-    if (it == state.end()) throw StateEntryError(key, "missing");
-    if (it->second.scalar_type() != type || !it->second.device().is_cpu()) {
-      throw StateEntryError(key,
-                            fmt::format("{} on {}; expected {} on the CPU", c10::toString(it->second.scalar_type()),
-                                        it->second.device().str(), c10::toString(type)));
-    }
-    return it->second.contiguous();
-  };
-  // Everything is checked before anything changes.
-  std::vector<std::pair<StreamedParam*, torch::Tensor>> masters;
-  for (BlockState& b : m.blocks) {
-    for (StreamedParam& p : b.streamed) {
-      const std::string key = master_key(b, p);
-      torch::Tensor saved = entry(key, torch::kFloat32);
-      if (saved.sizes() != p.master.sizes()) {
-        throw StateEntryError(
-            key, fmt::format("shape {}; expected {}", fmt::join(saved.sizes(), "x"), fmt::join(p.master.sizes(), "x")));
-      }
-      masters.emplace_back(&p, std::move(saved));
-    }
+  if (!m.sharded) {
+    m.restore_state(state);
+    return;
   }
-  const torch::Tensor blob = entry("policy/state", torch::kUInt8);
-  const torch::Tensor hints = entry("policy/hints", torch::kUInt8);
-  const torch::Tensor passes = entry("layer/passes", torch::kInt64);
-  const std::size_t hint_bytes = static_cast<std::size_t>(hints.numel());
-  if (hint_bytes % sizeof(sp_hint_v1) != 0 || (hint_bytes != 0 && hint_bytes != m.blocks.size() * sizeof(sp_hint_v1))) {
-    throw StateEntryError("policy/hints",
-                          fmt::format("holds {} bytes; expected none or {} hints", hint_bytes, m.blocks.size()));
-  }
-  if (passes.numel() != 2)
-    throw StateEntryError("layer/passes", fmt::format("holds {} values; expected 2", passes.numel()));
-  std::vector<sp_hint_v1> restored(hint_bytes / sizeof(sp_hint_v1));
-  if (hint_bytes) std::memcpy(restored.data(), hints.data_ptr(), hint_bytes);
-  // The bridges check every hint before taking any; the plugin's state comes after them, and
-  // a plugin that rejects it leaves the previous hints in force.
-  const std::vector<sp_hint_v1> previous = m.applied_hints;
+  // Sharded, the ranks then share their blocks' images: a rank that could not restore must
+  // not leave the others waiting in that exchange, so all first learn whether every one did.
+  std::exception_ptr failure;
   try {
-    if (restored.empty()) {
-      // A state exported before the plugin's first hints: the default routes again.
-      m.engine->policy_bridge().clear_plugin_hints();
-      m.eval_engine->policy_bridge().clear_plugin_hints();
-      m.applied_hints.clear();
-    } else {
-      m.apply_hints(restored);
-    }
-  } catch (const std::invalid_argument& e) {
-    throw StateEntryError("policy/hints", e.what());
-  }
-  try {
-    if (blob.numel() == 0) {
-      m.log->warn("StreamedModel: the state holds no plugin state (it could not be exported); the policy starts over");
-    } else {
-      m.policy->restore_state(
-          std::vector<std::uint8_t>(blob.data_ptr<std::uint8_t>(), blob.data_ptr<std::uint8_t>() + blob.numel()));
-    }
+    m.restore_state(state);
   } catch (...) {
-    if (previous.empty()) {
-      m.engine->policy_bridge().clear_plugin_hints();
-      m.eval_engine->policy_bridge().clear_plugin_hints();
-      m.applied_hints.clear();
-    } else {
-      m.apply_hints(previous);
-    }
-    throw;
+    failure = std::current_exception();
   }
-  {
-    torch::NoGradGuard no_grad;
-    for (auto& [p, saved] : masters) p->master.copy_(saved);
+  const int size = m.collectives->size();
+  torch::Tensor first_failure = torch::tensor({failure ? rank() : size}, torch::kInt32);
+  m.collectives->all_reduce(first_failure, Reduction::min, "state restore outcomes")->wait();
+  if (failure) std::rethrow_exception(failure);
+  const int failed = first_failure.item<std::int32_t>();
+  if (failed != size) {
+    throw RankMismatchError(fmt::format(
+        "StreamedModel::restore_state: rank {} of {} could not restore its state (it says why), so no rank goes on "
+        "from it",
+        failed, size));
   }
-  m.engine_steps = passes.data_ptr<std::int64_t>()[0];
-  m.eval_engine_steps = passes.data_ptr<std::int64_t>()[1];
-  for (std::uint32_t b = 0; b < m.blocks.size(); ++b) m.engine->on_weights_updated(b);
-  m.eval_image_stale.assign(m.blocks.size(), true);
+  m.share_images(/*all=*/true, /*trained=*/false);
 }
 
 std::uint64_t StreamedModel::image_bytes(std::uint32_t block, sp_precision precision) const {
@@ -1445,6 +1626,16 @@ std::uint64_t StreamedModel::calibration_h2d_bytes() const { return impl_->calib
 void StreamedModel::flush_metrics() { impl_->engine->flush_metrics(); }
 
 std::uint64_t StreamedModel::metrics_records_lost() const { return impl_->engine->metrics_records_lost(); }
+
+bool StreamedModel::sharded() const { return impl_->sharded; }
+
+int StreamedModel::owner(std::uint32_t block) const {
+  if (block >= impl_->blocks.size()) {
+    throw std::invalid_argument(fmt::format("StreamedModel::owner: block {} is out of range (there are {})", block,
+                                            impl_->blocks.size()));
+  }
+  return impl_->owner(block);
+}
 
 int StreamedModel::rank() const { return impl_->collectives ? impl_->collectives->rank() : 0; }
 

@@ -270,6 +270,8 @@ void read_train(const Origins& origins, const Section& s, TrainLoopConfig& t) {
   s.integer("plugin_poll_steps", t.plugin_poll_steps, 0, kMaxSteps);
   s.integer("recalibrate_every", t.recalibrate_every, 0, kMaxU32);
   s.integer("collective_timeout_seconds", t.collective_timeout_seconds, 1, 86400);
+  s.choice<DataParallelMode>("data_parallel", t.data_parallel,
+                             {{"replicated", DataParallelMode::replicated}, {"sharded", DataParallelMode::sharded}});
   s.number("plugin_hook_deadline_seconds", t.plugin_hook_deadline_seconds, 0.0, 86400.0);
   s.string("calibration_cache_dir", t.calibration_cache_dir, /*allow_empty=*/true);
   s.string("init_checkpoint", t.init_checkpoint, /*allow_empty=*/true);
@@ -607,6 +609,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
                       "plugin_poll_steps",
                       "recalibrate_every",
                       "collective_timeout_seconds",
+                      "data_parallel",
                       "plugin_hook_deadline_seconds",
                       "calibration_cache_dir",
                       "init_checkpoint",
@@ -672,6 +675,10 @@ TrainConfig load_train_config(const std::filesystem::path& file, const std::vect
 const char* mode_name(TrainMode mode) { return mode == TrainMode::lora ? "lora" : "full"; }
 
 const char* compute_device_name(ComputeDevice device) { return device == ComputeDevice::cuda ? "cuda" : "cpu"; }
+
+const char* data_parallel_name(DataParallelMode mode) {
+  return mode == DataParallelMode::sharded ? "sharded" : "replicated";
+}
 
 const char* adam_moments_name(AdamMoments moments) {
   switch (moments) {

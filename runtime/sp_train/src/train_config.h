@@ -68,6 +68,8 @@ struct LoraConfig {
   double alpha = 16.0;
 };
 
+enum class DataParallelMode { replicated, sharded };
+
 struct TrainLoopConfig {
   TrainMode mode = TrainMode::full;
   ComputeDevice device = ComputeDevice::cpu;
@@ -98,6 +100,10 @@ struct TrainLoopConfig {
   // Data parallelism (RANK, WORLD_SIZE from torchrun): how long a collective may wait for the
   // other ranks before the run stops with exit code 6.
   std::uint32_t collective_timeout_seconds = 300;
+  // Data parallelism: every rank keeps every block's masters and optimizer state (replicated),
+  // or each keeps those of its own blocks and sends their images to the others (sharded:
+  // StreamedModelOptions::shard_masters).
+  DataParallelMode data_parallel = DataParallelMode::replicated;
   // How long one plugin hook may take before the plugin is quarantined (0: no deadline).
   double plugin_hook_deadline_seconds = 60.0;
   std::string calibration_cache_dir;  // empty: $XDG_CACHE_HOME/sp-train or ~/.cache/sp-train
@@ -178,5 +184,6 @@ const char* streaming_unit_name(StreamingUnit unit);
 const char* compute_dtype_name(ComputeDtype dtype);
 const char* host_optimizer_name(HostOptimizer optimizer);
 const char* adam_moments_name(AdamMoments moments);
+const char* data_parallel_name(DataParallelMode mode);
 
 }  // namespace sp::train

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -99,7 +100,11 @@ std::uint64_t hash_tensor(const torch::Tensor& t, std::uint64_t state) {
 // the training and the evaluation engine (one per unit plus the spares, each as large as the
 // largest unit's BF16 image, which an NF4 or INT8 image never exceeds), and the activations the
 // recompute keeps (one input per block) plus the attention scores of one block.
-std::uint64_t estimated_host_bytes(const TrainConfig& c) {
+//
+// Sharded data parallelism keeps the masters' part of the blocks a rank owns (each rank owns
+// every shards-th unit), but never less than one fp32 copy of every streamed matrix: the
+// model's own initialization, which the layer takes over and frees.
+std::uint64_t estimated_host_bytes(const TrainConfig& c, std::uint32_t shards) {
   const ModelConfig& m = c.model;
   const std::uint64_t d = m.d_model, tokens = std::uint64_t{c.train.batch_size} * m.seq_len;
   const std::uint64_t attention = 4 * d * d, mlp = 2 * std::uint64_t{m.mlp_ratio} * d * d;
@@ -109,7 +114,9 @@ std::uint64_t estimated_host_bytes(const TrainConfig& c) {
   const std::uint64_t largest_unit = sublayers ? std::max(attention, mlp) : attention + mlp;
   // Full mode: master and gradient in fp32, and the two moments (fp32, or bf16).
   const std::uint64_t moment_bytes = c.train.adam_moments == AdamMoments::fp32 ? 8 : 4;
-  const std::uint64_t masters = streamed * (c.train.mode == TrainMode::full ? 8 + moment_bytes : 4);
+  const std::uint64_t owned_units = (units + shards - 1) / shards;
+  const std::uint64_t masters =
+      std::max(streamed * 4, streamed * (c.train.mode == TrainMode::full ? 8 + moment_bytes : 4) * owned_units / units);
   const std::uint64_t slabs = 2 * (units + c.streaming.spare_slabs) * largest_unit * 2;
   const std::uint64_t activations =
       tokens * d * 4 * (units + 8) + std::uint64_t{c.train.batch_size} * m.n_heads * m.seq_len * m.seq_len * 4 * 2;
@@ -226,6 +233,10 @@ struct Trainer::Impl {
       // A resumed run's masters carry the outliers already.
       model->plant_outlier_channels(config.train.seed);
     }
+    // Of the initial weights, which the layer then takes over (sharded, each rank keeps only
+    // its own blocks' masters).
+    std::optional<nlohmann::json> calibration_id;
+    if (!checkpoint && config.policy_keys.run_calibration) calibration_id = calibration_identity();
     build_layer();
     build_optimizer();
     // The gate is set before anything streams. Calibration does not depend on it: the layer
@@ -234,7 +245,7 @@ struct Trainer::Impl {
     if (checkpoint) {
       restore(*checkpoint);
     } else if (config.policy_keys.run_calibration) {
-      calibrate();
+      calibrate(*calibration_id);
     }
 
     sp::runtime::write_file_atomically(run_dir / kRunConfigFile, config.resolved_yaml);
@@ -271,7 +282,7 @@ struct Trainer::Impl {
     // Ranks on one node share its memory (torchrun's LOCAL_WORLD_SIZE).
     const char* local_ranks = std::getenv("LOCAL_WORLD_SIZE");
     const std::uint64_t ranks_here = local_ranks != nullptr ? std::max(1, std::atoi(local_ranks)) : 1;
-    const std::uint64_t needed = estimated_host_bytes(config) * ranks_here;
+    const std::uint64_t needed = estimated_host_bytes(config, shards()) * ranks_here;
     const std::uint64_t available = available_host_bytes();
     if (available == 0 || needed <= available) return;
     const ModelConfig& m = config.model;
@@ -356,6 +367,19 @@ struct Trainer::Impl {
 
   int rank() const { return collectives ? collectives->rank() : 0; }
   int world_size() const { return collectives ? collectives->size() : 1; }
+  // The ranks the masters are spread over: the world size when sharded, else 1.
+  std::uint32_t shards() const {
+    return config.train.data_parallel == DataParallelMode::sharded ? static_cast<std::uint32_t>(world_size()) : 1;
+  }
+  // Whether `ok` holds on every rank; where it does not, the lowest rank where it fails (every
+  // rank learns it, so that all take the same branch after a step that can fail on one).
+  std::optional<int> first_failing_rank(bool ok, const std::string& what) {
+    if (!collectives) return ok ? std::nullopt : std::optional<int>(0);
+    torch::Tensor first = torch::tensor({ok ? world_size() : rank()}, torch::kInt32);
+    collectives->all_reduce(first, tl::Reduction::min, what)->wait();
+    const int failed = first.item<std::int32_t>();
+    return failed == world_size() ? std::nullopt : std::optional<int>(failed);
+  }
 
   // The requests signals left for this step boundary (stop: SIGINT or SIGTERM; look at the
   // plugin file: SIGHUP), each set when any rank has it, agreed in one collective.
@@ -497,6 +521,7 @@ struct Trainer::Impl {
     o.nf4_group_size = config.policy_keys.nf4_group_size;
     o.recalibrate_every = config.train.recalibrate_every;
     o.collectives = collectives;
+    o.shard_masters = config.train.data_parallel == DataParallelMode::sharded;
     o.plugin_hook_deadline = std::chrono::milliseconds(
         static_cast<std::int64_t>(std::llround(config.train.plugin_hook_deadline_seconds * 1000.0)));
     if (!config.streaming.metrics_file.empty()) o.metrics_path = (run_dir / config.streaming.metrics_file).string();
@@ -536,9 +561,12 @@ struct Trainer::Impl {
                                         static_cast<std::size_t>(p.value.numel()), p.decay));
     }
     if (t.mode != TrainMode::full) return;
+    unit_moments.resize(n_units);
     for (std::uint32_t b = 0; b < n_blocks; ++b) {
       for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
         const char* name = kStreamedNames[i];
+        // Sharded, another rank keeps (and updates) this one.
+        if (layer->owner(model->unit_of(b, i)) != rank()) continue;
         torch::Tensor master = layer->masters(model->unit_of(b, i)).at(name);
         // A defined .grad: the layer adds each pass's gradient into it in place, where AdamW
         // reads it.
@@ -548,7 +576,6 @@ struct Trainer::Impl {
         adam_masters.push_back(adam->add(fmt::format("block{}.{}", b, name), master.data_ptr<float>(),
                                          grad.data_ptr<float>(), static_cast<std::size_t>(master.numel()), true));
         const std::size_t index = adam_masters.back();
-        unit_moments.resize(n_units);
         const sp::kernels::AdamWTensor t = adam->tensor(index);
         unit_moments[model->unit_of(b, i)].emplace(
             name, tl::MasterMoments{t.exp_avg, t.exp_avg_sq, t.decay, t.moment_dtype, t.moment_rounding, t.moment_seed});
@@ -609,19 +636,22 @@ struct Trainer::Impl {
 
   // ---- calibration -----------------------------------------------------------------------
 
-  nlohmann::json calibration_identity() const {
+  // What the calibration errors depend on, from the model's initial weights (before the layer
+  // takes them over).
+  nlohmann::json calibration_identity() {
     std::uint64_t weights = 0xcbf29ce484222325ull;
-    std::vector<nlohmann::json> unit_tensors(n_units, nlohmann::json::array());
+    const std::uint32_t units = model->num_units();
+    std::vector<nlohmann::json> unit_tensors(units, nlohmann::json::array());
     for (std::uint32_t b = 0; b < n_blocks; ++b) {
       for (std::size_t i = 0; i < kStreamedPerBlock; ++i) {
         const std::uint32_t unit = model->unit_of(b, i);
-        const torch::Tensor& master = layer->masters(unit).at(kStreamedNames[i]);
+        const torch::Tensor& master = model->streamed()[b][i];
         weights = hash_tensor(master.detach(), weights);
         unit_tensors[unit].push_back({kStreamedNames[i], master.size(0), master.size(1)});
       }
     }
     nlohmann::json layout = nlohmann::json::array();
-    for (std::uint32_t u = 0; u < n_units; ++u)
+    for (std::uint32_t u = 0; u < units; ++u)
       layout.push_back({{"name", model->unit_name(u)}, {"tensors", unit_tensors[u]}});
     for (const ResidentParam& p : model->resident()) weights = hash_tensor(p.value.detach(), weights);
     return {{"model", model_identity()},
@@ -659,20 +689,25 @@ struct Trainer::Impl {
     return samples;
   }
 
-  void calibrate() {
+  void calibrate(const nlohmann::json& identity) {
     const auto start = Clock::now();
-    const nlohmann::json identity = calibration_identity();
     const std::string fingerprint = calibration_fingerprint(identity);
     const fs::path dir = config.train.calibration_cache_dir.empty() ? default_calibration_cache_dir()
                                                                     : fs::path(config.train.calibration_cache_dir);
     const fs::path file = calibration_cache_file(dir, fingerprint);
     CacheLookup cached = read_calibration_cache(file, fingerprint, n_units);
-    if (cached.status == CacheStatus::hit) {
+    // Sharded, measuring is a collective: a rank that finds the cache (another rank may be
+    // writing it right now) measures with the rest unless every rank found it.
+    const bool missed_elsewhere =
+        layer->sharded() && first_failing_rank(cached.status == CacheStatus::hit, "calibration cache hits");
+    if (cached.status == CacheStatus::hit && !missed_elsewhere) {
       calibration_errors = std::move(cached.errors);
       calibration_status = "hit";
       log->info("calibration: cache hit {}", file.string());
     } else {
-      if (cached.status == CacheStatus::missing) {
+      if (cached.status == CacheStatus::hit) {
+        log->info("calibration: another rank has no cached errors for fingerprint {}; measuring with it", fingerprint);
+      } else if (cached.status == CacheStatus::missing) {
         log->info("calibration: no cached errors for fingerprint {}; measuring", fingerprint);
       } else {
         log->warn("calibration: {}; measuring again", cached.detail);
@@ -739,7 +774,7 @@ struct Trainer::Impl {
     update_resident();
     if (config.train.host_optimizer != HostOptimizer::unfused) {
       for (std::uint32_t u = 0; u < unit_moments.size(); ++u) {
-        layer->update_masters(u, adam->step_constants(), unit_moments[u]);
+        if (layer->owner(u) == rank()) layer->update_masters(u, adam->step_constants(), unit_moments[u]);
       }
     } else {
       for (std::size_t index : adam_masters) adam->step_parameter(index);
@@ -818,8 +853,14 @@ struct Trainer::Impl {
     // A non-finite step that the overlap left wholly unapplied (no block updated, nor the
     // resident parameters) does not count for the bias correction, as in the exact modes; one
     // that updated some blocks does.
-    if (overlapped && nonfinite_streak > 0 && report.updates_skipped.size() == unit_moments.size()) {
-      adam->set_steps_taken(adam->steps_taken() - 1);
+    if (overlapped && nonfinite_streak > 0) {
+      // Sharded, each rank updates its own units: the step is unapplied only where every rank
+      // skipped all of them, and every rank's bias correction must follow the same count.
+      std::uint32_t owned = 0;
+      for (std::uint32_t u = 0; u < n_units; ++u) owned += layer->owner(u) == rank() ? 1 : 0;
+      bool unapplied = report.updates_skipped.size() == owned;
+      if (layer->sharded()) unapplied = !first_failing_rank(unapplied, "whether any rank updated a block");
+      if (unapplied) adam->set_steps_taken(adam->steps_taken() - 1);
     }
     if (report.swap) note_swap(step, *report.swap, record);
     if (report.calibration) {
@@ -889,11 +930,78 @@ struct Trainer::Impl {
             {"last_loss", totals.last_loss}};
   }
 
+  // Sharded, each rank's masters and their AdamW moments go to a file of its own, named by the
+  // checkpoint's step, in its run directory; the main checkpoint names that step.
+  fs::path shard_path(std::int64_t step) const { return run_dir / fmt::format("{}{}.bin", kShardPrefix, step); }
+  static constexpr const char* kShardPrefix = "checkpoint.shard-step";
+
+  bool is_master_entry(const std::string& key) const { return key.rfind("master/", 0) == 0; }
+
   // Rank 0 writes the replicated state; a rank's own state is its data position, which is
-  // the step and its rank.
+  // the step and its rank. Sharded, every rank first writes its shard; rank 0 writes the main
+  // file (which makes the checkpoint the current one) only once every shard is on disk, and
+  // the shards of older checkpoints go only once the main file names the new ones.
   void save_checkpoint() {
-    if (rank() != 0) return;
+    const bool sharded = layer->sharded();
+    if (!sharded && rank() != 0) return;
     const auto start = Clock::now();
+    const std::map<std::string, torch::Tensor> layer_state = layer->export_state();
+    std::set<std::size_t> sharded_adam;
+    if (sharded) sharded_adam.insert(adam_masters.begin(), adam_masters.end());
+    const auto put_adam = [&](CheckpointSections& out, std::size_t i) {
+      out.put("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg_bytes(i));
+      out.put("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq_bytes(i));
+    };
+    if (sharded) {
+      std::string failure;
+      try {
+        CheckpointSections shard;
+        const std::string meta =
+            nlohmann::json{{"next_step", next_step}, {"rank", rank()}, {"world_size", world_size()}}.dump();
+        shard.put("shard", meta.data(), meta.size());
+        for (const auto& [key, t] : layer_state) {
+          if (is_master_entry(key)) shard.put(key, t.data_ptr(), t.numel() * t.element_size());
+        }
+        for (std::size_t i : sharded_adam) put_adam(shard, i);
+        shard.write_atomically(shard_path(next_step));
+      } catch (const std::exception& e) {
+        failure = e.what();
+        log->error("checkpoint: writing this rank's shard {}: {}", shard_path(next_step).string(), failure);
+      }
+      if (const std::optional<int> failed = first_failing_rank(failure.empty(), "checkpoint shards written")) {
+        throw CheckpointError(fmt::format(
+            "checkpoint at step {}: rank {} could not write its shard ({}); {} still holds the previous checkpoint",
+            next_step, *failed, failure.empty() ? "its log says why" : failure,
+            checkpoint_path(options.out_dir).string()));
+      }
+    }
+    std::string failure;
+    if (rank() == 0) {
+      try {
+        write_main_checkpoint(layer_state, sharded_adam);
+      } catch (const std::exception& e) {
+        if (!sharded) throw;
+        failure = e.what();
+      }
+    }
+    if (sharded) {
+      if (first_failing_rank(failure.empty(), "checkpoint written by rank 0")) {
+        throw CheckpointError(fmt::format("checkpoint at step {}: rank 0 could not write {}{}", next_step,
+                                          checkpoint_path(options.out_dir).string(),
+                                          failure.empty() ? " (its log says why)" : ": " + failure));
+      }
+      remove_other_shards(next_step);
+    }
+    log->info("checkpoint at step {} written to {} in {:.2f}s", next_step,
+              sharded ? fmt::format("{} and the ranks' {}{}.bin", checkpoint_path(options.out_dir).string(),
+                                    kShardPrefix, next_step)
+                      : checkpoint_path(options.out_dir).string(),
+              seconds_since(start));
+  }
+
+  void write_main_checkpoint(const std::map<std::string, torch::Tensor>& layer_state,
+                             const std::set<std::size_t>& sharded_adam) {
+    const bool sharded = layer->sharded();
     CheckpointSections out;
     nlohmann::json meta = {
         {"next_step", next_step},
@@ -914,14 +1022,19 @@ struct Trainer::Impl {
     if (config.train.host_optimizer == HostOptimizer::overlapped && previous_grad_norm) {
       meta["previous_grad_norm"] = *previous_grad_norm;
     }
+    if (sharded) meta["data_parallel"] = "sharded";  // absent: replicated, as before
     const std::string meta_text = meta.dump();
     out.put("meta", meta_text.data(), meta_text.size());
-    // The layer's state: the masters, the plugin state, the hints in force, its pass counters.
-    for (const auto& [key, t] : layer->export_state()) out.put(key, t.data_ptr(), t.numel() * t.element_size());
+    // The layer's state: the masters (sharded: in the shards), the plugin state, the hints in
+    // force, its pass counters.
+    for (const auto& [key, t] : layer_state) {
+      if (!sharded || !is_master_entry(key)) out.put(key, t.data_ptr(), t.numel() * t.element_size());
+    }
     for (const ResidentParam& p : model->resident()) {
       out.put("resident/" + p.name, p.value.data_ptr(), p.value.numel() * sizeof(float));
     }
     for (std::size_t i = 0; i < adam->size(); ++i) {
+      if (sharded_adam.count(i) != 0) continue;
       out.put("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg_bytes(i));
       out.put("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq_bytes(i));
     }
@@ -929,8 +1042,52 @@ struct Trainer::Impl {
     const torch::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
     out.put("rng/torch", rng.data_ptr(), static_cast<std::size_t>(rng.numel()));
     out.write_atomically(checkpoint_path(options.out_dir));
-    log->info("checkpoint at step {} written to {} in {:.2f}s", next_step, checkpoint_path(options.out_dir).string(),
-              seconds_since(start));
+  }
+
+  // This rank's shards of checkpoints other than `keep`'s, and temporaries a killed write left.
+  void remove_other_shards(std::int64_t keep) {
+    const std::string current = shard_path(keep).filename().string();
+    const std::string temporary = std::string(".") + kShardPrefix;
+    std::error_code ec;
+    for (const fs::directory_entry& entry : fs::directory_iterator(run_dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      const bool old_shard = name.rfind(kShardPrefix, 0) == 0 && name != current;
+      const bool left_over = name.rfind(temporary, 0) == 0 && name.find(".tmp-") != std::string::npos;
+      if (!old_shard && !left_over) continue;
+      std::error_code removed;
+      fs::remove(entry.path(), removed);
+      if (removed) log->warn("checkpoint: could not remove {}: {}", entry.path().string(), removed.message());
+    }
+  }
+
+  // Sharded: this rank's shard of the checkpoint at `step`, its sections checked against it.
+  // Every rank learns whether every rank could read its own, so that none waits for another
+  // in the restore that follows.
+  CheckpointSections read_shard(std::int64_t step) {
+    const fs::path file = shard_path(step);
+    CheckpointSections shard;
+    std::string failure;
+    try {
+      shard = CheckpointSections::read(file);
+      const Bytes& bytes = shard.get("shard");
+      const nlohmann::json meta = nlohmann::json::parse(bytes.begin(), bytes.end(), nullptr, false);
+      const nlohmann::json expected = {{"next_step", step}, {"rank", rank()}, {"world_size", world_size()}};
+      if (meta != expected) {
+        throw CheckpointError(fmt::format("{}: section 'shard' is {}; expected {} (the shard of this rank at the main "
+                                          "checkpoint's step)",
+                                          file.string(), meta.dump(), expected.dump()));
+      }
+    } catch (const CheckpointError& e) {
+      failure = fs::exists(file) ? e.what()
+                                 : fmt::format("{}: missing (the checkpoint {} names this rank's shard of step {})",
+                                               file.string(), checkpoint_path(options.out_dir).string(), step);
+    }
+    const std::optional<int> failed = first_failing_rank(failure.empty(), "checkpoint shards read");
+    if (!failure.empty()) throw ResumeError(failure);
+    if (failed) {
+      throw ResumeError(fmt::format("rank {} could not read its checkpoint shard (its log says why)", *failed));
+    }
+    return shard;
   }
 
   // The layer's state entries from the checkpoint sections of the same names, each shaped as
@@ -964,9 +1121,12 @@ struct Trainer::Impl {
     return state;
   }
 
-  void restore(const CheckpointSections& in) {
-    const nlohmann::json meta = read_meta(in, checkpoint_path(options.out_dir));
+  void restore(const CheckpointSections& main) {
+    const nlohmann::json meta = read_meta(main, checkpoint_path(options.out_dir));
     std::map<std::string, torch::Tensor> layer_state;
+    // Sharded, the main file's sections and this rank's shard's, read as one.
+    CheckpointSections merged;
+    const CheckpointSections* source = &main;
     try {
       const nlohmann::json expected = model_identity();
       // The mode first: a LoRA config resuming a full run differs in lora_rank too, and the
@@ -1001,6 +1161,23 @@ struct Trainer::Impl {
                         "on the same number of ranks, or use another --out",
                         checkpoint_path(options.out_dir).string(), meta.value("world_size", 1), world_size()));
       }
+      const std::string saved_mode =
+          meta.contains("data_parallel") && meta["data_parallel"].is_string() ? meta["data_parallel"].get<std::string>()
+                                                                             : "replicated";
+      const std::string mode = layer->sharded() ? "sharded" : "replicated";  // sharding one rank changes nothing
+      if (saved_mode != mode) {
+        throw ResumeError(fmt::format(
+            "{}: made with its masters {}, this run keeps them {} (train.data_parallel); resume in the same mode, or "
+            "use another --out",
+            checkpoint_path(options.out_dir).string(), saved_mode, mode));
+      }
+      if (layer->sharded()) {
+        merged = main;
+        const CheckpointSections shard = read_shard(next_step);
+        for (const auto& [key, bytes] : shard.all()) merged.put(key, bytes);
+        source = &merged;
+      }
+      const CheckpointSections& in = *source;
       layer_state = read_layer_state(in);
       for (ResidentParam& p : model->resident()) {
         in.get_into("resident/" + p.name, p.value.data_ptr(), p.value.numel() * sizeof(float));
@@ -1171,10 +1348,11 @@ struct Trainer::Impl {
           {"magnitude", config.model.outlier_magnitude},
           {"channels", config.model.outlier_channels}}},
         {"torch_threads", torch::get_num_threads()},
-        {"data_parallel", {{"rank", rank()}, {"world_size", world_size()}}},
+        {"data_parallel",
+         {{"rank", rank()}, {"world_size", world_size()}, {"mode", data_parallel_name(config.train.data_parallel)}}},
         {"peak_rss_bytes", peak_rss_bytes()},
         {"previous_crash", previous_crash ? nlohmann::json(*previous_crash) : nlohmann::json()},
-        {"estimated_host_bytes", estimated_host_bytes(config)},
+        {"estimated_host_bytes", estimated_host_bytes(config, shards())},
         // Records the run could not write (disk full, ...): each loss was logged when it happened.
         {"log_records_lost",
          {{kRunTrainMetricsFile, train_metrics->lost()}, {"transfer_metrics", layer->metrics_records_lost()}}}};

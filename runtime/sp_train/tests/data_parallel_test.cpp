@@ -107,6 +107,97 @@ TEST_F(DataParallel, TwoRanksDecideAlikeAndTrainAsOneRankWithTheDoubleBatch) {
       << text_of(dir_ / "resume.log");
 }
 
+// Sharded masters (each rank keeps, reduces and updates the masters of every other block and
+// sends their images): the same arithmetic as the replicated run (a two-way sum is exact in
+// either order, the moments are the owner's), so the same losses, gradient norms and decisions
+// bit for bit; each rank's checkpoint shard beside the main file, and less host memory
+// estimated per rank.
+TEST_F(DataParallel, ShardedMastersTrainExactlyAsReplicatedOnes) {
+  const fs::path replicated = dir_ / "replicated", sharded = dir_ / "sharded";
+  ASSERT_EQ(run_two_ranks(replicated, {"--set", "train.batch_size=4"}), (std::vector<int>{0, 0}))
+      << log_of(0) << log_of(1);
+  for (const char* optimizer : {"fused", "overlapped"}) {
+    SCOPED_TRACE(optimizer);
+    fs::remove_all(sharded);
+    ASSERT_EQ(run_two_ranks(sharded, {"--set", "train.batch_size=4", "--set", "train.data_parallel=sharded", "--set",
+                                      std::string("train.host_optimizer=") + optimizer}),
+              (std::vector<int>{0, 0}))
+        << log_of(0) << log_of(1);
+    if (std::string(optimizer) == "overlapped") {
+      ASSERT_EQ(run_two_ranks(replicated, {"--set", "train.batch_size=4", "--set", "train.resume=never", "--set",
+                                           "train.host_optimizer=overlapped"}),
+                (std::vector<int>{0, 0}))
+          << log_of(0) << log_of(1);
+    }
+    const auto expected = records(replicated / "train_metrics.jsonl");
+    for (const fs::path& run : {sharded, sharded / "rank1"}) {
+      const auto got = records(run / "train_metrics.jsonl");
+      ASSERT_EQ(got.size(), expected.size()) << run;
+      std::size_t quantized_steps = 0;
+      for (std::size_t s = 0; s < expected.size(); ++s) {
+        EXPECT_EQ(got[s]["loss"], expected[s]["loss"]) << run << " step " << s;
+        EXPECT_EQ(got[s]["grad_norm"], expected[s]["grad_norm"]) << run << " step " << s;
+        EXPECT_EQ(got[s]["decisions"], expected[s]["decisions"]) << run << " step " << s;
+        EXPECT_EQ(got[s]["routes"], expected[s]["routes"]) << run << " step " << s;
+        quantized_steps += got[s]["h2d_bytes_int8"].get<std::uint64_t>() != 0;
+      }
+      EXPECT_GT(quantized_steps, 0u) << "the images shared never left BF16";
+    }
+    const auto summary = nlohmann::json::parse(text_of(sharded / "summary.json"));
+    const auto summary_replicated = nlohmann::json::parse(text_of(replicated / "summary.json"));
+    EXPECT_EQ(summary["final_val_loss"], summary_replicated["final_val_loss"]);
+    EXPECT_EQ(summary["data_parallel"]["mode"], "sharded");
+    EXPECT_LT(summary["estimated_host_bytes"].get<std::uint64_t>(),
+              summary_replicated["estimated_host_bytes"].get<std::uint64_t>());
+    EXPECT_TRUE(fs::exists(sharded / "checkpoint.bin"));
+    EXPECT_TRUE(fs::exists(sharded / "checkpoint.shard-step24.bin"));
+    EXPECT_TRUE(fs::exists(sharded / "rank1" / "checkpoint.shard-step24.bin"));
+  }
+}
+
+// A sharded run stopped at step 12 resumes from its checkpoint and its shards with the same
+// steps as one that never stopped (a constant learning rate after the warm-up, so that the
+// run's length does not change it); the shards of the older checkpoint go once the new one is
+// whole. A resume in the other mode, or one whose shard is missing, is refused by name on
+// every rank (none waits for the other).
+TEST_F(DataParallel, AShardedRunResumesFromItsShardsAndRefusesWhatDoesNotFit) {
+  const fs::path whole = dir_ / "whole", resumed = dir_ / "resumed";
+  const std::vector<std::string> sharded = {"--set", "train.batch_size=4",         "--set", "train.data_parallel=sharded",
+                                            "--set", "train.checkpoint_interval=8", "--set", "train.min_lr_ratio=1"};
+  ASSERT_EQ(run_two_ranks(whole, sharded), (std::vector<int>{0, 0})) << log_of(0) << log_of(1);
+  std::vector<std::string> first_half = sharded;
+  first_half.insert(first_half.end(), {"--set", "train.steps=12"});
+  ASSERT_EQ(run_two_ranks(resumed, first_half), (std::vector<int>{0, 0})) << log_of(0) << log_of(1);
+  EXPECT_FALSE(fs::exists(resumed / "checkpoint.shard-step8.bin")) << "the step-12 checkpoint replaced it";
+  EXPECT_TRUE(fs::exists(resumed / "rank1" / "checkpoint.shard-step12.bin"));
+  ASSERT_EQ(run_two_ranks(resumed, sharded), (std::vector<int>{0, 0})) << log_of(0) << log_of(1);
+  EXPECT_NE(log_of(1).find("resumed from"), std::string::npos) << log_of(1);
+  const auto expected = records(whole / "rank1" / "train_metrics.jsonl");
+  const auto got = records(resumed / "rank1" / "train_metrics.jsonl");
+  ASSERT_EQ(got.size(), expected.size());
+  for (std::size_t s = 0; s < expected.size(); ++s) {
+    EXPECT_EQ(got[s]["loss"], expected[s]["loss"]) << "step " << s;
+    EXPECT_EQ(got[s]["decisions"], expected[s]["decisions"]) << "step " << s;
+  }
+
+  // The other mode: refused, the checkpoint kept.
+  std::vector<std::string> longer = {"--set", "train.batch_size=4", "--set", "train.steps=30", "--set",
+                                     "train.min_lr_ratio=1"};
+  EXPECT_EQ(run_two_ranks(whole, longer), (std::vector<int>{4, 4}));
+  for (int rank : {0, 1}) {
+    EXPECT_NE(log_of(rank).find("made with its masters sharded, this run keeps them replicated"), std::string::npos)
+        << log_of(rank);
+  }
+  // A shard missing on rank 1: rank 1 names the file, rank 0 names rank 1.
+  fs::remove(whole / "rank1" / "checkpoint.shard-step24.bin");
+  longer.insert(longer.end(), {"--set", "train.data_parallel=sharded"});
+  EXPECT_EQ(run_two_ranks(whole, longer), (std::vector<int>{4, 4}));
+  EXPECT_NE(log_of(1).find("rank1/checkpoint.shard-step24.bin: missing"), std::string::npos) << log_of(1);
+  EXPECT_NE(log_of(0).find("rank 1 could not read its checkpoint shard"), std::string::npos) << log_of(0);
+  EXPECT_TRUE(fs::exists(whole / "checkpoint.bin"));
+  EXPECT_TRUE(fs::exists(whole / "checkpoint.shard-step24.bin"));
+}
+
 // Ranks started with different arguments are refused before anything is built, by name: which
 // rank, and the first config line where it parts from rank 0.
 TEST_F(DataParallel, RanksWithAnotherConfigAreRefusedUpFront) {

@@ -70,6 +70,13 @@ class Collectives {
   // In place over one contiguous tensor; `what` names the operation in errors.
   virtual std::unique_ptr<Pending> all_reduce(torch::Tensor tensor, Reduction op, std::string what) = 0;
   virtual void broadcast(torch::Tensor tensor, int root, std::string what) = 0;
+  // The reduction lands in `root`'s tensor; the others' tensors hold what the implementation
+  // leaves there (read nothing from them). By default an all_reduce, which is correct and
+  // moves more bytes than a reduce needs.
+  virtual std::unique_ptr<Pending> reduce(torch::Tensor tensor, int root, Reduction op, std::string what) {
+    (void)root;
+    return all_reduce(std::move(tensor), op, std::move(what));
+  }
 };
 
 namespace detail {
@@ -103,11 +110,16 @@ class ProcessGroupCollectives final : public Collectives {
   int size() const override { return group_->getSize(); }
   std::unique_ptr<Pending> all_reduce(torch::Tensor tensor, Reduction op, std::string what) override {
     c10d::AllreduceOptions options;
-    options.reduceOp = op == Reduction::sum   ? c10d::ReduceOp::SUM
-                       : op == Reduction::max ? c10d::ReduceOp::MAX
-                                              : c10d::ReduceOp::MIN;
+    options.reduceOp = reduce_op(op);
     std::vector<torch::Tensor> tensors{std::move(tensor)};
     return pending(group_->allreduce(tensors, options), std::move(what));
+  }
+  std::unique_ptr<Pending> reduce(torch::Tensor tensor, int root, Reduction op, std::string what) override {
+    c10d::ReduceOptions options;
+    options.reduceOp = reduce_op(op);
+    options.rootRank = root;
+    std::vector<torch::Tensor> tensors{std::move(tensor)};
+    return pending(group_->reduce(tensors, options), std::move(what));
   }
   void broadcast(torch::Tensor tensor, int root, std::string what) override {
     c10d::BroadcastOptions options;
@@ -117,6 +129,9 @@ class ProcessGroupCollectives final : public Collectives {
   }
 
  private:
+  static c10d::ReduceOp reduce_op(Reduction op) {
+    return op == Reduction::sum ? c10d::ReduceOp::SUM : op == Reduction::max ? c10d::ReduceOp::MAX : c10d::ReduceOp::MIN;
+  }
   template <typename Handle>
   std::unique_ptr<Pending> pending(Handle handle, std::string what) const {
     return std::make_unique<PendingWork<Handle>>(std::move(handle), rank(), size(), std::move(what));

@@ -122,6 +122,19 @@ struct StreamedModelOptions {
 
   // Data parallelism (collectives.h): the ranks this model trains on; null: one process.
   std::shared_ptr<Collectives> collectives;
+  // Sharded data parallelism, ZeRO-1/2 applied to the host (needs `collectives`; one rank: no
+  // effect). Block b belongs to rank owner(b) = b mod N, which alone keeps its fp32 masters,
+  // receives its averaged gradient (a reduce, not an all-reduce), computes its moments, runs
+  // its update and builds its transfer images; the host keeps the optimizer state of those
+  // masters only (master_parameters()). Every rank still streams every block: after each
+  // step's update (and whenever a route changes) the owner broadcasts the block's image to the
+  // others, which install it as it is. Per rank the masters, their gradients and the
+  // optimizer state shrink to about 1/N; the images stay whole. At construction every rank
+  // takes the owners' weights, whatever its own module held.
+  // Collective in this mode (every rank calls them at the same point): the constructor,
+  // begin_step, end_step, refresh_images, calibrate / measure_calibration_errors and
+  // restore_state.
+  bool shard_masters = false;
 
   // Online re-calibration: every this many steps (0: never), end_step() measures the blocks'
   // INT8 and NF4 output errors again, on the first-block input of the step's last training
@@ -197,9 +210,15 @@ class StreamedModel {
   std::uint32_t num_blocks() const;
   // The fp32 host masters of the streamed parameters, block by block (requires_grad as the
   // module's parameter had it). Give them to the optimizer with the resident parameters.
+  // Sharded: those of the blocks this rank owns.
   std::vector<torch::Tensor> master_parameters() const;
-  // One block's masters, by parameter name.
+  // One block's masters, by parameter name (sharded: empty for a block another rank owns).
   const std::map<std::string, torch::Tensor>& masters(std::uint32_t block) const;
+  // Sharded data parallelism (StreamedModelOptions::shard_masters on more than one rank), and
+  // the rank that keeps block `block`'s masters: this rank for every block when not sharded.
+  // Throws std::invalid_argument for a block out of range.
+  bool sharded() const;
+  int owner(std::uint32_t block) const;
   // The resident parameters of every block (the module parameters not streamed).
   std::vector<torch::Tensor> resident_parameters() const;
 
@@ -226,7 +245,7 @@ class StreamedModel {
   // each master byte is read once. Call after post_backward() and before end_step(), at most
   // once per block and step. Throws std::logic_error outside that window, and
   // std::invalid_argument naming the block and parameter, with nothing changed, when a master
-  // has no gradient or no moments.
+  // has no gradient or no moments; std::logic_error for a block another rank owns (sharded).
   void update_masters(std::uint32_t block, const sp::kernels::AdamWStep& step,
                       const std::map<std::string, MasterMoments>& moments);
 
@@ -235,7 +254,7 @@ class StreamedModel {
   // gradient is final, on a worker thread, while the backward goes on through the blocks
   // before it. That pass must be the step's last, and it replaces update_masters() for every
   // block with trainable masters: `moments[b]` is what update_masters(b, ...) would take (empty
-  // for a block without trainable masters), and the caller keeps the moments alive until
+  // for a block without trainable masters or, sharded, owned by another rank), and the caller keeps the moments alive until
   // post_backward() returns. Since `step` is fixed before the backward, it cannot clip by this
   // step's gradient norm: the host picks a rule (sp-train: the previous step's norm).
   //   - A block whose gradient holds a non-finite element is left as it was
@@ -272,7 +291,8 @@ class StreamedModel {
   std::optional<sp::host::SwapResult> poll_plugin(bool force = false);
 
   // Everything the layer needs to resume with identical decisions: the masters (by
-  // "master/<block>.<parameter>"), the plugin state ("policy/state"), the routes in force
+  // "master/<block>.<parameter>"; sharded, those of this rank's blocks: the host keeps every
+  // rank's), the plugin state ("policy/state"), the routes in force
   // ("policy/hints") and the pass counters ("layer/passes"), as named CPU tensors a host saves
   // with torch::save or its own format. The masters are the live tensors, detached, not
   // copies: save them before the next step changes them. Byte blobs are 1-D kUInt8 of any
@@ -282,7 +302,9 @@ class StreamedModel {
   std::map<std::string, torch::Tensor> export_state() const;
   // Throws StateEntryError naming an entry that is missing, of the wrong dtype or shape, or
   // holds hints the bridge refuses, before anything changes; what the plugin throws when it
-  // rejects its state, with the layer left as it was.
+  // rejects its state, with the layer left as it was. Sharded, each rank reads the masters of
+  // its own blocks (others' entries may be present, unread), then the ranks share the images;
+  // when any rank fails, every rank throws (the others RankMismatchError naming it).
   void restore_state(const std::map<std::string, torch::Tensor>& state);
 
   // Bytes of one transfer of the block on each route (image header, payload, scales).
