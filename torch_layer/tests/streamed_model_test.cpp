@@ -1,8 +1,12 @@
 #include "sp/torch_layer/streamed_model.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <filesystem>
+#include <thread>
 #include <limits>
 #include <map>
 #include <string>
@@ -769,3 +773,129 @@ TEST(StreamedModel, AStateThePluginCannotExportKeepsEverythingElse) {
 }
 
 }  // namespace
+
+// ---- sharded data parallelism: two ranks as two threads, Gloo over a store in memory --------
+
+namespace {
+
+// One rank's run: its losses, and the masters it keeps, by "block.parameter".
+struct RankRun {
+  std::vector<double> losses;
+  std::map<std::string, torch::Tensor> masters;
+};
+
+// `steps` SGD steps of two ranks on the same blocks, each on its own input, replicated or
+// sharded; `check(rank, model)` runs on each rank's model after the steps, on its thread.
+std::vector<RankRun> run_two_ranks(bool shard, int steps,
+                                   const std::function<void(int, tl::StreamedModel&)>& check = {}) {
+  const auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::vector<TinyBlock>> blocks{make_blocks(21), make_blocks(21)};
+  std::vector<torch::Tensor> inputs{input(22), input(23)};
+  std::vector<RankRun> runs(2);
+  std::vector<std::string> failures(2);
+  const auto rank_main = [&](int rank) {
+    try {
+      auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(30));
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      std::vector<tl::Block> list;
+      for (const TinyBlock& b : blocks[rank]) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+      tl::StreamedModelOptions o;
+      o.plugin_file = SP_PLUGIN_FILE;
+      o.config_yaml = policy_yaml("  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n"
+                                  "  force_nf4_blocks: [2]\n");
+      o.collectives = tl::over_process_group(c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options));
+      o.shard_masters = shard;
+      tl::StreamedModel model(std::move(list), o);
+      std::vector<torch::Tensor> params = model.master_parameters();
+      for (const torch::Tensor& r : model.resident_parameters()) params.push_back(r);
+      torch::optim::SGD optimizer(params, torch::optim::SGDOptions(0.5));
+      for (std::int64_t step = 0; step < steps; ++step) {
+        optimizer.zero_grad();
+        model.begin_step(step);
+        const torch::Tensor loss = model.forward(inputs[rank]).pow(2).mean();
+        loss.backward();
+        const double mean = model.average(loss.item<double>());
+        model.post_backward();
+        optimizer.step();
+        model.end_step(mean);
+        runs[rank].losses.push_back(mean);
+      }
+      // What the evaluation engine delivers: the owners' updated weights on every rank.
+      {
+        torch::NoGradGuard no_grad;
+        runs[rank].losses.push_back(model.forward(inputs[0]).pow(2).mean().item<double>());
+      }
+      for (std::uint32_t b = 0; b < model.num_blocks(); ++b) {
+        for (const auto& [name, master] : model.masters(b)) {
+          runs[rank].masters.emplace(std::to_string(b) + "." + name, master.clone());
+        }
+      }
+      if (check) check(rank, model);
+    } catch (const std::exception& e) {
+      failures[rank] = e.what();
+    }
+  };
+  std::thread other(rank_main, 1);
+  rank_main(0);
+  other.join();
+  EXPECT_EQ(failures, (std::vector<std::string>{"", ""}));
+  return runs;
+}
+
+}  // namespace
+
+// Sharded, each rank keeps and updates every other block's masters and installs the others'
+// images: the same two-way sums as replicated, so the same losses (training and evaluation,
+// bit for bit on both ranks) and the same masters where a rank keeps them.
+TEST(ShardedMasters, TwoRanksTrainAsReplicatedOnesKeepingHalfTheMasters) {
+  const std::vector<RankRun> replicated = run_two_ranks(false, 3);
+  const std::vector<RankRun> sharded = run_two_ranks(true, 3, [](int rank, tl::StreamedModel& model) {
+    EXPECT_TRUE(model.sharded());
+    for (std::uint32_t b = 0; b < model.num_blocks(); ++b) {
+      EXPECT_EQ(model.owner(b), static_cast<int>(b % 2));
+      EXPECT_EQ(model.masters(b).empty(), model.owner(b) != rank) << b;
+    }
+    EXPECT_EQ(model.master_parameters().size(), rank == 0 ? 4u : 2u);  // blocks 0 and 2, or 1
+    std::size_t master_entries = 0;
+    for (const auto& [key, value] : model.export_state()) master_entries += key.rfind("master/", 0) == 0 ? 1 : 0;
+    EXPECT_EQ(master_entries, rank == 0 ? 4u : 2u);
+    // Another rank's block is updated there.
+    model.begin_step(3);
+    model.forward(input(24)).pow(2).mean().backward();
+    model.post_backward();
+    const std::uint32_t theirs = rank == 0 ? 1 : 0;
+    EXPECT_THAT([&] { model.update_masters(theirs, sp::kernels::AdamWStep{}, {}); },
+                ::testing::ThrowsMessage<std::logic_error>(::testing::HasSubstr("is owned by rank")));
+    model.end_step(1.0);
+  });
+  ASSERT_EQ(replicated[0].losses.size(), 4u);
+  for (int rank : {0, 1}) {
+    EXPECT_EQ(sharded[rank].losses, replicated[0].losses) << "rank " << rank;
+    for (const auto& [name, master] : sharded[rank].masters) {
+      EXPECT_TRUE(torch::equal(master, replicated[0].masters.at(name))) << "rank " << rank << ": " << name;
+    }
+  }
+  EXPECT_EQ(sharded[0].masters.size() + sharded[1].masters.size(), replicated[0].masters.size());
+}
+
+// A sharded restore is all or nothing across the ranks: the rank whose state lacks a master of
+// its own names the entry, the other names that rank, and neither waits for the other.
+TEST(ShardedMasters, ARestoreThatFailsOnOneRankFailsOnEveryRankByName) {
+  run_two_ranks(true, 1, [](int rank, tl::StreamedModel& model) {
+    std::map<std::string, torch::Tensor> state = model.export_state();
+    if (rank == 1) state.erase("master/block1.fc1.weight");
+    if (rank == 0) {
+      EXPECT_THAT([&] { model.restore_state(state); },
+                  ::testing::ThrowsMessage<tl::RankMismatchError>(::testing::HasSubstr("rank 1 of 2 could not restore")));
+    } else {
+      EXPECT_THAT([&] { model.restore_state(state); },
+                  ::testing::ThrowsMessage<tl::StateEntryError>(::testing::HasSubstr("master/block1.fc1.weight")));
+    }
+    // Whole, it restores on both and the ranks go on.
+    model.restore_state(model.export_state());
+    model.begin_step(1);
+    model.forward(input(25)).pow(2).mean().backward();
+    model.post_backward();
+    model.end_step(1.0);
+  });
+}

@@ -17,7 +17,9 @@
 //   - a hot swap is requested by rank 0 on every rank at the same step boundary, and its
 //     outcome compared.
 // The host averages its own parameters' gradients (average_gradients()) and passes the mean
-// loss across ranks (average()) to end_step().
+// loss across ranks (average()) to end_step(). With StreamedModelOptions::shard_masters each
+// block's gradient is reduced to its owner instead, whose moments every rank then takes, and
+// the owner broadcasts the block's images (streamed_model.h).
 //
 // Collectives is an interface so that the layer does not depend on one c10d release's class
 // layout: over_process_group() adapts a c10d group, gloo_from_environment() builds a Gloo group
