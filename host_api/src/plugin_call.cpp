@@ -9,10 +9,11 @@
 namespace sp::host {
 namespace {
 
-// The label is written only while no call is marked (g_call == nullptr), before the call is
-// published with release order; a handler reads the call first, with acquire order.
+// The label is written only by the scope that took g_held, before the call is published with
+// release order; a handler reads the call first, with acquire order.
 constexpr std::size_t kLabelCapacity = 192;
 char g_label[kLabelCapacity];
+std::atomic<bool> g_held{false};
 std::atomic<const char*> g_call{nullptr};
 std::atomic<std::int64_t> g_step{detail::PluginCallScope::kNoStep};
 
@@ -59,7 +60,9 @@ std::size_t describe_plugin_call(char* out, std::size_t capacity) noexcept {
 
 namespace detail {
 
-PluginCallScope::PluginCallScope(std::string_view label, const char* call, std::int64_t step) noexcept {
+PluginCallScope::PluginCallScope(std::string_view label, const char* call, std::int64_t step) noexcept
+    : holds_record_(!g_held.exchange(true, std::memory_order_acquire)) {
+  if (!holds_record_) return;
   const std::size_t n = label.size() < kLabelCapacity - 1 ? label.size() : kLabelCapacity - 1;
   std::memcpy(g_label, label.data(), n);
   g_label[n] = '\0';
@@ -67,7 +70,11 @@ PluginCallScope::PluginCallScope(std::string_view label, const char* call, std::
   g_call.store(call, std::memory_order_release);
 }
 
-PluginCallScope::~PluginCallScope() { g_call.store(nullptr, std::memory_order_release); }
+PluginCallScope::~PluginCallScope() {
+  if (!holds_record_) return;
+  g_call.store(nullptr, std::memory_order_release);
+  g_held.store(false, std::memory_order_release);
+}
 
 }  // namespace detail
 }  // namespace sp::host

@@ -9,7 +9,9 @@ namespace sp::host::detail {
 
 // Marks the process as inside `call` of the plugin `label` until destroyed. `call` must be a
 // string literal (the record keeps the pointer). Scopes do not nest: a plugin call never makes
-// another.
+// another. The record is one per process, for a signal handler to read: where plugin calls
+// run on several threads at once (two hosts, e.g. data-parallel ranks as threads), the scope
+// opened first holds it, and the others mark nothing until it closes.
 class PluginCallScope {
  public:
   static constexpr std::int64_t kNoStep = INT64_MIN;
@@ -17,6 +19,9 @@ class PluginCallScope {
   ~PluginCallScope();
   PluginCallScope(const PluginCallScope&) = delete;
   PluginCallScope& operator=(const PluginCallScope&) = delete;
+
+ private:
+  bool holds_record_ = false;
 };
 
 }  // namespace sp::host::detail
