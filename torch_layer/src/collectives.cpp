@@ -1,6 +1,7 @@
 #include "sp/torch_layer/collectives.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include <fmt/format.h>
@@ -35,6 +36,46 @@ std::int64_t integer_variable(const char* name, std::int64_t min, std::int64_t m
 }
 
 }  // namespace
+
+std::vector<std::string> Collectives::exchange(const std::string& key, const std::string& mine,
+                                               std::chrono::milliseconds timeout) {
+  (void)timeout;  // a broadcast waits as long as the group's own timeout
+  std::vector<std::string> all(static_cast<std::size_t>(size()));
+  for (int root = 0; root < size(); ++root) {
+    torch::Tensor length = torch::tensor({static_cast<std::int64_t>(root == rank() ? mine.size() : 0)}, torch::kInt64);
+    broadcast(length, root, fmt::format("{}: the length of rank {}'s part", key, root));
+    torch::Tensor bytes = torch::zeros({length.item<std::int64_t>()}, torch::kUInt8);
+    if (root == rank() && !mine.empty()) std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+    if (bytes.numel() > 0) broadcast(bytes, root, fmt::format("{}: rank {}'s part", key, root));
+    all[static_cast<std::size_t>(root)].assign(reinterpret_cast<const char*>(bytes.data_ptr()),
+                                               static_cast<std::size_t>(bytes.numel()));
+  }
+  return all;
+}
+
+namespace detail {
+
+std::vector<std::string> exchange_through_store(c10d::Store& store, int rank, int size, const std::string& key,
+                                                const std::string& mine, std::chrono::milliseconds timeout) {
+  const auto key_of = [&](int r) { return fmt::format("sp_exchange/{}/{}", key, r); };
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(key_of(r));
+  try {
+    store.set(key_of(rank), std::vector<std::uint8_t>(mine.begin(), mine.end()));
+    store.wait(keys, timeout);
+    std::vector<std::string> all;
+    for (const std::string& k : keys) {
+      const std::vector<std::uint8_t> value = store.get(k);
+      all.emplace_back(value.begin(), value.end());
+    }
+    return all;
+  } catch (const std::exception& e) {
+    throw CollectiveError(collective_failure(
+        rank, size, fmt::format("exchange '{}' (waiting up to {} s)", key, timeout.count() / 1000), e.what()));
+  }
+}
+
+}  // namespace detail
 
 std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds timeout) {
   const std::int64_t size = integer_variable("WORLD_SIZE", 1, 1 << 16, 1);
@@ -74,7 +115,8 @@ std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds tim
                                  : c10d::ProcessGroupGloo::createDefaultDevice());
   try {
     return over_process_group(
-        c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank), static_cast<int>(size), options));
+        c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank), static_cast<int>(size), options),
+        store);
   } catch (const std::exception& e) {
     throw CollectiveError(
         detail::collective_failure(static_cast<int>(rank), static_cast<int>(size), "Gloo group setup", e.what()));

@@ -899,3 +899,41 @@ TEST(ShardedMasters, ARestoreThatFailsOnOneRankFailsOnEveryRankByName) {
     model.end_step(1.0);
   });
 }
+
+// Collectives::exchange: every rank's string on every rank, through a store (waiting as long
+// as asked) or through broadcasts; a store exchange a rank never joins fails by name when its
+// wait runs out, instead of hanging.
+TEST(Collectives, ExchangeGivesEveryRankEveryRanksPart) {
+  const auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::vector<std::string>> through_store(2), through_broadcasts(2);
+  std::vector<std::string> failures(2);
+  const auto rank_main = [&](int rank) {
+    try {
+      auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(30));
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      const auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options);
+      const std::string mine = rank == 0 ? "rank 0 wrote it" : "";
+      through_store[rank] = tl::over_process_group(group, store)->exchange("test", mine, std::chrono::seconds(30));
+      through_broadcasts[rank] = tl::over_process_group(group)->exchange("test", mine, std::chrono::seconds(30));
+    } catch (const std::exception& e) {
+      failures[rank] = e.what();
+    }
+  };
+  std::thread other(rank_main, 1);
+  rank_main(0);
+  other.join();
+  ASSERT_EQ(failures, (std::vector<std::string>{"", ""}));
+  const std::vector<std::string> expected{"rank 0 wrote it", ""};
+  for (int rank : {0, 1}) {
+    EXPECT_EQ(through_store[rank], expected) << rank;
+    EXPECT_EQ(through_broadcasts[rank], expected) << rank;
+  }
+
+  // Rank 1 never comes.
+  const auto lonely_store = c10::make_intrusive<c10d::HashStore>();
+  EXPECT_THAT(
+      [&] {
+        tl::detail::exchange_through_store(*lonely_store, 0, 2, "checkpoint7/main", "", std::chrono::milliseconds(50));
+      },
+      ::testing::ThrowsMessage<tl::CollectiveError>(::testing::HasSubstr("exchange 'checkpoint7/main'")));
+}

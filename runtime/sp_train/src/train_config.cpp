@@ -270,6 +270,7 @@ void read_train(const Origins& origins, const Section& s, TrainLoopConfig& t) {
   s.integer("plugin_poll_steps", t.plugin_poll_steps, 0, kMaxSteps);
   s.integer("recalibrate_every", t.recalibrate_every, 0, kMaxU32);
   s.integer("collective_timeout_seconds", t.collective_timeout_seconds, 1, 86400);
+  s.integer("checkpoint_timeout_seconds", t.checkpoint_timeout_seconds, 1, 7 * 86400);
   s.choice<DataParallelMode>("data_parallel", t.data_parallel,
                              {{"replicated", DataParallelMode::replicated}, {"sharded", DataParallelMode::sharded}});
   s.number("plugin_hook_deadline_seconds", t.plugin_hook_deadline_seconds, 0.0, 86400.0);
@@ -609,6 +610,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
                       "plugin_poll_steps",
                       "recalibrate_every",
                       "collective_timeout_seconds",
+                      "checkpoint_timeout_seconds",
                       "data_parallel",
                       "plugin_hook_deadline_seconds",
                       "calibration_cache_dir",

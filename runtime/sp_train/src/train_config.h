@@ -100,6 +100,9 @@ struct TrainLoopConfig {
   // Data parallelism (RANK, WORLD_SIZE from torchrun): how long a collective may wait for the
   // other ranks before the run stops with exit code 6.
   std::uint32_t collective_timeout_seconds = 300;
+  // Data parallelism: how long the ranks wait for each other's checkpoint writes (rank 0's
+  // main file, each rank's shard), which may take longer than any collective.
+  std::uint32_t checkpoint_timeout_seconds = 3600;
   // Data parallelism: every rank keeps every block's masters and optimizer state (replicated),
   // or each keeps those of its own blocks and sends their images to the others (sharded:
   // StreamedModelOptions::shard_masters).

@@ -183,6 +183,7 @@ struct Trainer::Impl {
   CalibrationErrors calibration_errors;
   int nonfinite_streak = 0;
   std::optional<double> previous_grad_norm;  // the last finite one: the overlapped update's clipping
+  std::uint64_t checkpoint_exchanges = 0;     // names each agreement on a checkpoint write
 
   // Totals over the whole run, carried across resumes.
   struct Totals {
@@ -940,19 +941,16 @@ struct Trainer::Impl {
   // Rank 0 writes the replicated state; a rank's own state is its data position, which is
   // the step and its rank. Sharded, every rank first writes its shard; rank 0 writes the main
   // file (which makes the checkpoint the current one) only once every shard is on disk, and
-  // the shards of older checkpoints go only once the main file names the new ones.
+  // the shards of older checkpoints go only once the main file names the new ones. The ranks
+  // wait for each other's writes up to train.checkpoint_timeout_seconds, not the collectives'
+  // timeout: a large checkpoint may take longer to write than any collective should wait.
   void save_checkpoint() {
     const bool sharded = layer->sharded();
-    if (!sharded && rank() != 0) return;
     const auto start = Clock::now();
     const std::map<std::string, torch::Tensor> layer_state = layer->export_state();
     std::set<std::size_t> sharded_adam;
-    if (sharded) sharded_adam.insert(adam_masters.begin(), adam_masters.end());
-    const auto put_adam = [&](CheckpointSections& out, std::size_t i) {
-      out.put("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg_bytes(i));
-      out.put("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq_bytes(i));
-    };
     if (sharded) {
+      sharded_adam.insert(adam_masters.begin(), adam_masters.end());
       std::string failure;
       try {
         CheckpointSections shard;
@@ -962,41 +960,47 @@ struct Trainer::Impl {
         for (const auto& [key, t] : layer_state) {
           if (is_master_entry(key)) shard.put(key, t.data_ptr(), t.numel() * t.element_size());
         }
-        for (std::size_t i : sharded_adam) put_adam(shard, i);
+        for (std::size_t i : sharded_adam) {
+          shard.put("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg_bytes(i));
+          shard.put("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq_bytes(i));
+        }
         shard.write_atomically(shard_path(next_step));
       } catch (const std::exception& e) {
-        failure = e.what();
-        log->error("checkpoint: writing this rank's shard {}: {}", shard_path(next_step).string(), failure);
+        failure = fmt::format("its shard ({})", e.what());
       }
-      if (const std::optional<int> failed = first_failing_rank(failure.empty(), "checkpoint shards written")) {
-        throw CheckpointError(fmt::format(
-            "checkpoint at step {}: rank {} could not write its shard ({}); {} still holds the previous checkpoint",
-            next_step, *failed, failure.empty() ? "its log says why" : failure,
-            checkpoint_path(options.out_dir).string()));
-      }
+      agree_on_checkpoint("shards", failure);
     }
     std::string failure;
     if (rank() == 0) {
       try {
         write_main_checkpoint(layer_state, sharded_adam);
       } catch (const std::exception& e) {
-        if (!sharded) throw;
-        failure = e.what();
+        if (!collectives) throw;
+        failure = fmt::format("the checkpoint ({})", e.what());
       }
     }
-    if (sharded) {
-      if (first_failing_rank(failure.empty(), "checkpoint written by rank 0")) {
-        throw CheckpointError(fmt::format("checkpoint at step {}: rank 0 could not write {}{}", next_step,
-                                          checkpoint_path(options.out_dir).string(),
-                                          failure.empty() ? " (its log says why)" : ": " + failure));
-      }
-      remove_other_shards(next_step);
-    }
+    if (collectives) agree_on_checkpoint("main", failure);
+    if (sharded) remove_other_shards(next_step);
+    if (rank() != 0 && !sharded) return;
     log->info("checkpoint at step {} written to {} in {:.2f}s", next_step,
               sharded ? fmt::format("{} and the ranks' {}{}.bin", checkpoint_path(options.out_dir).string(),
                                     kShardPrefix, next_step)
                       : checkpoint_path(options.out_dir).string(),
               seconds_since(start));
+  }
+
+  // Every rank learns every rank's outcome of one part of a checkpoint write (empty: written),
+  // waiting up to train.checkpoint_timeout_seconds; a failure anywhere is thrown everywhere.
+  void agree_on_checkpoint(const char* part, const std::string& failure) {
+    const std::vector<std::string> outcomes =
+        collectives->exchange(fmt::format("checkpoint{}/{}", ++checkpoint_exchanges, part), failure,
+                              std::chrono::seconds(config.train.checkpoint_timeout_seconds));
+    for (std::size_t r = 0; r < outcomes.size(); ++r) {
+      if (outcomes[r].empty()) continue;
+      throw CheckpointError(fmt::format("checkpoint at step {}: rank {} could not write {}; {} still holds the "
+                                        "previous checkpoint",
+                                        next_step, r, outcomes[r], checkpoint_path(options.out_dir).string()));
+    }
   }
 
   void write_main_checkpoint(const std::map<std::string, torch::Tensor>& layer_state,

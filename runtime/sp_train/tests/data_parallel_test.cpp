@@ -198,6 +198,18 @@ TEST_F(DataParallel, AShardedRunResumesFromItsShardsAndRefusesWhatDoesNotFit) {
   EXPECT_TRUE(fs::exists(whole / "checkpoint.shard-step24.bin"));
 }
 
+// A checkpoint write that fails on one rank stops every rank by name (exit code 4), not only
+// that one: here rank 1's shard, where a directory stands in the way (rank 0 then writes no
+// main file naming it). Rank 0's main file goes through the same agreement, in both modes.
+TEST_F(DataParallel, ACheckpointWriteThatFailsOnOneRankStopsEveryRankByName) {
+  const fs::path sharded = dir_ / "sharded-fail";
+  fs::create_directories(sharded / "rank1" / "checkpoint.shard-step24.bin");
+  EXPECT_EQ(run_two_ranks(sharded, {"--set", "train.batch_size=4", "--set", "train.data_parallel=sharded"}),
+            (std::vector<int>{4, 4}));
+  EXPECT_NE(log_of(0).find("rank 1 could not write its shard"), std::string::npos) << log_of(0);
+  EXPECT_FALSE(fs::exists(sharded / "checkpoint.bin")) << "no main file names a shard that is not there";
+}
+
 // Ranks started with different arguments are refused before anything is built, by name: which
 // rank, and the first config line where it parts from rank 0.
 TEST_F(DataParallel, RanksWithAnotherConfigAreRefusedUpFront) {

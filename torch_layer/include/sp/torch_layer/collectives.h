@@ -35,6 +35,7 @@
 #include <vector>
 
 #include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 namespace sp::torch_layer {
@@ -79,6 +80,15 @@ class Collectives {
     (void)root;
     return all_reduce(std::move(tensor), op, std::move(what));
   }
+  // Every rank's `mine`, by rank, on every rank: a small all-gather for what the ranks must
+  // agree on after work whose length differs between them (rank 0 writing a checkpoint while
+  // the others wait). It may wait up to `timeout`, which may exceed the collectives' own. `key`
+  // names this exchange and is used once per run (a counter in it). By default through
+  // broadcasts, under the collectives' own timeout; a group with a c10d store
+  // (over_process_group(group, store)) waits on the store for `timeout`. Throws
+  // CollectiveError.
+  virtual std::vector<std::string> exchange(const std::string& key, const std::string& mine,
+                                            std::chrono::milliseconds timeout);
 };
 
 namespace detail {
@@ -104,10 +114,15 @@ class PendingWork final : public Collectives::Pending {
   std::string what_;
 };
 
+// Collectives::exchange() over a store: each rank sets its key, then waits for the others'.
+std::vector<std::string> exchange_through_store(c10d::Store& store, int rank, int size, const std::string& key,
+                                                const std::string& mine, std::chrono::milliseconds timeout);
+
 template <typename Group>
 class ProcessGroupCollectives final : public Collectives {
  public:
-  explicit ProcessGroupCollectives(c10::intrusive_ptr<Group> group) : group_(std::move(group)) {}
+  ProcessGroupCollectives(c10::intrusive_ptr<Group> group, c10::intrusive_ptr<c10d::Store> store)
+      : group_(std::move(group)), store_(std::move(store)) {}
   int rank() const override { return group_->getRank(); }
   int size() const override { return group_->getSize(); }
   std::unique_ptr<Pending> all_reduce(torch::Tensor tensor, Reduction op, std::string what) override {
@@ -129,6 +144,11 @@ class ProcessGroupCollectives final : public Collectives {
     std::vector<torch::Tensor> tensors{std::move(tensor)};
     pending(group_->broadcast(tensors, options), std::move(what))->wait();
   }
+  std::vector<std::string> exchange(const std::string& key, const std::string& mine,
+                                    std::chrono::milliseconds timeout) override {
+    if (!store_) return Collectives::exchange(key, mine, timeout);
+    return exchange_through_store(*store_, rank(), size(), key, mine, timeout);
+  }
 
  private:
   static c10d::ReduceOp reduce_op(Reduction op) {
@@ -139,14 +159,17 @@ class ProcessGroupCollectives final : public Collectives {
     return std::make_unique<PendingWork<Handle>>(std::move(handle), rank(), size(), std::move(what));
   }
   c10::intrusive_ptr<Group> group_;
+  c10::intrusive_ptr<c10d::Store> store_;  // null: exchange() through broadcasts
 };
 }  // namespace detail
 
 // A c10d process group type (ProcessGroupGloo in 1.13 and 2.x, where it is a Backend): its
-// allreduce and broadcast, one CPU tensor each.
+// allreduce, reduce and broadcast, one CPU tensor each; with the group's store (or any store
+// every rank shares), exchange() waits on the store for as long as it is asked to.
 template <typename Group>
-std::shared_ptr<Collectives> over_process_group(c10::intrusive_ptr<Group> group) {
-  return std::make_shared<detail::ProcessGroupCollectives<Group>>(std::move(group));
+std::shared_ptr<Collectives> over_process_group(c10::intrusive_ptr<Group> group,
+                                                c10::intrusive_ptr<c10d::Store> store = {}) {
+  return std::make_shared<detail::ProcessGroupCollectives<Group>>(std::move(group), std::move(store));
 }
 
 // A Gloo group from torchrun's variables: RANK, WORLD_SIZE, MASTER_ADDR (default 127.0.0.1),
