@@ -943,11 +943,18 @@ struct Trainer::Impl {
   // file (which makes the checkpoint the current one) only once every shard is on disk, and
   // the shards of older checkpoints go only once the main file names the new ones. The ranks
   // wait for each other's writes up to train.checkpoint_timeout_seconds, not the collectives'
-  // timeout: a large checkpoint may take longer to write than any collective should wait.
+  // timeout: a large checkpoint may take longer to write than any collective should wait. They
+  // first meet within the collectives' timeout, so that a rank that died before the write is
+  // noticed as soon as in a collective.
   void save_checkpoint() {
     const bool sharded = layer->sharded();
     const auto start = Clock::now();
-    const std::map<std::string, torch::Tensor> layer_state = layer->export_state();
+    if (collectives) {
+      collectives->exchange(fmt::format("checkpoint{}/arrive", ++checkpoint_exchanges), "",
+                            std::chrono::seconds(config.train.collective_timeout_seconds));
+    }
+    const std::map<std::string, torch::Tensor> layer_state =
+        rank() == 0 || sharded ? layer->export_state() : std::map<std::string, torch::Tensor>{};
     std::set<std::size_t> sharded_adam;
     if (sharded) {
       sharded_adam.insert(adam_masters.begin(), adam_masters.end());

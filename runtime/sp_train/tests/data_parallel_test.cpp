@@ -44,8 +44,9 @@ class DataParallel : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
 
   std::vector<std::string> args(const fs::path& out, std::vector<std::string> extra) const {
-    std::vector<std::string> a{"--config",   config_.string(), "--out",
-                               out.string(), "--set",          "train.collective_timeout_seconds=20"};
+    std::vector<std::string> a{"--config", config_.string(), "--out", out.string(),
+                               "--set",    "train.collective_timeout_seconds=20",
+                               "--set",    "train.checkpoint_timeout_seconds=20"};
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   }
