@@ -51,11 +51,19 @@ class Cursor {
 
 }  // namespace
 
-void CheckpointSections::put(const std::string& name, Bytes payload) { sections_[name] = std::move(payload); }
+void CheckpointSections::put(const std::string& name, Bytes payload) {
+  views_.erase(name);
+  sections_[name] = std::move(payload);
+}
 
 void CheckpointSections::put(const std::string& name, const void* data, std::size_t bytes) {
   const auto* p = static_cast<const std::uint8_t*>(data);
-  sections_[name] = Bytes(p, p + bytes);
+  put(name, Bytes(p, p + bytes));
+}
+
+void CheckpointSections::put_view(const std::string& name, const void* data, std::size_t bytes) {
+  sections_.erase(name);
+  views_[name] = View{static_cast<const std::uint8_t*>(data), bytes};
 }
 
 const Bytes& CheckpointSections::get(const std::string& name) const {
@@ -76,18 +84,31 @@ void CheckpointSections::get_into(const std::string& name, void* dst, std::size_
 }
 
 void CheckpointSections::write_atomically(const std::filesystem::path& file) const {
-  Bytes out(std::begin(kMagic), std::end(kMagic));
-  append(out, kVersion);
-  append(out, static_cast<std::uint32_t>(sections_.size()));
-  for (const auto& [name, payload] : sections_) {
-    append(out, static_cast<std::uint32_t>(name.size()));
-    out.insert(out.end(), name.begin(), name.end());
-    append(out, static_cast<std::uint64_t>(payload.size()));
-    out.insert(out.end(), payload.begin(), payload.end());
-  }
-  append(out, sp::runtime::fnv1a64(out.data(), out.size()));
+  // Every section, owned or viewed, in name order.
+  std::map<std::string, View> all;
+  for (const auto& [name, payload] : sections_) all.emplace(name, View{payload.data(), payload.size()});
+  for (const auto& [name, view] : views_) all.emplace(name, view);
   sp::runtime::AtomicFileWriter writer(file);
-  writer.stream().write(reinterpret_cast<const char*>(out.data()), static_cast<std::streamsize>(out.size()));
+  std::uint64_t checksum = sp::runtime::fnv1a64(nullptr, 0);
+  const auto emit = [&](const void* data, std::size_t bytes) {
+    checksum = sp::runtime::fnv1a64(data, bytes, checksum);
+    writer.stream().write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
+  };
+  Bytes header(std::begin(kMagic), std::end(kMagic));
+  append(header, kVersion);
+  append(header, static_cast<std::uint32_t>(all.size()));
+  emit(header.data(), header.size());
+  for (const auto& [name, view] : all) {
+    Bytes head;
+    append(head, static_cast<std::uint32_t>(name.size()));
+    head.insert(head.end(), name.begin(), name.end());
+    append(head, static_cast<std::uint64_t>(view.bytes));
+    emit(head.data(), head.size());
+    emit(view.data, view.bytes);
+  }
+  Bytes tail;
+  append(tail, checksum);
+  writer.stream().write(reinterpret_cast<const char*>(tail.data()), static_cast<std::streamsize>(tail.size()));
   writer.commit();
 }
 

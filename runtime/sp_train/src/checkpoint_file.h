@@ -26,6 +26,10 @@ class CheckpointSections {
  public:
   void put(const std::string& name, Bytes payload);
   void put(const std::string& name, const void* data, std::size_t bytes);
+  // A section written from the caller's bytes, not copied (the weights and optimizer moments,
+  // the bulk of a checkpoint): they must stay alive and unchanged until write_atomically()
+  // returns. Only written: get() and all() do not see it.
+  void put_view(const std::string& name, const void* data, std::size_t bytes);
   bool has(const std::string& name) const { return sections_.count(name) != 0; }
   // Throws CheckpointError naming `source` and the section when it is missing.
   const Bytes& get(const std::string& name) const;
@@ -33,13 +37,19 @@ class CheckpointSections {
   void get_into(const std::string& name, void* dst, std::size_t bytes) const;
   const std::map<std::string, Bytes>& all() const { return sections_; }
 
-  // Written through a temporary file and renamed over `file`.
+  // Written through a temporary file and renamed over `file`, section by section (no copy of
+  // the whole checkpoint is assembled in memory).
   void write_atomically(const std::filesystem::path& file) const;
   // Validates everything before returning. Throws CheckpointError.
   static CheckpointSections read(const std::filesystem::path& file);
 
  private:
   std::map<std::string, Bytes> sections_;
+  struct View {
+    const std::uint8_t* data;
+    std::size_t bytes;
+  };
+  std::map<std::string, View> views_;
   std::string source_ = "<checkpoint being written>";
 };
 

@@ -965,11 +965,10 @@ struct Trainer::Impl {
             nlohmann::json{{"next_step", next_step}, {"rank", rank()}, {"world_size", world_size()}}.dump();
         shard.put("shard", meta.data(), meta.size());
         for (const auto& [key, t] : layer_state) {
-          if (is_master_entry(key)) shard.put(key, t.data_ptr(), t.numel() * t.element_size());
+          if (is_master_entry(key)) shard.put_view(key, t.data_ptr(), t.numel() * t.element_size());
         }
         for (std::size_t i : sharded_adam) {
-          shard.put("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg_bytes(i));
-          shard.put("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq_bytes(i));
+          put_moments(shard, i);
         }
         shard.write_atomically(shard_path(next_step));
       } catch (const std::exception& e) {
@@ -1010,6 +1009,14 @@ struct Trainer::Impl {
     }
   }
 
+  // AdamW's moments of parameter `i`, written from the optimizer's own buffers.
+  void put_moments(CheckpointSections& out, std::size_t i) {
+    const std::vector<std::uint8_t>& exp_avg = adam->exp_avg_bytes(i);
+    const std::vector<std::uint8_t>& exp_avg_sq = adam->exp_avg_sq_bytes(i);
+    out.put_view("adam/" + adam->name(i) + "/exp_avg", exp_avg.data(), exp_avg.size());
+    out.put_view("adam/" + adam->name(i) + "/exp_avg_sq", exp_avg_sq.data(), exp_avg_sq.size());
+  }
+
   void write_main_checkpoint(const std::map<std::string, torch::Tensor>& layer_state,
                              const std::set<std::size_t>& sharded_adam) {
     const bool sharded = layer->sharded();
@@ -1039,15 +1046,13 @@ struct Trainer::Impl {
     // The layer's state: the masters (sharded: in the shards), the plugin state, the hints in
     // force, its pass counters.
     for (const auto& [key, t] : layer_state) {
-      if (!sharded || !is_master_entry(key)) out.put(key, t.data_ptr(), t.numel() * t.element_size());
+      if (!sharded || !is_master_entry(key)) out.put_view(key, t.data_ptr(), t.numel() * t.element_size());
     }
     for (const ResidentParam& p : model->resident()) {
-      out.put("resident/" + p.name, p.value.data_ptr(), p.value.numel() * sizeof(float));
+      out.put_view("resident/" + p.name, p.value.data_ptr(), p.value.numel() * sizeof(float));
     }
     for (std::size_t i = 0; i < adam->size(); ++i) {
-      if (sharded_adam.count(i) != 0) continue;
-      out.put("adam/" + adam->name(i) + "/exp_avg", adam->exp_avg_bytes(i));
-      out.put("adam/" + adam->name(i) + "/exp_avg_sq", adam->exp_avg_sq_bytes(i));
+      if (sharded_adam.count(i) == 0) put_moments(out, i);
     }
     out.put("adam/steps", pod_bytes(adam->steps_taken()));
     const torch::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();

@@ -79,6 +79,30 @@ TEST_F(Corpus, RejectsUnusablePathsByName) {
 
 using Checkpoint = ScratchDir;
 
+// A viewed section is written from the caller's bytes; the file is the same as with a copy,
+// and a later put() of the same name replaces the view.
+TEST_F(Checkpoint, ViewedSectionsWriteTheSameFileAsCopiedOnes) {
+  const std::vector<float> weights = {1.5f, -2.0f, 3.25f, 7.0f};
+  CheckpointSections copied, viewed;
+  copied.put("master/w", weights.data(), weights.size() * sizeof(float));
+  copied.put("meta", std::string("{}").data(), 2);
+  viewed.put("meta", std::string("{}").data(), 2);
+  viewed.put_view("master/w", weights.data(), weights.size() * sizeof(float));
+  viewed.put_view("replaced", weights.data(), sizeof(float));
+  viewed.put("replaced", std::string("x").data(), 1);
+  copied.put("replaced", std::string("x").data(), 1);
+  copied.write_atomically(dir_ / "copied.bin");
+  viewed.write_atomically(dir_ / "viewed.bin");
+  std::ifstream a(dir_ / "copied.bin", std::ios::binary), b(dir_ / "viewed.bin", std::ios::binary);
+  const std::string bytes_a((std::istreambuf_iterator<char>(a)), std::istreambuf_iterator<char>());
+  const std::string bytes_b((std::istreambuf_iterator<char>(b)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(bytes_a, bytes_b);
+  std::vector<float> back(4);
+  CheckpointSections::read(dir_ / "viewed.bin").get_into("master/w", back.data(), back.size() * sizeof(float));
+  EXPECT_EQ(back, weights);
+  EXPECT_THROW(viewed.get("master/w"), CheckpointError) << "a view is only written";
+}
+
 TEST_F(Checkpoint, RoundTripsAndRejectsDamage) {
   CheckpointSections out;
   const std::vector<float> weights = {1.5f, -2.0f, 3.25f};
