@@ -318,14 +318,18 @@ struct StreamedModel::Impl {
                                          [&](const StreamedParam& p) { return p.name == wanted; });
       state.moment_sources.push_back(streamed != state.streamed.end() ? streamed->master : *found);
     }
-    state.autograd_inputs = state.trainable_resident;
-    for (const StreamedParam& p : state.streamed) {
-      if (!p.master.requires_grad()) continue;
-      state.autograd_inputs.push_back(p.master);
-      break;
-    }
+    set_autograd_inputs(state);
     state.block = std::move(block);
     blocks.push_back(std::move(state));
+  }
+
+  static void set_autograd_inputs(BlockState& block) {
+    block.autograd_inputs = block.trainable_resident;
+    for (const StreamedParam& p : block.streamed) {
+      if (!p.master.requires_grad()) continue;
+      block.autograd_inputs.push_back(p.master);
+      break;
+    }
   }
 
   void build_engines() {
@@ -389,12 +393,7 @@ struct StreamedModel::Impl {
       block.masters.clear();
       // The owner computes the block's moments; an anchor keeps the block's backward running.
       block.moment_sources.clear();
-      block.autograd_inputs = block.trainable_resident;
-      for (const StreamedParam& p : block.streamed) {
-        if (!p.master.requires_grad()) continue;
-        block.autograd_inputs.push_back(p.master);
-        break;
-      }
+      set_autograd_inputs(block);
     }
   }
 
@@ -515,15 +514,15 @@ struct StreamedModel::Impl {
     // The bridges check every hint before taking any; the plugin's state comes after them, and
     // a plugin that rejects it leaves the previous hints in force.
     const std::vector<sp_hint_v1> previous = applied_hints;
+    // No hints (a state exported before the plugin's first ones): the default routes again.
+    const auto put_hints = [&](const std::vector<sp_hint_v1>& hints) {
+      if (!hints.empty()) return apply_hints(hints);
+      engine->policy_bridge().clear_plugin_hints();
+      eval_engine->policy_bridge().clear_plugin_hints();
+      applied_hints.clear();
+    };
     try {
-      if (restored.empty()) {
-        // A state exported before the plugin's first hints: the default routes again.
-        engine->policy_bridge().clear_plugin_hints();
-        eval_engine->policy_bridge().clear_plugin_hints();
-        applied_hints.clear();
-      } else {
-        apply_hints(restored);
-      }
+      put_hints(restored);
     } catch (const std::invalid_argument& e) {
       throw StateEntryError("policy/hints", e.what());
     }
@@ -535,13 +534,7 @@ struct StreamedModel::Impl {
             std::vector<std::uint8_t>(blob.data_ptr<std::uint8_t>(), blob.data_ptr<std::uint8_t>() + blob.numel()));
       }
     } catch (...) {
-      if (previous.empty()) {
-        engine->policy_bridge().clear_plugin_hints();
-        eval_engine->policy_bridge().clear_plugin_hints();
-        applied_hints.clear();
-      } else {
-        apply_hints(previous);
-      }
+      put_hints(previous);
       throw;
     }
     {

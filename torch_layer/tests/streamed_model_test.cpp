@@ -778,6 +778,28 @@ TEST(StreamedModel, AStateThePluginCannotExportKeepsEverythingElse) {
 
 namespace {
 
+// Runs body(rank, group, store) as ranks 0 and 1 on two threads, over one Gloo group whose
+// store is in memory; what each threw, by rank ("" for nothing).
+using RankBody =
+    std::function<void(int, const c10::intrusive_ptr<c10d::ProcessGroupGloo>&, const c10::intrusive_ptr<c10d::Store>&)>;
+std::vector<std::string> on_two_ranks(const RankBody& body) {
+  const c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> failures(2);
+  const auto rank_main = [&](int rank) {
+    try {
+      auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(30));
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      body(rank, c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options), store);
+    } catch (const std::exception& e) {
+      failures[rank] = e.what();
+    }
+  };
+  std::thread other(rank_main, 1);
+  rank_main(0);
+  other.join();
+  return failures;
+}
+
 // One rank's run: its losses, and the masters it keeps, by "block.parameter".
 struct RankRun {
   std::vector<double> losses;
@@ -788,56 +810,46 @@ struct RankRun {
 // sharded; `check(rank, model)` runs on each rank's model after the steps, on its thread.
 std::vector<RankRun> run_two_ranks(bool shard, int steps,
                                    const std::function<void(int, tl::StreamedModel&)>& check = {}) {
-  const auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::vector<TinyBlock>> blocks{make_blocks(21), make_blocks(21)};
   std::vector<torch::Tensor> inputs{input(22), input(23)};
   std::vector<RankRun> runs(2);
-  std::vector<std::string> failures(2);
-  const auto rank_main = [&](int rank) {
-    try {
-      auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(30));
-      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-      std::vector<tl::Block> list;
-      for (const TinyBlock& b : blocks[rank]) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
-      tl::StreamedModelOptions o;
-      o.plugin_file = SP_PLUGIN_FILE;
-      o.config_yaml = policy_yaml("  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n"
-                                  "  force_nf4_blocks: [2]\n");
-      o.collectives = tl::over_process_group(c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options));
-      o.shard_masters = shard;
-      tl::StreamedModel model(std::move(list), o);
-      std::vector<torch::Tensor> params = model.master_parameters();
-      for (const torch::Tensor& r : model.resident_parameters()) params.push_back(r);
-      torch::optim::SGD optimizer(params, torch::optim::SGDOptions(0.5));
-      for (std::int64_t step = 0; step < steps; ++step) {
-        optimizer.zero_grad();
-        model.begin_step(step);
-        const torch::Tensor loss = model.forward(inputs[rank]).pow(2).mean();
-        loss.backward();
-        const double mean = model.average(loss.item<double>());
-        model.post_backward();
-        optimizer.step();
-        model.end_step(mean);
-        runs[rank].losses.push_back(mean);
-      }
-      // What the evaluation engine delivers: the owners' updated weights on every rank.
-      {
-        torch::NoGradGuard no_grad;
-        runs[rank].losses.push_back(model.forward(inputs[0]).pow(2).mean().item<double>());
-      }
-      for (std::uint32_t b = 0; b < model.num_blocks(); ++b) {
-        for (const auto& [name, master] : model.masters(b)) {
-          runs[rank].masters.emplace(std::to_string(b) + "." + name, master.clone());
-        }
-      }
-      if (check) check(rank, model);
-    } catch (const std::exception& e) {
-      failures[rank] = e.what();
+  const std::vector<std::string> failures = on_two_ranks([&](int rank, const auto& group, const auto&) {
+    std::vector<tl::Block> list;
+    for (const TinyBlock& b : blocks[rank]) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+    tl::StreamedModelOptions o;
+    o.plugin_file = SP_PLUGIN_FILE;
+    o.config_yaml = policy_yaml(
+        "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n"
+        "  force_nf4_blocks: [2]\n");
+    o.collectives = tl::over_process_group(group);
+    o.shard_masters = shard;
+    tl::StreamedModel model(std::move(list), o);
+    std::vector<torch::Tensor> params = model.master_parameters();
+    for (const torch::Tensor& r : model.resident_parameters()) params.push_back(r);
+    torch::optim::SGD optimizer(params, torch::optim::SGDOptions(0.5));
+    for (std::int64_t step = 0; step < steps; ++step) {
+      optimizer.zero_grad();
+      model.begin_step(step);
+      const torch::Tensor loss = model.forward(inputs[rank]).pow(2).mean();
+      loss.backward();
+      const double mean = model.average(loss.item<double>());
+      model.post_backward();
+      optimizer.step();
+      model.end_step(mean);
+      runs[rank].losses.push_back(mean);
     }
-  };
-  std::thread other(rank_main, 1);
-  rank_main(0);
-  other.join();
+    // What the evaluation engine delivers: the owners' updated weights on every rank.
+    {
+      torch::NoGradGuard no_grad;
+      runs[rank].losses.push_back(model.forward(inputs[0]).pow(2).mean().item<double>());
+    }
+    for (std::uint32_t b = 0; b < model.num_blocks(); ++b) {
+      for (const auto& [name, master] : model.masters(b)) {
+        runs[rank].masters.emplace(std::to_string(b) + "." + name, master.clone());
+      }
+    }
+    if (check) check(rank, model);
+  });
   EXPECT_EQ(failures, (std::vector<std::string>{"", ""}));
   return runs;
 }
@@ -904,24 +916,12 @@ TEST(ShardedMasters, ARestoreThatFailsOnOneRankFailsOnEveryRankByName) {
 // as asked) or through broadcasts; a store exchange a rank never joins fails by name when its
 // wait runs out, instead of hanging.
 TEST(Collectives, ExchangeGivesEveryRankEveryRanksPart) {
-  const auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::vector<std::string>> through_store(2), through_broadcasts(2);
-  std::vector<std::string> failures(2);
-  const auto rank_main = [&](int rank) {
-    try {
-      auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(30));
-      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-      const auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options);
-      const std::string mine = rank == 0 ? "rank 0 wrote it" : "";
-      through_store[rank] = tl::over_process_group(group, store)->exchange("test", mine, std::chrono::seconds(30));
-      through_broadcasts[rank] = tl::over_process_group(group)->exchange("test", mine, std::chrono::seconds(30));
-    } catch (const std::exception& e) {
-      failures[rank] = e.what();
-    }
-  };
-  std::thread other(rank_main, 1);
-  rank_main(0);
-  other.join();
+  const std::vector<std::string> failures = on_two_ranks([&](int rank, const auto& group, const auto& store) {
+    const std::string mine = rank == 0 ? "rank 0 wrote it" : "";
+    through_store[rank] = tl::over_process_group(group, store)->exchange("test", mine, std::chrono::seconds(30));
+    through_broadcasts[rank] = tl::over_process_group(group)->exchange("test", mine, std::chrono::seconds(30));
+  });
   ASSERT_EQ(failures, (std::vector<std::string>{"", ""}));
   const std::vector<std::string> expected{"rank 0 wrote it", ""};
   for (int rank : {0, 1}) {

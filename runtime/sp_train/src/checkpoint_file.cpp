@@ -66,6 +66,11 @@ void CheckpointSections::put_view(const std::string& name, const void* data, std
   views_[name] = View{static_cast<const std::uint8_t*>(data), bytes};
 }
 
+void CheckpointSections::merge(CheckpointSections other) {
+  for (auto& [name, payload] : other.sections_) put(name, std::move(payload));
+  for (const auto& [name, view] : other.views_) put_view(name, view.data, view.bytes);
+}
+
 const Bytes& CheckpointSections::get(const std::string& name) const {
   const auto it = sections_.find(name);
   if (it == sections_.end()) {

@@ -36,6 +36,8 @@ class CheckpointSections {
   // Copies a section into `dst`, which must hold exactly its size.
   void get_into(const std::string& name, void* dst, std::size_t bytes) const;
   const std::map<std::string, Bytes>& all() const { return sections_; }
+  // Takes `other`'s sections (moved, not copied), replacing any of the same names.
+  void merge(CheckpointSections other);
 
   // Written through a temporary file and renamed over `file`, section by section (no copy of
   // the whole checkpoint is assembled in memory).

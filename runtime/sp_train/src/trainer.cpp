@@ -7,7 +7,6 @@
 #include <fstream>
 #include <iterator>
 #include <map>
-#include <set>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -936,7 +935,7 @@ struct Trainer::Impl {
   fs::path shard_path(std::int64_t step) const { return run_dir / fmt::format("{}{}.bin", kShardPrefix, step); }
   static constexpr const char* kShardPrefix = "checkpoint.shard-step";
 
-  bool is_master_entry(const std::string& key) const { return key.rfind("master/", 0) == 0; }
+  static bool is_master_entry(const std::string& key) { return key.rfind("master/", 0) == 0; }
 
   // Rank 0 writes the replicated state; a rank's own state is its data position, which is
   // the step and its rank. Sharded, every rank first writes its shard; rank 0 writes the main
@@ -955,9 +954,7 @@ struct Trainer::Impl {
     }
     const std::map<std::string, torch::Tensor> layer_state =
         rank() == 0 || sharded ? layer->export_state() : std::map<std::string, torch::Tensor>{};
-    std::set<std::size_t> sharded_adam;
     if (sharded) {
-      sharded_adam.insert(adam_masters.begin(), adam_masters.end());
       std::string failure;
       try {
         CheckpointSections shard;
@@ -967,9 +964,7 @@ struct Trainer::Impl {
         for (const auto& [key, t] : layer_state) {
           if (is_master_entry(key)) shard.put_view(key, t.data_ptr(), t.numel() * t.element_size());
         }
-        for (std::size_t i : sharded_adam) {
-          put_moments(shard, i);
-        }
+        for (std::size_t i : adam_masters) put_moments(shard, i);
         shard.write_atomically(shard_path(next_step));
       } catch (const std::exception& e) {
         failure = fmt::format("its shard ({})", e.what());
@@ -979,7 +974,7 @@ struct Trainer::Impl {
     std::string failure;
     if (rank() == 0) {
       try {
-        write_main_checkpoint(layer_state, sharded_adam);
+        write_main_checkpoint(layer_state);
       } catch (const std::exception& e) {
         if (!collectives) throw;
         failure = fmt::format("the checkpoint ({})", e.what());
@@ -1017,8 +1012,7 @@ struct Trainer::Impl {
     out.put_view("adam/" + adam->name(i) + "/exp_avg_sq", exp_avg_sq.data(), exp_avg_sq.size());
   }
 
-  void write_main_checkpoint(const std::map<std::string, torch::Tensor>& layer_state,
-                             const std::set<std::size_t>& sharded_adam) {
+  void write_main_checkpoint(const std::map<std::string, torch::Tensor>& layer_state) {
     const bool sharded = layer->sharded();
     CheckpointSections out;
     nlohmann::json meta = {
@@ -1051,8 +1045,11 @@ struct Trainer::Impl {
     for (const ResidentParam& p : model->resident()) {
       out.put_view("resident/" + p.name, p.value.data_ptr(), p.value.numel() * sizeof(float));
     }
-    for (std::size_t i = 0; i < adam->size(); ++i) {
-      if (sharded_adam.count(i) == 0) put_moments(out, i);
+    // Sharded, the masters' moments are in the shards: the resident tensors' only.
+    if (sharded) {
+      for (std::size_t i : adam_resident) put_moments(out, i);
+    } else {
+      for (std::size_t i = 0; i < adam->size(); ++i) put_moments(out, i);
     }
     out.put("adam/steps", pod_bytes(adam->steps_taken()));
     const torch::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
@@ -1189,8 +1186,7 @@ struct Trainer::Impl {
       }
       if (layer->sharded()) {
         merged = main;
-        const CheckpointSections shard = read_shard(next_step);
-        for (const auto& [key, bytes] : shard.all()) merged.put(key, bytes);
+        merged.merge(read_shard(next_step));
         source = &merged;
       }
       const CheckpointSections& in = *source;
