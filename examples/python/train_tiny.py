@@ -5,6 +5,10 @@ the compute device in the precision the policy plugin picks per block (BF16, INT
 
     PYTHONPATH=build/python python3 examples/python/train_tiny.py --steps 40
 
+On two processes, each training on half of every batch (data parallelism over Gloo):
+
+    PYTHONPATH=build/python torchrun --standalone --nproc_per_node 2 examples/python/train_tiny.py
+
 Prints each step's loss and routes, and the bytes the policy saved against BF16 everywhere.
 The lines that concern Selective Precision are marked `# [sp]`.
 """
@@ -14,6 +18,7 @@ import math
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import selective_precision as sp  # [sp]
@@ -70,15 +75,21 @@ def main():
     parser.add_argument("--data", default="/usr/share/common-licenses")
     parser.add_argument("--out", default="train_tiny_run", help="where the plugin writes its telemetry")
     args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    torch.manual_seed(0)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
+    if world > 1:
+        dist.init_process_group("gloo")  # the layer's collectives take CPU tensors
+    rank = dist.get_rank() if world > 1 else 0
+    out = args.out if world == 1 else os.path.join(args.out, "rank%d" % rank)
+    os.makedirs(out, exist_ok=True)
+    torch.manual_seed(0)  # the same model and batches on every rank
     data = corpus(args.data)
     model = TinyGpt()
     policy = (  # [sp] the policy plugin's section: decide early, on a short run
         "selective_precision:\n  mode: dynamic\n  warmup_steps: 4\n  update_interval_steps: 4\n"
         "  history_window: 4\n  min_steps_between_switches: 4\n  int8_threshold: 0.5\n  bf16_threshold: 0.7\n"
     )
-    model.streamed = sp.StreamedBlocks(model.blocks, config=policy, output_dir=args.out)  # [sp]
+    model.streamed = sp.StreamedBlocks(model.blocks, config=policy, output_dir=out,  # [sp]
+                                       process_group=dist.group.WORLD if world > 1 else None)  # [sp]
     optimizer = torch.optim.AdamW(model.streamed.optimizer_parameters(model), lr=3e-3)  # [sp]
     samples = torch.stack([data[i : i + 64] for i in range(0, 64 * 4, 64)])
     model.streamed.calibrate([model.wte(samples) + model.wpe(torch.arange(64))])  # [sp]
@@ -86,7 +97,7 @@ def main():
     moved = all_bf16 = 0
     for step in range(args.steps):
         starts = torch.randint(0, len(data) - 65, (16,))
-        batch = torch.stack([data[s : s + 65] for s in starts])
+        batch = torch.stack([data[s : s + 65] for s in starts]).chunk(world)[rank]  # this rank's rows
         with model.streamed.step(step, optimizer) as s:  # [sp]
             logits = model(batch[:, :-1])
             s.loss = F.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
@@ -94,9 +105,12 @@ def main():
         r = s.report  # [sp]
         moved += r["h2d_bytes_bf16"] + r["h2d_bytes_int8"] + r["h2d_bytes_nf4"]
         all_bf16 += r["h2d_bytes_all_bf16"]
-        print("step %3d  loss %.4f  routes %s" % (step, s.loss.item(), " ".join(model.streamed.routes())))
-    print("moved %.1f MB of %.1f MB as BF16 everywhere: %.1f%% saved"
-          % (moved / 1e6, all_bf16 / 1e6, 100.0 * (all_bf16 - moved) / all_bf16))
+        if rank == 0:  # s.loss_mean: the mean across ranks
+            print("step %3d  loss %.4f  routes %s" % (step, s.loss_mean, " ".join(model.streamed.routes())))
+    if rank == 0:
+        print("moved %.1f MB of %.1f MB as BF16 everywhere: %.1f%% saved%s"
+              % (moved / 1e6, all_bf16 / 1e6, 100.0 * (all_bf16 - moved) / all_bf16,
+                 "" if world == 1 else " (rank 0 of %d)" % world))
     model.streamed.close()  # [sp]
 
 

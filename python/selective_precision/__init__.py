@@ -15,6 +15,11 @@ stock ``torch.optim`` optimizer steps them::
             s.loss.backward()
         print(s.report["h2d_bytes_int8"])
 
+Data parallelism: launch the script with torchrun, call
+``torch.distributed.init_process_group("gloo")``, give each rank its share of the batch and
+pass ``process_group=torch.distributed.group.WORLD``; every rank then takes the same decisions
+(docs/integration.md, "Python").
+
 This is a binding of the C++ LibTorch layer (``sp/torch_layer/streamed_model.h``): the rules,
 errors and state are the same (docs/integration.md, "Python").
 """
@@ -74,6 +79,7 @@ class StepContext:
 
     def __init__(self):
         self.loss = None
+        self.loss_mean = None  # the loss's mean across ranks (the loss itself in one process)
         self.report = None
         self.moments = None
 
@@ -91,6 +97,16 @@ class StreamedBlocks:
     device, compute_dtype: where and in what dtype the blocks compute.
     moments_from: parameter names whose gradients describe a block to the policy (e.g. LoRA
         adapters); default: the streamed ones when they train.
+    process_group: data parallelism over a torch.distributed process group whose collectives
+        take CPU tensors (Gloo); None: one process. Every rank wraps the same blocks and runs
+        the same steps on its own share of the batch. The layer averages the streamed and
+        resident parameters' gradients during the backward and keeps every rank's policy on
+        the same numbers; the host's own parameters (embeddings, head) are averaged by
+        `step()` before the optimizer steps (or by `average_gradients()`), and the step's loss
+        is the mean across ranks.
+    shard_masters: with a process group, block b's fp32 masters and optimizer state live on
+        rank b % world_size alone (ZeRO-1/2 on the host): `master_parameters()` lists this
+        rank's, and the owner sends the others each updated block's transfer image.
     """
 
     def __init__(
@@ -111,6 +127,8 @@ class StreamedBlocks:
         metrics_path="",
         recalibrate_every=0,
         host_bandwidth_cap_gbps=0.0,
+        process_group=None,
+        shard_masters=False,
     ):
         modules = list(blocks)
         if not modules:
@@ -143,8 +161,11 @@ class StreamedBlocks:
             int(nf4_group_size),
             str(metrics_path),
             int(recalibrate_every),
+            process_group,
+            bool(shard_masters),
         )
         self._placeholders = {id(p) for m in modules for n, p in m.named_parameters() if n in self._streamed_names}
+        self._averaged = set()  # ids of the host parameters whose gradients this step averaged
 
     # ---- the model -------------------------------------------------------------------------
 
@@ -163,6 +184,50 @@ class StreamedBlocks:
     def resident_parameters(self):
         return self._model.resident_parameters()
 
+    # ---- data parallelism ------------------------------------------------------------------
+
+    @property
+    def rank(self):
+        return self._model.rank()
+
+    @property
+    def world_size(self):
+        return self._model.world_size()
+
+    @property
+    def sharded(self):
+        """True when each block's masters live on one rank (shard_masters on > 1 rank)."""
+        return self._model.sharded()
+
+    def owner(self, block):
+        """The rank that keeps block `block`'s masters (this rank for every block unsharded)."""
+        return self._model.owner(int(block))
+
+    def average_gradients(self, parameters):
+        """Replaces each parameter's .grad by its mean across ranks, in one all-reduce; for the
+        host's own parameters, after the backward and before clipping by a gradient norm
+        (which then is the same on every rank). Every rank must pass the same parameters in the
+        same order. `step()` averages the rest of its optimizer's parameters itself. A no-op in
+        one process."""
+        parameters = list(parameters)
+        self._model.average_gradients(parameters)
+        self._averaged.update(id(p) for p in parameters)
+
+    def average(self, value):
+        """The mean of a float across ranks; the float itself in one process."""
+        return self._model.average(float(value))
+
+    def _host_parameters(self, optimizer):
+        """The optimizer's parameters that are neither masters nor blocks' resident
+        parameters (the layer averages those), nor averaged already this step."""
+        layer_own = {id(p) for p in self.master_parameters()} | {id(p) for p in self.resident_parameters()}
+        return [
+            p
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if id(p) not in layer_own and id(p) not in self._averaged
+        ]
+
     def optimizer_parameters(self, model):
         """The masters, and every parameter of `model` that is not a streamed placeholder."""
         own = [p for p in model.parameters() if id(p) not in self._placeholders]
@@ -171,6 +236,7 @@ class StreamedBlocks:
     # ---- the step --------------------------------------------------------------------------
 
     def begin_step(self, step):
+        self._averaged.clear()
         self._model.begin_step(int(step))
 
     def post_backward(self):
@@ -182,22 +248,33 @@ class StreamedBlocks:
     @contextlib.contextmanager
     def step(self, step, optimizer=None):
         """begin_step on entry; on a normal exit post_backward, optimizer.step() and
-        optimizer.zero_grad() (when given) and end_step with the loss set on the context."""
+        optimizer.zero_grad() (when given) and end_step with the loss set on the context.
+        With a process group the host parameters' gradients are averaged before
+        optimizer.step() and end_step takes the loss's mean across ranks (also in
+        `context.loss_mean`)."""
         self.begin_step(step)
         context = StepContext()
         try:
             yield context
-        except BaseException:
+        except BaseException as error:
             # The step is dropped (the plugin sees a failed step), so that the next one can
             # begin; the masters' gradients of the dropped step are cleared.
             self._model.abort_step()
             for master in self.master_parameters():
                 master.grad = None
+            # A collective that failed in loss.backward() reaches here as autograd's
+            # RuntimeError: raise it as what it is.
+            failure = self._model.take_collective_failure()
+            if failure is not None and not isinstance(error, CollectiveError):
+                raise CollectiveError(failure) from error
             raise
         if context.loss is None:
             raise ValueError("StreamedBlocks.step(): set .loss on the step context before leaving it")
         loss = context.loss.item() if isinstance(context.loss, torch.Tensor) else float(context.loss)
         context.moments = self.post_backward()
+        if optimizer is not None and self.world_size > 1:
+            self.average_gradients(self._host_parameters(optimizer))
+        loss = context.loss_mean = self.average(loss)
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad()

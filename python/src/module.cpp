@@ -9,12 +9,17 @@
 #include <torch/extension.h>
 
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <type_traits>
+#include <utility>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "sp/host/plugin_library.h"
 #include "sp/torch_layer/collectives.h"
@@ -91,16 +96,97 @@ py::dict errors_dict(const tl::CalibrationErrors& errors) {
   return d;
 }
 
+// The layer's collectives, remembering the first one that failed: autograd hands Python a
+// failure inside loss.backward() as a plain RuntimeError, so the binding tells the package
+// which errors were a collective's (StreamedBlocks.step() raises them as CollectiveError).
+class RecordingCollectives final : public tl::Collectives {
+ public:
+  explicit RecordingCollectives(std::shared_ptr<tl::Collectives> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::unique_ptr<Pending> all_reduce(torch::Tensor tensor, tl::Reduction op, std::string what) override {
+    return recorded([&] { return inner_->all_reduce(std::move(tensor), op, std::move(what)); });
+  }
+  std::unique_ptr<Pending> reduce(torch::Tensor tensor, int root, tl::Reduction op, std::string what) override {
+    return recorded([&] { return inner_->reduce(std::move(tensor), root, op, std::move(what)); });
+  }
+  void broadcast(torch::Tensor tensor, int root, std::string what) override {
+    recorded([&] { inner_->broadcast(std::move(tensor), root, std::move(what)); });
+  }
+  std::vector<std::string> exchange(const std::string& key, const std::string& mine,
+                                    std::chrono::milliseconds timeout) override {
+    return recorded([&] { return inner_->exchange(key, mine, timeout); });
+  }
+  // The first failure since the last call, and forgets it; empty: none.
+  std::string take_failure() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return std::exchange(failure_, {});
+  }
+
+ private:
+  class RecordedPending final : public Pending {
+   public:
+    RecordedPending(std::unique_ptr<Pending> inner, RecordingCollectives& owner)
+        : inner_(std::move(inner)), owner_(owner) {}
+    void wait() override {
+      owner_.recorded([&] { inner_->wait(); });
+    }
+
+   private:
+    std::unique_ptr<Pending> inner_;
+    RecordingCollectives& owner_;  // the model owns both, and waits for its work before it goes
+  };
+
+  template <typename Call>
+  auto recorded(Call&& call) -> decltype(call()) {
+    try {
+      if constexpr (std::is_same_v<decltype(call()), std::unique_ptr<Pending>>) {
+        return std::make_unique<RecordedPending>(call(), *this);
+      } else {
+        return call();
+      }
+    } catch (const tl::CollectiveError& e) {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      if (failure_.empty()) failure_ = e.what();
+      throw;
+    }
+  }
+
+  std::shared_ptr<tl::Collectives> inner_;
+  std::mutex mutex_;
+  std::string failure_;
+};
+
+// torch.distributed's group object, as the C++ group it wraps: pybind11 shares torch's
+// registration of the class (torch/csrc/distributed/c10d/init.cpp) with this module.
+std::shared_ptr<RecordingCollectives> collectives_of(const py::object& process_group) {
+  if (process_group.is_none()) return nullptr;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  try {
+    group = process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+  } catch (const py::cast_error&) {
+    throw py::type_error(fmt::format(
+        "process_group: expected a torch.distributed process group (e.g. torch.distributed.group.WORLD after "
+        "torch.distributed.init_process_group(\"gloo\")), got {}",
+        py::str(py::type::of(process_group)).cast<std::string>()));
+  }
+  if (!group) throw py::type_error("process_group: the process group is None");
+  return std::make_shared<RecordingCollectives>(tl::over_process_group(std::move(group)));
+}
+
 // The layer behind a close(): every call after it is refused by name, not made on freed state.
 class PyStreamedModel {
  public:
   PyStreamedModel(const py::list& modules, const std::vector<std::string>& streamed,
-                  const std::vector<std::string>& moments_from, tl::StreamedModelOptions options) {
+                  const std::vector<std::string>& moments_from, tl::StreamedModelOptions options,
+                  std::shared_ptr<RecordingCollectives> collectives)
+      : collectives_(collectives) {
     if (modules.empty()) throw std::invalid_argument("StreamedModel: the module list is empty");
     std::vector<tl::Block> blocks;
     for (std::size_t b = 0; b < modules.size(); ++b) {
       blocks.push_back(python_block(modules[b], streamed, moments_from, fmt::format("block{}", b)));
     }
+    options.collectives = std::move(collectives);
     model_ = std::make_unique<tl::StreamedModel>(std::move(blocks), std::move(options));
   }
 
@@ -110,8 +196,13 @@ class PyStreamedModel {
   }
   void close() { model_.reset(); }
   bool closed() const { return !model_; }
+  std::optional<std::string> take_collective_failure() {
+    std::string failure = collectives_ ? collectives_->take_failure() : std::string();
+    return failure.empty() ? std::nullopt : std::optional<std::string>(std::move(failure));
+  }
 
  private:
+  std::shared_ptr<RecordingCollectives> collectives_;  // null: one process
   std::unique_ptr<tl::StreamedModel> model_;
 };
 
@@ -131,7 +222,8 @@ PYBIND11_MODULE(_selective_precision, m) {
                        const std::string& config_yaml, const std::string& config_source, const std::string& output_dir,
                        const std::string& device, py::object compute_dtype, double host_bandwidth_cap_gbps,
                        std::uint32_t prefetch_window, std::uint32_t spare_slabs, std::uint32_t int8_group_size,
-                       std::uint32_t nf4_group_size, const std::string& metrics_path, std::uint32_t recalibrate_every) {
+                       std::uint32_t nf4_group_size, const std::string& metrics_path, std::uint32_t recalibrate_every,
+                       const py::object& process_group, bool shard_masters) {
              tl::StreamedModelOptions o;
              o.plugin_file = plugin_file;
              o.config_yaml = config_yaml;
@@ -147,13 +239,15 @@ PYBIND11_MODULE(_selective_precision, m) {
              o.nf4_group_size = nf4_group_size;
              o.metrics_path = metrics_path;
              o.recalibrate_every = recalibrate_every;
-             return std::make_unique<PyStreamedModel>(modules, streamed, moments_from, std::move(o));
+             o.shard_masters = shard_masters;
+             return std::make_unique<PyStreamedModel>(modules, streamed, moments_from, std::move(o),
+                                                      collectives_of(process_group));
            }),
            py::arg("modules"), py::arg("streamed"), py::arg("moments_from"), py::arg("plugin_file"),
            py::arg("config_yaml"), py::arg("config_source"), py::arg("output_dir"), py::arg("device"),
            py::arg("compute_dtype"), py::arg("host_bandwidth_cap_gbps"), py::arg("prefetch_window"),
            py::arg("spare_slabs"), py::arg("int8_group_size"), py::arg("nf4_group_size"), py::arg("metrics_path"),
-           py::arg("recalibrate_every"))
+           py::arg("recalibrate_every"), py::arg("process_group"), py::arg("shard_masters"))
       .def("close", &PyStreamedModel::close)
       .def_property_readonly("closed", &PyStreamedModel::closed)
       .def("num_blocks", [](PyStreamedModel& s) { return s.model().num_blocks(); })
@@ -219,5 +313,15 @@ PYBIND11_MODULE(_selective_precision, m) {
              return out;
            })
       .def("plugin_version", [](PyStreamedModel& s) { return std::string(s.model().policy().plugin_version()); })
-      .def("evaluation_h2d_bytes", [](PyStreamedModel& s) { return s.model().evaluation_h2d_bytes(); });
+      .def("evaluation_h2d_bytes", [](PyStreamedModel& s) { return s.model().evaluation_h2d_bytes(); })
+      .def("rank", [](PyStreamedModel& s) { return s.model().rank(); })
+      .def("world_size", [](PyStreamedModel& s) { return s.model().world_size(); })
+      .def("sharded", [](PyStreamedModel& s) { return s.model().sharded(); })
+      .def("owner", [](PyStreamedModel& s, std::uint32_t block) { return s.model().owner(block); })
+      .def("average_gradients",
+           [](PyStreamedModel& s, const std::vector<torch::Tensor>& parameters) {
+             s.model().average_gradients(parameters);
+           })
+      .def("average", [](PyStreamedModel& s, double value) { return s.model().average(value); })
+      .def("take_collective_failure", &PyStreamedModel::take_collective_failure);
 }

@@ -1,0 +1,94 @@
+"""One rank of the data-parallel tests (test_data_parallel.py), run as its own process:
+
+    data_parallel_worker.py RANK WORLD_SIZE INIT_FILE MODE GLOBAL_BATCH STEPS OUT_JSON [DIE_AT_STEP]
+
+MODE: none (one process, no group), replicated or sharded. Every rank draws the same global
+batch each step and trains on its own contiguous share of the rows. Writes each step's mean
+loss and routes, and the head's final weights, to OUT_JSON. DIE_AT_STEP: this rank leaves the
+process in that step's backward, as a killed rank would.
+"""
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import selective_precision as sp
+
+DIM, HIDDEN, BLOCKS = 32, 64, 4
+POLICY = (
+    "selective_precision:\n  telemetry_enabled: false\n  mode: dynamic\n  warmup_steps: 2\n"
+    "  update_interval_steps: 2\n  history_window: 2\n  min_steps_between_switches: 2\n"
+    "  int8_threshold: 0.5\n  bf16_threshold: 0.7\n  quant_error_threshold: 1.0\n"
+)
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.fc1 = torch.nn.Linear(DIM, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class Model(torch.nn.Module):
+    """Blocks between two host parameters of its own, which the host's step must average."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(DIM, DIM)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = torch.nn.Linear(DIM, DIM)
+        self.streamed = None
+
+    def forward(self, x):
+        return self.head(self.streamed(self.inp(x)))
+
+
+def main():
+    rank, world, init_file, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    global_batch, steps, out = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
+    die_at = int(sys.argv[8]) if len(sys.argv) > 8 else -1
+    torch.set_num_threads(1)
+    group = None
+    if mode != "none":
+        dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=20))
+        group = dist.group.WORLD
+    torch.manual_seed(11)
+    model = Model()
+    model.streamed = sp.StreamedBlocks(model.blocks, streamed=["fc1.weight", "fc2.weight"], config=POLICY,
+                                       process_group=group, shard_masters=mode == "sharded")
+    optimizer = torch.optim.AdamW(model.streamed.optimizer_parameters(model), lr=1e-2)
+    share = global_batch // world
+    record = {"losses": [], "routes": [], "masters": len(model.streamed.master_parameters()),
+              "owners": [model.streamed.owner(b) for b in range(BLOCKS)]}
+    try:
+        for step in range(steps):
+            generator = torch.Generator().manual_seed(100 + step)
+            x = torch.randn(global_batch, 8, DIM, generator=generator)
+            target = torch.randn(global_batch, 8, DIM, generator=generator)
+            rows = slice(rank * share, (rank + 1) * share)
+            with model.streamed.step(step, optimizer) as s:
+                s.loss = torch.nn.functional.mse_loss(model(x[rows]), target[rows])
+                if step == die_at:
+                    os._exit(3)
+                s.loss.backward()
+            record["losses"].append(s.loss_mean)
+            record["routes"].append(s.report["routes"])
+    except sp.CollectiveError as e:
+        record["error"] = str(e)
+    record["head"] = model.head.weight.detach().flatten().tolist()
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    model.streamed.close()
+
+
+if __name__ == "__main__":
+    main()
