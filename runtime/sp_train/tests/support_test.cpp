@@ -134,6 +134,44 @@ TEST_F(Checkpoint, RoundTripsAndRejectsDamage) {
   }
 }
 
+// A read validates the file and then reads each section from it when asked, through the
+// descriptor it opened: the next checkpoint renamed over the path changes nothing of what it
+// reads, and a file cut short under it afterwards is named, not read past.
+TEST_F(Checkpoint, SectionsAreReadFromTheValidatedFileWhenAskedFor) {
+  std::vector<float> weights(3000);
+  for (std::size_t i = 0; i < weights.size(); ++i) weights[i] = static_cast<float>(i) * 0.5f;
+  CheckpointSections out;
+  out.put("master/w", weights.data(), weights.size() * sizeof(float));
+  out.put("meta", std::string("{}").data(), 2);
+  const fs::path file = dir_ / "ckpt.bin";
+  out.write_atomically(file);
+  const CheckpointSections in = CheckpointSections::read(file);
+  EXPECT_EQ(in.names(), (std::vector<std::string>{"master/w", "meta"}));
+
+  CheckpointSections next;
+  next.put("master/w", std::string("other").data(), 5);
+  next.write_atomically(file);  // renamed over the path, as the next checkpoint is
+  std::vector<float> back(weights.size());
+  in.get_into("master/w", back.data(), back.size() * sizeof(float));
+  EXPECT_EQ(back, weights);
+  // A copy of the read sections writes the first file again, section by section.
+  in.write_atomically(dir_ / "copy.bin");
+  std::vector<float> copied(weights.size());
+  CheckpointSections::read(dir_ / "copy.bin").get_into("master/w", copied.data(), copied.size() * sizeof(float));
+  EXPECT_EQ(copied, weights);
+
+  const CheckpointSections cut = CheckpointSections::read(dir_ / "copy.bin");
+  fs::resize_file(dir_ / "copy.bin", 100);
+  try {
+    cut.get_into("master/w", back.data(), back.size() * sizeof(float));
+    FAIL() << "read past the end of a file cut short";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("copy.bin: section 'master/w' (12000 bytes at offset"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(cut.get("meta"), CheckpointError) << "it lies after the cut too";
+}
+
 // Damage behind a valid checksum, as a writer with a bug would leave it: the reader still
 // names it, and allocates nothing the file cannot back.
 TEST_F(Checkpoint, SealedStructuralDamageIsNamed) {
