@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The checks a lent GPU machine is for (../shared/gpu/README.md), in two calls that each fit the
+# device tool's 10 minutes:
+#
+#   source .deps/device-env.sh && bash scripts/gpu-check.sh suite   # build, whole suite, GPU required
+#   source .deps/device-env.sh && bash scripts/gpu-check.sh bench   # every benchmark (after suite)
+#
+# Builds once into build-gpu/ (kept on the machine between calls), Hopper only. Writes the logs
+# and the benchmarks' JSON under $OUT (the device tool's folder that comes back; default
+# gpu-out/), each JSON with the commit; copy the JSON to bench/results/ and commit it. A step
+# that fails is logged and the next one still runs; the exit status counts the failures.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${OUT:-$PWD/gpu-out}
+build=build-gpu
+jobs=$(nproc 2>/dev/null || echo 8)
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+mkdir -p "$out"
+failures=0
+
+step() {  # step NAME COMMAND...: runs it, its output to $out/NAME.log, and says how it ended
+  local name=$1
+  shift
+  local start=$SECONDS
+  "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  printf '%-28s rc %-3d %4ds\n' "$name" "$rc" $((SECONDS - start)) | tee -a "$out/steps.txt"
+  if [[ $rc != 0 ]]; then
+    failures=$((failures + 1))
+    tail -n 40 "$out/$name.log"
+  fi
+  return $rc
+}
+
+case ${1:-} in
+  suite)
+    {
+      nvidia-smi || true
+      git log -1 --format='commit %H %s'
+    } >"$out/machine.txt" 2>&1
+    step configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DSP_ENABLE_CUDA=ON || exit 1
+    step build cmake --build "$build" -j "$jobs" || exit 1
+    # The suite with GPU tests required: a skip for want of a device fails.
+    SP_REQUIRE_GPU=1 step ctest ctest --test-dir "$build" --output-on-failure -j "$jobs" \
+      --output-junit "$out/ctest-junit.xml"
+    grep -E "tests passed|tests failed|Failed|\*\*\*" "$out/ctest.log" | tail -n 40
+    ;;
+  bench)
+    [[ -x $build/bin/sp-bench-kernels-gpu ]] || { echo "build-gpu/ is not built: run 'suite' first" >&2; exit 1; }
+    step kernels-gpu "$build/bin/sp-bench-kernels-gpu" --commit "$commit" --output "$out/kernels-gpu.json"
+    step adapters-gpu "$build/bin/sp-bench-adapters" --backend cuda --commit "$commit" --out "$out/adapters-gpu.json"
+    step transfer-report "$build/bin/sp-bench" transfer --backend cuda --gpt-d-model 4096 8192 \
+      --out "$out/transfer-report-gpu.json"
+    step transfer-policy "$build/bin/sp-bench" merge-policy --reports "$out/transfer-report-gpu.json" \
+      --output "$out/transfer-policy-gpu.json"
+    # The host-side benchmarks again, on this machine's CPU (its figures are the GPU host's).
+    step optimizer "$build/bin/sp-bench-optimizer" --commit "$commit" --output "$out/optimizer-gpu-host.json"
+    step plugin "$build/bin/sp-bench-plugin" --commit "$commit" --out "$out/plugin-gpu-host.json"
+    # The trainer on the device: the default job, BF16-only against the default policy and v2.
+    source runtime/sp_train/tools/policies.sh
+    for policy in bf16-only dynamic dynamic-v2; do
+      # shellcheck disable=SC2046
+      step "train-cuda-$policy" "$build/bin/sp-train" --config configs/default.yaml --set train.device=cuda \
+        --set train.resume=never --out "$out/train-cuda-$policy" $(policy_args "$policy") &&
+        cp "$out/train-cuda-$policy/summary.json" "$out/train-cuda-$policy.json"
+    done
+    ;;
+  *)
+    echo "usage: bash scripts/gpu-check.sh suite|bench   (after: source .deps/device-env.sh)" >&2
+    exit 2
+    ;;
+esac
+echo "$failures step(s) failed; logs and JSON in $out"
+exit $((failures > 0))
