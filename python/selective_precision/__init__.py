@@ -237,6 +237,7 @@ class StreamedBlocks:
 
     def begin_step(self, step):
         self._averaged.clear()
+        self._model.take_collective_failure()  # one of an earlier step is that step's
         self._model.begin_step(int(step))
 
     def post_backward(self):

@@ -6,20 +6,19 @@
 // runs a block's backward (which recomputes its forward) with the GIL released, on its own
 // thread or the caller's, so each call takes the GIL itself. The Python modules are held by
 // pointers whose last release takes the GIL too.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/extension.h>
 
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <type_traits>
-#include <utility>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
-
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "sp/host/plugin_library.h"
 #include "sp/torch_layer/collectives.h"
