@@ -74,6 +74,8 @@ def main():
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--data", default="/usr/share/common-licenses")
     parser.add_argument("--out", default="train_tiny_run", help="where the plugin writes its telemetry")
+    parser.add_argument("--shard-masters", action="store_true",
+                        help="under torchrun: each block's fp32 masters and AdamW state on one rank only")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
     if world > 1:
@@ -89,7 +91,8 @@ def main():
         "  history_window: 4\n  min_steps_between_switches: 4\n  int8_threshold: 0.5\n  bf16_threshold: 0.7\n"
     )
     model.streamed = sp.StreamedBlocks(model.blocks, config=policy, output_dir=out,  # [sp]
-                                       process_group=dist.group.WORLD if world > 1 else None)  # [sp]
+                                       process_group=dist.group.WORLD if world > 1 else None,  # [sp]
+                                       shard_masters=args.shard_masters)  # [sp]
     optimizer = torch.optim.AdamW(model.streamed.optimizer_parameters(model), lr=3e-3)  # [sp]
     samples = torch.stack([data[i : i + 64] for i in range(0, 64 * 4, 64)])
     model.streamed.calibrate([model.wte(samples) + model.wpe(torch.arange(64))])  # [sp]
