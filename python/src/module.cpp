@@ -215,6 +215,10 @@ PYBIND11_MODULE(_selective_precision, m) {
   py::register_exception<tl::CollectiveError>(m, "CollectiveError", PyExc_RuntimeError);
   py::register_exception<tl::RankMismatchError>(m, "RankMismatchError", PyExc_RuntimeError);
 
+  // The calls that stream, compute or wait on other ranks run without the GIL, so that the
+  // script's other threads (a DataLoader's pin-memory thread) go on meanwhile; the blocks'
+  // Python forwards take it back (python_block). Their results become Python objects after.
+  const py::call_guard<py::gil_scoped_release> no_gil;
   py::class_<PyStreamedModel>(m, "_StreamedModel")
       .def(py::init([](const py::list& modules, const std::vector<std::string>& streamed,
                        const std::vector<std::string>& moments_from, const std::string& plugin_file,
@@ -250,15 +254,20 @@ PYBIND11_MODULE(_selective_precision, m) {
       .def("close", &PyStreamedModel::close)
       .def_property_readonly("closed", &PyStreamedModel::closed)
       .def("num_blocks", [](PyStreamedModel& s) { return s.model().num_blocks(); })
-      .def("forward", [](PyStreamedModel& s, const torch::Tensor& x) { return s.model().forward(x); })
+      .def("forward", [](PyStreamedModel& s, const torch::Tensor& x) { return s.model().forward(x); }, no_gil)
       .def("master_parameters", [](PyStreamedModel& s) { return s.model().master_parameters(); })
       .def("masters", [](PyStreamedModel& s, std::uint32_t block) { return s.model().masters(block); })
       .def("resident_parameters", [](PyStreamedModel& s) { return s.model().resident_parameters(); })
-      .def("begin_step", [](PyStreamedModel& s, std::int64_t step) { s.model().begin_step(step); })
+      .def("begin_step", [](PyStreamedModel& s, std::int64_t step) { s.model().begin_step(step); }, no_gil)
       .def("post_backward",
            [](PyStreamedModel& s) {
+             const std::vector<sp_grad_moments_v1>* moments = nullptr;
+             {
+               py::gil_scoped_release no_gil_here;
+               moments = &s.model().post_backward();
+             }
              py::list out;
-             for (const sp_grad_moments_v1& g : s.model().post_backward()) {
+             for (const sp_grad_moments_v1& g : *moments) {
                py::dict d;
                d["sum_sq"] = g.sum_sq;
                d["sum"] = g.sum;
@@ -271,7 +280,10 @@ PYBIND11_MODULE(_selective_precision, m) {
            })
       .def("end_step",
            [](PyStreamedModel& s, double loss) {
-             const tl::StepReport r = s.model().end_step(loss);
+             const tl::StepReport r = [&] {
+               py::gil_scoped_release no_gil_here;
+               return s.model().end_step(loss);
+             }();
              py::dict d;
              d["step"] = r.step;
              d["h2d_bytes_bf16"] = r.h2d_bytes_bf16;
@@ -287,11 +299,15 @@ PYBIND11_MODULE(_selective_precision, m) {
              d["calibration"] = r.calibration ? py::object(errors_dict(*r.calibration)) : py::none();
              return d;
            })
-      .def("refresh_images", [](PyStreamedModel& s) { s.model().refresh_images(); })
-      .def("abort_step", [](PyStreamedModel& s) { s.model().abort_step(); })
+      .def("refresh_images", [](PyStreamedModel& s) { s.model().refresh_images(); }, no_gil)
+      .def("abort_step", [](PyStreamedModel& s) { s.model().abort_step(); }, no_gil)
       .def("calibrate",
            [](PyStreamedModel& s, const std::vector<torch::Tensor>& samples) {
-             return errors_dict(s.model().calibrate(samples));
+             const tl::CalibrationErrors errors = [&] {
+               py::gil_scoped_release no_gil_here;
+               return s.model().calibrate(samples);
+             }();
+             return errors_dict(errors);
            })
       .def("poll_plugin",
            [](PyStreamedModel& s, bool force) -> py::object {
@@ -299,8 +315,10 @@ PYBIND11_MODULE(_selective_precision, m) {
              return r ? py::object(swap_dict(*r)) : py::none();
            })
       .def("export_state", [](PyStreamedModel& s) { return s.model().export_state(); })
-      .def("restore_state", [](PyStreamedModel& s,
-                               const std::map<std::string, torch::Tensor>& state) { s.model().restore_state(state); })
+      .def(
+          "restore_state",
+          [](PyStreamedModel& s, const std::map<std::string, torch::Tensor>& state) { s.model().restore_state(state); },
+          no_gil)
       .def("image_bytes",
            [](PyStreamedModel& s, std::uint32_t block, const std::string& precision) {
              return s.model().image_bytes(block, precision_of(precision));
@@ -320,7 +338,8 @@ PYBIND11_MODULE(_selective_precision, m) {
       .def("average_gradients",
            [](PyStreamedModel& s, const std::vector<torch::Tensor>& parameters) {
              s.model().average_gradients(parameters);
-           })
-      .def("average", [](PyStreamedModel& s, double value) { return s.model().average(value); })
+           },
+           no_gil)
+      .def("average", [](PyStreamedModel& s, double value) { return s.model().average(value); }, no_gil)
       .def("take_collective_failure", &PyStreamedModel::take_collective_failure);
 }

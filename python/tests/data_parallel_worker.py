@@ -1,17 +1,22 @@
 """One rank of the data-parallel tests (test_data_parallel.py), run as its own process:
 
-    data_parallel_worker.py RANK WORLD_SIZE INIT_FILE MODE GLOBAL_BATCH STEPS OUT_JSON [DIE_AT_STEP]
+    data_parallel_worker.py RANK WORLD_SIZE INIT_FILE MODE GLOBAL_BATCH STEPS OUT_JSON [DIE_AT_STEP | gil]
 
 MODE: none (one process, no group), replicated or sharded. Every rank draws the same global
 batch each step and trains on its own contiguous share of the rows. Writes each step's mean
 loss and routes, and the head's final weights, to OUT_JSON. DIE_AT_STEP: this rank leaves the
-process in that step's backward, as a killed rank would.
+process in that step's backward, as a killed rank would. gil: in the last step, rank 1 enters
+post_backward (a collective) only once a thread of rank 0 ran while rank 0's main thread was
+inside its own post_backward, which needs the binding to release the GIL there (rank 0 switches
+threads only where the GIL is released); it gives up after 20 s and records that.
 """
 
 import datetime
 import json
 import os
 import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -54,7 +59,20 @@ class Model(torch.nn.Module):
 def main():
     rank, world, init_file, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     global_batch, steps, out = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
-    die_at = int(sys.argv[8]) if len(sys.argv) > 8 else -1
+    extra = sys.argv[8] if len(sys.argv) > 8 else ""
+    die_at = int(extra) if extra.isdigit() else -1
+    go_file = init_file + ".go"
+    inside = threading.Event()
+    if extra == "gil" and rank == 0:
+        sys.setswitchinterval(100.0)  # the main thread yields the GIL only where it releases it
+
+        def signal_when_inside():
+            while not inside.is_set():
+                time.sleep(0.001)
+            with open(go_file, "w", encoding="utf-8"):
+                pass
+
+        threading.Thread(target=signal_when_inside, daemon=True).start()
     torch.set_num_threads(1)
     group = None
     if mode != "none":
@@ -80,6 +98,17 @@ def main():
                 if step == die_at:
                     os._exit(3)
                 s.loss.backward()
+                if extra == "gil" and step == steps - 1:
+                    # torch's own calls release the GIL (loss.item() in step()): none may come
+                    # between the signal and post_backward.
+                    s.loss = s.loss.item()
+                    if rank == 0:
+                        inside.set()  # checked by the thread only once this one releases the GIL
+                    else:
+                        deadline = time.monotonic() + 20
+                        while not os.path.exists(go_file) and time.monotonic() < deadline:
+                            time.sleep(0.01)
+                        record["rank0_thread_ran_during_post_backward"] = os.path.exists(go_file)
             record["losses"].append(s.loss_mean)
             record["routes"].append(s.report["routes"])
     except sp.CollectiveError as e:

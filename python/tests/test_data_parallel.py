@@ -16,15 +16,16 @@ WORKER = os.path.join(os.path.dirname(__file__), "data_parallel_worker.py")
 STEPS = 10
 
 
-def run_ranks(tmp_path, mode, world, global_batch=8, die_at=None):
-    """Starts `world` ranks at once and returns each one's record."""
+def run_ranks(tmp_path, mode, world, global_batch=8, extras=None):
+    """Starts `world` ranks at once and returns each one's record; extras[rank]: the worker's
+    last argument for that rank."""
     init = tmp_path / ("rendezvous-%s-%d" % (mode, world))
     procs, outs = [], []
     for rank in range(world):
         out = tmp_path / ("%s-%d-of-%d.json" % (mode, rank, world))
         args = [sys.executable, WORKER, str(rank), str(world), str(init), mode, str(global_batch), str(STEPS), str(out)]
-        if die_at is not None and rank == 1:
-            args.append(str(die_at))
+        if extras and rank in extras:
+            args.append(str(extras[rank]))
         procs.append(subprocess.Popen(args))
         outs.append(out)
     codes = [p.wait(timeout=120) for p in procs]
@@ -61,12 +62,18 @@ def test_sharded_masters_train_exactly_as_replicated_ones(tmp_path):
 
 def test_a_rank_that_dies_mid_step_stops_the_other_with_a_named_error(tmp_path):
     start = time.monotonic()
-    codes, (survivor, _) = run_ranks(tmp_path, "replicated", 2, die_at=3)
+    codes, (survivor, _) = run_ranks(tmp_path, "replicated", 2, extras={1: 3})
     assert codes[1] == 3
     assert codes[0] == 0 and "error" in survivor, "the surviving rank did not see the collective fail"
     assert "rank 0 of 2" in survivor["error"]
     assert len(survivor["losses"]) == 3
     assert time.monotonic() - start < 60
+
+
+def test_the_binding_lets_other_python_threads_run_while_it_waits_on_the_other_ranks(tmp_path):
+    codes, (_, waiting) = run_ranks(tmp_path, "replicated", 2, extras={0: "gil", 1: "gil"})
+    assert codes == [0, 0]
+    assert waiting["rank0_thread_ran_during_post_backward"], "rank 0 held the GIL inside post_backward"
 
 
 def test_a_process_group_that_is_not_one_is_refused_by_name():
