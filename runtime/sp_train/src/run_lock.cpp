@@ -4,9 +4,11 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -59,18 +61,26 @@ RunDirectoryLock::~RunDirectoryLock() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-std::vector<fs::path> remove_stale_temporaries(const fs::path& run_dir, const std::vector<std::string>& names) {
+std::vector<fs::path> remove_stale_temporaries(const fs::path& run_dir, const std::vector<std::string>& names,
+                                               const std::vector<std::string>& name_prefixes) {
+  constexpr std::string_view kTemporary = ".tmp-";
+  constexpr std::size_t kSuffix = 6;  // mkstemp's XXXXXX
+  // ".<target>.tmp-XXXXXX": the target's name, or "" when it is not a temporary.
+  const auto target_of = [&](const std::string& file) -> std::string {
+    if (file.size() < 1 + kTemporary.size() + kSuffix || file[0] != '.') return {};
+    const std::size_t marker = file.size() - kSuffix - kTemporary.size();
+    if (file.compare(marker, kTemporary.size(), kTemporary) != 0) return {};
+    return file.substr(1, marker - 1);
+  };
   std::vector<fs::path> removed;
   std::error_code error;
   for (const fs::directory_entry& entry : fs::directory_iterator(run_dir, error)) {
-    const std::string file = entry.path().filename().string();
-    for (const std::string& name : names) {
-      const std::string prefix = "." + name + ".tmp-";
-      if (file.size() == prefix.size() + 6 && file.compare(0, prefix.size(), prefix) == 0 &&
-          entry.is_regular_file(error)) {
-        if (fs::remove(entry.path(), error)) removed.push_back(entry.path());
-      }
-    }
+    const std::string target = target_of(entry.path().filename().string());
+    if (target.empty() || !entry.is_regular_file(error)) continue;
+    const bool ours = std::find(names.begin(), names.end(), target) != names.end() ||
+                      std::any_of(name_prefixes.begin(), name_prefixes.end(),
+                                  [&](const std::string& prefix) { return target.rfind(prefix, 0) == 0; });
+    if (ours && fs::remove(entry.path(), error)) removed.push_back(entry.path());
   }
   return removed;
 }

@@ -23,9 +23,12 @@ class RunDirectoryLock {
 };
 
 // Removes the temporary files that killed atomic writes of `names` left in `run_dir`
-// (".<name>.tmp-XXXXXX", sp/runtime/atomic_file.h). Only under the lock: a live writer's
-// temporary file would otherwise go too. Returns what it removed.
+// (".<name>.tmp-XXXXXX", sp/runtime/atomic_file.h), and of every file whose name begins with
+// one of `name_prefixes` (a family such as the checkpoint shards, one file per step). Only
+// under the lock: a live writer's temporary file would otherwise go too. Returns what it
+// removed.
 std::vector<std::filesystem::path> remove_stale_temporaries(const std::filesystem::path& run_dir,
-                                                            const std::vector<std::string>& names);
+                                                            const std::vector<std::string>& names,
+                                                            const std::vector<std::string>& name_prefixes = {});
 
 }  // namespace sp::train

@@ -209,7 +209,7 @@ struct Trainer::Impl {
     prepare_run_directory();
     run_lock = std::make_unique<RunDirectoryLock>(run_dir);
     for (const fs::path& stale :
-         remove_stale_temporaries(run_dir, {kRunCheckpointFile, kRunSummaryFile, kRunConfigFile}))
+         remove_stale_temporaries(run_dir, {kRunCheckpointFile, kRunSummaryFile, kRunConfigFile}, {kShardPrefix}))
       log->info("removed {}, left by a write that was killed", stale.string());
     // Before the plugin is loaded: its create() is the first call that can crash the run.
     previous_crash = take_crash_marker(run_dir / kCrashMarkerFile);
@@ -1060,17 +1060,15 @@ struct Trainer::Impl {
   // This rank's shards of checkpoints other than `keep`'s, and temporaries a killed write left.
   void remove_other_shards(std::int64_t keep) {
     const std::string current = shard_path(keep).filename().string();
-    const std::string temporary = std::string(".") + kShardPrefix;
     std::error_code ec;
     for (const fs::directory_entry& entry : fs::directory_iterator(run_dir, ec)) {
       const std::string name = entry.path().filename().string();
-      const bool old_shard = name.rfind(kShardPrefix, 0) == 0 && name != current;
-      const bool left_over = name.rfind(temporary, 0) == 0 && name.find(".tmp-") != std::string::npos;
-      if (!old_shard && !left_over) continue;
+      if (name.rfind(kShardPrefix, 0) != 0 || name == current) continue;
       std::error_code removed;
       fs::remove(entry.path(), removed);
       if (removed) log->warn("checkpoint: could not remove {}: {}", entry.path().string(), removed.message());
     }
+    remove_stale_temporaries(run_dir, {}, {kShardPrefix});
   }
 
   // Sharded: this rank's shard of the checkpoint at `step`, its sections checked against it.

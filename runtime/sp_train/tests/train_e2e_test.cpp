@@ -431,11 +431,14 @@ TEST_F(TrainE2E, StaleTemporariesOfKilledWritesAreRemovedAtStart) {
   const fs::path run = dir_ / "stale";
   fs::create_directories(run);
   const fs::path stale = run / ".checkpoint.bin.tmp-Ab12Cd";
+  const fs::path stale_shard = run / ".checkpoint.shard-step40.bin.tmp-Zz99Yy";  // a sharded rank's
   const fs::path unrelated = run / ".notes.tmp-Ab12Cd";
   testing::write_text(stale, "half a checkpoint");
+  testing::write_text(stale_shard, "half a shard");
   testing::write_text(unrelated, "not ours");
   train("stale", {{"train.steps", "1"}});
   EXPECT_FALSE(fs::exists(stale));
+  EXPECT_FALSE(fs::exists(stale_shard));
   EXPECT_TRUE(fs::exists(unrelated));
 }
 
