@@ -98,7 +98,8 @@ py::dict errors_dict(const tl::CalibrationErrors& errors) {
 // The layer's collectives, remembering the first one that failed: autograd hands Python a
 // failure inside loss.backward() as a plain RuntimeError, so the binding tells the package
 // which errors were a collective's (StreamedBlocks.step() raises them as CollectiveError).
-class RecordingCollectives final : public tl::Collectives {
+class RecordingCollectives final : public tl::Collectives,
+                                   public std::enable_shared_from_this<RecordingCollectives> {
  public:
   explicit RecordingCollectives(std::shared_ptr<tl::Collectives> inner) : inner_(std::move(inner)) {}
   int rank() const override { return inner_->rank(); }
@@ -125,22 +126,22 @@ class RecordingCollectives final : public tl::Collectives {
  private:
   class RecordedPending final : public Pending {
    public:
-    RecordedPending(std::unique_ptr<Pending> inner, RecordingCollectives& owner)
-        : inner_(std::move(inner)), owner_(owner) {}
+    RecordedPending(std::unique_ptr<Pending> inner, std::shared_ptr<RecordingCollectives> owner)
+        : inner_(std::move(inner)), owner_(std::move(owner)) {}
     void wait() override {
-      owner_.recorded([&] { inner_->wait(); });
+      owner_->recorded([&] { inner_->wait(); });
     }
 
    private:
     std::unique_ptr<Pending> inner_;
-    RecordingCollectives& owner_;  // the model owns both, and waits for its work before it goes
+    std::shared_ptr<RecordingCollectives> owner_;  // the record outlives what waits on it
   };
 
   template <typename Call>
   auto recorded(Call&& call) -> decltype(call()) {
     try {
       if constexpr (std::is_same_v<decltype(call()), std::unique_ptr<Pending>>) {
-        return std::make_unique<RecordedPending>(call(), *this);
+        return std::make_unique<RecordedPending>(call(), shared_from_this());
       } else {
         return call();
       }
