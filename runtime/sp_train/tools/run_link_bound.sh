@@ -25,12 +25,10 @@ if [[ ${3:-} != --analyze-only ]]; then
   done
 fi
 
-/usr/bin/python3 - "$work" "$repo/bench/results/train-link-bound.json" "$common" <<'PY'
+PYTHONPATH="$repo/runtime/sp_train/tools" /usr/bin/python3 - "$work" "$repo/bench/results/train-link-bound.json" "$common" <<'PY'
 import json, os, sys
+from run_records import jsonl, write_json
 work, out, common = sys.argv[1], sys.argv[2], " ".join(sys.argv[3].split())
-def jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 runs = {}
 for policy in ("bf16-only", "dynamic", "dynamic-v2"):
     d = os.path.join(work, f"link-{policy}")
@@ -57,11 +55,7 @@ base = runs["bf16-only"]
 for policy in ("dynamic", "dynamic-v2"):
     doc[f"{policy}_step_time_vs_bf16_only"] = runs[policy]["mean_step_seconds"] / base["mean_step_seconds"] - 1
     doc[f"{policy}_bytes_vs_bf16_only"] = runs[policy]["mean_h2d_bytes_per_step"] / base["mean_h2d_bytes_per_step"] - 1
-tmp = out + ".tmp"
-with open(tmp, "w") as f:
-    json.dump(doc, f, indent=2)
-    f.write("\n")
-os.replace(tmp, out)
+write_json(out, doc)
 print(json.dumps({k: {m: v for m, v in r.items() if m != "summary"} for k, r in runs.items()}, indent=2))
 print("dynamic step time vs bf16-only:", doc["dynamic_step_time_vs_bf16_only"])
 PY

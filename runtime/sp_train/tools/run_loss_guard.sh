@@ -66,12 +66,10 @@ for g in on off; do
     --out "$out")
 done
 
-/usr/bin/python3 - "$work" "$case_name" "$repo/bench/results/train-loss-guard-$case_name.json" "$common" "$repo" <<'PY'
+PYTHONPATH="$repo/runtime/sp_train/tools" /usr/bin/python3 - "$work" "$case_name" "$repo/bench/results/train-loss-guard-$case_name.json" "$common" "$repo" <<'PY'
 import json, os, sys
+from run_records import jsonl, write_json
 work, case, out, common, repo = sys.argv[1], sys.argv[2], sys.argv[3], " ".join(sys.argv[4].split()), sys.argv[5]
-def jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 runs = {}
 for guard in ("on", "off"):
     d = os.path.join(work, f"loss-guard-{case}-{guard}")
@@ -95,11 +93,7 @@ doc = {"case": case,
        "command": f"build/bin/sp-train {common} --set memory.stagehand.selective_precision.loss_guard.enabled="
                   "true|false --out <dir>".replace(repo + "/", ""),
        "runs": runs}
-tmp = out + ".tmp"
-with open(tmp, "w") as f:
-    json.dump(doc, f, indent=2)
-    f.write("\n")
-os.replace(tmp, out)
+write_json(out, doc)
 for guard, r in runs.items():
     print(guard, "final val", r["summary"]["final_val_loss"], "spikes", r["spikes"][:4],
           "moves", [m for m in r["moves"] if m["step"] > 0][:14])

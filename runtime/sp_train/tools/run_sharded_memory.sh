@@ -31,12 +31,10 @@ if [[ ${3:-} != --analyze-only ]]; then
   done
 fi
 
-/usr/bin/python3 - "$work" "$repo/bench/results/train-data-parallel-sharded.json" "$common" <<'PY'
+PYTHONPATH="$repo/runtime/sp_train/tools" /usr/bin/python3 - "$work" "$repo/bench/results/train-data-parallel-sharded.json" "$common" <<'PY'
 import json, os, statistics, sys
+from run_records import jsonl, write_json
 work, out, common = sys.argv[1], sys.argv[2], " ".join(sys.argv[3].split())
-def jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 setups = {"one": ["dp-one"], "replicated": ["dp-replicated", "dp-replicated/rank1"],
           "sharded": ["dp-sharded", "dp-sharded/rank1"]}
 result = {"command": f"bash runtime/sp_train/tools/run_sharded_memory.sh (sp-train {common}; "
@@ -69,9 +67,6 @@ for name, setup in result["setups"].items():
               f'{r["estimated_host_bytes"] / 2**20:7.1f} MiB  step {r["median_step_seconds"]:.3f} s (update {r["median_update_seconds"]:.3f} s)  '
               f'val {r["final_val_loss"]:.4f}')
         del r["losses"]
-os.makedirs(os.path.dirname(out), exist_ok=True)
-with open(out, "w") as f:
-    json.dump(result, f, indent=2)
-    f.write("\n")
+write_json(out, result)
 print("wrote", out)
 PY

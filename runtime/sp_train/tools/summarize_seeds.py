@@ -18,6 +18,8 @@ import math
 import os
 import statistics
 
+from run_records import write_json
+
 # Two-sided 95% quantiles of Student's t by degrees of freedom (n - 1 seeds).
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
        10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131}
@@ -81,11 +83,7 @@ def main():
     loss_mean, loss_half = interval(losses)
     doc["bf16_only_spread"] = {"mean": loss_mean, "ci95_half_width": loss_half, "min": min(losses),
                                "max": max(losses), "stdev": statistics.stdev(losses) if len(losses) > 1 else None}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, args.out)
+    write_json(args.out, doc)
 
     pct = lambda v: f"{100 * v:+.2f}%"  # noqa: E731
     ci = lambda m, h, f=pct: f(m) + ("" if h is None else f" ± {f(h).lstrip('+').rstrip('%')}")  # noqa: E731
