@@ -16,8 +16,9 @@ stock ``torch.optim`` optimizer steps them::
         print(s.report["h2d_bytes_int8"])
 
 Data parallelism: launch the script with torchrun, call
-``torch.distributed.init_process_group("gloo")``, give each rank its share of the batch and
-pass ``process_group=torch.distributed.group.WORLD``; every rank then takes the same decisions
+``torch.distributed.init_process_group("gloo")`` (on GPUs with PyTorch 2,
+``"cpu:gloo,cuda:nccl"``), give each rank its share of the batch and pass
+``process_group=torch.distributed.group.WORLD``; every rank then takes the same decisions
 (docs/integration.md, "Python").
 
 This is a binding of the C++ LibTorch layer (``sp/torch_layer/streamed_model.h``): the rules,
@@ -98,7 +99,9 @@ class StreamedBlocks:
     moments_from: parameter names whose gradients describe a block to the policy (e.g. LoRA
         adapters); default: the streamed ones when they train.
     process_group: data parallelism over a torch.distributed process group whose collectives
-        take CPU tensors (Gloo); None: one process. Every rank wraps the same blocks and runs
+        take CPU tensors (Gloo; NCCL alone is refused with a ValueError, while PyTorch 2's
+        "cpu:gloo,cuda:nccl" is taken, and reduces the gradients on the GPU:
+        `gradient_reduction_device`); None: one process. Every rank wraps the same blocks and runs
         the same steps on its own share of the batch. The layer averages the streamed and
         resident parameters' gradients during the backward and keeps every rank's policy on
         the same numbers; the host's own parameters (embeddings, head) are averaged by
@@ -198,6 +201,13 @@ class StreamedBlocks:
     def sharded(self):
         """True when each block's masters live on one rank (shard_masters on > 1 rank)."""
         return self._model.sharded()
+
+    @property
+    def gradient_reduction_device(self):
+        """Where the streamed masters' gradients are reduced across ranks: the GPU when the
+        group takes tensors there (then only the reduced gradient crosses to the host), else
+        "cpu"."""
+        return torch.device(self._model.gradient_reduction_device())
 
     def owner(self, block):
         """The rank that keeps block `block`'s masters (this rank for every block unsharded)."""

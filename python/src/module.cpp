@@ -335,6 +335,8 @@ PYBIND11_MODULE(_selective_precision, m) {
       .def("rank", [](PyStreamedModel& s) { return s.model().rank(); })
       .def("world_size", [](PyStreamedModel& s) { return s.model().world_size(); })
       .def("sharded", [](PyStreamedModel& s) { return s.model().sharded(); })
+      .def("gradient_reduction_device",
+           [](PyStreamedModel& s) { return s.model().gradient_reduction_device().str(); })
       .def("owner", [](PyStreamedModel& s, std::uint32_t block) { return s.model().owner(block); })
       .def("average_gradients",
            [](PyStreamedModel& s, const std::vector<torch::Tensor>& parameters) {

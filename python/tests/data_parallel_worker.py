@@ -2,7 +2,9 @@
 
     data_parallel_worker.py RANK WORLD_SIZE INIT_FILE MODE GLOBAL_BATCH STEPS OUT_JSON [DIE_AT_STEP | gil]
 
-MODE: none (one process, no group), replicated or sharded. Every rank draws the same global
+MODE: none (one process, no group), replicated or sharded; with "-gpu" (none-gpu,
+replicated-gpu) the model computes on the rank's GPU and the group is PyTorch 2's
+"cpu:gloo,cuda:nccl". Every rank draws the same global
 batch each step and trains on its own contiguous share of the rows. Writes each step's mean
 loss and routes, and the head's final weights, to OUT_JSON. DIE_AT_STEP: this rank leaves the
 process in that step's backward, as a killed rank would. gil: in the last step, rank 1 enters
@@ -74,24 +76,27 @@ def main():
 
         threading.Thread(target=signal_when_inside, daemon=True).start()
     torch.set_num_threads(1)
+    mode, gpu = mode.replace("-gpu", ""), mode.endswith("-gpu")
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
     group = None
     if mode != "none":
-        dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=20))
+        dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo", init_method="file://" + init_file,
+                                rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
         group = dist.group.WORLD
     torch.manual_seed(11)
-    model = Model()
+    model = Model().to(device)
     model.streamed = sp.StreamedBlocks(model.blocks, streamed=["fc1.weight", "fc2.weight"], config=POLICY,
-                                       process_group=group, shard_masters=mode == "sharded")
+                                       device=device, process_group=group, shard_masters=mode == "sharded")
     optimizer = torch.optim.AdamW(model.streamed.optimizer_parameters(model), lr=1e-2)
     share = global_batch // world
     record = {"losses": [], "routes": [], "masters": len(model.streamed.master_parameters()),
-              "owners": [model.streamed.owner(b) for b in range(BLOCKS)]}
+              "owners": [model.streamed.owner(b) for b in range(BLOCKS)],
+              "reduced_on": str(model.streamed.gradient_reduction_device)}
     try:
         for step in range(steps):
             generator = torch.Generator().manual_seed(100 + step)
-            x = torch.randn(global_batch, 8, DIM, generator=generator)
-            target = torch.randn(global_batch, 8, DIM, generator=generator)
+            x = torch.randn(global_batch, 8, DIM, generator=generator).to(device)
+            target = torch.randn(global_batch, 8, DIM, generator=generator).to(device)
             rows = slice(rank * share, (rank + 1) * share)
             with model.streamed.step(step, optimizer) as s:
                 s.loss = torch.nn.functional.mse_loss(model(x[rows]), target[rows])
@@ -113,7 +118,7 @@ def main():
             record["routes"].append(s.report["routes"])
     except sp.CollectiveError as e:
         record["error"] = str(e)
-    record["head"] = model.head.weight.detach().flatten().tolist()
+    record["head"] = model.head.weight.detach().cpu().flatten().tolist()
     with open(out, "w", encoding="utf-8") as f:
         json.dump(record, f)
     model.streamed.close()

@@ -38,6 +38,7 @@ def test_two_ranks_on_half_the_batch_decide_and_train_as_one_rank_on_all_of_it(t
     codes, (r0, r1) = run_ranks(tmp_path, "replicated", 2)
     assert codes == [0, 0]
     assert r0["losses"] == r1["losses"] and r0["routes"] == r1["routes"] and r0["head"] == r1["head"]
+    assert r0["reduced_on"] == "cpu"
     assert r0["routes"] == one["routes"]
     assert any(route != "bf16" for step in one["routes"] for route in step), "no decision left BF16"
     # Rounding differs (a mean of two half-batch means, AdamW then amplifies it): equal to 1e-4.
@@ -79,3 +80,21 @@ def test_the_binding_lets_other_python_threads_run_while_it_waits_on_the_other_r
 def test_a_process_group_that_is_not_one_is_refused_by_name():
     with pytest.raises(TypeError, match="process_group: expected a torch.distributed process group"):
         sp.StreamedBlocks([torch.nn.Linear(4, 4)], streamed=["weight"], process_group=object())
+
+
+def test_on_a_gpu_a_group_with_nccl_reduces_the_gradients_there(tmp_path):
+    """PyTorch 2's group with a backend per device: the layer's own collectives take Gloo, the
+    gradients NCCL on the GPU. One rank (a lent test machine has one GPU, and NCCL takes one
+    rank per GPU): the same steps as without a group."""
+    if not torch.cuda.is_available():
+        if os.environ.get("SP_REQUIRE_GPU") == "1":
+            pytest.fail("SP_REQUIRE_GPU=1, but torch sees no CUDA device")
+        pytest.skip("torch sees no CUDA device")
+    codes, [alone] = run_ranks(tmp_path, "none-gpu", 1)
+    assert codes == [0]
+    codes, [grouped] = run_ranks(tmp_path, "replicated-gpu", 1)
+    assert codes == [0]
+    assert (alone["reduced_on"], grouped["reduced_on"]) == ("cpu", "cuda:0")
+    assert grouped["routes"] == alone["routes"]
+    assert grouped["losses"] == pytest.approx(alone["losses"], rel=1e-5)
+

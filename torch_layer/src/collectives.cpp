@@ -1,5 +1,9 @@
 #include "sp/torch_layer/collectives.h"
 
+#ifdef SP_HAVE_C10D_NCCL
+#include "nccl_group.h"
+#endif
+
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -77,13 +81,60 @@ std::vector<std::string> exchange_through_store(c10d::Store& store, int rank, in
 
 }  // namespace detail
 
-std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds timeout) {
+namespace {
+
+class ByDevice final : public Collectives {
+ public:
+  ByDevice(std::shared_ptr<Collectives> host, std::shared_ptr<Collectives> device)
+      : host_(std::move(host)), device_(std::move(device)) {}
+  int rank() const override { return host_->rank(); }
+  int size() const override { return host_->size(); }
+  std::unique_ptr<Pending> all_reduce(torch::Tensor tensor, Reduction op, std::string what) override {
+    return of(tensor).all_reduce(std::move(tensor), op, std::move(what));
+  }
+  std::unique_ptr<Pending> reduce(torch::Tensor tensor, int root, Reduction op, std::string what) override {
+    return of(tensor).reduce(std::move(tensor), root, op, std::move(what));
+  }
+  void broadcast(torch::Tensor tensor, int root, std::string what) override {
+    of(tensor).broadcast(std::move(tensor), root, std::move(what));
+  }
+  std::vector<std::string> exchange(const std::string& key, const std::string& mine,
+                                    std::chrono::milliseconds timeout) override {
+    return host_->exchange(key, mine, timeout);
+  }
+
+ private:
+  Collectives& of(const torch::Tensor& tensor) const { return tensor.device().is_cpu() ? *host_ : *device_; }
+  std::shared_ptr<Collectives> host_, device_;
+};
+
+}  // namespace
+
+std::shared_ptr<Collectives> by_device(std::shared_ptr<Collectives> host, std::shared_ptr<Collectives> device) {
+  if (!host || !device) throw std::invalid_argument("by_device: both groups are needed");
+  if (host->rank() != device->rank() || host->size() != device->size()) {
+    throw std::invalid_argument(fmt::format(
+        "by_device: the host group is rank {} of {}, the device group rank {} of {}: they must span the same ranks",
+        host->rank(), host->size(), device->rank(), device->size()));
+  }
+  return std::make_shared<ByDevice>(std::move(host), std::move(device));
+}
+
+bool nccl_available() {
+#ifdef SP_HAVE_C10D_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::shared_ptr<Collectives> from_environment(std::chrono::milliseconds timeout, const torch::Device& compute_device) {
   const std::int64_t size = integer_variable("WORLD_SIZE", 1, 1 << 16, 1);
   if (size == 1) return nullptr;
   if (std::getenv("RANK") == nullptr) {
     throw std::invalid_argument(fmt::format("environment variable WORLD_SIZE={} is set but RANK is not", size));
   }
-  const std::int64_t rank = integer_variable("RANK", 0, size - 1, 0);
+  const int rank = static_cast<int>(integer_variable("RANK", 0, size - 1, 0));
   const char* address = std::getenv("MASTER_ADDR");
   const std::string host = address != nullptr && *address != '\0' ? address : "127.0.0.1";
   c10d::TCPStoreOptions store_options;
@@ -105,7 +156,7 @@ std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds tim
                                                c10::make_intrusive<c10d::TCPStore>(host, store_options));
   } catch (const std::exception& e) {
     throw CollectiveError(detail::collective_failure(
-        static_cast<int>(rank), static_cast<int>(size),
+        rank, static_cast<int>(size),
         fmt::format("rendezvous at {}:{} (MASTER_ADDR, MASTER_PORT)", host, store_options.port), e.what()));
   }
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
@@ -113,14 +164,32 @@ std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds tim
   options->devices.push_back(interface != nullptr && *interface != '\0'
                                  ? c10d::ProcessGroupGloo::createDeviceForInterface(interface)
                                  : c10d::ProcessGroupGloo::createDefaultDevice());
+  std::shared_ptr<Collectives> gloo;
   try {
-    return over_process_group(
-        c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank), static_cast<int>(size), options),
-        store);
+    gloo = over_process_group(
+        c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, static_cast<int>(size), options), store);
   } catch (const std::exception& e) {
-    throw CollectiveError(
-        detail::collective_failure(static_cast<int>(rank), static_cast<int>(size), "Gloo group setup", e.what()));
+    throw CollectiveError(detail::collective_failure(rank, static_cast<int>(size), "Gloo group setup", e.what()));
   }
+#ifdef SP_HAVE_C10D_NCCL
+  if (compute_device.is_cuda()) {
+    try {
+      return by_device(std::move(gloo), detail::nccl_group(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank,
+                                                           static_cast<int>(size), timeout));
+    } catch (const std::invalid_argument&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw CollectiveError(detail::collective_failure(rank, static_cast<int>(size), "NCCL group setup", e.what()));
+    }
+  }
+#else
+  (void)compute_device;
+#endif
+  return gloo;
+}
+
+std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds timeout) {
+  return from_environment(timeout, torch::kCPU);
 }
 
 }  // namespace sp::torch_layer

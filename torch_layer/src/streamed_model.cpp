@@ -167,6 +167,9 @@ struct StreamedModel::Impl {
   std::unique_ptr<ad::Event> compute_done;
   std::unique_ptr<sp::host::PolicySession> policy;
   std::shared_ptr<Collectives> collectives;  // null: one process
+  // The masters' gradients are reduced across ranks on the compute device, before they cross
+  // to the host (probe_collectives()); else on the host, after.
+  bool device_reductions = false;
   // Sharded data parallelism (StreamedModelOptions::shard_masters on more than one rank): each
   // block's masters live on its owner alone, which sends its images to the other ranks.
   bool sharded = false;
@@ -232,6 +235,7 @@ struct StreamedModel::Impl {
           "StreamedModelOptions::shard_masters needs collectives: sharding spreads the masters over the ranks");
     }
     sharded = options.shard_masters && collectives->size() > 1;
+    if (collectives) probe_collectives();
     for (std::size_t b = 0; b < in.size(); ++b) adopt(std::move(in[b]), b);
     build_engines();
     if (sharded) shard_masters();
@@ -289,7 +293,7 @@ struct StreamedModel::Impl {
       if (options.device.is_cuda()) master = master.pin_memory();
       master.set_requires_grad(found->requires_grad());
       state.trainable_masters = state.trainable_masters || found->requires_grad();
-      if (options.device.is_cuda() && found->requires_grad()) {
+      if (options.device.is_cuda() && found->requires_grad() && !device_reductions) {
         p.staging = torch::empty_like(master).pin_memory();
       }
       p.master = master;
@@ -365,6 +369,53 @@ struct StreamedModel::Impl {
                                  sp::host::PolicyConfig{options.config_yaml, options.config_source}, options.host_name,
                                  options.output_dir, log, options.plugin_hook_deadline);
   }
+
+  // ---- data parallelism ----------------------------------------------------------------------
+
+  // The layer's own collectives (moments, hint checks, losses, images) run on host tensors, so
+  // the group must take those. The masters' gradients are born on the compute device: where the
+  // group takes tensors there too (NCCL through a group with a backend per device, or Gloo in
+  // a CUDA build of LibTorch), each block's is reduced there in the backward, and only the
+  // result crosses to the host (sharded, to its owner only). Collective: every rank decides
+  // alike.
+  void probe_collectives() {
+    const auto takes = [&](const torch::Device& device, std::string& why) {
+      try {
+        torch::Tensor one = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
+        collectives->all_reduce(one, Reduction::sum, fmt::format("a probe of {} tensors", device.str()))->wait();
+        return true;
+      } catch (const CollectiveError&) {
+        throw;  // a rank failed: not an answer about the group
+      } catch (const std::exception& e) {
+        why = e.what();
+        why = why.substr(0, why.find('\n'));
+        return false;
+      }
+    };
+    std::string why;
+    if (!takes(torch::kCPU, why)) {
+      throw std::invalid_argument(fmt::format(
+          "StreamedModelOptions::collectives: rank {} of {}: the group refused an all-reduce of a CPU tensor ({}). "
+          "The layer's collectives run on host tensors: give it a group that takes them, as Gloo does, or on "
+          "PyTorch 2 one with a backend per device (init_process_group(\"cpu:gloo,cuda:nccl\")); NCCL alone takes "
+          "device tensors only",
+          collectives->rank(), collectives->size(), why));
+    }
+    if (!options.device.is_cuda()) return;
+    const bool here = takes(options.device, why);
+    torch::Tensor everywhere = torch::tensor({here ? 1 : 0}, torch::kInt32);
+    collectives->all_reduce(everywhere, Reduction::min, "whether every rank's group takes device tensors")->wait();
+    device_reductions = everywhere.item<std::int32_t>() == 1;
+    if (device_reductions) {
+      log->info("StreamedModel: the masters' gradients are reduced across ranks on {}, before they cross to the host",
+                options.device.str());
+    } else {
+      log->info("StreamedModel: the masters' gradients are reduced across ranks on the host: {}",
+                here ? "another rank's group takes no device tensors" : "the group takes no device tensors: " + why);
+    }
+  }
+
+  torch::Device gradient_reduction_device() const { return device_reductions ? options.device : torch::kCPU; }
 
   // ---- sharded data parallelism ------------------------------------------------------------
 
@@ -730,7 +781,7 @@ struct StreamedModel::Impl {
       if (!g.defined()) continue;
       if (collectives && !p.staging.defined()) {
         bucket.params.push_back(&p);
-        flat.push_back(g.reshape({-1}).to(torch::kCPU, torch::kFloat32));
+        flat.push_back(g.reshape({-1}).to(gradient_reduction_device(), torch::kFloat32));
         continue;
       }
       stage_master_gradient(p, g.reshape(p.shape));
@@ -989,13 +1040,16 @@ struct StreamedModel::Impl {
     }
   }
 
-  // A bucket of summed gradients, one slice per parameter in order, divided by the ranks.
-  void fold_averaged(const std::vector<StreamedParam*>& params, torch::Tensor& bucket) {
+  // A bucket of summed gradients, one slice per parameter in order, divided by the ranks. A
+  // bucket reduced on the device crosses to the host here, and only to a rank that keeps one of
+  // its parameters (sharded, the owner).
+  void fold_averaged(const std::vector<StreamedParam*>& params, const torch::Tensor& summed) {
+    if (std::none_of(params.begin(), params.end(), [&](const StreamedParam* p) { return owns(p->block); })) return;
+    torch::Tensor bucket = summed.to(torch::kCPU);
     bucket.div_(collectives->size());
     std::int64_t offset = 0;
     for (StreamedParam* p : params) {
       const std::int64_t n = c10::multiply_integers(p->shape);
-      // Sharded, only the owner keeps a block's gradient.
       if (owns(p->block)) add_to_master_grad(*p, bucket.narrow(0, offset, n).view(p->shape));
       offset += n;
     }
@@ -1621,6 +1675,7 @@ void StreamedModel::flush_metrics() { impl_->engine->flush_metrics(); }
 std::uint64_t StreamedModel::metrics_records_lost() const { return impl_->engine->metrics_records_lost(); }
 
 bool StreamedModel::sharded() const { return impl_->sharded; }
+torch::Device StreamedModel::gradient_reduction_device() const { return impl_->gradient_reduction_device(); }
 
 int StreamedModel::owner(std::uint32_t block) const {
   if (block >= impl_->blocks.size()) {

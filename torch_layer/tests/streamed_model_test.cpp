@@ -2,6 +2,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sp/testing/gpu_gate.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -807,16 +808,22 @@ struct RankRun {
 };
 
 // `steps` SGD steps of two ranks on the same blocks, each on its own input, replicated or
-// sharded; `check(rank, model)` runs on each rank's model after the steps, on its thread.
+// sharded, computing on `device`; `check(rank, model)` runs on each rank's model after the
+// steps, on its thread.
 std::vector<RankRun> run_two_ranks(bool shard, int steps,
-                                   const std::function<void(int, tl::StreamedModel&)>& check = {}) {
+                                   const std::function<void(int, tl::StreamedModel&)>& check = {},
+                                   const torch::Device& device = torch::kCPU) {
   std::vector<std::vector<TinyBlock>> blocks{make_blocks(21), make_blocks(21)};
-  std::vector<torch::Tensor> inputs{input(22), input(23)};
+  std::vector<torch::Tensor> inputs{input(22).to(device), input(23).to(device)};
   std::vector<RankRun> runs(2);
   const std::vector<std::string> failures = on_two_ranks([&](int rank, const auto& group, const auto&) {
     std::vector<tl::Block> list;
-    for (const TinyBlock& b : blocks[rank]) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+    for (TinyBlock& b : blocks[rank]) {
+      b->to(device);
+      list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+    }
     tl::StreamedModelOptions o;
+    o.device = device;
     o.plugin_file = SP_PLUGIN_FILE;
     o.config_yaml = policy_yaml(
         "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n"
@@ -863,6 +870,7 @@ TEST(ShardedMasters, TwoRanksTrainAsReplicatedOnesKeepingHalfTheMasters) {
   const std::vector<RankRun> replicated = run_two_ranks(false, 3);
   const std::vector<RankRun> sharded = run_two_ranks(true, 3, [](int rank, tl::StreamedModel& model) {
     EXPECT_TRUE(model.sharded());
+    EXPECT_EQ(model.gradient_reduction_device(), torch::Device(torch::kCPU));
     for (std::uint32_t b = 0; b < model.num_blocks(); ++b) {
       EXPECT_EQ(model.owner(b), static_cast<int>(b % 2));
       EXPECT_EQ(model.masters(b).empty(), model.owner(b) != rank) << b;
@@ -888,6 +896,33 @@ TEST(ShardedMasters, TwoRanksTrainAsReplicatedOnesKeepingHalfTheMasters) {
     }
   }
   EXPECT_EQ(sharded[0].masters.size() + sharded[1].masters.size(), replicated[0].masters.size());
+}
+
+// On a GPU the backward's gradients are reduced there, each block's in its own bucket, and
+// only the sum crosses to the host (sharded: to the owner alone). Gloo in a CUDA build takes
+// device tensors, so two ranks share the one GPU of the test machine. Sums of two are exact in
+// any order: sharded and replicated still agree bit for bit, and the run tracks the CPU's.
+TEST(ShardedMasters, OnAGpuTheGradientsAreReducedThereBeforeTheyCrossToTheHost) {
+  SP_SKIP_UNLESS_GPU(torch::cuda::is_available(), "LibTorch sees no CUDA device");
+  const torch::Device gpu(torch::kCUDA, 0);
+  const auto on_the_gpu = [&](int, tl::StreamedModel& model) { EXPECT_EQ(model.gradient_reduction_device(), gpu); };
+  const std::vector<RankRun> replicated = run_two_ranks(false, 3, on_the_gpu, gpu);
+  const std::vector<RankRun> sharded = run_two_ranks(true, 3, on_the_gpu, gpu);
+  const std::vector<RankRun> cpu = run_two_ranks(false, 3);
+  ASSERT_EQ(replicated[0].losses.size(), 4u);
+  for (int rank : {0, 1}) {
+    EXPECT_EQ(sharded[rank].losses, replicated[0].losses) << "rank " << rank;
+    EXPECT_EQ(replicated[rank].losses, replicated[0].losses) << "rank " << rank;
+    for (const auto& [name, master] : sharded[rank].masters) {
+      EXPECT_TRUE(torch::equal(master, replicated[0].masters.at(name))) << "rank " << rank << ": " << name;
+    }
+  }
+  for (std::size_t i = 0; i < cpu[0].losses.size(); ++i) {
+    EXPECT_NEAR(replicated[0].losses[i], cpu[0].losses[i], 1e-3 * std::abs(cpu[0].losses[i])) << "loss " << i;
+  }
+  for (const auto& [name, master] : replicated[0].masters) {
+    EXPECT_TRUE(torch::allclose(master, cpu[0].masters.at(name), 1e-3, 1e-5)) << name;
+  }
 }
 
 // A sharded restore is all or nothing across the ranks: the rank whose state lacks a master of
@@ -937,3 +972,90 @@ TEST(Collectives, ExchangeGivesEveryRankEveryRanksPart) {
       },
       ::testing::ThrowsMessage<tl::CollectiveError>(::testing::HasSubstr("exchange 'checkpoint7/main'")));
 }
+
+namespace {
+
+// A group that takes no CPU tensors, as NCCL alone: what c10d says when a CPU tensor reaches it.
+class DeviceOnlyCollectives final : public tl::Collectives {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  std::unique_ptr<Pending> all_reduce(torch::Tensor tensor, tl::Reduction, std::string) override {
+    refuse(tensor);
+    return {};
+  }
+  void broadcast(torch::Tensor tensor, int, std::string) override { refuse(tensor); }
+
+ private:
+  static void refuse(const torch::Tensor& tensor) {
+    if (tensor.device().is_cpu()) throw std::runtime_error("No backend type associated with device type cpu");
+    throw std::logic_error("not reached: the test's model computes on the CPU");
+  }
+};
+
+// Which group each call reached, by the group's name.
+class NamedCollectives final : public tl::Collectives {
+ public:
+  NamedCollectives(std::string name, int rank, std::vector<std::string>& calls)
+      : name_(std::move(name)), rank_(rank), calls_(calls) {}
+  int rank() const override { return rank_; }
+  int size() const override { return 2; }
+  std::unique_ptr<Pending> all_reduce(torch::Tensor, tl::Reduction, std::string what) override {
+    calls_.push_back(name_ + ": " + what);
+    return {};
+  }
+  std::unique_ptr<Pending> reduce(torch::Tensor, int, tl::Reduction, std::string what) override {
+    calls_.push_back(name_ + ": " + what);
+    return {};
+  }
+  void broadcast(torch::Tensor, int, std::string what) override { calls_.push_back(name_ + ": " + what); }
+  std::vector<std::string> exchange(const std::string& key, const std::string&, std::chrono::milliseconds) override {
+    calls_.push_back(name_ + ": " + key);
+    return {};
+  }
+
+ private:
+  std::string name_;
+  int rank_;
+  std::vector<std::string>& calls_;
+};
+
+}  // namespace
+
+// The layer's own collectives run on host tensors: a group that refuses them is named at
+// construction, with the fix, not met as a c10d error in the first backward.
+TEST(Collectives, AGroupThatTakesNoCpuTensorsIsRefusedAtConstructionWithTheFix) {
+  std::vector<tl::Block> list;
+  for (const TinyBlock& b : make_blocks(31)) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+  tl::StreamedModelOptions o;
+  o.plugin_file = SP_PLUGIN_FILE;
+  o.config_yaml = policy_yaml("  mode: off\n");
+  o.collectives = std::make_shared<DeviceOnlyCollectives>();
+  EXPECT_THAT([&] { tl::StreamedModel model(std::move(list), o); },
+              ::testing::ThrowsMessage<std::invalid_argument>(::testing::AllOf(
+                  ::testing::HasSubstr("refused an all-reduce of a CPU tensor (No backend type associated"),
+                  ::testing::HasSubstr("cpu:gloo,cuda:nccl"))));
+}
+
+// by_device(): CPU tensors to the host group, any other device's to the device group (a meta
+// tensor stands for a GPU's here), exchange() through the host group; groups over different
+// ranks are refused.
+TEST(Collectives, ByDeviceSendsEachTensorToItsDevicesGroup) {
+  std::vector<std::string> calls;
+  const auto both = tl::by_device(std::make_shared<NamedCollectives>("host", 1, calls),
+                                  std::make_shared<NamedCollectives>("device", 1, calls));
+  EXPECT_EQ(both->rank(), 1);
+  EXPECT_EQ(both->size(), 2);
+  both->all_reduce(torch::zeros({1}), tl::Reduction::sum, "moments");
+  both->all_reduce(torch::empty({1}, torch::kMeta), tl::Reduction::sum, "gradients");
+  both->reduce(torch::empty({1}, torch::kMeta), 0, tl::Reduction::sum, "owned gradients");
+  both->broadcast(torch::zeros({1}), 0, "image");
+  both->exchange("checkpoint", "", std::chrono::seconds(1));
+  EXPECT_EQ(calls, (std::vector<std::string>{"host: moments", "device: gradients", "device: owned gradients",
+                                             "host: image", "host: checkpoint"}));
+  EXPECT_THAT([&] {
+    tl::by_device(std::make_shared<NamedCollectives>("host", 0, calls),
+                  std::make_shared<NamedCollectives>("device", 1, calls));
+  }, ::testing::ThrowsMessage<std::invalid_argument>(::testing::HasSubstr("must span the same ranks")));
+}
+

@@ -260,10 +260,12 @@ struct Trainer::Impl {
   }
 
   // torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): one rank of a
-  // data-parallel run over Gloo; without them, the one process.
+  // data-parallel run over Gloo (and NCCL for the gradients on a GPU, where the build has it);
+  // without them, the one process.
   void join_ranks() {
     try {
-      collectives = tl::gloo_from_environment(std::chrono::seconds(config.train.collective_timeout_seconds));
+      collectives =
+          tl::from_environment(std::chrono::seconds(config.train.collective_timeout_seconds), compute.device());
     } catch (const std::invalid_argument& e) {
       throw ConfigError(e.what());
     } catch (const tl::CollectiveError& e) {
@@ -1359,7 +1361,10 @@ struct Trainer::Impl {
           {"channels", config.model.outlier_channels}}},
         {"torch_threads", torch::get_num_threads()},
         {"data_parallel",
-         {{"rank", rank()}, {"world_size", world_size()}, {"mode", data_parallel_name(config.train.data_parallel)}}},
+         {{"rank", rank()},
+          {"world_size", world_size()},
+          {"mode", data_parallel_name(config.train.data_parallel)},
+          {"gradients_reduced_on", layer->gradient_reduction_device().str()}}},
         {"peak_rss_bytes", peak_rss_bytes()},
         {"previous_crash", previous_crash ? nlohmann::json(*previous_crash) : nlohmann::json()},
         {"estimated_host_bytes", estimated_host_bytes(config, shards())},

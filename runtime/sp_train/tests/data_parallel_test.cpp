@@ -96,6 +96,7 @@ TEST_F(DataParallel, TwoRanksDecideAlikeAndTrainAsOneRankWithTheDoubleBatch) {
   const auto summary0 = nlohmann::json::parse(text_of(two / "summary.json"));
   const auto summary_alone = nlohmann::json::parse(text_of(one / "summary.json"));
   EXPECT_EQ(summary0["data_parallel"]["world_size"], 2);
+  EXPECT_EQ(summary0["data_parallel"]["gradients_reduced_on"], "cpu");
   const double val_two = summary0["final_val_loss"], val_one = summary_alone["final_val_loss"];
   EXPECT_NEAR(val_two, val_one, 1e-4 * val_one) << "validation is split across the ranks the same way";
   EXPECT_TRUE(fs::exists(two / "checkpoint.bin"));

@@ -22,10 +22,12 @@
 // the owner broadcasts the block's images (streamed_model.h).
 //
 // Collectives is an interface so that the layer does not depend on one c10d release's class
-// layout: over_process_group() adapts a c10d group, gloo_from_environment() builds a Gloo group
-// from the variables torchrun sets. The layer's collectives run on CPU tensors (the masters'
-// gradients live on the host): a group must take those, as Gloo does; NCCL, which takes device
-// tensors only, is not supported.
+// layout: over_process_group() adapts a c10d group, by_device() joins a group for host tensors
+// with one for device tensors, and from_environment() builds them from the variables torchrun
+// sets. The layer's own collectives run on CPU tensors, so a group must take those (Gloo does;
+// NCCL alone does not, and is refused by name). The masters' gradients are reduced where the
+// backward makes them when the group takes tensors there too (NCCL, or Gloo in a CUDA build of
+// LibTorch): StreamedModel::gradient_reduction_device().
 #pragma once
 
 #include <chrono>
@@ -172,10 +174,23 @@ std::shared_ptr<Collectives> over_process_group(c10::intrusive_ptr<Group> group,
   return std::make_shared<detail::ProcessGroupCollectives<Group>>(std::move(group), std::move(store));
 }
 
-// A Gloo group from torchrun's variables: RANK, WORLD_SIZE, MASTER_ADDR (default 127.0.0.1),
-// MASTER_PORT (default 29500). Null when WORLD_SIZE is unset or 1. Every collective, and the
+// Collectives that send each tensor by its device: CPU tensors to `host`, any other to
+// `device`, as a PyTorch 2 group with a backend per device does ("cpu:gloo,cuda:nccl").
+// exchange() goes through `host`. Both must span the same ranks in the same order; throws
+// std::invalid_argument when their rank or size differ.
+std::shared_ptr<Collectives> by_device(std::shared_ptr<Collectives> host, std::shared_ptr<Collectives> device);
+
+// The groups of torchrun's variables: RANK, WORLD_SIZE, MASTER_ADDR (default 127.0.0.1),
+// MASTER_PORT (default 29500). Null when WORLD_SIZE is unset or 1. A Gloo group; when the model
+// computes on a CUDA device and this build has NCCL (nccl_available()), joined by_device() with
+// an NCCL group for the device's tensors, both over one rendezvous. Every collective, and the
 // rendezvous, gives up after `timeout` with a CollectiveError. Throws std::invalid_argument
 // naming a variable that is malformed.
-std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds timeout);
+std::shared_ptr<Collectives> from_environment(std::chrono::milliseconds timeout, const torch::Device& compute_device);
+std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds timeout);  // CPU compute
+
+// Whether this build has c10d's NCCL group (a CUDA build of LibTorch with NCCL and its
+// headers, found when the project was configured).
+bool nccl_available();
 
 }  // namespace sp::torch_layer
