@@ -99,8 +99,8 @@ class StreamedBlocks:
     moments_from: parameter names whose gradients describe a block to the policy (e.g. LoRA
         adapters); default: the streamed ones when they train.
     process_group: data parallelism over a torch.distributed process group whose collectives
-        take CPU tensors (Gloo; NCCL alone is refused with a ValueError, while PyTorch 2's
-        "cpu:gloo,cuda:nccl" is taken, and reduces the gradients on the GPU:
+        take CPU tensors (Gloo; NCCL alone is refused with a ValueError, while with PyTorch 2's
+        "cpu:gloo,cuda:nccl" NCCL reduces the gradients on the GPU:
         `gradient_reduction_device`); None: one process. Every rank wraps the same blocks and runs
         the same steps on its own share of the batch. The layer averages the streamed and
         resident parameters' gradients during the backward and keeps every rank's policy on
@@ -205,8 +205,8 @@ class StreamedBlocks:
     @property
     def gradient_reduction_device(self):
         """Where the streamed masters' gradients are reduced across ranks: the GPU when the
-        group takes tensors there (then only the reduced gradient crosses to the host), else
-        "cpu"."""
+        group reduces them there with NCCL (then only the reduced gradient crosses to the host),
+        else "cpu"."""
         return torch.device(self._model.gradient_reduction_device())
 
     def owner(self, block):

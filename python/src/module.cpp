@@ -117,6 +117,7 @@ class RecordingCollectives final : public tl::Collectives,
                                     std::chrono::milliseconds timeout) override {
     return recorded([&] { return inner_->exchange(key, mine, timeout); });
   }
+  bool reduces_on(const torch::Device& device) const override { return inner_->reduces_on(device); }
   // The first failure since the last call, and forgets it; empty: none.
   std::string take_failure() {
     const std::lock_guard<std::mutex> lock(mutex_);

@@ -1,9 +1,5 @@
 #include "sp/torch_layer/collectives.h"
 
-#ifdef SP_HAVE_C10D_NCCL
-#include "nccl_group.h"
-#endif
-
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -102,6 +98,9 @@ class ByDevice final : public Collectives {
                                     std::chrono::milliseconds timeout) override {
     return host_->exchange(key, mine, timeout);
   }
+  bool reduces_on(const torch::Device& device) const override {
+    return !device.is_cpu() && device_->reduces_on(device);
+  }
 
  private:
   Collectives& of(const torch::Tensor& tensor) const { return tensor.device().is_cpu() ? *host_ : *device_; }
@@ -127,6 +126,14 @@ bool nccl_available() {
   return false;
 #endif
 }
+
+#ifndef SP_HAVE_C10D_NCCL
+std::shared_ptr<Collectives> nccl_group(c10::intrusive_ptr<c10d::Store>, int, int, std::chrono::milliseconds) {
+  throw std::logic_error(
+      "nccl_group: this build has no c10d NCCL group (LibTorch without CUDA or NCCL, or no nccl.h found when it was "
+      "configured: see nccl_available())");
+}
+#endif
 
 std::shared_ptr<Collectives> from_environment(std::chrono::milliseconds timeout, const torch::Device& compute_device) {
   const std::int64_t size = integer_variable("WORLD_SIZE", 1, 1 << 16, 1);
@@ -171,21 +178,15 @@ std::shared_ptr<Collectives> from_environment(std::chrono::milliseconds timeout,
   } catch (const std::exception& e) {
     throw CollectiveError(detail::collective_failure(rank, static_cast<int>(size), "Gloo group setup", e.what()));
   }
-#ifdef SP_HAVE_C10D_NCCL
-  if (compute_device.is_cuda()) {
-    try {
-      return by_device(std::move(gloo), detail::nccl_group(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank,
-                                                           static_cast<int>(size), timeout));
-    } catch (const std::invalid_argument&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw CollectiveError(detail::collective_failure(rank, static_cast<int>(size), "NCCL group setup", e.what()));
-    }
+  if (!compute_device.is_cuda() || !nccl_available()) return gloo;
+  try {
+    return by_device(std::move(gloo), nccl_group(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank,
+                                                 static_cast<int>(size), timeout));
+  } catch (const std::invalid_argument&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw CollectiveError(detail::collective_failure(rank, static_cast<int>(size), "NCCL group setup", e.what()));
   }
-#else
-  (void)compute_device;
-#endif
-  return gloo;
 }
 
 std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds timeout) {

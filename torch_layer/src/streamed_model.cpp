@@ -374,45 +374,34 @@ struct StreamedModel::Impl {
 
   // The layer's own collectives (moments, hint checks, losses, images) run on host tensors, so
   // the group must take those. The masters' gradients are born on the compute device: where the
-  // group takes tensors there too (NCCL through a group with a backend per device, or Gloo in
-  // a CUDA build of LibTorch), each block's is reduced there in the backward, and only the
-  // result crosses to the host (sharded, to its owner only). Collective: every rank decides
-  // alike.
+  // group reduces tensors there without the host (NCCL), each block's is reduced there in the
+  // backward, and only the result crosses to the host (sharded, to its owner only). The ranks
+  // agree on a CPU tensor before any device tensor is reduced, so that none waits on a device
+  // collective another rank never starts.
   void probe_collectives() {
-    const auto takes = [&](const torch::Device& device, std::string& why) {
-      try {
-        torch::Tensor one = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
-        collectives->all_reduce(one, Reduction::sum, fmt::format("a probe of {} tensors", device.str()))->wait();
-        return true;
-      } catch (const CollectiveError&) {
-        throw;  // a rank failed: not an answer about the group
-      } catch (const std::exception& e) {
-        why = e.what();
-        why = why.substr(0, why.find('\n'));
-        return false;
-      }
-    };
-    std::string why;
-    if (!takes(torch::kCPU, why)) {
+    try {
+      torch::Tensor one = torch::zeros({1}, torch::kFloat32);
+      collectives->all_reduce(one, Reduction::sum, "a probe of CPU tensors")->wait();
+    } catch (const CollectiveError&) {
+      throw;  // a rank failed: not an answer about the group
+    } catch (const std::exception& e) {
+      const std::string why = e.what();
       throw std::invalid_argument(fmt::format(
           "StreamedModelOptions::collectives: rank {} of {}: the group refused an all-reduce of a CPU tensor ({}). "
           "The layer's collectives run on host tensors: give it a group that takes them, as Gloo does, or on "
           "PyTorch 2 one with a backend per device (init_process_group(\"cpu:gloo,cuda:nccl\")); NCCL alone takes "
           "device tensors only",
-          collectives->rank(), collectives->size(), why));
+          collectives->rank(), collectives->size(), why.substr(0, why.find('\n'))));
     }
     if (!options.device.is_cuda()) return;
-    const bool here = takes(options.device, why);
+    const bool here = collectives->reduces_on(options.device);
     torch::Tensor everywhere = torch::tensor({here ? 1 : 0}, torch::kInt32);
-    collectives->all_reduce(everywhere, Reduction::min, "whether every rank's group takes device tensors")->wait();
+    collectives->all_reduce(everywhere, Reduction::min, "whether every rank's group reduces device tensors")->wait();
     device_reductions = everywhere.item<std::int32_t>() == 1;
-    if (device_reductions) {
-      log->info("StreamedModel: the masters' gradients are reduced across ranks on {}, before they cross to the host",
-                options.device.str());
-    } else {
-      log->info("StreamedModel: the masters' gradients are reduced across ranks on the host: {}",
-                here ? "another rank's group takes no device tensors" : "the group takes no device tensors: " + why);
-    }
+    log->info("StreamedModel: the masters' gradients are reduced across ranks {}",
+              device_reductions ? fmt::format("on {}, before they cross to the host", options.device.str())
+              : here            ? std::string("on the host: another rank's group does not reduce device tensors")
+                                : std::string("on the host: the group does not reduce device tensors without it"));
   }
 
   torch::Device gradient_reduction_device() const { return device_reductions ? options.device : torch::kCPU; }

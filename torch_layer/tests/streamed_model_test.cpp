@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <sp/testing/gpu_gate.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <filesystem>
@@ -808,22 +809,16 @@ struct RankRun {
 };
 
 // `steps` SGD steps of two ranks on the same blocks, each on its own input, replicated or
-// sharded, computing on `device`; `check(rank, model)` runs on each rank's model after the
-// steps, on its thread.
+// sharded; `check(rank, model)` runs on each rank's model after the steps, on its thread.
 std::vector<RankRun> run_two_ranks(bool shard, int steps,
-                                   const std::function<void(int, tl::StreamedModel&)>& check = {},
-                                   const torch::Device& device = torch::kCPU) {
+                                   const std::function<void(int, tl::StreamedModel&)>& check = {}) {
   std::vector<std::vector<TinyBlock>> blocks{make_blocks(21), make_blocks(21)};
-  std::vector<torch::Tensor> inputs{input(22).to(device), input(23).to(device)};
+  std::vector<torch::Tensor> inputs{input(22), input(23)};
   std::vector<RankRun> runs(2);
   const std::vector<std::string> failures = on_two_ranks([&](int rank, const auto& group, const auto&) {
     std::vector<tl::Block> list;
-    for (TinyBlock& b : blocks[rank]) {
-      b->to(device);
-      list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
-    }
+    for (const TinyBlock& b : blocks[rank]) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
     tl::StreamedModelOptions o;
-    o.device = device;
     o.plugin_file = SP_PLUGIN_FILE;
     o.config_yaml = policy_yaml(
         "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n"
@@ -896,33 +891,6 @@ TEST(ShardedMasters, TwoRanksTrainAsReplicatedOnesKeepingHalfTheMasters) {
     }
   }
   EXPECT_EQ(sharded[0].masters.size() + sharded[1].masters.size(), replicated[0].masters.size());
-}
-
-// On a GPU the backward's gradients are reduced there, each block's in its own bucket, and
-// only the sum crosses to the host (sharded: to the owner alone). Gloo in a CUDA build takes
-// device tensors, so two ranks share the one GPU of the test machine. Sums of two are exact in
-// any order: sharded and replicated still agree bit for bit, and the run tracks the CPU's.
-TEST(ShardedMasters, OnAGpuTheGradientsAreReducedThereBeforeTheyCrossToTheHost) {
-  SP_SKIP_UNLESS_GPU(torch::cuda::is_available(), "LibTorch sees no CUDA device");
-  const torch::Device gpu(torch::kCUDA, 0);
-  const auto on_the_gpu = [&](int, tl::StreamedModel& model) { EXPECT_EQ(model.gradient_reduction_device(), gpu); };
-  const std::vector<RankRun> replicated = run_two_ranks(false, 3, on_the_gpu, gpu);
-  const std::vector<RankRun> sharded = run_two_ranks(true, 3, on_the_gpu, gpu);
-  const std::vector<RankRun> cpu = run_two_ranks(false, 3);
-  ASSERT_EQ(replicated[0].losses.size(), 4u);
-  for (int rank : {0, 1}) {
-    EXPECT_EQ(sharded[rank].losses, replicated[0].losses) << "rank " << rank;
-    EXPECT_EQ(replicated[rank].losses, replicated[0].losses) << "rank " << rank;
-    for (const auto& [name, master] : sharded[rank].masters) {
-      EXPECT_TRUE(torch::equal(master, replicated[0].masters.at(name))) << "rank " << rank << ": " << name;
-    }
-  }
-  for (std::size_t i = 0; i < cpu[0].losses.size(); ++i) {
-    EXPECT_NEAR(replicated[0].losses[i], cpu[0].losses[i], 1e-3 * std::abs(cpu[0].losses[i])) << "loss " << i;
-  }
-  for (const auto& [name, master] : replicated[0].masters) {
-    EXPECT_TRUE(torch::allclose(master, cpu[0].masters.at(name), 1e-3, 1e-5)) << name;
-  }
 }
 
 // A sharded restore is all or nothing across the ranks: the rank whose state lacks a master of
@@ -1004,6 +972,7 @@ class NamedCollectives final : public tl::Collectives {
     calls_.push_back(name_ + ": " + what);
     return {};
   }
+  bool reduces_on(const torch::Device&) const override { return name_ == "device"; }
   std::unique_ptr<Pending> reduce(torch::Tensor, int, tl::Reduction, std::string what) override {
     calls_.push_back(name_ + ": " + what);
     return {};
@@ -1053,9 +1022,84 @@ TEST(Collectives, ByDeviceSendsEachTensorToItsDevicesGroup) {
   both->exchange("checkpoint", "", std::chrono::seconds(1));
   EXPECT_EQ(calls, (std::vector<std::string>{"host: moments", "device: gradients", "device: owned gradients",
                                              "host: image", "host: checkpoint"}));
+  // Whether a device's tensors are reduced where they are is the device group's answer.
+  EXPECT_TRUE(both->reduces_on(torch::Device(torch::kMeta)));
+  EXPECT_FALSE(both->reduces_on(torch::kCPU));
   EXPECT_THAT([&] {
     tl::by_device(std::make_shared<NamedCollectives>("host", 0, calls),
                   std::make_shared<NamedCollectives>("device", 1, calls));
   }, ::testing::ThrowsMessage<std::invalid_argument>(::testing::HasSubstr("must span the same ranks")));
+}
+
+// A c10d group says which backend takes a device's tensors: Gloo, which stages them through the
+// host, is not one the layer reduces on the device with.
+TEST(Collectives, AGlooGroupDoesNotReduceDeviceTensorsWhereTheyAre) {
+  const std::vector<std::string> failures = on_two_ranks([&](int, const auto& group, const auto&) {
+    const auto collectives = tl::over_process_group(group);
+    EXPECT_FALSE(collectives->reduces_on(torch::Device(torch::kCUDA, 0)));
+    EXPECT_FALSE(collectives->reduces_on(torch::kCPU));
+  });
+  EXPECT_EQ(failures, (std::vector<std::string>{"", ""}));
+  if (!tl::nccl_available()) {
+    EXPECT_THROW(tl::nccl_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, std::chrono::seconds(1)),
+                 std::logic_error);
+  }
+}
+
+// On a GPU with NCCL joined to Gloo (one rank: a lent test machine has one GPU, and NCCL takes
+// one rank per GPU), each block's gradient is reduced on the device in the backward and crosses
+// to the host once: the run equals the one without collectives (a sum over one rank, divided by
+// one).
+TEST(Collectives, WithNcclTheGradientsAreReducedOnTheGpuAndTheRunIsUnchanged) {
+  SP_SKIP_UNLESS_GPU(torch::cuda::is_available() && tl::nccl_available(),
+                     "LibTorch sees no CUDA device, or this build has no NCCL group (nccl_available())");
+  const torch::Device gpu(torch::kCUDA, 0);
+  const auto train = [&](std::shared_ptr<tl::Collectives> collectives) {
+    std::vector<TinyBlock> blocks = make_blocks(41);
+    std::vector<tl::Block> list;
+    for (TinyBlock& b : blocks) {
+      b->to(gpu);
+      list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+    }
+    tl::StreamedModelOptions o;
+    o.plugin_file = SP_PLUGIN_FILE;
+    o.config_yaml = policy_yaml("  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n");
+    o.device = gpu;
+    o.collectives = std::move(collectives);
+    tl::StreamedModel model(std::move(list), o);
+    EXPECT_EQ(model.gradient_reduction_device(), o.collectives ? gpu : torch::Device(torch::kCPU));
+    std::vector<torch::Tensor> params = model.master_parameters();
+    for (const torch::Tensor& r : model.resident_parameters()) params.push_back(r);
+    torch::optim::SGD optimizer(params, torch::optim::SGDOptions(0.5));
+    RankRun run;
+    for (std::int64_t step = 0; step < 3; ++step) {
+      optimizer.zero_grad();
+      model.begin_step(step);
+      const torch::Tensor loss = model.forward(input(42 + step).to(gpu)).pow(2).mean();
+      loss.backward();
+      model.post_backward();
+      optimizer.step();
+      run.losses.push_back(loss.item<double>());
+      model.end_step(run.losses.back());
+    }
+    for (std::uint32_t b = 0; b < model.num_blocks(); ++b) {
+      for (const auto& [name, master] : model.masters(b)) run.masters.emplace(std::to_string(b) + "." + name, master);
+    }
+    return run;
+  };
+  const auto store = c10::make_intrusive<c10d::HashStore>();
+  auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(30));
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  const auto gloo = tl::over_process_group(c10::make_intrusive<c10d::ProcessGroupGloo>(store, 0, 1, options));
+  const RankRun grouped = train(tl::by_device(
+      gloo, tl::nccl_group(c10::make_intrusive<c10d::PrefixStore>("nccl", store), 0, 1, std::chrono::seconds(30))));
+  const RankRun alone = train(nullptr);
+  ASSERT_EQ(grouped.losses.size(), alone.losses.size());
+  for (std::size_t i = 0; i < alone.losses.size(); ++i) {
+    EXPECT_NEAR(grouped.losses[i], alone.losses[i], 1e-6 * std::abs(alone.losses[i])) << "step " << i;
+  }
+  for (const auto& [name, master] : alone.masters) {
+    EXPECT_TRUE(torch::allclose(grouped.masters.at(name), master, 1e-6, 1e-8)) << name;
+  }
 }
 

@@ -26,8 +26,8 @@
 // with one for device tensors, and from_environment() builds them from the variables torchrun
 // sets. The layer's own collectives run on CPU tensors, so a group must take those (Gloo does;
 // NCCL alone does not, and is refused by name). The masters' gradients are reduced where the
-// backward makes them when the group takes tensors there too (NCCL, or Gloo in a CUDA build of
-// LibTorch): StreamedModel::gradient_reduction_device().
+// backward makes them when the group reduces tensors there without the host (NCCL:
+// Collectives::reduces_on): StreamedModel::gradient_reduction_device().
 #pragma once
 
 #include <chrono>
@@ -91,6 +91,14 @@ class Collectives {
   // CollectiveError.
   virtual std::vector<std::string> exchange(const std::string& key, const std::string& mine,
                                             std::chrono::milliseconds timeout);
+  // Whether a tensor on `device` (not the CPU) is reduced where it is, without crossing to the
+  // host: true for NCCL. A group that takes device tensors but stages them through the host
+  // (Gloo) answers false: the layer then copies its gradients to the host once and reduces
+  // them there, instead of letting them cross twice. By default false.
+  virtual bool reduces_on(const torch::Device& device) const {
+    (void)device;
+    return false;
+  }
 };
 
 namespace detail {
@@ -115,6 +123,26 @@ class PendingWork final : public Collectives::Pending {
   int rank_, size_;
   std::string what_;
 };
+
+// The name of the c10d backend that takes `device`'s tensors in `group` ("nccl", "gloo"), or ""
+// where it does not say: a PyTorch 2 ProcessGroup dispatches by device (getBackend), a 1.13
+// group or a PyTorch 2 Backend is one backend.
+template <typename Group>
+auto backend_name(Group& group, c10::DeviceType type, int) -> decltype(group.getBackend(type)->getBackendName()) {
+  try {
+    return group.getBackend(type)->getBackendName();
+  } catch (const std::exception&) {
+    return {};
+  }
+}
+template <typename Group>
+std::string backend_name(Group& group, c10::DeviceType, long) {
+  try {
+    return group.getBackendName();
+  } catch (const std::exception&) {
+    return {};
+  }
+}
 
 // Collectives::exchange() over a store: each rank sets its key, then waits for the others'.
 std::vector<std::string> exchange_through_store(c10d::Store& store, int rank, int size, const std::string& key,
@@ -150,6 +178,9 @@ class ProcessGroupCollectives final : public Collectives {
                                     std::chrono::milliseconds timeout) override {
     if (!store_) return Collectives::exchange(key, mine, timeout);
     return exchange_through_store(*store_, rank(), size(), key, mine, timeout);
+  }
+  bool reduces_on(const torch::Device& device) const override {
+    return !device.is_cpu() && backend_name(*group_, device.type(), 0) == "nccl";
   }
 
  private:
@@ -192,5 +223,14 @@ std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds tim
 // Whether this build has c10d's NCCL group (a CUDA build of LibTorch with NCCL and its
 // headers, found when the project was configured).
 bool nccl_available();
+
+// An NCCL group of `size` ranks meeting through `store`, for tensors on the CUDA device each
+// rank computes on; join it to a group for host tensors with by_device(). Its collectives wait
+// blocking (TORCH_NCCL_BLOCKING_WAIT, unless the environment sets it), so that a rank that died
+// or stalled makes wait() throw a CollectiveError after `timeout` instead of hanging. Throws
+// std::logic_error where !nccl_available(), and std::invalid_argument where the nccl.h this
+// build was compiled with is not the version of the NCCL that LibTorch loaded.
+std::shared_ptr<Collectives> nccl_group(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                                        std::chrono::milliseconds timeout);
 
 }  // namespace sp::torch_layer

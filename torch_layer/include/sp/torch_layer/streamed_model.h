@@ -323,9 +323,9 @@ class StreamedModel {
   int world_size() const;
   Collectives* collectives() const;  // null without; owned by the model
   // Where the masters' gradients are reduced across ranks: the compute device when every
-  // rank's group takes tensors there (NCCL, or Gloo in a CUDA build of LibTorch; the
-  // constructor asks the group), so that only the reduced gradient crosses to the host, and
-  // sharded only to the block's owner; else the host (the CPU; also in one process).
+  // rank's group reduces tensors there without the host (NCCL: Collectives::reduces_on, asked
+  // by the constructor), so that only the reduced gradient crosses to the host, and sharded
+  // only to the block's owner; else the host (the CPU; also in one process).
   torch::Device gradient_reduction_device() const;
   // Replaces each parameter's .grad by its mean across ranks (one bucket); for the host's own
   // parameters (embedding, head) after the backward. A no-op in one process.
