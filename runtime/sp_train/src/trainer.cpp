@@ -94,11 +94,19 @@ std::uint64_t hash_tensor(const torch::Tensor& t, std::uint64_t state) {
   return sp::runtime::fnv1a64(c.data_ptr(), static_cast<std::size_t>(c.numel()) * c.element_size(), state);
 }
 
-// The host memory a run of `c` holds at its peak, by its largest parts: the fp32 masters of the
-// streamed matrices (in full mode also their gradients and AdamW's two moments), the slabs of
-// the training and the evaluation engine (one per unit plus the spares, each as large as the
-// largest unit's BF16 image, which an NF4 or INT8 image never exceeds), and the activations the
-// recompute keeps (one input per block) plus the attention scores of one block.
+// The host memory a run of `c` adds at its peak to what the process holds before it builds
+// anything (LibTorch, the corpus: resident_bytes() then), by its largest parts:
+//   - the fp32 masters of the streamed matrices (in full mode also their gradients and AdamW's
+//     two moments; on a GPU also the pinned buffers the gradients cross to the host in);
+//   - the slabs of the training and the evaluation engine (one per unit plus the spares, each
+//     as large as the largest unit's BF16 image, which an NF4 or INT8 image never exceeds); on
+//     the CPU also the two engines' "device" slots (prefetch window + 2 per engine, each room
+//     for a BF16 image and a quantized one), which a GPU keeps in its own memory;
+//   - on the CPU, the activations: the input of every unit, which the recompute keeps, and the
+//     working set of one block's recompute and backward (per token about 7 + 2 x mlp_ratio
+//     widths saved for the backward, half as much again for their gradients, and the attention
+//     scores and probabilities with theirs).
+// Checked against heaptrack and the measured peaks in docs/results.md ("Host memory estimate").
 //
 // Sharded data parallelism keeps the masters' part of the blocks a rank owns (each rank owns
 // every shards-th unit), but never less than one fp32 copy of every streamed matrix: the
@@ -111,15 +119,29 @@ std::uint64_t estimated_host_bytes(const TrainConfig& c, std::uint32_t shards) {
   const bool sublayers = m.streaming_unit == StreamingUnit::sublayer;
   const std::uint64_t units = sublayers ? 2 * std::uint64_t{m.n_blocks} : m.n_blocks;
   const std::uint64_t largest_unit = sublayers ? std::max(attention, mlp) : attention + mlp;
+  const bool full = c.train.mode == TrainMode::full, on_cpu = c.train.device == ComputeDevice::cpu;
   // Full mode: master and gradient in fp32, and the two moments (fp32, or bf16).
   const std::uint64_t moment_bytes = c.train.adam_moments == AdamMoments::fp32 ? 8 : 4;
   const std::uint64_t owned_units = (units + shards - 1) / shards;
-  const std::uint64_t masters =
-      std::max(streamed * 4, streamed * (c.train.mode == TrainMode::full ? 8 + moment_bytes : 4) * owned_units / units);
+  const std::uint64_t masters = std::max(streamed * 4, streamed * (full ? 8 + moment_bytes : 4) * owned_units / units) +
+                                (full && !on_cpu ? streamed * 4 : 0);
   const std::uint64_t slabs = 2 * (units + c.streaming.spare_slabs) * largest_unit * 2;
+  if (!on_cpu) return masters + slabs;
+  // A quantized image is at most INT8's byte per weight and its scales.
+  const std::uint64_t slots = 2 * (std::uint64_t{c.streaming.prefetch_window} + 2) * largest_unit * 3;
+  const std::uint64_t scores = std::uint64_t{c.train.batch_size} * m.n_heads * m.seq_len * m.seq_len * 4;
   const std::uint64_t activations =
-      tokens * d * 4 * (units + 8) + std::uint64_t{c.train.batch_size} * m.n_heads * m.seq_len * m.seq_len * 4 * 2;
-  return masters + slabs + activations;
+      tokens * d * 4 * (units + 3 * (7 + 2 * std::uint64_t{m.mlp_ratio}) / 2) + 4 * scores;
+  return masters + slabs + slots + activations;
+}
+
+// This process's resident set now (VmRSS), in bytes; 0 where /proc does not say.
+std::uint64_t resident_bytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
 }
 
 // MemAvailable of /proc/meminfo, in bytes; 0 where it does not say.
@@ -166,6 +188,7 @@ struct Trainer::Impl {
   std::unique_ptr<TextCorpus> corpus;
   std::unique_ptr<GptModel> model;
   torch::TensorOptions compute;  // device and dtype of the model's math
+  std::uint64_t resident_before_build = 0;  // VmRSS with LibTorch and the corpus loaded, before the model
   // The streamed blocks: engines, masters, autograd, the policy session.
   std::unique_ptr<tl::StreamedModel> layer;
   std::vector<torch::Tensor> master_grads;  // full mode: the masters' .grad, which AdamW reads
@@ -215,12 +238,13 @@ struct Trainer::Impl {
     previous_crash = take_crash_marker(run_dir / kCrashMarkerFile);
     if (previous_crash) log->error("the previous run in {} crashed: {}", run_dir.string(), *previous_crash);
     if (options.crash_marker) install_crash_marker(run_dir / kCrashMarkerFile);
-    refuse_what_cannot_fit();
 
     corpus = std::make_unique<TextCorpus>(config.data.path, config.data.val_fraction, config.data.chunk_bytes,
                                           config.model.seq_len);
     log->info("data: {} file(s) from {}: {} train bytes, {} validation bytes", corpus->stats().files, config.data.path,
               corpus->stats().train_bytes, corpus->stats().val_bytes);
+    resident_before_build = resident_bytes();
+    refuse_what_cannot_fit();
 
     std::optional<CheckpointSections> checkpoint = find_checkpoint();
     if (checkpoint)
@@ -278,8 +302,9 @@ struct Trainer::Impl {
   }
 
   // The run's largest parts in host memory, estimated before any of them is allocated, against
-  // what the machine has available: a model far larger than memory is refused by name instead
-  // of meeting the OOM killer minutes later.
+  // what the machine has available (which what the process holds already is not part of): a
+  // model far larger than memory is refused by name instead of meeting the OOM killer minutes
+  // later.
   void refuse_what_cannot_fit() const {
     // Ranks on one node share its memory (torchrun's LOCAL_WORLD_SIZE).
     const char* local_ranks = std::getenv("LOCAL_WORLD_SIZE");
@@ -1367,7 +1392,9 @@ struct Trainer::Impl {
           {"gradients_reduced_on", layer->gradient_reduction_device().str()}}},
         {"peak_rss_bytes", peak_rss_bytes()},
         {"previous_crash", previous_crash ? nlohmann::json(*previous_crash) : nlohmann::json()},
-        {"estimated_host_bytes", estimated_host_bytes(config, shards())},
+        // The peak RSS expected: what the process held before it built the model, and the estimate.
+        {"estimated_host_bytes", resident_before_build + estimated_host_bytes(config, shards())},
+        {"resident_before_model_bytes", resident_before_build},
         // Records the run could not write (disk full, ...): each loss was logged when it happened.
         {"log_records_lost",
          {{kRunTrainMetricsFile, train_metrics->lost()}, {"transfer_metrics", layer->metrics_records_lost()}}}};

@@ -149,8 +149,11 @@ TEST_F(DataParallel, ShardedMastersTrainExactlyAsReplicatedOnes) {
     const auto summary_replicated = nlohmann::json::parse(text_of(replicated / "summary.json"));
     EXPECT_EQ(summary["final_val_loss"], summary_replicated["final_val_loss"]);
     EXPECT_EQ(summary["data_parallel"]["mode"], "sharded");
-    EXPECT_LT(summary["estimated_host_bytes"].get<std::uint64_t>(),
-              summary_replicated["estimated_host_bytes"].get<std::uint64_t>());
+    // What each estimates beyond what its process held before the model (which varies by run).
+    const auto model_estimate = [](const nlohmann::json& s) {
+      return s["estimated_host_bytes"].get<std::uint64_t>() - s["resident_before_model_bytes"].get<std::uint64_t>();
+    };
+    EXPECT_LT(model_estimate(summary), model_estimate(summary_replicated));
     EXPECT_TRUE(fs::exists(sharded / "checkpoint.bin"));
     EXPECT_TRUE(fs::exists(sharded / "checkpoint.shard-step24.bin"));
     EXPECT_TRUE(fs::exists(sharded / "rank1" / "checkpoint.shard-step24.bin"));

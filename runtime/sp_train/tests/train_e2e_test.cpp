@@ -421,7 +421,9 @@ TEST_F(TrainE2E, AModelFarLargerThanMemoryIsRefusedBeforeAllocation) {
   }
   // The estimate of the tiny model fits, and is reported beside the measured peak.
   const RunSummary run = train("tiny", {{"train.steps", "1"}});
-  EXPECT_GT(run.json["estimated_host_bytes"].get<std::uint64_t>(), 0u);
+  EXPECT_GT(run.json["resident_before_model_bytes"].get<std::uint64_t>(), 0u);
+  EXPECT_GT(run.json["estimated_host_bytes"].get<std::uint64_t>(),
+            run.json["resident_before_model_bytes"].get<std::uint64_t>());
   EXPECT_GT(run.json["peak_rss_bytes"].get<std::uint64_t>(), 0u);
 }
 
