@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The checks a lent GPU machine is for (../shared/gpu/README.md), in two calls that each fit the
-# device tool's 10 minutes:
+# device tool's 10 minutes. First, here: ../shared/gpu/fetch-debs.sh pybind11-dev libgloo-dev
+# (c10d's Gloo header includes gloo's, which a PyTorch wheel may not ship; pybind11 for the
+# Python module), then on the device, carrying .deps:
 #
 #   source .deps/device-env.sh && bash scripts/gpu-check.sh suite   # build, whole suite, GPU required
 #   source .deps/device-env.sh && bash scripts/gpu-check.sh bench   # every benchmark (after suite)
@@ -40,6 +42,8 @@ case ${1:-} in
     } >"$out/machine.txt" 2>&1
     step configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DSP_ENABLE_CUDA=ON || exit 1
+    # Whether the NCCL group was found (configure.log: "c10d NCCL group"), and if not, why.
+    cp "$build/torch_layer/nccl_check.log" "$out/" 2>/dev/null
     step build cmake --build "$build" -j "$jobs" || exit 1
     # The suite with GPU tests required: a skip for want of a device fails.
     SP_REQUIRE_GPU=1 step ctest ctest --test-dir "$build" --output-on-failure -j "$jobs" \
