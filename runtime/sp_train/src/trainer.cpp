@@ -135,14 +135,17 @@ std::uint64_t estimated_host_bytes(const TrainConfig& c, std::uint32_t shards) {
   return masters + slabs + slots + activations;
 }
 
-// This process's resident set now (VmRSS), in bytes; 0 where /proc does not say.
-std::uint64_t resident_bytes() {
+// A kB line of /proc/self/status ("VmRSS:", "VmHWM:"), in bytes; 0 where /proc does not say.
+std::uint64_t process_status_bytes(const std::string& key) {
   std::ifstream status("/proc/self/status");
   for (std::string line; std::getline(status, line);) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+    if (line.rfind(key, 0) == 0) return std::stoull(line.substr(key.size())) * 1024;
   }
   return 0;
 }
+
+// This process's resident set now.
+std::uint64_t resident_bytes() { return process_status_bytes("VmRSS:"); }
 
 // MemAvailable of /proc/meminfo, in bytes; 0 where it does not say.
 std::uint64_t available_host_bytes() {
@@ -153,14 +156,8 @@ std::uint64_t available_host_bytes() {
   return 0;
 }
 
-// This process's peak resident set (VmHWM), in bytes; 0 where /proc does not say.
-std::uint64_t peak_rss_bytes() {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
-  }
-  return 0;
-}
+// This process's peak resident set.
+std::uint64_t peak_rss_bytes() { return process_status_bytes("VmHWM:"); }
 
 template <typename T>
 std::vector<std::uint8_t> pod_bytes(const T& value) {
