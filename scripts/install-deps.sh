@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the build needs. Safe to run again: it asks apt only for
-# what is missing. Run as root (or with sudo available) on Debian bookworm.
+# Installs what the build needs. Safe to run again: it asks apt only for what is missing, and
+# pip only for what the venv does not already hold at the pinned version.
+#   - Debian packages (apt, as root or with sudo): compilers and the C++ libraries;
+#   - the project's virtual environment .venv, created with `python3` (SP_VENV_PYTHON to
+#     choose another) and filled from requirements.txt: PyPI's torch, whose LibTorch the C++
+#     build uses, and the Python packages of the tests, examples and benchmarks.
 set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 packages=(
   build-essential cmake ninja-build pkg-config
   libyaml-cpp-dev libspdlog-dev libfmt-dev libboost-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev
-  binutils python3
-  # sp-train: Debian's CPU LibTorch; its c10d headers need Gloo's, and without OpenBLAS
-  # it falls back to a slow reference BLAS.
-  libtorch-dev libgloo-dev libopenblas0-pthread
-  # The Python module: Debian's Python torch (the same libtorch, and torchrun), pybind11, and
-  # pytest for its tests.
-  python3-dev python3-torch pybind11-dev python3-pytest
+  binutils
+  # c10d's ProcessGroupGloo.hpp includes Gloo's headers. The torch wheel has Gloo compiled into
+  # libtorch_cpu but ships none of its headers, and PyPI has no package that does: Debian's
+  # are used for their declarations only, and nothing links Debian's Gloo (docs/integration.md).
+  libgloo-dev
+  # For a Debian python3 (a pyenv one brings its own): its venv module and headers.
+  python3 python3-venv python3-dev
   # The libFuzzer harnesses (docs/fuzzing.md): Clang, and the package that holds
   # libclang_rt.fuzzer-x86_64.a and the sanitizer runtimes for it.
   clang libclang-rt-14-dev
@@ -25,12 +30,18 @@ for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
 done
 if ((${#missing[@]} == 0)); then
-  echo "install-deps: all ${#packages[@]} packages present"
-  exit 0
+  echo "install-deps: all ${#packages[@]} Debian packages present"
+else
+  as_root=()
+  [[ $(id -u) -eq 0 ]] || as_root=(sudo)
+  echo "install-deps: installing ${missing[*]}"
+  "${as_root[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-as_root=()
-[[ $(id -u) -eq 0 ]] || as_root=(sudo)
-echo "install-deps: installing ${missing[*]}"
-"${as_root[@]}" apt-get update -qq
-DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if [[ ! -x .venv/bin/python ]]; then
+  echo "install-deps: creating .venv with ${SP_VENV_PYTHON:-python3} ($(command -v "${SP_VENV_PYTHON:-python3}"))"
+  "${SP_VENV_PYTHON:-python3}" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+echo "install-deps: .venv holds $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)' 2>/dev/null)"

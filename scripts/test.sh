@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite from a fresh Debian machine: installs packages, builds, runs ctest.
+# The whole test suite from a fresh Debian machine: installs packages (apt, and the .venv with
+# PyPI's torch), builds, installs the Python package into the .venv, runs ctest, then the
+# Python tests again against the installed package, from outside the source tree.
 # GPU tests skip cleanly when no CUDA device is present.
 # Then every libFuzzer harness (docs/fuzzing.md), built with Clang, ASan and UBSan in build-fuzz/:
 # the replay of its seed corpus (deterministic), then a smoke run of SP_FUZZ_SMOKE_SECONDS of
@@ -10,7 +12,13 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/install-deps.sh
 bash scripts/build.sh
+bash scripts/install-package.sh
 ctest --test-dir build --output-on-failure -j "$(nproc 2>/dev/null || echo 2)"
+# The installed package, as a user's script meets it: no PYTHONPATH, run from /tmp. The one
+# test that compares with the C++ layer's own run is given that program from the build.
+root=$PWD
+(cd /tmp && SP_TORCH_LAYER_REFERENCE="$root/build/bin/sp_torch_layer_reference" OMP_NUM_THREADS=1 \
+  "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider "$root/python/tests")
 
 # Only the harnesses and what they link: no tools, tests, benchmarks, LibTorch or CUDA.
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSP_BUILD_FUZZERS=ON \

@@ -26,17 +26,45 @@ errors and state are the same (docs/integration.md, "Python").
 """
 
 import contextlib
+import importlib.resources
 import os
 
 import torch  # loads libtorch before the extension that links it
 
-from ._selective_precision import (  # noqa: F401  (re-exported)
+from . import _build_info
+
+
+def _check_torch():
+    """The extension links the libtorch it was built against: under another torch it would
+    fail to load on a missing symbol, or load and misread torch's objects. Refuse it by name."""
+    found_abi = bool(torch._C._GLIBCXX_USE_CXX11_ABI)
+    if torch.__version__ != _build_info.torch_version or found_abi != _build_info.torch_cxx11_abi:
+        raise ImportError(
+            "selective_precision %s was built against torch %s (C++11 ABI %d), but this Python imports "
+            "torch %s (C++11 ABI %d) from %s. Rebuild it against this torch, from the project's source: "
+            "pip install --no-build-isolation --force-reinstall ."
+            % (
+                _build_info.version,
+                _build_info.torch_version,
+                _build_info.torch_cxx11_abi,
+                torch.__version__,
+                found_abi,
+                os.path.dirname(torch.__file__),
+            )
+        )
+
+
+_check_torch()
+
+from ._selective_precision import (  # noqa: E402,F401  (re-exported)
     CollectiveError,
     PluginError,
     RankMismatchError,
     StateEntryError,
     _StreamedModel,
 )
+
+__version__ = _build_info.version
 
 __all__ = [
     "StreamedBlocks",
@@ -51,18 +79,15 @@ _PLUGIN_NAME = "sp_selective_precision"
 
 
 def default_plugin_dir():
-    """Where the policy plugins are: $SP_PLUGIN_DIR, else beside an installed package
-    (<prefix>/lib/selective_precision/plugins), else the build tree's plugins/."""
+    """Where the policy plugins are: $SP_PLUGIN_DIR, else the installed package's plugins/
+    (pip install), else the build tree's plugins/ (PYTHONPATH=<build>/python)."""
     if os.environ.get("SP_PLUGIN_DIR"):
         return os.environ["SP_PLUGIN_DIR"]
+    installed = importlib.resources.files(__name__) / "plugins"
+    if installed.is_dir():
+        return str(installed)
     here = os.path.dirname(os.path.abspath(__file__))
-    for candidate in (
-        os.path.join(here, "..", "..", "..", "selective_precision", "plugins"),  # lib/python3/dist-packages
-        os.path.join(here, "..", "..", "plugins"),  # build/python/selective_precision
-    ):
-        if os.path.isdir(candidate):
-            return os.path.normpath(candidate)
-    return os.path.join(here, "plugins")
+    return os.path.normpath(os.path.join(here, "..", "..", "plugins"))
 
 
 def _streamed_names(block):

@@ -3,7 +3,9 @@
 # examples from copies outside the source tree against that prefix alone:
 #   - examples/plugin_host with LibTorch and CUDA hidden from CMake (the host component must
 #     not need them);
-#   - examples/llama_streamed (SelectivePrecision::torch), trained for a few steps.
+#   - examples/llama_streamed (SelectivePrecision::torch), trained for a few steps, finding
+#     LibTorch through the package (the torch it was built against).
+# The Python package is pip's to install (scripts/install-package.sh), not CMake's.
 # Usage: install_and_build_examples.sh <build dir> <source dir>
 set -euo pipefail
 build=$1
@@ -42,19 +44,3 @@ cmake -S "$work/llama-src" -B "$work/llama" -DCMAKE_BUILD_TYPE=Release -DCMAKE_P
   >"$work/llama.log"
 cmake --build "$work/llama" >>"$work/llama.log" || { cat "$work/llama.log"; exit 1; }
 "$work/llama/llama_streamed" 4
-
-# The Python package, where it was built: imported from the prefix alone, it finds the
-# installed plugins and runs a step.
-if [ -d "$build/python/selective_precision" ]; then
-  PYTHONPATH="$prefix/lib/python3/dist-packages" SP_PLUGIN_DIR= /usr/bin/python3 - <<'PY'
-import torch
-import selective_precision as sp
-assert sp.default_plugin_dir().endswith("lib/selective_precision/plugins"), sp.default_plugin_dir()
-blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
-streamed = sp.StreamedBlocks(blocks)
-streamed.begin_step(0)
-streamed(torch.randn(2, 16)).sum().backward()
-streamed.post_backward()
-print("python from the prefix:", streamed.end_step(1.0)["routes"])
-PY
-fi

@@ -1,5 +1,5 @@
-// c10d's NCCL group, in a translation unit of its own: compiled only where the project's
-// configure step linked one against LibTorch (SP_HAVE_C10D_NCCL, torch_layer/CMakeLists.txt).
+// c10d's NCCL group, in a translation unit of its own: compiled only where LibTorch was built
+// with NCCL and nccl.h was found (SP_HAVE_C10D_NCCL, torch_layer/CMakeLists.txt).
 #include "sp/torch_layer/collectives.h"
 
 #include <cstdlib>

@@ -82,9 +82,10 @@ torch::TensorOptions compute_options(const TrainConfig& config) {
   // Data-parallel ranks on one node take one GPU each (torchrun's LOCAL_RANK).
   const char* local_rank = std::getenv("LOCAL_RANK");
   const int index = local_rank != nullptr ? std::atoi(local_rank) : 0;
-  if (index < 0 || static_cast<std::size_t>(index) >= torch::cuda::device_count()) {
+  const int devices = static_cast<int>(torch::cuda::device_count());  // its type changed within 2.x
+  if (index < 0 || index >= devices) {
     throw ConfigError(fmt::format("{}: train.device: cuda, but LOCAL_RANK={} and this node has {} GPU(s)",
-                                  config.source_name, index, torch::cuda::device_count()));
+                                  config.source_name, index, devices));
   }
   return options.device(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index)));
 }
