@@ -1,8 +1,8 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Plots an `sp-bench transfer` report: effective bandwidth and time per block against block
 size, for the raw pinned copy, the BF16 path and the INT8 path (frozen and trained blocks).
 
-    /usr/bin/python3 bench/plot_transfer_report.py REPORT.json OUT.png
+    .venv/bin/python bench/plot_transfer_report.py REPORT.json OUT.png
 
 Effective bandwidth is BF16 bytes delivered per second: the INT8 path delivers the same
 weights with half the bytes on the wire, so it can exceed the raw copy rate.

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The checks a lent GPU machine is for (../shared/gpu/README.md), in two calls that each fit the
-# device tool's 10 minutes. First, here: ../shared/gpu/fetch-debs.sh pybind11-dev libgloo-dev
-# (c10d's Gloo header includes gloo's, which a PyTorch wheel may not ship; pybind11 for the
-# Python module), then on the device, carrying .deps:
+# device tool's 10 minutes. That machine has nvcc, CMake, ninja and its own PyTorch (the
+# python3 on its PATH, with pytest), and no registry. First, here:
+#
+#   ../shared/gpu/fetch-debs.sh libgloo-dev
+#
+# (the C++ libraries as Debian packages, and Gloo's headers, which c10d's ProcessGroupGloo.hpp
+# includes and no torch wheel ships), then on the device, carrying .deps:
 #
 #   source .deps/device-env.sh && bash scripts/gpu-check.sh suite   # build, whole suite, GPU required
 #   source .deps/device-env.sh && bash scripts/gpu-check.sh bench   # every benchmark (after suite)
 #
-# Builds once into build-gpu/ (kept on the machine between calls), Hopper only. Writes the logs
+# Builds once into build-gpu/ (kept on the machine between calls), Hopper only, against the
+# machine's torch (SP_PYTHON: its python3; the project's .venv does not travel). Writes the logs
 # and the benchmarks' JSON under $OUT (the device tool's folder that comes back; default
 # gpu-out/), each JSON with the commit; copy the JSON to bench/results/ and commit it. A step
 # that fails is logged and the next one still runs; the exit status counts the failures.
@@ -41,9 +46,8 @@ case ${1:-} in
       git log -1 --format='commit %H %s'
     } >"$out/machine.txt" 2>&1
     step configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-      -DCMAKE_CUDA_ARCHITECTURES=90 -DSP_ENABLE_CUDA=ON || exit 1
-    # Whether the NCCL group was found (configure.log: "c10d NCCL group"), and if not, why.
-    cp "$build/torch_layer/nccl_check.log" "$out/" 2>/dev/null
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DSP_ENABLE_CUDA=ON -DSP_PYTHON="$(command -v python3)" || exit 1
+    # configure.log says which torch was found and whether the NCCL group is built.
     step build cmake --build "$build" -j "$jobs" || exit 1
     # The suite with GPU tests required: a skip for want of a device fails.
     SP_REQUIRE_GPU=1 step ctest ctest --test-dir "$build" --output-on-failure -j "$jobs" \

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Per-row INT8 quantization with torch.quantize_per_channel, timed against a tensor copy
 measured in the same run, on the shapes sp-bench-kernels-cpu uses.
 
@@ -13,7 +13,7 @@ Two torch timings per shape:
 Bandwidth counts fp32 read + int8 written + fp32 scales written; copy bandwidth counts read +
 written bytes of dst.copy_(src).
 
-Usage: /usr/bin/python3 bench/kernels/torch_quantize_per_channel.py \
+Usage: .venv/bin/python bench/kernels/torch_quantize_per_channel.py \
            [--output bench/results/kernels-torch.json] [--threads 1] [--repeats 9]
 """
 import argparse
@@ -28,7 +28,7 @@ import time
 try:
     import torch
 except ImportError:
-    sys.exit("torch_quantize_per_channel.py: needs Debian's python3-torch (run it with /usr/bin/python3)")
+    sys.exit("torch_quantize_per_channel.py: needs torch (run it with the project's .venv/bin/python)")
 
 SHAPES = [(4096, 4096), (3072, 1024), (4096, 1024), (1024, 4096), (12288, 4096)]
 

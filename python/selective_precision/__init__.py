@@ -16,7 +16,7 @@ stock ``torch.optim`` optimizer steps them::
         print(s.report["h2d_bytes_int8"])
 
 Data parallelism: launch the script with torchrun, call
-``torch.distributed.init_process_group("gloo")`` (on GPUs with PyTorch 2,
+``torch.distributed.init_process_group("gloo")`` (on GPUs
 ``"cpu:gloo,cuda:nccl"``), give each rank its share of the batch and pass
 ``process_group=torch.distributed.group.WORLD``; every rank then takes the same decisions
 (docs/integration.md, "Python").
@@ -69,6 +69,7 @@ __version__ = _build_info.version
 __all__ = [
     "StreamedBlocks",
     "default_plugin_dir",
+    "config_dir",
     "PluginError",
     "StateEntryError",
     "CollectiveError",
@@ -88,6 +89,15 @@ def default_plugin_dir():
         return str(installed)
     here = os.path.dirname(os.path.abspath(__file__))
     return os.path.normpath(os.path.join(here, "..", "..", "plugins"))
+
+
+def config_dir():
+    """The shipped configs (default.yaml and lora.yaml for sp-train, policy/*.yaml for the
+    plugin): the installed package's configs/, else the source tree's of a build-tree package."""
+    installed = importlib.resources.files(__name__) / "configs"
+    if installed.is_dir():
+        return str(installed)
+    return _build_info.source_configs
 
 
 def _streamed_names(block):
@@ -124,7 +134,7 @@ class StreamedBlocks:
     moments_from: parameter names whose gradients describe a block to the policy (e.g. LoRA
         adapters); default: the streamed ones when they train.
     process_group: data parallelism over a torch.distributed process group whose collectives
-        take CPU tensors (Gloo; NCCL alone is refused with a ValueError, while with PyTorch 2's
+        take CPU tensors (Gloo; NCCL alone is refused with a ValueError, while with
         "cpu:gloo,cuda:nccl" NCCL reduces the gradients on the GPU:
         `gradient_reduction_device`); None: one process. Every rank wraps the same blocks and runs
         the same steps on its own share of the batch. The layer averages the streamed and

@@ -3,7 +3,7 @@
     data_parallel_worker.py RANK WORLD_SIZE INIT_FILE MODE GLOBAL_BATCH STEPS OUT_JSON [DIE_AT_STEP | gil]
 
 MODE: none (one process, no group), replicated or sharded; with "-gpu" (none-gpu,
-replicated-gpu) the model computes on the rank's GPU and the group is PyTorch 2's
+replicated-gpu) the model computes on the rank's GPU and the group is torch's
 "cpu:gloo,cuda:nccl". Every rank draws the same global
 batch each step and trains on its own contiguous share of the rows. Writes each step's mean
 loss and routes, and the head's final weights, to OUT_JSON. DIE_AT_STEP: this rank leaves the

@@ -83,18 +83,13 @@ def test_a_process_group_that_is_not_one_is_refused_by_name():
 
 
 def test_on_a_gpu_a_group_with_nccl_reduces_the_gradients_there(tmp_path):
-    """PyTorch 2's group with a backend per device: the layer's own collectives take Gloo, the
+    """A group with a backend per device: the layer's own collectives take Gloo, the
     gradients NCCL on the GPU. One rank (a lent test machine has one GPU, and NCCL takes one
     rank per GPU): the same steps as without a group."""
-    why = None
     if not torch.cuda.is_available():
-        why = "torch sees no CUDA device"
-    elif int(torch.__version__.split(".")[0]) < 2:
-        why = "a group with a backend per device needs PyTorch 2, this is " + torch.__version__
-    if why:
         if os.environ.get("SP_REQUIRE_GPU") == "1":
-            pytest.fail("SP_REQUIRE_GPU=1, but " + why)
-        pytest.skip(why)
+            pytest.fail("SP_REQUIRE_GPU=1, but torch sees no CUDA device")
+        pytest.skip("torch sees no CUDA device")
     codes, [alone] = run_ranks(tmp_path, "none-gpu", 1)
     assert codes == [0]
     codes, [grouped] = run_ranks(tmp_path, "replicated-gpu", 1)

@@ -388,8 +388,8 @@ struct StreamedModel::Impl {
       const std::string why = e.what();
       throw std::invalid_argument(fmt::format(
           "StreamedModelOptions::collectives: rank {} of {}: the group refused an all-reduce of a CPU tensor ({}). "
-          "The layer's collectives run on host tensors: give it a group that takes them, as Gloo does, or on "
-          "PyTorch 2 one with a backend per device (init_process_group(\"cpu:gloo,cuda:nccl\")); NCCL alone takes "
+          "The layer's collectives run on host tensors: give it a group that takes them, as Gloo does, or "
+          "one with a backend per device (init_process_group(\"cpu:gloo,cuda:nccl\")); NCCL alone takes "
           "device tensors only",
           collectives->rank(), collectives->size(), why.substr(0, why.find('\n'))));
     }

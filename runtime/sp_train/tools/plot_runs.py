@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Turns sp-train run directories into PNG figures.
 
-  /usr/bin/python3 runtime/sp_train/tools/plot_runs.py --out bench/results --prefix train-full \
+  .venv/bin/python runtime/sp_train/tools/plot_runs.py --out bench/results --prefix train-full \
       bf16-only=runs/bf16 dynamic=runs/dynamic all-int8=runs/int8
 
 Reads <run>/train_metrics.jsonl (one record per step) and writes
@@ -9,7 +9,7 @@ Reads <run>/train_metrics.jsonl (one record per step) and writes
   <prefix>-bytes.png      H2D bytes per step, all runs overlaid
   <prefix>-heatmap-<label>.png  route of every block at every step (blocks x steps)
 
-Needs Debian's python3-matplotlib (use /usr/bin/python3, not a virtualenv without it).
+Needs matplotlib: run it with the project's .venv/bin/python.
 """
 import argparse
 import json

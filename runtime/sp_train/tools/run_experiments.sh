@@ -60,10 +60,10 @@ for mode in "${modes[@]}"; do
   done
   plots=()
   for policy in "${policies[@]}"; do plots+=("$policy=$runs$mode-$policy"); done
-  /usr/bin/python3 "$repo/runtime/sp_train/tools/plot_runs.py" --out "$results" --prefix "$prefix-$mode" "${plots[@]}"
+  "$repo/.venv/bin/python" "$repo/runtime/sp_train/tools/plot_runs.py" --out "$results" --prefix "$prefix-$mode" "${plots[@]}"
 done
 
-/usr/bin/python3 - "$results" "$prefix" "${commands[@]}" <<'PY'
+"$repo/.venv/bin/python" - "$results" "$prefix" "${commands[@]}" <<'PY'
 import json, os, platform, subprocess, sys
 results, prefix, *commands = sys.argv[1:]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")

@@ -25,7 +25,7 @@ if [[ ${3:-} != --analyze-only ]]; then
   done
 fi
 
-PYTHONPATH="$repo/runtime/sp_train/tools" /usr/bin/python3 - "$work" "$repo/bench/results/train-link-bound.json" "$common" <<'PY'
+PYTHONPATH="$repo/runtime/sp_train/tools" "$repo/.venv/bin/python" - "$work" "$repo/bench/results/train-link-bound.json" "$common" <<'PY'
 import json, os, sys
 from run_records import jsonl, write_json
 work, out, common = sys.argv[1], sys.argv[2], " ".join(sys.argv[3].split())

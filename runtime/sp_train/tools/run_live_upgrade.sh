@@ -39,7 +39,7 @@ for run in stay upgrade; do
   wait "$pid"
 done
 
-/usr/bin/python3 - "$work" "$repo/bench/results" "$common" <<'PY'
+"$repo/.venv/bin/python" - "$work" "$repo/bench/results" "$common" <<'PY'
 import json, os, sys
 import matplotlib
 matplotlib.use("Agg")

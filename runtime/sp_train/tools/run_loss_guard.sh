@@ -66,7 +66,7 @@ for g in on off; do
     --out "$out")
 done
 
-PYTHONPATH="$repo/runtime/sp_train/tools" /usr/bin/python3 - "$work" "$case_name" "$repo/bench/results/train-loss-guard-$case_name.json" "$common" "$repo" <<'PY'
+PYTHONPATH="$repo/runtime/sp_train/tools" "$repo/.venv/bin/python" - "$work" "$case_name" "$repo/bench/results/train-loss-guard-$case_name.json" "$common" "$repo" <<'PY'
 import json, os, sys
 from run_records import jsonl, write_json
 work, case, out, common, repo = sys.argv[1], sys.argv[2], sys.argv[3], " ".join(sys.argv[4].split()), sys.argv[5]

@@ -41,7 +41,7 @@ if [[ ${3:-} != --analyze-only ]]; then
   done
 fi
 
-PYTHONPATH="$repo/runtime/sp_train/tools" /usr/bin/python3 - "$work" "$repo/bench/results/train-memory-estimate.json" \
+PYTHONPATH="$repo/runtime/sp_train/tools" "$repo/.venv/bin/python" - "$work" "$repo/bench/results/train-memory-estimate.json" \
   "$common" "${shapes[@]}" <<'PY'
 import json, os, statistics, sys
 from run_records import jsonl, write_json

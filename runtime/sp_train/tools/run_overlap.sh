@@ -40,7 +40,7 @@ for setting in small-batch default-batch; do
   done
 done
 
-/usr/bin/python3 - "$work" "$repo/bench/results/train-overlap.json" "$common" "${settings[small-batch]}" \
+"$repo/.venv/bin/python" - "$work" "$repo/bench/results/train-overlap.json" "$common" "${settings[small-batch]}" \
   "${settings[default-batch]}" <<'PY'
 import json, os, statistics, sys
 work, out, common, small_batch, default_batch = sys.argv[1:]

@@ -26,19 +26,19 @@ if [[ ${3:-} != --analyze-only ]]; then
   "$sp_train" $common --out "$work/dp-one"
   for mode in replicated sharded; do
     # shellcheck disable=SC2086
-    torchrun --no_python --nproc_per_node 2 --redirects 1 --tee 1 --master_port 29533 "$sp_train" $common --out "$work/dp-$mode" \
+    "$repo/.venv/bin/torchrun" --no-python --nproc-per-node 2 --master-port 29533 "$sp_train" $common --out "$work/dp-$mode" \
       --set train.batch_size=8 --set train.data_parallel=$mode
   done
 fi
 
-PYTHONPATH="$repo/runtime/sp_train/tools" /usr/bin/python3 - "$work" "$repo/bench/results/train-data-parallel-sharded.json" "$common" <<'PY'
+PYTHONPATH="$repo/runtime/sp_train/tools" "$repo/.venv/bin/python" - "$work" "$repo/bench/results/train-data-parallel-sharded.json" "$common" <<'PY'
 import json, os, statistics, sys
 from run_records import jsonl, write_json
 work, out, common = sys.argv[1], sys.argv[2], " ".join(sys.argv[3].split())
 setups = {"one": ["dp-one"], "replicated": ["dp-replicated", "dp-replicated/rank1"],
           "sharded": ["dp-sharded", "dp-sharded/rank1"]}
 result = {"command": f"bash runtime/sp_train/tools/run_sharded_memory.sh (sp-train {common}; "
-                     "two ranks: torchrun --no_python --nproc_per_node 2 --redirects 1 --tee 1 ... --set train.batch_size=8 "
+                     "two ranks: torchrun --no-python --nproc-per-node 2 ... --set train.batch_size=8 "
                      "--set train.data_parallel=replicated|sharded)",
           "setups": {}}
 for name, dirs in setups.items():

@@ -125,8 +125,8 @@ class PendingWork final : public Collectives::Pending {
 };
 
 // The name of the c10d backend that takes `device`'s tensors in `group` ("nccl", "gloo"), or ""
-// where it does not say: a PyTorch 2 ProcessGroup dispatches by device (getBackend), a 1.13
-// group or a PyTorch 2 Backend is one backend.
+// where it does not say: a ProcessGroup dispatches by device (getBackend), a Backend (such as
+// ProcessGroupGloo) is one backend.
 template <typename Group>
 auto backend_name(Group& group, c10::DeviceType type, int) -> decltype(group.getBackend(type)->getBackendName()) {
   try {
@@ -196,7 +196,7 @@ class ProcessGroupCollectives final : public Collectives {
 };
 }  // namespace detail
 
-// A c10d process group type (ProcessGroupGloo in 1.13 and 2.x, where it is a Backend): its
+// A c10d process group type (a ProcessGroup, or a Backend such as ProcessGroupGloo): its
 // allreduce, reduce and broadcast, one CPU tensor each; with the group's store (or any store
 // every rank shares), exchange() waits on the store for as long as it is asked to.
 template <typename Group>
@@ -206,7 +206,7 @@ std::shared_ptr<Collectives> over_process_group(c10::intrusive_ptr<Group> group,
 }
 
 // Collectives that send each tensor by its device: CPU tensors to `host`, any other to
-// `device`, as a PyTorch 2 group with a backend per device does ("cpu:gloo,cuda:nccl").
+// `device`, as a torch.distributed group with a backend per device does ("cpu:gloo,cuda:nccl").
 // exchange() goes through `host`. Both must span the same ranks in the same order; throws
 // std::invalid_argument when their rank or size differ.
 std::shared_ptr<Collectives> by_device(std::shared_ptr<Collectives> host, std::shared_ptr<Collectives> device);
