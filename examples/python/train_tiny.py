@@ -3,11 +3,13 @@
 through Selective Precision: the blocks' matrices live on the host as fp32 masters and cross to
 the compute device in the precision the policy plugin picks per block (BF16, INT8 or NF4).
 
-    PYTHONPATH=build/python python3 examples/python/train_tiny.py --steps 40
+    .venv/bin/python examples/python/train_tiny.py --steps 40
 
-On two processes, each training on half of every batch (data parallelism over Gloo):
+(with the package installed into the project's .venv by scripts/install-package.sh; from a build
+tree alone: PYTHONPATH=build/python .venv/bin/python ...). On two processes, each training on
+half of every batch (data parallelism over Gloo):
 
-    PYTHONPATH=build/python torchrun --standalone --nproc_per_node 2 examples/python/train_tiny.py
+    .venv/bin/torchrun --standalone --nproc-per-node 2 examples/python/train_tiny.py
 
 Prints each step's loss and routes, and the bytes the policy saved against BF16 everywhere.
 The lines that concern Selective Precision are marked `# [sp]`.
