@@ -1,17 +1,18 @@
 # LibTorch, from the torch of a Python: PyPI's wheel in the project's .venv (README), a GPU
 # machine's own PyTorch, or whatever Torch_DIR / CMAKE_PREFIX_PATH name first.
 #
-# The oldest torch the project builds against is SP_TORCH_MINIMUM. The reasons, from the code:
-#   - c10d's ProcessGroup holds one Backend per device type (getBackend), which the layer
-#     asks where a device's tensors are reduced (torch_layer/collectives.h): PyTorch 2.0;
-#   - the C++ standard and ABI are taken from torch itself below, so nothing else pins it.
+# The oldest torch the project builds against is SP_TORCH_MINIMUM. The reason, from the code:
+# a streamed block's recompute restores its forward's autocast state per device type
+# (at::autocast::is_autocast_enabled(DeviceType), torch_layer/src/forward_state.cpp), which
+# torch 2.4 introduced. (Before it, c10d's per-device getBackend, in collectives.h, set 2.0.)
+# The C++ standard and ABI are taken from torch itself below, so nothing else pins it.
 # PyPI's current release (requirements.txt) is what CI builds and tests against.
 #
 # Sets SP_HAVE_TORCH, SP_TORCH_VERSION, SP_TORCH_CXX11_ABI (0 or 1), SP_PYTHON (the
 # interpreter whose torch this is), SP_PYTHON_TORCH_VERSION_FULL (its torch.__version__) and
 # SP_TORCH_PYBIND11_ABI (torch's pybind11 ABI tag where a
 # torch before pybind11 3 states it; python/CMakeLists.txt).
-set(SP_TORCH_MINIMUM 2.0)
+set(SP_TORCH_MINIMUM 2.4)
 
 set(SP_PYTHON "" CACHE FILEPATH
     "The Python whose torch gives LibTorch and hosts the Python module (default: Python3_EXECUTABLE, then the project's .venv, then python3 on the PATH)")

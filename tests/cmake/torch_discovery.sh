@@ -48,9 +48,9 @@ python_isolated=$work/python
 printf '#!/bin/sh\nexec "%s" -S "$@"\n' "$python" >"$python_isolated"
 chmod +x "$python_isolated"
 python=$python_isolated
-expect_failure missing "needs LibTorch (torch 2.0 or newer)" "import torch" "No module named 'torch'" \
+expect_failure missing "needs LibTorch (torch 2.4 or newer)" "import torch" "No module named 'torch'" \
   "bash scripts/install-deps.sh"
 
 fake_torch "$work/old" 1.13.1
 env=(PYTHONPATH="$work/old" PYTHONNOUSERSITE=1)
-expect_failure too-old "needs torch 2.0 or newer; found 1.13.1" "bash scripts/install-deps.sh"
+expect_failure too-old "needs torch 2.4 or newer; found 1.13.1" "bash scripts/install-deps.sh"

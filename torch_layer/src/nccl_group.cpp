@@ -28,7 +28,6 @@ std::shared_ptr<Collectives> nccl_group(c10::intrusive_ptr<c10d::Store> store, i
   // Without a blocking wait, wait() only orders the streams: a dead rank would hang the next
   // copy to the host until the NCCL watchdog ends the process, instead of raising by name.
   setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
-  setenv("NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);  // its name before PyTorch 2.2
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
   return over_process_group(c10::make_intrusive<c10d::ProcessGroupNCCL>(std::move(store), rank, size, options));

@@ -18,6 +18,7 @@
 #include "sp/adapters/streaming_engine.h"
 #include "sp/kernels/moments.h"
 #include "sp/kernels/relative_error.h"
+#include "forward_state.h"
 #include "serial_worker.h"
 #ifdef SP_TORCH_LAYER_HAVE_CUDA
 #include "sp/adapters/cuda_backend.h"
@@ -98,6 +99,8 @@ struct BlockState {
   // still gets a backward when its input needs no gradient.
   std::vector<torch::Tensor> autograd_inputs;
   bool trainable_masters = false;
+  // Its training forward's random streams and autocast, for the recompute (forward_state.h).
+  std::optional<ForwardState> forward_state;
 };
 
 std::string master_key(const BlockState& b, const StreamedParam& p) { return "master/" + b.block.name + "." + p.name; }
@@ -706,6 +709,7 @@ struct StreamedModel::Impl {
   torch::Tensor forward_block(std::uint32_t b, const torch::Tensor& x) {
     const ad::BlockView& view = engine->acquire(b);
     attach(blocks[b], view, false);
+    blocks[b].forward_state = ForwardState::capture(options.device);
     torch::Tensor y;
     try {
       y = blocks[b].block.forward(x);
@@ -739,7 +743,11 @@ struct StreamedModel::Impl {
     try {
       torch::AutoGradMode enable(true);
       const torch::Tensor input = x.detach().requires_grad_(input_grad);
-      const torch::Tensor y = block.block.forward(input);
+      torch::Tensor y;
+      {
+        const ReplayedForward replayed(*block.forward_state);
+        y = block.block.forward(input);
+      }
       if (input_grad) wrt.push_back(input);
       for (const StreamedParam& p : block.streamed) {
         if (p.param.requires_grad()) wrt.push_back(p.param);

@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sp/testing/gpu_gate.h>
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -106,6 +107,94 @@ TEST(StreamedModel, ForwardAndGradientsEqualThePlainModelOnBf16Weights) {
   std::uint64_t one_pass = 0;
   for (std::uint32_t b = 0; b < kBlocks; ++b) one_pass += model->image_bytes(b, SP_PRECISION_BF16);
   EXPECT_EQ(report.h2d_bytes_bf16, 2 * one_pass - model->image_bytes(kBlocks - 1, SP_PRECISION_BF16));
+}
+
+// A residual block that draws from the random stream (dropout) and records the dtype its
+// matmul computed in, call by call: the forward, then the backward's recompute.
+struct DropoutBlockImpl : torch::nn::Module {
+  explicit DropoutBlockImpl(double p) : fc(register_module("fc", torch::nn::Linear(kDim, kDim))), p(p) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    const torch::Tensor h = fc(x);
+    matmul_dtypes.push_back(h.scalar_type());
+    return x + torch::dropout(torch::tanh(h), p, /*train=*/true);
+  }
+  torch::nn::Linear fc;
+  double p;
+  std::vector<torch::ScalarType> matmul_dtypes;
+};
+TORCH_MODULE(DropoutBlock);
+
+struct DropoutRun {
+  std::vector<DropoutBlock> streamed_blocks, plain;
+  std::unique_ptr<tl::StreamedModel> model;
+  explicit DropoutRun(double p) {
+    torch::manual_seed(21);
+    std::vector<tl::Block> list;
+    for (int b = 0; b < kBlocks; ++b) {
+      streamed_blocks.emplace_back(p);
+      plain.emplace_back(p);
+      torch::NoGradGuard no_grad;
+      plain.back()->fc->weight.copy_(streamed_blocks.back()->fc->weight.to(torch::kBFloat16).to(torch::kFloat32));
+      plain.back()->fc->bias.copy_(streamed_blocks.back()->fc->bias);
+      list.push_back(tl::make_block(streamed_blocks.back(), {"fc.weight"}));
+    }
+    tl::StreamedModelOptions options;
+    options.plugin_file = SP_PLUGIN_FILE;
+    options.config_yaml = policy_yaml("  mode: off\n");
+    model = std::make_unique<tl::StreamedModel>(std::move(list), options);
+  }
+  torch::Tensor run_plain(torch::Tensor x) {
+    for (DropoutBlock b : plain) x = b->forward(x);
+    return x;
+  }
+};
+
+TEST(StreamedModel, TheRecomputeDrawsTheForwardsDropoutMasks) {
+  DropoutRun run(0.5);
+  const torch::Tensor x = input(3);
+
+  torch::manual_seed(77);
+  run.model->begin_step(0);
+  const torch::Tensor y = run.model->forward(x);
+  y.pow(2).mean().backward();
+  run.model->post_backward();
+  const torch::Tensor after_streamed = torch::randn({4});
+
+  torch::manual_seed(77);
+  const torch::Tensor expected = run.run_plain(x);
+  expected.pow(2).mean().backward();
+  const torch::Tensor after_plain = torch::randn({4});
+
+  EXPECT_TRUE(torch::equal(y, expected));
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    const torch::Tensor& got = run.model->masters(b).at("fc.weight").grad();
+    const torch::Tensor& want = run.plain[b]->fc->weight.grad();
+    EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-7))
+        << "block " << b << ": " << ((got - want).norm() / want.norm()).item<double>() << " relative";
+  }
+  EXPECT_TRUE(torch::equal(after_streamed, after_plain)) << "the recompute left the caller's random stream moved";
+  run.model->end_step(0.0);
+}
+
+TEST(StreamedModel, ABlockUnderBf16AutocastComputesInBf16InBothPasses) {
+  DropoutRun run(0.0);
+  const torch::Tensor x = input(4);
+  run.model->begin_step(0);
+  torch::Tensor y;
+  {
+    at::autocast::set_autocast_enabled(c10::DeviceType::CPU, true);
+    at::autocast::set_autocast_dtype(c10::DeviceType::CPU, at::kBFloat16);
+    y = run.model->forward(x);
+    at::autocast::set_autocast_enabled(c10::DeviceType::CPU, false);
+    at::autocast::clear_cache();
+  }
+  y.to(torch::kFloat32).pow(2).mean().backward();  // outside autocast, as a training loop runs it
+  run.model->post_backward();
+  for (const DropoutBlock& b : run.streamed_blocks) {
+    EXPECT_EQ(b->matmul_dtypes, (std::vector<torch::ScalarType>{torch::kBFloat16, torch::kBFloat16}));
+  }
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(c10::DeviceType::CPU));
+  run.model->end_step(0.0);
 }
 
 TEST(StreamedModel, MicroBatchesAccumulateAndEvaluationForwardsMayComeBetween) {
