@@ -9,9 +9,9 @@
 # PyPI's current release (requirements.txt) is what CI builds and tests against.
 #
 # Sets SP_HAVE_TORCH, SP_TORCH_VERSION, SP_TORCH_CXX11_ABI (0 or 1), SP_PYTHON (the
-# interpreter whose torch this is), SP_PYTHON_TORCH_VERSION_FULL (its torch.__version__) and
-# SP_TORCH_PYBIND11_ABI (torch's pybind11 ABI tag where a
-# torch before pybind11 3 states it; python/CMakeLists.txt).
+# interpreter whose torch this is), SP_PYTHON_TORCH_VERSION_FULL (its torch.__version__),
+# SP_TORCH_PYBIND11_ABI (the pybind11 ABI tag a torch before pybind11 3 states;
+# python/CMakeLists.txt), SP_WHEEL_CUDA_LIB_DIRS and SP_TORCH_SITE_RPATH (below).
 set(SP_TORCH_MINIMUM 2.4)
 
 set(SP_PYTHON "" CACHE FILEPATH
