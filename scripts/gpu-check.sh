@@ -21,15 +21,18 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-$PWD/gpu-out}
 build=build-gpu
 jobs=$(nproc 2>/dev/null || echo 8)
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# The device's copy of the tree has no .git: the caller passes the commit it sent (SP_COMMIT).
+commit=${SP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$out"
 failures=0
 
+# A lease is short: each step is stopped after SP_STEP_SECONDS (default 300), so that one that
+# hangs costs its own result and not the others'.
 step() {  # step NAME COMMAND...: runs it, its output to $out/NAME.log, and says how it ended
   local name=$1
   shift
   local start=$SECONDS
-  "$@" >"$out/$name.log" 2>&1
+  timeout --kill-after=10 "${SP_STEP_SECONDS:-300}" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   printf '%-28s rc %-3d %4ds\n' "$name" "$rc" $((SECONDS - start)) | tee -a "$out/steps.txt"
   if [[ $rc != 0 ]]; then
@@ -43,7 +46,7 @@ case ${1:-} in
   suite)
     {
       nvidia-smi || true
-      git log -1 --format='commit %H %s'
+      echo "commit $commit"
     } >"$out/machine.txt" 2>&1
     step configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DSP_ENABLE_CUDA=ON -DSP_PYTHON="$(command -v python3)" || exit 1
