@@ -49,7 +49,7 @@ case ${1:-} in
       echo "commit $commit"
     } >"$out/machine.txt" 2>&1
     step configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-      -DCMAKE_CUDA_ARCHITECTURES=90 -DSP_ENABLE_CUDA=ON -DSP_PYTHON="$(command -v python3)" || exit 1
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DSP_ENABLE_CUDA=ON -DSP_WARNINGS_AS_ERRORS=OFF -DSP_PYTHON="$(command -v python3)" || exit 1
     # configure.log says which torch was found and whether the NCCL group is built.
     step build cmake --build "$build" -j "$jobs" || exit 1
     # The suite with GPU tests required: a skip for want of a device fails.
@@ -61,7 +61,7 @@ case ${1:-} in
     [[ -x $build/bin/sp-bench-kernels-gpu ]] || { echo "build-gpu/ is not built: run 'suite' first" >&2; exit 1; }
     step kernels-gpu "$build/bin/sp-bench-kernels-gpu" --commit "$commit" --output "$out/kernels-gpu.json"
     step adapters-gpu "$build/bin/sp-bench-adapters" --backend cuda --commit "$commit" --out "$out/adapters-gpu.json"
-    step transfer-report "$build/bin/sp-bench" transfer --backend cuda --gpt-d-model 4096 8192 \
+    step transfer-report "$build/bin/sp-bench" transfer --backend cuda --max-kib 131072 --repeats 5 --gpt-d-model 2048 4096 \
       --out "$out/transfer-report-gpu.json"
     step transfer-policy "$build/bin/sp-bench" merge-policy --reports "$out/transfer-report-gpu.json" \
       --output "$out/transfer-policy-gpu.json"

@@ -117,6 +117,8 @@ json bench_hooks(const std::filesystem::path& plugin_file, int steps) {
   host.abi_minor = SP_PLUGIN_ABI_MINOR;
   host.host_name = "sp-bench-plugin";
   host.host_version = "0";
+  // The default tiers hint INT8; a host that left the mask out would be one moving BF16 alone.
+  host.supported_precisions = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
   sp_policy_ctx* ctx = nullptr;
   check(t.create(&host, kConfig, descs.data(), kBlocks, &ctx), t, nullptr, "create");
   sp::policy::PolicyEngine engine(sp::policy::parse_policy_config(kConfig, kBlocks).config, bytes, nullptr, "");

@@ -6,6 +6,7 @@
 #include <csignal>
 
 #include "test_support.h"
+#include "sp/testing/death_test.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -224,7 +225,7 @@ void print_plugin_call_and_exit(int) {
 }
 
 TEST(PluginCallDeathTest, AHandlerLearnsWhichPluginCallCrashed) {
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  sp::testing::fork_death_test_children();
   char outside[64] = "x";
   EXPECT_EQ(describe_plugin_call(outside, sizeof outside), 0u);
   EXPECT_STREQ(outside, "");

@@ -877,13 +877,20 @@ std::vector<std::string> on_two_ranks(const RankBody& body) {
   const c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::string> failures(2);
   const auto rank_main = [&](int rank) {
+    c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
     try {
       auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(30));
       options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-      body(rank, c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options), store);
+      group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options);
+      body(rank, group, store);
     } catch (const std::exception& e) {
       failures[rank] = e.what();
     }
+    // A rank whose body makes no collective call can be done before the other has finished
+    // connecting to it; closing its group then fails the other's constructor ("connection
+    // closed by peer", seen on a 16-core machine). Each keeps its group until both are done.
+    store->set("done/" + std::to_string(rank), std::vector<std::uint8_t>{});
+    store->wait({"done/0", "done/1"});
   };
   std::thread other(rank_main, 1);
   rank_main(0);

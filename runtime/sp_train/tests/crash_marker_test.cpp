@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "sp/host/policy_host.h"
+#include "sp/testing/death_test.h"
 
 namespace sp::train {
 namespace {
@@ -43,7 +44,7 @@ fs::path fresh_dir(const std::string& name) {
 }
 
 TEST(CrashMarkerDeathTest, NamesThePluginAndTheCallThatCrashedTheRun) {
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  sp::testing::fork_death_test_children();
   const fs::path marker = fresh_dir("plugin") / kCrashMarkerFile;
   EXPECT_EXIT(crash_inside_a_plugin(marker), ::testing::KilledBySignal(SIGSEGV), "");
   const std::optional<std::string> text = take_crash_marker(marker);
@@ -55,7 +56,7 @@ TEST(CrashMarkerDeathTest, NamesThePluginAndTheCallThatCrashedTheRun) {
 }
 
 TEST(CrashMarkerDeathTest, SaysSoWhenTheCrashWasOutsideAnyPluginCall) {
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  sp::testing::fork_death_test_children();
   const fs::path marker = fresh_dir("outside") / kCrashMarkerFile;
   EXPECT_EXIT(
       {
