@@ -48,7 +48,14 @@ case ${1:-} in
       nvidia-smi || true
       echo "commit $commit"
     } >"$out/machine.txt" 2>&1
+    # The packages from .deps, by the CMake variable (a ';' list). device-env.sh exports the
+    # environment variable with ';', which CMake reads as one path: on 2026-11-26 the machine's
+    # own GTest 1.14, yaml-cpp 0.8 and spdlog 1.12 were linked while CPATH gave the carried
+    # 1.12, 0.7 and 1.10 headers, the likely cause of the death tests' crashes and a hot-swap
+    # test's heap growth there, which only that machine showed.
+    prefix_path=${CMAKE_PREFIX_PATH:-}
     step configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DCMAKE_PREFIX_PATH="${prefix_path//:/;}" \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DSP_ENABLE_CUDA=ON -DSP_WARNINGS_AS_ERRORS=OFF -DSP_PYTHON="$(command -v python3)" || exit 1
     # configure.log says which torch was found and whether the NCCL group is built.
     step build cmake --build "$build" -j "$jobs" || exit 1

@@ -6,7 +6,6 @@
 #include <csignal>
 
 #include "test_support.h"
-#include "sp/testing/death_test.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -225,7 +224,7 @@ void print_plugin_call_and_exit(int) {
 }
 
 TEST(PluginCallDeathTest, AHandlerLearnsWhichPluginCallCrashed) {
-  sp::testing::fork_death_test_children();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
   char outside[64] = "x";
   EXPECT_EQ(describe_plugin_call(outside, sizeof outside), 0u);
   EXPECT_STREQ(outside, "");

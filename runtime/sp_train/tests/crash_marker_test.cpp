@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "sp/host/policy_host.h"
-#include "sp/testing/death_test.h"
 
 namespace sp::train {
 namespace {
@@ -44,7 +43,7 @@ fs::path fresh_dir(const std::string& name) {
 }
 
 TEST(CrashMarkerDeathTest, NamesThePluginAndTheCallThatCrashedTheRun) {
-  sp::testing::fork_death_test_children();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
   const fs::path marker = fresh_dir("plugin") / kCrashMarkerFile;
   EXPECT_EXIT(crash_inside_a_plugin(marker), ::testing::KilledBySignal(SIGSEGV), "");
   const std::optional<std::string> text = take_crash_marker(marker);
@@ -56,7 +55,7 @@ TEST(CrashMarkerDeathTest, NamesThePluginAndTheCallThatCrashedTheRun) {
 }
 
 TEST(CrashMarkerDeathTest, SaysSoWhenTheCrashWasOutsideAnyPluginCall) {
-  sp::testing::fork_death_test_children();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
   const fs::path marker = fresh_dir("outside") / kCrashMarkerFile;
   EXPECT_EXIT(
       {
