@@ -25,8 +25,11 @@ This is a binding of the C++ LibTorch layer (``sp/torch_layer/streamed_model.h``
 errors and state are the same (docs/integration.md, "Python").
 """
 
+import collections.abc
 import contextlib
+import errno
 import importlib.resources
+import json
 import os
 
 import torch  # loads libtorch before the extension that links it
@@ -100,6 +103,30 @@ def config_dir():
     return _build_info.source_configs
 
 
+def _policy_config(config):
+    """(YAML text, source name) of `config`: None (the plugin's defaults), a path (str or
+    os.PathLike) to a YAML file, YAML text (it has a newline or a "key: value"), or a mapping of
+    the policy's keys (with or without the top-level `selective_precision`)."""
+    if config is None:
+        return "selective_precision: {}\n", "<defaults>"
+    if isinstance(config, collections.abc.Mapping):
+        section = config if "selective_precision" in config else {"selective_precision": dict(config)}
+        try:
+            return json.dumps(section), "<config mapping>"  # JSON is YAML
+        except TypeError as error:
+            raise TypeError("config: a mapping of the policy's keys to numbers, strings, booleans and lists "
+                            "expected: %s" % error) from None
+    if isinstance(config, os.PathLike) or (isinstance(config, str) and "\n" not in config and ": " not in config):
+        path = os.fspath(config)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(errno.ENOENT, "config: the policy's YAML file was not found", path)
+        with open(path, encoding="utf-8") as f:
+            return f.read(), path
+    if isinstance(config, str):
+        return config, "<config text>"
+    raise TypeError("config: a path, YAML text or a mapping expected, got %s" % type(config).__name__)
+
+
 def _streamed_names(block):
     """By default every 2-D floating-point weight of a block streams: its matrices."""
     return [
@@ -127,8 +154,9 @@ class StreamedBlocks:
     blocks: a torch.nn.ModuleList (or any list of modules taking and returning one tensor).
     streamed: the parameter names, relative to a block, that stream (default: its 2-D weights);
         every other parameter stays resident and trains the usual way.
-    config: the policy's YAML, as a path or as text (its section `selective_precision`);
-        None: the plugin's defaults.
+    config: the policy's settings (its section `selective_precision`): a path to a YAML file
+        (FileNotFoundError names it when there is none), YAML text, or a mapping of the
+        policy's keys; None: the plugin's defaults.
     plugin, plugin_dir: loads <plugin_dir>/lib<plugin>.so.
     device, compute_dtype: where and in what dtype the blocks compute.
     moments_from: parameter names whose gradients describe a block to the policy (e.g. LoRA
@@ -173,13 +201,7 @@ class StreamedBlocks:
             raise ValueError("StreamedBlocks: the module list is empty")
         if streamed is None:
             streamed = _streamed_names(modules[0])
-        config_yaml, config_source = "selective_precision: {}\n", "<defaults>"
-        if config is not None:
-            if os.path.isfile(str(config)):
-                with open(config, encoding="utf-8") as f:
-                    config_yaml, config_source = f.read(), str(config)
-            else:
-                config_yaml, config_source = str(config), "<config text>"
+        config_yaml, config_source = _policy_config(config)
         plugin_file = os.path.join(plugin_dir or default_plugin_dir(), "lib%s.so" % plugin)
         self._streamed_names = list(streamed)
         self._model = _StreamedModel(
@@ -281,6 +303,8 @@ class StreamedBlocks:
     # ---- the step --------------------------------------------------------------------------
 
     def begin_step(self, step):
+        """Opens step `step`. Steps increase over the whole run, across epochs and resumes
+        (a ValueError names one that does not)."""
         self._averaged.clear()
         self._model.take_collective_failure()  # one of an earlier step is that step's
         self._model.begin_step(int(step))
@@ -303,11 +327,7 @@ class StreamedBlocks:
         try:
             yield context
         except BaseException as error:
-            # The step is dropped (the plugin sees a failed step), so that the next one can
-            # begin; the masters' gradients of the dropped step are cleared.
-            self._model.abort_step()
-            for master in self.master_parameters():
-                master.grad = None
+            self._drop_step()
             # A collective that failed in loss.backward() reaches here as autograd's
             # RuntimeError: raise it as what it is.
             failure = self._model.take_collective_failure()
@@ -315,9 +335,14 @@ class StreamedBlocks:
                 raise CollectiveError(failure) from error
             raise
         if context.loss is None:
+            self._drop_step()
             raise ValueError("StreamedBlocks.step(): set .loss on the step context before leaving it")
         loss = context.loss.item() if isinstance(context.loss, torch.Tensor) else float(context.loss)
-        context.moments = self.post_backward()
+        try:
+            context.moments = self.post_backward()
+        except BaseException:
+            self._drop_step()  # refused (no backward in the step, say)
+            raise
         if optimizer is not None and self.world_size > 1:
             self.average_gradients(self._host_parameters(optimizer))
         loss = context.loss_mean = self.average(loss)
@@ -325,6 +350,13 @@ class StreamedBlocks:
             optimizer.step()
             optimizer.zero_grad()
         context.report = self.end_step(loss)
+
+    def _drop_step(self):
+        """Ends the open step as failed (the plugin sees a failed step), so that the next one can
+        begin, and clears the masters' gradients of the dropped step."""
+        self._model.abort_step()
+        for master in self.master_parameters():
+            master.grad = None
 
     def abort_step(self):
         """Ends a step an exception cut short; zero the masters' gradients afterwards."""

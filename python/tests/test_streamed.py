@@ -201,3 +201,67 @@ def test_a_graph_that_outlives_its_model_is_refused():
     streamed.close()
     with pytest.raises(RuntimeError, match="destroyed or closed"):
         loss.backward()
+
+
+OFF = "selective_precision:\n  telemetry_enabled: false\n  mode: off\n"
+
+
+def _train_step(streamed, step, x):
+    with streamed.step(step) as s:
+        s.loss = streamed(x).pow(2).mean()
+        s.loss.backward()
+    return s
+
+
+def test_steps_that_do_not_increase_are_refused_by_name_across_a_resume():
+    """A count restarted at 0 each epoch, or after a resume, is refused before the policy
+    sees it (it used to be logged while the policy stopped deciding)."""
+    torch.manual_seed(10)
+    streamed = wrap(torch.nn.ModuleList(ReferenceBlock() for _ in range(2)), policy=OFF)
+    x = torch.randn(2, 4, DIM)
+    _train_step(streamed, 3, x)
+    with pytest.raises(ValueError, match=r"begin_step\(0\): step 3 already began, and steps must increase"):
+        _train_step(streamed, 0, x)
+    _train_step(streamed, 4, x)  # the refusal left no step open
+    resumed = wrap(torch.nn.ModuleList(ReferenceBlock() for _ in range(2)), policy=OFF)
+    resumed.restore_state(streamed.export_state())
+    with pytest.raises(ValueError, match="go on from step 5"):
+        resumed.begin_step(4)
+    _train_step(resumed, 5, x)
+
+
+def test_a_step_without_a_backward_is_refused_and_dropped():
+    torch.manual_seed(11)
+    streamed = wrap(torch.nn.ModuleList(ReferenceBlock() for _ in range(2)), policy=OFF)
+    with pytest.raises(RuntimeError, match="no block has a gradient in step 0: no backward ran"):
+        with streamed.step(0) as s:
+            s.loss = streamed(torch.randn(2, 4, DIM)).pow(2).mean()  # no backward
+    assert _train_step(streamed, 1, torch.randn(2, 4, DIM)).report["training_passes"] == 1
+
+
+def test_a_parameter_shared_by_two_blocks_is_refused_naming_both():
+    torch.manual_seed(12)
+    blocks = [ReferenceBlock(), ReferenceBlock()]
+    blocks[1].ln_weight = blocks[0].ln_weight
+    with pytest.raises(ValueError, match="block1's 'ln_weight' is block0's 'ln_weight' too"):
+        wrap(torch.nn.ModuleList(blocks))
+
+
+def test_the_config_is_a_path_yaml_text_or_a_mapping(tmp_path):
+    torch.manual_seed(13)
+    missing = tmp_path / "policy" / "dynamic_v3.yaml"
+    for config in (str(missing), missing):
+        with pytest.raises(FileNotFoundError, match="dynamic_v3.yaml"):
+            sp.StreamedBlocks([ReferenceBlock()], config=config)
+    static = {"telemetry_enabled": False, "mode": "static", "tiers": ["bf16", "int8"], "force_int8_blocks": [1]}
+    as_file = tmp_path / "static.yaml"
+    as_file.write_text("selective_precision:\n  telemetry_enabled: false\n  mode: static\n"
+                       "  tiers: [bf16, int8]\n  force_int8_blocks: [1]\n")
+    for config in (static, {"selective_precision": static}, as_file, str(as_file), as_file.read_text()):
+        streamed = sp.StreamedBlocks([ReferenceBlock(), ReferenceBlock()], config=config)
+        _train_step(streamed, 0, torch.randn(2, 4, DIM))  # the plugin's first hints
+        assert streamed.routes() == ["bf16", "int8"], config
+    with pytest.raises(TypeError, match="config: a mapping of the policy's keys"):
+        sp.StreamedBlocks([ReferenceBlock()], config={"mode": object()})
+    with pytest.raises(TypeError, match="config: a path, YAML text or a mapping expected, got int"):
+        sp.StreamedBlocks([ReferenceBlock()], config=3)

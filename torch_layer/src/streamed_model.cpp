@@ -202,6 +202,9 @@ struct StreamedModel::Impl {
   bool in_step = false;
   bool after_backward = false;
   std::int64_t step = 0;
+  // The last step begun, in this run or the one whose state was restored: steps must increase,
+  // as the plugin's window and its switch counts are measured in steps.
+  std::optional<std::int64_t> last_step;
   Clock::time_point step_start;
   ad::StepTransferMetrics step_transfer;
   StepReport report;
@@ -239,6 +242,7 @@ struct StreamedModel::Impl {
     }
     sharded = options.shard_masters && collectives->size() > 1;
     if (collectives) probe_collectives();
+    refuse_shared_parameters(in);
     for (std::size_t b = 0; b < in.size(); ++b) adopt(std::move(in[b]), b);
     build_engines();
     if (sharded) shard_masters();
@@ -257,6 +261,26 @@ struct StreamedModel::Impl {
       if (pass != Pass::none) engine->end_step();
     } catch (const std::exception& e) {
       log->warn("StreamedModel: closing the open training pass: {}", e.what());
+    }
+  }
+
+  // A parameter in two blocks would get a master per block (streamed), or be listed, reduced and
+  // stepped once per block (resident): refused, naming both places.
+  static void refuse_shared_parameters(const std::vector<Block>& in) {
+    std::map<const c10::TensorImpl*, std::string> first_place;
+    for (std::size_t b = 0; b < in.size(); ++b) {
+      if (!in[b].parameters) continue;  // adopt() names that
+      const std::string block = in[b].name.empty() ? fmt::format("block{}", b) : in[b].name;
+      for (const auto& [name, tensor] : in[b].parameters()) {
+        const std::string place = fmt::format("{}'s '{}'", block, name);
+        const auto [it, added] = first_place.emplace(tensor.unsafeGetTensorImpl(), place);
+        if (!added && it->second.rfind(block + "'s ", 0) != 0) {
+          throw std::invalid_argument(fmt::format(
+              "StreamedModel: {} is {} too: a parameter shared by two blocks is not supported (each block would "
+              "update it); give each block its own, or keep the shared one outside the streamed blocks",
+              place, it->second));
+        }
+      }
     }
   }
 
@@ -545,6 +569,15 @@ struct StreamedModel::Impl {
     const torch::Tensor blob = entry("policy/state", torch::kUInt8);
     const torch::Tensor hints = entry("policy/hints", torch::kUInt8);
     const torch::Tensor passes = entry("layer/passes", torch::kInt64);
+    // Absent from states written before steps were checked: the count starts afresh.
+    std::optional<std::int64_t> restored_last_step;
+    if (state.count("layer/last_step")) {
+      const torch::Tensor last = entry("layer/last_step", torch::kInt64);
+      if (last.numel() != 1 || last.data_ptr<std::int64_t>()[0] < -1) {
+        throw StateEntryError("layer/last_step", "expected one step number, or -1 for none");
+      }
+      if (last.data_ptr<std::int64_t>()[0] >= 0) restored_last_step = last.data_ptr<std::int64_t>()[0];
+    }
     const std::size_t hint_bytes = static_cast<std::size_t>(hints.numel());
     if (hint_bytes % sizeof(sp_hint_v1) != 0 || (hint_bytes != 0 && hint_bytes != blocks.size() * sizeof(sp_hint_v1))) {
       throw StateEntryError("policy/hints",
@@ -586,6 +619,7 @@ struct StreamedModel::Impl {
     }
     engine_steps = passes.data_ptr<std::int64_t>()[0];
     eval_engine_steps = passes.data_ptr<std::int64_t>()[1];
+    last_step = restored_last_step;
     for (std::uint32_t b = 0; b < blocks.size(); ++b) {
       if (owns(b)) engine->on_weights_updated(b);
     }
@@ -1372,7 +1406,16 @@ void StreamedModel::begin_step(std::int64_t step) {
     throw std::logic_error(
         fmt::format("StreamedModel::begin_step({}): step {} has not ended; call end_step()", step, m.step));
   }
+  if (step < 0) throw std::invalid_argument(fmt::format("StreamedModel::begin_step({}): steps start at 0", step));
+  if (m.last_step && step <= *m.last_step) {
+    throw std::invalid_argument(fmt::format(
+        "StreamedModel::begin_step({}): step {} already began, and steps must increase over the whole run (the "
+        "policy's windows are counted in steps): number them across epochs, and after restore_state() go on from "
+        "step {}",
+        step, *m.last_step, *m.last_step + 1));
+  }
   m.policy->begin_step(step);
+  m.last_step = step;
   m.report = StepReport{};
   m.report.step = step;
   m.report.swap = m.policy->take_swap_outcome();
@@ -1402,8 +1445,21 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
   if (m.after_backward) throw std::logic_error("StreamedModel::post_backward: already called in this step");
   m.close_abandoned_pass("post_backward");
   m.wait_for_updates();
-  m.moments = m.block_moments();
-  m.policy->post_backward(m.step, m.moments);
+  std::vector<sp_grad_moments_v1> moments = m.block_moments();
+  // The plugin takes the blocks that have gradient elements (ABI: the others are left out).
+  std::vector<sp_grad_moments_v1> measured;
+  for (const sp_grad_moments_v1& block : moments) {
+    if (block.count != 0) measured.push_back(block);
+  }
+  if (measured.empty()) {
+    throw std::logic_error(fmt::format(
+        "StreamedModel::post_backward: no block has a gradient in step {}: no backward ran through the streamed "
+        "blocks since begin_step(), or their gradients were cleared before this call. Run the backward first; to "
+        "drop a step without one, call abort_step()",
+        m.step));
+  }
+  m.moments = std::move(moments);
+  m.policy->post_backward(m.step, measured);
   m.apply_hints(m.policy->compute_hints(m.step));
   if (m.collectives) {
     std::vector<std::int32_t> precisions(m.blocks.size(), -1);
@@ -1621,6 +1677,7 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
   if (!m.applied_hints.empty()) std::memcpy(hints.data_ptr(), m.applied_hints.data(), hints.numel());
   state.emplace("policy/hints", hints);
   state.emplace("layer/passes", torch::tensor({m.engine_steps, m.eval_engine_steps}, torch::kInt64));
+  state.emplace("layer/last_step", torch::tensor({m.last_step.value_or(-1)}, torch::kInt64));
   return state;
 }
 

@@ -494,13 +494,9 @@ TEST(StreamedModel, UpdateDuringTheBackwardIsArmedOncePerStepBeforeTheBackward) 
   model->update_masters_during_backward(adam, all);
   EXPECT_THROW(model->update_masters_during_backward(adam, all), std::logic_error);  // twice
   const torch::Tensor before = model->masters(0).at("fc1.weight").clone();
-  // No backward runs: post_backward() updates every armed block (here: none has a gradient).
-  try {
-    model->post_backward();
-    ADD_FAILURE() << "expected std::invalid_argument";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("gradient"), std::string::npos) << e.what();
-  }
+  // No backward runs: post_backward() is refused before it updates any armed block.
+  EXPECT_THAT([&] { model->post_backward(); },
+              ::testing::ThrowsMessage<std::logic_error>(::testing::HasSubstr("no block has a gradient")));
   model->abort_step();
   EXPECT_TRUE(torch::equal(before, model->masters(0).at("fc1.weight")));
   model->begin_step(1);
@@ -663,6 +659,68 @@ TEST(StreamedModel, NamedErrors) {
   options.plugin_file = "/nonexistent/libnothing.so";
   EXPECT_ANY_THROW(
       tl::StreamedModel(std::vector<tl::Block>{tl::make_block(make_blocks(23)[0], {"fc1.weight"})}, options));
+}
+
+// Steps are counted over the whole run: one that does not increase (a count restarted at 0
+// each epoch, or after a resume) is refused before the plugin sees it, and a restored state
+// carries the count on.
+TEST(StreamedModel, StepsThatDoNotIncreaseAreRefusedByNameAcrossAResume) {
+  auto model = wrap(make_blocks(60), "  mode: off\n");
+  const auto one_step = [](tl::StreamedModel& m, std::int64_t step) {
+    m.begin_step(step);
+    m.forward(input(61)).pow(2).mean().backward();
+    m.post_backward();
+    m.end_step(1.0);
+  };
+  one_step(*model, 4);
+  EXPECT_THAT([&] { model->begin_step(4); },
+              ::testing::ThrowsMessage<std::invalid_argument>(
+                  ::testing::HasSubstr("begin_step(4): step 4 already began, and steps must increase")));
+  EXPECT_THAT([&] { model->begin_step(0); },
+              ::testing::ThrowsMessage<std::invalid_argument>(::testing::HasSubstr("go on from step 5")));
+  EXPECT_THROW(model->begin_step(-1), std::invalid_argument);
+  one_step(*model, 5);  // the refusals left no step open
+
+  auto resumed = wrap(make_blocks(60), "  mode: off\n");
+  resumed->restore_state(model->export_state());
+  EXPECT_THAT([&] { resumed->begin_step(0); },
+              ::testing::ThrowsMessage<std::invalid_argument>(::testing::HasSubstr("step 5 already began")));
+  one_step(*resumed, 6);
+  // A state written before the count was kept restores, and the count starts afresh.
+  auto state = model->export_state();
+  state.erase("layer/last_step");
+  auto older = wrap(make_blocks(60), "  mode: off\n");
+  older->restore_state(state);
+  EXPECT_NO_THROW(older->begin_step(0));
+}
+
+// post_backward() reports the blocks' gradient moments to the policy: with no backward in the
+// step there are none, which is refused by name, and the step can still be dropped.
+TEST(StreamedModel, PostBackwardWithoutABackwardIsRefusedByName) {
+  auto model = wrap(make_blocks(62), "  mode: off\n");
+  model->begin_step(0);
+  EXPECT_THAT([&] { model->post_backward(); },
+              ::testing::ThrowsMessage<std::logic_error>(
+                  ::testing::HasSubstr("no block has a gradient in step 0: no backward ran")));
+  model->abort_step();
+  model->begin_step(1);
+  model->forward(input(63)).pow(2).mean().backward();
+  EXPECT_EQ(model->post_backward().size(), static_cast<std::size_t>(kBlocks));
+  model->end_step(1.0);
+}
+
+// A module in two blocks: its parameters would be updated once per block. Refused, naming both.
+TEST(StreamedModel, AParameterSharedByTwoBlocksIsRefusedNamingBoth) {
+  auto blocks = make_blocks(64);
+  blocks[2]->ln = blocks[2]->replace_module("ln", blocks[0]->ln);
+  std::vector<tl::Block> list;
+  for (const TinyBlock& b : blocks) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+  tl::StreamedModelOptions options;
+  options.plugin_file = SP_PLUGIN_FILE;
+  options.config_yaml = policy_yaml("  mode: off\n");
+  EXPECT_THAT([&] { tl::StreamedModel model(std::move(list), options); },
+              ::testing::ThrowsMessage<std::invalid_argument>(
+                  ::testing::HasSubstr("block2's 'ln.weight' is block0's 'ln.weight' too")));
 }
 
 TEST(StreamedModel, AReplacedParameterIsRefusedNotRead) {
