@@ -265,3 +265,21 @@ def test_the_config_is_a_path_yaml_text_or_a_mapping(tmp_path):
         sp.StreamedBlocks([ReferenceBlock()], config={"mode": object()})
     with pytest.raises(TypeError, match="config: a path, YAML text or a mapping expected, got int"):
         sp.StreamedBlocks([ReferenceBlock()], config=3)
+
+
+def test_an_optimizer_stepped_after_the_step_ended_is_refused_not_streamed_stale():
+    """step() without the optimizer, then optimizer.step(): the images were rebuilt before
+    the update, and the next step would train on the old weights."""
+    torch.manual_seed(14)
+    model = torch.nn.ModuleList(ReferenceBlock() for _ in range(2))
+    streamed = wrap(model, policy=OFF)
+    optimizer = torch.optim.AdamW(streamed.optimizer_parameters(model), lr=1e-2)
+    x = torch.randn(2, 4, DIM)
+    _train_step(streamed, 0, x)
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="block0's master 'fc1.weight' changed after its transfer images were built"):
+        _train_step(streamed, 1, x)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="refresh_images"):
+        streamed(x)
+    streamed.refresh_images()
+    _train_step(streamed, 1, x)

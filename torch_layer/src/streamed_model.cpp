@@ -192,6 +192,10 @@ struct StreamedModel::Impl {
   std::uint64_t pass_id = 0;
   std::int64_t engine_steps = 0, eval_engine_steps = 0;
   std::vector<bool> eval_image_stale;  // per block: its masters changed since the evaluation engine built its image
+  // Per block, per streamed parameter: the master's version counter when the block's images
+  // were last built from it. An in-place change since (an optimizer step after end_step())
+  // would leave the engines streaming the old weights.
+  std::vector<std::vector<std::int64_t>> image_versions;
   std::vector<bool> updated_in_step;   // per block: update_masters() wrote its image this step
   std::uint64_t evaluation_bytes = 0, calibration_bytes = 0;  // of the forward-only passes
   bool grads_staged = false;
@@ -247,6 +251,31 @@ struct StreamedModel::Impl {
     build_engines();
     if (sharded) shard_masters();
     build_policy();
+    note_image_versions();
+  }
+
+  void note_image_versions() {
+    image_versions.assign(blocks.size(), {});
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+      if (!owns(b)) continue;
+      for (const StreamedParam& p : blocks[b].streamed) image_versions[b].push_back(p.master._version());
+    }
+  }
+
+  void require_current_images(const std::string& call) const {
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+      if (!owns(b)) continue;
+      for (std::size_t i = 0; i < blocks[b].streamed.size(); ++i) {
+        const StreamedParam& p = blocks[b].streamed[i];
+        if (p.master._version() == image_versions[b][i]) continue;
+        throw std::logic_error(fmt::format(
+            "StreamedModel::{}: {}'s master '{}' changed after its transfer images were built (an optimizer step "
+            "after end_step()?), so the engines would stream the old weights. Step the optimizer between "
+            "post_backward() and end_step() (the Python step() context does), or call refresh_images() after "
+            "changing the masters",
+            call, blocks[b].block.name, p.name));
+      }
+    }
   }
 
   ~Impl() {
@@ -620,6 +649,7 @@ struct StreamedModel::Impl {
     engine_steps = passes.data_ptr<std::int64_t>()[0];
     eval_engine_steps = passes.data_ptr<std::int64_t>()[1];
     last_step = restored_last_step;
+    note_image_versions();
     for (std::uint32_t b = 0; b < blocks.size(); ++b) {
       if (owns(b)) engine->on_weights_updated(b);
     }
@@ -734,6 +764,7 @@ struct StreamedModel::Impl {
 
   torch::Tensor eval_forward(torch::Tensor x) {
     wait_for_updates();  // the evaluation engine reads the masters
+    require_current_images("forward");
     const ad::StepTransferMetrics m =
         eval_pass({}, evaluation_bytes, [&](std::uint32_t b) { x = blocks[b].block.forward(x); });
     report.eval_h2d_bytes += m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
@@ -1414,6 +1445,7 @@ void StreamedModel::begin_step(std::int64_t step) {
         "step {}",
         step, *m.last_step, *m.last_step + 1));
   }
+  m.require_current_images(fmt::format("begin_step({})", step));
   m.policy->begin_step(step);
   m.last_step = step;
   m.report = StepReport{};
@@ -1538,6 +1570,7 @@ void StreamedModel::refresh_images() {
     m.eval_image_stale[b] = true;
   }
   m.share_images(/*all=*/false, /*trained=*/true);
+  m.note_image_versions();
 }
 
 void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamWStep& step,

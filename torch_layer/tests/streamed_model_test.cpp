@@ -694,6 +694,37 @@ TEST(StreamedModel, StepsThatDoNotIncreaseAreRefusedByNameAcrossAResume) {
   EXPECT_NO_THROW(older->begin_step(0));
 }
 
+// An optimizer stepped after end_step() changes the masters after their images were rebuilt:
+// the next pass would stream the old weights. Refused by name; refresh_images() rebuilds them.
+TEST(StreamedModel, MastersChangedAfterTheRebuildAreRefusedUntilRefreshed) {
+  auto model = wrap(make_blocks(65), "  mode: off\n");
+  model->begin_step(0);
+  model->forward(input(66)).pow(2).mean().backward();
+  model->post_backward();
+  model->end_step(1.0);
+  {
+    // Too late: the images were rebuilt in end_step(). In place, as torch.optim's SGD steps.
+    // (LibTorch's C++ optimizers write through .data(), which no version counter sees.)
+    torch::NoGradGuard no_grad;
+    for (torch::Tensor& master : model->master_parameters()) master.add_(master.grad(), -0.1);
+  }
+  EXPECT_THAT([&] { model->begin_step(1); },
+              ::testing::ThrowsMessage<std::logic_error>(::testing::HasSubstr(
+                  "begin_step(1): block0's master 'fc1.weight' changed after its transfer images were built")));
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_THROW(model->forward(input(67)), std::logic_error);
+  }
+  model->refresh_images();
+  model->begin_step(1);
+  const auto blocks = make_blocks(65);
+  const torch::Tensor out = model->forward(input(68));
+  // The pass streams the stepped masters (BF16-rounded), as a plain model on them computes.
+  const std::vector<TinyBlock> twins = plain_twins(blocks, *model);
+  EXPECT_TRUE(torch::allclose(out, run_plain(twins, input(68)), 1e-4, 1e-5));
+  model->abort_step();
+}
+
 // post_backward() reports the blocks' gradient moments to the policy: with no backward in the
 // step there are none, which is refused by name, and the step can still be dropped.
 TEST(StreamedModel, PostBackwardWithoutABackwardIsRefusedByName) {
