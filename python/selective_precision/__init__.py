@@ -21,6 +21,9 @@ Data parallelism: launch the script with torchrun, call
 ``process_group=torch.distributed.group.WORLD``; every rank then takes the same decisions
 (docs/integration.md, "Python").
 
+Messages of the layer and of the policy plugin go to Python's ``logging``, logger
+``selective_precision`` (with no handler configured, warnings and errors reach stderr).
+
 This is a binding of the C++ LibTorch layer (``sp/torch_layer/streamed_model.h``): the rules,
 errors and state are the same (docs/integration.md, "Python").
 """

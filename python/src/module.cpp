@@ -5,7 +5,10 @@
 // The GIL: a block's parameters and forward are Python calls, made with the GIL held; autograd
 // runs a block's backward (which recomputes its forward) with the GIL released, on its own
 // thread or the caller's, so each call takes the GIL itself. The Python modules are held by
-// pointers whose last release takes the GIL too.
+// pointers whose last release takes the GIL too. The layer's messages (its engines' and the
+// plugin's too) go to Python's logging, which takes the GIL on whatever thread logs: so every
+// call that can wait on another thread (the constructor, close, the destructor, and all that
+// stream, swap or exchange) releases the GIL while it waits.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/extension.h>
 
@@ -19,6 +22,9 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <spdlog/details/null_mutex.h>
+#include <spdlog/sinks/base_sink.h>
+#include <spdlog/spdlog.h>
 
 #include "sp/host/plugin_library.h"
 #include "sp/torch_layer/collectives.h"
@@ -34,6 +40,61 @@ std::shared_ptr<py::object> hold(py::object object) {
     py::gil_scoped_acquire gil;
     delete o;
   });
+}
+
+bool interpreter_finishing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return !Py_IsInitialized() || Py_IsFinalizing();
+#else
+  return !Py_IsInitialized() || _Py_IsFinalizing();
+#endif
+}
+
+// Each message to logging.getLogger("selective_precision") at its level. No lock of its own:
+// the GIL orders the calls, and a lock taken before the GIL would deadlock with a thread that
+// holds the GIL and logs. During the interpreter's shutdown a message goes to stderr.
+class PythonLoggingSink final : public spdlog::sinks::base_sink<spdlog::details::null_mutex> {
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    const std::string text(msg.payload.data(), msg.payload.size());
+    if (interpreter_finishing()) {
+      std::fprintf(stderr, "selective_precision: %s\n", text.c_str());
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    try {
+      py::module_::import("logging")
+          .attr("getLogger")("selective_precision")
+          .attr("log")(python_level(msg.level), "%s", text);
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("selective_precision's log message");
+    }
+  }
+  void flush_() override {}
+
+ private:
+  static int python_level(spdlog::level::level_enum level) {
+    switch (level) {
+      case spdlog::level::trace:
+      case spdlog::level::debug:
+        return 10;  // logging.DEBUG
+      case spdlog::level::info:
+        return 20;
+      case spdlog::level::warn:
+        return 30;
+      case spdlog::level::err:
+        return 40;
+      default:
+        return 50;  // logging.CRITICAL
+    }
+  }
+};
+
+// Python's logging filters by level; debug messages are few (none per block or per step).
+std::shared_ptr<spdlog::logger> python_logger() {
+  auto logger = std::make_shared<spdlog::logger>("selective_precision", std::make_shared<PythonLoggingSink>());
+  logger->set_level(spdlog::level::debug);
+  return logger;
 }
 
 tl::Block python_block(py::object module, std::vector<std::string> streamed, std::vector<std::string> moments_from,
@@ -188,14 +249,22 @@ class PyStreamedModel {
       blocks.push_back(python_block(modules[b], streamed, moments_from, fmt::format("block{}", b)));
     }
     options.collectives = std::move(collectives);
+    options.logger = python_logger();
+    py::gil_scoped_release no_gil;
     model_ = std::make_unique<tl::StreamedModel>(std::move(blocks), std::move(options));
   }
+  ~PyStreamedModel() { close(); }
+  PyStreamedModel(const PyStreamedModel&) = delete;
+  PyStreamedModel& operator=(const PyStreamedModel&) = delete;
 
   tl::StreamedModel& model() {
     if (!model_) throw std::runtime_error("StreamedModel is closed");
     return *model_;
   }
-  void close() { model_.reset(); }
+  void close() {
+    py::gil_scoped_release no_gil;  // the engines' threads may log while they stop
+    model_.reset();
+  }
   bool closed() const { return !model_; }
   std::optional<std::string> take_collective_failure() {
     std::string failure = collectives_ ? collectives_->take_failure() : std::string();
@@ -313,10 +382,17 @@ PYBIND11_MODULE(_selective_precision, m) {
            })
       .def("poll_plugin",
            [](PyStreamedModel& s, bool force) -> py::object {
-             const std::optional<sp::host::SwapResult> r = s.model().poll_plugin(force);
+             const std::optional<sp::host::SwapResult> r = [&] {
+               py::gil_scoped_release no_gil_here;
+               return s.model().poll_plugin(force);
+             }();
              return r ? py::object(swap_dict(*r)) : py::none();
            })
-      .def("export_state", [](PyStreamedModel& s) { return s.model().export_state(); })
+      .def("export_state",
+           [](PyStreamedModel& s) {
+             py::gil_scoped_release no_gil_here;
+             return s.model().export_state();
+           })
       .def(
           "restore_state",
           [](PyStreamedModel& s, const std::map<std::string, torch::Tensor>& state) { s.model().restore_state(state); },

@@ -283,3 +283,16 @@ def test_an_optimizer_stepped_after_the_step_ended_is_refused_not_streamed_stale
         streamed(x)
     streamed.refresh_images()
     _train_step(streamed, 1, x)
+
+
+def test_the_layers_and_the_plugins_messages_go_to_pythons_logging(caplog, capfd):
+    import logging
+
+    torch.manual_seed(15)
+    with caplog.at_level(logging.INFO, logger="selective_precision"):
+        streamed = wrap(torch.nn.ModuleList(ReferenceBlock() for _ in range(2)), policy=OFF)
+        _train_step(streamed, 0, torch.randn(2, 4, DIM))
+        streamed.close()
+    created = [r for r in caplog.records if "policy v2.0.0 created" in r.getMessage()]
+    assert created and created[0].name == "selective_precision" and created[0].levelno == logging.INFO
+    assert "policy v2.0.0 created" not in capfd.readouterr().out, "the plugin's message also went to stdout"
