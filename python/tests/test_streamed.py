@@ -296,3 +296,37 @@ def test_the_layers_and_the_plugins_messages_go_to_pythons_logging(caplog, capfd
     created = [r for r in caplog.records if "policy v2.0.0 created" in r.getMessage()]
     assert created and created[0].name == "selective_precision" and created[0].levelno == logging.INFO
     assert "policy v2.0.0 created" not in capfd.readouterr().out, "the plugin's message also went to stdout"
+
+
+class GatedBlock(ReferenceBlock):
+    """A block that reads a tensor requiring a gradient without registering it."""
+
+    def __init__(self, gate):
+        super().__init__()
+        self.gate = gate  # a plain attribute: not one of named_parameters()
+
+    def forward(self, x):
+        return super().forward(x) * self.gate
+
+
+def test_a_tensor_a_block_reads_without_registering_it_gets_its_gradient_as_in_plain_pytorch():
+    torch.manual_seed(16)
+    gate = torch.full((DIM,), 0.9, requires_grad=True)
+    blocks = torch.nn.ModuleList(GatedBlock(gate) for _ in range(2))
+    plain = [GatedBlock(gate) for _ in range(2)]
+    for twin, block in zip(plain, blocks):
+        twin.load_state_dict(block.state_dict())
+    streamed = wrap(blocks, policy=OFF)
+    x = torch.randn(2, 4, DIM)
+    _train_step(streamed, 0, x)
+    assert gate.grad is not None, "the gate got no gradient"
+    got, gate.grad = gate.grad.clone(), None
+    with torch.no_grad():  # the BF16 weights the streamed blocks computed with
+        for twin in plain:
+            for name in ("fc1.weight", "fc2.weight"):
+                twin.get_parameter(name).copy_(twin.get_parameter(name).to(torch.bfloat16).float())
+    h = x
+    for twin in plain:
+        h = twin(h)
+    h.pow(2).mean().backward()
+    torch.testing.assert_close(got, gate.grad, rtol=1e-4, atol=1e-6)

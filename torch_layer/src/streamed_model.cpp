@@ -20,6 +20,7 @@
 #include "sp/kernels/relative_error.h"
 #include "forward_state.h"
 #include "serial_worker.h"
+#include "unlisted_leaves.h"
 #ifdef SP_TORCH_LAYER_HAVE_CUDA
 #include "sp/adapters/cuda_backend.h"
 #endif
@@ -804,6 +805,7 @@ struct StreamedModel::Impl {
     attach(block, view, true);
     variable_list grads;
     std::vector<torch::Tensor> wrt;
+    std::vector<UnlistedLeaf> unlisted;
     const bool input_grad = x.requires_grad();
     try {
       torch::AutoGradMode enable(true);
@@ -818,6 +820,16 @@ struct StreamedModel::Impl {
         if (p.param.requires_grad()) wrt.push_back(p.param);
       }
       for (const torch::Tensor& r : block.trainable_resident) wrt.push_back(r);
+      unlisted = unlisted_leaves(y, wrt);
+      if (!unlisted.empty() && collectives) {
+        const torch::Tensor& t = unlisted.front().tensor;
+        throw std::logic_error(fmt::format(
+            "StreamedModel: {} reads a tensor that requires a gradient and is none of its parameters ({} of shape "
+            "[{}]): with data parallelism its gradient would not be averaged across the ranks. Register it as a "
+            "parameter of the block",
+            block.block.name, c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", ")));
+      }
+      for (const UnlistedLeaf& leaf : unlisted) wrt.push_back(leaf.tensor);
       if (!wrt.empty()) {
         grads = torch::autograd::grad({y}, wrt, {grad_out}, /*retain_graph=*/false, /*create_graph=*/false,
                                       /*allow_unused=*/true);
@@ -889,6 +901,11 @@ struct StreamedModel::Impl {
       torch::Tensor g = grads[next++];
       if (!g.defined() && collectives) g = torch::zeros_like(block.trainable_resident[i]);
       out.push_back(g);
+    }
+    // As plain autograd would: through each one's own accumulator, its hooks included.
+    for (const UnlistedLeaf& leaf : unlisted) {
+      torch::Tensor g = grads[next++];
+      if (g.defined()) (*leaf.accumulate)({std::move(g)});
     }
     if (collectives) {
       // Averaged before autograd adds them to the .grad, into tensors of their own (autograd's

@@ -754,6 +754,39 @@ TEST(StreamedModel, AParameterSharedByTwoBlocksIsRefusedNamingBoth) {
                   ::testing::HasSubstr("block2's 'ln.weight' is block0's 'ln.weight' too")));
 }
 
+// Blocks whose forward multiplies by a tensor that requires a gradient and is none of their
+// parameters (captured, as a plain attribute would be in Python).
+std::vector<tl::Block> gated_blocks(const std::vector<TinyBlock>& blocks, const torch::Tensor& gate) {
+  std::vector<tl::Block> list;
+  for (const TinyBlock& b : blocks) {
+    tl::Block block = tl::make_block(b, {"fc1.weight", "fc2.weight"});
+    block.forward = [inner = block.forward, gate](const torch::Tensor& x) { return inner(x) * gate; };
+    list.push_back(std::move(block));
+  }
+  return list;
+}
+
+// Plain autograd gives such a tensor its gradient; the layer's recompute does too.
+TEST(StreamedModel, ATensorABlockReadsWithoutListingItGetsItsGradientAsInPlainAutograd) {
+  const auto blocks = make_blocks(70);
+  const torch::Tensor gate = torch::full({kDim}, 0.9).requires_grad_(true);
+  tl::StreamedModelOptions options;
+  options.plugin_file = SP_PLUGIN_FILE;
+  options.config_yaml = policy_yaml("  mode: off\n");
+  tl::StreamedModel model(gated_blocks(blocks, gate), options);
+  model.begin_step(0);
+  model.forward(input(71)).pow(2).mean().backward();
+  ASSERT_TRUE(gate.grad().defined()) << "the gate got no gradient";
+  const torch::Tensor streamed = gate.grad().clone();
+  gate.mutable_grad() = torch::Tensor();
+  torch::Tensor h = input(71);
+  for (TinyBlock b : plain_twins(blocks, model)) h = b->forward(h) * gate;
+  h.pow(2).mean().backward();
+  EXPECT_TRUE(torch::allclose(streamed, gate.grad(), 1e-4, 1e-6)) << (streamed - gate.grad()).abs().max();
+  model.post_backward();
+  model.end_step(1.0);
+}
+
 TEST(StreamedModel, AReplacedParameterIsRefusedNotRead) {
   auto blocks = make_blocks(24);
   auto model = wrap(blocks, "  mode: off\n");
@@ -1214,6 +1247,26 @@ TEST(Collectives, ByDeviceSendsEachTensorToItsDevicesGroup) {
     tl::by_device(std::make_shared<NamedCollectives>("host", 0, calls),
                   std::make_shared<NamedCollectives>("device", 1, calls));
   }, ::testing::ThrowsMessage<std::invalid_argument>(::testing::HasSubstr("must span the same ranks")));
+}
+
+// With data parallelism such a tensor's gradient would differ from rank to rank: refused by
+// name, on every rank, in the backward that meets it.
+TEST(Collectives, ATensorABlockReadsWithoutListingItIsRefusedByName) {
+  std::vector<std::vector<TinyBlock>> blocks{make_blocks(72), make_blocks(72)};
+  const std::vector<std::string> failures = on_two_ranks([&](int rank, const auto& group, const auto&) {
+    const torch::Tensor gate = torch::ones({kDim}).requires_grad_(true);
+    tl::StreamedModelOptions o;
+    o.plugin_file = SP_PLUGIN_FILE;
+    o.config_yaml = policy_yaml("  mode: off\n");
+    o.collectives = tl::over_process_group(group);
+    tl::StreamedModel model(gated_blocks(blocks[rank], gate), o);
+    model.begin_step(0);
+    model.forward(input(73 + rank)).pow(2).mean().backward();
+  });
+  for (const std::string& failure : failures) {
+    EXPECT_THAT(failure, ::testing::HasSubstr("block2 reads a tensor that requires a gradient and is none of its "
+                                              "parameters (Float of shape [64])"));
+  }
 }
 
 // A c10d group says which backend takes a device's tensors: Gloo, which stages them through the
