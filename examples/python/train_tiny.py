@@ -108,8 +108,8 @@ def main():
             s.loss = F.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
             s.loss.backward()
         r = s.report  # [sp]
-        moved += r["h2d_bytes_bf16"] + r["h2d_bytes_int8"] + r["h2d_bytes_nf4"]
-        all_bf16 += r["h2d_bytes_all_bf16"]
+        moved += r.h2d_bytes
+        all_bf16 += r.h2d_bytes_all_bf16
         if rank == 0:  # s.loss_mean: the mean across ranks
             print("step %3d  loss %.4f  routes %s" % (step, s.loss_mean, " ".join(model.streamed.routes())))
     if rank == 0:

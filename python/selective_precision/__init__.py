@@ -13,7 +13,7 @@ stock ``torch.optim`` optimizer steps them::
         with streamed.step(step, optimizer) as s:
             s.loss = loss_fn(model(x), y)    # model.forward calls streamed(h)
             s.loss.backward()
-        print(s.report["h2d_bytes_int8"])
+        print(s.report.routes, s.report.saved_fraction)
 
 Data parallelism: launch the script with torchrun, call
 ``torch.distributed.init_process_group("gloo")`` (on GPUs
@@ -28,8 +28,11 @@ This is a binding of the C++ LibTorch layer (``sp/torch_layer/streamed_model.h``
 errors and state are the same (docs/integration.md, "Python").
 """
 
+from __future__ import annotations
+
 import collections.abc
 import contextlib
+import dataclasses
 import errno
 import importlib.resources
 import json
@@ -74,6 +77,10 @@ __version__ = _build_info.version
 
 __all__ = [
     "StreamedBlocks",
+    "StepContext",
+    "StepReport",
+    "PluginSwap",
+    "CalibrationErrors",
     "default_plugin_dir",
     "config_dir",
     "PluginError",
@@ -85,7 +92,7 @@ __all__ = [
 _PLUGIN_NAME = "sp_selective_precision"
 
 
-def default_plugin_dir():
+def default_plugin_dir() -> str:
     """Where the policy plugins are: $SP_PLUGIN_DIR, else the installed package's plugins/
     (pip install), else the build tree's plugins/ (PYTHONPATH=<build>/python)."""
     if os.environ.get("SP_PLUGIN_DIR"):
@@ -97,13 +104,67 @@ def default_plugin_dir():
     return os.path.normpath(os.path.join(here, "..", "..", "plugins"))
 
 
-def config_dir():
+def config_dir() -> str:
     """The shipped configs (default.yaml and lora.yaml for sp-train, policy/*.yaml for the
     plugin): the installed package's configs/, else the source tree's of a build-tree package."""
     installed = importlib.resources.files(__name__) / "configs"
     if installed.is_dir():
         return str(installed)
     return _build_info.source_configs
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginSwap:
+    """A hot swap of the policy plugin: `outcome` is "swapped", "pending" (it happens at the
+    next step boundary) or "failed" (the old plugin stays, `message` says why)."""
+
+    outcome: str
+    message: str
+    old_version: str
+    new_version: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationErrors:
+    """Each block's output error (relative L2 against BF16) with its weights in INT8 and in
+    NF4, block by block."""
+
+    int8: list[float]
+    nf4: list[float]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What one training step moved and decided (`StreamedBlocks.end_step()`)."""
+
+    step: int
+    h2d_bytes_bf16: int  # host-to-device bytes of the training passes, by format
+    h2d_bytes_int8: int
+    h2d_bytes_nf4: int
+    h2d_bytes_all_bf16: int  # what the same fetches would have moved as BF16
+    eval_h2d_bytes: int  # of the evaluation passes (no grad) in the step
+    training_passes: int
+    routes: list[str]  # each block's format for the next step: "bf16", "int8" or "nf4"
+    swap: PluginSwap | None  # a hot swap that took effect at this step's start
+    calibration: CalibrationErrors | None  # an online re-calibration after this step
+
+    @property
+    def h2d_bytes(self) -> int:
+        """The training passes' host-to-device bytes, all formats together."""
+        return self.h2d_bytes_bf16 + self.h2d_bytes_int8 + self.h2d_bytes_nf4
+
+    @property
+    def saved_fraction(self) -> float:
+        """The share of the all-BF16 bytes this step did not move (0 when nothing moved)."""
+        return 1.0 - self.h2d_bytes / self.h2d_bytes_all_bf16 if self.h2d_bytes_all_bf16 else 0.0
+
+
+def _swap(raw) -> PluginSwap | None:
+    return None if raw is None else PluginSwap(**raw)
+
+
+def _errors(raw) -> CalibrationErrors | None:
+    return None if raw is None else CalibrationErrors(int8=list(raw["int8"]), nf4=list(raw["nf4"]))
 
 
 def _policy_config(config):
@@ -141,13 +202,15 @@ def _streamed_names(block):
 
 class StepContext:
     """What `StreamedBlocks.step()` yields: set `loss` (a tensor or a float) inside the block;
-    after it, `report` holds what the step moved and decided."""
+    after it, `report` holds what the step moved and decided (a StepReport), `moments` each
+    block's gradient moments, and `loss_mean` the loss's mean across ranks (the loss itself in
+    one process)."""
 
     def __init__(self):
-        self.loss = None
-        self.loss_mean = None  # the loss's mean across ranks (the loss itself in one process)
-        self.report = None
-        self.moments = None
+        self.loss: torch.Tensor | float | None = None
+        self.loss_mean: float | None = None
+        self.report: StepReport | None = None
+        self.moments: list[dict] | None = None
 
 
 class StreamedBlocks:
@@ -232,48 +295,55 @@ class StreamedBlocks:
 
     # ---- the model -------------------------------------------------------------------------
 
-    def __call__(self, x):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Runs the blocks in order on `x`, streaming each: under grad mode a training pass
+        (inside a step), else an evaluation pass (at any time)."""
         return self._model.forward(x)
 
     forward = __call__
 
-    def master_parameters(self):
+    def master_parameters(self) -> list[torch.Tensor]:
         """The fp32 host masters of the streamed parameters: give them to the optimizer."""
         return self._model.master_parameters()
 
-    def masters(self, block):
+    def masters(self, block: int) -> dict[str, torch.Tensor]:
+        """Block `block`'s fp32 masters by parameter name (this rank's blocks when sharded)."""
         return self._model.masters(block)
 
-    def resident_parameters(self):
+    def resident_parameters(self) -> list[torch.Tensor]:
+        """The blocks' parameters that do not stream (norms, biases): they stay where they
+        are and train the usual way."""
         return self._model.resident_parameters()
 
     # ---- data parallelism ------------------------------------------------------------------
 
     @property
-    def rank(self):
+    def rank(self) -> int:
+        """This process's rank in the process group (0 without one)."""
         return self._model.rank()
 
     @property
-    def world_size(self):
+    def world_size(self) -> int:
+        """The ranks in the process group (1 without one)."""
         return self._model.world_size()
 
     @property
-    def sharded(self):
+    def sharded(self) -> bool:
         """True when each block's masters live on one rank (shard_masters on > 1 rank)."""
         return self._model.sharded()
 
     @property
-    def gradient_reduction_device(self):
+    def gradient_reduction_device(self) -> torch.device:
         """Where the streamed masters' gradients are reduced across ranks: the GPU when the
         group reduces them there with NCCL (then only the reduced gradient crosses to the host),
         else "cpu"."""
         return torch.device(self._model.gradient_reduction_device())
 
-    def owner(self, block):
+    def owner(self, block: int) -> int:
         """The rank that keeps block `block`'s masters (this rank for every block unsharded)."""
         return self._model.owner(int(block))
 
-    def average_gradients(self, parameters):
+    def average_gradients(self, parameters) -> None:
         """Replaces each parameter's .grad by its mean across ranks, in one all-reduce; for the
         host's own parameters, after the backward and before clipping by a gradient norm
         (which then is the same on every rank). Every rank must pass the same parameters in the
@@ -283,7 +353,7 @@ class StreamedBlocks:
         self._model.average_gradients(parameters)
         self._averaged.update(id(p) for p in parameters)
 
-    def average(self, value):
+    def average(self, value: float) -> float:
         """The mean of a float across ranks; the float itself in one process."""
         return self._model.average(float(value))
 
@@ -298,28 +368,35 @@ class StreamedBlocks:
             if id(p) not in layer_own and id(p) not in self._averaged
         ]
 
-    def optimizer_parameters(self, model):
+    def optimizer_parameters(self, model: torch.nn.Module) -> list[torch.Tensor]:
         """The masters, and every parameter of `model` that is not a streamed placeholder."""
         own = [p for p in model.parameters() if id(p) not in self._placeholders]
         return list(self.master_parameters()) + own
 
     # ---- the step --------------------------------------------------------------------------
 
-    def begin_step(self, step):
+    def begin_step(self, step: int) -> None:
         """Opens step `step`. Steps increase over the whole run, across epochs and resumes
         (a ValueError names one that does not)."""
         self._averaged.clear()
         self._model.take_collective_failure()  # one of an earlier step is that step's
         self._model.begin_step(int(step))
 
-    def post_backward(self):
+    def post_backward(self) -> list[dict]:
+        """After the step's last backward: gives the blocks' gradient moments to the policy and
+        its hints to the engines; returns the moments (sum_sq, sum, max_abs, count, nonfinite
+        per block). A step where no block has a gradient is refused (RuntimeError)."""
         return self._model.post_backward()
 
-    def end_step(self, loss):
-        return self._model.end_step(float(loss))
+    def end_step(self, loss: float) -> StepReport:
+        """After the optimizer stepped the masters: rebuilds their transfer images and ends the
+        step with its loss (the policy's loss guard reads it)."""
+        raw = self._model.end_step(float(loss))
+        raw["swap"], raw["calibration"] = _swap(raw["swap"]), _errors(raw["calibration"])
+        return StepReport(**raw)
 
     @contextlib.contextmanager
-    def step(self, step, optimizer=None):
+    def step(self, step: int, optimizer: torch.optim.Optimizer | None = None):
         """begin_step on entry; on a normal exit post_backward, optimizer.step() and
         optimizer.zero_grad() (when given) and end_step with the loss set on the context.
         With a process group the host parameters' gradients are averaged before
@@ -361,45 +438,54 @@ class StreamedBlocks:
         for master in self.master_parameters():
             master.grad = None
 
-    def abort_step(self):
+    def abort_step(self) -> None:
         """Ends a step an exception cut short; zero the masters' gradients afterwards."""
         self._model.abort_step()
 
-    def refresh_images(self):
+    def refresh_images(self) -> None:
+        """Rebuilds the transfer images from the masters: after changing them outside a step
+        (loading weights, an edit)."""
         self._model.refresh_images()
 
     # ---- policy ----------------------------------------------------------------------------
 
-    def calibrate(self, samples):
+    def calibrate(self, samples) -> CalibrationErrors:
         """Measures each block's INT8 and NF4 output error on first-block inputs `samples`
-        and gives them to the plugin; returns {"int8": [...], "nf4": [...]}."""
-        return self._model.calibrate(list(samples))
+        and gives them to the plugin."""
+        return _errors(self._model.calibrate(list(samples)))
 
-    def poll_plugin(self, force=False):
-        return self._model.poll_plugin(bool(force))
+    def poll_plugin(self, force: bool = False) -> PluginSwap | None:
+        """Hot-swaps the plugin if its file changed (or `force`): None when nothing happened."""
+        return _swap(self._model.poll_plugin(bool(force)))
 
-    def routes(self):
+    def routes(self) -> list[str]:
+        """Each block's current format: "bf16", "int8" or "nf4"."""
         return self._model.routes()
 
-    def plugin_version(self):
+    def plugin_version(self) -> str:
+        """The loaded policy plugin's version."""
         return self._model.plugin_version()
 
-    def image_bytes(self, block, precision):
+    def image_bytes(self, block: int, precision: str) -> int:
+        """The bytes block `block` moves per fetch in `precision` ("bf16", "int8" or "nf4")."""
         return self._model.image_bytes(int(block), precision)
 
     # ---- state -----------------------------------------------------------------------------
 
-    def export_state(self):
+    def export_state(self) -> dict[str, torch.Tensor]:
         """Named CPU tensors (masters, plugin state, routes, counters) for torch.save."""
         return self._model.export_state()
 
-    def restore_state(self, state):
+    def restore_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restores what export_state() returned; a bad entry raises StateEntryError naming it,
+        and nothing changes."""
         self._model.restore_state(dict(state))
 
-    def close(self):
+    def close(self) -> None:
         """Releases the engines and the plugin; any later call raises RuntimeError."""
         self._model.close()
 
     @property
-    def closed(self):
+    def closed(self) -> bool:
+        """True after close()."""
         return self._model.closed

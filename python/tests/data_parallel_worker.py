@@ -115,7 +115,7 @@ def main():
                             time.sleep(0.01)
                         record["rank0_thread_ran_during_post_backward"] = os.path.exists(go_file)
             record["losses"].append(s.loss_mean)
-            record["routes"].append(s.report["routes"])
+            record["routes"].append(s.report.routes)
     except sp.CollectiveError as e:
         record["error"] = str(e)
     record["head"] = model.head.weight.detach().cpu().flatten().tolist()

@@ -34,3 +34,41 @@ def test_a_torch_other_than_the_one_built_against_is_refused_at_import_by_name()
     assert said.startswith("ImportError: selective_precision 0.2.0 was built against torch 2.0.1+cu117 (C++11 ABI 0)")
     assert "imports torch %s (C++11 ABI %d)" % (torch.__version__, torch._C._GLIBCXX_USE_CXX11_ABI) in said
     assert "pip install --no-build-isolation --force-reinstall ." in said
+
+
+def test_the_extensions_type_stub_declares_exactly_what_it_binds():
+    """_selective_precision.pyi ships beside the extension (with py.typed) and names every
+    method of _StreamedModel the binding defines, and no other."""
+    import ast
+    import pathlib
+
+    from selective_precision import _selective_precision
+
+    package = pathlib.Path(sp.__file__).parent
+    assert (package / "py.typed").is_file()
+    stub = ast.parse((package / "_selective_precision.pyi").read_text())
+    declared = {
+        node.name
+        for cls in stub.body
+        if isinstance(cls, ast.ClassDef) and cls.name == "_StreamedModel"
+        for node in cls.body
+        if isinstance(node, ast.FunctionDef) and node.name != "__init__"
+    }
+    bound = {name for name in vars(_selective_precision._StreamedModel) if not name.startswith("_")}
+    assert declared == bound
+    exceptions = {cls.name for cls in stub.body if isinstance(cls, ast.ClassDef) and cls.name != "_StreamedModel"}
+    assert exceptions == {"PluginError", "StateEntryError", "CollectiveError", "RankMismatchError"}
+    for name in exceptions:
+        assert issubclass(getattr(_selective_precision, name), Exception)
+
+
+def test_every_public_name_has_a_docstring():
+    import inspect
+
+    for name in sp.__all__:
+        obj = getattr(sp, name)
+        assert inspect.getdoc(obj), name
+        if inspect.isclass(obj):
+            for member, value in vars(obj).items():
+                if not member.startswith("_") and (inspect.isfunction(value) or isinstance(value, property)):
+                    assert inspect.getdoc(value), "%s.%s" % (name, member)

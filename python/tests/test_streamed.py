@@ -78,7 +78,7 @@ def test_the_python_run_takes_the_cpp_layers_decisions(tmp_path):
                     p.grad.zero_()
         report = streamed.end_step(loss.item())
         losses.append(loss.item())
-        routes.append(report["routes"])
+        routes.append(report.routes)
     assert routes == cpp["routes"]
     assert any(r != "bf16" for step in routes for r in step), "the compared decisions never left BF16"
     assert losses == pytest.approx(cpp["losses"], rel=1e-6)
@@ -114,7 +114,8 @@ def test_gradients_reach_the_masters_and_a_stock_optimizer_trains(tmp_path):
                 assert model[0].ln_weight.grad is not None, "resident parameters get theirs from autograd"
         first = first if first is not None else s.loss.item()
         last = s.loss.item()
-        assert s.report["h2d_bytes_bf16"] > 0
+        assert s.report.h2d_bytes_bf16 > 0
+        assert (s.report.h2d_bytes, s.report.saved_fraction) == (s.report.h2d_bytes_all_bf16, 0.0)  # mode off
     assert last < 0.8 * first
     assert streamed.masters(0)["fc1.weight"].dtype == torch.float32
 
@@ -190,7 +191,7 @@ def test_an_exception_inside_a_step_leaves_the_model_usable():
     with streamed.step(1, optimizer) as s:
         s.loss = streamed(torch.randn(2, 4, DIM)).pow(2).mean()
         s.loss.backward()
-    assert s.report["training_passes"] == 1
+    assert s.report.training_passes == 1
 
 
 def test_a_graph_that_outlives_its_model_is_refused():
@@ -236,7 +237,7 @@ def test_a_step_without_a_backward_is_refused_and_dropped():
     with pytest.raises(RuntimeError, match="no block has a gradient in step 0: no backward ran"):
         with streamed.step(0) as s:
             s.loss = streamed(torch.randn(2, 4, DIM)).pow(2).mean()  # no backward
-    assert _train_step(streamed, 1, torch.randn(2, 4, DIM)).report["training_passes"] == 1
+    assert _train_step(streamed, 1, torch.randn(2, 4, DIM)).report.training_passes == 1
 
 
 def test_a_parameter_shared_by_two_blocks_is_refused_naming_both():
