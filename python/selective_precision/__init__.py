@@ -34,9 +34,11 @@ import collections.abc
 import contextlib
 import dataclasses
 import errno
+import functools
 import importlib.resources
 import json
 import os
+import weakref
 
 import torch  # loads libtorch before the extension that links it
 
@@ -200,6 +202,82 @@ def _streamed_names(block):
     ]
 
 
+def _add_hook(module, public, private, hook, **private_options):
+    """Registers `hook` through the public method where this torch has it (2.5 and later for
+    some), else through the private one that has long had the same signature."""
+    register = getattr(module, public, None)
+    return register(hook) if register is not None else getattr(module, private)(hook, **private_options)
+
+
+def _keep_weights_in_state_dicts(streamed, container, modules):
+    """A streamed weight is an empty tensor in its module: the modules' state_dict() holds the
+    fp32 masters in its place (under the same key), and load_state_dict() copies into the masters
+    and rebuilds their transfer images, so that a state dict round-trips between a streamed
+    model and a plain one. The hooks hold the StreamedBlocks weakly: once it is gone (or
+    closed), they raise rather than save or load empty weights."""
+    owner = weakref.ref(streamed)
+
+    def live():
+        blocks = owner()
+        if blocks is None or blocks.closed:
+            raise RuntimeError(
+                "selective_precision: the StreamedBlocks that streamed this module is closed or gone, and its "
+                "weights with it; the module's streamed parameters are empty placeholders"
+            )
+        if blocks.sharded:
+            raise RuntimeError(
+                "selective_precision: with shard_masters each rank holds only its own blocks' masters; save and "
+                "restore StreamedBlocks.export_state() on every rank instead of the modules' state_dict()"
+            )
+        return blocks
+
+    def put_masters(index, module, state_dict, prefix, local_metadata):
+        masters = live().masters(index)
+        for name in live()._streamed_names:
+            key = prefix + name
+            if key in state_dict:
+                keep_vars = isinstance(state_dict[key], torch.nn.Parameter)
+                state_dict[key] = masters[name] if keep_vars else masters[name].detach()
+
+    def take_masters(index, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        blocks = live()
+        masters = blocks.masters(index)
+        for name in blocks._streamed_names:
+            key = prefix + name
+            if key not in state_dict:
+                continue
+            value, master = state_dict[key], masters[name]
+            # The placeholder loads an empty tensor of its own kind; the weight goes to the master.
+            placeholder = module.get_parameter(name)
+            state_dict[key] = torch.empty(placeholder.shape, dtype=placeholder.dtype, device=placeholder.device)
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                errors.append("expected a floating-point tensor for %s, got %r" % (key, type(value).__name__))
+            elif value.shape != master.shape:
+                errors.append(
+                    "size mismatch for %s: copying a param with shape %s from checkpoint, the shape in current "
+                    "model is %s." % (key, tuple(value.shape), tuple(master.shape))
+                )
+            else:
+                with torch.no_grad():
+                    master.copy_(value)
+                blocks._loaded_masters = True
+
+    def refresh(module, incompatible_keys):
+        blocks = owner()
+        if blocks is not None and blocks._loaded_masters:
+            blocks._loaded_masters = False
+            blocks.refresh_images()
+
+    for index, module in enumerate(modules):
+        _add_hook(module, "register_state_dict_post_hook", "_register_state_dict_hook",
+                  functools.partial(put_masters, index))
+        _add_hook(module, "register_load_state_dict_pre_hook", "_register_load_state_dict_pre_hook",
+                  functools.partial(take_masters, index), with_module=True)
+    # Once, after every block of the container loaded (else after each block).
+    for module in [container] if isinstance(container, torch.nn.Module) else modules:
+        module.register_load_state_dict_post_hook(refresh)
+
+
 class StepContext:
     """What `StreamedBlocks.step()` yields: set `loss` (a tensor or a float) inside the block;
     after it, `report` holds what the step moved and decided (a StepReport), `moments` each
@@ -292,6 +370,8 @@ class StreamedBlocks:
         )
         self._placeholders = {id(p) for m in modules for n, p in m.named_parameters() if n in self._streamed_names}
         self._averaged = set()  # ids of the host parameters whose gradients this step averaged
+        self._loaded_masters = False
+        _keep_weights_in_state_dicts(self, blocks, modules)
 
     # ---- the model -------------------------------------------------------------------------
 

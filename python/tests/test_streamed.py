@@ -331,3 +331,60 @@ def test_a_tensor_a_block_reads_without_registering_it_gets_its_gradient_as_in_p
         h = twin(h)
     h.pow(2).mean().backward()
     torch.testing.assert_close(got, gate.grad, rtol=1e-4, atol=1e-6)
+
+
+class TwoBlockModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(ReferenceBlock() for _ in range(2))
+        self.head = torch.nn.Linear(DIM, DIM)
+
+
+def test_state_dicts_hold_the_masters_and_round_trip_with_a_plain_model(tmp_path):
+    """The streamed weights' placeholders are empty; the model's state_dict() holds the fp32
+    masters under the same keys, and load_state_dict() goes both ways."""
+    torch.manual_seed(17)
+    model = TwoBlockModel()
+    keys = list(model.state_dict())
+    streamed = wrap(model.blocks, policy=OFF)
+    optimizer = torch.optim.SGD(streamed.optimizer_parameters(model), lr=0.1)
+    for step in range(2):
+        with streamed.step(step, optimizer) as s:
+            s.loss = model.head(streamed(torch.randn(2, 4, DIM))).pow(2).mean()
+            s.loss.backward()
+    saved = model.state_dict()
+    assert list(saved) == keys
+    assert saved["blocks.1.fc2.weight"].shape == (DIM, HIDDEN)
+    assert torch.equal(saved["blocks.1.fc2.weight"], streamed.masters(1)["fc2.weight"])
+    torch.save(saved, tmp_path / "model.pt")
+
+    plain = TwoBlockModel()
+    plain.load_state_dict(torch.load(tmp_path / "model.pt"))  # strict: every key, every shape
+    assert torch.equal(plain.blocks[1].fc2.weight, streamed.masters(1)["fc2.weight"])
+
+    # The other way: a plain model's weights into a streamed one, whose next pass streams them.
+    other = TwoBlockModel()
+    other_streamed = wrap(other.blocks, policy=OFF)
+    other.load_state_dict(plain.state_dict())
+    assert torch.equal(other_streamed.masters(0)["fc1.weight"], plain.blocks[0].fc1.weight)
+    x = torch.randn(2, 4, DIM)
+    with torch.no_grad():
+        for name in ("fc1.weight", "fc2.weight"):  # the BF16 weights the streamed pass computes with
+            for block in plain.blocks:
+                block.get_parameter(name).copy_(block.get_parameter(name).to(torch.bfloat16).float())
+        torch.testing.assert_close(other_streamed(x), plain.blocks[1](plain.blocks[0](x)))
+    _train_step(other_streamed, 0, x)  # the load rebuilt the images: no stale-master refusal
+
+    bad = plain.state_dict()
+    bad["blocks.0.fc1.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError, match=r"size mismatch for blocks.0.fc1.weight: copying a param with shape \(3, 3\)"):
+        other.load_state_dict(bad)
+
+
+def test_a_state_dict_of_modules_whose_streamer_is_gone_is_refused():
+    torch.manual_seed(18)
+    model = TwoBlockModel()
+    streamed = wrap(model.blocks, policy=OFF)
+    streamed.close()
+    with pytest.raises(RuntimeError, match="closed or gone, and its weights with it"):
+        model.state_dict()

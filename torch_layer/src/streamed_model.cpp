@@ -263,18 +263,24 @@ struct StreamedModel::Impl {
     }
   }
 
+  // The first of block b's masters changed since its images were built, or null.
+  const StreamedParam* changed_master(std::uint32_t b) const {
+    for (std::size_t i = 0; i < image_versions[b].size(); ++i) {
+      if (blocks[b].streamed[i].master._version() != image_versions[b][i]) return &blocks[b].streamed[i];
+    }
+    return nullptr;
+  }
+
   void require_current_images(const std::string& call) const {
     for (std::uint32_t b = 0; b < blocks.size(); ++b) {
       if (!owns(b)) continue;
-      for (std::size_t i = 0; i < blocks[b].streamed.size(); ++i) {
-        const StreamedParam& p = blocks[b].streamed[i];
-        if (p.master._version() == image_versions[b][i]) continue;
+      if (const StreamedParam* p = changed_master(b)) {
         throw std::logic_error(fmt::format(
             "StreamedModel::{}: {}'s master '{}' changed after its transfer images were built (an optimizer step "
             "after end_step()?), so the engines would stream the old weights. Step the optimizer between "
             "post_backward() and end_step() (the Python step() context does), or call refresh_images() after "
             "changing the masters",
-            call, blocks[b].block.name, p.name));
+            call, blocks[b].block.name, p->name));
       }
     }
   }
@@ -1578,7 +1584,8 @@ void StreamedModel::abort_step() {
 void StreamedModel::refresh_images() {
   Impl& m = *impl_;
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
-    if (!m.blocks[b].trainable_masters || !m.owns(b)) continue;
+    // A frozen block's masters change only when the host loads or edits them.
+    if (!m.owns(b) || (!m.blocks[b].trainable_masters && !m.changed_master(b))) continue;
     if (m.updated_in_step[b]) {
       m.updated_in_step[b] = false;
       continue;

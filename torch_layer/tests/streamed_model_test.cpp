@@ -934,6 +934,23 @@ TEST(StreamedModel, AFrozenFirstBlockStillEndsThePass) {
   EXPECT_TRUE(model->masters(1).at("fc1.weight").grad().defined());
 }
 
+// A frozen block's masters change only when the host loads or edits them: refresh_images()
+// rebuilds the ones that changed, and the next pass streams them.
+TEST(StreamedModel, RefreshRebuildsTheFrozenBlocksWhoseMastersTheHostChanged) {
+  const auto blocks = make_blocks(75);
+  for (auto& p : blocks[0]->parameters()) p.set_requires_grad(false);
+  auto model = wrap(blocks, "  mode: off\n");
+  {
+    torch::NoGradGuard no_grad;
+    model->masters(0).at("fc1.weight").mul_(0.5);
+  }
+  EXPECT_THROW(model->begin_step(0), std::logic_error);  // its images are the old weights
+  model->refresh_images();
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(torch::allclose(model->forward(input(76)), run_plain(plain_twins(blocks, *model), input(76)), 1e-4,
+                              1e-5));
+}
+
 // A state exported before the plugin's first hints restores the default routes.
 TEST(StreamedModel, RestoringAStateWithoutHintsRestoresTheDefaultRoutes) {
   const std::string policy = "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_nf4_blocks: [0]\n";
