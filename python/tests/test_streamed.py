@@ -388,3 +388,13 @@ def test_a_state_dict_of_modules_whose_streamer_is_gone_is_refused():
     streamed.close()
     with pytest.raises(RuntimeError, match="closed or gone, and its weights with it"):
         model.state_dict()
+
+
+def test_a_model_converted_after_wrapping_is_refused_naming_the_parameter():
+    torch.manual_seed(19)
+    model = TwoBlockModel()
+    streamed = wrap(model.blocks, policy=OFF)
+    model.to(torch.bfloat16)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="block0: parameter 'fc1.weight' is now BFloat16 on cpu, "
+                                                            "and was Float on cpu when the blocks were wrapped"):
+        streamed(torch.randn(2, 4, DIM))

@@ -93,6 +93,8 @@ struct BlockState {
   std::vector<StreamedParam> streamed;
   std::map<std::string, torch::Tensor> masters;
   std::vector<torch::Tensor> resident;
+  std::vector<std::string> resident_names;        // of `resident`, for messages
+  std::vector<torch::TensorOptions> resident_kinds;  // their dtype and device when wrapped
   std::vector<torch::Tensor> trainable_resident;  // resident parameters that require grad
   std::vector<torch::Tensor> moment_sources;      // Block::moments_from; empty: the default rule
   // What the block's autograd node takes as inputs besides x: its trainable resident
@@ -370,6 +372,8 @@ struct StreamedModel::Impl {
     for (const auto& [key, value] : params) {
       if (std::find(block.streamed.begin(), block.streamed.end(), key) != block.streamed.end()) continue;
       state.resident.push_back(value);
+      state.resident_names.push_back(key);
+      state.resident_kinds.push_back(value.options());
       if (value.requires_grad()) state.trainable_resident.push_back(value);
     }
     if (state.streamed.empty()) {
@@ -678,8 +682,27 @@ struct StreamedModel::Impl {
               "owns streamed parameters (change the masters instead, then call refresh_images())",
               b.block.name, p.name));
         }
+        refuse_converted(b, p.name, p.param, compute);
+      }
+      for (std::size_t i = 0; i < b.resident.size(); ++i) {
+        refuse_converted(b, b.resident_names[i], b.resident[i], b.resident_kinds[i]);
       }
     }
+  }
+
+  // A .to() of the model after wrapping converts the blocks' parameters in place: the
+  // placeholders of the streamed weights and the resident parameters, which the layer's
+  // passes would then mix with weights in the wrapped dtype and device.
+  static void refuse_converted(const BlockState& b, const std::string& name, const torch::Tensor& now,
+                               const torch::TensorOptions& wrapped) {
+    if (now.scalar_type() == c10::typeMetaToScalarType(wrapped.dtype()) && now.device() == wrapped.device()) return;
+    throw std::logic_error(fmt::format(
+        "StreamedModel: {}: parameter '{}' is now {} on {}, and was {} on {} when the blocks were wrapped (a .to() "
+        "after wrapping?). The layer keeps the blocks' parameters where they were: move and cast the model before "
+        "wrapping it (StreamedModelOptions::device and compute_dtype say where and in what the streamed weights "
+        "compute)",
+        b.block.name, name, c10::toString(now.scalar_type()), now.device().str(),
+        c10::toString(c10::typeMetaToScalarType(wrapped.dtype())), wrapped.device().str()));
   }
 
   void attach(BlockState& b, const ad::BlockView& view, bool trainable) {

@@ -787,6 +787,20 @@ TEST(StreamedModel, ATensorABlockReadsWithoutListingItGetsItsGradientAsInPlainAu
   model.end_step(1.0);
 }
 
+// A .to() after wrapping converts the placeholders and the resident parameters in place.
+TEST(StreamedModel, AModelConvertedAfterWrappingIsRefusedNamingTheParameter) {
+  auto blocks = make_blocks(77);
+  auto model = wrap(blocks, "  mode: off\n");
+  blocks[1]->to(torch::kBFloat16);
+  torch::NoGradGuard no_grad;
+  EXPECT_THAT([&] { model->forward(input(78)); },
+              ::testing::ThrowsMessage<std::logic_error>(::testing::HasSubstr(
+                  "block1: parameter 'fc1.weight' is now BFloat16 on cpu, and was Float on cpu when the blocks were "
+                  "wrapped")));
+  blocks[1]->to(torch::kFloat32);  // back as wrapped: the placeholders are empty again, and the model runs
+  EXPECT_NO_THROW(model->forward(input(78)));
+}
+
 TEST(StreamedModel, AReplacedParameterIsRefusedNotRead) {
   auto blocks = make_blocks(24);
   auto model = wrap(blocks, "  mode: off\n");
