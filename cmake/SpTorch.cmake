@@ -135,8 +135,10 @@ if(SP_HAVE_TORCH)
   # A torch wheel's libtorch_cpu exports the static copy of std::filesystem it was built with,
   # and a program whose dynamic section names torch before libstdc++ binds its own filesystem
   # calls to that copy: torch 2.11's remove_all called address 0 (sp_train_e2e_tests on an H100
-  # host, 2026-11-26). libstdc++ named first, before any object, is where they bind.
-  add_link_options("$<$<LINK_LANGUAGE:CXX>:LINKER:--push-state,--no-as-needed;-lstdc++;LINKER:--pop-state>")
+  # host, 2026-11-26). libstdc++ named first, before any object, is where they bind. An installed
+  # package's consumers get the same from SelectivePrecision::torch (torch_layer/CMakeLists.txt).
+  set(SP_LIBSTDCXX_FIRST "$<$<LINK_LANGUAGE:CXX>:LINKER:--push-state,--no-as-needed;-lstdc++;LINKER:--pop-state>")
+  add_link_options("${SP_LIBSTDCXX_FIRST}")
 
   # A wheel's CUDA libraries are PyPI packages beside torch (site-packages/nvidia/*/lib), which
   # torch's own libraries find through their RUNPATH. The linker looks in the consumer's RPATH

@@ -77,6 +77,11 @@ from ._selective_precision import (  # noqa: E402,F401  (re-exported)
 
 __version__ = _build_info.version
 
+PluginError.__doc__ = "The policy plugin could not be loaded, or it rejected its config or a call."
+StateEntryError.__doc__ = "An entry of a state given to restore_state() is missing or wrong; the message names it."
+CollectiveError.__doc__ = "A collective call across the ranks failed or timed out (a rank died, say)."
+RankMismatchError.__doc__ = "The ranks disagree where they must agree (their plugins' hints, a restore)."
+
 __all__ = [
     "StreamedBlocks",
     "StepContext",
@@ -209,16 +214,29 @@ def _add_hook(module, public, private, hook, **private_options):
     return register(hook) if register is not None else getattr(module, private)(hook, **private_options)
 
 
-def _keep_weights_in_state_dicts(streamed, container, modules):
-    """A streamed weight is an empty tensor in its module: the modules' state_dict() holds the
-    fp32 masters in its place (under the same key), and load_state_dict() copies into the masters
-    and rebuilds their transfer images, so that a state dict round-trips between a streamed
-    model and a plain one. The hooks hold the StreamedBlocks weakly: once it is gone (or
-    closed), they raise rather than save or load empty weights."""
-    owner = weakref.ref(streamed)
+_NOT_PICKLABLE = (
+    "selective_precision: a model whose blocks are streamed cannot be pickled whole (torch.save(model)): its "
+    "weights live in the StreamedBlocks' host masters, not in the modules. Save model.state_dict() instead, which "
+    "holds them"
+)
 
-    def live():
-        blocks = owner()
+
+class _MasterHooks:
+    """A streamed weight is an empty tensor in its module: the module's state_dict() holds the
+    fp32 master in its place (under the same key), and load_state_dict() copies into the master
+    (the images are rebuilt before the next pass), so that a state dict round-trips between a
+    streamed model and a plain one. Holds the StreamedBlocks weakly: once it is gone (or
+    closed), the hooks raise rather than save or load empty weights."""
+
+    def __init__(self, streamed, index):
+        self._owner = weakref.ref(streamed)
+        self._index = index
+
+    def __reduce__(self):
+        raise TypeError(_NOT_PICKLABLE)
+
+    def _live(self):
+        blocks = self._owner()
         if blocks is None or blocks.closed:
             raise RuntimeError(
                 "selective_precision: the StreamedBlocks that streamed this module is closed or gone, and its "
@@ -231,25 +249,26 @@ def _keep_weights_in_state_dicts(streamed, container, modules):
             )
         return blocks
 
-    def put_masters(index, module, state_dict, prefix, local_metadata):
-        masters = live().masters(index)
-        for name in live()._streamed_names:
+    def put_masters(self, module, state_dict, prefix, local_metadata):
+        blocks = self._live()
+        masters = blocks.masters(self._index)
+        for name in blocks._streamed_names:
             key = prefix + name
             if key in state_dict:
                 keep_vars = isinstance(state_dict[key], torch.nn.Parameter)
                 state_dict[key] = masters[name] if keep_vars else masters[name].detach()
 
-    def take_masters(index, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        blocks = live()
-        masters = blocks.masters(index)
+    def take_masters(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        blocks = self._live()
+        masters = blocks.masters(self._index)
         for name in blocks._streamed_names:
             key = prefix + name
             if key not in state_dict:
                 continue
             value, master = state_dict[key], masters[name]
-            # The placeholder loads an empty tensor of its own kind; the weight goes to the master.
-            placeholder = module.get_parameter(name)
-            state_dict[key] = torch.empty(placeholder.shape, dtype=placeholder.dtype, device=placeholder.device)
+            # The placeholder loads (or, with assign=True, is assigned) itself; the weight goes to
+            # the master.
+            state_dict[key] = module.get_parameter(name)
             if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                 errors.append("expected a floating-point tensor for %s, got %r" % (key, type(value).__name__))
             elif value.shape != master.shape:
@@ -262,20 +281,16 @@ def _keep_weights_in_state_dicts(streamed, container, modules):
                     master.copy_(value)
                 blocks._loaded_masters = True
 
-    def refresh(module, incompatible_keys):
-        blocks = owner()
-        if blocks is not None and blocks._loaded_masters:
-            blocks._loaded_masters = False
-            blocks.refresh_images()
 
+def _keep_weights_in_state_dicts(streamed, modules):
     for index, module in enumerate(modules):
+        hooks = _MasterHooks(streamed, index)
+        # Wrapped, since torch marks a hook registered publicly with an attribute, which a bound
+        # method cannot take.
         _add_hook(module, "register_state_dict_post_hook", "_register_state_dict_hook",
-                  functools.partial(put_masters, index))
+                  functools.partial(hooks.put_masters))
         _add_hook(module, "register_load_state_dict_pre_hook", "_register_load_state_dict_pre_hook",
-                  functools.partial(take_masters, index), with_module=True)
-    # Once, after every block of the container loaded (else after each block).
-    for module in [container] if isinstance(container, torch.nn.Module) else modules:
-        module.register_load_state_dict_post_hook(refresh)
+                  functools.partial(hooks.take_masters), with_module=True)
 
 
 class StepContext:
@@ -371,14 +386,24 @@ class StreamedBlocks:
         self._placeholders = {id(p) for m in modules for n, p in m.named_parameters() if n in self._streamed_names}
         self._averaged = set()  # ids of the host parameters whose gradients this step averaged
         self._loaded_masters = False
-        _keep_weights_in_state_dicts(self, blocks, modules)
+        _keep_weights_in_state_dicts(self, modules)
 
     # ---- the model -------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Runs the blocks in order on `x`, streaming each: under grad mode a training pass
         (inside a step), else an evaluation pass (at any time)."""
+        self._rebuild_loaded_masters()
         return self._model.forward(x)
+
+    def __reduce__(self):
+        raise TypeError(_NOT_PICKLABLE)
+
+    def _rebuild_loaded_masters(self):
+        """Masters a load_state_dict() wrote get their images before the next pass."""
+        if self._loaded_masters:
+            self._loaded_masters = False
+            self.refresh_images()
 
     forward = __call__
 
@@ -459,6 +484,7 @@ class StreamedBlocks:
         """Opens step `step`. Steps increase over the whole run, across epochs and resumes
         (a ValueError names one that does not)."""
         self._averaged.clear()
+        self._rebuild_loaded_masters()
         self._model.take_collective_failure()  # one of an earlier step is that step's
         self._model.begin_step(int(step))
 
@@ -500,16 +526,16 @@ class StreamedBlocks:
         loss = context.loss.item() if isinstance(context.loss, torch.Tensor) else float(context.loss)
         try:
             context.moments = self.post_backward()
+            if optimizer is not None and self.world_size > 1:
+                self.average_gradients(self._host_parameters(optimizer))
+            loss = context.loss_mean = self.average(loss)
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad()
+            context.report = self.end_step(loss)
         except BaseException:
-            self._drop_step()  # refused (no backward in the step, say)
+            self._drop_step()  # refused (no backward in the step, say), or failed
             raise
-        if optimizer is not None and self.world_size > 1:
-            self.average_gradients(self._host_parameters(optimizer))
-        loss = context.loss_mean = self.average(loss)
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad()
-        context.report = self.end_step(loss)
 
     def _drop_step(self):
         """Ends the open step as failed (the plugin sees a failed step), so that the next one can

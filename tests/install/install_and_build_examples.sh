@@ -43,4 +43,8 @@ echo "llama_streamed: $sp_lines lines concern Selective Precision"
 cmake -S "$work/llama-src" -B "$work/llama" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" "${consumer[@]}" \
   >"$work/llama.log"
 cmake --build "$work/llama" >>"$work/llama.log" || { cat "$work/llama.log"; exit 1; }
+# SelectivePrecision::torch names libstdc++ first, so that the consumer's std::filesystem calls
+# bind to it and not to the copy torch's library exports (cmake/SpTorch.cmake).
+first_needed=$(readelf -d "$work/llama/llama_streamed" | awk '/NEEDED/ {print $NF; exit}')
+[ "$first_needed" = "[libstdc++.so.6]" ] || { echo "llama_streamed needs $first_needed first, not libstdc++"; exit 1; }
 "$work/llama/llama_streamed" 4

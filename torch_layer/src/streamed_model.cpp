@@ -86,6 +86,7 @@ struct StreamedParam {
   bool staged = false;    // staging holds this pass's gradient
   std::vector<std::int64_t> shape;
   std::uint64_t rows = 0, cols = 0;
+  torch::TensorOptions placeholder;  // the empty tensor's dtype and device between uses
 };
 
 struct BlockState {
@@ -199,6 +200,9 @@ struct StreamedModel::Impl {
   // were last built from it. An in-place change since (an optimizer step after end_step())
   // would leave the engines streaming the old weights.
   std::vector<std::vector<std::int64_t>> image_versions;
+  // The gradients of the current pass's unlisted inputs (unlisted_leaves.h), summed over blocks.
+  std::vector<UnlistedLeaf> pass_unlisted;
+  std::vector<torch::Tensor> pass_unlisted_grads;
   std::vector<bool> updated_in_step;   // per block: update_masters() wrote its image this step
   std::uint64_t evaluation_bytes = 0, calibration_bytes = 0;  // of the forward-only passes
   bool grads_staged = false;
@@ -366,6 +370,7 @@ struct StreamedModel::Impl {
         torch::NoGradGuard no_grad;
         p.param.set_data(torch::empty({0}, compute));
       }
+      p.placeholder = p.param.options();  // its device with an index, where `compute`'s may have none
       state.masters.emplace(wanted, master);
       state.streamed.push_back(std::move(p));
     }
@@ -682,7 +687,7 @@ struct StreamedModel::Impl {
               "owns streamed parameters (change the masters instead, then call refresh_images())",
               b.block.name, p.name));
         }
-        refuse_converted(b, p.name, p.param, compute);
+        refuse_converted(b, p.name, p.param, p.placeholder);
       }
       for (std::size_t i = 0; i < b.resident.size(); ++i) {
         refuse_converted(b, b.resident_names[i], b.resident[i], b.resident_kinds[i]);
@@ -723,6 +728,14 @@ struct StreamedModel::Impl {
   }
 
   // ---- passes --------------------------------------------------------------------------------
+
+  // The plugin's step ends too, marked as failed (a NaN loss), so that its hooks stay paired.
+  void end_plugin_step_as_failed() {
+    sp_step_feedback_v1 feedback = step_transfer.to_feedback();
+    feedback.loss = std::numeric_limits<double>::quiet_NaN();
+    feedback.step_seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
+    policy->end_step(step, feedback);
+  }
 
   void require_step(const char* call) const {
     if (!in_step) throw std::logic_error(fmt::format("StreamedModel::{}: no step is active; call begin_step()", call));
@@ -834,12 +847,13 @@ struct StreamedModel::Impl {
     attach(block, view, true);
     variable_list grads;
     std::vector<torch::Tensor> wrt;
-    std::vector<UnlistedLeaf> unlisted;
+    UnlistedInputs unlisted;
     const bool input_grad = x.requires_grad();
     try {
       torch::AutoGradMode enable(true);
       const torch::Tensor input = x.detach().requires_grad_(input_grad);
       torch::Tensor y;
+      const RecomputeMark recompute = RecomputeMark::now();
       {
         const ReplayedForward replayed(*block.forward_state);
         y = block.block.forward(input);
@@ -849,16 +863,23 @@ struct StreamedModel::Impl {
         if (p.param.requires_grad()) wrt.push_back(p.param);
       }
       for (const torch::Tensor& r : block.trainable_resident) wrt.push_back(r);
-      unlisted = unlisted_leaves(y, wrt);
-      if (!unlisted.empty() && collectives) {
-        const torch::Tensor& t = unlisted.front().tensor;
+      unlisted = unlisted_inputs(y, wrt, recompute);
+      if (!unlisted.foreign_node.empty()) {
+        throw std::logic_error(fmt::format(
+            "StreamedModel: {} reads a tensor computed outside it that requires a gradient (through {}): its "
+            "gradient would have to run back through the graph that computed it, which the block's backward does "
+            "not own. Compute it inside the block, pass it detached, or make it a parameter of the block",
+            block.block.name, unlisted.foreign_node));
+      }
+      if (!unlisted.leaves.empty() && collectives) {
+        const torch::Tensor& t = unlisted.leaves.front().tensor;
         throw std::logic_error(fmt::format(
             "StreamedModel: {} reads a tensor that requires a gradient and is none of its parameters ({} of shape "
             "[{}]): with data parallelism its gradient would not be averaged across the ranks. Register it as a "
             "parameter of the block",
             block.block.name, c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", ")));
       }
-      for (const UnlistedLeaf& leaf : unlisted) wrt.push_back(leaf.tensor);
+      for (const UnlistedLeaf& leaf : unlisted.leaves) wrt.push_back(leaf.tensor);
       if (!wrt.empty()) {
         grads = torch::autograd::grad({y}, wrt, {grad_out}, /*retain_graph=*/false, /*create_graph=*/false,
                                       /*allow_unused=*/true);
@@ -931,10 +952,19 @@ struct StreamedModel::Impl {
       if (!g.defined() && collectives) g = torch::zeros_like(block.trainable_resident[i]);
       out.push_back(g);
     }
-    // As plain autograd would: through each one's own accumulator, its hooks included.
-    for (const UnlistedLeaf& leaf : unlisted) {
+    // Summed over the pass's blocks, and added to each one's .grad once, at the pass's end.
+    for (const UnlistedLeaf& leaf : unlisted.leaves) {
       torch::Tensor g = grads[next++];
-      if (g.defined()) (*leaf.accumulate)({std::move(g)});
+      if (!g.defined()) continue;
+      const auto same = [&](const UnlistedLeaf& l) { return l.tensor.is_same(leaf.tensor); };
+      const auto it = std::find_if(pass_unlisted.begin(), pass_unlisted.end(), same);
+      if (it == pass_unlisted.end()) {
+        pass_unlisted.push_back(leaf);
+        pass_unlisted_grads.push_back(std::move(g));
+      } else {
+        torch::Tensor& sum = pass_unlisted_grads[static_cast<std::size_t>(it - pass_unlisted.begin())];
+        sum = sum + g;
+      }
     }
     if (collectives) {
       // Averaged before autograd adds them to the .grad, into tensors of their own (autograd's
@@ -1081,6 +1111,8 @@ struct StreamedModel::Impl {
       log->warn("StreamedModel: an update during the backward of an abandoned pass failed: {}", e.what());
     }
     armed.reset();
+    pass_unlisted.clear();
+    pass_unlisted_grads.clear();
     std::fill(deferred_updates.begin(), deferred_updates.end(), false);
     for (ReducingBucket& r : reducing) {
       try {
@@ -1105,6 +1137,13 @@ struct StreamedModel::Impl {
   void finish_pass() {
     try {
       for (ReducingBucket& r : reducing) r.pending->wait();
+      // Into .grad as autograd accumulates it. (Its tensor hooks ran in each block's grad(), on that
+      // block's share; post-accumulate-grad hooks do not run.)
+      std::vector<UnlistedLeaf> leaves = std::move(pass_unlisted);
+      std::vector<torch::Tensor> sums = std::move(pass_unlisted_grads);
+      pass_unlisted.clear();
+      pass_unlisted_grads.clear();
+      for (std::size_t i = 0; i < leaves.size(); ++i) (*leaves[i].accumulate)({std::move(sums[i])});
     } catch (...) {
       abandon_pass();
       throw;
@@ -1497,20 +1536,24 @@ void StreamedModel::begin_step(std::int64_t step) {
   m.report = StepReport{};
   m.report.step = step;
   m.report.swap = m.policy->take_swap_outcome();
-  if (m.collectives) {
-    // Every rank was asked to swap at this boundary (poll_plugin): each must have the same
-    // outcome, or their plugins would now differ.
-    const bool swapped = m.report.swap && m.report.swap->outcome == sp::host::SwapResult::Outcome::swapped;
-    m.step = step;
-    m.check_ranks_agree({swapped ? 1 : 0}, "plugin swap outcomes (1: swapped)");
-  }
-  // Routes that moved since the images were last shared (hints restored, or a step aborted
-  // after its post_backward) get their owners' images before the first fetch.
-  m.share_images(/*all=*/false, /*trained=*/false);
   m.step_transfer = ad::StepTransferMetrics{};
   m.step_transfer.step = step;
   m.step = step;
   m.step_start = Clock::now();
+  try {
+    if (m.collectives) {
+      // Every rank was asked to swap at this boundary (poll_plugin): each must have the same
+      // outcome, or their plugins would now differ.
+      const bool swapped = m.report.swap && m.report.swap->outcome == sp::host::SwapResult::Outcome::swapped;
+      m.check_ranks_agree({swapped ? 1 : 0}, "plugin swap outcomes (1: swapped)");
+    }
+    // Routes that moved since the images were last shared (hints restored, or a step aborted
+    // after its post_backward) get their owners' images before the first fetch.
+    m.share_images(/*all=*/false, /*trained=*/false);
+  } catch (...) {
+    m.end_plugin_step_as_failed();  // it began: the next begin_step can then come
+    throw;
+  }
   m.in_step = true;
   m.after_backward = false;
   m.updated_in_step.assign(m.blocks.size(), false);
@@ -1529,7 +1572,13 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
   for (const sp_grad_moments_v1& block : moments) {
     if (block.count != 0) measured.push_back(block);
   }
-  if (measured.empty()) {
+  const bool any_trains = std::any_of(m.blocks.begin(), m.blocks.end(), [&](const BlockState& b) {
+    return b.trainable_masters || !b.trainable_resident.empty() ||
+           std::any_of(b.moment_sources.begin(), b.moment_sources.end(),
+                       [](const torch::Tensor& t) { return t.requires_grad(); });
+  });
+  // Blocks with nothing to train (the host trains only its own parameters) report none.
+  if (measured.empty() && any_trains) {
     throw std::logic_error(fmt::format(
         "StreamedModel::post_backward: no block has a gradient in step {}: no backward ran through the streamed "
         "blocks since begin_step(), or their gradients were cleared before this call. Run the backward first; to "
@@ -1595,13 +1644,9 @@ void StreamedModel::abort_step() {
   Impl& m = *impl_;
   m.abandon_pass();
   if (!m.in_step) return;
-  // The plugin's step ends too, marked as failed (a NaN loss), so that its hooks stay paired.
-  sp_step_feedback_v1 feedback = m.step_transfer.to_feedback();
-  feedback.loss = std::numeric_limits<double>::quiet_NaN();
-  feedback.step_seconds = std::chrono::duration<double>(Clock::now() - m.step_start).count();
   m.in_step = false;
   m.after_backward = false;
-  m.policy->end_step(m.step, feedback);
+  m.end_plugin_step_as_failed();
 }
 
 void StreamedModel::refresh_images() {
@@ -1609,10 +1654,10 @@ void StreamedModel::refresh_images() {
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
     // A frozen block's masters change only when the host loads or edits them.
     if (!m.owns(b) || (!m.blocks[b].trainable_masters && !m.changed_master(b))) continue;
-    if (m.updated_in_step[b]) {
-      m.updated_in_step[b] = false;
-      continue;
-    }
+    const bool written_by_update = m.updated_in_step[b];
+    m.updated_in_step[b] = false;
+    // update_masters() wrote its image; the host changed its masters since, or not.
+    if (written_by_update && !m.changed_master(b)) continue;
     m.engine->on_weights_updated(b);
     m.eval_image_stale[b] = true;
   }

@@ -4,6 +4,8 @@
 // gradient; the layer's backward, which differentiates the recompute itself, must too.
 #pragma once
 
+#include <cstdint>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -16,11 +18,28 @@ using NodePtr = decltype(torch::autograd::Edge::function);
 
 struct UnlistedLeaf {
   at::Tensor tensor;
-  // The node that accumulates its gradient, as autograd would (its hooks included).
+  // The node that adds a gradient to its .grad, as autograd's engine uses it.
   NodePtr accumulate;
 };
 
+// Where the recompute's own nodes start: those it creates on this thread from here on.
+struct RecomputeMark {
+  std::uint64_t first_sequence_nr;
+  std::uint64_t thread_id;
+  static RecomputeMark now();
+};
+
+struct UnlistedInputs {
+  // Leaves reached through the recompute's own nodes only: differentiable where they are.
+  std::vector<UnlistedLeaf> leaves;
+  // A node of an earlier graph through which the recompute reaches a leaf it does not know (a
+  // tensor computed outside the block, such as a scale derived from a parameter): its name, or
+  // empty. Differentiating through it would run, and free, part of that other graph.
+  std::string foreign_node;
+};
+
 // The leaves of `output`'s graph that require a gradient, other than those in `known`, each once.
-std::vector<UnlistedLeaf> unlisted_leaves(const at::Tensor& output, const std::vector<at::Tensor>& known);
+UnlistedInputs unlisted_inputs(const at::Tensor& output, const std::vector<at::Tensor>& known,
+                               const RecomputeMark& recompute);
 
 }  // namespace sp::torch_layer

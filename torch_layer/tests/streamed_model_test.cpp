@@ -773,10 +773,17 @@ TEST(StreamedModel, ATensorABlockReadsWithoutListingItGetsItsGradientAsInPlainAu
   tl::StreamedModelOptions options;
   options.plugin_file = SP_PLUGIN_FILE;
   options.config_yaml = policy_yaml("  mode: off\n");
+  int hook_calls = 0;
+  gate.register_hook([&hook_calls](const torch::Tensor& g) {
+    ++hook_calls;
+    return g;
+  });
   tl::StreamedModel model(gated_blocks(blocks, gate), options);
   model.begin_step(0);
   model.forward(input(71)).pow(2).mean().backward();
   ASSERT_TRUE(gate.grad().defined()) << "the gate got no gradient";
+  // autograd.grad() runs a tensor's hooks on the gradient it computes for it: once per block.
+  EXPECT_EQ(hook_calls, kBlocks);
   const torch::Tensor streamed = gate.grad().clone();
   gate.mutable_grad() = torch::Tensor();
   torch::Tensor h = input(71);
@@ -799,6 +806,46 @@ TEST(StreamedModel, AModelConvertedAfterWrappingIsRefusedNamingTheParameter) {
                   "wrapped")));
   blocks[1]->to(torch::kFloat32);  // back as wrapped: the placeholders are empty again, and the model runs
   EXPECT_NO_THROW(model->forward(input(78)));
+}
+
+// A tensor computed outside the blocks from a parameter: its gradient would have to run back
+// through the graph that computed it, which the block's backward does not own. Refused by name.
+TEST(StreamedModel, ATensorComputedOutsideTheBlocksThatNeedsAGradientIsRefusedByName) {
+  const auto blocks = make_blocks(79);
+  const torch::Tensor theta = torch::zeros({kDim}).requires_grad_(true);
+  const torch::Tensor gate = theta.exp() * 2;
+  tl::StreamedModelOptions options;
+  options.plugin_file = SP_PLUGIN_FILE;
+  options.config_yaml = policy_yaml("  mode: off\n");
+  tl::StreamedModel model(gated_blocks(blocks, gate), options);
+  model.begin_step(0);
+  try {
+    model.forward(input(80)).pow(2).mean().backward();
+    ADD_FAILURE() << "the backward ran";
+  } catch (const std::exception& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("block2 reads a tensor computed outside it that requires a gradient "
+                                               "(through MulBackward"));
+  }
+  EXPECT_FALSE(theta.grad().defined());
+  model.abort_step();
+}
+
+// Blocks with nothing to train, before a head that trains: no block has a gradient to report,
+// and post_backward() gives the policy none rather than refusing the step.
+TEST(StreamedModel, FrozenBlocksBeforeATrainingHeadEndTheirSteps) {
+  const auto blocks = make_blocks(81);
+  for (const TinyBlock& b : blocks) {
+    for (auto& p : b->parameters()) p.set_requires_grad(false);
+  }
+  auto model = wrap(blocks, "  mode: off\n");
+  torch::Tensor head = torch::ones({kDim}).requires_grad_(true);
+  for (std::int64_t step = 0; step < 2; ++step) {
+    model->begin_step(step);
+    (model->forward(input(82)) * head).pow(2).mean().backward();
+    EXPECT_NO_THROW(model->post_backward());
+    model->end_step(1.0);
+  }
+  EXPECT_TRUE(head.grad().defined());
 }
 
 TEST(StreamedModel, AReplacedParameterIsRefusedNotRead) {
