@@ -67,6 +67,7 @@ def _check_torch():
 
 _check_torch()
 
+from . import _selective_precision as _extension  # noqa: E402
 from ._selective_precision import (  # noqa: E402,F401  (re-exported)
     CollectiveError,
     PluginError,
@@ -88,6 +89,10 @@ __all__ = [
     "StepReport",
     "PluginSwap",
     "CalibrationErrors",
+    "quantize_nf4",
+    "dequantize_nf4",
+    "quantize_int8",
+    "dequantize_int8",
     "default_plugin_dir",
     "config_dir",
     "PluginError",
@@ -172,6 +177,40 @@ def _swap(raw) -> PluginSwap | None:
 
 def _errors(raw) -> CalibrationErrors | None:
     return None if raw is None else CalibrationErrors(int8=list(raw["int8"]), nf4=list(raw["nf4"]))
+
+
+def quantize_nf4(x: torch.Tensor, group_size: int = 64, *, threads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The NF4 image the layer streams, of a 2-D float32 or bfloat16 CPU tensor with an even
+    number of columns: `(codes, scales)`. `codes` is uint8 of shape (rows, cols // 2), two
+    4-bit codes a byte, an even column in the low nibble; `scales` is bfloat16 of shape
+    (rows, ceil(cols / group_size)), each group's absmax rounded up to bfloat16
+    (docs/kernels.md, "NF4"). `threads`: 0 for every core; the result does not depend on it."""
+    return tuple(_extension._quantize_nf4(x, int(group_size), int(threads)))
+
+
+def dequantize_nf4(codes: torch.Tensor, scales: torch.Tensor, group_size: int = 64,
+                   dtype: torch.dtype = torch.bfloat16, *, threads: int = 0,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights an NF4 image stands for (what quantize_nf4 returned), in `dtype`
+    (bfloat16, as the layer computes with them, or float32); written into `out` when given (a
+    contiguous CPU tensor of that shape and dtype), as the layer writes into its slots."""
+    return _extension._dequantize_nf4(codes, scales, int(group_size), dtype, int(threads), out)
+
+
+def quantize_int8(x: torch.Tensor, group_size: int = 0, *, threads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The INT8 image the layer streams, of a 2-D float32 or bfloat16 CPU tensor: `(codes,
+    scales)`, int8 codes of x's shape and float32 scales of shape (rows, groups): one per row
+    for group_size 0, else one per group of 32, 64, 128 or 256 along a row (absmax / 127,
+    round to nearest even; docs/kernels.md)."""
+    return tuple(_extension._quantize_int8(x, int(group_size), int(threads)))
+
+
+def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, group_size: int = 0,
+                    dtype: torch.dtype = torch.bfloat16, *, threads: int = 0,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights an INT8 image stands for (what quantize_int8 returned), in `dtype`;
+    written into `out` when given, as for dequantize_nf4."""
+    return _extension._dequantize_int8(codes, scales, int(group_size), dtype, int(threads), out)
 
 
 def _policy_config(config):

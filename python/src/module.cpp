@@ -27,6 +27,8 @@
 #include <spdlog/spdlog.h>
 
 #include "sp/host/plugin_library.h"
+#include "sp/kernels/nf4.h"
+#include "sp/kernels/quantize.h"
 #include "sp/torch_layer/collectives.h"
 #include "sp/torch_layer/streamed_model.h"
 
@@ -276,6 +278,148 @@ class PyStreamedModel {
   std::unique_ptr<tl::StreamedModel> model_;
 };
 
+// ---- the transfer formats, as the layer's kernels make them (python/selective_precision: the
+// public functions and what each array holds) ----------------------------------------------
+
+namespace kn = sp::kernels;
+
+torch::Tensor weight_matrix(const torch::Tensor& x, const char* call) {
+  if (x.dim() != 2) throw std::invalid_argument(fmt::format("{}: a 2-D tensor expected, got {} dimensions", call, x.dim()));
+  if (!x.device().is_cpu()) {
+    throw std::invalid_argument(fmt::format("{}: a CPU tensor expected, got one on {}", call, x.device().str()));
+  }
+  if (x.scalar_type() != torch::kFloat32 && x.scalar_type() != torch::kBFloat16) {
+    throw std::invalid_argument(
+        fmt::format("{}: float32 or bfloat16 expected, got {}", call, c10::toString(x.scalar_type())));
+  }
+  return x.contiguous();
+}
+
+kn::DType kernel_dtype(const torch::Tensor& x) {
+  return x.scalar_type() == torch::kBFloat16 ? kn::DType::kBFloat16 : kn::DType::kFloat32;
+}
+
+torch::ScalarType output_dtype(const py::object& dtype, const char* call) {
+  const torch::ScalarType type = torch::python::detail::py_object_to_dtype(dtype);
+  if (type != torch::kFloat32 && type != torch::kBFloat16) {
+    throw std::invalid_argument(fmt::format("{}: dtype torch.float32 or torch.bfloat16 expected, got {}", call,
+                                            c10::toString(type)));
+  }
+  return type;
+}
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+// The caller's `out`, checked, or a new tensor: rows x cols of `type` on the CPU, contiguous.
+torch::Tensor output_matrix(const std::optional<torch::Tensor>& out, std::int64_t rows, std::int64_t cols,
+                            torch::ScalarType type, const char* call) {
+  if (!out) return torch::empty({rows, cols}, type);
+  require(out->device().is_cpu() && out->scalar_type() == type && out->is_contiguous() && out->dim() == 2 &&
+              out->size(0) == rows && out->size(1) == cols,
+          fmt::format("{}: out: a contiguous {} CPU tensor of shape ({}, {}) expected", call, c10::toString(type),
+                      rows, cols));
+  return *out;
+}
+
+py::tuple quantize_nf4(const torch::Tensor& x, std::uint32_t group_size, unsigned threads) {
+  const torch::Tensor src = weight_matrix(x, "quantize_nf4");
+  require(kn::is_supported_nf4_group_size(group_size),
+          fmt::format("quantize_nf4: group_size {}: expected 32, 64, 128 or 256", group_size));
+  const std::int64_t rows = src.size(0), cols = src.size(1);
+  require(cols % 2 == 0,
+          fmt::format("quantize_nf4: {} columns: an even number expected (a row's codes fill whole bytes)", cols));
+  const std::int64_t groups = (cols + group_size - 1) / group_size;
+  torch::Tensor codes = torch::empty({rows, cols / 2}, torch::kUInt8);
+  torch::Tensor scales = torch::empty({rows, groups}, torch::kBFloat16);
+  {
+    py::gil_scoped_release no_gil;
+    kn::quantize_nf4(src.data_ptr(), kernel_dtype(src), rows, cols, group_size, codes.data_ptr<std::uint8_t>(),
+                     reinterpret_cast<std::uint16_t*>(scales.data_ptr()), kn::CpuExec{kn::CpuImpl::kVectorized, threads});
+  }
+  return py::make_tuple(codes, scales);
+}
+
+torch::Tensor dequantize_nf4(const torch::Tensor& codes, const torch::Tensor& scales, std::uint32_t group_size,
+                             const py::object& dtype, unsigned threads, const std::optional<torch::Tensor>& into) {
+  const torch::ScalarType out_type = output_dtype(dtype, "dequantize_nf4");
+  require(kn::is_supported_nf4_group_size(group_size),
+          fmt::format("dequantize_nf4: group_size {}: expected 32, 64, 128 or 256", group_size));
+  require(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8 && codes.device().is_cpu(),
+          "dequantize_nf4: codes: a 2-D uint8 CPU tensor expected (rows, cols / 2)");
+  const std::int64_t rows = codes.size(0), cols = codes.size(1) * 2;
+  const std::int64_t groups = (cols + group_size - 1) / group_size;
+  require(scales.dim() == 2 && scales.scalar_type() == torch::kBFloat16 && scales.device().is_cpu() &&
+              scales.size(0) == rows && scales.size(1) == groups,
+          fmt::format("dequantize_nf4: scales: a bfloat16 CPU tensor of shape ({}, {}) expected for codes of shape "
+                      "({}, {}) in groups of {}",
+                      rows, groups, rows, cols / 2, group_size));
+  const torch::Tensor c = codes.contiguous(), s = scales.contiguous();
+  torch::Tensor out = output_matrix(into, rows, cols, out_type, "dequantize_nf4");
+  {
+    py::gil_scoped_release no_gil;
+    const kn::CpuExec exec{kn::CpuImpl::kVectorized, threads};
+    const auto* scale_bits = reinterpret_cast<const std::uint16_t*>(s.data_ptr());
+    if (out_type == torch::kBFloat16) {
+      kn::dequantize_nf4_to_bf16(c.data_ptr<std::uint8_t>(), scale_bits, rows, cols, group_size,
+                                 reinterpret_cast<std::uint16_t*>(out.data_ptr()), exec);
+    } else {
+      kn::dequantize_nf4_to_fp32(c.data_ptr<std::uint8_t>(), scale_bits, rows, cols, group_size,
+                                 out.data_ptr<float>(), exec);
+    }
+  }
+  return out;
+}
+
+py::tuple quantize_int8(const torch::Tensor& x, std::uint32_t group_size, unsigned threads) {
+  const torch::Tensor src = weight_matrix(x, "quantize_int8");
+  require(kn::is_supported_group_size(group_size),
+          fmt::format("quantize_int8: group_size {}: expected 0 (per row), 32, 64, 128 or 256", group_size));
+  const std::int64_t rows = src.size(0), cols = src.size(1);
+  const std::int64_t groups = group_size == 0 ? 1 : (cols + group_size - 1) / group_size;
+  torch::Tensor codes = torch::empty({rows, cols}, torch::kInt8);
+  torch::Tensor scales = torch::empty({rows, groups}, torch::kFloat32);
+  {
+    py::gil_scoped_release no_gil;
+    kn::QuantizeOptions options;
+    options.group_size = group_size;
+    kn::quantize_int8(src.data_ptr(), kernel_dtype(src), rows, cols, options, codes.data_ptr<std::int8_t>(),
+                      scales.data_ptr<float>(), kn::CpuExec{kn::CpuImpl::kVectorized, threads});
+  }
+  return py::make_tuple(codes, scales);
+}
+
+torch::Tensor dequantize_int8(const torch::Tensor& codes, const torch::Tensor& scales, std::uint32_t group_size,
+                              const py::object& dtype, unsigned threads, const std::optional<torch::Tensor>& into) {
+  const torch::ScalarType out_type = output_dtype(dtype, "dequantize_int8");
+  require(kn::is_supported_group_size(group_size),
+          fmt::format("dequantize_int8: group_size {}: expected 0 (per row), 32, 64, 128 or 256", group_size));
+  require(codes.dim() == 2 && codes.scalar_type() == torch::kInt8 && codes.device().is_cpu(),
+          "dequantize_int8: codes: a 2-D int8 CPU tensor expected");
+  const std::int64_t rows = codes.size(0), cols = codes.size(1);
+  const std::int64_t groups = group_size == 0 ? 1 : (cols + group_size - 1) / group_size;
+  require(scales.dim() == 2 && scales.scalar_type() == torch::kFloat32 && scales.device().is_cpu() &&
+              scales.size(0) == rows && scales.size(1) == groups,
+          fmt::format("dequantize_int8: scales: a float32 CPU tensor of shape ({}, {}) expected for codes of shape "
+                      "({}, {})",
+                      rows, groups, rows, cols));
+  const torch::Tensor c = codes.contiguous(), s = scales.contiguous();
+  torch::Tensor out = output_matrix(into, rows, cols, out_type, "dequantize_int8");
+  {
+    py::gil_scoped_release no_gil;
+    const kn::CpuExec exec{kn::CpuImpl::kVectorized, threads};
+    if (out_type == torch::kBFloat16) {
+      kn::dequantize_int8_to_bf16(c.data_ptr<std::int8_t>(), s.data_ptr<float>(), rows, cols, group_size,
+                                  reinterpret_cast<std::uint16_t*>(out.data_ptr()), exec);
+    } else {
+      kn::dequantize_int8_to_fp32(c.data_ptr<std::int8_t>(), s.data_ptr<float>(), rows, cols, group_size,
+                                  out.data_ptr<float>(), exec);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_selective_precision, m) {
@@ -290,6 +434,12 @@ PYBIND11_MODULE(_selective_precision, m) {
   // script's other threads (a DataLoader's pin-memory thread) go on meanwhile; the blocks'
   // Python forwards take it back (python_block). Their results become Python objects after.
   const py::call_guard<py::gil_scoped_release> no_gil;
+  m.def("_quantize_nf4", &quantize_nf4, py::arg("x"), py::arg("group_size"), py::arg("threads"));
+  m.def("_dequantize_nf4", &dequantize_nf4, py::arg("codes"), py::arg("scales"), py::arg("group_size"),
+        py::arg("dtype"), py::arg("threads"), py::arg("out"));
+  m.def("_quantize_int8", &quantize_int8, py::arg("x"), py::arg("group_size"), py::arg("threads"));
+  m.def("_dequantize_int8", &dequantize_int8, py::arg("codes"), py::arg("scales"), py::arg("group_size"),
+        py::arg("dtype"), py::arg("threads"), py::arg("out"));
   py::class_<PyStreamedModel>(m, "_StreamedModel")
       .def(py::init([](const py::list& modules, const std::vector<std::string>& streamed,
                        const std::vector<std::string>& moments_from, const std::string& plugin_file,

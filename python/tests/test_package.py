@@ -56,6 +56,9 @@ def test_the_extensions_type_stub_declares_exactly_what_it_binds():
     }
     bound = {name for name in vars(_selective_precision._StreamedModel) if not name.startswith("_")}
     assert declared == bound
+    functions = {node.name for node in stub.body if isinstance(node, ast.FunctionDef)}
+    assert functions == {name for name in vars(_selective_precision) if callable(getattr(_selective_precision, name))
+                         and name.startswith("_") and not name.startswith("__") and name != "_StreamedModel"}
     exceptions = {cls.name for cls in stub.body if isinstance(cls, ast.ClassDef) and cls.name != "_StreamedModel"}
     assert exceptions == {"PluginError", "StateEntryError", "CollectiveError", "RankMismatchError"}
     for name in exceptions:

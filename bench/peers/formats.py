@@ -1,0 +1,132 @@
+"""Our NF4 and INT8 formats against the libraries people use for them, in one process, on the
+same tensors: bitsandbytes' quantize_4bit / dequantize_4bit (nf4, blocks of 64) and torchao's
+to_nf4 / get_original_weight for NF4, torch.quantize_per_channel for INT8 (per row), with a copy
+of the bf16 weights as the ceiling. Each operation is timed interleaved with its peers (median
+of --repeats after one untimed call), on 1 and 2 threads (torch.set_num_threads for the peers,
+the same count for ours). Throughput is the bf16 weights' bytes (2 per element) per second, for
+every side, so that the ratios compare like with like. A dequantize writes into a tensor
+allocated once where the API takes one (ours; bitsandbytes' out= has no CPU kernel), as a
+streaming step writes into its slot; the ceiling is a copy of the bf16 weights into such a
+tensor.
+
+    .venv/bin/python bench/peers/formats.py --out bench/results/peers/formats.json
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import selective_precision as sp
+
+COMMAND = "bash bench/run_peers.sh OUT_DIR (bench/peers/formats.py)"
+SHAPES = [(4096, 4096), (1024, 4096)]
+# The goals issue 32 sets: >= 2x each peer on quantize and dequantize, >= 0.5x a copy on dequantize.
+GOAL_PEER, GOAL_COPY = 2.0, 0.5
+
+
+def seconds(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peers():
+    """The peers that import here, by name: what quantizes and what dequantizes."""
+    found = {}
+    try:
+        import bitsandbytes.functional as bnb
+
+        found["bitsandbytes"] = (
+            lambda x: bnb.quantize_4bit(x, blocksize=64, quant_type="nf4"),
+            lambda q, out: bnb.dequantize_4bit(q[0], q[1]),  # its out= has no CPU kernel (0.50.2)
+        )
+    except ImportError as error:
+        print("bitsandbytes: not measured (%s)" % error, file=sys.stderr)
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        found["torchao"] = (lambda x: to_nf4(x, block_size=64, scaler_block_size=256),
+                            lambda q, out: q.get_original_weight())  # it takes no output tensor
+    except ImportError as error:
+        print("torchao: not measured (%s)" % error, file=sys.stderr)
+    return found
+
+
+def int8_per_channel(x):
+    scales = x.float().abs().amax(dim=1).clamp_min(1e-12) / 127
+    return torch.quantize_per_channel(x.float(), scales, torch.zeros_like(scales, dtype=torch.int64), 0, torch.qint8)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+    nf4_peers = peers()
+    rows = []
+
+    def row(name, peer, ours_s, theirs_s, nbytes, threads, goal):
+        ours, theirs = nbytes / ours_s / 1e9, nbytes / theirs_s / 1e9
+        rows.append({"name": name, "peer": peer, "ours": round(ours, 3), "theirs": round(theirs, 3), "unit": "GB/s",
+                     "ours_over_peer": round(ours / theirs, 3), "goal": goal, "threads": threads, "command": COMMAND})
+        print("%-40s %-26s %2d thr  ours %7.2f  theirs %7.2f GB/s  ratio %5.2f (goal %.1f)"
+              % (name, peer, threads, ours, theirs, ours / theirs, goal), flush=True)
+
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for rows_n, cols in SHAPES:
+            torch.manual_seed(0)
+            x = torch.randn(rows_n, cols).to(torch.bfloat16)
+            nbytes = x.numel() * 2
+            shape = "%dx%d" % (rows_n, cols)
+            out = torch.empty_like(x)
+            copy = seconds(lambda: out.copy_(x), args.repeats)
+            ours_q = seconds(lambda: sp.quantize_nf4(x, 64, threads=threads), args.repeats)
+            codes, scales = sp.quantize_nf4(x, 64, threads=threads)
+            ours_dq = seconds(lambda: sp.dequantize_nf4(codes, scales, 64, threads=threads, out=out), args.repeats)
+            row("nf4 dequantize %s" % shape, "copy of the bf16 weights", ours_dq, copy, nbytes, threads, GOAL_COPY)
+            for peer, (quantize, dequantize) in nf4_peers.items():
+                row("nf4 quantize %s" % shape, peer, ours_q, seconds(lambda: quantize(x), args.repeats), nbytes,
+                    threads, GOAL_PEER)
+                image = quantize(x)
+                row("nf4 dequantize %s" % shape, peer, ours_dq,
+                    seconds(lambda: dequantize(image, out), args.repeats), nbytes, threads, GOAL_PEER)
+            ours_q8 = seconds(lambda: sp.quantize_int8(x, 0, threads=threads), args.repeats)
+            q8, s8 = sp.quantize_int8(x, 0, threads=threads)
+            ours_dq8 = seconds(lambda: sp.dequantize_int8(q8, s8, 0, threads=threads, out=out), args.repeats)
+            row("int8 quantize %s, per row" % shape, "torch.quantize_per_channel", ours_q8,
+                seconds(lambda: int8_per_channel(x), args.repeats), nbytes, threads, GOAL_PEER)
+            quantized = int8_per_channel(x)
+            row("int8 dequantize %s, per row" % shape, "torch.quantize_per_channel", ours_dq8,
+                seconds(lambda: quantized.dequantize().to(torch.bfloat16), args.repeats), nbytes, threads, GOAL_PEER)
+            row("int8 dequantize %s, per row" % shape, "copy of the bf16 weights", ours_dq8, copy, nbytes, threads,
+                GOAL_COPY)
+
+    versions = {"torch": torch.__version__, "selective_precision": sp.__version__}
+    for name in ("bitsandbytes", "torchao"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    report = {"benchmark": "peers-formats", "machine": {"cpu": platform.processor() or platform.machine(),
+                                                        "cores": os.cpu_count()},
+              "versions": versions, "repeats": args.repeats, "rows": rows}
+    tmp = args.out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Our paths against the peers' own, side by side in one run (issue 32): one JSON per comparison
+# in OUT_DIR, and OUT_DIR/peers.json, every comparison's rows together ({name, peer, ours,
+# theirs, unit, ours_over_peer, goal, threads, command}; ours_over_peer > 1: ours is faster).
+# Built so far: the NF4 and INT8 formats (bench/peers/formats.py). Needs the installed package
+# (scripts/install-package.sh) and the .venv's bitsandbytes and torchao.
+#
+#   bash bench/run_peers.sh OUT_DIR
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${1:?usage: bash bench/run_peers.sh OUT_DIR}
+mkdir -p "$out"
+python=.venv/bin/python
+"$python" bench/peers/formats.py --out "$out/formats.json"
+"$python" - "$out" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+rows = []
+for name in sorted(os.listdir(out)):
+    if name.endswith(".json") and name != "peers.json":
+        with open(os.path.join(out, name), encoding="utf-8") as f:
+            rows += json.load(f)["rows"]
+with open(os.path.join(out, "peers.json.tmp"), "w", encoding="utf-8") as f:
+    json.dump({"rows": rows}, f, indent=1)
+os.replace(os.path.join(out, "peers.json.tmp"), os.path.join(out, "peers.json"))
+print("%d rows in %s" % (len(rows), os.path.join(out, "peers.json")))
+PY
