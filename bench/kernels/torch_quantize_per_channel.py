@@ -20,27 +20,19 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
-import time
 
 try:
     import torch
 except ImportError:
     sys.exit("torch_quantize_per_channel.py: needs torch (run it with the project's .venv/bin/python)")
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from timing import median_seconds  # noqa: E402
+
 SHAPES = [(4096, 4096), (3072, 1024), (4096, 1024), (1024, 4096), (12288, 4096)]
 
-
-def median_seconds(repeats, body):
-    body()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        body()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def row_scales(x):

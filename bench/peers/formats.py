@@ -16,13 +16,14 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import torch
 
 import selective_precision as sp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from timing import median_seconds  # noqa: E402
 
 COMMAND = "bash bench/run_peers.sh OUT_DIR (bench/peers/formats.py)"
 SHAPES = [(4096, 4096), (1024, 4096)]
@@ -31,13 +32,7 @@ GOAL_PEER, GOAL_COPY = 2.0, 0.5
 
 
 def seconds(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(repeats, fn)
 
 
 def peers():
