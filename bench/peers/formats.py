@@ -31,10 +31,6 @@ SHAPES = [(4096, 4096), (1024, 4096)]
 GOAL_PEER, GOAL_COPY = 2.0, 0.5
 
 
-def seconds(fn, repeats):
-    return median_seconds(repeats, fn)
-
-
 def peers():
     """The peers that import here, by name: what quantizes and what dequantizes."""
     found = {}
@@ -86,25 +82,27 @@ def main():
             nbytes = x.numel() * 2
             shape = "%dx%d" % (rows_n, cols)
             out = torch.empty_like(x)
-            copy = seconds(lambda: out.copy_(x), args.repeats)
-            ours_q = seconds(lambda: sp.quantize_nf4(x, 64, threads=threads), args.repeats)
+            copy = median_seconds(args.repeats, lambda: out.copy_(x))
+            ours_q = median_seconds(args.repeats, lambda: sp.quantize_nf4(x, 64, threads=threads))
             codes, scales = sp.quantize_nf4(x, 64, threads=threads)
-            ours_dq = seconds(lambda: sp.dequantize_nf4(codes, scales, 64, threads=threads, out=out), args.repeats)
+            ours_dq = median_seconds(args.repeats,
+                                     lambda: sp.dequantize_nf4(codes, scales, 64, threads=threads, out=out))
             row("nf4 dequantize %s" % shape, "copy of the bf16 weights", ours_dq, copy, nbytes, threads, GOAL_COPY)
             for peer, (quantize, dequantize) in nf4_peers.items():
-                row("nf4 quantize %s" % shape, peer, ours_q, seconds(lambda: quantize(x), args.repeats), nbytes,
-                    threads, GOAL_PEER)
+                row("nf4 quantize %s" % shape, peer, ours_q, median_seconds(args.repeats, lambda: quantize(x)),
+                    nbytes, threads, GOAL_PEER)
                 image = quantize(x)
                 row("nf4 dequantize %s" % shape, peer, ours_dq,
-                    seconds(lambda: dequantize(image, out), args.repeats), nbytes, threads, GOAL_PEER)
-            ours_q8 = seconds(lambda: sp.quantize_int8(x, 0, threads=threads), args.repeats)
+                    median_seconds(args.repeats, lambda: dequantize(image, out)), nbytes, threads, GOAL_PEER)
+            ours_q8 = median_seconds(args.repeats, lambda: sp.quantize_int8(x, 0, threads=threads))
             q8, s8 = sp.quantize_int8(x, 0, threads=threads)
-            ours_dq8 = seconds(lambda: sp.dequantize_int8(q8, s8, 0, threads=threads, out=out), args.repeats)
+            ours_dq8 = median_seconds(args.repeats, lambda: sp.dequantize_int8(q8, s8, 0, threads=threads, out=out))
             row("int8 quantize %s, per row" % shape, "torch.quantize_per_channel", ours_q8,
-                seconds(lambda: int8_per_channel(x), args.repeats), nbytes, threads, GOAL_PEER)
+                median_seconds(args.repeats, lambda: int8_per_channel(x)), nbytes, threads, GOAL_PEER)
             quantized = int8_per_channel(x)
             row("int8 dequantize %s, per row" % shape, "torch.quantize_per_channel", ours_dq8,
-                seconds(lambda: quantized.dequantize().to(torch.bfloat16), args.repeats), nbytes, threads, GOAL_PEER)
+                median_seconds(args.repeats, lambda: quantized.dequantize().to(torch.bfloat16)), nbytes, threads,
+                GOAL_PEER)
             row("int8 dequantize %s, per row" % shape, "copy of the bf16 weights", ours_dq8, copy, nbytes, threads,
                 GOAL_COPY)
 

@@ -309,18 +309,19 @@ struct StreamedModel::Impl {
   // A parameter in two blocks would get a master per block (streamed), or be listed, reduced and
   // stepped once per block (resident): refused, naming both places.
   static void refuse_shared_parameters(const std::vector<Block>& in) {
-    std::map<const c10::TensorImpl*, std::string> first_place;
+    // Where each tensor was first met: its block's index, and "block's 'name'" for the message.
+    std::map<const c10::TensorImpl*, std::pair<std::size_t, std::string>> first_place;
     for (std::size_t b = 0; b < in.size(); ++b) {
       if (!in[b].parameters) continue;  // adopt() names that
       const std::string block = in[b].name.empty() ? fmt::format("block{}", b) : in[b].name;
       for (const auto& [name, tensor] : in[b].parameters()) {
         const std::string place = fmt::format("{}'s '{}'", block, name);
-        const auto [it, added] = first_place.emplace(tensor.unsafeGetTensorImpl(), place);
-        if (!added && it->second.rfind(block + "'s ", 0) != 0) {
+        const auto [it, added] = first_place.emplace(tensor.unsafeGetTensorImpl(), std::make_pair(b, place));
+        if (!added && it->second.first != b) {
           throw std::invalid_argument(fmt::format(
               "StreamedModel: {} is {} too: a parameter shared by two blocks is not supported (each block would "
               "update it); give each block its own, or keep the shared one outside the streamed blocks",
-              place, it->second));
+              place, it->second.second));
         }
       }
     }
