@@ -425,6 +425,7 @@ class StreamedBlocks:
         self._placeholders = {id(p) for m in modules for n, p in m.named_parameters() if n in self._streamed_names}
         self._averaged = set()  # ids of the host parameters whose gradients this step averaged
         self._loaded_masters = False
+        self._optimizers_checked = weakref.WeakSet()
         _keep_weights_in_state_dicts(self, modules)
 
     # ---- the model -------------------------------------------------------------------------
@@ -546,7 +547,12 @@ class StreamedBlocks:
         optimizer.zero_grad() (when given) and end_step with the loss set on the context.
         With a process group the host parameters' gradients are averaged before
         optimizer.step() and end_step takes the loss's mean across ranks (also in
-        `context.loss_mean`)."""
+        `context.loss_mean`). An optimizer that leaves out some of the trainable masters (it was
+        given model.parameters(), whose streamed weights are empty placeholders) is refused
+        with a ValueError before the step begins."""
+        if optimizer is not None and optimizer not in self._optimizers_checked:
+            self._check_optimizer(optimizer)
+            self._optimizers_checked.add(optimizer)
         self.begin_step(step)
         context = StepContext()
         try:
@@ -575,6 +581,18 @@ class StreamedBlocks:
         except BaseException:
             self._drop_step()  # refused (no backward in the step, say), or failed
             raise
+
+    def _check_optimizer(self, optimizer):
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        trainable = [m for m in self.master_parameters() if m.requires_grad]
+        left_out = sum(id(m) not in stepped for m in trainable)
+        if left_out:
+            raise ValueError(
+                "StreamedBlocks.step(): the optimizer steps %d of the %d trainable masters of the streamed "
+                "weights, so the rest would never train. Give it optimizer_parameters(model): model.parameters() "
+                "lists the streamed weights' empty placeholders, not their masters"
+                % (len(trainable) - left_out, len(trainable))
+            )
 
     def _drop_step(self):
         """Ends the open step as failed (the plugin sees a failed step), so that the next one can

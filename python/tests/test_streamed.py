@@ -438,3 +438,21 @@ def test_pickling_a_streamed_model_is_refused_with_what_to_save_instead(tmp_path
     torch.save(model.state_dict(), tmp_path / "state.pt")
     assert torch.load(tmp_path / "state.pt")["blocks.0.fc1.weight"].shape == (HIDDEN, DIM)
     streamed.close()
+
+
+def test_an_optimizer_that_leaves_out_masters_is_refused_before_the_step():
+    """torch.optim.AdamW(model.parameters()) gets the placeholders, not the masters: the blocks
+    would never train while the loss still fell through the rest of the model."""
+    torch.manual_seed(23)
+    model = TwoBlockModel()
+    streamed = wrap(model.blocks, policy=OFF)
+    for params in (model.parameters(), list(streamed.master_parameters())[:2] + list(model.head.parameters())):
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        with pytest.raises(ValueError, match=r"the optimizer steps (0|2) of the 4 trainable masters"):
+            with streamed.step(0, optimizer) as s:
+                s.loss = streamed(torch.randn(2, 4, DIM)).pow(2).mean()
+    optimizer = torch.optim.AdamW(streamed.optimizer_parameters(model), lr=1e-3)
+    with streamed.step(0, optimizer) as s:  # nothing began before: step 0 is still free
+        s.loss = model.head(streamed(torch.randn(2, 4, DIM))).pow(2).mean()
+        s.loss.backward()
+    assert s.report.training_passes == 1
