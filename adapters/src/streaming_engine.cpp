@@ -338,6 +338,13 @@ void StreamingEngine::install_image(std::uint32_t block, Precision precision, st
     throw std::logic_error(fmt::format("the {} transfer image of {} failed validation: {}", precision_name(precision),
                                        block_label(blocks_[block], block), read.error));
   }
+  if (read.view.precision == kn::SlabPrecision::kNf4 && !kn::nf4_codes_high_nibble_first(read.view)) {
+    drop_written_slab(block, slab);
+    throw std::logic_error(fmt::format("the {} transfer image of {} is slab version {}, whose NF4 nibble order the "
+                                       "device decoder does not read (expected version {}: a rank of another build?)",
+                                       precision_name(precision), block_label(blocks_[block], block),
+                                       read.view.version, kn::kSlabVersion));
+  }
   if (slab != image.slab) retired_.push_back(RetiredSlab{image.slab, image.last_reader});
   image.view = std::move(read.view);
   image.slab = slab;

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cfloat>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -44,12 +46,12 @@ typedef uint8_t U8x32 __attribute__((vector_size(32)));
 #endif
 
 // One code per byte into `out` (packed afterwards). On GCC/x86-64, eight lanes at a time in GCC
-// vector types: the same IEEE division and the same 15 strict compares as detail::nf4_code,
+// vector types: the same fp32 multiply and the same 15 strict compares as detail::nf4_code,
 // each compare's all-ones mask subtracted from the count, then one byte shuffle (the plain loop
 // vectorizes too, but GCC narrows its bytes one lane at a time). The tail, and other
 // compilers, use detail::nf4_code itself.
 template <typename In>
-SP_SIMD_CLONES void encode_nf4(const In *__restrict src, std::size_t n, float scale, uint8_t *__restrict out) {
+SP_SIMD_CLONES void encode_nf4(const In *__restrict src, std::size_t n, float inverse, uint8_t *__restrict out) {
   std::size_t i = 0;
 #if SP_HAVE_VECTOR_SHUFFLE
   static constexpr std::array<float, 15> kMidpoints = detail::nf4_midpoints();
@@ -62,7 +64,7 @@ SP_SIMD_CLONES void encode_nf4(const In *__restrict src, std::size_t n, float sc
       std::memcpy(&bits, src + i, sizeof bits);
       x = reinterpret_cast<F32x8>(__builtin_convertvector(bits, U32x8) << 16);
     }
-    const F32x8 v = x / scale;
+    const F32x8 v = x * inverse;
     I32x8 count = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int m = 0; m < 15; ++m) count -= (v > kMidpoints[m]);
     // Counts are 0..15: the low byte of each lane, gathered by one constant shuffle.
@@ -72,49 +74,53 @@ SP_SIMD_CLONES void encode_nf4(const In *__restrict src, std::size_t n, float sc
     std::memcpy(out + i, &bytes, 8);
   }
 #endif
-  for (; i < n; ++i) out[i] = static_cast<uint8_t>(detail::nf4_code(to_float(src[i]), scale));
+  for (; i < n; ++i) out[i] = static_cast<uint8_t>(detail::nf4_code(to_float(src[i]), inverse));
 }
 
-// Packs n one-per-byte codes of elements [first, first + n) into nibbles. When `first` is odd
-// the low nibble of the first byte belongs to the previous element, written earlier by the
-// same thread (ranges start at even elements), and is kept. When first + n is odd the high
-// nibble of the last byte is written as zero (the next row, if any, ORs its first code in).
+// Packs n one-per-byte codes of elements [first, first + n) into nibbles, even elements high.
+// When `first` is odd the high nibble of the first byte belongs to the previous element,
+// written earlier by the same thread (ranges start at even elements), and is kept. When
+// first + n is odd the low nibble of the last byte is written as zero (the next row, if any,
+// ORs its first code in).
 SP_SIMD_CLONES void pack_nibbles(const uint8_t *__restrict one_per_byte, std::size_t n, std::size_t first,
                                  uint8_t *__restrict codes) {
   std::size_t i = 0;
   if (first % 2 == 1 && n > 0) {
     uint8_t &byte = codes[first / 2];
-    byte = static_cast<uint8_t>((byte & 0x0Fu) | (one_per_byte[0] << 4));
+    byte = static_cast<uint8_t>((byte & 0xF0u) | one_per_byte[0]);
     i = 1;
   }
   uint8_t *__restrict out = codes + (first + i) / 2;
   const std::size_t pairs = (n - i) / 2;
   const uint8_t *__restrict in = one_per_byte + i;
   for (std::size_t j = 0; j < pairs; ++j) {
-    out[j] = static_cast<uint8_t>(in[2 * j] | (in[2 * j + 1] << 4));
+    out[j] = static_cast<uint8_t>((in[2 * j] << 4) | in[2 * j + 1]);
   }
-  if ((n - i) % 2 == 1) out[pairs] = in[2 * pairs];
+  if ((n - i) % 2 == 1) out[pairs] = static_cast<uint8_t>(in[2 * pairs] << 4);
 }
 
-template <typename In>
+inline void store_scale(uint32_t abs_bits, uint16_t *scale) { *scale = detail::nf4_scale_bits(abs_bits); }
+inline void store_scale(uint32_t abs_bits, float *scale) { *scale = detail::nf4_absmax(abs_bits); }
+
+template <typename In, typename Scale>
 void quantize_row_of(const In *src_row, std::size_t row, std::size_t cols, uint32_t group_size, uint8_t *scratch,
-                     uint8_t *codes, uint16_t *scales_row) {
+                     uint8_t *codes, Scale *scales_row) {
   for (std::size_t column = 0, g = 0; column < cols; column += group_size, ++g) {
     const std::size_t n = std::min<std::size_t>(group_size, cols - column);
-    const uint16_t scale_bits = detail::nf4_scale_bits(detail::max_abs_bits(src_row + column, n));
-    scales_row[g] = scale_bits;
-    if (scale_bits == detail::kBf16CanonicalNaN) {
+    const uint32_t abs_bits = detail::max_abs_bits(src_row + column, n);
+    store_scale(abs_bits, scales_row + g);
+    if (abs_bits >= detail::kInfBits) {  // NaN or Inf: the group is poisoned
       std::fill(scratch + column, scratch + column + n, static_cast<uint8_t>(detail::kNf4ZeroCode));
     } else {
-      encode_nf4(src_row + column, n, detail::bf16_bits_to_float(scale_bits), scratch + column);
+      encode_nf4(src_row + column, n, detail::nf4_inverse_absmax(detail::bits_float(abs_bits)), scratch + column);
     }
   }
   pack_nibbles(scratch, cols, row * cols, codes);
 }
 
-template <typename In>
+template <typename In, typename Scale>
 void quantize_rows(const In *src, std::size_t rows, std::size_t cols, uint32_t group_size, uint8_t *codes,
-                   uint16_t *scales, const CpuExec &exec) {
+                   Scale *scales, const CpuExec &exec) {
   const std::size_t groups = (cols + group_size - 1) / group_size;
   // Ranges hold whole units (row pairs when cols is odd): every range then starts at an even
   // element and no byte is written by two threads.
@@ -141,7 +147,7 @@ SP_SIMD_CLONES void dequantize_segment(const uint8_t *__restrict codes, std::siz
                                        const Out *__restrict table, Out *__restrict dst) {
   std::size_t i = 0;
   if (first % 2 == 1 && n > 0) {
-    dst[0] = table[codes[first / 2] >> 4];
+    dst[0] = table[codes[first / 2] & 0x0Fu];
     i = 1;
   }
   const uint8_t *__restrict in = codes + (first + i) / 2;
@@ -149,10 +155,10 @@ SP_SIMD_CLONES void dequantize_segment(const uint8_t *__restrict codes, std::siz
   const std::size_t pairs = (n - i) / 2;
   for (std::size_t j = 0; j < pairs; ++j) {
     const uint8_t byte = in[j];
-    out[2 * j] = table[byte & 0x0Fu];
-    out[2 * j + 1] = table[byte >> 4];
+    out[2 * j] = table[byte >> 4];
+    out[2 * j + 1] = table[byte & 0x0Fu];
   }
-  if ((n - i) % 2 == 1) out[2 * pairs] = table[in[pairs] & 0x0Fu];
+  if ((n - i) % 2 == 1) out[2 * pairs] = table[in[pairs] >> 4];
 }
 
 #if SP_HAVE_VECTOR_SHUFFLE
@@ -162,8 +168,9 @@ typedef uint8_t U8x16 __attribute__((vector_size(16)));
 // bf16(level * scale) (the per-element formula's exact result), split into low and high
 // bytes, then 16 code bytes (32 elements) at a time through four byte shuffles (pshufb) and
 // three interleaves; the row's tail (cols % 32) through the scalar loop.
+template <typename Scale>
 SP_SHUFFLE_CLONES void dequantize_row_bf16(const uint8_t *__restrict codes, std::size_t cols,
-                                           const uint16_t *__restrict scales, std::size_t group_size,
+                                           const Scale *__restrict scales, std::size_t group_size,
                                            const float *__restrict levels, uint16_t *__restrict dst) {
   const U8x16 low_nibble = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
   const U8x32 kLowBytes = {0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60,
@@ -174,10 +181,9 @@ SP_SHUFFLE_CLONES void dequantize_row_bf16(const uint8_t *__restrict codes, std:
   std::memcpy(&levels_lower, levels, sizeof levels_lower);
   std::memcpy(&levels_upper, levels + 8, sizeof levels_upper);
   for (std::size_t column = 0, g = 0; column < cols; column += group_size, ++g) {
-    const uint16_t scale_bits = scales[g];
-    const float scale = detail::bf16_bits_to_float(scale_bits);
+    const float scale = detail::nf4_scale_value(scales[g]);
     U8x16 table_low, table_high;
-    if ((scale_bits & 0x7F80u) == 0x7F80u) {  // NaN or Inf scale: the scalar rounding (NaN rule)
+    if (!(std::fabs(scale) <= FLT_MAX)) {  // NaN or Inf scale: the scalar rounding (NaN rule)
       for (int k = 0; k < 16; ++k) {
         const uint16_t value = detail::bf16_round_nearest_even(levels[k] * scale);
         table_low[k] = static_cast<uint8_t>(value);
@@ -201,8 +207,8 @@ SP_SHUFFLE_CLONES void dequantize_row_bf16(const uint8_t *__restrict codes, std:
     for (std::size_t v = 0; v < vectors; ++v) {
       U8x16 bytes;
       std::memcpy(&bytes, in + 16 * v, 16);
-      const U8x16 even = bytes & low_nibble;
-      const U8x16 odd = bytes >> 4;
+      const U8x16 even = bytes >> 4;
+      const U8x16 odd = bytes & low_nibble;
       const U8x16 even_low = __builtin_shuffle(table_low, even);
       const U8x16 even_high = __builtin_shuffle(table_high, even);
       const U8x16 odd_low = __builtin_shuffle(table_low, odd);
@@ -226,15 +232,15 @@ SP_SHUFFLE_CLONES void dequantize_row_bf16(const uint8_t *__restrict codes, std:
     }
     for (std::size_t i = vectors * 32; i < n; ++i) {
       const uint8_t byte = in[i / 2];
-      const unsigned code = i % 2 == 0 ? byte & 0x0Fu : byte >> 4u;
+      const unsigned code = detail::nf4_nibble(byte, i);
       out[i] = static_cast<uint16_t>(table_low[code] | (table_high[code] << 8));
     }
   }
 }
 #endif
 
-template <typename Out>
-void dequantize_rows(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+template <typename Out, typename Scale>
+void dequantize_rows(const uint8_t *codes, const Scale *scales, std::size_t rows, std::size_t cols,
                      uint32_t group_size, Out *dst, const CpuExec &exec) {
   const std::size_t groups = (cols + group_size - 1) / group_size;
   std::array<float, 16> levels{};
@@ -253,7 +259,7 @@ void dequantize_rows(const uint8_t *codes, const uint16_t *scales, std::size_t r
       }
 #endif
       for (std::size_t g = 0; g < groups; ++g) {
-        const float scale = detail::bf16_bits_to_float(scales[r * groups + g]);
+        const float scale = detail::nf4_scale_value(scales[r * groups + g]);
         for (uint32_t k = 0; k < 16; ++k) store(levels[k] * scale, table + k);
         const std::size_t first = r * cols + g * group_size;
         const std::size_t n = std::min<std::size_t>(group_size, cols - g * group_size);
@@ -263,16 +269,18 @@ void dequantize_rows(const uint8_t *codes, const uint16_t *scales, std::size_t r
   });
 }
 
-template <typename Out>
-void dequantize(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols, uint32_t group_size,
+template <typename Out, typename Scale>
+void dequantize(const uint8_t *codes, const Scale *scales, std::size_t rows, std::size_t cols, uint32_t group_size,
                 Out *dst, const CpuExec &exec, const char *function) {
   detail::check_nf4_dequantize_arguments(codes, scales, rows, cols, group_size, dst, function);
   if (rows == 0 || cols == 0) return;
   if (exec.impl == CpuImpl::kReference) {
+    std::vector<float> scale_values(nf4_scale_count(rows, cols, group_size));
+    for (std::size_t i = 0; i < scale_values.size(); ++i) scale_values[i] = detail::nf4_scale_value(scales[i]);
     if constexpr (std::is_same_v<Out, uint16_t>) {
-      reference::dequantize_nf4(codes, scales, rows, cols, group_size, dst, nullptr);
+      reference::dequantize_nf4(codes, scale_values.data(), rows, cols, group_size, dst, nullptr);
     } else {
-      reference::dequantize_nf4(codes, scales, rows, cols, group_size, nullptr, dst);
+      reference::dequantize_nf4(codes, scale_values.data(), rows, cols, group_size, nullptr, dst);
     }
     return;
   }
@@ -300,12 +308,21 @@ void detail::quantize_nf4_row(const float *src_row, std::size_t row, std::size_t
   quantize_row_of(src_row, row, cols, group_size, scratch, codes, scales_row);
 }
 
-void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
-                  uint8_t *codes, uint16_t *scales, const CpuExec &exec) {
+namespace {
+
+template <typename Scale>
+void quantize(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
+              uint8_t *codes, Scale *scales, const CpuExec &exec) {
   detail::check_nf4_quantize_arguments(src, src_dtype, rows, cols, group_size, codes, scales, "quantize_nf4");
   if (rows == 0 || cols == 0) return;
   if (exec.impl == CpuImpl::kReference) {
-    reference::quantize_nf4(src, src_dtype, rows, cols, group_size, codes, scales);
+    if constexpr (std::is_same_v<Scale, float>) {
+      reference::quantize_nf4(src, src_dtype, rows, cols, group_size, codes, scales);
+    } else {
+      std::vector<float> absmax(nf4_scale_count(rows, cols, group_size));
+      reference::quantize_nf4(src, src_dtype, rows, cols, group_size, codes, absmax.data());
+      for (std::size_t i = 0; i < absmax.size(); ++i) scales[i] = reference::nf4_bf16_scale(absmax[i]);
+    }
     return;
   }
   if (src_dtype == DType::kFloat32) {
@@ -315,12 +332,34 @@ void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_
   }
 }
 
+}  // namespace
+
+void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
+                  uint8_t *codes, uint16_t *scales, const CpuExec &exec) {
+  quantize(src, src_dtype, rows, cols, group_size, codes, scales, exec);
+}
+
+void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
+                  uint8_t *codes, float *scales, const CpuExec &exec) {
+  quantize(src, src_dtype, rows, cols, group_size, codes, scales, exec);
+}
+
 void dequantize_nf4_to_bf16(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
                             uint32_t group_size, uint16_t *dst, const CpuExec &exec) {
   dequantize(codes, scales, rows, cols, group_size, dst, exec, "dequantize_nf4_to_bf16");
 }
 
+void dequantize_nf4_to_bf16(const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
+                            uint32_t group_size, uint16_t *dst, const CpuExec &exec) {
+  dequantize(codes, scales, rows, cols, group_size, dst, exec, "dequantize_nf4_to_bf16");
+}
+
 void dequantize_nf4_to_fp32(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+                            uint32_t group_size, float *dst, const CpuExec &exec) {
+  dequantize(codes, scales, rows, cols, group_size, dst, exec, "dequantize_nf4_to_fp32");
+}
+
+void dequantize_nf4_to_fp32(const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
                             uint32_t group_size, float *dst, const CpuExec &exec) {
   dequantize(codes, scales, rows, cols, group_size, dst, exec, "dequantize_nf4_to_fp32");
 }

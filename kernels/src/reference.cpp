@@ -195,42 +195,43 @@ namespace {
 float nf4_level_of(unsigned code) { return kernels::detail::nf4_level(code); }
 float nf4_midpoint(unsigned k) { return kernels::detail::nf4_midpoint(k); }
 
-// The smallest bf16 value >= a (a finite, > 0), or the largest finite bf16 when a exceeds it.
-uint16_t bf16_ceil(float a) {
-  uint16_t truncated = static_cast<uint16_t>(bits_of(a) >> 16);
-  if (float_of(static_cast<uint32_t>(truncated) << 16) < a) ++truncated;
-  return truncated >= 0x7F80 ? uint16_t{0x7F7F} : truncated;
-}
-
 void set_nibble(uint8_t *codes, std::size_t element, unsigned code) {
   uint8_t &byte = codes[element / 2];
   if (element % 2 == 0) {
-    byte = static_cast<uint8_t>((byte & 0xF0u) | code);
-  } else {
     byte = static_cast<uint8_t>((byte & 0x0Fu) | (code << 4));
+  } else {
+    byte = static_cast<uint8_t>((byte & 0xF0u) | code);
   }
+}
+
+unsigned get_nibble(const uint8_t *codes, std::size_t element) {
+  return element % 2 == 0 ? codes[element / 2] >> 4 : codes[element / 2] & 0x0Fu;
 }
 
 }  // namespace
 
+uint16_t nf4_bf16_scale(float absmax) {
+  const uint16_t nearest = bf16_from_float(absmax);
+  return (nearest & 0x7FFFu) == 0x7F80u ? uint16_t{0x7F7F} : nearest;  // absmax >= 0: +Inf only
+}
+
 void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
-                  uint8_t *codes, uint16_t *scales) {
+                  uint8_t *codes, float *absmax_out) {
   const std::size_t groups = groups_per_row(cols, group_size);
   const std::size_t n = rows * cols;
-  std::fill(codes, codes + (n + 1) / 2, uint8_t{0});  // the unused high nibble stays zero
+  std::fill(codes, codes + (n + 1) / 2, uint8_t{0});  // the unused low nibble stays zero
   for (std::size_t r = 0; r < rows; ++r) {
     for (std::size_t g = 0; g < groups; ++g) {
       const std::size_t begin = r * cols + g * group_size;
       const std::size_t end = r * cols + std::min<std::size_t>(cols, (g + 1) * group_size);
       const auto [finite, absmax] = group_absmax(src, src_dtype, begin, end);
-      uint16_t scale_bits = 0x7FFF;  // NaN: the group is poisoned
-      if (finite) scale_bits = absmax == 0.0f ? uint16_t{0x3F80} : bf16_ceil(absmax);
-      scales[r * groups + g] = scale_bits;
-      const float scale = float_of(static_cast<uint32_t>(scale_bits) << 16);
+      absmax_out[r * groups + g] = finite ? absmax : std::numeric_limits<float>::quiet_NaN();
+      // bitsandbytes: x * (1 / absmax.clamp(min=1e-38)), all in fp32.
+      const float inverse = 1.0f / std::max(absmax, 1e-38f);
       for (std::size_t i = begin; i < end; ++i) {
         unsigned code = 7;  // level 0.0, for poisoned groups
         if (finite) {
-          const float v = load(src, src_dtype, i) / scale;
+          const float v = load(src, src_dtype, i) * inverse;
           code = 0;
           while (code < 15 && v > nf4_midpoint(code)) ++code;
         }
@@ -240,15 +241,13 @@ void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_
   }
 }
 
-void dequantize_nf4(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+void dequantize_nf4(const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
                     uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32) {
   const std::size_t groups = groups_per_row(cols, group_size);
   for (std::size_t r = 0; r < rows; ++r) {
     for (std::size_t c = 0; c < cols; ++c) {
       const std::size_t i = r * cols + c;
-      const unsigned code = i % 2 == 0 ? codes[i / 2] & 0x0Fu : codes[i / 2] >> 4;
-      const float scale = float_of(static_cast<uint32_t>(scales[r * groups + c / group_size]) << 16);
-      const float x = nf4_level_of(code) * scale;
+      const float x = nf4_level_of(get_nibble(codes, i)) * scales[r * groups + c / group_size];
       if (dst_bf16 != nullptr) {
         dst_bf16[i] = bf16_from_float(x);
       } else {

@@ -35,12 +35,16 @@ void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t r
 void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
                 uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32);
 
-// NF4 (sp/kernels/nf4.h): element by element, nibble by nibble.
+// NF4 (sp/kernels/nf4.h): element by element, nibble by nibble, as bitsandbytes' Python
+// reference writes it; `absmax` gets the fp32 scales (NaN for a poisoned group).
 void quantize_nf4(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
-                  uint8_t *codes, uint16_t *scales);
+                  uint8_t *codes, float *absmax);
 
-// dst_bf16 or dst_fp32 (exactly one non-null).
-void dequantize_nf4(const uint8_t *codes, const uint16_t *scales, std::size_t rows, std::size_t cols,
+// The slab's bf16 scale of an absmax: nearest even, the largest finite bf16 instead of Inf.
+uint16_t nf4_bf16_scale(float absmax);
+
+// dst_bf16 or dst_fp32 (exactly one non-null); scales as fp32 values.
+void dequantize_nf4(const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
                     uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32);
 
 void grad_moments(const GradTensor *tensors, std::size_t n_tensors, uint32_t n_blocks, sp_grad_moments_v1 *out);

@@ -172,7 +172,6 @@ SP_HD float fp8_e4m3_decode(uint8_t code) {
 
 // ---- NF4 (sp/kernels/nf4.h; docs/kernels.md, "NF4") ----
 
-constexpr uint16_t kBf16One = 0x3F80u;
 constexpr uint16_t kBf16MaxFinite = 0x7F7Fu;
 constexpr uint32_t kNf4ZeroCode = 7;  // the code of level 0.0
 
@@ -254,23 +253,40 @@ SP_HD uint32_t nf4_code_of_normalized(float v) {
   return nf4_count_above_midpoints(v, std::make_integer_sequence<uint32_t, 15>{});
 }
 
-// The bf16 scale of a group from the bit pattern of its largest |x| (as quant_scale):
-//   NaN/Inf in the group -> canonical bf16 NaN (the group is poisoned)
-//   all zero             -> 1.0
-//   otherwise            -> absmax rounded UP to bf16 (so |x| / scale <= 1 exactly), clamped to
-//                           the largest finite bf16 when that would round to Inf (absmax above
-//                           3.3895e38; those values exceed 1 by < 0.4 % and take code 15).
-// Subnormal absmax gives a subnormal bf16 scale; the division below stays exact-rounded.
+// bitsandbytes clamps a group's absmax to this before taking its reciprocal, so an all-zero or
+// tiny group still gets a finite one (1e38).
+constexpr float kNf4MinAbsmax = 1e-38f;
+constexpr uint32_t kFloatCanonicalNaN = 0x7FC00000u;
+
+// A group's absmax from the bit pattern of its largest |x| (abs_bits, as for quant_scale): the
+// value itself, or NaN when the group holds NaN or +-Inf (the group is poisoned: codes 7, and it
+// dequantizes to NaN). This is the fp32 scale bitsandbytes stores.
+SP_HD float nf4_absmax(uint32_t abs_bits) { return bits_float(abs_bits >= kInfBits ? kFloatCanonicalNaN : abs_bits); }
+
+// The bf16 scale the slab stores for a group: its absmax rounded to nearest even, clamped to
+// the largest finite bf16 when that would round to Inf (absmax above 3.3895e38); canonical NaN
+// for a poisoned group. 0 for an all-zero group, whose codes are all 7 (level 0.0).
 SP_HD uint16_t nf4_scale_bits(uint32_t abs_bits) {
   if (abs_bits >= kInfBits) return kBf16CanonicalNaN;
-  if (abs_bits == 0) return kBf16One;
-  const uint32_t up = (abs_bits + 0xFFFFu) >> 16;
-  return static_cast<uint16_t>(up > kBf16MaxFinite ? kBf16MaxFinite : up);
+  const uint16_t nearest = bf16_round_nearest_even(bits_float(abs_bits));
+  return nearest > kBf16MaxFinite ? kBf16MaxFinite : nearest;
 }
 
-// Code of x in a finite group with scale `scale` (the bf16 scale as fp32): one IEEE fp32
-// division (exact-rounded on every implementation; nvcc's default -prec-div=true), then the
-// midpoint compares.
-SP_HD uint32_t nf4_code(float x, float scale) { return nf4_code_of_normalized(x / scale); }
+// The multiplier of a finite group: bitsandbytes' 1 / max(absmax, 1e-38), one IEEE fp32
+// division per group (exact-rounded on every implementation; nvcc's default -prec-div=true).
+SP_HD float nf4_inverse_absmax(float absmax) { return 1.0f / (absmax < kNf4MinAbsmax ? kNf4MinAbsmax : absmax); }
+
+// Code of x in a finite group: v = x * inverse (fp32 multiply), then the midpoint compares.
+// bitsandbytes clamps v to [-1, 1] first; that changes no code (every midpoint lies inside), so
+// it is left out.
+SP_HD uint32_t nf4_code(float x, float inverse) { return nf4_code_of_normalized(x * inverse); }
+
+// A stored scale as fp32: the bf16 scales of the slab, or fp32 absmax as bitsandbytes keeps it.
+SP_HD float nf4_scale_value(uint16_t bf16_bits) { return bf16_bits_to_float(bf16_bits); }
+SP_HD float nf4_scale_value(float absmax) { return absmax; }
+
+// Packing: element e of the flattened tensor lives in byte e / 2, in the HIGH nibble when e is
+// even (bitsandbytes' order: the first of a pair is the high nibble).
+SP_HD uint32_t nf4_nibble(uint32_t byte, uint64_t element) { return element % 2 == 0 ? byte >> 4 : byte & 15u; }
 
 }  // namespace sp::kernels::detail

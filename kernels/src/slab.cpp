@@ -319,7 +319,7 @@ SlabReadResult read_slab(const uint8_t *image, uint64_t size) {
                 " is unknown (expected 1 = bf16, 2 = int8, 3 = fp8_e4m3, 4 = nf4)");
   }
   if (header.version < 2 && header.precision == static_cast<uint32_t>(SlabPrecision::kNf4)) {
-    return fail("precision 4 = nf4 needs version 2, the image is version " + std::to_string(header.version));
+    return fail("precision 4 = nf4 needs version 2 or later, the image is version " + std::to_string(header.version));
   }
   const auto precision = static_cast<SlabPrecision>(header.precision);
   const std::string problem = encoding_problem(precision, header.group_size, Rounding::kNearestEven);
@@ -364,6 +364,7 @@ SlabReadResult read_slab(const uint8_t *image, uint64_t size) {
     return mismatch("", "scales_offset", header.scales_offset, plan.scales_offset);
   }
   result.view.precision = precision;
+  result.view.version = header.version;
   result.view.group_size = header.group_size;
   result.view.total_bytes = size;
   result.view.tensors.resize(entries.size());
@@ -435,6 +436,15 @@ void decode_tensor(const uint8_t *image, const SlabView &view, std::size_t index
       return;
     case SlabPrecision::kNf4: {
       const auto *bf16_scales = reinterpret_cast<const uint16_t *>(image + tensor.scales_offset);
+      std::vector<uint8_t> high_first;
+      if (!nf4_codes_high_nibble_first(view)) {
+        // A version-2 image: the same levels and scales, the nibbles of each byte the other way.
+        high_first.resize(tensor.data_bytes);
+        for (std::size_t b = 0; b < high_first.size(); ++b) {
+          high_first[b] = static_cast<uint8_t>((data[b] << 4) | (data[b] >> 4));
+        }
+        data = high_first.data();
+      }
       if constexpr (std::is_same_v<Out, uint16_t>) {
         dequantize_nf4_to_bf16(data, bf16_scales, tensor.shape.rows, tensor.shape.cols, view.group_size, dst, exec);
       } else {

@@ -310,7 +310,8 @@ TEST(CudaNf4, MatchesCpuReferenceBitForBit) {
   SKIP_WITHOUT_GPU();
   std::vector<testing::Shape> shapes = testing::odd_shapes();
   shapes.push_back({64, 4096});  // the vectorized dequant path
-  shapes.push_back({3, 96});     // vector path, groups of 32 inside a row, group 64 straddling vectors
+  shapes.push_back({3, 96});     // vector path, groups of 32 inside a row
+  shapes.push_back({5, 40});     // vector path, cols a multiple of 8 but not of 32
   shapes.push_back({301, 256});
   for (const testing::Shape shape : shapes) {
     std::vector<float> x = testing::special_matrix(shape.rows, shape.cols, 23);
@@ -331,25 +332,40 @@ TEST(CudaNf4, MatchesCpuReferenceBitForBit) {
         const void *host_src = dtype == DType::kFloat32 ? static_cast<const void *>(x.data()) : x_bf16.data();
         const void *device_src = dtype == DType::kFloat32 ? static_cast<const void *>(d_x.ptr) : d_x_bf16.ptr;
         const CpuExec reference{CpuImpl::kReference, 1};
+        // The CPU twin: fp32 absmax (what the device quantizer writes) and the slab's bf16
+        // scales; the device decodes both.
         std::vector<uint8_t> codes(n_codes);
+        std::vector<float> absmax(n_scales);
         std::vector<uint16_t> scales(n_scales);
-        std::vector<uint16_t> bf16(x.size());
-        std::vector<float> fp32(x.size());
+        std::vector<uint16_t> bf16(x.size()), exact_bf16(x.size());
+        std::vector<float> fp32(x.size()), exact_fp32(x.size());
+        quantize_nf4(host_src, dtype, shape.rows, shape.cols, group, codes.data(), absmax.data(), reference);
         quantize_nf4(host_src, dtype, shape.rows, shape.cols, group, codes.data(), scales.data(), reference);
         dequantize_nf4_to_bf16(codes.data(), scales.data(), shape.rows, shape.cols, group, bf16.data(), reference);
         dequantize_nf4_to_fp32(codes.data(), scales.data(), shape.rows, shape.cols, group, fp32.data(), reference);
+        dequantize_nf4_to_bf16(codes.data(), absmax.data(), shape.rows, shape.cols, group, exact_bf16.data(),
+                               reference);
+        dequantize_nf4_to_fp32(codes.data(), absmax.data(), shape.rows, shape.cols, group, exact_fp32.data(),
+                               reference);
         DeviceBuffer<uint8_t> d_codes(std::vector<uint8_t>(n_codes, 0xA5));
-        DeviceBuffer<uint16_t> d_scales(n_scales);
-        DeviceBuffer<uint16_t> d_bf16(x.size());
-        DeviceBuffer<float> d_fp32(x.size());
-        cuda::quantize_nf4(device_src, dtype, shape.rows, shape.cols, group, d_codes.ptr, d_scales.ptr, nullptr);
+        DeviceBuffer<float> d_absmax(n_scales);
+        DeviceBuffer<uint16_t> d_scales(scales);
+        DeviceBuffer<uint16_t> d_bf16(x.size()), d_exact_bf16(x.size());
+        DeviceBuffer<float> d_fp32(x.size()), d_exact_fp32(x.size());
+        cuda::quantize_nf4(device_src, dtype, shape.rows, shape.cols, group, d_codes.ptr, d_absmax.ptr, nullptr);
         cuda::dequantize_nf4_to_bf16(d_codes.ptr, d_scales.ptr, shape.rows, shape.cols, group, d_bf16.ptr, nullptr);
         cuda::dequantize_nf4_to_fp32(d_codes.ptr, d_scales.ptr, shape.rows, shape.cols, group, d_fp32.ptr, nullptr);
+        cuda::dequantize_nf4_to_bf16(d_codes.ptr, d_absmax.ptr, shape.rows, shape.cols, group, d_exact_bf16.ptr,
+                                     nullptr);
+        cuda::dequantize_nf4_to_fp32(d_codes.ptr, d_absmax.ptr, shape.rows, shape.cols, group, d_exact_fp32.ptr,
+                                     nullptr);
         check(cudaDeviceSynchronize());
         ASSERT_EQ(codes, d_codes.download());
-        ASSERT_EQ(scales, d_scales.download());
+        ASSERT_TRUE(same_floats(absmax, d_absmax.download()));
         ASSERT_EQ(bf16, d_bf16.download());
         ASSERT_TRUE(same_floats(fp32, d_fp32.download()));
+        ASSERT_EQ(exact_bf16, d_exact_bf16.download());
+        ASSERT_TRUE(same_floats(exact_fp32, d_exact_fp32.download()));
         // The scalar dequant path too (misaligned destination).
         if (!x.empty()) {
           DeviceBuffer<uint16_t> d_shifted(x.size() + 1);

@@ -15,6 +15,8 @@
 #include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
 #include "slab_v1_fixture.h"
+#include "scalar_math.h"
+#include "slab_v2_nf4_fixture.h"
 #include "test_support.h"
 
 namespace sp::kernels {
@@ -234,9 +236,9 @@ TEST_F(SlabCorruption, EveryBitFlipInTheHeaderAndTableIsAnError) {
 TEST_F(SlabCorruption, ErrorsNameTheField) {
   SlabHeader header;
   std::memcpy(&header, image_.get(), sizeof header);
-  header.version = 3;
+  header.version = 4;
   std::memcpy(image_.get(), &header, sizeof header);
-  EXPECT_NE(read_slab(image_.get(), bytes_).error.find("version 3"), std::string::npos);
+  EXPECT_NE(read_slab(image_.get(), bytes_).error.find("version 4"), std::string::npos);
   header.version = kSlabVersion;
   header.group_size = 48;
   std::memcpy(image_.get(), &header, sizeof header);
@@ -273,7 +275,7 @@ void reseal(uint8_t *image) {
   std::memcpy(image, &header, sizeof header);
 }
 
-TEST(SlabV2, BuildWritesVersion2) {
+TEST(SlabV3, BuildWritesVersion3) {
   const Block block = make_block({{4, 4}});
   for (const SlabEncoding &encoding : all_encodings()) {
     const uint64_t bytes = slab_image_bytes(encoding, block.shapes.data(), 1);
@@ -281,8 +283,49 @@ TEST(SlabV2, BuildWritesVersion2) {
     build_slab(encoding, block.sources.data(), 1, image.get(), bytes);
     SlabHeader header;
     std::memcpy(&header, image.get(), sizeof header);
-    EXPECT_EQ(header.version, 2);
+    EXPECT_EQ(header.version, 3);
   }
+}
+
+TEST(SlabV3, Version2Nf4ImagesStillDecodeAsWritten) {
+  // Written by the version-2 code (slab_v2_nf4_fixture.h): its nibbles are the other way round
+  // and its scales rounded up, and today's reader decodes what the version-2 reader did.
+  SlabHeader header;
+  std::memcpy(&header, testing::kSlabV2Nf4Group32, sizeof header);
+  ASSERT_EQ(header.version, 2);
+  const SlabReadResult read = read_slab(testing::kSlabV2Nf4Group32, sizeof testing::kSlabV2Nf4Group32);
+  ASSERT_TRUE(read.ok) << read.error;
+  EXPECT_EQ(read.view.version, 2);
+  EXPECT_FALSE(nf4_codes_high_nibble_first(read.view));
+  ASSERT_EQ(read.view.tensors.size(), 2u);
+  const std::vector<uint16_t> expected[2] = {
+      {std::begin(testing::kSlabV2Nf4Decoded0), std::end(testing::kSlabV2Nf4Decoded0)},
+      {std::begin(testing::kSlabV2Nf4Decoded1), std::end(testing::kSlabV2Nf4Decoded1)}};
+  for (std::size_t i = 0; i < 2; ++i) {
+    for (const CpuExec exec : {CpuExec{CpuImpl::kReference, 1}, CpuExec{}}) {
+      std::vector<uint16_t> decoded(expected[i].size());
+      decode_slab_tensor_to_bf16(testing::kSlabV2Nf4Group32, read.view, i, decoded.data(), exec);
+      EXPECT_EQ(decoded, expected[i]) << i;
+      std::vector<float> wide(expected[i].size());
+      decode_slab_tensor_to_fp32(testing::kSlabV2Nf4Group32, read.view, i, wide.data(), exec);
+      for (std::size_t e = 0; e < wide.size(); ++e) {
+        ASSERT_EQ(detail::bf16_round_nearest_even(wide[e]), expected[i][e]) << i << " " << e;
+      }
+    }
+  }
+  // Today's image of the same masters is version 3 and high-nibble first.
+  Buffer fresh = allocate(sizeof testing::kSlabV2Nf4Group32, 0);
+  std::vector<float> a(15), b(128);
+  for (int i = 0; i < 15; ++i) a[i] = std::sin(0.7f * static_cast<float>(i)) * 0.5f;
+  for (int i = 0; i < 128; ++i) b[i] = std::cos(0.3f * static_cast<float>(i)) * (i % 7 == 0 ? 2.0f : 0.25f);
+  const std::vector<TensorShape> shapes = {{3, 5}, {2, 64}};
+  const std::vector<SlabTensorSource> sources = {{a.data(), shapes[0]}, {b.data(), shapes[1]}};
+  ASSERT_EQ(build_slab(SlabEncoding{SlabPrecision::kNf4, 32}, sources.data(), 2, fresh.get(),
+                       sizeof testing::kSlabV2Nf4Group32),
+            sizeof testing::kSlabV2Nf4Group32);
+  const SlabReadResult fresh_read = read_slab(fresh.get(), sizeof testing::kSlabV2Nf4Group32);
+  ASSERT_TRUE(fresh_read.ok) << fresh_read.error;
+  EXPECT_TRUE(nf4_codes_high_nibble_first(fresh_read.view));
 }
 
 TEST(SlabV2, Version1ImagesStillRead) {
@@ -378,8 +421,8 @@ TEST_F(SlabNf4Corruption, EveryValidationErrorNamesItsField) {
   ASSERT_EQ(entry(3).data_bytes, 128u * 129u / 2);
   ASSERT_EQ(entry(3).scale_count, 128u * 3u);
   EXPECT_ERROR_MENTIONS(error_after([](SlabHeader &h, SlabTensorEntry &) { h.version = 1; }),
-                        "precision 4 = nf4 needs version 2");
-  EXPECT_ERROR_MENTIONS(error_after([](SlabHeader &h, SlabTensorEntry &) { h.version = 3; }), "version 3");
+                        "precision 4 = nf4 needs version 2 or later");
+  EXPECT_ERROR_MENTIONS(error_after([](SlabHeader &h, SlabTensorEntry &) { h.version = 4; }), "version 4");
   EXPECT_ERROR_MENTIONS(error_after([](SlabHeader &h, SlabTensorEntry &) { h.version = 0; }), "version 0");
   EXPECT_ERROR_MENTIONS(error_after([](SlabHeader &h, SlabTensorEntry &) { h.group_size = 0; }),
                         "group_size 0 is not supported for an nf4 slab");
@@ -461,8 +504,8 @@ TEST(SlabV2, Nf4ByteCountIsExact) {
   EXPECT_EQ(read.view.tensors[0].scales_offset, 672u);
   EXPECT_EQ(read.view.tensors[1].scales_offset, 678u);
   EXPECT_EQ(read.view.tensors[1].scale_count, 10u);
-  // Padding is zero: the unused high nibble of tensor 0's last byte and the gaps.
-  EXPECT_EQ(image[256 + 7] >> 4, 0);
+  // Padding is zero: the unused low nibble of tensor 0's last byte and the gaps.
+  EXPECT_EQ(image[256 + 7] & 0x0F, 0);
   for (uint64_t i = 264; i < 512; ++i) ASSERT_EQ(image[i], 0) << i;
   for (uint64_t i = 662; i < 672; ++i) ASSERT_EQ(image[i], 0) << i;
 }

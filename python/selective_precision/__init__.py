@@ -179,20 +179,27 @@ def _errors(raw) -> CalibrationErrors | None:
     return None if raw is None else CalibrationErrors(int8=list(raw["int8"]), nf4=list(raw["nf4"]))
 
 
-def quantize_nf4(x: torch.Tensor, group_size: int = 64, *, threads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The NF4 image the layer streams, of a 2-D float32 or bfloat16 CPU tensor with an even
-    number of columns: `(codes, scales)`. `codes` is uint8 of shape (rows, cols // 2), two
-    4-bit codes a byte, an even column in the low nibble; `scales` is bfloat16 of shape
-    (rows, ceil(cols / group_size)), each group's absmax rounded up to bfloat16
-    (docs/kernels.md, "NF4"). `threads`: 0 for every core; the result does not depend on it."""
-    return tuple(_extension._quantize_nf4(x, int(group_size), int(threads)))
+def quantize_nf4(x: torch.Tensor, group_size: int = 64, *, scale_dtype: torch.dtype = torch.float32,
+                 threads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """QLoRA's NF4 of a 2-D float32 or bfloat16 CPU tensor with an even number of columns, bit
+    for bit as bitsandbytes computes it: `(codes, scales)`. `codes` is uint8 of shape
+    (rows, cols // 2), two 4-bit codes a byte, the first of a pair in the high nibble; for
+    rows whose length is a multiple of `group_size` they are the bytes of
+    `bitsandbytes.functional.quantize_4bit(x, blocksize=group_size, quant_type="nf4")`.
+    `scales` has shape (rows, ceil(cols / group_size)), each group's absmax: float32 as
+    bitsandbytes stores it, or, with `scale_dtype=torch.bfloat16`, rounded to nearest as the
+    layer's images store it (docs/kernels.md, "NF4"). A group holding NaN or Inf gets scale NaN
+    and dequantizes to NaN. `threads`: 0 for every core; the result does not depend on it."""
+    return tuple(_extension._quantize_nf4(x, int(group_size), scale_dtype, int(threads)))
 
 
 def dequantize_nf4(codes: torch.Tensor, scales: torch.Tensor, group_size: int = 64,
                    dtype: torch.dtype = torch.bfloat16, *, threads: int = 0,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """The weights an NF4 image stands for (what quantize_nf4 returned), in `dtype`
-    (bfloat16, as the layer computes with them, or float32); written into `out` when given (a
+    (bfloat16, as the layer computes with them, or float32): level * scale in float32, then
+    rounded to `dtype`. With float32 scales this equals bitsandbytes' dequantize_4bit exactly;
+    with bfloat16 scales it is within one bfloat16 ulp of it. Written into `out` when given (a
     contiguous CPU tensor of that shape and dtype), as the layer writes into its slots."""
     return _extension._dequantize_nf4(codes, scales, int(group_size), dtype, int(threads), out)
 

@@ -4,7 +4,9 @@ from typing import Any
 
 import torch
 
-def _quantize_nf4(x: torch.Tensor, group_size: int, threads: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+def _quantize_nf4(
+    x: torch.Tensor, group_size: int, scale_dtype: torch.dtype, threads: int
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 def _dequantize_nf4(
     codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype, threads: int,
     out: torch.Tensor | None

@@ -323,8 +323,13 @@ torch::Tensor output_matrix(const std::optional<torch::Tensor>& out, std::int64_
   return *out;
 }
 
-py::tuple quantize_nf4(const torch::Tensor& x, std::uint32_t group_size, unsigned threads) {
+py::tuple quantize_nf4(const torch::Tensor& x, std::uint32_t group_size, const py::object& scale_dtype,
+                       unsigned threads) {
   const torch::Tensor src = weight_matrix(x, "quantize_nf4");
+  const torch::ScalarType scale_type = torch::python::detail::py_object_to_dtype(scale_dtype);
+  require(scale_type == torch::kFloat32 || scale_type == torch::kBFloat16,
+          fmt::format("quantize_nf4: scale_dtype torch.float32 or torch.bfloat16 expected, got {}",
+                      c10::toString(scale_type)));
   require(kn::is_supported_nf4_group_size(group_size),
           fmt::format("quantize_nf4: group_size {}: expected 32, 64, 128 or 256", group_size));
   const std::int64_t rows = src.size(0), cols = src.size(1);
@@ -332,11 +337,17 @@ py::tuple quantize_nf4(const torch::Tensor& x, std::uint32_t group_size, unsigne
           fmt::format("quantize_nf4: {} columns: an even number expected (a row's codes fill whole bytes)", cols));
   const std::int64_t groups = (cols + group_size - 1) / group_size;
   torch::Tensor codes = torch::empty({rows, cols / 2}, torch::kUInt8);
-  torch::Tensor scales = torch::empty({rows, groups}, torch::kBFloat16);
+  torch::Tensor scales = torch::empty({rows, groups}, scale_type);
   {
     py::gil_scoped_release no_gil;
-    kn::quantize_nf4(src.data_ptr(), kernel_dtype(src), rows, cols, group_size, codes.data_ptr<std::uint8_t>(),
-                     reinterpret_cast<std::uint16_t*>(scales.data_ptr()), kn::CpuExec{kn::CpuImpl::kVectorized, threads});
+    const kn::CpuExec exec{kn::CpuImpl::kVectorized, threads};
+    if (scale_type == torch::kFloat32) {
+      kn::quantize_nf4(src.data_ptr(), kernel_dtype(src), rows, cols, group_size, codes.data_ptr<std::uint8_t>(),
+                       scales.data_ptr<float>(), exec);
+    } else {
+      kn::quantize_nf4(src.data_ptr(), kernel_dtype(src), rows, cols, group_size, codes.data_ptr<std::uint8_t>(),
+                       reinterpret_cast<std::uint16_t*>(scales.data_ptr()), exec);
+    }
   }
   return py::make_tuple(codes, scales);
 }
@@ -350,9 +361,10 @@ torch::Tensor dequantize_nf4(const torch::Tensor& codes, const torch::Tensor& sc
           "dequantize_nf4: codes: a 2-D uint8 CPU tensor expected (rows, cols / 2)");
   const std::int64_t rows = codes.size(0), cols = codes.size(1) * 2;
   const std::int64_t groups = (cols + group_size - 1) / group_size;
-  require(scales.dim() == 2 && scales.scalar_type() == torch::kBFloat16 && scales.device().is_cpu() &&
-              scales.size(0) == rows && scales.size(1) == groups,
-          fmt::format("dequantize_nf4: scales: a bfloat16 CPU tensor of shape ({}, {}) expected for codes of shape "
+  require(scales.dim() == 2 && (scales.scalar_type() == torch::kFloat32 || scales.scalar_type() == torch::kBFloat16) &&
+              scales.device().is_cpu() && scales.size(0) == rows && scales.size(1) == groups,
+          fmt::format("dequantize_nf4: scales: a float32 or bfloat16 CPU tensor of shape ({}, {}) expected for codes "
+                      "of shape "
                       "({}, {}) in groups of {}",
                       rows, groups, rows, cols / 2, group_size));
   const torch::Tensor c = codes.contiguous(), s = scales.contiguous();
@@ -360,13 +372,19 @@ torch::Tensor dequantize_nf4(const torch::Tensor& codes, const torch::Tensor& sc
   {
     py::gil_scoped_release no_gil;
     const kn::CpuExec exec{kn::CpuImpl::kVectorized, threads};
-    const auto* scale_bits = reinterpret_cast<const std::uint16_t*>(s.data_ptr());
-    if (out_type == torch::kBFloat16) {
-      kn::dequantize_nf4_to_bf16(c.data_ptr<std::uint8_t>(), scale_bits, rows, cols, group_size,
-                                 reinterpret_cast<std::uint16_t*>(out.data_ptr()), exec);
+    const auto dequantize = [&](const auto* scale_values) {
+      if (out_type == torch::kBFloat16) {
+        kn::dequantize_nf4_to_bf16(c.data_ptr<std::uint8_t>(), scale_values, rows, cols, group_size,
+                                   reinterpret_cast<std::uint16_t*>(out.data_ptr()), exec);
+      } else {
+        kn::dequantize_nf4_to_fp32(c.data_ptr<std::uint8_t>(), scale_values, rows, cols, group_size,
+                                   out.data_ptr<float>(), exec);
+      }
+    };
+    if (s.scalar_type() == torch::kFloat32) {
+      dequantize(s.data_ptr<float>());
     } else {
-      kn::dequantize_nf4_to_fp32(c.data_ptr<std::uint8_t>(), scale_bits, rows, cols, group_size,
-                                 out.data_ptr<float>(), exec);
+      dequantize(reinterpret_cast<const std::uint16_t*>(s.data_ptr()));
     }
   }
   return out;
@@ -434,7 +452,8 @@ PYBIND11_MODULE(_selective_precision, m) {
   // script's other threads (a DataLoader's pin-memory thread) go on meanwhile; the blocks'
   // Python forwards take it back (python_block). Their results become Python objects after.
   const py::call_guard<py::gil_scoped_release> no_gil;
-  m.def("_quantize_nf4", &quantize_nf4, py::arg("x"), py::arg("group_size"), py::arg("threads"));
+  m.def("_quantize_nf4", &quantize_nf4, py::arg("x"), py::arg("group_size"), py::arg("scale_dtype"),
+        py::arg("threads"));
   m.def("_dequantize_nf4", &dequantize_nf4, py::arg("codes"), py::arg("scales"), py::arg("group_size"),
         py::arg("dtype"), py::arg("threads"), py::arg("out"));
   m.def("_quantize_int8", &quantize_int8, py::arg("x"), py::arg("group_size"), py::arg("threads"));

@@ -1,6 +1,6 @@
 // The slab: one block's weights packed into one contiguous buffer, the unit that crosses PCIe.
 //
-// Image layout, version 2 (all integers little-endian, offsets from the image start):
+// Image layout, version 3 (all integers little-endian, offsets from the image start):
 //   SlabHeader                      64 bytes
 //   SlabTensorEntry[tensor_count]   64 bytes each
 //   zero padding to a 256-byte boundary
@@ -12,7 +12,12 @@
 // total_bytes covers everything above; slab_image_bytes() returns it before building.
 //
 // Version 2 added kNf4 and nothing else: a version-1 image (bf16, int8 or fp8 only) has the
-// same layout, and read_slab() still accepts it. build_slab() always writes version 2.
+// same layout, and read_slab() still accepts it. Version 3 changed kNf4 only, to bitsandbytes'
+// codes: the first element of a pair in the HIGH nibble (version 2: the low one), and the
+// scale absmax rounded to nearest bf16 (version 2: rounded up, the codes computed against it).
+// read_slab() accepts every version and decode_slab_tensor_* decodes a version-2 kNf4 image as
+// it was written; the GPU path streams only the images this build writes
+// (nf4_codes_high_nibble_first). build_slab() always writes version 3.
 //
 // A reader on the GPU side applies the same offsets to the device copy of the image.
 #pragma once
@@ -36,14 +41,14 @@ enum class SlabPrecision : uint32_t {
 const char *slab_precision_name(SlabPrecision precision);
 
 constexpr uint32_t kSlabMagic = 0x42414C53u;        // "SLAB" read as little-endian bytes
-constexpr uint16_t kSlabVersion = 2;                // what build_slab() writes
-constexpr uint16_t kSlabOldestReadableVersion = 1;  // read_slab() accepts 1 and 2
+constexpr uint16_t kSlabVersion = 3;                // what build_slab() writes
+constexpr uint16_t kSlabOldestReadableVersion = 1;  // read_slab() accepts 1 to 3
 constexpr uint64_t kSlabDataAlignment = 256;
 constexpr uint64_t kSlabScaleAlignment = 16;
 
 struct SlabHeader {
   uint32_t magic;         // kSlabMagic
-  uint16_t version;       // kSlabVersion (1 is still read: no kNf4)
+  uint16_t version;       // kSlabVersion (1 and 2 are still read; 1 has no kNf4)
   uint16_t header_bytes;  // sizeof(SlabHeader)
   uint32_t precision;     // SlabPrecision
   uint32_t group_size;    // 0 = per row; quantized precisions only (0 for kBf16; kNf4 needs
@@ -116,6 +121,7 @@ struct SlabTensorView {
 
 struct SlabView {
   SlabPrecision precision = SlabPrecision::kBf16;
+  uint16_t version = kSlabVersion;
   uint32_t group_size = 0;
   uint64_t total_bytes = 0;
   std::vector<SlabTensorView> tensors;
@@ -127,7 +133,11 @@ struct SlabReadResult {
   SlabView view;
 };
 
-// Validates an image of `size` bytes: magic, version (1 or 2; kNf4 needs 2), struct sizes, the
+// kNf4 codes of version 3 and later pack the first of a pair in the high nibble, as
+// sp/kernels/nf4.h and its CUDA twin read them; version 2 packed it in the low one.
+inline bool nf4_codes_high_nibble_first(const SlabView &view) { return view.version >= 3; }
+
+// Validates an image of `size` bytes: magic, version (1 to 3; kNf4 needs 2), struct sizes, the
 // table checksum, precision, group size, every offset and size in bounds, aligned, consistent with the shapes
 // and non-overlapping, reserved fields zero, total_bytes == size. Never reads outside
 // [image, image + size). The checksum covers the header and the entry table (every offset the
