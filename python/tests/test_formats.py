@@ -40,10 +40,14 @@ def test_nf4_codes_sit_two_a_byte_the_first_in_the_high_nibble():
 
 # --- NF4 against bitsandbytes, QLoRA's reference implementation (its CPU backend) ---------------
 
-bnb_functional = pytest.importorskip("bitsandbytes.functional")
+@pytest.fixture
+def bnb_functional():
+    """bitsandbytes.functional (a test dependency, pinned in requirements.txt); its tests skip
+    where it is not installed, such as a lent GPU machine's own Python."""
+    return pytest.importorskip("bitsandbytes.functional")
 
 
-def _nf4_inputs():
+def _nf4_inputs(bnb_functional):
     """Seeded inputs whose rows are a multiple of 64 long, by name."""
     g = torch.Generator().manual_seed(31)
     gaussian = torch.randn(48, 512, generator=g) * 0.02
@@ -63,8 +67,8 @@ def _nf4_inputs():
 
 @pytest.mark.parametrize("name", ["gaussian", "student_t3", "zeros", "ties", "ranges"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nf4_codes_and_scales_are_bitsandbytes_byte_for_byte(name, dtype):
-    x = _nf4_inputs()[name].to(dtype)
+def test_nf4_codes_and_scales_are_bitsandbytes_byte_for_byte(bnb_functional, name, dtype):
+    x = _nf4_inputs(bnb_functional)[name].to(dtype)
     packed, state = bnb_functional.quantize_4bit(x, blocksize=64, quant_type="nf4")
     codes, scales = sp.quantize_nf4(x, 64)
     assert torch.equal(codes.flatten(), packed.flatten()), name
@@ -84,8 +88,8 @@ def test_nf4_codes_and_scales_are_bitsandbytes_byte_for_byte(name, dtype):
     assert torch.all(bnb_bf16[subnormal] == 0), name
 
 
-def test_nf4_with_the_layers_bfloat16_scales_is_within_one_bfloat16_step_of_bitsandbytes():
-    x = _nf4_inputs()["student_t3"]
+def test_nf4_with_the_layers_bfloat16_scales_is_within_one_bfloat16_step_of_bitsandbytes(bnb_functional):
+    x = _nf4_inputs(bnb_functional)["student_t3"]
     packed, state = bnb_functional.quantize_4bit(x, blocksize=64, quant_type="nf4")
     state.dtype = torch.bfloat16
     expected = bnb_functional.dequantize_4bit(packed, state).reshape(x.shape)
