@@ -132,13 +132,14 @@ if(SP_HAVE_TORCH)
     include_directories(BEFORE ${sp_fmt_link_dir})
   endif()
 
-  # A torch wheel's libtorch_cpu exports the static copy of std::filesystem it was built with,
-  # and a program whose dynamic section names torch before libstdc++ binds its own filesystem
-  # calls to that copy: torch 2.11's remove_all called address 0 (sp_train_e2e_tests on an H100
-  # host, 2026-11-26). libstdc++ named first, before any object, is where they bind. An installed
-  # package's consumers get the same from SelectivePrecision::torch (torch_layer/CMakeLists.txt).
-  set(SP_LIBSTDCXX_FIRST "$<$<LINK_LANGUAGE:CXX>:LINKER:--push-state,--no-as-needed;-lstdc++;LINKER:--pop-state>")
-  add_link_options("${SP_LIBSTDCXX_FIRST}")
+  # A torch wheel's libtorch exports the static copy of std::filesystem it was built with. A
+  # program that names torch before libstdc++ binds its own filesystem calls to that copy: torch
+  # 2.11's remove_all called address 0 (sp_train_e2e_tests on an H100 host, 2026-11-26). So
+  # every link names libstdc++ just before torch (SP_TORCH_LINK, in place of torch): a shared
+  # libstdc++ then comes before torch in the program's dynamic section, and a static one (that
+  # host's g++ links libstdc++.a) resolves the calls of every object and archive before it.
+  # Installed consumers get the same through SelectivePrecision::torch.
+  set(SP_TORCH_LINK stdc++ torch)
 
   # A wheel's CUDA libraries are PyPI packages beside torch (site-packages/nvidia/*/lib), which
   # torch's own libraries find through their RUNPATH. The linker looks in the consumer's RPATH

@@ -43,8 +43,17 @@ echo "llama_streamed: $sp_lines lines concern Selective Precision"
 cmake -S "$work/llama-src" -B "$work/llama" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" "${consumer[@]}" \
   >"$work/llama.log"
 cmake --build "$work/llama" >>"$work/llama.log" || { cat "$work/llama.log"; exit 1; }
-# SelectivePrecision::torch names libstdc++ first, so that the consumer's std::filesystem calls
-# bind to it and not to the copy torch's library exports (cmake/SpTorch.cmake).
-first_needed=$(readelf -d "$work/llama/llama_streamed" | awk '/NEEDED/ {print $NF; exit}')
-[ "$first_needed" = "[libstdc++.so.6]" ] || { echo "llama_streamed needs $first_needed first, not libstdc++"; exit 1; }
+# SelectivePrecision::torch names libstdc++ just before torch, so that the consumer's
+# std::filesystem calls bind to it and not to the copy torch's library exports
+# (cmake/SpTorch.cmake): a shared libstdc++ comes before libtorch in the dynamic section; a
+# static one leaves no filesystem symbol for torch to serve.
+needed=$(readelf -d "$work/llama/llama_streamed" | awk '/NEEDED/ {print $NF}')
+stdcxx_at=$(echo "$needed" | grep -n 'libstdc++' | head -n 1 | cut -d: -f1)
+torch_at=$(echo "$needed" | grep -n 'libtorch' | head -n 1 | cut -d: -f1)
+if [ -n "$stdcxx_at" ]; then
+  [ "$stdcxx_at" -lt "$torch_at" ] || { echo "llama_streamed needs libtorch before libstdc++:" $needed; exit 1; }
+elif nm -D --undefined-only "$work/llama/llama_streamed" | grep -q filesystem; then
+  echo "llama_streamed links libstdc++ statically but imports std::filesystem, which torch would serve"
+  exit 1
+fi
 "$work/llama/llama_streamed" 4
