@@ -32,7 +32,7 @@ done
 
 cp -r "$src/examples/plugin_host" "$work/plugin_host-src"
 cmake -S "$work/plugin_host-src" -B "$work/plugin_host" -DCMAKE_PREFIX_PATH="$prefix" "${consumer[@]}" \
-  -DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON --no-warn-unused-cli >"$work/plugin_host.log"
+  -DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON --no-warn-unused-cli >"$work/plugin_host.log" 2>&1 || { cat "$work/plugin_host.log"; exit 1; }
 cmake --build "$work/plugin_host" >>"$work/plugin_host.log" || { cat "$work/plugin_host.log"; exit 1; }
 "$work/plugin_host/plugin_host"
 
@@ -41,7 +41,7 @@ sp_lines=$(grep -c '// \[sp\]' "$work/llama-src/main.cpp")
 echo "llama_streamed: $sp_lines lines concern Selective Precision"
 [ "$sp_lines" -le 30 ] || { echo "more than 30 Selective Precision lines"; exit 1; }
 cmake -S "$work/llama-src" -B "$work/llama" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" "${consumer[@]}" \
-  >"$work/llama.log"
+  >"$work/llama.log" 2>&1 || { cat "$work/llama.log"; exit 1; }
 cmake --build "$work/llama" >>"$work/llama.log" || { cat "$work/llama.log"; exit 1; }
 # SelectivePrecision::torch names libstdc++ just before torch, so that the consumer's
 # std::filesystem calls bind to it and not to the copy torch's library exports
