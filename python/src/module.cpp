@@ -27,6 +27,7 @@
 #include <spdlog/spdlog.h>
 
 #include "sp/host/plugin_library.h"
+#include "sp/kernels/adamw.h"
 #include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
 #include "sp/torch_layer/collectives.h"
@@ -438,6 +439,75 @@ torch::Tensor dequantize_int8(const torch::Tensor& codes, const torch::Tensor& s
   return out;
 }
 
+// ---- the host optimizer, as the layer runs it (sp/kernels/adamw.h) ----------------------------
+
+kn::TensorShape shape_of(const torch::Tensor& t) {
+  return t.dim() == 1 ? kn::TensorShape{1, static_cast<std::uint64_t>(t.size(0))}
+                      : kn::TensorShape{static_cast<std::uint64_t>(t.size(0)), static_cast<std::uint64_t>(t.size(1))};
+}
+
+void require_like(const torch::Tensor& t, const torch::Tensor& param, const char* what, std::size_t i) {
+  require(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.sizes() == param.sizes(),
+          fmt::format("adamw_step_: {}[{}]: a contiguous float32 CPU tensor of the shape of params[{}] expected", what,
+                      i, i));
+}
+
+std::optional<torch::Tensor> adamw_step(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+                                        const std::vector<torch::Tensor>& exp_avgs,
+                                        const std::vector<torch::Tensor>& exp_avg_sqs, double lr, std::int64_t step,
+                                        double beta1, double beta2, double eps, double weight_decay,
+                                        const std::optional<std::string>& image, std::uint32_t group_size,
+                                        unsigned threads) {
+  require(grads.size() == params.size() && exp_avgs.size() == params.size() && exp_avg_sqs.size() == params.size(),
+          fmt::format("adamw_step_: {} params, {} grads, {} exp_avgs and {} exp_avg_sqs: one of each per parameter "
+                      "expected",
+                      params.size(), grads.size(), exp_avgs.size(), exp_avg_sqs.size()));
+  require(step >= 1, fmt::format("adamw_step_: step {}: the first step is 1", step));
+  std::vector<kn::AdamWTensor> tensors(params.size());
+  std::vector<kn::TensorShape> shapes(params.size());
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const torch::Tensor& p = params[i];
+    require(p.dim() == 1 || p.dim() == 2,
+            fmt::format("adamw_step_: params[{}]: a 1-D or 2-D tensor expected, got {} dimensions", i, p.dim()));
+    require_like(p, p, "params", i);
+    require_like(grads[i], p, "grads", i);
+    require_like(exp_avgs[i], p, "exp_avgs", i);
+    require_like(exp_avg_sqs[i], p, "exp_avg_sqs", i);
+    shapes[i] = shape_of(p);
+    tensors[i].master = p.data_ptr<float>();
+    tensors[i].grad = grads[i].data_ptr<float>();
+    tensors[i].exp_avg = exp_avgs[i].data_ptr<float>();
+    tensors[i].exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+    tensors[i].shape = shapes[i];
+  }
+  const kn::AdamWStep constants = kn::make_adamw_step({beta1, beta2, eps, weight_decay}, lr, step, 1.0);
+  const kn::CpuExec exec{kn::CpuImpl::kVectorized, threads};
+  if (!image) {
+    py::gil_scoped_release no_gil;
+    for (const kn::AdamWTensor& t : tensors) kn::adamw_update(constants, t, exec);
+    return std::nullopt;
+  }
+  kn::SlabEncoding encoding;
+  if (*image == "bf16") {
+    encoding.precision = kn::SlabPrecision::kBf16;
+  } else if (*image == "int8") {
+    encoding.precision = kn::SlabPrecision::kInt8;
+  } else if (*image == "nf4") {
+    encoding.precision = kn::SlabPrecision::kNf4;
+  } else {
+    throw std::invalid_argument(fmt::format("adamw_step_: image '{}': None, 'bf16', 'int8' or 'nf4' expected", *image));
+  }
+  encoding.group_size = encoding.precision == kn::SlabPrecision::kBf16 ? 0 : group_size;
+  const std::uint64_t bytes = kn::slab_image_bytes(encoding, shapes.data(), shapes.size());
+  torch::Tensor out = torch::empty({static_cast<std::int64_t>(bytes)}, torch::kUInt8);
+  {
+    py::gil_scoped_release no_gil;
+    kn::adamw_update_slab(encoding, constants, tensors.data(), tensors.size(), out.data_ptr<std::uint8_t>(), bytes,
+                          exec);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_selective_precision, m) {
@@ -457,6 +527,9 @@ PYBIND11_MODULE(_selective_precision, m) {
   m.def("_dequantize_nf4", &dequantize_nf4, py::arg("codes"), py::arg("scales"), py::arg("group_size"),
         py::arg("dtype"), py::arg("threads"), py::arg("out"));
   m.def("_quantize_int8", &quantize_int8, py::arg("x"), py::arg("group_size"), py::arg("threads"));
+  m.def("_adamw_step", &adamw_step, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+        py::arg("lr"), py::arg("step"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("image"), py::arg("group_size"), py::arg("threads"));
   m.def("_dequantize_int8", &dequantize_int8, py::arg("codes"), py::arg("scales"), py::arg("group_size"),
         py::arg("dtype"), py::arg("threads"), py::arg("out"));
   py::class_<PyStreamedModel>(m, "_StreamedModel")
