@@ -2,8 +2,10 @@
 # Our paths against the peers' own, side by side in one run (issue 32): one JSON per comparison
 # in OUT_DIR, and OUT_DIR/peers.json, every comparison's rows together ({name, peer, ours,
 # theirs, unit, ours_over_peer, goal, threads, command}; ours_over_peer > 1: ours is faster).
-# Built so far: the NF4 and INT8 formats (bench/peers/formats.py). Needs the installed package
-# (scripts/install-package.sh) and the .venv's bitsandbytes and torchao.
+# Built so far: the host optimizer (bench/peers/optimizer.py: torch's fused and foreach AdamW,
+# DeepSpeed's CPU Adam, whose op it builds on first use, about 2 minutes) and the NF4 and INT8
+# formats (bench/peers/formats.py). Needs the installed package (scripts/install-package.sh) and
+# the .venv's bitsandbytes, torchao and deepspeed.
 #
 #   bash bench/run_peers.sh OUT_DIR
 set -euo pipefail
@@ -11,6 +13,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${1:?usage: bash bench/run_peers.sh OUT_DIR}
 mkdir -p "$out"
 python=.venv/bin/python
+"$python" bench/peers/optimizer.py --out "$out/optimizer.json"
 "$python" bench/peers/formats.py --out "$out/formats.json"
 "$python" - "$out" <<'PY'
 import json, os, sys

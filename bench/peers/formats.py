@@ -13,9 +13,7 @@ tensor.
 """
 
 import argparse
-import json
 import os
-import platform
 import sys
 
 import torch
@@ -23,6 +21,7 @@ import torch
 import selective_precision as sp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from peer_report import PeerRows, write_report  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 COMMAND = "bash bench/run_peers.sh OUT_DIR (bench/peers/formats.py)"
@@ -65,14 +64,10 @@ def main():
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
     nf4_peers = peers()
-    rows = []
+    rows = PeerRows(COMMAND, "GB/s")
 
     def row(name, peer, ours_s, theirs_s, nbytes, threads, goal):
-        ours, theirs = nbytes / ours_s / 1e9, nbytes / theirs_s / 1e9
-        rows.append({"name": name, "peer": peer, "ours": round(ours, 3), "theirs": round(theirs, 3), "unit": "GB/s",
-                     "ours_over_peer": round(ours / theirs, 3), "goal": goal, "threads": threads, "command": COMMAND})
-        print("%-40s %-26s %2d thr  ours %7.2f  theirs %7.2f GB/s  ratio %5.2f (goal %.1f)"
-              % (name, peer, threads, ours, theirs, ours / theirs, goal), flush=True)
+        rows.add(name, peer, nbytes / ours_s / 1e9, nbytes / theirs_s / 1e9, threads, goal)
 
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -106,20 +101,7 @@ def main():
             row("int8 dequantize %s, per row" % shape, "copy of the bf16 weights", ours_dq8, copy, nbytes, threads,
                 GOAL_COPY)
 
-    versions = {"torch": torch.__version__, "selective_precision": sp.__version__}
-    for name in ("bitsandbytes", "torchao"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            pass
-    report = {"benchmark": "peers-formats", "machine": {"cpu": platform.processor() or platform.machine(),
-                                                        "cores": os.cpu_count()},
-              "versions": versions, "repeats": args.repeats, "rows": rows}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, args.out)
-
+    write_report(args.out, "peers-formats", args.repeats, rows, ("bitsandbytes", "torchao"))
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,44 @@
+"""What the peer benchmarks (bench/peers/) share: their rows, in the schema bench/run_peers.sh
+gathers into peers.json, and the report they write."""
+
+import json
+import os
+import platform
+
+import torch
+
+import selective_precision as sp
+
+
+class PeerRows(list):
+    """Rows {name, peer, ours, theirs, unit, ours_over_peer, goal, threads, command}, from two
+    rates of the same work (higher is faster), printed as they come."""
+
+    def __init__(self, command, unit):
+        super().__init__()
+        self.command, self.unit = command, unit
+
+    def add(self, name, peer, ours, theirs, threads, goal):
+        self.append({"name": name, "peer": peer, "ours": round(ours, 3), "theirs": round(theirs, 3),
+                     "unit": self.unit, "ours_over_peer": round(ours / theirs, 3), "goal": goal,
+                     "threads": threads, "command": self.command})
+        print("%-44s %-40s %d thr  ours %8.2f  theirs %8.2f %s  ratio %5.2f (goal %.1f)"
+              % (name, peer, threads, ours, theirs, self.unit, ours / theirs, goal), flush=True)
+
+
+def write_report(path, benchmark, repeats, rows, peer_modules, **extra):
+    """The report, written atomically: the machine, the versions of torch, ours and each peer
+    module that imports, and the rows."""
+    versions = {"torch": torch.__version__, "selective_precision": sp.__version__}
+    for name in peer_modules:
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    report = {"benchmark": benchmark, "machine": {"cpu": platform.processor() or platform.machine(),
+                                                  "cores": os.cpu_count()},
+              "versions": versions, "repeats": repeats, **extra, "rows": list(rows)}
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
