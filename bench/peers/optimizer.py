@@ -7,7 +7,8 @@ d x 4d and 4d x d MLP ones: 12 d^2 parameters), d = 1024 and 4096, on 1 and 2 th
 Two comparisons per peer:
 - the optimizer alone: ours is sp.adamw_step_ without an image;
 - the optimizer and the transfer image of the updated weights, the work a streaming step does
-  after each update: ours writes the image in the same sweep (sp.adamw_step_(image=...)); a
+  after each update: ours writes the image in the same sweep (sp.adamw_step_(image=...), into
+  an image allocated once, as the layer's pinned slabs are); a
   peer needs a second pass, a bf16 copy (copy_ into tensors allocated once), torch's per-row
   INT8 (quantize_per_channel with its absmax) or bitsandbytes' NF4 (quantize_4bit).
 Every side steps the same state: each timed call is one more step of it. Throughput is
@@ -48,11 +49,15 @@ class Ours:
         self.v = [torch.zeros_like(w) for w in weights]
         self.threads = threads
         self.t = 0
+        self.images = {}  # allocated once per format, as the layer's pinned slabs are
 
     def step(self, image=None):
         self.t += 1
-        return sp.adamw_step_(self.params, self.grads, self.m, self.v, lr=LR, step=self.t, betas=BETAS, eps=EPS,
-                              weight_decay=WEIGHT_DECAY, image=image, threads=self.threads)
+        written = sp.adamw_step_(self.params, self.grads, self.m, self.v, lr=LR, step=self.t, betas=BETAS, eps=EPS,
+                                 weight_decay=WEIGHT_DECAY, image=image, threads=self.threads,
+                                 out=self.images.get(image))
+        if image is not None:
+            self.images[image] = written
 
 
 class TorchAdamW:

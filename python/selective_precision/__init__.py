@@ -208,19 +208,22 @@ def dequantize_nf4(codes: torch.Tensor, scales: torch.Tensor, group_size: int = 
 def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                 exp_avg_sqs: list[torch.Tensor], *, lr: float, step: int, betas: tuple[float, float] = (0.9, 0.999),
                 eps: float = 1e-8, weight_decay: float = 0.0, image: str | None = None,
-                group_size: int | None = None, threads: int = 0) -> torch.Tensor | None:
+                group_size: int | None = None, threads: int = 0,
+                out: torch.Tensor | None = None) -> torch.Tensor | None:
     """One AdamW step on float32 CPU tensors (1-D or 2-D, contiguous), in place, with the
     layer's host optimizer (docs/kernels.md, "The fused host optimizer"): decoupled weight
     decay as torch.optim.AdamW, `step` counting from 1. With `image` ('bf16', 'int8' or
     'nf4') the same sweep writes the transfer image of the updated weights, as the layer's
     fused update does, and returns it (a uint8 tensor: the slab, docs/kernels.md, "The slab");
-    `group_size` defaults to 0 (one scale per row) for INT8 and 64 for NF4. Returns None
-    without an image. `threads`: 0 for every core; the result does not depend on it."""
+    `group_size` defaults to 0 (one scale per row) for INT8 and 64 for NF4; `out`, an image
+    returned before for the same shapes and format, is written again instead of a new one, as
+    the layer reuses its pinned slabs. Returns None without an image. `threads`: 0 for every
+    core; the result does not depend on it."""
     if group_size is None:
         group_size = 64 if image == "nf4" else 0
     return _extension._adamw_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), float(lr), int(step),
                                   float(betas[0]), float(betas[1]), float(eps), float(weight_decay), image,
-                                  int(group_size), int(threads))
+                                  int(group_size), int(threads), out)
 
 
 def quantize_int8(x: torch.Tensor, group_size: int = 0, *, threads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ def _dequantize_nf4(
 def _adamw_step(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor], lr: float, step: int, beta1: float, beta2: float, eps: float,
-    weight_decay: float, image: str | None, group_size: int, threads: int
+    weight_decay: float, image: str | None, group_size: int, threads: int, out: torch.Tensor | None
 ) -> torch.Tensor | None: ...
 def _quantize_int8(x: torch.Tensor, group_size: int, threads: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 def _dequantize_int8(

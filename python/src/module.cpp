@@ -457,7 +457,7 @@ std::optional<torch::Tensor> adamw_step(const std::vector<torch::Tensor>& params
                                         const std::vector<torch::Tensor>& exp_avg_sqs, double lr, std::int64_t step,
                                         double beta1, double beta2, double eps, double weight_decay,
                                         const std::optional<std::string>& image, std::uint32_t group_size,
-                                        unsigned threads) {
+                                        unsigned threads, const std::optional<torch::Tensor>& into) {
   require(grads.size() == params.size() && exp_avgs.size() == params.size() && exp_avg_sqs.size() == params.size(),
           fmt::format("adamw_step_: {} params, {} grads, {} exp_avgs and {} exp_avg_sqs: one of each per parameter "
                       "expected",
@@ -499,7 +499,13 @@ std::optional<torch::Tensor> adamw_step(const std::vector<torch::Tensor>& params
   }
   encoding.group_size = encoding.precision == kn::SlabPrecision::kBf16 ? 0 : group_size;
   const std::uint64_t bytes = kn::slab_image_bytes(encoding, shapes.data(), shapes.size());
-  torch::Tensor out = torch::empty({static_cast<std::int64_t>(bytes)}, torch::kUInt8);
+  // Like the layer's pinned slabs, an image buffer can be allocated once and written each step.
+  torch::Tensor out = into ? *into : torch::empty({static_cast<std::int64_t>(bytes)}, torch::kUInt8);
+  require(out.device().is_cpu() && out.scalar_type() == torch::kUInt8 && out.is_contiguous() && out.dim() == 1 &&
+              out.size(0) == static_cast<std::int64_t>(bytes) && reinterpret_cast<std::uintptr_t>(out.data_ptr()) % 16 == 0,
+          fmt::format("adamw_step_: out: a contiguous, 16-byte aligned uint8 CPU tensor of {} bytes expected (the {} "
+                      "image of these shapes)",
+                      bytes, *image));
   {
     py::gil_scoped_release no_gil;
     kn::adamw_update_slab(encoding, constants, tensors.data(), tensors.size(), out.data_ptr<std::uint8_t>(), bytes,
@@ -529,7 +535,7 @@ PYBIND11_MODULE(_selective_precision, m) {
   m.def("_quantize_int8", &quantize_int8, py::arg("x"), py::arg("group_size"), py::arg("threads"));
   m.def("_adamw_step", &adamw_step, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
         py::arg("lr"), py::arg("step"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("image"), py::arg("group_size"), py::arg("threads"));
+        py::arg("image"), py::arg("group_size"), py::arg("threads"), py::arg("out"));
   m.def("_dequantize_int8", &dequantize_int8, py::arg("codes"), py::arg("scales"), py::arg("group_size"),
         py::arg("dtype"), py::arg("threads"), py::arg("out"));
   py::class_<PyStreamedModel>(m, "_StreamedModel")

@@ -49,6 +49,10 @@ def test_the_fused_nf4_image_holds_the_codes_of_the_updated_weights():
     assert torch.equal(image[256:256 + codes.numel()], codes.flatten())
     first_scale = 256 + codes.numel()
     assert torch.equal(image[first_scale:first_scale + 2 * scales.numel()], scales.flatten().view(torch.uint8))
+    # The next step writes into the same image.
+    again = sp.adamw_step_(params, grads, m, v, lr=1e-3, step=2, image="nf4", out=image)
+    assert again is image
+    assert torch.equal(image[256:256 + codes.numel()], sp.quantize_nf4(params[0], 64)[0].flatten())
 
 
 def test_bad_arguments_are_refused_by_name():
@@ -59,5 +63,7 @@ def test_bad_arguments_are_refused_by_name():
         sp.adamw_step_(params, [grads[0], grads[1][:64]], m, v, lr=1e-3, step=1)
     with pytest.raises(ValueError, match="2 params, 1 grads"):
         sp.adamw_step_(params, grads[:1], m, v, lr=1e-3, step=1)
+    with pytest.raises(ValueError, match="out: a contiguous, 16-byte aligned uint8 CPU tensor of"):
+        sp.adamw_step_(params, grads, m, v, lr=1e-3, step=1, image="bf16", out=torch.empty(7, dtype=torch.uint8))
     with pytest.raises(ValueError, match="image 'fp8': None, 'bf16', 'int8' or 'nf4' expected"):
         sp.adamw_step_(params, grads, m, v, lr=1e-3, step=1, image="fp8")
