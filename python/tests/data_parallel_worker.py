@@ -80,8 +80,11 @@ def main():
     device = torch.device("cuda", rank) if gpu else torch.device("cpu")
     group = None
     if mode != "none":
+        # The ranks start as separate interpreters, and under a loaded ctest -j one may import torch
+        # many seconds after the other: the rendezvous waits up to a minute, not 20 s. A rank that
+        # dies is seen at once (its sockets close), not at this timeout.
         dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo", init_method="file://" + init_file,
-                                rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+                                rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
         group = dist.group.WORLD
     torch.manual_seed(11)
     model = Model().to(device)
