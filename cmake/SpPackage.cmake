@@ -17,15 +17,17 @@ set(SP_INSTALL_DATADIR ${CMAKE_INSTALL_DATADIR}/selective_precision)
 # selective_precision_install_component(<component> TARGETS ... [HEADERS dir...])
 function(selective_precision_install_component component)
   cmake_parse_arguments(ARG "" "" "TARGETS;HEADERS" ${ARGN})
-  # The installed libraries of a sanitized build call into the sanitizer's runtime.
-  if(SELECTIVE_PRECISION_SANITIZER_LINK_OPTION)
-    foreach(target IN LISTS ARG_TARGETS)
-      get_target_property(type ${target} TYPE)
-      if(NOT type STREQUAL "INTERFACE_LIBRARY")
+  foreach(target IN LISTS ARG_TARGETS)
+    get_target_property(type ${target} TYPE)
+    if(NOT type STREQUAL "INTERFACE_LIBRARY")  # the one interface target is the C ABI header
+      # The public headers are C++17: a consumer compiles them with at least that.
+      target_compile_features(${target} INTERFACE cxx_std_17)
+      # The installed libraries of a sanitized build call into the sanitizer's runtime.
+      if(SELECTIVE_PRECISION_SANITIZER_LINK_OPTION)
         target_link_options(${target} INTERFACE "$<INSTALL_INTERFACE:${SELECTIVE_PRECISION_SANITIZER_LINK_OPTION}>")
       endif()
-    endforeach()
-  endif()
+    endif()
+  endforeach()
   install(TARGETS ${ARG_TARGETS} EXPORT SelectivePrecision_${component}
     ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
     LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
@@ -75,7 +77,8 @@ configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/SelectivePrecisionConf
   PATH_VARS SP_INSTALL_PLUGINDIR)
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/SelectivePrecisionConfigVersion.cmake
   VERSION ${PROJECT_VERSION}
-  COMPATIBILITY SameMajorVersion)
+  # Before 1.0 a minor release may break the API: only the same 0.x is compatible.
+  COMPATIBILITY SameMinorVersion)
 install(FILES ${PROJECT_BINARY_DIR}/SelectivePrecisionConfig.cmake
               ${PROJECT_BINARY_DIR}/SelectivePrecisionConfigVersion.cmake
         DESTINATION ${SP_INSTALL_CMAKEDIR})

@@ -1,6 +1,9 @@
 #include "progress.h"
 
+#include <sys/ioctl.h>
 #include <unistd.h>
+
+#include <vector>
 
 #include <fmt/format.h>
 #include <spdlog/details/log_msg.h>
@@ -17,15 +20,52 @@ std::string format_bytes(std::uint64_t bytes) {
   return fmt::format("{} B", bytes);
 }
 
-std::string format_progress(const ProgressState& s) {
+std::string format_progress(const ProgressState& s, std::size_t columns) {
   const int width = 20;
   const int filled = s.total > 0 ? static_cast<int>(width * s.step / s.total) : width;
   const double saved_pct = s.bytes_all_bf16 ? 100.0 * s.bytes_saved / s.bytes_all_bf16 : 0.0;
-  return fmt::format(
-      "[{}{}] step {}/{} | loss {:.4f}{} | {:.0f} tok/s | BF16 {} INT8 {} NF4 {} | saved {} ({:.1f}%) | eta {:.0f}s",
-      std::string(filled, '#'), std::string(width - filled, '.'), s.step, s.total, s.loss,
-      s.val_loss ? fmt::format(" val {:.4f}", *s.val_loss) : std::string(), s.tokens_per_second, s.bf16_blocks,
-      s.int8_blocks, s.nf4_blocks, format_bytes(s.bytes_saved), saved_pct, s.eta_seconds);
+  // In display order; `drop` orders what goes first when the line is wider than the terminal
+  // (1 first; 0: kept): the bar's picture, the routes, the bytes, the speed, the validation
+  // loss, the time left. The step and the loss stay.
+  struct Field {
+    std::string text;
+    int drop;
+  };
+  std::vector<Field> fields = {
+      {fmt::format("[{}{}]", std::string(filled, '#'), std::string(width - filled, '.')), 1},
+      {fmt::format("step {}/{}", s.step, s.total), 0},
+      {fmt::format("loss {:.4f}", s.loss), 0},
+      {s.val_loss ? fmt::format("val {:.4f}", *s.val_loss) : std::string(), 5},
+      {fmt::format("{:.0f} tok/s", s.tokens_per_second), 4},
+      {fmt::format("BF16 {} INT8 {} NF4 {}", s.bf16_blocks, s.int8_blocks, s.nf4_blocks), 2},
+      {fmt::format("saved {} ({:.1f}%)", format_bytes(s.bytes_saved), saved_pct), 3},
+      {fmt::format("eta {:.0f}s", s.eta_seconds), 6}};
+  const auto join = [&fields] {
+    std::string line;
+    for (std::size_t i = 0; i < fields.size(); ++i) {
+      if (fields[i].text.empty()) continue;
+      // The bar and the step read as one field; the loss and its validation value too.
+      const bool joined = line.empty() || (i == 1 && !fields[0].text.empty()) || i == 3;
+      line += line.empty() ? "" : joined ? " " : " | ";
+      line += fields[i].text;
+    }
+    return line;
+  };
+  std::string line = join();
+  for (int drop = 1; columns != 0 && line.size() > columns && drop <= 6; ++drop) {
+    for (Field& field : fields) {
+      if (field.drop == drop) field.text.clear();
+    }
+    line = join();
+  }
+  if (columns != 0 && line.size() > columns) line.resize(columns);
+  return line;
+}
+
+std::size_t terminal_columns(std::FILE* out) {
+  winsize size{};
+  if (::ioctl(::fileno(out), TIOCGWINSZ, &size) != 0) return 0;
+  return size.ws_col;
 }
 
 ProgressLine::ProgressLine(std::FILE* out, bool enabled)
@@ -39,7 +79,10 @@ void ProgressLine::update(const ProgressState& state) {
   if (!enabled_) return;
   const std::lock_guard<std::mutex> lock(mutex_);
   if (interactive_) {
-    drawn_ = format_progress(state);
+    // One column short of the width: a line that fills the last column wraps on some
+    // terminals, and each redraw would then scroll instead of rewriting the line.
+    const std::size_t columns = terminal_columns(out_);
+    drawn_ = format_progress(state, columns > 1 ? columns - 1 : 0);
     fmt::print(out_, "{}{}", kClearLine, drawn_);
     line_open_ = true;
   } else if (state.step == state.total || state.step % 10 == 0) {

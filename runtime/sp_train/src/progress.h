@@ -3,6 +3,7 @@
 // same object, so that a line never lands on the bar.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -31,7 +32,13 @@ struct ProgressState {
   double eta_seconds = 0.0;
 };
 
-std::string format_progress(const ProgressState& state);
+// The line, at most `columns` wide (0: no limit): the least useful fields are left out first
+// (the bar's picture, then the routes, the bytes saved, the speed, the validation loss, the
+// time left); the step and the loss always stay.
+std::string format_progress(const ProgressState& state, std::size_t columns = 0);
+
+// The width of the terminal `out` is, or 0 when it is not one (or does not say).
+std::size_t terminal_columns(std::FILE* out);
 std::string format_bytes(std::uint64_t bytes);
 
 // Thread-safe: log lines may come from any thread while the training loop updates the bar.

@@ -1,6 +1,7 @@
 // The progress bar and the log share a terminal: under a pseudo-terminal, a log line must
 // clear the bar, take a line of its own and have the bar redrawn after it.
 #include <fcntl.h>
+#include <sys/ioctl.h>
 #include <termios.h>
 #include <unistd.h>
 
@@ -39,6 +40,12 @@ class PseudoTerminal {
     if (tty != nullptr) std::fclose(tty);
     if (master_ >= 0) ::close(master_);
   }
+  void set_columns(unsigned short columns) {
+    winsize size{};
+    size.ws_col = columns;
+    size.ws_row = 24;
+    ::ioctl(::fileno(tty), TIOCSWINSZ, &size);
+  }
   std::string read_all() const {
     std::string out;
     char buffer[4096];
@@ -58,6 +65,57 @@ ProgressState state_at(std::int64_t step) {
   state.loss = 2.5;
   state.eta_seconds = 12;
   return state;
+}
+
+ProgressState busy_state() {
+  ProgressState state = state_at(1234);
+  state.total = 100000;
+  state.val_loss = 2.4567;
+  state.tokens_per_second = 123456;
+  state.bf16_blocks = 12;
+  state.int8_blocks = 34;
+  state.nf4_blocks = 56;
+  state.bytes_saved = 123456789012;
+  state.bytes_all_bf16 = 234567890123;
+  state.eta_seconds = 98765;
+  return state;
+}
+
+TEST(ProgressLine, OnAnEightyColumnTerminalTheLineFitsAndKeepsStepAndLoss) {
+  const ProgressState state = busy_state();
+  const std::string full = format_progress(state);
+  ASSERT_GT(full.size(), 80u) << full;
+  PseudoTerminal terminal;
+  ASSERT_NE(terminal.tty, nullptr);
+  terminal.set_columns(80);
+  EXPECT_EQ(terminal_columns(terminal.tty), 80u);
+  ProgressLine progress(terminal.tty, true);
+  progress.update(state);
+  const std::string drawn = terminal.read_all();
+  ASSERT_EQ(drawn.rfind("\r\033[2K", 0), 0u) << drawn;
+  const std::string line = drawn.substr(5);
+  EXPECT_LE(line.size(), 79u) << line;  // one column spare: no wrap at the last column
+  EXPECT_EQ(line, format_progress(state, 79));
+  EXPECT_NE(line.find("step 1234/100000"), std::string::npos) << line;
+  EXPECT_NE(line.find("loss 2.5000"), std::string::npos) << line;
+  // The bar's picture goes first, the time left last.
+  EXPECT_EQ(line.find('#'), std::string::npos) << line;
+  EXPECT_NE(line.find("eta 98765s"), std::string::npos) << line;
+}
+
+TEST(ProgressLine, FieldsLeaveInTheirOrderAsTheTerminalNarrows) {
+  const ProgressState state = busy_state();
+  const std::string full = format_progress(state);
+  std::size_t previous = full.size();
+  for (std::size_t columns = full.size(); columns >= 10; --columns) {
+    const std::string line = format_progress(state, columns);
+    ASSERT_LE(line.size(), columns);
+    ASSERT_LE(line.size(), previous);
+    previous = line.size();
+  }
+  EXPECT_EQ(format_progress(state, 40), "step 1234/100000 | loss 2.5000");
+  EXPECT_EQ(format_progress(state, 10), "step 1234/");
+  EXPECT_EQ(format_progress(state, 0), full);
 }
 
 TEST(ProgressLine, ALogLineUnderATerminalClearsTheBarAndRedrawsIt) {
