@@ -1,8 +1,10 @@
 #include "trainer.h"
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -42,6 +44,23 @@ constexpr int kMaxNonFiniteSteps = 8;
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
+// A count torchrun passes in the environment (LOCAL_RANK, LOCAL_WORLD_SIZE): `fallback` when
+// unset; anything but a whole number of at least `minimum` is refused by name, where atoi
+// would have read it as 0.
+int environment_count(const char* name, int fallback, int minimum) {
+  const char* text = std::getenv(name);
+  if (text == nullptr) return fallback;
+  const char* end = text + std::strlen(text);
+  int value = 0;
+  const auto [stop, error] = std::from_chars(text, end, value);
+  if (text == end || error != std::errc() || stop != end || value < minimum) {
+    throw ConfigError(fmt::format("environment variable {}='{}': a whole number of at least {} expected (as "
+                                  "torchrun sets it)",
+                                  name, text, minimum));
+  }
+  return value;
+}
+
 // Cuts a JSONL log back to its leading complete records whose `key` is below `step`: on
 // resume the steps after the checkpoint run again and must not appear twice, and a fresh run
 // starts its logs empty. In place, with one truncate: the plugin and the transfer engine
@@ -80,8 +99,7 @@ torch::TensorOptions compute_options(const TrainConfig& config) {
                     config.source_name));
   }
   // Data-parallel ranks on one node take one GPU each (torchrun's LOCAL_RANK).
-  const char* local_rank = std::getenv("LOCAL_RANK");
-  const int index = local_rank != nullptr ? std::atoi(local_rank) : 0;
+  const int index = environment_count("LOCAL_RANK", 0, 0);
   const int devices = static_cast<int>(torch::cuda::device_count());  // its type changed within 2.x
   if (index < 0 || index >= devices) {
     throw ConfigError(fmt::format("{}: train.device: cuda, but LOCAL_RANK={} and this node has {} GPU(s)",
@@ -305,8 +323,7 @@ struct Trainer::Impl {
   // later.
   void refuse_what_cannot_fit() const {
     // Ranks on one node share its memory (torchrun's LOCAL_WORLD_SIZE).
-    const char* local_ranks = std::getenv("LOCAL_WORLD_SIZE");
-    const std::uint64_t ranks_here = local_ranks != nullptr ? std::max(1, std::atoi(local_ranks)) : 1;
+    const auto ranks_here = static_cast<std::uint64_t>(environment_count("LOCAL_WORLD_SIZE", 1, 1));
     const std::uint64_t needed = estimated_host_bytes(config, shards()) * ranks_here;
     const std::uint64_t available = available_host_bytes();
     if (available == 0 || needed <= available) return;

@@ -77,6 +77,18 @@ TEST_F(Cli, BadArgumentsExitTwoWithTheirMessage) {
   EXPECT_NE(r.output.find("absent.yaml: cannot open the config file"), std::string::npos) << r.output;
 }
 
+TEST_F(Cli, ATorchrunVariableThatIsNotACountIsRefusedByName) {
+  for (const char* value : {"two", "", "0", "3x"}) {
+    const Result r = sp::runtime::run_command("LOCAL_WORLD_SIZE='" + std::string(value) + "' " +
+                                              std::string(SP_TRAIN_BINARY) + " " + base() + " 2>&1");
+    EXPECT_EQ(r.exit_code, 2) << value << ": " << r.output;
+    EXPECT_NE(r.output.find("environment variable LOCAL_WORLD_SIZE='" + std::string(value) +
+                            "': a whole number of at least 1 expected"),
+              std::string::npos)
+        << r.output;
+  }
+}
+
 TEST_F(Cli, UnusableDataOrPluginHaveTheirOwnExitCodes) {
   Result r = run_sp_train(base() + " --data " + (dir_ / "nothing-here").string());
   EXPECT_EQ(r.exit_code, 4);
