@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include "sp/adapters/route_encoding.h"
 #include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
 
@@ -31,22 +32,7 @@ GroupSizes group_sizes(const StreamingConfig &config) {
 }
 
 kn::SlabEncoding encoding_for(Precision precision, const GroupSizes &groups) {
-  kn::SlabEncoding encoding;
-  switch (precision) {
-    case Precision::bf16:
-      encoding.precision = kn::SlabPrecision::kBf16;
-      encoding.group_size = 0;
-      break;
-    case Precision::int8:
-      encoding.precision = kn::SlabPrecision::kInt8;
-      encoding.group_size = groups.int8;
-      break;
-    case Precision::nf4:
-      encoding.precision = kn::SlabPrecision::kNf4;
-      encoding.group_size = groups.nf4;
-      break;
-  }
-  return encoding;
+  return slab_encoding(precision, precision == Precision::nf4 ? groups.nf4 : groups.int8);
 }
 
 std::uint64_t image_size(const BlockSpec &block, Precision precision, const GroupSizes &groups) {

@@ -26,6 +26,8 @@
 #include <spdlog/sinks/base_sink.h>
 #include <spdlog/spdlog.h>
 
+#include "sp/adapters/policy_bridge.h"
+#include "sp/adapters/route_encoding.h"
 #include "sp/host/plugin_library.h"
 #include "sp/kernels/adamw.h"
 #include "sp/kernels/nf4.h"
@@ -130,10 +132,15 @@ tl::Block python_block(py::object module, std::vector<std::string> streamed, std
                    std::move(streamed), std::move(moments_from)};
 }
 
-sp_precision precision_of(const std::string& name) {
+std::optional<sp_precision> precision_named(const std::string& name) {
   if (name == "bf16") return SP_PRECISION_BF16;
   if (name == "int8") return SP_PRECISION_INT8;
   if (name == "nf4") return SP_PRECISION_NF4;
+  return std::nullopt;
+}
+
+sp_precision precision_of(const std::string& name) {
+  if (const std::optional<sp_precision> precision = precision_named(name)) return *precision;
   throw std::invalid_argument(fmt::format("precision '{}': expected 'bf16', 'int8' or 'nf4'", name));
 }
 
@@ -487,17 +494,11 @@ std::optional<torch::Tensor> adamw_step(const std::vector<torch::Tensor>& params
     for (const kn::AdamWTensor& t : tensors) kn::adamw_update(constants, t, exec);
     return std::nullopt;
   }
-  kn::SlabEncoding encoding;
-  if (*image == "bf16") {
-    encoding.precision = kn::SlabPrecision::kBf16;
-  } else if (*image == "int8") {
-    encoding.precision = kn::SlabPrecision::kInt8;
-  } else if (*image == "nf4") {
-    encoding.precision = kn::SlabPrecision::kNf4;
-  } else {
-    throw std::invalid_argument(fmt::format("adamw_step_: image '{}': None, 'bf16', 'int8' or 'nf4' expected", *image));
-  }
-  encoding.group_size = encoding.precision == kn::SlabPrecision::kBf16 ? 0 : group_size;
+  const std::optional<sp_precision> precision = precision_named(*image);
+  require(precision.has_value(),
+          fmt::format("adamw_step_: image '{}': None, 'bf16', 'int8' or 'nf4' expected", *image));
+  // The image the engine would build for that route (every name above is one).
+  const kn::SlabEncoding encoding = sp::adapters::slab_encoding(*sp::adapters::route_of(*precision), group_size);
   const std::uint64_t bytes = kn::slab_image_bytes(encoding, shapes.data(), shapes.size());
   // Like the layer's pinned slabs, an image buffer can be allocated once and written each step.
   torch::Tensor out = into ? *into : torch::empty({static_cast<std::int64_t>(bytes)}, torch::kUInt8);
@@ -533,11 +534,11 @@ PYBIND11_MODULE(_selective_precision, m) {
   m.def("_dequantize_nf4", &dequantize_nf4, py::arg("codes"), py::arg("scales"), py::arg("group_size"),
         py::arg("dtype"), py::arg("threads"), py::arg("out"));
   m.def("_quantize_int8", &quantize_int8, py::arg("x"), py::arg("group_size"), py::arg("threads"));
+  m.def("_dequantize_int8", &dequantize_int8, py::arg("codes"), py::arg("scales"), py::arg("group_size"),
+        py::arg("dtype"), py::arg("threads"), py::arg("out"));
   m.def("_adamw_step", &adamw_step, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
         py::arg("lr"), py::arg("step"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("image"), py::arg("group_size"), py::arg("threads"), py::arg("out"));
-  m.def("_dequantize_int8", &dequantize_int8, py::arg("codes"), py::arg("scales"), py::arg("group_size"),
-        py::arg("dtype"), py::arg("threads"), py::arg("out"));
   py::class_<PyStreamedModel>(m, "_StreamedModel")
       .def(py::init([](const py::list& modules, const std::vector<std::string>& streamed,
                        const std::vector<std::string>& moments_from, const std::string& plugin_file,

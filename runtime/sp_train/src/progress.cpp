@@ -24,30 +24,29 @@ std::string format_progress(const ProgressState& s, std::size_t columns) {
   const int width = 20;
   const int filled = s.total > 0 ? static_cast<int>(width * s.step / s.total) : width;
   const double saved_pct = s.bytes_all_bf16 ? 100.0 * s.bytes_saved / s.bytes_all_bf16 : 0.0;
-  // In display order; `drop` orders what goes first when the line is wider than the terminal
-  // (1 first; 0: kept): the bar's picture, the routes, the bytes, the speed, the validation
-  // loss, the time left. The step and the loss stay.
+  // In display order, each with the separator before it; `drop` orders what goes first when the
+  // line is wider than the terminal (1 first; 0: kept): the bar's picture, the routes, the
+  // bytes, the speed, the validation loss, the time left. The step and the loss stay.
   struct Field {
+    const char* separator;
     std::string text;
     int drop;
   };
   std::vector<Field> fields = {
-      {fmt::format("[{}{}]", std::string(filled, '#'), std::string(width - filled, '.')), 1},
-      {fmt::format("step {}/{}", s.step, s.total), 0},
-      {fmt::format("loss {:.4f}", s.loss), 0},
-      {s.val_loss ? fmt::format("val {:.4f}", *s.val_loss) : std::string(), 5},
-      {fmt::format("{:.0f} tok/s", s.tokens_per_second), 4},
-      {fmt::format("BF16 {} INT8 {} NF4 {}", s.bf16_blocks, s.int8_blocks, s.nf4_blocks), 2},
-      {fmt::format("saved {} ({:.1f}%)", format_bytes(s.bytes_saved), saved_pct), 3},
-      {fmt::format("eta {:.0f}s", s.eta_seconds), 6}};
+      {"", fmt::format("[{}{}]", std::string(filled, '#'), std::string(width - filled, '.')), 1},
+      {" ", fmt::format("step {}/{}", s.step, s.total), 0},
+      {" | ", fmt::format("loss {:.4f}", s.loss), 0},
+      {" ", s.val_loss ? fmt::format("val {:.4f}", *s.val_loss) : std::string(), 5},
+      {" | ", fmt::format("{:.0f} tok/s", s.tokens_per_second), 4},
+      {" | ", fmt::format("BF16 {} INT8 {} NF4 {}", s.bf16_blocks, s.int8_blocks, s.nf4_blocks), 2},
+      {" | ", fmt::format("saved {} ({:.1f}%)", format_bytes(s.bytes_saved), saved_pct), 3},
+      {" | ", fmt::format("eta {:.0f}s", s.eta_seconds), 6}};
   const auto join = [&fields] {
     std::string line;
-    for (std::size_t i = 0; i < fields.size(); ++i) {
-      if (fields[i].text.empty()) continue;
-      // The bar and the step read as one field; the loss and its validation value too.
-      const bool joined = line.empty() || (i == 1 && !fields[0].text.empty()) || i == 3;
-      line += line.empty() ? "" : joined ? " " : " | ";
-      line += fields[i].text;
+    for (const Field& field : fields) {
+      if (field.text.empty()) continue;
+      line += line.empty() ? "" : field.separator;
+      line += field.text;
     }
     return line;
   };

@@ -101,7 +101,7 @@ torch::TensorOptions compute_options(const TrainConfig& config) {
   // Data-parallel ranks on one node take one GPU each (torchrun's LOCAL_RANK).
   const int index = environment_count("LOCAL_RANK", 0, 0);
   const int devices = static_cast<int>(torch::cuda::device_count());  // its type changed within 2.x
-  if (index < 0 || index >= devices) {
+  if (index >= devices) {
     throw ConfigError(fmt::format("{}: train.device: cuda, but LOCAL_RANK={} and this node has {} GPU(s)",
                                   config.source_name, index, devices));
   }
