@@ -84,6 +84,9 @@ CollectiveError.__doc__ = "A collective call across the ranks failed or timed ou
 RankMismatchError.__doc__ = "The ranks disagree where they must agree (their plugins' hints, a restore)."
 
 __all__ = [
+    "stream",
+    "StreamedLayers",
+    "StreamedBlock",
     "StreamedBlocks",
     "StepContext",
     "StepReport",
@@ -178,6 +181,11 @@ def _swap(raw) -> PluginSwap | None:
 
 def _errors(raw) -> CalibrationErrors | None:
     return None if raw is None else CalibrationErrors(int8=list(raw["int8"]), nf4=list(raw["nf4"]))
+
+
+def _report(raw) -> StepReport:
+    raw["swap"], raw["calibration"] = _swap(raw["swap"]), _errors(raw["calibration"])
+    return StepReport(**raw)
 
 
 def quantize_nf4(x: torch.Tensor, group_size: int = 64, *, scale_dtype: torch.dtype = torch.float32,
@@ -566,9 +574,7 @@ class StreamedBlocks:
     def end_step(self, loss: float) -> StepReport:
         """After the optimizer stepped the masters: rebuilds their transfer images and ends the
         step with its loss (the policy's loss guard reads it)."""
-        raw = self._model.end_step(float(loss))
-        raw["swap"], raw["calibration"] = _swap(raw["swap"]), _errors(raw["calibration"])
-        return StepReport(**raw)
+        return _report(self._model.end_step(float(loss)))
 
     @contextlib.contextmanager
     def step(self, step: int, optimizer: torch.optim.Optimizer | None = None):
@@ -681,3 +687,6 @@ class StreamedBlocks:
     def closed(self) -> bool:
         """True after close()."""
         return self._model.closed
+
+
+from ._stream import StreamedBlock, StreamedLayers, stream  # noqa: E402  (uses the names above)

@@ -132,6 +132,18 @@ tl::Block python_block(py::object module, std::vector<std::string> streamed, std
                    std::move(streamed), std::move(moments_from)};
 }
 
+// A Python callable (inputs: list of tensors, weights: dict of name to tensor) -> list of
+// tensors, as the layer calls a block (Block::call). Held so that its last release takes the GIL.
+tl::BlockCall python_call(py::object callable) {
+  const std::shared_ptr<py::object> held = hold(std::move(callable));
+  return [held](const std::vector<torch::Tensor>& inputs, const tl::NamedParameters& weights) {
+    py::gil_scoped_acquire gil;
+    py::dict named;
+    for (const auto& [name, weight] : weights) named[py::str(name)] = weight;
+    return (*held)(inputs, named).cast<std::vector<torch::Tensor>>();
+  };
+}
+
 std::optional<sp_precision> precision_named(const std::string& name) {
   if (name == "bf16") return SP_PRECISION_BF16;
   if (name == "int8") return SP_PRECISION_INT8;
@@ -249,14 +261,20 @@ std::shared_ptr<RecordingCollectives> collectives_of(const py::object& process_g
 // The layer behind a close(): every call after it is refused by name, not made on freed state.
 class PyStreamedModel {
  public:
+  // `calls`: None, or per module the callable it computes through (python_call): its
+  // streamed parameters are then the masters (Block::call).
   PyStreamedModel(const py::list& modules, const std::vector<std::string>& streamed,
-                  const std::vector<std::string>& moments_from, tl::StreamedModelOptions options,
-                  std::shared_ptr<RecordingCollectives> collectives)
+                  const std::vector<std::string>& moments_from, const py::object& calls,
+                  tl::StreamedModelOptions options, std::shared_ptr<RecordingCollectives> collectives)
       : collectives_(collectives) {
     if (modules.empty()) throw std::invalid_argument("StreamedModel: the module list is empty");
+    if (!calls.is_none() && py::len(calls) != modules.size()) {
+      throw std::invalid_argument("StreamedModel: one call per module expected");
+    }
     std::vector<tl::Block> blocks;
     for (std::size_t b = 0; b < modules.size(); ++b) {
       blocks.push_back(python_block(modules[b], streamed, moments_from, fmt::format("block{}", b)));
+      if (!calls.is_none()) blocks.back().call = python_call(calls[py::int_(b)]);
     }
     options.collectives = std::move(collectives);
     options.logger = python_logger();
@@ -546,7 +564,7 @@ PYBIND11_MODULE(_selective_precision, m) {
                        const std::string& device, py::object compute_dtype, double host_bandwidth_cap_gbps,
                        std::uint32_t prefetch_window, std::uint32_t spare_slabs, std::uint32_t int8_group_size,
                        std::uint32_t nf4_group_size, const std::string& metrics_path, std::uint32_t recalibrate_every,
-                       const py::object& process_group, bool shard_masters) {
+                       const py::object& process_group, bool shard_masters, const py::object& calls) {
              tl::StreamedModelOptions o;
              o.plugin_file = plugin_file;
              o.config_yaml = config_yaml;
@@ -563,18 +581,28 @@ PYBIND11_MODULE(_selective_precision, m) {
              o.metrics_path = metrics_path;
              o.recalibrate_every = recalibrate_every;
              o.shard_masters = shard_masters;
-             return std::make_unique<PyStreamedModel>(modules, streamed, moments_from, std::move(o),
+             return std::make_unique<PyStreamedModel>(modules, streamed, moments_from, calls, std::move(o),
                                                       collectives_of(process_group));
            }),
            py::arg("modules"), py::arg("streamed"), py::arg("moments_from"), py::arg("plugin_file"),
            py::arg("config_yaml"), py::arg("config_source"), py::arg("output_dir"), py::arg("device"),
            py::arg("compute_dtype"), py::arg("host_bandwidth_cap_gbps"), py::arg("prefetch_window"),
            py::arg("spare_slabs"), py::arg("int8_group_size"), py::arg("nf4_group_size"), py::arg("metrics_path"),
-           py::arg("recalibrate_every"), py::arg("process_group"), py::arg("shard_masters"))
+           py::arg("recalibrate_every"), py::arg("process_group"), py::arg("shard_masters"),
+           py::arg("calls") = py::none())
       .def("close", &PyStreamedModel::close)
       .def_property_readonly("closed", &PyStreamedModel::closed)
       .def("num_blocks", [](PyStreamedModel& s) { return s.model().num_blocks(); })
       .def("forward", [](PyStreamedModel& s, const torch::Tensor& x) { return s.model().forward(x); }, no_gil)
+      .def(
+          "forward_block",
+          [](PyStreamedModel& s, std::uint32_t block, const std::vector<torch::Tensor>& inputs, py::object call) {
+            tl::BlockCall bound = call.is_none() ? tl::BlockCall() : python_call(std::move(call));
+            py::gil_scoped_release no_gil_here;
+            return s.model().forward_block(block, inputs, std::move(bound));
+          },
+          py::arg("block"), py::arg("inputs"), py::arg("call") = py::none())
+      .def("next_step", [](PyStreamedModel& s) { return s.model().next_step(); })
       .def("master_parameters", [](PyStreamedModel& s) { return s.model().master_parameters(); })
       .def("masters", [](PyStreamedModel& s, std::uint32_t block) { return s.model().masters(block); })
       .def("resident_parameters", [](PyStreamedModel& s) { return s.model().resident_parameters(); })

@@ -75,8 +75,9 @@ const torch::Tensor* find(const NamedParameters& params, const std::string& name
   return nullptr;
 }
 
-// One streamed parameter: the module's own Parameter (pointed at delivered weights while
-// its block computes, at an empty tensor otherwise) and its fp32 host master.
+// One streamed parameter: the tensor its block computes with (the module's own Parameter, or
+// for a Block::call block the layer's own), pointed at delivered weights while the block
+// computes and at an empty tensor otherwise, and its fp32 host master.
 struct StreamedParam {
   std::string name;
   std::uint32_t block = 0;
@@ -105,6 +106,14 @@ struct BlockState {
   bool trainable_masters = false;
   // Its training forward's random streams and autocast, for the recompute (forward_state.h).
   std::optional<ForwardState> forward_state;
+  // How it computes: Block::call, or Block::forward adapted to one. With Block::call the
+  // module's streamed parameters are the masters, and `weights` the tensors the delivered
+  // weights are put in.
+  BlockCall call;
+  bool params_are_masters = false;
+  NamedParameters weights;
+  // The call of the current training pass's forward, which its recompute makes again.
+  BlockCall pass_call;
 };
 
 std::string master_key(const BlockState& b, const StreamedParam& p) { return "master/" + b.block.name + "." + p.name; }
@@ -206,8 +215,12 @@ struct StreamedModel::Impl {
   std::vector<bool> updated_in_step;   // per block: update_masters() wrote its image this step
   std::uint64_t evaluation_bytes = 0, calibration_bytes = 0;  // of the forward-only passes
   bool grads_staged = false;
-  // The lowest block whose autograd node runs in the current pass: its backward ends the pass.
-  std::uint32_t pass_end_block = 0;
+  // The lowest block whose autograd node runs in the current pass: its backward ends the pass
+  // (unset while no block of the pass has a node).
+  std::optional<std::uint32_t> pass_end_block;
+  std::uint32_t next_forward = 0;  // the block the current training pass's forward calls next
+  bool eval_open = false;          // an evaluation pass is open; `eval_next` its next block
+  std::uint32_t eval_next = 0;
   std::int64_t id = 0;  // in the registry of live models (StreamedBlockFunction)
 
   bool in_step = false;
@@ -255,6 +268,12 @@ struct StreamedModel::Impl {
     if (collectives) probe_collectives();
     refuse_shared_parameters(in);
     for (std::size_t b = 0; b < in.size(); ++b) adopt(std::move(in[b]), b);
+    const auto called = [](const BlockState& b) { return b.params_are_masters; };
+    if (options.recalibrate_every != 0 && std::any_of(blocks.begin(), blocks.end(), called)) {
+      throw std::invalid_argument(
+          "StreamedModelOptions::recalibrate_every: re-calibration feeds each block the output of the one before, one "
+          "tensor, and these blocks compute through Block::call; set it to 0");
+    }
     build_engines();
     if (sharded) shard_masters();
     build_policy();
@@ -277,9 +296,21 @@ struct StreamedModel::Impl {
     return nullptr;
   }
 
-  void require_current_images(const std::string& call) const {
+  // Masters changed since their images were built: a Block::call block's are its module's
+  // parameters, which the host changes the usual way (a state dict loaded, an edit), so their
+  // images are rebuilt here (one process: sharded, the ranks would have to share them); any
+  // other is refused.
+  void require_current_images(const std::string& call) {
     for (std::uint32_t b = 0; b < blocks.size(); ++b) {
       if (!owns(b)) continue;
+      if (blocks[b].params_are_masters && !sharded && changed_master(b)) {
+        engine->on_weights_updated(b);
+        eval_image_stale[b] = true;
+        for (std::size_t i = 0; i < blocks[b].streamed.size(); ++i) {
+          image_versions[b][i] = blocks[b].streamed[i].master._version();
+        }
+        continue;
+      }
       if (const StreamedParam* p = changed_master(b)) {
         throw std::logic_error(fmt::format(
             "StreamedModel::{}: {}'s master '{}' changed after its transfer images were built (an optimizer step "
@@ -303,6 +334,11 @@ struct StreamedModel::Impl {
       if (pass != Pass::none) engine->end_step();
     } catch (const std::exception& e) {
       log->warn("StreamedModel: closing the open training pass: {}", e.what());
+    }
+    try {
+      if (eval_open) end_eval_pass();
+    } catch (const std::exception& e) {
+      log->warn("StreamedModel: closing the open evaluation pass: {}", e.what());
     }
   }
 
@@ -332,8 +368,11 @@ struct StreamedModel::Impl {
     const std::string& name = block.name;
     if (!block.parameters)
       throw std::invalid_argument(fmt::format("StreamedModel: {} has no parameters callable", name));
-    if (!block.forward) throw std::invalid_argument(fmt::format("StreamedModel: {} has no forward", name));
+    if (!block.forward && !block.call) {
+      throw std::invalid_argument(fmt::format("StreamedModel: {} has neither a forward nor a call", name));
+    }
     BlockState state;
+    state.params_are_masters = static_cast<bool>(block.call);
     const NamedParameters params = block.parameters();
     for (const std::string& wanted : block.streamed) {
       if (std::count(block.streamed.begin(), block.streamed.end(), wanted) > 1) {
@@ -359,19 +398,36 @@ struct StreamedModel::Impl {
       p.shape = found->sizes().vec();
       p.rows = found->dim() >= 2 ? static_cast<std::uint64_t>(found->size(0)) : 1;
       p.cols = static_cast<std::uint64_t>(found->numel()) / p.rows;
-      torch::Tensor master = found->detach().to(torch::kCPU, torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
-      if (options.device.is_cuda()) master = master.pin_memory();
-      master.set_requires_grad(found->requires_grad());
+      torch::Tensor master;
+      if (state.params_are_masters) {
+        if (!found->device().is_cpu() || found->scalar_type() != torch::kFloat32 || !found->is_contiguous() ||
+            !found->is_leaf()) {
+          throw std::invalid_argument(fmt::format(
+              "StreamedModel: {}: parameter '{}' is a {} tensor on {}; a block computing through Block::call keeps "
+              "its streamed parameters as the fp32 masters: contiguous float32 leaf tensors on the CPU",
+              name, wanted, c10::toString(found->scalar_type()), found->device().str()));
+        }
+        master = *found;
+      } else {
+        master = found->detach().to(torch::kCPU, torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
+        if (options.device.is_cuda()) master = master.pin_memory();
+        master.set_requires_grad(found->requires_grad());
+      }
       state.trainable_masters = state.trainable_masters || found->requires_grad();
       if (options.device.is_cuda() && found->requires_grad() && !device_reductions) {
         p.staging = torch::empty_like(master).pin_memory();
       }
       p.master = master;
-      {
-        torch::NoGradGuard no_grad;
-        p.param.set_data(torch::empty({0}, compute));
+      if (state.params_are_masters) {
+        p.param = torch::empty({0}, compute);
+        p.placeholder = master.options();  // what the module's parameter must stay
+      } else {
+        {
+          torch::NoGradGuard no_grad;
+          p.param.set_data(torch::empty({0}, compute));
+        }
+        p.placeholder = p.param.options();  // its device with an index, where `compute`'s may have none
       }
-      p.placeholder = p.param.options();  // its device with an index, where `compute`'s may have none
       state.masters.emplace(wanted, master);
       state.streamed.push_back(std::move(p));
     }
@@ -396,6 +452,19 @@ struct StreamedModel::Impl {
       state.moment_sources.push_back(streamed != state.streamed.end() ? streamed->master : *found);
     }
     set_autograd_inputs(state);
+    for (const StreamedParam& p : state.streamed) state.weights.emplace_back(p.name, p.param);
+    if (state.params_are_masters) {
+      state.call = block.call;
+    } else {
+      state.call = [forward = block.forward, name](const std::vector<torch::Tensor>& inputs, const NamedParameters&) {
+        if (inputs.size() != 1) {
+          throw std::invalid_argument(fmt::format(
+              "StreamedModel: {} takes one tensor (Block::forward), not {}; give the block a Block::call", name,
+              inputs.size()));
+        }
+        return std::vector<torch::Tensor>{forward(inputs[0])};
+      };
+    }
     state.block = std::move(block);
     blocks.push_back(std::move(state));
   }
@@ -499,6 +568,12 @@ struct StreamedModel::Impl {
       eval_image_stale[b] = true;
       BlockState& block = blocks[b];
       for (StreamedParam& p : block.streamed) {
+        if (block.params_are_masters) {
+          // The module's parameter is the master: emptied in place, so that it stays the module's.
+          torch::NoGradGuard no_grad;
+          p.master.set_data(torch::empty({0}, torch::kFloat32));
+          continue;
+        }
         torch::Tensor placeholder = torch::empty({0}, torch::kFloat32);
         placeholder.set_requires_grad(p.master.requires_grad());
         p.master = placeholder;
@@ -682,13 +757,16 @@ struct StreamedModel::Impl {
       const NamedParameters params = b.block.parameters();
       for (const StreamedParam& p : b.streamed) {
         const torch::Tensor* now = find(params, p.name);
-        if (!now || now->unsafeGetTensorImpl() != p.param.unsafeGetTensorImpl()) {
+        const torch::Tensor& held = b.params_are_masters ? p.master : p.param;
+        if (!now || now->unsafeGetTensorImpl() != held.unsafeGetTensorImpl()) {
           throw std::logic_error(fmt::format(
               "StreamedModel: {}: parameter '{}' was replaced or removed after the model was wrapped; the layer "
-              "owns streamed parameters (change the masters instead, then call refresh_images())",
-              b.block.name, p.name));
+              "owns streamed parameters ({})",
+              b.block.name, p.name,
+              b.params_are_masters ? "they are its masters: change them in place"
+                                   : "change the masters instead, then call refresh_images()"));
         }
-        refuse_converted(b, p.name, p.param, p.placeholder);
+        refuse_converted(b, p.name, held, p.placeholder);
       }
       for (std::size_t i = 0; i < b.resident.size(); ++i) {
         refuse_converted(b, b.resident_names[i], b.resident[i], b.resident_kinds[i]);
@@ -777,51 +855,103 @@ struct StreamedModel::Impl {
     pass = Pass::none;
   }
 
-  // One forward-only pass of the evaluation engine under `limits`; run(b) computes block b on
-  // its delivered weights. The block is released and the pass ended even when run() throws.
-  template <typename Run>
-  ad::StepTransferMetrics eval_pass(const ad::RuntimeLimitHints& limits, std::uint64_t& bytes, Run&& run) {
+  // ---- evaluation passes: the evaluation engine, forward only, one block at a time ----------
+
+  void begin_eval_pass(const ad::RuntimeLimitHints& limits) {
+    if (eval_open) end_eval_pass();  // one the host left before its last block
     for (std::uint32_t b = 0; b < blocks.size(); ++b) {
       if (!eval_image_stale[b]) continue;
       refresh_eval_image(b);
       eval_image_stale[b] = false;
     }
     eval_engine->begin_step(eval_engine_steps++, limits);
-    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-      const ad::BlockView& view = eval_engine->acquire(b);
-      attach(blocks[b], view, false);
-      try {
-        run(b);
-      } catch (...) {
-        detach(blocks[b]);
-        eval_engine->release(b);
-        eval_engine->end_step();
-        throw;
-      }
+    eval_open = true;
+    eval_next = 0;
+  }
+
+  ad::StepTransferMetrics end_eval_pass() {
+    eval_open = false;
+    return eval_engine->end_step();
+  }
+
+  // Block b's turn in the open evaluation pass: run(weights) computes it on its delivered
+  // weights. The block is released, and the pass ended, even when run() throws.
+  template <typename Run>
+  auto eval_block(std::uint32_t b, Run&& run) {
+    const ad::BlockView& view = eval_engine->acquire(b);
+    attach(blocks[b], view, false);
+    try {
+      auto out = run(blocks[b].weights);
       detach(blocks[b]);
       eval_engine->release(b);
+      eval_next = b + 1;
+      return out;
+    } catch (...) {
+      detach(blocks[b]);
+      eval_engine->release(b);
+      end_eval_pass();
+      throw;
     }
-    const ad::StepTransferMetrics m = eval_engine->end_step();
+  }
+
+  // A whole evaluation pass under `limits` (calibration's); run(b, weights) computes block b.
+  template <typename Run>
+  void eval_pass(const ad::RuntimeLimitHints& limits, std::uint64_t& bytes, Run&& run) {
+    begin_eval_pass(limits);
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+      eval_block(b, [&](const NamedParameters& weights) {
+        run(b, weights);
+        return 0;
+      });
+    }
+    const ad::StepTransferMetrics m = end_eval_pass();
     bytes += m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
-    return m;
   }
 
-  torch::Tensor eval_forward(torch::Tensor x) {
-    wait_for_updates();  // the evaluation engine reads the masters
-    require_current_images("forward");
-    const ad::StepTransferMetrics m =
-        eval_pass({}, evaluation_bytes, [&](std::uint32_t b) { x = blocks[b].block.forward(x); });
-    report.eval_h2d_bytes += m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
-    return x;
+  // A no-grad call of block b: block 0 opens an evaluation pass, the last one ends it.
+  std::vector<torch::Tensor> eval_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
+                                          const BlockCall& call) {
+    if (b == 0) {
+      wait_for_updates();  // the evaluation engine reads the masters
+      require_current_images("forward");
+      begin_eval_pass({});
+    } else {
+      require_in_order(b, eval_open ? eval_next : 0, "an evaluation pass (no grad)");
+    }
+    std::vector<torch::Tensor> out =
+        eval_block(b, [&](const NamedParameters& weights) { return call(inputs, weights); });
+    if (eval_next == blocks.size()) {
+      const ad::StepTransferMetrics m = end_eval_pass();
+      const std::uint64_t bytes = m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
+      evaluation_bytes += bytes;
+      report.eval_h2d_bytes += bytes;
+    }
+    return out;
   }
 
-  torch::Tensor forward_block(std::uint32_t b, const torch::Tensor& x) {
+  void require_in_order(std::uint32_t b, std::uint32_t expected, const char* pass_kind) const {
+    if (b == expected) return;
+    throw std::logic_error(fmt::format(
+        "StreamedModel: {} was called where {} came next: {} calls every streamed block once, in order from "
+        "block 0 (the streaming engine fetches them ahead in that order)",
+        blocks[b].block.name, expected < blocks.size() ? blocks[expected].block.name : std::string("block 0"),
+        pass_kind));
+  }
+
+  // ---- training passes: forward, then the backward's recompute -----------------------------
+
+  // A grad-mode call of block b, inside a step: block 0 opens a training pass.
+  std::vector<torch::Tensor> train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
+                                           BlockCall call);
+
+  // Inside the autograd node's forward: block b on its delivered weights, without a graph.
+  std::vector<torch::Tensor> forward_block(std::uint32_t b, const std::vector<torch::Tensor>& inputs) {
     const ad::BlockView& view = engine->acquire(b);
     attach(blocks[b], view, false);
     blocks[b].forward_state = ForwardState::capture(options.device);
-    torch::Tensor y;
+    std::vector<torch::Tensor> out;
     try {
-      y = blocks[b].block.forward(x);
+      out = blocks[b].pass_call(inputs, blocks[b].weights);
     } catch (...) {
       detach(blocks[b]);
       engine->release(b);
@@ -829,18 +959,27 @@ struct StreamedModel::Impl {
     }
     detach(blocks[b]);
     engine->release(b);
-    return y;
+    return out;
   }
 
   // Recomputes block b's forward on the delivered weights and differentiates it. Returns the
-  // gradient of the block input, then one per trainable resident parameter.
-  variable_list backward_block(std::uint32_t b, std::uint64_t id, const torch::Tensor& x,
-                               const torch::Tensor& grad_out) {
+  // gradient of each block input (undefined for those that need none), then one per trainable
+  // resident parameter.
+  variable_list backward_block(std::uint32_t b, std::uint64_t id, const variable_list& xs,
+                               const variable_list& grad_outs) {
     if (id != pass_id || pass == Pass::none) {
       throw std::logic_error(fmt::format(
           "StreamedModel: backward through {} of a training pass that has ended (a later grad-mode forward, or "
           "post_backward(), closed it); run each pass's backward before the next grad-mode forward",
           blocks[b].block.name));
+    }
+    if (next_forward != blocks.size()) {
+      const std::string stopped = blocks[next_forward].block.name;
+      abandon_pass();
+      throw std::logic_error(fmt::format(
+          "StreamedModel: the backward reached {} of a training pass whose forward stopped before {}: a training "
+          "pass calls every streamed block, in order, before its backward",
+          blocks[b].block.name, stopped));
     }
     pass = Pass::in_backward;
     BlockState& block = blocks[b];
@@ -849,22 +988,40 @@ struct StreamedModel::Impl {
     variable_list grads;
     std::vector<torch::Tensor> wrt;
     UnlistedInputs unlisted;
-    const bool input_grad = x.requires_grad();
+    std::vector<std::size_t> input_slots;  // of the inputs that need a gradient, in `wrt`'s order
     try {
       torch::AutoGradMode enable(true);
-      const torch::Tensor input = x.detach().requires_grad_(input_grad);
-      torch::Tensor y;
+      std::vector<torch::Tensor> inputs;
+      for (std::size_t i = 0; i < xs.size(); ++i) {
+        const bool needs = xs[i].defined() && xs[i].requires_grad();
+        inputs.push_back(xs[i].defined() ? xs[i].detach().requires_grad_(needs) : xs[i]);
+        if (needs) {
+          input_slots.push_back(i);
+          wrt.push_back(inputs.back());
+        }
+      }
+      std::vector<torch::Tensor> outputs;
       const RecomputeMark recompute = RecomputeMark::now();
       {
         const ReplayedForward replayed(*block.forward_state);
-        y = block.block.forward(input);
+        outputs = block.pass_call(inputs, block.weights);
       }
-      if (input_grad) wrt.push_back(input);
+      if (outputs.size() != grad_outs.size()) {
+        throw std::logic_error(fmt::format("StreamedModel: {}'s recompute returned {} tensors where its forward returned {}",
+                                           block.block.name, outputs.size(), grad_outs.size()));
+      }
+      // The outputs the loss reaches, with their gradients.
+      std::vector<torch::Tensor> ys, gys;
+      for (std::size_t i = 0; i < outputs.size(); ++i) {
+        if (!outputs[i].defined() || !outputs[i].requires_grad() || !grad_outs[i].defined()) continue;
+        ys.push_back(outputs[i]);
+        gys.push_back(grad_outs[i]);
+      }
       for (const StreamedParam& p : block.streamed) {
         if (p.param.requires_grad()) wrt.push_back(p.param);
       }
       for (const torch::Tensor& r : block.trainable_resident) wrt.push_back(r);
-      unlisted = unlisted_inputs(y, wrt, recompute);
+      unlisted = unlisted_inputs(ys, wrt, recompute);
       if (!unlisted.foreign_node.empty()) {
         throw std::logic_error(fmt::format(
             "StreamedModel: {} reads a tensor computed outside it that requires a gradient (through {}): its "
@@ -881,9 +1038,11 @@ struct StreamedModel::Impl {
             block.block.name, c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", ")));
       }
       for (const UnlistedLeaf& leaf : unlisted.leaves) wrt.push_back(leaf.tensor);
-      if (!wrt.empty()) {
-        grads = torch::autograd::grad({y}, wrt, {grad_out}, /*retain_graph=*/false, /*create_graph=*/false,
+      if (!wrt.empty() && !ys.empty()) {
+        grads = torch::autograd::grad(ys, wrt, gys, /*retain_graph=*/false, /*create_graph=*/false,
                                       /*allow_unused=*/true);
+      } else {
+        grads.resize(wrt.size());
       }
     } catch (...) {
       detach(block);
@@ -894,7 +1053,7 @@ struct StreamedModel::Impl {
     detach(block);
     engine->release(b);
 
-    std::size_t next = input_grad ? 1 : 0;
+    std::size_t next = input_slots.size();
     ReducingBucket bucket;
     std::vector<torch::Tensor> flat;
     std::vector<StreamedParam*> staged_here;
@@ -946,8 +1105,8 @@ struct StreamedModel::Impl {
         };
       }
     }
-    variable_list out;
-    out.push_back(input_grad ? grads[0] : torch::Tensor());
+    variable_list out(xs.size());
+    for (std::size_t i = 0; i < input_slots.size(); ++i) out[input_slots[i]] = grads[i];
     for (std::size_t i = 0; i < block.trainable_resident.size(); ++i) {
       torch::Tensor g = grads[next++];
       if (!g.defined() && collectives) g = torch::zeros_like(block.trainable_resident[i]);
@@ -971,14 +1130,15 @@ struct StreamedModel::Impl {
       // Averaged before autograd adds them to the .grad, into tensors of their own (autograd's
       // may alias the upstream gradient, or be expanded views): every rank's resident
       // parameters see the same gradient, whatever the host does next.
-      std::vector<torch::Tensor> resident(out.begin() + 1, out.end());
+      const auto first_resident = out.begin() + static_cast<std::ptrdiff_t>(xs.size());
+      std::vector<torch::Tensor> resident(first_resident, out.end());
       try {
         resident = averaged(resident, fmt::format("gradients of {}'s resident parameters", block.block.name));
       } catch (...) {
         abandon_pass();
         throw;
       }
-      std::copy(resident.begin(), resident.end(), out.begin() + 1);
+      std::copy(resident.begin(), resident.end(), first_resident);
     }
     try {
       if (update_now && !deferred_updates[b]) begin_block_update(b, std::move(gradient_ready));
@@ -986,7 +1146,7 @@ struct StreamedModel::Impl {
       abandon_pass();
       throw;
     }
-    if (b == pass_end_block) finish_pass();
+    if (pass_end_block && b == *pass_end_block) finish_pass();
     return out;
   }
 
@@ -1307,6 +1467,14 @@ struct StreamedModel::Impl {
   CalibrationErrors measure_calibration_errors(const std::vector<torch::Tensor>& samples) {
     if (in_step) throw std::logic_error("StreamedModel: calibrate between steps, not inside one");
     if (samples.empty()) throw std::invalid_argument("StreamedModel: calibration without samples");
+    for (const BlockState& b : blocks) {
+      if (b.params_are_masters) {
+        throw std::logic_error(fmt::format(
+            "StreamedModel: calibration feeds each block the output of the one before, one tensor; {} computes "
+            "through Block::call, whose inputs the layer cannot make up",
+            b.block.name));
+      }
+    }
     torch::NoGradGuard no_grad;
     const std::size_t n = blocks.size();
     CalibrationErrors errors{std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
@@ -1318,13 +1486,15 @@ struct StreamedModel::Impl {
     for (const torch::Tensor& sample : samples) {
       std::vector<torch::Tensor>& reference = references.emplace_back(std::vector<torch::Tensor>{sample});
       eval_pass(pinned_to(SP_PRECISION_BF16), calibration_bytes,
-                [&](std::uint32_t b) { reference.push_back(blocks[b].block.forward(reference.back())); });
+                [&](std::uint32_t b, const NamedParameters&) {
+                  reference.push_back(blocks[b].block.forward(reference.back()));
+                });
     }
     for (auto [precision, sums] :
          {std::pair{SP_PRECISION_INT8, &errors.int8}, std::pair{SP_PRECISION_NF4, &errors.nf4}}) {
       share_eval_images(route_of(precision));
       for (const std::vector<torch::Tensor>& reference : references) {
-        eval_pass(pinned_to(precision), calibration_bytes, [&, sums = sums](std::uint32_t b) {
+        eval_pass(pinned_to(precision), calibration_bytes, [&, sums = sums](std::uint32_t b, const NamedParameters&) {
           const torch::Tensor quantized = on_host(blocks[b].block.forward(reference[b]));
           const torch::Tensor expected = on_host(reference[b + 1]);
           (*sums)[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32, quantized.data_ptr<float>(),
@@ -1386,14 +1556,22 @@ std::shared_ptr<StreamedModel::Impl> live_model(std::int64_t id) {
 }  // namespace
 
 struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFunction> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, StreamedModel::Impl* impl,
-                               std::int64_t block, std::int64_t pass, at::TensorList inputs) {
+  // `anchors`: what the node takes besides the block's inputs (BlockState::autograd_inputs), so
+  // that autograd routes their gradients.
+  static variable_list forward(AutogradContext* ctx, StreamedModel::Impl* impl, std::int64_t block,
+                               std::int64_t pass, at::TensorList inputs, at::TensorList anchors) {
     ctx->saved_data["block"] = block;
     ctx->saved_data["pass"] = pass;
     ctx->saved_data["model"] = impl->id;
-    ctx->saved_data["inputs"] = static_cast<std::int64_t>(inputs.size());  // only so that autograd routes theirs
-    ctx->save_for_backward({x});
-    return impl->forward_block(static_cast<std::uint32_t>(block), x);
+    ctx->saved_data["anchors"] = static_cast<std::int64_t>(anchors.size());
+    ctx->save_for_backward(inputs.vec());
+    variable_list outputs = impl->forward_block(static_cast<std::uint32_t>(block), inputs.vec());
+    variable_list integral;
+    for (const torch::Tensor& y : outputs) {
+      if (y.defined() && !y.is_floating_point() && !y.is_complex()) integral.push_back(y);
+    }
+    ctx->mark_non_differentiable(integral);
+    return outputs;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -1404,16 +1582,59 @@ struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFun
           fmt::format("StreamedModel: backward through block {} of a model that was destroyed or closed", block));
     }
     const auto pass = static_cast<std::uint64_t>(ctx->saved_data["pass"].toInt());
-    const torch::Tensor x = ctx->get_saved_variables()[0];
-    variable_list grads = impl->backward_block(block, pass, x, grad_outputs[0]);
-    // One gradient per forward argument: x, impl, block, pass, then each resident tensor (the
-    // master anchor, last when there is one, gets none: its gradient went to the master).
-    variable_list out{grads[0], torch::Tensor(), torch::Tensor(), torch::Tensor()};
-    out.insert(out.end(), grads.begin() + 1, grads.end());
-    out.resize(4 + static_cast<std::size_t>(ctx->saved_data["inputs"].toInt()));
+    const variable_list inputs = ctx->get_saved_variables();
+    variable_list grads = impl->backward_block(block, pass, inputs, grad_outputs);
+    // One gradient per forward argument: impl, block, pass, then each input, then each anchor
+    // (the master anchor, last when there is one, gets none: its gradient went to the master).
+    variable_list out(3);
+    out.insert(out.end(), grads.begin(), grads.end());
+    out.resize(3 + inputs.size() + static_cast<std::size_t>(ctx->saved_data["anchors"].toInt()));
     return out;
   }
 };
+
+std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
+                                                              BlockCall call) {
+  require_step("forward");
+  if (after_backward) {
+    throw std::logic_error("StreamedModel::forward: post_backward() already ran in this step; call end_step()");
+  }
+  if (b == 0) {
+    close_abandoned_pass("forward");
+    if (armed && std::find(armed->begun.begin(), armed->begun.end(), true) != armed->begun.end()) {
+      throw std::logic_error(
+          "StreamedModel::forward: update_masters_during_backward() updated the masters in this step's last backward; "
+          "call post_backward() (a pass after it would add gradients that no update sees)");
+    }
+    wait_for_updates();  // the pass fetches the blocks they update
+    if (options.recalibrate_every != 0) last_input = inputs.at(0).detach();
+    engine->begin_step(engine_steps++);
+    pass = Pass::forwarded;
+    ++pass_id;
+    pass_end_block.reset();
+    next_forward = 0;
+  } else {
+    require_in_order(b, pass == Pass::forwarded ? next_forward : 0, "a training pass");
+  }
+  BlockState& block = blocks[b];
+  block.pass_call = std::move(call);
+  // The backward reaches down to the lowest block whose node exists: whose inputs need a
+  // gradient, or which trains something itself.
+  const bool node = !block.autograd_inputs.empty() ||
+                    std::any_of(inputs.begin(), inputs.end(), [](const torch::Tensor& x) { return x.defined() && x.requires_grad(); });
+  std::vector<torch::Tensor> out;
+  try {
+    out = StreamedBlockFunction::apply(this, static_cast<std::int64_t>(b), static_cast<std::int64_t>(pass_id),
+                                       at::TensorList(inputs), at::TensorList(block.autograd_inputs));
+  } catch (...) {
+    engine->end_step();
+    pass = Pass::none;
+    throw;
+  }
+  if (node && !pass_end_block) pass_end_block = b;
+  next_forward = b + 1;
+  return out;
+}
 
 std::unique_ptr<sp::host::PolicySession> open_policy_session(const ad::StreamingEngine& engine,
                                                              const std::filesystem::path& plugin_file,
@@ -1477,45 +1698,25 @@ std::vector<torch::Tensor> StreamedModel::resident_parameters() const {
 }
 
 torch::Tensor StreamedModel::forward(const torch::Tensor& x) {
-  Impl& m = *impl_;
-  m.check_parameters_unchanged();
-  if (!torch::GradMode::is_enabled()) return m.eval_forward(x);
-  m.require_step("forward");
-  if (m.after_backward) {
-    throw std::logic_error("StreamedModel::forward: post_backward() already ran in this step; call end_step()");
-  }
-  m.close_abandoned_pass("forward");
-  if (m.armed && std::find(m.armed->begun.begin(), m.armed->begun.end(), true) != m.armed->begun.end()) {
-    throw std::logic_error(
-        "StreamedModel::forward: update_masters_during_backward() updated the masters in this step's last backward; "
-        "call post_backward() (a pass after it would add gradients that no update sees)");
-  }
-  m.wait_for_updates();  // the pass fetches the blocks they update
-  if (m.options.recalibrate_every != 0) m.last_input = x.detach();
-  m.engine->begin_step(m.engine_steps++);
-  m.pass = Impl::Pass::forwarded;
-  ++m.pass_id;
-  // The backward reaches down to block 0 when x needs a gradient, else to the first block with
-  // something to train; past the last block (none) no backward comes, and the next forward or
-  // post_backward() closes the pass.
-  m.pass_end_block = 0;
-  while (!x.requires_grad() && m.pass_end_block < m.blocks.size() &&
-         m.blocks[m.pass_end_block].autograd_inputs.empty()) {
-    ++m.pass_end_block;
-  }
   torch::Tensor h = x;
-  try {
-    for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
-      h = StreamedBlockFunction::apply(h, &m, static_cast<std::int64_t>(b), static_cast<std::int64_t>(m.pass_id),
-                                       at::TensorList(m.blocks[b].autograd_inputs));
-    }
-  } catch (...) {
-    m.engine->end_step();
-    m.pass = Impl::Pass::none;
-    throw;
-  }
+  for (std::uint32_t b = 0; b < impl_->blocks.size(); ++b) h = forward_block(b, {h}).at(0);
   return h;
 }
+
+std::vector<torch::Tensor> StreamedModel::forward_block(std::uint32_t block, const std::vector<torch::Tensor>& inputs,
+                                                        BlockCall call) {
+  Impl& m = *impl_;
+  if (block >= m.blocks.size()) {
+    throw std::invalid_argument(
+        fmt::format("StreamedModel::forward_block({}): there are {} blocks", block, m.blocks.size()));
+  }
+  if (block == 0) m.check_parameters_unchanged();
+  if (!call) call = m.blocks[block].call;
+  if (!torch::GradMode::is_enabled()) return m.eval_forward(block, inputs, call);
+  return m.train_forward(block, inputs, std::move(call));
+}
+
+std::int64_t StreamedModel::next_step() const { return impl_->last_step ? *impl_->last_step + 1 : 0; }
 
 void StreamedModel::begin_step(std::int64_t step) {
   Impl& m = *impl_;

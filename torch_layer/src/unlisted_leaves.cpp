@@ -13,15 +13,17 @@ RecomputeMark RecomputeMark::now() {
   return RecomputeMark{at::sequence_number::peek(), at::RecordFunction::currentThreadId()};
 }
 
-UnlistedInputs unlisted_inputs(const at::Tensor& output, const std::vector<at::Tensor>& known,
+UnlistedInputs unlisted_inputs(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& known,
                                const RecomputeMark& recompute) {
   UnlistedInputs found;
-  if (!output.defined() || !output.grad_fn()) return found;
   std::unordered_set<const c10::TensorImpl*> listed, taken;
   for (const at::Tensor& t : known) listed.insert(t.unsafeGetTensorImpl());
   // A node is walked once from the recompute's side and once from a foreign node's side at most.
   std::unordered_set<const torch::autograd::Node*> visited[2];
-  std::vector<std::pair<NodePtr, const torch::autograd::Node*>> pending{{output.grad_fn(), nullptr}};
+  std::vector<std::pair<NodePtr, const torch::autograd::Node*>> pending;
+  for (const at::Tensor& output : outputs) {
+    if (output.defined() && output.grad_fn()) pending.emplace_back(output.grad_fn(), nullptr);
+  }
   while (!pending.empty()) {
     auto [node, foreign] = std::move(pending.back());
     pending.pop_back();

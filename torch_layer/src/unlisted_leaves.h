@@ -38,8 +38,9 @@ struct UnlistedInputs {
   std::string foreign_node;
 };
 
-// The leaves of `output`'s graph that require a gradient, other than those in `known`, each once.
-UnlistedInputs unlisted_inputs(const at::Tensor& output, const std::vector<at::Tensor>& known,
+// The leaves of the graph of `outputs` that require a gradient, other than those in `known`,
+// each once.
+UnlistedInputs unlisted_inputs(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& known,
                                const RecomputeMark& recompute);
 
 }  // namespace sp::torch_layer

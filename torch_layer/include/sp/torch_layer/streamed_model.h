@@ -61,11 +61,26 @@ namespace sp::torch_layer {
 // The named parameters of a block, as torch::nn::Module::named_parameters() lists them.
 using NamedParameters = std::vector<std::pair<std::string, torch::Tensor>>;
 
-// One block of the model, described by two callables so that any module system can supply
-// it (a torch::nn::Module through make_block(), a Python module through a binding):
-// `parameters` lists the block's parameters by name, and `forward` computes the block's
-// output from its input, reading those same parameter tensors, since the layer points the
-// streamed ones at the delivered weights. The callables keep the module alive.
+// A block's computation with any number of tensor inputs and outputs, on the streamed weights
+// `weights` hands over (by parameter name, on the compute device, valid for the call). Any
+// non-tensor arguments are the callable's own: it is called again, with the same inputs, for
+// the backward's recompute.
+using BlockCall =
+    std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>& inputs, const NamedParameters& weights)>;
+
+// One block of the model, described by callables so that any module system can supply it (a
+// torch::nn::Module through make_block(), a Python module through a binding): `parameters`
+// lists the block's parameters by name, and the block computes in one of two ways:
+//   - `forward`: one tensor in, one out, reading those same parameter tensors, since the layer
+//     points the streamed ones at the delivered weights (the module's streamed parameters are
+//     then empty placeholders between uses, and the masters are the layer's copies);
+//   - `call` (BlockCall): any tensors in and out, reading the streamed weights from `weights`.
+//     The layer does not touch the module's parameters: the streamed ones `parameters` lists
+//     are the masters themselves (fp32, contiguous, on the CPU; refused otherwise), so the
+//     module's parameters, state and optimizer see the real weights. A host that changes them
+//     outside a step (loading a state dict, an edit) needs no refresh_images(): each pass
+//     rebuilds the images of the masters that changed.
+// The callables keep the module alive.
 struct Block {
   std::string name;  // for messages and the plugin; empty: "block<i>"
   std::function<NamedParameters()> parameters;
@@ -78,6 +93,7 @@ struct Block {
   // one. A LoRA host names the adapters, so that the norms beside them do not dilute the
   // signal.
   std::vector<std::string> moments_from = {};
+  BlockCall call = {};  // set: the block computes through it (and `forward` may be empty)
 };
 
 // A block from a torch::nn module holder whose forward takes and returns one tensor.
@@ -224,6 +240,18 @@ class StreamedModel {
 
   // Runs the blocks in order on x (see the step rules above).
   torch::Tensor forward(const torch::Tensor& x);
+  // Runs block `block` alone on `inputs`, for a host whose own loop calls the blocks (a Hugging
+  // Face model's `for layer in self.layers`): forward(x) is this for every block in turn. A pass,
+  // training (grad mode, inside a step) or evaluation, calls every block once, in order from
+  // block 0; block 0 opens the pass (dropping one the host left unfinished), and a block out of
+  // that order is refused (std::logic_error naming it). The outputs that are floating point
+  // are differentiable; the backward's recompute calls `call` (the block's own when empty) on
+  // the same inputs, kept by autograd, under the forward's random streams and autocast.
+  std::vector<torch::Tensor> forward_block(std::uint32_t block, const std::vector<torch::Tensor>& inputs,
+                                           BlockCall call = {});
+  // The step the next begin_step() may take at the earliest: after the last one begun in this
+  // run or in the state restored, else 0.
+  std::int64_t next_step() const;
 
   void begin_step(std::int64_t step);
   // Block gradient moments (of the streamed masters' gradients, or of the block's trainable

@@ -1,0 +1,428 @@
+"""`selective_precision.stream()`: the blocks of a PyTorch or Hugging Face model streamed where
+they are, called by the model's own loop, with their fp32 host masters as their parameters.
+
+What it does to each block (as FSDP2's `fully_shard` does): the module stays the same object,
+its class becomes a subclass of its own (`Streamed<Class>`) whose forward runs the block on the
+weights the layer delivers, and each streamed parameter is replaced by its fp32 master on the
+host (the same Parameter when it already was one). So the parent's `parameters()`,
+`named_parameters()` and `state_dict()` keys do not change, and a stock optimizer, clipping,
+schedulers and `torch.amp` see the real weights.
+
+The step is found, not called: a grad-mode call of block 0 opens it; the optimizer's step hooks
+give the policy the gradient moments before the update and rebuild the transfer images after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import io
+import logging
+import os
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+import torch.utils._pytree as pytree
+
+_log = logging.getLogger("selective_precision")
+
+# Non-tensor arguments the backward's recompute can be given again as they were: values, not
+# objects that the forward may change (a key-value cache).
+_REPLAYABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+               torch.memory_format, enum.Enum, slice, type(Ellipsis))
+
+_NOT_PICKLABLE = (
+    "selective_precision: a model whose blocks are streamed cannot be pickled whole (torch.save(model), "
+    "copy.deepcopy): its blocks run through the streaming layer, which a pickle cannot carry. Save "
+    "model.state_dict() (or save_pretrained) instead: it holds the fp32 masters under the usual keys"
+)
+
+
+class _Layer:
+    """The streaming layer behind one stream() call: the extension's model and the step state
+    found from the optimizer's hooks. Held by every streamed block and by the StreamedLayers."""
+
+    def __init__(self, model, blocks, streamed_names, process_group):
+        self.model = model
+        self.blocks = [weakref.ref(b) for b in blocks]
+        self.streamed_names = list(streamed_names)
+        self.in_step = False
+        self.stepping = False  # post_backward ran, the optimizer's step has not ended
+        self.loss = None
+        self.last_report = None
+        self.last_moments = None
+        self.process_group = process_group
+        self.masters = [getattr_path(b, n) for b in blocks for n in streamed_names]
+        self.master_names = ["%d.%s" % (i, n) for i in range(len(blocks)) for n in streamed_names]
+        self.resident_ids = {id(p) for p in model.resident_parameters()}
+
+    def begin_if_needed(self):
+        if self.stepping:
+            # An optimizer step that raised between its hooks: its step is dropped.
+            self.abort()
+        if not self.in_step:
+            self.model.take_collective_failure()
+            self.model.begin_step(self.model.next_step())
+            self.in_step = True
+
+    def abort(self):
+        self.model.abort_step()
+        self.in_step = self.stepping = False
+        self.loss = None
+
+    def trainable_masters(self):
+        return [(name, m) for name, m in zip(self.master_names, self.masters) if m.requires_grad]
+
+    def before_optimizer_step(self, optimizer):
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        trainable = self.trainable_masters()
+        missing = [name for name, m in trainable if id(m) not in stepped]
+        if len(missing) == len(trainable):
+            return  # another optimizer (the embeddings', say)
+        if missing:
+            raise ValueError(
+                "selective_precision: this optimizer steps %d of the %d trainable streamed weights; it leaves out "
+                "%s%s, which would train on no step of theirs while the others do. Give it every streamed "
+                "block's parameters (model.parameters() holds them)"
+                % (len(trainable) - len(missing), len(trainable), ", ".join("layers." + n for n in missing[:3]),
+                   " and %d more" % (len(missing) - 3) if len(missing) > 3 else "")
+            )
+        if not self.in_step:
+            return
+        self.last_moments = self.model.post_backward()
+        if self.model.world_size() > 1:
+            own = {id(m) for m in self.masters} | self.resident_ids
+            self.model.average_gradients(
+                [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own and p.grad is not None])
+        self.stepping = True
+
+    def after_optimizer_step(self, optimizer):
+        if not self.stepping:
+            return
+        loss = self.loss
+        self.loss = None
+        loss = float("nan") if loss is None else self.model.average(loss)
+        from . import _report  # the StepReport of the package
+
+        self.stepping = self.in_step = False
+        self.last_report = _report(self.model.end_step(loss))
+
+
+_LAYERS: "weakref.WeakSet[_Layer]" = weakref.WeakSet()
+_HOOKS = []
+
+
+def _install_optimizer_hooks():
+    """Once per process: every optimizer's step passes the layers whose masters it steps."""
+    if _HOOKS:
+        return
+
+    def pre(optimizer, args, kwargs):
+        for layer in list(_LAYERS):
+            layer.before_optimizer_step(optimizer)
+
+    def post(optimizer, args, kwargs):
+        for layer in list(_LAYERS):
+            layer.after_optimizer_step(optimizer)
+
+    _HOOKS.append(register_optimizer_step_pre_hook(pre))
+    _HOOKS.append(register_optimizer_step_post_hook(post))
+
+
+def getattr_path(module, name):
+    owner, leaf = _owner(module, name)
+    return owner._parameters[leaf]
+
+
+def _owner(module, name):
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
+
+
+@contextlib.contextmanager
+def _weights_in(module, weights):
+    """The block's streamed parameters are the delivered weights for the duration of a call."""
+    saved = []
+    try:
+        for name, weight in weights.items():
+            owner, leaf = _owner(module, name)
+            saved.append((owner, leaf, owner._parameters[leaf]))
+            owner._parameters[leaf] = weight
+        yield
+    finally:
+        for owner, leaf, master in reversed(saved):
+            owner._parameters[leaf] = master
+
+
+def _argument_name(path):
+    """`hidden_states`, `position_embeddings[0]` or `args[1]`: a pytree key path into (args, kwargs)."""
+    if path[0].idx == 0:
+        return "args" + pytree.keystr(path[1:])
+    return str(path[1].key) + pytree.keystr(path[2:])
+
+
+class StreamedBlock:
+    """What a streamed block's class derives from, before its own class (stream() makes
+    `Streamed<Class>` of each block's class). Its forward runs the block streamed: on the
+    weights the layer delivers in the precision the policy chose, with a backward that fetches
+    them again and recomputes the forward under the forward's random streams and autocast."""
+
+    _sp_layer: _Layer
+    _sp_index: int
+    _sp_block_class: type
+
+    def forward(self, *args, **kwargs):
+        layer, index = self._sp_layer, self._sp_index
+        if layer.model.closed:
+            raise RuntimeError("selective_precision: %s: the streamed layers were closed" % self._sp_name())
+        with_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
+        leaves = [leaf for _, leaf in with_paths]
+        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        training = torch.is_grad_enabled()
+        if training:
+            for path, leaf in with_paths:
+                if not isinstance(leaf, torch.Tensor) and not isinstance(leaf, _REPLAYABLE):
+                    raise TypeError(
+                        "selective_precision: %s was called with %s=%s, which its recompute in the backward cannot "
+                        "be given again as it was (a cache the forward changes, say). Pass tensors and plain values; "
+                        "a Hugging Face model trains with use_cache=False"
+                        % (self._sp_name(), _argument_name(path), type(leaf).__name__)
+                    )
+        block_forward = self._sp_block_class.forward
+        produced = {}
+
+        def call(inputs, weights):
+            values = list(leaves)
+            for slot, tensor in zip(slots, inputs):
+                values[slot] = tensor
+            call_args, call_kwargs = pytree.tree_unflatten(values, spec)
+            with _weights_in(self, weights):
+                out = block_forward(self, *call_args, **call_kwargs)
+            out_leaves, out_spec = pytree.tree_flatten(out)
+            produced["leaves"], produced["spec"] = out_leaves, out_spec
+            return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
+
+        if training and index == 0:
+            layer.begin_if_needed()
+        outputs = iter(layer.model.forward_block(index, [leaves[i] for i in slots], call))
+        out_leaves = [next(outputs) if isinstance(leaf, torch.Tensor) else leaf for leaf in produced["leaves"]]
+        return pytree.tree_unflatten(out_leaves, produced["spec"])
+
+    def _sp_name(self):
+        return "streamed block %d (%s)" % (self._sp_index, self._sp_block_class.__name__)
+
+    def _apply(self, fn, recurse=True):
+        # A .to() / .cuda() / .half() would move or cast the masters under the layer.
+        for name in self._sp_layer.streamed_names:
+            master = getattr_path(self, name)
+            if fn(master) is not master:
+                raise RuntimeError(
+                    "selective_precision: %s: a conversion (.to(), .cuda(), .half(), ...) would move or cast its "
+                    "streamed parameter '%s', which is the fp32 host master the layer streams from. Move and cast "
+                    "the model before stream(): stream(device=..., compute_dtype=...) say where and in what the "
+                    "blocks compute" % (self._sp_name(), name)
+                )
+        return super()._apply(fn, recurse)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_PICKLABLE)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _streamed_class(cls):
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type("Streamed" + cls.__name__, (StreamedBlock, cls), {"_sp_block_class": cls})
+    return _CLASSES[cls]
+
+
+class StreamedLayers(torch.nn.ModuleList):
+    """What stream() returns: a ModuleList of the same blocks, each now streamed. Index, slice
+    and iterate it as the original; the model's own loop calls its elements.
+
+    The policy's state (its decisions, windows and counters) rides in `state_dict()` as this
+    module's extra state, so a checkpoint of the model resumes the same decisions."""
+
+    def __init__(self, modules=None, layer=None):
+        super().__init__(modules)
+        self._sp = layer  # None for a slice of it, whose blocks keep their own layer
+
+    def _layer(self) -> _Layer:
+        if self._sp is None:
+            raise RuntimeError("selective_precision: this is a slice of the streamed layers; ask the whole list")
+        return self._sp
+
+    def report_loss(self, loss) -> None:
+        """The step's training loss (a tensor or a float), for the policy's loss guard; optional
+        (without it the policy sees the loss as unknown). Call it before optimizer.step()."""
+        self._layer().loss = loss.item() if isinstance(loss, torch.Tensor) else float(loss)
+
+    @property
+    def last_report(self):
+        """The StepReport of the last step that ended (at optimizer.step()), or None."""
+        return self._layer().last_report
+
+    @property
+    def last_moments(self):
+        """Each block's gradient moments of the last step, as the policy got them."""
+        return self._layer().last_moments
+
+    def routes(self) -> list[str]:
+        """Each block's format for its next fetch: "bf16", "int8" or "nf4"."""
+        return self._layer().model.routes()
+
+    def image_bytes(self, block: int, precision: str) -> int:
+        """The bytes block `block` moves per fetch in `precision` ("bf16", "int8" or "nf4")."""
+        return self._layer().model.image_bytes(int(block), precision)
+
+    def plugin_version(self) -> str:
+        """The loaded policy plugin's version."""
+        return self._layer().model.plugin_version()
+
+    def poll_plugin(self, force: bool = False):
+        """Hot-swaps the policy plugin if its file changed (or `force`), at the next step's start:
+        a PluginSwap, or None when nothing happened."""
+        from . import _swap
+
+        return _swap(self._layer().model.poll_plugin(bool(force)))
+
+    def close(self) -> None:
+        """Releases the engines and the plugin; a streamed block called after it raises."""
+        self._layer().model.close()
+        _LAYERS.discard(self._layer())
+
+    def get_extra_state(self):
+        """The policy's state, hints and counters (not the masters: they are the parameters), as
+        one uint8 tensor, so that safetensors and save_pretrained can store it."""
+        layer = self._layer()
+        state = {k: v for k, v in layer.model.export_state().items() if not k.startswith("master/")}
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        layer = self._layer()
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+            raise ValueError("selective_precision: the streamed layers' _extra_state: a uint8 tensor expected, got %r"
+                             % type(state).__name__)
+        entries = torch.load(io.BytesIO(state.numpy().tobytes()), weights_only=True)
+        for b, block in enumerate(layer.blocks):
+            for name in layer.streamed_names:
+                entries["master/block%d.%s" % (b, name)] = getattr_path(block(), name).detach()
+        layer.model.restore_state(entries)
+        layer.in_step = layer.stepping = False
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_PICKLABLE)
+
+
+def _tolerate_missing_extra_state(module, incompatible_keys):
+    """A state dict of the unwrapped model has no policy state: the policy goes on with its own."""
+    missing = [k for k in incompatible_keys.missing_keys if k.endswith("_extra_state")]
+    for key in missing:
+        incompatible_keys.missing_keys.remove(key)
+        _log.info("selective_precision: %s not in the state dict loaded; the policy keeps its state", key)
+
+
+def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options) -> StreamedLayers:
+    """Streams the blocks of a model: returns a ModuleList of the same blocks, each run through
+    the layer, to be assigned back, `model.model.layers = sp.stream(model.model.layers, config=...)`.
+
+    The model's own loop then calls the blocks as before, with any arguments: tensors, None,
+    numbers, tuples of tensors such as (cos, sin); a block returns a tensor, or a tuple or list
+    whose tensors are all differentiable. Every grad-mode pass calls each block once, in order
+    (the streaming engine fetches them ahead); under torch.no_grad() a pass is an evaluation.
+
+    Each streamed parameter (default: every 2-D floating-point `*weight` of block 0's names) is
+    now its fp32 master on the host, the module's own Parameter under its own name; the rest
+    stay where they are. The plain loop is the whole protocol: `loss.backward()`, optionally
+    `clip_grad_norm_`, `optimizer.step()`, `scheduler.step()`, `optimizer.zero_grad()`; the
+    first grad-mode call of block 0 opens a step, and the optimizer step that updates the
+    streamed weights gives the policy their gradient moments before it and rebuilds the images
+    after it. `layers.report_loss(loss)` before it feeds the policy's loss guard.
+
+    config: the policy's settings (a YAML path, YAML text or a mapping; None: defaults).
+    options: those of StreamedBlocks (device, compute_dtype, plugin, plugin_dir, output_dir,
+        moments_from, prefetch_window, spare_slabs, int8_group_size, nf4_group_size,
+        metrics_path, process_group, shard_masters, host_bandwidth_cap_gbps).
+    """
+    from . import _PLUGIN_NAME, _policy_config, _StreamedModel, _streamed_names, default_plugin_dir
+
+    modules = list(blocks)
+    if not modules:
+        raise ValueError("stream(): the module list is empty")
+    for i, module in enumerate(modules):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError("stream(): blocks[%d] is a %s, not a torch.nn.Module" % (i, type(module).__name__))
+        if isinstance(module, StreamedBlock):
+            raise ValueError("stream(): blocks[%d] is streamed already" % i)
+    if options.get("recalibrate_every"):
+        raise ValueError("stream(): recalibrate_every needs blocks of one tensor in and out; use StreamedBlocks")
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise TypeError("stream(): unknown option(s) %s; known: %s" % (sorted(unknown), sorted(_OPTIONS)))
+    names = list(streamed) if streamed is not None else _streamed_names(modules[0])
+    config_yaml, config_source = _policy_config(config)
+    plugin_file = os.path.join(options.get("plugin_dir") or default_plugin_dir(),
+                               "lib%s.so" % options.get("plugin", _PLUGIN_NAME))
+    for module in modules:
+        _masters_in_place(module, names)
+    calls = [_default_call(m) for m in modules]
+    model = _StreamedModel(
+        modules, names, list(options.get("moments_from", ())), plugin_file, config_yaml, config_source,
+        str(options.get("output_dir", ".")), str(options.get("device", "cpu")),
+        options.get("compute_dtype", torch.float32), float(options.get("host_bandwidth_cap_gbps", 0.0)),
+        int(options.get("prefetch_window", 1)), int(options.get("spare_slabs", 2)),
+        int(options.get("int8_group_size", 0)), int(options.get("nf4_group_size", 64)),
+        str(options.get("metrics_path", "")), 0, options.get("process_group"),
+        bool(options.get("shard_masters", False)), calls,
+    )
+    layer = _Layer(model, modules, names, options.get("process_group"))
+    for index, module in enumerate(modules):
+        module.__class__ = _streamed_class(type(module))
+        module._sp_layer = layer
+        module._sp_index = index
+    _LAYERS.add(layer)
+    _install_optimizer_hooks()
+    out = StreamedLayers(modules, layer)
+    out.register_load_state_dict_post_hook(_tolerate_missing_extra_state)
+    return out
+
+
+_OPTIONS = {"device", "compute_dtype", "plugin", "plugin_dir", "output_dir", "moments_from", "prefetch_window",
+            "spare_slabs", "int8_group_size", "nf4_group_size", "metrics_path", "process_group", "shard_masters",
+            "host_bandwidth_cap_gbps", "recalibrate_every"}
+
+
+def _masters_in_place(module, names):
+    """Each streamed parameter becomes its fp32 master on the host, the module's own Parameter:
+    kept when it is one already (an optimizer made before stream() still holds it)."""
+    for name in names:
+        owner, leaf = _owner(module, name)
+        param = owner._parameters.get(leaf)
+        if param is None:
+            known = ", ".join(n for n, _ in module.named_parameters())
+            raise ValueError("stream(): %s has no parameter '%s' (it has: %s)" % (type(module).__name__, name, known))
+        if param.device.type == "cpu" and param.dtype == torch.float32 and param.is_contiguous():
+            continue
+        with torch.no_grad():
+            master = param.detach().to("cpu", torch.float32, copy=True).contiguous()
+        owner._parameters[leaf] = torch.nn.Parameter(master, requires_grad=param.requires_grad)
+
+
+def _default_call(module):
+    """A block's call with positional tensors alone (the layer's own passes)."""
+    cls = type(module)
+
+    def call(inputs, weights):
+        with _weights_in(module, weights):
+            out = cls.forward(module, *inputs)
+        return [out] if isinstance(out, torch.Tensor) else [o for o in pytree.tree_leaves(out)
+                                                            if isinstance(o, torch.Tensor)]
+
+    return call
+
+
+__all__ = ["stream", "StreamedLayers", "StreamedBlock"]
