@@ -303,6 +303,8 @@ class StreamedLayers(torch.nn.ModuleList):
         return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
     def set_extra_state(self, state):
+        """Restores what get_extra_state() returned (load_state_dict calls it): the policy resumes
+        with the same decisions. A bad entry raises StateEntryError naming it."""
         layer = self._layer()
         if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
             raise ValueError("selective_precision: the streamed layers' _extra_state: a uint8 tensor expected, got %r"

