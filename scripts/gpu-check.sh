@@ -57,6 +57,11 @@ case ${1:-} in
     step configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
       -DCMAKE_PREFIX_PATH="${prefix_path//:/;}" \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DSP_ENABLE_CUDA=ON -DSP_WARNINGS_AS_ERRORS=OFF -DSP_PYTHON="$(command -v python3)" || exit 1
+    # The Python packages the Hugging Face tests import, from wheels carried in .deps/wheels
+    # (docs: ../shared/gpu/README.md), into the user site of the machine's python3.
+    if [[ -d .deps/wheels ]]; then
+      step wheels python3 -m pip install --user --no-index --find-links .deps/wheels transformers
+    fi
     # configure.log says which torch was found and whether the NCCL group is built.
     step build cmake --build "$build" -j "$jobs" || exit 1
     # The suite with GPU tests required: a skip for want of a device fails.

@@ -4,6 +4,7 @@ the streamed model against the same model in plain PyTorch on the same BF16-roun
 
 import copy
 import io
+import os
 import pickle
 
 import pytest
@@ -42,7 +43,7 @@ class Model(torch.nn.Module):
 
     def forward(self, x, mask=None):
         h, aux = self.embed(x), 0.0
-        pe = (torch.full((DIM,), 0.9), torch.full((DIM,), 0.01))
+        pe = (torch.full((DIM,), 0.9, device=x.device), torch.full((DIM,), 0.01, device=x.device))
         for layer in self.layers:
             h, a = layer(h, mask=mask, position_embeddings=pe, scale=0.5)
             aux = aux + a
@@ -85,6 +86,35 @@ def test_keys_parameters_and_gradients_are_plain_pytorchs_with_dropout_and_any_a
     assert got.keys() == expected.keys()  # every streamed weight and the aux loss's path get one
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def cuda_or_skip():
+    if not torch.cuda.is_available():
+        if os.environ.get("SP_REQUIRE_GPU") == "1":
+            pytest.fail("SP_REQUIRE_GPU=1, but torch sees no CUDA device")
+        pytest.skip("no CUDA device")
+
+
+def test_on_cuda_the_blocks_compute_there_from_host_masters_and_train_as_plain_pytorch():
+    cuda_or_skip()
+    torch.manual_seed(0)
+    plain = bf16_rounded(Model(p=0.3)).cuda()
+    streamed = copy.deepcopy(plain)
+    streamed.layers = sp.stream(streamed.layers, config=ALL_BF16, device="cuda")
+    assert streamed.layers[0].fc.weight.device.type == "cpu" and streamed.layers[0].fc.bias.device.type == "cuda"
+    x = torch.randn(4, 8, device="cuda")
+    for model in (plain, streamed):
+        torch.manual_seed(9)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x)
+        loss.backward()
+    for name, p in plain.named_parameters():
+        got = streamed.get_parameter(name).grad
+        torch.testing.assert_close(got.to(p.grad.device), p.grad, rtol=1e-3, atol=1e-5, msg=name)
+    optimizer = torch.optim.AdamW(streamed.parameters(), lr=1e-3)
+    optimizer.step()
+    optimizer.zero_grad()
+    assert streamed.layers.last_report.h2d_bytes > 0
 
 
 def test_the_plain_loop_trains_the_streamed_weights_and_ends_each_step():
