@@ -1595,6 +1595,7 @@ struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFun
 
 std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
                                                               BlockCall call) {
+  if (b != 0) require_in_order(b, pass == Pass::forwarded ? next_forward : 0, "a training pass");
   require_step("forward");
   if (after_backward) {
     throw std::logic_error("StreamedModel::forward: post_backward() already ran in this step; call end_step()");
@@ -1613,8 +1614,6 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
     ++pass_id;
     pass_end_block.reset();
     next_forward = 0;
-  } else {
-    require_in_order(b, pass == Pass::forwarded ? next_forward : 0, "a training pass");
   }
   BlockState& block = blocks[b];
   block.pass_call = std::move(call);
