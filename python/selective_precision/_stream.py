@@ -173,6 +173,9 @@ class StreamedBlock:
     _sp_block_class: type
 
     def forward(self, *args, **kwargs):
+        """The block's own forward on its streamed weights, with the same arguments and result.
+        Under grad mode a non-tensor argument that cannot be given again as it was (a cache)
+        is refused with a TypeError naming it."""
         layer, index = self._sp_layer, self._sp_index
         if layer.model.closed:
             raise RuntimeError("selective_precision: %s: the streamed layers were closed" % self._sp_name())

@@ -47,10 +47,17 @@ cmake --build "$work/llama" >>"$work/llama.log" || { cat "$work/llama.log"; exit
 # std::filesystem calls bind to it and not to the copy torch's library exports
 # (cmake/SpTorch.cmake): a shared libstdc++ comes before libtorch in the dynamic section; a
 # static one leaves no filesystem symbol for torch to serve.
-needed=$(readelf -d "$work/llama/llama_streamed" | awk '/NEEDED/ {print $NF}')
+if ! command -v readelf >/dev/null || ! command -v nm >/dev/null; then
+  echo "readelf or nm not found (binutils): the link-order check of llama_streamed is not made here"
+  needed=""
+else
+  needed=$(readelf -d "$work/llama/llama_streamed" | awk '/NEEDED/ {print $NF}')
+fi
 stdcxx_at=$(echo "$needed" | grep -n 'libstdc++' | head -n 1 | cut -d: -f1)
 torch_at=$(echo "$needed" | grep -n 'libtorch' | head -n 1 | cut -d: -f1)
-if [ -n "$stdcxx_at" ]; then
+if [ -z "$needed" ]; then
+  :
+elif [ -n "$stdcxx_at" ]; then
   [ "$stdcxx_at" -lt "$torch_at" ] || { echo "llama_streamed needs libtorch before libstdc++:" $needed; exit 1; }
 elif nm -D --undefined-only "$work/llama/llama_streamed" | grep -q filesystem; then
   echo "llama_streamed links libstdc++ statically but imports std::filesystem, which torch would serve"
