@@ -53,8 +53,9 @@ if ! command -v readelf >/dev/null || ! command -v nm >/dev/null; then
 else
   needed=$(readelf -d "$work/llama/llama_streamed" | awk '/NEEDED/ {print $NF}')
 fi
-stdcxx_at=$(echo "$needed" | grep -n 'libstdc++' | head -n 1 | cut -d: -f1)
-torch_at=$(echo "$needed" | grep -n 'libtorch' | head -n 1 | cut -d: -f1)
+# (grep finds nothing where libstdc++ is linked statically: not a failure.)
+stdcxx_at=$(echo "$needed" | { grep -n 'libstdc++' || true; } | head -n 1 | cut -d: -f1)
+torch_at=$(echo "$needed" | { grep -n 'libtorch' || true; } | head -n 1 | cut -d: -f1)
 if [ -z "$needed" ]; then
   :
 elif [ -n "$stdcxx_at" ]; then
