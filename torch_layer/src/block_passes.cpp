@@ -1,0 +1,418 @@
+// The passes: evaluation and training forwards a block at a time, the autograd node of a block,
+// and its backward (the recompute, differentiated).
+#include "streamed_model_impl.h"
+
+namespace sp::torch_layer {
+
+
+// The autograd node of one streamed block: its forward fetches the block and runs it without
+// a graph; its backward fetches it again, recomputes and differentiates (see backward_block).
+namespace {
+
+// The models alive, by id: a graph that outlives its model (closed, or replaced while a loss
+// was kept) finds it gone, instead of reading freed memory, and a backward keeps its model
+// alive until it returns.
+std::mutex g_models_mutex;
+std::unordered_map<std::int64_t, std::weak_ptr<StreamedModel::Impl>> g_models;
+std::int64_t g_next_model_id = 1;
+
+std::shared_ptr<StreamedModel::Impl> live_model(std::int64_t id) {
+  std::lock_guard<std::mutex> lock(g_models_mutex);
+  const auto it = g_models.find(id);
+  return it == g_models.end() ? nullptr : it->second.lock();
+}
+
+}  // namespace
+
+void register_model(const std::shared_ptr<StreamedModel::Impl>& impl) {
+  std::lock_guard<std::mutex> lock(g_models_mutex);
+  impl->id = g_next_model_id++;
+  g_models.emplace(impl->id, impl);
+}
+
+void forget_model(std::int64_t id) {
+  std::lock_guard<std::mutex> lock(g_models_mutex);
+  g_models.erase(id);
+}
+
+
+struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFunction> {
+  // `anchors`: what the node takes besides the block's inputs (BlockState::autograd_inputs), so
+  // that autograd routes their gradients.
+  static variable_list forward(AutogradContext* ctx, StreamedModel::Impl* impl, std::int64_t block,
+                               std::int64_t pass, at::TensorList inputs, at::TensorList anchors) {
+    ctx->saved_data["block"] = block;
+    ctx->saved_data["pass"] = pass;
+    ctx->saved_data["model"] = impl->id;
+    ctx->saved_data["anchors"] = static_cast<std::int64_t>(anchors.size());
+    ctx->save_for_backward(inputs.vec());
+    variable_list outputs = impl->forward_block(static_cast<std::uint32_t>(block), inputs.vec());
+    variable_list integral;
+    for (const torch::Tensor& y : outputs) {
+      if (y.defined() && !y.is_floating_point() && !y.is_complex()) integral.push_back(y);
+    }
+    ctx->mark_non_differentiable(integral);
+    return outputs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const std::shared_ptr<StreamedModel::Impl> impl = live_model(ctx->saved_data["model"].toInt());
+    const auto block = static_cast<std::uint32_t>(ctx->saved_data["block"].toInt());
+    if (!impl) {
+      throw std::logic_error(
+          fmt::format("StreamedModel: backward through block {} of a model that was destroyed or closed", block));
+    }
+    const auto pass = static_cast<std::uint64_t>(ctx->saved_data["pass"].toInt());
+    const variable_list inputs = ctx->get_saved_variables();
+    variable_list grads = impl->backward_block(block, pass, inputs, grad_outputs);
+    // One gradient per forward argument: impl, block, pass, then each input, then each anchor
+    // (the master anchor, last when there is one, gets none: its gradient went to the master).
+    variable_list out(3);
+    out.insert(out.end(), grads.begin(), grads.end());
+    out.resize(3 + inputs.size() + static_cast<std::size_t>(ctx->saved_data["anchors"].toInt()));
+    return out;
+  }
+};
+
+
+std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
+                                                              BlockCall call) {
+  if (b != 0) require_in_order(b, pass == Pass::forwarded ? next_forward : 0, "a training pass");
+  require_step("forward");
+  if (after_backward()) {
+    throw std::logic_error("StreamedModel::forward: post_backward() already ran in this step; call end_step()");
+  }
+  if (b == 0) {
+    close_abandoned_pass("forward");
+    if (armed && std::find(armed->begun.begin(), armed->begun.end(), true) != armed->begun.end()) {
+      throw std::logic_error(
+          "StreamedModel::forward: update_masters_during_backward() updated the masters in this step's last backward; "
+          "call post_backward() (a pass after it would add gradients that no update sees)");
+    }
+    wait_for_updates();  // the pass fetches the blocks they update
+    if (options.recalibrate_every != 0) last_input = inputs.at(0).detach();
+    engine->begin_step(engine_steps++);
+    pass = Pass::forwarded;
+    ++pass_id;
+    pass_end_block.reset();
+    next_forward = 0;
+  }
+  BlockState& block = blocks[b];
+  block.pass_call = std::move(call);
+  // The backward reaches down to the lowest block whose node exists: whose inputs need a
+  // gradient, or which trains something itself.
+  const bool node = !block.autograd_inputs.empty() ||
+                    std::any_of(inputs.begin(), inputs.end(), [](const torch::Tensor& x) { return x.defined() && x.requires_grad(); });
+  std::vector<torch::Tensor> out;
+  try {
+    out = StreamedBlockFunction::apply(this, static_cast<std::int64_t>(b), static_cast<std::int64_t>(pass_id),
+                                       at::TensorList(inputs), at::TensorList(block.autograd_inputs));
+  } catch (...) {
+    engine->end_step();
+    pass = Pass::none;
+    throw;
+  }
+  if (node && !pass_end_block) pass_end_block = b;
+  next_forward = b + 1;
+  return out;
+}
+
+void StreamedModel::Impl::add_transfer(const ad::StepTransferMetrics& m) {
+  ad::StepTransferMetrics& t = step_transfer;
+  t.h2d_bytes_bf16 += m.h2d_bytes_bf16;
+  t.h2d_bytes_int8 += m.h2d_bytes_int8;
+  t.h2d_bytes_nf4 += m.h2d_bytes_nf4;
+  t.h2d_bytes_all_bf16 += m.h2d_bytes_all_bf16;
+  t.fetches_bf16 += m.fetches_bf16;
+  t.fetches_int8 += m.fetches_int8;
+  t.fetches_nf4 += m.fetches_nf4;
+  t.fetches_bf16_by_transfer_policy += m.fetches_bf16_by_transfer_policy;
+  t.fetches_int8_by_transfer_policy += m.fetches_int8_by_transfer_policy;
+  t.fetches_pinned += m.fetches_pinned;
+  t.prefetch_hits += m.prefetch_hits;
+  t.prefetch_misses += m.prefetch_misses;
+  t.prefetch_unused += m.prefetch_unused;
+  t.stalls += m.stalls;
+  t.stall_seconds += m.stall_seconds;
+  t.image_rebuilds += m.image_rebuilds;
+  ++report.training_passes;
+}
+
+void StreamedModel::Impl::close_abandoned_pass(const char* why) {
+  if (pass == Pass::none) return;
+  if (pass == Pass::in_backward) {
+    throw std::logic_error(fmt::format(
+        "StreamedModel::{}: the backward of the current training pass stopped before block 0; a pass's backward "
+        "must run through every block",
+        why));
+  }
+  log->debug("StreamedModel: a training pass ended without a backward ({})", why);
+  add_transfer(engine->end_step());
+  pass = Pass::none;
+}
+
+void StreamedModel::Impl::begin_eval_pass(const ad::RuntimeLimitHints& limits) {
+  if (eval_open) end_eval_pass();  // one the host left before its last block
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+    if (!eval_image_stale[b]) continue;
+    refresh_eval_image(b);
+    eval_image_stale[b] = false;
+  }
+  eval_engine->begin_step(eval_engine_steps++, limits);
+  eval_open = true;
+  eval_next = 0;
+}
+
+std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
+                                        const BlockCall& call) {
+  if (b == 0) {
+    wait_for_updates();  // the evaluation engine reads the masters
+    require_current_images("forward");
+    begin_eval_pass({});
+  } else {
+    require_in_order(b, eval_open ? eval_next : 0, "an evaluation pass (no grad)");
+  }
+  std::vector<torch::Tensor> out =
+      eval_block(b, [&](const NamedParameters& weights) { return call(inputs, weights); });
+  if (eval_next == blocks.size()) {
+    const ad::StepTransferMetrics m = end_eval_pass();
+    const std::uint64_t bytes = m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
+    evaluation_bytes += bytes;
+    report.eval_h2d_bytes += bytes;
+  }
+  return out;
+}
+
+void StreamedModel::Impl::require_in_order(std::uint32_t b, std::uint32_t expected, const char* pass_kind) const {
+  if (b == expected) return;
+  throw std::logic_error(fmt::format(
+      "StreamedModel: {} was called where {} came next: {} calls every streamed block once, in order from "
+      "block 0 (the streaming engine fetches them ahead in that order)",
+      blocks[b].block.name, expected < blocks.size() ? blocks[expected].block.name : std::string("block 0"),
+      pass_kind));
+}
+
+std::vector<torch::Tensor> StreamedModel::Impl::forward_block(std::uint32_t b, const std::vector<torch::Tensor>& inputs) {
+  const ad::BlockView& view = engine->acquire(b);
+  attach(blocks[b], view, false);
+  blocks[b].forward_state = ForwardState::capture(options.device);
+  std::vector<torch::Tensor> out;
+  try {
+    out = blocks[b].pass_call(inputs, blocks[b].weights);
+  } catch (...) {
+    detach(blocks[b]);
+    engine->release(b);
+    throw;
+  }
+  detach(blocks[b]);
+  engine->release(b);
+  return out;
+}
+
+variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t id, const variable_list& xs,
+                             const variable_list& grad_outs) {
+  if (id != pass_id || pass == Pass::none) {
+    throw std::logic_error(fmt::format(
+        "StreamedModel: backward through {} of a training pass that has ended (a later grad-mode forward, or "
+        "post_backward(), closed it); run each pass's backward before the next grad-mode forward",
+        blocks[b].block.name));
+  }
+  if (next_forward != blocks.size()) {
+    const std::string stopped = blocks[next_forward].block.name;
+    abandon_pass();
+    throw std::logic_error(fmt::format(
+        "StreamedModel: the backward reached {} of a training pass whose forward stopped before {}: a training "
+        "pass calls every streamed block, in order, before its backward",
+        blocks[b].block.name, stopped));
+  }
+  pass = Pass::in_backward;
+  BlockState& block = blocks[b];
+  const ad::BlockView& view = engine->acquire(b);
+  attach(block, view, true);
+  variable_list grads;
+  std::vector<torch::Tensor> wrt;
+  UnlistedInputs unlisted;
+  std::vector<std::size_t> input_slots;  // of the inputs that need a gradient, in `wrt`'s order
+  try {
+    torch::AutoGradMode enable(true);
+    std::vector<torch::Tensor> inputs;
+    for (std::size_t i = 0; i < xs.size(); ++i) {
+      const bool needs = xs[i].defined() && xs[i].requires_grad();
+      inputs.push_back(xs[i].defined() ? xs[i].detach().requires_grad_(needs) : xs[i]);
+      if (needs) {
+        input_slots.push_back(i);
+        wrt.push_back(inputs.back());
+      }
+    }
+    std::vector<torch::Tensor> outputs;
+    const RecomputeMark recompute = RecomputeMark::now();
+    {
+      const ReplayedForward replayed(*block.forward_state);
+      outputs = block.pass_call(inputs, block.weights);
+    }
+    if (outputs.size() != grad_outs.size()) {
+      throw std::logic_error(fmt::format("StreamedModel: {}'s recompute returned {} tensors where its forward returned {}",
+                                         block.block.name, outputs.size(), grad_outs.size()));
+    }
+    // The outputs the loss reaches, with their gradients.
+    std::vector<torch::Tensor> ys, gys;
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      if (!outputs[i].defined() || !outputs[i].requires_grad() || !grad_outs[i].defined()) continue;
+      ys.push_back(outputs[i]);
+      gys.push_back(grad_outs[i]);
+    }
+    for (const StreamedParam& p : block.streamed) {
+      if (p.param.requires_grad()) wrt.push_back(p.param);
+    }
+    for (const torch::Tensor& r : block.trainable_resident) wrt.push_back(r);
+    unlisted = unlisted_inputs(ys, wrt, recompute);
+    if (!unlisted.foreign_node.empty()) {
+      throw std::logic_error(fmt::format(
+          "StreamedModel: {} reads a tensor computed outside it that requires a gradient (through {}): its "
+          "gradient would have to run back through the graph that computed it, which the block's backward does "
+          "not own. Compute it inside the block, pass it detached, or make it a parameter of the block",
+          block.block.name, unlisted.foreign_node));
+    }
+    if (!unlisted.leaves.empty() && collectives) {
+      const torch::Tensor& t = unlisted.leaves.front().tensor;
+      throw std::logic_error(fmt::format(
+          "StreamedModel: {} reads a tensor that requires a gradient and is none of its parameters ({} of shape "
+          "[{}]): with data parallelism its gradient would not be averaged across the ranks. Register it as a "
+          "parameter of the block",
+          block.block.name, c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", ")));
+    }
+    for (const UnlistedLeaf& leaf : unlisted.leaves) wrt.push_back(leaf.tensor);
+    if (!wrt.empty() && !ys.empty()) {
+      grads = torch::autograd::grad(ys, wrt, gys, /*retain_graph=*/false, /*create_graph=*/false,
+                                    /*allow_unused=*/true);
+    } else {
+      grads.resize(wrt.size());
+    }
+  } catch (...) {
+    detach(block);
+    engine->release(b);
+    abandon_pass();
+    throw;
+  }
+  detach(block);
+  engine->release(b);
+
+  std::size_t next = input_slots.size();
+  ReducingBucket bucket;
+  std::vector<torch::Tensor> flat;
+  std::vector<StreamedParam*> staged_here;
+  for (StreamedParam& p : block.streamed) {
+    if (!p.master.requires_grad()) continue;
+    torch::Tensor g = grads[next++];
+    // Every rank's bucket holds every trainable parameter, whether or not it got a gradient here.
+    if (!g.defined() && collectives) g = torch::zeros(p.shape, p.master.options());
+    if (!g.defined()) continue;
+    if (collectives && !p.staging.defined()) {
+      bucket.params.push_back(&p);
+      flat.push_back(g.reshape({-1}).to(gradient_reduction_device(), torch::kFloat32));
+      continue;
+    }
+    stage_master_gradient(p, g.reshape(p.shape));
+    if (p.staged) staged_here.push_back(&p);
+  }
+  // The update during the backward: what must happen, on the worker, before the block's
+  // gradient is final on the host.
+  const bool update_now = armed && block.trainable_masters && owns(b) && !armed->begun[b];
+  std::function<void()> gradient_ready;
+  if (!flat.empty()) {
+    // Started now, so that it runs while the backward goes on through the blocks before.
+    bucket.bucket = torch::cat(flat);
+    const std::string what = fmt::format("gradients of {}", block.block.name);
+    bucket.pending = sharded ? collectives->reduce(bucket.bucket, owner(b), Reduction::sum, what)
+                             : collectives->all_reduce(bucket.bucket, Reduction::sum, what);
+    if (update_now) {
+      auto owned = std::make_shared<ReducingBucket>(std::move(bucket));
+      gradient_ready = [this, owned] {
+        owned->pending->wait();
+        fold_averaged(owned->params, owned->bucket);
+      };
+    } else {
+      reducing.push_back(std::move(bucket));
+    }
+  }
+  if (update_now && !staged_here.empty()) {
+    if (collectives) {
+      // Staged gradients of several ranks are reduced in one bucket at the pass's end.
+      deferred_updates[b] = true;
+    } else {
+      ad::Event& copied = gradient_copied_event(b);
+      backend->record(copied, ad::Queue::compute);
+      for (StreamedParam* p : staged_here) p->staged = false;
+      gradient_ready = [this, &copied, staged_here] {
+        backend->synchronize(copied);
+        for (StreamedParam* p : staged_here) add_to_master_grad(*p, p->staging);
+      };
+    }
+  }
+  variable_list out(xs.size());
+  for (std::size_t i = 0; i < input_slots.size(); ++i) out[input_slots[i]] = grads[i];
+  for (std::size_t i = 0; i < block.trainable_resident.size(); ++i) {
+    torch::Tensor g = grads[next++];
+    if (!g.defined() && collectives) g = torch::zeros_like(block.trainable_resident[i]);
+    out.push_back(g);
+  }
+  // Summed over the pass's blocks, and added to each one's .grad once, at the pass's end.
+  for (const UnlistedLeaf& leaf : unlisted.leaves) {
+    torch::Tensor g = grads[next++];
+    if (!g.defined()) continue;
+    const auto same = [&](const UnlistedLeaf& l) { return l.tensor.is_same(leaf.tensor); };
+    const auto it = std::find_if(pass_unlisted.begin(), pass_unlisted.end(), same);
+    if (it == pass_unlisted.end()) {
+      pass_unlisted.push_back(leaf);
+      pass_unlisted_grads.push_back(std::move(g));
+    } else {
+      torch::Tensor& sum = pass_unlisted_grads[static_cast<std::size_t>(it - pass_unlisted.begin())];
+      sum = sum + g;
+    }
+  }
+  if (collectives) {
+    // Averaged before autograd adds them to the .grad, into tensors of their own (autograd's
+    // may alias the upstream gradient, or be expanded views): every rank's resident
+    // parameters see the same gradient, whatever the host does next.
+    const auto first_resident = out.begin() + static_cast<std::ptrdiff_t>(xs.size());
+    std::vector<torch::Tensor> resident(first_resident, out.end());
+    try {
+      resident = averaged(resident, fmt::format("gradients of {}'s resident parameters", block.block.name));
+    } catch (...) {
+      abandon_pass();
+      throw;
+    }
+    std::copy(resident.begin(), resident.end(), first_resident);
+  }
+  try {
+    if (update_now && !deferred_updates[b]) begin_block_update(b, std::move(gradient_ready));
+  } catch (...) {
+    abandon_pass();
+    throw;
+  }
+  if (pass_end_block && b == *pass_end_block) finish_pass();
+  return out;
+}
+
+
+torch::Tensor StreamedModel::forward(const torch::Tensor& x) {
+  torch::Tensor h = x;
+  for (std::uint32_t b = 0; b < impl_->blocks.size(); ++b) h = forward_block(b, {h}).at(0);
+  return h;
+}
+
+
+std::vector<torch::Tensor> StreamedModel::forward_block(std::uint32_t block, const std::vector<torch::Tensor>& inputs,
+                                                        BlockCall call) {
+  Impl& m = *impl_;
+  if (block >= m.blocks.size()) {
+    throw std::invalid_argument(
+        fmt::format("StreamedModel::forward_block({}): there are {} blocks", block, m.blocks.size()));
+  }
+  if (block == 0) m.check_parameters_unchanged();
+  if (!call) call = m.blocks[block].call;
+  if (!torch::GradMode::is_enabled()) return m.eval_forward(block, inputs, call);
+  return m.train_forward(block, inputs, std::move(call));
+}
+
+}  // namespace sp::torch_layer

@@ -1,0 +1,337 @@
+// Sharding (each block's masters on one rank), the layer's state for checkpoints, and
+// calibration.
+#include "streamed_model_impl.h"
+
+namespace sp::torch_layer {
+
+void StreamedModel::Impl::shard_masters() {
+  shared_route.assign(blocks.size(), ad::Precision::bf16);  // every engine starts on BF16
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+    share_image(*engine, b, ad::Precision::bf16);
+    if (owns(b)) continue;
+    engine->forget_masters(b);
+    eval_engine->forget_masters(b);
+    eval_image_stale[b] = true;
+    BlockState& block = blocks[b];
+    for (StreamedParam& p : block.streamed) {
+      if (block.params_are_masters) {
+        // The module's parameter is the master: emptied in place, so that it stays the module's.
+        torch::NoGradGuard no_grad;
+        p.master.set_data(torch::empty({0}, torch::kFloat32));
+        continue;
+      }
+      torch::Tensor placeholder = torch::empty({0}, torch::kFloat32);
+      placeholder.set_requires_grad(p.master.requires_grad());
+      p.master = placeholder;
+    }
+    block.masters.clear();
+    // The owner computes the block's moments; an anchor keeps the block's backward running.
+    block.moment_sources.clear();
+    set_autograd_inputs(block);
+  }
+}
+
+void StreamedModel::Impl::share_image(ad::StreamingEngine& target, std::uint32_t b, ad::Precision precision) {
+  const int root = owner(b);
+  const std::string what = fmt::format("the {} image of {}", ad::precision_name(precision), blocks[b].block.name);
+  const auto send = [&](std::uint8_t* data, std::uint64_t bytes) {
+    collectives->broadcast(torch::from_blob(data, {static_cast<std::int64_t>(bytes)}, torch::kUInt8), root, what);
+  };
+  if (owns(b)) {
+    const ad::StreamingEngine::ImageBytes image = target.image(b, precision);
+    // A broadcast's root only reads its tensor.
+    send(const_cast<std::uint8_t*>(image.data), image.bytes);
+  } else {
+    target.receive_image(b, precision, send);
+  }
+}
+
+void StreamedModel::Impl::share_images(bool all, bool trained) {
+  if (!sharded) return;
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+    const ad::Precision route = engine->policy_bridge().route(b);
+    if (!all && !(trained && blocks[b].trainable_masters) && shared_route[b] == route) continue;
+    share_image(*engine, b, route);
+    shared_route[b] = route;
+    eval_image_stale[b] = true;
+  }
+}
+
+void StreamedModel::Impl::share_eval_images(ad::Precision precision) {
+  if (!sharded) return;
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+    if (owns(b) && eval_image_stale[b]) eval_engine->on_weights_updated(b);
+    share_image(*eval_engine, b, precision);
+    eval_image_stale[b] = false;
+  }
+}
+
+void StreamedModel::Impl::refresh_eval_image(std::uint32_t b) {
+  if (eval_engine->has_masters(b)) {
+    eval_engine->on_weights_updated(b);
+    return;
+  }
+  const ad::Precision route = eval_engine->policy_bridge().route(b);
+  const ad::StreamingEngine::ImageBytes image = engine->image(b, route);
+  eval_engine->receive_image(b, route,
+                             [&](std::uint8_t* data, std::uint64_t bytes) { std::memcpy(data, image.data, bytes); });
+}
+
+void StreamedModel::Impl::gather_moments(std::vector<sp_grad_moments_v1>& moments) {
+  constexpr std::int64_t kFields = 5;
+  torch::Tensor values = torch::zeros({static_cast<std::int64_t>(moments.size()) * kFields}, torch::kFloat64);
+  double* v = values.data_ptr<double>();
+  for (std::uint32_t b = 0; b < moments.size(); ++b, v += kFields) {
+    if (!owns(b)) continue;
+    const sp_grad_moments_v1& m = moments[b];
+    v[0] = m.sum_sq, v[1] = m.sum, v[2] = m.max_abs;
+    v[3] = static_cast<double>(m.count), v[4] = static_cast<double>(m.nonfinite);
+  }
+  collectives->all_reduce(values, Reduction::sum, "the blocks' gradient moments")->wait();
+  v = values.data_ptr<double>();
+  for (std::uint32_t b = 0; b < moments.size(); ++b, v += kFields) {
+    sp_grad_moments_v1& m = moments[b];
+    m.sum_sq = v[0], m.sum = v[1], m.max_abs = v[2];
+    m.count = static_cast<std::uint64_t>(v[3]), m.nonfinite = static_cast<std::uint64_t>(v[4]);
+  }
+}
+
+void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tensor>& state) {
+  const auto entry = [&](const std::string& key, torch::ScalarType type) -> torch::Tensor {
+    const auto it = state.find(key);
+    if (it == state.end()) throw StateEntryError(key, "missing");
+    if (it->second.scalar_type() != type || !it->second.device().is_cpu()) {
+      throw StateEntryError(key,
+                            fmt::format("{} on {}; expected {} on the CPU", c10::toString(it->second.scalar_type()),
+                                        it->second.device().str(), c10::toString(type)));
+    }
+    return it->second.contiguous();
+  };
+  // Everything is checked before anything changes.
+  std::vector<std::pair<StreamedParam*, torch::Tensor>> masters;
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+    if (!owns(b)) continue;  // sharded: its owner restores it; an entry for it is not read
+    for (StreamedParam& p : blocks[b].streamed) {
+      const std::string key = master_key(blocks[b], p);
+      torch::Tensor saved = entry(key, torch::kFloat32);
+      if (saved.sizes() != p.master.sizes()) {
+        throw StateEntryError(
+            key, fmt::format("shape {}; expected {}", fmt::join(saved.sizes(), "x"), fmt::join(p.master.sizes(), "x")));
+      }
+      masters.emplace_back(&p, std::move(saved));
+    }
+  }
+  const torch::Tensor blob = entry("policy/state", torch::kUInt8);
+  const torch::Tensor hints = entry("policy/hints", torch::kUInt8);
+  const torch::Tensor passes = entry("layer/passes", torch::kInt64);
+  // Absent from states written before steps were checked: the count starts afresh.
+  std::optional<std::int64_t> restored_last_step;
+  if (state.count("layer/last_step")) {
+    const torch::Tensor last = entry("layer/last_step", torch::kInt64);
+    if (last.numel() != 1 || last.data_ptr<std::int64_t>()[0] < -1) {
+      throw StateEntryError("layer/last_step", "expected one step number, or -1 for none");
+    }
+    if (last.data_ptr<std::int64_t>()[0] >= 0) restored_last_step = last.data_ptr<std::int64_t>()[0];
+  }
+  const std::size_t hint_bytes = static_cast<std::size_t>(hints.numel());
+  if (hint_bytes % sizeof(sp_hint_v1) != 0 || (hint_bytes != 0 && hint_bytes != blocks.size() * sizeof(sp_hint_v1))) {
+    throw StateEntryError("policy/hints",
+                          fmt::format("holds {} bytes; expected none or {} hints", hint_bytes, blocks.size()));
+  }
+  if (passes.numel() != 2)
+    throw StateEntryError("layer/passes", fmt::format("holds {} values; expected 2", passes.numel()));
+  std::vector<sp_hint_v1> restored(hint_bytes / sizeof(sp_hint_v1));
+  if (hint_bytes) std::memcpy(restored.data(), hints.data_ptr(), hint_bytes);
+  // The bridges check every hint before taking any; the plugin's state comes after them, and
+  // a plugin that rejects it leaves the previous hints in force.
+  const std::vector<sp_hint_v1> previous = applied_hints;
+  // No hints (a state exported before the plugin's first ones): the default routes again.
+  const auto put_hints = [&](const std::vector<sp_hint_v1>& hints) {
+    if (!hints.empty()) return apply_hints(hints);
+    engine->policy_bridge().clear_plugin_hints();
+    eval_engine->policy_bridge().clear_plugin_hints();
+    applied_hints.clear();
+  };
+  try {
+    put_hints(restored);
+  } catch (const std::invalid_argument& e) {
+    throw StateEntryError("policy/hints", e.what());
+  }
+  try {
+    if (blob.numel() == 0) {
+      log->warn("StreamedModel: the state holds no plugin state (it could not be exported); the policy starts over");
+    } else {
+      policy->restore_state(
+          std::vector<std::uint8_t>(blob.data_ptr<std::uint8_t>(), blob.data_ptr<std::uint8_t>() + blob.numel()));
+    }
+  } catch (...) {
+    put_hints(previous);
+    throw;
+  }
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& [p, saved] : masters) p->master.copy_(saved);
+  }
+  engine_steps = passes.data_ptr<std::int64_t>()[0];
+  eval_engine_steps = passes.data_ptr<std::int64_t>()[1];
+  last_step = restored_last_step;
+  note_image_versions();
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+    if (owns(b)) engine->on_weights_updated(b);
+  }
+  eval_image_stale.assign(blocks.size(), true);
+}
+
+CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vector<torch::Tensor>& samples) {
+  if (in_step()) throw std::logic_error("StreamedModel: calibrate between steps, not inside one");
+  if (samples.empty()) throw std::invalid_argument("StreamedModel: calibration without samples");
+  for (const BlockState& b : blocks) {
+    if (b.params_are_masters) {
+      throw std::logic_error(fmt::format(
+          "StreamedModel: calibration feeds each block the output of the one before, one tensor; {} computes "
+          "through Block::call, whose inputs the layer cannot make up",
+          b.block.name));
+    }
+  }
+  torch::NoGradGuard no_grad;
+  const std::size_t n = blocks.size();
+  CalibrationErrors errors{std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
+  const auto on_host = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kFloat32).contiguous(); };
+  // One route at a time over every sample, so that a sharded model shares each route's
+  // images once: the BF16 outputs of every block are kept for the quantized passes.
+  std::vector<std::vector<torch::Tensor>> references;
+  share_eval_images(ad::Precision::bf16);
+  for (const torch::Tensor& sample : samples) {
+    std::vector<torch::Tensor>& reference = references.emplace_back(std::vector<torch::Tensor>{sample});
+    eval_pass(pinned_to(SP_PRECISION_BF16), calibration_bytes,
+              [&](std::uint32_t b, const NamedParameters&) {
+                reference.push_back(blocks[b].block.forward(reference.back()));
+              });
+  }
+  for (auto [precision, sums] :
+       {std::pair{SP_PRECISION_INT8, &errors.int8}, std::pair{SP_PRECISION_NF4, &errors.nf4}}) {
+    share_eval_images(route_of(precision));
+    for (const std::vector<torch::Tensor>& reference : references) {
+      eval_pass(pinned_to(precision), calibration_bytes, [&, sums = sums](std::uint32_t b, const NamedParameters&) {
+        const torch::Tensor quantized = on_host(blocks[b].block.forward(reference[b]));
+        const torch::Tensor expected = on_host(reference[b + 1]);
+        (*sums)[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32, quantized.data_ptr<float>(),
+                                         kn::DType::kFloat32, static_cast<std::size_t>(expected.numel()));
+      });
+    }
+  }
+  // The evaluation images are the pinned route's now: the next evaluation takes the routes in
+  // force again (rebuilt by the owner, copied elsewhere).
+  if (sharded) eval_image_stale.assign(blocks.size(), true);
+  // The last pass's pins would stand until the next evaluation pass; dropped now, so that an
+  // image rebuilt in between is built for the route the block takes next.
+  eval_engine->policy_bridge().begin_step();
+  for (double& e : errors.int8) e /= static_cast<double>(samples.size());
+  for (double& e : errors.nf4) e /= static_cast<double>(samples.size());
+  return errors;
+}
+
+bool StreamedModel::Impl::set_calibration_errors(CalibrationErrors& errors) {
+  if (collectives) {
+    // Measured on every rank from the same weights and samples, but given from rank 0, so
+    // that no rounding difference between machines can split the ranks' decisions.
+    torch::Tensor values =
+        torch::empty({static_cast<std::int64_t>(errors.int8.size() + errors.nf4.size())}, torch::kFloat64);
+    std::copy(errors.int8.begin(), errors.int8.end(), values.data_ptr<double>());
+    std::copy(errors.nf4.begin(), errors.nf4.end(), values.data_ptr<double>() + errors.int8.size());
+    collectives->broadcast(values, 0, "calibration errors");
+    std::copy_n(values.data_ptr<double>(), errors.int8.size(), errors.int8.begin());
+    std::copy_n(values.data_ptr<double>() + errors.int8.size(), errors.nf4.size(), errors.nf4.begin());
+  }
+  bool accepted = true;
+  for (const auto& [precision, values, name] :
+       {std::tuple{SP_PRECISION_INT8, &errors.int8, "INT8"}, std::tuple{SP_PRECISION_NF4, &errors.nf4, "NF4"}}) {
+    if (policy->set_calibration_errors(precision, *values)) continue;
+    log->warn("calibration: the plugin rejected the {} errors; it decides without them", name);
+    accepted = false;
+  }
+  return accepted;
+}
+
+
+CalibrationErrors StreamedModel::calibrate(const std::vector<torch::Tensor>& samples) {
+  CalibrationErrors errors = impl_->measure_calibration_errors(samples);
+  impl_->set_calibration_errors(errors);
+  return errors;
+}
+
+
+CalibrationErrors StreamedModel::measure_calibration_errors(const std::vector<torch::Tensor>& samples) {
+  return impl_->measure_calibration_errors(samples);
+}
+
+
+bool StreamedModel::set_calibration_errors(const CalibrationErrors& errors) {
+  if (impl_->in_step()) throw std::logic_error("StreamedModel::set_calibration_errors: call it between steps");
+  CalibrationErrors given = errors;
+  return impl_->set_calibration_errors(given);
+}
+
+
+std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
+  const Impl& m = *impl_;
+  if (m.in_step()) throw std::logic_error("StreamedModel::export_state: call it between steps");
+  std::map<std::string, torch::Tensor> state;
+  for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
+    if (!m.owns(b)) continue;
+    for (const StreamedParam& p : m.blocks[b].streamed) state.emplace(master_key(m.blocks[b], p), p.master.detach());
+  }
+  std::vector<std::uint8_t> blob;
+  try {
+    blob = m.policy->export_state();
+  } catch (const sp::host::PluginError& e) {
+    // The rest of the state is the run's: a checkpoint without the plugin's beats none. An
+    // empty entry says so, and a resume starts the policy over (restore_state).
+    m.log->error(
+        "StreamedModel: the plugin's state is left out of this state ({}); a resume from it starts the "
+        "policy over",
+        e.what());
+  }
+  state.emplace("policy/state", torch::from_blob(const_cast<std::uint8_t*>(blob.data()),
+                                                 {static_cast<std::int64_t>(blob.size())}, torch::kUInt8)
+                                    .clone());
+  torch::Tensor hints =
+      torch::empty({static_cast<std::int64_t>(m.applied_hints.size() * sizeof(sp_hint_v1))}, torch::kUInt8);
+  if (!m.applied_hints.empty()) std::memcpy(hints.data_ptr(), m.applied_hints.data(), hints.numel());
+  state.emplace("policy/hints", hints);
+  state.emplace("layer/passes", torch::tensor({m.engine_steps, m.eval_engine_steps}, torch::kInt64));
+  state.emplace("layer/last_step", torch::tensor({m.last_step.value_or(-1)}, torch::kInt64));
+  return state;
+}
+
+
+void StreamedModel::restore_state(const std::map<std::string, torch::Tensor>& state) {
+  Impl& m = *impl_;
+  if (m.in_step()) throw std::logic_error("StreamedModel::restore_state: call it between steps");
+  if (!m.sharded) {
+    m.restore_state(state);
+    return;
+  }
+  // Sharded, the ranks then share their blocks' images: a rank that could not restore must
+  // not leave the others waiting in that exchange, so all first learn whether every one did.
+  std::exception_ptr failure;
+  try {
+    m.restore_state(state);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  const int size = m.collectives->size();
+  torch::Tensor first_failure = torch::tensor({failure ? rank() : size}, torch::kInt32);
+  m.collectives->all_reduce(first_failure, Reduction::min, "state restore outcomes")->wait();
+  if (failure) std::rethrow_exception(failure);
+  const int failed = first_failure.item<std::int32_t>();
+  if (failed != size) {
+    throw RankMismatchError(fmt::format(
+        "StreamedModel::restore_state: rank {} of {} could not restore its state (it says why), so no rank goes on "
+        "from it",
+        failed, size));
+  }
+  m.share_images(/*all=*/true, /*trained=*/false);
+}
+
+}  // namespace sp::torch_layer

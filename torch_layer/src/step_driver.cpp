@@ -1,0 +1,303 @@
+// The step: its begin and end, the policy's hooks and hints, the host's updates of the masters.
+#include "streamed_model_impl.h"
+
+namespace sp::torch_layer {
+
+void StreamedModel::Impl::end_plugin_step_as_failed() {
+  sp_step_feedback_v1 feedback = step_transfer.to_feedback();
+  feedback.loss = std::numeric_limits<double>::quiet_NaN();
+  feedback.step_seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
+  policy->end_step(step, feedback);
+}
+
+void StreamedModel::Impl::apply_hints(const std::vector<sp_hint_v1>& hints) {
+  if (hints.empty()) return;
+  engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
+  eval_engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
+  applied_hints = hints;
+}
+
+std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
+  std::vector<torch::Tensor> keep;  // host copies of device gradients, alive for the call
+  std::vector<kn::GradTensor> tensors;
+  const auto add = [&](const torch::Tensor& g, std::uint32_t b) {
+    if (!g.defined()) return;
+    torch::Tensor host = g.device().is_cpu() && g.scalar_type() == torch::kFloat32 && g.is_contiguous()
+                             ? g
+                             : g.to(torch::kCPU, torch::kFloat32).contiguous();
+    keep.push_back(host);
+    tensors.push_back({host.data_ptr<float>(), static_cast<std::size_t>(host.numel()), kn::DType::kFloat32, b});
+  };
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+    if (!owns(b)) continue;
+    if (!blocks[b].moment_sources.empty()) {
+      for (const torch::Tensor& t : blocks[b].moment_sources) add(t.grad(), b);
+    } else if (blocks[b].trainable_masters) {
+      for (const StreamedParam& p : blocks[b].streamed) add(p.master.grad(), b);
+    } else {
+      for (const torch::Tensor& r : blocks[b].trainable_resident) add(r.grad(), b);
+    }
+  }
+  std::vector<sp_grad_moments_v1> out(blocks.size());
+  kn::grad_moments(tensors.data(), tensors.size(), static_cast<std::uint32_t>(blocks.size()), out.data());
+  if (sharded) gather_moments(out);
+  return out;
+}
+
+std::vector<sp_precision> StreamedModel::Impl::current_routes() const {
+  std::vector<sp_precision> routes;
+  for (std::uint32_t b = 0; b < blocks.size(); ++b)
+    routes.push_back(ad::abi_precision(engine->policy_bridge().route(b)));
+  return routes;
+}
+
+
+void StreamedModel::begin_step(std::int64_t step) {
+  Impl& m = *impl_;
+  if (m.in_step()) {
+    throw std::logic_error(
+        fmt::format("StreamedModel::begin_step({}): step {} has not ended; call end_step()", step, m.step));
+  }
+  if (step < 0) throw std::invalid_argument(fmt::format("StreamedModel::begin_step({}): steps start at 0", step));
+  if (m.last_step && step <= *m.last_step) {
+    throw std::invalid_argument(fmt::format(
+        "StreamedModel::begin_step({}): step {} already began, and steps must increase over the whole run (the "
+        "policy's windows are counted in steps): number them across epochs, and after restore_state() go on from "
+        "step {}",
+        step, *m.last_step, *m.last_step + 1));
+  }
+  m.require_current_images(fmt::format("begin_step({})", step));
+  m.policy->begin_step(step);
+  m.last_step = step;
+  m.report = StepReport{};
+  m.report.step = step;
+  m.report.swap = m.policy->take_swap_outcome();
+  m.step_transfer = ad::StepTransferMetrics{};
+  m.step_transfer.step = step;
+  m.step = step;
+  m.step_start = Clock::now();
+  try {
+    if (m.collectives) {
+      // Every rank was asked to swap at this boundary (poll_plugin): each must have the same
+      // outcome, or their plugins would now differ.
+      const bool swapped = m.report.swap && m.report.swap->outcome == sp::host::SwapResult::Outcome::swapped;
+      m.check_ranks_agree({swapped ? 1 : 0}, "plugin swap outcomes (1: swapped)");
+    }
+    // Routes that moved since the images were last shared (hints restored, or a step aborted
+    // after its post_backward) get their owners' images before the first fetch.
+    m.share_images(/*all=*/false, /*trained=*/false);
+  } catch (...) {
+    m.end_plugin_step_as_failed();  // it began: the next begin_step can then come
+    throw;
+  }
+  m.phase = Impl::StepPhase::open;
+  m.updated_in_step.assign(m.blocks.size(), false);
+  m.armed.reset();
+}
+
+
+const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
+  Impl& m = *impl_;
+  m.require_step("post_backward");
+  if (m.after_backward()) throw std::logic_error("StreamedModel::post_backward: already called in this step");
+  m.close_abandoned_pass("post_backward");
+  m.wait_for_updates();
+  std::vector<sp_grad_moments_v1> moments = m.block_moments();
+  // The plugin takes the blocks that have gradient elements (ABI: the others are left out).
+  std::vector<sp_grad_moments_v1> measured;
+  for (const sp_grad_moments_v1& block : moments) {
+    if (block.count != 0) measured.push_back(block);
+  }
+  const bool any_trains = std::any_of(m.blocks.begin(), m.blocks.end(), [&](const BlockState& b) {
+    return b.trainable_masters || !b.trainable_resident.empty() ||
+           std::any_of(b.moment_sources.begin(), b.moment_sources.end(),
+                       [](const torch::Tensor& t) { return t.requires_grad(); });
+  });
+  // Blocks with nothing to train (the host trains only its own parameters) report none.
+  if (measured.empty() && any_trains) {
+    throw std::logic_error(fmt::format(
+        "StreamedModel::post_backward: no block has a gradient in step {}: no backward ran through the streamed "
+        "blocks since begin_step(), or their gradients were cleared before this call. Run the backward first; to "
+        "drop a step without one, call abort_step()",
+        m.step));
+  }
+  m.moments = std::move(moments);
+  m.policy->post_backward(m.step, measured);
+  m.apply_hints(m.policy->compute_hints(m.step));
+  if (m.collectives) {
+    std::vector<std::int32_t> precisions(m.blocks.size(), -1);
+    for (const sp_hint_v1& h : m.applied_hints) precisions[h.block_id] = h.precision;
+    m.check_ranks_agree(precisions, "the plugin's hints");
+  }
+  m.phase = Impl::StepPhase::after_backward;
+  if (m.armed) {
+    // Armed blocks whose backward did not run (no training pass, or one that ended above them).
+    const Impl::ArmedUpdate armed = std::move(*m.armed);
+    m.armed.reset();
+    for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
+      if (m.blocks[b].trainable_masters && m.owns(b) && !armed.begun[b]) {
+        m.update_block(b, armed.step, armed.moments[b], /*skip_nonfinite=*/true);
+      }
+    }
+  }
+  return m.moments;
+}
+
+
+StepReport StreamedModel::end_step(double loss) {
+  Impl& m = *impl_;
+  m.require_step("end_step");
+  if (!m.after_backward()) {
+    throw std::logic_error(
+        "StreamedModel::end_step: call post_backward() first: the plugin's hints must reach the engines before "
+        "the images of the updated weights are rebuilt");
+  }
+  refresh_images();
+  sp_step_feedback_v1 feedback = m.step_transfer.to_feedback();
+  feedback.loss = loss;
+  feedback.step_seconds = std::chrono::duration<double>(Clock::now() - m.step_start).count();
+  m.policy->end_step(m.step, feedback);
+  m.phase = Impl::StepPhase::between_steps;
+  const std::uint32_t every = m.options.recalibrate_every;
+  if (every != 0 && m.last_input.defined() && (m.step + 1) % every == 0) {
+    // On the updated weights, between steps (where the ABI takes calibration errors): the
+    // plugin decides with them from the next step on.
+    const auto start = Clock::now();
+    m.report.calibration = m.measure_calibration_errors({m.last_input});
+    m.set_calibration_errors(*m.report.calibration);
+    m.report.calibration_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  }
+  StepReport report = m.report;
+  report.h2d_bytes_bf16 = m.step_transfer.h2d_bytes_bf16;
+  report.h2d_bytes_int8 = m.step_transfer.h2d_bytes_int8;
+  report.h2d_bytes_nf4 = m.step_transfer.h2d_bytes_nf4;
+  report.h2d_bytes_all_bf16 = m.step_transfer.h2d_bytes_all_bf16;
+  report.routes = m.current_routes();
+  return report;
+}
+
+
+void StreamedModel::abort_step() {
+  Impl& m = *impl_;
+  m.abandon_pass();
+  if (!m.in_step()) return;
+  m.phase = Impl::StepPhase::between_steps;
+  m.end_plugin_step_as_failed();
+}
+
+
+void StreamedModel::refresh_images() {
+  Impl& m = *impl_;
+  for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
+    // A frozen block's masters change only when the host loads or edits them.
+    if (!m.owns(b) || (!m.blocks[b].trainable_masters && !m.changed_master(b))) continue;
+    const bool written_by_update = m.updated_in_step[b];
+    m.updated_in_step[b] = false;
+    // update_masters() wrote its image; the host changed its masters since, or not.
+    if (written_by_update && !m.changed_master(b)) continue;
+    m.engine->on_weights_updated(b);
+    m.eval_image_stale[b] = true;
+  }
+  m.share_images(/*all=*/false, /*trained=*/true);
+  m.note_image_versions();
+}
+
+
+void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamWStep& step,
+                                   const std::map<std::string, MasterMoments>& moments) {
+  Impl& m = *impl_;
+  m.require_step("update_masters");
+  if (!m.after_backward()) {
+    throw std::logic_error(
+        "StreamedModel::update_masters: call post_backward() first: the image is written for the route the plugin "
+        "decides there");
+  }
+  if (block >= m.blocks.size()) {
+    throw std::invalid_argument(fmt::format("StreamedModel::update_masters: block {} is out of range (there are {})",
+                                            block, m.blocks.size()));
+  }
+  if (!m.owns(block)) {
+    throw std::logic_error(fmt::format(
+        "StreamedModel::update_masters: {} is owned by rank {}, which updates it (shard_masters); this is rank {}",
+        m.blocks[block].block.name, m.owner(block), rank()));
+  }
+  if (m.updated_in_step[block]) {
+    throw std::logic_error(fmt::format("StreamedModel::update_masters: block {} was already updated in step {}",
+                                       m.blocks[block].block.name, m.step));
+  }
+  m.update_block(block, step, moments, /*skip_nonfinite=*/false);
+}
+
+
+void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep& step,
+                                                   std::vector<std::map<std::string, MasterMoments>> moments) {
+  Impl& m = *impl_;
+  m.require_step("update_masters_during_backward");
+  if (m.after_backward()) {
+    throw std::logic_error(
+        "StreamedModel::update_masters_during_backward: post_backward() already ran in this step; use "
+        "update_masters()");
+  }
+  if (m.pass == Impl::Pass::in_backward) {
+    throw std::logic_error(
+        "StreamedModel::update_masters_during_backward: a backward is running; arm the update before it starts");
+  }
+  if (m.armed) {
+    throw std::logic_error(
+        fmt::format("StreamedModel::update_masters_during_backward: already armed in step {}", m.step));
+  }
+  if (moments.size() != m.blocks.size()) {
+    throw std::invalid_argument(
+        fmt::format("StreamedModel::update_masters_during_backward: {} moment maps for {} blocks; give one per block",
+                    moments.size(), m.blocks.size()));
+  }
+  for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
+    if (!m.blocks[b].trainable_masters || !m.owns(b)) continue;
+    for (const StreamedParam& p : m.blocks[b].streamed) {
+      if (moments_of(moments[b], p.name) == nullptr) {
+        throw std::invalid_argument(fmt::format(
+            "StreamedModel::update_masters_during_backward: {}.{} has no AdamW moments (exp_avg and exp_avg_sq) in "
+            "the map given",
+            m.blocks[b].block.name, p.name));
+      }
+    }
+  }
+  m.running.reserve(m.blocks.size());
+  m.armed = Impl::ArmedUpdate{step, std::move(moments), std::vector<bool>(m.blocks.size(), false)};
+}
+
+
+void StreamedModel::set_transfer_gate(sp::adapters::TransferGate gate) {
+  impl_->engine->policy_bridge().set_transfer_gate(gate);
+  impl_->eval_engine->policy_bridge().set_transfer_gate(std::move(gate));
+}
+
+
+std::optional<sp::host::SwapResult> StreamedModel::poll_plugin(bool force) {
+  if (impl_->in_step()) throw std::logic_error("StreamedModel::poll_plugin: call it between steps");
+  Impl& m = *impl_;
+  if (!m.collectives) return m.policy->check_for_new_version(force);
+  // Rank 0 looks at the file; every rank then asks for the swap at the same step boundary.
+  std::optional<sp::host::SwapResult> request;
+  if (m.collectives->rank() == 0) request = m.policy->check_for_new_version(force);
+  torch::Tensor requested =
+      torch::tensor({request && request->outcome != sp::host::SwapResult::Outcome::failed ? 1 : 0}, torch::kInt32);
+  m.collectives->broadcast(requested, 0, "plugin swap request");
+  if (requested.item<std::int32_t>() == 0) return request;
+  if (m.collectives->rank() != 0) request = m.policy->check_for_new_version(/*force=*/true);
+  // All or nothing: the lowest rank that could not stage the new version, or the world size
+  // when every rank did. Where one failed, every rank drops its staged copy and keeps the old.
+  const bool staged = request && request->outcome == sp::host::SwapResult::Outcome::pending;
+  torch::Tensor first_failure = torch::tensor({staged ? m.collectives->size() : m.collectives->rank()}, torch::kInt32);
+  m.collectives->all_reduce(first_failure, Reduction::min, "plugin swap staging")->wait();
+  const int failed_rank = first_failure.item<std::int32_t>();
+  if (failed_rank == m.collectives->size()) return request;
+  const std::string why =
+      fmt::format("rank {} of {} could not load the new version, so every rank keeps the old one{}", failed_rank,
+                  m.collectives->size(), staged ? "" : fmt::format(" ({})", request ? request->message : "no file"));
+  if (staged) return m.policy->cancel_swap(why);
+  if (request) request->message = why;
+  return request;
+}
+
+}  // namespace sp::torch_layer

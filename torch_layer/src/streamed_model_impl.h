@@ -1,0 +1,512 @@
+// The LibTorch layer's insides, shared by its translation units (streamed_model.cpp: a block's
+// adoption and the public accessors; block_passes.cpp: the passes, forward and backward;
+// gradient_reduction.cpp: the masters' gradients and the update during the backward;
+// layer_state.cpp: sharding, state and calibration; step_driver.cpp: the step and the policy).
+// Not installed: the public face is sp/torch_layer/streamed_model.h.
+#pragma once
+
+#include "sp/torch_layer/streamed_model.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <cmath>
+#include <future>
+#include <limits>
+#include <mutex>
+#include <tuple>
+#include <unordered_map>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "sp/adapters/host_backend.h"
+#include "sp/adapters/streaming_engine.h"
+#include "sp/kernels/moments.h"
+#include "sp/kernels/relative_error.h"
+#include "forward_state.h"
+#include "serial_worker.h"
+#include "unlisted_leaves.h"
+#ifdef SP_TORCH_LAYER_HAVE_CUDA
+#include "sp/adapters/cuda_backend.h"
+#endif
+
+namespace sp::torch_layer {
+namespace ad = sp::adapters;
+namespace kn = sp::kernels;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using Clock = std::chrono::steady_clock;
+
+
+
+inline ad::Precision route_of(sp_precision precision) {
+  if (const std::optional<ad::Precision> route = ad::route_of(precision)) return *route;
+  throw std::invalid_argument(fmt::format("sp_precision {} is not BF16, INT8 or NF4", static_cast<int>(precision)));
+}
+
+inline std::unique_ptr<ad::TransferBackend> make_backend(const StreamedModelOptions& options) {
+  if (options.device.is_cpu()) {
+    ad::HostBackendOptions host;
+    host.bandwidth_cap_bytes_per_second = options.host_bandwidth_cap_gbps * 1e9;
+    return std::make_unique<ad::HostBackend>(host);
+  }
+#ifdef SP_TORCH_LAYER_HAVE_CUDA
+  if (options.device.is_cuda()) {
+    if (!ad::CudaBackend::device_available()) {
+      throw std::invalid_argument("StreamedModelOptions::device is CUDA, but no CUDA device is visible");
+    }
+    ad::CudaBackendOptions cuda;
+    cuda.device = options.device.has_index() ? options.device.index() : 0;
+    // LibTorch computes on its current stream, the legacy default stream unless the host set
+    // another; the engine orders its copies against that one.
+    cuda.compute_stream = cudaStreamLegacy;
+    return std::make_unique<ad::CudaBackend>(cuda);
+  }
+#endif
+  throw std::invalid_argument(fmt::format(
+      "StreamedModelOptions::device is {}, but this build streams to the CPU{} only", options.device.str(),
+#ifdef SP_TORCH_LAYER_HAVE_CUDA
+      " and CUDA"
+#else
+      ""
+#endif
+      ));
+}
+
+inline const torch::Tensor* find(const NamedParameters& params, const std::string& name) {
+  for (const auto& [key, value] : params) {
+    if (key == name) return &value;
+  }
+  return nullptr;
+}
+
+// One streamed parameter: the tensor its block computes with (the module's own Parameter, or
+// for a Block::call block the layer's own), pointed at delivered weights while the block
+// computes and at an empty tensor otherwise, and its fp32 host master.
+struct StreamedParam {
+  std::string name;
+  std::uint32_t block = 0;
+  torch::Tensor param;
+  torch::Tensor master;  // sharded, on a rank that does not own the block: an empty placeholder
+  torch::Tensor staging;  // CUDA: pinned fp32, the gradient's way to the host without a sync
+  bool staged = false;    // staging holds this pass's gradient
+  std::vector<std::int64_t> shape;
+  std::uint64_t rows = 0, cols = 0;
+  torch::TensorOptions placeholder;  // the empty tensor's dtype and device between uses
+};
+
+struct BlockState {
+  Block block;
+  std::vector<StreamedParam> streamed;
+  std::map<std::string, torch::Tensor> masters;
+  std::vector<torch::Tensor> resident;
+  std::vector<std::string> resident_names;        // of `resident`, for messages
+  std::vector<torch::TensorOptions> resident_kinds;  // their dtype and device when wrapped
+  std::vector<torch::Tensor> trainable_resident;  // resident parameters that require grad
+  std::vector<torch::Tensor> moment_sources;      // Block::moments_from; empty: the default rule
+  // What the block's autograd node takes as inputs besides x: its trainable resident
+  // parameters, and one trainable master, so that a block whose only trainable weights stream
+  // still gets a backward when its input needs no gradient.
+  std::vector<torch::Tensor> autograd_inputs;
+  bool trainable_masters = false;
+  // Its training forward's random streams and autocast, for the recompute (forward_state.h).
+  std::optional<ForwardState> forward_state;
+  // How it computes: Block::call, or Block::forward adapted to one. With Block::call the
+  // module's streamed parameters are the masters, and `weights` the tensors the delivered
+  // weights are put in.
+  BlockCall call;
+  bool params_are_masters = false;
+  NamedParameters weights;
+  // The call of the current training pass's forward, which its recompute makes again.
+  BlockCall pass_call;
+};
+
+inline std::string master_key(const BlockState& b, const StreamedParam& p) { return "master/" + b.block.name + "." + p.name; }
+
+// The moments of master `name`, or null when `moments` lacks them or either buffer.
+inline const MasterMoments* moments_of(const std::map<std::string, MasterMoments>& moments, const std::string& name) {
+  const auto found = moments.find(name);
+  if (found == moments.end() || found->second.exp_avg == nullptr || found->second.exp_avg_sq == nullptr) return nullptr;
+  return &found->second;
+}
+
+// The block's trainable masters as the fused update takes them, each with its gradient and
+// `moments` entry. Throws std::invalid_argument naming the parameter that has no fp32 host
+// gradient of its size, or no moments.
+
+inline std::vector<kn::AdamWTensor> fused_update_tensors(const BlockState& b, const std::map<std::string, MasterMoments>& moments) {
+  std::vector<kn::AdamWTensor> tensors;
+  for (const StreamedParam& p : b.streamed) {
+    const auto problem = [&](const std::string& what) {
+      return std::invalid_argument(fmt::format("StreamedModel::update_masters: {}.{} {}", b.block.name, p.name, what));
+    };
+    const torch::Tensor& grad = p.master.grad();
+    if (!grad.defined() || grad.scalar_type() != torch::kFloat32 || !grad.is_contiguous() ||
+        grad.numel() != p.master.numel() || !grad.device().is_cpu()) {
+      throw problem("has no fp32 contiguous host gradient in .grad of the master's size");
+    }
+    const MasterMoments* found = moments_of(moments, p.name);
+    if (found == nullptr) throw problem("has no AdamW moments (exp_avg and exp_avg_sq) in the map given");
+    const MasterMoments& moment = *found;
+    tensors.push_back(kn::AdamWTensor{p.master.data_ptr<float>(), grad.data_ptr<float>(), moment.exp_avg,
+                                      moment.exp_avg_sq, kn::TensorShape{p.rows, p.cols}, moment.decay, moment.dtype,
+                                      moment.rounding, moment.seed});
+  }
+  return tensors;
+}
+
+// Whether every element of the block's master gradients is finite (an absent gradient counts
+// as finite: fused_update_tensors() refuses it by name).
+inline bool gradients_finite(const BlockState& b) {
+  for (const StreamedParam& p : b.streamed) {
+    const torch::Tensor& grad = p.master.grad();
+    if (!grad.defined() || grad.scalar_type() != torch::kFloat32 || !grad.is_contiguous()) continue;
+    const float* g = grad.data_ptr<float>();
+    const std::int64_t n = grad.numel();
+    bool finite = true;
+    for (std::int64_t i = 0; i < n; ++i) finite &= std::isfinite(g[i]);
+    if (!finite) return false;
+  }
+  return true;
+}
+
+
+struct StreamedModel::Impl {
+  StreamedModelOptions options;
+  std::shared_ptr<spdlog::logger> log;
+  torch::TensorOptions compute;
+  std::vector<BlockState> blocks;
+  std::unique_ptr<ad::TransferBackend> backend;
+  std::unique_ptr<ad::StreamingEngine> engine;       // training passes: forward + backward
+  std::unique_ptr<ad::StreamingEngine> eval_engine;  // forward-only passes
+  std::unique_ptr<ad::Event> compute_done;
+  std::unique_ptr<sp::host::PolicySession> policy;
+  std::shared_ptr<Collectives> collectives;  // null: one process
+  // The masters' gradients are reduced across ranks on the compute device, before they cross
+  // to the host (probe_collectives()); else on the host, after.
+  bool device_reductions = false;
+  // Sharded data parallelism (StreamedModelOptions::shard_masters on more than one rank): each
+  // block's masters live on its owner alone, which sends its images to the other ranks.
+  bool sharded = false;
+  // Per block, the same on every rank: the route of the image the ranks last shared.
+  std::vector<ad::Precision> shared_route;
+  // A block's master gradients of the current pass, flattened into one bucket, on their way
+  // through an all-reduce started in the backward; folded into the masters at the pass's end.
+  struct ReducingBucket {
+    std::vector<StreamedParam*> params;
+    torch::Tensor bucket;
+    std::unique_ptr<Collectives::Pending> pending;
+  };
+  std::vector<ReducingBucket> reducing;
+
+  enum class Pass { none, forwarded, in_backward };
+  Pass pass = Pass::none;
+  std::uint64_t pass_id = 0;
+  std::int64_t engine_steps = 0, eval_engine_steps = 0;
+  std::vector<bool> eval_image_stale;  // per block: its masters changed since the evaluation engine built its image
+  // Per block, per streamed parameter: the master's version counter when the block's images
+  // were last built from it. An in-place change since (an optimizer step after end_step())
+  // would leave the engines streaming the old weights.
+  std::vector<std::vector<std::int64_t>> image_versions;
+  // The gradients of the current pass's unlisted inputs (unlisted_leaves.h), summed over blocks.
+  std::vector<UnlistedLeaf> pass_unlisted;
+  std::vector<torch::Tensor> pass_unlisted_grads;
+  std::vector<bool> updated_in_step;   // per block: update_masters() wrote its image this step
+  std::uint64_t evaluation_bytes = 0, calibration_bytes = 0;  // of the forward-only passes
+  bool grads_staged = false;
+  // The lowest block whose autograd node runs in the current pass: its backward ends the pass
+  // (unset while no block of the pass has a node).
+  std::optional<std::uint32_t> pass_end_block;
+  std::uint32_t next_forward = 0;  // the block the current training pass's forward calls next
+  bool eval_open = false;          // an evaluation pass is open; `eval_next` its next block
+  std::uint32_t eval_next = 0;
+  std::int64_t id = 0;  // in the registry of live models (StreamedBlockFunction)
+
+  // Where the host is in the step protocol (streamed_model.h, "The rules of a step").
+  enum class StepPhase { between_steps, open, after_backward };
+  StepPhase phase = StepPhase::between_steps;
+  bool in_step() const { return phase != StepPhase::between_steps; }
+  bool after_backward() const { return phase == StepPhase::after_backward; }
+  std::int64_t step = 0;
+  // The last step begun, in this run or the one whose state was restored: steps must increase,
+  // as the plugin's window and its switch counts are measured in steps.
+  std::optional<std::int64_t> last_step;
+  Clock::time_point step_start;
+  ad::StepTransferMetrics step_transfer;
+  StepReport report;
+  std::vector<sp_grad_moments_v1> moments;
+  std::vector<sp_hint_v1> applied_hints;
+  torch::Tensor last_input;  // first-block input of the latest training pass, for re-calibration
+
+  // update_masters_during_backward(): the step's constants and moments while armed, and the
+  // updates the backward began, each running on `worker` until wait_for_updates().
+  struct ArmedUpdate {
+    kn::AdamWStep step;
+    std::vector<std::map<std::string, MasterMoments>> moments;  // per block
+    std::vector<bool> begun;                                    // per block
+  };
+  std::optional<ArmedUpdate> armed;
+  struct RunningUpdate {
+    std::uint32_t block = 0;
+    std::unique_ptr<ad::StreamingEngine::WeightUpdate> update;
+    std::shared_ptr<bool> skipped;  // the task found a non-finite gradient
+    std::future<void> done;
+  };
+  std::vector<RunningUpdate> running;
+  std::vector<bool> deferred_updates;  // per block: its gradient reaches the host only at the pass's end
+  std::vector<std::unique_ptr<ad::Event>> gradient_copied;  // per block: its staged gradient is on the host
+  SerialWorker worker;  // last: destroyed first, after its tasks ran
+
+  Impl(std::vector<Block> in, StreamedModelOptions opts);
+
+  void note_image_versions();
+
+  // The first of block b's masters changed since its images were built, or null.
+  const StreamedParam* changed_master(std::uint32_t b) const {
+    for (std::size_t i = 0; i < image_versions[b].size(); ++i) {
+      if (blocks[b].streamed[i].master._version() != image_versions[b][i]) return &blocks[b].streamed[i];
+    }
+    return nullptr;
+  }
+
+  // Masters changed since their images were built: a Block::call block's are its module's
+  // parameters, which the host changes the usual way (a state dict loaded, an edit), so their
+  // images are rebuilt here (one process: sharded, the ranks would have to share them); any
+  // other is refused.
+  void require_current_images(const std::string& call);
+
+  ~Impl();
+
+  // A parameter in two blocks would get a master per block (streamed), or be listed, reduced and
+  // stepped once per block (resident): refused, naming both places.
+  static void refuse_shared_parameters(const std::vector<Block>& in);
+
+  void adopt(Block block, std::size_t index);
+
+  static void set_autograd_inputs(BlockState& block);
+
+  void build_engines();
+
+  void build_policy();
+
+  // ---- data parallelism ----------------------------------------------------------------------
+
+  // The layer's own collectives (moments, hint checks, losses, images) run on host tensors, so
+  // the group must take those. The masters' gradients are born on the compute device: where the
+  // group reduces tensors there without the host (NCCL), each block's is reduced there in the
+  // backward, and only the result crosses to the host (sharded, to its owner only). The ranks
+  // agree on a CPU tensor before any device tensor is reduced, so that none waits on a device
+  // collective another rank never starts.
+  void probe_collectives();
+
+  torch::Device gradient_reduction_device() const { return device_reductions ? options.device : torch::kCPU; }
+
+  // ---- sharded data parallelism ------------------------------------------------------------
+
+  int owner(std::uint32_t b) const {
+    return sharded ? static_cast<int>(b % static_cast<std::uint32_t>(collectives->size()))
+                   : (collectives ? collectives->rank() : 0);
+  }
+  bool owns(std::uint32_t b) const { return owner(b) == (collectives ? collectives->rank() : 0); }
+
+  // Every rank starts from the owners' weights, whatever its host initialized, and keeps only
+  // the masters of its own blocks. The module's parameters were freed by adopt() already.
+  void shard_masters();
+
+  // Block b's image on `precision` from its owner into `target` on every other rank (each
+  // rank's engine of the same role: the training engines, or the evaluation engines).
+  void share_image(ad::StreamingEngine& target, std::uint32_t b, ad::Precision precision);
+
+  // After the owners rebuilt their images (end_step, refresh_images, restore_state), or at a
+  // step's start: every block whose image changed since the ranks last shared it goes out
+  // again, in the route it takes next. Which ones is decided alike on every rank: all blocks
+  // when `all`, else those whose masters train (their owner updated them) or whose route moved.
+  void share_images(bool all, bool trained);
+
+  // The evaluation engines' images of every block on one route (calibration's pinned passes).
+  void share_eval_images(ad::Precision precision);
+
+  // A block's evaluation image after its masters changed: rebuilt by its owner, copied from the
+  // training engine's (which the owner sent) elsewhere.
+  void refresh_eval_image(std::uint32_t b);
+
+  // The moments of the blocks this rank owns, added across ranks: the other ranks give zeros,
+  // so every rank ends with the owner's numbers exactly.
+  void gather_moments(std::vector<sp_grad_moments_v1>& moments);
+
+  // StreamedModel::restore_state() on this rank: everything checked before anything changes.
+  void restore_state(const std::map<std::string, torch::Tensor>& state);
+
+  // ---- weights in and out of the module ----------------------------------------------------
+
+  // A parameter the host replaced under the layer (module->weight = new tensor) would be
+  // computed with its own, stale values and trained without the layer knowing: refused.
+  void check_parameters_unchanged() const;
+
+  // A .to() of the model after wrapping converts the blocks' parameters in place: the
+  // placeholders of the streamed weights and the resident parameters, which the layer's
+  // passes would then mix with weights in the wrapped dtype and device.
+  static void refuse_converted(const BlockState& b, const std::string& name, const torch::Tensor& now,
+                               const torch::TensorOptions& wrapped);
+
+  void attach(BlockState& b, const ad::BlockView& view, bool trainable);
+
+  void detach(BlockState& b) {
+    torch::NoGradGuard no_grad;
+    for (StreamedParam& p : b.streamed) p.param.set_data(torch::empty({0}, compute));
+  }
+
+  // ---- passes --------------------------------------------------------------------------------
+
+  // The plugin's step ends too, marked as failed (a NaN loss), so that its hooks stay paired.
+  void end_plugin_step_as_failed();
+
+  void require_step(const char* call) const {
+    if (!in_step()) throw std::logic_error(fmt::format("StreamedModel::{}: no step is active; call begin_step()", call));
+  }
+
+  void add_transfer(const ad::StepTransferMetrics& m);
+
+  // A grad-mode forward whose backward never ran (the graph was dropped): its pass ends here.
+  void close_abandoned_pass(const char* why);
+
+  // ---- evaluation passes: the evaluation engine, forward only, one block at a time ----------
+
+  void begin_eval_pass(const ad::RuntimeLimitHints& limits);
+
+  ad::StepTransferMetrics end_eval_pass() {
+    eval_open = false;
+    return eval_engine->end_step();
+  }
+
+  // Block b's turn in the open evaluation pass: run(weights) computes it on its delivered
+  // weights. The block is released, and the pass ended, even when run() throws.
+  template <typename Run>
+  auto eval_block(std::uint32_t b, Run&& run) {
+    const ad::BlockView& view = eval_engine->acquire(b);
+    attach(blocks[b], view, false);
+    try {
+      auto out = run(blocks[b].weights);
+      detach(blocks[b]);
+      eval_engine->release(b);
+      eval_next = b + 1;
+      return out;
+    } catch (...) {
+      detach(blocks[b]);
+      eval_engine->release(b);
+      end_eval_pass();
+      throw;
+    }
+  }
+
+  // A whole evaluation pass under `limits` (calibration's); run(b, weights) computes block b.
+  template <typename Run>
+  void eval_pass(const ad::RuntimeLimitHints& limits, std::uint64_t& bytes, Run&& run) {
+    begin_eval_pass(limits);
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+      eval_block(b, [&](const NamedParameters& weights) {
+        run(b, weights);
+        return 0;
+      });
+    }
+    const ad::StepTransferMetrics m = end_eval_pass();
+    bytes += m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
+  }
+
+  // A no-grad call of block b: block 0 opens an evaluation pass, the last one ends it.
+  std::vector<torch::Tensor> eval_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
+                                          const BlockCall& call);
+
+  void require_in_order(std::uint32_t b, std::uint32_t expected, const char* pass_kind) const;
+
+  // ---- training passes: forward, then the backward's recompute -----------------------------
+
+  // A grad-mode call of block b, inside a step: block 0 opens a training pass.
+  std::vector<torch::Tensor> train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
+                                           BlockCall call);
+
+  // Inside the autograd node's forward: block b on its delivered weights, without a graph.
+  std::vector<torch::Tensor> forward_block(std::uint32_t b, const std::vector<torch::Tensor>& inputs);
+
+  // Recomputes block b's forward on the delivered weights and differentiates it. Returns the
+  // gradient of each block input (undefined for those that need none), then one per trainable
+  // resident parameter.
+  variable_list backward_block(std::uint32_t b, std::uint64_t id, const variable_list& xs,
+                               const variable_list& grad_outs);
+
+  ad::Event& gradient_copied_event(std::uint32_t b);
+
+  // Begins block b's armed update: its slab is picked here, the sweep runs on the worker once
+  // `gradient_ready` (if any) has made the gradient final on the host.
+  void begin_block_update(std::uint32_t b, std::function<void()> gradient_ready);
+
+  // Waits for the updates begun in the backward and installs their images. Every update is
+  // waited for before the first error is rethrown.
+  void wait_for_updates();
+
+  // The fused update of one block now, for the route in force (update_masters(), and the armed
+  // blocks the backward did not reach), skipping a non-finite gradient when `skip_nonfinite`.
+  void update_block(std::uint32_t b, const kn::AdamWStep& adam, const std::map<std::string, MasterMoments>& moments,
+                    bool skip_nonfinite);
+
+  // The master's gradient, accumulated across passes. On a GPU it travels to pinned staging
+  // without a host sync; the pass's end folds it in after one synchronization.
+  void stage_master_gradient(StreamedParam& p, const torch::Tensor& g);
+
+  // The first contribution is copied: it is a view (of the backward's result, reshaped) or the
+  // staging buffer the next pass reuses, and a .grad must own its storage (zero_grad() detaches
+  // it in place).
+  static void add_to_master_grad(StreamedParam& p, const torch::Tensor& g);
+
+  // A pass cut short (an exception in its backward, or a step aborted): the collectives in
+  // flight are waited for and dropped, the engine's pass ends, the model takes new passes.
+  // Gradients already folded into the masters stay: the host discards the step's.
+  void abandon_pass() noexcept;
+
+  void finish_pass();
+
+  // A bucket of summed gradients, one slice per parameter in order, divided by the ranks. A
+  // bucket reduced on the device crosses to the host here, and only to a rank that keeps one of
+  // its parameters (sharded, the owner).
+  void fold_averaged(const std::vector<StreamedParam*>& params, const torch::Tensor& summed);
+
+  // The mean across ranks of tensors of any dtype and shape (one bucket), as new tensors.
+  std::vector<torch::Tensor> averaged(const std::vector<torch::Tensor>& tensors, const std::string& what);
+
+  // The same, into the tensors themselves (gradients the host owns).
+  void average_in_place(const std::vector<torch::Tensor>& tensors, const std::string& what);
+
+  // Every rank's plugin hints must be the same: the blocks where they differ, by name.
+  void check_ranks_agree(const std::vector<std::int32_t>& values, const std::string& what);
+
+  // ---- policy --------------------------------------------------------------------------------
+
+  void apply_hints(const std::vector<sp_hint_v1>& hints);
+
+  std::vector<sp_grad_moments_v1> block_moments();
+
+  std::vector<sp_precision> current_routes() const;
+
+  // ---- calibration ---------------------------------------------------------------------------
+
+  // Every block of the evaluation engine on one route for a whole pass: a runtime pin, which
+  // neither the plugin's hints nor a transfer gate override, since the errors describe the
+  // formats, not what pays on this machine.
+  ad::RuntimeLimitHints pinned_to(sp_precision precision) const {
+    ad::RuntimeLimitHints limits;
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) limits.block_precision_map[b] = route_of(precision);
+    return limits;
+  }
+
+  CalibrationErrors measure_calibration_errors(const std::vector<torch::Tensor>& samples);
+
+  bool set_calibration_errors(CalibrationErrors& errors);
+};
+
+// The models alive, by id (block_passes.cpp): a graph that outlives its model finds it gone.
+void register_model(const std::shared_ptr<StreamedModel::Impl>& impl);
+void forget_model(std::int64_t id);
+
+}  // namespace sp::torch_layer
