@@ -181,8 +181,7 @@ py::dict errors_dict(const tl::CalibrationErrors& errors) {
 // The layer's collectives, remembering the first one that failed: autograd hands Python a
 // failure inside loss.backward() as a plain RuntimeError, so the binding tells the package
 // which errors were a collective's (StreamedBlocks.step() raises them as CollectiveError).
-class RecordingCollectives final : public tl::Collectives,
-                                   public std::enable_shared_from_this<RecordingCollectives> {
+class RecordingCollectives final : public tl::Collectives, public std::enable_shared_from_this<RecordingCollectives> {
  public:
   explicit RecordingCollectives(std::shared_ptr<tl::Collectives> inner) : inner_(std::move(inner)) {}
   int rank() const override { return inner_->rank(); }
@@ -310,7 +309,8 @@ class PyStreamedModel {
 namespace kn = sp::kernels;
 
 torch::Tensor weight_matrix(const torch::Tensor& x, const char* call) {
-  if (x.dim() != 2) throw std::invalid_argument(fmt::format("{}: a 2-D tensor expected, got {} dimensions", call, x.dim()));
+  if (x.dim() != 2)
+    throw std::invalid_argument(fmt::format("{}: a 2-D tensor expected, got {} dimensions", call, x.dim()));
   if (!x.device().is_cpu()) {
     throw std::invalid_argument(fmt::format("{}: a CPU tensor expected, got one on {}", call, x.device().str()));
   }
@@ -328,8 +328,8 @@ kn::DType kernel_dtype(const torch::Tensor& x) {
 torch::ScalarType output_dtype(const py::object& dtype, const char* call) {
   const torch::ScalarType type = torch::python::detail::py_object_to_dtype(dtype);
   if (type != torch::kFloat32 && type != torch::kBFloat16) {
-    throw std::invalid_argument(fmt::format("{}: dtype torch.float32 or torch.bfloat16 expected, got {}", call,
-                                            c10::toString(type)));
+    throw std::invalid_argument(
+        fmt::format("{}: dtype torch.float32 or torch.bfloat16 expected, got {}", call, c10::toString(type)));
   }
   return type;
 }
@@ -344,8 +344,8 @@ torch::Tensor output_matrix(const std::optional<torch::Tensor>& out, std::int64_
   if (!out) return torch::empty({rows, cols}, type);
   require(out->device().is_cpu() && out->scalar_type() == type && out->is_contiguous() && out->dim() == 2 &&
               out->size(0) == rows && out->size(1) == cols,
-          fmt::format("{}: out: a contiguous {} CPU tensor of shape ({}, {}) expected", call, c10::toString(type),
-                      rows, cols));
+          fmt::format("{}: out: a contiguous {} CPU tensor of shape ({}, {}) expected", call, c10::toString(type), rows,
+                      cols));
   return *out;
 }
 
@@ -477,7 +477,8 @@ void require_like(const torch::Tensor& t, const torch::Tensor& param, const char
                       i, i));
 }
 
-std::optional<torch::Tensor> adamw_step(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+std::optional<torch::Tensor> adamw_step(const std::vector<torch::Tensor>& params,
+                                        const std::vector<torch::Tensor>& grads,
                                         const std::vector<torch::Tensor>& exp_avgs,
                                         const std::vector<torch::Tensor>& exp_avg_sqs, double lr, std::int64_t step,
                                         double beta1, double beta2, double eps, double weight_decay,
@@ -521,7 +522,8 @@ std::optional<torch::Tensor> adamw_step(const std::vector<torch::Tensor>& params
   // Like the layer's pinned slabs, an image buffer can be allocated once and written each step.
   torch::Tensor out = into ? *into : torch::empty({static_cast<std::int64_t>(bytes)}, torch::kUInt8);
   require(out.device().is_cpu() && out.scalar_type() == torch::kUInt8 && out.is_contiguous() && out.dim() == 1 &&
-              out.size(0) == static_cast<std::int64_t>(bytes) && reinterpret_cast<std::uintptr_t>(out.data_ptr()) % 16 == 0,
+              out.size(0) == static_cast<std::int64_t>(bytes) &&
+              reinterpret_cast<std::uintptr_t>(out.data_ptr()) % 16 == 0,
           fmt::format("adamw_step_: out: a contiguous, 16-byte aligned uint8 CPU tensor of {} bytes expected (the {} "
                       "image of these shapes)",
                       bytes, *image));
@@ -593,7 +595,8 @@ PYBIND11_MODULE(_selective_precision, m) {
       .def("close", &PyStreamedModel::close)
       .def_property_readonly("closed", &PyStreamedModel::closed)
       .def("num_blocks", [](PyStreamedModel& s) { return s.model().num_blocks(); })
-      .def("forward", [](PyStreamedModel& s, const torch::Tensor& x) { return s.model().forward(x); }, no_gil)
+      .def(
+          "forward", [](PyStreamedModel& s, const torch::Tensor& x) { return s.model().forward(x); }, no_gil)
       .def(
           "forward_block",
           [](PyStreamedModel& s, std::uint32_t block, const std::vector<torch::Tensor>& inputs, py::object call) {
@@ -606,7 +609,8 @@ PYBIND11_MODULE(_selective_precision, m) {
       .def("master_parameters", [](PyStreamedModel& s) { return s.model().master_parameters(); })
       .def("masters", [](PyStreamedModel& s, std::uint32_t block) { return s.model().masters(block); })
       .def("resident_parameters", [](PyStreamedModel& s) { return s.model().resident_parameters(); })
-      .def("begin_step", [](PyStreamedModel& s, std::int64_t step) { s.model().begin_step(step); }, no_gil)
+      .def(
+          "begin_step", [](PyStreamedModel& s, std::int64_t step) { s.model().begin_step(step); }, no_gil)
       .def("post_backward",
            [](PyStreamedModel& s) {
              const std::vector<sp_grad_moments_v1>* moments = nullptr;
@@ -647,8 +651,10 @@ PYBIND11_MODULE(_selective_precision, m) {
              d["calibration"] = r.calibration ? py::object(errors_dict(*r.calibration)) : py::none();
              return d;
            })
-      .def("refresh_images", [](PyStreamedModel& s) { s.model().refresh_images(); }, no_gil)
-      .def("abort_step", [](PyStreamedModel& s) { s.model().abort_step(); }, no_gil)
+      .def(
+          "refresh_images", [](PyStreamedModel& s) { s.model().refresh_images(); }, no_gil)
+      .def(
+          "abort_step", [](PyStreamedModel& s) { s.model().abort_step(); }, no_gil)
       .def("calibrate",
            [](PyStreamedModel& s, const std::vector<torch::Tensor>& samples) {
              const tl::CalibrationErrors errors = [&] {
@@ -689,14 +695,15 @@ PYBIND11_MODULE(_selective_precision, m) {
       .def("rank", [](PyStreamedModel& s) { return s.model().rank(); })
       .def("world_size", [](PyStreamedModel& s) { return s.model().world_size(); })
       .def("sharded", [](PyStreamedModel& s) { return s.model().sharded(); })
-      .def("gradient_reduction_device",
-           [](PyStreamedModel& s) { return s.model().gradient_reduction_device().str(); })
+      .def("gradient_reduction_device", [](PyStreamedModel& s) { return s.model().gradient_reduction_device().str(); })
       .def("owner", [](PyStreamedModel& s, std::uint32_t block) { return s.model().owner(block); })
-      .def("average_gradients",
-           [](PyStreamedModel& s, const std::vector<torch::Tensor>& parameters) {
-             s.model().average_gradients(parameters);
-           },
-           no_gil)
-      .def("average", [](PyStreamedModel& s, double value) { return s.model().average(value); }, no_gil)
+      .def(
+          "average_gradients",
+          [](PyStreamedModel& s, const std::vector<torch::Tensor>& parameters) {
+            s.model().average_gradients(parameters);
+          },
+          no_gil)
+      .def(
+          "average", [](PyStreamedModel& s, double value) { return s.model().average(value); }, no_gil)
       .def("take_collective_failure", &PyStreamedModel::take_collective_failure);
 }

@@ -4,7 +4,6 @@
 
 namespace sp::torch_layer {
 
-
 // The autograd node of one streamed block: its forward fetches the block and runs it without
 // a graph; its backward fetches it again, recomputes and differentiates (see backward_block).
 namespace {
@@ -35,12 +34,11 @@ void forget_model(std::int64_t id) {
   g_models.erase(id);
 }
 
-
 struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFunction> {
   // `anchors`: what the node takes besides the block's inputs (BlockState::autograd_inputs), so
   // that autograd routes their gradients.
-  static variable_list forward(AutogradContext* ctx, StreamedModel::Impl* impl, std::int64_t block,
-                               std::int64_t pass, at::TensorList inputs, at::TensorList anchors) {
+  static variable_list forward(AutogradContext* ctx, StreamedModel::Impl* impl, std::int64_t block, std::int64_t pass,
+                               at::TensorList inputs, at::TensorList anchors) {
     ctx->saved_data["block"] = block;
     ctx->saved_data["pass"] = pass;
     ctx->saved_data["model"] = impl->id;
@@ -74,7 +72,6 @@ struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFun
   }
 };
 
-
 std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
                                                               BlockCall call) {
   if (b != 0) require_in_order(b, pass == Pass::forwarded ? next_forward : 0, "a training pass");
@@ -102,7 +99,8 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
   // The backward reaches down to the lowest block whose node exists: whose inputs need a
   // gradient, or which trains something itself.
   const bool node = !block.autograd_inputs.empty() ||
-                    std::any_of(inputs.begin(), inputs.end(), [](const torch::Tensor& x) { return x.defined() && x.requires_grad(); });
+                    std::any_of(inputs.begin(), inputs.end(),
+                                [](const torch::Tensor& x) { return x.defined() && x.requires_grad(); });
   std::vector<torch::Tensor> out;
   try {
     out = StreamedBlockFunction::apply(this, static_cast<std::int64_t>(b), static_cast<std::int64_t>(pass_id),
@@ -164,7 +162,7 @@ void StreamedModel::Impl::begin_eval_pass(const ad::RuntimeLimitHints& limits) {
 }
 
 std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
-                                        const BlockCall& call) {
+                                                             const BlockCall& call) {
   if (b == 0) {
     wait_for_updates();  // the evaluation engine reads the masters
     require_current_images("forward");
@@ -172,8 +170,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, co
   } else {
     require_in_order(b, eval_open ? eval_next : 0, "an evaluation pass (no grad)");
   }
-  std::vector<torch::Tensor> out =
-      eval_block(b, [&](const NamedParameters& weights) { return call(inputs, weights); });
+  std::vector<torch::Tensor> out = eval_block(b, [&](const NamedParameters& weights) { return call(inputs, weights); });
   if (eval_next == blocks.size()) {
     const ad::StepTransferMetrics m = end_eval_pass();
     const std::uint64_t bytes = m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
@@ -185,14 +182,15 @@ std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, co
 
 void StreamedModel::Impl::require_in_order(std::uint32_t b, std::uint32_t expected, const char* pass_kind) const {
   if (b == expected) return;
-  throw std::logic_error(fmt::format(
-      "StreamedModel: {} was called where {} came next: {} calls every streamed block once, in order from "
-      "block 0 (the streaming engine fetches them ahead in that order)",
-      blocks[b].block.name, expected < blocks.size() ? blocks[expected].block.name : std::string("block 0"),
-      pass_kind));
+  throw std::logic_error(
+      fmt::format("StreamedModel: {} was called where {} came next: {} calls every streamed block once, in order from "
+                  "block 0 (the streaming engine fetches them ahead in that order)",
+                  blocks[b].block.name, expected < blocks.size() ? blocks[expected].block.name : std::string("block 0"),
+                  pass_kind));
 }
 
-std::vector<torch::Tensor> StreamedModel::Impl::forward_block(std::uint32_t b, const std::vector<torch::Tensor>& inputs) {
+std::vector<torch::Tensor> StreamedModel::Impl::forward_block(std::uint32_t b,
+                                                              const std::vector<torch::Tensor>& inputs) {
   const ad::BlockView& view = engine->acquire(b);
   attach(blocks[b], view, false);
   blocks[b].forward_state = ForwardState::capture(options.device);
@@ -210,7 +208,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::forward_block(std::uint32_t b, c
 }
 
 variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t id, const variable_list& xs,
-                             const variable_list& grad_outs) {
+                                                  const variable_list& grad_outs) {
   if (id != pass_id || pass == Pass::none) {
     throw std::logic_error(fmt::format(
         "StreamedModel: backward through {} of a training pass that has ended (a later grad-mode forward, or "
@@ -251,8 +249,9 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
       outputs = block.pass_call(inputs, block.weights);
     }
     if (outputs.size() != grad_outs.size()) {
-      throw std::logic_error(fmt::format("StreamedModel: {}'s recompute returned {} tensors where its forward returned {}",
-                                         block.block.name, outputs.size(), grad_outs.size()));
+      throw std::logic_error(
+          fmt::format("StreamedModel: {}'s recompute returned {} tensors where its forward returned {}",
+                      block.block.name, outputs.size(), grad_outs.size()));
     }
     // The outputs the loss reaches, with their gradients.
     std::vector<torch::Tensor> ys, gys;
@@ -394,13 +393,11 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
   return out;
 }
 
-
 torch::Tensor StreamedModel::forward(const torch::Tensor& x) {
   torch::Tensor h = x;
   for (std::uint32_t b = 0; b < impl_->blocks.size(); ++b) h = forward_block(b, {h}).at(0);
   return h;
 }
-
 
 std::vector<torch::Tensor> StreamedModel::forward_block(std::uint32_t block, const std::vector<torch::Tensor>& inputs,
                                                         BlockCall call) {

@@ -173,8 +173,8 @@ std::shared_ptr<Collectives> from_environment(std::chrono::milliseconds timeout,
                                  : c10d::ProcessGroupGloo::createDefaultDevice());
   std::shared_ptr<Collectives> gloo;
   try {
-    gloo = over_process_group(
-        c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, static_cast<int>(size), options), store);
+    gloo = over_process_group(c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, static_cast<int>(size), options),
+                              store);
   } catch (const std::exception& e) {
     throw CollectiveError(detail::collective_failure(rank, static_cast<int>(size), "Gloo group setup", e.what()));
   }

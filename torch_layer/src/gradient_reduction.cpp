@@ -98,8 +98,8 @@ void StreamedModel::Impl::wait_for_updates() {
   if (first_error) std::rethrow_exception(first_error);
 }
 
-void StreamedModel::Impl::update_block(std::uint32_t b, const kn::AdamWStep& adam, const std::map<std::string, MasterMoments>& moments,
-                  bool skip_nonfinite) {
+void StreamedModel::Impl::update_block(std::uint32_t b, const kn::AdamWStep& adam,
+                                       const std::map<std::string, MasterMoments>& moments, bool skip_nonfinite) {
   std::vector<kn::AdamWTensor> tensors = fused_update_tensors(blocks[b], moments);
   if (skip_nonfinite && !gradients_finite(blocks[b])) {
     report.updates_skipped.push_back(b);
@@ -226,7 +226,8 @@ void StreamedModel::Impl::fold_averaged(const std::vector<StreamedParam*>& param
   }
 }
 
-std::vector<torch::Tensor> StreamedModel::Impl::averaged(const std::vector<torch::Tensor>& tensors, const std::string& what) {
+std::vector<torch::Tensor> StreamedModel::Impl::averaged(const std::vector<torch::Tensor>& tensors,
+                                                         const std::string& what) {
   if (!collectives || tensors.empty()) return tensors;
   std::vector<torch::Tensor> flat;
   for (const torch::Tensor& t : tensors) flat.push_back(t.reshape({-1}).to(torch::kFloat32));

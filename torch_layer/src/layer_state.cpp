@@ -203,10 +203,9 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
   share_eval_images(ad::Precision::bf16);
   for (const torch::Tensor& sample : samples) {
     std::vector<torch::Tensor>& reference = references.emplace_back(std::vector<torch::Tensor>{sample});
-    eval_pass(pinned_to(SP_PRECISION_BF16), calibration_bytes,
-              [&](std::uint32_t b, const NamedParameters&) {
-                reference.push_back(blocks[b].block.forward(reference.back()));
-              });
+    eval_pass(pinned_to(SP_PRECISION_BF16), calibration_bytes, [&](std::uint32_t b, const NamedParameters&) {
+      reference.push_back(blocks[b].block.forward(reference.back()));
+    });
   }
   for (auto [precision, sums] :
        {std::pair{SP_PRECISION_INT8, &errors.int8}, std::pair{SP_PRECISION_NF4, &errors.nf4}}) {
@@ -253,25 +252,21 @@ bool StreamedModel::Impl::set_calibration_errors(CalibrationErrors& errors) {
   return accepted;
 }
 
-
 CalibrationErrors StreamedModel::calibrate(const std::vector<torch::Tensor>& samples) {
   CalibrationErrors errors = impl_->measure_calibration_errors(samples);
   impl_->set_calibration_errors(errors);
   return errors;
 }
 
-
 CalibrationErrors StreamedModel::measure_calibration_errors(const std::vector<torch::Tensor>& samples) {
   return impl_->measure_calibration_errors(samples);
 }
-
 
 bool StreamedModel::set_calibration_errors(const CalibrationErrors& errors) {
   if (impl_->in_step()) throw std::logic_error("StreamedModel::set_calibration_errors: call it between steps");
   CalibrationErrors given = errors;
   return impl_->set_calibration_errors(given);
 }
-
 
 std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
   const Impl& m = *impl_;
@@ -303,7 +298,6 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
   state.emplace("layer/last_step", torch::tensor({m.last_step.value_or(-1)}, torch::kInt64));
   return state;
 }
-
 
 void StreamedModel::restore_state(const std::map<std::string, torch::Tensor>& state) {
   Impl& m = *impl_;

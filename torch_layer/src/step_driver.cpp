@@ -51,7 +51,6 @@ std::vector<sp_precision> StreamedModel::Impl::current_routes() const {
   return routes;
 }
 
-
 void StreamedModel::begin_step(std::int64_t step) {
   Impl& m = *impl_;
   if (m.in_step()) {
@@ -94,7 +93,6 @@ void StreamedModel::begin_step(std::int64_t step) {
   m.updated_in_step.assign(m.blocks.size(), false);
   m.armed.reset();
 }
-
 
 const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
   Impl& m = *impl_;
@@ -143,7 +141,6 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
   return m.moments;
 }
 
-
 StepReport StreamedModel::end_step(double loss) {
   Impl& m = *impl_;
   m.require_step("end_step");
@@ -176,7 +173,6 @@ StepReport StreamedModel::end_step(double loss) {
   return report;
 }
 
-
 void StreamedModel::abort_step() {
   Impl& m = *impl_;
   m.abandon_pass();
@@ -184,7 +180,6 @@ void StreamedModel::abort_step() {
   m.phase = Impl::StepPhase::between_steps;
   m.end_plugin_step_as_failed();
 }
-
 
 void StreamedModel::refresh_images() {
   Impl& m = *impl_;
@@ -202,7 +197,6 @@ void StreamedModel::refresh_images() {
   m.note_image_versions();
 }
 
-
 void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamWStep& step,
                                    const std::map<std::string, MasterMoments>& moments) {
   Impl& m = *impl_;
@@ -213,8 +207,8 @@ void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamW
         "decides there");
   }
   if (block >= m.blocks.size()) {
-    throw std::invalid_argument(fmt::format("StreamedModel::update_masters: block {} is out of range (there are {})",
-                                            block, m.blocks.size()));
+    throw std::invalid_argument(
+        fmt::format("StreamedModel::update_masters: block {} is out of range (there are {})", block, m.blocks.size()));
   }
   if (!m.owns(block)) {
     throw std::logic_error(fmt::format(
@@ -227,7 +221,6 @@ void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamW
   }
   m.update_block(block, step, moments, /*skip_nonfinite=*/false);
 }
-
 
 void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep& step,
                                                    std::vector<std::map<std::string, MasterMoments>> moments) {
@@ -266,12 +259,10 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
   m.armed = Impl::ArmedUpdate{step, std::move(moments), std::vector<bool>(m.blocks.size(), false)};
 }
 
-
 void StreamedModel::set_transfer_gate(sp::adapters::TransferGate gate) {
   impl_->engine->policy_bridge().set_transfer_gate(gate);
   impl_->eval_engine->policy_bridge().set_transfer_gate(std::move(gate));
 }
-
 
 std::optional<sp::host::SwapResult> StreamedModel::poll_plugin(bool force) {
   if (impl_->in_step()) throw std::logic_error("StreamedModel::poll_plugin: call it between steps");

@@ -3,12 +3,10 @@
 
 namespace sp::torch_layer {
 
-
 StateEntryError::StateEntryError(std::string entry, const std::string& detail)
     : std::invalid_argument(fmt::format("StreamedModel::restore_state: '{}': {}", entry, detail)),
       entry_(std::move(entry)),
       detail_(detail) {}
-
 
 StreamedModel::Impl::Impl(std::vector<Block> in, StreamedModelOptions opts)
     : options(std::move(opts)), log(options.logger), collectives(options.collectives) {
@@ -107,8 +105,7 @@ void StreamedModel::Impl::refuse_shared_parameters(const std::vector<Block>& in)
 void StreamedModel::Impl::adopt(Block block, std::size_t index) {
   if (block.name.empty()) block.name = fmt::format("block{}", index);
   const std::string& name = block.name;
-  if (!block.parameters)
-    throw std::invalid_argument(fmt::format("StreamedModel: {} has no parameters callable", name));
+  if (!block.parameters) throw std::invalid_argument(fmt::format("StreamedModel: {} has no parameters callable", name));
   if (!block.forward && !block.call) {
     throw std::invalid_argument(fmt::format("StreamedModel: {} has neither a forward nor a call", name));
   }
@@ -185,8 +182,8 @@ void StreamedModel::Impl::adopt(Block block, std::size_t index) {
   for (const std::string& wanted : block.moments_from) {
     const torch::Tensor* found = find(params, wanted);
     if (!found) {
-      throw std::invalid_argument(fmt::format(
-          "StreamedModel: {}: moments_from names '{}', which is not one of its parameters", name, wanted));
+      throw std::invalid_argument(
+          fmt::format("StreamedModel: {}: moments_from names '{}', which is not one of its parameters", name, wanted));
     }
     const auto streamed = std::find_if(state.streamed.begin(), state.streamed.end(),
                                        [&](const StreamedParam& p) { return p.name == wanted; });
@@ -199,9 +196,9 @@ void StreamedModel::Impl::adopt(Block block, std::size_t index) {
   } else {
     state.call = [forward = block.forward, name](const std::vector<torch::Tensor>& inputs, const NamedParameters&) {
       if (inputs.size() != 1) {
-        throw std::invalid_argument(fmt::format(
-            "StreamedModel: {} takes one tensor (Block::forward), not {}; give the block a Block::call", name,
-            inputs.size()));
+        throw std::invalid_argument(
+            fmt::format("StreamedModel: {} takes one tensor (Block::forward), not {}; give the block a Block::call",
+                        name, inputs.size()));
       }
       return std::vector<torch::Tensor>{forward(inputs[0])};
     };
@@ -276,7 +273,7 @@ void StreamedModel::Impl::check_parameters_unchanged() const {
 }
 
 void StreamedModel::Impl::refuse_converted(const BlockState& b, const std::string& name, const torch::Tensor& now,
-                             const torch::TensorOptions& wrapped) {
+                                           const torch::TensorOptions& wrapped) {
   if (now.scalar_type() == c10::typeMetaToScalarType(wrapped.dtype()) && now.device() == wrapped.device()) return;
   throw std::logic_error(fmt::format(
       "StreamedModel: {}: parameter '{}' is now {} on {}, and was {} on {} when the blocks were wrapped (a .to() "
@@ -298,7 +295,6 @@ void StreamedModel::Impl::attach(BlockState& b, const ad::BlockView& view, bool 
     p.param.set_requires_grad(trainable && p.master.requires_grad());
   }
 }
-
 
 std::unique_ptr<sp::host::PolicySession> open_policy_session(const ad::StreamingEngine& engine,
                                                              const std::filesystem::path& plugin_file,
@@ -335,9 +331,7 @@ StreamedModel::StreamedModel(std::vector<Block> blocks, StreamedModelOptions opt
 
 StreamedModel::~StreamedModel() { forget_model(impl_->id); }
 
-
 std::uint32_t StreamedModel::num_blocks() const { return static_cast<std::uint32_t>(impl_->blocks.size()); }
-
 
 std::vector<torch::Tensor> StreamedModel::master_parameters() const {
   std::vector<torch::Tensor> out;
@@ -348,11 +342,9 @@ std::vector<torch::Tensor> StreamedModel::master_parameters() const {
   return out;
 }
 
-
 const std::map<std::string, torch::Tensor>& StreamedModel::masters(std::uint32_t block) const {
   return impl_->blocks.at(block).masters;
 }
-
 
 std::vector<torch::Tensor> StreamedModel::resident_parameters() const {
   std::vector<torch::Tensor> out;
@@ -360,58 +352,43 @@ std::vector<torch::Tensor> StreamedModel::resident_parameters() const {
   return out;
 }
 
-
 std::int64_t StreamedModel::next_step() const { return impl_->last_step ? *impl_->last_step + 1 : 0; }
-
 
 std::uint64_t StreamedModel::image_bytes(std::uint32_t block, sp_precision precision) const {
   return impl_->engine->image_bytes(block, route_of(precision));
 }
 
-
 const sp::host::PolicySession& StreamedModel::policy() const { return *impl_->policy; }
-
 
 std::vector<sp_precision> StreamedModel::routes() const { return impl_->current_routes(); }
 
-
 const std::vector<sp_hint_v1>& StreamedModel::hints() const { return impl_->applied_hints; }
-
 
 std::uint64_t StreamedModel::evaluation_h2d_bytes() const { return impl_->evaluation_bytes; }
 
-
 std::uint64_t StreamedModel::calibration_h2d_bytes() const { return impl_->calibration_bytes; }
-
 
 void StreamedModel::flush_metrics() { impl_->engine->flush_metrics(); }
 
-
 std::uint64_t StreamedModel::metrics_records_lost() const { return impl_->engine->metrics_records_lost(); }
-
 
 bool StreamedModel::sharded() const { return impl_->sharded; }
 
 torch::Device StreamedModel::gradient_reduction_device() const { return impl_->gradient_reduction_device(); }
 
-
 int StreamedModel::owner(std::uint32_t block) const {
   if (block >= impl_->blocks.size()) {
-    throw std::invalid_argument(fmt::format("StreamedModel::owner: block {} is out of range (there are {})", block,
-                                            impl_->blocks.size()));
+    throw std::invalid_argument(
+        fmt::format("StreamedModel::owner: block {} is out of range (there are {})", block, impl_->blocks.size()));
   }
   return impl_->owner(block);
 }
 
-
 int StreamedModel::rank() const { return impl_->collectives ? impl_->collectives->rank() : 0; }
-
 
 int StreamedModel::world_size() const { return impl_->collectives ? impl_->collectives->size() : 1; }
 
-
 Collectives* StreamedModel::collectives() const { return impl_->collectives.get(); }
-
 
 void StreamedModel::average_gradients(const std::vector<torch::Tensor>& parameters) {
   std::vector<torch::Tensor> grads;
@@ -420,7 +397,6 @@ void StreamedModel::average_gradients(const std::vector<torch::Tensor>& paramete
   }
   impl_->average_in_place(grads, "gradients of the host's parameters");
 }
-
 
 double StreamedModel::average(double value) {
   if (!impl_->collectives) return value;

@@ -39,8 +39,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using Clock = std::chrono::steady_clock;
 
-
-
 inline ad::Precision route_of(sp_precision precision) {
   if (const std::optional<ad::Precision> route = ad::route_of(precision)) return *route;
   throw std::invalid_argument(fmt::format("sp_precision {} is not BF16, INT8 or NF4", static_cast<int>(precision)));
@@ -89,7 +87,7 @@ struct StreamedParam {
   std::string name;
   std::uint32_t block = 0;
   torch::Tensor param;
-  torch::Tensor master;  // sharded, on a rank that does not own the block: an empty placeholder
+  torch::Tensor master;   // sharded, on a rank that does not own the block: an empty placeholder
   torch::Tensor staging;  // CUDA: pinned fp32, the gradient's way to the host without a sync
   bool staged = false;    // staging holds this pass's gradient
   std::vector<std::int64_t> shape;
@@ -102,10 +100,10 @@ struct BlockState {
   std::vector<StreamedParam> streamed;
   std::map<std::string, torch::Tensor> masters;
   std::vector<torch::Tensor> resident;
-  std::vector<std::string> resident_names;        // of `resident`, for messages
+  std::vector<std::string> resident_names;           // of `resident`, for messages
   std::vector<torch::TensorOptions> resident_kinds;  // their dtype and device when wrapped
-  std::vector<torch::Tensor> trainable_resident;  // resident parameters that require grad
-  std::vector<torch::Tensor> moment_sources;      // Block::moments_from; empty: the default rule
+  std::vector<torch::Tensor> trainable_resident;     // resident parameters that require grad
+  std::vector<torch::Tensor> moment_sources;         // Block::moments_from; empty: the default rule
   // What the block's autograd node takes as inputs besides x: its trainable resident
   // parameters, and one trainable master, so that a block whose only trainable weights stream
   // still gets a backward when its input needs no gradient.
@@ -123,7 +121,9 @@ struct BlockState {
   BlockCall pass_call;
 };
 
-inline std::string master_key(const BlockState& b, const StreamedParam& p) { return "master/" + b.block.name + "." + p.name; }
+inline std::string master_key(const BlockState& b, const StreamedParam& p) {
+  return "master/" + b.block.name + "." + p.name;
+}
 
 // The moments of master `name`, or null when `moments` lacks them or either buffer.
 inline const MasterMoments* moments_of(const std::map<std::string, MasterMoments>& moments, const std::string& name) {
@@ -136,7 +136,8 @@ inline const MasterMoments* moments_of(const std::map<std::string, MasterMoments
 // `moments` entry. Throws std::invalid_argument naming the parameter that has no fp32 host
 // gradient of its size, or no moments.
 
-inline std::vector<kn::AdamWTensor> fused_update_tensors(const BlockState& b, const std::map<std::string, MasterMoments>& moments) {
+inline std::vector<kn::AdamWTensor> fused_update_tensors(const BlockState& b,
+                                                         const std::map<std::string, MasterMoments>& moments) {
   std::vector<kn::AdamWTensor> tensors;
   for (const StreamedParam& p : b.streamed) {
     const auto problem = [&](const std::string& what) {
@@ -171,7 +172,6 @@ inline bool gradients_finite(const BlockState& b) {
   }
   return true;
 }
-
 
 struct StreamedModel::Impl {
   StreamedModelOptions options;
@@ -213,7 +213,7 @@ struct StreamedModel::Impl {
   // The gradients of the current pass's unlisted inputs (unlisted_leaves.h), summed over blocks.
   std::vector<UnlistedLeaf> pass_unlisted;
   std::vector<torch::Tensor> pass_unlisted_grads;
-  std::vector<bool> updated_in_step;   // per block: update_masters() wrote its image this step
+  std::vector<bool> updated_in_step;                          // per block: update_masters() wrote its image this step
   std::uint64_t evaluation_bytes = 0, calibration_bytes = 0;  // of the forward-only passes
   bool grads_staged = false;
   // The lowest block whose autograd node runs in the current pass: its backward ends the pass
@@ -257,7 +257,7 @@ struct StreamedModel::Impl {
   std::vector<RunningUpdate> running;
   std::vector<bool> deferred_updates;  // per block: its gradient reaches the host only at the pass's end
   std::vector<std::unique_ptr<ad::Event>> gradient_copied;  // per block: its staged gradient is on the host
-  SerialWorker worker;  // last: destroyed first, after its tasks ran
+  SerialWorker worker;                                      // last: destroyed first, after its tasks ran
 
   Impl(std::vector<Block> in, StreamedModelOptions opts);
 
@@ -364,7 +364,8 @@ struct StreamedModel::Impl {
   void end_plugin_step_as_failed();
 
   void require_step(const char* call) const {
-    if (!in_step()) throw std::logic_error(fmt::format("StreamedModel::{}: no step is active; call begin_step()", call));
+    if (!in_step())
+      throw std::logic_error(fmt::format("StreamedModel::{}: no step is active; call begin_step()", call));
   }
 
   void add_transfer(const ad::StepTransferMetrics& m);
@@ -424,8 +425,7 @@ struct StreamedModel::Impl {
   // ---- training passes: forward, then the backward's recompute -----------------------------
 
   // A grad-mode call of block b, inside a step: block 0 opens a training pass.
-  std::vector<torch::Tensor> train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
-                                           BlockCall call);
+  std::vector<torch::Tensor> train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs, BlockCall call);
 
   // Inside the autograd node's forward: block b on its delivered weights, without a graph.
   std::vector<torch::Tensor> forward_block(std::uint32_t b, const std::vector<torch::Tensor>& inputs);

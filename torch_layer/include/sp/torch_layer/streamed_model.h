@@ -282,9 +282,9 @@ class StreamedModel {
   // gradient is final, on a worker thread, while the backward goes on through the blocks
   // before it. That pass must be the step's last, and it replaces update_masters() for every
   // block with trainable masters: `moments[b]` is what update_masters(b, ...) would take (empty
-  // for a block without trainable masters or, sharded, owned by another rank), and the caller keeps the moments alive until
-  // post_backward() returns. Since `step` is fixed before the backward, it cannot clip by this
-  // step's gradient norm: the host picks a rule (sp-train: the previous step's norm).
+  // for a block without trainable masters or, sharded, owned by another rank), and the caller keeps the moments alive
+  // until post_backward() returns. Since `step` is fixed before the backward, it cannot clip by this step's gradient
+  // norm: the host picks a rule (sp-train: the previous step's norm).
   //   - A block whose gradient holds a non-finite element is left as it was
   //     (StepReport::updates_skipped): the whole-step skip of a host that checks the norm first
   //     cannot be had, since blocks after it are updated already.
