@@ -74,6 +74,13 @@ CudaBackend::~CudaBackend() {
   }
 }
 
+void CudaBackend::set_compute_stream(cudaStream_t stream) {
+  if (owns_compute_stream_) {
+    throw std::logic_error("CudaBackend::set_compute_stream: this backend computes on a stream of its own");
+  }
+  compute_stream_ = stream;
+}
+
 cudaStream_t CudaBackend::stream(Queue queue) const {
   switch (queue) {
     case Queue::copy:

@@ -2,6 +2,11 @@
 // and its backward (the recompute, differentiated).
 #include "streamed_model_impl.h"
 
+#if defined(SP_TORCH_LAYER_HAVE_CUDA) && __has_include(<c10/cuda/CUDAStream.h>)
+#include <c10/cuda/CUDAStream.h>
+#define SP_TORCH_LAYER_FOLLOWS_CUDA_STREAMS 1
+#endif
+
 namespace sp::torch_layer {
 
 // The autograd node of one streamed block: its forward fetches the block and runs it without
@@ -189,8 +194,17 @@ void StreamedModel::Impl::require_in_order(std::uint32_t b, std::uint32_t expect
                   pass_kind));
 }
 
+void StreamedModel::Impl::follow_caller_stream() {
+#ifdef SP_TORCH_LAYER_FOLLOWS_CUDA_STREAMS
+  if (!options.device.is_cuda()) return;
+  const c10::DeviceIndex index = options.device.has_index() ? options.device.index() : 0;
+  static_cast<ad::CudaBackend&>(*backend).set_compute_stream(c10::cuda::getCurrentCUDAStream(index).stream());
+#endif
+}
+
 std::vector<torch::Tensor> StreamedModel::Impl::forward_block(std::uint32_t b,
                                                               const std::vector<torch::Tensor>& inputs) {
+  follow_caller_stream();
   const ad::BlockView& view = engine->acquire(b);
   attach(blocks[b], view, false);
   blocks[b].forward_state = ForwardState::capture(options.device);
@@ -225,6 +239,7 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
   }
   pass = Pass::in_backward;
   BlockState& block = blocks[b];
+  follow_caller_stream();
   const ad::BlockView& view = engine->acquire(b);
   attach(block, view, true);
   variable_list grads;

@@ -386,6 +386,7 @@ struct StreamedModel::Impl {
   // weights. The block is released, and the pass ended, even when run() throws.
   template <typename Run>
   auto eval_block(std::uint32_t b, Run&& run) {
+    follow_caller_stream();
     const ad::BlockView& view = eval_engine->acquire(b);
     attach(blocks[b], view, false);
     try {
@@ -421,6 +422,9 @@ struct StreamedModel::Impl {
                                           const BlockCall& call);
 
   void require_in_order(std::uint32_t b, std::uint32_t expected, const char* pass_kind) const;
+  // On CUDA, the engine's compute queue becomes the caller's current stream: called before each
+  // block's fetch, so that the layer orders its copies around the kernels the caller launches.
+  void follow_caller_stream();
 
   // ---- training passes: forward, then the backward's recompute -----------------------------
 

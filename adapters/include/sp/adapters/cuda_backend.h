@@ -31,6 +31,11 @@ class CudaBackend final : public TransferBackend {
   CudaBackend &operator=(const CudaBackend &) = delete;
 
   cudaStream_t stream(Queue queue) const;
+  // The compute queue is `stream` from now on: for a host that computes on whatever stream its
+  // caller made current (LibTorch's current stream), set before each block's use, so that the
+  // block's weights are ordered before, and its slot's reuse after, the kernels that read them.
+  // Throws std::logic_error for a backend that created its own compute stream.
+  void set_compute_stream(cudaStream_t stream);
   // The device's name, e.g. "NVIDIA H200", for reports.
   std::string device_name() const;
 

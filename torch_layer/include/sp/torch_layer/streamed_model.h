@@ -124,7 +124,10 @@ struct StreamedModelOptions {
   std::chrono::milliseconds plugin_hook_deadline{0};
 
   // Where and in what dtype the blocks compute. CPU uses the host backend (a bandwidth cap
-  // emulates a link); CUDA the CUDA backend on torch's default stream.
+  // emulates a link); CUDA the CUDA backend, computing on the caller's current stream
+  // (c10::cuda::getCurrentCUDAStream() when each block is called, as PyTorch's own ops do):
+  // the layer orders its copies and dequantization before, and a slot's reuse after, the
+  // kernels launched there.
   torch::Device device = torch::kCPU;
   torch::Dtype compute_dtype = torch::kFloat32;
   double host_bandwidth_cap_gbps = 0.0;  // CPU only; 0: memcpy speed
