@@ -49,6 +49,7 @@ class _Layer:
         self.streamed_names = list(streamed_names)
         self.in_step = False
         self.stepping = False  # post_backward ran, the optimizer's step has not ended
+        self.averaged = set()  # ids of the host parameters average_gradients() averaged this step
         self.loss = None
         self.last_report = None
         self.last_moments = None
@@ -92,7 +93,7 @@ class _Layer:
             return
         self.last_moments = self.model.post_backward()
         if self.model.world_size() > 1:
-            own = {id(m) for m in self.masters} | self.resident_ids
+            own = {id(m) for m in self.masters} | self.resident_ids | self.averaged
             self.model.average_gradients(
                 [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own and p.grad is not None])
         self.stepping = True
@@ -106,6 +107,7 @@ class _Layer:
         from . import _report  # the StepReport of the package
 
         self.stepping = self.in_step = False
+        self.averaged.clear()
         self.last_report = _report(self.model.end_step(loss))
 
 
@@ -271,6 +273,28 @@ class StreamedLayers(torch.nn.ModuleList):
     def last_moments(self):
         """Each block's gradient moments of the last step, as the policy got them."""
         return self._layer().last_moments
+
+    def average_gradients(self, parameters) -> None:
+        """With a process group: replaces each parameter's .grad by its mean across ranks, for
+        the model's own parameters outside the streamed blocks (embeddings, head), whose
+        gradients the layer does not average in the backward. Call it before clipping by the
+        gradient norm, so that every rank clips alike; otherwise the optimizer step averages
+        them itself. Every rank passes the same parameters in the same order. One process:
+        nothing to do."""
+        layer = self._layer()
+        parameters = [p for p in parameters if p.grad is not None]
+        layer.model.average_gradients(parameters)
+        layer.averaged.update(id(p) for p in parameters)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the process group (0 without one)."""
+        return self._layer().model.rank()
+
+    @property
+    def world_size(self) -> int:
+        """The ranks in the process group (1 without one)."""
+        return self._layer().model.world_size()
 
     def routes(self) -> list[str]:
         """Each block's format for its next fetch: "bf16", "int8" or "nf4"."""
