@@ -109,6 +109,92 @@ TEST(StreamedModel, ForwardAndGradientsEqualThePlainModelOnBf16Weights) {
   EXPECT_EQ(report.h2d_bytes_bf16, 2 * one_pass - model->image_bytes(kBlocks - 1, SP_PRECISION_BF16));
 }
 
+// Blocks called one at a time by the host's loop, through Block::call: two inputs (the hidden
+// state and a gate that needs a gradient), two outputs (the next state and an auxiliary loss).
+tl::BlockCall gated_call(TinyBlock block) {
+  return [block](const std::vector<torch::Tensor>& in, const tl::NamedParameters& weights) mutable {
+    const auto weight = [&](const std::string& name) {
+      for (const auto& [key, value] : weights) {
+        if (key == name) return value;
+      }
+      throw std::invalid_argument(name);
+    };
+    namespace F = torch::nn::functional;
+    const torch::Tensor h = F::linear(torch::gelu(F::linear(block->ln(in[0]), weight("fc1.weight"), block->fc1->bias)),
+                                      weight("fc2.weight"), block->fc2->bias);
+    const torch::Tensor y = in[0] + h * in[1];
+    return std::vector<torch::Tensor>{y, h.pow(2).mean()};
+  };
+}
+
+TEST(StreamedModel, BlocksWithSeveralInputsAndOutputsCalledOneAtATimeTrainAsPlainAutograd) {
+  const auto blocks = make_blocks(5);
+  const auto twins = make_blocks(5);
+  std::vector<tl::Block> list;
+  for (const TinyBlock& b : blocks) {
+    tl::Block block = tl::make_block(b, {"fc1.weight", "fc2.weight"});
+    block.call = gated_call(b);
+    list.push_back(std::move(block));
+  }
+  tl::StreamedModelOptions options;
+  options.plugin_file = SP_PLUGIN_FILE;
+  options.config_yaml = policy_yaml("  mode: off\n");
+  tl::StreamedModel model(std::move(list), options);
+  {
+    torch::NoGradGuard no_grad;
+    for (const TinyBlock& t : twins) {
+      for (auto& p : t->parameters()) {
+        if (p.dim() == 2) p.copy_(p.to(torch::kBFloat16).to(torch::kFloat32));
+      }
+    }
+  }
+  // The module's streamed parameters are the masters themselves.
+  EXPECT_TRUE(model.masters(1).at("fc2.weight").is_same(blocks[1]->fc2->weight));
+  const torch::Tensor x = input(6);
+  const torch::Tensor gate = torch::full({kDim}, 0.5).requires_grad_(true);
+  const torch::Tensor twin_gate = gate.detach().clone().requires_grad_(true);
+
+  model.begin_step(0);
+  torch::Tensor h = x, loss = torch::zeros({});
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    const std::vector<torch::Tensor> out = model.forward_block(b, {h, gate});
+    h = out[0];
+    loss = loss + out[1];
+  }
+  loss = loss + h.mean();
+  loss.backward();
+  torch::Tensor th = x, twin_loss = torch::zeros({});
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    const std::vector<torch::Tensor> out = gated_call(twins[b])(
+        {th, twin_gate}, {{"fc1.weight", twins[b]->fc1->weight}, {"fc2.weight", twins[b]->fc2->weight}});
+    th = out[0];
+    twin_loss = twin_loss + out[1];
+  }
+  twin_loss = twin_loss + th.mean();
+  twin_loss.backward();
+
+  EXPECT_TRUE(torch::allclose(loss, twin_loss, 1e-6, 0));
+  EXPECT_TRUE(torch::allclose(gate.grad(), twin_gate.grad(), 1e-5, 1e-7));
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    const auto twin = twins[b]->named_parameters();
+    for (const auto& item : blocks[b]->named_parameters()) {
+      ASSERT_TRUE(item.value().grad().defined()) << b << " " << item.key();
+      EXPECT_TRUE(torch::allclose(item.value().grad(), twin[item.key()].grad(), 1e-5, 1e-7))
+          << "block " << b << " " << item.key();
+    }
+  }
+  model.post_backward();
+  model.end_step(loss.item<double>());
+  // Out of order: refused by name.
+  model.begin_step(1);
+  try {
+    model.forward_block(1, {x, gate});
+    FAIL() << "a block called out of order was accepted";
+  } catch (const std::logic_error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("block1 was called where block0 came next"));
+  }
+}
+
 // A residual block that draws from the random stream (dropout) and records the dtype its
 // matmul computed in, call by call: the forward, then the backward's recompute.
 struct DropoutBlockImpl : torch::nn::Module {
@@ -336,7 +422,8 @@ void zero_master_grads(tl::StreamedModel& model) {
 TEST(StreamedModel, FusedUpdateEqualsAdamWThenTheRebuild) {
   const auto blocks_fused = make_blocks(21);
   const auto blocks_unfused = make_blocks(21);
-  const std::string policy = "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n  force_nf4_blocks: [2]\n";
+  const std::string policy =
+      "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n  force_nf4_blocks: [2]\n";
   auto fused = wrap(blocks_fused, policy);
   auto unfused = wrap(blocks_unfused, policy);
   Moments fused_moments(*fused), unfused_moments(*unfused);
@@ -355,12 +442,13 @@ TEST(StreamedModel, FusedUpdateEqualsAdamWThenTheRebuild) {
       for (const auto& [name, master] : unfused->masters(b)) {
         torch::Tensor grad = master.grad();
         sp::kernels::adamw_update(
-            adam, sp::kernels::AdamWTensor{master.data_ptr<float>(), grad.data_ptr<float>(),
-                                           unfused_moments.exp_avg[b].at(name).data_ptr<float>(),
-                                           unfused_moments.exp_avg_sq[b].at(name).data_ptr<float>(),
-                                           {static_cast<std::uint64_t>(master.size(0)),
-                                            static_cast<std::uint64_t>(master.size(1))},
-                                           true});
+            adam, sp::kernels::AdamWTensor{
+                      master.data_ptr<float>(),
+                      grad.data_ptr<float>(),
+                      unfused_moments.exp_avg[b].at(name).data_ptr<float>(),
+                      unfused_moments.exp_avg_sq[b].at(name).data_ptr<float>(),
+                      {static_cast<std::uint64_t>(master.size(0)), static_cast<std::uint64_t>(master.size(1))},
+                      true});
       }
     }
     const tl::StepReport fused_report = fused->end_step(1.0);
@@ -413,7 +501,8 @@ TEST(StreamedModel, FusedUpdateOutsideItsWindowOrWithoutMomentsIsRefused) {
 TEST(StreamedModel, UpdateDuringTheBackwardEqualsTheUpdateAfterIt) {
   const auto blocks_overlapped = make_blocks(31);
   const auto blocks_after = make_blocks(31);
-  const std::string policy = "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n  force_nf4_blocks: [2]\n";
+  const std::string policy =
+      "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n  force_nf4_blocks: [2]\n";
   auto overlapped = wrap(blocks_overlapped, policy);
   auto after = wrap(blocks_after, policy);
   Moments overlapped_moments(*overlapped), after_moments(*after);
@@ -673,9 +762,8 @@ TEST(StreamedModel, StepsThatDoNotIncreaseAreRefusedByNameAcrossAResume) {
     m.end_step(1.0);
   };
   one_step(*model, 4);
-  EXPECT_THAT([&] { model->begin_step(4); },
-              ::testing::ThrowsMessage<std::invalid_argument>(
-                  ::testing::HasSubstr("begin_step(4): step 4 already began, and steps must increase")));
+  EXPECT_THAT([&] { model->begin_step(4); }, ::testing::ThrowsMessage<std::invalid_argument>(::testing::HasSubstr(
+                                                 "begin_step(4): step 4 already began, and steps must increase")));
   EXPECT_THAT([&] { model->begin_step(0); },
               ::testing::ThrowsMessage<std::invalid_argument>(::testing::HasSubstr("go on from step 5")));
   EXPECT_THROW(model->begin_step(-1), std::invalid_argument);
@@ -730,9 +818,8 @@ TEST(StreamedModel, MastersChangedAfterTheRebuildAreRefusedUntilRefreshed) {
 TEST(StreamedModel, PostBackwardWithoutABackwardIsRefusedByName) {
   auto model = wrap(make_blocks(62), "  mode: off\n");
   model->begin_step(0);
-  EXPECT_THAT([&] { model->post_backward(); },
-              ::testing::ThrowsMessage<std::logic_error>(
-                  ::testing::HasSubstr("no block has a gradient in step 0: no backward ran")));
+  EXPECT_THAT([&] { model->post_backward(); }, ::testing::ThrowsMessage<std::logic_error>(::testing::HasSubstr(
+                                                   "no block has a gradient in step 0: no backward ran")));
   model->abort_step();
   model->begin_step(1);
   model->forward(input(63)).pow(2).mean().backward();
@@ -1008,8 +1095,8 @@ TEST(StreamedModel, RefreshRebuildsTheFrozenBlocksWhoseMastersTheHostChanged) {
   EXPECT_THROW(model->begin_step(0), std::logic_error);  // its images are the old weights
   model->refresh_images();
   torch::NoGradGuard no_grad;
-  EXPECT_TRUE(torch::allclose(model->forward(input(76)), run_plain(plain_twins(blocks, *model), input(76)), 1e-4,
-                              1e-5));
+  EXPECT_TRUE(
+      torch::allclose(model->forward(input(76)), run_plain(plain_twins(blocks, *model), input(76)), 1e-4, 1e-5));
 }
 
 // A state exported before the plugin's first hints restores the default routes.
@@ -1196,8 +1283,8 @@ TEST(ShardedMasters, ARestoreThatFailsOnOneRankFailsOnEveryRankByName) {
     std::map<std::string, torch::Tensor> state = model.export_state();
     if (rank == 1) state.erase("master/block1.fc1.weight");
     if (rank == 0) {
-      EXPECT_THAT([&] { model.restore_state(state); },
-                  ::testing::ThrowsMessage<tl::RankMismatchError>(::testing::HasSubstr("rank 1 of 2 could not restore")));
+      EXPECT_THAT([&] { model.restore_state(state); }, ::testing::ThrowsMessage<tl::RankMismatchError>(
+                                                           ::testing::HasSubstr("rank 1 of 2 could not restore")));
     } else {
       EXPECT_THAT([&] { model.restore_state(state); },
                   ::testing::ThrowsMessage<tl::StateEntryError>(::testing::HasSubstr("master/block1.fc1.weight")));
@@ -1321,10 +1408,12 @@ TEST(Collectives, ByDeviceSendsEachTensorToItsDevicesGroup) {
   // Whether a device's tensors are reduced where they are is the device group's answer.
   EXPECT_TRUE(both->reduces_on(torch::Device(torch::kMeta)));
   EXPECT_FALSE(both->reduces_on(torch::kCPU));
-  EXPECT_THAT([&] {
-    tl::by_device(std::make_shared<NamedCollectives>("host", 0, calls),
-                  std::make_shared<NamedCollectives>("device", 1, calls));
-  }, ::testing::ThrowsMessage<std::invalid_argument>(::testing::HasSubstr("must span the same ranks")));
+  EXPECT_THAT(
+      [&] {
+        tl::by_device(std::make_shared<NamedCollectives>("host", 0, calls),
+                      std::make_shared<NamedCollectives>("device", 1, calls));
+      },
+      ::testing::ThrowsMessage<std::invalid_argument>(::testing::HasSubstr("must span the same ranks")));
 }
 
 // With data parallelism such a tensor's gradient would differ from rank to rank: refused by
@@ -1418,4 +1507,3 @@ TEST(Collectives, WithNcclTheGradientsAreReducedOnTheGpuAndTheRunIsUnchanged) {
     EXPECT_TRUE(torch::allclose(grouped.masters.at(name), master, 1e-6, 1e-8)) << name;
   }
 }
-
