@@ -272,3 +272,28 @@ def test_a_tensor_the_block_reads_without_registering_it_gets_its_gradient():
         h = b(h)
     h.sum().backward()
     torch.testing.assert_close(gate.grad, expected)
+
+
+def test_ddp_over_the_rest_of_the_model_leaves_the_streamed_blocks_to_the_layer(tmp_path):
+    """DDP averages the parameters outside the streamed blocks during the backward; the blocks'
+    own are the layer's (it averages them itself with a process_group), so DDP is told to
+    ignore them, as it is told for any parameter another mechanism reduces."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method="file://%s" % (tmp_path / "init"), rank=0, world_size=1)
+    try:
+        plain, streamed = plain_and_streamed(p=0.0)
+        ignored = [n for n, _ in streamed.named_parameters() if n.startswith("layers.")]
+        DDP._set_params_and_buffers_to_ignore_for_model(streamed, ignored)
+        model = DDP(streamed)
+        x = torch.randn(4, 8)
+        for m in (plain, model):
+            m(x).backward()
+        for name, g in grads(plain).items():
+            torch.testing.assert_close(streamed.get_parameter(name).grad, g, rtol=1e-6, atol=1e-7, msg=name)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer.step()
+        assert streamed.layers.last_report.step == 0
+    finally:
+        dist.destroy_process_group()
