@@ -79,8 +79,11 @@ class _Layer:
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         trainable = self.trainable_masters()
         missing = [name for name, m in trainable if id(m) not in stepped]
-        if len(missing) == len(trainable):
-            return  # another optimizer (the embeddings', say)
+        # The blocks' optimizer steps their streamed weights, or, on a frozen base (LoRA), their
+        # resident parameters; any other is another's (the embeddings', say).
+        ours = len(missing) < len(trainable) or not self.resident_ids.isdisjoint(stepped)
+        if not ours or self.stepping:
+            return
         if missing:
             raise ValueError(
                 "selective_precision: this optimizer steps %d of the %d trainable streamed weights; it leaves out "

@@ -297,3 +297,39 @@ def test_ddp_over_the_rest_of_the_model_leaves_the_streamed_blocks_to_the_layer(
         assert streamed.layers.last_report.step == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_a_frozen_base_with_trainable_adapters_ends_its_steps_at_the_adapters_optimizer():
+    """LoRA on a frozen base: the streamed weights train not, the adapters (resident parameters of
+    the blocks) do; the optimizer that steps them ends the layer's step, and one that steps
+    neither (the embeddings') is left alone."""
+
+    class Adapted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(DIM, DIM)
+            self.fc.weight.requires_grad_(False)
+            self.lora_a = torch.nn.Parameter(torch.randn(4, DIM) * 0.1)
+            self.lora_b = torch.nn.Parameter(torch.zeros(DIM, 4))
+
+        def forward(self, h):
+            return h + self.fc(h) + h @ self.lora_a.t() @ self.lora_b.t()
+
+    torch.manual_seed(4)
+    embed = torch.nn.Linear(8, DIM)
+    layers = sp.stream(torch.nn.ModuleList(Adapted() for _ in range(2)), config=ALL_BF16, streamed=["fc.weight"],
+                       moments_from=["lora_a", "lora_b"])
+    adapters = torch.optim.AdamW([p for n, p in layers.named_parameters() if "lora" in n], lr=1e-2)
+    embeddings = torch.optim.SGD(embed.parameters(), lr=0.1)
+    for step in range(2):
+        h = embed(torch.randn(4, 8))
+        for layer in layers:
+            h = layer(h)
+        h.square().mean().backward()
+        embeddings.step()
+        assert layers.last_report is None or layers.last_report.step == step - 1
+        adapters.step()
+        assert layers.last_report.step == step
+        assert len(layers.last_moments) == 2
+        for opt in (adapters, embeddings):
+            opt.zero_grad()
