@@ -1319,6 +1319,10 @@ struct Trainer::Impl {
       layer->restore_state(layer_state);
     } catch (const tl::StateEntryError& e) {
       throw ResumeError(fmt::format("{}: section '{}': {}", file, e.entry(), e.detail()));
+    } catch (const tl::CollectiveError&) {
+      throw;  // a rank died or stalled during a sharded restore: not a defect of the checkpoint
+    } catch (const tl::RankMismatchError&) {
+      throw;  // another rank could not restore: it names itself, and its checkpoint
     } catch (const std::logic_error&) {
       throw;                             // a bug on this side, not a defect of the checkpoint
     } catch (const std::exception& e) {  // the plugin rejected the state
