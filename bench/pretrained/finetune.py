@@ -278,13 +278,8 @@ class Task(gt.Task):
     """gt.Task's metrics on any split; each batch of 64 cut to its longest sequence (the padding
     is masked: the same embeddings, less compute), under bf16 autocast."""
 
-    def __init__(self, tokenizer, pairs, pool, query_tokens, document_tokens):  # noqa: super().__init__ reads test
-        pairs = pairs[:pool]
-        self.size = len(pairs)
-        self.queries = tokenizer([p.query for p in pairs], padding=True, truncation=True, max_length=query_tokens,
-                                 return_tensors="pt")
-        self.documents = tokenizer([p.document for p in pairs], padding=True, truncation=True,
-                                   max_length=document_tokens, return_tensors="pt")
+    def __init__(self, tokenizer, pairs, pool, query_tokens, document_tokens):
+        super().__init__(tokenizer, pairs[:pool], query_tokens, document_tokens)
 
     @staticmethod
     def embed(model, tokens, batch=64):

