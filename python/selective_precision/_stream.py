@@ -43,7 +43,7 @@ class _Layer:
     """The streaming layer behind one stream() call: the extension's model and the step state
     found from the optimizer's hooks. Held by every streamed block and by the StreamedLayers."""
 
-    def __init__(self, model, blocks, streamed_names, process_group):
+    def __init__(self, model, blocks, streamed_names):
         self.model = model
         self.blocks = [weakref.ref(b) for b in blocks]
         self.streamed_names = list(streamed_names)
@@ -53,8 +53,7 @@ class _Layer:
         self.loss = None
         self.last_report = None
         self.last_moments = None
-        self.process_group = process_group
-        self.masters = [getattr_path(b, n) for b in blocks for n in streamed_names]
+        self.masters = [_parameter_at(b, n) for b in blocks for n in streamed_names]
         self.master_names = ["%d.%s" % (i, n) for i in range(len(blocks)) for n in streamed_names]
         self.resident_ids = {id(p) for p in model.resident_parameters()}
 
@@ -135,7 +134,7 @@ def _install_optimizer_hooks():
     _HOOKS.append(register_optimizer_step_post_hook(post))
 
 
-def getattr_path(module, name):
+def _parameter_at(module, name):
     owner, leaf = _owner(module, name)
     return owner._parameters[leaf]
 
@@ -184,12 +183,12 @@ class StreamedBlock:
         layer, index = self._sp_layer, self._sp_index
         if layer.model.closed:
             raise RuntimeError("selective_precision: %s: the streamed layers were closed" % self._sp_name())
-        with_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
-        leaves = [leaf for _, leaf in with_paths]
+        leaves, spec = pytree.tree_flatten((args, kwargs))
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         training = torch.is_grad_enabled()
-        if training:
-            for path, leaf in with_paths:
+        if training and not all(isinstance(leaf, (torch.Tensor, *_REPLAYABLE)) for leaf in leaves):
+            # The key paths only to name the argument refused.
+            for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
                 if not isinstance(leaf, torch.Tensor) and not isinstance(leaf, _REPLAYABLE):
                     raise TypeError(
                         "selective_precision: %s was called with %s=%s, which its recompute in the backward cannot "
@@ -223,7 +222,7 @@ class StreamedBlock:
     def _apply(self, fn, recurse=True):
         # A .to() / .cuda() / .half() would move or cast the masters under the layer.
         for name in self._sp_layer.streamed_names:
-            master = getattr_path(self, name)
+            master = _parameter_at(self, name)
             if fn(master) is not master:
                 raise RuntimeError(
                     "selective_precision: %s: a conversion (.to(), .cuda(), .half(), ...) would move or cast its "
@@ -342,7 +341,7 @@ class StreamedLayers(torch.nn.ModuleList):
         entries = torch.load(io.BytesIO(state.numpy().tobytes()), weights_only=True)
         for b, block in enumerate(layer.blocks):
             for name in layer.streamed_names:
-                entries["master/block%d.%s" % (b, name)] = getattr_path(block(), name).detach()
+                entries["master/block%d.%s" % (b, name)] = _parameter_at(block(), name).detach()
         layer.model.restore_state(entries)
         layer.in_step = layer.stepping = False
 
@@ -411,7 +410,7 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
         str(options.get("metrics_path", "")), 0, options.get("process_group"),
         bool(options.get("shard_masters", False)), calls,
     )
-    layer = _Layer(model, modules, names, options.get("process_group"))
+    layer = _Layer(model, modules, names)
     for index, module in enumerate(modules):
         module.__class__ = _streamed_class(type(module))
         module._sp_layer = layer
