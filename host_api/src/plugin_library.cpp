@@ -114,7 +114,7 @@ class PrivateCopy {
  public:
   PrivateCopy() = default;
   PrivateCopy(PrivateCopy&& other) noexcept
-      : dir_(std::exchange(other.dir_, {})), file_(std::exchange(other.file_, {})) {}
+      : dir_(std::move(other.dir_)), file_(std::move(other.file_)), on_disk_(std::exchange(other.on_disk_, false)) {}
   PrivateCopy& operator=(PrivateCopy&&) = delete;
   PrivateCopy(const PrivateCopy&) = delete;
   PrivateCopy& operator=(const PrivateCopy&) = delete;
@@ -132,6 +132,7 @@ class PrivateCopy {
     }
     PrivateCopy copy;
     copy.dir_ = dir_template;
+    copy.on_disk_ = true;
     copy.file_ = copy.dir_ / source.filename();
     FileDescriptor out(::open(copy.file_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0700));
     if (out.get() < 0) {
@@ -150,19 +151,21 @@ class PrivateCopy {
     return copy;
   }
 
+  // Still names the copy after remove(): the loader knows the library by this path.
   const std::filesystem::path& file() const { return file_; }
 
   void remove() {
+    if (!on_disk_) return;
     std::error_code ignored;
-    if (!file_.empty()) std::filesystem::remove(file_, ignored);
-    if (!dir_.empty()) std::filesystem::remove(dir_, ignored);
-    file_.clear();
-    dir_.clear();
+    std::filesystem::remove(file_, ignored);
+    std::filesystem::remove(dir_, ignored);
+    on_disk_ = false;
   }
 
  private:
   std::filesystem::path dir_;
   std::filesystem::path file_;
+  bool on_disk_ = false;
 };
 
 void validate_table(const std::filesystem::path& file, const Table* table) {
@@ -304,6 +307,9 @@ PluginLibrary PluginLibrary::load(const std::filesystem::path& file) {
   state->name = state->table->plugin_name;
   state->version = state->table->plugin_version;
   state->abi_minor = state->table->abi_minor;
+  // The mapping keeps the unlinked file alive, so the copy can go now: a process that is
+  // killed or never unloads leaves nothing behind in TMPDIR.
+  state->copy.remove();
   return PluginLibrary(std::move(state));
 }
 
@@ -341,7 +347,6 @@ UnloadReport PluginLibrary::unload() {
         "symbol or a thread_local with a destructor (check with: nm -C --defined-only {} | grep ' u ')",
         state_->source, state_->copy.file(), state_->source);
   }
-  state_->copy.remove();
   return report;
 }
 

@@ -63,7 +63,8 @@ class PluginLibrary {
   const sp_policy_plugin_v1_table& table() const;
   /// The file the caller named.
   const std::filesystem::path& source_path() const;
-  /// The private copy the loader actually opened.
+  /// The private copy the loader actually opened. It is unlinked once loaded (the mapping
+  /// keeps it alive), so the path names a file that no longer exists on disk.
   const std::filesystem::path& loaded_path() const;
   std::string_view plugin_name() const;
   std::string_view plugin_version() const;
