@@ -1,4 +1,5 @@
 # Install rules and the CMake package: find_package(SelectivePrecision CONFIG) gives
+#   SelectivePrecision::error        sp::Error, the base of every exception (a C++ header)
 #   SelectivePrecision::plugin_abi   the frozen C ABI header alone (for plugin authors)
 #   SelectivePrecision::host         loads, drives and hot-swaps policy plugins
 #   SelectivePrecision::kernels      CPU kernels and the slab format (::kernels_cuda: CUDA twins)
@@ -19,7 +20,7 @@ function(selective_precision_install_component component)
   cmake_parse_arguments(ARG "" "" "TARGETS;HEADERS" ${ARGN})
   foreach(target IN LISTS ARG_TARGETS)
     get_target_property(type ${target} TYPE)
-    if(NOT type STREQUAL "INTERFACE_LIBRARY")  # the one interface target is the C ABI header
+    if(NOT type STREQUAL "INTERFACE_LIBRARY")  # the interface targets are headers that say their own standard
       # The public headers are C++17: a consumer compiles them with at least that.
       target_compile_features(${target} INTERFACE cxx_std_17)
       # The installed libraries of a sanitized build call into the sanitizer's runtime.
@@ -41,11 +42,11 @@ function(selective_precision_install_component component)
     DESTINATION ${SP_INSTALL_CMAKEDIR})
 endfunction()
 
-set(SP_PACKAGE_COMPONENTS plugin_abi host kernels adapters)
-# host_api/include holds both: the ABI header and sp/host/.
+set(SP_PACKAGE_COMPONENTS error plugin_abi host kernels adapters)
+selective_precision_install_component(error TARGETS selective_precision_error HEADERS ${PROJECT_SOURCE_DIR}/error/include)
 selective_precision_install_component(plugin_abi TARGETS selective_precision_plugin_abi
-  HEADERS ${PROJECT_SOURCE_DIR}/host_api/include)
-selective_precision_install_component(host TARGETS selective_precision_host)
+  HEADERS ${PROJECT_SOURCE_DIR}/plugin_abi/include)
+selective_precision_install_component(host TARGETS selective_precision_host HEADERS ${PROJECT_SOURCE_DIR}/host_api/include)
 set(sp_kernel_targets selective_precision_kernels)
 # input_files (whole-file reads, typed JSON fields) is a private link dependency of the static
 # adapters library, exported with it; its headers are not installed.

@@ -10,8 +10,6 @@ const char *phase_name(Phase phase) {
   switch (phase) {
     case Phase::forward:
       return "forward";
-    case Phase::recompute:
-      return "recompute";
     case Phase::backward:
       return "backward";
   }
@@ -23,13 +21,6 @@ StepSchedule::StepSchedule(const ScheduleOptions &options) : options_(options) {
   if (n == 0) {
     throw std::invalid_argument("ScheduleOptions.num_blocks must be at least 1");
   }
-  if (options.recompute_segment != 0 && !options.backward) {
-    throw std::invalid_argument("ScheduleOptions.recompute_segment needs a backward pass (backward is false)");
-  }
-  if (options.recompute_segment > n) {
-    throw std::invalid_argument(fmt::format("ScheduleOptions.recompute_segment is {} but there are only {} blocks",
-                                            options.recompute_segment, n));
-  }
 
   for (std::uint32_t b = 0; b < n; ++b) {
     append_use(b, Phase::forward);
@@ -37,22 +28,8 @@ StepSchedule::StepSchedule(const ScheduleOptions &options) : options_(options) {
   if (!options.backward) {
     return;
   }
-  const std::uint32_t segment = options.recompute_segment == 0 ? n : options.recompute_segment;
-  const std::uint32_t last_segment_start = (n - 1) / segment * segment;
-  for (std::uint32_t start = last_segment_start;; start -= segment) {
-    const std::uint32_t end = std::min(start + segment, n);
-    // The last segment's activations are still live after the forward pass.
-    if (options.recompute_segment != 0 && start != last_segment_start) {
-      for (std::uint32_t b = start; b < end; ++b) {
-        append_use(b, Phase::recompute);
-      }
-    }
-    for (std::uint32_t b = end; b-- > start;) {
-      append_use(b, Phase::backward);
-    }
-    if (start == 0) {
-      break;
-    }
+  for (std::uint32_t b = n; b-- > 0;) {
+    append_use(b, Phase::backward);
   }
 }
 

@@ -148,7 +148,7 @@ StreamingEngine::StreamingEngine(TransferBackend &backend, const StreamingConfig
       config_(validated(config, blocks)),
       blocks_(std::move(blocks)),
       schedule_(
-          ScheduleOptions{static_cast<std::uint32_t>(blocks_.size()), config_.backward, config_.recompute_segment}),
+          ScheduleOptions{static_cast<std::uint32_t>(blocks_.size()), config_.backward}),
       bridge_(static_cast<std::uint32_t>(blocks_.size())),
       pool_(backend, config_.host_slab_bytes, config_.host_slab_count),
       slots_(backend, config_.device_slot_bytes, largest_quantized_image(blocks_, group_sizes(config_)),

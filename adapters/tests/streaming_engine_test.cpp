@@ -151,18 +151,6 @@ TEST(StreamingEngine, PrefetchCrossesTheForwardToBackwardTurn) {
   EXPECT_EQ(engine.end_step().prefetch_misses, 0u);
 }
 
-TEST(StreamingEngine, RecomputeScheduleDeliversEveryUse) {
-  HostBackend backend;
-  SyntheticModel model(5, 5);
-  StreamingConfig config = config_for(model.blocks(), 2);
-  config.recompute_segment = 2;
-  StreamingEngine engine(backend, config, model.blocks());
-  set_routes(engine, {Precision::int8, Precision::bf16, Precision::int8, Precision::bf16, Precision::int8});
-  const StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 0, 0);
-  EXPECT_EQ(metrics.prefetch_hits + metrics.prefetch_misses, engine.schedule().fetches().size());
-  EXPECT_EQ(metrics.prefetch_misses, 0u);
-}
-
 TEST(StreamingEngine, PrecisionSwitchesMidRunWithoutWeightUpdate) {
   HostBackend backend;
   SyntheticModel model(kBlocks, 6);

@@ -1,5 +1,6 @@
 #include <sp/host/plugin_library.h>
 
+#include "abi_minor.h"
 #include "elf_image.h"
 #include "file_descriptor.h"
 
@@ -27,16 +28,6 @@ using Table = sp_policy_plugin_v1_table;
 
 // The host reads struct_size, abi_major and abi_minor before it knows the layout.
 constexpr std::size_t kVersionFieldsEnd = offsetof(Table, abi_minor) + sizeof(Table::abi_minor);
-// ABI 1.0 has no optional fields: the host reads every one, up to last_error.
-constexpr std::size_t kTableV1_0End = offsetof(Table, last_error) + sizeof(Table::last_error);
-static_assert(sizeof(void*) != 8 || kTableV1_0End == SP_PLUGIN_TABLE_V1_0_SIZE,
-              "the 1.0 table ends where the header says");
-// ABI 1.1 appends two functions; a 1.1 table has both.
-constexpr std::size_t kTableV1_1End =
-    offsetof(Table, set_precision_calibration_errors) + sizeof(Table::set_precision_calibration_errors);
-
-// Where the table of a given minor ends.
-std::size_t table_end_for_minor(std::uint32_t minor) { return minor >= 1 ? kTableV1_1End : kTableV1_0End; }
 
 std::string errno_text(int error) { return std::generic_category().message(error); }
 
@@ -193,14 +184,13 @@ void validate_table(const std::filesystem::path& file, const Table* table) {
   }
   // Only the fields of the plugin's own minor are read: a 1.0 table ends at last_error, and
   // whatever lies behind it in the plugin's memory is not the host's to look at.
-  const std::size_t needed = table_end_for_minor(table->abi_minor);
+  const detail::AbiMinorLayout& layout = detail::abi_minor_layout(table->abi_minor);
+  const std::size_t needed = layout.table_size;
   if (table->struct_size < needed) {
-    std::string missing;
-    if (table->struct_size < kTableV1_0End) {
-      missing = "every field up to last_error";
-    } else {
-      missing = "the ABI 1.1 functions set_transfer_bytes and set_precision_calibration_errors";
-    }
+    // What the table lacks: the fields of the first minor whose table it does not cover.
+    std::uint32_t short_of = 0;
+    while (table->struct_size >= detail::abi_minor_layout(short_of).table_size) ++short_of;
+    const std::string missing = detail::abi_minor_layout(short_of).table_adds;
     throw PluginError(
         fmt::format("policy plugin {}: its function table says struct_size = {}, but ABI {}.{} needs at least {} "
                     "bytes ({}); is the table filled in for the minor it claims?",
@@ -226,7 +216,7 @@ void validate_table(const std::filesystem::path& file, const Table* table) {
                                     file, field));
     }
   }
-  if (table->abi_minor >= 1) {
+  if (layout.has_precision_routes) {
     const std::pair<const char*, bool> required_1_1[] = {
         {"set_transfer_bytes", table->set_transfer_bytes != nullptr},
         {"set_precision_calibration_errors", table->set_precision_calibration_errors != nullptr},

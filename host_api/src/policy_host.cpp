@@ -1,5 +1,6 @@
 #include <sp/host/policy_host.h>
 
+#include "abi_minor.h"
 #include "hook_watchdog.h"
 #include "plugin_call_scope.h"
 
@@ -92,14 +93,6 @@ void forward_plugin_log(void* user_data, sp_log_level level, const char* message
   }
 }
 
-constexpr sp_precision_mask kKnownPrecisions =
-    SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
-
-// The precisions an ABI minor defines: a plugin of that minor can name no other.
-sp_precision_mask precisions_of_minor(std::uint32_t minor) {
-  return minor >= 1 ? kKnownPrecisions : SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
-}
-
 const char* precision_name(sp_precision precision) {
   switch (precision) {
     case SP_PRECISION_BF16:
@@ -156,10 +149,9 @@ class PluginInstance {
                                        block.int8_bytes, block.name.empty() ? nullptr : block.name.c_str()});
     }
     const std::string output_dir = options.output_dir.string();
-    const std::uint32_t minor = instance->library_.abi_minor();
+    const detail::AbiMinorLayout& abi = instance->abi();
     sp_host_api_v1 host{};
-    // The layout of the plugin's own minor: a 1.0 plugin never sees a 1.1 field.
-    host.struct_size = minor >= 1 ? static_cast<std::uint32_t>(sizeof(sp_host_api_v1)) : SP_HOST_API_V1_0_SIZE;
+    host.struct_size = abi.host_api_size;
     host.abi_major = SP_PLUGIN_ABI_MAJOR;
     host.abi_minor = SP_PLUGIN_ABI_MINOR;
     host.host_name = options.host_name.c_str();
@@ -168,7 +160,7 @@ class PluginInstance {
     host.log = &forward_plugin_log;
     host.log_user_data = instance->log_route_.get();
     host.min_log_level = to_abi_level(logger->level());
-    if (minor >= 1) host.supported_precisions = options.supported_precisions;
+    if (abi.has_precision_routes) host.supported_precisions = options.supported_precisions;
 
     const sp_policy_plugin_v1_table& table = instance->table();
     sp_policy_ctx* ctx = nullptr;
@@ -193,7 +185,7 @@ class PluginInstance {
 
     // sp_block_desc_v1 is frozen, so the NF4 sizes travel through set_transfer_bytes, before
     // anything else reaches the new context (a swap's import_state included).
-    if (minor >= 1 && in_mask(options.supported_precisions, SP_PRECISION_NF4)) {
+    if (abi.has_precision_routes && in_mask(options.supported_precisions, SP_PRECISION_NF4)) {
       std::vector<std::uint64_t> nf4_bytes;
       nf4_bytes.reserve(blocks.size());
       for (const BlockDescription& block : blocks) nf4_bytes.push_back(block.nf4_bytes);
@@ -241,11 +233,14 @@ class PluginInstance {
   std::string_view name() const { return library_.plugin_name(); }
   const std::filesystem::path& file() const { return library_.source_path(); }
   std::uint32_t abi_minor() const { return library_.abi_minor(); }
+  const detail::AbiMinorLayout& abi() const { return *abi_; }
   const PolicyConfig& config() const { return config_; }
 
  private:
   PluginInstance(PluginLibrary library, PolicyConfig config)
-      : library_(std::move(library)), config_(std::move(config)) {}
+      : library_(std::move(library)),
+        config_(std::move(config)),
+        abi_(&detail::abi_minor_layout(library_.abi_minor())) {}
 
   static std::string safe_message(const char* message) {
     return message != nullptr ? message : "(the plugin gave no message)";
@@ -253,6 +248,7 @@ class PluginInstance {
 
   PluginLibrary library_;
   PolicyConfig config_;
+  const detail::AbiMinorLayout* abi_;
   std::unique_ptr<LogRoute> log_route_;
   sp_policy_ctx* ctx_ = nullptr;
 };
@@ -263,9 +259,9 @@ bool is_valid_sensitivity(double sensitivity) {
 
 // Empty when the hints keep the ABI contract of the plugin's minor and name only precisions
 // the host supports, otherwise what is wrong with the first bad one.
-std::string hint_contract_violation(const std::vector<sp_hint_v1>& hints, std::uint32_t plugin_minor,
+std::string hint_contract_violation(const std::vector<sp_hint_v1>& hints, const detail::AbiMinorLayout& plugin_abi,
                                     sp_precision_mask supported) {
-  const sp_precision_mask defined = precisions_of_minor(plugin_minor);
+  const sp_precision_mask defined = plugin_abi.precisions;
   for (std::size_t i = 0; i < hints.size(); ++i) {
     const sp_hint_v1& hint = hints[i];
     if (hint.block_id != i) {
@@ -273,7 +269,7 @@ std::string hint_contract_violation(const std::vector<sp_hint_v1>& hints, std::u
     }
     if (!in_mask(defined, hint.precision)) {
       return fmt::format("hints[{}].precision is {} ({}), which plugin ABI {}.{} does not define; expected one of {}",
-                         i, hint.precision, precision_name(hint.precision), SP_PLUGIN_ABI_MAJOR, plugin_minor,
+                         i, hint.precision, precision_name(hint.precision), SP_PLUGIN_ABI_MAJOR, plugin_abi.minor,
                          mask_text(defined & supported));
     }
     if (!in_mask(supported, hint.precision)) {
@@ -526,7 +522,7 @@ struct PolicyHost::Impl {
     // A 1.0 plugin held no NF4 calibration errors, so its blob brought none: the new 1.1
     // plugin gets the host's copy. A rejection is logged and counted like any rejected
     // calibration errors; it does not undo the swap.
-    const bool resend_nf4 = active->abi_minor() < 1 && pending->abi_minor() >= 1;
+    const bool resend_nf4 = !active->abi().has_precision_routes && pending->abi().has_precision_routes;
     const bool nf4_resent = !resend_nf4 || resend_nf4_calibration_errors(*pending);
 
     std::unique_ptr<PluginInstance> retired = std::exchange(active, std::move(pending));
@@ -584,12 +580,12 @@ PolicyHost::PolicyHost(const std::filesystem::path& plugin_file, PolicyConfig co
           fmt::format("PolicyHost: block {} has id {}; ids must run 0..n-1 in order", i, blocks[i].id));
     }
   }
-  if (!in_mask(options.supported_precisions, SP_PRECISION_BF16) ||
-      (options.supported_precisions & ~kKnownPrecisions) != 0) {
+  const sp_precision_mask known = detail::abi_minor_layout(SP_PLUGIN_ABI_MINOR).precisions;
+  if (!in_mask(options.supported_precisions, SP_PRECISION_BF16) || (options.supported_precisions & ~known) != 0) {
     throw std::invalid_argument(fmt::format(
         "PolicyHost: supported_precisions is {:#x}; it must contain SP_PRECISION_BIT(SP_PRECISION_BF16) and no "
         "bits but those of BF16, INT8 and NF4 ({:#x})",
-        options.supported_precisions, kKnownPrecisions));
+        options.supported_precisions, known));
   }
   impl_->logger = options.logger ? options.logger : spdlog::default_logger();
   impl_->options = std::move(options);
@@ -669,7 +665,7 @@ const std::vector<sp_hint_v1>& PolicyHost::compute_hints(std::int64_t step) {
     return impl.hints;
   }
   const std::string violation =
-      hint_contract_violation(impl.plugin_hints, impl.active->abi_minor(), impl.options.supported_precisions);
+      hint_contract_violation(impl.plugin_hints, impl.active->abi(), impl.options.supported_precisions);
   if (!violation.empty()) {
     ++impl.failures.invalid_hints;
     impl.logger->error("policy plugin {} returned invalid hints at step {}: {}", impl.active->label(), step, violation);
@@ -687,9 +683,7 @@ void PolicyHost::end_step(std::int64_t step, const sp_step_feedback_v1* feedback
   std::optional<sp_step_feedback_v1> stamped;
   if (feedback != nullptr) {
     stamped = *feedback;
-    // The layout of the plugin's own minor: h2d_bytes_nf4 lies beyond a 1.0 plugin's view.
-    stamped->struct_size = impl_->active->abi_minor() >= 1 ? static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1))
-                                                           : SP_STEP_FEEDBACK_V1_0_SIZE;
+    stamped->struct_size = impl_->active->abi().step_feedback_size;
   }
   const sp_policy_plugin_v1_table& table = impl_->active->table();
   sp_policy_ctx* ctx = impl_->active->ctx();
@@ -736,7 +730,7 @@ bool PolicyHost::set_calibration_errors(sp_precision precision, const std::vecto
     return impl.check_hook("set_calibration_errors", impl.now_text(), status, impl.failures.set_calibration_errors);
   }
   bool accepted = true;
-  if (active.abi_minor() >= 1) {
+  if (active.abi().has_precision_routes) {
     const sp_status status = [&] {
       const detail::PluginCallScope scope(active.label(), "set_precision_calibration_errors");
       return active.table().set_precision_calibration_errors(active.ctx(), SP_PRECISION_NF4, block_ids.data(),

@@ -189,8 +189,4 @@ std::shared_ptr<Collectives> from_environment(std::chrono::milliseconds timeout,
   }
 }
 
-std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds timeout) {
-  return from_environment(timeout, torch::kCPU);
-}
-
 }  // namespace sp::torch_layer

@@ -4,7 +4,7 @@
 namespace sp::torch_layer {
 
 StateEntryError::StateEntryError(std::string entry, const std::string& detail)
-    : std::invalid_argument(fmt::format("StreamedModel::restore_state: '{}': {}", entry, detail)),
+    : ErrorAs(ErrorKind::bad_input, fmt::format("StreamedModel::restore_state: '{}': {}", entry, detail)),
       entry_(std::move(entry)),
       detail_(detail) {}
 

@@ -213,9 +213,8 @@ sp_status sp_export_state(sp_policy_ctx *ctx, uint8_t *buffer, uint64_t capacity
     const std::vector<std::uint8_t> blob = ctx->engine.export_state();
     *size_out = blob.size();
     if (blob.size() > capacity) {
-      throw PolicyError(SP_ERR_BUFFER_TOO_SMALL, fmt::format("export_state: the blob needs {} bytes, the buffer "
-                                                             "holds {}",
-                                                             blob.size(), capacity));
+      throw PolicyError(SP_ERR_BUFFER_TOO_SMALL, sp::ErrorKind::bad_input,
+                        fmt::format("export_state: the blob needs {} bytes, the buffer holds {}", blob.size(), capacity));
     }
     if (buffer == nullptr) throw sp::policy::InvalidArgument("export_state: buffer is null but capacity > 0");
     std::memcpy(buffer, blob.data(), blob.size());

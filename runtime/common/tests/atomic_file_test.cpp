@@ -1,5 +1,5 @@
 #include "sp/runtime/atomic_file.h"
-#include "sp/runtime/read_file.h"
+#include "sp/input_files/read_file.h"
 
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -19,6 +19,8 @@ namespace sp::runtime {
 namespace {
 
 namespace fs = std::filesystem;
+using input_files::FileReadError;
+using input_files::read_whole_file;
 
 class AtomicFileTest : public ::testing::Test {
  protected:

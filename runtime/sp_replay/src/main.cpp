@@ -22,7 +22,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "sp/runtime/cli_output_file.h"
-#include "sp/runtime/read_file.h"
+#include "sp/input_files/read_file.h"
 #include "replay_inputs.h"
 #include "sp/host/policy_host.h"
 #include "sp/runtime/atomic_file.h"
@@ -56,9 +56,11 @@ struct Options {
   fs::path telemetry;
 };
 
-class ReplayFailure : public std::runtime_error {
+class ReplayFailure : public sp::ErrorAs<std::runtime_error> {
  public:
-  ReplayFailure(int exit_code, const std::string& message) : std::runtime_error(message), exit_code_(exit_code) {}
+  ReplayFailure(int exit_code, const std::string& message)
+      : ErrorAs(exit_code == kExitBadInput ? sp::ErrorKind::bad_input : sp::ErrorKind::plugin, message),
+        exit_code_(exit_code) {}
   int exit_code() const { return exit_code_; }
 
  private:
@@ -67,8 +69,8 @@ class ReplayFailure : public std::runtime_error {
 
 std::string read_text(const fs::path& path, const char* what) {
   try {
-    return sp::runtime::read_whole_file(path, what);
-  } catch (const sp::runtime::FileReadError& e) {
+    return sp::input_files::read_whole_file(path, what);
+  } catch (const sp::input_files::FileReadError& e) {
     throw ReplayFailure(kExitBadInput, e.what());
   }
 }
@@ -171,8 +173,8 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
   check_outputs_are_not_inputs(options);
   std::ifstream trace_in;
   try {
-    trace_in = sp::runtime::open_input_file(options.trace, "trace");
-  } catch (const sp::runtime::FileReadError& e) {
+    trace_in = sp::input_files::open_input_file(options.trace, "trace");
+  } catch (const sp::input_files::FileReadError& e) {
     throw ReplayFailure(kExitBadInput, e.what());
   }
   std::optional<sp::replay::CalibrationFile> calibration;

@@ -6,15 +6,15 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
-#include "sp/runtime/json_fields.h"
-#include "sp/runtime/read_file.h"
+#include "sp/input_files/json_fields.h"
+#include "sp/input_files/read_file.h"
 
 namespace sp::replay {
 namespace {
 
 using nlohmann::json;
-using runtime::JsonFieldError;
-using runtime::JsonFields;
+using input_files::JsonFieldError;
+using input_files::JsonFields;
 
 sp_grad_moments_v1 read_block(const JsonFields& fields, const json& entry, const std::string& at, uint32_t n_blocks,
                               std::vector<bool>& seen) {
@@ -117,8 +117,8 @@ std::optional<TraceStep> TraceReader::next() {
 CalibrationFile read_calibration_file(const std::string& path, uint32_t n_blocks) {
   std::string text;
   try {
-    text = sp::runtime::read_whole_file(path, "calibration file");
-  } catch (const sp::runtime::FileReadError& e) {
+    text = sp::input_files::read_whole_file(path, "calibration file");
+  } catch (const sp::input_files::FileReadError& e) {
     throw InputError(e.what());
   }
   try {

@@ -11,14 +11,15 @@
 #include <string>
 #include <vector>
 
+#include "sp/error.h"
 #include "sp/plugin_abi_v1.h"
 
 namespace sp::replay {
 
 // An input file that cannot be used. what() reads "FILE:LINE: FIELD: problem".
-class InputError : public std::runtime_error {
+class InputError : public ErrorAs<std::runtime_error> {
  public:
-  using std::runtime_error::runtime_error;
+  explicit InputError(const std::string& what) : ErrorAs(ErrorKind::bad_input, what) {}
 };
 
 struct TraceStep {

@@ -9,7 +9,7 @@
 
 #include "sp/runtime/atomic_file.h"
 #include "sp/runtime/hash.h"
-#include "sp/runtime/read_file.h"
+#include "sp/input_files/read_file.h"
 
 namespace sp::train {
 namespace fs = std::filesystem;
@@ -59,8 +59,8 @@ CacheLookup read_calibration_cache(const fs::path& file, const std::string& fing
   };
   std::string text;
   try {
-    text = sp::runtime::read_whole_file(file, "calibration cache");
-  } catch (const sp::runtime::FileReadError& e) {
+    text = sp::input_files::read_whole_file(file, "calibration cache");
+  } catch (const sp::input_files::FileReadError& e) {
     if (!e.missing()) return corrupt(e.what());
     lookup.detail = fmt::format("{}: no cache file", file.string());
     return lookup;

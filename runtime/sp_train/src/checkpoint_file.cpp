@@ -9,7 +9,7 @@
 
 #include "sp/runtime/atomic_file.h"
 #include "sp/runtime/hash.h"
-#include "sp/runtime/read_file.h"
+#include "sp/input_files/read_file.h"
 
 namespace sp::train {
 
@@ -220,15 +220,15 @@ CheckpointSections CheckpointSections::read(const std::filesystem::path& file) {
     const std::filesystem::file_status status = std::filesystem::status(file, status_error);
     if (std::filesystem::exists(status) && !std::filesystem::is_regular_file(status) &&
         !std::filesystem::is_directory(status)) {
-      throw sp::runtime::FileReadError(fmt::format("{}: is not a regular file; expected the checkpoint", name));
+      throw sp::input_files::FileReadError(fmt::format("{}: is not a regular file; expected the checkpoint", name));
     }
-    std::ifstream in = sp::runtime::open_input_file(file, "checkpoint");
+    std::ifstream in = sp::input_files::open_input_file(file, "checkpoint");
     in.seekg(0, std::ios::end);
     const std::streamoff end = in.tellg();
-    if (end < 0) throw sp::runtime::FileReadError(fmt::format("{}: cannot find the checkpoint's size", name));
+    if (end < 0) throw sp::input_files::FileReadError(fmt::format("{}: cannot find the checkpoint's size", name));
     size = static_cast<std::uint64_t>(end);
     source = std::make_shared<detail::CheckpointSource>(std::move(in), name);
-  } catch (const sp::runtime::FileReadError& e) {
+  } catch (const sp::input_files::FileReadError& e) {
     throw CheckpointError(e.what());
   }
   if (size < sizeof kMagic + 8 + 8) {

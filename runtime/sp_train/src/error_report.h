@@ -1,14 +1,16 @@
 // What sp-train's main() says and returns for the exception that ended a run, kept apart from
-// main() so that the mapping is tested: the user's errors (TrainError, PluginError) with their
-// own exit codes and messages, everything else as an internal error (exit code 1), a
-// std::logic_error and a non-standard exception named as a bug.
+// main() so that the mapping is tested: sp-train's own errors (TrainError) with their exit
+// codes, the libraries' sp::Error exceptions with the exit code of their kind, everything else
+// as an internal error (exit code 1), a std::logic_error and a non-standard exception named as
+// a bug.
 #pragma once
 
 #include <exception>
 #include <stdexcept>
 #include <string>
 
-#include "sp/host/plugin_library.h"
+#include <sp/error.h>
+
 #include "train_error.h"
 
 namespace sp::train {
@@ -26,8 +28,20 @@ inline ErrorReport report_error(std::exception_ptr error) {
     std::rethrow_exception(error);
   } catch (const TrainError& e) {  // the user's to fix: command line, config, data, checkpoint, divergence
     return {e.exit_code(), e.what()};
-  } catch (const sp::host::PluginError& e) {
-    return {ExitCode::plugin, e.what()};
+  } catch (const sp::Error& e) {  // before std::logic_error: a rejected state entry is bad input, not a bug
+    switch (e.kind()) {
+      case ErrorKind::bad_input:
+        return {ExitCode::bad_input, e.what()};
+      case ErrorKind::plugin:
+        return {ExitCode::plugin, e.what()};
+      case ErrorKind::collective:
+        return {ExitCode::distributed, e.what()};
+      case ErrorKind::device:
+        return {ExitCode::device, e.what()};
+      case ErrorKind::internal:
+        break;
+    }
+    return {ExitCode::internal, kBugReportPrefix + std::string(e.what())};
   } catch (const std::logic_error& e) {  // std::out_of_range, std::invalid_argument, ...
     return {ExitCode::internal, kBugReportPrefix + std::string(e.what())};
   } catch (const std::exception& e) {  // outside sp-train's checks: a file it writes, LibTorch, CUDA

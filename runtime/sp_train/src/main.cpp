@@ -38,7 +38,7 @@ constexpr const char* kFooter =
     "message names the file and key); 3 the policy plugin could not be loaded or rejected its "
     "config section; 4 unusable data path or checkpoint; 5 the loss diverged (non-finite for 8 "
     "steps in a row); 6 data-parallel training stopped (a rank died or stalled, or the ranks' "
-    "decisions differed); 130 interrupted by SIGINT, 143 by SIGTERM, after writing a checkpoint (run the same command "
+    "decisions differed); 7 the CUDA runtime or driver failed; 130 interrupted by SIGINT, 143 by SIGTERM, after writing a checkpoint (run the same command "
     "again to resume).\n"
     "Signals: SIGINT and SIGTERM checkpoint at the next step boundary and exit; SIGHUP makes the trainer "
     "look for a new plugin version at the next step boundary.\n"

@@ -1,6 +1,6 @@
 #include "text_corpus.h"
 #include "sp/runtime/hash.h"
-#include "sp/runtime/read_file.h"
+#include "sp/input_files/read_file.h"
 
 #include <algorithm>
 #include <cmath>
@@ -55,10 +55,10 @@ TextCorpus::TextCorpus(const fs::path& path, double val_fraction, std::uint32_t 
   std::uint64_t file_bytes = 0;  // without the newline that separates files
   for (const fs::path& file : text_files(path)) {
     try {
-      const std::string bytes = sp::runtime::read_whole_file(file, "data file");
+      const std::string bytes = sp::input_files::read_whole_file(file, "data file");
       file_bytes += bytes.size();
       text.insert(text.end(), bytes.begin(), bytes.end());
-    } catch (const sp::runtime::FileReadError& e) {
+    } catch (const sp::input_files::FileReadError& e) {
       throw DataError(e.what());
     }
     text.push_back('\n');

@@ -18,7 +18,7 @@
 #include "sp/adapters/host_backend.h"
 
 #include "sp/yaml_diagnostics/yaml_diagnostics.h"
-#include "sp/runtime/read_file.h"
+#include "sp/input_files/read_file.h"
 
 namespace sp::train {
 namespace {
@@ -667,8 +667,8 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
 TrainConfig load_train_config(const std::filesystem::path& file, const std::vector<Override>& overrides) {
   std::string text;
   try {
-    text = sp::runtime::read_whole_file(file, "config file");
-  } catch (const sp::runtime::FileReadError& e) {
+    text = sp::input_files::read_whole_file(file, "config file");
+  } catch (const sp::input_files::FileReadError& e) {
     throw ConfigError(e.what());
   }
   return parse_train_config(text, file.string(), overrides);

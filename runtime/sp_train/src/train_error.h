@@ -1,14 +1,16 @@
 // The errors sp-train reports to its user, under one base, each with the exit code it ends the
-// run with (docs/training.md, --help). Anything else that reaches main() is an internal error
-// (exit code 1): a std::logic_error (std::out_of_range, std::invalid_argument, ...) is a bug in
-// sp-train and is reported as one; any other exception is a failure outside sp-train's checks
-// (a file the run writes, LibTorch, CUDA). Code that turns a lower-level exception into one of
+// run with (docs/training.md, --help). The libraries' own sp::Error exceptions end the run with
+// the exit code of their kind (error_report.h). Anything else that reaches main() is an internal
+// error (exit code 1): a std::logic_error (std::out_of_range, std::invalid_argument, ...) is a
+// bug in sp-train and is reported as one; any other exception is a failure outside sp-train's
+// checks (a file the run writes, LibTorch). Code that turns a lower-level exception into one of
 // these must not catch a std::logic_error: a bug would then read as the user's mistake.
-// (sp::host::PluginError, exit code 3, belongs to the host library.)
 #pragma once
 
 #include <stdexcept>
 #include <string>
+
+#include <sp/error.h>
 
 namespace sp::train {
 
@@ -21,13 +23,32 @@ enum class ExitCode : int {
   bad_input = 4,
   diverged = 5,
   distributed = 6,
+  device = 7,  // the CUDA runtime or driver failed
   interrupted = 130,  // by SIGINT, after writing a checkpoint
   terminated = 143,   // by SIGTERM, after writing a checkpoint
 };
 
-class TrainError : public std::runtime_error {
+constexpr ErrorKind kind_of_exit_code(ExitCode code) {
+  switch (code) {
+    case ExitCode::bad_config:
+    case ExitCode::bad_input:
+    case ExitCode::diverged:  // the config's settings (a learning rate too high, ...) diverge
+      return ErrorKind::bad_input;
+    case ExitCode::plugin:
+      return ErrorKind::plugin;
+    case ExitCode::distributed:
+      return ErrorKind::collective;
+    case ExitCode::device:
+      return ErrorKind::device;
+    default:
+      return ErrorKind::internal;
+  }
+}
+
+class TrainError : public ErrorAs<std::runtime_error> {
  public:
-  TrainError(ExitCode exit_code, const std::string& what) : std::runtime_error(what), exit_code_(exit_code) {}
+  TrainError(ExitCode exit_code, const std::string& what)
+      : ErrorAs(kind_of_exit_code(exit_code), what), exit_code_(exit_code) {}
   ExitCode exit_code() const noexcept { return exit_code_; }
 
  private:

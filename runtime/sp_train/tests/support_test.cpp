@@ -13,6 +13,8 @@
 #include "calibration_cache.h"
 #include "checkpoint_file.h"
 #include "error_report.h"
+#include "sp/host/plugin_library.h"
+#include "sp/input_files/read_file.h"
 #include "sp/adapters/host_backend.h"
 #include "sp/adapters/streaming_engine.h"
 #include "sp/kernels/bf16.h"
@@ -338,6 +340,30 @@ TEST(ErrorReport, UserErrorsKeepTheirCodesAndBugsAreInternal) {
   const ErrorReport outside = report(std::runtime_error("run/config.yaml: No space left on device"));
   EXPECT_EQ(outside.exit_code, ExitCode::internal);
   EXPECT_EQ(outside.message, "internal error: run/config.yaml: No space left on device");
+}
+
+// The libraries' errors end the run by their kind: a rejected state entry is the user's input,
+// though it is also a std::invalid_argument, which would otherwise read as a bug.
+TEST(ErrorReport, TheLibrariesErrorsEndTheRunWithTheExitCodeOfTheirKind) {
+  const auto report = [](auto&& exception) { return report_error(std::make_exception_ptr(exception)); };
+  const struct {
+    ErrorReport got;
+    ExitCode code;
+  } cases[] = {
+      {report(sp::ErrorAs<std::invalid_argument>(ErrorKind::bad_input, "restore_state: 'blocks.0': shape [3]")),
+       ExitCode::bad_input},
+      {report(sp::input_files::FileReadError("data.bin: no such file")), ExitCode::bad_input},
+      {report(sp::host::PluginError("cannot load policy plugin x.so")), ExitCode::plugin},
+      {report(sp::ErrorAs<std::runtime_error>(ErrorKind::collective, "allreduce: rank 1 left")), ExitCode::distributed},
+      {report(sp::ErrorAs<std::runtime_error>(ErrorKind::device, "CUDA error in cudaMalloc")), ExitCode::device},
+  };
+  for (const auto& [got, code] : cases) {
+    EXPECT_EQ(got.exit_code, code) << got.message;
+    EXPECT_EQ(got.message.find("internal error"), std::string::npos) << got.message;
+  }
+  const ErrorReport bug = report(sp::ErrorAs<std::logic_error>(ErrorKind::internal, "slot 3 released twice"));
+  EXPECT_EQ(bug.exit_code, ExitCode::internal);
+  EXPECT_EQ(bug.message.rfind(kBugReportPrefix, 0), 0u) << bug.message;
 }
 
 }  // namespace

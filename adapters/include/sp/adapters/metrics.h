@@ -25,7 +25,7 @@ struct StepTransferMetrics {
   // because no quantized route pays for their size here, and fetches routed by a runtime pin.
   std::uint32_t fetches_bf16_by_transfer_policy = 0;
   std::uint32_t fetches_pinned = 0;
-  // The NF4 route (appended in ABI 1.1): bytes and fetches, and INT8 fetches of blocks the
+  // The NF4 route: bytes and fetches, and INT8 fetches of blocks the
   // plugin wanted as NF4, sent as INT8 because NF4 does not pay for their size but INT8 does.
   std::uint64_t h2d_bytes_nf4 = 0;
   std::uint32_t fetches_nf4 = 0;

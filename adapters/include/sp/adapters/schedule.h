@@ -7,17 +7,14 @@
 
 namespace sp::adapters {
 
-enum class Phase : std::uint8_t { forward, recompute, backward };
+// A block's backward use covers the re-run of its forward that rebuilds its activations.
+enum class Phase : std::uint8_t { forward, backward };
 
 const char *phase_name(Phase phase);
 
 struct ScheduleOptions {
   std::uint32_t num_blocks = 0;
   bool backward = true;  // false: a forward-only step (evaluation)
-  // Activation checkpointing in segments of this many blocks (0: none). As in
-  // torch.utils.checkpoint.checkpoint_sequential, every segment but the last re-runs its
-  // forward right before its backward, so its weights are needed a third time.
-  std::uint32_t recompute_segment = 0;
 };
 
 // One use of a block's weights by the trainer, and the fetch that brings them.

@@ -46,7 +46,6 @@ struct StreamingConfig {
   // NF4 has no per-row mode: 32, 64, 128 or 256 elements per bf16 scale.
   std::uint32_t nf4_group_size = sp::kernels::kNf4DefaultGroupSize;
   bool backward = true;
-  std::uint32_t recompute_segment = 0;
   std::string metrics_path;  // JSONL, one record per step; empty: none
 };
 

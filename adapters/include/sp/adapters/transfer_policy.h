@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "sp/adapters/policy_bridge.h"
+#include "sp/error.h"
 
 namespace sp::adapters {
 
@@ -43,9 +44,9 @@ TransferPath nf4_path(BlockWeights weights);
 
 // A report or policy file that cannot be used. what() names the file, the field and the
 // expectation.
-class TransferPolicyError : public std::runtime_error {
+class TransferPolicyError : public ErrorAs<std::runtime_error> {
  public:
-  using std::runtime_error::runtime_error;
+  explicit TransferPolicyError(const std::string& what) : ErrorAs(ErrorKind::bad_input, what) {}
 };
 
 // ---- Reports -------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 #ifndef SP_HOST_PLUGIN_LIBRARY_H
 #define SP_HOST_PLUGIN_LIBRARY_H
 
+#include <sp/error.h>
 #include <sp/plugin_abi_v1.h>
 
 #include <cstdint>
@@ -16,9 +17,9 @@ namespace sp::host {
 
 /// Any failure to load, validate or instantiate a plugin. The message names the file
 /// (and the configuration source where one is involved) and says what was expected.
-class PluginError : public std::runtime_error {
+class PluginError : public ErrorAs<std::runtime_error> {
  public:
-  using std::runtime_error::runtime_error;
+  explicit PluginError(const std::string& what) : ErrorAs(ErrorKind::plugin, what) {}
 };
 
 /// Refuses a plugin file that someone other than its owner could have replaced, as

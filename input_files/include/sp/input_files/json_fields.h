@@ -9,12 +9,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "sp/error.h"
+
 namespace sp::input_files {
 
 // Thrown by JsonFields; what() is the full message.
-class JsonFieldError : public std::runtime_error {
+class JsonFieldError : public ErrorAs<std::runtime_error> {
  public:
-  using std::runtime_error::runtime_error;
+  explicit JsonFieldError(const std::string& what) : ErrorAs(ErrorKind::bad_input, what) {}
 };
 
 class JsonFields {

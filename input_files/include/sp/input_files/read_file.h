@@ -9,11 +9,13 @@
 #include <string>
 #include <string_view>
 
+#include "sp/error.h"
+
 namespace sp::input_files {
 
-class FileReadError : public std::runtime_error {
+class FileReadError : public ErrorAs<std::runtime_error> {
  public:
-  using std::runtime_error::runtime_error;
+  explicit FileReadError(const std::string& what) : ErrorAs(ErrorKind::bad_input, what) {}
   // True when the file does not exist (as opposed to existing and being unreadable).
   bool missing() const { return missing_; }
 

@@ -40,19 +40,21 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include "sp/error.h"
+
 namespace sp::torch_layer {
 
 // A collective that failed or timed out: a rank died, stalled or left. what() names the
 // operation and the rank.
-class CollectiveError : public std::runtime_error {
+class CollectiveError : public ErrorAs<std::runtime_error> {
  public:
-  using std::runtime_error::runtime_error;
+  explicit CollectiveError(const std::string& what) : ErrorAs(ErrorKind::collective, what) {}
 };
 
 // The ranks' policies decided differently (or a hot swap succeeded on some ranks only).
-class RankMismatchError : public std::runtime_error {
+class RankMismatchError : public ErrorAs<std::runtime_error> {
  public:
-  using std::runtime_error::runtime_error;
+  explicit RankMismatchError(const std::string& what) : ErrorAs(ErrorKind::collective, what) {}
 };
 
 enum class Reduction { sum, max, min };
@@ -218,7 +220,6 @@ std::shared_ptr<Collectives> by_device(std::shared_ptr<Collectives> host, std::s
 // rendezvous, gives up after `timeout` with a CollectiveError. Throws std::invalid_argument
 // naming a variable that is malformed.
 std::shared_ptr<Collectives> from_environment(std::chrono::milliseconds timeout, const torch::Device& compute_device);
-std::shared_ptr<Collectives> gloo_from_environment(std::chrono::milliseconds timeout);  // CPU compute
 
 // Whether this build has c10d's NCCL group (a CUDA build of LibTorch with NCCL and its
 // headers, found when the project was configured).

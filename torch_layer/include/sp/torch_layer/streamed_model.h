@@ -52,6 +52,7 @@
 #include "sp/adapters/metrics.h"
 #include "sp/adapters/policy_bridge.h"
 #include "sp/adapters/streaming_engine.h"
+#include "sp/error.h"
 #include "sp/host/policy_session.h"
 #include "sp/kernels/adamw.h"
 #include "sp/torch_layer/collectives.h"
@@ -182,7 +183,7 @@ struct StepReport {
 
 // A state entry restore_state() cannot take: `entry` names it, `detail` says why, so a host
 // can name the place it stored the entry (sp-train: the checkpoint section).
-class StateEntryError : public std::invalid_argument {
+class StateEntryError : public ErrorAs<std::invalid_argument> {
  public:
   StateEntryError(std::string entry, const std::string& detail);
   const std::string& entry() const { return entry_; }

@@ -1,5 +1,6 @@
 // The one CUDA error check of the kernels, the adapters and the benchmarks. A failed CUDA
-// runtime call or kernel launch becomes a CudaError (a std::runtime_error) whose message names
+// runtime call or kernel launch becomes a CudaError (an sp::Error of kind device, and a
+// std::runtime_error) whose message names
 // what failed, the error's description and its enum name:
 //   "CUDA error in cudaMemcpyAsync (GradMomentsPlan::upload): invalid argument (cudaErrorInvalidValue)"
 //   "CUDA error in the launch of cuda::quantize_int8: no kernel image is available for
@@ -12,15 +13,17 @@
 #include <stdexcept>
 #include <string>
 
+#include "sp/error.h"
+
 namespace sp::kernels::cuda {
 
-class CudaError : public std::runtime_error {
+class CudaError : public ErrorAs<std::runtime_error> {
  public:
   // `what` names the failed call, and where useful its caller: "cudaEventRecord",
   // "cudaMemcpyAsync (GradMomentsPlan::upload)".
   CudaError(cudaError_t status, const std::string &what)
-      : std::runtime_error("CUDA error in " + what + ": " + cudaGetErrorString(status) + " (" +
-                           cudaGetErrorName(status) + ")"),
+      : ErrorAs(ErrorKind::device, "CUDA error in " + what + ": " + cudaGetErrorString(status) + " (" +
+                                       cudaGetErrorName(status) + ")"),
         status_(status) {}
 
   cudaError_t status() const noexcept { return status_; }

@@ -2,6 +2,7 @@
 // plugin returns for it, so the mapping lives in one place.
 #pragma once
 
+#include <sp/error.h>
 #include <sp/plugin_abi_v1.h>
 
 #include <stdexcept>
@@ -9,9 +10,10 @@
 
 namespace sp::policy {
 
-class PolicyError : public std::runtime_error {
+class PolicyError : public ErrorAs<std::runtime_error> {
  public:
-  PolicyError(sp_status status, const std::string &message) : std::runtime_error(message), status_(status) {}
+  PolicyError(sp_status status, ErrorKind kind, const std::string &message)
+      : ErrorAs(kind, message), status_(status) {}
   sp_status status() const noexcept { return status_; }
 
  private:
@@ -21,25 +23,26 @@ class PolicyError : public std::runtime_error {
 // The configuration text was rejected. The message names the full key path.
 class ConfigError : public PolicyError {
  public:
-  explicit ConfigError(const std::string &message) : PolicyError(SP_ERR_CONFIG, message) {}
+  explicit ConfigError(const std::string &message) : PolicyError(SP_ERR_CONFIG, ErrorKind::bad_input, message) {}
 };
 
 // A state blob was rejected. The policy state is untouched when this is thrown.
 class StateError : public PolicyError {
  public:
-  explicit StateError(const std::string &message) : PolicyError(SP_ERR_STATE, message) {}
+  explicit StateError(const std::string &message) : PolicyError(SP_ERR_STATE, ErrorKind::bad_input, message) {}
 };
 
 // A null pointer, a bad count, an unknown or duplicate block id, or an invalid value.
 class InvalidArgument : public PolicyError {
  public:
-  explicit InvalidArgument(const std::string &message) : PolicyError(SP_ERR_INVALID_ARGUMENT, message) {}
+  explicit InvalidArgument(const std::string &message)
+      : PolicyError(SP_ERR_INVALID_ARGUMENT, ErrorKind::bad_input, message) {}
 };
 
 // A hook was called out of lifecycle order (steps going backwards, a hook twice in a step).
 class OrderError : public PolicyError {
  public:
-  explicit OrderError(const std::string &message) : PolicyError(SP_ERR_ORDER, message) {}
+  explicit OrderError(const std::string &message) : PolicyError(SP_ERR_ORDER, ErrorKind::internal, message) {}
 };
 
 }  // namespace sp::policy

@@ -1,0 +1,40 @@
+#include "abi_minor.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace sp::host::detail {
+namespace {
+
+using Table = sp_policy_plugin_v1_table;
+
+constexpr std::size_t kTableV1_0End = offsetof(Table, last_error) + sizeof(Table::last_error);
+static_assert(sizeof(void*) != 8 || kTableV1_0End == SP_PLUGIN_TABLE_V1_0_SIZE,
+              "the 1.0 table ends where the header says");
+constexpr std::size_t kTableV1_1End =
+    offsetof(Table, set_precision_calibration_errors) + sizeof(Table::set_precision_calibration_errors);
+
+constexpr sp_precision_mask kBf16AndInt8 = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
+
+// Indexed by minor.
+const AbiMinorLayout kLayouts[] = {
+    {0, kTableV1_0End, "every field up to last_error", SP_HOST_API_V1_0_SIZE, SP_STEP_FEEDBACK_V1_0_SIZE,
+     kBf16AndInt8, false},
+    {1, kTableV1_1End, "the ABI 1.1 functions set_transfer_bytes and set_precision_calibration_errors",
+     static_cast<std::uint32_t>(sizeof(sp_host_api_v1)), static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)),
+     kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true},
+};
+static_assert(sizeof(kLayouts) / sizeof(kLayouts[0]) == SP_PLUGIN_ABI_MINOR + 1,
+              "one layout per minor this host implements");
+
+}  // namespace
+
+const AbiMinorLayout& abi_minor_layout(std::uint32_t minor) {
+  if (minor > SP_PLUGIN_ABI_MINOR) {
+    throw std::logic_error("abi_minor_layout: ABI 1." + std::to_string(minor) +
+                           " is newer than this host's; PluginLibrary::load should have refused it");
+  }
+  return kLayouts[minor];
+}
+
+}  // namespace sp::host::detail
