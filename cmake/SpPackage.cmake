@@ -1,6 +1,6 @@
 # Install rules and the CMake package: find_package(SelectivePrecision CONFIG) gives
-#   SelectivePrecision::error        sp::Error, the base of every exception (a C++ header)
 #   SelectivePrecision::plugin_abi   the frozen C ABI header alone (for plugin authors)
+#   SelectivePrecision::vocabulary   sp::Error and sp::Precision, the words every layer shares
 #   SelectivePrecision::host         loads, drives and hot-swaps policy plugins
 #   SelectivePrecision::kernels      CPU kernels and the slab format (::kernels_cuda: CUDA twins)
 #   SelectivePrecision::adapters     the streaming engine (::adapters_cuda: its CUDA backend)
@@ -42,10 +42,11 @@ function(selective_precision_install_component component)
     DESTINATION ${SP_INSTALL_CMAKEDIR})
 endfunction()
 
-set(SP_PACKAGE_COMPONENTS error plugin_abi host kernels adapters)
-selective_precision_install_component(error TARGETS selective_precision_error HEADERS ${PROJECT_SOURCE_DIR}/error/include)
+set(SP_PACKAGE_COMPONENTS plugin_abi vocabulary host kernels adapters)
 selective_precision_install_component(plugin_abi TARGETS selective_precision_plugin_abi
   HEADERS ${PROJECT_SOURCE_DIR}/plugin_abi/include)
+selective_precision_install_component(vocabulary TARGETS selective_precision_vocabulary
+  HEADERS ${PROJECT_SOURCE_DIR}/vocabulary/include)
 selective_precision_install_component(host TARGETS selective_precision_host HEADERS ${PROJECT_SOURCE_DIR}/host_api/include)
 set(sp_kernel_targets selective_precision_kernels)
 # input_files (whole-file reads, typed JSON fields) is a private link dependency of the static

@@ -16,18 +16,6 @@ const char *queue_name(Queue queue) {
   return "unknown";
 }
 
-const char *precision_name(Precision precision) {
-  switch (precision) {
-    case Precision::bf16:
-      return "bf16";
-    case Precision::int8:
-      return "int8";
-    case Precision::nf4:
-      return "nf4";
-  }
-  return "unknown";
-}
-
 Region::Region(std::byte *data, std::size_t bytes, Deleter deleter)
     : data_(data), bytes_(bytes), deleter_(std::move(deleter)) {}
 

@@ -6,31 +6,9 @@
 
 #include <fmt/format.h>
 
+#include "sp/precision_abi.h"
+
 namespace sp::adapters {
-
-std::optional<Precision> route_of(sp_precision precision) {
-  switch (precision) {
-    case SP_PRECISION_BF16:
-      return Precision::bf16;
-    case SP_PRECISION_INT8:
-      return Precision::int8;
-    case SP_PRECISION_NF4:
-      return Precision::nf4;
-  }
-  return std::nullopt;
-}
-
-sp_precision abi_precision(Precision route) {
-  switch (route) {
-    case Precision::int8:
-      return SP_PRECISION_INT8;
-    case Precision::nf4:
-      return SP_PRECISION_NF4;
-    case Precision::bf16:
-      break;
-  }
-  return SP_PRECISION_BF16;
-}
 
 PolicyBridge::PolicyBridge(std::uint32_t num_blocks)
     : num_blocks_(num_blocks), plugin_route_(num_blocks, Precision::bf16) {}
@@ -56,7 +34,7 @@ void PolicyBridge::set_plugin_hints(const sp_hint_v1 *hints, std::uint32_t n) {
       throw std::invalid_argument(
           fmt::format("PolicyBridge: hint {} is for block {}; expected hints[i].block_id == i", i, hints[i].block_id));
     }
-    const std::optional<Precision> route = route_of(hints[i].precision);
+    const std::optional<Precision> route = from_abi(hints[i].precision);
     if (!route) {
       throw std::invalid_argument(
           fmt::format("PolicyBridge: hint for block {} has precision {}; expected SP_PRECISION_BF16 (0), "

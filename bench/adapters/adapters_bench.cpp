@@ -28,6 +28,7 @@
 #include "bench_cli.h"
 #include "bench_report.h"
 #include "sp/adapters/host_backend.h"
+#include "sp/adapters/route_encoding.h"
 #include "sp/adapters/streaming_engine.h"
 #include "sp/bench/transfer_measure.h"
 #include "sp/runtime/atomic_file.h"
@@ -60,11 +61,11 @@ std::unique_ptr<SyntheticBlocks> bench_model(std::uint32_t num_blocks, std::uint
   return std::make_unique<SyntheticBlocks>(num_blocks, sp::bench::sweep_block_shapes(block_bytes), 1);
 }
 
-std::uint64_t image_bytes(const SyntheticBlocks &model, sp::kernels::SlabPrecision precision) {
-  sp::kernels::SlabEncoding encoding;
-  encoding.precision = precision;
+std::uint64_t image_bytes(const SyntheticBlocks &model, sp::Precision precision) {
   // The engine's defaults (StreamingConfig): INT8 per row, NF4 in groups of 64.
-  if (precision == sp::kernels::SlabPrecision::kNf4) encoding.group_size = StreamingConfig{}.nf4_group_size;
+  const StreamingConfig defaults;
+  const sp::kernels::SlabEncoding encoding = slab_encoding(
+      precision, precision == sp::Precision::nf4 ? defaults.nf4_group_size : defaults.int8_group_size);
   std::vector<sp::kernels::TensorShape> shapes;
   for (const TensorSpec &t : model.blocks().front().tensors) shapes.push_back({t.rows, t.cols});
   return sp::kernels::slab_image_bytes(encoding, shapes.data(), shapes.size());
@@ -87,7 +88,7 @@ double timed_step(Harness &harness, StreamingEngine &engine, std::int64_t step, 
 }
 
 // Seconds per fetch of a forward-only step with no compute: the path is transfer-bound.
-double path_seconds_per_fetch(Harness &harness, const SyntheticBlocks &model, Precision precision, int steps) {
+double path_seconds_per_fetch(Harness &harness, const SyntheticBlocks &model, sp::Precision precision, int steps) {
   StreamingEngine engine(harness.backend, sp::bench::streaming_config_for(model, 2, false), model.blocks());
   route_all(engine, precision);
   timed_step(harness, engine, 0, 0.0);  // builds the images, warms the queues
@@ -129,14 +130,14 @@ nlohmann::json run(Harness &harness, const std::vector<std::uint64_t> &block_mib
   std::unique_ptr<SyntheticBlocks> loop_model;
   for (const std::uint64_t mib : block_mib) {
     auto model = bench_model(num_blocks, mib << 20);
-    const std::uint64_t bf16_bytes = image_bytes(*model, sp::kernels::SlabPrecision::kBf16);
-    const std::uint64_t int8_bytes = image_bytes(*model, sp::kernels::SlabPrecision::kInt8);
-    const std::uint64_t nf4_bytes = image_bytes(*model, sp::kernels::SlabPrecision::kNf4);
+    const std::uint64_t bf16_bytes = image_bytes(*model, sp::Precision::bf16);
+    const std::uint64_t int8_bytes = image_bytes(*model, sp::Precision::int8);
+    const std::uint64_t nf4_bytes = image_bytes(*model, sp::Precision::nf4);
     // The engine below streams num_blocks slabs through prefetch window 2 + 2 slots.
     const double raw = raw_copy_seconds(harness.backend, bf16_bytes, num_blocks, 4, steps);
-    const double bf16 = path_seconds_per_fetch(harness, *model, Precision::bf16, steps);
-    const double int8 = path_seconds_per_fetch(harness, *model, Precision::int8, steps);
-    const double nf4 = path_seconds_per_fetch(harness, *model, Precision::nf4, steps);
+    const double bf16 = path_seconds_per_fetch(harness, *model, sp::Precision::bf16, steps);
+    const double int8 = path_seconds_per_fetch(harness, *model, sp::Precision::int8, steps);
+    const double nf4 = path_seconds_per_fetch(harness, *model, sp::Precision::nf4, steps);
     const double bf16_ratio = raw / bf16;
     const double int8_ratio = int8 / bf16;
     const double nf4_ratio = nf4 / bf16;

@@ -144,20 +144,9 @@ tl::BlockCall python_call(py::object callable) {
   };
 }
 
-std::optional<sp_precision> precision_named(const std::string& name) {
-  if (name == "bf16") return SP_PRECISION_BF16;
-  if (name == "int8") return SP_PRECISION_INT8;
-  if (name == "nf4") return SP_PRECISION_NF4;
-  return std::nullopt;
-}
-
-sp_precision precision_of(const std::string& name) {
-  if (const std::optional<sp_precision> precision = precision_named(name)) return *precision;
+sp::Precision precision_of(const std::string& name) {
+  if (const std::optional<sp::Precision> precision = sp::precision_named(name)) return *precision;
   throw std::invalid_argument(fmt::format("precision '{}': expected 'bf16', 'int8' or 'nf4'", name));
-}
-
-const char* precision_name(sp_precision precision) {
-  return precision == SP_PRECISION_NF4 ? "nf4" : precision == SP_PRECISION_INT8 ? "int8" : "bf16";
 }
 
 py::dict swap_dict(const sp::host::SwapResult& swap) {
@@ -513,11 +502,11 @@ std::optional<torch::Tensor> adamw_step(const std::vector<torch::Tensor>& params
     for (const kn::AdamWTensor& t : tensors) kn::adamw_update(constants, t, exec);
     return std::nullopt;
   }
-  const std::optional<sp_precision> precision = precision_named(*image);
+  const std::optional<sp::Precision> precision = sp::precision_named(*image);
   require(precision.has_value(),
           fmt::format("adamw_step_: image '{}': None, 'bf16', 'int8' or 'nf4' expected", *image));
   // The image the engine would build for that route (every name above is one).
-  const kn::SlabEncoding encoding = sp::adapters::slab_encoding(*sp::adapters::route_of(*precision), group_size);
+  const kn::SlabEncoding encoding = sp::adapters::slab_encoding(*precision, group_size);
   const std::uint64_t bytes = kn::slab_image_bytes(encoding, shapes.data(), shapes.size());
   // Like the layer's pinned slabs, an image buffer can be allocated once and written each step.
   torch::Tensor out = into ? *into : torch::empty({static_cast<std::int64_t>(bytes)}, torch::kUInt8);
@@ -645,7 +634,7 @@ PYBIND11_MODULE(_selective_precision, m) {
              d["eval_h2d_bytes"] = r.eval_h2d_bytes;
              d["training_passes"] = r.training_passes;
              py::list routes;
-             for (sp_precision p : r.routes) routes.append(precision_name(p));
+             for (sp::Precision p : r.routes) routes.append(sp::precision_name(p));
              d["routes"] = routes;
              d["swap"] = r.swap ? py::object(swap_dict(*r.swap)) : py::none();
              d["calibration"] = r.calibration ? py::object(errors_dict(*r.calibration)) : py::none();
@@ -687,7 +676,7 @@ PYBIND11_MODULE(_selective_precision, m) {
       .def("routes",
            [](PyStreamedModel& s) {
              std::vector<std::string> out;
-             for (sp_precision p : s.model().routes()) out.emplace_back(precision_name(p));
+             for (sp::Precision p : s.model().routes()) out.emplace_back(sp::precision_name(p));
              return out;
            })
       .def("plugin_version", [](PyStreamedModel& s) { return std::string(s.model().policy().plugin_version()); })

@@ -5,9 +5,9 @@
 namespace sp::torch_layer {
 
 void StreamedModel::Impl::shard_masters() {
-  shared_route.assign(blocks.size(), ad::Precision::bf16);  // every engine starts on BF16
+  shared_route.assign(blocks.size(), Precision::bf16);  // every engine starts on BF16
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    share_image(*engine, b, ad::Precision::bf16);
+    share_image(*engine, b, Precision::bf16);
     if (owns(b)) continue;
     engine->forget_masters(b);
     eval_engine->forget_masters(b);
@@ -31,9 +31,9 @@ void StreamedModel::Impl::shard_masters() {
   }
 }
 
-void StreamedModel::Impl::share_image(ad::StreamingEngine& target, std::uint32_t b, ad::Precision precision) {
+void StreamedModel::Impl::share_image(ad::StreamingEngine& target, std::uint32_t b, Precision precision) {
   const int root = owner(b);
-  const std::string what = fmt::format("the {} image of {}", ad::precision_name(precision), blocks[b].block.name);
+  const std::string what = fmt::format("the {} image of {}", precision_name(precision), blocks[b].block.name);
   const auto send = [&](std::uint8_t* data, std::uint64_t bytes) {
     collectives->broadcast(torch::from_blob(data, {static_cast<std::int64_t>(bytes)}, torch::kUInt8), root, what);
   };
@@ -49,7 +49,7 @@ void StreamedModel::Impl::share_image(ad::StreamingEngine& target, std::uint32_t
 void StreamedModel::Impl::share_images(bool all, bool trained) {
   if (!sharded) return;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    const ad::Precision route = engine->policy_bridge().route(b);
+    const Precision route = engine->policy_bridge().route(b);
     if (!all && !(trained && blocks[b].trainable_masters) && shared_route[b] == route) continue;
     share_image(*engine, b, route);
     shared_route[b] = route;
@@ -57,7 +57,7 @@ void StreamedModel::Impl::share_images(bool all, bool trained) {
   }
 }
 
-void StreamedModel::Impl::share_eval_images(ad::Precision precision) {
+void StreamedModel::Impl::share_eval_images(Precision precision) {
   if (!sharded) return;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (owns(b) && eval_image_stale[b]) eval_engine->on_weights_updated(b);
@@ -71,7 +71,7 @@ void StreamedModel::Impl::refresh_eval_image(std::uint32_t b) {
     eval_engine->on_weights_updated(b);
     return;
   }
-  const ad::Precision route = eval_engine->policy_bridge().route(b);
+  const Precision route = eval_engine->policy_bridge().route(b);
   const ad::StreamingEngine::ImageBytes image = engine->image(b, route);
   eval_engine->receive_image(b, route,
                              [&](std::uint8_t* data, std::uint64_t bytes) { std::memcpy(data, image.data, bytes); });
@@ -200,16 +200,16 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
   // One route at a time over every sample, so that a sharded model shares each route's
   // images once: the BF16 outputs of every block are kept for the quantized passes.
   std::vector<std::vector<torch::Tensor>> references;
-  share_eval_images(ad::Precision::bf16);
+  share_eval_images(Precision::bf16);
   for (const torch::Tensor& sample : samples) {
     std::vector<torch::Tensor>& reference = references.emplace_back(std::vector<torch::Tensor>{sample});
-    eval_pass(pinned_to(SP_PRECISION_BF16), calibration_bytes, [&](std::uint32_t b, const NamedParameters&) {
+    eval_pass(pinned_to(Precision::bf16), calibration_bytes, [&](std::uint32_t b, const NamedParameters&) {
       reference.push_back(blocks[b].block.forward(reference.back()));
     });
   }
   for (auto [precision, sums] :
-       {std::pair{SP_PRECISION_INT8, &errors.int8}, std::pair{SP_PRECISION_NF4, &errors.nf4}}) {
-    share_eval_images(route_of(precision));
+       {std::pair{Precision::int8, &errors.int8}, std::pair{Precision::nf4, &errors.nf4}}) {
+    share_eval_images(precision);
     for (const std::vector<torch::Tensor>& reference : references) {
       eval_pass(pinned_to(precision), calibration_bytes, [&, sums = sums](std::uint32_t b, const NamedParameters&) {
         const torch::Tensor quantized = on_host(blocks[b].block.forward(reference[b]));
@@ -244,8 +244,8 @@ bool StreamedModel::Impl::set_calibration_errors(CalibrationErrors& errors) {
   }
   bool accepted = true;
   for (const auto& [precision, values, name] :
-       {std::tuple{SP_PRECISION_INT8, &errors.int8, "INT8"}, std::tuple{SP_PRECISION_NF4, &errors.nf4, "NF4"}}) {
-    if (policy->set_calibration_errors(precision, *values)) continue;
+       {std::tuple{Precision::int8, &errors.int8, "INT8"}, std::tuple{Precision::nf4, &errors.nf4, "NF4"}}) {
+    if (policy->set_calibration_errors(to_abi(precision), *values)) continue;
     log->warn("calibration: the plugin rejected the {} errors; it decides without them", name);
     accepted = false;
   }

@@ -44,10 +44,9 @@ std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
   return out;
 }
 
-std::vector<sp_precision> StreamedModel::Impl::current_routes() const {
-  std::vector<sp_precision> routes;
-  for (std::uint32_t b = 0; b < blocks.size(); ++b)
-    routes.push_back(ad::abi_precision(engine->policy_bridge().route(b)));
+std::vector<Precision> StreamedModel::Impl::current_routes() const {
+  std::vector<Precision> routes;
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) routes.push_back(engine->policy_bridge().route(b));
   return routes;
 }
 

@@ -354,13 +354,13 @@ std::vector<torch::Tensor> StreamedModel::resident_parameters() const {
 
 std::int64_t StreamedModel::next_step() const { return impl_->last_step ? *impl_->last_step + 1 : 0; }
 
-std::uint64_t StreamedModel::image_bytes(std::uint32_t block, sp_precision precision) const {
-  return impl_->engine->image_bytes(block, route_of(precision));
+std::uint64_t StreamedModel::image_bytes(std::uint32_t block, Precision precision) const {
+  return impl_->engine->image_bytes(block, precision);
 }
 
 const sp::host::PolicySession& StreamedModel::policy() const { return *impl_->policy; }
 
-std::vector<sp_precision> StreamedModel::routes() const { return impl_->current_routes(); }
+std::vector<Precision> StreamedModel::routes() const { return impl_->current_routes(); }
 
 const std::vector<sp_hint_v1>& StreamedModel::hints() const { return impl_->applied_hints; }
 

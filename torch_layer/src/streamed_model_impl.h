@@ -25,6 +25,7 @@
 #include "sp/adapters/streaming_engine.h"
 #include "sp/kernels/moments.h"
 #include "sp/kernels/relative_error.h"
+#include "sp/precision_abi.h"
 #include "forward_state.h"
 #include "serial_worker.h"
 #include "unlisted_leaves.h"
@@ -38,11 +39,6 @@ namespace kn = sp::kernels;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using Clock = std::chrono::steady_clock;
-
-inline ad::Precision route_of(sp_precision precision) {
-  if (const std::optional<ad::Precision> route = ad::route_of(precision)) return *route;
-  throw std::invalid_argument(fmt::format("sp_precision {} is not BF16, INT8 or NF4", static_cast<int>(precision)));
-}
 
 inline std::unique_ptr<ad::TransferBackend> make_backend(const StreamedModelOptions& options) {
   if (options.device.is_cpu()) {
@@ -191,7 +187,7 @@ struct StreamedModel::Impl {
   // block's masters live on its owner alone, which sends its images to the other ranks.
   bool sharded = false;
   // Per block, the same on every rank: the route of the image the ranks last shared.
-  std::vector<ad::Precision> shared_route;
+  std::vector<Precision> shared_route;
   // A block's master gradients of the current pass, flattened into one bucket, on their way
   // through an all-reduce started in the backward; folded into the masters at the pass's end.
   struct ReducingBucket {
@@ -317,7 +313,7 @@ struct StreamedModel::Impl {
 
   // Block b's image on `precision` from its owner into `target` on every other rank (each
   // rank's engine of the same role: the training engines, or the evaluation engines).
-  void share_image(ad::StreamingEngine& target, std::uint32_t b, ad::Precision precision);
+  void share_image(ad::StreamingEngine& target, std::uint32_t b, Precision precision);
 
   // After the owners rebuilt their images (end_step, refresh_images, restore_state), or at a
   // step's start: every block whose image changed since the ranks last shared it goes out
@@ -326,7 +322,7 @@ struct StreamedModel::Impl {
   void share_images(bool all, bool trained);
 
   // The evaluation engines' images of every block on one route (calibration's pinned passes).
-  void share_eval_images(ad::Precision precision);
+  void share_eval_images(Precision precision);
 
   // A block's evaluation image after its masters changed: rebuilt by its owner, copied from the
   // training engine's (which the owner sent) elsewhere.
@@ -491,16 +487,16 @@ struct StreamedModel::Impl {
 
   std::vector<sp_grad_moments_v1> block_moments();
 
-  std::vector<sp_precision> current_routes() const;
+  std::vector<Precision> current_routes() const;
 
   // ---- calibration ---------------------------------------------------------------------------
 
   // Every block of the evaluation engine on one route for a whole pass: a runtime pin, which
   // neither the plugin's hints nor a transfer gate override, since the errors describe the
   // formats, not what pays on this machine.
-  ad::RuntimeLimitHints pinned_to(sp_precision precision) const {
+  ad::RuntimeLimitHints pinned_to(Precision precision) const {
     ad::RuntimeLimitHints limits;
-    for (std::uint32_t b = 0; b < blocks.size(); ++b) limits.block_precision_map[b] = route_of(precision);
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) limits.block_precision_map[b] = precision;
     return limits;
   }
 

@@ -81,8 +81,7 @@ int main(int argc, char** argv) {
     const tl::StepReport report = model.end_step(loss.item<double>());
     out["losses"].push_back(loss.item<double>());
     nlohmann::json routes = nlohmann::json::array();
-    for (sp_precision p : report.routes)
-      routes.push_back(p == SP_PRECISION_NF4 ? "nf4" : p == SP_PRECISION_INT8 ? "int8" : "bf16");
+    for (sp::Precision p : report.routes) routes.push_back(sp::precision_name(p));
     out["routes"].push_back(routes);
   }
   std::ofstream(argv[2]) << out.dump(2) << "\n";

@@ -105,8 +105,8 @@ TEST(StreamedModel, ForwardAndGradientsEqualThePlainModelOnBf16Weights) {
   // Forward and backward fetch every block once, the last block's two uses sharing one fetch.
   EXPECT_EQ(report.h2d_bytes_bf16, report.h2d_bytes_all_bf16);
   std::uint64_t one_pass = 0;
-  for (std::uint32_t b = 0; b < kBlocks; ++b) one_pass += model->image_bytes(b, SP_PRECISION_BF16);
-  EXPECT_EQ(report.h2d_bytes_bf16, 2 * one_pass - model->image_bytes(kBlocks - 1, SP_PRECISION_BF16));
+  for (std::uint32_t b = 0; b < kBlocks; ++b) one_pass += model->image_bytes(b, sp::Precision::bf16);
+  EXPECT_EQ(report.h2d_bytes_bf16, 2 * one_pass - model->image_bytes(kBlocks - 1, sp::Precision::bf16));
 }
 
 // Blocks called one at a time by the host's loop, through Block::call: two inputs (the hidden
@@ -331,15 +331,15 @@ TEST(StreamedModel, StaticPolicyRoutesBlocksThroughInt8AndNf4) {
     model->forward(input(10 + step)).pow(2).mean().backward();
     model->post_backward();
     const tl::StepReport report = model->end_step(1.0);
-    EXPECT_EQ(report.routes, (std::vector<sp_precision>{SP_PRECISION_BF16, SP_PRECISION_INT8, SP_PRECISION_NF4}));
+    EXPECT_EQ(report.routes, (std::vector<sp::Precision>{sp::Precision::bf16, sp::Precision::int8, sp::Precision::nf4}));
     if (step == 1) {
       EXPECT_GT(report.h2d_bytes_int8, 0u);
       EXPECT_GT(report.h2d_bytes_nf4, 0u);
       EXPECT_LT(report.h2d_bytes_bf16 + report.h2d_bytes_int8 + report.h2d_bytes_nf4, report.h2d_bytes_all_bf16);
     }
   }
-  EXPECT_LT(model->image_bytes(0, SP_PRECISION_NF4), model->image_bytes(0, SP_PRECISION_INT8));
-  EXPECT_LT(model->image_bytes(0, SP_PRECISION_INT8), model->image_bytes(0, SP_PRECISION_BF16));
+  EXPECT_LT(model->image_bytes(0, sp::Precision::nf4), model->image_bytes(0, sp::Precision::int8));
+  EXPECT_LT(model->image_bytes(0, sp::Precision::int8), model->image_bytes(0, sp::Precision::bf16));
 }
 
 TEST(StreamedModel, CalibrationMeasuresEachFormatAgainstBf16) {
@@ -453,7 +453,7 @@ TEST(StreamedModel, FusedUpdateEqualsAdamWThenTheRebuild) {
     }
     const tl::StepReport fused_report = fused->end_step(1.0);
     unfused->end_step(1.0);
-    EXPECT_EQ(fused_report.routes, (std::vector<sp_precision>{SP_PRECISION_BF16, SP_PRECISION_INT8, SP_PRECISION_NF4}));
+    EXPECT_EQ(fused_report.routes, (std::vector<sp::Precision>{sp::Precision::bf16, sp::Precision::int8, sp::Precision::nf4}));
     for (std::uint32_t b = 0; b < kBlocks; ++b) {
       for (const auto& [name, master] : fused->masters(b)) {
         EXPECT_TRUE(torch::equal(master, unfused->masters(b).at(name))) << "step " << step << " " << name;
@@ -655,7 +655,7 @@ TEST(StreamedModel, StateRoundTripResumesWithTheSameRoutesAndWeights) {
   EXPECT_EQ(refused_entry(edited), "policy/hints");
   // A state the plugin itself rejects, on a model whose weights and hints differ from it.
   auto other = wrap(make_blocks(98), policy);
-  const std::vector<sp_precision> routes_before = other->routes();
+  const std::vector<sp::Precision> routes_before = other->routes();
   const torch::Tensor master_before = other->masters(0).at("fc1.weight").clone();
   edited = state;
   edited["policy/state"] = torch::full({16}, 0x5a, torch::kUInt8);
@@ -711,17 +711,17 @@ TEST(StreamedModel, EvaluationAndCalibrationBytesApartAndCalibrationInTwoHalves)
     torch::NoGradGuard no_grad;
     model->forward(input(24));
   }
-  const auto pass_bytes = [&](sp_precision precision) {
+  const auto pass_bytes = [&](sp::Precision precision) {
     std::uint64_t bytes = 0;
     for (std::uint32_t b = 0; b < kBlocks; ++b) bytes += model->image_bytes(b, precision);
     return bytes;
   };
-  const std::uint64_t bf16 = pass_bytes(SP_PRECISION_BF16);
+  const std::uint64_t bf16 = pass_bytes(sp::Precision::bf16);
   EXPECT_EQ(model->evaluation_h2d_bytes(), bf16);
   const tl::CalibrationErrors measured = model->measure_calibration_errors({input(25)});
   // A BF16 reference pass, then an INT8 and an NF4 one, counted apart from evaluation.
   EXPECT_EQ(model->evaluation_h2d_bytes(), bf16);
-  EXPECT_EQ(model->calibration_h2d_bytes(), bf16 + pass_bytes(SP_PRECISION_INT8) + pass_bytes(SP_PRECISION_NF4));
+  EXPECT_EQ(model->calibration_h2d_bytes(), bf16 + pass_bytes(sp::Precision::int8) + pass_bytes(sp::Precision::nf4));
   EXPECT_TRUE(model->set_calibration_errors(measured));
   const tl::CalibrationErrors again = model->calibrate({input(25)});
   EXPECT_EQ(again.int8, measured.int8);
@@ -1110,9 +1110,9 @@ TEST(StreamedModel, RestoringAStateWithoutHintsRestoresTheDefaultRoutes) {
   model->forward(input(38)).pow(2).mean().backward();
   model->post_backward();
   model->end_step(1.0);
-  ASSERT_EQ(model->routes()[0], SP_PRECISION_NF4);
+  ASSERT_EQ(model->routes()[0], sp::Precision::nf4);
   model->restore_state(state);
-  EXPECT_EQ(model->routes(), std::vector<sp_precision>(kBlocks, SP_PRECISION_BF16));
+  EXPECT_EQ(model->routes(), std::vector<sp::Precision>(kBlocks, sp::Precision::bf16));
   EXPECT_TRUE(model->hints().empty());
 }
 

@@ -7,13 +7,14 @@
 
 #include <fmt/core.h>
 
+#include "sp/adapters/route_encoding.h"
 #include "sp/kernels/slab.h"
+#include "sp/precision_abi.h"
 
 namespace sp::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using adapters::Precision;
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
@@ -72,9 +73,7 @@ std::vector<MatrixShape> gpt_block_shapes(uint64_t d) { return {{3 * d, d}, {d, 
 adapters::StreamingConfig streaming_config_for(const SyntheticBlocks& blocks, uint32_t window, bool backward) {
   std::vector<kernels::TensorShape> shapes;
   for (const adapters::TensorSpec& t : blocks.blocks().front().tensors) shapes.push_back({t.rows, t.cols});
-  kernels::SlabEncoding bf16;
-  bf16.precision = kernels::SlabPrecision::kBf16;
-  const uint64_t image = kernels::slab_image_bytes(bf16, shapes.data(), shapes.size());
+  const uint64_t image = kernels::slab_image_bytes(adapters::slab_encoding(Precision::bf16, 0), shapes.data(), shapes.size());
   adapters::StreamingConfig config;
   config.host_slab_bytes = image;
   config.host_slab_count = 2 * static_cast<uint32_t>(blocks.blocks().size());
@@ -87,10 +86,7 @@ adapters::StreamingConfig streaming_config_for(const SyntheticBlocks& blocks, ui
 void route_all(adapters::StreamingEngine& engine, Precision precision) {
   std::vector<sp_hint_v1> hints(engine.policy_bridge().num_blocks());
   for (uint32_t b = 0; b < hints.size(); ++b) {
-    const sp_precision wire = precision == Precision::int8  ? SP_PRECISION_INT8
-                              : precision == Precision::nf4 ? SP_PRECISION_NF4
-                                                            : SP_PRECISION_BF16;
-    hints[b] = sp_hint_v1{b, wire, 0.0, SP_REASON_FORCED, 0};
+    hints[b] = sp_hint_v1{b, to_abi(precision), 0.0, SP_REASON_FORCED, 0};
   }
   engine.policy_bridge().set_plugin_hints(hints.data(), static_cast<uint32_t>(hints.size()));
 }
@@ -202,18 +198,16 @@ adapters::TransferPoint measure_transfer_point(adapters::TransferBackend& backen
   SyntheticBlocks blocks(options.blocks, shapes, /*seed=*/shapes.front().rows * 131 + shapes.size());
   std::vector<kernels::TensorShape> slab_shapes;
   for (const MatrixShape& s : shapes) slab_shapes.push_back({s.rows, s.cols});
-  kernels::SlabEncoding encoding;
+  const auto image_bytes = [&](Precision precision, uint32_t group_size) {
+    return kernels::slab_image_bytes(adapters::slab_encoding(precision, group_size), slab_shapes.data(),
+                                     slab_shapes.size());
+  };
   adapters::TransferPoint point;
-  encoding.precision = kernels::SlabPrecision::kBf16;
-  point.bf16_bytes = kernels::slab_image_bytes(encoding, slab_shapes.data(), slab_shapes.size());
-  encoding.precision = kernels::SlabPrecision::kInt8;
-  encoding.group_size = options.int8_group_size;
-  point.int8_bytes = kernels::slab_image_bytes(encoding, slab_shapes.data(), slab_shapes.size());
+  point.bf16_bytes = image_bytes(Precision::bf16, 0);
+  point.int8_bytes = image_bytes(Precision::int8, options.int8_group_size);
   adapters::Nf4Measurement nf4;
   nf4.group_size = options.nf4_group_size;
-  encoding.precision = kernels::SlabPrecision::kNf4;
-  encoding.group_size = options.nf4_group_size;
-  nf4.nf4_bytes = kernels::slab_image_bytes(encoding, slab_shapes.data(), slab_shapes.size());
+  nf4.nf4_bytes = image_bytes(Precision::nf4, options.nf4_group_size);
   point.raw_copy_s =
       raw_copy_seconds(backend, point.bf16_bytes, options.blocks, options.window + 2, std::max(options.repeats, 3));
   const PathSamples bf16 = measure_path(backend, blocks, Precision::bf16, options);

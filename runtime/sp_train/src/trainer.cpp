@@ -25,6 +25,7 @@
 #include "run_lock.h"
 #include "sp/adapters/metrics.h"
 #include "sp/adapters/transfer_policy.h"
+#include "sp/precision_abi.h"
 #include "sp/runtime/atomic_file.h"
 #include "sp/runtime/hash.h"
 #include "sp/torch_layer/streamed_model.h"
@@ -634,7 +635,7 @@ struct Trainer::Impl {
     const ad::BlockWeights weights =
         config.train.mode == TrainMode::full ? ad::BlockWeights::kTrained : ad::BlockWeights::kFrozen;
     std::vector<std::uint64_t> sizes;
-    for (std::uint32_t u = 0; u < n_units; ++u) sizes.push_back(layer->image_bytes(u, SP_PRECISION_BF16));
+    for (std::uint32_t u = 0; u < n_units; ++u) sizes.push_back(layer->image_bytes(u, Precision::bf16));
     const ad::TransferGate gate = ad::transfer_gate(transfer_policy, weights, sizes);
     const auto paying = [](const std::vector<bool>& pays) { return std::count(pays.begin(), pays.end(), true); };
     log->info("transfer policy {} ({} blocks): INT8 pays for {}, NF4 for {} of {} blocks", path,
@@ -832,7 +833,7 @@ struct Trainer::Impl {
 
     layer->begin_step(step);
     record.plugin_version = std::string(layer->policy().plugin_version());
-    for (sp_precision route : layer->routes()) record.routes.push_back(static_cast<std::uint8_t>(route));
+    for (Precision route : layer->routes()) record.routes.push_back(static_cast<std::uint8_t>(to_abi(route)));
 
     std::vector<std::int64_t> tokens;
     corpus->train_batch(config.train.seed, step, batch, tokens,

@@ -40,8 +40,8 @@ struct StepRecord {
   double loss = 0.0;
   double lr = 0.0;
   double grad_norm = 0.0;
-  // The route each block's fetches took during this step, as sp_precision values
-  // (0 = BF16, 1 = INT8, 2 = NF4).
+  // The route each block's fetches took during this step, in the ABI's sp_precision codes
+  // (0 = BF16, 1 = INT8, 2 = NF4) that metrics.jsonl and the checkpoint carry (sp::to_abi).
   std::vector<std::uint8_t> routes;
   // The plugin's decision after this step's compute_hints (applies from the next step).
   std::vector<std::uint8_t> decisions;

@@ -302,7 +302,7 @@ TEST(DeliveredWeights, AreExactlyWhatEachRouteDelivered) {
     engine.policy_bridge().set_plugin_hints(&hint, 1);
     engine.begin_step(route);
     const adapters::BlockView& view = engine.acquire(0);
-    EXPECT_EQ(view.precision, route == SP_PRECISION_INT8 ? adapters::Precision::int8 : adapters::Precision::bf16);
+    EXPECT_EQ(view.precision, route == SP_PRECISION_INT8 ? Precision::int8 : Precision::bf16);
     const std::vector<std::uint16_t> slot(view.tensors[0].bf16, view.tensors[0].bf16 + master.size());
     engine.release(0);
     engine.end_step();

@@ -42,11 +42,6 @@ struct TransferGate {
   std::vector<bool> nf4_pays;
 };
 
-// The one translation between the plugin's precisions (the ABI's sp_precision) and the
-// engine's routes. route_of answers nothing for a value that names no route.
-std::optional<Precision> route_of(sp_precision precision);
-sp_precision abi_precision(Precision route);
-
 class PolicyBridge {
  public:
   explicit PolicyBridge(std::uint32_t num_blocks);

@@ -12,17 +12,11 @@
 #include <string>
 #include <vector>
 
+// The transfer routes are sp::Precision; the quantized ones (is_quantized) go through the
+// staging region and the dequant queue.
+#include "sp/precision.h"
+
 namespace sp::adapters {
-
-// The transfer routes, from the most to the least precise: BF16 (copied as is), INT8 (codes
-// and fp32 scales, about 0.5x the bytes) and NF4 (packed 4-bit codes and bf16 scales, about
-// 0.27x the bytes at group size 64). Both quantized routes are staged and dequantized on the
-// device.
-enum class Precision : std::uint8_t { bf16, int8, nf4 };
-
-const char *precision_name(Precision precision);
-// True for the routes that go through the staging region and the dequant queue.
-constexpr bool is_quantized(Precision precision) { return precision != Precision::bf16; }
 
 // One fp32 master tensor of a block, owned by the trainer. The engine reads it when it
 // builds the block's transfer image (at startup, after on_weights_updated(), and before the

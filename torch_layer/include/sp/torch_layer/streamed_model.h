@@ -53,6 +53,7 @@
 #include "sp/adapters/policy_bridge.h"
 #include "sp/adapters/streaming_engine.h"
 #include "sp/error.h"
+#include "sp/precision.h"
 #include "sp/host/policy_session.h"
 #include "sp/kernels/adamw.h"
 #include "sp/torch_layer/collectives.h"
@@ -171,7 +172,7 @@ struct StepReport {
   std::uint64_t h2d_bytes_all_bf16 = 0;  // what the same fetches would have moved as BF16
   std::uint64_t eval_h2d_bytes = 0;      // of the evaluation passes
   std::uint32_t training_passes = 0;
-  std::vector<sp_precision> routes;          // per block, for the next step
+  std::vector<Precision> routes;             // per block, for the next step
   std::optional<sp::host::SwapResult> swap;  // a hot swap applied (or failed) at begin_step
   // Blocks that update_masters_during_backward() left as they were: their gradient held a
   // non-finite element.
@@ -340,10 +341,10 @@ class StreamedModel {
   void restore_state(const std::map<std::string, torch::Tensor>& state);
 
   // Bytes of one transfer of the block on each route (image header, payload, scales).
-  std::uint64_t image_bytes(std::uint32_t block, sp_precision precision) const;
+  std::uint64_t image_bytes(std::uint32_t block, Precision precision) const;
   const sp::host::PolicySession& policy() const;
   // The route each block's next fetch takes (the plugin's hint through the transfer gate).
-  std::vector<sp_precision> routes() const;
+  std::vector<Precision> routes() const;
   // The plugin hints in force (empty until its first hints), as it gave them.
   const std::vector<sp_hint_v1>& hints() const;
   // Bytes the evaluation passes (no-grad forwards) moved since construction, and apart from

@@ -49,7 +49,7 @@ std::vector<MatrixShape> gpt_block_shapes(uint64_t d_model);
 adapters::StreamingConfig streaming_config_for(const SyntheticBlocks& blocks, uint32_t window, bool backward);
 
 // Hints every block to `precision`, as if the plugin had said so.
-void route_all(adapters::StreamingEngine& engine, adapters::Precision precision);
+void route_all(adapters::StreamingEngine& engine, Precision precision);
 
 // Seconds per copy of `bytes` from pinned host memory into device memory, back to back on the
 // copy queue and timed by the backend's events: the physical limit of this run. Copies rotate
