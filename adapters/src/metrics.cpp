@@ -15,17 +15,20 @@
 namespace sp::adapters {
 
 nlohmann::json StepTransferMetrics::to_json() const {
+  nlohmann::json bytes = nlohmann::json::object();
+  nlohmann::json fetch_counts = nlohmann::json::object();
+  for (Precision precision : kPrecisions) {
+    bytes[precision_name(precision)] = h2d_bytes[precision];
+    fetch_counts[precision_name(precision)] = fetches[precision];
+  }
+  bytes["all_bf16"] = h2d_bytes_all_bf16;
+  fetch_counts["bf16_by_transfer_policy"] = fetches_bf16_by_transfer_policy;
+  fetch_counts["int8_by_transfer_policy"] = fetches_int8_by_transfer_policy;
+  fetch_counts["pinned"] = fetches_pinned;
   nlohmann::json record = {
       {"step", step},
-      {"h2d_bytes",
-       {{"bf16", h2d_bytes_bf16}, {"int8", h2d_bytes_int8}, {"nf4", h2d_bytes_nf4}, {"all_bf16", h2d_bytes_all_bf16}}},
-      {"fetches",
-       {{"bf16", fetches_bf16},
-        {"int8", fetches_int8},
-        {"nf4", fetches_nf4},
-        {"bf16_by_transfer_policy", fetches_bf16_by_transfer_policy},
-        {"int8_by_transfer_policy", fetches_int8_by_transfer_policy},
-        {"pinned", fetches_pinned}}},
+      {"h2d_bytes", std::move(bytes)},
+      {"fetches", std::move(fetch_counts)},
       {"prefetch", {{"hits", prefetch_hits}, {"misses", prefetch_misses}, {"unused", prefetch_unused}}},
       {"stalls", {{"count", stalls}, {"seconds", stall_seconds}}},
       {"image_rebuilds", image_rebuilds},
@@ -47,11 +50,11 @@ sp_step_feedback_v1 StepTransferMetrics::to_feedback() const {
   std::memset(&feedback, 0, sizeof feedback);
   feedback.struct_size = sizeof feedback;
   feedback.loss = std::numeric_limits<double>::quiet_NaN();
-  feedback.h2d_bytes_bf16 = h2d_bytes_bf16;
-  feedback.h2d_bytes_int8 = h2d_bytes_int8;
+  feedback.h2d_bytes_bf16 = h2d_bytes[Precision::bf16];
+  feedback.h2d_bytes_int8 = h2d_bytes[Precision::int8];
   feedback.h2d_bytes_all_bf16 = h2d_bytes_all_bf16;
   feedback.step_seconds = std::numeric_limits<double>::quiet_NaN();
-  feedback.h2d_bytes_nf4 = h2d_bytes_nf4;
+  feedback.h2d_bytes_nf4 = h2d_bytes[Precision::nf4];
   return feedback;
 }
 

@@ -435,20 +435,8 @@ void StreamingEngine::issue_fetch(std::uint32_t fetch) {
     backend_.dequantize_async(dequant_job_);
     backend_.record(*events.dequant_end, Queue::dequant);
   }
-  switch (precision) {
-    case Precision::bf16:
-      current_.h2d_bytes_bf16 += bytes;
-      ++current_.fetches_bf16;
-      break;
-    case Precision::int8:
-      current_.h2d_bytes_int8 += bytes;
-      ++current_.fetches_int8;
-      break;
-    case Precision::nf4:
-      current_.h2d_bytes_nf4 += bytes;
-      ++current_.fetches_nf4;
-      break;
-  }
+  current_.h2d_bytes[precision] += bytes;
+  ++current_.fetches[precision];
   current_.h2d_bytes_all_bf16 += image.bytes_of(Precision::bf16);
   fetch_precision_[fetch] = precision;
   ++next_fetch_;

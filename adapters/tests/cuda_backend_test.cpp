@@ -33,7 +33,7 @@ TEST_F(CudaEngine, SlotsHoldBf16AndDequantizedInt8BitForBit) {
     model.update_weights(2, 1e-3f);
     engine.on_weights_updated(2);
     const StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 1, group);
-    EXPECT_GT(metrics.fetches_int8, 0u);
+    EXPECT_GT(metrics.fetches[sp::Precision::int8], 0u);
   }
 }
 
@@ -48,13 +48,13 @@ TEST_F(CudaEngine, Nf4SlotsHoldTheCpuDequantBitForBit) {
     StreamingEngine engine(backend, config, model.blocks());
     set_routes(engine, std::vector<Precision>(5, Precision::nf4));
     StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 0, 0, group);
-    EXPECT_EQ(metrics.fetches_nf4, engine.schedule().fetches().size());
+    EXPECT_EQ(metrics.fetches[sp::Precision::nf4], engine.schedule().fetches().size());
     set_routes(engine, {Precision::nf4, Precision::bf16, Precision::int8, Precision::nf4, Precision::int8});
     model.update_weights(3, 1e-3f);
     engine.on_weights_updated(3);
     metrics = run_checked_step(engine, backend, model.blocks(), 1, 0, group);
-    EXPECT_GT(metrics.fetches_nf4, 0u);
-    EXPECT_GT(metrics.fetches_int8, 0u);
+    EXPECT_GT(metrics.fetches[sp::Precision::nf4], 0u);
+    EXPECT_GT(metrics.fetches[sp::Precision::int8], 0u);
   }
 }
 

@@ -100,10 +100,10 @@ TEST_P(Nf4Groups, SlotsHoldTheCpuDequantOfTheNf4SlabBitForBit) {
     int8_bytes += engine.image_bytes(fetch.block, Precision::int8);
     all_bf16 += engine.image_bytes(fetch.block, Precision::bf16);
   }
-  EXPECT_EQ(metrics.fetches_nf4, engine.schedule().fetches().size());
-  EXPECT_EQ(metrics.fetches_int8 + metrics.fetches_bf16, 0u);
-  EXPECT_EQ(metrics.h2d_bytes_nf4, nf4_bytes);
-  EXPECT_EQ(metrics.h2d_bytes_int8 + metrics.h2d_bytes_bf16, 0u);
+  EXPECT_EQ(metrics.fetches[sp::Precision::nf4], engine.schedule().fetches().size());
+  EXPECT_EQ(metrics.fetches[sp::Precision::int8] + metrics.fetches[sp::Precision::bf16], 0u);
+  EXPECT_EQ(metrics.h2d_bytes[sp::Precision::nf4], nf4_bytes);
+  EXPECT_EQ(metrics.h2d_bytes[sp::Precision::int8] + metrics.h2d_bytes[sp::Precision::bf16], 0u);
   EXPECT_EQ(metrics.h2d_bytes_all_bf16, all_bf16);
   EXPECT_LT(nf4_bytes, int8_bytes);
   EXPECT_EQ(metrics.to_feedback().h2d_bytes_nf4, nf4_bytes);
@@ -151,12 +151,12 @@ TEST_P(MixedRoutes, PrefetchDeliversEveryRouteInBothDirections) {
       bytes[route] += engine.image_bytes(fetch.block, routes[fetch.block]);
       ++counts[route];
     }
-    EXPECT_EQ(metrics.h2d_bytes_bf16, bytes[0]);
-    EXPECT_EQ(metrics.h2d_bytes_int8, bytes[1]);
-    EXPECT_EQ(metrics.h2d_bytes_nf4, bytes[2]);
-    EXPECT_EQ(metrics.fetches_bf16, counts[0]);
-    EXPECT_EQ(metrics.fetches_int8, counts[1]);
-    EXPECT_EQ(metrics.fetches_nf4, counts[2]);
+    EXPECT_EQ(metrics.h2d_bytes[sp::Precision::bf16], bytes[0]);
+    EXPECT_EQ(metrics.h2d_bytes[sp::Precision::int8], bytes[1]);
+    EXPECT_EQ(metrics.h2d_bytes[sp::Precision::nf4], bytes[2]);
+    EXPECT_EQ(metrics.fetches[sp::Precision::bf16], counts[0]);
+    EXPECT_EQ(metrics.fetches[sp::Precision::int8], counts[1]);
+    EXPECT_EQ(metrics.fetches[sp::Precision::nf4], counts[2]);
     EXPECT_EQ(metrics.prefetch_misses, param.window == 0 ? fetches : 0u);
   }
 }
@@ -188,7 +188,7 @@ TEST(Nf4Route, PrecisionSwitchesThroughAllThreeRoutes) {
       switched += plans[i][b] != previous[b] || b == i;
     }
     EXPECT_EQ(metrics.image_rebuilds, switched) << "plan " << i;
-    EXPECT_GT(metrics.fetches_nf4, 0u);
+    EXPECT_GT(metrics.fetches[sp::Precision::nf4], 0u);
     previous = plans[i];
   }
 }
@@ -231,11 +231,11 @@ TEST(Nf4Route, TransferGateFallsBackToInt8ThenBf16) {
   }
   EXPECT_EQ(metrics.fetches_int8_by_transfer_policy, per_route[1]);
   EXPECT_EQ(metrics.fetches_bf16_by_transfer_policy, per_route[0]);
-  EXPECT_EQ(metrics.fetches_nf4, per_route[2]);
+  EXPECT_EQ(metrics.fetches[sp::Precision::nf4], per_route[2]);
   const nlohmann::json record = metrics.to_json();
   EXPECT_EQ(record.at("fetches").at("nf4").get<std::uint32_t>(), per_route[2]);
   EXPECT_EQ(record.at("fetches").at("int8_by_transfer_policy").get<std::uint32_t>(), per_route[1]);
-  EXPECT_EQ(record.at("h2d_bytes").at("nf4").get<std::uint64_t>(), metrics.h2d_bytes_nf4);
+  EXPECT_EQ(record.at("h2d_bytes").at("nf4").get<std::uint64_t>(), metrics.h2d_bytes[sp::Precision::nf4]);
 }
 
 TEST(Nf4Route, SteadyStateMakesNoHostSynchronization) {

@@ -36,8 +36,8 @@ TEST(StreamingEngine, Bf16SlotsHoldTheBf16ImageBitForBit) {
   SyntheticModel model(kBlocks, 1);
   StreamingEngine engine(backend, config_for(model.blocks(), 2), model.blocks());
   const StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 0, 0);
-  EXPECT_EQ(metrics.fetches_bf16, engine.schedule().fetches().size());
-  EXPECT_EQ(metrics.fetches_int8, 0u);
+  EXPECT_EQ(metrics.fetches[sp::Precision::bf16], engine.schedule().fetches().size());
+  EXPECT_EQ(metrics.fetches[sp::Precision::int8], 0u);
 }
 
 // Sizes that are not a multiple of the image alignment (what a model width like 9 gives):
@@ -67,8 +67,8 @@ TEST_P(Int8Groups, Int8SlotsHoldTheDequantizedImageBitForBit) {
   StreamingEngine engine(backend, config, model.blocks());
   set_routes(engine, std::vector<Precision>(kBlocks, Precision::int8));
   const StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 0, config.int8_group_size);
-  EXPECT_EQ(metrics.fetches_int8, engine.schedule().fetches().size());
-  EXPECT_EQ(metrics.h2d_bytes_bf16, 0u);
+  EXPECT_EQ(metrics.fetches[sp::Precision::int8], engine.schedule().fetches().size());
+  EXPECT_EQ(metrics.h2d_bytes[sp::Precision::bf16], 0u);
   // Bytes on the wire are the INT8 images, fetch by fetch.
   std::uint64_t expected_int8 = 0;
   std::uint64_t expected_all_bf16 = 0;
@@ -76,9 +76,9 @@ TEST_P(Int8Groups, Int8SlotsHoldTheDequantizedImageBitForBit) {
     expected_int8 += engine.image_bytes(fetch.block, Precision::int8);
     expected_all_bf16 += engine.image_bytes(fetch.block, Precision::bf16);
   }
-  EXPECT_EQ(metrics.h2d_bytes_int8, expected_int8);
+  EXPECT_EQ(metrics.h2d_bytes[sp::Precision::int8], expected_int8);
   EXPECT_EQ(metrics.h2d_bytes_all_bf16, expected_all_bf16);
-  EXPECT_LT(metrics.h2d_bytes_int8, metrics.h2d_bytes_all_bf16);
+  EXPECT_LT(metrics.h2d_bytes[sp::Precision::int8], metrics.h2d_bytes_all_bf16);
 }
 
 INSTANTIATE_TEST_SUITE_P(PerRowAndGroups, Int8Groups, ::testing::Values(0u, 32u, 128u));
@@ -160,11 +160,11 @@ TEST(StreamingEngine, PrecisionSwitchesMidRunWithoutWeightUpdate) {
              {Precision::int8, Precision::bf16, Precision::int8, Precision::int8, Precision::bf16, Precision::int8});
   StepTransferMetrics metrics = run_checked_step(engine, backend, model.blocks(), 1, 0);
   EXPECT_EQ(metrics.image_rebuilds, 4u);  // the four switched blocks, once each
-  EXPECT_GT(metrics.fetches_int8, 0u);
+  EXPECT_GT(metrics.fetches[sp::Precision::int8], 0u);
   set_routes(engine, std::vector<Precision>(kBlocks, Precision::bf16));
   metrics = run_checked_step(engine, backend, model.blocks(), 2, 0);
   EXPECT_EQ(metrics.image_rebuilds, 4u);
-  EXPECT_EQ(metrics.fetches_int8, 0u);
+  EXPECT_EQ(metrics.fetches[sp::Precision::int8], 0u);
 }
 
 TEST(StreamingEngine, PrecisionSwitchAndWeightUpdateInTheSameStep) {
@@ -308,7 +308,7 @@ TEST(StreamingEngine, UpdateWeightsEqualsTheOptimizerThenTheRebuild) {
     if (HasFatalFailure()) return;
   }
   const StepTransferMetrics metrics = run_checked_step(fused, backend, fused_model.blocks(), 3, 0);
-  EXPECT_EQ(metrics.h2d_bytes_nf4 > 0 && metrics.h2d_bytes_int8 > 0, true);
+  EXPECT_EQ(metrics.h2d_bytes[sp::Precision::nf4] > 0 && metrics.h2d_bytes[sp::Precision::int8] > 0, true);
 }
 
 TEST(StreamingEngine, UpdateWeightsRefusesTensorsThatAreNotTheBlocksMasters) {
@@ -481,8 +481,8 @@ TEST(StreamingEngine, PinsGivenToBeginStepRouteEveryFetchOfTheStepPastTheGate) {
     const StepTransferMetrics metrics = engine.end_step();
     const auto fetches = static_cast<std::uint32_t>(engine.schedule().fetches().size());
     EXPECT_EQ(metrics.fetches_pinned, fetches);
-    EXPECT_EQ(pinned == Precision::int8 ? metrics.fetches_int8 : metrics.fetches_nf4, fetches);
-    EXPECT_EQ(metrics.h2d_bytes_bf16, 0u);
+    EXPECT_EQ(pinned == Precision::int8 ? metrics.fetches[sp::Precision::int8] : metrics.fetches[sp::Precision::nf4], fetches);
+    EXPECT_EQ(metrics.h2d_bytes[sp::Precision::bf16], 0u);
   }
   // The pins held for their step only: the gate routes the next one.
   engine.begin_step(2);
@@ -697,8 +697,8 @@ TEST(MetricsJsonlWriter, AnUnwritablePathIsLoggedNotFatal) {
 
 TEST(StepTransferMetrics, FeedbackCarriesTheMeasuredBytes) {
   StepTransferMetrics metrics;
-  metrics.h2d_bytes_bf16 = 10;
-  metrics.h2d_bytes_int8 = 20;
+  metrics.h2d_bytes[sp::Precision::bf16] = 10;
+  metrics.h2d_bytes[sp::Precision::int8] = 20;
   metrics.h2d_bytes_all_bf16 = 50;
   const sp_step_feedback_v1 feedback = metrics.to_feedback();
   EXPECT_EQ(feedback.struct_size, sizeof(sp_step_feedback_v1));

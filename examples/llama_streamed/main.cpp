@@ -145,7 +145,7 @@ int main(int argc, char** argv) {
     optimizer.step();
     loss_value = loss.item<double>();
     const auto report = model.end_step(loss_value);                                // [sp]
-    sent += report.h2d_bytes_bf16 + report.h2d_bytes_int8 + report.h2d_bytes_nf4;  // [sp]
+    sent += report.h2d_bytes.total();                                              // [sp]
     as_bf16 += report.h2d_bytes_all_bf16;                                          // [sp]
     calibration_seconds += report.calibration_seconds;                             // [sp]
     if (step == 0) first = loss_value;

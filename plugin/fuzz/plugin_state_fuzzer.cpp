@@ -34,7 +34,7 @@
 
 namespace {
 
-using sp::policy::PolicyConfig;
+using sp::policy::PolicySettings;
 using sp::policy::PolicyEngine;
 
 constexpr std::uint32_t kBlocks = sp::fuzz::kStateBlocks;
@@ -43,9 +43,9 @@ constexpr const char *kGuardConfig = sp::fuzz::kStateGuardConfig;
 
 [[noreturn]] void fail(const std::string &what) { sp::fuzz::contract_violated("plugin_state_fuzzer", what); }
 
-const PolicyConfig &config(bool guard) {
-  static const PolicyConfig fixture = sp::policy::parse_policy_config(kFixtureConfig, kBlocks).config;
-  static const PolicyConfig with_guard = sp::policy::parse_policy_config(kGuardConfig, kBlocks).config;
+const PolicySettings &config(bool guard) {
+  static const PolicySettings fixture = sp::policy::parse_policy_config(kFixtureConfig, kBlocks).config;
+  static const PolicySettings with_guard = sp::policy::parse_policy_config(kGuardConfig, kBlocks).config;
   return guard ? with_guard : fixture;
 }
 

@@ -6,8 +6,8 @@
 //
 // Contract checked (config.h, errors.h):
 //   - parse_policy_config and check_host_precisions either succeed or throw
-//     sp::policy::ConfigError; anything else escapes and the fuzzer reports it;
-//   - a ConfigError has a message;
+//     sp::policy::PolicyConfigError; anything else escapes and the fuzzer reports it;
+//   - a PolicyConfigError has a message;
 //   - an accepted config builds a PolicyEngine (telemetry switched off here, so that no fuzzed
 //     path is ever written) on which two whole steps run without any exception and give hints
 //     of a known precision for every block, in block order.
@@ -67,8 +67,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t *data, std::size_t size
   sp::policy::ParsedConfig parsed;
   try {
     parsed = sp::policy::parse_policy_config(text, kBlocks);
-  } catch (const sp::policy::ConfigError &error) {
-    if (std::string(error.what()).empty()) fail("a ConfigError without a message");
+  } catch (const sp::policy::PolicyConfigError &error) {
+    if (std::string(error.what()).empty()) fail("a PolicyConfigError without a message");
     return 0;
   }
   // A host of ABI 1.0 (BF16 and INT8), then one that also transfers NF4.
@@ -76,17 +76,17 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t *data, std::size_t size
   bool fits_int8_host = true;
   try {
     sp::policy::check_host_precisions(parsed, int8_host);
-  } catch (const sp::policy::ConfigError &) {
+  } catch (const sp::policy::PolicyConfigError &) {
     fits_int8_host = false;
   }
   try {
     sp::policy::check_host_precisions(parsed, int8_host | SP_PRECISION_BIT(SP_PRECISION_NF4));
-  } catch (const sp::policy::ConfigError &) {
+  } catch (const sp::policy::PolicyConfigError &) {
     if (fits_int8_host) fail("a config that fits a BF16+INT8 host does not fit a BF16+INT8+NF4 host");
     return 0;
   }
 
-  sp::policy::PolicyConfig config = parsed.config;
+  sp::policy::PolicySettings config = parsed.config;
   config.telemetry_enabled = false;  // never write a file the input names
   std::vector<sp::policy::BlockBytes> bytes(kBlocks, sp::policy::BlockBytes{4096, 2048, 0});
   sp::policy::PolicyEngine engine(config, std::move(bytes), nullptr, "");

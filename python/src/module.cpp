@@ -627,9 +627,8 @@ PYBIND11_MODULE(_selective_precision, m) {
              }();
              py::dict d;
              d["step"] = r.step;
-             d["h2d_bytes_bf16"] = r.h2d_bytes_bf16;
-             d["h2d_bytes_int8"] = r.h2d_bytes_int8;
-             d["h2d_bytes_nf4"] = r.h2d_bytes_nf4;
+             for (sp::Precision p : sp::kPrecisions)
+               d[py::str(std::string("h2d_bytes_") + sp::precision_name(p))] = r.h2d_bytes[p];
              d["h2d_bytes_all_bf16"] = r.h2d_bytes_all_bf16;
              d["eval_h2d_bytes"] = r.eval_h2d_bytes;
              d["training_passes"] = r.training_passes;

@@ -122,13 +122,9 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
 
 void StreamedModel::Impl::add_transfer(const ad::StepTransferMetrics& m) {
   ad::StepTransferMetrics& t = step_transfer;
-  t.h2d_bytes_bf16 += m.h2d_bytes_bf16;
-  t.h2d_bytes_int8 += m.h2d_bytes_int8;
-  t.h2d_bytes_nf4 += m.h2d_bytes_nf4;
+  t.h2d_bytes += m.h2d_bytes;
   t.h2d_bytes_all_bf16 += m.h2d_bytes_all_bf16;
-  t.fetches_bf16 += m.fetches_bf16;
-  t.fetches_int8 += m.fetches_int8;
-  t.fetches_nf4 += m.fetches_nf4;
+  t.fetches += m.fetches;
   t.fetches_bf16_by_transfer_policy += m.fetches_bf16_by_transfer_policy;
   t.fetches_int8_by_transfer_policy += m.fetches_int8_by_transfer_policy;
   t.fetches_pinned += m.fetches_pinned;
@@ -178,7 +174,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, co
   std::vector<torch::Tensor> out = eval_block(b, [&](const NamedParameters& weights) { return call(inputs, weights); });
   if (eval_next == blocks.size()) {
     const ad::StepTransferMetrics m = end_eval_pass();
-    const std::uint64_t bytes = m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
+    const std::uint64_t bytes = m.h2d_bytes.total();
     evaluation_bytes += bytes;
     report.eval_h2d_bytes += bytes;
   }

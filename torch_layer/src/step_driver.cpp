@@ -164,9 +164,7 @@ StepReport StreamedModel::end_step(double loss) {
     m.report.calibration_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   }
   StepReport report = m.report;
-  report.h2d_bytes_bf16 = m.step_transfer.h2d_bytes_bf16;
-  report.h2d_bytes_int8 = m.step_transfer.h2d_bytes_int8;
-  report.h2d_bytes_nf4 = m.step_transfer.h2d_bytes_nf4;
+  report.h2d_bytes = m.step_transfer.h2d_bytes;
   report.h2d_bytes_all_bf16 = m.step_transfer.h2d_bytes_all_bf16;
   report.routes = m.current_routes();
   return report;

@@ -410,7 +410,7 @@ struct StreamedModel::Impl {
       });
     }
     const ad::StepTransferMetrics m = end_eval_pass();
-    bytes += m.h2d_bytes_bf16 + m.h2d_bytes_int8 + m.h2d_bytes_nf4;
+    bytes += m.h2d_bytes.total();
   }
 
   // A no-grad call of block b: block 0 opens an evaluation pass, the last one ends it.

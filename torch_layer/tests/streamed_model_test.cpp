@@ -103,10 +103,10 @@ TEST(StreamedModel, ForwardAndGradientsEqualThePlainModelOnBf16Weights) {
   const tl::StepReport report = model->end_step(y.pow(2).mean().item<double>());
   EXPECT_EQ(report.training_passes, 1u);
   // Forward and backward fetch every block once, the last block's two uses sharing one fetch.
-  EXPECT_EQ(report.h2d_bytes_bf16, report.h2d_bytes_all_bf16);
+  EXPECT_EQ(report.h2d_bytes[sp::Precision::bf16], report.h2d_bytes_all_bf16);
   std::uint64_t one_pass = 0;
   for (std::uint32_t b = 0; b < kBlocks; ++b) one_pass += model->image_bytes(b, sp::Precision::bf16);
-  EXPECT_EQ(report.h2d_bytes_bf16, 2 * one_pass - model->image_bytes(kBlocks - 1, sp::Precision::bf16));
+  EXPECT_EQ(report.h2d_bytes[sp::Precision::bf16], 2 * one_pass - model->image_bytes(kBlocks - 1, sp::Precision::bf16));
 }
 
 // Blocks called one at a time by the host's loop, through Block::call: two inputs (the hidden
@@ -333,9 +333,9 @@ TEST(StreamedModel, StaticPolicyRoutesBlocksThroughInt8AndNf4) {
     const tl::StepReport report = model->end_step(1.0);
     EXPECT_EQ(report.routes, (std::vector<sp::Precision>{sp::Precision::bf16, sp::Precision::int8, sp::Precision::nf4}));
     if (step == 1) {
-      EXPECT_GT(report.h2d_bytes_int8, 0u);
-      EXPECT_GT(report.h2d_bytes_nf4, 0u);
-      EXPECT_LT(report.h2d_bytes_bf16 + report.h2d_bytes_int8 + report.h2d_bytes_nf4, report.h2d_bytes_all_bf16);
+      EXPECT_GT(report.h2d_bytes[sp::Precision::int8], 0u);
+      EXPECT_GT(report.h2d_bytes[sp::Precision::nf4], 0u);
+      EXPECT_LT(report.h2d_bytes[sp::Precision::bf16] + report.h2d_bytes[sp::Precision::int8] + report.h2d_bytes[sp::Precision::nf4], report.h2d_bytes_all_bf16);
     }
   }
   EXPECT_LT(model->image_bytes(0, sp::Precision::nf4), model->image_bytes(0, sp::Precision::int8));

@@ -37,5 +37,25 @@ TEST(Precision, OnlyBf16IsNotQuantized) {
   EXPECT_TRUE(is_quantized(Precision::nf4));
 }
 
+TEST(PerPrecision, HoldsOneValuePerPrecisionStartingAtZero) {
+  PerPrecision<std::uint64_t> bytes;
+  for (Precision precision : kPrecisions) EXPECT_EQ(bytes[precision], 0u);
+  bytes[Precision::int8] = 5;
+  bytes[Precision::nf4] += 7;
+  EXPECT_EQ(bytes[Precision::bf16], 0u);
+  EXPECT_EQ(bytes.total(), 12u);
+  PerPrecision<std::uint64_t> more;
+  more[Precision::bf16] = 1;
+  more[Precision::nf4] = 1;
+  more += bytes;
+  EXPECT_EQ(more[Precision::bf16], 1u);
+  EXPECT_EQ(more[Precision::int8], 5u);
+  EXPECT_EQ(more[Precision::nf4], 8u);
+  EXPECT_NE(more, bytes);
+  more[Precision::bf16] = 0;
+  more[Precision::nf4] = 7;
+  EXPECT_EQ(more, bytes);
+}
+
 }  // namespace
 }  // namespace sp

@@ -82,7 +82,7 @@ class SectionReader {
   std::string path(std::string_view key) const { return fmt::format("{}.{}", section_path_, key); }
 
   [[noreturn]] void fail(std::string_view key, std::string_view expected, const YAML::Node &found) const {
-    throw ConfigError(fmt::format("{}: expected {}, found {}", path(key), expected, describe(found)));
+    throw PolicyConfigError(fmt::format("{}: expected {}, found {}", path(key), expected, describe(found)));
   }
 
   bool read_bool(std::string_view key, const YAML::Node &node) const {
@@ -138,12 +138,12 @@ class SectionReader {
       const std::string element = fmt::format("{}[{}]", key, i);
       const std::int64_t id = read_integer(element, node[i], expected);
       if (id < 0 || id >= static_cast<std::int64_t>(n_blocks)) {
-        throw ConfigError(fmt::format("{}: expected a block id in [0, {}] (the model has {} blocks), found {}",
+        throw PolicyConfigError(fmt::format("{}: expected a block id in [0, {}] (the model has {} blocks), found {}",
                                       path(element), static_cast<std::int64_t>(n_blocks) - 1, n_blocks, id));
       }
       const auto block = static_cast<std::uint32_t>(id);
       if (std::find(ids.begin(), ids.end(), block) != ids.end()) {
-        throw ConfigError(fmt::format("{}: block {} is listed twice", path(element), block));
+        throw PolicyConfigError(fmt::format("{}: block {} is listed twice", path(element), block));
       }
       ids.push_back(block);
     }
@@ -156,40 +156,40 @@ class SectionReader {
 
 void require_range(const SectionReader &reader, std::string_view key, double value, double low, double high) {
   if (!(value >= low && value <= high)) {
-    throw ConfigError(fmt::format("{}: expected a number in [{}, {}], found {}", reader.path(key), low, high, value));
+    throw PolicyConfigError(fmt::format("{}: expected a number in [{}, {}], found {}", reader.path(key), low, high, value));
   }
 }
 
 void require_positive_finite(const SectionReader &reader, std::string_view key, double value) {
   if (!(value > 0.0 && std::isfinite(value))) {
-    throw ConfigError(fmt::format("{}: expected a finite number > 0, found {}", reader.path(key), value));
+    throw PolicyConfigError(fmt::format("{}: expected a finite number > 0, found {}", reader.path(key), value));
   }
 }
 
 void require_non_negative_finite(const SectionReader &reader, std::string_view key, double value) {
   if (!(value >= 0.0 && std::isfinite(value))) {
-    throw ConfigError(fmt::format("{}: expected a finite number >= 0, found {}", reader.path(key), value));
+    throw PolicyConfigError(fmt::format("{}: expected a finite number >= 0, found {}", reader.path(key), value));
   }
 }
 
 void require_at_least(const SectionReader &reader, std::string_view key, std::int64_t value, std::int64_t low) {
   if (value < low) {
-    throw ConfigError(fmt::format("{}: expected an integer >= {}, found {}", reader.path(key), low, value));
+    throw PolicyConfigError(fmt::format("{}: expected an integer >= {}, found {}", reader.path(key), low, value));
   }
 }
 
 // Checks that relate several keys; single-key ranges were checked while reading.
-void validate_relations(const SectionReader &reader, const PolicyConfig &config) {
+void validate_relations(const SectionReader &reader, const PolicySettings &config) {
   if (config.int8_threshold >= config.bf16_threshold) {
-    throw ConfigError(fmt::format("{}: expected a value below bf16_threshold ({}), found {}",
+    throw PolicyConfigError(fmt::format("{}: expected a value below bf16_threshold ({}), found {}",
                                   reader.path("int8_threshold"), config.bf16_threshold, config.int8_threshold));
   }
   if (!(config.hysteresis_margin >= 0.0 && config.hysteresis_margin <= config.int8_threshold)) {
-    throw ConfigError(fmt::format("{}: expected a number in [0, int8_threshold = {}], found {}",
+    throw PolicyConfigError(fmt::format("{}: expected a number in [0, int8_threshold = {}], found {}",
                                   reader.path("hysteresis_margin"), config.int8_threshold, config.hysteresis_margin));
   }
   if (config.grad_weight == 0.0 && config.error_weight == 0.0) {
-    throw ConfigError(
+    throw PolicyConfigError(
         fmt::format("{}: grad_weight and error_weight are both 0, so every block would score 0; "
                     "expected at least one weight > 0",
                     reader.path("grad_weight")));
@@ -198,7 +198,7 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
     const std::uint32_t block = config.force_int8_blocks[i];
     const auto &bf16 = config.force_bf16_blocks;
     if (std::find(bf16.begin(), bf16.end(), block) != bf16.end()) {
-      throw ConfigError(
+      throw PolicyConfigError(
           fmt::format("{}[{}]: block {} is also in force_bf16_blocks; expected each block in at "
                       "most one force list",
                       reader.path("force_int8_blocks"), i, block));
@@ -209,7 +209,7 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
     for (const auto &[other_key, other] : {std::pair{"force_bf16_blocks", &config.force_bf16_blocks},
                                            std::pair{"force_int8_blocks", &config.force_int8_blocks}}) {
       if (std::find(other->begin(), other->end(), block) != other->end()) {
-        throw ConfigError(
+        throw PolicyConfigError(
             fmt::format("{}[{}]: block {} is also in {}; expected each block in at most one force "
                         "list",
                         reader.path("force_nf4_blocks"), i, block, other_key));
@@ -217,23 +217,23 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
     }
   }
   if (!config.tier(SP_PRECISION_BF16)) {
-    throw ConfigError(
+    throw PolicyConfigError(
         fmt::format("{}: expected a list that contains bf16 (the precision every block can fall "
                     "back to), found {}",
                     reader.path("tiers"), tiers_text(config.tiers)));
   }
   if (config.tier(SP_PRECISION_NF4)) {
     if (!(config.nf4_threshold < config.int8_threshold)) {
-      throw ConfigError(fmt::format("{}: expected a value below int8_threshold ({}) when nf4 is a tier, found {}",
+      throw PolicyConfigError(fmt::format("{}: expected a value below int8_threshold ({}) when nf4 is a tier, found {}",
                                     reader.path("nf4_threshold"), config.int8_threshold, config.nf4_threshold));
     }
     if (!(config.hysteresis_margin <= config.nf4_threshold)) {
-      throw ConfigError(fmt::format("{}: expected a number in [0, nf4_threshold = {}] when nf4 is a tier, found {}",
+      throw PolicyConfigError(fmt::format("{}: expected a number in [0, nf4_threshold = {}] when nf4 is a tier, found {}",
                                     reader.path("hysteresis_margin"), config.nf4_threshold, config.hysteresis_margin));
     }
   }
   if (config.telemetry_enabled && config.telemetry_file.empty()) {
-    throw ConfigError(fmt::format("{}: expected a file name when telemetry_enabled is true, found an empty string",
+    throw PolicyConfigError(fmt::format("{}: expected a file name when telemetry_enabled is true, found an empty string",
                                   reader.path("telemetry_file")));
   }
 }
@@ -257,7 +257,7 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
       reader.fail(element, kTierChoices, node[i]);
     }
     if ((tiers & SP_PRECISION_BIT(precision)) != 0) {
-      throw ConfigError(
+      throw PolicyConfigError(
           fmt::format("{}: {} is listed twice; expected each precision at most once", reader.path(element), name));
     }
     tiers |= SP_PRECISION_BIT(precision);
@@ -266,7 +266,7 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
 }
 
 [[maybe_unused]] void read_loss_guard(const SectionReader &section, const std::string &key, const YAML::Node &node,
-                                      PolicyConfig::LossGuard &guard) {
+                                      PolicySettings::LossGuard &guard) {
   if (node.IsNull()) return;
   if (!node.IsMap())
     section.fail(key, "a mapping with enabled, window, sigmas, min_rise, blame_steps, penalty_steps", node);
@@ -274,18 +274,18 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
   std::set<std::string> seen;
   for (const auto &entry : node) {
     if (!entry.first.IsScalar()) {
-      throw ConfigError(
+      throw PolicyConfigError(
           fmt::format("{}: expected setting names, found {} as a key", section.path(key), describe(entry.first)));
     }
     const std::string name = entry.first.Scalar();
     const YAML::Node &value = entry.second;
-    if (!seen.insert(name).second) throw ConfigError(fmt::format("{}: the key is given twice", reader.path(name)));
+    if (!seen.insert(name).second) throw PolicyConfigError(fmt::format("{}: the key is given twice", reader.path(name)));
     if (name == "enabled") {
       guard.enabled = reader.read_bool(name, value);
     } else if (name == "window") {
       guard.window = reader.read_integer(name, value, "an integer in [2, 65536]");
       if (guard.window < 2 || guard.window > kMaxHistoryWindow) {
-        throw ConfigError(fmt::format("{}: expected an integer in [2, {}], found {}", reader.path(name),
+        throw PolicyConfigError(fmt::format("{}: expected an integer in [2, {}], found {}", reader.path(name),
                                       kMaxHistoryWindow, guard.window));
       }
     } else if (name == "sigmas") {
@@ -302,14 +302,14 @@ void validate_relations(const SectionReader &reader, const PolicyConfig &config)
       require_at_least(reader, name, guard.penalty_steps, 0);
     } else {
       const std::optional<std::string_view> suggestion = yaml_diagnostics::closest_key(name, kLossGuardKeys);
-      throw ConfigError(fmt::format("{}: unknown key{}", reader.path(name),
+      throw PolicyConfigError(fmt::format("{}: unknown key{}", reader.path(name),
                                     suggestion ? fmt::format("; did you mean '{}'?", *suggestion) : ""));
     }
   }
 }
 
 void read_key(const SectionReader &reader, const std::string &key, const YAML::Node &value, std::uint32_t n_blocks,
-              PolicyConfig &config) {
+              PolicySettings &config) {
   constexpr const char *kUnit = "a number in [0, 1]";
   constexpr const char *kNonNegative = "a finite number >= 0";
   constexpr const char *kPositive = "a finite number > 0";
@@ -367,7 +367,7 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
     const std::string expected = fmt::format("an integer in [1, {}]", kMaxHistoryWindow);
     config.history_window = reader.read_integer(key, value, expected);
     if (config.history_window < 1 || config.history_window > kMaxHistoryWindow) {
-      throw ConfigError(fmt::format("{}: expected {}, found {}", reader.path(key), expected, config.history_window));
+      throw PolicyConfigError(fmt::format("{}: expected {}, found {}", reader.path(key), expected, config.history_window));
     }
   } else if (key == "update_interval_steps") {
     config.update_interval_steps = reader.read_integer(key, value, "an integer >= 1");
@@ -404,14 +404,14 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
     config.nf4_group_size = reader.read_integer(key, value, kGroup);
     if (config.nf4_group_size != 32 && config.nf4_group_size != 64 && config.nf4_group_size != 128 &&
         config.nf4_group_size != 256) {
-      throw ConfigError(fmt::format("{}: expected {}, found {}", reader.path(key), kGroup, config.nf4_group_size));
+      throw PolicyConfigError(fmt::format("{}: expected {}, found {}", reader.path(key), kGroup, config.nf4_group_size));
     }
   } else if (key == "loss_guard") {
     read_loss_guard(reader, key, value, config.loss_guard);
 #endif
   } else {
     const std::optional<std::string_view> suggestion = yaml_diagnostics::closest_key(key, kKnownKeys);
-    throw ConfigError(fmt::format("{}: unknown key{}", reader.path(key),
+    throw PolicyConfigError(fmt::format("{}: unknown key{}", reader.path(key),
                                   suggestion ? fmt::format("; did you mean '{}'?", *suggestion) : ""));
   }
 }
@@ -436,27 +436,27 @@ ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blo
   try {
     root = YAML::Load(std::string(yaml_text));
   } catch (const YAML::ParserException &error) {
-    throw ConfigError(fmt::format("YAML syntax error at line {}, column {}: {}", error.mark.line + 1,
+    throw PolicyConfigError(fmt::format("YAML syntax error at line {}, column {}: {}", error.mark.line + 1,
                                   error.mark.column + 1, error.msg));
   }
   if (!root.IsDefined() || root.IsNull()) {
-    throw ConfigError(
+    throw PolicyConfigError(
         fmt::format("the configuration is empty; expected a '{}' section (standalone policy file) "
                     "or '{}' (training config)",
                     kTopLevelSection, kTrainingConfigSection));
   }
   if (!root.IsMap()) {
-    throw ConfigError(fmt::format("the configuration must be a YAML mapping with a '{}' or '{}' section, found {}",
+    throw PolicyConfigError(fmt::format("the configuration must be a YAML mapping with a '{}' or '{}' section, found {}",
                                   kTopLevelSection, kTrainingConfigSection, describe(root)));
   }
   const YAML::Node top_level = lookup(root, {kTopLevelSection});
   const YAML::Node nested = lookup(root, {"memory", "stagehand", kTopLevelSection});
   if (top_level.IsDefined() && nested.IsDefined()) {
-    throw ConfigError(fmt::format("both '{}' and '{}' are present; expected exactly one policy section",
+    throw PolicyConfigError(fmt::format("both '{}' and '{}' are present; expected exactly one policy section",
                                   kTopLevelSection, kTrainingConfigSection));
   }
   if (!top_level.IsDefined() && !nested.IsDefined()) {
-    throw ConfigError(
+    throw PolicyConfigError(
         fmt::format("no policy section; expected '{}' (standalone policy file) or '{}' "
                     "(training config)",
                     kTopLevelSection, kTrainingConfigSection));
@@ -467,26 +467,26 @@ ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blo
   const YAML::Node section = top_level.IsDefined() ? top_level : nested;
   const SectionReader reader(parsed.section_path);
   if (!section.IsNull() && !section.IsMap()) {
-    throw ConfigError(
+    throw PolicyConfigError(
         fmt::format("{}: expected a mapping of policy settings, found {}", parsed.section_path, describe(section)));
   }
   if (section.IsMap()) {
     std::set<std::string> seen;
     for (const auto &entry : section) {
       if (!entry.first.IsScalar()) {
-        throw ConfigError(
+        throw PolicyConfigError(
             fmt::format("{}: expected setting names, found {} as a key", parsed.section_path, describe(entry.first)));
       }
       const std::string key = entry.first.Scalar();
       if (!seen.insert(key).second) {
-        throw ConfigError(fmt::format("{}: the key is given twice", reader.path(key)));
+        throw PolicyConfigError(fmt::format("{}: the key is given twice", reader.path(key)));
       }
       read_key(reader, key, entry.second, n_blocks, parsed.config);
     }
   }
   validate_relations(reader, parsed.config);
 
-  const PolicyConfig &config = parsed.config;
+  const PolicySettings &config = parsed.config;
   if (config.effective_mode() == Mode::off &&
       (!config.force_bf16_blocks.empty() || !config.force_int8_blocks.empty() || !config.force_nf4_blocks.empty())) {
     parsed.warnings.push_back(
@@ -521,18 +521,18 @@ const char *precision_name(sp_precision precision) {
 }
 
 void check_host_precisions(const ParsedConfig &parsed, sp_precision_mask supported) {
-  const PolicyConfig &config = parsed.config;
+  const PolicySettings &config = parsed.config;
   // INT8 as NF4 below: a host without it (a 1.1 host that lists BF16 only; a 1.0 host
   // transfers BF16 and INT8) would refuse every INT8 hint and apply its fallback instead.
   if ((supported & SP_PRECISION_BIT(SP_PRECISION_INT8)) == 0) {
     if (config.tier(SP_PRECISION_INT8)) {
-      throw ConfigError(
+      throw PolicyConfigError(
           fmt::format("{}.tiers: int8 is a tier, but the host cannot transfer INT8 (it supports {}); "
                       "expected tiers from {}",
                       parsed.section_path, tiers_text(supported), tiers_text(supported)));
     }
     if (!config.force_int8_blocks.empty()) {
-      throw ConfigError(
+      throw PolicyConfigError(
           fmt::format("{}.force_int8_blocks: {} block(s) forced to int8, but the host cannot "
                       "transfer INT8 (it supports {}); expected an empty list",
                       parsed.section_path, config.force_int8_blocks.size(), tiers_text(supported)));
@@ -540,13 +540,13 @@ void check_host_precisions(const ParsedConfig &parsed, sp_precision_mask support
   }
   if ((supported & SP_PRECISION_BIT(SP_PRECISION_NF4)) != 0) return;
   if (config.tier(SP_PRECISION_NF4)) {
-    throw ConfigError(
+    throw PolicyConfigError(
         fmt::format("{}.tiers: nf4 is a tier, but the host cannot transfer NF4 (it supports {}); "
                     "expected tiers from {}",
                     parsed.section_path, tiers_text(supported), tiers_text(supported)));
   }
   if (!config.force_nf4_blocks.empty()) {
-    throw ConfigError(
+    throw PolicyConfigError(
         fmt::format("{}.force_nf4_blocks: {} block(s) forced to nf4, but the host cannot transfer "
                     "NF4 (it supports {}); expected an empty list",
                     parsed.section_path, config.force_nf4_blocks.size(), tiers_text(supported)));

@@ -86,7 +86,7 @@ std::string resolve_telemetry_path(const std::string &file, const std::string &o
 
 }  // namespace
 
-PolicyEngine::PolicyEngine(PolicyConfig config, std::vector<BlockBytes> block_bytes, LogSink *log,
+PolicyEngine::PolicyEngine(PolicySettings config, std::vector<BlockBytes> block_bytes, LogSink *log,
                            const std::string &output_dir)
     : config_(std::move(config)),
       mode_(config_.effective_mode()),

@@ -53,7 +53,7 @@ class HostLogSink final : public sp::policy::LogSink {
 }  // namespace
 
 struct sp_policy_ctx {
-  sp_policy_ctx(const sp_host_api_v1 &host, sp::policy::PolicyConfig config,
+  sp_policy_ctx(const sp_host_api_v1 &host, sp::policy::PolicySettings config,
                 std::vector<sp::policy::BlockBytes> block_bytes)
       : log(host.log, host.log_user_data, host.min_log_level),
         engine(std::move(config), std::move(block_bytes), &log, host.output_dir ? host.output_dir : "") {}
@@ -170,7 +170,7 @@ sp_status sp_create(const sp_host_api_v1 *host, const char *config_yaml, const s
     sp::policy::check_host_precisions(parsed, supported);
     auto ctx = std::make_unique<sp_policy_ctx>(*host, std::move(parsed.config), std::move(block_bytes));
     for (const std::string &warning : parsed.warnings) ctx->log.write(SP_LOG_WARN, warning);
-    const sp::policy::PolicyConfig &config = ctx->engine.config();
+    const sp::policy::PolicySettings &config = ctx->engine.config();
     if (ctx->log.wants(SP_LOG_INFO)) {
       ctx->log.write(
           SP_LOG_INFO,

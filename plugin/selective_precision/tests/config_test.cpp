@@ -13,9 +13,9 @@ namespace {
 
 constexpr std::uint32_t kBlocks = 48;
 
-TEST(PolicyConfig, EmptySectionTakesTheSeedDefaults) {
+TEST(PolicySettings, EmptySectionTakesTheSeedDefaults) {
   const ParsedConfig parsed = parse_policy_config("selective_precision: {}\n", kBlocks);
-  const PolicyConfig &config = parsed.config;
+  const PolicySettings &config = parsed.config;
   EXPECT_EQ(parsed.section_path, "selective_precision");
   EXPECT_TRUE(config.enabled);
   EXPECT_EQ(config.mode, Mode::dynamic);
@@ -42,8 +42,8 @@ TEST(PolicyConfig, EmptySectionTakesTheSeedDefaults) {
   EXPECT_TRUE(parsed.warnings.empty());
 }
 
-TEST(PolicyConfig, V2KeysHaveTheirProvisionalDefaults) {
-  const PolicyConfig config = parse_policy_config("selective_precision: {}\n", kBlocks).config;
+TEST(PolicySettings, V2KeysHaveTheirProvisionalDefaults) {
+  const PolicySettings config = parse_policy_config("selective_precision: {}\n", kBlocks).config;
   EXPECT_EQ(config.tiers, SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8));
   EXPECT_TRUE(config.force_nf4_blocks.empty());
   EXPECT_EQ(config.nf4_threshold, 0.15);
@@ -57,8 +57,8 @@ TEST(PolicyConfig, V2KeysHaveTheirProvisionalDefaults) {
   EXPECT_EQ(config.loss_guard.penalty_steps, 100);
 }
 
-TEST(PolicyConfig, V2KeysAreRead) {
-  const PolicyConfig config = parse_policy_config(
+TEST(PolicySettings, V2KeysAreRead) {
+  const PolicySettings config = parse_policy_config(
                                   "selective_precision:\n  tiers: [nf4, bf16]\n  nf4_threshold: 0.12\n"
                                   "  force_nf4_blocks: [3]\n  loss_guard: {enabled: true, window: 8, sigmas: 2.5, "
                                   "min_rise: 0.02, blame_steps: 4, penalty_steps: 0}\n",
@@ -75,15 +75,15 @@ TEST(PolicyConfig, V2KeysAreRead) {
   EXPECT_EQ(config.loss_guard.penalty_steps, 0);
 }
 
-TEST(PolicyConfig, Nf4ThresholdRelationsOnlyApplyWhenNf4IsATier) {
+TEST(PolicySettings, Nf4ThresholdRelationsOnlyApplyWhenNf4IsATier) {
   EXPECT_NO_THROW(parse_policy_config("selective_precision:\n  nf4_threshold: 0.5\n", kBlocks));
 }
 
-TEST(PolicyConfig, ASectionWithAllKeysCommentedOutTakesTheDefaults) {
+TEST(PolicySettings, ASectionWithAllKeysCommentedOutTakesTheDefaults) {
   EXPECT_EQ(parse_policy_config("selective_precision:\n  # mode: static\n", kBlocks).config.mode, Mode::dynamic);
 }
 
-TEST(PolicyConfig, ReadsTheSectionOfATrainingConfig) {
+TEST(PolicySettings, ReadsTheSectionOfATrainingConfig) {
   const std::string yaml = R"(
 model: {name: tiny}
 memory:
@@ -111,7 +111,7 @@ memory:
   EXPECT_FALSE(parsed.config.nonfinite_to_bf16);
 }
 
-TEST(PolicyConfig, TheSeedsJsonExampleIsValidYaml) {
+TEST(PolicySettings, TheSeedsJsonExampleIsValidYaml) {
   const std::string json = R"({"memory": {"stagehand": {"selective_precision": {
       "enabled": true, "mode": "dynamic", "warmup_steps": 10, "update_interval_steps": 10,
       "bf16_threshold": 0.6, "int8_threshold": 0.3}}}})";
@@ -318,7 +318,7 @@ TEST_P(PolicyConfigRejects, WithAMessageNamingKeyExpectationAndFinding) {
   try {
     parse_policy_config(bad.yaml, kBlocks);
     FAIL() << "accepted:\n" << bad.yaml;
-  } catch (const ConfigError &error) {
+  } catch (const PolicyConfigError &error) {
     EXPECT_EQ(error.status(), SP_ERR_CONFIG);
     for (const std::string &part : bad.message_parts) {
       EXPECT_NE(std::string(error.what()).find(part), std::string::npos)

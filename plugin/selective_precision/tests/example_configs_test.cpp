@@ -27,8 +27,8 @@ TEST(PolicyExampleConfigs, TheDynamicExampleSpellsOutTheDefaults) {
   std::ifstream in(SP_POLICY_CONFIG_DIR "/dynamic.yaml");
   std::stringstream text;
   text << in.rdbuf();
-  const PolicyConfig example = parse_policy_config(text.str(), 48).config;
-  const PolicyConfig defaults;
+  const PolicySettings example = parse_policy_config(text.str(), 48).config;
+  const PolicySettings defaults;
   EXPECT_EQ(example.bf16_threshold, defaults.bf16_threshold);
   EXPECT_EQ(example.int8_threshold, defaults.int8_threshold);
   EXPECT_EQ(example.hysteresis_margin, defaults.hysteresis_margin);

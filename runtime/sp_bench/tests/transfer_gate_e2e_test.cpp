@@ -74,8 +74,8 @@ TEST(TransferGateEndToEnd, Int8OnlyWhereBothPoliciesSayIt) {
                                           [](const auto& f) { return f.block == 0; }));
   EXPECT_EQ(metrics.fetches_bf16_by_transfer_policy, fetches_of_block0)
       << "only block 0 was held back by the transfer policy; block 1 was BF16 by the plugin";
-  EXPECT_GT(metrics.fetches_int8, 0u);
-  EXPECT_GT(metrics.h2d_bytes_int8, 0u);
+  EXPECT_GT(metrics.fetches[sp::Precision::int8], 0u);
+  EXPECT_GT(metrics.h2d_bytes[sp::Precision::int8], 0u);
 }
 
 // The plugin wants NF4 for every block. Small blocks: neither route pays, so BF16. Large
@@ -121,12 +121,12 @@ TEST(TransferGateEndToEnd, Nf4WherePaysElseInt8WhereThatPaysElseBf16) {
     const adapters::StepTransferMetrics metrics = engine.end_step();
     EXPECT_GT(metrics.fetches_bf16_by_transfer_policy, 0u);
     if (weights == BlockWeights::kFrozen) {
-      EXPECT_GT(metrics.h2d_bytes_nf4, 0u);
-      EXPECT_EQ(metrics.fetches_int8, 0u);
+      EXPECT_GT(metrics.h2d_bytes[sp::Precision::nf4], 0u);
+      EXPECT_EQ(metrics.fetches[sp::Precision::int8], 0u);
     } else {
-      EXPECT_EQ(metrics.h2d_bytes_nf4, 0u);
-      EXPECT_EQ(metrics.fetches_int8_by_transfer_policy, metrics.fetches_int8);
-      EXPECT_GT(metrics.fetches_int8, 0u);
+      EXPECT_EQ(metrics.h2d_bytes[sp::Precision::nf4], 0u);
+      EXPECT_EQ(metrics.fetches_int8_by_transfer_policy, metrics.fetches[sp::Precision::int8]);
+      EXPECT_GT(metrics.fetches[sp::Precision::int8], 0u);
     }
   }
 }

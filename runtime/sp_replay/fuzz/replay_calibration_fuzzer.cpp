@@ -26,7 +26,7 @@ constexpr std::uint32_t kBlocks = 4;
 
 [[noreturn]] void fail(const std::string &what) { sp::fuzz::contract_violated("replay_calibration_fuzzer", what); }
 
-void check(const sp::replay::CalibrationErrors &errors) {
+void check(const sp::replay::BlockErrors &errors) {
   if (errors.block_ids.size() != errors.errors.size()) fail("ids and errors differ in count");
   for (std::size_t i = 0; i < errors.block_ids.size(); ++i) {
     if (errors.block_ids[i] >= kBlocks) fail("a block id out of range");

@@ -201,7 +201,7 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
   logger->info("loaded plugin {} {} from {}", host->plugin_name(), host->plugin_version(), plugin_file.string());
 
   if (calibration) {
-    const std::pair<sp_precision, const sp::replay::CalibrationErrors*> per_precision[] = {
+    const std::pair<sp_precision, const sp::replay::BlockErrors*> per_precision[] = {
         {SP_PRECISION_INT8, &calibration->int8}, {SP_PRECISION_NF4, &calibration->nf4}};
     for (const auto& [precision, errors] : per_precision) {
       if (errors->block_ids.empty()) continue;

@@ -41,11 +41,11 @@ sp_grad_moments_v1 read_block(const JsonFields& fields, const json& entry, const
 }
 
 // {"<id>": error, ...} under `key`: ids in [0, n_blocks), each once, errors finite and >= 0.
-CalibrationErrors read_block_errors(const JsonFields& fields, const json& document, const char* key,
+BlockErrors read_block_errors(const JsonFields& fields, const json& document, const char* key,
                                     uint32_t n_blocks) {
   const json& errors = fields.require(document, key, key);
   fields.require_object(errors, key);
-  CalibrationErrors out;
+  BlockErrors out;
   for (const auto& [id_text, value] : errors.items()) {
     const std::string at = std::string(key) + "." + id_text;
     if (id_text.empty() || id_text.size() > 10 || id_text.find_first_not_of("0123456789") != std::string::npos) {

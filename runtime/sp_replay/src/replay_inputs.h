@@ -46,15 +46,16 @@ class TraceReader {
   int64_t expected_step_ = 0;
 };
 
-struct CalibrationErrors {
+// One precision's calibration errors from the file: the blocks it names, and their errors.
+struct BlockErrors {
   std::vector<uint32_t> block_ids;
   std::vector<double> errors;
 };
 
 // Relative output errors against BF16 per precision, as a calibration pass measures them.
 struct CalibrationFile {
-  CalibrationErrors int8;  // "block_errors"
-  CalibrationErrors nf4;   // "nf4_block_errors"
+  BlockErrors int8;  // "block_errors"
+  BlockErrors nf4;   // "nf4_block_errors"
 };
 
 // Reads {"block_errors": {"<id>": err, ...}, "nf4_block_errors": {"<id>": err, ...}}: both

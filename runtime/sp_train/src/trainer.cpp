@@ -226,11 +226,12 @@ struct Trainer::Impl {
 
   // Totals over the whole run, carried across resumes.
   struct Totals {
-    std::uint64_t h2d_bf16 = 0, h2d_int8 = 0, h2d_nf4 = 0, h2d_all_bf16 = 0;
+    PerPrecision<std::uint64_t> h2d;
+    std::uint64_t h2d_all_bf16 = 0;
     // Of the runs before a resume; this one's are the layer's counters.
     std::uint64_t eval_h2d_before = 0, calibration_h2d_before = 0;
     std::uint64_t tokens = 0;
-    std::uint64_t bf16_block_steps = 0, int8_block_steps = 0, nf4_block_steps = 0;
+    PerPrecision<std::uint64_t> block_steps;
     double train_seconds = 0.0;
     double update_seconds = 0.0;
     std::vector<std::pair<std::int64_t, double>> val_history;
@@ -914,9 +915,7 @@ struct Trainer::Impl {
       log->debug("step {}: re-calibrated in {:.3f}s: INT8 {:.4f}, NF4 {:.4f}", step, report.calibration_seconds,
                  fmt::join(calibration_errors.int8, " "), fmt::join(calibration_errors.nf4, " "));
     }
-    record.h2d_bytes_bf16 = report.h2d_bytes_bf16;
-    record.h2d_bytes_int8 = report.h2d_bytes_int8;
-    record.h2d_bytes_nf4 = report.h2d_bytes_nf4;
+    record.h2d_bytes = report.h2d_bytes;
     record.h2d_bytes_all_bf16 = report.h2d_bytes_all_bf16;
     record.seconds = seconds_since(start);
     return record;
@@ -956,21 +955,20 @@ struct Trainer::Impl {
   nlohmann::json totals_json() const {
     nlohmann::json val = nlohmann::json::array();
     for (const auto& [step, loss] : totals.val_history) val.push_back({step, loss});
-    return {{"h2d_bf16", totals.h2d_bf16},
-            {"h2d_int8", totals.h2d_int8},
-            {"h2d_nf4", totals.h2d_nf4},
-            {"h2d_all_bf16", totals.h2d_all_bf16},
-            {"eval_h2d", eval_h2d()},
-            {"calibration_h2d", calibration_h2d()},
-            {"tokens", totals.tokens},
-            {"bf16_block_steps", totals.bf16_block_steps},
-            {"int8_block_steps", totals.int8_block_steps},
-            {"nf4_block_steps", totals.nf4_block_steps},
-            {"train_seconds", totals.train_seconds},
-            {"update_seconds", totals.update_seconds},
-            {"val_history", val},
-            {"swaps", totals.swaps},
-            {"last_loss", totals.last_loss}};
+    nlohmann::json out = {{"h2d_all_bf16", totals.h2d_all_bf16},
+                          {"eval_h2d", eval_h2d()},
+                          {"calibration_h2d", calibration_h2d()},
+                          {"tokens", totals.tokens},
+                          {"train_seconds", totals.train_seconds},
+                          {"update_seconds", totals.update_seconds},
+                          {"val_history", val},
+                          {"swaps", totals.swaps},
+                          {"last_loss", totals.last_loss}};
+    for (Precision precision : kPrecisions) {
+      out[fmt::format("h2d_{}", precision_name(precision))] = totals.h2d[precision];
+      out[fmt::format("{}_block_steps", precision_name(precision))] = totals.block_steps[precision];
+    }
+    return out;
   }
 
   // Sharded, each rank's masters and their AdamW moments go to a file of its own, named by the
@@ -1293,17 +1291,20 @@ struct Trainer::Impl {
       }
       calibration_status = "restored from checkpoint";
       const nlohmann::json& t = meta.at("totals");
-      totals.h2d_bf16 = t.at("h2d_bf16");
-      totals.h2d_int8 = t.at("h2d_int8");
-      totals.h2d_nf4 = t.value("h2d_nf4", std::uint64_t{0});  // absent before the NF4 route
+      for (Precision precision : kPrecisions) {
+        const std::string bytes = fmt::format("h2d_{}", precision_name(precision));
+        const std::string steps = fmt::format("{}_block_steps", precision_name(precision));
+        // NF4's are absent from a checkpoint written before the NF4 route.
+        const bool required = precision != Precision::nf4;
+        totals.h2d[precision] = required ? t.at(bytes).get<std::uint64_t>() : t.value(bytes, std::uint64_t{0});
+        totals.block_steps[precision] =
+            required ? t.at(steps).get<std::uint64_t>() : t.value(steps, std::uint64_t{0});
+      }
       totals.h2d_all_bf16 = t.at("h2d_all_bf16");
       totals.eval_h2d_before = t.at("eval_h2d");
       // Absent before calibration bytes were counted apart (they were in eval_h2d then).
       totals.calibration_h2d_before = t.value("calibration_h2d", std::uint64_t{0});
       totals.tokens = t.at("tokens");
-      totals.bf16_block_steps = t.at("bf16_block_steps");
-      totals.int8_block_steps = t.at("int8_block_steps");
-      totals.nf4_block_steps = t.value("nf4_block_steps", std::uint64_t{0});
       totals.train_seconds = t.at("train_seconds");
       totals.update_seconds = t.value("update_seconds", 0.0);  // absent before the fused optimizer
       for (const nlohmann::json& v : t.at("val_history")) totals.val_history.emplace_back(v.at(0), v.at(1));
@@ -1341,13 +1342,13 @@ struct Trainer::Impl {
                              {"grad_norm", r.grad_norm},
                              {"routes", r.routes},
                              {"decisions", r.decisions},
-                             {"h2d_bytes_bf16", r.h2d_bytes_bf16},
-                             {"h2d_bytes_int8", r.h2d_bytes_int8},
-                             {"h2d_bytes_nf4", r.h2d_bytes_nf4},
                              {"h2d_bytes_all_bf16", r.h2d_bytes_all_bf16},
                              {"seconds", r.seconds},
                              {"update_seconds", r.update_seconds},
                              {"plugin_version", r.plugin_version}};
+    for (Precision precision : kPrecisions) {
+      record[fmt::format("h2d_bytes_{}", precision_name(precision))] = r.h2d_bytes[precision];
+    }
     if (r.val_loss) record["val_loss"] = *r.val_loss;
     if (!r.swap_note.empty()) record["plugin_swap"] = r.swap_note;
     if (r.recalibration) record["recalibration"] = *r.recalibration;
@@ -1355,7 +1356,7 @@ struct Trainer::Impl {
   }
 
   nlohmann::json summary(RunOutcome outcome, double wall_seconds) const {
-    const std::uint64_t moved = totals.h2d_bf16 + totals.h2d_int8 + totals.h2d_nf4;
+    const std::uint64_t moved = totals.h2d.total();
     const std::uint64_t saved = totals.h2d_all_bf16 - moved;
     const double tokens_per_second = totals.train_seconds > 0 ? totals.tokens / totals.train_seconds : 0.0;
     return {
@@ -1366,9 +1367,9 @@ struct Trainer::Impl {
         {"final_train_loss", std::isfinite(totals.last_loss) ? nlohmann::json(totals.last_loss) : nlohmann::json()},
         {"val_loss_history", totals_json()["val_history"]},
         {"h2d_bytes",
-         {{"bf16", totals.h2d_bf16},
-          {"int8", totals.h2d_int8},
-          {"nf4", totals.h2d_nf4},
+         {{"bf16", totals.h2d[Precision::bf16]},
+          {"int8", totals.h2d[Precision::int8]},
+          {"nf4", totals.h2d[Precision::nf4]},
           {"total", moved},
           {"all_bf16_equivalent", totals.h2d_all_bf16},
           {"saved", saved},
@@ -1376,7 +1377,9 @@ struct Trainer::Impl {
         {"eval_h2d_bytes", eval_h2d()},
         {"calibration_h2d_bytes", calibration_h2d()},
         {"block_steps",
-         {{"bf16", totals.bf16_block_steps}, {"int8", totals.int8_block_steps}, {"nf4", totals.nf4_block_steps}}},
+         {{"bf16", totals.block_steps[Precision::bf16]},
+          {"int8", totals.block_steps[Precision::int8]},
+          {"nf4", totals.block_steps[Precision::nf4]}}},
         {"final_decisions", decisions()},
         {"tokens", totals.tokens},
         {"tokens_per_second", tokens_per_second},
@@ -1441,19 +1444,15 @@ struct Trainer::Impl {
       poll_plugin(next_step, requests.check_plugin);
       StepRecord record = train_step(next_step);
       ++next_step;
-      totals.h2d_bf16 += record.h2d_bytes_bf16;
-      totals.h2d_int8 += record.h2d_bytes_int8;
-      totals.h2d_nf4 += record.h2d_bytes_nf4;
+      totals.h2d += record.h2d_bytes;
       totals.h2d_all_bf16 += record.h2d_bytes_all_bf16;
       totals.tokens += tokens_per_step;
       totals.train_seconds += record.seconds;
       totals.update_seconds += record.update_seconds;
       totals.last_loss = record.loss;
-      for (std::uint8_t route : record.routes) {
-        (route == SP_PRECISION_NF4    ? totals.nf4_block_steps
-         : route == SP_PRECISION_INT8 ? totals.int8_block_steps
-                                      : totals.bf16_block_steps)++;
-      }
+      PerPrecision<std::uint64_t> blocks_per_route;
+      for (std::uint8_t code : record.routes) ++blocks_per_route[from_abi(code).value()];
+      totals.block_steps += blocks_per_route;
       if (next_step % config.train.eval_interval == 0 || next_step == total) {
         record.val_loss = evaluate();
         totals.val_history.emplace_back(next_step, *record.val_loss);
@@ -1467,13 +1466,11 @@ struct Trainer::Impl {
       state.val_loss =
           totals.val_history.empty() ? std::nullopt : std::optional<double>(totals.val_history.back().second);
       state.tokens_per_second = totals.train_seconds > 0 ? totals.tokens / totals.train_seconds : 0.0;
-      state.int8_blocks =
-          static_cast<std::uint32_t>(std::count(record.routes.begin(), record.routes.end(), SP_PRECISION_INT8));
-      state.nf4_blocks =
-          static_cast<std::uint32_t>(std::count(record.routes.begin(), record.routes.end(), SP_PRECISION_NF4));
-      state.bf16_blocks = n_units - state.int8_blocks - state.nf4_blocks;
+      state.bf16_blocks = static_cast<std::uint32_t>(blocks_per_route[Precision::bf16]);
+      state.int8_blocks = static_cast<std::uint32_t>(blocks_per_route[Precision::int8]);
+      state.nf4_blocks = static_cast<std::uint32_t>(blocks_per_route[Precision::nf4]);
       state.bytes_all_bf16 = totals.h2d_all_bf16;
-      state.bytes_saved = totals.h2d_all_bf16 - totals.h2d_bf16 - totals.h2d_int8 - totals.h2d_nf4;
+      state.bytes_saved = totals.h2d_all_bf16 - totals.h2d.total();
       state.eta_seconds = seconds_since(run_start) / (next_step - first) * (total - next_step);
       progress.update(state);
 

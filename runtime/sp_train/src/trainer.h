@@ -21,6 +21,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "sp/precision.h"
+
 #include "calibration_cache.h"
 #include "progress.h"
 
@@ -45,9 +47,7 @@ struct StepRecord {
   std::vector<std::uint8_t> routes;
   // The plugin's decision after this step's compute_hints (applies from the next step).
   std::vector<std::uint8_t> decisions;
-  std::uint64_t h2d_bytes_bf16 = 0;
-  std::uint64_t h2d_bytes_int8 = 0;
-  std::uint64_t h2d_bytes_nf4 = 0;
+  PerPrecision<std::uint64_t> h2d_bytes;
   std::uint64_t h2d_bytes_all_bf16 = 0;
   std::optional<double> val_loss;
   double seconds = 0.0;

@@ -105,9 +105,9 @@ QuantizedFetchSteps expect_bytes_follow_decisions(const RunSummary& run, const T
       expected_int8 += r.routes[b] == SP_PRECISION_INT8 ? int8_bytes * fetches : 0;
       expected_nf4 += r.routes[b] == SP_PRECISION_NF4 ? nf4_bytes * fetches : 0;
     }
-    EXPECT_EQ(r.h2d_bytes_int8, expected_int8) << "step " << s;
-    EXPECT_EQ(r.h2d_bytes_nf4, expected_nf4) << "step " << s;
-    EXPECT_EQ(r.h2d_bytes_bf16 + r.h2d_bytes_int8 + r.h2d_bytes_nf4 < r.h2d_bytes_all_bf16,
+    EXPECT_EQ(r.h2d_bytes[sp::Precision::int8], expected_int8) << "step " << s;
+    EXPECT_EQ(r.h2d_bytes[sp::Precision::nf4], expected_nf4) << "step " << s;
+    EXPECT_EQ(r.h2d_bytes[sp::Precision::bf16] + r.h2d_bytes[sp::Precision::int8] + r.h2d_bytes[sp::Precision::nf4] < r.h2d_bytes_all_bf16,
               expected_int8 + expected_nf4 != 0)
         << "step " << s;
     steps.int8 += expected_int8 != 0;
@@ -464,7 +464,7 @@ TEST_F(TrainE2E, LoraTrainsAdaptersOverFrozenStreamedWeights) {
   EXPECT_LT(mean_loss(run.steps, 19, 24), mean_loss(run.steps, 0, 5) - 0.3);
   EXPECT_EQ(run.json["mode"], "lora");
   std::size_t int8_steps = 0;
-  for (const StepRecord& r : run.steps) int8_steps += r.h2d_bytes_int8 != 0;
+  for (const StepRecord& r : run.steps) int8_steps += r.h2d_bytes[sp::Precision::int8] != 0;
   EXPECT_GT(int8_steps, 0u);
 }
 
@@ -611,7 +611,7 @@ TEST_F(TrainWithTransferPolicy, BlocksStayBf16WhereInt8DoesNotPay) {
   for (const StepRecord& r : run.steps) {
     plugin_chose_int8 = plugin_chose_int8 || std::count(r.decisions.begin(), r.decisions.end(), 1) > 0;
     EXPECT_EQ(std::count(r.routes.begin(), r.routes.end(), 1), 0) << "step " << r.step;
-    EXPECT_EQ(r.h2d_bytes_int8, 0u) << "step " << r.step;
+    EXPECT_EQ(r.h2d_bytes[sp::Precision::int8], 0u) << "step " << r.step;
   }
   EXPECT_TRUE(plugin_chose_int8) << "the plugin must want INT8 somewhere for the gate to matter";
   // Calibration measures each route as it is, whatever the gate lets through (this run is the
@@ -632,7 +632,7 @@ TEST_F(TrainWithTransferPolicy, WhereInt8PaysThePluginDecides) {
   ASSERT_EQ(gated.steps.size(), plain.steps.size());
   for (std::size_t s = 0; s < plain.steps.size(); ++s) {
     EXPECT_EQ(gated.steps[s].routes, plain.steps[s].routes) << "step " << s;
-    EXPECT_EQ(gated.steps[s].h2d_bytes_int8, plain.steps[s].h2d_bytes_int8) << "step " << s;
+    EXPECT_EQ(gated.steps[s].h2d_bytes[sp::Precision::int8], plain.steps[s].h2d_bytes[sp::Precision::int8]) << "step " << s;
   }
 }
 
@@ -640,7 +640,7 @@ TEST_F(TrainWithTransferPolicy, AnUnreadablePolicyFileMeansBf16AndTrainingGoesOn
   const RunSummary run =
       train("missing", {{"memory.stagehand.streaming.transfer_policy_path", (dir_ / "nope.json").string()}});
   ASSERT_EQ(run.steps.size(), 24u);
-  for (const StepRecord& r : run.steps) EXPECT_EQ(r.h2d_bytes_int8, 0u) << "step " << r.step;
+  for (const StepRecord& r : run.steps) EXPECT_EQ(r.h2d_bytes[sp::Precision::int8], 0u) << "step " << r.step;
 }
 
 // The reported bug: calibration forced its routes through plugin hints, which the transfer gate

@@ -1,5 +1,5 @@
 // The precisions a block's weights can cross the link in, as every C++ layer names them, with
-// the one name function. Two wire formats keep their own
+// the one name function and the one per-precision container. Two wire formats keep their own
 // codes and are translated in one place each: the plugin ABI's sp_precision
 // (sp/precision_abi.h) and the slab's on-disk SlabPrecision (adapters' route_encoding.cpp).
 #pragma once
@@ -43,5 +43,27 @@ constexpr std::optional<Precision> precision_named(std::string_view name) noexce
 
 // True for the routes that are staged and dequantized on the device.
 constexpr bool is_quantized(Precision precision) noexcept { return precision != Precision::bf16; }
+
+// One T per precision, indexed by Precision: a struct that counts something per route holds
+// one of these instead of a field per precision, so a new route adds no field anywhere.
+template <typename T>
+struct PerPrecision {
+  std::array<T, kPrecisionCount> values{};
+
+  constexpr T& operator[](Precision precision) { return values[static_cast<std::size_t>(precision)]; }
+  constexpr const T& operator[](Precision precision) const { return values[static_cast<std::size_t>(precision)]; }
+  constexpr PerPrecision& operator+=(const PerPrecision& other) {
+    for (std::size_t i = 0; i < kPrecisionCount; ++i) values[i] += other.values[i];
+    return *this;
+  }
+  // Over every precision.
+  constexpr T total() const {
+    T sum{};
+    for (const T& value : values) sum += value;
+    return sum;
+  }
+  friend constexpr bool operator==(const PerPrecision& a, const PerPrecision& b) { return a.values == b.values; }
+  friend constexpr bool operator!=(const PerPrecision& a, const PerPrecision& b) { return !(a == b); }
+};
 
 }  // namespace sp

@@ -9,27 +9,24 @@
 #include <nlohmann/json.hpp>
 
 #include "sp/plugin_abi_v1.h"
+#include "sp/precision.h"
 
 namespace sp::adapters {
 
 struct StepTransferMetrics {
   std::int64_t step = 0;
-  // Bytes of the copies actually enqueued, per route.
-  std::uint64_t h2d_bytes_bf16 = 0;
-  std::uint64_t h2d_bytes_int8 = 0;
+  // Bytes of the copies actually enqueued, and the fetches, per route.
+  PerPrecision<std::uint64_t> h2d_bytes;
+  PerPrecision<std::uint32_t> fetches;
   // What the same fetches would have moved as BF16 images.
   std::uint64_t h2d_bytes_all_bf16 = 0;
-  std::uint32_t fetches_bf16 = 0;
-  std::uint32_t fetches_int8 = 0;
   // BF16 fetches of blocks the plugin wanted as INT8 or NF4, kept BF16 by the transfer policy
-  // because no quantized route pays for their size here, and fetches routed by a runtime pin.
+  // because no quantized route pays for their size here; INT8 fetches of blocks the plugin
+  // wanted as NF4, sent as INT8 because NF4 does not pay for their size but INT8 does; and
+  // fetches routed by a runtime pin.
   std::uint32_t fetches_bf16_by_transfer_policy = 0;
-  std::uint32_t fetches_pinned = 0;
-  // The NF4 route: bytes and fetches, and INT8 fetches of blocks the
-  // plugin wanted as NF4, sent as INT8 because NF4 does not pay for their size but INT8 does.
-  std::uint64_t h2d_bytes_nf4 = 0;
-  std::uint32_t fetches_nf4 = 0;
   std::uint32_t fetches_int8_by_transfer_policy = 0;
+  std::uint32_t fetches_pinned = 0;
   // A use whose fetch was issued before the trainer asked for it is a hit.
   std::uint32_t prefetch_hits = 0;
   std::uint32_t prefetch_misses = 0;

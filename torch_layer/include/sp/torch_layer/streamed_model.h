@@ -168,7 +168,7 @@ using CalibrationErrors = sp::host::CalibrationErrors;
 // What one step moved and decided.
 struct StepReport {
   std::int64_t step = 0;
-  std::uint64_t h2d_bytes_bf16 = 0, h2d_bytes_int8 = 0, h2d_bytes_nf4 = 0;
+  PerPrecision<std::uint64_t> h2d_bytes;  // of the step's training passes, per route
   std::uint64_t h2d_bytes_all_bf16 = 0;  // what the same fetches would have moved as BF16
   std::uint64_t eval_h2d_bytes = 0;      // of the evaluation passes
   std::uint32_t training_passes = 0;

@@ -27,7 +27,7 @@ enum class Mode : std::uint8_t { off, static_lists, dynamic };
 // (n_blocks * history_window samples) and the size of a state blob.
 inline constexpr std::int64_t kMaxHistoryWindow = 65536;
 
-struct PolicyConfig {
+struct PolicySettings {
   bool enabled = true;
   Mode mode = Mode::dynamic;
   double bf16_threshold = 0.6;
@@ -80,7 +80,7 @@ struct PolicyConfig {
 };
 
 struct ParsedConfig {
-  PolicyConfig config;
+  PolicySettings config;
   // Where the section was found: "memory.stagehand.selective_precision" or "selective_precision".
   std::string section_path;
   // Accepted but suspicious settings, e.g. force lists that mode off ignores.
@@ -88,11 +88,11 @@ struct ParsedConfig {
 };
 
 // Parses and validates the policy section of `yaml_text` for a model of `n_blocks` blocks.
-// Throws ConfigError naming the full key path, the expected type or range, and what was found.
+// Throws PolicyConfigError naming the full key path, the expected type or range, and what was found.
 ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blocks);
 
 // A configuration that uses INT8 or NF4 (a tier, or force_int8_blocks / force_nf4_blocks)
-// for a host whose supported_precisions lack it is a ConfigError naming the key.
+// for a host whose supported_precisions lack it is a PolicyConfigError naming the key.
 void check_host_precisions(const ParsedConfig &parsed, sp_precision_mask supported);
 
 const char *mode_name(Mode mode);

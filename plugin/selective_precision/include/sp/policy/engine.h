@@ -25,14 +25,14 @@ class PolicyEngine {
   // `block_bytes` has one entry per block (block id = index). `log` may be null and must
   // outlive the engine. A relative telemetry_file is resolved against `output_dir`
   // (empty = the working directory).
-  PolicyEngine(PolicyConfig config, std::vector<BlockBytes> block_bytes, LogSink *log, const std::string &output_dir);
+  PolicyEngine(PolicySettings config, std::vector<BlockBytes> block_bytes, LogSink *log, const std::string &output_dir);
   // Writes the telemetry record of a step that never reached end_step.
   ~PolicyEngine();
   PolicyEngine(const PolicyEngine &) = delete;
   PolicyEngine &operator=(const PolicyEngine &) = delete;
 
   std::uint32_t n_blocks() const { return static_cast<std::uint32_t>(block_bytes_.size()); }
-  const PolicyConfig &config() const { return config_; }
+  const PolicySettings &config() const { return config_; }
   const PolicyState &state() const { return state_; }
   bool is_decision_step(std::int64_t step) const;
 
@@ -71,7 +71,7 @@ class PolicyEngine {
   void log_change(std::int64_t step, std::uint32_t block, sp_precision from, const sp_hint_v1 &hint);
   void write_pending_record() noexcept;
 
-  PolicyConfig config_;
+  PolicySettings config_;
   Mode mode_;
   std::vector<BlockBytes> block_bytes_;
   LogSink *log_;

@@ -21,9 +21,9 @@ class PolicyError : public ErrorAs<std::runtime_error> {
 };
 
 // The configuration text was rejected. The message names the full key path.
-class ConfigError : public PolicyError {
+class PolicyConfigError : public PolicyError {
  public:
-  explicit ConfigError(const std::string &message) : PolicyError(SP_ERR_CONFIG, ErrorKind::bad_input, message) {}
+  explicit PolicyConfigError(const std::string &message) : PolicyError(SP_ERR_CONFIG, ErrorKind::bad_input, message) {}
 };
 
 // A state blob was rejected. The policy state is untouched when this is thrown.
