@@ -19,6 +19,7 @@
 #include "adamw.h"
 #include "calibration_cache.h"
 #include "checkpoint_file.h"
+#include "checkpoint_meta.h"
 #include "gpt_model.h"
 #include "progress.h"
 #include "crash_marker.h"
@@ -266,7 +267,7 @@ struct Trainer::Impl {
 
     std::optional<CheckpointSections> checkpoint = find_checkpoint();
     if (checkpoint)
-      next_step = read_meta(*checkpoint, checkpoint_path(options.out_dir)).at("next_step").get<std::int64_t>();
+      next_step = read_checkpoint_meta(*checkpoint, checkpoint_path(options.out_dir)).at("next_step").get<std::int64_t>();
     agree_across_ranks();
 
     model = std::make_unique<GptModel>(config.model, config.train.mode, config.train.lora, config.train.seed, compute);
@@ -488,27 +489,6 @@ struct Trainer::Impl {
             {"nf4_group_size", config.policy_keys.nf4_group_size}};
   }
 
-  // The meta section, checked as far as every reader relies on it: an object with next_step
-  // in range and a `model` object (read by key, which must not meet a missing one).
-  static nlohmann::json read_meta(const CheckpointSections& checkpoint, const fs::path& file) {
-    nlohmann::json parsed;
-    try {
-      const Bytes& meta = checkpoint.get("meta");
-      parsed = nlohmann::json::parse(meta.begin(), meta.end(), nullptr, false);
-    } catch (const CheckpointError& e) {
-      throw ResumeError(e.what());
-    }
-    if (!parsed.is_object() || !parsed.contains("next_step") || !parsed["next_step"].is_number_integer() ||
-        parsed["next_step"].get<std::int64_t>() < 0 || parsed["next_step"].get<std::int64_t>() > kMaxSteps ||
-        !parsed.contains("model") || !parsed["model"].is_object()) {
-      throw ResumeError(
-          fmt::format("{}: section 'meta' is not a JSON object with next_step in [0, {}] and a model "
-                      "object",
-                      file.string(), kMaxSteps));
-    }
-    return parsed;
-  }
-
   // The model's weights from another run's checkpoint: the same shape is required, the mode
   // may differ. Tensors the checkpoint does not have (LoRA adapters of a full-mode base) keep
   // their initialization.
@@ -516,7 +496,7 @@ struct Trainer::Impl {
     const std::string what = fmt::format("train.init_checkpoint {}", file.string());
     try {
       const CheckpointSections in = CheckpointSections::read(file);
-      const nlohmann::json meta = read_meta(in, file);
+      const nlohmann::json meta = read_checkpoint_meta(in, file);
       const nlohmann::json expected = model_identity();
       for (const char* key : {"d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio"}) {
         if (!meta["model"].contains(key) || meta["model"][key] != expected[key]) {
@@ -1057,6 +1037,7 @@ struct Trainer::Impl {
     const bool sharded = layer->sharded();
     CheckpointSections out;
     nlohmann::json meta = {
+        {"version", kCheckpointMetaVersion},
         {"next_step", next_step},
         {"model", model_identity()},
         {"seed", config.train.seed},
@@ -1067,15 +1048,13 @@ struct Trainer::Impl {
         {"calibration_errors", calibration_errors.int8},
         {"nf4_calibration_errors", calibration_errors.nf4},
         {"decisions", decisions()},
-        {"totals", totals_json()}};
-    if (config.train.adam_moments != AdamMoments::fp32) {
-      meta["adam_moments"] = adam_moments_name(config.train.adam_moments);  // absent: fp32, as before
-    }
-    // The overlapped update's next clipping; absent in the other modes, whose checkpoints stay as they were.
+        {"totals", totals_json()},
+        {"adam_moments", adam_moments_name(config.train.adam_moments)},
+        {"data_parallel", sharded ? "sharded" : "replicated"}};
+    // The overlapped update's next clipping: only that mode has one.
     if (config.train.host_optimizer == HostOptimizer::overlapped && previous_grad_norm) {
       meta["previous_grad_norm"] = *previous_grad_norm;
     }
-    if (sharded) meta["data_parallel"] = "sharded";  // absent: replicated, as before
     const std::string meta_text = meta.dump();
     out.put("meta", meta_text.data(), meta_text.size());
     // The layer's state: the masters (sharded: in the shards), the plugin state, the hints in
@@ -1174,7 +1153,7 @@ struct Trainer::Impl {
   }
 
   void restore(const CheckpointSections& main) {
-    const nlohmann::json meta = read_meta(main, checkpoint_path(options.out_dir));
+    const nlohmann::json meta = read_checkpoint_meta(main, checkpoint_path(options.out_dir));
     std::map<std::string, torch::Tensor> layer_state;
     // Sharded, the main file's sections and this rank's shard's, read as one.
     CheckpointSections merged;
@@ -1186,12 +1165,9 @@ struct Trainer::Impl {
       for (const char* key : {"mode", "d_model", "n_heads", "n_blocks", "seq_len", "mlp_ratio", "lora_rank",
                               "streaming_unit", "int8_group_size", "nf4_group_size"}) {
         const nlohmann::json& value = expected.at(key);
-        // A checkpoint from before the NF4 route never sent an NF4 image: any group size fits it.
-        if (std::string_view(key) == "nf4_group_size" && !meta["model"].contains(key)) continue;
-        // One from before streaming units streamed whole blocks.
-        const nlohmann::json saved = std::string_view(key) == "streaming_unit" && !meta["model"].contains(key)
-                                         ? nlohmann::json("block")
-                                         : meta["model"].value(key, nlohmann::json());
+        const nlohmann::json saved = meta["model"].value(key, nlohmann::json());
+        // A run that never sent an NF4 image (checkpoint_meta.h) fits any NF4 group size.
+        if (std::string_view(key) == "nf4_group_size" && meta["model"].contains(key) && saved.is_null()) continue;
         if (saved.is_null() || saved != value) {
           throw ResumeError(
               fmt::format("{}: made for {} = {}, this config has {} (use another --out, or "
@@ -1200,22 +1176,20 @@ struct Trainer::Impl {
                           meta["model"].value(key, nlohmann::json()).dump(), value.dump()));
         }
       }
-      if (meta.value("seed", std::uint64_t{0}) != config.train.seed) {
+      if (meta.at("seed") != config.train.seed) {
         throw ResumeError(fmt::format("{}: made with train.seed {}, this run has {}",
-                                      checkpoint_path(options.out_dir).string(), meta.value("seed", std::uint64_t{0}),
+                                      checkpoint_path(options.out_dir).string(), meta.at("seed").dump(),
                                       config.train.seed));
       }
       // Each rank's share of a step's batch depends on the world size, and with it the data
       // order: a run resumes on the world size it was made with.
-      if (meta.value("world_size", 1) != world_size()) {
+      if (meta.at("world_size") != world_size()) {
         throw ResumeError(
             fmt::format("{}: made with {} data-parallel rank(s), this run has {} (WORLD_SIZE); resume "
                         "on the same number of ranks, or use another --out",
-                        checkpoint_path(options.out_dir).string(), meta.value("world_size", 1), world_size()));
+                        checkpoint_path(options.out_dir).string(), meta.at("world_size").dump(), world_size()));
       }
-      const std::string saved_mode =
-          meta.contains("data_parallel") && meta["data_parallel"].is_string() ? meta["data_parallel"].get<std::string>()
-                                                                             : "replicated";
+      const std::string saved_mode = meta.at("data_parallel").get<std::string>();
       const std::string mode = layer->sharded() ? "sharded" : "replicated";  // sharding one rank changes nothing
       if (saved_mode != mode) {
         throw ResumeError(fmt::format(
@@ -1235,8 +1209,8 @@ struct Trainer::Impl {
       }
       model->refresh_compute();
       // The moments' storage decides their size: a checkpoint resumes with the storage it was
-      // written with (one from before bf16 moments holds fp32).
-      const std::string saved_moments = meta.value("adam_moments", std::string("fp32"));
+      // written with.
+      const std::string saved_moments = meta.at("adam_moments").get<std::string>();
       if (saved_moments != adam_moments_name(config.train.adam_moments)) {
         throw ResumeError(fmt::format(
             "{}: made with train.adam_moments {}, this config has {} (resume with the same storage, or use "
@@ -1275,8 +1249,7 @@ struct Trainer::Impl {
         previous_grad_norm = norm->get<double>();
       }
       calibration_errors.int8 = meta.at("calibration_errors").get<std::vector<double>>();
-      // A checkpoint from before the NF4 route holds INT8 errors only.
-      calibration_errors.nf4 = meta.value("nf4_calibration_errors", std::vector<double>{});
+      calibration_errors.nf4 = meta.at("nf4_calibration_errors").get<std::vector<double>>();
       for (const auto& [key, errors] :
            {std::pair<const char*, const std::vector<double>*>{"calibration_errors", &calibration_errors.int8},
             {"nf4_calibration_errors", &calibration_errors.nf4}}) {
@@ -1292,21 +1265,16 @@ struct Trainer::Impl {
       calibration_status = "restored from checkpoint";
       const nlohmann::json& t = meta.at("totals");
       for (Precision precision : kPrecisions) {
-        const std::string bytes = fmt::format("h2d_{}", precision_name(precision));
-        const std::string steps = fmt::format("{}_block_steps", precision_name(precision));
-        // NF4's are absent from a checkpoint written before the NF4 route.
-        const bool required = precision != Precision::nf4;
-        totals.h2d[precision] = required ? t.at(bytes).get<std::uint64_t>() : t.value(bytes, std::uint64_t{0});
+        totals.h2d[precision] = t.at(fmt::format("h2d_{}", precision_name(precision))).get<std::uint64_t>();
         totals.block_steps[precision] =
-            required ? t.at(steps).get<std::uint64_t>() : t.value(steps, std::uint64_t{0});
+            t.at(fmt::format("{}_block_steps", precision_name(precision))).get<std::uint64_t>();
       }
       totals.h2d_all_bf16 = t.at("h2d_all_bf16");
       totals.eval_h2d_before = t.at("eval_h2d");
-      // Absent before calibration bytes were counted apart (they were in eval_h2d then).
-      totals.calibration_h2d_before = t.value("calibration_h2d", std::uint64_t{0});
+      totals.calibration_h2d_before = t.at("calibration_h2d");
       totals.tokens = t.at("tokens");
       totals.train_seconds = t.at("train_seconds");
-      totals.update_seconds = t.value("update_seconds", 0.0);  // absent before the fused optimizer
+      totals.update_seconds = t.at("update_seconds");
       for (const nlohmann::json& v : t.at("val_history")) totals.val_history.emplace_back(v.at(0), v.at(1));
       for (const nlohmann::json& s : t.at("swaps")) totals.swaps.push_back(s);
       totals.last_loss = t.at("last_loss").is_number() ? t.at("last_loss").get<double>() : NAN;

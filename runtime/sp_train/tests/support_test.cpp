@@ -12,6 +12,7 @@
 #include "adamw.h"
 #include "calibration_cache.h"
 #include "checkpoint_file.h"
+#include "checkpoint_meta.h"
 #include "error_report.h"
 #include "sp/host/plugin_library.h"
 #include "sp/input_files/read_file.h"
@@ -340,6 +341,57 @@ TEST(ErrorReport, UserErrorsKeepTheirCodesAndBugsAreInternal) {
   const ErrorReport outside = report(std::runtime_error("run/config.yaml: No space left on device"));
   EXPECT_EQ(outside.exit_code, ExitCode::internal);
   EXPECT_EQ(outside.message, "internal error: run/config.yaml: No space left on device");
+}
+
+TEST(CheckpointMeta, AVersionOneMetaGetsWhatItsReleaseLeftOutAndKeepsWhatItHas) {
+  const nlohmann::json v1 = {{"next_step", 3},
+                             {"model", {{"d_model", 8}}},
+                             {"adam_moments", "bf16_stochastic"},
+                             {"totals", {{"h2d_bf16", 5}}}};
+  const nlohmann::json v2 = migrate_meta_from_v1(v1);
+  EXPECT_EQ(v2["version"], kCheckpointMetaVersion);
+  EXPECT_EQ(v2["model"]["streaming_unit"], "block");
+  EXPECT_TRUE(v2["model"]["nf4_group_size"].is_null());
+  EXPECT_EQ(v2["world_size"], 1);
+  EXPECT_EQ(v2["data_parallel"], "replicated");
+  EXPECT_EQ(v2["nf4_calibration_errors"], nlohmann::json::array());
+  for (const char* key : {"h2d_nf4", "nf4_block_steps", "calibration_h2d"}) EXPECT_EQ(v2["totals"][key], 0) << key;
+  EXPECT_EQ(v2["totals"]["update_seconds"], 0.0);
+  EXPECT_EQ(v2["adam_moments"], "bf16_stochastic");
+  EXPECT_EQ(v2["model"]["d_model"], 8);
+  EXPECT_EQ(v2["totals"]["h2d_bf16"], 5);
+  EXPECT_EQ(v2["next_step"], 3);
+}
+
+TEST(CheckpointMeta, ANewerOrMalformedVersionIsRefusedByName) {
+  const auto read = [](const nlohmann::json& meta) {
+    CheckpointSections sections;
+    const std::string text = meta.dump();
+    sections.put("meta", text.data(), text.size());
+    return read_checkpoint_meta(sections, "run/checkpoint.bin");
+  };
+  const nlohmann::json base = {{"next_step", 1}, {"model", nlohmann::json::object()}};
+  EXPECT_EQ(read(base)["version"], kCheckpointMetaVersion);  // unversioned: version 1, migrated
+  nlohmann::json newer = base;
+  newer["version"] = kCheckpointMetaVersion + 1;
+  try {
+    read(newer);
+    FAIL() << "a newer meta was read";
+  } catch (const ResumeError& e) {
+    EXPECT_NE(std::string(e.what()).find("run/checkpoint.bin: section 'meta' is version 3, written by a newer "
+                                         "sp-train; this one reads versions 1 to 2"),
+              std::string::npos)
+        << e.what();
+  }
+  nlohmann::json malformed = base;
+  malformed["version"] = "two";
+  try {
+    read(malformed);
+    FAIL() << "a malformed version was read";
+  } catch (const ResumeError& e) {
+    EXPECT_NE(std::string(e.what()).find("version is \"two\"; expected an integer >= 1"), std::string::npos)
+        << e.what();
+  }
 }
 
 // The libraries' errors end the run by their kind: a rejected state entry is the user's input,

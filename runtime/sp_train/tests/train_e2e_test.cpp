@@ -17,6 +17,7 @@
 #include "calibration_cache.h"
 #include "sp/plugin_abi_v1.h"
 #include "checkpoint_file.h"
+#include "checkpoint_meta.h"
 #include "sp/kernels/slab.h"
 #include "sp/testing/gpu_gate.h"
 #include "train_config.h"
@@ -557,6 +558,18 @@ TEST_F(TrainE2E, ACheckpointWithOutOfRangeFieldsIsRefusedByName) {
   edited = meta;
   edited.erase("model");
   EXPECT_NE(resume_error("meta", edited.dump(), {}).find("and a model object"), std::string::npos);
+  // A meta from before versions (1), without the keys its release did not write, resumes;
+  // one from a newer sp-train is refused by its version.
+  ASSERT_EQ(meta.at("version"), kCheckpointMetaVersion);
+  edited = meta;
+  edited.erase("version");
+  for (const char* key : {"world_size", "adam_moments", "data_parallel", "nf4_calibration_errors"}) edited.erase(key);
+  edited["model"].erase("streaming_unit");
+  for (const char* key : {"h2d_nf4", "nf4_block_steps", "calibration_h2d", "update_seconds"}) edited["totals"].erase(key);
+  EXPECT_EQ(resume_error("meta", edited.dump(), {}), "resumed");
+  edited = meta;
+  edited["version"] = kCheckpointMetaVersion + 1;
+  EXPECT_NE(resume_error("meta", edited.dump(), {}).find("written by a newer sp-train"), std::string::npos);
   // The plugin's state and the routes in force are the checkpoint's too: a state the plugin
   // rejects and a hint the bridge refuses stop the resume (exit code 4), naming the section.
   EXPECT_NE(resume_error("policy/state", "not a policy state", {}).find("rejected the checkpoint's policy state"),
