@@ -408,6 +408,10 @@ class StreamedBlocks:
     shard_masters: with a process group, block b's fp32 masters and optimizer state live on
         rank b % world_size alone (ZeRO-1/2 on the host): `master_parameters()` lists this
         rank's, and the owner sends the others each updated block's transfer image.
+    transfer_policy: sp-bench's transfer policy for this machine (a JSON path): INT8 and NF4
+        only for the block sizes it measured faster than BF16, on the path of the block's
+        weights (trained or frozen); a missing or unusable file is logged and allows no
+        quantized route. None: the plugin's hints stand.
     """
 
     def __init__(
@@ -430,6 +434,7 @@ class StreamedBlocks:
         host_bandwidth_cap_gbps=0.0,
         process_group=None,
         shard_masters=False,
+        transfer_policy=None,
     ):
         modules = list(blocks)
         if not modules:
@@ -458,6 +463,7 @@ class StreamedBlocks:
             int(recalibrate_every),
             process_group,
             bool(shard_masters),
+            transfer_policy=str(transfer_policy or ""),
         )
         self._placeholders = {id(p) for m in modules for n, p in m.named_parameters() if n in self._streamed_names}
         self._averaged = set()  # ids of the host parameters whose gradients this step averaged

@@ -377,7 +377,7 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
     config: the policy's settings (a YAML path, YAML text or a mapping; None: defaults).
     options: those of StreamedBlocks (device, compute_dtype, plugin, plugin_dir, output_dir,
         moments_from, prefetch_window, spare_slabs, int8_group_size, nf4_group_size,
-        metrics_path, process_group, shard_masters, host_bandwidth_cap_gbps).
+        metrics_path, process_group, shard_masters, host_bandwidth_cap_gbps, transfer_policy).
     """
     from . import _PLUGIN_NAME, _policy_config, _StreamedModel, _streamed_names, default_plugin_dir
 
@@ -408,7 +408,7 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
         int(options.get("prefetch_window", 1)), int(options.get("spare_slabs", 2)),
         int(options.get("int8_group_size", 0)), int(options.get("nf4_group_size", 64)),
         str(options.get("metrics_path", "")), 0, options.get("process_group"),
-        bool(options.get("shard_masters", False)), calls,
+        bool(options.get("shard_masters", False)), calls, str(options.get("transfer_policy") or ""),
     )
     layer = _Layer(model, modules, names)
     for index, module in enumerate(modules):
@@ -424,7 +424,7 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
 
 _OPTIONS = {"device", "compute_dtype", "plugin", "plugin_dir", "output_dir", "moments_from", "prefetch_window",
             "spare_slabs", "int8_group_size", "nf4_group_size", "metrics_path", "process_group", "shard_masters",
-            "host_bandwidth_cap_gbps", "recalibrate_every"}
+            "host_bandwidth_cap_gbps", "recalibrate_every", "transfer_policy"}
 
 
 def _masters_in_place(module, names):

@@ -555,7 +555,8 @@ PYBIND11_MODULE(_selective_precision, m) {
                        const std::string& device, py::object compute_dtype, double host_bandwidth_cap_gbps,
                        std::uint32_t prefetch_window, std::uint32_t spare_slabs, std::uint32_t int8_group_size,
                        std::uint32_t nf4_group_size, const std::string& metrics_path, std::uint32_t recalibrate_every,
-                       const py::object& process_group, bool shard_masters, const py::object& calls) {
+                       const py::object& process_group, bool shard_masters, const py::object& calls,
+                       const std::string& transfer_policy) {
              tl::StreamedModelOptions o;
              o.plugin_file = plugin_file;
              o.config_yaml = config_yaml;
@@ -572,6 +573,7 @@ PYBIND11_MODULE(_selective_precision, m) {
              o.metrics_path = metrics_path;
              o.recalibrate_every = recalibrate_every;
              o.shard_masters = shard_masters;
+             o.transfer_policy = transfer_policy;
              return std::make_unique<PyStreamedModel>(modules, streamed, moments_from, calls, std::move(o),
                                                       collectives_of(process_group));
            }),
@@ -580,7 +582,7 @@ PYBIND11_MODULE(_selective_precision, m) {
            py::arg("compute_dtype"), py::arg("host_bandwidth_cap_gbps"), py::arg("prefetch_window"),
            py::arg("spare_slabs"), py::arg("int8_group_size"), py::arg("nf4_group_size"), py::arg("metrics_path"),
            py::arg("recalibrate_every"), py::arg("process_group"), py::arg("shard_masters"),
-           py::arg("calls") = py::none())
+           py::arg("calls") = py::none(), py::arg("transfer_policy") = "")
       .def("close", &PyStreamedModel::close)
       .def_property_readonly("closed", &PyStreamedModel::closed)
       .def("num_blocks", [](PyStreamedModel& s) { return s.model().num_blocks(); })

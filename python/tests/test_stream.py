@@ -333,3 +333,31 @@ def test_a_frozen_base_with_trainable_adapters_ends_its_steps_at_the_adapters_op
         assert len(layers.last_moments) == 2
         for opt in (adapters, embeddings):
             opt.zero_grad()
+
+
+def test_a_transfer_policy_keeps_blocks_bf16_where_the_quantized_route_does_not_pay(tmp_path):
+    """The plugin forces INT8 on block 1; the machine's transfer policy lets it through only
+    where INT8 was measured faster, and an unreadable policy allows no quantized route."""
+    def policy(name, int8_rules):
+        path = tmp_path / name
+        path.write_text('{"format": "sp-transfer-policy", "version": 1, "speedup_threshold": 1.0, "sources": '
+                        '[{"machine": "test", "backend": "host", "device": "fixed"}], "rules": {"int8_frozen": %s, '
+                        '"int8_trained": %s}}' % (int8_rules, int8_rules))
+        return str(path)
+
+    forced = {"telemetry_enabled": False, "mode": "static", "tiers": ["bf16", "int8"], "force_int8_blocks": [1]}
+    pays = '[{"min_bytes": 0, "max_bytes": null, "measured_speedup": 2.0}]'
+    for transfer_policy, routes in ((None, ["bf16", "int8"]), (policy("pays.json", pays), ["bf16", "int8"]),
+                                    (policy("never.json", "[]"), ["bf16", "bf16"]),
+                                    (str(tmp_path / "absent.json"), ["bf16", "bf16"])):
+        torch.manual_seed(3)
+        model = Model(blocks=2, p=0.0)
+        model.layers = sp.stream(model.layers, config=forced, transfer_policy=transfer_policy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):  # the plugin's first hints come after the first step
+            model(torch.randn(4, 8)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert model.layers.routes() == routes, transfer_policy
+        model.layers.close()
+

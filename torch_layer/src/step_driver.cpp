@@ -1,6 +1,8 @@
 // The step: its begin and end, the policy's hooks and hints, the host's updates of the masters.
 #include "streamed_model_impl.h"
 
+#include "sp/adapters/transfer_policy.h"
+
 namespace sp::torch_layer {
 
 void StreamedModel::Impl::end_plugin_step_as_failed() {
@@ -254,6 +256,35 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
   }
   m.running.reserve(m.blocks.size());
   m.armed = Impl::ArmedUpdate{step, std::move(moments), std::vector<bool>(m.blocks.size(), false)};
+}
+
+void StreamedModel::Impl::apply_transfer_policy(const std::filesystem::path& file) {
+  const ad::TransferPolicy policy = ad::load_transfer_policy_or_bf16(
+      file.string(), [&](const std::string& why) { log->warn("transfer policy {}", why); });
+  std::vector<std::uint64_t> sizes;
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) sizes.push_back(engine->image_bytes(b, Precision::bf16));
+  const ad::TransferGate trained = ad::transfer_gate(policy, ad::BlockWeights::kTrained, sizes);
+  const ad::TransferGate frozen = ad::transfer_gate(policy, ad::BlockWeights::kFrozen, sizes);
+  // Each block on the path of its own weights; a route the policy measured nowhere stays empty.
+  const auto per_block = [&](const std::vector<bool>& if_trained, const std::vector<bool>& if_frozen) {
+    std::vector<bool> pays;
+    if (if_trained.empty() && if_frozen.empty()) return pays;
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+      const std::vector<bool>& source = blocks[b].trainable_masters ? if_trained : if_frozen;
+      pays.push_back(!source.empty() && source[b]);
+    }
+    return pays;
+  };
+  ad::TransferGate gate;
+  gate.int8_pays = per_block(trained.int8_pays, frozen.int8_pays);
+  gate.nf4_pays = per_block(trained.nf4_pays, frozen.nf4_pays);
+  const auto count = [](const std::vector<bool>& pays) { return std::count(pays.begin(), pays.end(), true); };
+  const auto trainable = std::count_if(blocks.begin(), blocks.end(), [](const BlockState& b) { return b.trainable_masters; });
+  const char* kind = trainable == 0 ? "frozen" : trainable == static_cast<std::ptrdiff_t>(blocks.size()) ? "trained" : "trained and frozen";
+  log->info("transfer policy {} ({} blocks): INT8 pays for {}, NF4 for {} of {} blocks", file.string(), kind,
+            count(gate.int8_pays), count(gate.nf4_pays), blocks.size());
+  engine->policy_bridge().set_transfer_gate(gate);
+  eval_engine->policy_bridge().set_transfer_gate(std::move(gate));
 }
 
 void StreamedModel::set_transfer_gate(sp::adapters::TransferGate gate) {

@@ -30,6 +30,7 @@ StreamedModel::Impl::Impl(std::vector<Block> in, StreamedModelOptions opts)
   build_engines();
   if (sharded) shard_masters();
   build_policy();
+  if (!options.transfer_policy.empty()) apply_transfer_policy(options.transfer_policy);
   note_image_versions();
 }
 

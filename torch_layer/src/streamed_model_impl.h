@@ -487,6 +487,9 @@ struct StreamedModel::Impl {
 
   std::vector<sp_grad_moments_v1> block_moments();
 
+  // StreamedModelOptions::transfer_policy, as the gate of both engines.
+  void apply_transfer_policy(const std::filesystem::path& file);
+
   std::vector<Precision> current_routes() const;
 
   // ---- calibration ---------------------------------------------------------------------------

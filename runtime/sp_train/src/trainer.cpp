@@ -25,7 +25,6 @@
 #include "crash_marker.h"
 #include "run_lock.h"
 #include "sp/adapters/metrics.h"
-#include "sp/adapters/transfer_policy.h"
 #include "sp/precision_abi.h"
 #include "sp/runtime/atomic_file.h"
 #include "sp/runtime/hash.h"
@@ -282,9 +281,8 @@ struct Trainer::Impl {
     if (!checkpoint && config.policy_keys.run_calibration) calibration_id = calibration_identity();
     build_layer();
     build_optimizer();
-    // The gate is set before anything streams. Calibration does not depend on it: the layer
-    // pins its routes, and a pin outranks the gate.
-    if (!config.streaming.transfer_policy_path.empty()) apply_transfer_policy(config.streaming.transfer_policy_path);
+    // The layer set the transfer gate before anything streamed. Calibration does not depend on
+    // it: the layer pins its routes, and a pin outranks the gate.
     if (checkpoint) {
       restore(*checkpoint);
     } else if (config.policy_keys.run_calibration) {
@@ -549,6 +547,7 @@ struct Trainer::Impl {
     o.plugin_hook_deadline = std::chrono::milliseconds(
         static_cast<std::int64_t>(std::llround(config.train.plugin_hook_deadline_seconds * 1000.0)));
     if (!config.streaming.metrics_file.empty()) o.metrics_path = (run_dir / config.streaming.metrics_file).string();
+    o.transfer_policy = config.streaming.transfer_policy_path;
     try {
       layer = std::make_unique<tl::StreamedModel>(model->layer_blocks(), std::move(o));
       n_units = layer->num_blocks();
@@ -605,24 +604,6 @@ struct Trainer::Impl {
             name, tl::MasterMoments{t.exp_avg, t.exp_avg_sq, t.decay, t.moment_dtype, t.moment_rounding, t.moment_seed});
       }
     }
-  }
-
-  // The benchmark-driven half of the route: INT8 and NF4 only for the block sizes where this
-  // machine's measurements say they pay, on the path this mode takes (trained blocks also pay
-  // an image rebuild per step).
-  void apply_transfer_policy(const std::string& path) {
-    const ad::TransferPolicy transfer_policy =
-        ad::load_transfer_policy_or_bf16(path, [&](const std::string& why) { log->warn("transfer policy {}", why); });
-    const ad::BlockWeights weights =
-        config.train.mode == TrainMode::full ? ad::BlockWeights::kTrained : ad::BlockWeights::kFrozen;
-    std::vector<std::uint64_t> sizes;
-    for (std::uint32_t u = 0; u < n_units; ++u) sizes.push_back(layer->image_bytes(u, Precision::bf16));
-    const ad::TransferGate gate = ad::transfer_gate(transfer_policy, weights, sizes);
-    const auto paying = [](const std::vector<bool>& pays) { return std::count(pays.begin(), pays.end(), true); };
-    log->info("transfer policy {} ({} blocks): INT8 pays for {}, NF4 for {} of {} blocks", path,
-              weights == ad::BlockWeights::kTrained ? "trained" : "frozen", paying(gate.int8_pays),
-              paying(gate.nf4_pays), n_units);
-    layer->set_transfer_gate(gate);
   }
 
   // The plugin's hints in force, one sp_precision per block (BF16 before its first hints).

@@ -140,6 +140,11 @@ struct StreamedModelOptions {
   std::uint32_t int8_group_size = 0;  // 0: one scale per row; else 32, 64, 128 or 256
   std::uint32_t nf4_group_size = 64;  // 32, 64, 128 or 256
   std::string metrics_path;           // JSONL of the training passes' transfers; empty: none
+  // sp-bench's transfer policy for this machine (docs/streaming.md): a quantized route is taken
+  // only for the block sizes it measured faster than BF16, on the path of the block's weights
+  // (trained ones also pay an image rebuild per step). A missing or unusable file is logged
+  // and allows no quantized route. Empty: none, the plugin's hints stand.
+  std::filesystem::path transfer_policy;
 
   // Data parallelism (collectives.h): the ranks this model trains on; null: one process.
   std::shared_ptr<Collectives> collectives;
