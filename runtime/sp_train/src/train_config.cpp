@@ -450,6 +450,30 @@ void refuse_lone_carriage_returns(const std::string& text, const std::string& so
 // their position (a map and its first key share one), compared by identity.
 constexpr std::size_t kMaxKeyBytes = 256;
 
+// A new map with `node`'s entries in order (their values shared, not copied), in which `key`
+// holds a new map of its own: the old value's entries if it was a map, else none. Neither
+// `node` nor its old value is written.
+YAML::Node with_own_map(const YAML::Node& node, const std::string& key) {
+  const auto shallow_copy = [](const YAML::Node& map) {
+    YAML::Node copy(YAML::NodeType::Map);
+    if (map.IsMap()) {
+      for (const auto& entry : map) copy.force_insert(entry.first, entry.second);
+    }
+    return copy;
+  };
+  YAML::Node copy(YAML::NodeType::Map);
+  bool found = false;
+  if (node.IsMap()) {
+    for (const auto& entry : node) {
+      const bool is_key = entry.first.IsScalar() && entry.first.Scalar() == key;
+      copy.force_insert(entry.first, is_key ? shallow_copy(entry.second) : entry.second);
+      found = found || is_key;
+    }
+  }
+  if (!found) copy.force_insert(key, YAML::Node(YAML::NodeType::Map));
+  return copy;
+}
+
 // Well-formed UTF-8 (RFC 3629: no overlong forms, no surrogates, nothing past U+10FFFF).
 // yaml-cpp keeps other bytes as they are when it reads them, writes them back as they are,
 // and reads its own output with each bad sequence replaced by U+FFFD: the scalar changes.
@@ -641,9 +665,15 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
   }
 
   // Every key is optional, the policy section too: without one the plugin runs on its
-  // defaults (it refuses a config that has no section at all).
+  // defaults (it refuses a config that has no section at all). The path to it is built of
+  // copies, never written in place: a node on it may be an alias of another section
+  // ("memory: &m ~" with "train: *m"), which would grow the policy section too.
   if (!policy.IsDefined() || policy.IsNull()) {
-    root["memory"]["stagehand"]["selective_precision"] = YAML::Node(YAML::NodeType::Map);
+    YAML::Node memory_copy = with_own_map(root["memory"], "stagehand");
+    memory_copy["stagehand"] = with_own_map(memory_copy["stagehand"], "selective_precision");
+    YAML::Node resolved = with_own_map(root, "memory");
+    resolved["memory"] = memory_copy;
+    root.reset(resolved);
   }
   std::multimap<int, YAML::Node> visited;
   if (const auto found = find_unkeepable(root, "", visited)) {

@@ -269,6 +269,23 @@ TEST(TrainConfig, AConfigWithoutAPolicySectionGivesThePluginAnEmptyOne) {
   }
 }
 
+// Found by the smoke fuzzer: the empty section added for the plugin grew inside the node that
+// another section aliases, whose config.yaml then named an unknown key. Each is accepted, and
+// its config.yaml reads back as the same config.
+TEST(TrainConfig, TheAddedPolicySectionLeavesAnAliasedSectionAsItWas) {
+  for (const char* text : {"memory: &m\n\ntrain:\n*m\n", "memory: &m {}\ntrain: *m\n",
+                           "memory: {stagehand: &s}\ntrain: *s\n", "memory: {stagehand: &s {}}\ntrain: *s\n",
+                           "memory: {stagehand: {streaming: &s {}}}\nmodel: {}\ntrain: *s\n"}) {
+    const TrainConfig first = parse_train_config(text, "cfg.yaml");
+    const YAML::Node resolved = YAML::Load(first.resolved_yaml);
+    EXPECT_TRUE(resolved["memory"]["stagehand"]["selective_precision"].IsMap()) << text;
+    EXPECT_FALSE(resolved["train"].IsMap() && resolved["train"]["stagehand"].IsDefined()) << first.resolved_yaml;
+    // It reads back; the emitter may lay out the empty section otherwise once, then no more.
+    const TrainConfig second = parse_train_config(first.resolved_yaml, "config.yaml");
+    EXPECT_EQ(parse_train_config(second.resolved_yaml, "config.yaml").resolved_yaml, second.resolved_yaml) << text;
+  }
+}
+
 TEST(TrainConfig, DuplicateKeysAreRefusedWithBothLines) {
   EXPECT_EQ(error_of("train:\n  steps: 3\n  lr: 0.1\n  steps: 4\n"),
             "cfg.yaml: train.steps: duplicate key (lines 2 and 4); keep one");
