@@ -26,7 +26,6 @@
 #include "bench_cli.h"
 #include "bench_report.h"
 #include "sp/kernels/bf16.h"
-#include "sp/kernels/fp8.h"
 #include "sp/kernels/moments.h"
 #include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
@@ -146,7 +145,6 @@ void run(const Options &options) {
   std::vector<uint16_t> bf16(n);
   sp::kernels::fp32_to_bf16(weights.data(), bf16.data(), n);
   std::vector<int8_t> codes(n);
-  std::vector<uint8_t> fp8(n);
   std::vector<float> scales(sp::kernels::scale_count(rows, cols, 32));
   std::vector<float> fp32_out(n);
   std::vector<uint8_t> nf4_codes(sp::kernels::nf4_code_bytes(rows, cols));
@@ -199,12 +197,6 @@ void run(const Options &options) {
     });
     report.add("dequantize_int8_to_fp32 per-row", "vectorized", threads, n, i8 + row_scales, f32, [&] {
       sp::kernels::dequantize_int8_to_fp32(codes.data(), scales.data(), rows, cols, 0, fp32_out.data(), fast);
-    });
-    report.add("quantize_fp8_e4m3 per-row fp32", "vectorized", threads, n, f32, i8 + row_scales, [&] {
-      sp::kernels::quantize_fp8_e4m3(weights.data(), DType::kFloat32, rows, cols, 0, fp8.data(), scales.data(), fast);
-    });
-    report.add("dequantize_fp8_e4m3_to_bf16 per-row", "vectorized", threads, n, i8 + row_scales, b16, [&] {
-      sp::kernels::dequantize_fp8_e4m3_to_bf16(fp8.data(), scales.data(), rows, cols, 0, bf16_out.data(), fast);
     });
     // NF4, the default group of 64: codes (n / 2 bytes) + bf16 scales.
     report.add("quantize_nf4 group-64 fp32", "vectorized", threads, n, f32, nf4_bytes, [&] {

@@ -61,8 +61,10 @@ int main(int argc, char **argv) {
   write_seed(dir, "int8-per-row", 1, build({k::SlabPrecision::kInt8, 0}, two), build({k::SlabPrecision::kInt8, 0}, two).size());
   const auto int8 = build({k::SlabPrecision::kInt8, 32}, grouped);
   write_seed(dir, "int8-group32", 1, int8, int8.size());
-  const auto fp8 = build({k::SlabPrecision::kFp8E4M3, 0}, two);
-  write_seed(dir, "fp8-per-row", 1, fp8, fp8.size());
+  // The precision code FP8 E4M3 had (3), which the reader now refuses: the INT8 image, re-sealed.
+  auto retired = build({k::SlabPrecision::kInt8, 0}, two);
+  retired[8] = 3;
+  write_seed(dir, "fp8-retired-code", 1, retired, retired.size());
   const auto nf4 = build({k::SlabPrecision::kNf4, 32}, {{1, 33}, {2, 32}});
   write_seed(dir, "nf4-group32", 1, nf4, nf4.size());
   // Version 1 (no NF4): the same BF16 image with the version field set to 1, re-sealed.

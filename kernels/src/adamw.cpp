@@ -141,10 +141,7 @@ void update_and_encode(const SlabEncoding &encoding, const AdamWStep &step, cons
       });
       return;
     }
-    case SlabPrecision::kInt8:
-    case SlabPrecision::kFp8E4M3: {
-      const auto format =
-          encoding.precision == SlabPrecision::kInt8 ? detail::CodeFormat::kInt8 : detail::CodeFormat::kFp8E4M3;
+    case SlabPrecision::kInt8: {
       const QuantizeOptions options{encoding.group_size, encoding.rounding, target.seed};
       auto *scales = reinterpret_cast<float *>(target.scales);
       if (detail::has_empty_rows(rows, cols, encoding.group_size)) {
@@ -156,8 +153,8 @@ void update_and_encode(const SlabEncoding &encoding, const AdamWStep &step, cons
       detail::parallel_ranges(rows, exec, min_rows, [&](std::size_t begin, std::size_t end) {
         for (std::size_t r = begin; r < end; ++r) {
           update_elements(step, t, r * cols, cols);
-          detail::quantize_row(format, t.master + r * cols, r, cols, options, target.data + r * cols,
-                               scales + r * groups_per_row);
+          detail::quantize_int8_row(t.master + r * cols, r, cols, options,
+                                    reinterpret_cast<int8_t *>(target.data) + r * cols, scales + r * groups_per_row);
         }
       });
       return;

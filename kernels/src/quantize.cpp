@@ -1,10 +1,9 @@
-// INT8 and FP8 E4M3 quantization on the CPU: argument checks, dispatch to the reference, and
+// INT8 quantization on the CPU: argument checks, dispatch to the reference, and
 // the vectorized multi-threaded implementation (simple restrict loops over the shared scalar
 // functions; this file is compiled with -O3 so GCC vectorizes them).
 #include "sp/kernels/quantize.h"
 
 #include <algorithm>
-#include <array>
 #include <stdexcept>
 #include <string>
 
@@ -15,12 +14,9 @@
 #include "row_encoders.h"
 #include "scalar_math.h"
 #include "simd.h"
-#include "sp/kernels/fp8.h"
 
 namespace sp::kernels {
 namespace {
-
-using detail::CodeFormat;
 
 constexpr std::size_t kMinElementsPerThread = 1 << 15;
 
@@ -40,11 +36,6 @@ SP_SIMD_CLONES void encode_int8_stochastic(const In *__restrict src, std::size_t
   }
 }
 
-template <typename In>
-SP_SIMD_CLONES void encode_fp8(const In *__restrict src, std::size_t n, float inv, uint8_t *__restrict codes) {
-  for (std::size_t i = 0; i < n; ++i) codes[i] = detail::fp8_e4m3_encode(to_float(src[i]) * inv);
-}
-
 struct Layout {
   std::size_t rows;
   std::size_t cols;
@@ -59,52 +50,38 @@ Layout make_layout(std::size_t rows, std::size_t cols, uint32_t group_size) {
 
 // Row `row` of the tensor (src_row, codes_row and scales_row point at its start).
 template <typename In>
-void quantize_row_of(CodeFormat format, const In *src_row, std::size_t row, const Layout &layout,
-                     const QuantizeOptions &options, uint8_t *codes_row, float *scales_row) {
-  const float max_code = format == CodeFormat::kInt8 ? 127.0f : kFp8E4M3Max;
+void quantize_row_of(const In *src_row, std::size_t row, const Layout &layout, const QuantizeOptions &options,
+                     int8_t *codes_row, float *scales_row) {
+  constexpr float kMaxCode = 127.0f;
   for (std::size_t g = 0; g < layout.groups_per_row; ++g) {
     const std::size_t column = g * layout.width;
     const std::size_t n = std::min(layout.width, layout.cols - column);
     const uint32_t abs_bits = detail::max_abs_bits(src_row + column, n);
-    const float scale = detail::quant_scale(abs_bits, max_code);
+    const float scale = detail::quant_scale(abs_bits, kMaxCode);
     scales_row[g] = scale;
     if (abs_bits >= detail::kInfBits) {
-      std::fill(codes_row + column, codes_row + column + n, uint8_t{0});
+      std::fill(codes_row + column, codes_row + column + n, int8_t{0});
       continue;
     }
     const float inv = detail::reciprocal(scale);
-    if (format == CodeFormat::kFp8E4M3) {
-      encode_fp8(src_row + column, n, inv, codes_row + column);
-    } else if (options.rounding == Rounding::kStochastic) {
-      encode_int8_stochastic(src_row + column, n, inv, reinterpret_cast<int8_t *>(codes_row + column), options.seed,
-                             row * layout.cols + column);
+    if (options.rounding == Rounding::kStochastic) {
+      encode_int8_stochastic(src_row + column, n, inv, codes_row + column, options.seed, row * layout.cols + column);
     } else {
-      encode_int8(src_row + column, n, inv, reinterpret_cast<int8_t *>(codes_row + column));
+      encode_int8(src_row + column, n, inv, codes_row + column);
     }
   }
 }
 
 template <typename In>
-void quantize_rows(CodeFormat format, const In *src, const Layout &layout, const QuantizeOptions &options,
-                   uint8_t *codes, float *scales, const CpuExec &exec) {
+void quantize_rows(const In *src, const Layout &layout, const QuantizeOptions &options, int8_t *codes, float *scales,
+                   const CpuExec &exec) {
   const std::size_t min_rows = std::max<std::size_t>(1, kMinElementsPerThread / std::max<std::size_t>(1, layout.cols));
   detail::parallel_ranges(layout.rows, exec, min_rows, [&](std::size_t row_begin, std::size_t row_end) {
     for (std::size_t r = row_begin; r < row_end; ++r) {
-      quantize_row_of(format, src + r * layout.cols, r, layout, options, codes + r * layout.cols,
+      quantize_row_of(src + r * layout.cols, r, layout, options, codes + r * layout.cols,
                       scales + r * layout.groups_per_row);
     }
   });
-}
-
-const std::array<float, 256> &fp8_decode_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> values{};
-    for (unsigned code = 0; code < 256; ++code) {
-      values[code] = detail::fp8_e4m3_decode(static_cast<uint8_t>(code));
-    }
-    return values;
-  }();
-  return table;
 }
 
 inline void store(float x, float *dst) { *dst = x; }
@@ -117,15 +94,7 @@ SP_SIMD_CLONES void dequantize_int8_segment(const int8_t *__restrict codes, std:
 }
 
 template <typename Out>
-SP_SIMD_CLONES void dequantize_fp8_segment(const uint8_t *__restrict codes, std::size_t n, float scale,
-                                           const float *__restrict table, Out *__restrict dst) {
-  for (std::size_t i = 0; i < n; ++i) store(table[codes[i]] * scale, dst + i);
-}
-
-template <typename Out>
-void dequantize_rows(CodeFormat format, const uint8_t *codes, const float *scales, const Layout &layout, Out *dst,
-                     const CpuExec &exec) {
-  const float *table = fp8_decode_table().data();
+void dequantize_rows(const int8_t *codes, const float *scales, const Layout &layout, Out *dst, const CpuExec &exec) {
   const std::size_t min_rows = std::max<std::size_t>(1, kMinElementsPerThread / std::max<std::size_t>(1, layout.cols));
   detail::parallel_ranges(layout.rows, exec, min_rows, [&](std::size_t row_begin, std::size_t row_end) {
     for (std::size_t r = row_begin; r < row_end; ++r) {
@@ -133,51 +102,51 @@ void dequantize_rows(CodeFormat format, const uint8_t *codes, const float *scale
         const std::size_t first = r * layout.cols + g * layout.width;
         const std::size_t n = std::min(layout.width, layout.cols - g * layout.width);
         const float scale = scales[r * layout.groups_per_row + g];
-        if (format == CodeFormat::kInt8) {
-          dequantize_int8_segment(reinterpret_cast<const int8_t *>(codes) + first, n, scale, dst + first);
-        } else {
-          dequantize_fp8_segment(codes + first, n, scale, table, dst + first);
-        }
+        dequantize_int8_segment(codes + first, n, scale, dst + first);
       }
     }
   });
 }
 
-void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-              const QuantizeOptions &options, uint8_t *codes, float *scales, const CpuExec &exec,
-              const char *function) {
-  detail::check_quantize_arguments(format, src, src_dtype, rows, cols, options, codes, scales, function);
+}  // namespace
+
+void quantize_int8(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, const QuantizeOptions &options,
+                   int8_t *codes, float *scales, const CpuExec &exec) {
+  const char *function = "quantize_int8";
+  detail::check_quantize_arguments(src, src_dtype, rows, cols, options, codes, scales, function);
   if (detail::has_empty_rows(rows, cols, options.group_size)) {
     std::fill(scales, scales + rows, 1.0f);  // an empty row is an all-zero row
     return;
   }
   if (rows == 0 || cols == 0) return;
   if (exec.impl == CpuImpl::kReference) {
-    reference::quantize(format, src, src_dtype, rows, cols, options, codes, scales);
+    reference::quantize_int8(src, src_dtype, rows, cols, options, codes, scales);
     return;
   }
   const Layout layout = make_layout(rows, cols, options.group_size);
   if (src_dtype == DType::kFloat32) {
-    quantize_rows(format, static_cast<const float *>(src), layout, options, codes, scales, exec);
+    quantize_rows(static_cast<const float *>(src), layout, options, codes, scales, exec);
   } else {
-    quantize_rows(format, static_cast<const Bf16Bits *>(src), layout, options, codes, scales, exec);
+    quantize_rows(static_cast<const Bf16Bits *>(src), layout, options, codes, scales, exec);
   }
 }
 
+namespace {
+
 template <typename Out>
-void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
-                uint32_t group_size, Out *dst, const CpuExec &exec, const char *function) {
+void dequantize_int8(const int8_t *codes, const float *scales, std::size_t rows, std::size_t cols, uint32_t group_size,
+                     Out *dst, const CpuExec &exec, const char *function) {
   detail::check_dequantize_arguments(codes, scales, rows, cols, group_size, dst, function);
   if (rows == 0 || cols == 0) return;
   if (exec.impl == CpuImpl::kReference) {
     if constexpr (std::is_same_v<Out, uint16_t>) {
-      reference::dequantize(format, codes, scales, rows, cols, group_size, dst, nullptr);
+      reference::dequantize_int8(codes, scales, rows, cols, group_size, dst, nullptr);
     } else {
-      reference::dequantize(format, codes, scales, rows, cols, group_size, nullptr, dst);
+      reference::dequantize_int8(codes, scales, rows, cols, group_size, nullptr, dst);
     }
     return;
   }
-  dequantize_rows(format, codes, scales, make_layout(rows, cols, group_size), dst, exec);
+  dequantize_rows(codes, scales, make_layout(rows, cols, group_size), dst, exec);
 }
 
 }  // namespace
@@ -195,43 +164,14 @@ std::size_t scale_count(std::size_t rows, std::size_t cols, uint32_t group_size)
   return rows * make_layout(rows, cols, group_size).groups_per_row;
 }
 
-void quantize_int8(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, const QuantizeOptions &options,
-                   int8_t *codes, float *scales, const CpuExec &exec) {
-  quantize(CodeFormat::kInt8, src, src_dtype, rows, cols, options, reinterpret_cast<uint8_t *>(codes), scales, exec,
-           "quantize_int8");
-}
-
 void dequantize_int8_to_bf16(const int8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
                              uint32_t group_size, uint16_t *dst, const CpuExec &exec) {
-  dequantize(CodeFormat::kInt8, reinterpret_cast<const uint8_t *>(codes), scales, rows, cols, group_size, dst, exec,
-             "dequantize_int8_to_bf16");
+  dequantize_int8(codes, scales, rows, cols, group_size, dst, exec, "dequantize_int8_to_bf16");
 }
 
 void dequantize_int8_to_fp32(const int8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
                              uint32_t group_size, float *dst, const CpuExec &exec) {
-  dequantize(CodeFormat::kInt8, reinterpret_cast<const uint8_t *>(codes), scales, rows, cols, group_size, dst, exec,
-             "dequantize_int8_to_fp32");
-}
-
-uint8_t fp8_e4m3_from_float(float x) { return detail::fp8_e4m3_encode(x); }
-
-float fp8_e4m3_to_float(uint8_t code) { return detail::fp8_e4m3_decode(code); }
-
-void quantize_fp8_e4m3(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, uint32_t group_size,
-                       uint8_t *codes, float *scales, const CpuExec &exec) {
-  QuantizeOptions options;
-  options.group_size = group_size;
-  quantize(CodeFormat::kFp8E4M3, src, src_dtype, rows, cols, options, codes, scales, exec, "quantize_fp8_e4m3");
-}
-
-void dequantize_fp8_e4m3_to_bf16(const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
-                                 uint32_t group_size, uint16_t *dst, const CpuExec &exec) {
-  dequantize(CodeFormat::kFp8E4M3, codes, scales, rows, cols, group_size, dst, exec, "dequantize_fp8_e4m3_to_bf16");
-}
-
-void dequantize_fp8_e4m3_to_fp32(const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
-                                 uint32_t group_size, float *dst, const CpuExec &exec) {
-  dequantize(CodeFormat::kFp8E4M3, codes, scales, rows, cols, group_size, dst, exec, "dequantize_fp8_e4m3_to_fp32");
+  dequantize_int8(codes, scales, rows, cols, group_size, dst, exec, "dequantize_int8_to_fp32");
 }
 
 namespace detail {
@@ -252,9 +192,9 @@ SP_SIMD_CLONES uint32_t max_abs_bits_of(const In *__restrict src, std::size_t n)
 
 uint32_t max_abs_bits(const float *src, std::size_t n) { return max_abs_bits_of(src, n); }
 
-void quantize_row(CodeFormat format, const float *src_row, std::size_t row, std::size_t cols,
-                  const QuantizeOptions &options, uint8_t *codes_row, float *scales_row) {
-  quantize_row_of(format, src_row, row, make_layout(1, cols, options.group_size), options, codes_row, scales_row);
+void quantize_int8_row(const float *src_row, std::size_t row, std::size_t cols, const QuantizeOptions &options,
+                       int8_t *codes_row, float *scales_row) {
+  quantize_row_of(src_row, row, make_layout(1, cols, options.group_size), options, codes_row, scales_row);
 }
 uint32_t max_abs_bits(const Bf16Bits *src, std::size_t n) { return max_abs_bits_of(src, n); }
 

@@ -31,16 +31,13 @@ void check_buffers(std::size_t rows, std::size_t cols, std::initializer_list<con
 
 }  // namespace
 
-void check_quantize_arguments(CodeFormat format, const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
+void check_quantize_arguments(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
                               const QuantizeOptions &options, const void *codes, const void *scales,
                               const char *function) {
   check_group_size(options.group_size, function);
   if (src_dtype != DType::kFloat32 && src_dtype != DType::kBFloat16) {
     throw std::invalid_argument(std::string(function) + ": source dtype " + dtype_name(src_dtype) +
                                 " is not supported (expected fp32 or bf16)");
-  }
-  if (format == CodeFormat::kFp8E4M3 && options.rounding != Rounding::kNearestEven) {
-    throw std::invalid_argument(std::string(function) + ": FP8 supports round-to-nearest-even only");
   }
   check_buffers(rows, cols, {src, codes, scales}, function);
   if (has_empty_rows(rows, cols, options.group_size) && scales == nullptr) {

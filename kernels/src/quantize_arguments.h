@@ -9,12 +9,10 @@
 
 namespace sp::kernels::detail {
 
-enum class CodeFormat { kInt8, kFp8E4M3 };
-
 // Throws std::invalid_argument naming `function`: unsupported group size or source dtype,
-// stochastic rounding for FP8, rows * cols overflow, or a null pointer for a non-empty tensor.
+// rows * cols overflow, or a null pointer for a non-empty tensor.
 // `scales` must also be non-null for per-row tensors with empty rows (they get scale 1).
-void check_quantize_arguments(CodeFormat format, const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
+void check_quantize_arguments(const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
                               const QuantizeOptions &options, const void *codes, const void *scales,
                               const char *function);
 

@@ -38,13 +38,6 @@ float fp16_to_float(uint16_t h) {
   return static_cast<float>(negative ? -magnitude : magnitude);
 }
 
-double fp8_magnitude(unsigned code) {
-  const int exponent = static_cast<int>(code >> 3);
-  const int mantissa = static_cast<int>(code & 7u);
-  if (exponent == 0) return std::ldexp(static_cast<double>(mantissa), -9);
-  return std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
-}
-
 std::size_t groups_per_row(std::size_t cols, uint32_t group_size) {
   return group_size == 0 ? 1 : (cols + group_size - 1) / group_size;
 }
@@ -93,29 +86,6 @@ uint16_t bf16_from_float_stochastic(float x, uint32_t random) {
   return static_cast<uint16_t>(((u & 0xFFFF0000u) + (round_up ? 0x10000u : 0u)) >> 16);
 }
 
-uint8_t fp8_e4m3_from_float(float x) {
-  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
-  if (std::isnan(x)) return sign | 0x7F;
-  const double magnitude = std::fabs(static_cast<double>(x));
-  if (magnitude >= 448.0) return sign | 0x7E;
-  unsigned best = 0;
-  double best_distance = std::numeric_limits<double>::infinity();
-  for (unsigned code = 0; code <= 0x7E; ++code) {
-    const double distance = std::fabs(fp8_magnitude(code) - magnitude);
-    if (distance < best_distance || (distance == best_distance && (code & 1u) == 0)) {
-      best = code;
-      best_distance = distance;
-    }
-  }
-  return static_cast<uint8_t>(sign | best);
-}
-
-float fp8_e4m3_to_float(uint8_t code) {
-  if ((code & 0x7Fu) == 0x7Fu) return std::numeric_limits<float>::quiet_NaN();
-  const double magnitude = fp8_magnitude(code & 0x7Fu);
-  return static_cast<float>((code & 0x80u) ? -magnitude : magnitude);
-}
-
 void fp32_to_bf16(const float *src, uint16_t *dst, std::size_t n, const Bf16Options &options) {
   for (std::size_t i = 0; i < n; ++i) {
     dst[i] = options.rounding == Rounding::kStochastic
@@ -148,9 +118,9 @@ GroupAbsmax group_absmax(const void *src, DType src_dtype, std::size_t begin, st
 
 }  // namespace
 
-void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-              const QuantizeOptions &options, uint8_t *codes, float *scales) {
-  const float max_code = format == CodeFormat::kInt8 ? 127.0f : 448.0f;
+void quantize_int8(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, const QuantizeOptions &options,
+                   int8_t *codes, float *scales) {
+  constexpr float kMaxCode = 127.0f;
   const std::size_t groups = groups_per_row(cols, options.group_size);
   const std::size_t width = options.group_size == 0 ? cols : options.group_size;
   for (std::size_t r = 0; r < rows; ++r) {
@@ -159,7 +129,7 @@ void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t r
       const std::size_t end = r * cols + std::min(cols, (g + 1) * width);
       const auto [finite, absmax] = group_absmax(src, src_dtype, begin, end);
       float scale = std::numeric_limits<float>::quiet_NaN();
-      if (finite) scale = absmax == 0.0f ? 1.0f : std::max(absmax / max_code, FLT_MIN);
+      if (finite) scale = absmax == 0.0f ? 1.0f : std::max(absmax / kMaxCode, FLT_MIN);
       scales[r * groups + g] = scale;
       const float inv = 1.0f / scale;
       for (std::size_t i = begin; i < end; ++i) {
@@ -168,10 +138,6 @@ void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t r
           continue;
         }
         const float v = load(src, src_dtype, i) * inv;
-        if (format == CodeFormat::kFp8E4M3) {
-          codes[i] = fp8_e4m3_from_float(v);
-          continue;
-        }
         float q;
         if (options.rounding == Rounding::kStochastic) {
           const float lower = std::floor(v);
@@ -181,8 +147,7 @@ void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t r
         } else {
           q = std::nearbyint(v);
         }
-        const auto code = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
-        std::memcpy(&codes[i], &code, 1);
+        codes[i] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
       }
     }
   }
@@ -257,22 +222,14 @@ void dequantize_nf4(const uint8_t *codes, const float *scales, std::size_t rows,
   }
 }
 
-void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
-                uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32) {
+void dequantize_int8(const int8_t *codes, const float *scales, std::size_t rows, std::size_t cols, uint32_t group_size,
+                     uint16_t *dst_bf16, float *dst_fp32) {
   const std::size_t groups = groups_per_row(cols, group_size);
   const std::size_t width = group_size == 0 ? cols : group_size;
   for (std::size_t r = 0; r < rows; ++r) {
     for (std::size_t c = 0; c < cols; ++c) {
       const std::size_t i = r * cols + c;
-      float value;
-      if (format == CodeFormat::kInt8) {
-        int8_t code;
-        std::memcpy(&code, &codes[i], 1);
-        value = static_cast<float>(code);
-      } else {
-        value = fp8_e4m3_to_float(codes[i]);
-      }
-      const float x = value * scales[r * groups + c / width];
+      const float x = static_cast<float>(codes[i]) * scales[r * groups + c / width];
       if (dst_bf16 != nullptr) {
         dst_bf16[i] = bf16_from_float(x);
       } else {

@@ -1,6 +1,6 @@
 // The scalar, single-threaded reference implementations: the definition of correctness.
 // They are written independently of scalar_math.h (double-precision neighbour comparisons,
-// std::nearbyint, an explicit table of E4M3 values; only the stochastic-rounding random bits
+// std::nearbyint; only the stochastic-rounding random bits
 // come from scalar_math.h, as they are part of the definition), so a test that compares the fast
 // implementations against them checks the fast formulations rather than repeating them.
 #pragma once
@@ -11,7 +11,6 @@
 #include "sp/kernels/adamw.h"
 #include "sp/kernels/bf16.h"
 #include "sp/kernels/moments.h"
-#include "quantize_arguments.h"
 #include "sp/kernels/quantize.h"
 
 namespace sp::kernels::reference {
@@ -20,20 +19,15 @@ float load(const void *src, DType dtype, std::size_t index);
 
 uint16_t bf16_from_float(float x);
 uint16_t bf16_from_float_stochastic(float x, uint32_t random);
-uint8_t fp8_e4m3_from_float(float x);
-float fp8_e4m3_to_float(uint8_t code);
 
 void fp32_to_bf16(const float *src, uint16_t *dst, std::size_t n, const Bf16Options &options);
 
-using detail::CodeFormat;
-
-// Codes are bytes: int8_t bit patterns for kInt8, E4M3 codes for kFp8E4M3.
-void quantize(CodeFormat format, const void *src, DType src_dtype, std::size_t rows, std::size_t cols,
-              const QuantizeOptions &options, uint8_t *codes, float *scales);
+void quantize_int8(const void *src, DType src_dtype, std::size_t rows, std::size_t cols, const QuantizeOptions &options,
+                   int8_t *codes, float *scales);
 
 // dst_bf16 or dst_fp32 (exactly one non-null).
-void dequantize(CodeFormat format, const uint8_t *codes, const float *scales, std::size_t rows, std::size_t cols,
-                uint32_t group_size, uint16_t *dst_bf16, float *dst_fp32);
+void dequantize_int8(const int8_t *codes, const float *scales, std::size_t rows, std::size_t cols, uint32_t group_size,
+                     uint16_t *dst_bf16, float *dst_fp32);
 
 // NF4 (sp/kernels/nf4.h): element by element, nibble by nibble, as bitsandbytes' Python
 // reference writes it; `absmax` gets the fp32 scales (NaN for a poisoned group).

@@ -18,9 +18,9 @@ void fp32_to_bf16_span(const float *src, uint16_t *dst, std::size_t n, std::size
                        const Bf16Options &options);
 
 // Row `row` of a rows x cols tensor: its groups' scales (scales_row, groups_per_row of them)
-// and codes (codes_row, cols bytes), as quantize_int8 / quantize_fp8_e4m3 write them.
-void quantize_row(CodeFormat format, const float *src_row, std::size_t row, std::size_t cols,
-                  const QuantizeOptions &options, uint8_t *codes_row, float *scales_row);
+// and codes (codes_row, cols bytes), as quantize_int8 writes them.
+void quantize_int8_row(const float *src_row, std::size_t row, std::size_t cols, const QuantizeOptions &options,
+                       int8_t *codes_row, float *scales_row);
 
 // Row `row` of an NF4 tensor: scales_row gets its bf16 scales, `codes` (the whole tensor's
 // packed codes) its nibbles; scratch holds cols bytes. With odd cols a byte straddles rows r

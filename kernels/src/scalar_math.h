@@ -139,37 +139,6 @@ SP_HD int8_t int8_code_stochastic(float x, float inv_scale, uint32_t random) {
   return static_cast<int8_t>(static_cast<int32_t>(clamp_code(q, 127.0f)));
 }
 
-// Software E4M3 encoder (satfinite, round to nearest even). Every case is computed and the
-// answer selected, without branches, so loops over it vectorize.
-SP_HD uint8_t fp8_e4m3_encode(float x) {
-  const uint32_t u = float_bits(x);
-  const uint32_t sign = (u >> 24) & 0x80u;
-  const uint32_t a = u & kAbsMask;
-  // Normal range [2^-6, 448): round the mantissa to 3 bits; the carry may bump the exponent.
-  const uint32_t rounded = a + 0x7FFFFu + ((a >> 20) & 1u);
-  const uint32_t normal = ((((rounded >> 23) - 120u) << 3) | ((rounded >> 20) & 7u)) & 0x7Fu;
-  // Subnormal range: multiples of 2^-9. Scaling by 512 is exact; the clamp keeps the
-  // conversion defined for the inputs whose answer is not this one.
-  const uint32_t subnormal = static_cast<uint32_t>(round_small_nearest_even(fminf(bits_float(a) * 512.0f, 8.0f)));
-  const uint32_t code = a > kInfBits       ? 0x7Fu
-                        : a >= 0x43E00000u ? 0x7Eu   // >= 448 (and Inf): saturate
-                        : a >= 0x3C800000u ? normal  // >= 2^-6
-                                           : subnormal;
-  return static_cast<uint8_t>(sign | code);
-}
-
-SP_HD float fp8_e4m3_decode(uint8_t code) {
-  const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 24;
-  const uint32_t exponent = (code >> 3) & 0xFu;
-  const uint32_t mantissa = code & 7u;
-  if (exponent == 0xFu && mantissa == 7u) return bits_float(sign | 0x7FC00000u);
-  if (exponent == 0) {
-    const float magnitude = static_cast<float>(mantissa) * 0.001953125f;  // 2^-9
-    return sign ? -magnitude : magnitude;
-  }
-  return bits_float(sign | ((exponent + 120u) << 23) | (mantissa << 20));
-}
-
 // ---- NF4 (sp/kernels/nf4.h; docs/kernels.md, "NF4") ----
 
 constexpr uint16_t kBf16MaxFinite = 0x7F7Fu;

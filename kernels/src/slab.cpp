@@ -9,7 +9,6 @@
 #include "scalar_math.h"
 #include "slab_layout.h"
 #include "sp/kernels/bf16.h"
-#include "sp/kernels/fp8.h"
 #include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
 
@@ -35,11 +34,16 @@ uint64_t align_up(uint64_t value, uint64_t alignment) {
 bool is_known_precision(uint32_t precision) {
   return precision == static_cast<uint32_t>(SlabPrecision::kBf16) ||
          precision == static_cast<uint32_t>(SlabPrecision::kInt8) ||
-         precision == static_cast<uint32_t>(SlabPrecision::kFp8E4M3) ||
          precision == static_cast<uint32_t>(SlabPrecision::kNf4);
 }
 
-// Payload bytes of a rows x cols tensor: 2 per element for bf16, 1 for int8/fp8, two 4-bit
+std::string unknown_precision(uint32_t precision) {
+  const std::string expected = " (expected 1 = bf16, 2 = int8, 4 = nf4)";
+  if (precision == 3) return "precision 3 (fp8_e4m3, which no route streamed) is no longer supported" + expected;
+  return "precision " + std::to_string(precision) + " is unknown" + expected;
+}
+
+// Payload bytes of a rows x cols tensor: 2 per element for bf16, 1 for int8, two 4-bit
 // codes per byte for nf4 (nf4_code_bytes).
 uint64_t payload_bytes(SlabPrecision precision, uint64_t rows, uint64_t cols) {
   const uint64_t elements = checked_mul(rows, cols);
@@ -49,7 +53,6 @@ uint64_t payload_bytes(SlabPrecision precision, uint64_t rows, uint64_t cols) {
     case SlabPrecision::kNf4:
       return elements / 2 + elements % 2;
     case SlabPrecision::kInt8:
-    case SlabPrecision::kFp8E4M3:
       break;
   }
   return elements;
@@ -63,8 +66,7 @@ uint64_t scale_bytes(SlabPrecision precision) {
 // Empty string when the encoding is valid, else what is wrong with it.
 std::string encoding_problem(SlabPrecision precision, uint32_t group_size, Rounding rounding) {
   if (!is_known_precision(static_cast<uint32_t>(precision))) {
-    return "unknown precision " + std::to_string(static_cast<uint32_t>(precision)) +
-           " (expected 1 = bf16, 2 = int8, 3 = fp8_e4m3, 4 = nf4)";
+    return unknown_precision(static_cast<uint32_t>(precision));
   }
   if (precision == SlabPrecision::kNf4) {
     if (!is_supported_nf4_group_size(group_size)) {
@@ -79,9 +81,6 @@ std::string encoding_problem(SlabPrecision precision, uint32_t group_size, Round
   }
   if (!is_supported_group_size(group_size)) {
     return "group_size " + std::to_string(group_size) + " is not supported (expected 0 = per row, 32, 64, 128 or 256)";
-  }
-  if (precision == SlabPrecision::kFp8E4M3 && rounding != Rounding::kNearestEven) {
-    return "fp8_e4m3 slabs support round-to-nearest-even only";
   }
   return {};
 }
@@ -177,8 +176,6 @@ const char *slab_precision_name(SlabPrecision precision) {
       return "bf16";
     case SlabPrecision::kInt8:
       return "int8";
-    case SlabPrecision::kFp8E4M3:
-      return "fp8_e4m3";
     case SlabPrecision::kNf4:
       return "nf4";
   }
@@ -277,10 +274,6 @@ uint64_t build_slab(const SlabEncoding &encoding, const SlabTensorSource *tensor
                       QuantizeOptions{encoding.group_size, encoding.rounding, target.seed},
                       reinterpret_cast<int8_t *>(target.data), reinterpret_cast<float *>(target.scales), exec);
         break;
-      case SlabPrecision::kFp8E4M3:
-        quantize_fp8_e4m3(tensors[i].master, DType::kFloat32, shape.rows, shape.cols, encoding.group_size,
-                          target.data, reinterpret_cast<float *>(target.scales), exec);
-        break;
       case SlabPrecision::kNf4:
         quantize_nf4(tensors[i].master, DType::kFloat32, shape.rows, shape.cols, encoding.group_size, target.data,
                      reinterpret_cast<uint16_t *>(target.scales), exec);
@@ -315,8 +308,7 @@ SlabReadResult read_slab(const uint8_t *image, uint64_t size) {
   }
   if (header.reserved0 != 0 || header.reserved1 != 0) return fail("header reserved fields are not zero");
   if (!is_known_precision(header.precision)) {
-    return fail("precision " + std::to_string(header.precision) +
-                " is unknown (expected 1 = bf16, 2 = int8, 3 = fp8_e4m3, 4 = nf4)");
+    return fail(unknown_precision(header.precision));
   }
   if (header.version < 2 && header.precision == static_cast<uint32_t>(SlabPrecision::kNf4)) {
     return fail("precision 4 = nf4 needs version 2 or later, the image is version " + std::to_string(header.version));
@@ -425,13 +417,6 @@ void decode_tensor(const uint8_t *image, const SlabView &view, std::size_t index
       } else {
         dequantize_int8_to_fp32(reinterpret_cast<const int8_t *>(data), scales, tensor.shape.rows, tensor.shape.cols,
                                 view.group_size, dst, exec);
-      }
-      return;
-    case SlabPrecision::kFp8E4M3:
-      if constexpr (std::is_same_v<Out, uint16_t>) {
-        dequantize_fp8_e4m3_to_bf16(data, scales, tensor.shape.rows, tensor.shape.cols, view.group_size, dst, exec);
-      } else {
-        dequantize_fp8_e4m3_to_fp32(data, scales, tensor.shape.rows, tensor.shape.cols, view.group_size, dst, exec);
       }
       return;
     case SlabPrecision::kNf4: {

@@ -229,7 +229,6 @@ std::vector<SlabEncoding> fused_encodings() {
     encodings.push_back(SlabEncoding{SlabPrecision::kInt8, g, Rounding::kNearestEven, 0});
   }
   encodings.push_back(SlabEncoding{SlabPrecision::kInt8, 64, Rounding::kStochastic, 17});
-  encodings.push_back(SlabEncoding{SlabPrecision::kFp8E4M3, 0, Rounding::kNearestEven, 0});
   for (uint32_t g : {32u, 64u, 256u}) {
     encodings.push_back(SlabEncoding{SlabPrecision::kNf4, g, Rounding::kNearestEven, 0});
   }

@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "sp/kernels/bf16.h"
-#include "sp/kernels/fp8.h"
 #include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
 #include "slab_v1_fixture.h"
@@ -57,7 +56,6 @@ std::vector<SlabEncoding> all_encodings() {
   for (const uint32_t group : {0u, 32u, 64u, 128u, 256u}) {
     encodings.push_back(SlabEncoding{SlabPrecision::kInt8, group, Rounding::kNearestEven, 0});
     encodings.push_back(SlabEncoding{SlabPrecision::kInt8, group, Rounding::kStochastic, 8});
-    encodings.push_back(SlabEncoding{SlabPrecision::kFp8E4M3, group, Rounding::kNearestEven, 0});
     if (group != 0) encodings.push_back(SlabEncoding{SlabPrecision::kNf4, group, Rounding::kNearestEven, 0});
   }
   return encodings;
@@ -113,18 +111,12 @@ TEST(Slab, RoundTripMatchesTheKernelsForEveryEncoding) {
         EXPECT_TRUE(testing::same_bits(fp32, expected_fp32)) << "tensor " << i;
       } else if (encoding.precision == SlabPrecision::kBf16) {
         fp32_to_bf16(master, expected.data(), n);
-      } else if (encoding.precision == SlabPrecision::kInt8) {
+      } else {
         std::vector<int8_t> codes(n);
         quantize_int8(master, DType::kFloat32, t.shape.rows, t.shape.cols, QuantizeOptions{encoding.group_size},
                       codes.data(), s.data());
         dequantize_int8_to_bf16(codes.data(), s.data(), t.shape.rows, t.shape.cols, encoding.group_size,
                                 expected.data());
-      } else {
-        std::vector<uint8_t> codes(n);
-        quantize_fp8_e4m3(master, DType::kFloat32, t.shape.rows, t.shape.cols, encoding.group_size, codes.data(),
-                          s.data());
-        dequantize_fp8_e4m3_to_bf16(codes.data(), s.data(), t.shape.rows, t.shape.cols, encoding.group_size,
-                                    expected.data());
       }
       EXPECT_EQ(decoded, expected) << "tensor " << i;
     }
@@ -185,9 +177,8 @@ TEST(Slab, RejectsBadEncodingsAndBuffers) {
                std::invalid_argument);
   EXPECT_THROW(slab_image_bytes(SlabEncoding{static_cast<SlabPrecision>(9)}, block.shapes.data(), 1),
                std::invalid_argument);
-  EXPECT_THROW(
-      slab_image_bytes(SlabEncoding{SlabPrecision::kFp8E4M3, 0, Rounding::kStochastic}, block.shapes.data(), 1),
-      std::invalid_argument);
+  EXPECT_THROW(slab_image_bytes(SlabEncoding{static_cast<SlabPrecision>(3)}, block.shapes.data(), 1),
+               std::invalid_argument);  // the code FP8 E4M3 had
   const TensorShape huge{1ull << 40, 1ull << 40};
   EXPECT_THROW(slab_image_bytes(SlabEncoding{SlabPrecision::kBf16}, &huge, 1), std::invalid_argument);
   build_slab(SlabEncoding{SlabPrecision::kInt8}, block.sources.data(), 1, image.get(), bytes);
@@ -428,6 +419,8 @@ TEST_F(SlabNf4Corruption, EveryValidationErrorNamesItsField) {
                         "group_size 0 is not supported for an nf4 slab");
   EXPECT_ERROR_MENTIONS(error_after([](SlabHeader &h, SlabTensorEntry &) { h.group_size = 48; }), "group_size 48");
   EXPECT_ERROR_MENTIONS(error_after([](SlabHeader &h, SlabTensorEntry &) { h.precision = 5; }), "precision 5");
+  EXPECT_ERROR_MENTIONS(error_after([](SlabHeader &h, SlabTensorEntry &) { h.precision = 3; }),
+                        "precision 3 (fp8_e4m3, which no route streamed) is no longer supported");
   EXPECT_ERROR_MENTIONS(error_after([](SlabHeader &h, SlabTensorEntry &) { h.total_bytes += 2; }), "total_bytes");
   EXPECT_ERROR_MENTIONS(error_after([](SlabHeader &h, SlabTensorEntry &) { h.payload_offset += 256; }),
                         "payload_offset");

@@ -5,13 +5,13 @@
 //   SlabTensorEntry[tensor_count]   64 bytes each
 //   zero padding to a 256-byte boundary
 //   tensor 0 payload, zero padding to 256, tensor 1 payload, ... (each payload 256-aligned:
-//     bf16 bit patterns for kBf16, int8 codes for kInt8, e4m3 codes for kFp8E4M3, packed
-//     4-bit codes for kNf4 (two per byte, sp/kernels/nf4.h; ceil(rows * cols / 2) bytes))
+//     bf16 bit patterns for kBf16, int8 codes for kInt8, packed 4-bit codes for kNf4 (two per byte, sp/kernels/nf4.h;
+//     ceil(rows * cols / 2) bytes))
 //   zero padding to 16 bytes, then the scales of tensor 0, tensor 1, ... (quantized only):
-//     fp32 for kInt8 and kFp8E4M3, bf16 bit patterns for kNf4
+//     fp32 for kInt8, bf16 bit patterns for kNf4
 // total_bytes covers everything above; slab_image_bytes() returns it before building.
 //
-// Version 2 added kNf4 and nothing else: a version-1 image (bf16, int8 or fp8 only) has the
+// Version 2 added kNf4 and nothing else: a version-1 image (bf16 or int8 only) has the
 // same layout, and read_slab() still accepts it. Version 3 changed kNf4 only, to bitsandbytes'
 // codes: the first element of a pair in the HIGH nibble (version 2: the low one), and the
 // scale absmax rounded to nearest bf16 (version 2: rounded up, the codes computed against it).
@@ -34,7 +34,7 @@ namespace sp::kernels {
 enum class SlabPrecision : uint32_t {
   kBf16 = 1,
   kInt8 = 2,
-  kFp8E4M3 = 3,
+  // 3 was FP8 E4M3. No route ever streamed it, so it was removed; read_slab() rejects the code.
   kNf4 = 4,  // version 2 and later
 };
 
@@ -85,15 +85,15 @@ struct TensorShape {
 
 struct SlabEncoding {
   SlabPrecision precision = SlabPrecision::kBf16;
-  uint32_t group_size = 0;                     // kInt8 / kFp8E4M3: 0 = per row, else one of kSupportedGroupSizes;
+  uint32_t group_size = 0;                     // kInt8: 0 = per row, else one of kSupportedGroupSizes;
                                                // kNf4: 32, 64, 128 or 256 (kNf4DefaultGroupSize = 64)
-  Rounding rounding = Rounding::kNearestEven;  // kBf16 and kInt8; kFp8E4M3 and kNf4 are RNE only
+  Rounding rounding = Rounding::kNearestEven;  // kBf16 and kInt8; kNf4 is RNE only
   uint64_t seed = 0;                           // stochastic rounding: tensor i uses a seed derived from (seed, i)
 };
 
 // Exact size in bytes of the image build_slab() writes for these shapes.
 // Throws std::invalid_argument for a bad encoding (unknown precision, unsupported group size,
-// group size with kBf16, group size 0 with kNf4, stochastic rounding with kFp8E4M3 or kNf4) or
+// group size with kBf16, group size 0 with kNf4, stochastic rounding with kNf4) or
 // a size overflow.
 uint64_t slab_image_bytes(const SlabEncoding &encoding, const TensorShape *shapes, std::size_t n_tensors);
 
