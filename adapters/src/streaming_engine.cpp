@@ -2,49 +2,25 @@
 
 #include <algorithm>
 #include <chrono>
-#include <iterator>
+#include <cstddef>
+#include <memory>
+#include <optional>
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
-#include "sp/adapters/route_encoding.h"
 #include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
+#include "sp/kernels/slab.h"
+#include "streaming_images.h"
 
 namespace sp::adapters {
 namespace {
 
 namespace kn = sp::kernels;
-
-std::string block_label(const BlockSpec &block, std::uint32_t id) {
-  return fmt::format("block '{}' (id {})", block.name, id);
-}
-
-// The group size of each route: per StreamingConfig for the quantized ones, none for BF16.
-struct GroupSizes {
-  std::uint32_t int8 = 0;
-  std::uint32_t nf4 = kn::kNf4DefaultGroupSize;
-};
-
-GroupSizes group_sizes(const StreamingConfig &config) {
-  return GroupSizes{config.int8_group_size, config.nf4_group_size};
-}
-
-kn::SlabEncoding encoding_for(Precision precision, const GroupSizes &groups) {
-  return slab_encoding(precision, precision == Precision::nf4 ? groups.nf4 : groups.int8);
-}
-
-std::uint64_t image_size(const BlockSpec &block, Precision precision, const GroupSizes &groups) {
-  std::vector<kn::TensorShape> shapes;
-  shapes.reserve(block.tensors.size());
-  for (const TensorSpec &tensor : block.tensors) {
-    shapes.push_back(kn::TensorShape{tensor.rows, tensor.cols});
-  }
-  return kn::slab_image_bytes(encoding_for(precision, groups), shapes.data(), shapes.size());
-}
-
-constexpr Precision kAllPrecisions[] = {Precision::bf16, Precision::int8, Precision::nf4};
 
 // Everything that can be wrong with the config or the blocks is reported here, before any
 // memory is allocated, naming the field or the block and both sizes.
@@ -76,41 +52,41 @@ const StreamingConfig &validated(const StreamingConfig &config, const std::vecto
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     const BlockSpec &block = blocks[b];
     if (block.tensors.empty()) {
-      throw std::invalid_argument(fmt::format("{} has no tensors", block_label(block, b)));
+      throw std::invalid_argument(fmt::format("{} has no tensors", detail::block_label(block, b)));
     }
     for (const TensorSpec &tensor : block.tensors) {
       if (tensor.master == nullptr && tensor.rows * tensor.cols != 0) {
         throw std::invalid_argument(
-            fmt::format("{}: tensor '{}' has no master weights", block_label(block, b), tensor.name));
+            fmt::format("{}: tensor '{}' has no master weights", detail::block_label(block, b), tensor.name));
       }
     }
-    const std::uint64_t bf16_bytes = image_size(block, Precision::bf16, group_sizes(config));
+    const std::uint64_t bf16_bytes = detail::image_size(block, Precision::bf16, detail::group_sizes(config));
     if (bf16_bytes > config.device_slot_bytes) {
       throw std::invalid_argument(
           fmt::format("{} needs {} bytes of bf16 weights in a device slot but "
                       "StreamingConfig.device_slot_bytes is {}",
-                      block_label(block, b), bf16_bytes, config.device_slot_bytes));
+                      detail::block_label(block, b), bf16_bytes, config.device_slot_bytes));
     }
     std::uint64_t largest_image = 0;
-    for (Precision precision : kAllPrecisions) {
-      largest_image = std::max(largest_image, image_size(block, precision, group_sizes(config)));
+    for (Precision precision : kPrecisions) {
+      largest_image = std::max(largest_image, detail::image_size(block, precision, detail::group_sizes(config)));
     }
     if (largest_image > config.host_slab_bytes) {
       throw std::invalid_argument(
           fmt::format("{} has a {} byte transfer image but StreamingConfig.host_slab_bytes is {}",
-                      block_label(block, b), largest_image, config.host_slab_bytes));
+                      detail::block_label(block, b), largest_image, config.host_slab_bytes));
     }
   }
   return config;
 }
 
 // A slot's staging region holds the image of either quantized route.
-std::uint64_t largest_quantized_image(const std::vector<BlockSpec> &blocks, const GroupSizes &groups) {
+std::uint64_t largest_quantized_image(const std::vector<BlockSpec> &blocks, const detail::GroupSizes &groups) {
   std::uint64_t largest = 0;
   for (const BlockSpec &block : blocks) {
-    for (Precision precision : kAllPrecisions) {
+    for (Precision precision : kPrecisions) {
       if (is_quantized(precision)) {
-        largest = std::max(largest, image_size(block, precision, groups));
+        largest = std::max(largest, detail::image_size(block, precision, groups));
       }
     }
   }
@@ -118,17 +94,6 @@ std::uint64_t largest_quantized_image(const std::vector<BlockSpec> &blocks, cons
 }
 
 }  // namespace
-
-struct StreamingEngine::BlockImage {
-  std::uint32_t slab = 0;
-  Precision precision = Precision::bf16;
-  std::uint64_t weights_version = 0;                    // bumped by on_weights_updated()
-  std::uint64_t built_version = 0;                      // the weights version the image holds
-  kn::SlabView view;                                    // layout of the image now in the slab
-  const Event *last_reader = nullptr;                   // copy-end event of the latest copy out of the slab
-  std::uint64_t bytes[std::size(kAllPrecisions)] = {};  // image size per route
-  std::uint64_t bytes_of(Precision p) const { return bytes[static_cast<std::size_t>(p)]; }
-};
 
 struct StreamingEngine::FetchEvents {
   std::unique_ptr<Event> copy_start;
@@ -147,11 +112,10 @@ StreamingEngine::StreamingEngine(TransferBackend &backend, const StreamingConfig
     : backend_(backend),
       config_(validated(config, blocks)),
       blocks_(std::move(blocks)),
-      schedule_(
-          ScheduleOptions{static_cast<std::uint32_t>(blocks_.size()), config_.backward}),
+      schedule_(ScheduleOptions{static_cast<std::uint32_t>(blocks_.size()), config_.backward}),
       bridge_(static_cast<std::uint32_t>(blocks_.size())),
       pool_(backend, config_.host_slab_bytes, config_.host_slab_count),
-      slots_(backend, config_.device_slot_bytes, largest_quantized_image(blocks_, group_sizes(config_)),
+      slots_(backend, config_.device_slot_bytes, largest_quantized_image(blocks_, detail::group_sizes(config_)),
              config_.prefetch_window + 2) {
   const auto n = static_cast<std::uint32_t>(blocks_.size());
   images_.resize(n);
@@ -161,13 +125,13 @@ StreamingEngine::StreamingEngine(TransferBackend &backend, const StreamingConfig
   std::size_t most_tensors = 0;
   for (std::uint32_t b = 0; b < n; ++b) {
     BlockImage &image = images_[b];
-    for (Precision precision : kAllPrecisions) {
-      image.bytes[static_cast<std::size_t>(precision)] = image_size(blocks_[b], precision, group_sizes(config_));
+    for (Precision precision : kPrecisions) {
+      image.bytes[precision] = detail::image_size(blocks_[b], precision, detail::group_sizes(config_));
     }
     image.slab =
         pool_.acquire(fmt::format("{} at startup (StreamingConfig.host_slab_count must be at least the number of "
                                   "blocks, {})",
-                                  block_label(blocks_[b], b), n));
+                                  detail::block_label(blocks_[b], b), n));
     // Every block starts on the BF16 route; its image also fixes the compute layout.
     image.weights_version = 1;
     ensure_image(b, Precision::bf16);
@@ -248,147 +212,6 @@ void StreamingEngine::stall_on(const Event &event) {
   backend_.synchronize(event);
   ++current_.stalls;
   current_.stall_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-void StreamingEngine::reclaim_retired_slabs() {
-  for (auto it = retired_.begin(); it != retired_.end();) {
-    if (backend_.query(*it->last_reader)) {
-      pool_.release(it->slab);
-      it = retired_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-}
-
-// The stale-image guard. An image is current when it was built for this precision from the
-// latest weights; otherwise it is rebuilt, never in a slab that a copy may still be reading.
-void StreamingEngine::ensure_image(std::uint32_t block, Precision precision) {
-  require_not_updating(block, "fetch");
-  const BlockImage &image = images_[block];
-  if (image.precision == precision && image.built_version == image.weights_version) {
-    return;
-  }
-  const BlockSpec &spec = blocks_[block];
-  if (masters_forgotten_[block]) {
-    throw std::logic_error(fmt::format(
-        "StreamingEngine: the {} image of {} is not here and its masters live in another process; it must arrive "
-        "through receive_image() (its owner sends the image of the route this block takes)",
-        precision_name(precision), block_label(spec, block)));
-  }
-  std::vector<kn::SlabTensorSource> sources;
-  sources.reserve(spec.tensors.size());
-  for (const TensorSpec &tensor : spec.tensors) {
-    sources.push_back(kn::SlabTensorSource{tensor.master, kn::TensorShape{tensor.rows, tensor.cols}});
-  }
-  write_image(block, precision, [&](const kn::SlabEncoding &encoding, std::uint8_t *slab, std::uint64_t capacity) {
-    return kn::build_slab(encoding, sources.data(), sources.size(), slab, capacity);
-  });
-}
-
-void StreamingEngine::write_image(std::uint32_t block, Precision precision, const ImageWriter &write) {
-  const std::uint32_t target = writable_slab(block);
-  std::uint64_t bytes = 0;
-  try {
-    bytes = write(encoding_for(precision, group_sizes(config_)), reinterpret_cast<std::uint8_t *>(pool_.data(target)),
-                  pool_.slab_bytes());
-  } catch (...) {
-    drop_written_slab(block, target);
-    throw;
-  }
-  install_image(block, precision, target, bytes);
-}
-
-std::uint32_t StreamingEngine::writable_slab(std::uint32_t block) {
-  const BlockImage &image = images_[block];
-  if (image.last_reader != nullptr && !backend_.query(*image.last_reader)) {
-    reclaim_retired_slabs();
-    if (std::optional<std::uint32_t> spare = pool_.try_acquire()) {
-      return *spare;
-    }
-    stall_on(*image.last_reader);
-  }
-  return image.slab;
-}
-
-void StreamingEngine::drop_written_slab(std::uint32_t block, std::uint32_t slab) {
-  if (slab != images_[block].slab) pool_.release(slab);
-}
-
-void StreamingEngine::install_image(std::uint32_t block, Precision precision, std::uint32_t slab,
-                                    std::uint64_t bytes) {
-  BlockImage &image = images_[block];
-  kn::SlabReadResult read = kn::read_slab(reinterpret_cast<const std::uint8_t *>(pool_.data(slab)), bytes);
-  if (!read.ok) {
-    drop_written_slab(block, slab);
-    throw std::logic_error(fmt::format("the {} transfer image of {} failed validation: {}", precision_name(precision),
-                                       block_label(blocks_[block], block), read.error));
-  }
-  if (read.view.precision == kn::SlabPrecision::kNf4 && !kn::nf4_codes_high_nibble_first(read.view)) {
-    drop_written_slab(block, slab);
-    throw std::logic_error(fmt::format("the {} transfer image of {} is slab version {}, whose NF4 nibble order the "
-                                       "device decoder does not read (expected version {}: a rank of another build?)",
-                                       precision_name(precision), block_label(blocks_[block], block),
-                                       read.view.version, kn::kSlabVersion));
-  }
-  if (slab != image.slab) retired_.push_back(RetiredSlab{image.slab, image.last_reader});
-  image.view = std::move(read.view);
-  image.slab = slab;
-  image.precision = precision;
-  image.built_version = image.weights_version;
-  image.last_reader = nullptr;
-  ++current_.image_rebuilds;
-}
-
-void StreamingEngine::require_block(std::uint32_t block, const char *call) const {
-  if (block >= blocks_.size()) {
-    throw std::invalid_argument(fmt::format("StreamingEngine::{}: block id {} is out of range (there are {} blocks)",
-                                            call, block, blocks_.size()));
-  }
-  require_not_updating(block, call);
-}
-
-StreamingEngine::ImageBytes StreamingEngine::image(std::uint32_t block, Precision precision) {
-  require_block(block, "image");
-  ensure_image(block, precision);
-  const BlockImage &current = images_[block];
-  return ImageBytes{reinterpret_cast<const std::uint8_t *>(pool_.data(current.slab)), current.bytes_of(precision)};
-}
-
-void StreamingEngine::receive_image(std::uint32_t block, Precision precision,
-                                    const std::function<void(std::uint8_t *, std::uint64_t)> &fill) {
-  require_block(block, "receive_image");
-  const std::uint64_t expected = images_[block].bytes_of(precision);
-  write_image(block, precision, [&](const kn::SlabEncoding &encoding, std::uint8_t *slab, std::uint64_t capacity) {
-    if (expected > capacity) {
-      throw std::logic_error(fmt::format("StreamingEngine::receive_image: the {} image of {} needs {} bytes, the slab "
-                                         "holds {}",
-                                         precision_name(precision), block_label(blocks_[block], block), expected,
-                                         capacity));
-    }
-    fill(slab, expected);
-    const kn::SlabReadResult read = kn::read_slab(slab, expected);
-    if (read.ok && (read.view.precision != encoding.precision || read.view.group_size != encoding.group_size)) {
-      throw std::logic_error(fmt::format(
-          "StreamingEngine::receive_image: the image received for {} is not a {} image of this engine's group size",
-          block_label(blocks_[block], block), precision_name(precision)));
-    }
-    return expected;  // install_image() validates it whole
-  });
-}
-
-void StreamingEngine::forget_masters(std::uint32_t block) {
-  require_block(block, "forget_masters");
-  masters_forgotten_[block] = true;
-  for (TensorSpec &tensor : blocks_[block].tensors) tensor.master = nullptr;
-}
-
-void StreamingEngine::require_not_updating(std::uint32_t block, const char *call) const {
-  if (updating_[block]) {
-    throw std::logic_error(fmt::format("StreamingEngine::{}: {} is being updated (begin_update() without "
-                                       "finish_update()); its image is not valid",
-                                       call, block_label(blocks_[block], block)));
-  }
 }
 
 void StreamingEngine::issue_fetch(std::uint32_t fetch) {
@@ -587,113 +410,6 @@ StepTransferMetrics StreamingEngine::end_step() {
   return finished;
 }
 
-void StreamingEngine::on_weights_updated(std::uint32_t block) {
-  if (block >= blocks_.size()) {
-    throw std::invalid_argument(
-        fmt::format("StreamingEngine::on_weights_updated: block id {} is out of range (there are {} blocks)", block,
-                    blocks_.size()));
-  }
-  if (masters_forgotten_[block]) {
-    throw std::logic_error(fmt::format(
-        "StreamingEngine::on_weights_updated: {}'s masters live in another process (forget_masters()); its image "
-        "arrives through receive_image()",
-        block_label(blocks_[block], block)));
-  }
-  ++images_[block].weights_version;
-  ensure_image(block, bridge_.route(block));
-}
-
-namespace {
-
-// The tensors of a fused update must be the block's masters, in BlockSpec order.
-void check_update_tensors(const BlockSpec &spec, std::uint32_t block, const std::vector<kn::AdamWTensor> &tensors) {
-  if (tensors.size() != spec.tensors.size()) {
-    throw std::invalid_argument(fmt::format("StreamingEngine::update_weights: {} has {} tensors, {} were given",
-                                            block_label(spec, block), spec.tensors.size(), tensors.size()));
-  }
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const TensorSpec &expected = spec.tensors[i];
-    const kn::AdamWTensor &given = tensors[i];
-    if (given.master != expected.master || given.shape.rows != expected.rows || given.shape.cols != expected.cols) {
-      throw std::invalid_argument(fmt::format(
-          "StreamingEngine::update_weights: tensor {} of {} is not the block's master '{}' ({} x {}); tensors go in "
-          "the BlockSpec's order",
-          i, block_label(spec, block), expected.name, expected.rows, expected.cols));
-    }
-  }
-}
-
-}  // namespace
-
-void StreamingEngine::update_weights(std::uint32_t block, const kn::AdamWStep &step,
-                                     const std::vector<kn::AdamWTensor> &tensors) {
-  if (block < blocks_.size()) check_update_tensors(blocks_[block], block, tensors);
-  WeightUpdate update = begin_update(block);
-  update.run(step, tensors);
-  finish_update(update);
-}
-
-StreamingEngine::WeightUpdate StreamingEngine::begin_update(std::uint32_t block) {
-  if (block >= blocks_.size()) {
-    throw std::invalid_argument(fmt::format(
-        "StreamingEngine::update_weights: block id {} is out of range (there are {} blocks)", block, blocks_.size()));
-  }
-  require_not_updating(block, "begin_update");
-  if (masters_forgotten_[block]) {
-    throw std::logic_error(fmt::format(
-        "StreamingEngine::update_weights: {}'s masters live in another process (forget_masters()); it is updated "
-        "there",
-        block_label(blocks_[block], block)));
-  }
-  WeightUpdate update;
-  update.spec_ = &blocks_[block];
-  update.block_ = block;
-  update.precision_ = bridge_.route(block);
-  update.encoding_ = encoding_for(update.precision_, group_sizes(config_));
-  update.slab_ = writable_slab(block);
-  update.data_ = reinterpret_cast<std::uint8_t *>(pool_.data(update.slab_));
-  update.capacity_ = pool_.slab_bytes();
-  updating_[block] = true;
-  return update;
-}
-
-void StreamingEngine::WeightUpdate::run(const kn::AdamWStep &step, const std::vector<kn::AdamWTensor> &tensors) noexcept {
-  if (ran_) {
-    error_ = std::make_exception_ptr(std::logic_error("StreamingEngine::WeightUpdate::run: called twice"));
-    return;
-  }
-  ran_ = true;
-  try {
-    check_update_tensors(*spec_, block_, tensors);
-    bytes_ = kn::adamw_update_slab(encoding_, step, tensors.data(), tensors.size(), data_, capacity_);
-  } catch (...) {
-    error_ = std::current_exception();
-  }
-}
-
-void StreamingEngine::finish_update(WeightUpdate &update) {
-  const std::uint32_t block = update.block_;
-  if (update.spec_ != &blocks_.at(block) || !updating_[block]) {
-    throw std::logic_error("StreamingEngine::finish_update: not an update begun by this engine, or finished already");
-  }
-  updating_[block] = false;
-  if (!update.ran_) {
-    // A cancel: nothing was written, the current image still holds the masters' weights.
-    drop_written_slab(block, update.slab_);
-    return;
-  }
-  if (update.error_) {
-    // The kernel refuses bad arguments before it writes, but a failure inside the sweep (a
-    // thread that could not start) may leave some masters stepped and the slab half written:
-    // the image is rebuilt from the masters at the block's next fetch.
-    drop_written_slab(block, update.slab_);
-    ++images_[block].weights_version;
-    std::rethrow_exception(update.error_);
-  }
-  ++images_[block].weights_version;
-  install_image(block, update.precision_, update.slab_, update.bytes_);
-}
-
 bool StreamingEngine::finalize(PendingStep &pending, bool may_block) {
   const auto fetches = static_cast<std::uint32_t>(pending.fetch_precisions.size());
   for (std::uint32_t fetch = 0; fetch < fetches; ++fetch) {
@@ -732,14 +448,14 @@ void StreamingEngine::flush_metrics() {
 }
 
 void size_streaming_config(StreamingConfig &config, const std::vector<BlockSpec> &blocks, std::uint32_t spare_slabs) {
-  const GroupSizes groups = group_sizes(config);
+  const detail::GroupSizes groups = detail::group_sizes(config);
   config.host_slab_bytes = 0;
   config.device_slot_bytes = 0;
   for (const BlockSpec &block : blocks) {
-    for (Precision precision : kAllPrecisions) {
-      config.host_slab_bytes = std::max(config.host_slab_bytes, image_size(block, precision, groups));
+    for (Precision precision : kPrecisions) {
+      config.host_slab_bytes = std::max(config.host_slab_bytes, detail::image_size(block, precision, groups));
     }
-    config.device_slot_bytes = std::max(config.device_slot_bytes, image_size(block, Precision::bf16, groups));
+    config.device_slot_bytes = std::max(config.device_slot_bytes, detail::image_size(block, Precision::bf16, groups));
   }
   config.host_slab_count = static_cast<std::uint32_t>(blocks.size()) + spare_slabs;
 }
