@@ -84,16 +84,21 @@ const char *route_authority_name(RouteAuthority authority) {
 }
 
 void PolicyBridge::set_transfer_gate(TransferGate gate) {
-  const auto check = [&](const std::vector<bool> &verdicts, const char *route) {
+  for (const Precision route : kPrecisions) {
+    const std::vector<bool> &verdicts = gate.pays[route];
+    if (!is_quantized(route) && !verdicts.empty()) {
+      throw std::invalid_argument(
+          fmt::format("PolicyBridge: the transfer gate has verdicts for {}; BF16 always goes "
+                      "through, so expected none",
+                      precision_name(route)));
+    }
     if (!verdicts.empty() && verdicts.size() != num_blocks_) {
       throw std::invalid_argument(
-          fmt::format("PolicyBridge: the transfer gate has {} entries in {}; expected none or one per "
+          fmt::format("PolicyBridge: the transfer gate has {} entries in {}_pays; expected none or one per "
                       "block ({})",
-                      verdicts.size(), route, num_blocks_));
+                      verdicts.size(), precision_name(route), num_blocks_));
     }
-  };
-  check(gate.int8_pays, "int8_pays");
-  check(gate.nf4_pays, "nf4_pays");
+  }
   gate_ = std::move(gate);
   has_gate_ = true;
 }
@@ -102,10 +107,6 @@ void PolicyBridge::clear_transfer_gate() {
   gate_ = TransferGate{};
   has_gate_ = false;
 }
-
-namespace {
-bool pays(const std::vector<bool> &gate, std::uint32_t block) { return !gate.empty() && gate[block]; }
-}  // namespace
 
 RouteDecision PolicyBridge::decide(std::uint32_t block) const {
   check_block(block, "PolicyBridge::route");
@@ -117,13 +118,14 @@ RouteDecision PolicyBridge::decide(std::uint32_t block) const {
   if (!has_gate_ || wanted == Precision::bf16) {
     return {wanted, RouteAuthority::plugin, wanted};
   }
-  if (wanted == Precision::nf4 && pays(gate_.nf4_pays, block)) {
-    return {Precision::nf4, RouteAuthority::plugin, wanted};
-  }
-  // NF4 that does not pay falls back to the next more precise route that does.
-  if (pays(gate_.int8_pays, block)) {
-    return {Precision::int8, wanted == Precision::int8 ? RouteAuthority::plugin : RouteAuthority::transfer_policy,
-            wanted};
+  // A route that does not pay falls back to the next more precise one that does (never to a
+  // less precise one than the plugin allowed), and BF16 always goes through.
+  for (auto route = static_cast<int>(wanted); route > static_cast<int>(Precision::bf16); --route) {
+    const std::vector<bool> &verdicts = gate_.pays[static_cast<Precision>(route)];
+    if (!verdicts.empty() && verdicts[block]) {
+      const Precision taken = static_cast<Precision>(route);
+      return {taken, taken == wanted ? RouteAuthority::plugin : RouteAuthority::transfer_policy, wanted};
+    }
   }
   return {Precision::bf16, RouteAuthority::transfer_policy, wanted};
 }

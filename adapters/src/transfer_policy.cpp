@@ -150,12 +150,17 @@ const char* transfer_path_name(TransferPath path) {
   return "unknown";
 }
 
-TransferPath int8_path(BlockWeights weights) {
-  return weights == BlockWeights::kTrained ? TransferPath::kInt8Trained : TransferPath::kInt8Frozen;
-}
-
-TransferPath nf4_path(BlockWeights weights) {
-  return weights == BlockWeights::kTrained ? TransferPath::kNf4Trained : TransferPath::kNf4Frozen;
+TransferPath transfer_path(Precision route, BlockWeights weights) {
+  const bool trained = weights == BlockWeights::kTrained;
+  switch (route) {
+    case Precision::int8:
+      return trained ? TransferPath::kInt8Trained : TransferPath::kInt8Frozen;
+    case Precision::nf4:
+      return trained ? TransferPath::kNf4Trained : TransferPath::kNf4Frozen;
+    case Precision::bf16:
+      break;
+  }
+  throw std::invalid_argument(std::string("transfer_path: ") + precision_name(route) + " has no transfer path");
 }
 
 std::optional<TransferPath> parse_transfer_path(const std::string& name) {
@@ -459,7 +464,11 @@ TransferGate transfer_gate(const TransferPolicy& policy, BlockWeights weights,
     for (size_t b = 0; b < block_bf16_bytes.size(); ++b) pays[b] = policy.pays(path, block_bf16_bytes[b]);
     return pays;
   };
-  return TransferGate{verdicts(int8_path(weights)), verdicts(nf4_path(weights))};
+  TransferGate gate;
+  for (const Precision route : kPrecisions) {
+    if (is_quantized(route)) gate.pays[route] = verdicts(transfer_path(route, weights));
+  }
+  return gate;
 }
 
 TransferPolicy load_transfer_policy_or_bf16(const std::string& path,

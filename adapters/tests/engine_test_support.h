@@ -3,12 +3,21 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "sp/adapters/streaming_engine.h"
 #include "sp/kernels/nf4.h"
 
 namespace sp::adapters::testing {
+
+// A transfer gate with these INT8 and NF4 verdicts (empty: the route pays nowhere).
+inline TransferGate gate_of(std::vector<bool> int8_pays, std::vector<bool> nf4_pays = {}) {
+  TransferGate gate;
+  gate.pays[Precision::int8] = std::move(int8_pays);
+  gate.pays[Precision::nf4] = std::move(nf4_pays);
+  return gate;
+}
 
 // Blocks of three tensors with odd shapes and seeded Gaussian master weights.
 class SyntheticModel {

@@ -22,6 +22,7 @@ namespace {
 namespace kn = sp::kernels;
 using testing::config_for;
 using testing::expect_view_holds;
+using testing::gate_of;
 using ::testing::HasSubstr;
 using testing::run_checked_step;
 using testing::set_routes;
@@ -214,7 +215,7 @@ TEST(Nf4Route, TransferGateFallsBackToInt8ThenBf16) {
   StreamingEngine engine(backend, config_for(model.blocks(), 2), model.blocks());
   set_routes(engine, std::vector<Precision>(kBlocks, Precision::nf4));
   engine.policy_bridge().set_transfer_gate(
-      TransferGate{{true, true, true, true, false, false}, {true, true, false, false, false, false}});
+      gate_of({true, true, true, true, false, false}, {true, true, false, false, false, false}));
   const std::vector<Precision> delivered = {Precision::nf4,  Precision::nf4,  Precision::int8,
                                             Precision::int8, Precision::bf16, Precision::bf16};
   engine.begin_step(0);

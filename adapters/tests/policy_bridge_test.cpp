@@ -6,9 +6,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "engine_test_support.h"
+
 namespace sp::adapters {
 namespace {
 
+using sp::adapters::testing::gate_of;
 using ::testing::HasSubstr;
 
 std::vector<sp_hint_v1> hints_for(const std::vector<sp_precision> &precisions) {
@@ -36,7 +39,7 @@ TEST(PolicyBridge, TransferGateKeepsBlocksBf16WhereInt8DoesNotPay) {
   PolicyBridge bridge(3);
   auto hints = hints_for({SP_PRECISION_INT8, SP_PRECISION_INT8, SP_PRECISION_BF16});
   bridge.set_plugin_hints(hints.data(), 3);
-  bridge.set_transfer_gate(TransferGate{{false, true, true}, {}});
+  bridge.set_transfer_gate(gate_of({false, true, true}, {}));
   const RouteDecision vetoed = bridge.decide(0);
   EXPECT_EQ(vetoed.precision, Precision::bf16);
   EXPECT_EQ(vetoed.decided_by, RouteAuthority::transfer_policy);
@@ -60,8 +63,7 @@ TEST(PolicyBridge, TransferGateKeepsBlocksBf16WhereInt8DoesNotPay) {
 // delivers the route it names, and once the pins are gone the hints and the gate route as
 // before.
 TEST(PolicyBridge, APinOverridesAGateUnderWhichNothingPays) {
-  for (const TransferGate &nothing_pays :
-       {TransferGate{}, TransferGate{{false, false, false}, {false, false, false}}}) {
+  for (const TransferGate &nothing_pays : {TransferGate{}, gate_of({false, false, false}, {false, false, false})}) {
     PolicyBridge bridge(3);
     auto hints = hints_for({SP_PRECISION_INT8, SP_PRECISION_NF4, SP_PRECISION_BF16});
     bridge.set_plugin_hints(hints.data(), 3);
@@ -93,7 +95,7 @@ TEST(PolicyBridge, APinOverridesAGateUnderWhichNothingPays) {
 TEST(PolicyBridge, TransferGateOfTheWrongSizeIsRejected) {
   PolicyBridge bridge(3);
   try {
-    bridge.set_transfer_gate(TransferGate{{true, false}, {}});
+    bridge.set_transfer_gate(gate_of({true, false}, {}));
     FAIL() << "expected an error";
   } catch (const std::invalid_argument &e) {
     EXPECT_THAT(e.what(),
@@ -119,7 +121,7 @@ TEST(PolicyBridge, TransferGateIsPerRouteAndNf4FallsBackToInt8ThenBf16) {
   PolicyBridge bridge(5);
   auto hints = hints_for({SP_PRECISION_NF4, SP_PRECISION_NF4, SP_PRECISION_NF4, SP_PRECISION_INT8, SP_PRECISION_BF16});
   bridge.set_plugin_hints(hints.data(), 5);
-  bridge.set_transfer_gate(TransferGate{{true, true, false, false, true}, {true, false, false, true, true}});
+  bridge.set_transfer_gate(gate_of({true, true, false, false, true}, {true, false, false, true, true}));
   EXPECT_EQ(bridge.decide(0).precision, Precision::nf4);
   EXPECT_EQ(bridge.decide(0).decided_by, RouteAuthority::plugin);
   EXPECT_EQ(bridge.decide(1).precision, Precision::int8);
@@ -147,14 +149,14 @@ TEST(PolicyBridge, AnInt8OnlyGateLetsNoNf4Through) {
   PolicyBridge bridge(3);
   auto hints = hints_for({SP_PRECISION_NF4, SP_PRECISION_NF4, SP_PRECISION_INT8});
   bridge.set_plugin_hints(hints.data(), 3);
-  bridge.set_transfer_gate(TransferGate{{true, false, true}, {}});
+  bridge.set_transfer_gate(gate_of({true, false, true}, {}));
   EXPECT_TRUE(bridge.has_transfer_gate());
-  EXPECT_TRUE(bridge.transfer_gate().nf4_pays.empty());
+  EXPECT_TRUE(bridge.transfer_gate().pays[Precision::nf4].empty());
   EXPECT_EQ(bridge.route(0), Precision::int8);
   EXPECT_EQ(bridge.route(1), Precision::bf16);
   EXPECT_EQ(bridge.route(2), Precision::int8);
   // An empty INT8 route likewise pays nowhere.
-  bridge.set_transfer_gate(TransferGate{{}, {true, true, true}});
+  bridge.set_transfer_gate(gate_of({}, {true, true, true}));
   EXPECT_EQ(bridge.route(0), Precision::nf4);
   EXPECT_EQ(bridge.route(2), Precision::bf16);
   bridge.clear_transfer_gate();
@@ -162,18 +164,26 @@ TEST(PolicyBridge, AnInt8OnlyGateLetsNoNf4Through) {
   EXPECT_EQ(bridge.route(1), Precision::nf4);
 }
 
+TEST(PolicyBridge, ATransferGateWithVerdictsForBf16IsRejected) {
+  PolicyBridge bridge(3);
+  TransferGate gate = gate_of({true, true, true});
+  gate.pays[Precision::bf16] = {false, false, false};
+  EXPECT_THAT([&] { bridge.set_transfer_gate(gate); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("the transfer gate has verdicts for bf16")));
+}
+
 TEST(PolicyBridge, ATransferGateOfTheWrongSizeNamesTheRouteAndKeepsTheOldGate) {
   PolicyBridge bridge(3);
-  bridge.set_transfer_gate(TransferGate{{true, true, true}, {}});
+  bridge.set_transfer_gate(gate_of({true, true, true}, {}));
   EXPECT_THAT(
       [&] {
-        bridge.set_transfer_gate(TransferGate{{true, true, true}, {true}});
+        bridge.set_transfer_gate(gate_of({true, true, true}, {true}));
       },
       ::testing::ThrowsMessage<std::invalid_argument>(
           HasSubstr("the transfer gate has 1 entries in nf4_pays; expected none or one "
                     "per block (3)")));
-  EXPECT_EQ(bridge.transfer_gate().int8_pays.size(), 3u);
-  EXPECT_TRUE(bridge.transfer_gate().nf4_pays.empty());
+  EXPECT_EQ(bridge.transfer_gate().pays[Precision::int8].size(), 3u);
+  EXPECT_TRUE(bridge.transfer_gate().pays[Precision::nf4].empty());
 }
 
 TEST(PolicyBridge, BadHintsAreRejectedAndTheOldOnesStay) {

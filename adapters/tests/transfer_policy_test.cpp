@@ -147,11 +147,11 @@ TEST(TransferPolicyMerge, Nf4RulesComeFromTheNf4Measurements) {
 
   // The gate for the PolicyBridge: both routes, per block size.
   const TransferGate frozen = transfer_gate(policy, BlockWeights::kFrozen, {1 * MiB, 8 * MiB});
-  EXPECT_EQ(frozen.int8_pays, (std::vector<bool>{true, true}));
-  EXPECT_EQ(frozen.nf4_pays, (std::vector<bool>{false, true}));
+  EXPECT_EQ(frozen.pays[Precision::int8], (std::vector<bool>{true, true}));
+  EXPECT_EQ(frozen.pays[Precision::nf4], (std::vector<bool>{false, true}));
   const TransferGate trained = transfer_gate(policy, BlockWeights::kTrained, {1 * MiB, 8 * MiB});
-  EXPECT_EQ(trained.int8_pays, (std::vector<bool>{true, true}));
-  EXPECT_EQ(trained.nf4_pays, (std::vector<bool>{false, false}));
+  EXPECT_EQ(trained.pays[Precision::int8], (std::vector<bool>{true, true}));
+  EXPECT_EQ(trained.pays[Precision::nf4], (std::vector<bool>{false, false}));
 }
 
 // A report from before NF4 measured nothing about it: NF4 pays nowhere, alone or merged with
@@ -177,8 +177,8 @@ TEST(TransferPolicyFile, APolicyFromBeforeNf4LoadsAndAllowsNf4Nowhere) {
   EXPECT_TRUE(policy.pays(TransferPath::kInt8Frozen, 4096));
   EXPECT_FALSE(policy.pays(TransferPath::kNf4Frozen, 4096));
   const TransferGate gate = transfer_gate(policy, BlockWeights::kFrozen, {4096, 512});
-  EXPECT_EQ(gate.int8_pays, (std::vector<bool>{true, false}));
-  EXPECT_EQ(gate.nf4_pays, (std::vector<bool>{false, false}));
+  EXPECT_EQ(gate.pays[Precision::int8], (std::vector<bool>{true, false}));
+  EXPECT_EQ(gate.pays[Precision::nf4], (std::vector<bool>{false, false}));
   // Written back, it names all four paths.
   EXPECT_THAT(policy.to_json(), HasSubstr("\"nf4_trained\": []"));
 }
@@ -316,8 +316,8 @@ TEST(TransferPath, NamesRoundTrip) {
        {TransferPath::kInt8Frozen, TransferPath::kInt8Trained, TransferPath::kNf4Frozen, TransferPath::kNf4Trained}) {
     EXPECT_EQ(parse_transfer_path(transfer_path_name(path)), std::optional<TransferPath>(path));
   }
-  EXPECT_EQ(nf4_path(BlockWeights::kTrained), TransferPath::kNf4Trained);
-  EXPECT_EQ(int8_path(BlockWeights::kFrozen), TransferPath::kInt8Frozen);
+  EXPECT_EQ(transfer_path(Precision::nf4, BlockWeights::kTrained), TransferPath::kNf4Trained);
+  EXPECT_EQ(transfer_path(Precision::int8, BlockWeights::kFrozen), TransferPath::kInt8Frozen);
 }
 
 }  // namespace

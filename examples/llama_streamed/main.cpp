@@ -130,7 +130,8 @@ int main(int argc, char** argv) {
   {
     torch::NoGradGuard no_grad;
     const auto errors = model.calibrate({embed(batch(-1).narrow(1, 0, kSeq))});                             // [sp]
-    std::printf("calibration: block 0 output error INT8 %.4f, NF4 %.4f\n", errors.int8[0], errors.nf4[0]);  // [sp]
+    std::printf("calibration: block 0 output error INT8 %.4f, NF4 %.4f\n", errors[sp::Precision::int8][0],
+                errors[sp::Precision::nf4][0]);  // [sp]
   }
 
   std::uint64_t sent = 0, as_bf16 = 0;

@@ -162,8 +162,9 @@ py::dict swap_dict(const sp::host::SwapResult& swap) {
 
 py::dict errors_dict(const tl::CalibrationErrors& errors) {
   py::dict d;
-  d["int8"] = errors.int8;
-  d["nf4"] = errors.nf4;
+  for (const sp::Precision precision : sp::kPrecisions) {
+    if (sp::is_quantized(precision)) d[sp::precision_name(precision)] = errors[precision];
+  }
   return d;
 }
 

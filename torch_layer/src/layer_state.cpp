@@ -2,6 +2,9 @@
 // calibration.
 #include "streamed_model_impl.h"
 
+#include <algorithm>
+#include <cctype>
+
 namespace sp::torch_layer {
 
 void StreamedModel::Impl::shard_masters() {
@@ -195,7 +198,7 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
   }
   torch::NoGradGuard no_grad;
   const std::size_t n = blocks.size();
-  CalibrationErrors errors{std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
+  CalibrationErrors errors;
   const auto on_host = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kFloat32).contiguous(); };
   // One route at a time over every sample, so that a sharded model shares each route's
   // images once: the BF16 outputs of every block are kept for the quantized passes.
@@ -207,8 +210,10 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
       reference.push_back(blocks[b].block.forward(reference.back()));
     });
   }
-  for (auto [precision, sums] :
-       {std::pair{Precision::int8, &errors.int8}, std::pair{Precision::nf4, &errors.nf4}}) {
+  for (const Precision precision : kPrecisions) {
+    if (!is_quantized(precision)) continue;
+    std::vector<double>* sums = &errors[precision];
+    sums->assign(n, 0.0);
     share_eval_images(precision);
     for (const std::vector<torch::Tensor>& reference : references) {
       eval_pass(pinned_to(precision), calibration_bytes, [&, sums = sums](std::uint32_t b, const NamedParameters&) {
@@ -225,8 +230,9 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
   // The last pass's pins would stand until the next evaluation pass; dropped now, so that an
   // image rebuilt in between is built for the route the block takes next.
   eval_engine->policy_bridge().begin_step();
-  for (double& e : errors.int8) e /= static_cast<double>(samples.size());
-  for (double& e : errors.nf4) e /= static_cast<double>(samples.size());
+  for (std::vector<double>& per_block : errors.values) {
+    for (double& e : per_block) e /= static_cast<double>(samples.size());
+  }
   return errors;
 }
 
@@ -234,18 +240,24 @@ bool StreamedModel::Impl::set_calibration_errors(CalibrationErrors& errors) {
   if (collectives) {
     // Measured on every rank from the same weights and samples, but given from rank 0, so
     // that no rounding difference between machines can split the ranks' decisions.
-    torch::Tensor values =
-        torch::empty({static_cast<std::int64_t>(errors.int8.size() + errors.nf4.size())}, torch::kFloat64);
-    std::copy(errors.int8.begin(), errors.int8.end(), values.data_ptr<double>());
-    std::copy(errors.nf4.begin(), errors.nf4.end(), values.data_ptr<double>() + errors.int8.size());
+    std::size_t count = 0;
+    for (const std::vector<double>& per_block : errors.values) count += per_block.size();
+    torch::Tensor values = torch::empty({static_cast<std::int64_t>(count)}, torch::kFloat64);
+    double* next = values.data_ptr<double>();
+    for (const std::vector<double>& per_block : errors.values)
+      next = std::copy(per_block.begin(), per_block.end(), next);
     collectives->broadcast(values, 0, "calibration errors");
-    std::copy_n(values.data_ptr<double>(), errors.int8.size(), errors.int8.begin());
-    std::copy_n(values.data_ptr<double>() + errors.int8.size(), errors.nf4.size(), errors.nf4.begin());
+    const double* given = values.data_ptr<double>();
+    for (std::vector<double>& per_block : errors.values) {
+      std::copy_n(given, per_block.size(), per_block.begin());
+      given += per_block.size();
+    }
   }
   bool accepted = true;
-  for (const auto& [precision, values, name] :
-       {std::tuple{Precision::int8, &errors.int8, "INT8"}, std::tuple{Precision::nf4, &errors.nf4, "NF4"}}) {
-    if (policy->set_calibration_errors(to_abi(precision), *values)) continue;
+  for (const Precision precision : kPrecisions) {
+    if (!is_quantized(precision) || policy->set_calibration_errors(to_abi(precision), errors[precision])) continue;
+    std::string name = precision_name(precision);
+    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::toupper(c); });
     log->warn("calibration: the plugin rejected the {} errors; it decides without them", name);
     accepted = false;
   }

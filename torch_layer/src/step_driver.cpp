@@ -276,13 +276,12 @@ void StreamedModel::Impl::apply_transfer_policy(const std::filesystem::path& fil
     return pays;
   };
   ad::TransferGate gate;
-  gate.int8_pays = per_block(trained.int8_pays, frozen.int8_pays);
-  gate.nf4_pays = per_block(trained.nf4_pays, frozen.nf4_pays);
+  for (const Precision route : kPrecisions) gate.pays[route] = per_block(trained.pays[route], frozen.pays[route]);
   const auto count = [](const std::vector<bool>& pays) { return std::count(pays.begin(), pays.end(), true); };
   const auto trainable = std::count_if(blocks.begin(), blocks.end(), [](const BlockState& b) { return b.trainable_masters; });
   const char* kind = trainable == 0 ? "frozen" : trainable == static_cast<std::ptrdiff_t>(blocks.size()) ? "trained" : "trained and frozen";
   log->info("transfer policy {} ({} blocks): INT8 pays for {}, NF4 for {} of {} blocks", file.string(), kind,
-            count(gate.int8_pays), count(gate.nf4_pays), blocks.size());
+            count(gate.pays[Precision::int8]), count(gate.pays[Precision::nf4]), blocks.size());
   engine->policy_bridge().set_transfer_gate(gate);
   eval_engine->policy_bridge().set_transfer_gate(std::move(gate));
 }

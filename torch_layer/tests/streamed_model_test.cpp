@@ -346,14 +346,16 @@ TEST(StreamedModel, CalibrationMeasuresEachFormatAgainstBf16) {
   const auto blocks = make_blocks(12);
   auto model = wrap(blocks, "  mode: off\n");
   // A gate under which nothing pays must not turn the measurement into BF16 against BF16.
-  model->set_transfer_gate({std::vector<bool>(kBlocks, false), std::vector<bool>(kBlocks, false)});
+  sp::adapters::TransferGate nothing_pays;
+  nothing_pays.pays[sp::Precision::int8] = nothing_pays.pays[sp::Precision::nf4] = std::vector<bool>(kBlocks, false);
+  model->set_transfer_gate(nothing_pays);
   const tl::CalibrationErrors errors = model->calibrate({input(13), input(14)});
-  ASSERT_EQ(errors.int8.size(), static_cast<std::size_t>(kBlocks));
+  ASSERT_EQ(errors[sp::Precision::int8].size(), static_cast<std::size_t>(kBlocks));
   for (std::uint32_t b = 0; b < kBlocks; ++b) {
-    EXPECT_GT(errors.int8[b], 0.0) << b;
-    EXPECT_LT(errors.int8[b], 0.05) << b;
-    EXPECT_GT(errors.nf4[b], errors.int8[b]) << b;
-    EXPECT_LT(errors.nf4[b], 0.5) << b;
+    EXPECT_GT(errors[sp::Precision::int8][b], 0.0) << b;
+    EXPECT_LT(errors[sp::Precision::int8][b], 0.05) << b;
+    EXPECT_GT(errors[sp::Precision::nf4][b], errors[sp::Precision::int8][b]) << b;
+    EXPECT_LT(errors[sp::Precision::nf4][b], 0.5) << b;
   }
 }
 
@@ -724,8 +726,8 @@ TEST(StreamedModel, EvaluationAndCalibrationBytesApartAndCalibrationInTwoHalves)
   EXPECT_EQ(model->calibration_h2d_bytes(), bf16 + pass_bytes(sp::Precision::int8) + pass_bytes(sp::Precision::nf4));
   EXPECT_TRUE(model->set_calibration_errors(measured));
   const tl::CalibrationErrors again = model->calibrate({input(25)});
-  EXPECT_EQ(again.int8, measured.int8);
-  EXPECT_EQ(again.nf4, measured.nf4);
+  EXPECT_EQ(again[sp::Precision::int8], measured[sp::Precision::int8]);
+  EXPECT_EQ(again[sp::Precision::nf4], measured[sp::Precision::nf4]);
 }
 
 TEST(StreamedModel, NamedErrors) {
@@ -973,7 +975,7 @@ TEST(StreamedModel, AThrowingForwardLeavesTheModelUsable) {
   model.forward(input(27)).sum().backward();
   model.post_backward();
   EXPECT_EQ(model.end_step(0.0).training_passes, 1u);
-  EXPECT_EQ(model.calibrate({input(28)}).int8.size(), static_cast<std::size_t>(kBlocks));
+  EXPECT_EQ(model.calibrate({input(28)})[sp::Precision::int8].size(), static_cast<std::size_t>(kBlocks));
   torch::NoGradGuard no_grad;
   EXPECT_EQ(model.forward(input(29)).sizes(), input(29).sizes());
 }
@@ -1003,12 +1005,13 @@ TEST(StreamedModel, OnlineRecalibrationFollowsTheTrainedWeights) {
       measured.push_back(*report.calibration);
       // The same measurement as an explicit calibration on that input and those weights.
       const tl::CalibrationErrors again = model.calibrate({x});
-      EXPECT_EQ(again.int8, report.calibration->int8);
-      EXPECT_EQ(again.nf4, report.calibration->nf4);
+      EXPECT_EQ(again[sp::Precision::int8], (*report.calibration)[sp::Precision::int8]);
+      EXPECT_EQ(again[sp::Precision::nf4], (*report.calibration)[sp::Precision::nf4]);
     }
   }
   ASSERT_EQ(measured.size(), 2u);
-  EXPECT_NE(measured[0].int8, measured[1].int8);  // the weights moved, the errors followed
+  EXPECT_NE(measured[0][sp::Precision::int8],
+            measured[1][sp::Precision::int8]);  // the weights moved, the errors followed
 }
 
 }  // namespace

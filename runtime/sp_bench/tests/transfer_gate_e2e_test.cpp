@@ -143,8 +143,8 @@ TEST(TransferGateEndToEnd, UnreadablePolicyFileKeepsEveryBlockBf16AndWarnsOnce) 
   EXPECT_NE(message.find("every block stays BF16"), std::string::npos) << message;
   for (const BlockWeights weights : {BlockWeights::kFrozen, BlockWeights::kTrained}) {
     const adapters::TransferGate gate = transfer_gate(policy, weights, {1, 1ull << 20, 1ull << 40});
-    EXPECT_EQ(gate.int8_pays, (std::vector<bool>{false, false, false}));
-    EXPECT_EQ(gate.nf4_pays, (std::vector<bool>{false, false, false}));
+    EXPECT_EQ(gate.pays[Precision::int8], (std::vector<bool>{false, false, false}));
+    EXPECT_EQ(gate.pays[Precision::nf4], (std::vector<bool>{false, false, false}));
   }
 }
 

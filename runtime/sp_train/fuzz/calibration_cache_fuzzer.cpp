@@ -49,7 +49,8 @@ bool same_bits(const std::vector<double> &a, const std::vector<double> &b) {
 void check_lookup(const sp::train::CacheLookup &lookup, const std::string &file, std::uint32_t n_blocks) {
   if (lookup.status == sp::train::CacheStatus::hit) {
     if (!lookup.detail.empty()) fail("a hit with a detail");
-    for (const std::vector<double> *errors : {&lookup.errors.int8, &lookup.errors.nf4}) {
+    for (const std::vector<double> *errors :
+         {&lookup.errors[sp::Precision::int8], &lookup.errors[sp::Precision::nf4]}) {
       if (errors->size() != n_blocks) fail("a hit without one error per block");
       for (double e : *errors) {
         if (!std::isfinite(e) || e < 0.0) fail("a hit with an error that is not finite and >= 0");
@@ -93,7 +94,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t *data, std::size_t size
   sp::train::write_calibration_cache(rewritten.path(), fingerprint, nlohmann::json::object(), lookup.errors);
   const sp::train::CacheLookup again = sp::train::read_calibration_cache(rewritten.path(), fingerprint, n_blocks);
   if (again.status != sp::train::CacheStatus::hit) fail("a rewritten cache is not a hit: " + again.detail);
-  if (!same_bits(again.errors.int8, lookup.errors.int8) || !same_bits(again.errors.nf4, lookup.errors.nf4)) {
+  if (!same_bits(again.errors[sp::Precision::int8], lookup.errors[sp::Precision::int8]) ||
+      !same_bits(again.errors[sp::Precision::nf4], lookup.errors[sp::Precision::nf4])) {
     fail("a rewritten cache reads back other errors");
   }
   return 0;

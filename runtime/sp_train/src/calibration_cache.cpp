@@ -102,8 +102,8 @@ CacheLookup read_calibration_cache(const fs::path& file, const std::string& fing
                                 stored_fingerprint->get<std::string>(), fingerprint);
     return lookup;
   }
-  const std::pair<const nlohmann::json*, std::vector<double>*> lists[] = {{&*int8, &lookup.errors.int8},
-                                                                          {&*nf4, &lookup.errors.nf4}};
+  const std::pair<const nlohmann::json*, std::vector<double>*> lists[] = {{&*int8, &lookup.errors[sp::Precision::int8]},
+                                                                          {&*nf4, &lookup.errors[sp::Precision::nf4]}};
   for (std::size_t k = 0; k < 2; ++k) {
     const auto& [stored, out] = lists[k];
     if (stored->size() != n_blocks) {
@@ -127,8 +127,8 @@ CacheLookup read_calibration_cache(const fs::path& file, const std::string& fing
 void write_calibration_cache(const fs::path& file, const std::string& fingerprint, const nlohmann::json& identity,
                              const CalibrationErrors& errors) {
   fs::create_directories(file.parent_path());
-  const nlohmann::json int8 = errors.int8;
-  const nlohmann::json nf4 = errors.nf4;
+  const nlohmann::json int8 = errors[sp::Precision::int8];
+  const nlohmann::json nf4 = errors[sp::Precision::nf4];
   const nlohmann::json doc = {{"format", kFormat},
                               {"version", kVersion},
                               {"fingerprint", fingerprint},

@@ -176,10 +176,12 @@ StepRecord Trainer::Impl::train_step(std::int64_t step) {
   if (report.calibration) {
     calibration_errors = *report.calibration;
     calibration_status = fmt::format("re-calibrated at step {}", step);
-    record.recalibration = nlohmann::json{
-        {"seconds", report.calibration_seconds}, {"int8", calibration_errors.int8}, {"nf4", calibration_errors.nf4}};
+    record.recalibration = nlohmann::json{{"seconds", report.calibration_seconds},
+                                          {"int8", calibration_errors[sp::Precision::int8]},
+                                          {"nf4", calibration_errors[sp::Precision::nf4]}};
     log->debug("step {}: re-calibrated in {:.3f}s: INT8 {:.4f}, NF4 {:.4f}", step, report.calibration_seconds,
-               fmt::join(calibration_errors.int8, " "), fmt::join(calibration_errors.nf4, " "));
+               fmt::join(calibration_errors[sp::Precision::int8], " "),
+               fmt::join(calibration_errors[sp::Precision::nf4], " "));
   }
   record.h2d_bytes = report.h2d_bytes;
   record.h2d_bytes_all_bf16 = report.h2d_bytes_all_bf16;
@@ -238,68 +240,69 @@ nlohmann::json Trainer::Impl::summary(RunOutcome outcome, double wall_seconds) c
   const std::uint64_t moved = totals.h2d.total();
   const std::uint64_t saved = totals.h2d_all_bf16 - moved;
   const double tokens_per_second = totals.train_seconds > 0 ? totals.tokens / totals.train_seconds : 0.0;
-  return {
-      {"outcome", outcome == RunOutcome::completed ? "completed" : "interrupted"},
-      {"steps", next_step},
-      {"final_val_loss",
-       totals.val_history.empty() ? nlohmann::json() : nlohmann::json(totals.val_history.back().second)},
-      {"final_train_loss", std::isfinite(totals.last_loss) ? nlohmann::json(totals.last_loss) : nlohmann::json()},
-      {"val_loss_history", totals_json()["val_history"]},
-      {"h2d_bytes",
-       {{"bf16", totals.h2d[Precision::bf16]},
-        {"int8", totals.h2d[Precision::int8]},
-        {"nf4", totals.h2d[Precision::nf4]},
-        {"total", moved},
-        {"all_bf16_equivalent", totals.h2d_all_bf16},
-        {"saved", saved},
-        {"saved_fraction", totals.h2d_all_bf16 ? static_cast<double>(saved) / totals.h2d_all_bf16 : 0.0}}},
-      {"eval_h2d_bytes", eval_h2d()},
-      {"calibration_h2d_bytes", calibration_h2d()},
-      {"block_steps",
-       {{"bf16", totals.block_steps[Precision::bf16]},
-        {"int8", totals.block_steps[Precision::int8]},
-        {"nf4", totals.block_steps[Precision::nf4]}}},
-      {"final_decisions", decisions()},
-      {"tokens", totals.tokens},
-      {"tokens_per_second", tokens_per_second},
-      {"train_seconds", totals.train_seconds},
-      {"update_seconds", totals.update_seconds},
-      {"wall_seconds", wall_seconds},
-      {"mode", mode_name(config.train.mode)},
-      // Full mode only: LoRA's streamed masters are frozen.
-      {"host_optimizer", config.train.mode == TrainMode::full
-                             ? nlohmann::json(host_optimizer_name(config.train.host_optimizer))
-                             : nlohmann::json()},
-      {"adam_moments", adam_moments_name(config.train.adam_moments)},
-      {"device", compute_device_name(config.train.device)},
-      {"compute_dtype", compute_dtype_name(config.train.compute_dtype)},
-      {"model", model_identity()},
-      {"plugin",
-       {{"name", layer->policy().host().plugin_name()},
-        {"version", layer->policy().plugin_version()},
-        {"hook_failures", layer->policy().host().hook_failures().total()}}},
-      {"plugin_swaps", totals.swaps},
-      {"calibration",
-       {{"status", calibration_status}, {"errors", calibration_errors.int8}, {"nf4_errors", calibration_errors.nf4}}},
-      {"config", config.source_name},
-      {"model_outliers",
-       {{"blocks", config.model.outlier_blocks},
-        {"magnitude", config.model.outlier_magnitude},
-        {"channels", config.model.outlier_channels}}},
-      {"torch_threads", torch::get_num_threads()},
-      {"data_parallel",
-       {{"rank", rank()},
-        {"world_size", world_size()},
-        {"mode", data_parallel_name(config.train.data_parallel)},
-        {"gradients_reduced_on", layer->gradient_reduction_device().str()}}},
-      {"peak_rss_bytes", peak_rss_bytes()},
-      {"previous_crash", previous_crash ? nlohmann::json(*previous_crash) : nlohmann::json()},
-      // The peak RSS expected: what the process held before it built the model, and the estimate.
-      {"estimated_host_bytes", resident_before_build + estimated_host_bytes(config, shards())},
-      {"resident_before_model_bytes", resident_before_build},
-      // Records the run could not write (disk full, ...): each loss was logged when it happened.
-      {"log_records_lost",
-       {{kRunTrainMetricsFile, train_metrics->lost()}, {"transfer_metrics", layer->metrics_records_lost()}}}};
+  return {{"outcome", outcome == RunOutcome::completed ? "completed" : "interrupted"},
+          {"steps", next_step},
+          {"final_val_loss",
+           totals.val_history.empty() ? nlohmann::json() : nlohmann::json(totals.val_history.back().second)},
+          {"final_train_loss", std::isfinite(totals.last_loss) ? nlohmann::json(totals.last_loss) : nlohmann::json()},
+          {"val_loss_history", totals_json()["val_history"]},
+          {"h2d_bytes",
+           {{"bf16", totals.h2d[Precision::bf16]},
+            {"int8", totals.h2d[Precision::int8]},
+            {"nf4", totals.h2d[Precision::nf4]},
+            {"total", moved},
+            {"all_bf16_equivalent", totals.h2d_all_bf16},
+            {"saved", saved},
+            {"saved_fraction", totals.h2d_all_bf16 ? static_cast<double>(saved) / totals.h2d_all_bf16 : 0.0}}},
+          {"eval_h2d_bytes", eval_h2d()},
+          {"calibration_h2d_bytes", calibration_h2d()},
+          {"block_steps",
+           {{"bf16", totals.block_steps[Precision::bf16]},
+            {"int8", totals.block_steps[Precision::int8]},
+            {"nf4", totals.block_steps[Precision::nf4]}}},
+          {"final_decisions", decisions()},
+          {"tokens", totals.tokens},
+          {"tokens_per_second", tokens_per_second},
+          {"train_seconds", totals.train_seconds},
+          {"update_seconds", totals.update_seconds},
+          {"wall_seconds", wall_seconds},
+          {"mode", mode_name(config.train.mode)},
+          // Full mode only: LoRA's streamed masters are frozen.
+          {"host_optimizer", config.train.mode == TrainMode::full
+                                 ? nlohmann::json(host_optimizer_name(config.train.host_optimizer))
+                                 : nlohmann::json()},
+          {"adam_moments", adam_moments_name(config.train.adam_moments)},
+          {"device", compute_device_name(config.train.device)},
+          {"compute_dtype", compute_dtype_name(config.train.compute_dtype)},
+          {"model", model_identity()},
+          {"plugin",
+           {{"name", layer->policy().host().plugin_name()},
+            {"version", layer->policy().plugin_version()},
+            {"hook_failures", layer->policy().host().hook_failures().total()}}},
+          {"plugin_swaps", totals.swaps},
+          {"calibration",
+           {{"status", calibration_status},
+            {"errors", calibration_errors[sp::Precision::int8]},
+            {"nf4_errors", calibration_errors[sp::Precision::nf4]}}},
+          {"config", config.source_name},
+          {"model_outliers",
+           {{"blocks", config.model.outlier_blocks},
+            {"magnitude", config.model.outlier_magnitude},
+            {"channels", config.model.outlier_channels}}},
+          {"torch_threads", torch::get_num_threads()},
+          {"data_parallel",
+           {{"rank", rank()},
+            {"world_size", world_size()},
+            {"mode", data_parallel_name(config.train.data_parallel)},
+            {"gradients_reduced_on", layer->gradient_reduction_device().str()}}},
+          {"peak_rss_bytes", peak_rss_bytes()},
+          {"previous_crash", previous_crash ? nlohmann::json(*previous_crash) : nlohmann::json()},
+          // The peak RSS expected: what the process held before it built the model, and the estimate.
+          {"estimated_host_bytes", resident_before_build + estimated_host_bytes(config, shards())},
+          {"resident_before_model_bytes", resident_before_build},
+          // Records the run could not write (disk full, ...): each loss was logged when it happened.
+          {"log_records_lost",
+           {{kRunTrainMetricsFile, train_metrics->lost()}, {"transfer_metrics", layer->metrics_records_lost()}}}};
 }
 
 RunSummary Trainer::Impl::run() {

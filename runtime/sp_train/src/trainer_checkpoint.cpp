@@ -169,8 +169,8 @@ void Trainer::Impl::write_main_checkpoint(const std::map<std::string, torch::Ten
       {"data_fnv1a64", fmt::format("{:016x}", corpus->fingerprint())},
       {"plugin", {{"name", layer->policy().host().plugin_name()}, {"version", layer->policy().plugin_version()}}},
       {"calibration_status", calibration_status},
-      {"calibration_errors", calibration_errors.int8},
-      {"nf4_calibration_errors", calibration_errors.nf4},
+      {"calibration_errors", calibration_errors[sp::Precision::int8]},
+      {"nf4_calibration_errors", calibration_errors[sp::Precision::nf4]},
       {"decisions", decisions()},
       {"totals", totals_json()},
       {"adam_moments", adam_moments_name(config.train.adam_moments)},
@@ -367,11 +367,11 @@ void Trainer::Impl::restore(const CheckpointSections& main) {
       }
       previous_grad_norm = norm->get<double>();
     }
-    calibration_errors.int8 = meta.at("calibration_errors").get<std::vector<double>>();
-    calibration_errors.nf4 = meta.at("nf4_calibration_errors").get<std::vector<double>>();
-    for (const auto& [key, errors] :
-         {std::pair<const char*, const std::vector<double>*>{"calibration_errors", &calibration_errors.int8},
-          {"nf4_calibration_errors", &calibration_errors.nf4}}) {
+    calibration_errors[sp::Precision::int8] = meta.at("calibration_errors").get<std::vector<double>>();
+    calibration_errors[sp::Precision::nf4] = meta.at("nf4_calibration_errors").get<std::vector<double>>();
+    for (const auto& [key, errors] : {std::pair<const char*, const std::vector<double>*>{
+                                          "calibration_errors", &calibration_errors[sp::Precision::int8]},
+                                      {"nf4_calibration_errors", &calibration_errors[sp::Precision::nf4]}}) {
       const bool errors_valid =
           std::all_of(errors->begin(), errors->end(), [](double e) { return std::isfinite(e) && e >= 0.0; });
       if ((!errors->empty() && errors->size() != n_units) || !errors_valid) {

@@ -2,6 +2,9 @@
 // streaming layer, the optimizer, and calibration.
 #include "trainer_impl.h"
 
+#include <algorithm>
+#include <cctype>
+
 namespace sp::train {
 
 namespace {
@@ -433,9 +436,12 @@ void Trainer::Impl::calibrate(const nlohmann::json& identity) {
     log->info("calibration: {} samples per block in {:.1f}s, {}", config.policy_keys.calibration_samples,
               seconds_since(start), where);
   }
-  for (const auto& [name, errors] :
-       {std::pair{"INT8", &calibration_errors.int8}, std::pair{"NF4", &calibration_errors.nf4}}) {
-    log->info("calibration: {} relative output error per block: {:.4f}", name, fmt::join(*errors, " "));
+  for (const Precision precision : kPrecisions) {
+    if (!is_quantized(precision)) continue;
+    std::string name = precision_name(precision);
+    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::toupper(c); });
+    log->info("calibration: {} relative output error per block: {:.4f}", name,
+              fmt::join(calibration_errors[precision], " "));
   }
   layer->set_calibration_errors(calibration_errors);
 }

@@ -216,11 +216,14 @@ TEST_F(CalibrationCache, HitsOnlyItsOwnFingerprint) {
   const std::string fp = calibration_fingerprint(identity);
   const fs::path file = calibration_cache_file(dir_ / "cache", fp);
   EXPECT_EQ(read_calibration_cache(file, fp, 2).status, CacheStatus::missing);
-  write_calibration_cache(file, fp, identity, CalibrationErrors{{0.01, 0.02}, {0.11, 0.13}});
+  CalibrationErrors errors;
+  errors[sp::Precision::int8] = {0.01, 0.02};
+  errors[sp::Precision::nf4] = {0.11, 0.13};
+  write_calibration_cache(file, fp, identity, errors);
   const CacheLookup hit = read_calibration_cache(file, fp, 2);
   ASSERT_EQ(hit.status, CacheStatus::hit);
-  EXPECT_EQ(hit.errors.int8, (std::vector<double>{0.01, 0.02}));
-  EXPECT_EQ(hit.errors.nf4, (std::vector<double>{0.11, 0.13}));
+  EXPECT_EQ(hit.errors[sp::Precision::int8], (std::vector<double>{0.01, 0.02}));
+  EXPECT_EQ(hit.errors[sp::Precision::nf4], (std::vector<double>{0.11, 0.13}));
   EXPECT_EQ(read_calibration_cache(file, "0000000000000000", 2).status, CacheStatus::mismatch);
   EXPECT_EQ(read_calibration_cache(file, fp, 3).status, CacheStatus::mismatch);
   // An edited number breaks the checksum.

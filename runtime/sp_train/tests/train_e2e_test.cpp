@@ -363,14 +363,14 @@ TEST_F(TrainE2E, CorruptCalibrationCacheIsDetectedAndRebuilt) {
     EXPECT_EQ(first.calibration_status(), "computed (missing)");
     measured = first.calibration_errors();
   }
-  ASSERT_EQ(measured.int8.size(), 4u);
-  ASSERT_EQ(measured.nf4.size(), 4u);
+  ASSERT_EQ(measured[sp::Precision::int8].size(), 4u);
+  ASSERT_EQ(measured[sp::Precision::nf4].size(), 4u);
   for (std::size_t b = 0; b < 4; ++b) {
-    EXPECT_GT(measured.int8[b], 0.0);
-    EXPECT_LT(measured.int8[b], 0.5);
+    EXPECT_GT(measured[sp::Precision::int8][b], 0.0);
+    EXPECT_LT(measured[sp::Precision::int8][b], 0.5);
     // Four bits per weight cost more output error than eight, block by block.
-    EXPECT_GT(measured.nf4[b], measured.int8[b]) << "block " << b;
-    EXPECT_LT(measured.nf4[b], 1.0);
+    EXPECT_GT(measured[sp::Precision::nf4][b], measured[sp::Precision::int8][b]) << "block " << b;
+    EXPECT_LT(measured[sp::Precision::nf4][b], 1.0);
   }
   std::vector<fs::path> files;
   for (const auto& entry : fs::directory_iterator(cache_)) files.push_back(entry.path());
@@ -378,8 +378,8 @@ TEST_F(TrainE2E, CorruptCalibrationCacheIsDetectedAndRebuilt) {
   {
     Trainer second(c, options("cal2"));
     EXPECT_EQ(second.calibration_status(), "hit");
-    EXPECT_EQ(second.calibration_errors().int8, measured.int8);
-    EXPECT_EQ(second.calibration_errors().nf4, measured.nf4);
+    EXPECT_EQ(second.calibration_errors()[sp::Precision::int8], measured[sp::Precision::int8]);
+    EXPECT_EQ(second.calibration_errors()[sp::Precision::nf4], measured[sp::Precision::nf4]);
   }
   // Truncate the file in the middle of its JSON.
   const auto size = fs::file_size(files[0]);
@@ -387,8 +387,8 @@ TEST_F(TrainE2E, CorruptCalibrationCacheIsDetectedAndRebuilt) {
   {
     Trainer third(c, options("cal3"));
     EXPECT_EQ(third.calibration_status(), "computed (corrupt)");
-    EXPECT_EQ(third.calibration_errors().int8, measured.int8);
-    EXPECT_EQ(third.calibration_errors().nf4, measured.nf4);
+    EXPECT_EQ(third.calibration_errors()[sp::Precision::int8], measured[sp::Precision::int8]);
+    EXPECT_EQ(third.calibration_errors()[sp::Precision::nf4], measured[sp::Precision::nf4]);
   }
   EXPECT_EQ(read_calibration_cache(files[0], files[0].stem().string().substr(12), 4).status, CacheStatus::hit);
 }
@@ -700,8 +700,8 @@ TEST_F(TrainWithTransferPolicy, CalibrationUnderAGateWhereNothingPaysMeasuresEve
     const std::vector<double> nf4 = meta.at("nf4_calibration_errors").get<std::vector<double>>();
     ASSERT_EQ(int8.size(), 4u);
     ASSERT_EQ(nf4.size(), 4u);
-    EXPECT_EQ(int8, measured.int8);
-    EXPECT_EQ(nf4, measured.nf4);
+    EXPECT_EQ(int8, measured[sp::Precision::int8]);
+    EXPECT_EQ(nf4, measured[sp::Precision::nf4]);
     for (std::size_t b = 0; b < 4; ++b) {
       EXPECT_GT(int8[b], 1e-4) << "block " << b;
       EXPECT_GT(nf4[b], int8[b]) << "block " << b;
@@ -717,8 +717,8 @@ TEST_F(TrainWithTransferPolicy, CalibrationUnderAGateWhereNothingPaysMeasuresEve
     // The gate cannot change the errors, so a run without it shares the cached ones.
     Trainer plain(config(base), options(std::string("plain-") + mode));
     EXPECT_EQ(plain.calibration_status(), "hit");
-    EXPECT_EQ(plain.calibration_errors().int8, measured.int8);
-    EXPECT_EQ(plain.calibration_errors().nf4, measured.nf4);
+    EXPECT_EQ(plain.calibration_errors()[sp::Precision::int8], measured[sp::Precision::int8]);
+    EXPECT_EQ(plain.calibration_errors()[sp::Precision::nf4], measured[sp::Precision::nf4]);
   }
 }
 

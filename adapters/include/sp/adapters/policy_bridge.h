@@ -34,12 +34,12 @@ struct RouteDecision {
   Precision requested = Precision::bf16;  // what the pin or the plugin asked for
 };
 
-// The transfer policy's verdict per block and quantized route: true where that route was
-// measured faster than BF16 for the block's size on this machine. An empty vector means the
-// route pays nowhere (e.g. a transfer policy from before NF4 was measured).
+// The transfer policy's verdict per quantized route and block: pays[route][b] is true where
+// that route was measured faster than BF16 for block b's size on this machine. An empty vector
+// means the route pays nowhere (e.g. NF4 under a transfer policy from before NF4 was measured).
+// BF16's entry stays empty: BF16 is what a route that does not pay falls back to.
 struct TransferGate {
-  std::vector<bool> int8_pays;
-  std::vector<bool> nf4_pays;
+  PerPrecision<std::vector<bool>> pays;
 };
 
 class PolicyBridge {

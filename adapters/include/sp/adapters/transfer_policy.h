@@ -39,8 +39,8 @@ std::optional<TransferPath> parse_transfer_path(const std::string& name);
 
 // Whether a run's streamed blocks change every step (full training) or not (LoRA bases).
 enum class BlockWeights { kFrozen, kTrained };
-TransferPath int8_path(BlockWeights weights);
-TransferPath nf4_path(BlockWeights weights);
+// The path of a quantized route for such blocks; std::invalid_argument for BF16, which has none.
+TransferPath transfer_path(Precision route, BlockWeights weights);
 
 // A report or policy file that cannot be used. what() names the file, the field and the
 // expectation.

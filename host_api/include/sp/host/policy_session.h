@@ -12,15 +12,14 @@
 #include <vector>
 
 #include "sp/host/policy_host.h"
+#include "sp/precision.h"
 
 namespace sp::host {
 
-// What calibration measures: per block, the relative output error of its INT8 and of its NF4
-// weights against its BF16 weights (one value per block in each).
-struct CalibrationErrors {
-  std::vector<double> int8;
-  std::vector<double> nf4;
-};
+// What calibration measures: per quantized precision, one value per block, the relative output
+// error of the block's weights in that precision against its BF16 weights. BF16's entry stays
+// empty (its error against itself is zero).
+using CalibrationErrors = PerPrecision<std::vector<double>>;
 
 class PolicySession {
  public:
