@@ -43,9 +43,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t *data, std::size_t size
     fail(std::string("to_json wrote a policy that from_json rejects: ") + error.what());
   }
 
-  for (a::TransferPath path :
-       {a::TransferPath::kInt8Frozen, a::TransferPath::kInt8Trained, a::TransferPath::kNf4Frozen,
-        a::TransferPath::kNf4Trained}) {
+  for (const a::TransferPath path : a::transfer_paths()) {
     const auto &rules = policy.rules(path);
     for (std::size_t i = 0; i < rules.size(); ++i) {
       const a::TransferRule &rule = rules[i];

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include <fmt/core.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "sp/kernels/nf4.h"
@@ -23,8 +24,6 @@ using nlohmann::json;
 
 constexpr const char* kReportFormat = "sp-transfer-report";
 constexpr const char* kPolicyFormat = "sp-transfer-policy";
-constexpr TransferPath kAllPaths[] = {TransferPath::kInt8Frozen, TransferPath::kInt8Trained, TransferPath::kNf4Frozen,
-                                      TransferPath::kNf4Trained};
 
 // A half-open byte range [lo, hi); hi == max() stands for "no upper bound".
 struct Interval {
@@ -136,50 +135,44 @@ double positive(const JsonFields& fields, const json& j, const char* key, const 
 
 }  // namespace
 
-const char* transfer_path_name(TransferPath path) {
-  switch (path) {
-    case TransferPath::kInt8Frozen:
-      return "int8_frozen";
-    case TransferPath::kInt8Trained:
-      return "int8_trained";
-    case TransferPath::kNf4Frozen:
-      return "nf4_frozen";
-    case TransferPath::kNf4Trained:
-      return "nf4_trained";
+TransferPath transfer_path(Precision route, BlockWeights weights) {
+  if (!is_quantized(route)) {
+    throw std::invalid_argument(std::string("transfer_path: ") + precision_name(route) + " has no transfer path");
   }
-  return "unknown";
+  return TransferPath{route, weights};
 }
 
-TransferPath transfer_path(Precision route, BlockWeights weights) {
-  const bool trained = weights == BlockWeights::kTrained;
-  switch (route) {
-    case Precision::int8:
-      return trained ? TransferPath::kInt8Trained : TransferPath::kInt8Frozen;
-    case Precision::nf4:
-      return trained ? TransferPath::kNf4Trained : TransferPath::kNf4Frozen;
-    case Precision::bf16:
-      break;
+std::vector<TransferPath> transfer_paths() {
+  std::vector<TransferPath> paths;
+  for (const Precision route : kPrecisions) {
+    if (!is_quantized(route)) continue;
+    for (const BlockWeights weights : {BlockWeights::kFrozen, BlockWeights::kTrained})
+      paths.push_back({route, weights});
   }
-  throw std::invalid_argument(std::string("transfer_path: ") + precision_name(route) + " has no transfer path");
+  return paths;
+}
+
+std::string transfer_path_name(TransferPath path) {
+  return std::string(precision_name(path.route)) + (path.weights == BlockWeights::kTrained ? "_trained" : "_frozen");
 }
 
 std::optional<TransferPath> parse_transfer_path(const std::string& name) {
-  for (TransferPath path : kAllPaths) {
+  for (const TransferPath path : transfer_paths()) {
     if (name == transfer_path_name(path)) return path;
   }
   return std::nullopt;
 }
 
 double TransferPoint::speedup(TransferPath path) const {
-  switch (path) {
-    case TransferPath::kInt8Frozen:
-      return bf16_path_s / int8_frozen_path_s;
-    case TransferPath::kInt8Trained:
-      return bf16_trained_path_s / int8_trained_path_s;
-    case TransferPath::kNf4Frozen:
-      return nf4 ? bf16_path_s / nf4->frozen_path_s : 0.0;
-    case TransferPath::kNf4Trained:
-      return nf4 ? bf16_trained_path_s / nf4->trained_path_s : 0.0;
+  const bool trained = path.weights == BlockWeights::kTrained;
+  const double bf16_s = trained ? bf16_trained_path_s : bf16_path_s;
+  switch (path.route) {
+    case Precision::int8:
+      return bf16_s / (trained ? int8_trained_path_s : int8_frozen_path_s);
+    case Precision::nf4:
+      return nf4 ? bf16_s / (trained ? nf4->trained_path_s : nf4->frozen_path_s) : 0.0;
+    case Precision::bf16:
+      break;
   }
   return 0.0;
 }
@@ -187,11 +180,9 @@ double TransferPoint::speedup(TransferPath path) const {
 std::string report_to_json(const TransferReport& report) {
   json points = json::array();
   for (const TransferPoint& p : report.points) {
-    json speedup = {{"int8_frozen", p.speedup(TransferPath::kInt8Frozen)},
-                    {"int8_trained", p.speedup(TransferPath::kInt8Trained)}};
-    if (p.nf4) {
-      speedup["nf4_frozen"] = p.speedup(TransferPath::kNf4Frozen);
-      speedup["nf4_trained"] = p.speedup(TransferPath::kNf4Trained);
+    json speedup = json::object();
+    for (const TransferPath path : transfer_paths()) {
+      if (path.route != Precision::nf4 || p.nf4) speedup[transfer_path_name(path)] = p.speedup(path);
     }
     points.push_back({{"bf16_bytes", p.bf16_bytes},
                       {"int8_bytes", p.int8_bytes},
@@ -343,7 +334,7 @@ TransferPolicy TransferPolicy::merge(const std::vector<TransferReport>& reports,
     }
     policy.sources_.push_back({report.machine, report.backend, report.device});
   }
-  for (TransferPath path : kAllPaths) {
+  for (const TransferPath path : transfer_paths()) {
     std::vector<Interval> allowed = allowed_by(reports.front(), path, speedup_threshold);
     for (size_t i = 1; i < reports.size(); ++i) {
       allowed = intersect(allowed, allowed_by(reports[i], path, speedup_threshold));
@@ -362,7 +353,7 @@ std::string TransferPolicy::to_json() const {
     sources.push_back({{"machine", s.machine}, {"backend", s.backend}, {"device", s.device}});
   }
   json rules = json::object();
-  for (TransferPath path : kAllPaths) {
+  for (const TransferPath path : transfer_paths()) {
     json list = json::array();
     for (const TransferRule& r : this->rules(path)) {
       list.push_back({{"min_bytes", r.min_bytes},
@@ -402,7 +393,11 @@ TransferPolicy TransferPolicy::from_json(const std::string& text, const std::str
     for (const auto& [name, list] : rules.items()) {
       const std::optional<TransferPath> path = parse_transfer_path(name);
       if (!path) {
-        fields.fail("rules." + name, "unknown path (expected int8_frozen, int8_trained, nf4_frozen or nf4_trained)");
+        std::vector<std::string> names;
+        for (const TransferPath known : transfer_paths()) names.push_back(transfer_path_name(known));
+        const std::string last = names.back();
+        names.pop_back();
+        fields.fail("rules." + name, fmt::format("unknown path (expected {} or {})", fmt::join(names, ", "), last));
       }
       fields.require_array(list, "rules." + name);
       std::vector<TransferRule>& out = policy.rules_[*path];

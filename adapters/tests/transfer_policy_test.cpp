@@ -12,6 +12,10 @@ namespace {
 using ::testing::HasSubstr;
 
 constexpr uint64_t MiB = 1ull << 20;
+const TransferPath kInt8Frozen = transfer_path(Precision::int8, BlockWeights::kFrozen);
+const TransferPath kInt8Trained = transfer_path(Precision::int8, BlockWeights::kTrained);
+const TransferPath kNf4Frozen = transfer_path(Precision::nf4, BlockWeights::kFrozen);
+const TransferPath kNf4Trained = transfer_path(Precision::nf4, BlockWeights::kTrained);
 
 TransferPoint point(uint64_t bf16_bytes, double frozen_speedup, double trained_speedup) {
   TransferPoint p;
@@ -50,26 +54,26 @@ TEST(TransferPolicyMerge, AllowsFromTheFirstGoodSizeUpwards) {
   const auto policy = TransferPolicy::merge({report("a", {point(1 * MiB, 0.6, 0.3), point(4 * MiB, 1.2, 0.8),
                                                           point(16 * MiB, 1.8, 1.1), point(64 * MiB, 1.9, 1.3)})},
                                             1.0);
-  ASSERT_EQ(policy.rules(TransferPath::kInt8Frozen).size(), 1u);
-  const TransferRule& frozen = policy.rules(TransferPath::kInt8Frozen)[0];
+  ASSERT_EQ(policy.rules(kInt8Frozen).size(), 1u);
+  const TransferRule& frozen = policy.rules(kInt8Frozen)[0];
   EXPECT_EQ(frozen.min_bytes, 4 * MiB);
   EXPECT_FALSE(frozen.max_bytes.has_value());
   EXPECT_DOUBLE_EQ(frozen.measured_speedup, 1.2);
-  EXPECT_FALSE(policy.pays(TransferPath::kInt8Frozen, 4 * MiB - 1));
-  EXPECT_TRUE(policy.pays(TransferPath::kInt8Frozen, 4 * MiB));
-  EXPECT_TRUE(policy.pays(TransferPath::kInt8Frozen, 1024 * MiB));
+  EXPECT_FALSE(policy.pays(kInt8Frozen, 4 * MiB - 1));
+  EXPECT_TRUE(policy.pays(kInt8Frozen, 4 * MiB));
+  EXPECT_TRUE(policy.pays(kInt8Frozen, 1024 * MiB));
   // The trained path pays the image rebuild too, so it starts later.
-  EXPECT_FALSE(policy.pays(TransferPath::kInt8Trained, 8 * MiB));
-  EXPECT_TRUE(policy.pays(TransferPath::kInt8Trained, 16 * MiB));
+  EXPECT_FALSE(policy.pays(kInt8Trained, 8 * MiB));
+  EXPECT_TRUE(policy.pays(kInt8Trained, 16 * MiB));
 }
 
 TEST(TransferPolicyMerge, ThresholdIsInclusiveAndRaisingItNarrowsTheRules) {
   const auto r = report("a", {point(1 * MiB, 1.0, 1.0), point(8 * MiB, 1.5, 1.5)});
-  EXPECT_TRUE(TransferPolicy::merge({r}, 1.0).pays(TransferPath::kInt8Frozen, 1 * MiB));
+  EXPECT_TRUE(TransferPolicy::merge({r}, 1.0).pays(kInt8Frozen, 1 * MiB));
   const auto strict = TransferPolicy::merge({r}, 1.4);
-  EXPECT_FALSE(strict.pays(TransferPath::kInt8Frozen, 1 * MiB));
-  EXPECT_TRUE(strict.pays(TransferPath::kInt8Frozen, 8 * MiB));
-  EXPECT_TRUE(TransferPolicy::merge({r}, 2.0).rules(TransferPath::kInt8Frozen).empty());
+  EXPECT_FALSE(strict.pays(kInt8Frozen, 1 * MiB));
+  EXPECT_TRUE(strict.pays(kInt8Frozen, 8 * MiB));
+  EXPECT_TRUE(TransferPolicy::merge({r}, 2.0).rules(kInt8Frozen).empty());
 }
 
 TEST(TransferPolicyMerge, AGoodSizeBetweenBadOnesIsNotExtrapolated) {
@@ -78,12 +82,12 @@ TEST(TransferPolicyMerge, AGoodSizeBetweenBadOnesIsNotExtrapolated) {
   const auto policy = TransferPolicy::merge({report("a", {point(1 * MiB, 0.7, 0.7), point(4 * MiB, 1.3, 1.3),
                                                           point(8 * MiB, 1.2, 0.9), point(32 * MiB, 0.95, 0.9)})},
                                             1.0);
-  ASSERT_EQ(policy.rules(TransferPath::kInt8Frozen).size(), 1u);
-  const TransferRule& band = policy.rules(TransferPath::kInt8Frozen)[0];
+  ASSERT_EQ(policy.rules(kInt8Frozen).size(), 1u);
+  const TransferRule& band = policy.rules(kInt8Frozen)[0];
   EXPECT_EQ(band.min_bytes, 4 * MiB);
   EXPECT_EQ(band.max_bytes, std::optional<uint64_t>(8 * MiB));
   EXPECT_DOUBLE_EQ(band.measured_speedup, 1.2);
-  EXPECT_TRUE(policy.rules(TransferPath::kInt8Trained).empty());
+  EXPECT_TRUE(policy.rules(kInt8Trained).empty());
 }
 
 TEST(TransferPolicyMerge, ConflictingMachinesKeepTheConservativeRule) {
@@ -91,15 +95,15 @@ TEST(TransferPolicyMerge, ConflictingMachinesKeepTheConservativeRule) {
   const auto a = report("a", {point(2 * MiB, 1.3, 1.1), point(16 * MiB, 1.9, 1.6), point(64 * MiB, 1.9, 1.7)});
   const auto b = report("b", {point(4 * MiB, 0.8, 0.7), point(16 * MiB, 1.1, 1.05), point(128 * MiB, 1.2, 1.1)});
   const auto policy = TransferPolicy::merge({a, b}, 1.0);
-  ASSERT_EQ(policy.rules(TransferPath::kInt8Frozen).size(), 1u);
-  const TransferRule& rule = policy.rules(TransferPath::kInt8Frozen)[0];
+  ASSERT_EQ(policy.rules(kInt8Frozen).size(), 1u);
+  const TransferRule& rule = policy.rules(kInt8Frozen)[0];
   EXPECT_EQ(rule.min_bytes, 16 * MiB);
   EXPECT_FALSE(rule.max_bytes.has_value());
   EXPECT_DOUBLE_EQ(rule.measured_speedup, 1.1);
-  EXPECT_FALSE(policy.pays(TransferPath::kInt8Frozen, 8 * MiB));
+  EXPECT_FALSE(policy.pays(kInt8Frozen, 8 * MiB));
   // The order of the reports does not matter.
   const auto swapped = TransferPolicy::merge({b, a}, 1.0);
-  for (TransferPath path : {TransferPath::kInt8Frozen, TransferPath::kInt8Trained}) {
+  for (TransferPath path : {kInt8Frozen, kInt8Trained}) {
     ASSERT_EQ(swapped.rules(path).size(), policy.rules(path).size());
     for (size_t i = 0; i < policy.rules(path).size(); ++i) {
       EXPECT_EQ(swapped.rules(path)[i].min_bytes, policy.rules(path)[i].min_bytes);
@@ -115,14 +119,14 @@ TEST(TransferPolicyMerge, OverlappingRangesFromSeveralReportsIntersect) {
   const auto a = report("a", {point(1 * MiB, 1.5, 1.5), point(8 * MiB, 1.5, 1.5), point(32 * MiB, 0.5, 0.5)});
   const auto b = report("b", {point(4 * MiB, 1.4, 1.4), point(64 * MiB, 1.6, 1.6)});
   const auto policy = TransferPolicy::merge({a, b}, 1.0);
-  ASSERT_EQ(policy.rules(TransferPath::kInt8Frozen).size(), 1u);
-  EXPECT_EQ(policy.rules(TransferPath::kInt8Frozen)[0].min_bytes, 4 * MiB);
-  EXPECT_EQ(policy.rules(TransferPath::kInt8Frozen)[0].max_bytes, std::optional<uint64_t>(8 * MiB));
+  ASSERT_EQ(policy.rules(kInt8Frozen).size(), 1u);
+  EXPECT_EQ(policy.rules(kInt8Frozen)[0].min_bytes, 4 * MiB);
+  EXPECT_EQ(policy.rules(kInt8Frozen)[0].max_bytes, std::optional<uint64_t>(8 * MiB));
 }
 
 TEST(TransferPolicyMerge, RepeatedSizeKeepsItsWorseMeasurement) {
   const auto policy = TransferPolicy::merge({report("a", {point(8 * MiB, 1.4, 1.4), point(8 * MiB, 0.9, 0.9)})}, 1.0);
-  EXPECT_TRUE(policy.rules(TransferPath::kInt8Frozen).empty());
+  EXPECT_TRUE(policy.rules(kInt8Frozen).empty());
 }
 
 TEST(TransferPolicyMerge, RejectsUnusableInput) {
@@ -138,12 +142,12 @@ TEST(TransferPolicyMerge, Nf4RulesComeFromTheNf4Measurements) {
       {report("a", {with_nf4(point(1 * MiB, 1.2, 1.1), 0.8, 0.5), with_nf4(point(4 * MiB, 1.4, 1.2), 1.7, 0.9),
                     with_nf4(point(16 * MiB, 1.6, 1.3), 2.1, 0.95)})},
       1.0);
-  ASSERT_EQ(policy.rules(TransferPath::kNf4Frozen).size(), 1u);
-  EXPECT_EQ(policy.rules(TransferPath::kNf4Frozen)[0].min_bytes, 4 * MiB);
-  EXPECT_DOUBLE_EQ(policy.rules(TransferPath::kNf4Frozen)[0].measured_speedup, 1.7);
-  EXPECT_TRUE(policy.rules(TransferPath::kNf4Trained).empty());
-  EXPECT_TRUE(policy.pays(TransferPath::kInt8Frozen, 1 * MiB));
-  EXPECT_FALSE(policy.pays(TransferPath::kNf4Frozen, 1 * MiB));
+  ASSERT_EQ(policy.rules(kNf4Frozen).size(), 1u);
+  EXPECT_EQ(policy.rules(kNf4Frozen)[0].min_bytes, 4 * MiB);
+  EXPECT_DOUBLE_EQ(policy.rules(kNf4Frozen)[0].measured_speedup, 1.7);
+  EXPECT_TRUE(policy.rules(kNf4Trained).empty());
+  EXPECT_TRUE(policy.pays(kInt8Frozen, 1 * MiB));
+  EXPECT_FALSE(policy.pays(kNf4Frozen, 1 * MiB));
 
   // The gate for the PolicyBridge: both routes, per block size.
   const TransferGate frozen = transfer_gate(policy, BlockWeights::kFrozen, {1 * MiB, 8 * MiB});
@@ -160,13 +164,13 @@ TEST(TransferPolicyMerge, AReportWithoutNf4AllowsNf4Nowhere) {
   const auto old = report("old", {point(1 * MiB, 1.5, 1.5), point(64 * MiB, 1.5, 1.5)});
   const auto fresh =
       report("new", {with_nf4(point(1 * MiB, 1.5, 1.5), 2.0, 2.0), with_nf4(point(64 * MiB, 1.5, 1.5), 2.0, 2.0)});
-  EXPECT_EQ(old.points[0].speedup(TransferPath::kNf4Frozen), 0.0);
-  EXPECT_TRUE(TransferPolicy::merge({old}, 1.0).rules(TransferPath::kNf4Frozen).empty());
-  EXPECT_EQ(TransferPolicy::merge({fresh}, 1.0).rules(TransferPath::kNf4Frozen).size(), 1u);
+  EXPECT_EQ(old.points[0].speedup(kNf4Frozen), 0.0);
+  EXPECT_TRUE(TransferPolicy::merge({old}, 1.0).rules(kNf4Frozen).empty());
+  EXPECT_EQ(TransferPolicy::merge({fresh}, 1.0).rules(kNf4Frozen).size(), 1u);
   const auto merged = TransferPolicy::merge({old, fresh}, 1.0);
-  EXPECT_TRUE(merged.rules(TransferPath::kNf4Frozen).empty());
-  EXPECT_TRUE(merged.rules(TransferPath::kNf4Trained).empty());
-  EXPECT_EQ(merged.rules(TransferPath::kInt8Frozen).size(), 1u);
+  EXPECT_TRUE(merged.rules(kNf4Frozen).empty());
+  EXPECT_TRUE(merged.rules(kNf4Trained).empty());
+  EXPECT_EQ(merged.rules(kInt8Frozen).size(), 1u);
 }
 
 TEST(TransferPolicyFile, APolicyFromBeforeNf4LoadsAndAllowsNf4Nowhere) {
@@ -174,8 +178,8 @@ TEST(TransferPolicyFile, APolicyFromBeforeNf4LoadsAndAllowsNf4Nowhere) {
                           R"("rules":{"int8_frozen":[{"min_bytes":1024,"max_bytes":null,"measured_speedup":1.3}],)"
                           R"("int8_trained":[]}})";
   const TransferPolicy policy = TransferPolicy::from_json(old, "old-policy.json");
-  EXPECT_TRUE(policy.pays(TransferPath::kInt8Frozen, 4096));
-  EXPECT_FALSE(policy.pays(TransferPath::kNf4Frozen, 4096));
+  EXPECT_TRUE(policy.pays(kInt8Frozen, 4096));
+  EXPECT_FALSE(policy.pays(kNf4Frozen, 4096));
   const TransferGate gate = transfer_gate(policy, BlockWeights::kFrozen, {4096, 512});
   EXPECT_EQ(gate.pays[Precision::int8], (std::vector<bool>{true, false}));
   EXPECT_EQ(gate.pays[Precision::nf4], (std::vector<bool>{false, false}));
@@ -199,7 +203,7 @@ TEST(TransferReportFile, Nf4MeasurementsRoundTripAndAreValidated) {
   ASSERT_TRUE(back.points[0].nf4.has_value());
   EXPECT_EQ(back.points[0].nf4->group_size, 128u);
   EXPECT_EQ(back.points[0].nf4->nf4_bytes, r.points[0].nf4->nf4_bytes);
-  EXPECT_DOUBLE_EQ(back.points[0].speedup(TransferPath::kNf4Frozen), 1.4);
+  EXPECT_DOUBLE_EQ(back.points[0].speedup(kNf4Frozen), 1.4);
   EXPECT_EQ(report_to_json(back), text);
   std::string bad = text;
   bad.replace(bad.find("\"group_size\": 128"), 17, "\"group_size\": 48");
@@ -228,8 +232,8 @@ TEST(TransferPolicyFile, RoundTripsThroughJson) {
       {report("a", {point(1 * MiB, 1.1, 0.9), point(4 * MiB, 1.3, 1.2), point(32 * MiB, 0.9, 0.8)})}, 1.0);
   const auto back = TransferPolicy::from_json(policy.to_json(), "p.json");
   EXPECT_EQ(back.to_json(), policy.to_json());
-  EXPECT_TRUE(back.pays(TransferPath::kInt8Frozen, 2 * MiB));
-  EXPECT_FALSE(back.pays(TransferPath::kInt8Frozen, 4 * MiB));
+  EXPECT_TRUE(back.pays(kInt8Frozen, 2 * MiB));
+  EXPECT_FALSE(back.pays(kInt8Frozen, 4 * MiB));
 }
 
 TEST(TransferReportFile, RoundTripsThroughJson) {
@@ -305,19 +309,21 @@ TEST(TransferPolicyFile, MissingFileIsAClearError) {
 
 TEST(TransferPolicyFile, DefaultPolicyAllowsInt8AndNf4Nowhere) {
   const TransferPolicy none;
-  EXPECT_FALSE(none.pays(TransferPath::kInt8Frozen, 1ull << 40));
-  EXPECT_FALSE(none.pays(TransferPath::kInt8Trained, 1ull << 40));
-  EXPECT_FALSE(none.pays(TransferPath::kNf4Frozen, 1ull << 40));
-  EXPECT_FALSE(none.pays(TransferPath::kNf4Trained, 1ull << 40));
+  EXPECT_FALSE(none.pays(kInt8Frozen, 1ull << 40));
+  EXPECT_FALSE(none.pays(kInt8Trained, 1ull << 40));
+  EXPECT_FALSE(none.pays(kNf4Frozen, 1ull << 40));
+  EXPECT_FALSE(none.pays(kNf4Trained, 1ull << 40));
 }
 
 TEST(TransferPath, NamesRoundTrip) {
-  for (TransferPath path :
-       {TransferPath::kInt8Frozen, TransferPath::kInt8Trained, TransferPath::kNf4Frozen, TransferPath::kNf4Trained}) {
+  for (const TransferPath path : transfer_paths()) {
     EXPECT_EQ(parse_transfer_path(transfer_path_name(path)), std::optional<TransferPath>(path));
   }
-  EXPECT_EQ(transfer_path(Precision::nf4, BlockWeights::kTrained), TransferPath::kNf4Trained);
-  EXPECT_EQ(transfer_path(Precision::int8, BlockWeights::kFrozen), TransferPath::kInt8Frozen);
+  std::vector<std::string> names;
+  for (const TransferPath path : transfer_paths()) names.push_back(transfer_path_name(path));
+  EXPECT_EQ(names, (std::vector<std::string>{"int8_frozen", "int8_trained", "nf4_frozen", "nf4_trained"}));
+  EXPECT_EQ(parse_transfer_path("bf16_frozen"), std::nullopt);
+  EXPECT_THROW(transfer_path(Precision::bf16, BlockWeights::kFrozen), std::invalid_argument);
 }
 
 }  // namespace

@@ -77,13 +77,17 @@ sp::adapters::TransferReport sweep(sp::adapters::TransferBackend& backend, const
   sp::adapters::TransferReport report;
   const auto measure = [&](const std::vector<sp::bench::MatrixShape>& shapes, const std::string& label) {
     sp::adapters::TransferPoint point = sp::bench::measure_transfer_point(backend, shapes, options.measure);
+    const auto path_of = [](sp::Precision route, bool trained) {
+      return sp::adapters::transfer_path(
+          route, trained ? sp::adapters::BlockWeights::kTrained : sp::adapters::BlockWeights::kFrozen);
+    };
     fmt::print(
         "{:>18}  bf16 {:>10}  raw {:7.2f} GB/s  bf16 path {:5.1f}% of raw  int8 {:5.2f}x faster "
         "(frozen), {:5.2f}x (trained)  nf4 {:5.2f}x (frozen), {:5.2f}x (trained)\n",
         label, describe_bytes(point.bf16_bytes), point.bf16_bytes / point.raw_copy_s / 1e9,
-        100.0 * point.raw_copy_s / point.bf16_path_s, point.speedup(sp::adapters::TransferPath::kInt8Frozen),
-        point.speedup(sp::adapters::TransferPath::kInt8Trained), point.speedup(sp::adapters::TransferPath::kNf4Frozen),
-        point.speedup(sp::adapters::TransferPath::kNf4Trained));
+        100.0 * point.raw_copy_s / point.bf16_path_s, point.speedup(path_of(sp::Precision::int8, false)),
+        point.speedup(path_of(sp::Precision::int8, true)), point.speedup(path_of(sp::Precision::nf4, false)),
+        point.speedup(path_of(sp::Precision::nf4, true)));
     std::fflush(stdout);
     report.points.push_back(point);
   };
@@ -150,9 +154,8 @@ int merge_policy(const std::vector<std::string>& report_paths, const std::string
   }
   const sp::adapters::TransferPolicy policy = sp::adapters::TransferPolicy::merge(reports, threshold);
   sp::runtime::write_file_atomically(output, policy.to_json());
-  for (auto path : {sp::adapters::TransferPath::kInt8Frozen, sp::adapters::TransferPath::kInt8Trained,
-                    sp::adapters::TransferPath::kNf4Frozen, sp::adapters::TransferPath::kNf4Trained}) {
-    const bool nf4 = path == sp::adapters::TransferPath::kNf4Frozen || path == sp::adapters::TransferPath::kNf4Trained;
+  for (const sp::adapters::TransferPath path : sp::adapters::transfer_paths()) {
+    const bool nf4 = path.route == sp::Precision::nf4;
     const char* route = nf4 ? "NF4" : "INT8";
     const auto& rules = policy.rules(path);
     if (rules.empty()) {

@@ -14,7 +14,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using adapters::load_report;
-using adapters::TransferPath;
 using adapters::TransferPoint;
 using adapters::TransferPolicy;
 using adapters::TransferReport;
@@ -58,7 +57,7 @@ TEST_F(SpBenchCli, HostSmokeRunWritesAValidReportAndPolicy) {
     EXPECT_LT(p.nf4->nf4_bytes, p.int8_bytes);
     EXPECT_EQ(p.nf4->dequant.samples, 2u);
     EXPECT_EQ(p.nf4->rebuild.samples, 4u);
-    EXPECT_GT(p.speedup(TransferPath::kNf4Frozen), 0.0);
+    EXPECT_GT(p.speedup(adapters::transfer_path(sp::Precision::nf4, adapters::BlockWeights::kFrozen)), 0.0);
   }
   EXPECT_GT(report.reference_h2d_gbps, 0.0);
 

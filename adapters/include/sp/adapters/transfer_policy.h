@@ -30,17 +30,23 @@
 
 namespace sp::adapters {
 
-// Which quantized path a measurement or rule is about. A frozen block (LoRA base weights)
-// pays copy + dequant; a trained block also pays the rebuild of its quantized image after
-// every optimizer step.
-enum class TransferPath { kInt8Frozen, kInt8Trained, kNf4Frozen, kNf4Trained };
-const char* transfer_path_name(TransferPath path);  // "int8_frozen", ..., "nf4_trained"
-std::optional<TransferPath> parse_transfer_path(const std::string& name);
-
 // Whether a run's streamed blocks change every step (full training) or not (LoRA bases).
 enum class BlockWeights { kFrozen, kTrained };
+
+// Which quantized path a measurement or rule is about: a quantized route for frozen blocks
+// (LoRA base weights), which pay copy + dequant, or for trained ones, which also pay the
+// rebuild of their quantized image after every optimizer step. Made by transfer_path().
+struct TransferPath {
+  Precision route = Precision::int8;
+  BlockWeights weights = BlockWeights::kFrozen;
+  friend constexpr auto operator<=>(const TransferPath&, const TransferPath&) = default;
+};
 // The path of a quantized route for such blocks; std::invalid_argument for BF16, which has none.
 TransferPath transfer_path(Precision route, BlockWeights weights);
+// Every path: each quantized route (in kPrecisions' order) for frozen, then trained blocks.
+std::vector<TransferPath> transfer_paths();
+std::string transfer_path_name(TransferPath path);  // "int8_frozen", ..., "nf4_trained"
+std::optional<TransferPath> parse_transfer_path(const std::string& name);
 
 // A report or policy file that cannot be used. what() names the file, the field and the
 // expectation.
