@@ -46,11 +46,14 @@ std::string block_label(const BlockSpec &block, std::uint32_t id) {
 }
 
 GroupSizes group_sizes(const StreamingConfig &config) {
-  return GroupSizes{config.int8_group_size, config.nf4_group_size};
+  GroupSizes groups;
+  groups[Precision::int8] = config.int8_group_size;
+  groups[Precision::nf4] = config.nf4_group_size;
+  return groups;
 }
 
 kn::SlabEncoding encoding_for(Precision precision, const GroupSizes &groups) {
-  return slab_encoding(precision, precision == Precision::nf4 ? groups.nf4 : groups.int8);
+  return slab_encoding(precision, groups[precision]);
 }
 
 std::uint64_t image_size(const BlockSpec &block, Precision precision, const GroupSizes &groups) {

@@ -7,7 +7,6 @@
 #include <string>
 
 #include "sp/adapters/streaming_engine.h"
-#include "sp/kernels/nf4.h"
 #include "sp/kernels/slab.h"
 
 namespace sp::adapters {
@@ -15,11 +14,8 @@ namespace detail {
 
 std::string block_label(const BlockSpec &block, std::uint32_t id);
 
-// The group size of each route: per StreamingConfig for the quantized ones, none for BF16.
-struct GroupSizes {
-  std::uint32_t int8 = 0;
-  std::uint32_t nf4 = sp::kernels::kNf4DefaultGroupSize;
-};
+// The group size of each route: per StreamingConfig for the quantized ones, 0 (none) for BF16.
+using GroupSizes = PerPrecision<std::uint32_t>;
 
 GroupSizes group_sizes(const StreamingConfig &config);
 sp::kernels::SlabEncoding encoding_for(Precision precision, const GroupSizes &groups);
