@@ -99,7 +99,7 @@ void StreamingEngine::ensure_image(std::uint32_t block, Precision precision) {
     sources.push_back(kn::SlabTensorSource{tensor.master, kn::TensorShape{tensor.rows, tensor.cols}});
   }
   write_image(block, precision, [&](const kn::SlabEncoding &encoding, std::uint8_t *slab, std::uint64_t capacity) {
-    return kn::build_slab(encoding, sources.data(), sources.size(), slab, capacity);
+    return kn::build_slab(encoding, sources.data(), sources.size(), slab, capacity, config_.host_exec);
   });
 }
 
@@ -252,6 +252,7 @@ StreamingEngine::WeightUpdate StreamingEngine::begin_update(std::uint32_t block)
   update.slab_ = writable_slab(block);
   update.data_ = reinterpret_cast<std::uint8_t *>(pool_.data(update.slab_));
   update.capacity_ = pool_.slab_bytes();
+  update.exec_ = config_.host_exec;
   updating_[block] = true;
   return update;
 }
@@ -265,7 +266,7 @@ void StreamingEngine::WeightUpdate::run(const kn::AdamWStep &step,
   ran_ = true;
   try {
     check_update_tensors(*spec_, block_, tensors);
-    bytes_ = kn::adamw_update_slab(encoding_, step, tensors.data(), tensors.size(), data_, capacity_);
+    bytes_ = kn::adamw_update_slab(encoding_, step, tensors.data(), tensors.size(), data_, capacity_, exec_);
   } catch (...) {
     error_ = std::current_exception();
   }

@@ -14,12 +14,13 @@ namespace sp::kernels::detail {
 
 inline unsigned resolve_threads(const CpuExec &exec) {
   if (exec.threads != 0) return exec.threads;
+  if (exec.pool != nullptr) return std::max(1u, exec.pool->size());
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
 // Calls body(begin, end) on contiguous ranges covering [0, n_items). Each thread gets at
 // least min_items (so small inputs stay on the calling thread and pay no thread start-up).
-// The calling thread runs the first range. body must not throw.
+// Without a pool the calling thread runs the first range. body must not throw.
 template <typename Body>
 void parallel_ranges(std::size_t n_items, const CpuExec &exec, std::size_t min_items, const Body &body) {
   if (n_items == 0) return;
@@ -30,6 +31,14 @@ void parallel_ranges(std::size_t n_items, const CpuExec &exec, std::size_t min_i
     return;
   }
   const std::size_t per_range = (n_items + n_ranges - 1) / n_ranges;
+  if (exec.pool != nullptr) {
+    exec.pool->run(n_ranges, [&](std::size_t r) {
+      const std::size_t begin = std::min(n_items, r * per_range);
+      const std::size_t end = std::min(n_items, begin + per_range);
+      if (begin < end) body(begin, end);
+    });
+    return;
+  }
   std::vector<std::thread> workers;
   workers.reserve(n_ranges - 1);
   for (std::size_t r = 1; r < n_ranges; ++r) {

@@ -101,6 +101,38 @@ TEST(GradMoments, BitIdenticalForAnyThreadCountAndRun) {
   }
 }
 
+// A caller's pool that runs the tasks last to first on this thread: the kernels must hand it
+// every piece, once, and combine the pieces in chunk order whatever order they ran in.
+class BackwardsPool : public ThreadPool {
+ public:
+  explicit BackwardsPool(unsigned size) : size_(size) {}
+  unsigned size() const override { return size_; }
+  void run(std::size_t n, const std::function<void(std::size_t)> &task) const override {
+    ++runs;
+    tasks += n;
+    for (std::size_t i = n; i-- > 0;) task(i);
+  }
+  mutable unsigned runs = 0;
+  mutable std::size_t tasks = 0;
+
+ private:
+  unsigned size_;
+};
+
+TEST(GradMoments, RunOnACallersPoolTheyAreBitIdentical) {
+  const Tensors t = make_tensors(4);
+  const auto own_threads = run(t, 3, CpuExec{CpuImpl::kVectorized, 1});
+  for (const unsigned size : {1u, 2u, 5u}) {
+    const BackwardsPool pool(size);
+    const auto pooled = run(t, 3, CpuExec{CpuImpl::kVectorized, 0, &pool});
+    ASSERT_EQ(0, std::memcmp(own_threads.data(), pooled.data(), own_threads.size() * sizeof(own_threads[0]))) << size;
+    if (size > 1) {
+      EXPECT_EQ(pool.runs, 1u) << "one call, one run on the pool";
+      EXPECT_GT(pool.tasks, 1u) << "the work was split over the pool's size";
+    }
+  }
+}
+
 TEST(GradMoments, NonFiniteElementsAreCountedAndExcluded) {
   const std::vector<float> g = {1.0f, -2.0f, std::numeric_limits<float>::quiet_NaN(),
                                 std::numeric_limits<float>::infinity(), 3.0f};

@@ -220,7 +220,7 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
         const torch::Tensor quantized = on_host(blocks[b].block.forward(reference[b]));
         const torch::Tensor expected = on_host(reference[b + 1]);
         (*sums)[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32, quantized.data_ptr<float>(),
-                                         kn::DType::kFloat32, static_cast<std::size_t>(expected.numel()));
+                                         kn::DType::kFloat32, static_cast<std::size_t>(expected.numel()), host_exec());
       });
     }
   }

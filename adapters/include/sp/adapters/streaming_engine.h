@@ -47,6 +47,9 @@ struct StreamingConfig {
   std::uint32_t nf4_group_size = sp::kernels::kNf4DefaultGroupSize;
   bool backward = true;
   std::string metrics_path;  // JSONL, one record per step; empty: none
+  // How the engine's host-side kernels (image builds, the fused update) run: a host that keeps
+  // a thread pool lends it here (CpuExec::pool, which must outlive the engine).
+  sp::kernels::CpuExec host_exec;
 };
 
 struct TensorView {
@@ -143,6 +146,7 @@ class StreamingEngine {
     std::uint8_t *data_ = nullptr;
     std::uint64_t capacity_ = 0;
     sp::kernels::SlabEncoding encoding_{};
+    sp::kernels::CpuExec exec_;
     std::uint64_t bytes_ = 0;
     bool ran_ = false;
     std::exception_ptr error_;

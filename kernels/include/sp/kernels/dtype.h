@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 namespace sp::kernels {
 
@@ -25,11 +26,27 @@ enum class CpuImpl : uint8_t {
   kVectorized = 1,
 };
 
+// A caller's thread pool for the CPU kernels to run on, instead of starting threads of their
+// own beside it: a host whose framework keeps worker threads (LibTorch's intra-op pool) lends
+// them, so the two do not contend for the same cores.
+class ThreadPool {
+ public:
+  virtual ~ThreadPool() = default;
+  // How many tasks can run at once (at least 1).
+  virtual unsigned size() const = 0;
+  // Calls task(0), ..., task(n - 1), each once, and returns when all have returned. The kernels'
+  // tasks do not throw.
+  virtual void run(std::size_t n, const std::function<void(std::size_t)> &task) const = 0;
+};
+
 // How a CPU kernel executes. The result never depends on `threads`: work is split into
 // fixed-size chunks and partial results are combined in chunk order.
 struct CpuExec {
   CpuImpl impl = CpuImpl::kVectorized;
-  unsigned threads = 0;  // 0: std::thread::hardware_concurrency(); ignored by kReference
+  unsigned threads = 0;  // 0: pool->size() with a pool, else std::thread::hardware_concurrency();
+                         // ignored by kReference
+  // Where the work runs: null starts std::threads per call. Not owned; it must outlive the call.
+  const ThreadPool *pool = nullptr;
 };
 
 // Rounding of a narrowing conversion.
