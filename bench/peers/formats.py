@@ -2,12 +2,12 @@
 same tensors: bitsandbytes' quantize_4bit / dequantize_4bit (nf4, blocks of 64) and torchao's
 to_nf4 / get_original_weight for NF4, torch.quantize_per_channel for INT8 (per row), with a copy
 of the bf16 weights as the ceiling. Each operation is timed interleaved with its peers (median
-of --repeats after one untimed call), on 1 and 2 threads (torch.set_num_threads for the peers,
-the same count for ours). Throughput is the bf16 weights' bytes (2 per element) per second, for
-every side, so that the ratios compare like with like. A dequantize writes into a tensor
-allocated once where the API takes one (ours; bitsandbytes' out= has no CPU kernel), as a
-streaming step writes into its slot; the ceiling is a copy of the bf16 weights into such a
-tensor.
+of --repeats after one untimed call), on 1 and 2 threads: torch.set_num_threads for every side,
+ours with threads=0, which runs the kernels on torch's own intra-op team. Throughput is the bf16
+weights' bytes (2 per element) per second, for every side, so that the ratios compare like with
+like. A dequantize writes into a tensor allocated once where the API takes one (ours;
+bitsandbytes' out= has no CPU kernel), as a streaming step writes into its slot; the ceiling is a
+copy of the bf16 weights into such a tensor.
 
     .venv/bin/python bench/peers/formats.py --out bench/results/peers/formats.json
 """
@@ -78,10 +78,10 @@ def main():
             shape = "%dx%d" % (rows_n, cols)
             out = torch.empty_like(x)
             copy = median_seconds(args.repeats, lambda: out.copy_(x))
-            ours_q = median_seconds(args.repeats, lambda: sp.quantize_nf4(x, 64, threads=threads))
-            codes, scales = sp.quantize_nf4(x, 64, threads=threads)
+            ours_q = median_seconds(args.repeats, lambda: sp.quantize_nf4(x, 64, threads=0))
+            codes, scales = sp.quantize_nf4(x, 64, threads=0)
             ours_dq = median_seconds(args.repeats,
-                                     lambda: sp.dequantize_nf4(codes, scales, 64, threads=threads, out=out))
+                                     lambda: sp.dequantize_nf4(codes, scales, 64, threads=0, out=out))
             row("nf4 dequantize %s" % shape, "copy of the bf16 weights", ours_dq, copy, nbytes, threads, GOAL_COPY)
             for peer, (quantize, dequantize) in nf4_peers.items():
                 row("nf4 quantize %s" % shape, peer, ours_q, median_seconds(args.repeats, lambda: quantize(x)),
@@ -89,9 +89,9 @@ def main():
                 image = quantize(x)
                 row("nf4 dequantize %s" % shape, peer, ours_dq,
                     median_seconds(args.repeats, lambda: dequantize(image, out)), nbytes, threads, GOAL_PEER)
-            ours_q8 = median_seconds(args.repeats, lambda: sp.quantize_int8(x, 0, threads=threads))
-            q8, s8 = sp.quantize_int8(x, 0, threads=threads)
-            ours_dq8 = median_seconds(args.repeats, lambda: sp.dequantize_int8(q8, s8, 0, threads=threads, out=out))
+            ours_q8 = median_seconds(args.repeats, lambda: sp.quantize_int8(x, 0, threads=0))
+            q8, s8 = sp.quantize_int8(x, 0, threads=0)
+            ours_dq8 = median_seconds(args.repeats, lambda: sp.dequantize_int8(q8, s8, 0, threads=0, out=out))
             row("int8 quantize %s, per row" % shape, "torch.quantize_per_channel", ours_q8,
                 median_seconds(args.repeats, lambda: int8_per_channel(x)), nbytes, threads, GOAL_PEER)
             quantized = int8_per_channel(x)

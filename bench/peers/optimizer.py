@@ -12,7 +12,10 @@ Two comparisons per peer:
   peer needs a second pass, a bf16 copy (copy_ into tensors allocated once), torch's per-row
   INT8 (quantize_per_channel with its absmax) or bitsandbytes' NF4 (quantize_4bit).
 Every side steps the same state: each timed call is one more step of it. Throughput is
-parameters per second; median of --repeats after one untimed call, interleaved.
+parameters per second; median of --repeats after one untimed call, interleaved. Every side runs
+on torch's intra-op threads, torch.set_num_threads(threads) of them: ours with threads=0, which
+puts the kernels on torch's own team (DeepSpeed's op takes its OpenMP threads from the same
+setting).
 
     .venv/bin/python bench/peers/optimizer.py --out bench/results/peers/optimizer.json
 """
@@ -42,19 +45,18 @@ def block(d, seed):
 
 
 class Ours:
-    def __init__(self, weights, grads, threads):
+    def __init__(self, weights, grads):
         self.params = [w.clone() for w in weights]
         self.grads = grads
         self.m = [torch.zeros_like(w) for w in weights]
         self.v = [torch.zeros_like(w) for w in weights]
-        self.threads = threads
         self.t = 0
         self.images = {}  # allocated once per format, as the layer's pinned slabs are
 
     def step(self, image=None):
         self.t += 1
         written = sp.adamw_step_(self.params, self.grads, self.m, self.v, lr=LR, step=self.t, betas=BETAS, eps=EPS,
-                                 weight_decay=WEIGHT_DECAY, image=image, threads=self.threads,
+                                 weight_decay=WEIGHT_DECAY, image=image, threads=0,
                                  out=self.images.get(image))
         if image is not None:
             self.images[image] = written
@@ -131,7 +133,7 @@ def main():
             grads = [g * 0.01 for g in block(d, 2)]
             n = sum(w.numel() for w in weights)
             label = "d=%d block (%.1f M params)" % (d, n / 1e6)
-            ours = Ours(weights, grads, threads)
+            ours = Ours(weights, grads)
             peers = {"torch AdamW fused=True": lambda: TorchAdamW(weights, grads, fused=True),
                      "torch AdamW foreach=True": lambda: TorchAdamW(weights, grads, foreach=True),
                      "DeepSpeedCPUAdam": lambda: DeepSpeedAdam(weights, grads)}

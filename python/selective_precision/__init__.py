@@ -198,7 +198,9 @@ def quantize_nf4(x: torch.Tensor, group_size: int = 64, *, scale_dtype: torch.dt
     `scales` has shape (rows, ceil(cols / group_size)), each group's absmax: float32 as
     bitsandbytes stores it, or, with `scale_dtype=torch.bfloat16`, rounded to nearest as the
     layer's images store it (docs/kernels.md, "NF4"). A group holding NaN or Inf gets scale NaN
-    and dequantizes to NaN. `threads`: 0 for every core; the result does not depend on it."""
+    and dequantizes to NaN. `threads`: 0 for torch's own intra-op threads (as many as
+    torch.get_num_threads()), else that many threads of the kernels' own; the result does not
+    depend on it."""
     return tuple(_extension._quantize_nf4(x, int(group_size), scale_dtype, int(threads)))
 
 
@@ -225,8 +227,8 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     fused update does, and returns it (a uint8 tensor: the slab, docs/kernels.md, "The slab");
     `group_size` defaults to 0 (one scale per row) for INT8 and 64 for NF4; `out`, an image
     returned before for the same shapes and format, is written again instead of a new one, as
-    the layer reuses its pinned slabs. Returns None without an image. `threads`: 0 for every
-    core; the result does not depend on it."""
+    the layer reuses its pinned slabs. Returns None without an image. `threads` as for
+    quantize_nf4."""
     if group_size is None:
         group_size = 64 if image == "nf4" else 0
     return _extension._adamw_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), float(lr), int(step),

@@ -33,6 +33,7 @@
 #include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
 #include "sp/torch_layer/collectives.h"
+#include "sp/torch_layer/intra_op_pool.h"
 #include "sp/torch_layer/streamed_model.h"
 
 namespace py = pybind11;
@@ -339,6 +340,13 @@ torch::Tensor output_matrix(const std::optional<torch::Tensor>& out, std::int64_
   return *out;
 }
 
+// `threads` 0: torch's own intra-op threads (torch.get_num_threads()), as torch's ops use them;
+// else that many threads of the kernels' own.
+kn::CpuExec cpu_exec(unsigned threads) {
+  if (threads == 0) return tl::intra_op_exec();
+  return kn::CpuExec{kn::CpuImpl::kVectorized, threads};
+}
+
 py::tuple quantize_nf4(const torch::Tensor& x, std::uint32_t group_size, const py::object& scale_dtype,
                        unsigned threads) {
   const torch::Tensor src = weight_matrix(x, "quantize_nf4");
@@ -356,7 +364,7 @@ py::tuple quantize_nf4(const torch::Tensor& x, std::uint32_t group_size, const p
   torch::Tensor scales = torch::empty({rows, groups}, scale_type);
   {
     py::gil_scoped_release no_gil;
-    const kn::CpuExec exec{kn::CpuImpl::kVectorized, threads};
+    const kn::CpuExec exec = cpu_exec(threads);
     if (scale_type == torch::kFloat32) {
       kn::quantize_nf4(src.data_ptr(), kernel_dtype(src), rows, cols, group_size, codes.data_ptr<std::uint8_t>(),
                        scales.data_ptr<float>(), exec);
@@ -387,7 +395,7 @@ torch::Tensor dequantize_nf4(const torch::Tensor& codes, const torch::Tensor& sc
   torch::Tensor out = output_matrix(into, rows, cols, out_type, "dequantize_nf4");
   {
     py::gil_scoped_release no_gil;
-    const kn::CpuExec exec{kn::CpuImpl::kVectorized, threads};
+    const kn::CpuExec exec = cpu_exec(threads);
     const auto dequantize = [&](const auto* scale_values) {
       if (out_type == torch::kBFloat16) {
         kn::dequantize_nf4_to_bf16(c.data_ptr<std::uint8_t>(), scale_values, rows, cols, group_size,
@@ -419,7 +427,7 @@ py::tuple quantize_int8(const torch::Tensor& x, std::uint32_t group_size, unsign
     kn::QuantizeOptions options;
     options.group_size = group_size;
     kn::quantize_int8(src.data_ptr(), kernel_dtype(src), rows, cols, options, codes.data_ptr<std::int8_t>(),
-                      scales.data_ptr<float>(), kn::CpuExec{kn::CpuImpl::kVectorized, threads});
+                      scales.data_ptr<float>(), cpu_exec(threads));
   }
   return py::make_tuple(codes, scales);
 }
@@ -442,7 +450,7 @@ torch::Tensor dequantize_int8(const torch::Tensor& codes, const torch::Tensor& s
   torch::Tensor out = output_matrix(into, rows, cols, out_type, "dequantize_int8");
   {
     py::gil_scoped_release no_gil;
-    const kn::CpuExec exec{kn::CpuImpl::kVectorized, threads};
+    const kn::CpuExec exec = cpu_exec(threads);
     if (out_type == torch::kBFloat16) {
       kn::dequantize_int8_to_bf16(c.data_ptr<std::int8_t>(), s.data_ptr<float>(), rows, cols, group_size,
                                   reinterpret_cast<std::uint16_t*>(out.data_ptr()), exec);
@@ -497,7 +505,7 @@ std::optional<torch::Tensor> adamw_step(const std::vector<torch::Tensor>& params
     tensors[i].shape = shapes[i];
   }
   const kn::AdamWStep constants = kn::make_adamw_step({beta1, beta2, eps, weight_decay}, lr, step, 1.0);
-  const kn::CpuExec exec{kn::CpuImpl::kVectorized, threads};
+  const kn::CpuExec exec = cpu_exec(threads);
   if (!image) {
     py::gil_scoped_release no_gil;
     for (const kn::AdamWTensor& t : tensors) kn::adamw_update(constants, t, exec);

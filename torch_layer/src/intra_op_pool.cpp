@@ -3,7 +3,7 @@
 // with OpenMP where that is LibTorch's runtime (CMakeLists.txt): its regions then run on the
 // team torch's own ops use, whose workers spin between ops and would otherwise contend with
 // threads of the kernels' own. Elsewhere the kernels start their own threads, as they always may.
-#include "intra_op_pool.h"
+#include "sp/torch_layer/intra_op_pool.h"
 
 #include <ATen/Config.h>
 #include <ATen/Parallel.h>
@@ -29,14 +29,14 @@ class IntraOpPool final : public sp::kernels::ThreadPool {
 
 }  // namespace
 
-sp::kernels::CpuExec host_exec() {
+sp::kernels::CpuExec intra_op_exec() {
   static const IntraOpPool pool;
   sp::kernels::CpuExec exec;
   exec.pool = &pool;
   return exec;
 }
 #else
-sp::kernels::CpuExec host_exec() { return {}; }
+sp::kernels::CpuExec intra_op_exec() { return {}; }
 #endif
 
 }  // namespace sp::torch_layer

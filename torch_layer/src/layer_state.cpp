@@ -219,8 +219,9 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
       eval_pass(pinned_to(precision), calibration_bytes, [&, sums = sums](std::uint32_t b, const NamedParameters&) {
         const torch::Tensor quantized = on_host(blocks[b].block.forward(reference[b]));
         const torch::Tensor expected = on_host(reference[b + 1]);
-        (*sums)[b] += kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32, quantized.data_ptr<float>(),
-                                         kn::DType::kFloat32, static_cast<std::size_t>(expected.numel()), host_exec());
+        (*sums)[b] +=
+            kn::relative_error(expected.data_ptr<float>(), kn::DType::kFloat32, quantized.data_ptr<float>(),
+                               kn::DType::kFloat32, static_cast<std::size_t>(expected.numel()), intra_op_exec());
       });
     }
   }

@@ -41,7 +41,8 @@ std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
     }
   }
   std::vector<sp_grad_moments_v1> out(blocks.size());
-  kn::grad_moments(tensors.data(), tensors.size(), static_cast<std::uint32_t>(blocks.size()), out.data(), host_exec());
+  kn::grad_moments(tensors.data(), tensors.size(), static_cast<std::uint32_t>(blocks.size()), out.data(),
+                   intra_op_exec());
   if (sharded) gather_moments(out);
   return out;
 }

@@ -234,7 +234,7 @@ void StreamedModel::Impl::build_engines() {
   ad::size_streaming_config(config, specs, options.spare_slabs);
   config.backward = true;
   config.metrics_path = options.metrics_path;
-  config.host_exec = host_exec();
+  config.host_exec = intra_op_exec();
   backend = make_backend(options);
   engine = std::make_unique<ad::StreamingEngine>(*backend, config, specs);
   config.backward = false;

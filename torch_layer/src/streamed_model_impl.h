@@ -27,7 +27,7 @@
 #include "sp/kernels/relative_error.h"
 #include "sp/precision_abi.h"
 #include "forward_state.h"
-#include "intra_op_pool.h"
+#include "sp/torch_layer/intra_op_pool.h"
 #include "serial_worker.h"
 #include "unlisted_leaves.h"
 #ifdef SP_TORCH_LAYER_HAVE_CUDA

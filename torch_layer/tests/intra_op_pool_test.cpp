@@ -1,4 +1,4 @@
-#include "intra_op_pool.h"
+#include "sp/torch_layer/intra_op_pool.h"
 
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@ namespace {
 // Where the build runs the kernels on torch's team (GCC, LibTorch's libgomp), the pool follows
 // torch.set_num_threads and runs every task once; elsewhere the kernels keep their own threads.
 TEST(IntraOpPool, FollowsTorchsThreadCountAndRunsEveryTaskOnce) {
-  const kernels::CpuExec exec = host_exec();
+  const kernels::CpuExec exec = intra_op_exec();
   if (exec.pool == nullptr) GTEST_SKIP() << "this build runs the kernels on their own threads";
   const int before = at::get_num_threads();
   for (const int threads : {1, 2}) {
