@@ -3,6 +3,8 @@
 #include <sys/ioctl.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <vector>
 
 #include <fmt/format.h>
@@ -11,6 +13,20 @@
 #include <spdlog/sinks/base_sink.h>
 
 namespace sp::train {
+namespace {
+
+// "BF16 12 INT8 34 NF4 56": the routes as the log names them, each with its blocks.
+std::string blocks_per_route(const PerPrecision<std::uint32_t>& blocks) {
+  std::string text;
+  for (const Precision precision : kPrecisions) {
+    std::string name = precision_name(precision);
+    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::toupper(c); });
+    text += fmt::format("{}{} {}", text.empty() ? "" : " ", name, blocks[precision]);
+  }
+  return text;
+}
+
+}  // namespace
 
 std::string format_bytes(std::uint64_t bytes) {
   const double b = static_cast<double>(bytes);
@@ -38,7 +54,7 @@ std::string format_progress(const ProgressState& s, std::size_t columns) {
       {" | ", fmt::format("loss {:.4f}", s.loss), 0},
       {" ", s.val_loss ? fmt::format("val {:.4f}", *s.val_loss) : std::string(), 5},
       {" | ", fmt::format("{:.0f} tok/s", s.tokens_per_second), 4},
-      {" | ", fmt::format("BF16 {} INT8 {} NF4 {}", s.bf16_blocks, s.int8_blocks, s.nf4_blocks), 2},
+      {" | ", blocks_per_route(s.blocks), 2},
       {" | ", fmt::format("saved {} ({:.1f}%)", format_bytes(s.bytes_saved), saved_pct), 3},
       {" | ", fmt::format("eta {:.0f}s", s.eta_seconds), 6}};
   const auto join = [&fields] {

@@ -12,6 +12,8 @@
 #include <string>
 #include <string_view>
 
+#include "sp/precision.h"
+
 namespace spdlog::sinks {
 class sink;
 }
@@ -24,9 +26,7 @@ struct ProgressState {
   double loss = 0.0;
   std::optional<double> val_loss;
   double tokens_per_second = 0.0;
-  std::uint32_t bf16_blocks = 0;
-  std::uint32_t int8_blocks = 0;
-  std::uint32_t nf4_blocks = 0;
+  PerPrecision<std::uint32_t> blocks;  // on each route at this step
   std::uint64_t bytes_saved = 0;     // against all-BF16, so far
   std::uint64_t bytes_all_bf16 = 0;  // so far
   double eta_seconds = 0.0;

@@ -348,9 +348,7 @@ RunSummary Trainer::Impl::run() {
     state.val_loss =
         totals.val_history.empty() ? std::nullopt : std::optional<double>(totals.val_history.back().second);
     state.tokens_per_second = totals.train_seconds > 0 ? totals.tokens / totals.train_seconds : 0.0;
-    state.bf16_blocks = static_cast<std::uint32_t>(blocks_per_route[Precision::bf16]);
-    state.int8_blocks = static_cast<std::uint32_t>(blocks_per_route[Precision::int8]);
-    state.nf4_blocks = static_cast<std::uint32_t>(blocks_per_route[Precision::nf4]);
+    for (const Precision route : kPrecisions) state.blocks[route] = static_cast<std::uint32_t>(blocks_per_route[route]);
     state.bytes_all_bf16 = totals.h2d_all_bf16;
     state.bytes_saved = totals.h2d_all_bf16 - totals.h2d.total();
     state.eta_seconds = seconds_since(run_start) / (next_step - first) * (total - next_step);

@@ -72,9 +72,9 @@ ProgressState busy_state() {
   state.total = 100000;
   state.val_loss = 2.4567;
   state.tokens_per_second = 123456;
-  state.bf16_blocks = 12;
-  state.int8_blocks = 34;
-  state.nf4_blocks = 56;
+  state.blocks[sp::Precision::bf16] = 12;
+  state.blocks[sp::Precision::int8] = 34;
+  state.blocks[sp::Precision::nf4] = 56;
   state.bytes_saved = 123456789012;
   state.bytes_all_bf16 = 234567890123;
   state.eta_seconds = 98765;
