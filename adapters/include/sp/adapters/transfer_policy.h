@@ -39,7 +39,13 @@ enum class BlockWeights { kFrozen, kTrained };
 struct TransferPath {
   Precision route = Precision::int8;
   BlockWeights weights = BlockWeights::kFrozen;
-  friend constexpr auto operator<=>(const TransferPath&, const TransferPath&) = default;
+  friend constexpr bool operator==(const TransferPath& a, const TransferPath& b) {
+    return a.route == b.route && a.weights == b.weights;
+  }
+  friend constexpr bool operator!=(const TransferPath& a, const TransferPath& b) { return !(a == b); }
+  friend constexpr bool operator<(const TransferPath& a, const TransferPath& b) {  // a map key, in route order
+    return a.route != b.route ? a.route < b.route : a.weights < b.weights;
+  }
 };
 // The path of a quantized route for such blocks; std::invalid_argument for BF16, which has none.
 TransferPath transfer_path(Precision route, BlockWeights weights);
