@@ -165,9 +165,20 @@ if(SP_HAVE_TORCH)
     file(RELATIVE_PATH sp_wheel_cudart_dir ${sp_site_packages} ${sp_wheel_cudart_dir})
     list(APPEND SP_TORCH_SITE_RPATH ${sp_wheel_cudart_dir})
   endif()
-  # An installed program finds them where they were linked from. (A wheel's programs find them
-  # relative to themselves instead: python/CMakeLists.txt.)
-  if(NOT SKBUILD)
-    list(TRANSFORM SP_TORCH_SITE_RPATH PREPEND ${sp_site_packages}/ OUTPUT_VARIABLE CMAKE_INSTALL_RPATH)
-  endif()
+  # An installed program finds them where they were linked from. (A wheel's programs look
+  # relative to themselves first: python/CMakeLists.txt.) Set whoever configures, so that the
+  # tree pip makes its wheel from (scripts/install-package.sh) installs as CMake's own does.
+  list(TRANSFORM SP_TORCH_SITE_RPATH PREPEND ${sp_site_packages}/ OUTPUT_VARIABLE CMAKE_INSTALL_RPATH)
 endif()
+
+# LibTorch's headers: about 21 of the 50 CPU-seconds of a translation unit that includes
+# <torch/torch.h> (GCC 12, -O2 -g). Precompiling them costs about 60 CPU-seconds and a 900 MB
+# file, so it pays in a target with several such units (the layer's eight save about 100 s of a
+# clean build) and is a loss in one with one or two. A unit whose flags differ from its target's
+# (OpenMP, intra_op_pool.cpp) sets SKIP_PRECOMPILE_HEADERS. Off: every unit parses the headers.
+option(SP_PRECOMPILE_HEADERS "Precompile LibTorch's headers for the LibTorch layer's translation units" ON)
+function(selective_precision_precompile_torch_headers target)
+  if(SP_PRECOMPILE_HEADERS)
+    target_precompile_headers(${target} PRIVATE <torch/torch.h>)
+  endif()
+endfunction()

@@ -1,8 +1,36 @@
 #!/usr/bin/env bash
-# Configures and builds the project into build/ (binaries in build/bin, plugins in
-# build/plugins). Extra arguments go to cmake's configure step.
+# Configures build/ and builds into it (binaries in build/bin, plugins in build/plugins). One
+# tree serves every use: the main job builds what it runs there, the test command the rest, and
+# `pip install` (scripts/install-package.sh) makes its wheel out of the same tree, so no source
+# is compiled twice. Compiles go through ccache where it is installed (compiler-cache.sh).
+#
+#   bash scripts/build.sh [--target NAME]... [cmake configure arguments...]
+#   bash scripts/build.sh --configure [cmake configure arguments...]   configures only
+#
+# With no --target it builds everything: the libraries, plugins, tools, tests and benchmarks.
+# The configure step runs when build/ has no cache yet, when arguments are given, or with
+# --configure; otherwise the build reconfigures by itself where a CMakeLists.txt changed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/compiler-cache.sh
 jobs=$(nproc 2>/dev/null || echo 2)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@"
-cmake --build build -j "$jobs"
+targets=()
+configure_args=()
+configure_only=false
+while (($#)); do
+  if [[ $1 == --configure ]]; then
+    configure_only=true
+    shift
+  elif [[ $1 == --target ]]; then
+    [[ $# -ge 2 ]] || { echo "build.sh: --target needs a target name" >&2; exit 2; }
+    targets+=(--target "$2")
+    shift 2
+  else
+    configure_args+=("$1")
+    shift
+  fi
+done
+if [[ $configure_only == true || ! -f build/CMakeCache.txt || ${#configure_args[@]} -gt 0 ]]; then
+  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${sp_compiler_launcher[@]}" "${configure_args[@]}"
+fi
+[[ $configure_only == true ]] || cmake --build build -j "$jobs" "${targets[@]}"

@@ -1,12 +1,37 @@
 #!/usr/bin/env bash
 # Installs what the build needs. Safe to run again: it asks apt only for what is missing, and
 # pip only for what the venv does not already hold at the pinned version.
-#   - Debian packages (apt, as root or with sudo): compilers and the C++ libraries;
-#   - the project's virtual environment .venv, created with `python3` (SP_VENV_PYTHON to
-#     choose another) and filled from requirements.txt: PyPI's torch, whose LibTorch the C++
-#     build uses, and the Python packages of the tests, examples and benchmarks.
+#   - apt: the Debian packages (as root or with sudo): compilers, ccache and the C++ libraries;
+#   - venv: the project's virtual environment .venv, created with `python3` (SP_VENV_PYTHON to
+#     choose another) and filled from requirements.txt, the one file that pins every version:
+#     with `--python all` (the default) every package there, those of the tests, examples and
+#     benchmarks too; with `--python torch` only PyPI's torch, whose LibTorch the C++ build
+#     uses, and what torch needs, at requirements.txt's versions (what the main job needs).
+#
+#   bash scripts/install-deps.sh [apt|venv|all] [--python all|torch]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+part=all
+python_packages=all
+while (($#)); do
+  case $1 in
+    apt | venv | all) part=$1 ;;
+    --python)
+      [[ $# -ge 2 && ( $2 == all || $2 == torch ) ]] || {
+        echo "install-deps: --python takes 'all' or 'torch', got '${2:-}'" >&2
+        exit 2
+      }
+      python_packages=$2
+      shift
+      ;;
+    *)
+      echo "install-deps: unknown argument '$1' (expected apt, venv or all, and --python all|torch)" >&2
+      exit 2
+      ;;
+  esac
+  shift
+done
 
 packages=(
   build-essential cmake ninja-build pkg-config
@@ -22,26 +47,40 @@ packages=(
   # The libFuzzer harnesses (docs/fuzzing.md): Clang, and the package that holds
   # libclang_rt.fuzzer-x86_64.a and the sanitizer runtimes for it.
   clang libclang-rt-14-dev
+  # Compiles a translation unit once per content: the build scripts use it when present.
+  ccache
 )
-packages+=("$@")
 
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
-done
-if ((${#missing[@]} == 0)); then
-  echo "install-deps: all ${#packages[@]} Debian packages present"
-else
-  as_root=()
-  [[ $(id -u) -eq 0 ]] || as_root=(sudo)
-  echo "install-deps: installing ${missing[*]}"
-  "${as_root[@]}" apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+install_apt() {
+  local missing=() as_root=() p
+  for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]} == 0)); then
+    echo "install-deps: all ${#packages[@]} Debian packages present"
+  else
+    as_root=()
+    [[ $(id -u) -eq 0 ]] || as_root=(sudo)
+    echo "install-deps: installing ${missing[*]}"
+    "${as_root[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  fi
+}
 
-if [[ ! -x .venv/bin/python ]]; then
-  echo "install-deps: creating .venv with ${SP_VENV_PYTHON:-python3} ($(command -v "${SP_VENV_PYTHON:-python3}"))"
-  "${SP_VENV_PYTHON:-python3}" -m venv .venv
-fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
-echo "install-deps: .venv holds $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)' 2>/dev/null)"
+install_venv() {
+  if [[ ! -x .venv/bin/python ]]; then
+    echo "install-deps: creating .venv with ${SP_VENV_PYTHON:-python3} ($(command -v "${SP_VENV_PYTHON:-python3}"))"
+    "${SP_VENV_PYTHON:-python3}" -m venv .venv
+  fi
+  local pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+  if [[ $python_packages == torch ]]; then
+    # requirements.txt as constraints: torch and what it needs, each at its pinned version.
+    "${pip[@]}" -c requirements.txt torch
+  else
+    "${pip[@]}" -r requirements.txt
+  fi
+  echo "install-deps: .venv holds $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)' 2>/dev/null)"
+}
+
+[[ $part == venv ]] || install_apt
+[[ $part == apt ]] || install_venv

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh Debian machine: installs packages (apt, and the .venv with
-# PyPI's torch), builds, installs the Python package into the .venv, runs ctest, then the
+# PyPI's torch and every pinned Python package), builds everything into build/, installs the
+# Python package into the .venv out of that same tree (no second compile), runs ctest, then the
 # Python tests again against the installed package, from outside the source tree.
 # GPU tests skip cleanly when no CUDA device is present.
 # Then every libFuzzer harness (docs/fuzzing.md), built with Clang, ASan and UBSan in build-fuzz/:
@@ -8,24 +9,40 @@
 # fuzzing each (label fuzz-timed), whose new inputs differ from run to run: a failure there is
 # a new finding, kept in the test's build folder as crash-*, oom-* or timeout-*.
 # Last, the suite again under ThreadSanitizer (Clang, build-tsan/, docs/sanitizers.md).
+# Each stage prints its duration, and a table of them closes the run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/install-deps.sh
-bash scripts/build.sh
-bash scripts/install-package.sh
-ctest --test-dir build --output-on-failure -j "$(nproc 2>/dev/null || echo 2)"
+source scripts/stages.sh
+source scripts/compiler-cache.sh
+jobs=$(nproc 2>/dev/null || echo 2)
+root=$PWD
+
+sp_stage apt bash scripts/install-deps.sh apt
+sp_stage venv bash scripts/install-deps.sh venv --python all
+sp_stage configure bash scripts/build.sh --configure
+sp_stage build bash scripts/build.sh
+sp_stage package bash scripts/install-package.sh
+sp_stage ctest ctest --test-dir build --output-on-failure -j "$jobs"
+
 # The installed package, as a user's script meets it: no PYTHONPATH, run from /tmp. The one
 # test that compares with the C++ layer's own run is given that program from the build.
-root=$PWD
-(cd /tmp && SP_TORCH_LAYER_REFERENCE="$root/build/bin/sp_torch_layer_reference" OMP_NUM_THREADS=1 \
-  "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider "$root/python/tests")
+installed_pytest() {
+  (cd /tmp && SP_TORCH_LAYER_REFERENCE="$root/build/bin/sp_torch_layer_reference" OMP_NUM_THREADS=1 \
+    "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider "$root/python/tests")
+}
+sp_stage installed-pytest installed_pytest
 
 # Only the harnesses and what they link: no tools, tests, benchmarks, LibTorch or CUDA.
-CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSP_BUILD_FUZZERS=ON \
-  -DSP_BUILD_TESTS=OFF -DSP_BUILD_TOOLS=OFF -DSP_BUILD_BENCH=OFF -DSP_BUILD_TORCH=OFF -DSP_BUILD_PYTHON=OFF \
-  -DSP_ENABLE_CUDA=OFF
-cmake --build build-fuzz --target selective_precision_fuzzers -j "$(nproc 2>/dev/null || echo 2)"
-ctest --test-dir build-fuzz -L '^fuzz$' --output-on-failure -j "$(nproc 2>/dev/null || echo 2)"
-ctest --test-dir build-fuzz -L fuzz-timed --output-on-failure -j "$(nproc 2>/dev/null || echo 2)"
+fuzz_build() {
+  CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSP_BUILD_FUZZERS=ON \
+    -DSP_BUILD_TESTS=OFF -DSP_BUILD_TOOLS=OFF -DSP_BUILD_BENCH=OFF -DSP_BUILD_TORCH=OFF -DSP_BUILD_PYTHON=OFF \
+    -DSP_ENABLE_CUDA=OFF "${sp_compiler_launcher[@]}"
+  cmake --build build-fuzz --target selective_precision_fuzzers -j "$jobs"
+}
+sp_stage fuzz-build fuzz_build
+sp_stage fuzz-replay ctest --test-dir build-fuzz -L '^fuzz$' --output-on-failure -j "$jobs"
+sp_stage fuzz-smoke ctest --test-dir build-fuzz -L fuzz-timed --output-on-failure -j "$jobs"
 
-bash scripts/tsan.sh
+sp_stage tsan-build bash scripts/tsan.sh --build-only
+sp_stage tsan-ctest bash scripts/tsan.sh --test-only
+sp_stage_summary
