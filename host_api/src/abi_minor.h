@@ -26,6 +26,8 @@ struct AbiMinorLayout {
   // Routes beyond BF16 and INT8: the host's supported_precisions, set_transfer_bytes and
   // set_precision_calibration_errors.
   bool has_precision_routes = false;
+  // 1.2: set_unit_signals, get_unit_costs and get_budget_status.
+  bool has_unit_signals = false;
 };
 
 // The entry of `minor`; PluginLibrary has refused a minor above SP_PLUGIN_ABI_MINOR before any

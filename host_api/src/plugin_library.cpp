@@ -216,20 +216,26 @@ void validate_table(const std::filesystem::path& file, const Table* table) {
                                     file, field));
     }
   }
-  if (layout.has_precision_routes) {
-    const std::pair<const char*, bool> required_1_1[] = {
-        {"set_transfer_bytes", table->set_transfer_bytes != nullptr},
-        {"set_precision_calibration_errors", table->set_precision_calibration_errors != nullptr},
-    };
-    for (const auto& [field, present] : required_1_1) {
+  // The functions each later minor appended, and the minor a plugin that lacks them reports.
+  const auto require_minor = [&](std::uint32_t minor, std::initializer_list<std::pair<const char*, bool>> fields) {
+    for (const auto& [field, present] : fields) {
       if (!present) {
         throw PluginError(fmt::format(
             "policy plugin {}: field {} of its function table is NULL; an ABI 1.{} plugin must set every field "
-            "of ABI 1.1 (a plugin that does not implement it reports abi_minor 0: define "
-            "SP_PLUGIN_ABI_TARGET_MINOR 0 before including sp/plugin_abi_v1.h)",
-            file, field, table->abi_minor));
+            "of ABI 1.{} (a plugin that does not implement it reports abi_minor {}: define "
+            "SP_PLUGIN_ABI_TARGET_MINOR {} before including sp/plugin_abi_v1.h)",
+            file, field, table->abi_minor, minor, minor - 1, minor - 1));
       }
     }
+  };
+  if (layout.has_precision_routes) {
+    require_minor(1, {{"set_transfer_bytes", table->set_transfer_bytes != nullptr},
+                      {"set_precision_calibration_errors", table->set_precision_calibration_errors != nullptr}});
+  }
+  if (layout.has_unit_signals) {
+    require_minor(2, {{"set_unit_signals", table->set_unit_signals != nullptr},
+                      {"get_unit_costs", table->get_unit_costs != nullptr},
+                      {"get_budget_status", table->get_budget_status != nullptr}});
   }
 }
 

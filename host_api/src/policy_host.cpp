@@ -63,7 +63,8 @@ std::string hint_contract_violation(const std::vector<sp_hint_v1>& hints, const 
 }  // namespace
 
 std::uint64_t HookFailureCounts::total() const {
-  return begin_step + post_backward + compute_hints + invalid_hints + end_step + set_calibration_errors;
+  return begin_step + post_backward + compute_hints + invalid_hints + end_step + set_calibration_errors +
+         set_unit_signals + budget_queries;
 }
 
 std::string PolicyHost::Impl::now_text() const {
@@ -326,6 +327,80 @@ bool PolicyHost::set_calibration_errors(sp_precision precision, const std::vecto
     for (std::uint32_t i = 0; i < n; ++i) impl.nf4_calibration_errors[block_ids[i]] = errors[i];
   }
   return accepted;
+}
+
+sp_status PolicyHost::Impl::send_unit_signals(detail::PluginInstance& instance, std::int64_t step,
+                                              const UnitSignalTable& table) {
+  std::vector<const char*> names;
+  names.reserve(table.names.size());
+  for (const std::string& name : table.names) names.push_back(name.c_str());
+  const sp_unit_signals_v1 signals{static_cast<std::uint32_t>(sizeof(sp_unit_signals_v1)),
+                                   block_count(),
+                                   static_cast<std::uint32_t>(table.names.size()),
+                                   0,
+                                   names.data(),
+                                   table.values.data(),
+                                   table.loss,
+                                   table.samples};
+  const detail::PluginCallScope scope(instance.label(), "set_unit_signals");
+  return instance.table().set_unit_signals(instance.ctx(), step, &signals);
+}
+
+bool PolicyHost::set_unit_signals(std::int64_t step, const UnitSignalTable& table) {
+  Impl& impl = *impl_;
+  if (table.names.size() > std::numeric_limits<std::uint32_t>::max() ||
+      table.values.size() != table.names.size() * impl.block_count()) {
+    throw std::invalid_argument(fmt::format(
+        "PolicyHost::set_unit_signals: {} values for {} blocks x {} columns", table.values.size(),
+        impl.block_count(), table.names.size()));
+  }
+  if (!impl.quarantine.empty()) {
+    impl.logger->error("signal table not set: the plugin is quarantined ({})", impl.quarantine);
+    return false;
+  }
+  detail::PluginInstance& active = *impl.active;
+  if (!active.abi().has_unit_signals) {
+    impl.logger->debug("policy plugin {} implements ABI 1.{}, which has no signal table: the table of step {} is kept "
+                       "for a later 1.2 plugin, not sent",
+                       active.label(), active.abi_minor(), step);
+    impl.unit_signals.emplace(step, table);
+    return true;
+  }
+  const sp_status status = impl.send_unit_signals(active, step, table);
+  if (!impl.check_hook("set_unit_signals", fmt::format("(step {}) {}", step, impl.now_text()), status,
+                       impl.failures.set_unit_signals)) {
+    return false;
+  }
+  impl.unit_signals.emplace(step, table);
+  return true;
+}
+
+bool PolicyHost::Impl::query(const char* function, const std::function<sp_status(detail::PluginInstance&)>& call) {
+  if (!quarantine.empty() || !active->abi().has_unit_signals) return false;
+  const sp_status status = [&] {
+    const detail::PluginCallScope scope(active->label(), function);
+    return call(*active);
+  }();
+  return check_hook(function, now_text(), status, failures.budget_queries);
+}
+
+std::optional<std::vector<double>> PolicyHost::unit_costs(sp_precision precision) {
+  std::vector<double> costs(impl_->block_count());
+  const bool answered = impl_->query("get_unit_costs", [&](detail::PluginInstance& plugin) {
+    return plugin.table().get_unit_costs(plugin.ctx(), precision, costs.data(), impl_->block_count());
+  });
+  if (!answered) return std::nullopt;
+  return costs;
+}
+
+std::optional<sp_budget_status_v1> PolicyHost::budget_status() {
+  sp_budget_status_v1 status{};
+  status.struct_size = sizeof status;
+  const bool answered = impl_->query("get_budget_status", [&](detail::PluginInstance& plugin) {
+    return plugin.table().get_budget_status(plugin.ctx(), &status);
+  });
+  if (!answered) return std::nullopt;
+  return status;
 }
 
 const std::string& PolicyHost::quarantine_reason() const { return impl_->quarantine; }

@@ -17,6 +17,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -72,6 +73,9 @@ struct PolicyHost::Impl {
   // a swap brings in after a 1.0 one receives them from here. INT8 errors travel in the
   // state blob, as they always have, and are not kept.
   std::map<std::uint32_t, double> nf4_calibration_errors;
+  // The last signal table the caller gave and no plugin rejected, with its step. A plugin
+  // older than 1.2 cannot take it, so a 1.2 plugin that a swap brings in after one receives it.
+  std::optional<std::pair<std::int64_t, UnitSignalTable>> unit_signals;
 
   std::uint32_t block_count() const { return static_cast<std::uint32_t>(blocks.size()); }
 
@@ -93,6 +97,12 @@ struct PolicyHost::Impl {
   // Hands the kept NF4 errors to `instance`, a 1.1 plugin. True when it took them (or there
   // were none); otherwise logs the plugin's reason and counts it.
   bool resend_nf4_calibration_errors(detail::PluginInstance& instance);
+  // Hands `table` to `instance`, a 1.2 plugin; the plugin's status.
+  sp_status send_unit_signals(detail::PluginInstance& instance, std::int64_t step, const UnitSignalTable& table);
+  // The kept table to a 1.2 plugin after a swap: as resend_nf4_calibration_errors.
+  bool resend_unit_signals(detail::PluginInstance& instance);
+  // A 1.2 query of the active plugin; false when it has none or failed (logged, counted).
+  bool query(const char* function, const std::function<sp_status(detail::PluginInstance&)>& call);
   SwapResult stage_swap(const std::filesystem::path& plugin_file, std::optional<PolicyConfig> config);
   void require_between_steps(const char* call) const;
   SwapResult fail_swap(SwapResult result, std::string_view reason);

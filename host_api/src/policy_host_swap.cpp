@@ -52,6 +52,22 @@ bool PolicyHost::Impl::resend_nf4_calibration_errors(detail::PluginInstance& ins
   return false;
 }
 
+bool PolicyHost::Impl::resend_unit_signals(detail::PluginInstance& instance) {
+  if (!unit_signals) return true;
+  const auto& [step, table] = *unit_signals;
+  const sp_status status = send_unit_signals(instance, step, table);
+  if (status == SP_OK) {
+    logger->debug("policy plugin {}: re-sent the signal table of step {}", instance.label(), step);
+    return true;
+  }
+  ++failures.set_unit_signals;
+  logger->error(
+      "policy plugin {} failed in set_unit_signals (the table of step {}, re-sent after a hot swap from an ABI 1.{} "
+      "plugin) with {}: {}",
+      instance.label(), step, active->abi_minor(), detail::status_text(status), instance.last_error());
+  return false;
+}
+
 SwapResult PolicyHost::Impl::stage_swap(const std::filesystem::path& plugin_file, std::optional<PolicyConfig> config) {
   SwapResult result;
   result.plugin_file = plugin_file;
@@ -155,6 +171,9 @@ SwapResult PolicyHost::Impl::migrate_and_switch(SwapResult result, std::optional
   // calibration errors; it does not undo the swap.
   const bool resend_nf4 = !active->abi().has_precision_routes && pending->abi().has_precision_routes;
   const bool nf4_resent = !resend_nf4 || resend_nf4_calibration_errors(*pending);
+  // Likewise the signal table, which a plugin older than 1.2 could not hold.
+  const bool resend_signals = !active->abi().has_unit_signals && pending->abi().has_unit_signals;
+  const bool signals_resent = !resend_signals || resend_unit_signals(*pending);
 
   std::unique_ptr<detail::PluginInstance> retired = std::exchange(active, std::move(pending));
   const std::string retired_label = retired->label();
@@ -170,6 +189,7 @@ SwapResult PolicyHost::Impl::migrate_and_switch(SwapResult result, std::optional
                                when, blob->size());
   logger->info("{}", result.message);
   if (!nf4_resent) result.message += "; warning: the new plugin rejected the NF4 calibration errors (see the log)";
+  if (!signals_resent) result.message += "; warning: the new plugin rejected the kept signal table (see the log)";
   if (!unload.unloaded) {
     result.message += "; warning: " + unload.detail;
     logger->warn("{}", unload.detail);

@@ -37,6 +37,10 @@ void PolicySession::end_step(std::int64_t step, const sp_step_feedback_v1& feedb
   host_->end_step(step, &feedback);
 }
 
+bool PolicySession::set_unit_signals(std::int64_t step, const UnitSignalTable& table) {
+  return host_->set_unit_signals(step, table);
+}
+
 std::optional<PolicySession::FileIdentity> PolicySession::identify(const fs::path& file) {
   struct stat st {};
   if (::stat(file.c_str(), &st) != 0) return std::nullopt;

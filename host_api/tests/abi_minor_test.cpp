@@ -1,7 +1,7 @@
-// ABI 1.1 on the host side: a plugin is treated by the minor its table reports. The scripted
-// fixture is built twice, as a real 1.0 binary (SP_FIXTURE_SCRIPTED) and as a 1.1 one
-// (SP_FIXTURE_SCRIPTED_V1_1), and records what it receives through the host's log callback
-// ("fixture: ..." lines, see fixtures/scripted_plugin.c).
+// ABI 1.1 and 1.2 on the host side: a plugin is treated by the minor its table reports. The
+// scripted fixture is built three times, as a real 1.0 binary (SP_FIXTURE_SCRIPTED), a 1.1 one
+// (SP_FIXTURE_SCRIPTED_V1_1) and a 1.2 one (SP_FIXTURE_SCRIPTED_V1_2), and records what it
+// receives through the host's log callback ("fixture: ..." lines, see fixtures/scripted_plugin.c).
 #include <sp/host/plugin_library.h>
 #include <sp/host/policy_host.h>
 
@@ -11,8 +11,10 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace sp::host {
 namespace {
@@ -64,8 +66,11 @@ std::string load_error(const char* file) {
   return "(loaded without error)";
 }
 
-TEST(AbiMinor, TheHeaderDescribes1_1AndThe1_0SizesItNames) {
-  EXPECT_EQ(SP_PLUGIN_ABI_MINOR, 1);
+TEST(AbiMinor, TheHeaderDescribes1_2AndTheEarlierSizesItNames) {
+  EXPECT_EQ(SP_PLUGIN_ABI_MINOR, 2);
+  EXPECT_EQ(offsetof(sp_policy_plugin_v1_table, set_unit_signals), SP_PLUGIN_TABLE_V1_1_SIZE);
+  EXPECT_EQ(sizeof(sp_unit_signals_v1), SP_UNIT_SIGNALS_V1_2_SIZE);
+  EXPECT_EQ(sizeof(sp_budget_status_v1), SP_BUDGET_STATUS_V1_2_SIZE);
   EXPECT_EQ(sizeof(sp_block_desc_v1), 40u);
   EXPECT_EQ(offsetof(sp_host_api_v1, supported_precisions), SP_HOST_API_V1_0_SIZE);
   EXPECT_EQ(offsetof(sp_step_feedback_v1, h2d_bytes_nf4), SP_STEP_FEEDBACK_V1_0_SIZE);
@@ -76,6 +81,7 @@ TEST(AbiMinor, ALibraryReportsTheMinorOfItsTable) {
   EXPECT_EQ(PluginLibrary::load(SP_FIXTURE_SCRIPTED).abi_minor(), 0u);
   EXPECT_EQ(PluginLibrary::load(SP_EXAMPLE_MINIMAL_C).abi_minor(), 0u);
   EXPECT_EQ(PluginLibrary::load(SP_FIXTURE_SCRIPTED_V1_1).abi_minor(), 1u);
+  EXPECT_EQ(PluginLibrary::load(SP_FIXTURE_SCRIPTED_V1_2).abi_minor(), 2u);
 }
 
 TEST(AbiMinor, A1_1TableThatEndsWhere1_0EndsIsANamedLoadError) {
@@ -113,7 +119,7 @@ TEST(AbiMinor, A1_0PluginGets1_0StructSizesAndNo1_1Call) {
 
   const std::string text = log.text();
   // host.abi_minor is the host's own minor; the struct is the 1.0 layout.
-  EXPECT_THAT(text, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=1\n"));
+  EXPECT_THAT(text, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=2\n"));
   EXPECT_THAT(text, HasSubstr("fixture: end_step 2 feedback.struct_size=48\n"));
   EXPECT_THAT(text, HasSubstr("fixture: set_calibration_errors 0:0.01 5:0.02"));
   EXPECT_THAT(text, AllOf(Not(HasSubstr("supported_precisions")), Not(HasSubstr("h2d_bytes_nf4")),
@@ -130,7 +136,7 @@ TEST(AbiMinor, A1_1PluginGets1_1StructSizesAndTheSupportedPrecisions) {
   run_step(host, 0);
   const std::string text = log.text();
   EXPECT_THAT(text, HasSubstr("fixture: create host.struct_size=" + std::to_string(sizeof(sp_host_api_v1)) +
-                              " host.abi_minor=1 supported_precisions=0x3\n"));
+                              " host.abi_minor=2 supported_precisions=0x3\n"));
   EXPECT_THAT(text, HasSubstr("fixture: end_step 0 feedback.struct_size=" +
                               std::to_string(sizeof(sp_step_feedback_v1)) + " h2d_bytes_nf4=250\n"));
   // Without NF4 on the host there are no NF4 bytes to describe.
@@ -328,7 +334,7 @@ TEST(AbiMinor, HotSwapFrom1_0To1_1AndBack) {
   EXPECT_EQ(host.last_swap_result()->first_step, 20);
   EXPECT_EQ(host.plugin_abi_minor(), 0u);
   after = log.text().substr(mark);
-  EXPECT_THAT(after, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=1\n"));
+  EXPECT_THAT(after, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=2\n"));
   EXPECT_THAT(after, HasSubstr("fixture: end_step 20 feedback.struct_size=48\n"));
   EXPECT_THAT(after,
               AllOf(Not(HasSubstr("fixture: set_transfer_bytes")),
@@ -362,6 +368,122 @@ TEST(AbiMinor, ASwapToA1_1PluginThatRejectsTheTransferBytesFails) {
               AllOf(HasSubstr("scripted_fixture 1.0.0 stays active"), HasSubstr("rejected the NF4 transfer bytes")));
   EXPECT_EQ(host.plugin_abi_minor(), 0u);
   run_step(host, 1);
+}
+
+// ---- ABI 1.2: the signal table and the policy's report ----
+
+UnitSignalTable signal_table() {
+  UnitSignalTable table;
+  table.names = {"loss_cost.int8", "loss_cost.nf4"};
+  for (std::uint32_t b = 0; b < kBlocks; ++b) table.values.insert(table.values.end(), {0.001 * b, 0.01 * b});
+  table.loss = 2.5;
+  table.samples = 64;
+  return table;
+}
+
+const std::string kSignalRecord =
+    "fixture: set_unit_signals step=-1 n_units=6 columns=loss_cost.int8,loss_cost.nf4 loss=2.5 samples=64\n";
+
+TEST(AbiMinor, A1_2TableThatEndsWhere1_1EndsIsANamedLoadError) {
+  EXPECT_THAT(load_error(SP_FIXTURE_V1_2_SMALL_TABLE),
+              AllOf(HasSubstr("struct_size = 128"), HasSubstr("ABI 1.2 needs at least 152 bytes"),
+                    HasSubstr("set_unit_signals, get_unit_costs and get_budget_status")));
+}
+
+TEST(AbiMinor, A1_2TableWithANullFunctionIsANamedLoadError) {
+  EXPECT_THAT(load_error(SP_FIXTURE_V1_2_NULL_UNIT_SIGNALS),
+              AllOf(HasSubstr("field set_unit_signals of its function table is NULL"),
+                    HasSubstr("every field of ABI 1.2"), HasSubstr("SP_PLUGIN_ABI_TARGET_MINOR 1")));
+}
+
+TEST(AbiMinor, PluginsOlderThan1_2NeverGetA1_2Call) {
+  for (const char* plugin : {SP_FIXTURE_SCRIPTED, SP_FIXTURE_SCRIPTED_V1_1, SP_EXAMPLE_MINIMAL_C}) {
+    CapturedLog log;
+    PolicyHost host(plugin, config(), make_blocks(kBlocks), options(log, kAll));
+    EXPECT_TRUE(host.set_unit_signals(-1, signal_table())) << plugin;
+    for (std::int64_t step = 0; step < 3; ++step) run_step(host, step);
+    EXPECT_FALSE(host.unit_costs(SP_PRECISION_NF4).has_value()) << plugin;
+    EXPECT_FALSE(host.budget_status().has_value()) << plugin;
+    const std::string text = log.text();
+    EXPECT_THAT(text, AllOf(Not(HasSubstr("fixture: set_unit_signals")), Not(HasSubstr("fixture: get_unit_costs")),
+                            Not(HasSubstr("fixture: get_budget_status"))));
+    EXPECT_THAT(text, HasSubstr("which has no signal table: the table of step -1 is kept for a later 1.2 plugin"));
+    EXPECT_EQ(host.hook_failures().total(), 0u) << plugin;
+  }
+}
+
+TEST(AbiMinor, A1_2PluginGetsTheSignalTableAndReportsItsDecision) {
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED_V1_2, config(), make_blocks(kBlocks), options(log, kAll));
+  EXPECT_EQ(host.plugin_abi_minor(), 2u);
+  EXPECT_EQ(host.plugin_version(), "1.2.0");
+  ASSERT_TRUE(host.set_unit_signals(-1, signal_table()));
+  run_step(host, 0);
+  const std::optional<std::vector<double>> costs = host.unit_costs(SP_PRECISION_NF4);
+  ASSERT_TRUE(costs.has_value());
+  EXPECT_EQ(*costs, (std::vector<double>{0.0, 0.5, 1.0, 1.5, 2.0, 2.5}));
+  const std::optional<sp_budget_status_v1> status = host.budget_status();
+  ASSERT_TRUE(status.has_value());
+  EXPECT_EQ(status->kind, SP_BUDGET_BYTES);
+  EXPECT_EQ(status->met, 1u);
+  EXPECT_DOUBLE_EQ(status->limit, 0.45);
+  const std::string text = log.text();
+  EXPECT_THAT(text, HasSubstr(kSignalRecord));
+  EXPECT_THAT(text, AllOf(HasSubstr("fixture: get_unit_costs precision=2"), HasSubstr("fixture: get_budget_status")));
+  EXPECT_EQ(host.hook_failures().total(), 0u);
+
+  UnitSignalTable ragged = signal_table();
+  ragged.values.pop_back();
+  EXPECT_THROW(host.set_unit_signals(1, ragged), std::invalid_argument);
+}
+
+TEST(AbiMinor, ARejectedSignalTableIsCountedAndNotKept) {
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED_V1_2, config("fixture_reject_unit_signals: 1\n"), make_blocks(kBlocks),
+                  options(log, kAll));
+  EXPECT_FALSE(host.set_unit_signals(-1, signal_table()));
+  EXPECT_EQ(host.hook_failures().set_unit_signals, 1u);
+  EXPECT_THAT(log.text(), HasSubstr("failed in set_unit_signals (step -1) before the first step with status 1 "
+                                    "(SP_ERR_INVALID_ARGUMENT): scripted rejection of the signal table"));
+  // Nothing kept: a swap to another 1.2 plugin after a 1.1 one would have nothing to re-send.
+  ASSERT_EQ(host.swap_now(SP_FIXTURE_SCRIPTED_V1_1).outcome, SwapResult::Outcome::swapped);
+  const std::size_t mark = log.text().size();
+  ASSERT_EQ(host.swap_now(SP_FIXTURE_SCRIPTED_V1_2).outcome, SwapResult::Outcome::swapped);
+  EXPECT_THAT(log.text().substr(mark), Not(HasSubstr("fixture: set_unit_signals")));
+}
+
+TEST(AbiMinor, ASwapTo1_2ResendsTheKeptSignalTableOnlyAfterAnOlderMinor) {
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED_V1_1, config(), make_blocks(kBlocks), options(log, kAll));
+  ASSERT_TRUE(host.set_unit_signals(-1, signal_table()));
+  run_step(host, 0);
+  // 1.1 -> 1.2 at a step boundary: the new plugin gets the table after import_state.
+  ASSERT_EQ(host.request_swap(SP_FIXTURE_SCRIPTED_V1_2).outcome, SwapResult::Outcome::pending);
+  run_step(host, 1);
+  ASSERT_EQ(host.plugin_abi_minor(), 2u);
+  EXPECT_EQ(count_of(log.text(), kSignalRecord), 1u);
+  EXPECT_TRUE(host.budget_status().has_value());
+  // 1.2 -> 1.2: the state blob carries what the plugin holds; nothing is re-sent.
+  ASSERT_EQ(host.swap_now(SP_FIXTURE_SCRIPTED_V1_2).outcome, SwapResult::Outcome::swapped);
+  EXPECT_EQ(count_of(log.text(), kSignalRecord), 1u);
+  // 1.2 -> 1.0: no 1.2 call at all.
+  const std::size_t mark = log.text().size();
+  ASSERT_EQ(host.swap_now(SP_FIXTURE_SCRIPTED).outcome, SwapResult::Outcome::swapped);
+  run_step(host, 2);
+  EXPECT_FALSE(host.budget_status().has_value());
+  EXPECT_THAT(log.text().substr(mark), Not(HasSubstr("fixture: set_unit_signals")));
+  EXPECT_EQ(host.hook_failures().total(), 0u);
+}
+
+TEST(AbiMinor, A1_2PluginThatRejectsTheKeptSignalTableStillTakesOver) {
+  CapturedLog log;
+  PolicyHost host(SP_FIXTURE_SCRIPTED, config(), make_blocks(kBlocks), options(log, kAll));
+  ASSERT_TRUE(host.set_unit_signals(-1, signal_table()));
+  const SwapResult result = host.swap_now(SP_FIXTURE_SCRIPTED_V1_2, config("fixture_reject_unit_signals: 1\n"));
+  EXPECT_EQ(result.outcome, SwapResult::Outcome::swapped);
+  EXPECT_THAT(result.message, HasSubstr("the new plugin rejected the kept signal table"));
+  EXPECT_EQ(host.hook_failures().set_unit_signals, 1u);
+  EXPECT_THAT(log.text(), HasSubstr("re-sent after a hot swap from an ABI 1.0 plugin"));
 }
 
 }  // namespace

@@ -23,7 +23,9 @@ using yaml_diagnostics::is_plain_scalar;
 constexpr const char *kTopLevelSection = "selective_precision";
 constexpr const char *kTrainingConfigSection = "memory.stagehand.selective_precision";
 
-#if SP_POLICY_EDITION >= 2
+#if SP_POLICY_EDITION >= 3
+constexpr std::size_t kKnownKeyCount = 31;
+#elif SP_POLICY_EDITION >= 2
 constexpr std::size_t kKnownKeyCount = 28;
 #else
 constexpr std::size_t kKnownKeyCount = 22;
@@ -59,11 +61,22 @@ constexpr std::array<const char *, kKnownKeyCount> kKnownKeys = {
     "nf4_group_size",
     "loss_guard",
 #endif
+#if SP_POLICY_EDITION >= 3
+    "budget",
+    "signal_smoothing",
+    "switch_margin",
+#endif
 };
 
 constexpr std::array<const char *, 6> kLossGuardKeys = {"enabled",  "window",      "sigmas",
                                                         "min_rise", "blame_steps", "penalty_steps"};
 constexpr const char *kTierChoices = "one of bf16, int8, nf4";
+constexpr std::array<const char *, 2> kBudgetKeys = {"bytes", "loss"};
+#if SP_POLICY_EDITION >= 3
+constexpr const char *kModeChoices = "one of off, static, dynamic, budget";
+#else
+constexpr const char *kModeChoices = "one of off, static, dynamic";
+#endif
 
 std::string tiers_text(sp_precision_mask tiers) {
   std::string text;
@@ -232,6 +245,15 @@ void validate_relations(const SectionReader &reader, const PolicySettings &confi
                                     reader.path("hysteresis_margin"), config.nf4_threshold, config.hysteresis_margin));
     }
   }
+  if (config.mode == Mode::budget && config.budget.kind == BudgetKind::none) {
+    throw PolicyConfigError(fmt::format("{}: mode is budget, but no budget is given; expected budget: {{bytes: F}} "
+                                        "or budget: {{loss: F}}",
+                                        reader.path("budget")));
+  }
+  if (config.mode != Mode::budget && config.budget.kind != BudgetKind::none) {
+    throw PolicyConfigError(fmt::format("{}: a budget needs mode: budget, found mode: {}", reader.path("budget"),
+                                        mode_name(config.mode)));
+  }
   if (config.telemetry_enabled && config.telemetry_file.empty()) {
     throw PolicyConfigError(fmt::format("{}: expected a file name when telemetry_enabled is true, found an empty string",
                                   reader.path("telemetry_file")));
@@ -308,6 +330,51 @@ void validate_relations(const SectionReader &reader, const PolicySettings &confi
   }
 }
 
+// `budget: {bytes: F}` or `budget: {loss: F}`, exactly one of the two.
+[[maybe_unused]] void read_budget(const SectionReader &section, const std::string &key, const YAML::Node &node,
+                                  PolicySettings::Budget &budget) {
+  constexpr const char *kExpected = "a mapping with exactly one of bytes (a fraction in (0, 1]) or loss (a fraction > 0)";
+  if (!node.IsMap()) section.fail(key, kExpected, node);
+  const SectionReader reader(section.path(key));
+  std::set<std::string> seen;
+  for (const auto &entry : node) {
+    if (!entry.first.IsScalar()) {
+      throw PolicyConfigError(
+          fmt::format("{}: expected bytes or loss, found {} as a key", section.path(key), describe(entry.first)));
+    }
+    const std::string name = entry.first.Scalar();
+    const YAML::Node &value = entry.second;
+    if (!seen.insert(name).second) throw PolicyConfigError(fmt::format("{}: the key is given twice", reader.path(name)));
+    if (name == "bytes" || name == "loss") {
+      if (budget.kind != BudgetKind::none) {
+        throw PolicyConfigError(fmt::format("{}: {} and {} are both given; expected exactly one budget",
+                                            reader.path(name), budget.kind == BudgetKind::bytes ? "bytes" : "loss",
+                                            name));
+      }
+    }
+    if (name == "bytes") {
+      constexpr const char *kFraction = "a fraction of the all-BF16 bytes in (0, 1]";
+      budget.limit = reader.read_number(name, value, kFraction);
+      if (!(budget.limit > 0.0 && budget.limit <= 1.0)) {
+        throw PolicyConfigError(fmt::format("{}: expected {}, found {}", reader.path(name), kFraction, budget.limit));
+      }
+      budget.kind = BudgetKind::bytes;
+    } else if (name == "loss") {
+      constexpr const char *kFraction = "a finite fraction of the current loss > 0";
+      budget.limit = reader.read_number(name, value, kFraction);
+      if (!(budget.limit > 0.0 && std::isfinite(budget.limit))) {
+        throw PolicyConfigError(fmt::format("{}: expected {}, found {}", reader.path(name), kFraction, budget.limit));
+      }
+      budget.kind = BudgetKind::loss;
+    } else {
+      const std::optional<std::string_view> suggestion = yaml_diagnostics::closest_key(name, kBudgetKeys);
+      throw PolicyConfigError(fmt::format("{}: unknown key{}", reader.path(name),
+                                          suggestion ? fmt::format("; did you mean '{}'?", *suggestion) : ""));
+    }
+  }
+  if (budget.kind == BudgetKind::none) section.fail(key, kExpected, node);
+}
+
 void read_key(const SectionReader &reader, const std::string &key, const YAML::Node &value, std::uint32_t n_blocks,
               PolicySettings &config) {
   constexpr const char *kUnit = "a number in [0, 1]";
@@ -316,15 +383,17 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
   if (key == "enabled") {
     config.enabled = reader.read_bool(key, value);
   } else if (key == "mode") {
-    const std::string mode = reader.read_string(key, value, "one of off, static, dynamic");
+    const std::string mode = reader.read_string(key, value, kModeChoices);
     if (mode == "off") {
       config.mode = Mode::off;
     } else if (mode == "static") {
       config.mode = Mode::static_lists;
     } else if (mode == "dynamic") {
       config.mode = Mode::dynamic;
+    } else if (kPolicyEdition >= 3 && mode == "budget") {
+      config.mode = Mode::budget;
     } else {
-      reader.fail(key, "one of off, static, dynamic", value);
+      reader.fail(key, kModeChoices, value);
     }
   } else if (key == "bf16_threshold") {
     config.bf16_threshold = reader.read_number(key, value, kUnit);
@@ -408,6 +477,20 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
     }
   } else if (key == "loss_guard") {
     read_loss_guard(reader, key, value, config.loss_guard);
+#endif
+#if SP_POLICY_EDITION >= 3
+  } else if (key == "budget") {
+    read_budget(reader, key, value, config.budget);
+  } else if (key == "signal_smoothing") {
+    constexpr const char *kSmoothing = "a number in [0, 1)";
+    config.signal_smoothing = reader.read_number(key, value, kSmoothing);
+    if (!(config.signal_smoothing >= 0.0 && config.signal_smoothing < 1.0)) {
+      throw PolicyConfigError(
+          fmt::format("{}: expected {}, found {}", reader.path(key), kSmoothing, config.signal_smoothing));
+    }
+  } else if (key == "switch_margin") {
+    config.switch_margin = reader.read_number(key, value, kNonNegative);
+    require_non_negative_finite(reader, key, config.switch_margin);
 #endif
   } else {
     const std::optional<std::string_view> suggestion = yaml_diagnostics::closest_key(key, kKnownKeys);
@@ -505,6 +588,8 @@ const char *mode_name(Mode mode) {
       return "static";
     case Mode::dynamic:
       return "dynamic";
+    case Mode::budget:
+      return "budget";
   }
   return "unknown";
 }

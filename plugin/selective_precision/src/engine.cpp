@@ -1,5 +1,6 @@
 #include "sp/policy/engine.h"
 
+#include "sp/policy/budget.h"
 #include "sp/policy/errors.h"
 #include "sp/policy/state_codec.h"
 
@@ -96,7 +97,8 @@ PolicyEngine::PolicyEngine(PolicySettings config, std::vector<BlockBytes> block_
       state_(static_cast<std::uint32_t>(block_bytes_.size()), static_cast<std::uint32_t>(config_.history_window)),
       hints_(block_bytes_.size()),
       step_scores_(block_bytes_.size()),
-      seen_in_call_(block_bytes_.size(), 0) {
+      seen_in_call_(block_bytes_.size(), 0),
+      decided_by_rule_(block_bytes_.size(), 0) {
   for (std::uint32_t block : config_.force_bf16_blocks) forced_.at(block) = SP_PRECISION_BF16;
   for (std::uint32_t block : config_.force_int8_blocks) forced_.at(block) = SP_PRECISION_INT8;
   for (std::uint32_t block : config_.force_nf4_blocks) forced_.at(block) = SP_PRECISION_NF4;
@@ -186,7 +188,8 @@ void PolicyEngine::compute_hints(std::int64_t step, sp_hint_v1 *hints_out, std::
   }
   if (hints_out == nullptr) throw InvalidArgument("compute_hints: hints_out is null");
 
-  const bool decision_step = is_decision_step(step);
+  bool decision_step = is_decision_step(step);
+  std::optional<BudgetRecord> budget;
   switch (mode_) {
     case Mode::off:
       decide_off();
@@ -196,6 +199,10 @@ void PolicyEngine::compute_hints(std::int64_t step, sp_hint_v1 *hints_out, std::
       break;
     case Mode::dynamic:
       decide_dynamic(step, decision_step);
+      break;
+    case Mode::budget:
+      decision_step = decide_budget(step, decision_step);
+      budget = budget_record();
       break;
   }
 
@@ -213,7 +220,7 @@ void PolicyEngine::compute_hints(std::int64_t step, sp_hint_v1 *hints_out, std::
   }
   state_.phase = StepPhase::hints_done;
   if (telemetry_ && (decision_step || changes > 0))
-    pending_record_ = StepRecord{step, decision_step, changes, std::nullopt};
+    pending_record_ = StepRecord{step, decision_step, changes, std::nullopt, budget};
 }
 
 void PolicyEngine::decide_off() {
@@ -263,38 +270,48 @@ void PolicyEngine::score_blocks() {
   }
 }
 
+std::optional<sp_reason> PolicyEngine::apply_standing_rules(BlockState &block, std::uint32_t b, std::int64_t step) {
+  if (forced_[b] >= 0) {
+    assign(block, assignment_for(forced_[b]), step);
+    block.pending_revert.reset();
+    return SP_REASON_FORCED;
+  }
+  if (block.unsafe) {
+    // A pending revert is dropped, but its penalty starts as if it had happened.
+    if (block.pending_revert && guard_active()) {
+      block.pending_revert.reset();
+      block.penalty_until = step + config_.loss_guard.penalty_steps;
+    }
+    assign(block, Assignment::bf16, step);
+    return SP_REASON_UNSAFE;
+  }
+  if (block.pending_revert && guard_active()) {
+    const sp_precision target = nearest_tier_up(*block.pending_revert);
+    block.pending_revert.reset();
+    assign(block, assignment_for(target), step);
+    block.last_switch_step = step;
+    block.last_down_move.reset();
+    block.penalty_until = step + config_.loss_guard.penalty_steps;
+    return SP_REASON_LOSS_GUARD;
+  }
+  if (block.assignment != Assignment::unassigned && !config_.tier(precision_of(block.assignment))) {
+    // Imported from a state whose precision this config does not allow.
+    assign(block, assignment_for(nearest_tier_up(precision_of(block.assignment))), step);
+    return SP_REASON_MODE;
+  }
+  return std::nullopt;
+}
+
 void PolicyEngine::decide_dynamic(std::int64_t step, bool decision_step) {
   if (decision_step) score_blocks();
   for (sp_hint_v1 &hint : hints_) {
     const std::uint32_t b = hint.block_id;
     BlockState &block = state_.blocks[b];
     const bool has_samples = state_.windows.size(b) > 0;
-    if (forced_[b] >= 0) {
-      // Forced blocks are still scored, for telemetry; the score never moves them.
-      if (decision_step && has_samples) block.score = step_scores_[b];
-      assign(block, assignment_for(forced_[b]), step);
-      block.pending_revert.reset();
-      hint.reason = SP_REASON_FORCED;
-    } else if (block.unsafe) {
-      // A pending revert is dropped, but its penalty starts as if it had happened.
-      if (block.pending_revert && guard_active()) {
-        block.pending_revert.reset();
-        block.penalty_until = step + config_.loss_guard.penalty_steps;
-      }
-      assign(block, Assignment::bf16, step);
-      hint.reason = SP_REASON_UNSAFE;
-    } else if (block.pending_revert && guard_active()) {
-      const sp_precision target = nearest_tier_up(*block.pending_revert);
-      block.pending_revert.reset();
-      assign(block, assignment_for(target), step);
-      block.last_switch_step = step;
-      block.last_down_move.reset();
-      block.penalty_until = step + config_.loss_guard.penalty_steps;
-      hint.reason = SP_REASON_LOSS_GUARD;
-    } else if (block.assignment != Assignment::unassigned && !config_.tier(precision_of(block.assignment))) {
-      // Imported from a state whose precision this config does not allow.
-      assign(block, assignment_for(nearest_tier_up(precision_of(block.assignment))), step);
-      hint.reason = SP_REASON_MODE;
+    // Forced blocks are still scored, for telemetry; the score never moves them.
+    if (forced_[b] >= 0 && decision_step && has_samples) block.score = step_scores_[b];
+    if (const std::optional<sp_reason> reason = apply_standing_rules(block, b, step)) {
+      hint.reason = *reason;
     } else if (!decision_step) {
       hint.reason = SP_REASON_NOT_DECISION_STEP;
     } else if (!has_samples) {
@@ -314,11 +331,13 @@ sp_precision PolicyEngine::nearest_tier_up(sp_precision precision) const {
   return precision;
 }
 
-// The loss guard acts only when it is enabled and the mode is dynamic (docs/policy.md,
+// The loss guard acts only when it is enabled and the mode is dynamic or budget (docs/policy.md,
 // "Loss guard"): otherwise no loss is judged and no revert or penalty has any effect.
 // import_state drops reverts and penalties an inactive guard could not have made, so these
 // checks only keep the rule local.
-bool PolicyEngine::guard_active() const { return config_.loss_guard.enabled && mode_ == Mode::dynamic; }
+bool PolicyEngine::guard_active() const {
+  return config_.loss_guard.enabled && (mode_ == Mode::dynamic || mode_ == Mode::budget);
+}
 
 bool PolicyEngine::under_penalty(const BlockState &block, std::int64_t step) const {
   return guard_active() && block.penalty_until && step < *block.penalty_until;
@@ -430,9 +449,15 @@ void PolicyEngine::end_step(std::int64_t step, const sp_step_feedback_v1 *feedba
   if (guard_active() && feedback != nullptr && std::isfinite(feedback->loss)) {
     judge_loss(step, feedback->loss);
   }
+  if (mode_ == Mode::budget && feedback != nullptr && std::isfinite(feedback->loss)) {
+    state_.budget.feedback_loss = smoothed(state_.budget.feedback_loss, feedback->loss, config_.signal_smoothing);
+  }
   state_.phase = StepPhase::ended;
   if (last_spike_ && telemetry_) {
-    if (!pending_record_) pending_record_ = StepRecord{step, is_decision_step(step), 0, std::nullopt};
+    if (!pending_record_) {
+      pending_record_ = StepRecord{step, is_decision_step(step), 0, std::nullopt,
+                                   mode_ == Mode::budget ? std::optional(budget_record()) : std::nullopt};
+    }
     pending_record_->spike = last_spike_;
   }
   write_pending_record();
@@ -484,6 +509,16 @@ void PolicyEngine::set_transfer_bytes(sp_precision precision, const std::uint64_
         fmt::format("set_transfer_bytes: n = {}, but the policy was created for {} blocks", n, n_blocks()));
   }
   if (bytes == nullptr) throw InvalidArgument("set_transfer_bytes: bytes is null");
+  if (mode_ == Mode::budget && precision != SP_PRECISION_NF4) {
+    // A bytes budget is a fraction of these sizes; NF4's 0 means "not described" (nominal).
+    for (std::uint32_t b = 0; b < n; ++b) {
+      if (bytes[b] == 0) {
+        throw InvalidArgument(fmt::format("set_transfer_bytes: block {} has 0 bytes at {}; mode budget needs the size "
+                                          "of every block",
+                                          b, precision_name(precision)));
+      }
+    }
+  }
   switch (precision) {
     case SP_PRECISION_BF16:
       for (std::uint32_t b = 0; b < n; ++b) block_bytes_[b].bf16 = bytes[b];
@@ -500,6 +535,7 @@ void PolicyEngine::set_transfer_bytes(sp_precision precision, const std::uint64_
                       "int8 = 1, nf4 = 2)",
                       precision));
   }
+  sizes_changed_ = true;
 }
 
 void PolicyEngine::set_precision_calibration_errors(sp_precision precision, const std::uint32_t *block_ids,
@@ -556,6 +592,9 @@ void PolicyEngine::import_state(const std::uint8_t *blob, std::size_t size) {
   }
   write_pending_record();
   state_ = std::move(imported);
+  // The exporter's allocation was made for its sizes and its config: v3 re-allocates at the
+  // next compute_hints (margins and cooldowns keep what still fits).
+  sizes_changed_ = true;
   for (sp_hint_v1 &hint : hints_) {
     const BlockState &block = state_.blocks[hint.block_id];
     hint.precision = block.previous_precision;

@@ -1,6 +1,7 @@
 // The C boundary of the Selective Precision policy plugin: the ABI v1 function table.
 // Every exported body runs inside guarded(), so no exception crosses into the host and
 // every failure leaves a message for last_error().
+#include "sp/policy/budget.h"
 #include "sp/policy/config.h"
 #include "sp/policy/engine.h"
 #include "sp/policy/errors.h"
@@ -18,7 +19,9 @@
 #include <utility>
 
 #ifndef SP_POLICY_PLUGIN_VERSION
-#if SP_POLICY_EDITION >= 2
+#if SP_POLICY_EDITION >= 3
+#define SP_POLICY_PLUGIN_VERSION "3.0.0"
+#elif SP_POLICY_EDITION >= 2
 #define SP_POLICY_PLUGIN_VERSION "2.0.0"
 #else
 #define SP_POLICY_PLUGIN_VERSION "1.0.0"
@@ -168,6 +171,7 @@ sp_status sp_create(const sp_host_api_v1 *host, const char *config_yaml, const s
     }
 #endif
     sp::policy::check_host_precisions(parsed, supported);
+    sp::policy::check_budget_feasible(parsed, block_bytes);
     auto ctx = std::make_unique<sp_policy_ctx>(*host, std::move(parsed.config), std::move(block_bytes));
     for (const std::string &warning : parsed.warnings) ctx->log.write(SP_LOG_WARN, warning);
     const sp::policy::PolicySettings &config = ctx->engine.config();
@@ -240,6 +244,20 @@ sp_status sp_set_precision_calibration_errors(sp_policy_ctx *ctx, sp_precision p
 }
 #endif
 
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 2
+sp_status sp_set_unit_signals(sp_policy_ctx *ctx, int64_t step, const sp_unit_signals_v1 *signals) {
+  return on_context(ctx, "set_unit_signals", [&] { ctx->engine.set_unit_signals(step, signals); });
+}
+
+sp_status sp_get_unit_costs(sp_policy_ctx *ctx, sp_precision precision, double *costs_out, uint32_t n) {
+  return on_context(ctx, "get_unit_costs", [&] { ctx->engine.unit_costs(precision, costs_out, n); });
+}
+
+sp_status sp_get_budget_status(sp_policy_ctx *ctx, sp_budget_status_v1 *status_out) {
+  return on_context(ctx, "get_budget_status", [&] { ctx->engine.budget_status(status_out); });
+}
+#endif
+
 const char *sp_last_error(const sp_policy_ctx *ctx) {
   return ctx == nullptr ? g_create_error : ctx->last_error.c_str();
 }
@@ -264,6 +282,11 @@ constexpr sp_policy_plugin_v1_table kTable = {
 #if SP_PLUGIN_ABI_TARGET_MINOR >= 1
     sp_set_transfer_bytes,
     sp_set_precision_calibration_errors,
+#endif
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 2
+    sp_set_unit_signals,
+    sp_get_unit_costs,
+    sp_get_budget_status,
 #endif
 };
 

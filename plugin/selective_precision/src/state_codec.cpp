@@ -30,10 +30,15 @@ constexpr std::uint32_t kBlocksSection = four_cc('B', 'L', 'K', 'S');
 // instance-wide v2 fields (measured NF4 bytes, the loss window) and one v2 record per block.
 constexpr std::uint32_t kGuardSection = four_cc('L', 'O', 'S', 'S');
 constexpr std::uint32_t kBlocksV2Section = four_cc('B', 'L', 'K', '2');
-constexpr std::uint32_t section_count_of(std::uint32_t version) { return version >= 2 ? 4 : 2; }
+// Format 3 (policy v3) appends one section: the budget's instance fields, then one record of
+// signals per unit.
+constexpr std::uint32_t kBudgetSection = four_cc('B', 'D', 'G', 'T');
+constexpr std::uint32_t section_count_of(std::uint32_t version) { return version >= 3 ? 5 : version >= 2 ? 4 : 2; }
 // The first format this edition cannot write: the 1.0.0 edition writes and reads format 1 only.
 constexpr std::uint32_t kOldestReadable = 1;
 constexpr std::size_t kBlockV2Size = 4 * 1 + 8 + 8 + 1 + 1 + 8 + 2 * 8;
+constexpr std::size_t kBudgetFixedSize = 8 + 8 + 1 + 8 + 1 + 8 + 8 + 1 + 8 + 8 + 8 + 1 + 8;
+constexpr std::size_t kUnitSignalsSize = 9 * 8;
 
 constexpr std::size_t kPolicyPayloadSize = 4 + 4 + 8 + 1 + 4 * 8;
 constexpr std::size_t kBlockFixedSize = 5 * 1 + 8 + 8 + 5 * 8 + 4;
@@ -207,6 +212,34 @@ void write_blocks_v2_section(Writer &out, const PolicyState &state) {
     out.i64(block.penalty_until.value_or(0));
     out.f64(block.score.nf4_error_score);
     out.f64(block.score.nf4_sensitivity);
+  }
+}
+
+void write_tier_values(Writer &out, const TierValues &values) {
+  for (double value : values) out.f64(value);
+}
+
+void write_budget_section(Writer &out, const PolicyState &state) {
+  const BudgetState &budget = state.budget;
+  out.u32(kBudgetSection);
+  out.u64(kBudgetFixedSize + kUnitSignalsSize * budget.units.size());
+  out.u64(budget.tables_received);
+  out.u64(budget.last_table_samples);
+  out.u8(budget.last_signal_step ? 1 : 0);
+  out.i64(budget.last_signal_step.value_or(0));
+  out.u8(budget.signals_pending ? 1 : 0);
+  out.f64(budget.table_loss);
+  out.f64(budget.feedback_loss);
+  out.u8(static_cast<std::uint8_t>(budget.source));
+  out.i64(budget.decided_at_step);
+  out.u64(budget.planned_bytes);
+  out.f64(budget.planned_cost);
+  out.u8(budget.met ? 1 : 0);
+  out.u64(budget.bucket_bytes);
+  for (const UnitSignals &unit : budget.units) {
+    write_tier_values(out, unit.cost);
+    write_tier_values(out, unit.first_order);
+    write_tier_values(out, unit.second_order);
   }
 }
 
@@ -423,20 +456,92 @@ void read_blocks_v2_section(Reader &reader, std::size_t payload_size, PolicyStat
   }
 }
 
+// A value the host measured or the policy derived from it: finite, or NaN for none.
+double finite_or_nan(Reader &reader, const char *what) {
+  const double value = reader.f64(what);
+  if (std::isinf(value)) throw StateError(fmt::format("state blob: {} must be finite or NaN, found {}", what, value));
+  return value;
+}
+
+void read_tier_values(Reader &reader, const char *what, TierValues &values) {
+  for (double &value : values) value = finite_or_nan(reader, what);
+}
+
+void read_budget_section(Reader &reader, std::size_t payload_size, PolicyState &state) {
+  BudgetState &budget = state.budget;
+  if (payload_size != kBudgetFixedSize + kUnitSignalsSize * budget.units.size()) {
+    throw StateError(fmt::format("state blob: the budget section is {} bytes, expected {} for {} units", payload_size,
+                                 kBudgetFixedSize + kUnitSignalsSize * budget.units.size(), budget.units.size()));
+  }
+  budget.tables_received = reader.u64("signal tables received");
+  budget.last_table_samples = reader.u64("samples of the last signal table");
+  const bool has_signal_step = reader.flag("has-signal-step flag");
+  const std::int64_t signal_step = reader.i64("last signal step");
+  if (has_signal_step != (budget.tables_received > 0)) {
+    throw StateError("state blob: a last signal step must be recorded exactly when signal tables were received");
+  }
+  if (has_signal_step) {
+    if (signal_step < -1 || signal_step > state.current_step) {
+      throw StateError(
+          fmt::format("state blob: the last signal step must be in [-1, {}], found {}", state.current_step, signal_step));
+    }
+    budget.last_signal_step = signal_step;
+  }
+  budget.signals_pending = reader.flag("signals-pending flag");
+  if (budget.signals_pending && budget.tables_received == 0) {
+    throw StateError("state blob: signals are pending, but no signal table was received");
+  }
+  budget.table_loss = finite_or_nan(reader, "signal table loss");
+  budget.feedback_loss = finite_or_nan(reader, "smoothed feedback loss");
+  const std::uint8_t source = reader.u8("allocation source");
+  if (source > static_cast<std::uint8_t>(AllocationSource::signals)) {
+    throw StateError(fmt::format("state blob: allocation source must be 0 (none), 1 (prior) or 2 (signals), found {}",
+                                 source));
+  }
+  budget.source = static_cast<AllocationSource>(source);
+  if (budget.source == AllocationSource::signals && budget.tables_received == 0) {
+    throw StateError("state blob: an allocation from signals, but no signal table was received");
+  }
+  budget.decided_at_step = reader.i64("allocation step");
+  const bool allocated = budget.source != AllocationSource::none;
+  if (allocated ? budget.decided_at_step < 0 || budget.decided_at_step > state.current_step
+                : budget.decided_at_step != -1) {
+    throw StateError(fmt::format("state blob: allocation step {} does not fit allocation source {} at step {}",
+                                 budget.decided_at_step, source, state.current_step));
+  }
+  budget.planned_bytes = reader.u64("planned bytes");
+  budget.planned_cost = finite_or_nan(reader, "planned cost");
+  budget.met = reader.flag("budget-met flag");
+  if (!allocated && budget.met) throw StateError("state blob: a budget is met without an allocation");
+  budget.bucket_bytes = reader.u64("solver bucket bytes");
+  if (budget.bucket_bytes == 0) throw StateError("state blob: the solver bucket must be at least 1 byte");
+  for (UnitSignals &unit : budget.units) {
+    read_tier_values(reader, "smoothed loss cost", unit.cost);
+    read_tier_values(reader, "first-order term", unit.first_order);
+    read_tier_values(reader, "second-order term", unit.second_order);
+  }
+}
+
 }  // namespace
 
+std::uint32_t state_format_for(const PolicyState &state) {
+  return kStateFormatVersion >= 3 && !state.budget.holds_state() ? 2 : kStateFormatVersion;
+}
+
 std::vector<std::uint8_t> encode_state(const PolicyState &state) {
+  const std::uint32_t version = state_format_for(state);
   Writer out;
   out.bytes(kMagic, sizeof kMagic);
-  out.u32(kStateFormatVersion);
-  out.u32(section_count_of(kStateFormatVersion));
+  out.u32(version);
+  out.u32(section_count_of(version));
   out.u64(0);
   write_policy_section(out, state);
   write_blocks_section(out, state);
-  if (kStateFormatVersion >= 2) {
+  if (version >= 2) {
     write_guard_section(out, state);
     write_blocks_v2_section(out, state);
   }
+  if (version >= 3) write_budget_section(out, state);
   out.patch_u64(16, out.size() + kTrailerSize);
   std::vector<std::uint8_t> blob = out.take();
   const std::uint32_t crc = crc32(blob.data(), blob.size());
@@ -490,6 +595,7 @@ PolicyState decode_state(const std::uint8_t *blob, std::size_t size, std::uint32
   bool seen_blocks = false;
   bool seen_guard = false;
   bool seen_blocks_v2 = false;
+  bool seen_budget = false;
   for (std::uint32_t s = 0; s < section_count; ++s) {
     const std::uint32_t tag = reader.u32("section tag");
     const std::uint64_t payload_size = reader.u64("section size");
@@ -520,6 +626,11 @@ PolicyState decode_state(const std::uint8_t *blob, std::size_t size, std::uint32
       if (!seen_blocks) throw StateError("state blob: the v2 blocks section comes before the blocks section");
       read_blocks_v2_section(payload, static_cast<std::size_t>(payload_size), state);
       seen_blocks_v2 = true;
+    } else if (version >= 3 && tag == kBudgetSection && !seen_budget) {
+      // Its steps are checked against the current step of the policy section.
+      if (!seen_policy) throw StateError("state blob: the budget section comes before the policy section");
+      read_budget_section(payload, static_cast<std::size_t>(payload_size), state);
+      seen_budget = true;
     } else {
       throw StateError(fmt::format("state blob: section {} has an unknown or repeated tag 0x{:08x}", s, tag));
     }

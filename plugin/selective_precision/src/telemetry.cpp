@@ -72,6 +72,52 @@ nlohmann::ordered_json spike_json(const std::optional<SpikeRecord> &spike) {
   return {{"loss", spike->loss}, {"mu", spike->mu}, {"sd", spike->sd}, {"blocks_blamed", spike->blamed}};
 }
 
+nlohmann::ordered_json per_tier(const TierValues &values) {
+  return {{"bf16", number_or_null(values[SP_PRECISION_BF16])},
+          {"int8", number_or_null(values[SP_PRECISION_INT8])},
+          {"nf4", number_or_null(values[SP_PRECISION_NF4])}};
+}
+
+const char *source_name(AllocationSource source) {
+  switch (source) {
+    case AllocationSource::prior:
+      return "prior";
+    case AllocationSource::signals:
+      return "signals";
+    default:
+      return "none";
+  }
+}
+
+// v3: the budget and where the current allocation stands against it.
+nlohmann::ordered_json budget_json(const BudgetRecord &record, const BudgetState &budget) {
+  const bool allocated = budget.source != AllocationSource::none;
+  const double all_bf16 = static_cast<double>(record.all_bf16_bytes);
+  const double planned_fraction = allocated && all_bf16 > 0 ? static_cast<double>(budget.planned_bytes) / all_bf16
+                                                            : ScoreParts::kNever;
+  return {
+      {"kind", record.kind == BudgetKind::loss ? "loss" : "bytes"},
+      {"limit", record.limit},
+      {"reference_loss", number_or_null(record.reference_loss)},
+      {"source", source_name(budget.source)},
+      {"decided_at_step", allocated ? nlohmann::ordered_json(budget.decided_at_step) : nullptr},
+      {"planned_bytes", allocated ? nlohmann::ordered_json(budget.planned_bytes) : nullptr},
+      {"all_bf16_bytes", record.all_bf16_bytes},
+      {"planned_bytes_fraction", number_or_null(planned_fraction)},
+      {"planned_cost", number_or_null(allocated ? budget.planned_cost : ScoreParts::kNever)},
+      {"planned_loss_fraction",
+       number_or_null(allocated && record.reference_loss > 0.0 ? budget.planned_cost / record.reference_loss
+                                                               : ScoreParts::kNever)},
+      {"met", allocated && budget.met},
+      // 1: the allocation is exact; otherwise it is exact at this many bytes (sizes rounded up).
+      {"granularity_bytes", budget.bucket_bytes},
+      {"signal_tables", budget.tables_received},
+      {"last_signal_step",
+       budget.last_signal_step ? nlohmann::ordered_json(*budget.last_signal_step) : nlohmann::ordered_json(nullptr)},
+      {"last_signal_samples", budget.last_table_samples},
+  };
+}
+
 nlohmann::ordered_json measured_bandwidth(const MeasuredBytes &measured) {
   if (measured.steps == 0 || measured.all_bf16 == 0) return nullptr;
   const double moved =
@@ -110,6 +156,8 @@ const char *reason_name(sp_reason reason) {
       return "loss_guard";
     case SP_REASON_PENALTY:
       return "penalty";
+    case SP_REASON_BUDGET:
+      return "budget";
     default:
       return "unknown";
   }
@@ -172,6 +220,12 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Pol
           block.last_down_move ? nlohmann::ordered_json(block.last_down_move->step) : nullptr;
       detail["penalty_until"] = block.penalty_until ? nlohmann::ordered_json(*block.penalty_until) : nullptr;
     }
+    if (record.budget) {
+      const UnitSignals &signals = state.budget.units[b];
+      detail["predicted_cost"] = per_tier(signals.cost);
+      detail["first_order"] = per_tier(signals.first_order);
+      detail["second_order"] = per_tier(signals.second_order);
+    }
     details[std::to_string(b)] = std::move(detail);
   }
   nlohmann::ordered_json line = {
@@ -190,6 +244,7 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Pol
   line["estimated_bandwidth_saving_pct"] = estimated_saving_pct(hints, block_bytes, nominal_nf4_ratio(nf4_group_size));
   line["measured_bandwidth"] = measured_bandwidth(measured);
   if (kPolicyEdition >= 2) line["loss_spike"] = spike_json(record.spike);
+  if (record.budget) line["budget"] = budget_json(*record.budget, state.budget);
   line["block_details"] = std::move(details);
   return line.dump();
 }

@@ -182,9 +182,9 @@ TEST_F(PolicyStateBlob, RejectsForeignBytes) {
 
 TEST_F(PolicyStateBlob, RejectsAnotherFormatVersion) {
   std::vector<std::uint8_t> other = blob;
-  store_u32(other, kVersionOffset, 3);
+  store_u32(other, kVersionOffset, 4);
   reseal(other);
-  expect_rejected(other, "format version 3 is not supported; this plugin reads versions 1 to 2");
+  expect_rejected(other, "format version 4 is not supported; this plugin reads versions 1 to 3");
 }
 
 TEST_F(PolicyStateBlob, RejectsAChecksumMismatch) {

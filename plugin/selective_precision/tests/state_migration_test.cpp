@@ -91,7 +91,7 @@ TEST_P(StateMigration, TwoDotZeroContinuesAOneDotZeroBlobWithIdenticalHints) {
 
   const Plugin plugin(SP_POLICY_PLUGIN_PATH);
   ASSERT_TRUE(plugin.loaded()) << dlerror();
-  ASSERT_STREQ(plugin->plugin_version, "2.0.0");
+  ASSERT_STREQ(plugin->plugin_version, "3.0.0");
   const sp_host_api_v1 host = test_host();
   std::vector<sp_block_desc_v1> blocks;
   for (const auto &block : fixture["blocks"]) {

@@ -2,8 +2,9 @@
  * Selective Precision policy plugin ABI, version 1.
  *
  * FROZEN per minor. This header describes a binary contract between a host runtime
- * and a policy plugin (.so). Minor 0 (1.0) is frozen; minor 1 (1.1) only appended to it,
- * and every addition is marked "1.1". Once released, nothing in it changes meaning:
+ * and a policy plugin (.so). Minor 0 (1.0) is frozen; minor 1 (1.1) and minor 2 (1.2) only
+ * appended to it, and every addition is marked "1.1" or "1.2". Once released, nothing in it
+ * changes meaning:
  *   - structs passed one at a time (sp_host_api_v1, sp_step_feedback_v1 and the
  *     function table) only grow by appending fields. Their first field is struct_size,
  *     so a reader checks offsetof(field) + sizeof(field) <= struct_size before it reads
@@ -16,7 +17,8 @@
  *     sizeof(sp_block_desc_v1) (40 bytes): a host never sends another value, and a
  *     plugin may refuse another value. New per-block data arrives through new table
  *     functions that take plain arrays indexed by block id (set_transfer_bytes in 1.1),
- *     never through these structs;
+ *     or through a self-describing table whose columns are named (sp_unit_signals_v1 in
+ *     1.2), never through these structs;
  *   - enums only gain values;
  *   - a changed signature becomes a new table in plugin_abi_v2.h.
  * Adding an appended field or an enum value bumps SP_PLUGIN_ABI_MINOR. Anything
@@ -25,7 +27,8 @@
  * Minors on both sides: a host never hands a plugin anything from a newer minor than
  * the plugin's own table reports. To a 1.0 plugin a 1.1 host passes struct_size values
  * of the 1.0 layouts, never calls a 1.1 function, and refuses a hint whose precision
- * 1.0 does not define. A plugin of a newer minor than the host is never loaded (the
+ * 1.0 does not define. Likewise a 1.2 host never calls a 1.2 function on a 1.0 or 1.1
+ * plugin (1.2 appends only functions, new structs and enum values). A plugin of a newer minor than the host is never loaded (the
  * version rule below), so a plugin always meets a host of its own minor or a newer one;
  * it still reads an appended field only where struct_size covers it.
  *
@@ -54,7 +57,7 @@ extern "C" {
 
 #define SP_PLUGIN_ABI_MAJOR 1
 /* The newest minor this header describes. */
-#define SP_PLUGIN_ABI_LATEST_MINOR 1
+#define SP_PLUGIN_ABI_LATEST_MINOR 2
 
 /* A plugin that implements an older minor defines SP_PLUGIN_ABI_TARGET_MINOR before
  * including this header (e.g. 0 for 1.0): it then compiles exactly that minor's layouts,
@@ -63,7 +66,7 @@ extern "C" {
 #define SP_PLUGIN_ABI_TARGET_MINOR SP_PLUGIN_ABI_LATEST_MINOR
 #endif
 #if SP_PLUGIN_ABI_TARGET_MINOR < 0 || SP_PLUGIN_ABI_TARGET_MINOR > SP_PLUGIN_ABI_LATEST_MINOR
-#error "SP_PLUGIN_ABI_TARGET_MINOR must be 0 or 1"
+#error "SP_PLUGIN_ABI_TARGET_MINOR must be 0, 1 or 2"
 #endif
 #define SP_PLUGIN_ABI_MINOR SP_PLUGIN_ABI_TARGET_MINOR
 
@@ -115,6 +118,13 @@ typedef int32_t sp_reason;
                                        back to the precision it had before */
 #define SP_REASON_PENALTY 10        /* 1.1: a move down was due, but the block is under a loss-guard
                                        penalty */
+#define SP_REASON_BUDGET 11         /* 1.2: the allocation under the user's budget decided */
+
+/* 1.2: what a policy's budget limits (sp_budget_status_v1). */
+typedef int32_t sp_budget_kind;
+#define SP_BUDGET_NONE 0  /* the policy has no budget */
+#define SP_BUDGET_BYTES 1 /* a step moves at most `limit` times the bytes of all-BF16 */
+#define SP_BUDGET_LOSS 2  /* the predicted loss increase stays at most `limit` times the current loss */
 
 /* Log levels, in increasing severity. */
 typedef int32_t sp_log_level;
@@ -198,6 +208,54 @@ typedef struct sp_step_feedback_v1 {
   uint64_t h2d_bytes_nf4;    /* bytes moved on the NF4 path this step */
 #endif
 } sp_step_feedback_v1;
+
+/* 1.2: a self-describing table of per-unit signals the host measured, a units x signals matrix
+ * of doubles with named columns. A unit is a streamed block: row u is block id u. The host can
+ * add a column without a new minor; a plugin reads the columns it knows by name and ignores the
+ * rest. Appendable: a reader checks struct_size before it reads a field a later minor appends.
+ *
+ * Column names a host may send (the plugin's documentation says which it reads), per tier
+ * <tier> in bf16, int8, nf4:
+ *   loss_cost.<tier>     the predicted increase of the loss if the unit computed with that
+ *                        tier's image instead of its full-precision master weights: the first-
+ *                        plus the second-order Taylor term, with delta = image - master, the
+ *                        gradient g and the diagonal F of the per-example Fisher (the mean of
+ *                        each example's squared gradient):  sum g*delta + 1/2 sum F*delta^2
+ *   first_order.<tier>   the first term alone,  sum g*delta
+ *   second_order.<tier>  the second term alone, 1/2 sum F*delta^2 */
+typedef struct sp_unit_signals_v1 {
+  uint32_t struct_size;  /* sizeof(sp_unit_signals_v1) as the host compiled it; at least
+                            SP_UNIT_SIGNALS_V1_2_SIZE */
+  uint32_t n_units;      /* rows: the n_blocks of create() */
+  uint32_t n_signals;    /* columns; may be 0 */
+  uint32_t reserved0;    /* zero */
+  const char *const *signal_names; /* borrowed for the call: n_signals NUL-terminated names,
+                                      distinct; may be NULL when n_signals is 0 */
+  const double *values;  /* borrowed for the call: n_units * n_signals values, row-major (value
+                            of unit u, column c at values[u * n_signals + c]); NaN = not measured;
+                            may be NULL when the product is 0 */
+  double loss;           /* the loss of the batches measured; NaN when unknown */
+  uint64_t samples;      /* the examples behind the estimate; 0 when unknown */
+} sp_unit_signals_v1;
+
+/* 1.2: where a budget policy's current allocation stands. Appendable; the caller owns it and
+ * sets struct_size to the size it compiled (at least SP_BUDGET_STATUS_V1_2_SIZE); the plugin
+ * fills the fields that struct_size covers and leaves struct_size as it is. */
+typedef struct sp_budget_status_v1 {
+  uint32_t struct_size;
+  sp_budget_kind kind;             /* SP_BUDGET_NONE, _BYTES or _LOSS */
+  double limit;                    /* the stated limit (a fraction); NaN with SP_BUDGET_NONE */
+  double planned_bytes_fraction;   /* bytes of the current allocation over all-BF16 bytes; NaN
+                                      before the first allocation */
+  double planned_cost;             /* predicted loss increase of the current allocation; NaN
+                                      when unmeasured */
+  double planned_loss_fraction;    /* planned_cost over reference_loss; NaN when either is unknown */
+  double reference_loss;           /* the loss a loss budget is a fraction of; NaN when unknown */
+  int64_t decided_at_step;         /* the step whose hints first carried the allocation; -1 = none */
+  uint32_t met;                    /* 1 when the allocation keeps the budget, 0 otherwise (0 also
+                                      without a budget or an allocation) */
+  uint32_t reserved0;              /* zero */
+} sp_budget_status_v1;
 
 /* Opaque per-instance state, created and freed by the plugin. */
 typedef struct sp_policy_ctx sp_policy_ctx;
@@ -295,6 +353,28 @@ typedef struct sp_policy_plugin_v1_table {
                                                 const uint32_t *block_ids, const double *errors,
                                                 uint32_t n);
 #endif
+
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 2
+  /* ---- 1.2. A host calls these only when the table's abi_minor >= 2 and its
+   * struct_size covers the pointer; a 1.2 plugin sets every one (none is NULL). ---- */
+
+  /* Per-unit signals the host measured (sp_unit_signals_v1 above). `signals`, and the names
+   * and values it points to, are borrowed for this call only. `step` is the step whose
+   * weights and batches were measured, -1 for a calibration pass before the first
+   * begin_step; it is at most the current step. May be called before the first begin_step
+   * (the policy can then decide step 0's hints) and at any point between or within steps.
+   * A table the plugin rejects changes nothing. */
+  sp_status (*set_unit_signals)(sp_policy_ctx *ctx, int64_t step, const sp_unit_signals_v1 *signals);
+
+  /* The predicted cost of each unit at `precision` that the policy decides with (its smoothed
+   * loss_cost.<tier>), costs_out[i] for unit i, NaN where it has none. `costs_out` (n entries)
+   * is owned by the caller and borrowed for this call; n must equal the n_blocks of create(). */
+  sp_status (*get_unit_costs)(sp_policy_ctx *ctx, sp_precision precision, double *costs_out, uint32_t n);
+
+  /* Where the policy's budget stands (sp_budget_status_v1 above). `status_out` is owned by
+   * the caller and borrowed for this call; the plugin writes within its struct_size. */
+  sp_status (*get_budget_status)(sp_policy_ctx *ctx, sp_budget_status_v1 *status_out);
+#endif
 } sp_policy_plugin_v1_table;
 
 /* The array element layouts are part of the major version (see the top of the file). */
@@ -313,6 +393,15 @@ SP_ABI_STATIC_ASSERT(sizeof(sp_hint_v1) == 24, "sp_hint_v1 is frozen for ABI maj
 #define SP_HOST_API_V1_0_SIZE 64u
 #define SP_STEP_FEEDBACK_V1_0_SIZE 48u
 #define SP_PLUGIN_TABLE_V1_0_SIZE 112u
+/* 1.2: where a 1.1 function table ends (1.2 appends to it), and the first layouts of the two
+ * structs 1.2 introduces. */
+#define SP_PLUGIN_TABLE_V1_1_SIZE 128u
+#define SP_UNIT_SIGNALS_V1_2_SIZE 48u
+#define SP_BUDGET_STATUS_V1_2_SIZE 64u
+#if UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu
+SP_ABI_STATIC_ASSERT(sizeof(sp_unit_signals_v1) == SP_UNIT_SIGNALS_V1_2_SIZE, "1.2 layout of sp_unit_signals_v1");
+SP_ABI_STATIC_ASSERT(sizeof(sp_budget_status_v1) == SP_BUDGET_STATUS_V1_2_SIZE, "1.2 layout of sp_budget_status_v1");
+#endif
 #if UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu && SP_PLUGIN_ABI_TARGET_MINOR == 0
 SP_ABI_STATIC_ASSERT(sizeof(sp_host_api_v1) == SP_HOST_API_V1_0_SIZE, "1.0 layout of sp_host_api_v1");
 SP_ABI_STATIC_ASSERT(sizeof(sp_step_feedback_v1) == SP_STEP_FEEDBACK_V1_0_SIZE, "1.0 layout of sp_step_feedback_v1");
@@ -324,6 +413,12 @@ SP_ABI_STATIC_ASSERT(offsetof(sp_step_feedback_v1, h2d_bytes_nf4) == SP_STEP_FEE
                      "1.1 fields of sp_step_feedback_v1 start where 1.0 ended");
 SP_ABI_STATIC_ASSERT(offsetof(sp_policy_plugin_v1_table, set_transfer_bytes) == SP_PLUGIN_TABLE_V1_0_SIZE,
                      "1.1 functions of the table start where 1.0 ended");
+#endif
+#if UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu && SP_PLUGIN_ABI_TARGET_MINOR == 1
+SP_ABI_STATIC_ASSERT(sizeof(sp_policy_plugin_v1_table) == SP_PLUGIN_TABLE_V1_1_SIZE, "1.1 layout of the table");
+#elif UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu && SP_PLUGIN_ABI_TARGET_MINOR >= 2
+SP_ABI_STATIC_ASSERT(offsetof(sp_policy_plugin_v1_table, set_unit_signals) == SP_PLUGIN_TABLE_V1_1_SIZE,
+                     "1.2 functions of the table start where 1.1 ended");
 #endif
 #undef SP_ABI_STATIC_ASSERT
 

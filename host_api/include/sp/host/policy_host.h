@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -41,6 +42,18 @@ struct BlockDescription {
   /// PolicyHostOptions::supported_precisions includes NF4. Declared last so that existing
   /// aggregate initialisers {id, params, bf16, int8, name} keep compiling.
   std::uint64_t nf4_bytes = 0;
+};
+
+/// ABI 1.2: per-block signals the host measured, as named columns (sp_unit_signals_v1; column
+/// names in plugin_abi_v1.h, e.g. "loss_cost.nf4"). A plugin reads the columns it knows.
+struct UnitSignalTable {
+  std::vector<std::string> names;
+  /// block_count() x names.size() values, row-major (row = block id); NaN = not measured.
+  std::vector<double> values;
+  /// The loss of the batches measured; NaN when unknown.
+  double loss = std::numeric_limits<double>::quiet_NaN();
+  /// The examples behind the estimate; 0 when unknown.
+  std::uint64_t samples = 0;
 };
 
 /// What the host hands out when the plugin cannot answer.
@@ -85,6 +98,9 @@ struct HookFailureCounts {
   std::uint64_t end_step = 0;
   /// set_calibration_errors and set_precision_calibration_errors together.
   std::uint64_t set_calibration_errors = 0;
+  /// 1.2: set_unit_signals, and get_unit_costs and get_budget_status together.
+  std::uint64_t set_unit_signals = 0;
+  std::uint64_t budget_queries = 0;
   std::uint64_t total() const;
 };
 
@@ -151,6 +167,21 @@ class PolicyHost {
   bool set_calibration_errors(sp_precision precision, const std::vector<std::uint32_t>& block_ids,
                               const std::vector<double>& errors);
 
+  /// ABI 1.2: a signal table measured at `step` (-1: a calibration pass before the first
+  /// step; at most the current step), for any block count of rows. A plugin older than 1.2
+  /// is not called (a debug message says so) and the call returns true. Returns false (after
+  /// logging and counting under set_unit_signals) when the plugin rejects the table. The host
+  /// keeps the last table it did not see rejected and hands it to a 1.2 plugin that a hot swap
+  /// brings in after an older one (whose state blob cannot carry it). Throws
+  /// std::invalid_argument when values.size() != block_count() x names.size().
+  bool set_unit_signals(std::int64_t step, const UnitSignalTable& table);
+  /// ABI 1.2: the active plugin's predicted cost per block at `precision` (NaN = none), or
+  /// nullopt from a plugin older than 1.2, a quarantined one, or one that fails (logged and
+  /// counted under budget_queries).
+  std::optional<std::vector<double>> unit_costs(sp_precision precision);
+  /// ABI 1.2: where the active plugin's budget stands; nullopt as unit_costs.
+  std::optional<sp_budget_status_v1> budget_status();
+
   /// The active plugin's state blob (export_state), for a checkpoint. Only between steps;
   /// otherwise throws std::logic_error. Throws PluginError when the plugin cannot export.
   std::vector<std::uint8_t> export_state() const;
@@ -189,7 +220,7 @@ class PolicyHost {
   std::string_view plugin_name() const;
   std::string_view plugin_version() const;
   const std::filesystem::path& plugin_file() const;
-  /// The ABI minor the active plugin's table reports (0 or 1). The host hands that plugin
+  /// The ABI minor the active plugin's table reports (0, 1 or 2). The host hands that plugin
   /// nothing newer: struct sizes, table functions and precisions are those of its minor.
   std::uint32_t plugin_abi_minor() const;
   std::uint32_t block_count() const;

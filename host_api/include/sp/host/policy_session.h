@@ -36,6 +36,13 @@ class PolicySession {
   const std::vector<sp_hint_v1>& compute_hints(std::int64_t step);
   void end_step(std::int64_t step, const sp_step_feedback_v1& feedback);
 
+  // ABI 1.2 (PolicyHost::set_unit_signals, unit_costs, budget_status): a signal table measured
+  // at `step` (-1 before the first step), and what the policy decided from it, for a report.
+  // A plugin older than 1.2 takes no table (true) and reports nothing (nullopt).
+  bool set_unit_signals(std::int64_t step, const UnitSignalTable& table);
+  std::optional<std::vector<double>> unit_costs(sp_precision precision) { return host_->unit_costs(precision); }
+  std::optional<sp_budget_status_v1> budget_status() { return host_->budget_status(); }
+
   // Between steps: if the plugin file changed since it was loaded (or `force`, after
   // SIGHUP), asks the host library to swap to it at the next begin_step. Returns the
   // request's outcome when one was made.

@@ -1,27 +1,34 @@
 // Configuration of the Selective Precision policy: v1's keys (the seed's table with the
-// seed's defaults, plus `nonfinite_to_bf16`) and v2's (tiers, NF4, loss guard). Parsed from
-// YAML text and validated completely; see docs/policy.md for every key and its range.
+// seed's defaults, plus `nonfinite_to_bf16`), v2's (tiers, NF4, loss guard) and v3's (mode
+// budget, its budget, signal smoothing, switch margin). Parsed from YAML text and validated
+// completely; see docs/policy.md for every key and its range.
 //
-// SP_POLICY_EDITION selects what the build is: 2 (default) is policy v2; 1 builds the same
-// sources as the 1.0.0 edition, which knows only v1's keys (a v2 key is an unknown key).
+// SP_POLICY_EDITION selects what the build is: 3 (default) is policy v3; 2 builds the same
+// sources as the 2.0.0 edition (a v3 key is an unknown key), 1 as the 1.0.0 edition, which
+// knows only v1's keys (a v2 key is an unknown key).
 #pragma once
 
 #include <sp/plugin_abi_v1.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #ifndef SP_POLICY_EDITION
-#define SP_POLICY_EDITION 2
+#define SP_POLICY_EDITION 3
 #endif
 
 namespace sp::policy {
 
 inline constexpr int kPolicyEdition = SP_POLICY_EDITION;
 
-enum class Mode : std::uint8_t { off, static_lists, dynamic };
+// `budget` is policy v3: an exact allocation under the user's budget (docs/policy.md).
+enum class Mode : std::uint8_t { off, static_lists, dynamic, budget };
+
+// What a v3 budget limits; the codes are the ABI's sp_budget_kind.
+enum class BudgetKind : std::int32_t { none = SP_BUDGET_NONE, bytes = SP_BUDGET_BYTES, loss = SP_BUDGET_LOSS };
 
 // The largest history_window accepted. It bounds the memory of the window
 // (n_blocks * history_window samples) and the size of a state blob.
@@ -70,6 +77,19 @@ struct PolicySettings {
     std::int64_t blame_steps = 10;
     std::int64_t penalty_steps = 100;
   } loss_guard;
+
+  // ---- v3 ----
+  struct Budget {
+    BudgetKind kind = BudgetKind::none;
+    // bytes: the fraction of all-BF16 bytes a step may move, in (0, 1]; loss: the predicted
+    // loss increase allowed, as a fraction of the current loss, finite and > 0.
+    double limit = std::numeric_limits<double>::quiet_NaN();
+  } budget;
+  // Weight of the previous average when a signal table arrives: cost = s*cost + (1-s)*new.
+  double signal_smoothing = 0.5;
+  // Hysteresis: switch_margin x the reference loss is added to the cost of every tier other
+  // than a unit's current one.
+  double switch_margin = 0.0005;
 
   bool tier(sp_precision precision) const { return (tiers & SP_PRECISION_BIT(precision)) != 0; }
   // Whether the configuration can make any block travel as NF4.

@@ -1,5 +1,5 @@
-// The Selective Precision policy decision engine (v2, and v1 as its special case): exactly
-// the rules of docs/policy.md.
+// The Selective Precision policy decision engine (v3's budget mode, v2, and v1 as v2's special
+// case): exactly the rules of docs/policy.md.
 // One instance per plugin context; not thread-safe (the host calls a context from one
 // thread at a time). Every method validates its input completely before it changes
 // anything, so a call that throws leaves the engine as it was.
@@ -51,12 +51,32 @@ class PolicyEngine {
   // v2: the spike that the last end_step judged, if it judged one.
   const std::optional<SpikeRecord> &last_spike() const { return last_spike_; }
 
+  // v3 (ABI 1.2): a table of per-unit signals, measured at `step` (-1: a calibration pass
+  // before the first step). Validated completely first; unknown columns are ignored.
+  void set_unit_signals(std::int64_t step, const sp_unit_signals_v1 *signals);
+  // The smoothed predicted cost of every unit at `precision`, NaN where none (n = n_blocks()).
+  void unit_costs(sp_precision precision, double *costs_out, std::uint32_t n) const;
+  // Fills the fields of 1.2 that out->struct_size covers.
+  void budget_status(sp_budget_status_v1 *out) const;
+  // The loss a loss budget is a fraction of: the smoothed end_step loss once one arrived in
+  // mode budget, else the last signal table's; NaN when neither is known.
+  double reference_loss() const;
+
   std::vector<std::uint8_t> export_state() const;
   void import_state(const std::uint8_t *blob, std::size_t size);
 
  private:
   void require_phase(const char *hook, std::int64_t step, std::initializer_list<StepPhase> allowed) const;
   void decide_dynamic(std::int64_t step, bool decision_step);
+  // v3: returns whether the step re-allocated (budget_decisions.cpp).
+  bool decide_budget(std::int64_t step, bool decision_step);
+  void allocate(std::int64_t step);
+  BudgetRecord budget_record() const;
+  double cheapest_tier_cost(std::uint32_t block) const;
+  // The rules that act on every step in modes dynamic and budget, before any scoring or
+  // allocation: force lists, the unsafe rule, a loss-guard revert, a precision outside the
+  // tiers. Returns the reason of the rule that decided the block, if one did.
+  std::optional<sp_reason> apply_standing_rules(BlockState &block, std::uint32_t b, std::int64_t step);
   void decide_static();
   void decide_off();
   void score_blocks();
@@ -87,6 +107,10 @@ class PolicyEngine {
   std::vector<ScoreParts> step_scores_;
   std::vector<std::uint64_t> seen_in_call_;
   std::uint64_t call_serial_ = 0;
+  // v3: a standing rule decided the unit at this step (it is pinned for the allocation).
+  std::vector<std::uint8_t> decided_by_rule_;
+  // v3: block sizes changed (set_transfer_bytes, import_state) since the last allocation.
+  bool sizes_changed_ = true;
 };
 
 }  // namespace sp::policy

@@ -4,6 +4,8 @@
 
 #include <sp/plugin_abi_v1.h>
 
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -84,6 +86,46 @@ struct LossWindow {
   std::vector<double> losses;
 };
 
+// v3: what the current allocation was made from.
+enum class AllocationSource : std::uint8_t { none = 0, prior = 1, signals = 2 };
+
+// v3: one value per tier, indexed by sp_precision (bf16, int8, nf4); NaN = none.
+using TierValues = std::array<double, 3>;
+inline constexpr TierValues kNoTierValues = {ScoreParts::kNever, ScoreParts::kNever, ScoreParts::kNever};
+
+// v3: a unit's signals: the smoothed loss_cost per tier it decides with, and the last first-
+// and second-order terms the host sent, which it only records.
+struct UnitSignals {
+  TierValues cost = kNoTierValues;
+  TierValues first_order = kNoTierValues;
+  TierValues second_order = kNoTierValues;
+};
+
+// v3: the budget's state (docs/policy.md, "Policy v3").
+struct BudgetState {
+  std::vector<UnitSignals> units;
+  std::uint64_t tables_received = 0;
+  std::uint64_t last_table_samples = 0;
+  std::optional<std::int64_t> last_signal_step;  // -1 = a calibration pass
+  // A table arrived since the last allocation.
+  bool signals_pending = false;
+  double table_loss = ScoreParts::kNever;     // the last table's finite loss
+  double feedback_loss = ScoreParts::kNever;  // smoothed end_step loss (mode budget only)
+  AllocationSource source = AllocationSource::none;
+  // The current allocation: when it was made, its bytes and predicted cost (NaN from the prior),
+  // whether it keeps the budget, and the solver's bucket (1 = exact).
+  std::int64_t decided_at_step = -1;
+  std::uint64_t planned_bytes = 0;
+  double planned_cost = ScoreParts::kNever;
+  bool met = false;
+  std::uint64_t bucket_bytes = 1;
+
+  // Whether anything here differs from a fresh state: only then does a blob need format 3.
+  bool holds_state() const {
+    return tables_received > 0 || source != AllocationSource::none || !std::isnan(feedback_loss);
+  }
+};
+
 enum class StepPhase : std::uint8_t {
   before_first_step = 0,
   begun = 1,
@@ -109,10 +151,13 @@ struct PolicyState {
   StepPhase phase = StepPhase::before_first_step;
   MeasuredBytes measured_since_record;
   LossWindow loss_window;
+  BudgetState budget;  // v3
 
   PolicyState() = default;
   PolicyState(std::uint32_t n_blocks, std::uint32_t window_capacity)
-      : blocks(n_blocks), windows(n_blocks, window_capacity) {}
+      : blocks(n_blocks), windows(n_blocks, window_capacity) {
+    budget.units.resize(n_blocks);
+  }
 };
 
 }  // namespace sp::policy

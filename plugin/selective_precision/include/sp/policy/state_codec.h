@@ -3,7 +3,8 @@
 // Layout (all integers little-endian, doubles as their IEEE-754 bits):
 //   header   magic "SPPOLST\0" (8) | format_version u32 | section_count u32 | total_size u64
 //   sections tag u32 | payload_size u64 | payload   ("PLCY" then "BLKS", each once;
-//            format 2 adds "LOSS" (measured NF4 bytes, loss window) and "BLK2" (v2 per block))
+//            format 2 adds "LOSS" (measured NF4 bytes, loss window) and "BLK2" (v2 per block);
+//            format 3 adds "BDGT" (v3: signals, smoothed costs, the budget's allocation))
 //   trailer  crc32 u32 of every byte before it
 // docs/policy.md lists the fields of each section.
 #pragma once
@@ -16,9 +17,14 @@
 #include <vector>
 
 namespace sp::policy {
-// Format 2 is policy v2's; the 1.0.0 edition writes format 1 as 1.0.0 did. Format 2 reads
-// format 1 blobs (empty loss window, no moves recorded).
-inline constexpr std::uint32_t kStateFormatVersion = SP_POLICY_EDITION >= 2 ? 2 : 1;
+// Format 3 is policy v3's, format 2 policy v2's; the 1.0.0 edition writes format 1 as 1.0.0
+// did. Each edition reads the formats up to its own (format 1 blobs: empty loss window, no
+// moves recorded; formats 1 and 2: no signals, no allocation).
+inline constexpr std::uint32_t kStateFormatVersion = SP_POLICY_EDITION >= 3 ? 3 : SP_POLICY_EDITION >= 2 ? 2 : 1;
+
+// The format encode_state writes for `state`: v3 writes format 2 while it holds no v3 state
+// (no signal table, no allocation), so that a 2.0.0 plugin can still take over from it.
+std::uint32_t state_format_for(const PolicyState &state);
 
 std::vector<std::uint8_t> encode_state(const PolicyState &state);
 

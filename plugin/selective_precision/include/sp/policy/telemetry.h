@@ -27,12 +27,21 @@ struct SpikeRecord {
   std::vector<std::uint32_t> blamed;
 };
 
+// v3: the budget as a record states it; the allocation itself is in PolicyState::budget.
+struct BudgetRecord {
+  BudgetKind kind = BudgetKind::none;
+  double limit = 0.0;
+  double reference_loss = 0.0;     // NaN when unknown
+  std::uint64_t all_bf16_bytes = 0;
+};
+
 // What a telemetry record says about one step, beyond the policy state itself.
 struct StepRecord {
   std::int64_t step = 0;
-  bool decision_step = false;
+  bool decision_step = false;  // mode budget: the step re-allocated
   std::uint32_t precision_changes = 0;
-  std::optional<SpikeRecord> spike;  // v2
+  std::optional<SpikeRecord> spike;    // v2
+  std::optional<BudgetRecord> budget;  // v3, mode budget
 };
 
 // Builds one JSONL line (without the newline) for `record`. `hints` are the hints that

@@ -1,0 +1,47 @@
+// Policy v3's vocabulary shared by the engine, the state codec, the telemetry and the plugin
+// entry: the tiers as array indices, bytes per tier, the structural prior, and the
+// feasibility check of a bytes budget at create (docs/policy.md, "Policy v3").
+#pragma once
+
+#include "sp/policy/config.h"
+#include "sp/policy/telemetry.h"
+
+#include <sp/plugin_abi_v1.h>
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+namespace sp::policy {
+
+// The tiers in preference order; an sp_precision is its own index.
+inline constexpr std::array<sp_precision, 3> kTiers = {SP_PRECISION_BF16, SP_PRECISION_INT8, SP_PRECISION_NF4};
+using PerTier = std::array<double, kTiers.size()>;
+
+// The signal table's column names that v3 reads (loss_cost) and records (the two terms).
+const char *loss_cost_column(sp_precision tier);
+const char *first_order_column(sp_precision tier);
+const char *second_order_column(sp_precision tier);
+
+// Bytes one transfer of a block moves at `tier`: the block descs' BF16 and INT8 bytes, the NF4
+// bytes of set_transfer_bytes, or, when the host sent none, the nominal NF4 image rounded up.
+std::uint64_t tier_bytes(const BlockBytes &bytes, sp_precision tier, std::int64_t nf4_group_size);
+
+// One step of v3's exponential moving average: `value` when there is no average yet (NaN),
+// `smoothing * average + (1 - smoothing) * value` after; a NaN value leaves the average.
+double smoothed(double average, double value, double smoothing);
+
+// llama.cpp's use_more_bits pattern (docs/policy.md): the first and last eighth of the units,
+// and every third unit between, with integer division as llama.cpp has it.
+bool gets_more_bits(std::uint32_t unit, std::uint32_t n_units);
+
+// The structural prior used before any signal: every byte a unit saves costs the same, twice
+// as much in a use_more_bits unit; in units of a reference loss of 1.
+double prior_cost(const std::vector<BlockBytes> &blocks, std::uint32_t unit, sp_precision tier,
+                  std::int64_t nf4_group_size);
+
+// A bytes budget below what the force lists and the cheapest tiers allow is a PolicyConfigError
+// naming budget.bytes and the smallest feasible fraction. Other configs pass.
+void check_budget_feasible(const ParsedConfig &parsed, const std::vector<BlockBytes> &block_bytes);
+
+}  // namespace sp::policy
