@@ -1,9 +1,9 @@
 // The plugin through its C table, loaded with dlopen() as a host loads it.
+#include "loaded_plugin.h"
 #include "policy_test_support.h"
 
 #include <sp/plugin_abi_v1.h>
 
-#include <dlfcn.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,27 +15,6 @@
 
 namespace sp::policy::testing {
 namespace {
-
-class LoadedPlugin {
- public:
-  explicit LoadedPlugin(const char *path) : handle_(dlopen(path, RTLD_NOW | RTLD_LOCAL)) {
-    if (handle_ == nullptr) return;
-    const auto entry = reinterpret_cast<sp_policy_plugin_entry_v1_fn>(dlsym(handle_, SP_PLUGIN_ENTRY_SYMBOL_V1));
-    if (entry != nullptr) table_ = entry();
-  }
-  ~LoadedPlugin() {
-    if (handle_ != nullptr) dlclose(handle_);
-  }
-  LoadedPlugin(const LoadedPlugin &) = delete;
-  LoadedPlugin &operator=(const LoadedPlugin &) = delete;
-
-  const sp_policy_plugin_v1_table *operator->() const { return table_; }
-  const sp_policy_plugin_v1_table *table() const { return table_; }
-
- private:
-  void *handle_;
-  const sp_policy_plugin_v1_table *table_ = nullptr;
-};
 
 struct HostLog {
   static void write(void *user_data, sp_log_level level, const char *message) {

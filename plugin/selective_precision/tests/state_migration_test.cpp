@@ -4,6 +4,7 @@
 // returned after each export (state_fixture_writer.cpp). 2.0.0 imports each blob and must
 // return the same hints for the same inputs. The randomized test runs v2 with v1 configs
 // against the 1.0.0 edition fixture (the same sources built as 1.0.0).
+#include "loaded_plugin.h"
 #include "policy_test_support.h"
 
 #include "sp/policy/errors.h"
@@ -11,7 +12,6 @@
 
 #include <sp/plugin_abi_v1.h>
 
-#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -45,38 +45,6 @@ std::vector<std::uint8_t> read_file(const std::string &path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-class Plugin {
- public:
-  explicit Plugin(const char *path) : handle_(dlopen(path, RTLD_NOW | RTLD_LOCAL)) {
-    if (handle_ == nullptr) return;
-    auto entry = reinterpret_cast<sp_policy_plugin_entry_v1_fn>(dlsym(handle_, SP_PLUGIN_ENTRY_SYMBOL_V1));
-    if (entry != nullptr) table_ = entry();
-  }
-  ~Plugin() {
-    if (handle_ != nullptr) dlclose(handle_);
-  }
-  Plugin(const Plugin &) = delete;
-  Plugin &operator=(const Plugin &) = delete;
-  const sp_policy_plugin_v1_table *operator->() const { return table_; }
-  bool loaded() const { return table_ != nullptr; }
-
- private:
-  void *handle_;
-  const sp_policy_plugin_v1_table *table_ = nullptr;
-};
-
-sp_host_api_v1 test_host() {
-  sp_host_api_v1 host{};
-  host.struct_size = sizeof host;
-  host.abi_major = SP_PLUGIN_ABI_MAJOR;
-  host.abi_minor = SP_PLUGIN_ABI_MINOR;
-  host.host_name = "sp_policy_tests";
-  host.host_version = "0";
-  host.supported_precisions =
-      SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
-  return host;
-}
-
 class StateMigration : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(StateMigration, TwoDotZeroContinuesAOneDotZeroBlobWithIdenticalHints) {
@@ -89,10 +57,10 @@ TEST_P(StateMigration, TwoDotZeroContinuesAOneDotZeroBlobWithIdenticalHints) {
   }
   ASSERT_NE(scenario, nullptr);
 
-  const Plugin plugin(SP_POLICY_PLUGIN_PATH);
+  const LoadedPlugin plugin(SP_POLICY_PLUGIN_PATH);
   ASSERT_TRUE(plugin.loaded()) << dlerror();
   ASSERT_STREQ(plugin->plugin_version, "3.0.0");
-  const sp_host_api_v1 host = test_host();
+  const sp_host_api_v1 host = all_routes_host();
   std::vector<sp_block_desc_v1> blocks;
   for (const auto &block : fixture["blocks"]) {
     const auto id = static_cast<std::uint32_t>(blocks.size());
@@ -243,13 +211,13 @@ std::string random_v1_config(std::mt19937_64 &rng, std::uint32_t n_blocks) {
 }
 
 TEST(V2Rules, CompatibilityWithV1Config) {
-  const Plugin edition(SP_POLICY_PLUGIN_V1_EDITION_PATH);
+  const LoadedPlugin edition(SP_POLICY_PLUGIN_V1_EDITION_PATH);
   ASSERT_TRUE(edition.loaded()) << dlerror();
   ASSERT_STREQ(edition->plugin_version, "1.0.0");
   constexpr std::uint32_t kBlocks = 7;
   std::mt19937_64 rng(20240601);
   std::uniform_real_distribution<double> unit(0.0, 1.0);
-  sp_host_api_v1 host = test_host();
+  sp_host_api_v1 host = all_routes_host();
   std::vector<sp_block_desc_v1> descs;
   for (std::uint32_t b = 0; b < kBlocks; ++b) descs.push_back({sizeof(sp_block_desc_v1), b, 1000, 2000, 1000, nullptr});
   std::size_t compared = 0;

@@ -1,6 +1,7 @@
 // Policy v3 (mode budget): the allocation under a bytes or loss budget, decided from step 0,
 // with hysteresis, cooldowns, force lists and the loss guard; its config errors, its state
 // (format 3, and migration from v2) and its ABI 1.2 functions (docs/policy.md, "Policy v3").
+#include "loaded_plugin.h"
 #include "policy_test_support.h"
 
 #include "sp/policy/budget.h"
@@ -9,7 +10,6 @@
 
 #include <sp/plugin_abi_v1.h>
 
-#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -473,38 +473,6 @@ TEST(PolicyV3Config, EveryErrorNamesTheKeyAndWhatWasExpected) {
 
 // ---- Through the plugins' C tables ----
 
-class Plugin {
- public:
-  explicit Plugin(const char *path) : handle_(dlopen(path, RTLD_NOW | RTLD_LOCAL)) {
-    if (handle_ == nullptr) return;
-    auto entry = reinterpret_cast<sp_policy_plugin_entry_v1_fn>(dlsym(handle_, SP_PLUGIN_ENTRY_SYMBOL_V1));
-    if (entry != nullptr) table_ = entry();
-  }
-  ~Plugin() {
-    if (handle_ != nullptr) dlclose(handle_);
-  }
-  Plugin(const Plugin &) = delete;
-  Plugin &operator=(const Plugin &) = delete;
-  const sp_policy_plugin_v1_table *operator->() const { return table_; }
-  bool loaded() const { return table_ != nullptr; }
-
- private:
-  void *handle_;
-  const sp_policy_plugin_v1_table *table_ = nullptr;
-};
-
-sp_host_api_v1 nf4_host() {
-  sp_host_api_v1 host{};
-  host.struct_size = sizeof host;
-  host.abi_major = SP_PLUGIN_ABI_MAJOR;
-  host.abi_minor = SP_PLUGIN_ABI_MINOR;
-  host.host_name = "sp_policy_tests";
-  host.host_version = "0";
-  host.supported_precisions =
-      SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
-  return host;
-}
-
 std::vector<sp_block_desc_v1> descs() {
   std::vector<sp_block_desc_v1> blocks;
   for (std::uint32_t b = 0; b < kUnits; ++b) blocks.push_back({sizeof(sp_block_desc_v1), b, 1000, kBf16, kInt8, nullptr});
@@ -512,8 +480,8 @@ std::vector<sp_block_desc_v1> descs() {
 }
 
 TEST(PolicyV3Plugin, TheTablesDescribeTheirMinors) {
-  const Plugin v3(SP_POLICY_PLUGIN_PATH);
-  const Plugin v2(SP_POLICY_PLUGIN_V2_EDITION_PATH);
+  const LoadedPlugin v3(SP_POLICY_PLUGIN_PATH);
+  const LoadedPlugin v2(SP_POLICY_PLUGIN_V2_EDITION_PATH);
   ASSERT_TRUE(v3.loaded() && v2.loaded()) << dlerror();
   EXPECT_STREQ(v3->plugin_version, "3.0.0");
   EXPECT_EQ(v3->abi_minor, 2u);
@@ -524,7 +492,7 @@ TEST(PolicyV3Plugin, TheTablesDescribeTheirMinors) {
   EXPECT_EQ(v2->abi_minor, 1u);
   EXPECT_EQ(v2->struct_size, SP_PLUGIN_TABLE_V1_1_SIZE);
   // v3's keys are unknown keys to 2.0.0.
-  const sp_host_api_v1 host = nf4_host();
+  const sp_host_api_v1 host = all_routes_host();
   const std::vector<sp_block_desc_v1> blocks = descs();
   sp_policy_ctx *ctx = nullptr;
   const std::string config = budget_config("{bytes: 0.45}");
@@ -535,9 +503,9 @@ TEST(PolicyV3Plugin, TheTablesDescribeTheirMinors) {
 }
 
 TEST(PolicyV3Plugin, SignalsCostsAndBudgetStatusThroughTheTable) {
-  const Plugin plugin(SP_POLICY_PLUGIN_PATH);
+  const LoadedPlugin plugin(SP_POLICY_PLUGIN_PATH);
   ASSERT_TRUE(plugin.loaded()) << dlerror();
-  const sp_host_api_v1 host = nf4_host();
+  const sp_host_api_v1 host = all_routes_host();
   const std::vector<sp_block_desc_v1> blocks = descs();
   sp_policy_ctx *ctx = nullptr;
   std::string config = budget_config("{bytes: 0.2}");
@@ -574,9 +542,9 @@ TEST(PolicyV3Plugin, SignalsCostsAndBudgetStatusThroughTheTable) {
 // A live upgrade from 2.0.0 (ABI 1.1) to 3.0.0 in mode budget: the v2 blob's assignments, switch
 // steps and loss-guard state carry over, the cooldown still holds, and the budget is met.
 TEST(PolicyV3Plugin, AV2StateMigratesIntoABudgetPolicy) {
-  const Plugin v2(SP_POLICY_PLUGIN_V2_EDITION_PATH);
+  const LoadedPlugin v2(SP_POLICY_PLUGIN_V2_EDITION_PATH);
   ASSERT_TRUE(v2.loaded()) << dlerror();
-  const sp_host_api_v1 host = nf4_host();
+  const sp_host_api_v1 host = all_routes_host();
   const std::vector<sp_block_desc_v1> blocks = descs();
   const std::string guard = "  loss_guard: {enabled: true, window: 3}\n  min_steps_between_switches: 6\n";
   const std::string v2_config = standalone(
@@ -629,7 +597,7 @@ TEST(PolicyV3Plugin, AV2StateMigratesIntoABudgetPolicy) {
     }
   }
   // And through the table: 3.0.0 imports the blob 2.0.0 exported.
-  const Plugin plugin(SP_POLICY_PLUGIN_PATH);
+  const LoadedPlugin plugin(SP_POLICY_PLUGIN_PATH);
   ASSERT_TRUE(plugin.loaded()) << dlerror();
   const std::string v3_config = budget_config("{bytes: 0.45}", guard);
   ASSERT_EQ(plugin->create(&host, v3_config.c_str(), blocks.data(), kUnits, &ctx), SP_OK) << plugin->last_error(nullptr);
