@@ -75,7 +75,8 @@ def test_nf4_codes_and_scales_are_bitsandbytes_byte_for_byte(bnb_functional, nam
     assert torch.equal(scales.flatten(), state.absmax.flatten()), name
     # Dequantized with the float32 scales: bitsandbytes' float32 values exactly, and those
     # rounded to nearest bfloat16. bitsandbytes' own bfloat16 output (its C++ CPU kernel) is the
-    # same except that it flushes subnormal results to zero, where this keeps them.
+    # same, except that on a CPU with AVX-512 it flushes subnormal results to zero, where this
+    # keeps them (without AVX-512 it keeps them too: an AMD EPYC here without it, 2026-11-27).
     state.dtype = torch.float32
     expected = bnb_functional.dequantize_4bit(packed, state).reshape(x.shape)
     assert torch.equal(sp.dequantize_nf4(codes, scales, 64, dtype=torch.float32), expected), name
@@ -85,7 +86,8 @@ def test_nf4_codes_and_scales_are_bitsandbytes_byte_for_byte(bnb_functional, nam
     bnb_bf16 = bnb_functional.dequantize_4bit(packed, state).reshape(x.shape)
     subnormal = (actual.float().abs() < torch.finfo(torch.float32).tiny) & (actual != 0)
     assert torch.equal(actual[~subnormal], bnb_bf16[~subnormal]), name
-    assert torch.all(bnb_bf16[subnormal] == 0), name
+    flushed_or_same = (bnb_bf16[subnormal] == 0) | (bnb_bf16[subnormal] == actual[subnormal])
+    assert torch.all(flushed_or_same), name
 
 
 def test_nf4_with_the_layers_bfloat16_scales_is_within_one_bfloat16_step_of_bitsandbytes(bnb_functional):
