@@ -251,13 +251,13 @@ def policy_config(policy, n_blocks, thresholds):
 # ---- data -----------------------------------------------------------------------------------
 
 
-def cached_pairs(cache):
-    """load_pairs(), frozen in `cache` (JSON) the first time: the installed packages and manual
-    pages, and so the pairs, change as the machine does; every run of a set reads the same ones."""
+def cached_pairs(cache, load=load_pairs):
+    """load(), frozen in `cache` (JSON) the first time: the installed packages and manual pages,
+    and so the pairs, change as the machine does; every run of a set reads the same ones."""
     if cache and Path(cache).is_file():
         raw = json.loads(Path(cache).read_text())
         return {k: [Pair(**p) for p in v] for k, v in raw["splits"].items()}
-    splits = load_pairs()
+    splits = load()
     if cache:
         raw = {"splits": {k: [p.__dict__ for p in v] for k, v in splits.items()}}
         Path(cache).parent.mkdir(parents=True, exist_ok=True)

@@ -109,11 +109,15 @@ def man_pairs() -> list[Pair]:
 def load_pairs() -> dict[str, list[Pair]]:
     """Every pair, split by source; within a split, in a fixed order (by a hash of the text),
     and with duplicate queries dropped (the first one in that order stays)."""
+    return split_pairs(dpkg_pairs() + man_pairs())
+
+
+def split_pairs(everything: list[Pair]) -> dict[str, list[Pair]]:
+    """`everything` split by source (split_of); within a split in a fixed order (a hash of the
+    text), with duplicate queries dropped (the first one in that order stays)."""
     splits = {name: [] for name in SPLITS}
     seen = set()
-    everything = dpkg_pairs() + man_pairs()
-    everything.sort(key=lambda p: hashlib.sha1((p.query + "\0" + p.document).encode()).hexdigest())
-    for pair in everything:
+    for pair in sorted(everything, key=lambda p: hashlib.sha1((p.query + "\0" + p.document).encode()).hexdigest()):
         if pair.query.lower() in seen:
             continue
         seen.add(pair.query.lower())

@@ -18,11 +18,10 @@ pairs.load_pairs does. The same Pair type, kind "pydoc".
 """
 
 import ast
-import hashlib
 import sysconfig
 from pathlib import Path
 
-from pairs import SPLITS, Pair, split_of
+from pairs import Pair, split_pairs
 
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3",
              "ensurepip", "turtledemo", "config-3.11-x86_64-linux-gnu"}
@@ -100,17 +99,7 @@ def stdlib_pairs(root: Path | None = None) -> list[Pair]:
 def load_pairs() -> dict[str, list[Pair]]:
     """Every pair, split by module; within a split in a fixed order (a hash of the text), with
     duplicate queries dropped (the first one in that order stays)."""
-    splits = {name: [] for name in SPLITS}
-    seen = set()
-    everything = stdlib_pairs()
-    everything.sort(key=lambda p: hashlib.sha1((p.query + "\0" + p.document).encode()).hexdigest())
-    for pair in everything:
-        if pair.query.lower() in seen:
-            continue
-        seen.add(pair.query.lower())
-        splits[split_of(pair.source)].append(pair)
-    return splits
-
+    return split_pairs(stdlib_pairs())
 
 if __name__ == "__main__":
     loaded = load_pairs()

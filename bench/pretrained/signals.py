@@ -92,8 +92,9 @@ transformers.logging.set_verbosity_error()
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
+import finetune  # noqa: E402
 import ground_truth as gt  # noqa: E402
-from pairs import Pair  # noqa: E402
+from finetune import digest  # noqa: E402
 
 TIERS = ("int8", "nf4")
 BATCH = 32  # pairs per in-batch-negatives batch, as ground_truth.py's loss
@@ -118,26 +119,8 @@ def names_of(unit):
 
 
 def cached_pairs(cache, loader):
-    """The task's pairs, frozen in `cache` (JSON, as finetune.py's) the first time."""
-    path = ROOT / cache
-    if path.is_file():
-        raw = json.loads(path.read_text())
-        return {k: [Pair(**p) for p in v] for k, v in raw["splits"].items()}
-    splits = __import__(loader).load_pairs()
-    raw = {"splits": {k: [p.__dict__ for p in v] for k, v in splits.items()}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.%d" % os.getpid())
-    tmp.write_text(json.dumps(raw))
-    tmp.replace(path)
-    return splits
-
-
-def digest(pairs):
-    import hashlib
-    h = hashlib.sha1()
-    for p in pairs:
-        h.update((p.query + "\0" + p.document + "\0").encode())
-    return h.hexdigest()[:12]
+    """The task's pairs, frozen in `cache` (finetune.py's format) the first time."""
+    return finetune.cached_pairs(ROOT / cache, __import__(loader).load_pairs)
 
 
 # ---- embedding that resumes at a layer -------------------------------------------------------
