@@ -93,6 +93,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
     }
     wait_for_updates();  // the pass fetches the blocks they update
     if (options.recalibrate_every != 0) last_input = inputs.at(0).detach();
+    step_examples += inputs.at(0).dim() > 0 ? static_cast<std::uint64_t>(inputs.at(0).size(0)) : 1;
     engine->begin_step(engine_steps++);
     pass = Pass::forwarded;
     ++pass_id;

@@ -1,7 +1,9 @@
 // The step: its begin and end, the policy's hooks and hints, the host's updates of the masters.
 #include "streamed_model_impl.h"
 
+#include "sp/adapters/route_encoding.h"
 #include "sp/adapters/transfer_policy.h"
+#include "sp/kernels/taylor.h"
 
 namespace sp::torch_layer {
 
@@ -47,6 +49,77 @@ std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
   return out;
 }
 
+std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signals() {
+  const std::optional<sp_budget_status_v1> budget = policy->budget_status();
+  if (!budget || budget->kind == SP_BUDGET_NONE) return std::nullopt;
+  constexpr Precision kTiers[] = {Precision::int8, Precision::nf4};
+  constexpr std::int64_t kTierCount = 2;
+  // Per block: whether it was measured, then per tier the sums of g*d and g^2*d^2; last, the
+  // step's examples. Sharded, each owner fills its blocks and the ranks add them up.
+  constexpr std::int64_t kFields = 1 + 2 * kTierCount;
+  const auto n = static_cast<std::int64_t>(blocks.size());
+  torch::Tensor sums = torch::zeros({n * kFields + 1}, torch::kFloat64);
+  double* s = sums.data_ptr<double>();
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+    if (!owns(b) || !blocks[b].trainable_masters) continue;
+    double* row = s + b * kFields;
+    for (const StreamedParam& p : blocks[b].streamed) {
+      const torch::Tensor& grad = p.master.grad();
+      if (!grad.defined()) continue;
+      const torch::Tensor g = grad.to(torch::kCPU, torch::kFloat32).contiguous();
+      row[0] = 1.0;
+      for (std::int64_t t = 0; t < kTierCount; ++t) {
+        const Precision tier = kTiers[t];
+        const std::uint32_t group = tier == Precision::int8 ? options.int8_group_size : options.nf4_group_size;
+        const kn::TaylorSums terms = kn::image_taylor_sums(ad::slab_encoding(tier, group), p.master.data_ptr<float>(),
+                                                           g.data_ptr<float>(), {p.rows, p.cols}, intra_op_exec());
+        row[1 + 2 * t] += terms.first;
+        row[2 + 2 * t] += terms.second;
+      }
+    }
+  }
+  s[n * kFields] = static_cast<double>(step_examples);
+  if (sharded) {
+    collectives->all_reduce(sums, Reduction::sum, "the blocks' Taylor terms")->wait();
+    s = sums.data_ptr<double>();
+  } else if (collectives) {
+    s[n * kFields] *= collectives->size();  // the ranks average equal batches (as DDP expects)
+  }
+  const double examples = s[n * kFields];
+
+  sp::host::UnitSignalTable table;
+  for (const char* column : {"loss_cost", "first_order", "second_order"}) {
+    for (const Precision tier : kTiers) table.names.push_back(fmt::format("{}.{}", column, precision_name(tier)));
+  }
+  const auto columns = static_cast<std::int64_t>(table.names.size());
+  table.values.assign(static_cast<std::size_t>(n * columns), std::numeric_limits<double>::quiet_NaN());
+  table.samples = static_cast<std::uint64_t>(examples);
+  for (std::int64_t t = 0; t < kTierCount; ++t) {
+    // The first-order term ranks the units within a tier, but its level over the tier is noise
+    // that makes a tier look free (docs/signals.md): it is centred over the tier's units, and
+    // the level is left to the second-order term.
+    double first_total = 0.0;
+    std::int64_t measured = 0;
+    for (std::int64_t b = 0; b < n; ++b) {
+      if (s[b * kFields] == 0.0) continue;
+      first_total += s[b * kFields + 1 + 2 * t];
+      ++measured;
+    }
+    for (std::int64_t b = 0; b < n; ++b) {
+      const double* row = s + b * kFields;
+      if (row[0] == 0.0) continue;
+      const double first = row[1 + 2 * t];
+      // The per-example Fisher is about the batch size times the square of the mean gradient.
+      const double second = 0.5 * examples * row[2 + 2 * t];
+      double* out = table.values.data() + b * columns;
+      out[t] = second + (first - first_total / static_cast<double>(measured));
+      out[kTierCount + t] = first;
+      out[2 * kTierCount + t] = second;
+    }
+  }
+  return table;
+}
+
 std::vector<Precision> StreamedModel::Impl::current_routes() const {
   std::vector<Precision> routes;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) routes.push_back(engine->policy_bridge().route(b));
@@ -77,6 +150,7 @@ void StreamedModel::begin_step(std::int64_t step) {
   m.step_transfer.step = step;
   m.step = step;
   m.step_start = Clock::now();
+  m.step_examples = 0;
   try {
     if (m.collectives) {
       // Every rank was asked to swap at this boundary (poll_plugin): each must have the same
@@ -123,6 +197,10 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
   }
   m.moments = std::move(moments);
   m.policy->post_backward(m.step, measured);
+  if (std::optional<sp::host::UnitSignalTable> signals = m.measure_unit_signals()) {
+    m.policy->set_unit_signals(m.step, *signals);
+    m.unit_signals = std::move(*signals);
+  }
   m.apply_hints(m.policy->compute_hints(m.step));
   if (m.collectives) {
     std::vector<std::int32_t> precisions(m.blocks.size(), -1);
@@ -286,6 +364,14 @@ void StreamedModel::Impl::apply_transfer_policy(const std::filesystem::path& fil
   engine->policy_bridge().set_transfer_gate(gate);
   eval_engine->policy_bridge().set_transfer_gate(std::move(gate));
 }
+
+const sp::host::UnitSignalTable& StreamedModel::unit_signals() const { return impl_->unit_signals; }
+
+std::optional<std::vector<double>> StreamedModel::unit_costs(Precision precision) {
+  return impl_->policy->unit_costs(to_abi(precision));
+}
+
+std::optional<sp_budget_status_v1> StreamedModel::budget_status() { return impl_->policy->budget_status(); }
 
 void StreamedModel::set_transfer_gate(sp::adapters::TransferGate gate) {
   impl_->engine->policy_bridge().set_transfer_gate(gate);

@@ -236,6 +236,10 @@ struct StreamedModel::Impl {
   std::vector<sp_grad_moments_v1> moments;
   std::vector<sp_hint_v1> applied_hints;
   torch::Tensor last_input;  // first-block input of the latest training pass, for re-calibration
+  // The examples of the step's training passes: the leading dimension of each pass's first
+  // block input, summed (the batch size B of the Fisher stand-in in measure_unit_signals()).
+  std::uint64_t step_examples = 0;
+  sp::host::UnitSignalTable unit_signals;  // the last table sent to the plugin
 
   // update_masters_during_backward(): the step's constants and moments while armed, and the
   // updates the backward began, each running on `worker` until wait_for_updates().
@@ -487,6 +491,14 @@ struct StreamedModel::Impl {
   void apply_hints(const std::vector<sp_hint_v1>& hints);
 
   std::vector<sp_grad_moments_v1> block_moments();
+
+  // The signal table of policy v3 (docs/policy.md, "The signal table"), for a plugin with a
+  // budget (ABI 1.2, mode budget), else nullopt: per block whose masters have gradients and
+  // per quantized tier t, with d = the tier's image - the master and g the step's gradient,
+  //   first_order.t  = sum g*d,  second_order.t = B/2 * sum g^2*d^2 (B: step_examples),
+  //   loss_cost.t    = second_order.t + first_order.t - the mean first_order.t over the blocks
+  // (the recommendation of docs/signals.md). Other blocks' values are NaN (not measured).
+  std::optional<sp::host::UnitSignalTable> measure_unit_signals();
 
   // StreamedModelOptions::transfer_policy, as the gate of both engines.
   void apply_transfer_policy(const std::filesystem::path& file);

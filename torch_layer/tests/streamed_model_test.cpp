@@ -385,6 +385,83 @@ TEST(StreamedModel, StockOptimizerTrainsTheMastersAndImagesFollow) {
   EXPECT_TRUE(torch::equal(model->forward(x), run_plain(twins, x)));
 }
 
+// Block b's INT8 image of `master` as its arithmetic defines it (sp/kernels/quantize.h): one
+// scale per row, decoded to bf16, as the engines deliver it.
+torch::Tensor int8_image(const torch::Tensor& master) {
+  const torch::Tensor absmax = master.abs().amax({1}, /*keepdim=*/true);
+  const torch::Tensor scale = torch::where(absmax == 0, torch::ones_like(absmax), absmax / 127.0f)
+                                  .clamp_min(std::numeric_limits<float>::min());
+  const torch::Tensor codes = torch::clamp(torch::round(master * (1.0f / scale)), -127, 127);
+  return (codes * scale).to(torch::kBFloat16).to(torch::kFloat32);
+}
+
+const std::vector<std::string> kSignalColumns = {"loss_cost.int8",    "loss_cost.nf4",     "first_order.int8",
+                                                 "first_order.nf4",   "second_order.int8", "second_order.nf4"};
+
+TEST(PolicyV3, TheSignalTableHoldsEachBlocksTaylorTermsPerTier) {
+  const auto blocks = make_blocks(41);
+  auto model = wrap(blocks, "  mode: budget\n  budget: {bytes: 0.6}\n  tiers: [bf16, int8, nf4]\n");
+  EXPECT_TRUE(model->unit_signals().names.empty());
+  model->begin_step(0);
+  model->forward(input(42)).pow(2).mean().backward();
+  model->post_backward();
+  const sp::host::UnitSignalTable& table = model->unit_signals();
+  ASSERT_EQ(table.names, kSignalColumns);
+  EXPECT_EQ(table.samples, 4u);  // the leading dimension of input()
+  ASSERT_EQ(table.values.size(), static_cast<std::size_t>(kBlocks) * kSignalColumns.size());
+  const auto at = [&](std::int64_t b, std::size_t column) { return table.values[b * kSignalColumns.size() + column]; };
+  double mean_first[2] = {0, 0};
+  for (std::int64_t b = 0; b < kBlocks; ++b) {
+    double first = 0, second = 0;
+    for (const auto& [name, master] : model->masters(static_cast<std::uint32_t>(b))) {
+      const torch::Tensor d = (int8_image(master) - master).to(torch::kFloat64);
+      const torch::Tensor g = master.grad().to(torch::kFloat64);
+      first += (g * d).sum().item<double>();
+      second += (g * g * d * d).sum().item<double>();
+    }
+    ASSERT_GT(second, 0.0);
+    EXPECT_NEAR(at(b, 2), first, 1e-9 * std::abs(first) + 1e-18);
+    EXPECT_NEAR(at(b, 4), 0.5 * 4 * second, 1e-9 * second);  // B/2 x the sum, B = 4 examples
+    EXPECT_GT(at(b, 5), at(b, 4));                             // NF4's images are the coarser
+    for (int t = 0; t < 2; ++t) mean_first[t] += at(b, 2 + t) / kBlocks;
+  }
+  for (std::int64_t b = 0; b < kBlocks; ++b) {
+    for (int t = 0; t < 2; ++t) {
+      const double expected = at(b, 4 + t) + at(b, 2 + t) - mean_first[t];
+      EXPECT_NEAR(at(b, t), expected, 1e-12 * (std::abs(expected) + at(b, 4 + t)));
+    }
+  }
+  // The plugin took it: its first smoothed cost is the table's, and the allocation keeps the budget.
+  const std::optional<std::vector<double>> int8_costs = model->unit_costs(sp::Precision::int8);
+  ASSERT_TRUE(int8_costs.has_value());
+  for (std::int64_t b = 0; b < kBlocks; ++b) EXPECT_DOUBLE_EQ((*int8_costs)[b], at(b, 0));
+  const std::optional<sp_budget_status_v1> budget = model->budget_status();
+  ASSERT_TRUE(budget.has_value());
+  EXPECT_EQ(budget->kind, SP_BUDGET_BYTES);
+  EXPECT_EQ(budget->met, 1u);
+  EXPECT_EQ(budget->decided_at_step, 0);
+  const tl::StepReport report = model->end_step(1.0);
+  std::uint64_t planned = 0, all_bf16 = 0;
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    planned += model->image_bytes(b, report.routes[b]);
+    all_bf16 += model->image_bytes(b, sp::Precision::bf16);
+  }
+  EXPECT_LE(static_cast<double>(planned), 0.6 * static_cast<double>(all_bf16));
+}
+
+TEST(PolicyV3, APolicyWithoutABudgetGetsNoSignalTable) {
+  const auto blocks = make_blocks(43);
+  auto model = wrap(blocks, "  mode: dynamic\n");
+  model->begin_step(0);
+  model->forward(input(44)).pow(2).mean().backward();
+  model->post_backward();
+  model->end_step(1.0);
+  EXPECT_TRUE(model->unit_signals().names.empty());
+  const std::optional<sp_budget_status_v1> budget = model->budget_status();
+  ASSERT_TRUE(budget.has_value());
+  EXPECT_EQ(budget->kind, SP_BUDGET_NONE);
+}
+
 // AdamW moments for every master of a model, by block and parameter name.
 struct Moments {
   std::vector<std::map<std::string, torch::Tensor>> exp_avg, exp_avg_sq;

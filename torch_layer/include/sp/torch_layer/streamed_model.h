@@ -265,8 +265,11 @@ class StreamedModel {
 
   void begin_step(std::int64_t step);
   // Block gradient moments (of the streamed masters' gradients, or of the block's trainable
-  // resident parameters when its streamed weights are frozen) to the plugin; its hints to
-  // the engines. Call once per step, after the backward passes.
+  // resident parameters when its streamed weights are frozen) to the plugin; to a plugin with a
+  // budget (policy v3), the signal table too (unit_signals()); then its hints to the engines.
+  // Call once per step, after the backward passes. A step whose backward is not followed by an
+  // update (no update_masters(), no optimizer step) is a calibration step: the plugin decides
+  // from its gradients, and the host zeroes them before the next.
   const std::vector<sp_grad_moments_v1>& post_backward();
   StepReport end_step(double loss);
   // Ends a step that an exception cut short, wherever it was (a forward or backward thrown
@@ -350,6 +353,20 @@ class StreamedModel {
   const sp::host::PolicySession& policy() const;
   // The route each block's next fetch takes (the plugin's hint through the transfer gate).
   std::vector<Precision> routes() const;
+  // Policy v3. The signal table post_backward() last sent the plugin: per block (the policy's
+  // unit) and quantized tier t, the predicted loss change of computing with the tier's image
+  // instead of the fp32 master, from the step's master gradients g and the image error d:
+  // first_order.t = sum g*d, second_order.t = B/2 * sum g^2*d^2 (the per-example Fisher taken
+  // as B times the square of the mean gradient, B the leading dimension of the step's
+  // first-block inputs, summed over its passes; with collectives, times the ranks), and
+  // loss_cost.t = second_order.t + first_order.t - its mean over the blocks (docs/signals.md).
+  // NaN for a block without master gradients (frozen: LoRA). Sent only to a plugin with a
+  // budget (ABI 1.2, mode budget); empty before the first.
+  const sp::host::UnitSignalTable& unit_signals() const;
+  // The plugin's smoothed predicted cost per block at `precision` (NaN: none yet), and where its
+  // budget stands; nullopt from a plugin older than ABI 1.2 (or one that fails: logged).
+  std::optional<std::vector<double>> unit_costs(Precision precision);
+  std::optional<sp_budget_status_v1> budget_status();
   // The plugin hints in force (empty until its first hints), as it gave them.
   const std::vector<sp_hint_v1>& hints() const;
   // Bytes the evaluation passes (no-grad forwards) moved since construction, and apart from
