@@ -85,6 +85,8 @@ RankMismatchError.__doc__ = "The ranks disagree where they must agree (their plu
 
 __all__ = [
     "stream",
+    "Budget",
+    "PolicyReport",
     "StreamedLayers",
     "StreamedBlock",
     "StreamedBlocks",
@@ -573,11 +575,12 @@ class StreamedBlocks:
         self._model.take_collective_failure()  # one of an earlier step is that step's
         self._model.begin_step(int(step))
 
-    def post_backward(self) -> list[dict]:
-        """After the step's last backward: gives the blocks' gradient moments to the policy and
-        its hints to the engines; returns the moments (sum_sq, sum, max_abs, count, nonfinite
-        per block). A step where no block has a gradient is refused (RuntimeError)."""
-        return self._model.post_backward()
+    def post_backward(self, loss: float = float("nan")) -> list[dict]:
+        """After the step's last backward: gives the blocks' gradient moments to the policy (and
+        to policy v3 the signal table, with `loss` when known) and its hints to the engines;
+        returns the moments (sum_sq, sum, max_abs, count, nonfinite per block). A step where no
+        block has a gradient is refused (RuntimeError)."""
+        return self._model.post_backward(float(loss))
 
     def end_step(self, loss: float) -> StepReport:
         """After the optimizer stepped the masters: rebuilds their transfer images and ends the
@@ -697,4 +700,4 @@ class StreamedBlocks:
         return self._model.closed
 
 
-from ._stream import StreamedBlock, StreamedLayers, stream  # noqa: E402  (uses the names above)
+from ._stream import Budget, PolicyReport, StreamedBlock, StreamedLayers, stream  # noqa: E402  (uses the names above)

@@ -15,9 +15,12 @@ give the policy the gradient moments before the update and rebuild the transfer 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import io
+import json
 import logging
+import math
 import os
 import weakref
 
@@ -39,6 +42,64 @@ _NOT_PICKLABLE = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """Policy v3's one budget, `stream(..., budget=Budget(bytes=0.45))` or `Budget(loss=0.005)`:
+    bytes: a step moves at most this fraction of all-BF16's bytes, with the least predicted loss;
+    loss: the predicted loss increase stays at most this fraction of the current loss, with the
+    fewest bytes. Exactly one is given (docs/policy.md, "Policy v3")."""
+
+    bytes: float | None = None
+    loss: float | None = None
+
+    def __post_init__(self):
+        given = {k: v for k, v in (("bytes", self.bytes), ("loss", self.loss)) if v is not None}
+        if len(given) != 1:
+            raise ValueError("Budget: give exactly one of bytes= (a fraction of all-BF16's bytes, in (0, 1]) and "
+                             "loss= (a fraction of the current loss, > 0); got %s" % (given or "neither"))
+        (key, value), = given.items()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError("Budget: %s= expected a finite number, got %r" % (key, value))
+        if key == "bytes" and not 0 < value <= 1:
+            raise ValueError("Budget: bytes= expected a fraction in (0, 1] of all-BF16's bytes, got %r" % value)
+        if key == "loss" and not value > 0:
+            raise ValueError("Budget: loss= expected a fraction > 0 of the current loss, got %r" % value)
+
+    def as_config(self) -> dict:
+        """The budget as the policy's YAML key holds it: {"bytes": F} or {"loss": F}."""
+        return {"bytes": float(self.bytes)} if self.bytes is not None else {"loss": float(self.loss)}
+
+
+def _with_budget(config_yaml: str, source: str, budget: Budget) -> tuple[str, str]:
+    """The policy's YAML with `mode: budget` and `budget`, for stream(budget=...). YAML the
+    parser here cannot read goes to the plugin unchanged, which names the error by line."""
+    import yaml  # PyYAML: only here, to merge a budget into the user's YAML
+
+    try:
+        document = yaml.safe_load(config_yaml)
+    except yaml.YAMLError:
+        return config_yaml, source
+    if not isinstance(document, dict):
+        return config_yaml, source
+    stagehand = document.get("memory", {}).get("stagehand", {}) if isinstance(document.get("memory"), dict) else {}
+    sections = [(d, "selective_precision") for d in (document, stagehand if isinstance(stagehand, dict) else {})
+                if "selective_precision" in d]
+    if len(sections) != 1:
+        return config_yaml, source  # the plugin names what is missing or doubled
+    parent, key = sections[0]
+    section = parent[key] if isinstance(parent[key], dict) else {}
+    path = "selective_precision" if parent is document else "memory.stagehand.selective_precision"
+    wanted = budget.as_config()
+    if "budget" in section and section["budget"] != wanted:
+        raise ValueError("stream(): budget=%r, but %s sets %s.budget to %r; give the budget once"
+                         % (budget, source, path, section["budget"]))
+    if section.get("mode", "budget") != "budget":
+        raise ValueError("stream(): budget= needs policy v3 (mode budget), but %s sets %s.mode to %r; leave mode "
+                         "out or set it to budget" % (source, path, section["mode"]))
+    parent[key] = dict(section, mode="budget", budget=wanted)
+    return json.dumps(document), "%s with stream(budget=%r)" % (source, budget)
+
+
 class _Layer:
     """The streaming layer behind one stream() call: the extension's model and the step state
     found from the optimizer's hooks. Held by every streamed block and by the StreamedLayers."""
@@ -49,6 +110,7 @@ class _Layer:
         self.streamed_names = list(streamed_names)
         self.in_step = False
         self.stepping = False  # post_backward ran, the optimizer's step has not ended
+        self.calibrating = False  # inside StreamedLayers.calibrating()
         self.averaged = set()  # ids of the host parameters average_gradients() averaged this step
         self.loss = None
         self.last_report = None
@@ -83,6 +145,9 @@ class _Layer:
         ours = len(missing) < len(trainable) or not self.resident_ids.isdisjoint(stepped)
         if not ours or self.stepping:
             return
+        if self.calibrating:
+            raise RuntimeError("selective_precision: optimizer.step() inside calibrating(): a calibration step "
+                               "updates nothing; step the optimizer after the with-block")
         if missing:
             raise ValueError(
                 "selective_precision: this optimizer steps %d of the %d trainable streamed weights; it leaves out "
@@ -93,7 +158,9 @@ class _Layer:
             )
         if not self.in_step:
             return
-        self.last_moments = self.model.post_backward()
+        if self.loss is not None:
+            self.loss = self.model.average(self.loss)  # the ranks' mean, once: end_step takes it too
+        self.last_moments = self.model.post_backward(float("nan") if self.loss is None else self.loss)
         if self.model.world_size() > 1:
             own = {id(m) for m in self.masters} | self.resident_ids | self.averaged
             self.model.average_gradients(
@@ -105,7 +172,7 @@ class _Layer:
             return
         loss = self.loss
         self.loss = None
-        loss = float("nan") if loss is None else self.model.average(loss)
+        loss = float("nan") if loss is None else loss
         from . import _report  # the StepReport of the package
 
         self.stepping = self.in_step = False
@@ -245,6 +312,17 @@ def _streamed_class(cls):
     return _CLASSES[cls]
 
 
+class PolicyReport(list):
+    """StreamedLayers.policy_report(): one dict per unit, and `budget`: a dict with `kind`
+    ("bytes" or "loss"), `limit`, `planned_bytes_fraction`, `planned_cost`,
+    `planned_loss_fraction`, `reference_loss`, `decided_at_step` (-1: none yet) and `met`; None
+    for a policy without a budget."""
+
+    def __init__(self, units, budget):
+        super().__init__(units)
+        self.budget = budget
+
+
 class StreamedLayers(torch.nn.ModuleList):
     """What stream() returns: a ModuleList of the same blocks, each now streamed. Index, slice
     and iterate it as the original; the model's own loop calls its elements.
@@ -305,6 +383,76 @@ class StreamedLayers(torch.nn.ModuleList):
     def image_bytes(self, block: int, precision: str) -> int:
         """The bytes block `block` moves per fetch in `precision` ("bf16", "int8" or "nf4")."""
         return self._layer().model.image_bytes(int(block), precision)
+
+    @contextlib.contextmanager
+    def calibrating(self, model: torch.nn.Module | None = None):
+        """A calibration step, before training: `with layers.calibrating(): model(**batch).loss.backward()`.
+        The forward and backward run as in training, on real batches (several backwards
+        accumulate: divide each loss by their number, as gradient accumulation does); no
+        optimizer steps. At the end the policy takes the step's gradients (policy v3: the
+        signal table, docs/policy.md) and allocates, so the first training step already moves
+        the chosen routes. It is a step of the policy (its own step number), ended with the loss
+        given to report_loss() inside it, if any.
+
+        The gradients it made are dropped and those before it restored: the streamed blocks'
+        parameters always, and with `model` every parameter of it (the embeddings and head the
+        same backward reached); without `model`, zero those before the first step."""
+        layer = self._layer()
+        if layer.in_step:
+            raise RuntimeError("selective_precision: calibrating(): a training step is open (a grad-mode forward ran "
+                               "since the last optimizer.step()); call it between steps")
+        parameters = {id(p): p for block in layer.blocks for p in block().parameters()}
+        if model is not None:
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError("calibrating(): model= expected the torch.nn.Module whose gradients to restore, got %s"
+                                % type(model).__name__)
+            parameters.update((id(p), p) for p in model.parameters())
+        saved = [(p, p.grad) for p in parameters.values()]
+        for p, _ in saved:
+            p.grad = None
+        completed = False
+        layer.calibrating = True
+        try:
+            yield self
+            completed = True
+        finally:
+            layer.calibrating = False
+            try:
+                if completed and layer.in_step:
+                    loss, layer.loss = layer.loss, None
+                    if loss is not None:
+                        loss = layer.model.average(loss)
+                    layer.model.post_backward(float("nan") if loss is None else loss)
+                    from . import _report
+
+                    layer.in_step = False
+                    layer.last_report = _report(layer.model.end_step(float("nan") if loss is None else loss))
+                elif layer.in_step:
+                    layer.abort()
+                elif completed:
+                    raise RuntimeError("selective_precision: calibrating(): no grad-mode forward of the streamed blocks "
+                                       "ran inside it; run the model and loss.backward() within the with-block")
+            finally:
+                for p, grad in saved:
+                    p.grad = grad
+
+    def policy_report(self) -> "PolicyReport":
+        """Where each unit (a streamed block: "3") stands: one dict per unit with `unit`, `route`
+        (its next fetch's format), `bytes` and `predicted_cost` per tier (the plugin's smoothed
+        loss cost, None where unmeasured), as a list whose `budget` says the budget, the
+        allocation's fraction of all-BF16's bytes and predicted loss, and whether it is met
+        (None without a budget)."""
+        model = self._layer().model
+        costs = {p: model.unit_costs(p) for p in ("bf16", "int8", "nf4")}
+        units = []
+        for b, route in enumerate(model.routes()):
+            units.append({
+                "unit": str(b),
+                "route": route,
+                "bytes": {p: model.image_bytes(b, p) for p in ("bf16", "int8", "nf4")},
+                "predicted_cost": {p: None if c is None or math.isnan(c[b]) else c[b] for p, c in costs.items()},
+            })
+        return PolicyReport(units, model.budget_status())
 
     def plugin_version(self) -> str:
         """The loaded policy plugin's version."""
@@ -375,6 +523,8 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
     after it. `layers.report_loss(loss)` before it feeds the policy's loss guard.
 
     config: the policy's settings (a YAML path, YAML text or a mapping; None: defaults).
+    budget: a Budget, for policy v3: the config's mode becomes budget with this budget
+        (`sp.config_dir()/policy/v3.yaml` holds v3's other settings).
     options: those of StreamedBlocks (device, compute_dtype, plugin, plugin_dir, output_dir,
         moments_from, prefetch_window, spare_slabs, int8_group_size, nf4_group_size,
         metrics_path, process_group, shard_masters, host_bandwidth_cap_gbps, transfer_policy).
@@ -396,6 +546,12 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
         raise TypeError("stream(): unknown option(s) %s; known: %s" % (sorted(unknown), sorted(_OPTIONS)))
     names = list(streamed) if streamed is not None else _streamed_names(modules[0])
     config_yaml, config_source = _policy_config(config)
+    budget = options.get("budget")
+    if budget is not None:
+        if not isinstance(budget, Budget):
+            raise TypeError("stream(): budget= expected selective_precision.Budget(bytes=...) or Budget(loss=...), "
+                            "got %s" % type(budget).__name__)
+        config_yaml, config_source = _with_budget(config_yaml, config_source, budget)
     plugin_file = os.path.join(options.get("plugin_dir") or default_plugin_dir(),
                                "lib%s.so" % options.get("plugin", _PLUGIN_NAME))
     for module in modules:
@@ -422,7 +578,7 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
     return out
 
 
-_OPTIONS = {"device", "compute_dtype", "plugin", "plugin_dir", "output_dir", "moments_from", "prefetch_window",
+_OPTIONS = {"budget", "device", "compute_dtype", "plugin", "plugin_dir", "output_dir", "moments_from", "prefetch_window",
             "spare_slabs", "int8_group_size", "nf4_group_size", "metrics_path", "process_group", "shard_masters",
             "host_bandwidth_cap_gbps", "recalibrate_every", "transfer_policy"}
 
@@ -456,4 +612,4 @@ def _default_call(module):
     return call
 
 
-__all__ = ["stream", "StreamedLayers", "StreamedBlock"]
+__all__ = ["stream", "Budget", "PolicyReport", "StreamedLayers", "StreamedBlock"]

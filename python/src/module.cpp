@@ -612,11 +612,11 @@ PYBIND11_MODULE(_selective_precision, m) {
       .def(
           "begin_step", [](PyStreamedModel& s, std::int64_t step) { s.model().begin_step(step); }, no_gil)
       .def("post_backward",
-           [](PyStreamedModel& s) {
+           [](PyStreamedModel& s, double loss) {
              const std::vector<sp_grad_moments_v1>* moments = nullptr;
              {
                py::gil_scoped_release no_gil_here;
-               moments = &s.model().post_backward();
+               moments = &s.model().post_backward(loss);
              }
              py::list out;
              for (const sp_grad_moments_v1& g : *moments) {
@@ -629,7 +629,8 @@ PYBIND11_MODULE(_selective_precision, m) {
                out.append(d);
              }
              return out;
-           })
+           },
+           py::arg("loss") = std::numeric_limits<double>::quiet_NaN())
       .def("end_step",
            [](PyStreamedModel& s, double loss) {
              const tl::StepReport r = [&] {
@@ -690,6 +691,42 @@ PYBIND11_MODULE(_selective_precision, m) {
              return out;
            })
       .def("plugin_version", [](PyStreamedModel& s) { return std::string(s.model().policy().plugin_version()); })
+      .def("unit_signals",
+           [](PyStreamedModel& s) {
+             // {column: [value per block]} (NaN: not measured), with the examples behind it.
+             const sp::host::UnitSignalTable& table = s.model().unit_signals();
+             py::dict columns;
+             const std::size_t n = table.names.size();
+             for (std::size_t c = 0; c < n; ++c) {
+               std::vector<double> values;
+               for (std::size_t i = c; i < table.values.size(); i += n) values.push_back(table.values[i]);
+               columns[py::str(table.names[c])] = values;
+             }
+             py::dict d;
+             d["columns"] = columns;
+             d["samples"] = table.samples;
+             return d;
+           })
+      .def("unit_costs",
+           [](PyStreamedModel& s, const std::string& precision) -> py::object {
+             const std::optional<std::vector<double>> costs = s.model().unit_costs(precision_of(precision));
+             return costs ? py::cast(*costs) : py::none();
+           })
+      .def("budget_status",
+           [](PyStreamedModel& s) -> py::object {
+             const std::optional<sp_budget_status_v1> b = s.model().budget_status();
+             if (!b || b->kind == SP_BUDGET_NONE) return py::none();
+             py::dict d;
+             d["kind"] = b->kind == SP_BUDGET_BYTES ? "bytes" : "loss";
+             d["limit"] = b->limit;
+             d["planned_bytes_fraction"] = b->planned_bytes_fraction;
+             d["planned_cost"] = b->planned_cost;
+             d["planned_loss_fraction"] = b->planned_loss_fraction;
+             d["reference_loss"] = b->reference_loss;
+             d["decided_at_step"] = b->decided_at_step;
+             d["met"] = b->met != 0;
+             return d;
+           })
       .def("evaluation_h2d_bytes", [](PyStreamedModel& s) { return s.model().evaluation_h2d_bytes(); })
       .def("rank", [](PyStreamedModel& s) { return s.model().rank(); })
       .def("world_size", [](PyStreamedModel& s) { return s.model().world_size(); })

@@ -170,7 +170,7 @@ void StreamedModel::begin_step(std::int64_t step) {
   m.armed.reset();
 }
 
-const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
+const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss) {
   Impl& m = *impl_;
   m.require_step("post_backward");
   if (m.after_backward()) throw std::logic_error("StreamedModel::post_backward: already called in this step");
@@ -198,6 +198,7 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward() {
   m.moments = std::move(moments);
   m.policy->post_backward(m.step, measured);
   if (std::optional<sp::host::UnitSignalTable> signals = m.measure_unit_signals()) {
+    signals->loss = std::isfinite(loss) ? loss : std::numeric_limits<double>::quiet_NaN();
     m.policy->set_unit_signals(m.step, *signals);
     m.unit_signals = std::move(*signals);
   }

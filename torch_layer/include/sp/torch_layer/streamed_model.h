@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -270,7 +271,9 @@ class StreamedModel {
   // Call once per step, after the backward passes. A step whose backward is not followed by an
   // update (no update_masters(), no optimizer step) is a calibration step: the plugin decides
   // from its gradients, and the host zeroes them before the next.
-  const std::vector<sp_grad_moments_v1>& post_backward();
+  // `loss`: the step's loss when the host knows it (NaN: unknown); the signal table carries it,
+  // which policy v3 takes as its reference loss before the first end_step().
+  const std::vector<sp_grad_moments_v1>& post_backward(double loss = std::numeric_limits<double>::quiet_NaN());
   StepReport end_step(double loss);
   // Ends a step that an exception cut short, wherever it was (a forward or backward thrown
   // out, a collective that failed): the pass in flight is dropped, the plugin's step ends with a
