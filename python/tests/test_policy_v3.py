@@ -37,9 +37,12 @@ class Model(torch.nn.Module):
         return self.head(h).square().mean()
 
 
-def streamed_model(config=QUIET, budget=sp.Budget(bytes=0.5), seed=0):
+def streamed_model(config=QUIET, budget=sp.Budget(bytes=0.5), seed=0, frozen_base=False):
     torch.manual_seed(seed)
     model = Model()
+    for block in model.layers if frozen_base else ():
+        block.up.weight.requires_grad_(False)
+        block.down.weight.requires_grad_(False)
     model.layers = sp.stream(model.layers, config=config, budget=budget)
     return model
 
@@ -157,3 +160,19 @@ def test_without_a_budget_the_report_has_none_and_no_costs():
     report = model.layers.policy_report()
     assert report.budget is None
     assert all(u["predicted_cost"] == {"bf16": None, "int8": None, "nf4": None} for u in report)
+
+
+def test_a_frozen_base_is_measured_as_the_same_weights_trained():
+    """LoRA's case: the streamed weights are frozen, only resident parameters train. The table
+    still measures them, from weight gradients taken for it alone, equal to a trained base's."""
+    costs = []
+    for frozen in (False, True):
+        model = streamed_model(seed=3, frozen_base=frozen)
+        with model.layers.calibrating(model):
+            model(torch.randn(6, 8, generator=torch.Generator().manual_seed(4))).backward()
+        if frozen:
+            assert all(b.up.weight.grad is None and b.down.weight.grad is None for b in model.layers)
+        costs.append([u["predicted_cost"] for u in model.layers.policy_report()])
+    for trained, frozen in zip(*costs):
+        for tier in ("int8", "nf4"):
+            assert frozen[tier] == pytest.approx(trained[tier], rel=1e-5, abs=1e-12)

@@ -313,7 +313,14 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
   std::vector<torch::Tensor> flat;
   std::vector<StreamedParam*> staged_here;
   for (StreamedParam& p : block.streamed) {
-    if (!p.master.requires_grad()) continue;
+    if (!p.master.requires_grad()) {
+      if (!frozen_gradients_wanted) continue;
+      const torch::Tensor g = grads[next++];
+      if (!g.defined()) continue;
+      torch::Tensor host = g.reshape(p.shape).to(torch::kCPU, torch::kFloat32);
+      p.signal_grad = p.signal_grad.defined() ? p.signal_grad.add_(host) : host.clone();
+      continue;
+    }
     torch::Tensor g = grads[next++];
     // Every rank's bucket holds every trainable parameter, whether or not it got a gradient here.
     if (!g.defined() && collectives) g = torch::zeros(p.shape, p.master.options());

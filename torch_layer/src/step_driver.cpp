@@ -61,10 +61,10 @@ std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signa
   torch::Tensor sums = torch::zeros({n * kFields + 1}, torch::kFloat64);
   double* s = sums.data_ptr<double>();
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (!owns(b) || !blocks[b].trainable_masters) continue;
+    if (!owns(b)) continue;
     double* row = s + b * kFields;
     for (const StreamedParam& p : blocks[b].streamed) {
-      const torch::Tensor& grad = p.master.grad();
+      const torch::Tensor& grad = p.master.requires_grad() ? p.master.grad() : p.signal_grad;
       if (!grad.defined()) continue;
       const torch::Tensor g = grad.to(torch::kCPU, torch::kFloat32).contiguous();
       row[0] = 1.0;
@@ -151,6 +151,11 @@ void StreamedModel::begin_step(std::int64_t step) {
   m.step = step;
   m.step_start = Clock::now();
   m.step_examples = 0;
+  for (BlockState& b : m.blocks) {
+    for (StreamedParam& p : b.streamed) p.signal_grad = torch::Tensor();
+  }
+  const std::optional<sp_budget_status_v1> budget = m.policy->budget_status();
+  m.frozen_gradients_wanted = !m.collectives && budget && budget->kind != SP_BUDGET_NONE;
   try {
     if (m.collectives) {
       // Every rank was asked to swap at this boundary (poll_plugin): each must have the same

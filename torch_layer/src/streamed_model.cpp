@@ -294,7 +294,7 @@ void StreamedModel::Impl::attach(BlockState& b, const ad::BlockView& view, bool 
                                        torch::TensorOptions().dtype(torch::kBFloat16).device(options.device));
     if (options.compute_dtype != torch::kBFloat16) w = w.to(options.compute_dtype);
     p.param.set_data(w);
-    p.param.set_requires_grad(trainable && p.master.requires_grad());
+    p.param.set_requires_grad(trainable && (p.master.requires_grad() || frozen_gradients_wanted));
   }
 }
 

@@ -87,6 +87,9 @@ struct StreamedParam {
   torch::Tensor master;   // sharded, on a rank that does not own the block: an empty placeholder
   torch::Tensor staging;  // CUDA: pinned fp32, the gradient's way to the host without a sync
   bool staged = false;    // staging holds this pass's gradient
+  // A frozen master's gradient, taken in the backward for policy v3's signal table alone
+  // (Impl::frozen_gradients_wanted), summed over the step's passes; never the master's .grad.
+  torch::Tensor signal_grad;
   std::vector<std::int64_t> shape;
   std::uint64_t rows = 0, cols = 0;
   torch::TensorOptions placeholder;  // the empty tensor's dtype and device between uses
@@ -240,6 +243,9 @@ struct StreamedModel::Impl {
   // block input, summed (the batch size B of the Fisher stand-in in measure_unit_signals()).
   std::uint64_t step_examples = 0;
   sp::host::UnitSignalTable unit_signals;  // the last table sent to the plugin
+  // Set at begin_step when the plugin takes a signal table (a budget) in one process: the
+  // backward then differentiates frozen streamed weights too (LoRA's base), into signal_grad.
+  bool frozen_gradients_wanted = false;
 
   // update_masters_during_backward(): the step's constants and moments while armed, and the
   // updates the backward began, each running on `worker` until wait_for_updates().
@@ -493,8 +499,9 @@ struct StreamedModel::Impl {
   std::vector<sp_grad_moments_v1> block_moments();
 
   // The signal table of policy v3 (docs/policy.md, "The signal table"), for a plugin with a
-  // budget (ABI 1.2, mode budget), else nullopt: per block whose masters have gradients and
-  // per quantized tier t, with d = the tier's image - the master and g the step's gradient,
+  // budget (ABI 1.2, mode budget), else nullopt: per block whose masters have gradients (a
+  // frozen master's: signal_grad) and per quantized tier t, with d = the tier's image - the
+  // master and g the step's gradient,
   //   first_order.t  = sum g*d,  second_order.t = B/2 * sum g^2*d^2 (B: step_examples),
   //   loss_cost.t    = second_order.t + first_order.t - the mean first_order.t over the blocks
   // (the recommendation of docs/signals.md). Other blocks' values are NaN (not measured).

@@ -363,8 +363,10 @@ class StreamedModel {
   // as B times the square of the mean gradient, B the leading dimension of the step's
   // first-block inputs, summed over its passes; with collectives, times the ranks), and
   // loss_cost.t = second_order.t + first_order.t - its mean over the blocks (docs/signals.md).
-  // NaN for a block without master gradients (frozen: LoRA). Sent only to a plugin with a
-  // budget (ABI 1.2, mode budget); empty before the first.
+  // Frozen masters (a LoRA base) are differentiated for the table alone in the steps of such a
+  // plugin (the backward computes their weight gradients too; their .grad stays empty); with
+  // collectives they are not, and their blocks are NaN (not measured). Sent only to a plugin
+  // with a budget (ABI 1.2, mode budget); empty before the first.
   const sp::host::UnitSignalTable& unit_signals() const;
   // The plugin's smoothed predicted cost per block at `precision` (NaN: none yet), and where its
   // budget stands; nullopt from a plugin older than ABI 1.2 (or one that fails: logged).
