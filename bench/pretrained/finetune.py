@@ -36,6 +36,7 @@ model streamed with the run's final routes.
 """
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import importlib.resources
@@ -75,6 +76,13 @@ POLICIES = ("bf16-only", "all-int8", "all-nf4", "all-nf4-bnb", "first-last-bf16"
 # measured on the test split, so this is a post-hoc bound on what a per-unit choice could buy,
 # not a policy that could be tuned this way).
 EXTRA_POLICIES = ("oracle-sublayer",)
+# Issue 40's comparison (docs/results.md, "Policy v3"): v3 at sublayer units under a bytes
+# budget, decided by a calibration step before step 0 and re-decided as training moves; the
+# same decided once and frozen (the anchors' way); and the static placements of its acceptance
+# (attention INT8 / MLP NF4 is oracle-sublayer).
+V3_POLICIES = ("v3-sublayer", "v3-frozen-sublayer", "first-last-int8", "more-bits")
+V3_BUDGET = 0.45  # 55% fewer bytes than all-BF16
+CALIBRATION_PAIRS = 64  # tune-split pairs of the calibration step: one pass, so the blocks cross once
 MODES = ("lora", "full")
 LORA_ONLY = {"all-nf4-bnb"}
 
@@ -241,6 +249,21 @@ def policy_config(policy, n_blocks, thresholds):
     if policy == "oracle-sublayer":
         return {"mode": "static", "force_int8_blocks": everything[0::2], "force_nf4_blocks": everything[1::2],
                 **quiet}, "sublayer"
+    if policy == "first-last-int8":
+        return {"mode": "static", "force_int8_blocks": [0, n_blocks - 1], "force_nf4_blocks": everything[1:-1],
+                **quiet}, "block"
+    if policy == "more-bits":
+        # llama.cpp's use_more_bits (its K-quant mixes): the first and last eighth of the layers
+        # and every third between get more bits: INT8 there, NF4 elsewhere.
+        eighth = n_blocks // 8
+        more = [u for u in everything if u < eighth or u >= 7 * n_blocks // 8 or (u - eighth) % 3 == 2]
+        return {"mode": "static", "force_int8_blocks": more, "force_nf4_blocks": [u for u in everything if u not in more],
+                **quiet}, "block"
+    if policy in ("v3-sublayer", "v3-frozen-sublayer"):
+        section = yaml.safe_load((ROOT / "configs/policy/v3.yaml").read_text())["selective_precision"]
+        timings = {**SHORT_RUN, "warmup_steps": 10**6} if policy.startswith("v3-frozen") else SHORT_RUN
+        del section["budget"]  # given as stream(budget=...)
+        return {**section, **{k: v for k, v in timings.items() if k != "history_window"}, **quiet}, "sublayer"
     if policy.startswith("dynamic-v2"):
         section = yaml.safe_load((ROOT / "configs/policy/dynamic_v2.yaml").read_text())["selective_precision"]
         return ({**section, **SHORT_RUN, **(thresholds or {}), **quiet},
@@ -287,9 +310,21 @@ class Task(gt.Task):
         for i in range(0, tokens["input_ids"].shape[0], batch):
             longest = int(tokens["attention_mask"][i:i + batch].sum(1).max())
             part = {k: v[i:i + batch, :longest] for k, v in tokens.items()}
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with compute_precision():
                 out.append(gt.Task.embed(model, part, batch).float())
         return torch.cat(out)
+
+
+# bf16 autocast (issue 31's runs), or fp32 (--compute fp32): on a CPU without AVX-512 BF16
+# instructions a bf16 matmul is emulated, about 30x slower than fp32 (a 12-step run there takes
+# minutes instead of seconds). The formats' damage is in the weights delivered either way.
+COMPUTE = {"dtype": "bf16"}
+
+
+def compute_precision():
+    if COMPUTE["dtype"] == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
 def mean_pooled(model, tokens):
@@ -350,13 +385,17 @@ def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=B
     if config.get("mode") == "dynamic":
         calibration, calibrated_state = calibrated_policy_state(
             model, modules, tokenizer, splits["tune"], config, streamed_names, moments, workdir)
-    streamed = sp.stream(modules, config=config, streamed=streamed_names, moments_from=moments, output_dir=workdir)
+    budget = sp.Budget(bytes=V3_BUDGET) if config.get("mode") == "budget" else None
+    streamed = sp.stream(modules, config=config, streamed=streamed_names, moments_from=moments, output_dir=workdir,
+                         budget=budget)
     if calibrated_state is not None:
         streamed.set_extra_state(calibrated_state)
     if units == "block":
         model.encoder.layer = streamed
     n_units = len(streamed)
 
+    if budget is not None:
+        calibration = calibration_step(model, streamed, tokenizer, splits["tune"])
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR[mode], weight_decay=0.01)
     train = splits["train"]
@@ -369,7 +408,7 @@ def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=B
         chosen = [train[i] for i in order[step * batch:(step + 1) * batch]]
         routes = streamed.routes()
         tokens = both(tokenizer, chosen)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with compute_precision():
             embedded = mean_pooled(model, tokens)
             loss = mnrl(embedded[:len(chosen)], embedded[len(chosen):])
         loss.backward()
@@ -410,6 +449,12 @@ def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=B
         "config": config,
         "wall_seconds": {"total": time.perf_counter() - started, "train": train_seconds, "eval": eval_seconds},
     }
+    if calibration is not None and "h2d_bytes" in calibration:
+        # Every step counted: the calibration step's fetches (before any hint: BF16) with the training's.
+        with_calibration = moved + calibration["h2d_bytes"]
+        all_bf16 = totals["all_bf16"] + calibration["h2d_bytes_all_bf16"]
+        result["h2d_bytes"]["with_calibration"] = {"total": with_calibration, "all_bf16": all_bf16,
+                                                   "saved_fraction": 1.0 - with_calibration / all_bf16}
     if policy == "all-nf4-bnb" and totals["all_bf16"]:
         # What the same fetches would move as bitsandbytes' NF4 images (codes + fp32 absmax): the
         # BF16 route carries its dequantized values, so `h2d_bytes` is what this run moved.
@@ -421,6 +466,29 @@ def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=B
                                           "fetches_of_every_block": fetches}
     streamed.close()
     return result
+
+
+def calibration_step(model, streamed, tokenizer, tune):
+    """Policy v3's calibration step: one forward and backward of CALIBRATION_PAIRS tune-split
+    pairs (queries and documents in one pass, dropout off), no optimizer step; the policy takes
+    the signal table and allocates, so step 0 moves the chosen routes."""
+    chosen = tune[:CALIBRATION_PAIRS]
+    tokens = both(tokenizer, chosen)
+    model.eval()
+    started = time.perf_counter()
+    with streamed.calibrating(model):
+        with compute_precision():
+            embedded = mean_pooled(model, tokens)
+            loss = mnrl(embedded[:len(chosen)], embedded[len(chosen):])
+        loss.backward()
+        streamed.report_loss(loss)
+    model.train()
+    step = streamed.last_report
+    report = streamed.policy_report()
+    return {"pairs": len(chosen), "loss": loss.item(), "seconds": time.perf_counter() - started,
+            "h2d_bytes": step.h2d_bytes, "h2d_bytes_all_bf16": step.h2d_bytes_all_bf16,
+            "routes": streamed.routes(), "budget": report.budget,
+            "predicted_cost": [u["predicted_cost"] for u in report]}
 
 
 def calibrated_policy_state(model, modules, tokenizer, tune, config, names, moments, workdir):
@@ -467,7 +535,7 @@ def sizes():
     return {"steps": STEPS, "batch_pairs": BATCH, "query_tokens": QUERY_TOKENS, "document_tokens": DOCUMENT_TOKENS,
             "pool": POOL, "lr": LR, "optimizer": "AdamW, weight decay 0.01, constant lr, grad clip 1.0",
             "lora": {"rank": LORA_RANK, "alpha": LORA_ALPHA, "targets": "every streamed matrix (q, k, v each)"},
-            "compute": "bf16 autocast on the CPU, 1 torch thread", "short_run_timings": SHORT_RUN}
+            "compute": ("bf16 autocast" if COMPUTE["dtype"] == "bf16" else "fp32") + " on the CPU, 1 torch thread", "short_run_timings": SHORT_RUN}
 
 
 def write_json(path, payload):
@@ -535,11 +603,14 @@ def main():
     parser.add_argument("--steps", type=int, default=STEPS, help="(smoke runs only)")
     parser.add_argument("--pool", type=int, default=POOL, help="(smoke runs only)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compute", choices=("bf16", "fp32"), default="bf16",
+                        help="bf16 autocast (issue 31's runs) or fp32 (CPUs without AVX-512 BF16)")
     parser.add_argument("--out", help="the JSON of one run")
     parser.add_argument("--out-dir", help="one JSON per run, MODE-POLICY-seedSEED.json; runs whose JSON exists are "
                                           "skipped (each is written whole, by rename)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    COMPUTE["dtype"] = args.compute
     if args.check:
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_path())
         tokens = tokenizer(["A short one.", "Selective precision streams each block in the format it can bear."],
@@ -557,7 +628,7 @@ def main():
     modes = args.mode.split(",")
     seeds = [int(x) for x in args.seed.split(",")]
     for name in policies:
-        if name not in POLICIES + EXTRA_POLICIES:
+        if name not in POLICIES + EXTRA_POLICIES + V3_POLICIES:
             parser.error("unknown policy %s" % name)
     for name in modes:
         if name not in MODES:
@@ -591,6 +662,8 @@ def one(args, policy, mode, seed, out):
             command += [flag, value]
     if args.steps != STEPS or args.pool != POOL:
         command += ["--steps", str(args.steps), "--pool", str(args.pool)]
+    if args.compute != "bf16":
+        command += ["--compute", args.compute]
     result.update({
         "what": "issue 31 section 3: one fine-tuning run of all-MiniLM-L6-v2 on bench/pretrained/pairs.py",
         "command": " ".join(command + ["--out", str(out)]),
