@@ -2,6 +2,8 @@
 // records, the summary, and the run.
 #include "trainer_impl.h"
 
+#include <utility>
+
 namespace sp::train {
 
 namespace {
@@ -97,6 +99,7 @@ StepRecord Trainer::Impl::train_step(std::int64_t step) {
   StepRecord record;
   record.step = step;
   record.lr = learning_rate(step);
+  record.calibration_step = std::exchange(calibration_step_due, false);
 
   layer->begin_step(step);
   record.plugin_version = std::string(layer->policy().plugin_version());
@@ -112,7 +115,8 @@ StepRecord Trainer::Impl::train_step(std::int64_t step) {
   // norm exists: it clips by the previous step's (the last finite one). A run's first step,
   // or a resume from a checkpoint without that norm, has none and updates after the backward.
   const bool overlapped = config.train.mode == TrainMode::full &&
-                          config.train.host_optimizer == HostOptimizer::overlapped && previous_grad_norm;
+                          config.train.host_optimizer == HostOptimizer::overlapped && previous_grad_norm &&
+                          !record.calibration_step;
   if (overlapped) {
     adam->begin_step(record.lr, clip_scale(*previous_grad_norm));
     layer->update_masters_during_backward(adam->step_constants(), unit_moments);
@@ -132,11 +136,13 @@ StepRecord Trainer::Impl::train_step(std::int64_t step) {
   // backward was queued. Every rank records, and the plugin sees, the mean across ranks.
   record.loss = layer->average(loss.item<double>());
 
-  const std::vector<sp_grad_moments_v1>& moments = layer->post_backward();
+  const std::vector<sp_grad_moments_v1>& moments = layer->post_backward(record.loss);
   record.decisions = decisions();
   record.grad_norm = global_grad_norm(moments);
   const auto update_start = Clock::now();
-  if (std::isfinite(record.grad_norm) && std::isfinite(record.loss)) {
+  if (record.calibration_step) {
+    log->info("step {}: a calibration step (policy v3): the policy allocated from its gradients; no update", step);
+  } else if (std::isfinite(record.grad_norm) && std::isfinite(record.loss)) {
     nonfinite_streak = 0;
     if (overlapped) {
       update_resident();  // the streamed masters were updated during the backward
@@ -233,6 +239,7 @@ void Trainer::Impl::write_step_record(const StepRecord& r) {
   if (r.val_loss) record["val_loss"] = *r.val_loss;
   if (!r.swap_note.empty()) record["plugin_swap"] = r.swap_note;
   if (r.recalibration) record["recalibration"] = *r.recalibration;
+  if (r.calibration_step) record["calibration_step"] = true;
   train_metrics->append(record);
 }
 

@@ -58,6 +58,9 @@ struct StepRecord {
   std::string swap_note;  // non-empty at the step a hot swap took effect or failed
   // At the steps that re-calibrated (train.recalibrate_every): the errors and the seconds.
   std::optional<nlohmann::json> recalibration;
+  // Policy v3's calibration step (the first of a fresh run with a budget and run_calibration):
+  // its forward and backward ran and the policy allocated from them; no update.
+  bool calibration_step = false;
 };
 
 struct RunOptions {

@@ -80,6 +80,9 @@ struct Trainer::Impl {
   std::int64_t next_step = 0;
   std::string calibration_status = "disabled";
   CalibrationErrors calibration_errors;
+  // A fresh run under a policy with a budget (v3) and run_calibration: its first step is a
+  // calibration step, whose gradients the policy allocates from and whose update is skipped.
+  bool calibration_step_due = false;
   int nonfinite_streak = 0;
   std::optional<double> previous_grad_norm;  // the last finite one: the overlapped update's clipping
   std::uint64_t checkpoint_exchanges = 0;    // names each agreement on a checkpoint write

@@ -159,6 +159,28 @@ TEST_F(TrainE2E, ThreeTierPolicySendsTolerantBlocksToNf4) {
 }
 
 // With an outlier channel planted, which a fresh run does and a resumed one must not redo.
+// Policy v3 under a bytes budget: the first step is a calibration step (its update skipped),
+// whose gradients the policy allocates from, so from step 1 on every step's fetches take the
+// allocation and move at most the budget.
+TEST_F(TrainE2E, PolicyV3CalibratesInTheFirstStepAndKeepsItsBudgetFromTheSecond) {
+  const std::string p = "memory.stagehand.selective_precision.";
+  const std::vector<Override> v3 = {{p + "mode", "budget"}, {p + "budget", "{bytes: 0.5}"}, {p + "tiers", "[bf16, int8, nf4]"}};
+  const RunSummary run = train("v3", v3);
+  ASSERT_EQ(run.steps.size(), 24u);
+  EXPECT_TRUE(run.steps[0].calibration_step);
+  expect_bytes_follow_decisions(run, config(v3));
+  for (std::size_t s = 1; s < run.steps.size(); ++s) {
+    const StepRecord& r = run.steps[s];
+    EXPECT_FALSE(r.calibration_step) << "step " << s;
+    const std::uint64_t moved = r.h2d_bytes[sp::Precision::bf16] + r.h2d_bytes[sp::Precision::int8] + r.h2d_bytes[sp::Precision::nf4];
+    EXPECT_LE(static_cast<double>(moved), 0.5 * static_cast<double>(r.h2d_bytes_all_bf16)) << "step " << s;
+  }
+  EXPECT_LT(mean_loss(run.steps, 19, 24), mean_loss(run.steps, 0, 5) - 0.3);
+  const std::string metrics = testing::read_text(dir_ / "v3" / kRunTrainMetricsFile);
+  EXPECT_EQ(metrics.find("\"calibration_step\":true"), metrics.rfind("\"calibration_step\":true"));
+  EXPECT_NE(metrics.find("\"calibration_step\":true"), std::string::npos);
+}
+
 TEST_F(TrainE2E, InterruptedRunResumesBitwiseIdentically) {
   const std::vector<Override> outliers = {{"model.outliers.blocks", "[1]"}};
   const RunSummary straight = train("straight", outliers);
