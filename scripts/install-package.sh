@@ -4,7 +4,7 @@
 # extension is built against the venv's own torch. The wheel is made out of build/, the tree
 # scripts/build.sh configures, and pip builds there only what the package holds (the module,
 # the plugin, the tools): whatever build/ already holds is not compiled again, and build/'s own
-# settings (tests, benchmarks, warnings as errors) are passed back, so pip's configure leaves
+# settings (build type, tests, benchmarks, warnings as errors) are passed back, so pip's configure leaves
 # them as they were. Afterwards `.venv/bin/python -c "import selective_precision"` works from
 # any directory, and .venv/bin has sp-train, sp-replay and sp-bench. Run scripts/install-deps.sh
 # first. (A plain `pip install .` elsewhere builds in its own build-wheel/, pyproject.toml.)
@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 [[ -f build/CMakeCache.txt ]] || bash scripts/build.sh --target selective_precision_python
 cache_value() { sed -n "s/^$1:[A-Z]*=//p" build/CMakeCache.txt; }
-settings=(-C build-dir=build -C cmake.define.SP_BUILD_PYTHON=ON
+settings=(-C build-dir=build -C cmake.define.SP_BUILD_PYTHON=ON -C "cmake.build-type=$(cache_value CMAKE_BUILD_TYPE)"
           -C "build.targets=selective_precision_python;selective_precision_policy_plugin;sp-train;sp-replay;sp-bench")
 for key in SP_BUILD_TESTS SP_BUILD_BENCH SP_BUILD_TOOLS SP_WARNINGS_AS_ERRORS; do
   settings+=(-C "cmake.define.$key=$(cache_value "$key")")
