@@ -13,7 +13,7 @@ import selective_precision as sp
 def test_the_package_has_a_version_its_plugin_and_its_configs():
     assert sp.__version__.count(".") == 2
     assert os.path.isfile(os.path.join(sp.default_plugin_dir(), "libsp_selective_precision.so"))
-    for name in ("default.yaml", "lora.yaml", os.path.join("policy", "dynamic_v2.yaml")):
+    for name in ("default.yaml", "lora.yaml", os.path.join("policy", "dynamic_v2.yaml"), os.path.join("policy", "v3.yaml")):
         assert os.path.isfile(os.path.join(sp.config_dir(), name)), name
 
 

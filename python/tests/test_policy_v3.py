@@ -2,6 +2,7 @@
 the routes before the first training step, and the policy report (docs/policy.md, "Policy v3")."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -176,3 +177,23 @@ def test_a_frozen_base_is_measured_as_the_same_weights_trained():
     for trained, frozen in zip(*costs):
         for tier in ("int8", "nf4"):
             assert frozen[tier] == pytest.approx(trained[tier], rel=1e-5, abs=1e-12)
+
+
+def test_the_shipped_v3_config_keeps_its_budget_on_every_step(tmp_path):
+    torch.manual_seed(5)
+    model = Model()
+    model.layers = sp.stream(model.layers, config=os.path.join(sp.config_dir(), "policy", "v3.yaml"),
+                             output_dir=str(tmp_path))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with model.layers.calibrating(model):
+        model(torch.randn(6, 8)).backward()
+    for _ in range(3):
+        loss = model(torch.randn(6, 8))
+        loss.backward()
+        model.layers.report_loss(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        report = model.layers.last_report
+        assert report.h2d_bytes <= 0.45 * report.h2d_bytes_all_bf16
+    assert model.layers.policy_report().budget["met"]
+    assert (tmp_path / "selective_precision_telemetry.jsonl").is_file()  # under output_dir, not the cwd
