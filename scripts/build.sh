@@ -11,10 +11,13 @@
 # The configure step runs when build/ has no cache yet, when arguments are given, or with
 # --configure; otherwise the build reconfigures by itself where a CMakeLists.txt changed.
 #
-# The build type is Release (-O3, no debug information): debug information costs about a
-# quarter of each LibTorch translation unit's compile (trainer.cpp: 72.8 s with -g, 52.1 s
-# without, on the 2-core machine under load). To debug, configure RelWithDebInfo:
-# `bash scripts/build.sh -DCMAKE_BUILD_TYPE=RelWithDebInfo` (the arguments come last and win).
+# The build type is Release at -O2 (RelWithDebInfo's optimization, with which the results were
+# measured; GCC 12 at CMake's Release default of -O3 raises false -Wrestrict errors in
+# libstdc++'s string code), without debug information: that costs about a quarter of each
+# LibTorch translation unit's compile (trainer.cpp: 72.8 s with -g, 52.1 s without, on the
+# 2-core machine under load). The kernels ask for -O3 themselves. To debug, configure
+# RelWithDebInfo: `bash scripts/build.sh -DCMAKE_BUILD_TYPE=RelWithDebInfo` (arguments come
+# last and win).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/compiler-cache.sh
@@ -36,6 +39,8 @@ while (($#)); do
   fi
 done
 if [[ $configure_only == true || ! -f build/CMakeCache.txt || ${#configure_args[@]} -gt 0 ]]; then
-  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "${sp_compiler_launcher[@]}" "${configure_args[@]}"
+  release=(-DCMAKE_BUILD_TYPE=Release)
+  for lang in C CXX CUDA; do release+=("-DCMAKE_${lang}_FLAGS_RELEASE=-O2 -DNDEBUG"); done
+  cmake -S . -B build -G Ninja "${release[@]}" "${sp_compiler_launcher[@]}" "${configure_args[@]}"
 fi
 [[ $configure_only == true ]] || cmake --build build -j "$jobs" "${targets[@]}"
