@@ -730,18 +730,13 @@ def main():
                                            "and correlate them with its test map")
     parser.add_argument("--larger", help="with --all-tune: the --map-split JSON whose map to correlate with too")
     args = parser.parse_args()
-    if args.all_tune:
-        if not args.out:
-            parser.error("--out is needed")
-        torch.set_num_threads(args.threads)
-        all_tune(args)
-        return
-    if args.signals:
-        if not args.out:
-            parser.error("--out is needed")
-        torch.set_num_threads(args.threads)
-        larger_map(args)
-        return
+    for wanted, run_mode in ((args.all_tune, all_tune), (args.signals, larger_map)):
+        if wanted:
+            if not args.out:
+                parser.error("--out is needed")
+            torch.set_num_threads(args.threads)
+            run_mode(args)
+            return
     if args.table:
         print(markdown(args.table))
         return

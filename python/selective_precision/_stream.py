@@ -420,13 +420,12 @@ class StreamedLayers(torch.nn.ModuleList):
             try:
                 if completed and layer.in_step:
                     loss, layer.loss = layer.loss, None
-                    if loss is not None:
-                        loss = layer.model.average(loss)
-                    layer.model.post_backward(float("nan") if loss is None else loss)
+                    loss = float("nan") if loss is None else layer.model.average(loss)
+                    layer.model.post_backward(loss)
                     from . import _report
 
                     layer.in_step = False
-                    layer.last_report = _report(layer.model.end_step(float("nan") if loss is None else loss))
+                    layer.last_report = _report(layer.model.end_step(loss))
                 elif layer.in_step:
                     layer.abort()
                 elif completed:

@@ -50,8 +50,7 @@ std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
 }
 
 std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signals() {
-  const std::optional<sp_budget_status_v1> budget = policy->budget_status();
-  if (!budget || budget->kind == SP_BUDGET_NONE) return std::nullopt;
+  if (!signals_wanted) return std::nullopt;
   constexpr Precision kTiers[] = {Precision::int8, Precision::nf4};
   constexpr std::int64_t kTierCount = 2;
   // Per block: whether it was measured, then per tier the sums of g*d and g^2*d^2; last, the
@@ -154,8 +153,10 @@ void StreamedModel::begin_step(std::int64_t step) {
   for (BlockState& b : m.blocks) {
     for (StreamedParam& p : b.streamed) p.signal_grad = torch::Tensor();
   }
+  // Asked once a step: a hot swap, which can change the answer, happens at begin_step only.
   const std::optional<sp_budget_status_v1> budget = m.policy->budget_status();
-  m.frozen_gradients_wanted = !m.collectives && budget && budget->kind != SP_BUDGET_NONE;
+  m.signals_wanted = budget && budget->kind != SP_BUDGET_NONE;
+  m.frozen_gradients_wanted = m.signals_wanted && !m.collectives;
   try {
     if (m.collectives) {
       // Every rank was asked to swap at this boundary (poll_plugin): each must have the same

@@ -243,8 +243,9 @@ struct StreamedModel::Impl {
   // block input, summed (the batch size B of the Fisher stand-in in measure_unit_signals()).
   std::uint64_t step_examples = 0;
   sp::host::UnitSignalTable unit_signals;  // the last table sent to the plugin
-  // Set at begin_step when the plugin takes a signal table (a budget) in one process: the
-  // backward then differentiates frozen streamed weights too (LoRA's base), into signal_grad.
+  // Set at begin_step: the plugin takes a signal table (it has a budget); and, in one process,
+  // the backward then differentiates frozen streamed weights too (LoRA's base), into signal_grad.
+  bool signals_wanted = false;
   bool frozen_gradients_wanted = false;
 
   // update_masters_during_backward(): the step's constants and moments while armed, and the
@@ -498,8 +499,8 @@ struct StreamedModel::Impl {
 
   std::vector<sp_grad_moments_v1> block_moments();
 
-  // The signal table of policy v3 (docs/policy.md, "The signal table"), for a plugin with a
-  // budget (ABI 1.2, mode budget), else nullopt: per block whose masters have gradients (a
+  // The signal table of policy v3 (docs/policy.md, "The signal table"), when signals_wanted (a plugin
+  // with a budget: ABI 1.2, mode budget), else nullopt: per block whose masters have gradients (a
   // frozen master's: signal_grad) and per quantized tier t, with d = the tier's image - the
   // master and g the step's gradient,
   //   first_order.t  = sum g*d,  second_order.t = B/2 * sum g^2*d^2 (B: step_examples),
