@@ -123,10 +123,30 @@ class _Layer:
         if self.stepping:
             # An optimizer step that raised between its hooks: its step is dropped.
             self.abort()
+        self.end_step_if_updated()
         if not self.in_step:
             self.model.take_collective_failure()
             self.model.begin_step(self.model.next_step())
             self.in_step = True
+
+    def end_step_if_updated(self):
+        """The blocks' parameters changed since the step's backward without torch.optim's step
+        hooks (a hand-written update, another optimizer, a state dict loaded): that update ended
+        the step."""
+        if self.in_step and not self.stepping and not self.calibrating and self.model.trained_in_step():
+            self.end_step()
+
+    def end_step(self):
+        """Ends the open step whose update ran: the policy takes the moments of its backward and
+        decides, and the images of the updated weights are rebuilt."""
+        loss, self.loss = self.loss, None
+        loss = float("nan") if loss is None else self.model.average(loss)
+        self.last_moments = self.model.post_backward(loss)
+        from . import _report  # the StepReport of the package
+
+        self.in_step = False
+        self.averaged.clear()
+        self.last_report = _report(self.model.end_step(loss))
 
     def abort(self):
         self.model.abort_step()
@@ -419,13 +439,7 @@ class StreamedLayers(torch.nn.ModuleList):
             layer.calibrating = False
             try:
                 if completed and layer.in_step:
-                    loss, layer.loss = layer.loss, None
-                    loss = float("nan") if loss is None else layer.model.average(loss)
-                    layer.model.post_backward(loss)
-                    from . import _report
-
-                    layer.in_step = False
-                    layer.last_report = _report(layer.model.end_step(loss))
+                    layer.end_step()
                 elif layer.in_step:
                     layer.abort()
                 elif completed:
@@ -473,6 +487,11 @@ class StreamedLayers(torch.nn.ModuleList):
         """The policy's state, hints and counters (not the masters: they are the parameters), as
         one uint8 tensor, so that safetensors and save_pretrained can store it."""
         layer = self._layer()
+        layer.end_step_if_updated()
+        if layer.in_step:
+            raise RuntimeError("selective_precision: state_dict() inside a step (after a grad-mode forward, before "
+                               "the update): the policy's state is mid-step. Take it after optimizer.step() or your "
+                               "own update of the weights")
         state = {k: v for k, v in layer.model.export_state().items() if not k.startswith("master/")}
         buffer = io.BytesIO()
         torch.save(state, buffer)

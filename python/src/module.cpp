@@ -655,6 +655,7 @@ PYBIND11_MODULE(_selective_precision, m) {
           "refresh_images", [](PyStreamedModel& s) { s.model().refresh_images(); }, no_gil)
       .def(
           "abort_step", [](PyStreamedModel& s) { s.model().abort_step(); }, no_gil)
+      .def("trained_in_step", [](PyStreamedModel& s) { return s.model().trained_in_step(); })
       .def("calibrate",
            [](PyStreamedModel& s, const std::vector<torch::Tensor>& samples) {
              const tl::CalibrationErrors errors = [&] {

@@ -144,6 +144,76 @@ def test_the_plain_loop_trains_the_streamed_weights_and_ends_each_step():
         assert streamed.layers[0].fc.weight.grad is None
 
 
+class SignSGD:
+    """An optimizer that is not torch.optim's: no step hooks tell the layer it ran."""
+
+    def __init__(self, params, lr):
+        self.params, self.lr = list(params), lr
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.params:
+            if p.grad is not None:
+                p.add_(p.grad.sign(), alpha=-self.lr)
+
+
+def change_the_weights(model, how, optimizers):
+    """One update of `model` that torch.optim's hooks do not see."""
+    with torch.no_grad():
+        if how == "by_hand":
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+        elif how == "other_optimizer":
+            optimizers.setdefault(id(model), SignSGD(model.parameters(), lr=1e-2)).step()
+        elif how == "load_state_dict":
+            model.load_state_dict({k: v * 0.9 for k, v in model.named_parameters()}, strict=False)
+        else:
+            model.layers[1].fc.weight.mul_(0.9)
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("how", ["by_hand", "other_optimizer", "load_state_dict", "edit_in_place"])
+def test_weights_changed_by_anyone_are_streamed_from_the_next_forward(how):
+    """Without torch.optim the next forward trains on the changed weights, as plain PyTorch does
+    (it used to stream the first step's weights), and that change ends the policy's step."""
+    plain, streamed = plain_and_streamed(seed=21, p=0.0)
+    x, optimizers = torch.randn(4, 8), {}
+    for step in range(3):
+        losses = []
+        for model in (plain, streamed):
+            loss = model(x)
+            loss.backward()
+            losses.append(loss.item())
+            change_the_weights(model, how, optimizers)
+            bf16_rounded(model)
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-7), step
+        with torch.no_grad():
+            assert streamed(x).item() == pytest.approx(plain(x).item(), rel=1e-5, abs=1e-7), step
+    report = streamed.layers.last_report
+    assert report.step == 1 and report.training_passes == 1
+    assert all(m["count"] > 0 for m in streamed.layers.last_moments)  # the backward's, not the cleared ones
+
+
+def test_a_weight_changed_between_the_forward_and_its_backward_is_refused_as_pytorch_does():
+    _, streamed = plain_and_streamed(p=0.0)
+    loss = streamed(torch.randn(4, 8))
+    with torch.no_grad():
+        streamed.layers[2].fc.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="block2's master 'fc.weight' was modified in place after the forward"):
+        loss.backward()
+    streamed.zero_grad()
+    streamed(torch.randn(4, 8)).backward()  # the next pass runs
+
+
+def test_a_master_given_new_storage_is_refused_not_read():
+    _, streamed = plain_and_streamed(p=0.0)
+    weight = streamed.layers[0].fc.weight
+    weight.data = weight.data.clone()
+    with pytest.raises(RuntimeError, match="master 'fc.weight' no longer holds the storage the layer streams from"):
+        streamed(torch.randn(4, 8))
+
+
 def test_gradient_accumulation_and_evaluation_forwards_within_a_step():
     plain, streamed = plain_and_streamed(p=0.0)
     xs = [torch.randn(4, 8) for _ in range(2)]

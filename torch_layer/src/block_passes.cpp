@@ -2,6 +2,8 @@
 // and its backward (the recompute, differentiated).
 #include "streamed_model_impl.h"
 
+#include <torch/csrc/autograd/engine.h>
+
 #if defined(SP_TORCH_LAYER_HAVE_CUDA) && __has_include(<c10/cuda/CUDAStream.h>)
 #include <c10/cuda/CUDAStream.h>
 #define SP_TORCH_LAYER_FOLLOWS_CUDA_STREAMS 1
@@ -92,6 +94,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
           "call post_backward() (a pass after it would add gradients that no update sees)");
     }
     wait_for_updates();  // the pass fetches the blocks they update
+    rebuild_changed_images("forward");
     if (options.recalibrate_every != 0) last_input = inputs.at(0).detach();
     step_examples += inputs.at(0).dim() > 0 ? static_cast<std::uint64_t>(inputs.at(0).size(0)) : 1;
     engine->begin_step(engine_steps++);
@@ -167,7 +170,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, co
                                                              const BlockCall& call) {
   if (b == 0) {
     wait_for_updates();  // the evaluation engine reads the masters
-    require_current_images("forward");
+    rebuild_changed_images("forward");
     begin_eval_pass({});
   } else {
     require_in_order(b, eval_open ? eval_next : 0, "an evaluation pass (no grad)");
@@ -205,6 +208,8 @@ std::vector<torch::Tensor> StreamedModel::Impl::forward_block(std::uint32_t b,
   const ad::BlockView& view = engine->acquire(b);
   attach(blocks[b], view, false);
   blocks[b].forward_state = ForwardState::capture(options.device);
+  blocks[b].forward_versions.clear();
+  for (const StreamedParam& p : blocks[b].streamed) blocks[b].forward_versions.push_back(p.master._version());
   std::vector<torch::Tensor> out;
   try {
     out = blocks[b].pass_call(inputs, blocks[b].weights);
@@ -218,9 +223,9 @@ std::vector<torch::Tensor> StreamedModel::Impl::forward_block(std::uint32_t b,
   return out;
 }
 
-variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t id, const variable_list& xs,
+variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t of_pass, const variable_list& xs,
                                                   const variable_list& grad_outs) {
-  if (id != pass_id || pass == Pass::none) {
+  if (of_pass != pass_id || pass == Pass::none) {
     throw std::logic_error(fmt::format(
         "StreamedModel: backward through {} of a training pass that has ended (a later grad-mode forward, or "
         "post_backward(), closed it); run each pass's backward before the next grad-mode forward",
@@ -234,8 +239,17 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
         "pass calls every streamed block, in order, before its backward",
         blocks[b].block.name, stopped));
   }
-  pass = Pass::in_backward;
   BlockState& block = blocks[b];
+  for (std::size_t i = 0; i < block.streamed.size(); ++i) {
+    if (block.streamed[i].master._version() == block.forward_versions[i]) continue;
+    abandon_pass();
+    throw std::logic_error(fmt::format(
+        "StreamedModel: {}'s master '{}' was modified in place after the forward that the backward now "
+        "differentiates (an update before loss.backward()?): the gradient would be of other weights than the "
+        "forward computed with, as PyTorch refuses for a tensor saved for the backward",
+        block.block.name, block.streamed[i].name));
+  }
+  pass = Pass::in_backward;
   follow_caller_stream();
   const ad::BlockView& view = engine->acquire(b);
   attach(block, view, true);
@@ -408,7 +422,14 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
     abandon_pass();
     throw;
   }
-  if (pass_end_block && b == *pass_end_block) finish_pass();
+  if (pass_end_block && b == *pass_end_block) {
+    finish_pass();
+    // The statistics wait for the whole backward: autograd accumulates the resident parameters'
+    // gradients (and the host's hooks run) after this node returns.
+    torch::autograd::Engine::get_default_engine().queue_callback([model = id] {
+      if (const std::shared_ptr<StreamedModel::Impl> impl = live_model(model)) impl->take_backward_statistics();
+    });
+  }
   return out;
 }
 

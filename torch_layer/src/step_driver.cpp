@@ -119,6 +119,14 @@ std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signa
   return table;
 }
 
+void StreamedModel::Impl::take_backward_statistics() {
+  if (!in_step()) return;
+  backward_in_step = true;
+  if (armed) return;
+  backward_moments = block_moments();
+  backward_signals = measure_unit_signals();
+}
+
 std::vector<Precision> StreamedModel::Impl::current_routes() const {
   std::vector<Precision> routes;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) routes.push_back(engine->policy_bridge().route(b));
@@ -139,7 +147,7 @@ void StreamedModel::begin_step(std::int64_t step) {
         "step {}",
         step, *m.last_step, *m.last_step + 1));
   }
-  m.require_current_images(fmt::format("begin_step({})", step));
+  m.rebuild_changed_images(fmt::format("begin_step({})", step));
   m.policy->begin_step(step);
   m.last_step = step;
   m.report = StepReport{};
@@ -150,6 +158,10 @@ void StreamedModel::begin_step(std::int64_t step) {
   m.step = step;
   m.step_start = Clock::now();
   m.step_examples = 0;
+  m.backward_moments.reset();
+  m.backward_signals.reset();
+  m.step_versions = m.trainable_versions();
+  m.backward_in_step = false;
   for (BlockState& b : m.blocks) {
     for (StreamedParam& p : b.streamed) p.signal_grad = torch::Tensor();
   }
@@ -182,7 +194,7 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss)
   if (m.after_backward()) throw std::logic_error("StreamedModel::post_backward: already called in this step");
   m.close_abandoned_pass("post_backward");
   m.wait_for_updates();
-  std::vector<sp_grad_moments_v1> moments = m.block_moments();
+  std::vector<sp_grad_moments_v1> moments = m.backward_moments ? *m.backward_moments : m.block_moments();
   // The plugin takes the blocks that have gradient elements (ABI: the others are left out).
   std::vector<sp_grad_moments_v1> measured;
   for (const sp_grad_moments_v1& block : moments) {
@@ -203,7 +215,11 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss)
   }
   m.moments = std::move(moments);
   m.policy->post_backward(m.step, measured);
-  if (std::optional<sp::host::UnitSignalTable> signals = m.measure_unit_signals()) {
+  std::optional<sp::host::UnitSignalTable> signals =
+      m.backward_moments ? std::move(m.backward_signals) : m.measure_unit_signals();
+  m.backward_moments.reset();
+  m.backward_signals.reset();
+  if (signals) {
     signals->loss = std::isfinite(loss) ? loss : std::numeric_limits<double>::quiet_NaN();
     m.policy->set_unit_signals(m.step, *signals);
     m.unit_signals = std::move(*signals);
@@ -282,6 +298,11 @@ void StreamedModel::refresh_images() {
   m.note_image_versions();
 }
 
+bool StreamedModel::trained_in_step() const {
+  const Impl& m = *impl_;
+  return m.in_step() && m.backward_in_step && m.trainable_versions() != m.step_versions;
+}
+
 void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamWStep& step,
                                    const std::map<std::string, MasterMoments>& moments) {
   Impl& m = *impl_;
@@ -342,6 +363,8 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
   }
   m.running.reserve(m.blocks.size());
   m.armed = Impl::ArmedUpdate{step, std::move(moments), std::vector<bool>(m.blocks.size(), false)};
+  m.backward_moments.reset();  // of an earlier pass: post_backward() measures the armed one
+  m.backward_signals.reset();
 }
 
 void StreamedModel::Impl::apply_transfer_policy(const std::filesystem::path& file) {

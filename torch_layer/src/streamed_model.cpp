@@ -42,26 +42,36 @@ void StreamedModel::Impl::note_image_versions() {
   }
 }
 
-void StreamedModel::Impl::require_current_images(const std::string& call) {
+void StreamedModel::Impl::rebuild_changed_images(const std::string& call) {
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (!owns(b)) continue;
-    if (blocks[b].params_are_masters && !sharded && changed_master(b)) {
-      engine->on_weights_updated(b);
-      eval_image_stale[b] = true;
-      for (std::size_t i = 0; i < blocks[b].streamed.size(); ++i) {
-        image_versions[b][i] = blocks[b].streamed[i].master._version();
-      }
-      continue;
-    }
-    if (const StreamedParam* p = changed_master(b)) {
+    const StreamedParam* changed = changed_master(b);
+    if (changed == nullptr) continue;
+    if (sharded) {
       throw std::logic_error(fmt::format(
-          "StreamedModel::{}: {}'s master '{}' changed after its transfer images were built (an optimizer step "
-          "after end_step()?), so the engines would stream the old weights. Step the optimizer between "
-          "post_backward() and end_step() (the Python step() context does), or call refresh_images() after "
-          "changing the masters",
-          call, blocks[b].block.name, p->name));
+          "StreamedModel::{}: {}'s master '{}' changed after its transfer images were built. With sharded masters "
+          "the ranks share each image at collective points only: change the masters between post_backward() and "
+          "end_step() (an optimizer step), or call refresh_images() on every rank after changing them",
+          call, blocks[b].block.name, changed->name));
+    }
+    engine->on_weights_updated(b);
+    eval_image_stale[b] = true;
+    for (std::size_t i = 0; i < blocks[b].streamed.size(); ++i) {
+      image_versions[b][i] = blocks[b].streamed[i].master._version();
     }
   }
+}
+
+std::vector<std::int64_t> StreamedModel::Impl::trainable_versions() const {
+  std::vector<std::int64_t> versions;
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+    if (!owns(b)) continue;
+    for (const StreamedParam& p : blocks[b].streamed) {
+      if (p.master.requires_grad()) versions.push_back(p.master._version());
+    }
+    for (const torch::Tensor& r : blocks[b].trainable_resident) versions.push_back(r._version());
+  }
+  return versions;
 }
 
 StreamedModel::Impl::~Impl() {
@@ -227,6 +237,9 @@ void StreamedModel::Impl::build_engines() {
     }
     specs.push_back(std::move(spec));
   }
+  for (BlockState& b : blocks) {
+    for (StreamedParam& p : b.streamed) p.engine_data = p.master.data_ptr();
+  }
   ad::StreamingConfig config;
   config.prefetch_window = options.prefetch_window;
   config.int8_group_size = options.int8_group_size;
@@ -253,7 +266,8 @@ void StreamedModel::Impl::build_policy() {
 }
 
 void StreamedModel::Impl::check_parameters_unchanged() const {
-  for (const BlockState& b : blocks) {
+  for (std::uint32_t index = 0; index < blocks.size(); ++index) {
+    const BlockState& b = blocks[index];
     const NamedParameters params = b.block.parameters();
     for (const StreamedParam& p : b.streamed) {
       const torch::Tensor* now = find(params, p.name);
@@ -267,6 +281,13 @@ void StreamedModel::Impl::check_parameters_unchanged() const {
                                  : "change the masters instead, then call refresh_images()"));
       }
       refuse_converted(b, p.name, held, p.placeholder);
+      if (owns(index) && p.master.data_ptr() != p.engine_data) {
+        throw std::logic_error(fmt::format(
+            "StreamedModel: {}: master '{}' no longer holds the storage the layer streams from (set_data(), or "
+            "`.data = ` in Python, swapped it), so the engines would read the old one. Change a master in place: "
+            "under no_grad, master.copy_(new_value)",
+            b.block.name, p.name));
+      }
     }
     for (std::size_t i = 0; i < b.resident.size(); ++i) {
       refuse_converted(b, b.resident_names[i], b.resident[i], b.resident_kinds[i]);

@@ -86,6 +86,9 @@ struct StreamedParam {
   torch::Tensor param;
   torch::Tensor master;   // sharded, on a rank that does not own the block: an empty placeholder
   torch::Tensor staging;  // CUDA: pinned fp32, the gradient's way to the host without a sync
+  // Where the engines read the master (build_engines()): a master whose storage was swapped since
+  // (set_data(), `.data = `) would leave them reading the old one.
+  const void* engine_data = nullptr;
   bool staged = false;    // staging holds this pass's gradient
   // A frozen master's gradient, taken in the backward for policy v3's signal table alone
   // (Impl::frozen_gradients_wanted), summed over the step's passes; never the master's .grad.
@@ -119,6 +122,9 @@ struct BlockState {
   NamedParameters weights;
   // The call of the current training pass's forward, which its recompute makes again.
   BlockCall pass_call;
+  // Its masters' version counters when that forward ran: changed before its backward, the
+  // backward would differentiate other weights than the forward computed with.
+  std::vector<std::int64_t> forward_versions;
 };
 
 inline std::string master_key(const BlockState& b, const StreamedParam& p) {
@@ -243,6 +249,17 @@ struct StreamedModel::Impl {
   // block input, summed (the batch size B of the Fisher stand-in in measure_unit_signals()).
   std::uint64_t step_examples = 0;
   sp::host::UnitSignalTable unit_signals;  // the last table sent to the plugin
+  // The moments, and for a budget plugin the signal table, of the gradients as the step's latest
+  // backward left them, taken when they are final (as a post-accumulate-grad hook would): a host
+  // that updates and clears them itself before the next step still gives the policy its step.
+  // Not taken for a pass armed with update_masters_during_backward(), whose updates still write
+  // the masters: post_backward() measures that one.
+  std::optional<std::vector<sp_grad_moments_v1>> backward_moments;
+  std::optional<sp::host::UnitSignalTable> backward_signals;
+  // The versions of the blocks' trainable parameters (masters and resident) at begin_step, and
+  // whether a training pass's backward finished since.
+  std::vector<std::int64_t> step_versions;
+  bool backward_in_step = false;
   // Set at begin_step: the plugin takes a signal table (it has a budget); and, in one process,
   // the backward then differentiates frozen streamed weights too (LoRA's base), into signal_grad.
   bool signals_wanted = false;
@@ -279,11 +296,16 @@ struct StreamedModel::Impl {
     return nullptr;
   }
 
-  // Masters changed since their images were built: a Block::call block's are its module's
-  // parameters, which the host changes the usual way (a state dict loaded, an edit), so their
-  // images are rebuilt here (one process: sharded, the ranks would have to share them); any
-  // other is refused.
-  void require_current_images(const std::string& call);
+  // Masters changed since their images were built, by anyone (an optimizer step, a hand-written
+  // update, a state dict loaded, an edit in place): their images are rebuilt here, at the pass's
+  // first fetch. Sharded, the ranks share each image at collective points only: refused.
+  void rebuild_changed_images(const std::string& call);
+
+  // The version counters of every trainable parameter of the blocks, in a fixed order.
+  std::vector<std::int64_t> trainable_versions() const;
+
+  // The statistics the policy takes from the step's gradients (backward_moments above).
+  void take_backward_statistics();
 
   ~Impl();
 
@@ -349,8 +371,9 @@ struct StreamedModel::Impl {
 
   // ---- weights in and out of the module ----------------------------------------------------
 
-  // A parameter the host replaced under the layer (module->weight = new tensor) would be
-  // computed with its own, stale values and trained without the layer knowing: refused.
+  // A parameter the host replaced under the layer (module->weight = new tensor), or a master whose
+  // storage it swapped (set_data()), would be computed with stale values and trained without the
+  // layer knowing: refused.
   void check_parameters_unchanged() const;
 
   // A .to() of the model after wrapping converts the blocks' parameters in place: the
@@ -445,7 +468,7 @@ struct StreamedModel::Impl {
   // Recomputes block b's forward on the delivered weights and differentiates it. Returns the
   // gradient of each block input (undefined for those that need none), then one per trainable
   // resident parameter.
-  variable_list backward_block(std::uint32_t b, std::uint64_t id, const variable_list& xs,
+  variable_list backward_block(std::uint32_t b, std::uint64_t of_pass, const variable_list& xs,
                                const variable_list& grad_outs);
 
   ad::Event& gradient_copied_event(std::uint32_t b);

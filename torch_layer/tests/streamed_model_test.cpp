@@ -862,34 +862,78 @@ TEST(StreamedModel, StepsThatDoNotIncreaseAreRefusedByNameAcrossAResume) {
 }
 
 // An optimizer stepped after end_step() changes the masters after their images were rebuilt:
-// the next pass would stream the old weights. Refused by name; refresh_images() rebuilds them.
-TEST(StreamedModel, MastersChangedAfterTheRebuildAreRefusedUntilRefreshed) {
-  auto model = wrap(make_blocks(65), "  mode: off\n");
+// the version counters tell the next pass, whose first fetch rebuilds them, so that an
+// evaluation and the next step stream the stepped masters.
+TEST(StreamedModel, MastersChangedAfterTheRebuildAreStreamedFromTheNextPass) {
+  const auto blocks = make_blocks(65);
+  auto model = wrap(blocks, "  mode: off\n");
   model->begin_step(0);
   model->forward(input(66)).pow(2).mean().backward();
   model->post_backward();
   model->end_step(1.0);
   {
-    // Too late: the images were rebuilt in end_step(). In place, as torch.optim's SGD steps.
-    // (LibTorch's C++ optimizers write through .data(), which no version counter sees.)
+    // After the rebuild of end_step(). In place, as torch.optim's SGD steps.
     torch::NoGradGuard no_grad;
     for (torch::Tensor& master : model->master_parameters()) master.add_(master.grad(), -0.1);
   }
-  EXPECT_THAT([&] { model->begin_step(1); },
-              ::testing::ThrowsMessage<std::logic_error>(::testing::HasSubstr(
-                  "begin_step(1): block0's master 'fc1.weight' changed after its transfer images were built")));
-  {
-    torch::NoGradGuard no_grad;
-    EXPECT_THROW(model->forward(input(67)), std::logic_error);
-  }
-  model->refresh_images();
-  model->begin_step(1);
-  const auto blocks = make_blocks(65);
-  const torch::Tensor out = model->forward(input(68));
   // The pass streams the stepped masters (BF16-rounded), as a plain model on them computes.
   const std::vector<TinyBlock> twins = plain_twins(blocks, *model);
-  EXPECT_TRUE(torch::allclose(out, run_plain(twins, input(68)), 1e-4, 1e-5));
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::allclose(model->forward(input(67)), run_plain(twins, input(67)), 1e-4, 1e-5));
+  }
+  model->begin_step(1);
+  EXPECT_TRUE(torch::allclose(model->forward(input(68)), run_plain(twins, input(68)), 1e-4, 1e-5));
   model->abort_step();
+}
+
+// A host that updates the masters by hand inside the step, without post_backward() and
+// end_step(), trains on the updated weights from the next pass, as plain PyTorch does; the
+// moments the policy takes are those of the backward, taken before the host cleared them.
+TEST(StreamedModel, AHandWrittenUpdateInsideTheStepIsStreamedByTheNextPass) {
+  const auto blocks = make_blocks(69);
+  auto model = wrap(blocks, "  mode: off\n");
+  model->begin_step(0);
+  model->forward(input(70)).pow(2).mean().backward();
+  EXPECT_FALSE(model->trained_in_step());
+  std::vector<double> squares;
+  {
+    torch::NoGradGuard no_grad;
+    for (torch::Tensor& master : model->master_parameters()) {
+      squares.push_back(master.grad().square().sum().item<double>());
+      master.add_(master.grad(), -0.1);
+      master.mutable_grad() = torch::Tensor();
+    }
+  }
+  EXPECT_TRUE(model->trained_in_step());
+  const std::vector<TinyBlock> twins = plain_twins(blocks, *model);
+  EXPECT_TRUE(torch::allclose(model->forward(input(71)), run_plain(twins, input(71)), 1e-4, 1e-5));
+  // The gradients are gone; the moments of the step's backward were taken when it ended.
+  const std::vector<sp_grad_moments_v1>& moments = model->post_backward();
+  ASSERT_EQ(moments.size(), static_cast<std::size_t>(kBlocks));
+  for (std::size_t b = 0; b < moments.size(); ++b) {
+    EXPECT_NEAR(moments[b].sum_sq, squares[2 * b] + squares[2 * b + 1], 1e-6 * moments[b].sum_sq) << b;
+  }
+  model->end_step(1.0);
+}
+
+// Changing a master between a block's forward and its backward would differentiate other
+// weights than the forward used: refused by name, as PyTorch refuses it for a saved tensor.
+TEST(StreamedModel, AMasterChangedBetweenTheForwardAndItsBackwardIsRefusedByName) {
+  auto model = wrap(make_blocks(72), "  mode: off\n");
+  model->begin_step(0);
+  const torch::Tensor loss = model->forward(input(73)).pow(2).mean();
+  {
+    torch::NoGradGuard no_grad;
+    model->masters(1).at("fc2.weight").mul_(0.5);
+  }
+  EXPECT_THAT([&] { loss.backward(); }, ::testing::ThrowsMessage<std::exception>(::testing::HasSubstr(
+                                            "block1's master 'fc2.weight' was modified in place after the forward")));
+  model->abort_step();
+  model->begin_step(1);
+  model->forward(input(74)).pow(2).mean().backward();
+  EXPECT_NO_THROW(model->post_backward());
+  model->end_step(1.0);
 }
 
 // post_backward() reports the blocks' gradient moments to the policy: with no backward in the
@@ -1027,6 +1071,20 @@ TEST(StreamedModel, AReplacedParameterIsRefusedNotRead) {
   }
 }
 
+// set_data() swaps a master's storage: the engines would go on reading the old one. Refused.
+TEST(StreamedModel, AMasterWhoseStorageWasSwappedIsRefusedNotRead) {
+  auto model = wrap(make_blocks(26), "  mode: off\n");
+  {
+    torch::NoGradGuard no_grad;
+    torch::Tensor master = model->masters(2).at("fc1.weight");
+    master.set_data(master.clone());
+  }
+  torch::NoGradGuard no_grad;
+  EXPECT_THAT([&] { model->forward(input(27)); },
+              ::testing::ThrowsMessage<std::logic_error>(::testing::HasSubstr(
+                  "block2: master 'fc1.weight' no longer holds the storage the layer streams from")));
+}
+
 TEST(StreamedModel, AThrowingForwardLeavesTheModelUsable) {
   auto blocks = make_blocks(26);
   bool fail = true;
@@ -1162,9 +1220,9 @@ TEST(StreamedModel, AFrozenFirstBlockStillEndsThePass) {
   EXPECT_TRUE(model->masters(1).at("fc1.weight").grad().defined());
 }
 
-// A frozen block's masters change only when the host loads or edits them: refresh_images()
-// rebuilds the ones that changed, and the next pass streams them.
-TEST(StreamedModel, RefreshRebuildsTheFrozenBlocksWhoseMastersTheHostChanged) {
+// A frozen block's masters change only when the host loads or edits them: the next pass
+// rebuilds the images of the ones that changed, and streams them.
+TEST(StreamedModel, TheFrozenBlocksWhoseMastersTheHostChangedAreRebuiltAtTheNextPass) {
   const auto blocks = make_blocks(75);
   for (auto& p : blocks[0]->parameters()) p.set_requires_grad(false);
   auto model = wrap(blocks, "  mode: off\n");
@@ -1172,8 +1230,6 @@ TEST(StreamedModel, RefreshRebuildsTheFrozenBlocksWhoseMastersTheHostChanged) {
     torch::NoGradGuard no_grad;
     model->masters(0).at("fc1.weight").mul_(0.5);
   }
-  EXPECT_THROW(model->begin_step(0), std::logic_error);  // its images are the old weights
-  model->refresh_images();
   torch::NoGradGuard no_grad;
   EXPECT_TRUE(
       torch::allclose(model->forward(input(76)), run_plain(plain_twins(blocks, *model), input(76)), 1e-4, 1e-5));

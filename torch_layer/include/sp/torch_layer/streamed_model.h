@@ -29,8 +29,14 @@
 //                             update_masters_during_backward() before the backward
 //   end_step(loss);           rebuilds the transfer images of the updated masters for the
 //                             routes just decided, and ends the plugin's step.
-// Every change of the masters must be followed by end_step() (or refresh_images()), or the
-// next fetch sends the old weights.
+// Whoever changes the masters in place (an optimizer, a hand-written update, a state dict loaded,
+// an edit), each pass's first fetch notices it by their version counters and rebuilds their
+// images (sharded: refused outside begin_step and end_step, where the ranks share them). A change
+// between a block's forward and its backward is refused, as PyTorch refuses it for a tensor saved
+// for the backward. Writes through `.data` (Python) or Tensor::data() bypass the version counter,
+// as they bypass autograd's checks: call refresh_images() after them.
+// The policy takes each step's gradient moments when its backward ends (post_backward() sends
+// those of the step's latest backward), so a host may clear the gradients before post_backward().
 //
 // Threads: one thread drives a StreamedModel. Autograd may run the backward of its blocks on
 // another thread; the layer is only ever entered by one at a time.
@@ -80,9 +86,7 @@ using BlockCall =
 //   - `call` (BlockCall): any tensors in and out, reading the streamed weights from `weights`.
 //     The layer does not touch the module's parameters: the streamed ones `parameters` lists
 //     are the masters themselves (fp32, contiguous, on the CPU; refused otherwise), so the
-//     module's parameters, state and optimizer see the real weights. A host that changes them
-//     outside a step (loading a state dict, an edit) needs no refresh_images(): each pass
-//     rebuilds the images of the masters that changed.
+//     module's parameters, state and optimizer see the real weights.
 // The callables keep the module alive.
 struct Block {
   std::string name;  // for messages and the plugin; empty: "block<i>"
@@ -282,6 +286,12 @@ class StreamedModel {
   void abort_step();
   // Rebuilds the transfer images of blocks whose trainable masters changed outside a step.
   void refresh_images();
+  // Inside a step whose backward ran: whether a trainable parameter of the blocks (a master, or a
+  // resident one) changed in place since begin_step(), i.e. the host updated them without
+  // post_backward() and end_step() (a hand-written loop, an optimizer without torch.optim's step
+  // hooks). Python's stream() ends such a step before the next one's first forward. False
+  // between steps.
+  bool trained_in_step() const;
   // The fused host optimizer, in place of an optimizer step on the block's masters and of
   // end_step's rebuild of its image: one AdamW step (sp/kernels/adamw.h) on every master of
   // `block`, reading its .grad (fp32, as the layer accumulates it) and `moments` (by parameter
