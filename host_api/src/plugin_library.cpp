@@ -92,6 +92,11 @@ void check_trusted_file(const std::filesystem::path& file, const struct stat& fi
 }
 
 std::filesystem::path resolve_plugin_path(const std::filesystem::path& file) {
+  if (file.empty()) {
+    throw PluginError(
+        "cannot load the policy plugin: its file is unset (an empty path; StreamedModelOptions::plugin_file, or "
+        "the host's plugin option, names the shared library)");
+  }
   std::error_code error;
   std::filesystem::path resolved = std::filesystem::canonical(file, error);
   if (error) {

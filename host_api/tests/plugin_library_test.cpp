@@ -95,6 +95,10 @@ TEST(PluginLibrary, RefusesAMissingFile) {
               AllOf(HasSubstr("/nonexistent/libsp_nothing.so"), HasSubstr("No such file")));
 }
 
+TEST(PluginLibrary, AnEmptyPathIsReportedAsUnset) {
+  EXPECT_THAT(load_error(""), HasSubstr("its file is unset (an empty path"));
+}
+
 TEST(PluginLibrary, RefusesAFifoWithoutWaitingOnIt) {
   TempDir dir;
   const std::filesystem::path fifo = dir.path() / "libsp_fifo.so";

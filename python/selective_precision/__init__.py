@@ -38,6 +38,7 @@ import functools
 import importlib.resources
 import json
 import os
+import warnings
 import weakref
 
 import torch  # loads libtorch before the extension that links it
@@ -269,6 +270,9 @@ def _policy_config(config):
                             "expected: %s" % error) from None
     if isinstance(config, os.PathLike) or (isinstance(config, str) and "\n" not in config and ": " not in config):
         path = os.fspath(config)
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "config: a directory, where the policy's YAML file was expected "
+                                    "(for the shipped ones: sp.config_dir() / 'policy' / '<name>.yaml')", path)
         if not os.path.isfile(path):
             raise FileNotFoundError(errno.ENOENT, "config: the policy's YAML file was not found", path)
         with open(path, encoding="utf-8") as f:
@@ -278,13 +282,44 @@ def _policy_config(config):
     raise TypeError("config: a path, YAML text or a mapping expected, got %s" % type(config).__name__)
 
 
+# peft's adapter modules: trainable and small, they stay where they are, in their own dtype.
+_ADAPTER_MODULES = frozenset(("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"))
+# A trainable matrix under this fraction of the block's largest frozen one is an adapter too (of
+# a library other than peft): streaming it would quantize what trains, to save next to nothing.
+_ADAPTER_FRACTION = 1 / 16
+
+
 def _streamed_names(block):
-    """By default every 2-D floating-point weight of a block streams: its matrices."""
+    """By default a block's matrices stream: every 2-D floating-point `*weight`, except adapters
+    (peft's `lora_A`, `lora_B`, `lora_embedding_*`, and any trainable matrix under 1/16 of the
+    block's largest frozen one). Biases and norms are 1-D, and stay too."""
+    matrices = [(name, p) for name, p in block.named_parameters()
+                if p.dim() == 2 and p.is_floating_point() and name.endswith("weight")]
+    largest_frozen = max((p.numel() for _, p in matrices if not p.requires_grad), default=0)
     return [
-        name
-        for name, p in block.named_parameters()
-        if p.dim() == 2 and p.is_floating_point() and name.endswith("weight")
+        name for name, p in matrices
+        if _ADAPTER_MODULES.isdisjoint(name.split("."))
+        and not (p.requires_grad and p.numel() < _ADAPTER_FRACTION * largest_frozen)
     ]
+
+
+def _warn_trainable_streamed_in_frozen_blocks(modules, names):
+    """A streamed weight that trains while most of its block is frozen is probably an adapter named
+    by hand: it would cross in the policy's precision, and compute in it."""
+    block = modules[0]
+    params = dict(block.named_parameters())
+    frozen = sum(p.numel() for p in params.values() if not p.requires_grad)
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+    odd = [n for n in names if n in params and params[n].requires_grad and frozen > trainable]
+    if odd:
+        warnings.warn(
+            "selective_precision: %s stream%s and train%s while most of the block is frozen (%d of %d elements): "
+            "the policy may send %s as INT8 or NF4, and the block computes with that. Adapters usually stay "
+            "resident: leave %s out of streamed="
+            % (", ".join(odd[:3]) + (" and %d more" % (len(odd) - 3) if len(odd) > 3 else ""),
+               "s" if len(odd) == 1 else "", "s" if len(odd) == 1 else "", frozen, frozen + trainable,
+               "it" if len(odd) == 1 else "them", "it" if len(odd) == 1 else "them"),
+            stacklevel=3)
 
 
 def _add_hook(module, public, private, hook, **private_options):
@@ -397,6 +432,10 @@ class StreamedBlocks:
         (FileNotFoundError names it when there is none), YAML text, or a mapping of the
         policy's keys; None: the plugin's defaults.
     plugin, plugin_dir: loads <plugin_dir>/lib<plugin>.so.
+    int8_group_size, nf4_group_size: elements per scale of the INT8 (0: one per row) and NF4
+        images; nf4_group_size None: the config's nf4_group_size, else 64 (both given must agree).
+    output_dir: where the policy writes its telemetry (its config's telemetry_file); None: the
+        policy writes nothing, whatever its config says (a library writes only where asked).
     device, compute_dtype: where and in what dtype the blocks compute.
     moments_from: parameter names whose gradients describe a block to the policy (e.g. LoRA
         adapters); default: the streamed ones when they train.
@@ -425,14 +464,14 @@ class StreamedBlocks:
         config=None,
         plugin=_PLUGIN_NAME,
         plugin_dir=None,
-        output_dir=".",
+        output_dir=None,
         device="cpu",
         compute_dtype=torch.float32,
         moments_from=(),
         prefetch_window=1,
         spare_slabs=2,
         int8_group_size=0,
-        nf4_group_size=64,
+        nf4_group_size=None,
         metrics_path="",
         recalibrate_every=0,
         host_bandwidth_cap_gbps=0.0,
@@ -445,7 +484,12 @@ class StreamedBlocks:
             raise ValueError("StreamedBlocks: the module list is empty")
         if streamed is None:
             streamed = _streamed_names(modules[0])
+        _warn_trainable_streamed_in_frozen_blocks(modules, streamed)
         config_yaml, config_source = _policy_config(config)
+        from ._stream import _nf4_group_size, _without_telemetry
+
+        if output_dir is None:
+            config_yaml, config_source = _without_telemetry(config_yaml, config_source)
         plugin_file = os.path.join(plugin_dir or default_plugin_dir(), "lib%s.so" % plugin)
         self._streamed_names = list(streamed)
         self._model = _StreamedModel(
@@ -455,14 +499,14 @@ class StreamedBlocks:
             plugin_file,
             config_yaml,
             config_source,
-            str(output_dir),
+            str(output_dir or "."),
             str(device),
             compute_dtype,
             float(host_bandwidth_cap_gbps),
             int(prefetch_window),
             int(spare_slabs),
             int(int8_group_size),
-            int(nf4_group_size),
+            _nf4_group_size(config_yaml, config_source, nf4_group_size),
             str(metrics_path),
             int(recalibrate_every),
             process_group,

