@@ -161,7 +161,7 @@ class StepReport:
     h2d_bytes_int8: int
     h2d_bytes_nf4: int
     h2d_bytes_all_bf16: int  # what the same fetches would have moved as BF16
-    eval_h2d_bytes: int  # of the evaluation passes (no grad) in the step
+    eval_h2d_bytes: int  # of the evaluation passes in the step (no grad, or no backward followed)
     training_passes: int
     routes: list[str]  # each block's format for the next step: "bf16", "int8" or "nf4"
     swap: PluginSwap | None  # a hot swap that took effect at this step's start

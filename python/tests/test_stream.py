@@ -343,7 +343,19 @@ def test_a_step_with_no_backward_is_refused_at_the_optimizer():
     loss.backward()
     optimizer.step()
     report = streamed.layers.last_report
-    assert report.step == 0 and report.training_passes == 2
+    assert report.step == 0 and report.training_passes == 1  # the forward alone was an evaluation's
+
+
+def test_an_evaluation_under_eval_mode_without_no_grad_is_not_a_training_pass():
+    _, streamed = plain_and_streamed(p=0.0)
+    optimizer = torch.optim.SGD(streamed.parameters(), lr=0.1)
+    streamed.eval()
+    streamed(torch.randn(4, 8))  # grad mode on: a graph, but no backward
+    streamed.train()
+    streamed(torch.randn(4, 8)).backward()
+    optimizer.step()
+    report = streamed.layers.last_report
+    assert report.training_passes == 1 and 0 < report.eval_h2d_bytes < report.h2d_bytes
 
 
 def test_a_tensor_the_block_reads_without_registering_it_gets_its_gradient():

@@ -150,7 +150,11 @@ void StreamedModel::Impl::close_abandoned_pass(const char* why) {
         why));
   }
   log->debug("StreamedModel: a training pass ended without a backward ({})", why);
-  add_transfer(engine->end_step());
+  // A grad-mode forward without a backward (an evaluation that left grad mode on, under
+  // model.eval() say) trained nothing: its bytes are an evaluation's.
+  const std::uint64_t bytes = engine->end_step().h2d_bytes.total();
+  evaluation_bytes += bytes;
+  report.eval_h2d_bytes += bytes;
   pass = Pass::none;
 }
 

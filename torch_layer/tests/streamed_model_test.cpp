@@ -319,7 +319,12 @@ TEST(StreamedModel, AForwardWithoutBackwardIsClosedByTheNextOne) {
   model->forward(input(8)).sum().backward();
   EXPECT_THROW(dropped.backward(), std::exception);
   model->post_backward();
-  EXPECT_EQ(model->end_step(0.0).training_passes, 2u);
+  const tl::StepReport report = model->end_step(0.0);
+  // The forward without a backward trained nothing: an evaluation's bytes.
+  EXPECT_EQ(report.training_passes, 1u);
+  EXPECT_GT(report.eval_h2d_bytes, 0u);
+  EXPECT_LT(report.eval_h2d_bytes, report.h2d_bytes.total());  // no backward's fetches
+  EXPECT_EQ(model->evaluation_h2d_bytes(), report.eval_h2d_bytes);
 }
 
 TEST(StreamedModel, StaticPolicyRoutesBlocksThroughInt8AndNf4) {

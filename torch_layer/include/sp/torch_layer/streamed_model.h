@@ -178,6 +178,8 @@ using CalibrationErrors = sp::host::CalibrationErrors;
 // What one step moved and decided.
 struct StepReport {
   std::int64_t step = 0;
+  // Training passes are the grad-mode forwards whose backward ran; a grad-mode forward that no
+  // backward followed (an evaluation under model.eval() without no_grad) counts as evaluation.
   PerPrecision<std::uint64_t> h2d_bytes;  // of the step's training passes, per route
   std::uint64_t h2d_bytes_all_bf16 = 0;  // what the same fetches would have moved as BF16
   std::uint64_t eval_h2d_bytes = 0;      // of the evaluation passes
@@ -384,7 +386,8 @@ class StreamedModel {
   std::optional<sp_budget_status_v1> budget_status();
   // The plugin hints in force (empty until its first hints), as it gave them.
   const std::vector<sp_hint_v1>& hints() const;
-  // Bytes the evaluation passes (no-grad forwards) moved since construction, and apart from
+  // Bytes the evaluation passes (no-grad forwards, and grad-mode ones that no backward followed)
+  // moved since construction, and apart from
   // them those of the calibration passes (calibrate(), online re-calibration).
   std::uint64_t evaluation_h2d_bytes() const;
   std::uint64_t calibration_h2d_bytes() const;
