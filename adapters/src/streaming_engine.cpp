@@ -322,11 +322,16 @@ const BlockView &StreamingEngine::acquire(std::uint32_t block) {
                                        schedule_.describe_use(*acquired_use_)));
   }
   const auto &uses = schedule_.uses();
-  if (next_use_ >= uses.size()) {
+  // The use just released, asked for again: its fetch is still in its slot (the next fetch into
+  // that slot is further ahead than any prefetch), so it serves the repeat.
+  const bool repeat = next_use_ > 0 && uses[next_use_ - 1].block == block &&
+                      (next_use_ >= uses.size() || uses[next_use_].block != block);
+  if (next_use_ >= uses.size() && !repeat) {
     throw std::logic_error(
         fmt::format("StreamingEngine::acquire({}): all {} uses of the step are done", block, uses.size()));
   }
-  const BlockUse &use = uses[next_use_];
+  const std::uint32_t use_index = repeat ? next_use_ - 1 : next_use_;
+  const BlockUse &use = uses[use_index];
   if (use.block != block) {
     throw std::logic_error(fmt::format("StreamingEngine::acquire({}) out of order: expected {}", block,
                                        schedule_.describe_use(next_use_)));
@@ -359,7 +364,7 @@ const BlockView &StreamingEngine::acquire(std::uint32_t block) {
                                        reinterpret_cast<std::uint16_t *>(slot.compute + layout.tensors[t].data_offset),
                                        spec.tensors[t].rows, spec.tensors[t].cols});
   }
-  acquired_use_ = next_use_;
+  acquired_use_ = use_index;
   return view_;
 }
 
@@ -370,8 +375,8 @@ void StreamingEngine::release(std::uint32_t block) {
   }
   const std::uint32_t fetch = schedule_.uses()[*acquired_use_].fetch;
   backend_.record(*slots_.slot(fetch % slots_.size()).released, Queue::compute);
+  if (*acquired_use_ == next_use_) ++next_use_;
   acquired_use_.reset();
-  ++next_use_;
 }
 
 StepTransferMetrics StreamingEngine::end_step() {

@@ -625,6 +625,31 @@ TEST(StreamingEngine, OutOfOrderAcquireNamesTheExpectedUse) {
   engine.release(0);
 }
 
+// A host that recomputes a block itself (checkpointing) asks for the use it just released
+// again: the same fetch serves it, with no transfer, and the schedule goes on.
+TEST(StreamingEngine, TheUseJustReleasedMayBeAcquiredAgain) {
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 17);
+  StreamingEngine engine(backend, config_for(model.blocks(), 1), model.blocks());
+  set_routes(engine, std::vector<Precision>(kBlocks, Precision::int8));
+  engine.begin_step(0);
+  const auto &uses = engine.schedule().uses();
+  for (std::uint32_t use = 0; use < uses.size(); ++use) {
+    for (int time = 0; time < (use >= kBlocks ? 2 : 1); ++time) {
+      const BlockView &view = engine.acquire(uses[use].block);
+      EXPECT_EQ(view.phase, uses[use].phase);
+      testing::expect_view_holds(backend, view, model.blocks()[uses[use].block], 0);
+      engine.release(uses[use].block);
+    }
+  }
+  engine.acquire(0);  // after the step's last use, that one again
+  engine.release(0);
+  EXPECT_THROW(engine.acquire(1), std::logic_error);
+  const StepTransferMetrics metrics = engine.end_step();
+  EXPECT_EQ(metrics.fetches[Precision::int8], engine.schedule().fetches().size());
+  EXPECT_EQ(metrics.prefetch_misses, 0u);
+}
+
 TEST(StreamingEngine, WritesOneMetricsRecordPerStep) {
   const auto path =
       std::filesystem::temp_directory_path() / ("sp_adapters_metrics_" + std::to_string(::getpid()) + ".jsonl");

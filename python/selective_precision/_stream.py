@@ -343,8 +343,8 @@ class StreamedBlock:
             produced["leaves"], produced["spec"] = out_leaves, out_spec
             return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
 
-        if training and index == 0:
-            layer.begin_if_needed()
+        if training and index == 0 and torch._C._current_graph_task_id() == -1:
+            layer.begin_if_needed()  # not for a checkpoint's recompute inside the backward
         outputs = iter(layer.model.forward_block(index, [leaves[i] for i in slots], call))
         out_leaves = [next(outputs) if isinstance(leaf, torch.Tensor) else leaf for leaf in produced["leaves"]]
         return pytree.tree_unflatten(out_leaves, produced["spec"])

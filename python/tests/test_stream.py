@@ -3,6 +3,7 @@ PyTorch loop (backward, clip, optimizer step, zero_grad) is the whole protocol. 
 the streamed model against the same model in plain PyTorch on the same BF16-rounded weights."""
 
 import copy
+import functools
 import io
 import os
 import pickle
@@ -212,6 +213,47 @@ def test_a_master_given_new_storage_is_refused_not_read():
     weight.data = weight.data.clone()
     with pytest.raises(RuntimeError, match="master 'fc.weight' no longer holds the storage the layer streams from"):
         streamed(torch.randn(4, 8))
+
+
+class CheckpointedModel(Model):
+    """Model, each block under torch.utils.checkpoint, as Hugging Face's gradient checkpointing
+    runs them."""
+
+    def __init__(self, reentrant=False, **options):
+        super().__init__(**options)
+        self.reentrant = reentrant
+
+    def forward(self, x, mask=None):
+        h, aux = self.embed(x), 0.0
+        pe = (torch.full((DIM,), 0.9), torch.full((DIM,), 0.01))
+        for layer in self.layers:
+            block = functools.partial(layer, mask=mask, position_embeddings=pe, scale=0.5)
+            h, a = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.reentrant)
+            aux = aux + a
+        return self.head(h).square().mean() + aux
+
+
+def test_blocks_under_the_hosts_checkpointing_train_as_plain_pytorch_with_dropout():
+    """torch.utils.checkpoint (non-reentrant) recomputes each block before its backward, inside
+    it: the layer serves that recompute from the backward's fetch (it used to refuse the block as
+    out of order), and the gradients are plain PyTorch's, dropout masks included."""
+    torch.manual_seed(31)
+    plain = bf16_rounded(CheckpointedModel(p=0.3))
+    streamed = copy.deepcopy(plain)
+    streamed.layers = sp.stream(streamed.layers, config=ALL_BF16)
+    x = torch.randn(4, 8)
+    for model in (plain, streamed):
+        torch.manual_seed(8)
+        model(x).backward()
+    for name, g in grads(plain).items():
+        torch.testing.assert_close(grads(streamed)[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    torch.optim.SGD(streamed.parameters(), lr=0.1).step()
+    assert streamed.layers.last_report.training_passes == 1
+
+    streamed.reentrant = True  # its forward runs without a graph: the recompute has no pass to join
+    with pytest.raises(RuntimeError, match="called in grad mode inside a backward, with no training pass open.*"
+                                           "use_reentrant=False"):
+        streamed(x).backward()
 
 
 def test_gradient_accumulation_and_evaluation_forwards_within_a_step():

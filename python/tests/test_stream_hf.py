@@ -84,6 +84,21 @@ def test_llama_trains_with_the_plain_loop_and_its_first_step_is_the_unwrapped_mo
         assert torch.equal(loaded.get_parameter(name), p), name
 
 
+def test_llama_with_gradient_checkpointing_enabled_trains_as_plain_llama():
+    """Hugging Face's gradient_checkpointing_enable() (it used to break loss.backward() with "block3
+    was called where block 0 came next")."""
+    plain = tiny_llama()
+    plain.gradient_checkpointing_enable()
+    model = copy.deepcopy(plain)
+    model.model.layers = sp.stream(model.model.layers, config=ALL_BF16)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    for m in (plain, model):
+        torch.manual_seed(42)
+        m(input_ids=ids, labels=ids).loss.backward()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_cache_is_refused_in_training_and_taken_without_a_graph():
     model = tiny_llama()
     model.model.layers = sp.stream(model.model.layers, config=ALL_BF16)

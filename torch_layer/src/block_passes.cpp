@@ -3,6 +3,7 @@
 #include "streamed_model_impl.h"
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #if defined(SP_TORCH_LAYER_HAVE_CUDA) && __has_include(<c10/cuda/CUDAStream.h>)
 #include <c10/cuda/CUDAStream.h>
@@ -81,6 +82,7 @@ struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFun
 
 std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
                                                               BlockCall call) {
+  if (torch::autograd::get_current_graph_task_id() != -1) return checkpoint_recompute(b, inputs, call);
   if (b != 0) require_in_order(b, pass == Pass::forwarded ? next_forward : 0, "a training pass");
   require_step("forward");
   if (after_backward()) {
@@ -121,6 +123,31 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
   }
   if (node && !pass_end_block) pass_end_block = b;
   next_forward = b + 1;
+  return out;
+}
+
+std::vector<torch::Tensor> StreamedModel::Impl::checkpoint_recompute(std::uint32_t b,
+                                                                     const std::vector<torch::Tensor>& inputs,
+                                                                     const BlockCall& call) {
+  if (pass == Pass::none) {
+    throw std::logic_error(fmt::format(
+        "StreamedModel: {} was called in grad mode inside a backward, with no training pass open: a checkpoint that "
+        "ran the forward without a graph recomputes it here (torch.utils.checkpoint with use_reentrant=True). Use "
+        "use_reentrant=False, Hugging Face's default",
+        blocks[b].block.name));
+  }
+  // The node is made as in the forward, so that the checkpoint finds the tensors it saved; its
+  // graph is dropped, and the pass's own node differentiates the block.
+  replay_call = &call;
+  std::vector<torch::Tensor> out;
+  try {
+    out = StreamedBlockFunction::apply(this, static_cast<std::int64_t>(b), static_cast<std::int64_t>(pass_id),
+                                       at::TensorList(inputs), at::TensorList(blocks[b].autograd_inputs));
+  } catch (...) {
+    replay_call = nullptr;
+    throw;
+  }
+  replay_call = nullptr;
   return out;
 }
 
@@ -211,12 +238,14 @@ std::vector<torch::Tensor> StreamedModel::Impl::forward_block(std::uint32_t b,
   follow_caller_stream();
   const ad::BlockView& view = engine->acquire(b);
   attach(blocks[b], view, false);
-  blocks[b].forward_state = ForwardState::capture(options.device);
-  blocks[b].forward_versions.clear();
-  for (const StreamedParam& p : blocks[b].streamed) blocks[b].forward_versions.push_back(p.master._version());
+  if (replay_call == nullptr) {
+    blocks[b].forward_state = ForwardState::capture(options.device);
+    blocks[b].forward_versions.clear();
+    for (const StreamedParam& p : blocks[b].streamed) blocks[b].forward_versions.push_back(p.master._version());
+  }
   std::vector<torch::Tensor> out;
   try {
-    out = blocks[b].pass_call(inputs, blocks[b].weights);
+    out = (replay_call != nullptr ? *replay_call : blocks[b].pass_call)(inputs, blocks[b].weights);
   } catch (...) {
     detach(blocks[b]);
     engine->release(b);

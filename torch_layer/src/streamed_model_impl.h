@@ -462,6 +462,14 @@ struct StreamedModel::Impl {
   // A grad-mode call of block b, inside a step: block 0 opens a training pass.
   std::vector<torch::Tensor> train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs, BlockCall call);
 
+  // A grad-mode call of block b inside a backward: the host's checkpointing (torch.utils.checkpoint
+  // without reentrance, Hugging Face's gradient checkpointing) recomputing the block before its
+  // backward. It computes as the forward did, on the same fetch as the backward that follows (the
+  // engine serves a use twice), and leaves the pass's state as it was.
+  std::vector<torch::Tensor> checkpoint_recompute(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
+                                                  const BlockCall& call);
+  const BlockCall* replay_call = nullptr;  // set while checkpoint_recompute() computes
+
   // Inside the autograd node's forward: block b on its delivered weights, without a graph.
   std::vector<torch::Tensor> forward_block(std::uint32_t b, const std::vector<torch::Tensor>& inputs);
 

@@ -99,9 +99,10 @@ class StreamingEngine {
   // every fetch of the step (calibration measuring one route) goes here. Throws
   // std::invalid_argument for a pinned block id out of range, before the step begins.
   void begin_step(std::int64_t step, const RuntimeLimitHints &limits = {});
-  // The next use in the schedule must be `block`; throws std::logic_error otherwise. The
-  // compute queue has been ordered after the block's transfer; the view stays valid until
-  // release().
+  // The next use in the schedule must be `block`, or the use just released asked for again (a
+  // host's own recompute of a block before its backward: the same fetch serves it); throws
+  // std::logic_error otherwise. The compute queue has been ordered after the block's transfer;
+  // the view stays valid until release().
   const BlockView &acquire(std::uint32_t block);
   void release(std::uint32_t block);
   StepTransferMetrics end_step();
