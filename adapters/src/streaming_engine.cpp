@@ -105,7 +105,8 @@ struct StreamingEngine::FetchEvents {
 struct StreamingEngine::PendingStep {
   StepTransferMetrics metrics;
   std::uint32_t generation = 0;
-  std::vector<Precision> fetch_precisions;  // one per issued fetch
+  std::uint32_t first_fetch = 0;            // the schedule fetch the step began at
+  std::vector<Precision> fetch_precisions;  // one per issued fetch, from first_fetch on
 };
 
 StreamingEngine::StreamingEngine(TransferBackend &backend, const StreamingConfig &config, std::vector<BlockSpec> blocks)
@@ -270,8 +271,8 @@ void StreamingEngine::issue_fetch(std::uint32_t fetch) {
 // the lookahead the bridge allows, whichever direction the schedule goes next.
 void StreamingEngine::top_up(std::optional<std::uint32_t> current) {
   const auto &fetches = schedule_.fetches();
-  const std::uint32_t first_ahead = current ? *current + 1 : 0;
-  const Phase phase = fetches[current.value_or(0)].phase;
+  const std::uint32_t first_ahead = current ? *current + 1 : first_fetch_;
+  const Phase phase = fetches[current.value_or(first_fetch_)].phase;
   const auto limit = static_cast<std::uint32_t>(
       std::min<std::uint64_t>(fetches.size(), std::uint64_t{first_ahead} + bridge_.lookahead(config_.prefetch_window)));
   while (next_fetch_ < limit) {
@@ -282,10 +283,14 @@ void StreamingEngine::top_up(std::optional<std::uint32_t> current) {
   }
 }
 
-void StreamingEngine::begin_step(std::int64_t step, const RuntimeLimitHints &limits) {
+void StreamingEngine::begin_step(std::int64_t step, const RuntimeLimitHints &limits, std::uint32_t first_use) {
   if (in_step_) {
     throw std::logic_error(fmt::format(
         "StreamingEngine::begin_step({}): step {} is still active; call end_step() first", step, current_.step));
+  }
+  if (first_use >= schedule_.uses().size()) {
+    throw std::invalid_argument(fmt::format("StreamingEngine::begin_step({}): first_use {} is past the schedule's {} uses",
+                                            step, first_use, schedule_.uses().size()));
   }
   bridge_.begin_step();
   // Before any image is built or fetch issued below. tighten() checks every pinned block
@@ -305,9 +310,11 @@ void StreamingEngine::begin_step(std::int64_t step, const RuntimeLimitHints &lim
     pending_.pop_front();
   }
   current_.step = step;
-  next_use_ = 0;
-  next_fetch_ = 0;
-  fetches_used_ = 0;
+  first_use_ = first_use;
+  next_use_ = first_use;
+  first_fetch_ = schedule_.uses()[first_use].fetch;
+  next_fetch_ = first_fetch_;
+  fetches_used_ = first_fetch_;
   acquired_use_.reset();
   std::fill(fetch_used_.begin(), fetch_used_.end(), false);
   pool_.reset_peak();
@@ -324,7 +331,7 @@ const BlockView &StreamingEngine::acquire(std::uint32_t block) {
   const auto &uses = schedule_.uses();
   // The use just released, asked for again: its fetch is still in its slot (the next fetch into
   // that slot is further ahead than any prefetch), so it serves the repeat.
-  const bool repeat = next_use_ > 0 && uses[next_use_ - 1].block == block &&
+  const bool repeat = next_use_ > first_use_ && uses[next_use_ - 1].block == block &&
                       (next_use_ >= uses.size() || uses[next_use_].block != block);
   if (next_use_ >= uses.size() && !repeat) {
     throw std::logic_error(
@@ -387,7 +394,7 @@ StepTransferMetrics StreamingEngine::end_step() {
   }
   // A fetch the step never used (a forward-only step that prefetched into backward) still
   // writes its slot; order the slot's next reuse after that write.
-  for (std::uint32_t fetch = 0; fetch < next_fetch_; ++fetch) {
+  for (std::uint32_t fetch = first_fetch_; fetch < next_fetch_; ++fetch) {
     if (!fetch_used_[fetch]) {
       backend_.wait(Queue::compute, ready_event(fetch));
       backend_.record(*slots_.slot(fetch % slots_.size()).released, Queue::compute);
@@ -403,7 +410,8 @@ StepTransferMetrics StreamingEngine::end_step() {
   PendingStep pending;
   pending.metrics = current_;
   pending.generation = generation_;
-  pending.fetch_precisions.assign(fetch_precision_.begin(), fetch_precision_.begin() + next_fetch_);
+  pending.first_fetch = first_fetch_;
+  pending.fetch_precisions.assign(fetch_precision_.begin() + first_fetch_, fetch_precision_.begin() + next_fetch_);
   pending_.push_back(std::move(pending));
 
   StepTransferMetrics finished = current_;
@@ -418,7 +426,7 @@ StepTransferMetrics StreamingEngine::end_step() {
 bool StreamingEngine::finalize(PendingStep &pending, bool may_block) {
   const auto fetches = static_cast<std::uint32_t>(pending.fetch_precisions.size());
   for (std::uint32_t fetch = 0; fetch < fetches; ++fetch) {
-    FetchEvents &events = events_of(pending.generation, fetch);
+    FetchEvents &events = events_of(pending.generation, pending.first_fetch + fetch);
     const Event *last =
         is_quantized(pending.fetch_precisions[fetch]) ? events.dequant_end.get() : events.copy_end.get();
     // Every earlier event of the fetch precedes `last` on its queue or through a wait.
@@ -431,7 +439,7 @@ bool StreamingEngine::finalize(PendingStep &pending, bool may_block) {
   }
   StepTransferMetrics &metrics = pending.metrics;
   for (std::uint32_t fetch = 0; fetch < fetches; ++fetch) {
-    FetchEvents &events = events_of(pending.generation, fetch);
+    FetchEvents &events = events_of(pending.generation, pending.first_fetch + fetch);
     metrics.copy_seconds += backend_.elapsed_seconds(*events.copy_start, *events.copy_end);
     if (is_quantized(pending.fetch_precisions[fetch])) {
       metrics.dequant_seconds += backend_.elapsed_seconds(*events.dequant_start, *events.dequant_end);

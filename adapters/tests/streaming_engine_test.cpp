@@ -650,6 +650,33 @@ TEST(StreamingEngine, TheUseJustReleasedMayBeAcquiredAgain) {
   EXPECT_EQ(metrics.prefetch_misses, 0u);
 }
 
+// A host whose forward ended in an earlier step (two forwards before the backwards) begins a
+// step at the first backward use: it fetches the backward's blocks alone, ahead as usual.
+TEST(StreamingEngine, AStepMayBeginAtTheBackward) {
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 18);
+  StreamingEngine engine(backend, config_for(model.blocks(), 2), model.blocks());
+  set_routes(engine, {Precision::int8, Precision::bf16, Precision::nf4, Precision::int8, Precision::bf16,
+                      Precision::int8});
+  for (std::int64_t step = 0; step < 3; ++step) {  // both event generations, twice
+    engine.begin_step(step, {}, kBlocks);
+    const auto &uses = engine.schedule().uses();
+    for (std::uint32_t use = kBlocks; use < uses.size(); ++use) {
+      const BlockView &view = engine.acquire(uses[use].block);
+      EXPECT_EQ(view.phase, Phase::backward);
+      testing::expect_view_holds(backend, view, model.blocks()[uses[use].block], 0);
+      engine.release(uses[use].block);
+    }
+    const StepTransferMetrics metrics = engine.end_step();
+    EXPECT_EQ(metrics.fetches.total(), kBlocks);
+    EXPECT_EQ(metrics.prefetch_misses, 0u);
+    EXPECT_EQ(metrics.prefetch_unused, 0u);
+  }
+  engine.flush_metrics();
+  EXPECT_THROW(engine.begin_step(3, {}, 2 * kBlocks), std::invalid_argument);
+  EXPECT_THROW(engine.acquire(0), std::logic_error);  // no step began
+}
+
 TEST(StreamingEngine, WritesOneMetricsRecordPerStep) {
   const auto path =
       std::filesystem::temp_directory_path() / ("sp_adapters_metrics_" + std::to_string(::getpid()) + ".jsonl");

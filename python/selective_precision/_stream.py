@@ -576,7 +576,10 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
     The model's own loop then calls the blocks as before, with any arguments: tensors, None,
     numbers, tuples of tensors such as (cos, sin); a block returns a tensor, or a tuple or list
     whose tensors are all differentiable. Every grad-mode pass calls each block once, in order
-    (the streaming engine fetches them ahead); under torch.no_grad() a pass is an evaluation.
+    (the streaming engine fetches them ahead); several may come before their backwards (a
+    contrastive loss), and torch.utils.checkpoint (use_reentrant=False) or Hugging Face's
+    gradient_checkpointing_enable() may wrap the blocks. Under torch.no_grad() a pass is an
+    evaluation.
 
     Each streamed parameter (default: every 2-D floating-point `*weight` of block 0's names but
     adapters: peft's `lora_A`/`lora_B`/`lora_embedding_*`, and any trainable matrix under 1/16 of

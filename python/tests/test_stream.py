@@ -215,6 +215,27 @@ def test_a_master_given_new_storage_is_refused_not_read():
         streamed(torch.randn(4, 8))
 
 
+def test_two_forwards_before_one_backward_train_as_plain_pytorch_with_dropout():
+    """The contrastive loop (sentence-transformers' losses run it): two grad-mode forwards, then
+    one backward of a loss over both (it used to be refused); then a backward per forward."""
+    plain, streamed = plain_and_streamed(seed=41, p=0.3)
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    for model in (plain, streamed):
+        torch.manual_seed(9)
+        (model(a) - 2 * model(b)).square().backward()
+    for name, g in grads(plain).items():
+        torch.testing.assert_close(grads(streamed)[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    optimizer = torch.optim.SGD(streamed.parameters(), lr=0.1)
+    optimizer.step()
+    assert streamed.layers.last_report.training_passes == 2
+    optimizer.zero_grad()
+    losses = [streamed(a), streamed(b)]
+    losses[0].backward()
+    losses[1].backward()
+    optimizer.step()
+    assert streamed.layers.last_report.training_passes == 2
+
+
 class CheckpointedModel(Model):
     """Model, each block under torch.utils.checkpoint, as Hugging Face's gradient checkpointing
     runs them."""

@@ -52,7 +52,8 @@ struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFun
     ctx->saved_data["model"] = impl->id;
     ctx->saved_data["anchors"] = static_cast<std::int64_t>(anchors.size());
     ctx->save_for_backward(inputs.vec());
-    variable_list outputs = impl->forward_block(static_cast<std::uint32_t>(block), inputs.vec());
+    variable_list outputs =
+        impl->forward_block(static_cast<std::uint32_t>(block), static_cast<std::uint64_t>(pass), inputs.vec());
     variable_list integral;
     for (const torch::Tensor& y : outputs) {
       if (y.defined() && !y.is_floating_point() && !y.is_complex()) integral.push_back(y);
@@ -83,65 +84,89 @@ struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFun
 std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
                                                               BlockCall call) {
   if (torch::autograd::get_current_graph_task_id() != -1) return checkpoint_recompute(b, inputs, call);
-  if (b != 0) require_in_order(b, pass == Pass::forwarded ? next_forward : 0, "a training pass");
+  if (b != 0) {
+    require_in_order(b, forwarding ? passes.at(*forwarding).next_forward : 0, "a training pass");
+  }
   require_step("forward");
   if (after_backward()) {
     throw std::logic_error("StreamedModel::forward: post_backward() already ran in this step; call end_step()");
   }
   if (b == 0) {
-    close_abandoned_pass("forward");
-    if (armed && std::find(armed->begun.begin(), armed->begun.end(), true) != armed->begun.end()) {
+    if (armed && (!passes.empty() ||
+                  std::find(armed->begun.begin(), armed->begun.end(), true) != armed->begun.end())) {
       throw std::logic_error(
-          "StreamedModel::forward: update_masters_during_backward() updated the masters in this step's last backward; "
-          "call post_backward() (a pass after it would add gradients that no update sees)");
+          "StreamedModel::forward: update_masters_during_backward() armed the update of the pass whose backward runs "
+          "next; call post_backward() after it (a pass after it would add gradients that no update sees)");
+    }
+    for (const auto& [id, open] : passes) {
+      if (!open.in_backward) continue;
+      throw std::logic_error(
+          "StreamedModel::forward: the backward of a training pass stopped before block 0; a pass's backward "
+          "must run through every block");
     }
     wait_for_updates();  // the pass fetches the blocks they update
     rebuild_changed_images("forward");
     if (options.recalibrate_every != 0) last_input = inputs.at(0).detach();
     step_examples += inputs.at(0).dim() > 0 ? static_cast<std::uint64_t>(inputs.at(0).size(0)) : 1;
+    release_engine();  // another pass's forward, or the fetches ahead of a finished one
+    const std::uint64_t id = ++last_pass_id;
+    TrainingPass& opened = passes[id];
+    opened.calls.resize(blocks.size());
+    opened.states.resize(blocks.size());
+    opened.versions.resize(blocks.size());
     engine->begin_step(engine_steps++);
-    pass = Pass::forwarded;
-    ++pass_id;
-    pass_end_block.reset();
-    next_forward = 0;
+    engine_pass = id;
+    forwarding = id;
   }
-  BlockState& block = blocks[b];
-  block.pass_call = std::move(call);
+  const std::uint64_t id = *forwarding;
+  TrainingPass& current = passes.at(id);
+  current.calls[b] = std::move(call);
   // The backward reaches down to the lowest block whose node exists: whose inputs need a
   // gradient, or which trains something itself.
-  const bool node = !block.autograd_inputs.empty() ||
+  const bool node = !blocks[b].autograd_inputs.empty() ||
                     std::any_of(inputs.begin(), inputs.end(),
                                 [](const torch::Tensor& x) { return x.defined() && x.requires_grad(); });
   std::vector<torch::Tensor> out;
   try {
-    out = StreamedBlockFunction::apply(this, static_cast<std::int64_t>(b), static_cast<std::int64_t>(pass_id),
-                                       at::TensorList(inputs), at::TensorList(block.autograd_inputs));
+    out = StreamedBlockFunction::apply(this, static_cast<std::int64_t>(b), static_cast<std::int64_t>(id),
+                                       at::TensorList(inputs), at::TensorList(blocks[b].autograd_inputs));
   } catch (...) {
-    engine->end_step();
-    pass = Pass::none;
+    release_engine();
+    passes.erase(id);
+    forwarding.reset();
     throw;
   }
-  if (node && !pass_end_block) pass_end_block = b;
-  next_forward = b + 1;
+  if (node && !current.end_block) current.end_block = b;
+  current.next_forward = b + 1;
   return out;
 }
 
 std::vector<torch::Tensor> StreamedModel::Impl::checkpoint_recompute(std::uint32_t b,
                                                                      const std::vector<torch::Tensor>& inputs,
                                                                      const BlockCall& call) {
-  if (pass == Pass::none) {
+  // The pass whose backward runs, else the latest whose forward ended: autograd runs the
+  // backward of the pass made last first.
+  std::optional<std::uint64_t> id;
+  for (const auto& [open, pass] : passes) {
+    if (pass.in_backward) id = open;
+  }
+  for (auto it = passes.rbegin(); !id && it != passes.rend(); ++it) {
+    if (it->second.next_forward == blocks.size()) id = it->first;
+  }
+  if (!id) {
     throw std::logic_error(fmt::format(
         "StreamedModel: {} was called in grad mode inside a backward, with no training pass open: a checkpoint that "
         "ran the forward without a graph recomputes it here (torch.utils.checkpoint with use_reentrant=True). Use "
         "use_reentrant=False, Hugging Face's default",
         blocks[b].block.name));
   }
+  enter_backward(*id);
   // The node is made as in the forward, so that the checkpoint finds the tensors it saved; its
   // graph is dropped, and the pass's own node differentiates the block.
   replay_call = &call;
   std::vector<torch::Tensor> out;
   try {
-    out = StreamedBlockFunction::apply(this, static_cast<std::int64_t>(b), static_cast<std::int64_t>(pass_id),
+    out = StreamedBlockFunction::apply(this, static_cast<std::int64_t>(b), static_cast<std::int64_t>(*id),
                                        at::TensorList(inputs), at::TensorList(blocks[b].autograd_inputs));
   } catch (...) {
     replay_call = nullptr;
@@ -151,8 +176,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::checkpoint_recompute(std::uint32
   return out;
 }
 
-void StreamedModel::Impl::add_transfer(const ad::StepTransferMetrics& m) {
-  ad::StepTransferMetrics& t = step_transfer;
+void StreamedModel::Impl::add_transfer(ad::StepTransferMetrics& t, const ad::StepTransferMetrics& m) {
   t.h2d_bytes += m.h2d_bytes;
   t.h2d_bytes_all_bf16 += m.h2d_bytes_all_bf16;
   t.fetches += m.fetches;
@@ -165,24 +189,56 @@ void StreamedModel::Impl::add_transfer(const ad::StepTransferMetrics& m) {
   t.stalls += m.stalls;
   t.stall_seconds += m.stall_seconds;
   t.image_rebuilds += m.image_rebuilds;
-  ++report.training_passes;
 }
 
-void StreamedModel::Impl::close_abandoned_pass(const char* why) {
-  if (pass == Pass::none) return;
-  if (pass == Pass::in_backward) {
+void StreamedModel::Impl::release_engine() {
+  if (!engine_pass) return;
+  const ad::StepTransferMetrics m = engine->end_step();
+  const auto served = passes.find(*engine_pass);
+  engine_pass.reset();
+  // Prefetches after a pass ended (into its backward's turn) count to the step.
+  add_transfer(served == passes.end() ? step_transfer : served->second.transfer, m);
+}
+
+TrainingPass& StreamedModel::Impl::enter_backward(std::uint64_t id) {
+  TrainingPass& pass = passes.at(id);
+  if (pass.in_backward) return pass;
+  for (const auto& [other, open] : passes) {
+    if (other == id || !open.in_backward) continue;
+    throw std::logic_error(
+        "StreamedModel: the backwards of two training passes interleave (a loss over both, with the blocks' "
+        "gradients reached by turns?): the engine fetches one pass's backward at a time. Run one backward per pass, "
+        "or one backward of a loss whose passes autograd finishes one after the other");
+  }
+  if (engine_pass != id) {
+    release_engine();
+    engine->begin_step(engine_steps++, {}, static_cast<std::uint32_t>(blocks.size()));
+    engine_pass = id;
+  }
+  if (forwarding == id) forwarding.reset();
+  pass.in_backward = true;
+  return pass;
+}
+
+void StreamedModel::Impl::close_passes_without_backward(const char* why) {
+  for (const auto& [id, pass] : passes) {
+    if (!pass.in_backward) continue;
     throw std::logic_error(fmt::format(
-        "StreamedModel::{}: the backward of the current training pass stopped before block 0; a pass's backward "
-        "must run through every block",
+        "StreamedModel::{}: the backward of a training pass stopped before block 0; a pass's backward must run "
+        "through every block",
         why));
   }
-  log->debug("StreamedModel: a training pass ended without a backward ({})", why);
-  // A grad-mode forward without a backward (an evaluation that left grad mode on, under
-  // model.eval() say) trained nothing: its bytes are an evaluation's.
-  const std::uint64_t bytes = engine->end_step().h2d_bytes.total();
-  evaluation_bytes += bytes;
-  report.eval_h2d_bytes += bytes;
-  pass = Pass::none;
+  release_engine();
+  for (const auto& [id, pass] : passes) {
+    log->debug("StreamedModel: a training pass ended without a backward ({})", why);
+    // A grad-mode forward without a backward (an evaluation that left grad mode on, under
+    // model.eval() say) trained nothing: its bytes are an evaluation's.
+    const std::uint64_t bytes = pass.transfer.h2d_bytes.total();
+    evaluation_bytes += bytes;
+    report.eval_h2d_bytes += bytes;
+  }
+  passes.clear();
+  forwarding.reset();
 }
 
 void StreamedModel::Impl::begin_eval_pass(const ad::RuntimeLimitHints& limits) {
@@ -233,19 +289,20 @@ void StreamedModel::Impl::follow_caller_stream() {
 #endif
 }
 
-std::vector<torch::Tensor> StreamedModel::Impl::forward_block(std::uint32_t b,
+std::vector<torch::Tensor> StreamedModel::Impl::forward_block(std::uint32_t b, std::uint64_t id,
                                                               const std::vector<torch::Tensor>& inputs) {
+  TrainingPass& pass = passes.at(id);
   follow_caller_stream();
   const ad::BlockView& view = engine->acquire(b);
   attach(blocks[b], view, false);
   if (replay_call == nullptr) {
-    blocks[b].forward_state = ForwardState::capture(options.device);
-    blocks[b].forward_versions.clear();
-    for (const StreamedParam& p : blocks[b].streamed) blocks[b].forward_versions.push_back(p.master._version());
+    pass.states[b] = ForwardState::capture(options.device);
+    pass.versions[b].clear();
+    for (const StreamedParam& p : blocks[b].streamed) pass.versions[b].push_back(p.master._version());
   }
   std::vector<torch::Tensor> out;
   try {
-    out = (replay_call != nullptr ? *replay_call : blocks[b].pass_call)(inputs, blocks[b].weights);
+    out = (replay_call != nullptr ? *replay_call : pass.calls[b])(inputs, blocks[b].weights);
   } catch (...) {
     detach(blocks[b]);
     engine->release(b);
@@ -258,15 +315,17 @@ std::vector<torch::Tensor> StreamedModel::Impl::forward_block(std::uint32_t b,
 
 variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t of_pass, const variable_list& xs,
                                                   const variable_list& grad_outs) {
-  if (of_pass != pass_id || pass == Pass::none) {
+  const auto found = passes.find(of_pass);
+  if (found == passes.end()) {
     throw std::logic_error(fmt::format(
-        "StreamedModel: backward through {} of a training pass that has ended (a later grad-mode forward, or "
-        "post_backward(), closed it); run each pass's backward before the next grad-mode forward",
+        "StreamedModel: backward through {} of a training pass that has ended (its backward ran already, or "
+        "post_backward() closed it); run each pass's backward once, before post_backward()",
         blocks[b].block.name));
   }
-  if (next_forward != blocks.size()) {
-    const std::string stopped = blocks[next_forward].block.name;
-    abandon_pass();
+  TrainingPass& pass = found->second;
+  if (pass.next_forward != blocks.size()) {
+    const std::string stopped = blocks[pass.next_forward].block.name;
+    abandon_passes();
     throw std::logic_error(fmt::format(
         "StreamedModel: the backward reached {} of a training pass whose forward stopped before {}: a training "
         "pass calls every streamed block, in order, before its backward",
@@ -274,15 +333,20 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
   }
   BlockState& block = blocks[b];
   for (std::size_t i = 0; i < block.streamed.size(); ++i) {
-    if (block.streamed[i].master._version() == block.forward_versions[i]) continue;
-    abandon_pass();
+    if (block.streamed[i].master._version() == pass.versions[b][i]) continue;
+    abandon_passes();
     throw std::logic_error(fmt::format(
         "StreamedModel: {}'s master '{}' was modified in place after the forward that the backward now "
         "differentiates (an update before loss.backward()?): the gradient would be of other weights than the "
         "forward computed with, as PyTorch refuses for a tensor saved for the backward",
         block.block.name, block.streamed[i].name));
   }
-  pass = Pass::in_backward;
+  try {
+    enter_backward(of_pass);
+  } catch (...) {
+    abandon_passes();
+    throw;
+  }
   follow_caller_stream();
   const ad::BlockView& view = engine->acquire(b);
   attach(block, view, true);
@@ -304,8 +368,8 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
     std::vector<torch::Tensor> outputs;
     const RecomputeMark recompute = RecomputeMark::now();
     {
-      const ReplayedForward replayed(*block.forward_state);
-      outputs = block.pass_call(inputs, block.weights);
+      const ReplayedForward replayed(*pass.states[b]);
+      outputs = pass.calls[b](inputs, block.weights);
     }
     if (outputs.size() != grad_outs.size()) {
       throw std::logic_error(
@@ -349,7 +413,7 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
   } catch (...) {
     detach(block);
     engine->release(b);
-    abandon_pass();
+    abandon_passes();
     throw;
   }
   detach(block);
@@ -444,7 +508,7 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
     try {
       resident = averaged(resident, fmt::format("gradients of {}'s resident parameters", block.block.name));
     } catch (...) {
-      abandon_pass();
+      abandon_passes();
       throw;
     }
     std::copy(resident.begin(), resident.end(), first_resident);
@@ -452,11 +516,11 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
   try {
     if (update_now && !deferred_updates[b]) begin_block_update(b, std::move(gradient_ready));
   } catch (...) {
-    abandon_pass();
+    abandon_passes();
     throw;
   }
-  if (pass_end_block && b == *pass_end_block) {
-    finish_pass();
+  if (pass.end_block && b == *pass.end_block) {
+    finish_pass(of_pass);
     // The statistics wait for the whole backward: autograd accumulates the resident parameters'
     // gradients (and the host's hooks run) after this node returns.
     torch::autograd::Engine::get_default_engine().queue_callback([model = id] {

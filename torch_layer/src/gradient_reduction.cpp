@@ -131,7 +131,7 @@ void StreamedModel::Impl::add_to_master_grad(StreamedParam& p, const torch::Tens
   }
 }
 
-void StreamedModel::Impl::abandon_pass() noexcept {
+void StreamedModel::Impl::abandon_passes() noexcept {
   try {
     wait_for_updates();
   } catch (const std::exception& e) {
@@ -150,18 +150,20 @@ void StreamedModel::Impl::abandon_pass() noexcept {
   }
   reducing.clear();
   try {
-    if (pass != Pass::none) engine->end_step();
+    if (engine_pass) engine->end_step();
   } catch (const std::exception& e) {
     log->warn("StreamedModel: ending an abandoned pass: {}", e.what());
   }
-  pass = Pass::none;
+  engine_pass.reset();
+  passes.clear();
+  forwarding.reset();
   grads_staged = false;
   for (BlockState& b : blocks) {
     for (StreamedParam& p : b.streamed) p.staged = false;
   }
 }
 
-void StreamedModel::Impl::finish_pass() {
+void StreamedModel::Impl::finish_pass(std::uint64_t id) {
   try {
     for (ReducingBucket& r : reducing) r.pending->wait();
     // Into .grad as autograd accumulates it. (Its tensor hooks ran in each block's grad(), on that
@@ -172,11 +174,13 @@ void StreamedModel::Impl::finish_pass() {
     pass_unlisted_grads.clear();
     for (std::size_t i = 0; i < leaves.size(); ++i) (*leaves[i].accumulate)({std::move(sums[i])});
   } catch (...) {
-    abandon_pass();
+    abandon_passes();
     throw;
   }
-  add_transfer(engine->end_step());
-  pass = Pass::none;
+  release_engine();
+  add_transfer(step_transfer, passes.at(id).transfer);
+  ++report.training_passes;
+  passes.erase(id);
   for (ReducingBucket& r : reducing) fold_averaged(r.params, r.bucket);
   reducing.clear();
   if (!grads_staged) return;
@@ -209,7 +213,7 @@ void StreamedModel::Impl::finish_pass() {
   try {
     for (std::uint32_t b : deferred) begin_block_update(b, {});
   } catch (...) {
-    abandon_pass();
+    abandon_passes();
     throw;
   }
 }

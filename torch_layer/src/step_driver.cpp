@@ -192,7 +192,7 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss)
   Impl& m = *impl_;
   m.require_step("post_backward");
   if (m.after_backward()) throw std::logic_error("StreamedModel::post_backward: already called in this step");
-  m.close_abandoned_pass("post_backward");
+  m.close_passes_without_backward("post_backward");
   m.wait_for_updates();
   std::vector<sp_grad_moments_v1> moments = m.backward_moments ? *m.backward_moments : m.block_moments();
   // The plugin takes the blocks that have gradient elements (ABI: the others are left out).
@@ -276,7 +276,7 @@ StepReport StreamedModel::end_step(double loss) {
 
 void StreamedModel::abort_step() {
   Impl& m = *impl_;
-  m.abandon_pass();
+  m.abandon_passes();
   if (!m.in_step()) return;
   m.phase = Impl::StepPhase::between_steps;
   m.end_plugin_step_as_failed();
@@ -337,13 +337,18 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
         "StreamedModel::update_masters_during_backward: post_backward() already ran in this step; use "
         "update_masters()");
   }
-  if (m.pass == Impl::Pass::in_backward) {
+  if (std::any_of(m.passes.begin(), m.passes.end(), [](const auto& open) { return open.second.in_backward; })) {
     throw std::logic_error(
         "StreamedModel::update_masters_during_backward: a backward is running; arm the update before it starts");
   }
   if (m.armed) {
     throw std::logic_error(
         fmt::format("StreamedModel::update_masters_during_backward: already armed in step {}", m.step));
+  }
+  if (m.passes.size() > 1) {
+    throw std::logic_error(
+        "StreamedModel::update_masters_during_backward: more than one training pass awaits its backward; the update "
+        "of the first backward would miss the others' gradients. Arm it with one pass open at most");
   }
   if (moments.size() != m.blocks.size()) {
     throw std::invalid_argument(

@@ -83,7 +83,7 @@ StreamedModel::Impl::~Impl() {
   }
   // The engines must not outlive a pass that an exception cut short.
   try {
-    if (pass != Pass::none) engine->end_step();
+    if (engine_pass) engine->end_step();
   } catch (const std::exception& e) {
     log->warn("StreamedModel: closing the open training pass: {}", e.what());
   }

@@ -112,19 +112,29 @@ struct BlockState {
   // still gets a backward when its input needs no gradient.
   std::vector<torch::Tensor> autograd_inputs;
   bool trainable_masters = false;
-  // Its training forward's random streams and autocast, for the recompute (forward_state.h).
-  std::optional<ForwardState> forward_state;
   // How it computes: Block::call, or Block::forward adapted to one. With Block::call the
   // module's streamed parameters are the masters, and `weights` the tensors the delivered
   // weights are put in.
   BlockCall call;
   bool params_are_masters = false;
   NamedParameters weights;
-  // The call of the current training pass's forward, which its recompute makes again.
-  BlockCall pass_call;
-  // Its masters' version counters when that forward ran: changed before its backward, the
-  // backward would differentiate other weights than the forward computed with.
-  std::vector<std::int64_t> forward_versions;
+};
+
+// A training pass: a grad-mode forward through the blocks, then its backward. Several may be
+// open in a step (two forwards before their backwards, as a contrastive loss runs them): each
+// keeps what its backward's recompute needs, per block.
+struct TrainingPass {
+  std::uint32_t next_forward = 0;  // the block its forward calls next
+  // The lowest block whose autograd node runs (whose inputs need a gradient, or which trains
+  // something itself): its backward ends the pass. Unset while no block of the pass has one.
+  std::optional<std::uint32_t> end_block;
+  bool in_backward = false;
+  std::vector<BlockCall> calls;                  // the forward's call of each block
+  std::vector<std::optional<ForwardState>> states;  // its random streams and autocast (forward_state.h)
+  // The blocks' masters' version counters at the forward: changed before the backward, it would
+  // differentiate other weights than the forward computed with.
+  std::vector<std::vector<std::int64_t>> versions;
+  ad::StepTransferMetrics transfer;  // its fetches, over the engine steps that served them
 };
 
 inline std::string master_key(const BlockState& b, const StreamedParam& p) {
@@ -207,9 +217,13 @@ struct StreamedModel::Impl {
   };
   std::vector<ReducingBucket> reducing;
 
-  enum class Pass { none, forwarded, in_backward };
-  Pass pass = Pass::none;
-  std::uint64_t pass_id = 0;
+  // The step's open training passes, by id. The training engine serves one pass at a time: a
+  // pass's forward and backward share one engine step, unless another pass came between, when
+  // the backward gets one of its own (begun at the schedule's first backward use).
+  std::map<std::uint64_t, TrainingPass> passes;
+  std::uint64_t last_pass_id = 0;
+  std::optional<std::uint64_t> forwarding;   // the pass whose forward is under way
+  std::optional<std::uint64_t> engine_pass;  // the pass the engine's open step serves
   std::int64_t engine_steps = 0, eval_engine_steps = 0;
   std::vector<bool> eval_image_stale;  // per block: its masters changed since the evaluation engine built its image
   // Per block, per streamed parameter: the master's version counter when the block's images
@@ -222,10 +236,6 @@ struct StreamedModel::Impl {
   std::vector<bool> updated_in_step;                          // per block: update_masters() wrote its image this step
   std::uint64_t evaluation_bytes = 0, calibration_bytes = 0;  // of the forward-only passes
   bool grads_staged = false;
-  // The lowest block whose autograd node runs in the current pass: its backward ends the pass
-  // (unset while no block of the pass has a node).
-  std::optional<std::uint32_t> pass_end_block;
-  std::uint32_t next_forward = 0;  // the block the current training pass's forward calls next
   bool eval_open = false;          // an evaluation pass is open; `eval_next` its next block
   std::uint32_t eval_next = 0;
   std::int64_t id = 0;  // in the registry of live models (StreamedBlockFunction)
@@ -399,10 +409,18 @@ struct StreamedModel::Impl {
       throw std::logic_error(fmt::format("StreamedModel::{}: no step is active; call begin_step()", call));
   }
 
-  void add_transfer(const ad::StepTransferMetrics& m);
+  // Adds the counters of `m` to `into`.
+  static void add_transfer(ad::StepTransferMetrics& into, const ad::StepTransferMetrics& m);
 
-  // A grad-mode forward whose backward never ran (the graph was dropped): its pass ends here.
-  void close_abandoned_pass(const char* why);
+  // The engine's open step ends, its fetches counted to the pass it served.
+  void release_engine();
+  // The engine serves pass `id`'s backward from here on (an engine step of its own when another
+  // pass came between its forward and this). A second backward interleaved is refused.
+  TrainingPass& enter_backward(std::uint64_t id);
+  // The passes whose backward never ran (their graphs were dropped, or they were evaluations in
+  // grad mode) end here, their bytes an evaluation's; one whose backward stopped before its end
+  // is refused.
+  void close_passes_without_backward(const char* why);
 
   // ---- evaluation passes: the evaluation engine, forward only, one block at a time ----------
 
@@ -470,8 +488,9 @@ struct StreamedModel::Impl {
                                                   const BlockCall& call);
   const BlockCall* replay_call = nullptr;  // set while checkpoint_recompute() computes
 
-  // Inside the autograd node's forward: block b on its delivered weights, without a graph.
-  std::vector<torch::Tensor> forward_block(std::uint32_t b, const std::vector<torch::Tensor>& inputs);
+  // Inside the autograd node's forward: block b of pass `id` on its delivered weights, without a
+  // graph.
+  std::vector<torch::Tensor> forward_block(std::uint32_t b, std::uint64_t id, const std::vector<torch::Tensor>& inputs);
 
   // Recomputes block b's forward on the delivered weights and differentiates it. Returns the
   // gradient of each block input (undefined for those that need none), then one per trainable
@@ -503,12 +522,13 @@ struct StreamedModel::Impl {
   // it in place).
   static void add_to_master_grad(StreamedParam& p, const torch::Tensor& g);
 
-  // A pass cut short (an exception in its backward, or a step aborted): the collectives in
-  // flight are waited for and dropped, the engine's pass ends, the model takes new passes.
-  // Gradients already folded into the masters stay: the host discards the step's.
-  void abandon_pass() noexcept;
+  // Passes cut short (an exception in a backward, or a step aborted): the collectives in flight
+  // are waited for and dropped, the engine's step ends, every open pass is dropped, and the
+  // model takes new passes. Gradients already folded into the masters stay: the host discards
+  // the step's.
+  void abandon_passes() noexcept;
 
-  void finish_pass();
+  void finish_pass(std::uint64_t id);
 
   // A bucket of summed gradients, one slice per parameter in order, divided by the ranks. A
   // bucket reduced on the device crosses to the host here, and only to a rank that keeps one of

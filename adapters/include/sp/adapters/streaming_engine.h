@@ -96,9 +96,12 @@ class StreamingEngine {
   // fetches that begin_step itself issues ahead: the bridge resets its limits, then tightens
   // them with these, then the step's first fetches are routed. Limits tightened later through
   // policy_bridge().tighten() bind only the fetches not yet issued, so a pin that must hold for
-  // every fetch of the step (calibration measuring one route) goes here. Throws
-  // std::invalid_argument for a pinned block id out of range, before the step begins.
-  void begin_step(std::int64_t step, const RuntimeLimitHints &limits = {});
+  // every fetch of the step (calibration measuring one route) goes here. `first_use`: the use
+  // of the schedule the step begins at (a host whose forward ended in an earlier step and
+  // whose backward runs now begins at the first backward use, num_blocks). Throws
+  // std::invalid_argument for a pinned block id or a first use out of range, before the step
+  // begins.
+  void begin_step(std::int64_t step, const RuntimeLimitHints &limits = {}, std::uint32_t first_use = 0);
   // The next use in the schedule must be `block`, or the use just released asked for again (a
   // host's own recompute of a block before its backward: the same fetch serves it); throws
   // std::logic_error otherwise. The compute queue has been ordered after the block's transfer;
@@ -245,6 +248,8 @@ class StreamingEngine {
   bool in_step_ = false;
   std::uint32_t generation_ = 0;
   std::uint64_t steps_begun_ = 0;
+  std::uint32_t first_use_ = 0;    // the use the step began at
+  std::uint32_t first_fetch_ = 0;  // and its fetch
   std::uint32_t next_use_ = 0;
   std::uint32_t next_fetch_ = 0;
   std::uint32_t fetches_used_ = 0;
