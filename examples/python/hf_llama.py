@@ -12,6 +12,10 @@ batch (data parallelism over Gloo):
 
     .venv/bin/torchrun --standalone --nproc-per-node 2 examples/python/hf_llama.py
 
+`--gradient-checkpointing` turns on Hugging Face's own checkpointing of the layers, and
+`--contrastive` runs a siamese loop: two forwards (a window and the same window one byte on), then
+one backward of their language-model losses and an InfoNCE between their pooled states.
+
 The model is a small LlamaConfig with random weights (nothing is downloaded) and the text is the
 example's own source, as bytes. The lines that concern Selective Precision are marked `# [sp]`.
 """
@@ -35,6 +39,15 @@ def batches(text, batch, seq, rank, world, generator):
         yield rows[rank::world]
 
 
+def contrastive_loss(model, ids):
+    """Two views of each row through the model, before one backward: their language-model losses,
+    and an InfoNCE that pairs each row's pooled final state with its own other view."""
+    views = [model(input_ids=v, labels=v, output_hidden_states=True) for v in (ids[:, :-1], ids[:, 1:])]
+    a, b = (torch.nn.functional.normalize(v.hidden_states[-1].float().mean(1), dim=-1) for v in views)
+    nce = torch.nn.functional.cross_entropy(a @ b.T / 0.1, torch.arange(len(a)))
+    return (views[0].loss + views[1].loss) / 2 + 0.1 * nce
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -42,6 +55,8 @@ def main():
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per step")
     parser.add_argument("--policy", default="dynamic_v2.yaml", help="a file of the package's configs/policy/")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="the model's own checkpointing")
+    parser.add_argument("--contrastive", action="store_true", help="two forwards, then one backward")
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -54,6 +69,8 @@ def main():
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                       attention_dropout=0.1, use_cache=False)
     model = transformers.LlamaForCausalLM(config).train()
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
     policy = os.path.join(sp.config_dir(), "policy", args.policy)  # [sp]
     model.model.layers = sp.stream(model.model.layers, config=policy,  # [sp]
                                    process_group=dist.group.WORLD if world > 1 else None)  # [sp]
@@ -70,7 +87,8 @@ def main():
         for _ in range(args.accumulate):
             ids = next(data)
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss / args.accumulate
+                loss = (contrastive_loss(model, ids) if args.contrastive else model(input_ids=ids, labels=ids).loss)
+                loss = loss / args.accumulate
             loss.backward()
             total += loss.item()
         outside = [p for n, p in model.named_parameters() if not n.startswith("model.layers.")]
