@@ -486,7 +486,7 @@ class StreamedBlocks:
             streamed = _streamed_names(modules[0])
         _warn_trainable_streamed_in_frozen_blocks(modules, streamed)
         config_yaml, config_source = _policy_config(config)
-        from ._stream import _nf4_group_size, _without_telemetry
+        from ._stream import _without_telemetry
 
         if output_dir is None:
             config_yaml, config_source = _without_telemetry(config_yaml, config_source)
@@ -506,7 +506,7 @@ class StreamedBlocks:
             int(prefetch_window),
             int(spare_slabs),
             int(int8_group_size),
-            _nf4_group_size(config_yaml, config_source, nf4_group_size),
+            int(nf4_group_size or 0),
             str(metrics_path),
             int(recalibrate_every),
             process_group,

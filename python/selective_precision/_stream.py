@@ -128,24 +128,6 @@ def _without_telemetry(config_yaml: str, source: str) -> tuple[str, str]:
     return json.dumps(document), source
 
 
-_NF4_DEFAULT_GROUP_SIZE = 64  # sp/kernels/nf4.h's, and the policy's
-
-
-def _nf4_group_size(config_yaml: str, source: str, given) -> int:
-    """The NF4 group size, stated once: the option, else the policy's nf4_group_size, else 64.
-    Both given and different is refused, naming both."""
-    found = _policy_document(config_yaml)
-    section = found[1][found[2]] if found is not None and isinstance(found[1][found[2]], dict) else {}
-    in_config = section.get("nf4_group_size")
-    if given is None:
-        return int(in_config) if isinstance(in_config, int) and not isinstance(in_config, bool) else \
-            _NF4_DEFAULT_GROUP_SIZE
-    if in_config is not None and in_config != given:
-        raise ValueError("nf4_group_size=%r, but %s sets %s.nf4_group_size to %r; state it once (the option alone, "
-                         "or the config alone)" % (given, source, found[3], in_config))
-    return int(given)
-
-
 class _Layer:
     """The streaming layer behind one stream() call: the extension's model and the step state
     found from the optimizer's hooks. Held by every streamed block and by the StreamedLayers."""
@@ -638,8 +620,7 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
         str(options.get("output_dir") or "."), str(options.get("device", "cpu")),
         options.get("compute_dtype", torch.float32), float(options.get("host_bandwidth_cap_gbps", 0.0)),
         int(options.get("prefetch_window", 1)), int(options.get("spare_slabs", 2)),
-        int(options.get("int8_group_size", 0)), _nf4_group_size(config_yaml, config_source,
-                                                                options.get("nf4_group_size")),
+        int(options.get("int8_group_size", 0)), int(options.get("nf4_group_size") or 0),
         str(options.get("metrics_path", "")), 0, options.get("process_group"),
         bool(options.get("shard_masters", False)), calls, str(options.get("transfer_policy") or ""),
     )

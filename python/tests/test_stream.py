@@ -370,8 +370,8 @@ def test_a_config_directory_a_doubled_nf4_group_size_and_unasked_telemetry(tmp_p
         sp.stream(Model().layers, config=tmp_path)
     static_nf4 = {"mode": "static", "tiers": ["bf16", "nf4"], "force_nf4_blocks": [0], "nf4_group_size": 128,
                   "telemetry_enabled": False}
-    with pytest.raises(ValueError, match=r"nf4_group_size=64, but <config mapping> sets selective_precision"
-                                         r".nf4_group_size to 128; state it once"):
+    with pytest.raises(ValueError, match=r"nf4_group_size is 64 \(the layer's option\), but <config mapping> sets "
+                                         r"the policy's nf4_group_size to 128; state it once"):
         sp.stream(Model().layers, config=static_nf4, nf4_group_size=64)
     def nf4_bytes(config, **options):
         return sp.stream(torch.nn.ModuleList([torch.nn.Linear(512, 512)]), config=config, **options).image_bytes(

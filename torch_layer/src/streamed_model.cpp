@@ -1,6 +1,10 @@
 // StreamedModel: a block's adoption (its masters, the engines, the policy) and the public accessors.
 #include "streamed_model_impl.h"
 
+#include <yaml-cpp/yaml.h>
+
+#include "sp/kernels/nf4.h"
+
 namespace sp::torch_layer {
 
 StateEntryError::StateEntryError(std::string entry, const std::string& detail)
@@ -8,9 +12,41 @@ StateEntryError::StateEntryError(std::string entry, const std::string& detail)
       entry_(std::move(entry)),
       detail_(detail) {}
 
+namespace {
+
+// The NF4 group size, stated once: the option, else the policy section's nf4_group_size, else 64
+// (sp/kernels/nf4.h). YAML this cannot read is left to the plugin, which names the error.
+std::uint32_t nf4_group_size(const StreamedModelOptions& options) {
+  std::optional<std::int64_t> in_config;
+  try {
+    const YAML::Node document = YAML::Load(options.config_yaml);
+    YAML::Node section = document["selective_precision"];
+    if (!section && document["memory"] && document["memory"]["stagehand"]) {
+      section = document["memory"]["stagehand"]["selective_precision"];
+    }
+    if (section && section.IsMap() && section["nf4_group_size"]) {
+      in_config = section["nf4_group_size"].as<std::int64_t>();
+    }
+  } catch (const YAML::Exception&) {
+  }
+  if (options.nf4_group_size == 0) {
+    return in_config ? static_cast<std::uint32_t>(*in_config) : kn::kNf4DefaultGroupSize;
+  }
+  if (in_config && *in_config != static_cast<std::int64_t>(options.nf4_group_size)) {
+    throw std::invalid_argument(fmt::format(
+        "nf4_group_size is {} (the layer's option), but {} sets the policy's nf4_group_size to {}; state it once "
+        "(leave the option unset to take the policy's)",
+        options.nf4_group_size, options.config_source, *in_config));
+  }
+  return options.nf4_group_size;
+}
+
+}  // namespace
+
 StreamedModel::Impl::Impl(std::vector<Block> in, StreamedModelOptions opts)
     : options(std::move(opts)), log(options.logger), collectives(options.collectives) {
   if (!log) log = spdlog::default_logger();
+  options.nf4_group_size = nf4_group_size(options);
   compute = torch::TensorOptions().dtype(options.compute_dtype).device(options.device);
   if (in.empty()) throw std::invalid_argument("StreamedModel: there are no blocks");
   if (options.shard_masters && !collectives) {

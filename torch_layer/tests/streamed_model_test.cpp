@@ -1127,6 +1127,28 @@ TEST(StreamedModel, AReplacedParameterIsRefusedNotRead) {
   }
 }
 
+// The NF4 group size is stated once: the layer's option, else the policy's; two that differ are
+// refused, naming both.
+TEST(StreamedModel, TheNf4GroupSizeIsThePoliciesUnlessTheOptionSaysOtherwise) {
+  const auto nf4_bytes = [](std::uint32_t option, const std::string& policy) {
+    std::vector<tl::Block> list;
+    for (const TinyBlock& b : make_blocks(28)) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+    tl::StreamedModelOptions options;
+    options.plugin_file = SP_PLUGIN_FILE;
+    options.config_yaml = policy_yaml("  mode: off\n" + policy);
+    options.config_source = "test policy";
+    options.nf4_group_size = option;
+    return tl::StreamedModel(std::move(list), options).image_bytes(0, sp::Precision::nf4);
+  };
+  EXPECT_EQ(nf4_bytes(0, "  nf4_group_size: 128\n"), nf4_bytes(128, ""));
+  EXPECT_EQ(nf4_bytes(0, ""), nf4_bytes(64, "  nf4_group_size: 64\n"));
+  EXPECT_LT(nf4_bytes(128, ""), nf4_bytes(64, ""));
+  EXPECT_THAT([&] { nf4_bytes(64, "  nf4_group_size: 128\n"); },
+              ::testing::ThrowsMessage<std::invalid_argument>(::testing::HasSubstr(
+                  "nf4_group_size is 64 (the layer's option), but test policy sets the policy's nf4_group_size to "
+                  "128")));
+}
+
 // set_data() swaps a master's storage: the engines would go on reading the old one. Refused.
 TEST(StreamedModel, AMasterWhoseStorageWasSwappedIsRefusedNotRead) {
   auto model = wrap(make_blocks(26), "  mode: off\n");

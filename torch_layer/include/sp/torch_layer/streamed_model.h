@@ -143,7 +143,9 @@ struct StreamedModelOptions {
   std::uint32_t prefetch_window = 1;
   std::uint32_t spare_slabs = 2;
   std::uint32_t int8_group_size = 0;  // 0: one scale per row; else 32, 64, 128 or 256
-  std::uint32_t nf4_group_size = 64;  // 32, 64, 128 or 256
+  // 32, 64, 128 or 256; 0: the policy section's nf4_group_size, else 64. Stated in both, the two
+  // must agree (the constructor refuses them, naming both).
+  std::uint32_t nf4_group_size = 0;
   std::string metrics_path;           // JSONL of the training passes' transfers; empty: none
   // sp-bench's transfer policy for this machine (docs/streaming.md): a quantized route is taken
   // only for the block sizes it measured faster than BF16, on the path of the block's weights
