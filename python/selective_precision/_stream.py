@@ -274,6 +274,9 @@ def _weights_in(module, weights):
             owner._parameters[leaf] = master
 
 
+_TENSOR = object()  # a tensor's place in a block's flattened arguments or results
+
+
 def _argument_name(path):
     """`hidden_states`, `position_embeddings[0]` or `args[1]`: a pytree key path into (args, kwargs)."""
     if path[0].idx == 0:
@@ -312,23 +315,27 @@ class StreamedBlock:
                         % (self._sp_name(), _argument_name(path), type(leaf).__name__)
                     )
         block_forward = self._sp_block_class.forward
+        # The call keeps what its recompute needs and no tensor: the tensors come back as `inputs`
+        # (autograd keeps them), so that a pass whose graph is dropped holds nothing alive.
+        template = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         produced = {}
 
         def call(inputs, weights):
-            values = list(leaves)
+            values = list(template)
             for slot, tensor in zip(slots, inputs):
                 values[slot] = tensor
             call_args, call_kwargs = pytree.tree_unflatten(values, spec)
             with _weights_in(self, weights):
                 out = block_forward(self, *call_args, **call_kwargs)
             out_leaves, out_spec = pytree.tree_flatten(out)
-            produced["leaves"], produced["spec"] = out_leaves, out_spec
+            produced["leaves"] = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves]
+            produced["spec"] = out_spec
             return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
 
         if training and index == 0 and torch._C._current_graph_task_id() == -1:
             layer.begin_if_needed()  # not for a checkpoint's recompute inside the backward
         outputs = iter(layer.model.forward_block(index, [leaves[i] for i in slots], call))
-        out_leaves = [next(outputs) if isinstance(leaf, torch.Tensor) else leaf for leaf in produced["leaves"]]
+        out_leaves = [next(outputs) if leaf is _TENSOR else leaf for leaf in produced["leaves"]]
         return pytree.tree_unflatten(out_leaves, produced["spec"])
 
     def _sp_name(self):

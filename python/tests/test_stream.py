@@ -4,9 +4,11 @@ the streamed model against the same model in plain PyTorch on the same BF16-roun
 
 import copy
 import functools
+import gc
 import io
 import os
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -268,12 +270,27 @@ def test_blocks_under_the_hosts_checkpointing_train_as_plain_pytorch_with_dropou
         model(x).backward()
     for name, g in grads(plain).items():
         torch.testing.assert_close(grads(streamed)[name], g, rtol=1e-5, atol=1e-6, msg=name)
-    torch.optim.SGD(streamed.parameters(), lr=0.1).step()
+    for model in (plain, streamed):
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        bf16_rounded(model)
     assert streamed.layers.last_report.training_passes == 1
 
+    # Two forwards, then the first one's backward, then the second's: each recompute joins the
+    # pass whose forward gave the block these inputs.
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    for model in (plain, streamed):
+        model.zero_grad()
+        torch.manual_seed(10)
+        losses = [model(a), model(b)]
+        losses[0].backward()
+        losses[1].backward()
+    for name, g in grads(plain).items():
+        torch.testing.assert_close(grads(streamed)[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    streamed.zero_grad()
+
     streamed.reentrant = True  # its forward runs without a graph: the recompute has no pass to join
-    with pytest.raises(RuntimeError, match="called in grad mode inside a backward, with no training pass open.*"
-                                           "use_reentrant=False"):
+    with pytest.raises(RuntimeError, match="called in grad mode inside a backward, on inputs that no training pass's "
+                                           "forward gave it.*use_reentrant=False"):
         streamed(x).backward()
 
 
@@ -407,6 +424,19 @@ def test_a_step_with_no_backward_is_refused_at_the_optimizer():
     optimizer.step()
     report = streamed.layers.last_report
     assert report.step == 0 and report.training_passes == 1  # the forward alone was an evaluation's
+
+
+def test_grad_mode_forwards_whose_outputs_are_dropped_keep_nothing_alive():
+    """An evaluation loop under model.eval() without no_grad: each forward's pass is closed by the
+    next one once its graph is gone, so nothing of it stays (its inputs included)."""
+    _, streamed = plain_and_streamed(p=0.0)
+    streamed.eval()
+    seen = []
+    streamed.layers[0].register_forward_pre_hook(lambda module, args: seen.append(weakref.ref(args[0])))
+    for _ in range(3):
+        streamed(torch.randn(4, 8))
+    gc.collect()
+    assert [ref() is None for ref in seen] == [True, True, True]  # nothing but the graph kept them
 
 
 def test_an_evaluation_under_eval_mode_without_no_grad_is_not_a_training_pass():

@@ -86,6 +86,12 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
   if (torch::autograd::get_current_graph_task_id() != -1) return checkpoint_recompute(b, inputs, call);
   if (b != 0) {
     require_in_order(b, forwarding ? passes.at(*forwarding).next_forward : 0, "a training pass");
+    if (engine_pass != forwarding) {
+      throw std::logic_error(fmt::format(
+          "StreamedModel: {} was called after another training pass's backward ran while this pass's forward was "
+          "under way (the engine serves one pass at a time): finish a pass's forward before a backward",
+          blocks[b].block.name));
+    }
   }
   require_step("forward");
   if (after_backward()) {
@@ -104,17 +110,25 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
           "StreamedModel::forward: the backward of a training pass stopped before block 0; a pass's backward "
           "must run through every block");
     }
+    // Passes whose graphs the host dropped without a backward (evaluations in grad mode) end here.
+    std::vector<std::uint64_t> dropped;
+    for (const auto& [id, open] : passes) {
+      if (!open.graph_alive()) dropped.push_back(id);
+    }
+    for (const std::uint64_t id : dropped) close_pass_without_backward(id);
     wait_for_updates();  // the pass fetches the blocks they update
     rebuild_changed_images("forward");
+    release_engine();  // another pass's forward, or the fetches ahead of a finished one
+    engine->begin_step(engine_steps++);
     if (options.recalibrate_every != 0) last_input = inputs.at(0).detach();
     step_examples += inputs.at(0).dim() > 0 ? static_cast<std::uint64_t>(inputs.at(0).size(0)) : 1;
-    release_engine();  // another pass's forward, or the fetches ahead of a finished one
     const std::uint64_t id = ++last_pass_id;
     TrainingPass& opened = passes[id];
     opened.calls.resize(blocks.size());
     opened.states.resize(blocks.size());
     opened.versions.resize(blocks.size());
-    engine->begin_step(engine_steps++);
+    opened.nodes.resize(blocks.size());
+    opened.first_inputs.assign(blocks.size(), nullptr);
     engine_pass = id;
     forwarding = id;
   }
@@ -138,37 +152,54 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
   }
   if (node && !current.end_block) current.end_block = b;
   current.next_forward = b + 1;
+  for (const torch::Tensor& y : out) {
+    if (!y.defined() || !y.grad_fn()) continue;
+    current.nodes[b].emplace(y.grad_fn());  // one node gives every output of the block
+    break;
+  }
+  for (const torch::Tensor& x : inputs) {
+    if (!x.defined()) continue;
+    current.first_inputs[b] = x.unsafeGetTensorImpl();
+    break;
+  }
   return out;
 }
 
 std::vector<torch::Tensor> StreamedModel::Impl::checkpoint_recompute(std::uint32_t b,
                                                                      const std::vector<torch::Tensor>& inputs,
                                                                      const BlockCall& call) {
-  // The pass whose backward runs, else the latest whose forward ended: autograd runs the
-  // backward of the pass made last first.
+  // The pass whose forward called the block on these very inputs: a checkpoint without
+  // reentrance gives them again.
+  const c10::TensorImpl* first = nullptr;
+  for (const torch::Tensor& x : inputs) {
+    if (!x.defined()) continue;
+    first = x.unsafeGetTensorImpl();
+    break;
+  }
   std::optional<std::uint64_t> id;
   for (const auto& [open, pass] : passes) {
-    if (pass.in_backward) id = open;
-  }
-  for (auto it = passes.rbegin(); !id && it != passes.rend(); ++it) {
-    if (it->second.next_forward == blocks.size()) id = it->first;
+    if (pass.next_forward == blocks.size() && pass.first_inputs[b] == first && pass.graph_alive()) id = open;
   }
   if (!id) {
     throw std::logic_error(fmt::format(
-        "StreamedModel: {} was called in grad mode inside a backward, with no training pass open: a checkpoint that "
-        "ran the forward without a graph recomputes it here (torch.utils.checkpoint with use_reentrant=True). Use "
-        "use_reentrant=False, Hugging Face's default",
+        "StreamedModel: {} was called in grad mode inside a backward, on inputs that no training pass's forward "
+        "gave it: a checkpoint that ran the forward without a graph recomputes it here (torch.utils.checkpoint "
+        "with use_reentrant=True). Use use_reentrant=False, Hugging Face's default",
         blocks[b].block.name));
   }
-  enter_backward(*id);
   // The node is made as in the forward, so that the checkpoint finds the tensors it saved; its
   // graph is dropped, and the pass's own node differentiates the block.
   replay_call = &call;
   std::vector<torch::Tensor> out;
   try {
+    enter_backward(*id);
     out = StreamedBlockFunction::apply(this, static_cast<std::int64_t>(b), static_cast<std::int64_t>(*id),
                                        at::TensorList(inputs), at::TensorList(blocks[b].autograd_inputs));
   } catch (...) {
+    // Not a failure of the pass: a checkpoint stops its recompute by throwing from its hook once
+    // it has the tensors it needs (torch.utils.checkpoint's early stop), here after the node saved
+    // its inputs. Whatever else failed fails the backward, whose pass stays open until the step is
+    // aborted.
     replay_call = nullptr;
     throw;
   }
@@ -228,17 +259,19 @@ void StreamedModel::Impl::close_passes_without_backward(const char* why) {
         "through every block",
         why));
   }
-  release_engine();
-  for (const auto& [id, pass] : passes) {
-    log->debug("StreamedModel: a training pass ended without a backward ({})", why);
-    // A grad-mode forward without a backward (an evaluation that left grad mode on, under
-    // model.eval() say) trained nothing: its bytes are an evaluation's.
-    const std::uint64_t bytes = pass.transfer.h2d_bytes.total();
-    evaluation_bytes += bytes;
-    report.eval_h2d_bytes += bytes;
-  }
-  passes.clear();
-  forwarding.reset();
+  while (!passes.empty()) close_pass_without_backward(passes.begin()->first);
+}
+
+void StreamedModel::Impl::close_pass_without_backward(std::uint64_t id) {
+  if (engine_pass == id) release_engine();
+  log->debug("StreamedModel: a training pass ended without a backward");
+  // A grad-mode forward without a backward (an evaluation that left grad mode on, under
+  // model.eval() say) trained nothing: its bytes are an evaluation's.
+  const std::uint64_t bytes = passes.at(id).transfer.h2d_bytes.total();
+  evaluation_bytes += bytes;
+  report.eval_h2d_bytes += bytes;
+  passes.erase(id);
+  if (forwarding == id) forwarding.reset();
 }
 
 void StreamedModel::Impl::begin_eval_pass(const ad::RuntimeLimitHints& limits) {

@@ -135,6 +135,15 @@ struct TrainingPass {
   // differentiate other weights than the forward computed with.
   std::vector<std::vector<std::int64_t>> versions;
   ad::StepTransferMetrics transfer;  // its fetches, over the engine steps that served them
+  // Per block: its forward's autograd node, held weakly (the host's graph keeps the pass alive:
+  // once it is dropped, the pass is closed), and its first tensor input, which a checkpoint's
+  // recompute gives again (valid while the graph lives, which keeps it alive).
+  std::vector<std::optional<c10::weak_intrusive_ptr<torch::autograd::Node>>> nodes;
+  std::vector<const c10::TensorImpl*> first_inputs;
+
+  bool graph_alive() const {
+    return std::any_of(nodes.begin(), nodes.end(), [](const auto& node) { return node && !node->expired(); });
+  }
 };
 
 inline std::string master_key(const BlockState& b, const StreamedParam& p) {
@@ -421,6 +430,7 @@ struct StreamedModel::Impl {
   // grad mode) end here, their bytes an evaluation's; one whose backward stopped before its end
   // is refused.
   void close_passes_without_backward(const char* why);
+  void close_pass_without_backward(std::uint64_t id);
 
   // ---- evaluation passes: the evaluation engine, forward only, one block at a time ----------
 
