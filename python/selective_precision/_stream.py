@@ -518,6 +518,19 @@ class StreamedLayers(torch.nn.ModuleList):
         self._layer().model.close()
         _LAYERS.discard(self._layer())
 
+    def export_state(self) -> dict:
+        """This rank's masters ("master/block<i>.<name>"; with shard_masters, those of its own
+        blocks), the policy's state, routes and counters, as named CPU tensors for torch.save: the
+        state a sharded run saves per rank. Between steps."""
+        return self._layer().model.export_state()
+
+    def restore_state(self, state: dict) -> None:
+        """Restores what export_state() returned on this rank (collective with shard_masters);
+        a bad entry raises StateEntryError naming it, and nothing changes."""
+        layer = self._layer()
+        layer.model.restore_state(dict(state))
+        layer.in_step = layer.stepping = False
+
     def get_extra_state(self):
         """The policy's state, hints and counters (not the masters: they are the parameters), as
         one uint8 tensor, so that safetensors and save_pretrained can store it."""
@@ -590,7 +603,7 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
         moments_from, prefetch_window, spare_slabs, int8_group_size, nf4_group_size,
         metrics_path, process_group, shard_masters, host_bandwidth_cap_gbps, transfer_policy).
     """
-    from . import (_PLUGIN_NAME, _policy_config, _StreamedModel, _streamed_names,
+    from . import (_PLUGIN_NAME, _add_hook, _policy_config, _StreamedModel, _streamed_names,
                    _warn_trainable_streamed_in_frozen_blocks, default_plugin_dir)
 
     modules = list(blocks)
@@ -636,6 +649,9 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
         module.__class__ = _streamed_class(type(module))
         module._sp_layer = layer
         module._sp_index = index
+    if model.sharded():
+        for module in modules:
+            _add_hook(module, "register_state_dict_post_hook", "_register_state_dict_hook", _refuse_sharded_state_dict)
     _LAYERS.add(layer)
     _install_optimizer_hooks()
     out = StreamedLayers(modules, layer)
@@ -646,6 +662,16 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
 _OPTIONS = {"budget", "device", "compute_dtype", "plugin", "plugin_dir", "output_dir", "moments_from", "prefetch_window",
             "spare_slabs", "int8_group_size", "nf4_group_size", "metrics_path", "process_group", "shard_masters",
             "host_bandwidth_cap_gbps", "recalibrate_every", "transfer_policy"}
+
+
+def _refuse_sharded_state_dict(module, state_dict, prefix, local_metadata):
+    """With shard_masters a block's masters live on its owner alone: elsewhere its parameters are
+    empty, and a state dict would hold them as if they were the weights."""
+    raise RuntimeError(
+        "selective_precision: %s: with shard_masters each rank holds only its own blocks' masters, so this state "
+        "dict would hold empty tensors for the other ranks' blocks. Save each rank's StreamedLayers.export_state() "
+        "(and restore_state() it on the same rank), or stream with replicated masters to save a whole state dict"
+        % module._sp_name())
 
 
 def _masters_in_place(module, names):

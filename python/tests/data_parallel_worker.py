@@ -122,6 +122,18 @@ def main():
     except sp.CollectiveError as e:
         record["error"] = str(e)
     record["head"] = model.head.weight.detach().cpu().flatten().tolist()
+    if mode != "none" and not gpu:
+        # sp.stream() on the same group: its state dict is whole when replicated, refused when
+        # sharded (it would hold empty tensors for the other ranks' blocks).
+        torch.manual_seed(12)
+        layers = sp.stream(torch.nn.ModuleList(Block() for _ in range(BLOCKS)), config=POLICY, process_group=group,
+                           shard_masters=mode == "sharded")
+        try:
+            record["stream_state_dict"] = sorted({tuple(v.shape) for v in layers.state_dict().values()})
+        except RuntimeError as e:
+            record["stream_state_dict"] = str(e)
+        record["stream_exported_masters"] = len([k for k in layers.export_state() if k.startswith("master/")])
+        layers.close()
     with open(out, "w", encoding="utf-8") as f:
         json.dump(record, f)
     model.streamed.close()

@@ -59,6 +59,11 @@ def test_sharded_masters_train_exactly_as_replicated_ones(tmp_path):
         assert sharded[rank]["owners"] == [0, 1, 0, 1]
         # Two masters per block (fc1, fc2); a sharded rank holds those of its two blocks.
         assert (replicated[rank]["masters"], sharded[rank]["masters"]) == (8, 4)
+        # sp.stream(): a state dict of whole weights, or none at all (never empty tensors).
+        assert (0,) not in [tuple(shape) for shape in replicated[rank]["stream_state_dict"]]
+        assert sharded[rank]["stream_state_dict"].startswith(
+            "selective_precision: streamed block 0 (Block): with shard_masters each rank holds only its own blocks'")
+        assert (replicated[rank]["stream_exported_masters"], sharded[rank]["stream_exported_masters"]) == (8, 4)
 
 
 def test_a_rank_that_dies_mid_step_stops_the_other_with_a_named_error(tmp_path):
