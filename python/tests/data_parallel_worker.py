@@ -122,7 +122,7 @@ def main():
     except sp.CollectiveError as e:
         record["error"] = str(e)
     record["head"] = model.head.weight.detach().cpu().flatten().tolist()
-    if mode != "none" and not gpu:
+    if mode != "none" and not gpu and "error" not in record:
         # sp.stream() on the same group: its state dict is whole when replicated, refused when
         # sharded (it would hold empty tensors for the other ranks' blocks).
         torch.manual_seed(12)
