@@ -312,13 +312,13 @@ def _warn_trainable_streamed_in_frozen_blocks(modules, names):
     trainable = sum(p.numel() for p in params.values() if p.requires_grad)
     odd = [n for n in names if n in params and params[n].requires_grad and frozen > trainable]
     if odd:
+        names = ", ".join(odd[:3]) + (" and %d more" % (len(odd) - 3) if len(odd) > 3 else "")
+        verb, pronoun = ("s", "it") if len(odd) == 1 else ("", "them")
         warnings.warn(
             "selective_precision: %s stream%s and train%s while most of the block is frozen (%d of %d elements): "
             "the policy may send %s as INT8 or NF4, and the block computes with that. Adapters usually stay "
             "resident: leave %s out of streamed="
-            % (", ".join(odd[:3]) + (" and %d more" % (len(odd) - 3) if len(odd) > 3 else ""),
-               "s" if len(odd) == 1 else "", "s" if len(odd) == 1 else "", frozen, frozen + trainable,
-               "it" if len(odd) == 1 else "them", "it" if len(odd) == 1 else "them"),
+            % (names, verb, verb, frozen, frozen + trainable, pronoun, pronoun),
             stacklevel=3)
 
 

@@ -71,7 +71,8 @@ class Budget:
 
 
 def _policy_document(config_yaml: str):
-    """(document, its policy section's parent, the section's key, its path) of the policy's YAML,
+    """(document, its policy section's parent, the section's key, its path, the section as a
+    mapping) of the policy's YAML,
     or None where the parser here cannot find one section: such YAML goes to the plugin as it
     is, which names the error by line."""
     import yaml  # PyYAML: only here, to merge stream()'s options into the policy's YAML
@@ -88,10 +89,8 @@ def _policy_document(config_yaml: str):
     if len(sections) != 1:
         return None  # the plugin names what is missing or doubled
     parent, key = sections[0]
-    if parent[key] is None:
-        parent[key] = {}
     path = "selective_precision" if parent is document else "memory.stagehand.selective_precision"
-    return document, parent, key, path
+    return document, parent, key, path, parent[key] if isinstance(parent[key], dict) else {}
 
 
 def _with_budget(config_yaml: str, source: str, budget: Budget) -> tuple[str, str]:
@@ -99,8 +98,7 @@ def _with_budget(config_yaml: str, source: str, budget: Budget) -> tuple[str, st
     found = _policy_document(config_yaml)
     if found is None:
         return config_yaml, source
-    document, parent, key, path = found
-    section = parent[key] if isinstance(parent[key], dict) else {}
+    document, parent, key, path, section = found
     wanted = budget.as_config()
     if "budget" in section and section["budget"] != wanted:
         raise ValueError("stream(): budget=%r, but %s sets %s.budget to %r; give the budget once"
@@ -118,8 +116,7 @@ def _without_telemetry(config_yaml: str, source: str) -> tuple[str, str]:
     found = _policy_document(config_yaml)
     if found is None:
         return config_yaml, source
-    document, parent, key, path = found
-    section = parent[key] if isinstance(parent[key], dict) else {}
+    document, parent, key, _, section = found
     if section.get("telemetry_enabled", True) is False:
         return config_yaml, source
     _log.info("selective_precision: %s turns the policy's telemetry on, but no output_dir was given: it stays off "

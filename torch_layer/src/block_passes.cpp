@@ -104,12 +104,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
           "StreamedModel::forward: update_masters_during_backward() armed the update of the pass whose backward runs "
           "next; call post_backward() after it (a pass after it would add gradients that no update sees)");
     }
-    for (const auto& [id, open] : passes) {
-      if (!open.in_backward) continue;
-      throw std::logic_error(
-          "StreamedModel::forward: the backward of a training pass stopped before block 0; a pass's backward "
-          "must run through every block");
-    }
+    require_no_backward_under_way("forward");
     // Passes whose graphs the host dropped without a backward (evaluations in grad mode) end here.
     std::vector<std::uint64_t> dropped;
     for (const auto& [id, open] : passes) {
@@ -157,11 +152,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
     current.nodes[b].emplace(y.grad_fn());  // one node gives every output of the block
     break;
   }
-  for (const torch::Tensor& x : inputs) {
-    if (!x.defined()) continue;
-    current.first_inputs[b] = x.unsafeGetTensorImpl();
-    break;
-  }
+  current.first_inputs[b] = first_defined(inputs);
   return out;
 }
 
@@ -170,12 +161,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::checkpoint_recompute(std::uint32
                                                                      const BlockCall& call) {
   // The pass whose forward called the block on these very inputs: a checkpoint without
   // reentrance gives them again.
-  const c10::TensorImpl* first = nullptr;
-  for (const torch::Tensor& x : inputs) {
-    if (!x.defined()) continue;
-    first = x.unsafeGetTensorImpl();
-    break;
-  }
+  const c10::TensorImpl* first = first_defined(inputs);
   std::optional<std::uint64_t> id;
   for (const auto& [open, pass] : passes) {
     if (pass.next_forward == blocks.size() && pass.first_inputs[b] == first && pass.graph_alive()) id = open;
@@ -231,11 +217,10 @@ void StreamedModel::Impl::release_engine() {
   add_transfer(served == passes.end() ? step_transfer : served->second.transfer, m);
 }
 
-TrainingPass& StreamedModel::Impl::enter_backward(std::uint64_t id) {
+void StreamedModel::Impl::enter_backward(std::uint64_t id) {
   TrainingPass& pass = passes.at(id);
-  if (pass.in_backward) return pass;
-  for (const auto& [other, open] : passes) {
-    if (other == id || !open.in_backward) continue;
+  if (pass.in_backward) return;
+  if (backward_under_way()) {
     throw std::logic_error(
         "StreamedModel: the backwards of two training passes interleave (a loss over both, with the blocks' "
         "gradients reached by turns?): the engine fetches one pass's backward at a time. Run one backward per pass, "
@@ -248,17 +233,22 @@ TrainingPass& StreamedModel::Impl::enter_backward(std::uint64_t id) {
   }
   if (forwarding == id) forwarding.reset();
   pass.in_backward = true;
-  return pass;
+}
+
+bool StreamedModel::Impl::backward_under_way() const {
+  return std::any_of(passes.begin(), passes.end(), [](const auto& open) { return open.second.in_backward; });
+}
+
+void StreamedModel::Impl::require_no_backward_under_way(const char* call) const {
+  if (!backward_under_way()) return;
+  throw std::logic_error(fmt::format(
+      "StreamedModel::{}: the backward of a training pass stopped before block 0; a pass's backward must run "
+      "through every block",
+      call));
 }
 
 void StreamedModel::Impl::close_passes_without_backward(const char* why) {
-  for (const auto& [id, pass] : passes) {
-    if (!pass.in_backward) continue;
-    throw std::logic_error(fmt::format(
-        "StreamedModel::{}: the backward of a training pass stopped before block 0; a pass's backward must run "
-        "through every block",
-        why));
-  }
+  require_no_backward_under_way(why);
   while (!passes.empty()) close_pass_without_backward(passes.begin()->first);
 }
 

@@ -337,7 +337,7 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
         "StreamedModel::update_masters_during_backward: post_backward() already ran in this step; use "
         "update_masters()");
   }
-  if (std::any_of(m.passes.begin(), m.passes.end(), [](const auto& open) { return open.second.in_backward; })) {
+  if (m.backward_under_way()) {
     throw std::logic_error(
         "StreamedModel::update_masters_during_backward: a backward is running; arm the update before it starts");
   }

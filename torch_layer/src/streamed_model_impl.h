@@ -70,6 +70,14 @@ inline std::unique_ptr<ad::TransferBackend> make_backend(const StreamedModelOpti
       ));
 }
 
+// The first defined tensor of a block's inputs, by identity (null: none).
+inline const c10::TensorImpl* first_defined(const std::vector<torch::Tensor>& inputs) {
+  for (const torch::Tensor& x : inputs) {
+    if (x.defined()) return x.unsafeGetTensorImpl();
+  }
+  return nullptr;
+}
+
 inline const torch::Tensor* find(const NamedParameters& params, const std::string& name) {
   for (const auto& [key, value] : params) {
     if (key == name) return &value;
@@ -425,7 +433,11 @@ struct StreamedModel::Impl {
   void release_engine();
   // The engine serves pass `id`'s backward from here on (an engine step of its own when another
   // pass came between its forward and this). A second backward interleaved is refused.
-  TrainingPass& enter_backward(std::uint64_t id);
+  void enter_backward(std::uint64_t id);
+  // Whether a pass's backward began and has not reached its end block; refused by name where no
+  // backward may be under way.
+  bool backward_under_way() const;
+  void require_no_backward_under_way(const char* call) const;
   // The passes whose backward never ran (their graphs were dropped, or they were evaluations in
   // grad mode) end here, their bytes an evaluation's; one whose backward stopped before its end
   // is refused.
