@@ -451,6 +451,12 @@ class StreamedBlocks:
     shard_masters: with a process group, block b's fp32 masters and optimizer state live on
         rank b % world_size alone (ZeRO-1/2 on the host): `master_parameters()` lists this
         rank's, and the owner sends the others each updated block's transfer image.
+    recompute: what a training pass keeps for its backward. False: the activations, as plain
+        autograd keeps them, and each block's weights are fetched again when the backward reaches
+        it. True: each block's inputs only, and the backward recomputes the block's forward
+        (under the forward's random streams and autocast) before differentiating it: less
+        memory, a third more compute. None: False in one process, True with a process_group
+        (where False is refused). A host's own torch.utils.checkpoint works either way.
     transfer_policy: sp-bench's transfer policy for this machine (a JSON path): INT8 and NF4
         only for the block sizes it measured faster than BF16, on the path of the block's
         weights (trained or frozen); a missing or unusable file is logged and allows no
@@ -478,6 +484,7 @@ class StreamedBlocks:
         process_group=None,
         shard_masters=False,
         transfer_policy=None,
+        recompute=None,
     ):
         modules = list(blocks)
         if not modules:
@@ -512,6 +519,7 @@ class StreamedBlocks:
             process_group,
             bool(shard_masters),
             transfer_policy=str(transfer_policy or ""),
+            recompute=_recompute_option(recompute),
         )
         self._placeholders = {id(p) for m in modules for n, p in m.named_parameters() if n in self._streamed_names}
         self._averaged = set()  # ids of the host parameters whose gradients this step averaged
@@ -744,4 +752,4 @@ class StreamedBlocks:
         return self._model.closed
 
 
-from ._stream import Budget, PolicyReport, StreamedBlock, StreamedLayers, stream  # noqa: E402  (uses the names above)
+from ._stream import Budget, PolicyReport, StreamedBlock, StreamedLayers, _recompute_option, stream  # noqa: E402,E501  (uses the names above)

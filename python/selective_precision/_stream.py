@@ -598,7 +598,7 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
         (`sp.config_dir()/policy/v3.yaml` holds v3's other settings).
     options: those of StreamedBlocks (device, compute_dtype, plugin, plugin_dir, output_dir,
         moments_from, prefetch_window, spare_slabs, int8_group_size, nf4_group_size,
-        metrics_path, process_group, shard_masters, host_bandwidth_cap_gbps, transfer_policy).
+        metrics_path, process_group, shard_masters, host_bandwidth_cap_gbps, transfer_policy, recompute).
     """
     from . import (_PLUGIN_NAME, _add_hook, _policy_config, _StreamedModel, _streamed_names,
                    _warn_trainable_streamed_in_frozen_blocks, default_plugin_dir)
@@ -640,6 +640,7 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
         int(options.get("int8_group_size", 0)), int(options.get("nf4_group_size") or 0),
         str(options.get("metrics_path", "")), 0, options.get("process_group"),
         bool(options.get("shard_masters", False)), calls, str(options.get("transfer_policy") or ""),
+        _recompute_option(options.get("recompute")),
     )
     layer = _Layer(model, modules, names)
     for index, module in enumerate(modules):
@@ -658,7 +659,13 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
 
 _OPTIONS = {"budget", "device", "compute_dtype", "plugin", "plugin_dir", "output_dir", "moments_from", "prefetch_window",
             "spare_slabs", "int8_group_size", "nf4_group_size", "metrics_path", "process_group", "shard_masters",
-            "host_bandwidth_cap_gbps", "recalibrate_every", "transfer_policy"}
+            "host_bandwidth_cap_gbps", "recalibrate_every", "transfer_policy", "recompute"}
+
+
+def _recompute_option(recompute):
+    if recompute is None or isinstance(recompute, bool):
+        return recompute
+    raise TypeError("recompute= expected True, False or None, got %s" % type(recompute).__name__)
 
 
 def _refuse_sharded_state_dict(module, state_dict, prefix, local_metadata):

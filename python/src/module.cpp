@@ -3,7 +3,7 @@
 // Python part on top.
 //
 // The GIL: a block's parameters and forward are Python calls, made with the GIL held; autograd
-// runs a block's backward (which recomputes its forward) with the GIL released, on its own
+// runs a block's backward (which recomputes its forward when asked to) with the GIL released, on its own
 // thread or the caller's, so each call takes the GIL itself. The Python modules are held by
 // pointers whose last release takes the GIL too. The layer's messages (its engines' and the
 // plugin's too) go to Python's logging, which takes the GIL on whatever thread logs: so every
@@ -565,7 +565,7 @@ PYBIND11_MODULE(_selective_precision, m) {
                        std::uint32_t prefetch_window, std::uint32_t spare_slabs, std::uint32_t int8_group_size,
                        std::uint32_t nf4_group_size, const std::string& metrics_path, std::uint32_t recalibrate_every,
                        const py::object& process_group, bool shard_masters, const py::object& calls,
-                       const std::string& transfer_policy) {
+                       const std::string& transfer_policy, std::optional<bool> recompute) {
              tl::StreamedModelOptions o;
              o.plugin_file = plugin_file;
              o.config_yaml = config_yaml;
@@ -583,6 +583,7 @@ PYBIND11_MODULE(_selective_precision, m) {
              o.recalibrate_every = recalibrate_every;
              o.shard_masters = shard_masters;
              o.transfer_policy = transfer_policy;
+             o.recompute = recompute;
              return std::make_unique<PyStreamedModel>(modules, streamed, moments_from, calls, std::move(o),
                                                       collectives_of(process_group));
            }),
@@ -591,7 +592,7 @@ PYBIND11_MODULE(_selective_precision, m) {
            py::arg("compute_dtype"), py::arg("host_bandwidth_cap_gbps"), py::arg("prefetch_window"),
            py::arg("spare_slabs"), py::arg("int8_group_size"), py::arg("nf4_group_size"), py::arg("metrics_path"),
            py::arg("recalibrate_every"), py::arg("process_group"), py::arg("shard_masters"),
-           py::arg("calls") = py::none(), py::arg("transfer_policy") = "")
+           py::arg("calls") = py::none(), py::arg("transfer_policy") = "", py::arg("recompute") = py::none())
       .def("close", &PyStreamedModel::close)
       .def_property_readonly("closed", &PyStreamedModel::closed)
       .def("num_blocks", [](PyStreamedModel& s) { return s.model().num_blocks(); })

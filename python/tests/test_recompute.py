@@ -1,6 +1,7 @@
-"""The backward recomputes each streamed block's forward: it must compute what the forward
-computed. These runs hold the streamed model against the same blocks in plain PyTorch, on the
-same BF16-rounded weights, with dropout drawing from the random streams and under autocast."""
+"""A streamed block computes what the same block computes in plain PyTorch, on the same
+BF16-rounded weights, with dropout drawing from the random streams and under autocast: keeping
+its activations (the default), or recomputing its forward in the backward (recompute=True),
+which must then compute what the forward computed."""
 
 import copy
 
@@ -28,7 +29,12 @@ class DropoutBlock(torch.nn.Module):
         return x + self.drop(torch.tanh(h))
 
 
-def streamed_and_plain(p):
+@pytest.fixture(params=[False, True], ids=["kept", "recompute"])
+def recompute(request):
+    return request.param
+
+
+def streamed_and_plain(p, recompute):
     """The blocks streamed, and a plain copy whose streamed weights are rounded to BF16 as the
     layer delivers them."""
     torch.manual_seed(11)
@@ -37,7 +43,7 @@ def streamed_and_plain(p):
     with torch.no_grad():
         for block in plain:
             block.fc.weight.copy_(block.fc.weight.to(torch.bfloat16).float())
-    streamed = sp.StreamedBlocks(blocks, streamed=["fc.weight"], config=ALL_BF16)
+    streamed = sp.StreamedBlocks(blocks, streamed=["fc.weight"], config=ALL_BF16, recompute=recompute)
     return blocks, streamed, plain
 
 
@@ -48,8 +54,8 @@ def run_plain(plain, x):
     return h
 
 
-def test_dropout_gives_the_gradient_plain_pytorch_gives():
-    blocks, streamed, plain = streamed_and_plain(0.5)
+def test_dropout_gives_the_gradient_plain_pytorch_gives(recompute):
+    blocks, streamed, plain = streamed_and_plain(0.5, recompute)
     x = torch.randn(8, DIM)
 
     torch.manual_seed(2024)
@@ -76,8 +82,8 @@ def test_dropout_gives_the_gradient_plain_pytorch_gives():
     streamed.end_step(0.0)
 
 
-def test_a_block_under_bf16_autocast_computes_in_bf16_in_both_passes():
-    blocks, streamed, plain = streamed_and_plain(0.0)
+def test_a_block_under_bf16_autocast_computes_in_bf16_in_every_pass(recompute):
+    blocks, streamed, plain = streamed_and_plain(0.0, recompute)
     x = torch.randn(8, DIM)
 
     streamed.begin_step(0)
@@ -91,7 +97,7 @@ def test_a_block_under_bf16_autocast_computes_in_bf16_in_both_passes():
     y_plain.float().square().mean().backward()
 
     for block in blocks:
-        assert block.matmul_dtypes == [torch.bfloat16, torch.bfloat16], "forward, then the recompute"
+        assert block.matmul_dtypes == [torch.bfloat16] * (2 if recompute else 1), "forward, then any recompute"
     assert not torch.is_autocast_enabled("cpu"), "the recompute leaves autocast as it found it"
     assert torch.equal(y, y_plain)
     for b in range(BLOCKS):
@@ -101,10 +107,10 @@ def test_a_block_under_bf16_autocast_computes_in_bf16_in_both_passes():
 
 
 @pytest.mark.parametrize("p", [0.0, 0.5])
-def test_the_recompute_draws_no_numbers_the_forward_did_not(p):
+def test_the_recompute_draws_no_numbers_the_forward_did_not(p, recompute):
     """Two steps in a row: the second step's masks are those plain PyTorch draws for it, which
     holds only if the first step's recompute left the stream where the forward left it."""
-    blocks, streamed, plain = streamed_and_plain(p)
+    blocks, streamed, plain = streamed_and_plain(p, recompute)
     x = torch.randn(8, DIM)
     torch.manual_seed(5)
     outputs = []
@@ -122,14 +128,14 @@ def test_the_recompute_draws_no_numbers_the_forward_did_not(p):
         assert torch.equal(outputs[step], y_plain.detach()), "step %d" % step
 
 
-def test_a_run_with_dropout_resumes_bit_for_bit(tmp_path):
+def test_a_run_with_dropout_resumes_bit_for_bit(tmp_path, recompute):
     """Six steps straight, against three steps, a save (the layer's state, the optimizer's and
     the random stream), and three steps in a fresh process's worth of objects."""
 
     def make(seed):
         torch.manual_seed(seed)
         blocks = torch.nn.ModuleList(DropoutBlock(0.3) for _ in range(BLOCKS))
-        streamed = sp.StreamedBlocks(blocks, streamed=["fc.weight"], config=ALL_BF16)
+        streamed = sp.StreamedBlocks(blocks, streamed=["fc.weight"], config=ALL_BF16, recompute=recompute)
         optimizer = torch.optim.AdamW(streamed.optimizer_parameters(blocks), lr=1e-2)
         return blocks, streamed, optimizer
 

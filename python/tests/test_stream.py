@@ -62,11 +62,11 @@ def bf16_rounded(model, layers="layers"):
     return model
 
 
-def plain_and_streamed(seed=0, **model_options):
+def plain_and_streamed(seed=0, recompute=None, **model_options):
     torch.manual_seed(seed)
     plain = bf16_rounded(Model(**model_options))
     streamed = copy.deepcopy(plain)
-    streamed.layers = sp.stream(streamed.layers, config=ALL_BF16)
+    streamed.layers = sp.stream(streamed.layers, config=ALL_BF16, recompute=recompute)
     return plain, streamed
 
 
@@ -316,15 +316,16 @@ def plain_after_sgd(plain, x):
     return plain(x)
 
 
-def test_bf16_autocast_computes_in_bf16_in_the_forward_and_the_recompute():
-    plain, streamed = plain_and_streamed(p=0.0)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_bf16_autocast_computes_in_bf16_in_the_forward_and_any_recompute(recompute):
+    plain, streamed = plain_and_streamed(p=0.0, recompute=recompute)
     dtypes = []
     streamed.layers[0].fc.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
     x = torch.randn(4, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = streamed(x)
     loss.backward()
-    assert dtypes == [torch.bfloat16, torch.bfloat16]  # the forward, then the recompute
+    assert dtypes == [torch.bfloat16] * (2 if recompute else 1)  # the forward, then any recompute
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain(x).backward()
     torch.testing.assert_close(streamed.layers[0].fc.weight.grad, plain.layers[0].fc.weight.grad)

@@ -1,6 +1,7 @@
 """The Python module over the LibTorch layer: the same decisions as the C++ layer, gradients
 into the masters, a stock optimizer, and named errors instead of crashes."""
 
+import copy
 import json
 import os
 import subprocess
@@ -412,11 +413,35 @@ def test_a_model_converted_after_wrapping_is_refused_naming_the_parameter():
         streamed(torch.randn(2, 4, DIM))
 
 
-def test_a_tensor_computed_outside_the_blocks_that_needs_a_gradient_is_refused_by_name():
+def test_a_tensor_computed_outside_the_blocks_that_needs_a_gradient_trains_as_in_plain_pytorch():
+    torch.manual_seed(20)
+    theta = torch.zeros(DIM, requires_grad=True)
+    blocks = torch.nn.ModuleList(GatedBlock(None) for _ in range(2))
+    plain = copy.deepcopy(blocks)
+    for block in blocks:
+        block.gate = theta.exp() * 2
+    with torch.no_grad():
+        for block in plain:
+            for name in ("fc1", "fc2"):
+                getattr(block, name).weight.copy_(getattr(block, name).weight.to(torch.bfloat16).float())
+    streamed = wrap(blocks, policy=OFF)
+    x = torch.randn(2, 4, DIM)
+    _train_step(streamed, 0, x)
+    got, theta.grad = theta.grad, None
+    gate = theta.exp() * 2
+    h = x
+    for block in plain:
+        block.gate = gate
+        h = block(h)
+    h.square().mean().backward()
+    torch.testing.assert_close(got, theta.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_tensor_computed_outside_the_blocks_is_refused_by_name_when_recomputing():
     torch.manual_seed(20)
     theta = torch.zeros(DIM, requires_grad=True)
     gate = theta.exp() * 2  # a gradient would have to run back through this graph, not the block's
-    streamed = wrap(torch.nn.ModuleList(GatedBlock(gate) for _ in range(2)), policy=OFF)
+    streamed = wrap(torch.nn.ModuleList(GatedBlock(gate) for _ in range(2)), policy=OFF, recompute=True)
     with pytest.raises(RuntimeError, match="block1 reads a tensor computed outside it that requires a gradient"):
         _train_step(streamed, 0, torch.randn(2, 4, DIM))
     assert theta.grad is None

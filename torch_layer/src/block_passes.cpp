@@ -29,6 +29,15 @@ std::shared_ptr<StreamedModel::Impl> live_model(std::int64_t id) {
   return it == g_models.end() ? nullptr : it->second.lock();
 }
 
+std::shared_ptr<StreamedModel::Impl> live_model_for_backward(std::int64_t id, std::uint32_t block) {
+  std::shared_ptr<StreamedModel::Impl> impl = live_model(id);
+  if (!impl) {
+    throw std::logic_error(
+        fmt::format("StreamedModel: backward through block {} of a model that was destroyed or closed", block));
+  }
+  return impl;
+}
+
 }  // namespace
 
 void register_model(const std::shared_ptr<StreamedModel::Impl>& impl) {
@@ -63,12 +72,8 @@ struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFun
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const std::shared_ptr<StreamedModel::Impl> impl = live_model(ctx->saved_data["model"].toInt());
     const auto block = static_cast<std::uint32_t>(ctx->saved_data["block"].toInt());
-    if (!impl) {
-      throw std::logic_error(
-          fmt::format("StreamedModel: backward through block {} of a model that was destroyed or closed", block));
-    }
+    const std::shared_ptr<StreamedModel::Impl> impl = live_model_for_backward(ctx->saved_data["model"].toInt(), block);
     const auto pass = static_cast<std::uint64_t>(ctx->saved_data["pass"].toInt());
     const variable_list inputs = ctx->get_saved_variables();
     variable_list grads = impl->backward_block(block, pass, inputs, grad_outputs);
@@ -79,6 +84,68 @@ struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFun
     out.resize(3 + inputs.size() + static_cast<std::size_t>(ctx->saved_data["anchors"].toInt()));
     return out;
   }
+};
+
+// Activations kept: the node at a block's outputs that need a gradient. Every node of the block
+// leads to them, so its backward runs first: the block is fetched again there.
+struct KeptBlockOutputs : public torch::autograd::Function<KeptBlockOutputs> {
+  static variable_list forward(AutogradContext* ctx, std::int64_t model, std::int64_t block, std::int64_t pass,
+                               at::TensorList outputs) {
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["model"] = model;
+    ctx->saved_data["block"] = block;
+    ctx->saved_data["pass"] = pass;
+    return outputs.vec();
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto block = static_cast<std::uint32_t>(ctx->saved_data["block"].toInt());
+    live_model_for_backward(ctx->saved_data["model"].toInt(), block)
+        ->begin_kept_backward(block, static_cast<std::uint64_t>(ctx->saved_data["pass"].toInt()));
+    variable_list out(3);
+    out.insert(out.end(), grads.begin(), grads.end());
+    return out;
+  }
+};
+
+// Activations kept: the node at a block's inputs that need a gradient. It leads to none of the
+// block's nodes, which all lead to it, so it runs after them: the block is released there.
+struct KeptBlockInputs : public torch::autograd::Function<KeptBlockInputs> {
+  static variable_list forward(AutogradContext* ctx, std::int64_t model, std::int64_t block, std::int64_t pass,
+                               at::TensorList inputs) {
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["model"] = model;
+    ctx->saved_data["block"] = block;
+    ctx->saved_data["pass"] = pass;
+    return inputs.vec();
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto block = static_cast<std::uint32_t>(ctx->saved_data["block"].toInt());
+    live_model_for_backward(ctx->saved_data["model"].toInt(), block)
+        ->end_kept_backward(block, static_cast<std::uint64_t>(ctx->saved_data["pass"].toInt()));
+    variable_list out(3);
+    out.insert(out.end(), grads.begin(), grads.end());
+    return out;
+  }
+};
+
+// Activations kept: the node the delivered weights of one block in one pass lead to, where they
+// take a gradient; it runs once autograd has summed every use's.
+struct KeptBlockWeights : public torch::autograd::Node {
+  KeptBlockWeights(std::int64_t model, std::uint32_t block, std::uint64_t pass)
+      : model_(model), block_(block), pass_(pass) {}
+
+  variable_list apply(variable_list&& grads) override {
+    live_model_for_backward(model_, block_)->kept_weight_gradients(block_, pass_, grads);
+    return {};
+  }
+  std::string name() const override { return "selective_precision::KeptBlockWeights"; }
+
+ private:
+  std::int64_t model_;
+  std::uint32_t block_;
+  std::uint64_t pass_;
 };
 
 std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
@@ -124,21 +191,31 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
     opened.versions.resize(blocks.size());
     opened.nodes.resize(blocks.size());
     opened.first_inputs.assign(blocks.size(), nullptr);
+    if (!recompute) {
+      opened.weight_nodes.resize(blocks.size());
+      opened.weight_inputs.resize(blocks.size());
+      opened.input_nodes.assign(blocks.size(), false);
+      opened.update_after_release.resize(blocks.size());
+    }
     engine_pass = id;
     forwarding = id;
   }
   const std::uint64_t id = *forwarding;
   TrainingPass& current = passes.at(id);
   current.calls[b] = std::move(call);
-  // The backward reaches down to the lowest block whose node exists: whose inputs need a
-  // gradient, or which trains something itself.
-  const bool node = !blocks[b].autograd_inputs.empty() ||
-                    std::any_of(inputs.begin(), inputs.end(),
-                                [](const torch::Tensor& x) { return x.defined() && x.requires_grad(); });
+  const auto needs_gradient = [](const torch::Tensor& t) { return t.defined() && t.requires_grad(); };
   std::vector<torch::Tensor> out;
+  bool node = false;  // the backward reaches down to the lowest block that has one
   try {
-    out = StreamedBlockFunction::apply(this, static_cast<std::int64_t>(b), static_cast<std::int64_t>(id),
-                                       at::TensorList(inputs), at::TensorList(blocks[b].autograd_inputs));
+    if (recompute) {
+      // The node exists where the block's inputs need a gradient, or it trains something itself.
+      node = !blocks[b].autograd_inputs.empty() || std::any_of(inputs.begin(), inputs.end(), needs_gradient);
+      out = StreamedBlockFunction::apply(this, static_cast<std::int64_t>(b), static_cast<std::int64_t>(id),
+                                         at::TensorList(inputs), at::TensorList(blocks[b].autograd_inputs));
+    } else {
+      out = kept_forward(b, id, inputs);
+      node = std::any_of(out.begin(), out.end(), needs_gradient);
+    }
   } catch (...) {
     release_engine();
     passes.erase(id);
@@ -172,6 +249,18 @@ std::vector<torch::Tensor> StreamedModel::Impl::checkpoint_recompute(std::uint32
         "gave it: a checkpoint that ran the forward without a graph recomputes it here (torch.utils.checkpoint "
         "with use_reentrant=True). Use use_reentrant=False, Hugging Face's default",
         blocks[b].block.name));
+  }
+  if (!recompute) {
+    // The backward that reached the block fetched it; the weights take their gradients as in the
+    // forward, so that the checkpoint finds the tensors it saved.
+    TrainingPass& pass = passes.at(*id);
+    if (pass.held != b) {
+      throw std::logic_error(fmt::format(
+          "StreamedModel: {} was recomputed inside a backward that had not reached it (a checkpoint's recompute "
+          "runs when the block's backward needs its saved tensors)",
+          blocks[b].block.name));
+    }
+    return call(inputs, kept_weights(blocks[b], pass.weight_nodes[b], pass.weight_inputs[b]));
   }
   // The node is made as in the forward, so that the checkpoint finds the tensors it saved; its
   // graph is dropped, and the pass's own node differentiates the block.
@@ -336,8 +425,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::forward_block(std::uint32_t b, s
   return out;
 }
 
-variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t of_pass, const variable_list& xs,
-                                                  const variable_list& grad_outs) {
+TrainingPass& StreamedModel::Impl::pass_for_backward(std::uint32_t b, std::uint64_t of_pass) {
   const auto found = passes.find(of_pass);
   if (found == passes.end()) {
     throw std::logic_error(fmt::format(
@@ -364,6 +452,13 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
         "forward computed with, as PyTorch refuses for a tensor saved for the backward",
         block.block.name, block.streamed[i].name));
   }
+  return pass;
+}
+
+variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t of_pass, const variable_list& xs,
+                                                  const variable_list& grad_outs) {
+  TrainingPass& pass = pass_for_backward(b, of_pass);
+  BlockState& block = blocks[b];
   try {
     enter_backward(of_pass);
   } catch (...) {
@@ -443,64 +538,12 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
   engine->release(b);
 
   std::size_t next = input_slots.size();
-  ReducingBucket bucket;
-  std::vector<torch::Tensor> flat;
-  std::vector<StreamedParam*> staged_here;
-  for (StreamedParam& p : block.streamed) {
-    if (!p.master.requires_grad()) {
-      if (!frozen_gradients_wanted) continue;
-      const torch::Tensor g = grads[next++];
-      if (!g.defined()) continue;
-      torch::Tensor host = g.reshape(p.shape).to(torch::kCPU, torch::kFloat32);
-      p.signal_grad = p.signal_grad.defined() ? p.signal_grad.add_(host) : host.clone();
-      continue;
-    }
-    torch::Tensor g = grads[next++];
-    // Every rank's bucket holds every trainable parameter, whether or not it got a gradient here.
-    if (!g.defined() && collectives) g = torch::zeros(p.shape, p.master.options());
-    if (!g.defined()) continue;
-    if (collectives && !p.staging.defined()) {
-      bucket.params.push_back(&p);
-      flat.push_back(g.reshape({-1}).to(gradient_reduction_device(), torch::kFloat32));
-      continue;
-    }
-    stage_master_gradient(p, g.reshape(p.shape));
-    if (p.staged) staged_here.push_back(&p);
+  std::vector<torch::Tensor> weight_grads;
+  for (const StreamedParam& p : block.streamed) {
+    weight_grads.push_back(p.master.requires_grad() || frozen_gradients_wanted ? grads[next++] : torch::Tensor());
   }
-  // The update during the backward: what must happen, on the worker, before the block's
-  // gradient is final on the host.
-  const bool update_now = armed && block.trainable_masters && owns(b) && !armed->begun[b];
   std::function<void()> gradient_ready;
-  if (!flat.empty()) {
-    // Started now, so that it runs while the backward goes on through the blocks before.
-    bucket.bucket = torch::cat(flat);
-    const std::string what = fmt::format("gradients of {}", block.block.name);
-    bucket.pending = sharded ? collectives->reduce(bucket.bucket, owner(b), Reduction::sum, what)
-                             : collectives->all_reduce(bucket.bucket, Reduction::sum, what);
-    if (update_now) {
-      auto owned = std::make_shared<ReducingBucket>(std::move(bucket));
-      gradient_ready = [this, owned] {
-        owned->pending->wait();
-        fold_averaged(owned->params, owned->bucket);
-      };
-    } else {
-      reducing.push_back(std::move(bucket));
-    }
-  }
-  if (update_now && !staged_here.empty()) {
-    if (collectives) {
-      // Staged gradients of several ranks are reduced in one bucket at the pass's end.
-      deferred_updates[b] = true;
-    } else {
-      ad::Event& copied = gradient_copied_event(b);
-      backend->record(copied, ad::Queue::compute);
-      for (StreamedParam* p : staged_here) p->staged = false;
-      gradient_ready = [this, &copied, staged_here] {
-        backend->synchronize(copied);
-        for (StreamedParam* p : staged_here) add_to_master_grad(*p, p->staging);
-      };
-    }
-  }
+  const bool update_now = fold_weight_gradients(b, weight_grads, gradient_ready);
   variable_list out(xs.size());
   for (std::size_t i = 0; i < input_slots.size(); ++i) out[input_slots[i]] = grads[i];
   for (std::size_t i = 0; i < block.trainable_resident.size(); ++i) {
@@ -542,15 +585,292 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
     abandon_passes();
     throw;
   }
-  if (pass.end_block && b == *pass.end_block) {
-    finish_pass(of_pass);
-    // The statistics wait for the whole backward: autograd accumulates the resident parameters'
-    // gradients (and the host's hooks run) after this node returns.
-    torch::autograd::Engine::get_default_engine().queue_callback([model = id] {
-      if (const std::shared_ptr<StreamedModel::Impl> impl = live_model(model)) impl->take_backward_statistics();
-    });
+  if (pass.end_block && b == *pass.end_block) end_pass_backward(of_pass);
+  return out;
+}
+
+void StreamedModel::Impl::end_pass_backward(std::uint64_t id) {
+  finish_pass(id);
+  // The statistics wait for the whole backward: autograd accumulates the resident parameters'
+  // gradients (and the host's hooks run) after the pass's last node returns.
+  torch::autograd::Engine::get_default_engine().queue_callback([model = this->id] {
+    if (const std::shared_ptr<StreamedModel::Impl> impl = live_model(model)) impl->take_backward_statistics();
+  });
+}
+
+bool StreamedModel::Impl::fold_weight_gradients(std::uint32_t b, const std::vector<torch::Tensor>& grads,
+                                                std::function<void()>& gradient_ready) {
+  BlockState& block = blocks[b];
+  ReducingBucket bucket;
+  std::vector<torch::Tensor> flat;
+  std::vector<StreamedParam*> staged_here;
+  for (std::size_t i = 0; i < block.streamed.size(); ++i) {
+    StreamedParam& p = block.streamed[i];
+    torch::Tensor g = grads[i];
+    if (!p.master.requires_grad()) {
+      if (!frozen_gradients_wanted || !g.defined()) continue;
+      torch::Tensor host = g.reshape(p.shape).to(torch::kCPU, torch::kFloat32);
+      p.signal_grad = p.signal_grad.defined() ? p.signal_grad.add_(host) : host.clone();
+      continue;
+    }
+    // Every rank's bucket holds every trainable parameter, whether or not it got a gradient here.
+    if (!g.defined() && collectives) g = torch::zeros(p.shape, p.master.options());
+    if (!g.defined()) continue;
+    if (collectives && !p.staging.defined()) {
+      bucket.params.push_back(&p);
+      flat.push_back(g.reshape({-1}).to(gradient_reduction_device(), torch::kFloat32));
+      continue;
+    }
+    stage_master_gradient(p, g.reshape(p.shape));
+    if (p.staged) staged_here.push_back(&p);
+  }
+  // The update during the backward: what must happen, on the worker, before the block's
+  // gradient is final on the host.
+  const bool update_now = armed && block.trainable_masters && owns(b) && !armed->begun[b];
+  if (!flat.empty()) {
+    // Started now, so that it runs while the backward goes on through the blocks before.
+    bucket.bucket = torch::cat(flat);
+    const std::string what = fmt::format("gradients of {}", block.block.name);
+    bucket.pending = sharded ? collectives->reduce(bucket.bucket, owner(b), Reduction::sum, what)
+                             : collectives->all_reduce(bucket.bucket, Reduction::sum, what);
+    if (update_now) {
+      auto owned = std::make_shared<ReducingBucket>(std::move(bucket));
+      gradient_ready = [this, owned] {
+        owned->pending->wait();
+        fold_averaged(owned->params, owned->bucket);
+      };
+    } else {
+      reducing.push_back(std::move(bucket));
+    }
+  }
+  if (update_now && !staged_here.empty()) {
+    if (collectives) {
+      // Staged gradients of several ranks are reduced in one bucket at the pass's end.
+      deferred_updates[b] = true;
+    } else {
+      ad::Event& copied = gradient_copied_event(b);
+      backend->record(copied, ad::Queue::compute);
+      for (StreamedParam* p : staged_here) p->staged = false;
+      gradient_ready = [this, &copied, staged_here] {
+        backend->synchronize(copied);
+        for (StreamedParam* p : staged_here) add_to_master_grad(*p, p->staging);
+      };
+    }
+  }
+  return update_now;
+}
+
+std::vector<torch::Tensor> StreamedModel::Impl::kept_forward(std::uint32_t b, std::uint64_t id,
+                                                             const std::vector<torch::Tensor>& inputs) {
+  TrainingPass& pass = passes.at(id);
+  BlockState& block = blocks[b];
+  pass.versions[b].clear();
+  for (const StreamedParam& p : block.streamed) pass.versions[b].push_back(p.master._version());
+  std::vector<torch::Tensor> xs = inputs;
+  std::vector<std::size_t> slots;
+  std::vector<torch::Tensor> through;
+  for (std::size_t i = 0; i < xs.size(); ++i) {
+    if (!xs[i].defined() || !xs[i].requires_grad()) continue;
+    slots.push_back(i);
+    through.push_back(xs[i]);
+  }
+  if (!through.empty()) {
+    through = KeptBlockInputs::apply(this->id, static_cast<std::int64_t>(b), static_cast<std::int64_t>(id),
+                                     at::TensorList(through));
+    for (std::size_t k = 0; k < slots.size(); ++k) xs[slots[k]] = through[k];
+  }
+  pass.input_nodes[b] = !through.empty();
+  std::vector<std::int64_t> edges(block.streamed.size(), -1);
+  c10::intrusive_ptr<torch::autograd::Node> node;
+  if (std::any_of(block.streamed.begin(), block.streamed.end(),
+                  [&](const StreamedParam& p) { return p.master.requires_grad() || frozen_gradients_wanted; })) {
+    node = c10::make_intrusive<KeptBlockWeights>(this->id, b, id);
+  }
+  follow_caller_stream();
+  const ad::BlockView& view = engine->acquire(b);
+  std::vector<torch::Tensor> out;
+  try {
+    fill_kept(block, view);
+    out = pass.calls[b](xs, kept_weights(block, node, edges));
+  } catch (...) {
+    empty_kept(block);
+    engine->release(b);
+    throw;
+  }
+  empty_kept(block);
+  engine->release(b);
+  pass.weight_nodes[b] = std::move(node);
+  pass.weight_inputs[b] = std::move(edges);
+  slots.clear();
+  through.clear();
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    if (!out[i].defined() || !out[i].requires_grad()) continue;
+    slots.push_back(i);
+    through.push_back(out[i]);
+  }
+  if (!through.empty()) {
+    through = KeptBlockOutputs::apply(this->id, static_cast<std::int64_t>(b), static_cast<std::int64_t>(id),
+                                      at::TensorList(through));
+    for (std::size_t k = 0; k < slots.size(); ++k) out[slots[k]] = through[k];
   }
   return out;
+}
+
+NamedParameters StreamedModel::Impl::kept_weights(BlockState& block, const c10::intrusive_ptr<torch::autograd::Node>& node,
+                                                  std::vector<std::int64_t>& edges) {
+  NamedParameters weights;
+  for (std::size_t i = 0; i < block.streamed.size(); ++i) {
+    StreamedParam& p = block.streamed[i];
+    torch::Tensor w = torch::empty({0}, compute).set_(p.kept, 0, p.shape);
+    const bool takes_gradient = p.master.requires_grad() || frozen_gradients_wanted;
+    // A module that computes with its own parameters (Block::forward) reads the placeholder:
+    // it becomes the weights, leading to the node as they would while the block is fetched
+    // (empty_kept() makes it a leaf again, so that between passes the module's parameters are
+    // leaves, as a state dict loaded with assign=True requires).
+    torch::Tensor& used = block.params_are_masters ? w : p.param;
+    if (!block.params_are_masters) p.param.set_data(w);
+    if (takes_gradient) {
+      if (edges[i] < 0) edges[i] = static_cast<std::int64_t>(node->add_input_metadata(w));
+      torch::autograd::impl::set_gradient_edge(used, {node, static_cast<std::uint32_t>(edges[i])});
+    }
+    weights.emplace_back(p.name, used);
+  }
+  return weights;
+}
+
+void StreamedModel::Impl::fill_kept(BlockState& block, const ad::BlockView& view) {
+  const torch::Device device = compute_device();
+  for (std::size_t i = 0; i < block.streamed.size(); ++i) {
+    StreamedParam& p = block.streamed[i];
+    if (!p.kept) {
+      p.kept = c10::Storage(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, device), nullptr, false);
+    }
+    const auto count = static_cast<std::size_t>(p.rows * p.cols);
+    if (options.compute_dtype == torch::kBFloat16) {
+      p.kept.set_data_ptr_noswap(c10::DataPtr(view.tensors[i].bf16, device));
+    } else {
+      // The converted copy's memory, taken over by the storage (freed at empty_kept()).
+      torch::Tensor converted = torch::from_blob(view.tensors[i].bf16, p.shape,
+                                                 torch::TensorOptions().dtype(torch::kBFloat16).device(device))
+                                    .to(options.compute_dtype);
+      p.kept.set_data_ptr_noswap(converted.storage().unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(nullptr, device)));
+    }
+    p.kept.set_nbytes(count * c10::elementSize(options.compute_dtype));
+    if (!block.params_are_masters) p.param.set_data(torch::empty({0}, compute).set_(p.kept, 0, p.shape));
+  }
+}
+
+void StreamedModel::Impl::empty_kept(BlockState& block) {
+  for (StreamedParam& p : block.streamed) {
+    if (!p.kept) continue;
+    p.kept.set_data_ptr_noswap(c10::DataPtr(nullptr, p.kept.device()));
+    p.kept.set_nbytes(0);
+    if (block.params_are_masters) continue;
+    p.param.set_data(torch::empty({0}, compute));
+    if (!p.param.is_leaf()) torch::autograd::impl::set_gradient_edge(p.param, {});
+  }
+}
+
+void StreamedModel::Impl::begin_kept_backward(std::uint32_t b, std::uint64_t id) {
+  TrainingPass& pass = pass_for_backward(b, id);
+  // Another pass whose backward waits only for its end (its last block's inputs took no
+  // gradient): autograd finished its nodes before it began this one's.
+  std::vector<std::uint64_t> ended;
+  for (const auto& [other, open] : passes) {
+    if (other != id && open.in_backward && open.held && !open.input_nodes[*open.held]) ended.push_back(other);
+  }
+  try {
+    for (const std::uint64_t other : ended) finish_kept_pass(other, /*backward_over=*/false);
+    enter_backward(id);
+    if (pass.held) release_held(pass);  // a block whose inputs took no gradient, above this one
+    follow_caller_stream();
+    const ad::BlockView& view = engine->acquire(b);
+    pass.held = b;
+    fill_kept(blocks[b], view);
+    // A module's placeholders lead to the pass's node again: autograd refuses a saved one that
+    // was not a leaf when saved and is one when unpacked.
+    if (!blocks[b].params_are_masters) kept_weights(blocks[b], pass.weight_nodes[b], pass.weight_inputs[b]);
+  } catch (...) {
+    abandon_passes();
+    throw;
+  }
+  if (!pass.input_nodes[b]) {
+    // No node at the block's inputs will run: the pass ends with autograd's backward.
+    torch::autograd::Engine::get_default_engine().queue_callback([model = this->id, id] {
+      const std::shared_ptr<StreamedModel::Impl> impl = live_model(model);
+      if (impl && impl->passes.count(id) != 0) {
+        impl->finish_kept_pass(id, /*backward_over=*/true);
+      }
+    });
+  }
+}
+
+void StreamedModel::Impl::end_kept_backward(std::uint32_t b, std::uint64_t id) {
+  const auto found = passes.find(id);
+  if (found == passes.end()) return;  // abandoned: the error that did it is on its way
+  TrainingPass& pass = found->second;
+  try {
+    if (pass.held == b) release_held(pass);
+  } catch (...) {
+    abandon_passes();
+    throw;
+  }
+  if (pass.end_block && b == *pass.end_block) end_pass_backward(id);
+}
+
+void StreamedModel::Impl::kept_weight_gradients(std::uint32_t b, std::uint64_t id, const variable_list& grads) {
+  const auto found = passes.find(id);
+  if (found == passes.end()) {
+    throw std::logic_error(fmt::format(
+        "StreamedModel: the gradient of {}'s weights came after its training pass ended (its backward ran "
+        "already, or post_backward() closed it)",
+        blocks[b].block.name));
+  }
+  TrainingPass& pass = found->second;
+  std::vector<torch::Tensor> weight_grads(blocks[b].streamed.size());
+  for (std::size_t i = 0; i < weight_grads.size(); ++i) {
+    const std::int64_t input = pass.weight_inputs[b][i];
+    if (input >= 0 && static_cast<std::size_t>(input) < grads.size()) weight_grads[i] = grads[input];
+  }
+  try {
+    std::function<void()> ready;
+    if (!fold_weight_gradients(b, weight_grads, ready) || deferred_updates[b]) return;
+    if (pass.held == b) {
+      pass.update_after_release[b] = std::move(ready);
+    } else {
+      begin_block_update(b, std::move(ready));
+    }
+  } catch (...) {
+    abandon_passes();
+    throw;
+  }
+}
+
+void StreamedModel::Impl::release_held(TrainingPass& pass) {
+  const std::uint32_t b = *pass.held;
+  pass.held.reset();
+  empty_kept(blocks[b]);
+  engine->release(b);
+  if (!pass.update_after_release[b]) return;
+  std::function<void()> ready = std::move(*pass.update_after_release[b]);
+  pass.update_after_release[b].reset();
+  begin_block_update(b, std::move(ready));
+}
+
+void StreamedModel::Impl::finish_kept_pass(std::uint64_t id, bool backward_over) {
+  TrainingPass& pass = passes.at(id);
+  try {
+    if (pass.held) release_held(pass);
+  } catch (...) {
+    abandon_passes();
+    throw;
+  }
+  if (!backward_over) {
+    end_pass_backward(id);
+    return;
+  }
+  finish_pass(id);
+  take_backward_statistics();
 }
 
 torch::Tensor StreamedModel::forward(const torch::Tensor& x) {

@@ -155,6 +155,9 @@ void StreamedModel::Impl::abandon_passes() noexcept {
     log->warn("StreamedModel: ending an abandoned pass: {}", e.what());
   }
   engine_pass.reset();
+  for (const auto& [id, pass] : passes) {
+    if (pass.held) empty_kept(blocks[*pass.held]);
+  }
   passes.clear();
   forwarding.reset();
   grads_staged = false;

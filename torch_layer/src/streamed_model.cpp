@@ -54,6 +54,13 @@ StreamedModel::Impl::Impl(std::vector<Block> in, StreamedModelOptions opts)
         "StreamedModelOptions::shard_masters needs collectives: sharding spreads the masters over the ranks");
   }
   sharded = options.shard_masters && collectives->size() > 1;
+  recompute = options.recompute.value_or(collectives != nullptr);
+  if (!recompute && collectives) {
+    throw std::invalid_argument(
+        "StreamedModelOptions::recompute is false with collectives: with data parallelism each block's backward "
+        "averages its resident parameters' gradients across the ranks, which needs the recompute; leave it unset "
+        "or set it to true");
+  }
   if (collectives) probe_collectives();
   refuse_shared_parameters(in);
   for (std::size_t b = 0; b < in.size(); ++b) adopt(std::move(in[b]), b);
@@ -211,6 +218,9 @@ void StreamedModel::Impl::adopt(Block block, std::size_t index) {
         torch::NoGradGuard no_grad;
         p.param.set_data(torch::empty({0}, compute));
       }
+      // With the activations kept it takes a gradient only while a pass computes with it, as the
+      // weights it stands for (kept_weights()).
+      if (!recompute) p.param.set_requires_grad(false);
       p.placeholder = p.param.options();  // its device with an index, where `compute`'s may have none
     }
     state.masters.emplace(wanted, master);
@@ -351,7 +361,8 @@ void StreamedModel::Impl::attach(BlockState& b, const ad::BlockView& view, bool 
                                        torch::TensorOptions().dtype(torch::kBFloat16).device(options.device));
     if (options.compute_dtype != torch::kBFloat16) w = w.to(options.compute_dtype);
     p.param.set_data(w);
-    p.param.set_requires_grad(trainable && (p.master.requires_grad() || frozen_gradients_wanted));
+    // A placeholder that stands for the weights of a pass that keeps its activations is not a leaf.
+    if (p.param.is_leaf()) p.param.set_requires_grad(trainable && (p.master.requires_grad() || frozen_gradients_wanted));
   }
 }
 

@@ -104,6 +104,13 @@ struct StreamedParam {
   std::vector<std::int64_t> shape;
   std::uint64_t rows = 0, cols = 0;
   torch::TensorOptions placeholder;  // the empty tensor's dtype and device between uses
+  // Activations kept (StreamedModelOptions::recompute false): the storage every tensor of this
+  // weight that a pass computes with shares, so that autograd's saved tensors (the weight, or
+  // views of it) read whatever the storage holds when the backward reaches them: the delivered
+  // weights while the block is fetched, no memory otherwise (a read then fails, "data is not
+  // allocated", instead of reading a slot another block reuses), as FSDP2 frees and refills
+  // its unsharded parameters.
+  c10::Storage kept;
 };
 
 struct BlockState {
@@ -148,6 +155,17 @@ struct TrainingPass {
   // recompute gives again (valid while the graph lives, which keeps it alive).
   std::vector<std::optional<c10::weak_intrusive_ptr<torch::autograd::Node>>> nodes;
   std::vector<const c10::TensorImpl*> first_inputs;
+
+  // Activations kept: per block, the node the weights' gradients reach (null: no weight takes
+  // one) and each streamed weight's input of it (-1: none), whether a node at the block's
+  // inputs ends its backward (else the pass's end does), and the block whose fetch the backward
+  // holds. An armed update waits for both the weights' gradients and the block's release: one
+  // that came while the block was held waits in `update_after_release`.
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> weight_nodes;
+  std::vector<std::vector<std::int64_t>> weight_inputs;
+  std::vector<bool> input_nodes;
+  std::vector<std::optional<std::function<void()>>> update_after_release;
+  std::optional<std::uint32_t> held;
 
   bool graph_alive() const {
     return std::any_of(nodes.begin(), nodes.end(), [](const auto& node) { return node && !node->expired(); });
@@ -336,6 +354,13 @@ struct StreamedModel::Impl {
 
   ~Impl();
 
+  // StreamedModelOptions::recompute as resolved at construction.
+  bool recompute = false;
+  // The compute device with its index (a CUDA device without one is device 0, as the backend's).
+  torch::Device compute_device() const {
+    return options.device.is_cuda() && !options.device.has_index() ? torch::Device(torch::kCUDA, 0) : options.device;
+  }
+
   // A parameter in two blocks would get a master per block (streamed), or be listed, reduced and
   // stepped once per block (resident): refused, naming both places.
   static void refuse_shared_parameters(const std::vector<Block>& in);
@@ -519,6 +544,45 @@ struct StreamedModel::Impl {
   // resident parameter.
   variable_list backward_block(std::uint32_t b, std::uint64_t of_pass, const variable_list& xs,
                                const variable_list& grad_outs);
+  // The pass whose backward reached block b, once checked: it exists, its forward called every
+  // block, and the block's masters are as its forward used them. Refused by name otherwise.
+  TrainingPass& pass_for_backward(std::uint32_t b, std::uint64_t of_pass);
+  // The pass's backward reached its last block: the pass ends, and the statistics are taken when
+  // autograd's backward is over.
+  void end_pass_backward(std::uint64_t id);
+
+  // Block b's streamed weights' gradients of one pass (`grads`: per streamed parameter in order,
+  // undefined where none came): a frozen one's into signal_grad, a trainable one's on its way to
+  // its master's .grad (staged, or in a reducing bucket). Returns whether the armed update of
+  // the block begins once the block is released, with what it waits for first in `ready`.
+  bool fold_weight_gradients(std::uint32_t b, const std::vector<torch::Tensor>& grads, std::function<void()>& ready);
+
+  // ---- training passes that keep their activations (recompute false) -----------------------
+
+  // A grad-mode call of block b in pass `id`: the block computes under autograd on its delivered
+  // weights, between a node at its inputs (the end of its backward) and one at its outputs (the
+  // start: the block is fetched again there).
+  std::vector<torch::Tensor> kept_forward(std::uint32_t b, std::uint64_t id, const std::vector<torch::Tensor>& inputs);
+  // The block's weights as this call computes with them: tensors on the `kept` storages, whose
+  // gradients reach `node` (as its inputs `edges`) where they need one.
+  // `edges` unset (-1) are assigned (the forward); a checkpoint's recompute gives them again.
+  NamedParameters kept_weights(BlockState& block, const c10::intrusive_ptr<torch::autograd::Node>& node,
+                               std::vector<std::int64_t>& edges);
+  // The `kept` storages hold the delivered weights of `view` (converted to the compute dtype
+  // when it is not bf16), or nothing.
+  void fill_kept(BlockState& block, const ad::BlockView& view);
+  void empty_kept(BlockState& block);
+  // The backward reaches block b of pass `id`: checks, then the block is fetched again.
+  void begin_kept_backward(std::uint32_t b, std::uint64_t id);
+  // Block b's backward is done (its input node ran): released.
+  void end_kept_backward(std::uint32_t b, std::uint64_t id);
+  // The weights' node of block b ran.
+  void kept_weight_gradients(std::uint32_t b, std::uint64_t id, const variable_list& grads);
+  // The held block of pass `id` is released, and its armed update begins if its gradients came.
+  void release_held(TrainingPass& pass);
+  // The pass's backward is over: its last block's input node ran, another pass's backward began
+  // after it, or autograd's backward is over (`backward_over`: the statistics are taken now).
+  void finish_kept_pass(std::uint64_t id, bool backward_over);
 
   ad::Event& gradient_copied_event(std::uint32_t b);
 

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include <cstdlib>
 #include <filesystem>
 #include <thread>
 #include <limits>
@@ -39,13 +40,23 @@ std::vector<TinyBlock> make_blocks(std::uint64_t seed) {
   return blocks;
 }
 
+// The options every test starts from. The suite runs twice (CMakeLists.txt): as the layer's
+// default, and with SP_TEST_RECOMPUTE set, recomputing every block in the backward.
+tl::StreamedModelOptions test_options() {
+  tl::StreamedModelOptions options;
+  options.plugin_file = SP_PLUGIN_FILE;
+  if (std::getenv("SP_TEST_RECOMPUTE") != nullptr) options.recompute = true;
+  return options;
+}
+
+bool recomputing() { return test_options().recompute.value_or(false); }
+
 std::string policy_yaml(const std::string& body) { return "selective_precision:\n  telemetry_enabled: false\n" + body; }
 
 std::unique_ptr<tl::StreamedModel> wrap(const std::vector<TinyBlock>& blocks, const std::string& policy_body) {
   std::vector<tl::Block> list;
   for (const TinyBlock& b : blocks) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
-  tl::StreamedModelOptions options;
-  options.plugin_file = SP_PLUGIN_FILE;
+  tl::StreamedModelOptions options = test_options();
   options.config_yaml = policy_yaml(policy_body);
   options.config_source = "test policy";
   return std::make_unique<tl::StreamedModel>(std::move(list), options);
@@ -136,8 +147,7 @@ TEST(StreamedModel, BlocksWithSeveralInputsAndOutputsCalledOneAtATimeTrainAsPlai
     block.call = gated_call(b);
     list.push_back(std::move(block));
   }
-  tl::StreamedModelOptions options;
-  options.plugin_file = SP_PLUGIN_FILE;
+  tl::StreamedModelOptions options = test_options();
   options.config_yaml = policy_yaml("  mode: off\n");
   tl::StreamedModel model(std::move(list), options);
   {
@@ -224,8 +234,7 @@ struct DropoutRun {
       plain.back()->fc->bias.copy_(streamed_blocks.back()->fc->bias);
       list.push_back(tl::make_block(streamed_blocks.back(), {"fc.weight"}));
     }
-    tl::StreamedModelOptions options;
-    options.plugin_file = SP_PLUGIN_FILE;
+    tl::StreamedModelOptions options = test_options();
     options.config_yaml = policy_yaml("  mode: off\n");
     model = std::make_unique<tl::StreamedModel>(std::move(list), options);
   }
@@ -262,7 +271,9 @@ TEST(StreamedModel, TheRecomputeDrawsTheForwardsDropoutMasks) {
   run.model->end_step(0.0);
 }
 
-TEST(StreamedModel, ABlockUnderBf16AutocastComputesInBf16InBothPasses) {
+// Kept activations: the forward alone computes; the recompute computes again, under the forward's
+// autocast.
+TEST(StreamedModel, ABlockUnderBf16AutocastComputesInBf16InEveryPass) {
   DropoutRun run(0.0);
   const torch::Tensor x = input(4);
   run.model->begin_step(0);
@@ -276,9 +287,8 @@ TEST(StreamedModel, ABlockUnderBf16AutocastComputesInBf16InBothPasses) {
   }
   y.to(torch::kFloat32).pow(2).mean().backward();  // outside autocast, as a training loop runs it
   run.model->post_backward();
-  for (const DropoutBlock& b : run.streamed_blocks) {
-    EXPECT_EQ(b->matmul_dtypes, (std::vector<torch::ScalarType>{torch::kBFloat16, torch::kBFloat16}));
-  }
+  const std::vector<torch::ScalarType> expected(recomputing() ? 2 : 1, torch::kBFloat16);
+  for (const DropoutBlock& b : run.streamed_blocks) EXPECT_EQ(b->matmul_dtypes, expected);
   EXPECT_FALSE(at::autocast::is_autocast_enabled(c10::DeviceType::CPU));
   run.model->end_step(0.0);
 }
@@ -814,8 +824,7 @@ TEST(StreamedModel, MomentsComeFromTheParametersTheHostNames) {
       block.moments_from = moments_from;
       list.push_back(std::move(block));
     }
-    tl::StreamedModelOptions options;
-    options.plugin_file = SP_PLUGIN_FILE;
+    tl::StreamedModelOptions options = test_options();
     options.config_yaml = policy_yaml("  mode: off\n");
     tl::StreamedModel model(std::move(list), options);
     for (const torch::Tensor& r : model.resident_parameters()) r.mutable_grad() = torch::Tensor();
@@ -866,8 +875,7 @@ TEST(StreamedModel, EvaluationAndCalibrationBytesApartAndCalibrationInTwoHalves)
 TEST(StreamedModel, NamedErrors) {
   const auto blocks = make_blocks(20);
   std::vector<tl::Block> list{tl::make_block(blocks[0], {"fc1.weight", "fc3.weight"})};
-  tl::StreamedModelOptions options;
-  options.plugin_file = SP_PLUGIN_FILE;
+  tl::StreamedModelOptions options = test_options();
   options.config_yaml = policy_yaml("  mode: off\n");
   try {
     tl::StreamedModel model(list, options);
@@ -1012,8 +1020,7 @@ TEST(StreamedModel, AParameterSharedByTwoBlocksIsRefusedNamingBoth) {
   blocks[2]->ln = blocks[2]->replace_module("ln", blocks[0]->ln);
   std::vector<tl::Block> list;
   for (const TinyBlock& b : blocks) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
-  tl::StreamedModelOptions options;
-  options.plugin_file = SP_PLUGIN_FILE;
+  tl::StreamedModelOptions options = test_options();
   options.config_yaml = policy_yaml("  mode: off\n");
   EXPECT_THAT([&] { tl::StreamedModel model(std::move(list), options); },
               ::testing::ThrowsMessage<std::invalid_argument>(
@@ -1032,12 +1039,11 @@ std::vector<tl::Block> gated_blocks(const std::vector<TinyBlock>& blocks, const 
   return list;
 }
 
-// Plain autograd gives such a tensor its gradient; the layer's recompute does too.
+// Plain autograd gives such a tensor its gradient; the layer does too, recomputing or not.
 TEST(StreamedModel, ATensorABlockReadsWithoutListingItGetsItsGradientAsInPlainAutograd) {
   const auto blocks = make_blocks(70);
   const torch::Tensor gate = torch::full({kDim}, 0.9).requires_grad_(true);
-  tl::StreamedModelOptions options;
-  options.plugin_file = SP_PLUGIN_FILE;
+  tl::StreamedModelOptions options = test_options();
   options.config_yaml = policy_yaml("  mode: off\n");
   int hook_calls = 0;
   gate.register_hook([&hook_calls](const torch::Tensor& g) {
@@ -1048,8 +1054,9 @@ TEST(StreamedModel, ATensorABlockReadsWithoutListingItGetsItsGradientAsInPlainAu
   model.begin_step(0);
   model.forward(input(71)).pow(2).mean().backward();
   ASSERT_TRUE(gate.grad().defined()) << "the gate got no gradient";
-  // autograd.grad() runs a tensor's hooks on the gradient it computes for it: once per block.
-  EXPECT_EQ(hook_calls, kBlocks);
+  // Once, on the sum, as in plain autograd; the recompute's autograd.grad() runs them on each
+  // block's share.
+  EXPECT_EQ(hook_calls, recomputing() ? kBlocks : 1);
   const torch::Tensor streamed = gate.grad().clone();
   gate.mutable_grad() = torch::Tensor();
   torch::Tensor h = input(71);
@@ -1058,6 +1065,67 @@ TEST(StreamedModel, ATensorABlockReadsWithoutListingItGetsItsGradientAsInPlainAu
   EXPECT_TRUE(torch::allclose(streamed, gate.grad(), 1e-4, 1e-6)) << (streamed - gate.grad()).abs().max();
   model.post_backward();
   model.end_step(1.0);
+}
+
+// A block that multiplies by its streamed weight itself (autograd saves the parameter, not a view
+// of it, as torch::matmul(x, w) does) and computes an auxiliary loss on the side, kept on the module,
+// as an MoE's load-balancing loss is.
+struct SideLossBlockImpl : torch::nn::Module {
+  SideLossBlockImpl()
+      : w(register_parameter("w", torch::randn({kDim, kDim}) / 8)),
+        router(register_parameter("router", torch::randn({kDim, 4}) / 8)) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    const torch::Tensor gates = torch::softmax(torch::matmul(x, router), -1);
+    aux = gates.mean({0, 1}).pow(2).sum();
+    return x + torch::tanh(torch::matmul(x, w)) * gates.narrow(-1, 0, 1);
+  }
+  torch::Tensor w, router, aux;
+};
+TORCH_MODULE(SideLossBlock);
+
+// Kept activations: the auxiliary loss carries its graph, as in plain LibTorch, and the
+// gradients through it and through the saved parameter are plain autograd's.
+TEST(StreamedModel, AnAuxiliaryLossABlockKeepsOnTheSideTrainsAsInPlainAutograd) {
+  torch::manual_seed(91);
+  std::vector<SideLossBlock> streamed_blocks, plain;
+  std::vector<tl::Block> list;
+  for (int b = 0; b < kBlocks; ++b) {
+    streamed_blocks.emplace_back();
+    plain.emplace_back();
+    torch::NoGradGuard no_grad;
+    plain.back()->w.copy_(streamed_blocks.back()->w.to(torch::kBFloat16).to(torch::kFloat32));
+    plain.back()->router.copy_(streamed_blocks.back()->router.to(torch::kBFloat16).to(torch::kFloat32));
+    list.push_back(tl::make_block(streamed_blocks.back(), {"w", "router"}));
+  }
+  tl::StreamedModelOptions options = test_options();
+  options.recompute = false;
+  options.config_yaml = policy_yaml("  mode: off\n");
+  tl::StreamedModel model(std::move(list), options);
+  const torch::Tensor x = input(92);
+  model.begin_step(0);
+  torch::Tensor loss = model.forward(x).pow(2).mean();
+  for (const SideLossBlock& b : streamed_blocks) {
+    ASSERT_TRUE(b->aux.requires_grad()) << "the auxiliary loss has no graph";
+    loss = loss + 0.5 * b->aux;
+  }
+  loss.backward();
+  model.post_backward();
+  torch::Tensor h = x, plain_loss;
+  for (SideLossBlock b : plain) h = b->forward(h);
+  plain_loss = h.pow(2).mean();
+  for (const SideLossBlock& b : plain) plain_loss = plain_loss + 0.5 * b->aux;
+  plain_loss.backward();
+  EXPECT_NEAR(loss.item<double>(), plain_loss.item<double>(), 1e-6);
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    for (const char* name : {"w", "router"}) {
+      const torch::Tensor& got = model.masters(b).at(name).grad();
+      const torch::Tensor& want = plain[b]->named_parameters()[name].grad();
+      EXPECT_TRUE(torch::allclose(got, want, 1e-4, 1e-6)) << "block " << b << " " << name << ": "
+                                                          << (got - want).abs().max().item<double>();
+    }
+  }
+  EXPECT_TRUE(streamed_blocks[0]->w.is_leaf()) << "a placeholder is a leaf between passes";
+  model.end_step(loss.item<double>());
 }
 
 // A .to() after wrapping converts the placeholders and the resident parameters in place.
@@ -1074,14 +1142,36 @@ TEST(StreamedModel, AModelConvertedAfterWrappingIsRefusedNamingTheParameter) {
   EXPECT_NO_THROW(model->forward(input(78)));
 }
 
-// A tensor computed outside the blocks from a parameter: its gradient would have to run back
-// through the graph that computed it, which the block's backward does not own. Refused by name.
-TEST(StreamedModel, ATensorComputedOutsideTheBlocksThatNeedsAGradientIsRefusedByName) {
+// A tensor computed outside the blocks from a parameter. With the activations kept its gradient
+// runs back through the graph that computed it, as in plain autograd.
+TEST(StreamedModel, ATensorComputedOutsideTheBlocksThatNeedsAGradientTrainsAsInPlainAutograd) {
+  const auto blocks = make_blocks(79);
+  const torch::Tensor theta = torch::zeros({kDim}).requires_grad_(true);
+  tl::StreamedModelOptions options = test_options();
+  options.recompute = false;
+  options.config_yaml = policy_yaml("  mode: off\n");
+  tl::StreamedModel model(gated_blocks(blocks, theta.exp() * 2), options);
+  model.begin_step(0);
+  model.forward(input(80)).pow(2).mean().backward();
+  const torch::Tensor streamed = theta.grad().clone();
+  theta.mutable_grad() = torch::Tensor();
+  const torch::Tensor gate = theta.exp() * 2;
+  torch::Tensor h = input(80);
+  for (TinyBlock b : plain_twins(blocks, model)) h = b->forward(h) * gate;
+  h.pow(2).mean().backward();
+  EXPECT_TRUE(torch::allclose(streamed, theta.grad(), 1e-4, 1e-6)) << (streamed - theta.grad()).abs().max();
+  model.post_backward();
+  model.end_step(1.0);
+}
+
+// Recomputing, its gradient would have to run back through the graph that computed it, which the
+// block's backward does not own. Refused by name.
+TEST(StreamedModel, ATensorComputedOutsideTheBlocksIsRefusedByNameWhenRecomputing) {
   const auto blocks = make_blocks(79);
   const torch::Tensor theta = torch::zeros({kDim}).requires_grad_(true);
   const torch::Tensor gate = theta.exp() * 2;
-  tl::StreamedModelOptions options;
-  options.plugin_file = SP_PLUGIN_FILE;
+  tl::StreamedModelOptions options = test_options();
+  options.recompute = true;
   options.config_yaml = policy_yaml("  mode: off\n");
   tl::StreamedModel model(gated_blocks(blocks, gate), options);
   model.begin_step(0);
@@ -1133,8 +1223,7 @@ TEST(StreamedModel, TheNf4GroupSizeIsThePoliciesUnlessTheOptionSaysOtherwise) {
   const auto nf4_bytes = [](std::uint32_t option, const std::string& policy) {
     std::vector<tl::Block> list;
     for (const TinyBlock& b : make_blocks(28)) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
-    tl::StreamedModelOptions options;
-    options.plugin_file = SP_PLUGIN_FILE;
+    tl::StreamedModelOptions options = test_options();
     options.config_yaml = policy_yaml("  mode: off\n" + policy);
     options.config_source = "test policy";
     options.nf4_group_size = option;
@@ -1173,8 +1262,7 @@ TEST(StreamedModel, AThrowingForwardLeavesTheModelUsable) {
     if (fail) throw std::runtime_error("block 1 failed");
     return inner(x);
   };
-  tl::StreamedModelOptions options;
-  options.plugin_file = SP_PLUGIN_FILE;
+  tl::StreamedModelOptions options = test_options();
   options.config_yaml = policy_yaml("  mode: off\n");
   tl::StreamedModel model(std::move(list), options);
   {
@@ -1197,8 +1285,7 @@ TEST(StreamedModel, OnlineRecalibrationFollowsTheTrainedWeights) {
   const auto blocks = make_blocks(30);
   std::vector<tl::Block> list;
   for (const TinyBlock& b : blocks) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
-  tl::StreamedModelOptions options;
-  options.plugin_file = SP_PLUGIN_FILE;
+  tl::StreamedModelOptions options = test_options();
   options.config_yaml = policy_yaml("  mode: off\n");
   options.recalibrate_every = 2;
   tl::StreamedModel model(std::move(list), options);
@@ -1262,8 +1349,7 @@ TEST(StreamedModel, AStepCutShortByAnExceptionIsAbortedAndTheNextOneRuns) {
     };
     list.push_back(std::move(block));
   }
-  tl::StreamedModelOptions options;
-  options.plugin_file = SP_PLUGIN_FILE;
+  tl::StreamedModelOptions options = test_options();
   options.config_yaml = policy_yaml("  mode: off\n");
   tl::StreamedModel model(std::move(list), options);
   model.begin_step(0);
@@ -1340,7 +1426,7 @@ TEST(StreamedModel, AStateThePluginCannotExportKeepsEverythingElse) {
   const auto with_plugin = [](const std::vector<TinyBlock>& blocks, const std::string& config) {
     std::vector<tl::Block> list;
     for (const TinyBlock& b : blocks) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
-    tl::StreamedModelOptions options;
+    tl::StreamedModelOptions options = test_options();
     options.plugin_file = SP_FIXTURE_SCRIPTED;  // the minimal example, failing on command
     options.config_yaml = config;
     return std::make_unique<tl::StreamedModel>(std::move(list), options);
@@ -1415,8 +1501,7 @@ std::vector<RankRun> run_two_ranks(bool shard, int steps,
   const std::vector<std::string> failures = on_two_ranks([&](int rank, const auto& group, const auto&) {
     std::vector<tl::Block> list;
     for (const TinyBlock& b : blocks[rank]) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
-    tl::StreamedModelOptions o;
-    o.plugin_file = SP_PLUGIN_FILE;
+    tl::StreamedModelOptions o = test_options();
     o.config_yaml = policy_yaml(
         "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n"
         "  force_nf4_blocks: [2]\n");
@@ -1593,8 +1678,7 @@ class NamedCollectives final : public tl::Collectives {
 TEST(Collectives, AGroupThatTakesNoCpuTensorsIsRefusedAtConstructionWithTheFix) {
   std::vector<tl::Block> list;
   for (const TinyBlock& b : make_blocks(31)) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
-  tl::StreamedModelOptions o;
-  o.plugin_file = SP_PLUGIN_FILE;
+  tl::StreamedModelOptions o = test_options();
   o.config_yaml = policy_yaml("  mode: off\n");
   o.collectives = std::make_shared<DeviceOnlyCollectives>();
   EXPECT_THAT([&] { tl::StreamedModel model(std::move(list), o); },
@@ -1636,8 +1720,7 @@ TEST(Collectives, ATensorABlockReadsWithoutListingItIsRefusedByName) {
   std::vector<std::vector<TinyBlock>> blocks{make_blocks(72), make_blocks(72)};
   const std::vector<std::string> failures = on_two_ranks([&](int rank, const auto& group, const auto&) {
     const torch::Tensor gate = torch::ones({kDim}).requires_grad_(true);
-    tl::StreamedModelOptions o;
-    o.plugin_file = SP_PLUGIN_FILE;
+    tl::StreamedModelOptions o = test_options();
     o.config_yaml = policy_yaml("  mode: off\n");
     o.collectives = tl::over_process_group(group);
     tl::StreamedModel model(gated_blocks(blocks[rank], gate), o);
@@ -1680,8 +1763,7 @@ TEST(Collectives, WithNcclTheGradientsAreReducedOnTheGpuAndTheRunIsUnchanged) {
       b->to(gpu);
       list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
     }
-    tl::StreamedModelOptions o;
-    o.plugin_file = SP_PLUGIN_FILE;
+    tl::StreamedModelOptions o = test_options();
     o.config_yaml = policy_yaml("  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n");
     o.device = gpu;
     o.collectives = std::move(collectives);

@@ -9,9 +9,10 @@
 //   - sizes and runs the streaming engine: every forward fetches each block's weights over
 //     the route the policy chose (BF16, INT8 or NF4), dequantized into the block's own
 //     parameters for the duration of its forward;
-//   - plugs into autograd: a plain loss.backward() fetches the blocks again in reverse,
-//     recomputes each block's forward and differentiates it; the gradient with respect to
-//     the delivered weights lands straight-through in the masters' .grad (accumulated, so
+//   - plugs into autograd: a plain loss.backward() fetches the blocks again in reverse, as it
+//     reaches each, and differentiates them on the activations their forward kept (or
+//     recomputes each block first: StreamedModelOptions::recompute); the gradient with respect
+//     to the delivered weights lands straight-through in the masters' .grad (accumulated, so
 //     micro-batches add up), resident parameters get theirs the usual way;
 //   - drives the policy plugin (PolicySession): hooks in order, hints to the engines before
 //     the images are rebuilt, hot-swap polling, state for checkpoints, calibration.
@@ -73,7 +74,7 @@ using NamedParameters = std::vector<std::pair<std::string, torch::Tensor>>;
 // A block's computation with any number of tensor inputs and outputs, on the streamed weights
 // `weights` hands over (by parameter name, on the compute device, valid for the call). Any
 // non-tensor arguments are the callable's own: it is called again, with the same inputs, for
-// the backward's recompute.
+// a recompute in the backward (StreamedModelOptions::recompute, or the host's checkpointing).
 using BlockCall =
     std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>& inputs, const NamedParameters& weights)>;
 
@@ -168,6 +169,17 @@ struct StreamedModelOptions {
   // begin_step, end_step, refresh_images, calibrate / measure_calibration_errors and
   // restore_state.
   bool shard_masters = false;
+
+  // What a training pass keeps for its backward. false: the activations, as plain autograd keeps
+  // them; each block's weights are fetched again when the backward reaches it (before its first
+  // node) and released after its last, and no forward runs twice. true: the block's inputs only;
+  // the backward recomputes each block's forward under the forward's random streams and
+  // autocast, so a block holds its activations only while its backward runs (less memory, a
+  // third more compute). Unset: false in one process, true with `collectives`, where the block's
+  // backward also averages its resident parameters' gradients across the ranks (false is
+  // refused there). A host's own checkpointing of a block (torch.utils.checkpoint without
+  // reentrance) works either way: with false the layer adds no recompute of its own.
+  std::optional<bool> recompute;
 
   // Online re-calibration: every this many steps (0: never), end_step() measures the blocks'
   // INT8 and NF4 output errors again, on the first-block input of the step's last training
@@ -264,8 +276,9 @@ class StreamedModel {
   // training (grad mode, inside a step) or evaluation, calls every block once, in order from
   // block 0; block 0 opens the pass (dropping one the host left unfinished), and a block out of
   // that order is refused (std::logic_error naming it). The outputs that are floating point
-  // are differentiable; the backward's recompute calls `call` (the block's own when empty) on
-  // the same inputs, kept by autograd, under the forward's random streams and autocast.
+  // are differentiable. With StreamedModelOptions::recompute, the backward's recompute calls
+  // `call` (the block's own when empty) on the same inputs, kept by autograd, under the forward's
+  // random streams and autocast.
   std::vector<torch::Tensor> forward_block(std::uint32_t block, const std::vector<torch::Tensor>& inputs,
                                            BlockCall call = {});
   // The step the next begin_step() may take at the earliest: after the last one begun in this
