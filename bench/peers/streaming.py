@@ -25,9 +25,19 @@ model.parameters(), fp32 masters and fp32 moments, except the pure-bf16 referenc
   allocated once (two sets, alternate blocks, as a swap double-buffers) and run the block on
   them (torch.func.functional_call); autograd takes the gradient through copy_ to the fp32
   master. Under the same bf16 autocast;
+- block swap without recompute: the same copies, made fresh for each forward and kept by
+  autograd for the backward (no checkpoint): each block's compute copy lives until its
+  backward, so on a GPU it would hold every block's weights at once. The fastest a hand-written
+  swap without recompute can be, and the peer of sp.stream's default;
 - sp.stream(): the blocks streamed from their fp32 masters, compute_dtype=bfloat16, under the
   same autocast, with every block's route pinned (policy mode static with force_*_blocks, or
-  mode off for BF16): BF16, INT8 and NF4.
+  mode off for BF16): BF16, INT8 and NF4; keeping the activations (the default), and with
+  recompute=True (against the block swap with checkpointing).
+
+--compute fp32: every side computes in fp32 (no autocast, sp.stream compute_dtype=float32, the
+swap's copies fp32), and "resident fp32" is the resident side the goals compare with. For CPUs
+without native bf16 matmuls (AVX-512-BF16 or AMX), where a bf16 step of this model takes about
+25 times the fp32 one and would be all matmul.
 
 Time per step is the wall-clock median of --repeats after two untimed steps per side (the
 policy's forced routes take effect at the second), the sides interleaved within each repeat (each
@@ -39,7 +49,7 @@ for the "profile" section, and the streamed BF16 step, the resident bf16 one and
 swap's are profiled by operator (torch.profiler, two steps) on the first thread count.
 
     PYTHONPATH=build/python HF_HUB_OFFLINE=1 .venv/bin/python bench/peers/streaming.py \
-        --out bench/results/peers/streaming.json
+        --out bench/results/peers/streaming.json [--compute fp32]
 """
 
 import argparse
@@ -83,31 +93,38 @@ PHASES_NOTE = (
 class SwappedBlock(torch.nn.Module):
     """The hand-written block swap, as its authors write it for a GPU, here with the CPU as the
     compute device: the block's 2-D weights stay its fp32 masters; its forward, and its
-    recompute in the backward, copy them into bf16 compute copies allocated once and run the
-    block on those. The gradient reaches the masters through copy_."""
+    recompute in the backward, copy them into compute copies allocated once and run the block
+    on those. The gradient reaches the masters through copy_. Without `compute` (no recompute),
+    each forward copies into fresh tensors, which autograd keeps for the backward."""
 
-    def __init__(self, block, compute):
+    def __init__(self, block, compute, dtype):
         super().__init__()
         self.block = block
         self.masters = {n: p for n, p in block.named_parameters() if p.dim() == 2}
-        self.compute = compute  # name -> bf16 tensor, shared with the blocks of the same parity
+        self.compute = compute  # name -> tensor, shared with the blocks of the same parity; None: fresh
+        self.dtype = dtype
 
     def forward(self, *args, **kwargs):
+        if self.compute is None:
+            return self._run(*args, **kwargs)
         return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
 
     def _run(self, *args, **kwargs):
-        # detach(): each copy starts a fresh history, so the backward does not carry the previous
-        # block's use of the same buffer along with it.
-        weights = {n: self.compute[n].detach().copy_(m) for n, m in self.masters.items()}
+        if self.compute is None:
+            weights = {n: m.to(self.dtype, copy=True) for n, m in self.masters.items()}
+        else:
+            # detach(): each copy starts a fresh history, so the backward does not carry the
+            # previous block's use of the same buffer along with it.
+            weights = {n: self.compute[n].detach().copy_(m) for n, m in self.masters.items()}
         return torch.func.functional_call(self.block, weights, args, kwargs)
 
 
-def block_swap(model):
+def block_swap(model, dtype, recompute):
     block = model.model.layers[0]
-    buffers = [{n: torch.empty(p.shape, dtype=BF16) for n, p in block.named_parameters() if p.dim() == 2}
+    buffers = [{n: torch.empty(p.shape, dtype=dtype) for n, p in block.named_parameters() if p.dim() == 2}
                for _ in range(2)]
     model.model.layers = torch.nn.ModuleList(
-        SwappedBlock(b, buffers[i % 2]) for i, b in enumerate(model.model.layers))
+        SwappedBlock(b, buffers[i % 2] if recompute else None, dtype) for i, b in enumerate(model.model.layers))
     return model
 
 
@@ -159,25 +176,38 @@ class Side:
         return {k: round(statistics.median(p[k] for p in self.phases) * 1e3, 2) for k in self.phases[0]}
 
 
-def make_sides(state, output_dir):
+RESIDENT = {"bf16": "resident bf16 (autocast)", "fp32": "resident fp32"}
+SWAP, SWAP_KEPT = "block swap", "block swap without recompute"
+
+
+def make_sides(state, output_dir, compute):
     config = transformers.LlamaConfig(**MODEL)
+    autocast, dtype = compute == "bf16", {"bf16": BF16, "fp32": torch.float32}[compute]
 
     def fresh():
         model = transformers.LlamaForCausalLM(config)
         model.load_state_dict(state)
         return model
 
-    sides = {"resident fp32": Side("resident fp32", fresh(), autocast=False),
-             "resident bf16 (autocast)": Side("resident bf16 (autocast)", fresh(), autocast=True),
-             "resident pure bf16": Side("resident pure bf16", fresh().to(BF16), autocast=False),
-             "block swap": Side("block swap", block_swap(fresh()), autocast=True)}
-    for route in ("bf16", "int8", "nf4"):
-        model = fresh()
-        model.model.layers = sp.stream(model.model.layers, config=routes_config(route, config.num_hidden_layers),
-                                       device="cpu", compute_dtype=BF16, output_dir=output_dir)
-        label = "sp.stream %s" % route.upper()
-        sides[label] = Side(label, model, autocast=True, streamed=route)
+    sides = {"resident fp32": Side("resident fp32", fresh(), autocast=False)}
+    if autocast:
+        sides["resident bf16 (autocast)"] = Side("resident bf16 (autocast)", fresh(), autocast=True)
+        sides["resident pure bf16"] = Side("resident pure bf16", fresh().to(BF16), autocast=False)
+    sides[SWAP] = Side(SWAP, block_swap(fresh(), dtype, recompute=True), autocast=autocast)
+    sides[SWAP_KEPT] = Side(SWAP_KEPT, block_swap(fresh(), dtype, recompute=False), autocast=autocast)
+    for recompute in (False, True):
+        for route in ("bf16", "int8", "nf4"):
+            model = fresh()
+            model.model.layers = sp.stream(model.model.layers,
+                                           config=routes_config(route, config.num_hidden_layers), device="cpu",
+                                           compute_dtype=dtype, output_dir=output_dir, recompute=recompute)
+            label = streamed_label(route, recompute)
+            sides[label] = Side(label, model, autocast=autocast, streamed=route)
     return sides
+
+
+def streamed_label(route, recompute):
+    return "sp.stream %s%s" % (route.upper(), " recompute" if recompute else "")
 
 
 def operator_profile(side, ids, steps=2, top=14):
@@ -208,8 +238,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-op-profile", action="store_true")
+    parser.add_argument("--compute", choices=("bf16", "fp32"), default="bf16",
+                        help="what every side computes in (fp32: for CPUs without native bf16 matmuls)")
     args = parser.parse_args()
-    rows = PeerRows(COMMAND, "steps/s")
+    rows = PeerRows(" ".join([COMMAND] + sys.argv[1:]), "steps/s")
 
     def info(name, peer, ours_s, theirs_s, threads):
         """A row for information: no goal."""
@@ -227,7 +259,7 @@ def main():
     started, load_before = time.perf_counter(), os.getloadavg()
     for threads in args.threads:
         torch.set_num_threads(threads)
-        sides = make_sides(state, output_dir)
+        sides = make_sides(state, output_dir, args.compute)
         for side in sides.values():  # two untimed steps: the forced routes hold from the second
             side.step(ids, record=False)
             side.step(ids, record=False)
@@ -249,19 +281,27 @@ def main():
                                         "samples_ms": [round(x * 1e3, 1) for x in sides[label].times],
                                         "median_cpu_ms": round(statistics.median(sides[label].cpu_times) * 1e3, 1),
                                         "phases_median_ms": sides[label].phase_medians()} for label, t in s.items()}
-        resident, swap = "resident bf16 (autocast)", "block swap"
-        for route in ("BF16", "INT8", "NF4"):
-            ours = "sp.stream %s" % route
-            rows.add("%s step vs resident bf16" % ours, "resident bf16 (fp32 weights, bf16 autocast)",
-                     1 / s[ours], 1 / s[resident], threads, GOAL_VS_RESIDENT)
-            rows.add("%s step vs block swap" % ours, "hand-written block swap (copy_ + checkpoint)",
-                     1 / s[ours], 1 / s[swap], threads, GOAL_VS_SWAP)
-        info("sp.stream BF16 step vs resident pure bf16", "resident pure bf16 (model.to(bf16))",
-             s["sp.stream BF16"], s["resident pure bf16"], threads)
-        info("block swap step vs resident bf16", "resident bf16 (fp32 weights, bf16 autocast)",
-             s[swap], s[resident], threads)
-        info("resident fp32 step vs resident bf16", "resident bf16 (fp32 weights, bf16 autocast)",
-             s["resident fp32"], s[resident], threads)
+        resident, swap = RESIDENT[args.compute], SWAP
+        peer_resident = {"bf16": "resident bf16 (fp32 weights, bf16 autocast)",
+                         "fp32": "resident fp32 (fp32 weights, fp32 compute)"}[args.compute]
+        for route in ("bf16", "int8", "nf4"):
+            ours, recomputing = streamed_label(route, False), streamed_label(route, True)
+            rows.add("%s step vs %s" % (ours, resident), peer_resident, 1 / s[ours], 1 / s[resident], threads,
+                     GOAL_VS_RESIDENT)
+            rows.add("%s step vs block swap without recompute" % ours,
+                     "hand-written block swap (fresh copies kept by autograd)", 1 / s[ours], 1 / s[SWAP_KEPT],
+                     threads, GOAL_VS_SWAP)
+            rows.add("%s step vs block swap" % recomputing, "hand-written block swap (copy_ + checkpoint)",
+                     1 / s[recomputing], 1 / s[swap], threads, GOAL_VS_SWAP)
+            info("%s step vs %s" % (ours, recomputing), "the same layer recomputing", s[ours], s[recomputing],
+                 threads)
+        if args.compute == "bf16":
+            info("sp.stream BF16 step vs resident pure bf16", "resident pure bf16 (model.to(bf16))",
+                 s["sp.stream BF16"], s["resident pure bf16"], threads)
+            info("resident fp32 step vs resident bf16", peer_resident, s["resident fp32"], s[resident], threads)
+        info("block swap step vs %s" % resident, peer_resident, s[swap], s[resident], threads)
+        info("block swap without recompute step vs %s" % resident, peer_resident, s[SWAP_KEPT], s[resident],
+             threads)
         if threads == args.threads[0] and not args.no_op_profile:
             for label in ("sp.stream BF16", resident, swap):
                 profiles[label] = operator_profile(sides[label], ids)
@@ -277,23 +317,26 @@ def main():
         args.out, "peers-streaming", args.repeats, rows, ("transformers",),
         model={**MODEL, "batch": BATCH, "seq": SEQ, "block_parameters": n_block,
                "parameters": sum(v.numel() for v in state.values())},
-        compute=("every side but 'resident fp32' and 'resident pure bf16' keeps fp32 weights (masters) and "
-                 "computes under torch.autocast('cpu', bfloat16); sp.stream with compute_dtype=bfloat16 "
-                 "(its blocks get the delivered bf16, INT8- or NF4-dequantized weights); the optimizer is "
-                 "torch.optim.AdamW(fused=True) over model.parameters() for every side"),
+        compute=(("every side but 'resident fp32' and 'resident pure bf16' keeps fp32 weights (masters) and "
+                  "computes under torch.autocast('cpu', bfloat16); sp.stream with compute_dtype=bfloat16 "
+                  "(its blocks get the delivered bf16, INT8- or NF4-dequantized weights)") if args.compute == "bf16"
+                 else ("--compute fp32: every side keeps fp32 weights (masters) and computes in fp32; sp.stream "
+                       "with compute_dtype=float32 (its blocks get the delivered bf16, INT8- or NF4-dequantized "
+                       "weights converted to fp32); the goals' resident side is 'resident fp32'"))
+                + "; the optimizer is torch.optim.AdamW(fused=True) over model.parameters() for every side",
         resident_bf16=("the goals' 'resident bf16' is fp32 weights under bf16 autocast (same optimizer, masters "
                        "and compute as the streamed side); model.to(bfloat16) with AdamW on bf16 weights is "
                        "'resident pure bf16', information only"),
         threads_note=("torch.set_num_threads(threads) for every side; the layer's own kernels (images, "
                       "dequantize) and its copy queue take their own threads (hardware_concurrency), not "
                       "torch's setting"),
-        first_step_loss=first_losses, routes=routes, transfer=h2d,
+        compute_mode=args.compute, first_step_loss=first_losses, routes=routes, transfer=h2d,
         steps={str(t): v for t, v in per_threads.items()},
         profile={"phases_note": PHASES_NOTE,
                  "phases": {str(t): {label: v["phases_median_ms"] for label, v in d.items()}
                             for t, d in per_threads.items()},
                  "sp.stream BF16 minus": {str(t): {peer: phase_deltas(d["sp.stream BF16"], d[peer])
-                                                   for peer in ("resident bf16 (autocast)", "block swap")}
+                                                   for peer in (RESIDENT[args.compute], SWAP_KEPT)}
                                           for t, d in per_threads.items()},
                  "operators_%d_thread(s)" % args.threads[0]: profiles},
         seconds=round(elapsed, 1),

@@ -49,6 +49,8 @@ class _StreamedModel:
         process_group: Any,
         shard_masters: bool,
         calls: list[Callable[[list[torch.Tensor], dict[str, torch.Tensor]], list[torch.Tensor]]] | None = None,
+        transfer_policy: str = "",
+        recompute: bool | None = None,
     ) -> None: ...
     def close(self) -> None: ...
     @property

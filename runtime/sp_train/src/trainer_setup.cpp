@@ -290,6 +290,9 @@ void Trainer::Impl::build_layer() {
   o.recalibrate_every = config.train.recalibrate_every;
   o.collectives = collectives;
   o.shard_masters = config.train.data_parallel == DataParallelMode::sharded;
+  // The host-memory check before the model is built (estimated_host_bytes, docs/training.md)
+  // counts the recompute's activations: each unit's input and one block's working set.
+  o.recompute = true;
   o.plugin_hook_deadline = std::chrono::milliseconds(
       static_cast<std::int64_t>(std::llround(config.train.plugin_hook_deadline_seconds * 1000.0)));
   if (!config.streaming.metrics_file.empty()) o.metrics_path = (run_dir / config.streaming.metrics_file).string();
