@@ -10,6 +10,7 @@
 #
 #   source .deps/device-env.sh && bash scripts/gpu-check.sh suite   # build, whole suite, GPU required
 #   source .deps/device-env.sh && bash scripts/gpu-check.sh bench   # every benchmark (after suite)
+#   source .deps/device-env.sh && bash scripts/gpu-check.sh claim   # issue 41's GPU claim (after suite)
 #
 # Builds once into build-gpu/ (kept on the machine between calls), Hopper only, against the
 # machine's torch (SP_PYTHON: its python3; the project's .venv does not travel). Writes the logs
@@ -89,8 +90,16 @@ case ${1:-} in
         cp "$out/train-cuda-$policy/summary.json" "$out/train-cuda-$policy.json"
     done
     ;;
+  claim)
+    # Issue 41's GPU claim: a 1.9 B-parameter Llama-style model streamed on the device, against
+    # resident and a musubi-style block swap, LoRA and full (bench/peers/gpu_claim.py, about 6
+    # minutes on an H100). Needs build-gpu/'s Python module (run 'suite' first).
+    [[ -d $build/python/selective_precision ]] || { echo "build-gpu/ is not built: run 'suite' first" >&2; exit 1; }
+    PYTHONPATH="$PWD/$build/python" SP_PLUGIN_DIR="$PWD/$build/plugins" SP_STEP_SECONDS=${SP_STEP_SECONDS:-540} \
+      step gpu-claim python3 bench/peers/gpu_claim.py --out "$out/gpu-claim.json" --commit "$commit"
+    ;;
   *)
-    echo "usage: bash scripts/gpu-check.sh suite|bench   (after: source .deps/device-env.sh)" >&2
+    echo "usage: bash scripts/gpu-check.sh suite|bench|claim   (after: source .deps/device-env.sh)" >&2
     exit 2
     ;;
 esac
