@@ -22,7 +22,7 @@ class PeerRows(list):
         self.append({"name": name, "peer": peer, "ours": round(ours, 3), "theirs": round(theirs, 3),
                      "unit": self.unit, "ours_over_peer": round(ours / theirs, 3), "goal": goal,
                      "threads": threads, "command": self.command})
-        print("%-44s %-40s %d thr  ours %8.2f  theirs %8.2f %s  ratio %5.2f (goal %.1f)"
+        print("%-44s %-40s %d thr  ours %8.2f  theirs %8.2f %s  ratio %5.2f (goal %.3g)"
               % (name, peer, threads, ours, theirs, self.unit, ours / theirs, goal), flush=True)
 
 

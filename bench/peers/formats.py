@@ -2,7 +2,7 @@
 same tensors: bitsandbytes' quantize_4bit / dequantize_4bit (nf4, blocks of 64) and torchao's
 to_nf4 / get_original_weight for NF4, torch.quantize_per_channel for INT8 (per row), with a copy
 of the bf16 weights as the ceiling. Each operation is timed interleaved with its peers (median
-of --repeats after one untimed call), on 1 and 2 threads: torch.set_num_threads for every side,
+of --repeats samples after one untimed call, a sample timing calls in a row for at least 50 ms), on 1 and 2 threads: torch.set_num_threads for every side,
 ours with threads=0, which runs the kernels on torch's own intra-op team. Throughput is the bf16
 weights' bytes (2 per element) per second, for every side, so that the ratios compare like with
 like. A dequantize writes into a tensor allocated once where the API takes one (ours;
@@ -28,6 +28,9 @@ COMMAND = "bash bench/run_peers.sh OUT_DIR (bench/peers/formats.py)"
 SHAPES = [(4096, 4096), (1024, 4096)]
 # The goals issue 32 sets: >= 2x each peer on quantize and dequantize, >= 0.5x a copy on dequantize.
 GOAL_PEER, GOAL_COPY = 2.0, 0.5
+# Each sample times calls in a row for at least this long: a 1024 x 4096 dequantize takes half a
+# millisecond, and timed one call at a time its row swung from 1.2x to 2.7x between runs.
+SAMPLE_SECONDS = 0.05
 
 
 def peers():
@@ -69,6 +72,9 @@ def main():
     def row(name, peer, ours_s, theirs_s, nbytes, threads, goal):
         rows.add(name, peer, nbytes / ours_s / 1e9, nbytes / theirs_s / 1e9, threads, goal)
 
+    def timed(body):
+        return median_seconds(args.repeats, body, SAMPLE_SECONDS)
+
     for threads in args.threads:
         torch.set_num_threads(threads)
         for rows_n, cols in SHAPES:
@@ -77,26 +83,25 @@ def main():
             nbytes = x.numel() * 2
             shape = "%dx%d" % (rows_n, cols)
             out = torch.empty_like(x)
-            copy = median_seconds(args.repeats, lambda: out.copy_(x))
-            ours_q = median_seconds(args.repeats, lambda: sp.quantize_nf4(x, 64, threads=0))
+            copy = timed(lambda: out.copy_(x))
+            ours_q = timed(lambda: sp.quantize_nf4(x, 64, threads=0))
             codes, scales = sp.quantize_nf4(x, 64, threads=0)
-            ours_dq = median_seconds(args.repeats,
-                                     lambda: sp.dequantize_nf4(codes, scales, 64, threads=0, out=out))
+            ours_dq = timed(lambda: sp.dequantize_nf4(codes, scales, 64, threads=0, out=out))
             row("nf4 dequantize %s" % shape, "copy of the bf16 weights", ours_dq, copy, nbytes, threads, GOAL_COPY)
             for peer, (quantize, dequantize) in nf4_peers.items():
-                row("nf4 quantize %s" % shape, peer, ours_q, median_seconds(args.repeats, lambda: quantize(x)),
+                row("nf4 quantize %s" % shape, peer, ours_q, timed(lambda: quantize(x)),
                     nbytes, threads, GOAL_PEER)
                 image = quantize(x)
                 row("nf4 dequantize %s" % shape, peer, ours_dq,
-                    median_seconds(args.repeats, lambda: dequantize(image, out)), nbytes, threads, GOAL_PEER)
-            ours_q8 = median_seconds(args.repeats, lambda: sp.quantize_int8(x, 0, threads=0))
+                    timed(lambda: dequantize(image, out)), nbytes, threads, GOAL_PEER)
+            ours_q8 = timed(lambda: sp.quantize_int8(x, 0, threads=0))
             q8, s8 = sp.quantize_int8(x, 0, threads=0)
-            ours_dq8 = median_seconds(args.repeats, lambda: sp.dequantize_int8(q8, s8, 0, threads=0, out=out))
+            ours_dq8 = timed(lambda: sp.dequantize_int8(q8, s8, 0, threads=0, out=out))
             row("int8 quantize %s, per row" % shape, "torch.quantize_per_channel", ours_q8,
-                median_seconds(args.repeats, lambda: int8_per_channel(x)), nbytes, threads, GOAL_PEER)
+                timed(lambda: int8_per_channel(x)), nbytes, threads, GOAL_PEER)
             quantized = int8_per_channel(x)
             row("int8 dequantize %s, per row" % shape, "torch.quantize_per_channel", ours_dq8,
-                median_seconds(args.repeats, lambda: quantized.dequantize().to(torch.bfloat16)), nbytes, threads,
+                timed(lambda: quantized.dequantize().to(torch.bfloat16)), nbytes, threads,
                 GOAL_PEER)
             row("int8 dequantize %s, per row" % shape, "copy of the bf16 weights", ours_dq8, copy, nbytes, threads,
                 GOAL_COPY)

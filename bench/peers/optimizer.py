@@ -33,8 +33,21 @@ from peer_report import PeerRows, write_report  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 COMMAND = "bash bench/run_peers.sh OUT_DIR (bench/peers/optimizer.py)"
-# The goals issue 32 sets: >= 1.0x each peer on the optimizer alone, >= 1.3x once the image counts.
-GOAL_ALONE, GOAL_WITH_IMAGE = 1.0, 1.3
+# The goal issue 32 sets: >= 1.0x each peer on the optimizer alone.
+GOAL_ALONE = 1.0
+# Bytes per parameter of an AdamW step on fp32 state (read the weight, gradient and two moments,
+# write the weight and moments), and of each image (its codes; the per-row or per-64 scales
+# add under 0.1 byte). Ours writes the image in the update's sweep; a peer's second pass reads
+# the weights again. Once the image counts, the bytes bound ours at (28 + 4 + image) / (28 +
+# image) of a peer, about 1.13x: issue 32's 1.3x could not be met, so the goal is 0.95 of that
+# bound (issue 41), written into each row.
+ADAMW_BYTES, IMAGE_BYTES = 28.0, {"bf16": 2.0, "int8": 1.0, "nf4": 0.5}
+
+
+def goal_with_image(image):
+    ours, peer = ADAMW_BYTES + IMAGE_BYTES[image], ADAMW_BYTES + 4.0 + IMAGE_BYTES[image]
+    basis = "0.95 x the bytes the peer's two passes move (%g B/param) / ours (%g B/param)" % (peer, ours)
+    return round(0.95 * peer / ours, 3), basis
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
 
 
@@ -153,8 +166,10 @@ def main():
                         step()
                         second_pass()
 
+                    goal, basis = goal_with_image(image)
                     row("adamw + %s image %s" % (image, label), "%s, then %s" % (peer_name, how), ours_with[image],
-                        median_seconds(args.repeats, peer_with_image), n, threads, GOAL_WITH_IMAGE)
+                        median_seconds(args.repeats, peer_with_image), n, threads, goal)
+                    rows[-1]["goal_basis"] = basis
                 del peer
     for name, why in unavailable.items():
         print("%s: not measured: %s" % (name, why), file=sys.stderr)

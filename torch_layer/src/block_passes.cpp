@@ -86,45 +86,31 @@ struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFun
   }
 };
 
-// Activations kept: the node at a block's outputs that need a gradient. Every node of the block
-// leads to them, so its backward runs first: the block is fetched again there.
-struct KeptBlockOutputs : public torch::autograd::Function<KeptBlockOutputs> {
+// Activations kept: the node at a block's outputs that need a gradient (`begins`), or at its
+// inputs that do. Every node of the block leads to the outputs' one and from the inputs' one, so
+// autograd runs the first before the block's nodes (the block is fetched again there) and the
+// second after them all (the block is released).
+struct KeptBlockBoundary : public torch::autograd::Function<KeptBlockBoundary> {
   static variable_list forward(AutogradContext* ctx, std::int64_t model, std::int64_t block, std::int64_t pass,
-                               at::TensorList outputs) {
+                               bool begins, at::TensorList tensors) {
     ctx->set_materialize_grads(false);
     ctx->saved_data["model"] = model;
     ctx->saved_data["block"] = block;
     ctx->saved_data["pass"] = pass;
-    return outputs.vec();
+    ctx->saved_data["begins"] = begins;
+    return tensors.vec();
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto block = static_cast<std::uint32_t>(ctx->saved_data["block"].toInt());
-    live_model_for_backward(ctx->saved_data["model"].toInt(), block)
-        ->begin_kept_backward(block, static_cast<std::uint64_t>(ctx->saved_data["pass"].toInt()));
-    variable_list out(3);
-    out.insert(out.end(), grads.begin(), grads.end());
-    return out;
-  }
-};
-
-// Activations kept: the node at a block's inputs that need a gradient. It leads to none of the
-// block's nodes, which all lead to it, so it runs after them: the block is released there.
-struct KeptBlockInputs : public torch::autograd::Function<KeptBlockInputs> {
-  static variable_list forward(AutogradContext* ctx, std::int64_t model, std::int64_t block, std::int64_t pass,
-                               at::TensorList inputs) {
-    ctx->set_materialize_grads(false);
-    ctx->saved_data["model"] = model;
-    ctx->saved_data["block"] = block;
-    ctx->saved_data["pass"] = pass;
-    return inputs.vec();
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto block = static_cast<std::uint32_t>(ctx->saved_data["block"].toInt());
-    live_model_for_backward(ctx->saved_data["model"].toInt(), block)
-        ->end_kept_backward(block, static_cast<std::uint64_t>(ctx->saved_data["pass"].toInt()));
-    variable_list out(3);
+    const auto pass = static_cast<std::uint64_t>(ctx->saved_data["pass"].toInt());
+    const std::shared_ptr<StreamedModel::Impl> impl = live_model_for_backward(ctx->saved_data["model"].toInt(), block);
+    if (ctx->saved_data["begins"].toBool()) {
+      impl->begin_kept_backward(block, pass);
+    } else {
+      impl->end_kept_backward(block, pass);
+    }
+    variable_list out(4);
     out.insert(out.end(), grads.begin(), grads.end());
     return out;
   }
@@ -667,19 +653,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::kept_forward(std::uint32_t b, st
   pass.versions[b].clear();
   for (const StreamedParam& p : block.streamed) pass.versions[b].push_back(p.master._version());
   std::vector<torch::Tensor> xs = inputs;
-  std::vector<std::size_t> slots;
-  std::vector<torch::Tensor> through;
-  for (std::size_t i = 0; i < xs.size(); ++i) {
-    if (!xs[i].defined() || !xs[i].requires_grad()) continue;
-    slots.push_back(i);
-    through.push_back(xs[i]);
-  }
-  if (!through.empty()) {
-    through = KeptBlockInputs::apply(this->id, static_cast<std::int64_t>(b), static_cast<std::int64_t>(id),
-                                     at::TensorList(through));
-    for (std::size_t k = 0; k < slots.size(); ++k) xs[slots[k]] = through[k];
-  }
-  pass.input_nodes[b] = !through.empty();
+  pass.input_nodes[b] = through_boundary(xs, b, id, /*begins=*/false);
   std::vector<std::int64_t> edges(block.streamed.size(), -1);
   c10::intrusive_ptr<torch::autograd::Node> node;
   if (std::any_of(block.streamed.begin(), block.streamed.end(),
@@ -701,19 +675,24 @@ std::vector<torch::Tensor> StreamedModel::Impl::kept_forward(std::uint32_t b, st
   engine->release(b);
   pass.weight_nodes[b] = std::move(node);
   pass.weight_inputs[b] = std::move(edges);
-  slots.clear();
-  through.clear();
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    if (!out[i].defined() || !out[i].requires_grad()) continue;
-    slots.push_back(i);
-    through.push_back(out[i]);
-  }
-  if (!through.empty()) {
-    through = KeptBlockOutputs::apply(this->id, static_cast<std::int64_t>(b), static_cast<std::int64_t>(id),
-                                      at::TensorList(through));
-    for (std::size_t k = 0; k < slots.size(); ++k) out[slots[k]] = through[k];
-  }
+  through_boundary(out, b, id, /*begins=*/true);
   return out;
+}
+
+bool StreamedModel::Impl::through_boundary(std::vector<torch::Tensor>& tensors, std::uint32_t b, std::uint64_t id,
+                                           bool begins) {
+  std::vector<std::size_t> slots;
+  std::vector<torch::Tensor> through;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].defined() || !tensors[i].requires_grad()) continue;
+    slots.push_back(i);
+    through.push_back(tensors[i]);
+  }
+  if (through.empty()) return false;
+  through = KeptBlockBoundary::apply(this->id, static_cast<std::int64_t>(b), static_cast<std::int64_t>(id), begins,
+                                     at::TensorList(through));
+  for (std::size_t k = 0; k < slots.size(); ++k) tensors[slots[k]] = std::move(through[k]);
+  return true;
 }
 
 NamedParameters StreamedModel::Impl::kept_weights(BlockState& block, const c10::intrusive_ptr<torch::autograd::Node>& node,

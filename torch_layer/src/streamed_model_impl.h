@@ -563,6 +563,9 @@ struct StreamedModel::Impl {
   // weights, between a node at its inputs (the end of its backward) and one at its outputs (the
   // start: the block is fetched again there).
   std::vector<torch::Tensor> kept_forward(std::uint32_t b, std::uint64_t id, const std::vector<torch::Tensor>& inputs);
+  // The tensors of `tensors` that need a gradient pass through block b's boundary node (at its
+  // outputs when `begins`, else at its inputs): whether there was one.
+  bool through_boundary(std::vector<torch::Tensor>& tensors, std::uint32_t b, std::uint64_t id, bool begins);
   // The block's weights as this call computes with them: tensors on the `kept` storages, whose
   // gradients reach `node` (as its inputs `edges`) where they need one.
   // `edges` unset (-1) are assigned (the forward); a checkpoint's recompute gives them again.
