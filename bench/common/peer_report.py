@@ -26,6 +26,15 @@ class PeerRows(list):
               % (name, peer, threads, ours, theirs, self.unit, ours / theirs, goal), flush=True)
 
 
+def routes_config(route, blocks):
+    """A policy config that pins every one of `blocks` blocks to `route` ("bf16", "int8" or
+    "nf4") from the second step on: mode off for BF16, static with the blocks forced otherwise."""
+    if route == "bf16":
+        return {"mode": "off", "telemetry_enabled": False}
+    return {"mode": "static", "telemetry_enabled": False, "tiers": ["bf16", "int8", "nf4"],
+            "force_%s_blocks" % route: list(range(blocks))}
+
+
 def write_report(path, benchmark, repeats, rows, peer_modules, **extra):
     """The report, written atomically: the machine, the versions of torch, ours and each peer
     module that imports, and the rows."""

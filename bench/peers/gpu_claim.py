@@ -50,7 +50,7 @@ import transformers  # noqa: E402
 import selective_precision as sp  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
-from peer_report import PeerRows, write_report  # noqa: E402
+from peer_report import PeerRows, routes_config, write_report  # noqa: E402
 
 CLAIM = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=8, num_attention_heads=32,
              num_key_value_heads=32, max_position_embeddings=1024, use_cache=False, attn_implementation="sdpa",
@@ -125,13 +125,6 @@ def block_swap(model, device):
                 module.lora_B.to(device)
     model.model.layers = torch.nn.ModuleList(SwappedBlock(b, buffers[i % 2], device) for i, b in enumerate(layers))
     return model
-
-
-def routes_config(route, blocks):
-    if route == "bf16":
-        return {"mode": "off", "telemetry_enabled": False}
-    return {"mode": "static", "telemetry_enabled": False, "tiers": ["bf16", "int8", "nf4"],
-            "force_%s_blocks" % route: list(range(blocks))}
 
 
 def synchronize(device):

@@ -68,7 +68,7 @@ import transformers  # noqa: E402
 import selective_precision as sp  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
-from peer_report import PeerRows, write_report  # noqa: E402
+from peer_report import PeerRows, routes_config, write_report  # noqa: E402
 
 COMMAND = "bash bench/run_peers.sh OUT_DIR (bench/peers/streaming.py)"
 # Issue 32's goals: streamed BF16 within 10% of the resident bf16 step (ours/peer >= 1/1.10),
@@ -126,13 +126,6 @@ def block_swap(model, dtype, recompute):
     model.model.layers = torch.nn.ModuleList(
         SwappedBlock(b, buffers[i % 2] if recompute else None, dtype) for i, b in enumerate(model.model.layers))
     return model
-
-
-def routes_config(route, blocks):
-    if route == "bf16":
-        return {"mode": "off", "telemetry_enabled": False}
-    return {"mode": "static", "telemetry_enabled": False, "tiers": ["bf16", "int8", "nf4"],
-            "force_%s_blocks" % route: list(range(blocks))}
 
 
 class Side:
