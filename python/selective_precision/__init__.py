@@ -86,6 +86,7 @@ RankMismatchError.__doc__ = "The ranks disagree where they must agree (their plu
 
 __all__ = [
     "stream",
+    "StreamOptions",
     "Budget",
     "PolicyReport",
     "StreamedLayers",
@@ -107,9 +108,6 @@ __all__ = [
     "CollectiveError",
     "RankMismatchError",
 ]
-
-_PLUGIN_NAME = "sp_selective_precision"
-
 
 def default_plugin_dir() -> str:
     """Where the policy plugins are: $SP_PLUGIN_DIR, else the installed package's plugins/
@@ -431,14 +429,8 @@ class StreamedBlocks:
     config: the policy's settings (its section `selective_precision`): a path to a YAML file
         (FileNotFoundError names it when there is none), YAML text, or a mapping of the
         policy's keys; None: the plugin's defaults.
-    plugin, plugin_dir: loads <plugin_dir>/lib<plugin>.so.
-    int8_group_size, nf4_group_size: elements per scale of the INT8 (0: one per row) and NF4
-        images; nf4_group_size None: the config's nf4_group_size, else 64 (both given must agree).
-    output_dir: where the policy writes its telemetry (its config's telemetry_file); None: the
-        policy writes nothing, whatever its config says (a library writes only where asked).
-    device, compute_dtype: where and in what dtype the blocks compute.
-    moments_from: parameter names whose gradients describe a block to the policy (e.g. LoRA
-        adapters); default: the streamed ones when they train.
+    options: a StreamOptions, or its fields as keyword arguments (device, compute_dtype,
+        output_dir, recompute, ...; StreamOptions says what each does). With these blocks:
     process_group: data parallelism over a torch.distributed process group whose collectives
         take CPU tensors (Gloo; NCCL alone is refused with a ValueError, while with
         "cpu:gloo,cuda:nccl" NCCL reduces the gradients on the GPU:
@@ -451,76 +443,18 @@ class StreamedBlocks:
     shard_masters: with a process group, block b's fp32 masters and optimizer state live on
         rank b % world_size alone (ZeRO-1/2 on the host): `master_parameters()` lists this
         rank's, and the owner sends the others each updated block's transfer image.
-    recompute: what a training pass keeps for its backward. False: the activations, as plain
-        autograd keeps them, and each block's weights are fetched again when the backward reaches
-        it. True: each block's inputs only, and the backward recomputes the block's forward
-        (under the forward's random streams and autocast) before differentiating it: less
-        memory, a third more compute. None: False in one process, True with a process_group
-        (where False is refused). A host's own torch.utils.checkpoint works either way.
-    transfer_policy: sp-bench's transfer policy for this machine (a JSON path): INT8 and NF4
-        only for the block sizes it measured faster than BF16, on the path of the block's
-        weights (trained or frozen); a missing or unusable file is logged and allows no
-        quantized route. None: the plugin's hints stand.
     """
 
-    def __init__(
-        self,
-        blocks,
-        streamed=None,
-        config=None,
-        plugin=_PLUGIN_NAME,
-        plugin_dir=None,
-        output_dir=None,
-        device="cpu",
-        compute_dtype=torch.float32,
-        moments_from=(),
-        prefetch_window=1,
-        spare_slabs=2,
-        int8_group_size=0,
-        nf4_group_size=None,
-        metrics_path="",
-        recalibrate_every=0,
-        host_bandwidth_cap_gbps=0.0,
-        process_group=None,
-        shard_masters=False,
-        transfer_policy=None,
-        recompute=None,
-    ):
+    def __init__(self, blocks, streamed=None, config=None, *, options: StreamOptions | None = None, **keywords):
+        options = _options("StreamedBlocks", options, keywords)
         modules = list(blocks)
         if not modules:
             raise ValueError("StreamedBlocks: the module list is empty")
         if streamed is None:
             streamed = _streamed_names(modules[0])
         _warn_trainable_streamed_in_frozen_blocks(modules, streamed)
-        config_yaml, config_source = _policy_config(config)
-        from ._stream import _without_telemetry
-
-        if output_dir is None:
-            config_yaml, config_source = _without_telemetry(config_yaml, config_source)
-        plugin_file = os.path.join(plugin_dir or default_plugin_dir(), "lib%s.so" % plugin)
         self._streamed_names = list(streamed)
-        self._model = _StreamedModel(
-            modules,
-            self._streamed_names,
-            list(moments_from),
-            plugin_file,
-            config_yaml,
-            config_source,
-            str(output_dir or "."),
-            str(device),
-            compute_dtype,
-            float(host_bandwidth_cap_gbps),
-            int(prefetch_window),
-            int(spare_slabs),
-            int(int8_group_size),
-            int(nf4_group_size or 0),
-            str(metrics_path),
-            int(recalibrate_every),
-            process_group,
-            bool(shard_masters),
-            transfer_policy=str(transfer_policy or ""),
-            recompute=_recompute_option(recompute),
-        )
+        self._model = _streamed_model(modules, self._streamed_names, config, options)
         self._placeholders = {id(p) for m in modules for n, p in m.named_parameters() if n in self._streamed_names}
         self._averaged = set()  # ids of the host parameters whose gradients this step averaged
         self._loaded_masters = False
@@ -752,4 +686,5 @@ class StreamedBlocks:
         return self._model.closed
 
 
-from ._stream import Budget, PolicyReport, StreamedBlock, StreamedLayers, _recompute_option, stream  # noqa: E402,E501  (uses the names above)
+from ._stream import (  # noqa: E402  (uses the names above)
+    Budget, PolicyReport, StreamedBlock, StreamedLayers, StreamOptions, _options, _streamed_model, stream)

@@ -70,6 +70,105 @@ class Budget:
         return {"bytes": float(self.bytes)} if self.bytes is not None else {"loss": float(self.loss)}
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamOptions:
+    """How stream() and StreamedBlocks stream, every option with its default in this one place:
+    `stream(blocks, config, options=StreamOptions(device="cuda"))`, or the same fields as keyword
+    arguments, `stream(blocks, config, device="cuda")`.
+
+    device, compute_dtype: where and in what dtype the blocks compute.
+    plugin, plugin_dir: the policy plugin, <plugin_dir>/lib<plugin>.so (plugin_dir None:
+        default_plugin_dir()).
+    output_dir: where the policy writes its telemetry (its config's telemetry_file); None: the
+        policy writes nothing, whatever its config says (a library writes only where asked).
+    moments_from: parameter names whose gradients describe a block to the policy (e.g. LoRA
+        adapters); default: the streamed ones when they train.
+    prefetch_window, spare_slabs: the streaming engine's fetches in flight ahead, and its spare
+        host slabs.
+    int8_group_size, nf4_group_size: elements per scale of the INT8 (0: one per row) and NF4
+        images; nf4_group_size None: the config's nf4_group_size, else 64 (both given must agree).
+    metrics_path: a JSONL of the training passes' transfers ("": none).
+    recalibrate_every: StreamedBlocks only: every this many steps (0: never) the blocks' INT8 and
+        NF4 output errors are measured again for the policy.
+    host_bandwidth_cap_gbps: on the CPU, a cap that emulates a link (0: memcpy speed).
+    process_group, shard_masters: data parallelism over a torch.distributed process group
+        (StreamedBlocks' docstring), and sharded masters (ZeRO-1/2 on the host).
+    transfer_policy: sp-bench's transfer policy for this machine (a JSON path); None: the
+        plugin's hints stand.
+    recompute: what a training pass keeps for its backward. False: the activations, as plain
+        autograd keeps them, and each block's weights are fetched again when the backward reaches
+        it. True: each block's inputs only, and the backward recomputes the block's forward
+        (under the forward's random streams and autocast) before differentiating it: less
+        memory, a third more compute. None: False in one process, True with a process_group
+        (where False is refused). A host's own torch.utils.checkpoint works either way.
+    budget: stream() only: a Budget, for policy v3 (the config's mode becomes budget).
+    """
+
+    device: str | torch.device = "cpu"
+    compute_dtype: torch.dtype = torch.float32
+    plugin: str = "sp_selective_precision"
+    plugin_dir: str | None = None
+    output_dir: str | os.PathLike | None = None
+    moments_from: tuple[str, ...] | list[str] = ()
+    prefetch_window: int = 1
+    spare_slabs: int = 2
+    int8_group_size: int = 0
+    nf4_group_size: int | None = None
+    metrics_path: str = ""
+    recalibrate_every: int = 0
+    host_bandwidth_cap_gbps: float = 0.0
+    process_group: object = None
+    shard_masters: bool = False
+    transfer_policy: str | None = None
+    recompute: bool | None = None
+    budget: Budget | None = None
+
+    def __post_init__(self):
+        if self.recompute is not None and not isinstance(self.recompute, bool):
+            raise TypeError("StreamOptions: recompute= expected True, False or None, got %s"
+                            % type(self.recompute).__name__)
+        if self.budget is not None and not isinstance(self.budget, Budget):
+            raise TypeError("StreamOptions: budget= expected selective_precision.Budget(bytes=...) or "
+                            "Budget(loss=...), got %s" % type(self.budget).__name__)
+
+
+def _options(caller: str, options, keywords: dict) -> StreamOptions:
+    """The options of a call that takes `options=StreamOptions(...)` or its fields as keywords."""
+    if options is not None:
+        if keywords:
+            raise TypeError("%s: give the options once, as options=StreamOptions(...) or as keyword arguments, "
+                            "not both (got options= and %s)" % (caller, sorted(keywords)))
+        if not isinstance(options, StreamOptions):
+            raise TypeError("%s: options= expected a selective_precision.StreamOptions, got %s"
+                            % (caller, type(options).__name__))
+        return options
+    known = {f.name for f in dataclasses.fields(StreamOptions)}
+    unknown = set(keywords) - known
+    if unknown:
+        raise TypeError("%s: unknown option(s) %s; known: %s" % (caller, sorted(unknown), sorted(known)))
+    return StreamOptions(**keywords)
+
+
+def _streamed_model(modules, names, config, options: StreamOptions, calls=None):
+    """The extension's model of `modules`, with `config` read and merged as `options` say."""
+    from . import _policy_config, _StreamedModel, default_plugin_dir
+
+    config_yaml, config_source = _policy_config(config)
+    if options.budget is not None:
+        config_yaml, config_source = _with_budget(config_yaml, config_source, options.budget)
+    if options.output_dir is None:
+        config_yaml, config_source = _without_telemetry(config_yaml, config_source)
+    plugin_file = os.path.join(options.plugin_dir or default_plugin_dir(), "lib%s.so" % options.plugin)
+    return _StreamedModel(
+        modules, list(names), list(options.moments_from), plugin_file, config_yaml, config_source,
+        str(options.output_dir or "."), str(options.device), options.compute_dtype,
+        float(options.host_bandwidth_cap_gbps), int(options.prefetch_window), int(options.spare_slabs),
+        int(options.int8_group_size), int(options.nf4_group_size or 0), str(options.metrics_path),
+        int(options.recalibrate_every), options.process_group, bool(options.shard_masters), calls=calls,
+        transfer_policy=str(options.transfer_policy or ""), recompute=options.recompute,
+    )
+
+
 def _policy_document(config_yaml: str):
     """(document, its policy section's parent, the section's key, its path, the section as a
     mapping) of the policy's YAML,
@@ -143,6 +242,7 @@ class _Layer:
         self.masters = [_parameter_at(b, n) for b in blocks for n in streamed_names]
         self.master_names = ["%d.%s" % (i, n) for i in range(len(blocks)) for n in streamed_names]
         self.resident_ids = {id(p) for p in model.resident_parameters()}
+        self.recomputes = model.recomputes()  # a recompute calls a block again with its arguments
 
     def begin_if_needed(self):
         if self.stepping:
@@ -293,15 +393,15 @@ class StreamedBlock:
 
     def forward(self, *args, **kwargs):
         """The block's own forward on its streamed weights, with the same arguments and result.
-        Under grad mode a non-tensor argument that cannot be given again as it was (a cache)
-        is refused with a TypeError naming it."""
+        With recompute=True, under grad mode a non-tensor argument that cannot be given again as
+        it was (a cache) is refused with a TypeError naming it."""
         layer, index = self._sp_layer, self._sp_index
         if layer.model.closed:
             raise RuntimeError("selective_precision: %s: the streamed layers were closed" % self._sp_name())
         leaves, spec = pytree.tree_flatten((args, kwargs))
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         training = torch.is_grad_enabled()
-        if training and not all(isinstance(leaf, (torch.Tensor, *_REPLAYABLE)) for leaf in leaves):
+        if training and layer.recomputes and not all(isinstance(leaf, (torch.Tensor, *_REPLAYABLE)) for leaf in leaves):
             # The key paths only to name the argument refused.
             for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
                 if not isinstance(leaf, torch.Tensor) and not isinstance(leaf, _REPLAYABLE):
@@ -568,7 +668,8 @@ def _tolerate_missing_extra_state(module, incompatible_keys):
         _log.info("selective_precision: %s not in the state dict loaded; the policy keeps its state", key)
 
 
-def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options) -> StreamedLayers:
+def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, options: StreamOptions | None = None,
+           **keywords) -> StreamedLayers:
     """Streams the blocks of a model: returns a ModuleList of the same blocks, each run through
     the layer, to be assigned back, `model.model.layers = sp.stream(model.model.layers, config=...)`.
 
@@ -594,15 +695,13 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
     closed, and streams the new weights (writes through `.data` bypass the counters: avoid them).
 
     config: the policy's settings (a YAML path, YAML text or a mapping; None: defaults).
-    budget: a Budget, for policy v3: the config's mode becomes budget with this budget
-        (`sp.config_dir()/policy/v3.yaml` holds v3's other settings).
-    options: those of StreamedBlocks (device, compute_dtype, plugin, plugin_dir, output_dir,
-        moments_from, prefetch_window, spare_slabs, int8_group_size, nf4_group_size,
-        metrics_path, process_group, shard_masters, host_bandwidth_cap_gbps, transfer_policy, recompute).
+    options: a StreamOptions, or its fields as keyword arguments (device, compute_dtype,
+        recompute, budget, ...). budget=Budget(...) is for policy v3: the config's mode becomes
+        budget with this budget (`sp.config_dir()/policy/v3.yaml` holds v3's other settings).
     """
-    from . import (_PLUGIN_NAME, _add_hook, _policy_config, _StreamedModel, _streamed_names,
-                   _warn_trainable_streamed_in_frozen_blocks, default_plugin_dir)
+    from . import _add_hook, _streamed_names, _warn_trainable_streamed_in_frozen_blocks
 
+    options = _options("stream()", options, keywords)
     modules = list(blocks)
     if not modules:
         raise ValueError("stream(): the module list is empty")
@@ -611,37 +710,13 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
             raise TypeError("stream(): blocks[%d] is a %s, not a torch.nn.Module" % (i, type(module).__name__))
         if isinstance(module, StreamedBlock):
             raise ValueError("stream(): blocks[%d] is streamed already" % i)
-    if options.get("recalibrate_every"):
+    if options.recalibrate_every:
         raise ValueError("stream(): recalibrate_every needs blocks of one tensor in and out; use StreamedBlocks")
-    unknown = set(options) - _OPTIONS
-    if unknown:
-        raise TypeError("stream(): unknown option(s) %s; known: %s" % (sorted(unknown), sorted(_OPTIONS)))
     names = list(streamed) if streamed is not None else _streamed_names(modules[0])
     _warn_trainable_streamed_in_frozen_blocks(modules, names)
-    config_yaml, config_source = _policy_config(config)
-    budget = options.get("budget")
-    if budget is not None:
-        if not isinstance(budget, Budget):
-            raise TypeError("stream(): budget= expected selective_precision.Budget(bytes=...) or Budget(loss=...), "
-                            "got %s" % type(budget).__name__)
-        config_yaml, config_source = _with_budget(config_yaml, config_source, budget)
-    if options.get("output_dir") is None:
-        config_yaml, config_source = _without_telemetry(config_yaml, config_source)
-    plugin_file = os.path.join(options.get("plugin_dir") or default_plugin_dir(),
-                               "lib%s.so" % options.get("plugin", _PLUGIN_NAME))
     for module in modules:
         _masters_in_place(module, names)
-    calls = [_default_call(m) for m in modules]
-    model = _StreamedModel(
-        modules, names, list(options.get("moments_from", ())), plugin_file, config_yaml, config_source,
-        str(options.get("output_dir") or "."), str(options.get("device", "cpu")),
-        options.get("compute_dtype", torch.float32), float(options.get("host_bandwidth_cap_gbps", 0.0)),
-        int(options.get("prefetch_window", 1)), int(options.get("spare_slabs", 2)),
-        int(options.get("int8_group_size", 0)), int(options.get("nf4_group_size") or 0),
-        str(options.get("metrics_path", "")), 0, options.get("process_group"),
-        bool(options.get("shard_masters", False)), calls, str(options.get("transfer_policy") or ""),
-        _recompute_option(options.get("recompute")),
-    )
+    model = _streamed_model(modules, names, config, options, calls=[_default_call(m) for m in modules])
     layer = _Layer(model, modules, names)
     for index, module in enumerate(modules):
         module.__class__ = _streamed_class(type(module))
@@ -655,17 +730,6 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, **options
     out = StreamedLayers(modules, layer)
     out.register_load_state_dict_post_hook(_tolerate_missing_extra_state)
     return out
-
-
-_OPTIONS = {"budget", "device", "compute_dtype", "plugin", "plugin_dir", "output_dir", "moments_from", "prefetch_window",
-            "spare_slabs", "int8_group_size", "nf4_group_size", "metrics_path", "process_group", "shard_masters",
-            "host_bandwidth_cap_gbps", "recalibrate_every", "transfer_policy", "recompute"}
-
-
-def _recompute_option(recompute):
-    if recompute is None or isinstance(recompute, bool):
-        return recompute
-    raise TypeError("recompute= expected True, False or None, got %s" % type(recompute).__name__)
 
 
 def _refuse_sharded_state_dict(module, state_dict, prefix, local_metadata):

@@ -733,6 +733,7 @@ PYBIND11_MODULE(_selective_precision, m) {
       .def("rank", [](PyStreamedModel& s) { return s.model().rank(); })
       .def("world_size", [](PyStreamedModel& s) { return s.model().world_size(); })
       .def("sharded", [](PyStreamedModel& s) { return s.model().sharded(); })
+      .def("recomputes", [](PyStreamedModel& s) { return s.model().recomputes(); })
       .def("gradient_reduction_device", [](PyStreamedModel& s) { return s.model().gradient_reduction_device().str(); })
       .def("owner", [](PyStreamedModel& s, std::uint32_t block) { return s.model().owner(block); })
       .def(

@@ -372,9 +372,21 @@ def test_misuse_is_refused_by_name():
     pe = (torch.ones(DIM), torch.zeros(DIM))
     with pytest.raises(RuntimeError, match=r"block1 was called where block0 came next"):
         streamed.layers[1](torch.randn(4, DIM), position_embeddings=pe)
-    # An argument the recompute cannot replay, in training; accepted without a graph.
-    with pytest.raises(TypeError, match=r"streamed block 0 .*position_embeddings\[1\]=object"):
-        streamed.layers[0](torch.randn(4, DIM), position_embeddings=(torch.ones(DIM), object()))
+    # An argument a recompute could not give again, in training: taken, since the block is
+    # called once; recomputing, refused (and accepted without a graph).
+    class Half:
+        def __rmul__(self, tensor):
+            return tensor * 0.5
+
+    h = torch.randn(4, DIM)
+    for layer in streamed.layers:
+        h, _ = layer(h, position_embeddings=pe, scale=Half())
+    h.sum().backward()
+    _, recomputing = plain_and_streamed(p=0.0, recompute=True)
+    with pytest.raises(TypeError, match=r"streamed block 0 .*scale=Half"):
+        recomputing.layers[0](torch.randn(4, DIM), position_embeddings=pe, scale=Half())
+    with torch.no_grad():
+        recomputing.layers[0](torch.randn(4, DIM), position_embeddings=pe, scale=Half())
     with pytest.raises(FileNotFoundError, match="no/such.yaml"):
         sp.stream(Model().layers, config="no/such.yaml")
 
@@ -572,3 +584,22 @@ def test_a_transfer_policy_keeps_blocks_bf16_where_the_quantized_route_does_not_
         assert model.layers.routes() == routes, transfer_policy
         model.layers.close()
 
+
+
+def test_the_options_are_one_typed_object_or_its_fields_as_keywords():
+    torch.manual_seed(3)
+    blocks = Model(p=0.0).layers
+    by_object = sp.stream(copy.deepcopy(blocks), config=ALL_BF16, options=sp.StreamOptions(recompute=True))
+    by_keywords = sp.stream(copy.deepcopy(blocks), config=ALL_BF16, recompute=True)
+    assert by_object._layer().recomputes and by_keywords._layer().recomputes
+    assert not sp.stream(copy.deepcopy(blocks), config=ALL_BF16)._layer().recomputes  # one process: kept
+    with pytest.raises(TypeError, match=r"give the options once.*\['device'\]"):
+        sp.stream(copy.deepcopy(blocks), options=sp.StreamOptions(), device="cpu")
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['prefetch'\]; known: .*'prefetch_window'"):
+        sp.stream(copy.deepcopy(blocks), prefetch=2)
+    with pytest.raises(TypeError, match="options= expected a selective_precision.StreamOptions, got dict"):
+        sp.StreamedBlocks(copy.deepcopy(blocks), streamed=["fc.weight"], options={"device": "cpu"})
+    with pytest.raises(TypeError, match="recompute= expected True, False or None, got str"):
+        sp.StreamOptions(recompute="yes")
+    with pytest.raises(TypeError):
+        sp.StreamOptions("cpu")  # keyword-only

@@ -99,10 +99,21 @@ def test_llama_with_gradient_checkpointing_enabled_trains_as_plain_llama():
         torch.testing.assert_close(model.get_parameter(name).grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_a_cache_is_refused_in_training_and_taken_without_a_graph():
-    model = tiny_llama()
+def test_a_cache_trains_as_in_plain_llama_and_is_refused_only_when_recomputing():
+    plain = tiny_llama()
+    model = copy.deepcopy(plain)
     model.model.layers = sp.stream(model.model.layers, config=ALL_BF16)
     ids = torch.randint(0, 128, (1, 8))
+    torch.manual_seed(5)
+    out = model(input_ids=ids, labels=ids, use_cache=True)
+    torch.manual_seed(5)
+    want = plain(input_ids=ids, labels=ids, use_cache=True)
+    (out.loss + out.past_key_values.layers[0].keys.square().mean()).backward()
+    (want.loss + want.past_key_values.layers[0].keys.square().mean()).backward()
+    torch.testing.assert_close(model.model.layers[0].self_attn.q_proj.weight.grad,
+                               plain.model.layers[0].self_attn.q_proj.weight.grad, rtol=1e-4, atol=1e-6)
+    model = tiny_llama()
+    model.model.layers = sp.stream(model.model.layers, config=ALL_BF16, recompute=True)
     with pytest.raises(TypeError, match=r"streamed block 0 \(LlamaDecoderLayer\) .*(cache|past_key_values)=DynamicCache.*use_cache=False"):
         model(input_ids=ids, use_cache=True)
     model.eval()

@@ -444,6 +444,8 @@ std::uint64_t StreamedModel::metrics_records_lost() const { return impl_->engine
 
 bool StreamedModel::sharded() const { return impl_->sharded; }
 
+bool StreamedModel::recomputes() const { return impl_->recompute; }
+
 torch::Device StreamedModel::gradient_reduction_device() const { return impl_->gradient_reduction_device(); }
 
 int StreamedModel::owner(std::uint32_t block) const {

@@ -265,6 +265,8 @@ class StreamedModel {
   // the rank that keeps block `block`'s masters: this rank for every block when not sharded.
   // Throws std::invalid_argument for a block out of range.
   bool sharded() const;
+  // Whether the backward recomputes each block (StreamedModelOptions::recompute, resolved).
+  bool recomputes() const;
   int owner(std::uint32_t block) const;
   // The resident parameters of every block (the module parameters not streamed).
   std::vector<torch::Tensor> resident_parameters() const;
