@@ -244,6 +244,15 @@ class _Layer:
         self.resident_ids = {id(p) for p in model.resident_parameters()}
         self.recomputes = model.recomputes()  # a recompute calls a block again with its arguments
 
+    def refuse_master_hooks(self):
+        """The layer writes the masters' .grad itself, where autograd runs no hook of theirs."""
+        for name, master in zip(self.master_names, self.masters):
+            if master._backward_hooks or getattr(master, "_post_accumulate_grad_hooks", None):
+                raise RuntimeError(
+                    "selective_precision: streamed master %s has a gradient hook (register_hook, or "
+                    "register_post_accumulate_grad_hook), which would never run: the layer writes the master's "
+                    ".grad itself. Read the gradients in an optimizer step pre-hook instead" % name)
+
     def begin_if_needed(self):
         if self.stepping:
             # An optimizer step that raised between its hooks: its step is dropped.
@@ -430,6 +439,7 @@ class StreamedBlock:
             return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
 
         if training and index == 0 and torch._C._current_graph_task_id() == -1:
+            layer.refuse_master_hooks()
             layer.begin_if_needed()  # not for a checkpoint's recompute inside the backward
         outputs = iter(layer.model.forward_block(index, [leaves[i] for i in slots], call))
         out_leaves = [next(outputs) if leaf is _TENSOR else leaf for leaf in produced["leaves"]]

@@ -603,3 +603,99 @@ def test_the_options_are_one_typed_object_or_its_fields_as_keywords():
         sp.StreamOptions(recompute="yes")
     with pytest.raises(TypeError):
         sp.StreamOptions("cpu")  # keyword-only
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("an error in the backward (out of memory, say)")
+
+
+def test_what_plain_pytorch_allows_around_the_blocks_trains_as_plain_pytorch():
+    """Found by an adversarial review of the kept activations. Each trains as plain PyTorch, and
+    the model trains on afterwards: an output changed in place; a block returning a view of its
+    own weight; a loss on a lower block's output alone; a gradient asked of an output above block
+    0; an error inside a block's backward."""
+    plain, streamed = plain_and_streamed(p=0.0)
+    x = torch.randn(4, 8)
+    pe = (torch.full((DIM,), 0.9), torch.full((DIM,), 0.01))
+
+    def run(model, lowest_loss=False, inplace=False, weight_view=False):
+        h, outputs = model.embed(x), []
+        for layer in model.layers:
+            h, _ = layer(h, position_embeddings=pe)
+            if inplace:
+                h.mul_(0.9)
+            outputs.append(h)
+        loss = outputs[0].square().mean() if lowest_loss else model.head(h).square().mean()
+        if weight_view:
+            loss = loss + model.layers[1].fc.weight.t().square().mean()
+        return loss, outputs
+
+    for case in ({"inplace": True}, {"lowest_loss": True}):
+        for model in (plain, streamed):
+            model.zero_grad()
+            run(model, **case)[0].backward()
+        for name, want in grads(plain).items():
+            torch.testing.assert_close(dict(streamed.named_parameters())[name].grad, want, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: "%s, %s: %s" % (case, name, m))
+    # A gradient asked of block 1's output: the pass ends there, and the next one trains.
+    loss, outputs = run(streamed)
+    (g,) = torch.autograd.grad(loss, [outputs[1]])
+    assert g.shape == outputs[1].shape
+    # An error inside block 1's backward: the next pass trains.
+    original = Block.forward
+    try:
+        Block.forward = lambda self, h, **kw: original(self, _RaisesInBackward.apply(h), **kw)
+        with pytest.raises(ValueError, match="an error in the backward"):
+            run(streamed)[0].backward()
+    finally:
+        Block.forward = original
+    streamed.zero_grad()
+    run(streamed)[0].backward()
+    assert streamed.layers[0].fc.weight.grad is not None
+
+
+class _WeightViewBlock(Block):
+    def forward(self, h, **kwargs):
+        y, aux = super().forward(h, **kwargs)
+        return y, self.fc.weight.t()  # a view of the delivered weight, which the host reads later
+
+
+def test_a_block_returning_a_view_of_its_weight_gives_it_memory_of_its_own():
+    torch.manual_seed(4)
+    plain = bf16_rounded(Model(p=0.0))
+    plain.layers = torch.nn.ModuleList(_WeightViewBlock(0.0) for _ in range(3))
+    bf16_rounded(plain)
+    streamed = copy.deepcopy(plain)
+    streamed.layers = sp.stream(streamed.layers, config=ALL_BF16)
+    x = torch.randn(4, 8)
+    pe = (torch.full((DIM,), 0.9), torch.full((DIM,), 0.01))
+    for model in (plain, streamed):
+        h, regulariser = model.embed(x), 0.0
+        for layer in model.layers:
+            h, weight_t = layer(h, position_embeddings=pe)
+            regulariser = regulariser + weight_t.square().mean()
+        (model.head(h).square().mean() + regulariser).backward()
+    torch.testing.assert_close(streamed.layers[1].fc.weight.grad, plain.layers[1].fc.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_what_the_layer_cannot_serve_right_is_refused_by_name():
+    """A gradient hook on a master (it would never run), and a double backward."""
+    _, streamed = plain_and_streamed(p=0.0)
+    x = torch.randn(4, 8)
+    master = streamed.layers[1].fc.weight
+    handle = master.register_hook(lambda g: g * 2)
+    with pytest.raises(RuntimeError, match="streamed master 1.fc.weight has a gradient hook"):
+        streamed(x)
+    handle.remove()
+    x_grad = x.clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="create_graph=True reached block2"):
+        torch.autograd.grad(streamed(x_grad), [x_grad], create_graph=True)
+    streamed.zero_grad()
+    streamed(x).backward()  # and the model trains on
+    assert master.grad is not None

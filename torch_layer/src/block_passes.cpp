@@ -98,7 +98,11 @@ struct KeptBlockBoundary : public torch::autograd::Function<KeptBlockBoundary> {
     ctx->saved_data["block"] = block;
     ctx->saved_data["pass"] = pass;
     ctx->saved_data["begins"] = begins;
-    return tensors.vec();
+    // Aliases that are not views (detach() shares the storage and the version counter), so that
+    // the host may change a block's output in place, as it may a plain block's.
+    variable_list out;
+    for (const torch::Tensor& t : tensors) out.push_back(t.detach());
+    return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -157,7 +161,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
           "StreamedModel::forward: update_masters_during_backward() armed the update of the pass whose backward runs "
           "next; call post_backward() after it (a pass after it would add gradients that no update sees)");
     }
-    require_no_backward_under_way("forward");
+    end_stopped_backwards("forward");
     // Passes whose graphs the host dropped without a backward (evaluations in grad mode) end here.
     std::vector<std::uint64_t> dropped;
     for (const auto& [id, open] : passes) {
@@ -232,8 +236,9 @@ std::vector<torch::Tensor> StreamedModel::Impl::checkpoint_recompute(std::uint32
   if (!id) {
     throw std::logic_error(fmt::format(
         "StreamedModel: {} was called in grad mode inside a backward, on inputs that no training pass's forward "
-        "gave it: a checkpoint that ran the forward without a graph recomputes it here (torch.utils.checkpoint "
-        "with use_reentrant=True). Use use_reentrant=False, Hugging Face's default",
+        "gave it: a checkpoint recomputes it from inputs it computed again (one that wraps more than this one "
+        "block, or torch.utils.checkpoint with use_reentrant=True). Checkpoint each streamed block on its own, "
+        "with use_reentrant=False (Hugging Face's gradient checkpointing does)",
         blocks[b].block.name));
   }
   if (!recompute) {
@@ -253,7 +258,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::checkpoint_recompute(std::uint32
   replay_call = &call;
   std::vector<torch::Tensor> out;
   try {
-    enter_backward(*id);
+    enter_backward(*id, b);
     out = StreamedBlockFunction::apply(this, static_cast<std::int64_t>(b), static_cast<std::int64_t>(*id),
                                        at::TensorList(inputs), at::TensorList(blocks[b].autograd_inputs));
   } catch (...) {
@@ -292,38 +297,58 @@ void StreamedModel::Impl::release_engine() {
   add_transfer(served == passes.end() ? step_transfer : served->second.transfer, m);
 }
 
-void StreamedModel::Impl::enter_backward(std::uint64_t id) {
+void StreamedModel::Impl::enter_backward(std::uint64_t id, std::uint32_t b) {
   TrainingPass& pass = passes.at(id);
-  if (pass.in_backward) return;
+  const auto use = static_cast<std::uint32_t>(2 * blocks.size() - 1 - b);  // the schedule's backward use of b
+  if (pass.in_backward) {
+    // A backward that skipped the blocks between (their outputs reached no loss) resumes the
+    // engine at this block's use; the same block again (a checkpoint's recompute) is served again.
+    if (use != pass.next_backward_use && use + 1 != pass.next_backward_use) {
+      release_engine();
+      engine->begin_step(engine_steps++, {}, use);
+      engine_pass = id;
+    }
+    pass.next_backward_use = std::max(pass.next_backward_use, use + 1);
+    return;
+  }
   if (backward_under_way()) {
     throw std::logic_error(
         "StreamedModel: the backwards of two training passes interleave (a loss over both, with the blocks' "
         "gradients reached by turns?): the engine fetches one pass's backward at a time. Run one backward per pass, "
         "or one backward of a loss whose passes autograd finishes one after the other");
   }
-  if (engine_pass != id) {
+  // The backward begins at this block's use: after the forward in the same engine step when it
+  // is the last block, else in a step of its own begun there.
+  if (engine_pass != id || use != blocks.size()) {
     release_engine();
-    engine->begin_step(engine_steps++, {}, static_cast<std::uint32_t>(blocks.size()));
+    engine->begin_step(engine_steps++, {}, use);
     engine_pass = id;
   }
   if (forwarding == id) forwarding.reset();
   pass.in_backward = true;
+  pass.next_backward_use = use + 1;
 }
 
 bool StreamedModel::Impl::backward_under_way() const {
   return std::any_of(passes.begin(), passes.end(), [](const auto& open) { return open.second.in_backward; });
 }
 
-void StreamedModel::Impl::require_no_backward_under_way(const char* call) const {
+void StreamedModel::Impl::end_stopped_backwards(const char* call) {
   if (!backward_under_way()) return;
-  throw std::logic_error(fmt::format(
-      "StreamedModel::{}: the backward of a training pass stopped before block 0; a pass's backward must run "
-      "through every block",
-      call));
+  if (torch::autograd::get_current_graph_task_id() != -1) {
+    throw std::logic_error(fmt::format(
+        "StreamedModel::{}: called inside the backward of a training pass, before it reached its last block", call));
+  }
+  // Autograd is done with it: an error stopped it, or it was asked for a gradient above the
+  // pass's lowest block. The gradients it gave stay, as autograd's would.
+  log->warn("StreamedModel::{}: the backward of a training pass stopped before its last block (an error in it, or a "
+            "gradient asked of a tensor above it); the pass ends here",
+            call);
+  abandon_passes();
 }
 
 void StreamedModel::Impl::close_passes_without_backward(const char* why) {
-  require_no_backward_under_way(why);
+  end_stopped_backwards(why);
   while (!passes.empty()) close_pass_without_backward(passes.begin()->first);
 }
 
@@ -446,7 +471,7 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
   TrainingPass& pass = pass_for_backward(b, of_pass);
   BlockState& block = blocks[b];
   try {
-    enter_backward(of_pass);
+    enter_backward(of_pass, b);
   } catch (...) {
     abandon_passes();
     throw;
@@ -666,6 +691,13 @@ std::vector<torch::Tensor> StreamedModel::Impl::kept_forward(std::uint32_t b, st
   try {
     fill_kept(block, view);
     out = pass.calls[b](xs, kept_weights(block, node, edges));
+    // An output that is a view of a weight (a block returning weight.t()) would read the storage
+    // after the block lets go of it: it gets memory of its own.
+    for (torch::Tensor& y : out) {
+      if (!y.defined() || !y.has_storage()) continue;
+      const auto aliases = [&](const StreamedParam& p) { return y.storage().is_alias_of(p.kept); };
+      if (std::any_of(block.streamed.begin(), block.streamed.end(), aliases)) y = y.clone();
+    }
   } catch (...) {
     empty_kept(block);
     engine->release(b);
@@ -759,9 +791,10 @@ void StreamedModel::Impl::begin_kept_backward(std::uint32_t b, std::uint64_t id)
     if (other != id && open.in_backward && open.held && !open.input_nodes[*open.held]) ended.push_back(other);
   }
   try {
+    refuse_unsupported_backward(b);
     for (const std::uint64_t other : ended) finish_kept_pass(other, /*backward_over=*/false);
-    enter_backward(id);
     if (pass.held) release_held(pass);  // a block whose inputs took no gradient, above this one
+    enter_backward(id, b);
     follow_caller_stream();
     const ad::BlockView& view = engine->acquire(b);
     pass.held = b;
@@ -781,6 +814,15 @@ void StreamedModel::Impl::begin_kept_backward(std::uint32_t b, std::uint64_t id)
         impl->finish_kept_pass(id, /*backward_over=*/true);
       }
     });
+  }
+}
+
+void StreamedModel::Impl::refuse_unsupported_backward(std::uint32_t b) const {
+  if (torch::GradMode::is_enabled()) {
+    throw std::logic_error(fmt::format(
+        "StreamedModel: a backward with create_graph=True reached {}: a double backward would need the block's "
+        "weights after its backward released them. Take the higher-order gradient outside the streamed blocks",
+        blocks[b].block.name));
   }
 }
 

@@ -150,14 +150,16 @@ void StreamedModel::Impl::abandon_passes() noexcept {
   }
   reducing.clear();
   try {
+    for (const auto& [id, pass] : passes) {
+      if (!pass.held) continue;
+      empty_kept(blocks[*pass.held]);
+      engine->release(*pass.held);  // the engine's step ends with no block in use
+    }
     if (engine_pass) engine->end_step();
   } catch (const std::exception& e) {
     log->warn("StreamedModel: ending an abandoned pass: {}", e.what());
   }
   engine_pass.reset();
-  for (const auto& [id, pass] : passes) {
-    if (pass.held) empty_kept(blocks[*pass.held]);
-  }
   passes.clear();
   forwarding.reset();
   grads_staged = false;

@@ -166,6 +166,7 @@ struct TrainingPass {
   std::vector<bool> input_nodes;
   std::vector<std::optional<std::function<void()>>> update_after_release;
   std::optional<std::uint32_t> held;
+  std::uint32_t next_backward_use = 0;  // the engine's schedule use after the last block the backward reached
 
   bool graph_alive() const {
     return std::any_of(nodes.begin(), nodes.end(), [](const auto& node) { return node && !node->expired(); });
@@ -458,11 +459,12 @@ struct StreamedModel::Impl {
   void release_engine();
   // The engine serves pass `id`'s backward from here on (an engine step of its own when another
   // pass came between its forward and this). A second backward interleaved is refused.
-  void enter_backward(std::uint64_t id);
-  // Whether a pass's backward began and has not reached its end block; refused by name where no
-  // backward may be under way.
+  void enter_backward(std::uint64_t id, std::uint32_t b);
+  // Whether a pass's backward began and has not reached its end block. Outside autograd's
+  // backward such a pass stopped (an error, or a gradient asked above its end): it is abandoned,
+  // with a warning; inside one, `call` is refused.
   bool backward_under_way() const;
-  void require_no_backward_under_way(const char* call) const;
+  void end_stopped_backwards(const char* call);
   // The passes whose backward never ran (their graphs were dropped, or they were evaluations in
   // grad mode) end here, their bytes an evaluation's; one whose backward stopped before its end
   // is refused.
@@ -575,6 +577,8 @@ struct StreamedModel::Impl {
   // when it is not bf16), or nothing.
   void fill_kept(BlockState& block, const ad::BlockView& view);
   void empty_kept(BlockState& block);
+  // A backward the layer cannot serve right reaching block b, refused by name: create_graph.
+  void refuse_unsupported_backward(std::uint32_t b) const;
   // The backward reaches block b of pass `id`: checks, then the block is fetched again.
   void begin_kept_backward(std::uint32_t b, std::uint64_t id);
   // Block b's backward is done (its input node ran): released.
