@@ -685,7 +685,8 @@ def test_a_block_returning_a_view_of_its_weight_gives_it_memory_of_its_own():
 
 
 def test_what_the_layer_cannot_serve_right_is_refused_by_name():
-    """A gradient hook on a master (it would never run), and a double backward."""
+    """A gradient hook on a master (it would never run), a double backward, and inputs= naming a
+    master (it would get no gradient)."""
     _, streamed = plain_and_streamed(p=0.0)
     x = torch.randn(4, 8)
     master = streamed.layers[1].fc.weight
@@ -696,6 +697,8 @@ def test_what_the_layer_cannot_serve_right_is_refused_by_name():
     x_grad = x.clone().requires_grad_(True)
     with pytest.raises(RuntimeError, match="create_graph=True reached block2"):
         torch.autograd.grad(streamed(x_grad), [x_grad], create_graph=True)
+    with pytest.raises(RuntimeError, match="asks for the gradient of block2's streamed master 'fc.weight'"):
+        streamed(x).backward(inputs=[streamed.embed.weight, streamed.layers[2].fc.weight])
     streamed.zero_grad()
     streamed(x).backward()  # and the model trains on
     assert master.grad is not None

@@ -676,7 +676,10 @@ std::vector<torch::Tensor> StreamedModel::Impl::kept_forward(std::uint32_t b, st
   TrainingPass& pass = passes.at(id);
   BlockState& block = blocks[b];
   pass.versions[b].clear();
-  for (const StreamedParam& p : block.streamed) pass.versions[b].push_back(p.master._version());
+  for (StreamedParam& p : block.streamed) {
+    pass.versions[b].push_back(p.master._version());
+    if (!p.accumulator && p.master.requires_grad()) p.accumulator = torch::autograd::impl::grad_accumulator(p.master);
+  }
   std::vector<torch::Tensor> xs = inputs;
   pass.input_nodes[b] = through_boundary(xs, b, id, /*begins=*/false);
   std::vector<std::int64_t> edges(block.streamed.size(), -1);
@@ -823,6 +826,17 @@ void StreamedModel::Impl::refuse_unsupported_backward(std::uint32_t b) const {
         "StreamedModel: a backward with create_graph=True reached {}: a double backward would need the block's "
         "weights after its backward released them. Take the higher-order gradient outside the streamed blocks",
         blocks[b].block.name));
+  }
+  // backward(inputs=...) or autograd.grad() asking for a master: its gradient comes from the
+  // layer, not from a graph autograd could follow to it.
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info == nullptr || exec_info->empty()) return;
+  for (const StreamedParam& p : blocks[b].streamed) {
+    if (!p.accumulator || exec_info->count(p.accumulator.get()) == 0) continue;
+    throw std::logic_error(fmt::format(
+        "StreamedModel: a backward with inputs= (or autograd.grad) asks for the gradient of {}'s streamed master "
+        "'{}', which the layer gives only to a full backward (loss.backward() without inputs=)",
+        blocks[b].block.name, p.name));
   }
 }
 

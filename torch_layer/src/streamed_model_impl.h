@@ -111,6 +111,9 @@ struct StreamedParam {
   // allocated", instead of reading a slot another block reuses), as FSDP2 frees and refills
   // its unsharded parameters.
   c10::Storage kept;
+  // The trainable master's gradient accumulator, held so that a backward with inputs= naming the
+  // master finds it (else autograd stands an Identity in for it) and can be refused by name.
+  c10::intrusive_ptr<torch::autograd::Node> accumulator;
 };
 
 struct BlockState {
@@ -577,7 +580,8 @@ struct StreamedModel::Impl {
   // when it is not bf16), or nothing.
   void fill_kept(BlockState& block, const ad::BlockView& view);
   void empty_kept(BlockState& block);
-  // A backward the layer cannot serve right reaching block b, refused by name: create_graph.
+  // A backward the layer cannot serve right reaching block b, refused by name: create_graph, or
+  // inputs= naming one of its masters.
   void refuse_unsupported_backward(std::uint32_t b) const;
   // The backward reaches block b of pass `id`: checks, then the block is fetched again.
   void begin_kept_backward(std::uint32_t b, std::uint64_t id);
