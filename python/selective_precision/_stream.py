@@ -449,17 +449,28 @@ class StreamedBlock:
         return "streamed block %d (%s)" % (self._sp_index, self._sp_block_class.__name__)
 
     def _apply(self, fn, recurse=True):
-        # A .to() / .cuda() / .half() would move or cast the masters under the layer.
-        for name in self._sp_layer.streamed_names:
-            master = _parameter_at(self, name)
-            if fn(master) is not master:
-                raise RuntimeError(
-                    "selective_precision: %s: a conversion (.to(), .cuda(), .half(), ...) would move or cast its "
-                    "streamed parameter '%s', which is the fp32 host master the layer streams from. Move and cast "
-                    "the model before stream(): stream(device=..., compute_dtype=...) say where and in what the "
-                    "blocks compute" % (self._sp_name(), name)
-                )
-        return super()._apply(fn, recurse)
+        # What the conversion does, seen on two probes (a float32 one alone cannot tell .float()
+        # from a conversion that keeps the dtype).
+        as_float32, as_bfloat16 = fn(torch.zeros((), dtype=torch.float32)), fn(torch.zeros((), dtype=torch.bfloat16))
+        if as_float32.device.type != "cpu":
+            raise RuntimeError(
+                "selective_precision: %s: a conversion (.to(), .cuda(), ...) would move its streamed parameters, "
+                "which are the fp32 host masters the layer streams from. Move the model before stream(): "
+                "stream(device=...) says where the blocks compute" % self._sp_name())
+        if as_float32.dtype == torch.float32 and as_bfloat16.dtype == torch.bfloat16:
+            return super()._apply(fn, recurse)
+        # A cast (.to(torch.bfloat16), .half(), .float()): the block's other parameters convert, the
+        # masters stay fp32 on the host, and the layer computes in the new dtype from the next pass.
+        self._sp_layer.model.set_compute_dtype(as_float32.dtype)
+        masters = [(owner, leaf, owner._parameters[leaf])
+                   for owner, leaf in (_owner(self, n) for n in self._sp_layer.streamed_names)]
+        for owner, leaf, _ in masters:
+            owner._parameters[leaf] = None
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for owner, leaf, master in masters:
+                owner._parameters[leaf] = master
 
     def __reduce_ex__(self, protocol):
         raise TypeError(_NOT_PICKLABLE)

@@ -734,6 +734,10 @@ PYBIND11_MODULE(_selective_precision, m) {
       .def("world_size", [](PyStreamedModel& s) { return s.model().world_size(); })
       .def("sharded", [](PyStreamedModel& s) { return s.model().sharded(); })
       .def("recomputes", [](PyStreamedModel& s) { return s.model().recomputes(); })
+      .def("set_compute_dtype",
+           [](PyStreamedModel& s, py::object dtype) {
+             s.model().set_compute_dtype(torch::python::detail::py_object_to_dtype(std::move(dtype)));
+           })
       .def("gradient_reduction_device", [](PyStreamedModel& s) { return s.model().gradient_reduction_device().str(); })
       .def("owner", [](PyStreamedModel& s, std::uint32_t block) { return s.model().owner(block); })
       .def(

@@ -358,8 +358,6 @@ def test_misuse_is_refused_by_name():
     plain, streamed = plain_and_streamed(p=0.0)
     with pytest.raises(TypeError, match="pickled whole"):
         pickle.dumps(streamed)
-    with pytest.raises(RuntimeError, match=r"streamed block 0 .*fc.weight"):
-        streamed.to(torch.bfloat16)
     streamed.to(torch.float32)  # changes nothing: allowed
     x = torch.randn(4, 8)
     # An optimizer that leaves out some streamed weights.
@@ -702,3 +700,41 @@ def test_what_the_layer_cannot_serve_right_is_refused_by_name():
     streamed.zero_grad()
     streamed(x).backward()  # and the model trains on
     assert master.grad is not None
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, DIM)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(DIM), torch.nn.Linear(DIM, DIM)) for _ in range(2))
+        self.head = torch.nn.Linear(DIM, 1)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h).float().square().mean()
+
+
+def test_a_cast_after_stream_keeps_the_masters_and_computes_in_the_new_dtype():
+    """model.to(torch.bfloat16) after stream(): the rest of the model casts, the masters stay fp32
+    on the host, and the blocks compute in bf16, as the plain model cast the same way. A move to
+    another device is refused."""
+    torch.manual_seed(8)
+    plain = bf16_rounded(_Residual())
+    streamed = copy.deepcopy(plain)
+    streamed.layers = sp.stream(streamed.layers, config=ALL_BF16)
+    streamed.to(torch.bfloat16)
+    plain.to(torch.bfloat16)
+    assert streamed.layers[0][1].weight.dtype == torch.float32 and streamed.layers[0][1].weight.device.type == "cpu"
+    assert streamed.layers[0][0].weight.dtype == torch.bfloat16 and streamed.embed.weight.dtype == torch.bfloat16
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    loss, want = streamed(x), plain(x)
+    torch.testing.assert_close(loss, want)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(streamed.layers[1][1].weight.grad, plain.layers[1][1].weight.grad.float(), rtol=2e-2,
+                               atol=1e-4)
+    with pytest.raises(RuntimeError, match=r"streamed block 0 .*would move its streamed parameters"):
+        streamed.layers.to("meta")

@@ -446,6 +446,30 @@ bool StreamedModel::sharded() const { return impl_->sharded; }
 
 bool StreamedModel::recomputes() const { return impl_->recompute; }
 
+void StreamedModel::set_compute_dtype(torch::Dtype dtype) {
+  Impl& m = *impl_;
+  if (m.in_step()) {
+    throw std::logic_error(fmt::format("StreamedModel::set_compute_dtype({}): inside step {}; call it between steps",
+                                       c10::toString(dtype), m.step));
+  }
+  if (!c10::isFloatingType(dtype)) {
+    throw std::invalid_argument(fmt::format(
+        "StreamedModel::set_compute_dtype: {} is not a floating-point dtype", c10::toString(dtype)));
+  }
+  m.options.compute_dtype = dtype;
+  m.compute = m.compute.dtype(dtype);
+  torch::NoGradGuard no_grad;
+  for (BlockState& b : m.blocks) {
+    for (torch::TensorOptions& kind : b.resident_kinds) {
+      if (c10::isFloatingType(c10::typeMetaToScalarType(kind.dtype()))) kind = kind.dtype(dtype);
+    }
+    for (StreamedParam& p : b.streamed) {
+      p.param.set_data(torch::empty({0}, m.compute));
+      if (!b.params_are_masters) p.placeholder = p.param.options();
+    }
+  }
+}
+
 torch::Device StreamedModel::gradient_reduction_device() const { return impl_->gradient_reduction_device(); }
 
 int StreamedModel::owner(std::uint32_t block) const {

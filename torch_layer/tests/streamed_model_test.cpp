@@ -1128,6 +1128,29 @@ TEST(StreamedModel, AnAuxiliaryLossABlockKeepsOnTheSideTrainsAsInPlainAutograd) 
   model.end_step(loss.item<double>());
 }
 
+// A host about to cast its model says so first: the blocks then compute in the new dtype, the
+// resident parameters may take it, and the masters stay fp32.
+TEST(StreamedModel, ACastAnnouncedBetweenStepsComputesInTheNewDtype) {
+  auto blocks = make_blocks(81);
+  auto model = wrap(blocks, "  mode: off\n");
+  model->begin_step(0);
+  EXPECT_THAT([&] { model->set_compute_dtype(torch::kBFloat16); },
+              ::testing::ThrowsMessage<std::logic_error>(::testing::HasSubstr("inside step 0")));
+  model->abort_step();
+  EXPECT_THAT([&] { model->set_compute_dtype(torch::kInt32); },
+              ::testing::ThrowsMessage<std::invalid_argument>(::testing::HasSubstr("Int is not a floating-point")));
+  model->set_compute_dtype(torch::kBFloat16);
+  for (TinyBlock& b : blocks) {
+    b->ln->to(torch::kBFloat16);
+    b->fc1->bias.set_data(b->fc1->bias.to(torch::kBFloat16));
+    b->fc2->bias.set_data(b->fc2->bias.to(torch::kBFloat16));
+  }
+  torch::NoGradGuard no_grad;
+  const torch::Tensor y = model->forward(input(82).to(torch::kBFloat16));
+  EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(model->masters(0).at("fc1.weight").scalar_type(), torch::kFloat32);
+}
+
 // A .to() after wrapping converts the placeholders and the resident parameters in place.
 TEST(StreamedModel, AModelConvertedAfterWrappingIsRefusedNamingTheParameter) {
   auto blocks = make_blocks(77);

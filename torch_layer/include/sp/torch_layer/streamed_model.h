@@ -267,6 +267,11 @@ class StreamedModel {
   bool sharded() const;
   // Whether the backward recomputes each block (StreamedModelOptions::recompute, resolved).
   bool recomputes() const;
+  // The blocks compute in `dtype` from the next pass on, for a host about to cast its model
+  // (Python's model.to(torch.bfloat16)): the floating-point resident parameters may then be
+  // `dtype`, and the masters stay fp32 on the host. Between steps: std::logic_error inside one,
+  // std::invalid_argument for a dtype that is not floating point; nothing changes then.
+  void set_compute_dtype(torch::Dtype dtype);
   int owner(std::uint32_t block) const;
   // The resident parameters of every block (the module parameters not streamed).
   std::vector<torch::Tensor> resident_parameters() const;
