@@ -16,21 +16,21 @@ namespace sp::torch_layer {
 // a graph; its backward fetches it again, recomputes and differentiates (see backward_block).
 namespace {
 
-// The models alive, by id: a graph that outlives its model (closed, or replaced while a loss
-// was kept) finds it gone, instead of reading freed memory, and a backward keeps its model
-// alive until it returns.
-std::mutex g_models_mutex;
-std::unordered_map<std::int64_t, std::weak_ptr<StreamedModel::Impl>> g_models;
-std::int64_t g_next_model_id = 1;
+// What the layer's autograd nodes hold of their model: a weak reference, so that a graph that
+// outlives its model (destroyed while a loss was kept) finds it gone instead of reading freed
+// memory, and a backward keeps its model alive until it returns.
+struct ModelRef : torch::CustomClassHolder {
+  explicit ModelRef(std::weak_ptr<StreamedModel::Impl> held) : model(std::move(held)) {}
+  std::weak_ptr<StreamedModel::Impl> model;
+};
 
-std::shared_ptr<StreamedModel::Impl> live_model(std::int64_t id) {
-  std::lock_guard<std::mutex> lock(g_models_mutex);
-  const auto it = g_models.find(id);
-  return it == g_models.end() ? nullptr : it->second.lock();
+c10::IValue model_ref(const StreamedModel::Impl& impl) {
+  return c10::IValue::make_capsule(c10::make_intrusive<ModelRef>(impl.self));
 }
 
-std::shared_ptr<StreamedModel::Impl> live_model_for_backward(std::int64_t id, std::uint32_t block) {
-  std::shared_ptr<StreamedModel::Impl> impl = live_model(id);
+std::shared_ptr<StreamedModel::Impl> live_model_for_backward(const std::weak_ptr<StreamedModel::Impl>& model,
+                                                             std::uint32_t block) {
+  std::shared_ptr<StreamedModel::Impl> impl = model.lock();
   if (!impl) {
     throw std::logic_error(
         fmt::format("StreamedModel: backward through block {} of a model that was destroyed or closed", block));
@@ -38,18 +38,11 @@ std::shared_ptr<StreamedModel::Impl> live_model_for_backward(std::int64_t id, st
   return impl;
 }
 
+std::shared_ptr<StreamedModel::Impl> live_model_for_backward(const c10::IValue& ref, std::uint32_t block) {
+  return live_model_for_backward(c10::static_intrusive_pointer_cast<ModelRef>(ref.toCapsule())->model, block);
+}
+
 }  // namespace
-
-void register_model(const std::shared_ptr<StreamedModel::Impl>& impl) {
-  std::lock_guard<std::mutex> lock(g_models_mutex);
-  impl->id = g_next_model_id++;
-  g_models.emplace(impl->id, impl);
-}
-
-void forget_model(std::int64_t id) {
-  std::lock_guard<std::mutex> lock(g_models_mutex);
-  g_models.erase(id);
-}
 
 struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFunction> {
   // `anchors`: what the node takes besides the block's inputs (BlockState::autograd_inputs), so
@@ -58,7 +51,7 @@ struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFun
                                at::TensorList inputs, at::TensorList anchors) {
     ctx->saved_data["block"] = block;
     ctx->saved_data["pass"] = pass;
-    ctx->saved_data["model"] = impl->id;
+    ctx->saved_data["model"] = model_ref(*impl);
     ctx->saved_data["anchors"] = static_cast<std::int64_t>(anchors.size());
     ctx->save_for_backward(inputs.vec());
     variable_list outputs =
@@ -73,7 +66,7 @@ struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFun
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto block = static_cast<std::uint32_t>(ctx->saved_data["block"].toInt());
-    const std::shared_ptr<StreamedModel::Impl> impl = live_model_for_backward(ctx->saved_data["model"].toInt(), block);
+    const std::shared_ptr<StreamedModel::Impl> impl = live_model_for_backward(ctx->saved_data["model"], block);
     const auto pass = static_cast<std::uint64_t>(ctx->saved_data["pass"].toInt());
     const variable_list inputs = ctx->get_saved_variables();
     variable_list grads = impl->backward_block(block, pass, inputs, grad_outputs);
@@ -91,10 +84,10 @@ struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFun
 // autograd runs the first before the block's nodes (the block is fetched again there) and the
 // second after them all (the block is released).
 struct KeptBlockBoundary : public torch::autograd::Function<KeptBlockBoundary> {
-  static variable_list forward(AutogradContext* ctx, std::int64_t model, std::int64_t block, std::int64_t pass,
+  static variable_list forward(AutogradContext* ctx, StreamedModel::Impl* impl, std::int64_t block, std::int64_t pass,
                                bool begins, at::TensorList tensors) {
     ctx->set_materialize_grads(false);
-    ctx->saved_data["model"] = model;
+    ctx->saved_data["model"] = model_ref(*impl);
     ctx->saved_data["block"] = block;
     ctx->saved_data["pass"] = pass;
     ctx->saved_data["begins"] = begins;
@@ -108,7 +101,7 @@ struct KeptBlockBoundary : public torch::autograd::Function<KeptBlockBoundary> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto block = static_cast<std::uint32_t>(ctx->saved_data["block"].toInt());
     const auto pass = static_cast<std::uint64_t>(ctx->saved_data["pass"].toInt());
-    const std::shared_ptr<StreamedModel::Impl> impl = live_model_for_backward(ctx->saved_data["model"].toInt(), block);
+    const std::shared_ptr<StreamedModel::Impl> impl = live_model_for_backward(ctx->saved_data["model"], block);
     if (ctx->saved_data["begins"].toBool()) {
       impl->begin_kept_backward(block, pass);
     } else {
@@ -123,8 +116,8 @@ struct KeptBlockBoundary : public torch::autograd::Function<KeptBlockBoundary> {
 // Activations kept: the node the delivered weights of one block in one pass lead to, where they
 // take a gradient; it runs once autograd has summed every use's.
 struct KeptBlockWeights : public torch::autograd::Node {
-  KeptBlockWeights(std::int64_t model, std::uint32_t block, std::uint64_t pass)
-      : model_(model), block_(block), pass_(pass) {}
+  KeptBlockWeights(std::weak_ptr<StreamedModel::Impl> model, std::uint32_t block, std::uint64_t pass)
+      : model_(std::move(model)), block_(block), pass_(pass) {}
 
   variable_list apply(variable_list&& grads) override {
     live_model_for_backward(model_, block_)->kept_weight_gradients(block_, pass_, grads);
@@ -133,7 +126,7 @@ struct KeptBlockWeights : public torch::autograd::Node {
   std::string name() const override { return "selective_precision::KeptBlockWeights"; }
 
  private:
-  std::int64_t model_;
+  std::weak_ptr<StreamedModel::Impl> model_;
   std::uint32_t block_;
   std::uint64_t pass_;
 };
@@ -604,8 +597,8 @@ void StreamedModel::Impl::end_pass_backward(std::uint64_t id) {
   finish_pass(id);
   // The statistics wait for the whole backward: autograd accumulates the resident parameters'
   // gradients (and the host's hooks run) after the pass's last node returns.
-  torch::autograd::Engine::get_default_engine().queue_callback([model = this->id] {
-    if (const std::shared_ptr<StreamedModel::Impl> impl = live_model(model)) impl->take_backward_statistics();
+  torch::autograd::Engine::get_default_engine().queue_callback([model = self] {
+    if (const std::shared_ptr<StreamedModel::Impl> impl = model.lock()) impl->take_backward_statistics();
   });
 }
 
@@ -686,7 +679,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::kept_forward(std::uint32_t b, st
   c10::intrusive_ptr<torch::autograd::Node> node;
   if (std::any_of(block.streamed.begin(), block.streamed.end(),
                   [&](const StreamedParam& p) { return p.master.requires_grad() || frozen_gradients_wanted; })) {
-    node = c10::make_intrusive<KeptBlockWeights>(this->id, b, id);
+    node = c10::make_intrusive<KeptBlockWeights>(self, b, id);
   }
   follow_caller_stream();
   const ad::BlockView& view = engine->acquire(b);
@@ -724,7 +717,7 @@ bool StreamedModel::Impl::through_boundary(std::vector<torch::Tensor>& tensors, 
     through.push_back(tensors[i]);
   }
   if (through.empty()) return false;
-  through = KeptBlockBoundary::apply(this->id, static_cast<std::int64_t>(b), static_cast<std::int64_t>(id), begins,
+  through = KeptBlockBoundary::apply(this, static_cast<std::int64_t>(b), static_cast<std::int64_t>(id), begins,
                                      at::TensorList(through));
   for (std::size_t k = 0; k < slots.size(); ++k) tensors[slots[k]] = std::move(through[k]);
   return true;
@@ -811,8 +804,8 @@ void StreamedModel::Impl::begin_kept_backward(std::uint32_t b, std::uint64_t id)
   }
   if (!pass.input_nodes[b]) {
     // No node at the block's inputs will run: the pass ends with autograd's backward.
-    torch::autograd::Engine::get_default_engine().queue_callback([model = this->id, id] {
-      const std::shared_ptr<StreamedModel::Impl> impl = live_model(model);
+    torch::autograd::Engine::get_default_engine().queue_callback([model = self, id] {
+      const std::shared_ptr<StreamedModel::Impl> impl = model.lock();
       if (impl && impl->passes.count(id) != 0) {
         impl->finish_kept_pass(id, /*backward_over=*/true);
       }

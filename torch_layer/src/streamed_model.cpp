@@ -396,10 +396,10 @@ std::unique_ptr<sp::host::PolicySession> open_policy_session(const ad::Streaming
 
 StreamedModel::StreamedModel(std::vector<Block> blocks, StreamedModelOptions options)
     : impl_(std::make_shared<Impl>(std::move(blocks), std::move(options))) {
-  register_model(impl_);
+  impl_->self = impl_;
 }
 
-StreamedModel::~StreamedModel() { forget_model(impl_->id); }
+StreamedModel::~StreamedModel() = default;
 
 std::uint32_t StreamedModel::num_blocks() const { return static_cast<std::uint32_t>(impl_->blocks.size()); }
 

@@ -277,7 +277,7 @@ struct StreamedModel::Impl {
   bool grads_staged = false;
   bool eval_open = false;          // an evaluation pass is open; `eval_next` its next block
   std::uint32_t eval_next = 0;
-  std::int64_t id = 0;  // in the registry of live models (StreamedBlockFunction)
+  std::weak_ptr<Impl> self;  // what the layer's autograd nodes hold of it (block_passes.cpp)
 
   // Where the host is in the step protocol (streamed_model.h, "The rules of a step").
   enum class StepPhase { between_steps, open, after_backward };
@@ -676,9 +676,5 @@ struct StreamedModel::Impl {
 
   bool set_calibration_errors(CalibrationErrors& errors);
 };
-
-// The models alive, by id (block_passes.cpp): a graph that outlives its model finds it gone.
-void register_model(const std::shared_ptr<StreamedModel::Impl>& impl);
-void forget_model(std::int64_t id);
 
 }  // namespace sp::torch_layer
