@@ -763,7 +763,6 @@ void StreamedModel::Impl::fill_kept(BlockState& block, const ad::BlockView& view
       p.kept.set_data_ptr_noswap(converted.storage().unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(nullptr, device)));
     }
     p.kept.set_nbytes(count * c10::elementSize(options.compute_dtype));
-    if (!block.params_are_masters) p.param.set_data(torch::empty({0}, compute).set_(p.kept, 0, p.shape));
   }
 }
 

@@ -577,7 +577,8 @@ struct StreamedModel::Impl {
   NamedParameters kept_weights(BlockState& block, const c10::intrusive_ptr<torch::autograd::Node>& node,
                                std::vector<std::int64_t>& edges);
   // The `kept` storages hold the delivered weights of `view` (converted to the compute dtype
-  // when it is not bf16), or nothing.
+  // when it is not bf16), or nothing. A module's placeholders point at them through
+  // kept_weights().
   void fill_kept(BlockState& block, const ad::BlockView& view);
   void empty_kept(BlockState& block);
   // A backward the layer cannot serve right reaching block b, refused by name: create_graph, or
