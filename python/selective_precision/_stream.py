@@ -228,14 +228,15 @@ class _Layer:
     """The streaming layer behind one stream() call: the extension's model and the step state
     found from the optimizer's hooks. Held by every streamed block and by the StreamedLayers."""
 
-    def __init__(self, model, blocks, streamed_names):
+    def __init__(self, model, blocks, streamed_names, full_shapes):
         self.model = model
+        self.full_shapes = full_shapes  # per block, each streamed weight's shape (sharded: even another rank's)
+        self.gathering = False  # inside StreamedLayers.full_state_dict()
         self.blocks = [weakref.ref(b) for b in blocks]
         self.streamed_names = list(streamed_names)
-        self.in_step = False
-        self.stepping = False  # post_backward ran, the optimizer's step has not ended
         self.calibrating = False  # inside StreamedLayers.calibrating()
         self.averaged = set()  # ids of the host parameters average_gradients() averaged this step
+        self.reduced_by_ddp = set()  # ids of those a DistributedDataParallel around the blocks averages this step
         self.loss = None
         self.last_report = None
         self.last_moments = None
@@ -243,6 +244,16 @@ class _Layer:
         self.master_names = ["%d.%s" % (i, n) for i in range(len(blocks)) for n in streamed_names]
         self.resident_ids = {id(p) for p in model.resident_parameters()}
         self.recomputes = model.recomputes()  # a recompute calls a block again with its arguments
+
+    # The step's phase is the extension's (StreamedModel::step_phase()), read, never kept here.
+    @property
+    def in_step(self) -> bool:
+        return self.model.step_phase() != "between_steps"
+
+    @property
+    def stepping(self) -> bool:
+        """post_backward ran: an optimizer's step is under way."""
+        return self.model.step_phase() == "after_backward"
 
     def refuse_master_hooks(self):
         """The layer writes the masters' .grad itself, where autograd runs no hook of theirs."""
@@ -261,7 +272,6 @@ class _Layer:
         if not self.in_step:
             self.model.take_collective_failure()
             self.model.begin_step(self.model.next_step())
-            self.in_step = True
 
     def end_step_if_updated(self):
         """The blocks' parameters changed since the step's backward without torch.optim's step
@@ -273,19 +283,35 @@ class _Layer:
     def end_step(self):
         """Ends the open step whose update ran: the policy takes the moments of its backward and
         decides, and the images of the updated weights are rebuilt."""
-        loss, self.loss = self.loss, None
-        loss = float("nan") if loss is None else self.model.average(loss)
+        loss = float("nan") if self.loss is None else self.model.average(self.loss)
         self.last_moments = self.model.post_backward(loss)
         from . import _report  # the StepReport of the package
 
-        self.in_step = False
-        self.averaged.clear()
+        self.forget_step()
         self.last_report = _report(self.model.end_step(loss))
 
     def abort(self):
         self.model.abort_step()
-        self.in_step = self.stepping = False
+        self.forget_step()
+
+    def forget_step(self):
+        """What the hooks noted of the step that ends."""
         self.loss = None
+        self.averaged.clear()
+        self.reduced_by_ddp.clear()
+
+    def note_ddp_forward(self):
+        """A DistributedDataParallel whose forward runs the blocks with its gradient sync on
+        averages its parameters in this backward: the optimizer's hook leaves them to it."""
+        ddp = _active_ddp()
+        if ddp is not None and ddp.require_backward_grad_sync:
+            self.reduced_by_ddp.update(id(p) for p in getattr(ddp, "_module_parameters", ()))
+
+    def rest_to_average(self, optimizer):
+        """The optimizer's parameters whose gradients no one else averages across the ranks: not
+        the layer's (masters, resident parameters), nor those average_gradients() or a DDP did."""
+        done = {id(m) for m in self.masters} | self.resident_ids | self.averaged | self.reduced_by_ddp
+        return [p for g in optimizer.param_groups for p in g["params"] if id(p) not in done and p.grad is not None]
 
     def trainable_masters(self):
         return [(name, m) for name, m in zip(self.master_names, self.masters) if m.requires_grad]
@@ -316,26 +342,29 @@ class _Layer:
             self.loss = self.model.average(self.loss)  # the ranks' mean, once: end_step takes it too
         self.last_moments = self.model.post_backward(float("nan") if self.loss is None else self.loss)
         if self.model.world_size() > 1:
-            own = {id(m) for m in self.masters} | self.resident_ids | self.averaged
-            self.model.average_gradients(
-                [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own and p.grad is not None])
-        self.stepping = True
+            self.model.average_gradients(self.rest_to_average(optimizer))
 
     def after_optimizer_step(self, optimizer):
         if not self.stepping:
             return
-        loss = self.loss
-        self.loss = None
-        loss = float("nan") if loss is None else loss
+        loss = float("nan") if self.loss is None else self.loss
         from . import _report  # the StepReport of the package
 
-        self.stepping = self.in_step = False
-        self.averaged.clear()
+        self.forget_step()
         self.last_report = _report(self.model.end_step(loss))
 
 
 _LAYERS: "weakref.WeakSet[_Layer]" = weakref.WeakSet()
 _HOOKS = []
+
+
+def _active_ddp():
+    """The DistributedDataParallel whose forward is running, if any (torch's own record of it,
+    which TorchDynamo reads too); None where this torch keeps none."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    active = getattr(DistributedDataParallel, "_get_active_ddp_module", None)
+    return active() if active is not None else None
 
 
 def _install_optimizer_hooks():
@@ -441,6 +470,7 @@ class StreamedBlock:
         if training and index == 0 and torch._C._current_graph_task_id() == -1:
             layer.refuse_master_hooks()
             layer.begin_if_needed()  # not for a checkpoint's recompute inside the backward
+            layer.note_ddp_forward()
         outputs = iter(layer.model.forward_block(index, [leaves[i] for i in slots], call))
         out_leaves = [next(outputs) if leaf is _TENSOR else leaf for leaf in produced["leaves"]]
         return pytree.tree_unflatten(out_leaves, produced["spec"])
@@ -647,7 +677,21 @@ class StreamedLayers(torch.nn.ModuleList):
         a bad entry raises StateEntryError naming it, and nothing changes."""
         layer = self._layer()
         layer.model.restore_state(dict(state))
-        layer.in_step = layer.stepping = False
+
+    @contextlib.contextmanager
+    def full_state_dict(self):
+        """`with layers.full_state_dict(): state = model.state_dict()`: with shard_masters, the state
+        dict holds every streamed block's weights in full, each sent by the rank that keeps it, as
+        FSDP's full state dict does. Collective: every rank takes its state dict inside it, at the
+        same point. Loading one needs no context (each rank keeps its own blocks' masters, and
+        checks the shapes of the others'), but every rank loads it. Without shard_masters the state
+        dict is whole already; the context changes nothing."""
+        layer = self._layer()
+        layer.gathering = True
+        try:
+            yield self
+        finally:
+            layer.gathering = False
 
     def get_extra_state(self):
         """The policy's state, hints and counters (not the masters: they are the parameters), as
@@ -675,7 +719,6 @@ class StreamedLayers(torch.nn.ModuleList):
             for name in layer.streamed_names:
                 entries["master/block%d.%s" % (b, name)] = _parameter_at(block(), name).detach()
         layer.model.restore_state(entries)
-        layer.in_step = layer.stepping = False
 
     def __reduce_ex__(self, protocol):
         raise TypeError(_NOT_PICKLABLE)
@@ -737,30 +780,65 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, options: 
     _warn_trainable_streamed_in_frozen_blocks(modules, names)
     for module in modules:
         _masters_in_place(module, names)
+    full_shapes = [{n: tuple(_parameter_at(m, n).shape) for n in names} for m in modules]
     model = _streamed_model(modules, names, config, options, calls=[_default_call(m) for m in modules])
-    layer = _Layer(model, modules, names)
+    layer = _Layer(model, modules, names, full_shapes)
     for index, module in enumerate(modules):
         module.__class__ = _streamed_class(type(module))
         module._sp_layer = layer
         module._sp_index = index
+    out = StreamedLayers(modules, layer)
     if model.sharded():
         for module in modules:
-            _add_hook(module, "register_state_dict_post_hook", "_register_state_dict_hook", _refuse_sharded_state_dict)
+            _add_hook(module, "register_state_dict_post_hook", "_register_state_dict_hook", _gathered_state_dict)
+            _add_hook(module, "register_load_state_dict_pre_hook", "_register_load_state_dict_pre_hook",
+                      _load_owned_masters_only, with_module=True)
+        out.register_load_state_dict_post_hook(_share_loaded_masters)
     _LAYERS.add(layer)
     _install_optimizer_hooks()
-    out = StreamedLayers(modules, layer)
     out.register_load_state_dict_post_hook(_tolerate_missing_extra_state)
     return out
 
 
-def _refuse_sharded_state_dict(module, state_dict, prefix, local_metadata):
+def _gathered_state_dict(module, state_dict, prefix, local_metadata):
     """With shard_masters a block's masters live on its owner alone: elsewhere its parameters are
-    empty, and a state dict would hold them as if they were the weights."""
-    raise RuntimeError(
-        "selective_precision: %s: with shard_masters each rank holds only its own blocks' masters, so this state "
-        "dict would hold empty tensors for the other ranks' blocks. Save each rank's StreamedLayers.export_state() "
-        "(and restore_state() it on the same rank), or stream with replicated masters to save a whole state dict"
-        % module._sp_name())
+    empty. Inside StreamedLayers.full_state_dict() each owner sends them to every rank; outside it
+    a state dict would hold empty tensors as if they were the weights, and is refused."""
+    layer = module._sp_layer
+    if not layer.gathering:
+        raise RuntimeError(
+            "selective_precision: %s: with shard_masters each rank holds only its own blocks' masters, so this state "
+            "dict would hold empty tensors for the other ranks' blocks. Take it on every rank inside "
+            "`with layers.full_state_dict():` (each block's owner sends it whole), or save each rank's "
+            "StreamedLayers.export_state()" % module._sp_name())
+    gathered = layer.model.gather_masters(module._sp_index)
+    for name in layer.streamed_names:
+        state_dict[prefix + name] = gathered[name].detach()
+
+
+def _load_owned_masters_only(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    """A whole state dict loaded with shard_masters: each rank takes its own blocks' masters; for
+    another rank's block it checks the entry's shape and keeps its empty placeholder."""
+    layer = module._sp_layer
+    if layer.model.owner(module._sp_index) == layer.model.rank():
+        return
+    for name in layer.streamed_names:
+        key = prefix + name
+        if key not in state_dict:
+            continue
+        shape = layer.full_shapes[module._sp_index][name]
+        value = state_dict[key]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+            errors.append("size mismatch for %s: copying %s from the checkpoint, the streamed master is %s (kept by "
+                          "rank %d)" % (key, tuple(value.shape) if isinstance(value, torch.Tensor) else
+                                        type(value).__name__, shape, layer.model.owner(module._sp_index)))
+        state_dict[key] = _parameter_at(module, name).detach()
+
+
+def _share_loaded_masters(module, incompatible_keys):
+    """Every rank loaded (load_state_dict is collective with shard_masters): each owner rebuilds the
+    images of the masters it loaded and sends them to the others."""
+    module._layer().model.refresh_images()
 
 
 def _masters_in_place(module, names):

@@ -609,6 +609,9 @@ PYBIND11_MODULE(_selective_precision, m) {
       .def("next_step", [](PyStreamedModel& s) { return s.model().next_step(); })
       .def("master_parameters", [](PyStreamedModel& s) { return s.model().master_parameters(); })
       .def("masters", [](PyStreamedModel& s, std::uint32_t block) { return s.model().masters(block); })
+      .def(
+          "gather_masters", [](PyStreamedModel& s, std::uint32_t block) { return s.model().gather_masters(block); },
+          no_gil)
       .def("resident_parameters", [](PyStreamedModel& s) { return s.model().resident_parameters(); })
       .def(
           "begin_step", [](PyStreamedModel& s, std::int64_t step) { s.model().begin_step(step); }, no_gil)
@@ -657,6 +660,18 @@ PYBIND11_MODULE(_selective_precision, m) {
       .def(
           "abort_step", [](PyStreamedModel& s) { s.model().abort_step(); }, no_gil)
       .def("trained_in_step", [](PyStreamedModel& s) { return s.model().trained_in_step(); })
+      .def("step_phase",
+           [](PyStreamedModel& s) {
+             switch (s.model().step_phase()) {
+               case tl::StreamedModel::StepPhase::open:
+                 return "open";
+               case tl::StreamedModel::StepPhase::after_backward:
+                 return "after_backward";
+               case tl::StreamedModel::StepPhase::between_steps:
+                 break;
+             }
+             return "between_steps";
+           })
       .def("calibrate",
            [](PyStreamedModel& s, const std::vector<torch::Tensor>& samples) {
              const tl::CalibrationErrors errors = [&] {

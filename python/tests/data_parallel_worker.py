@@ -58,6 +58,54 @@ class Model(torch.nn.Module):
         return self.head(self.streamed(self.inp(x)))
 
 
+def stream_state_dicts(group, sharded, rank):
+    """sp.stream() on the same group: its state dict is whole when replicated; sharded, refused
+    (it would hold empty tensors for the other ranks' blocks) except inside full_state_dict(),
+    where each owner sends its blocks. Such a whole state dict loads into another sharded model
+    (each rank keeps its own blocks) that then computes as the first; a wrong shape is refused
+    by name on every rank."""
+    def streamed(seed):
+        torch.manual_seed(seed)
+        return sp.stream(torch.nn.ModuleList(Block() for _ in range(BLOCKS)), config=POLICY, process_group=group,
+                         shard_masters=sharded)
+
+    def run(layers, x):
+        with torch.no_grad():
+            for block in layers:
+                x = block(x)
+        return x
+
+    record = {}
+    layers = streamed(12)
+    try:
+        record["stream_state_dict"] = sorted({tuple(v.shape) for v in layers.state_dict().values()})
+    except RuntimeError as e:
+        record["stream_state_dict"] = str(e)
+    record["stream_exported_masters"] = len([k for k in layers.export_state() if k.startswith("master/")])
+    with layers.full_state_dict():
+        whole = layers.state_dict()
+    weights = {k: v for k, v in whole.items() if not k.endswith("_extra_state")}
+    record["stream_full_state_dict"] = sorted({tuple(v.shape) for v in weights.values()})
+    record["stream_full_checksum"] = float(sum(v.double().sum() for v in weights.values()))
+    other = streamed(13 + rank)
+    other.load_state_dict(whole)
+    with other.full_state_dict():
+        again = other.state_dict()
+    record["stream_reloaded_equal"] = all(torch.equal(v, again[k]) for k, v in weights.items())
+    x = torch.randn(2, 8, DIM, generator=torch.Generator().manual_seed(5))
+    record["stream_reloaded_output_equal"] = torch.equal(run(layers, x), run(other, x))
+    bad = dict(whole)
+    bad["1.fc1.weight"] = torch.zeros(3, 3)
+    try:
+        other.load_state_dict(bad)
+        record["stream_bad_load"] = None
+    except RuntimeError as e:
+        record["stream_bad_load"] = str(e)
+    layers.close()
+    other.close()
+    return record
+
+
 def main():
     rank, world, init_file, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     global_batch, steps, out = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
@@ -123,17 +171,7 @@ def main():
         record["error"] = str(e)
     record["head"] = model.head.weight.detach().cpu().flatten().tolist()
     if mode != "none" and not gpu and "error" not in record:
-        # sp.stream() on the same group: its state dict is whole when replicated, refused when
-        # sharded (it would hold empty tensors for the other ranks' blocks).
-        torch.manual_seed(12)
-        layers = sp.stream(torch.nn.ModuleList(Block() for _ in range(BLOCKS)), config=POLICY, process_group=group,
-                           shard_masters=mode == "sharded")
-        try:
-            record["stream_state_dict"] = sorted({tuple(v.shape) for v in layers.state_dict().values()})
-        except RuntimeError as e:
-            record["stream_state_dict"] = str(e)
-        record["stream_exported_masters"] = len([k for k in layers.export_state() if k.startswith("master/")])
-        layers.close()
+        record.update(stream_state_dicts(group, mode == "sharded", rank))
     with open(out, "w", encoding="utf-8") as f:
         json.dump(record, f)
     model.streamed.close()

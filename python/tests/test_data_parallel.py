@@ -64,6 +64,13 @@ def test_sharded_masters_train_exactly_as_replicated_ones(tmp_path):
         assert sharded[rank]["stream_state_dict"].startswith(
             "selective_precision: streamed block 0 (Block): with shard_masters each rank holds only its own blocks'")
         assert (replicated[rank]["stream_exported_masters"], sharded[rank]["stream_exported_masters"]) == (8, 4)
+        # Inside full_state_dict() the owners send their blocks: the same weights as replicated.
+        assert sharded[rank]["stream_full_state_dict"] == replicated[rank]["stream_full_state_dict"]
+        assert (0,) not in [tuple(shape) for shape in sharded[rank]["stream_full_state_dict"]]
+        assert sharded[rank]["stream_full_checksum"] == replicated[rank]["stream_full_checksum"]
+        for record in (replicated[rank], sharded[rank]):
+            assert record["stream_reloaded_equal"] and record["stream_reloaded_output_equal"]
+            assert "size mismatch for 1.fc1.weight" in record["stream_bad_load"]
 
 
 def test_a_rank_that_dies_mid_step_stops_the_other_with_a_named_error(tmp_path):

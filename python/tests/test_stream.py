@@ -498,7 +498,9 @@ def test_a_tensor_the_block_reads_without_registering_it_gets_its_gradient():
 def test_ddp_over_the_rest_of_the_model_leaves_the_streamed_blocks_to_the_layer(tmp_path):
     """DDP averages the parameters outside the streamed blocks during the backward; the blocks'
     own are the layer's (it averages them itself with a process_group), so DDP is told to
-    ignore them, as it is told for any parameter another mechanism reduces."""
+    ignore them, as it is told for any parameter another mechanism reduces. The optimizer's hook
+    then averages only what DDP did not: nothing after a synced backward, DDP's own after a
+    backward under no_sync()."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -514,8 +516,17 @@ def test_ddp_over_the_rest_of_the_model_leaves_the_streamed_blocks_to_the_layer(
         for name, g in grads(plain).items():
             torch.testing.assert_close(streamed.get_parameter(name).grad, g, rtol=1e-6, atol=1e-7, msg=name)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        layer = streamed.layers._layer()
+        assert layer.rest_to_average(optimizer) == []  # DDP averaged them in the backward
         optimizer.step()
         assert streamed.layers.last_report.step == 0
+        optimizer.zero_grad()
+        with model.no_sync():
+            model(x).backward()
+        outside = [p for n, p in streamed.named_parameters() if not n.startswith("layers.")]
+        assert outside and {id(p) for p in layer.rest_to_average(optimizer)} == {id(p) for p in outside}
+        optimizer.step()
+        assert streamed.layers.last_report.step == 1
     finally:
         dist.destroy_process_group()
 

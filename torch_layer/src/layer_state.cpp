@@ -49,11 +49,29 @@ void StreamedModel::Impl::share_image(ad::StreamingEngine& target, std::uint32_t
   }
 }
 
-void StreamedModel::Impl::share_images(bool all, bool trained) {
+std::map<std::string, torch::Tensor> StreamedModel::gather_masters(std::uint32_t block) {
+  Impl& m = *impl_;
+  if (m.in_step()) throw std::logic_error("StreamedModel::gather_masters: call it between steps");
+  if (block >= m.blocks.size()) {
+    throw std::invalid_argument(
+        fmt::format("StreamedModel::gather_masters: block {} is out of range (there are {})", block, m.blocks.size()));
+  }
+  const BlockState& b = m.blocks[block];
+  if (m.owns(block) && !m.sharded) return b.masters;
+  std::map<std::string, torch::Tensor> out;
+  for (const StreamedParam& p : b.streamed) {
+    torch::Tensor whole = m.owns(block) ? p.master.detach() : torch::empty(p.shape, torch::kFloat32);
+    m.collectives->broadcast(whole, m.owner(block), fmt::format("{}'s master '{}'", b.block.name, p.name));
+    out.emplace(p.name, m.owns(block) ? p.master : whole);
+  }
+  return out;
+}
+
+void StreamedModel::Impl::share_images(bool all, const std::vector<bool>& rebuilt) {
   if (!sharded) return;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     const Precision route = engine->policy_bridge().route(b);
-    if (!all && !(trained && blocks[b].trainable_masters) && shared_route[b] == route) continue;
+    if (!all && !(b < rebuilt.size() && rebuilt[b]) && shared_route[b] == route) continue;
     share_image(*engine, b, route);
     shared_route[b] = route;
     eval_image_stale[b] = true;
@@ -338,7 +356,7 @@ void StreamedModel::restore_state(const std::map<std::string, torch::Tensor>& st
         "from it",
         failed, size));
   }
-  m.share_images(/*all=*/true, /*trained=*/false);
+  m.share_images(/*all=*/true);
 }
 
 }  // namespace sp::torch_layer

@@ -178,7 +178,7 @@ void StreamedModel::begin_step(std::int64_t step) {
     }
     // Routes that moved since the images were last shared (hints restored, or a step aborted
     // after its post_backward) get their owners' images before the first fetch.
-    m.share_images(/*all=*/false, /*trained=*/false);
+    m.share_images(/*all=*/false);
   } catch (...) {
     m.end_plugin_step_as_failed();  // it began: the next begin_step can then come
     throw;
@@ -284,9 +284,16 @@ void StreamedModel::abort_step() {
 
 void StreamedModel::refresh_images() {
   Impl& m = *impl_;
+  // Per block: whether its owner may have a new image, to share. A trainable block's owner
+  // updated it; a frozen block's masters change only when the host loads or edits them, which
+  // only its owner sees, so sharded the ranks learn it from one another.
+  std::vector<bool> rebuilt(m.blocks.size(), false);
+  bool any_frozen = false;
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
-    // A frozen block's masters change only when the host loads or edits them.
+    rebuilt[b] = m.blocks[b].trainable_masters;
+    any_frozen = any_frozen || !m.blocks[b].trainable_masters;
     if (!m.owns(b) || (!m.blocks[b].trainable_masters && !m.changed_master(b))) continue;
+    rebuilt[b] = true;
     const bool written_by_update = m.updated_in_step[b];
     m.updated_in_step[b] = false;
     // update_masters() wrote its image; the host changed its masters since, or not.
@@ -294,9 +301,18 @@ void StreamedModel::refresh_images() {
     m.engine->on_weights_updated(b);
     m.eval_image_stale[b] = true;
   }
-  m.share_images(/*all=*/false, /*trained=*/true);
+  if (m.sharded && any_frozen) {
+    torch::Tensor changed = torch::zeros({static_cast<std::int64_t>(rebuilt.size())}, torch::kInt32);
+    std::int32_t* flags = changed.data_ptr<std::int32_t>();
+    for (std::size_t b = 0; b < rebuilt.size(); ++b) flags[b] = rebuilt[b] ? 1 : 0;
+    m.collectives->all_reduce(changed, Reduction::max, "blocks whose masters changed")->wait();
+    for (std::size_t b = 0; b < rebuilt.size(); ++b) rebuilt[b] = flags[b] != 0;
+  }
+  m.share_images(/*all=*/false, rebuilt);
   m.note_image_versions();
 }
+
+StreamedModel::StepPhase StreamedModel::step_phase() const { return impl_->phase; }
 
 bool StreamedModel::trained_in_step() const {
   const Impl& m = *impl_;

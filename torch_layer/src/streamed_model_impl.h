@@ -280,7 +280,7 @@ struct StreamedModel::Impl {
   std::weak_ptr<Impl> self;  // what the layer's autograd nodes hold of it (block_passes.cpp)
 
   // Where the host is in the step protocol (streamed_model.h, "The rules of a step").
-  enum class StepPhase { between_steps, open, after_backward };
+  using StepPhase = StreamedModel::StepPhase;
   StepPhase phase = StepPhase::between_steps;
   bool in_step() const { return phase != StepPhase::between_steps; }
   bool after_backward() const { return phase == StepPhase::after_backward; }
@@ -408,8 +408,8 @@ struct StreamedModel::Impl {
   // After the owners rebuilt their images (end_step, refresh_images, restore_state), or at a
   // step's start: every block whose image changed since the ranks last shared it goes out
   // again, in the route it takes next. Which ones is decided alike on every rank: all blocks
-  // when `all`, else those whose masters train (their owner updated them) or whose route moved.
-  void share_images(bool all, bool trained);
+  // when `all`, else those `rebuilt` names (empty: none) and those whose route moved.
+  void share_images(bool all, const std::vector<bool>& rebuilt = {});
 
   // The evaluation engines' images of every block on one route (calibration's pinned passes).
   void share_eval_images(Precision precision);

@@ -1598,6 +1598,59 @@ TEST(ShardedMasters, TwoRanksTrainAsReplicatedOnesKeepingHalfTheMasters) {
   EXPECT_EQ(sharded[0].masters.size() + sharded[1].masters.size(), replicated[0].masters.size());
 }
 
+// A whole state dict of a sharded run: every rank gets every block's masters, each from its
+// owner, equal to what the replicated run keeps (the owner's are its masters themselves).
+TEST(ShardedMasters, GatherMastersGivesEveryRankEveryBlockWhole) {
+  const std::vector<RankRun> replicated = run_two_ranks(false, 2);
+  run_two_ranks(true, 2, [&](int rank, tl::StreamedModel& model) {
+    for (std::uint32_t b = 0; b < model.num_blocks(); ++b) {
+      const std::map<std::string, torch::Tensor> whole = model.gather_masters(b);
+      ASSERT_EQ(whole.size(), 2u) << "rank " << rank << ", block " << b;
+      for (const auto& [name, master] : whole) {
+        EXPECT_TRUE(torch::equal(master, replicated[0].masters.at(std::to_string(b) + "." + name)))
+            << "rank " << rank << ": " << b << "." << name;
+        if (model.owner(b) == rank) {
+          EXPECT_TRUE(master.is_same(model.masters(b).at(name)));
+        }
+      }
+    }
+    model.begin_step(2);
+    EXPECT_THAT([&] { model.gather_masters(0); },
+                ::testing::ThrowsMessage<std::logic_error>(::testing::HasSubstr("call it between steps")));
+    model.abort_step();
+  });
+}
+
+// A frozen block (LoRA's base) changes only when the host loads or edits it, which its owner
+// alone sees: refresh_images() on every rank still sends the owner's new image to the others.
+TEST(ShardedMasters, AFrozenBlockLoadedOnItsOwnerReachesEveryRankAtRefreshImages) {
+  std::vector<std::vector<TinyBlock>> blocks{make_blocks(21), make_blocks(21)};
+  const torch::Tensor x = input(26);  // drawn here: the ranks' threads share torch's generator
+  std::vector<double> before(2), after(2);
+  const std::vector<std::string> failures = on_two_ranks([&](int rank, const auto& group, const auto&) {
+    std::vector<tl::Block> list;
+    for (const TinyBlock& b : blocks[rank]) {
+      b->fc1->weight.set_requires_grad(false);
+      b->fc2->weight.set_requires_grad(false);
+      list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+    }
+    tl::StreamedModelOptions o = test_options();
+    o.config_yaml = policy_yaml("  mode: off\n");
+    o.collectives = tl::over_process_group(group);
+    o.shard_masters = true;
+    tl::StreamedModel model(std::move(list), o);
+    torch::NoGradGuard no_grad;
+    before[rank] = model.forward(x).pow(2).mean().item<double>();
+    if (model.owner(0) == rank) model.masters(0).at("fc1.weight").mul_(0.5);
+    model.refresh_images();
+    after[rank] = model.forward(x).pow(2).mean().item<double>();
+  });
+  ASSERT_EQ(failures, (std::vector<std::string>{"", ""}));
+  EXPECT_EQ(before[0], before[1]);
+  EXPECT_NE(after[0], before[0]);
+  EXPECT_EQ(after[1], after[0]);
+}
+
 // A sharded restore is all or nothing across the ranks: the rank whose state lacks a master of
 // its own names the entry, the other names that rank, and neither waits for the other.
 TEST(ShardedMasters, ARestoreThatFailsOnOneRankFailsOnEveryRankByName) {

@@ -261,6 +261,11 @@ class StreamedModel {
   std::vector<torch::Tensor> master_parameters() const;
   // One block's masters, by parameter name (sharded: empty for a block another rank owns).
   const std::map<std::string, torch::Tensor>& masters(std::uint32_t block) const;
+  // Block `block`'s masters in full, by parameter name, as a whole state dict holds them: on the
+  // block's owner (every rank when not sharded) its masters themselves; on the other ranks fresh
+  // fp32 host tensors, filled by the owner's broadcast. Sharded, every rank calls it for the same
+  // block at the same point (collective). Between steps: std::logic_error inside one.
+  std::map<std::string, torch::Tensor> gather_masters(std::uint32_t block);
   // Sharded data parallelism (StreamedModelOptions::shard_masters on more than one rank), and
   // the rank that keeps block `block`'s masters: this rank for every block when not sharded.
   // Throws std::invalid_argument for a block out of range.
@@ -293,6 +298,12 @@ class StreamedModel {
   std::int64_t next_step() const;
 
   void begin_step(std::int64_t step);
+  // Where the host is in the step protocol: between two steps; inside one (begin_step() ran);
+  // after its post_backward(), until end_step(). abort_step() and restore_state() return it
+  // between steps. A host that drives the step from hooks (Python's stream()) reads it here
+  // rather than keeping its own.
+  enum class StepPhase { between_steps, open, after_backward };
+  StepPhase step_phase() const;
   // Block gradient moments (of the streamed masters' gradients, or of the block's trainable
   // resident parameters when its streamed weights are frozen) to the plugin; to a plugin with a
   // budget (policy v3), the signal table too (unit_signals()); then its hints to the engines.
