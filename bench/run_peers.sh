@@ -21,6 +21,8 @@ python=.venv/bin/python
 "$python" bench/peers/formats.py --out "$out/formats.json"
 # SP_BENCH_COMPUTE=fp32 on a CPU without native bf16 matmuls (streaming.py --compute).
 HF_HUB_OFFLINE=1 "$python" bench/peers/streaming.py --out "$out/streaming.json" --compute "${SP_BENCH_COMPUTE:-bf16}"
+HF_HUB_OFFLINE=1 "$python" bench/peers/activation_memory.py --out "$out/activation-memory.json" \
+  --compute "${SP_BENCH_COMPUTE:-bf16}"
 "$python" - "$out" <<'PY'
 import json, os, sys
 out = sys.argv[1]
