@@ -161,7 +161,7 @@ class StepReport:
     h2d_bytes_all_bf16: int  # what the same fetches would have moved as BF16
     eval_h2d_bytes: int  # of the evaluation passes in the step (no grad, or no backward followed)
     training_passes: int
-    routes: list[str]  # each block's format for the next step: "bf16", "int8" or "nf4"
+    routes: list[str]  # each unit's (block's) format for the next step: "bf16", "int8" or "nf4"
     swap: PluginSwap | None  # a hot swap that took effect at this step's start
     calibration: CalibrationErrors | None  # an online re-calibration after this step
 
@@ -454,7 +454,7 @@ class StreamedBlocks:
             streamed = _streamed_names(modules[0])
         _warn_trainable_streamed_in_frozen_blocks(modules, streamed)
         self._streamed_names = list(streamed)
-        self._model = _streamed_model(modules, self._streamed_names, config, options)
+        self._model = _streamed_model(modules, [self._streamed_names] * len(modules), config, options)
         self._placeholders = {id(p) for m in modules for n, p in m.named_parameters() if n in self._streamed_names}
         self._averaged = set()  # ids of the host parameters whose gradients this step averaged
         self._loaded_masters = False

@@ -31,8 +31,8 @@ class _StreamedModel:
     def __init__(
         self,
         modules: list[torch.nn.Module],
-        streamed: list[str],
-        moments_from: list[str],
+        streamed: list[list[str]],
+        moments_from: list[list[str]],
         plugin_file: str,
         config_yaml: str,
         config_source: str,
@@ -51,11 +51,15 @@ class _StreamedModel:
         calls: list[Callable[[list[torch.Tensor], dict[str, torch.Tensor]], list[torch.Tensor]]] | None = None,
         transfer_policy: str = "",
         recompute: bool | None = None,
+        names: list[str] = [],
+        units: list[tuple[str, int]] = [],
     ) -> None: ...
     def close(self) -> None: ...
     @property
     def closed(self) -> bool: ...
     def num_blocks(self) -> int: ...
+    def num_units(self) -> int: ...
+    def unit_of(self, block: int) -> int: ...
     def forward(self, x: torch.Tensor) -> torch.Tensor: ...
     def forward_block(
         self, block: int, inputs: list[torch.Tensor],

@@ -14,6 +14,7 @@ give the policy the gradient moments before the update and rebuild the transfer 
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import dataclasses
 import enum
@@ -149,8 +150,12 @@ def _options(caller: str, options, keywords: dict) -> StreamOptions:
     return StreamOptions(**keywords)
 
 
-def _streamed_model(modules, names, config, options: StreamOptions, calls=None):
-    """The extension's model of `modules`, with `config` read and merged as `options` say."""
+def _streamed_model(modules, names, config, options: StreamOptions, calls=None, moments_from=None,
+                    block_names=(), units=()):
+    """The extension's model of `modules`, with `config` read and merged as `options` say. Per
+    module: `names` its streamed parameters, `moments_from` those its moments come from (None:
+    options.moments_from for each), `block_names` its name (empty: "block<i>"); `units`: the
+    policy's units as (name, number of modules), empty for one per module."""
     from . import _policy_config, _StreamedModel, default_plugin_dir
 
     config_yaml, config_source = _policy_config(config)
@@ -159,13 +164,16 @@ def _streamed_model(modules, names, config, options: StreamOptions, calls=None):
     if options.output_dir is None:
         config_yaml, config_source = _without_telemetry(config_yaml, config_source)
     plugin_file = os.path.join(options.plugin_dir or default_plugin_dir(), "lib%s.so" % options.plugin)
+    if moments_from is None:
+        moments_from = [list(options.moments_from)] * len(modules)
     return _StreamedModel(
-        modules, list(names), list(options.moments_from), plugin_file, config_yaml, config_source,
+        modules, [list(n) for n in names], [list(m) for m in moments_from], plugin_file, config_yaml, config_source,
         str(options.output_dir or "."), str(options.device), options.compute_dtype,
         float(options.host_bandwidth_cap_gbps), int(options.prefetch_window), int(options.spare_slabs),
         int(options.int8_group_size), int(options.nf4_group_size or 0), str(options.metrics_path),
         int(options.recalibrate_every), options.process_group, bool(options.shard_masters), calls=calls,
         transfer_policy=str(options.transfer_policy or ""), recompute=options.recompute,
+        names=list(block_names), units=list(units),
     )
 
 
@@ -228,20 +236,21 @@ class _Layer:
     """The streaming layer behind one stream() call: the extension's model and the step state
     found from the optimizer's hooks. Held by every streamed block and by the StreamedLayers."""
 
-    def __init__(self, model, blocks, streamed_names, full_shapes):
+    def __init__(self, model, layout, full_shapes):
         self.model = model
-        self.full_shapes = full_shapes  # per block, each streamed weight's shape (sharded: even another rank's)
+        self.layout = layout
+        self.full_shapes = full_shapes  # per module, each streamed weight's shape (sharded: even another rank's)
         self.gathering = False  # inside StreamedLayers.full_state_dict()
-        self.blocks = [weakref.ref(b) for b in blocks]
-        self.streamed_names = list(streamed_names)
+        self.blocks = [weakref.ref(b) for b in layout.modules]
+        self.streamed_names = layout.names  # per streamed module
         self.calibrating = False  # inside StreamedLayers.calibrating()
         self.averaged = set()  # ids of the host parameters average_gradients() averaged this step
         self.reduced_by_ddp = set()  # ids of those a DistributedDataParallel around the blocks averages this step
         self.loss = None
         self.last_report = None
         self.last_moments = None
-        self.masters = [_parameter_at(b, n) for b in blocks for n in streamed_names]
-        self.master_names = ["%d.%s" % (i, n) for i in range(len(blocks)) for n in streamed_names]
+        self.masters = [_parameter_at(m, n) for m, names in zip(layout.modules, layout.names) for n in names]
+        self.master_names = ["%s.%s" % (path, n) for path, names in zip(layout.paths, layout.names) for n in names]
         self.resident_ids = {id(p) for p in model.resident_parameters()}
         self.recomputes = model.recomputes()  # a recompute calls a block again with its arguments
 
@@ -285,14 +294,19 @@ class _Layer:
         decides, and the images of the updated weights are rebuilt."""
         loss = float("nan") if self.loss is None else self.model.average(self.loss)
         self.last_moments = self.model.post_backward(loss)
-        from . import _report  # the StepReport of the package
-
         self.forget_step()
-        self.last_report = _report(self.model.end_step(loss))
+        self.last_report = self.report(self.model.end_step(loss))
 
     def abort(self):
         self.model.abort_step()
         self.forget_step()
+
+    def report(self, raw):
+        """The package's StepReport of the extension's, with a route per unit."""
+        from . import _report
+
+        raw["routes"] = self.layout.unit_routes(raw["routes"])
+        return _report(raw)
 
     def forget_step(self):
         """What the hooks noted of the step that ends."""
@@ -348,10 +362,8 @@ class _Layer:
         if not self.stepping:
             return
         loss = float("nan") if self.loss is None else self.loss
-        from . import _report  # the StepReport of the package
-
         self.forget_step()
-        self.last_report = _report(self.model.end_step(loss))
+        self.last_report = self.report(self.model.end_step(loss))
 
 
 _LAYERS: "weakref.WeakSet[_Layer]" = weakref.WeakSet()
@@ -476,7 +488,7 @@ class StreamedBlock:
         return pytree.tree_unflatten(out_leaves, produced["spec"])
 
     def _sp_name(self):
-        return "streamed block %d (%s)" % (self._sp_index, self._sp_block_class.__name__)
+        return "streamed block %s (%s)" % (self._sp_layer.layout.paths[self._sp_index], self._sp_block_class.__name__)
 
     def _apply(self, fn, recurse=True):
         # What the conversion does, seen on two probes (a float32 one alone cannot tell .float()
@@ -493,7 +505,7 @@ class StreamedBlock:
         # masters stay fp32 on the host, and the layer computes in the new dtype from the next pass.
         self._sp_layer.model.set_compute_dtype(as_float32.dtype)
         masters = [(owner, leaf, owner._parameters[leaf])
-                   for owner, leaf in (_owner(self, n) for n in self._sp_layer.streamed_names)]
+                   for owner, leaf in (_owner(self, n) for n in self._sp_layer.streamed_names[self._sp_index])]
         for owner, leaf, _ in masters:
             owner._parameters[leaf] = None
         try:
@@ -580,12 +592,19 @@ class StreamedLayers(torch.nn.ModuleList):
         return self._layer().model.world_size()
 
     def routes(self) -> list[str]:
-        """Each block's format for its next fetch: "bf16", "int8" or "nf4"."""
-        return self._layer().model.routes()
+        """Each unit's format for its next fetch: "bf16", "int8" or "nf4" (a unit is a block, or
+        with units= a part of one). A transfer policy that gates one module of a unit and not
+        another gives both, "int8/bf16"."""
+        layer = self._layer()
+        return layer.layout.unit_routes(layer.model.routes())
 
-    def image_bytes(self, block: int, precision: str) -> int:
-        """The bytes block `block` moves per fetch in `precision` ("bf16", "int8" or "nf4")."""
-        return self._layer().model.image_bytes(int(block), precision)
+    def image_bytes(self, unit: int, precision: str) -> int:
+        """The bytes unit `unit` moves per fetch in `precision` ("bf16", "int8" or "nf4")."""
+        layer = self._layer()
+        modules = layer.layout.unit_modules
+        if not 0 <= int(unit) < len(modules):
+            raise IndexError("image_bytes(): unit %d is out of range (there are %d)" % (int(unit), len(modules)))
+        return sum(layer.model.image_bytes(m, precision) for m in modules[int(unit)])
 
     @contextlib.contextmanager
     def calibrating(self, model: torch.nn.Module | None = None):
@@ -604,7 +623,7 @@ class StreamedLayers(torch.nn.ModuleList):
         if layer.in_step:
             raise RuntimeError("selective_precision: calibrating(): a training step is open (a grad-mode forward ran "
                                "since the last optimizer.step()); call it between steps")
-        parameters = {id(p): p for block in layer.blocks for p in block().parameters()}
+        parameters = {id(p): p for p in self.parameters()}
         if model is not None:
             if not isinstance(model, torch.nn.Module):
                 raise TypeError("calibrating(): model= expected the torch.nn.Module whose gradients to restore, got %s"
@@ -633,22 +652,22 @@ class StreamedLayers(torch.nn.ModuleList):
                     p.grad = grad
 
     def policy_report(self) -> "PolicyReport":
-        """Where each unit (a streamed block: "3") stands: one dict per unit with `unit`, `route`
-        (its next fetch's format), `bytes` and `predicted_cost` per tier (the plugin's smoothed
-        loss cost, None where unmeasured), as a list whose `budget` says the budget, the
-        allocation's fraction of all-BF16's bytes and predicted loss, and whether it is met
-        (None without a budget)."""
-        model = self._layer().model
-        costs = {p: model.unit_costs(p) for p in ("bf16", "int8", "nf4")}
+        """Where each unit stands (a streamed block, "3", or with units= a part of one, "3.mlp"):
+        one dict per unit with `unit`, `route` (its next fetch's format), `bytes` and
+        `predicted_cost` per tier (the plugin's smoothed loss cost, None where unmeasured), as a
+        list whose `budget` says the budget, the allocation's fraction of all-BF16's bytes and
+        predicted loss, and whether it is met (None without a budget)."""
+        layer = self._layer()
+        costs = {p: layer.model.unit_costs(p) for p in ("bf16", "int8", "nf4")}
         units = []
-        for b, route in enumerate(model.routes()):
+        for u, route in enumerate(self.routes()):
             units.append({
-                "unit": str(b),
+                "unit": layer.layout.unit_names[u],
                 "route": route,
-                "bytes": {p: model.image_bytes(b, p) for p in ("bf16", "int8", "nf4")},
-                "predicted_cost": {p: None if c is None or math.isnan(c[b]) else c[b] for p, c in costs.items()},
+                "bytes": {p: self.image_bytes(u, p) for p in ("bf16", "int8", "nf4")},
+                "predicted_cost": {p: None if c is None or math.isnan(c[u]) else c[u] for p, c in costs.items()},
             })
-        return PolicyReport(units, model.budget_status())
+        return PolicyReport(units, layer.model.budget_status())
 
     def plugin_version(self) -> str:
         """The loaded policy plugin's version."""
@@ -716,8 +735,8 @@ class StreamedLayers(torch.nn.ModuleList):
                              % type(state).__name__)
         entries = torch.load(io.BytesIO(state.numpy().tobytes()), weights_only=True)
         for b, block in enumerate(layer.blocks):
-            for name in layer.streamed_names:
-                entries["master/block%d.%s" % (b, name)] = _parameter_at(block(), name).detach()
+            for name in layer.streamed_names[b]:
+                entries["master/%s.%s" % (layer.layout.block_name(b), name)] = _parameter_at(block(), name).detach()
         layer.model.restore_state(entries)
 
     def __reduce_ex__(self, protocol):
@@ -732,8 +751,8 @@ def _tolerate_missing_extra_state(module, incompatible_keys):
         _log.info("selective_precision: %s not in the state dict loaded; the policy keeps its state", key)
 
 
-def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, options: StreamOptions | None = None,
-           **keywords) -> StreamedLayers:
+def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, units=None,
+           options: StreamOptions | None = None, **keywords) -> StreamedLayers:
     """Streams the blocks of a model: returns a ModuleList of the same blocks, each run through
     the layer, to be assigned back, `model.model.layers = sp.stream(model.model.layers, config=...)`.
 
@@ -759,6 +778,15 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, options: 
     closed, and streams the new weights (writes through `.data` bypass the counters: avoid them).
 
     config: the policy's settings (a YAML path, YAML text or a mapping; None: defaults).
+    streamed: the parameter names, within a block, that stream (default above).
+    units: the policy's units within each block, each with its own route, as {unit name: [prefix,
+        ...]}: each prefix names a submodule of the block ("self_attn." for Llama's attention;
+        BERT's MLP is ["intermediate.", "output."]), which then streams as a module of its own.
+        The block's forward must call them in the order given (unit by unit, prefix by prefix),
+        and every streamed weight must lie in one. Unit i.name is the policy's unit (routes(),
+        policy_report(), a static policy's force_*_blocks count units); the rest of the block
+        (norms) stays resident. None: a block is a unit. A checkpoint (torch.utils.checkpoint,
+        gradient_checkpointing_enable()) cannot wrap a block of several units.
     options: a StreamOptions, or its fields as keyword arguments (device, compute_dtype,
         recompute, budget, ...). budget=Budget(...) is for policy v3: the config's mode becomes
         budget with this budget (`sp.config_dir()/policy/v3.yaml` holds v3's other settings).
@@ -777,19 +805,23 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, options: 
     if options.recalibrate_every:
         raise ValueError("stream(): recalibrate_every needs blocks of one tensor in and out; use StreamedBlocks")
     names = list(streamed) if streamed is not None else _streamed_names(modules[0])
+    layout = _Layout(modules, names, units, options.moments_from)
     _warn_trainable_streamed_in_frozen_blocks(modules, names)
     for module in modules:
         _masters_in_place(module, names)
-    full_shapes = [{n: tuple(_parameter_at(m, n).shape) for n in names} for m in modules]
-    model = _streamed_model(modules, names, config, options, calls=[_default_call(m) for m in modules])
-    layer = _Layer(model, modules, names, full_shapes)
-    for index, module in enumerate(modules):
+    full_shapes = [{n: tuple(_parameter_at(m, n).shape) for n in names}
+                   for m, names in zip(layout.modules, layout.names)]
+    model = _streamed_model(layout.modules, layout.names, config, options,
+                            calls=[_default_call(m) for m in layout.modules], moments_from=layout.moments_from,
+                            block_names=layout.block_names(), units=layout.units())
+    layer = _Layer(model, layout, full_shapes)
+    for index, module in enumerate(layout.modules):
         module.__class__ = _streamed_class(type(module))
         module._sp_layer = layer
         module._sp_index = index
     out = StreamedLayers(modules, layer)
     if model.sharded():
-        for module in modules:
+        for module in layout.modules:
             _add_hook(module, "register_state_dict_post_hook", "_register_state_dict_hook", _gathered_state_dict)
             _add_hook(module, "register_load_state_dict_pre_hook", "_register_load_state_dict_pre_hook",
                       _load_owned_masters_only, with_module=True)
@@ -797,6 +829,107 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, options: 
     _LAYERS.add(layer)
     _install_optimizer_hooks()
     out.register_load_state_dict_post_hook(_tolerate_missing_extra_state)
+    return out
+
+
+class _Layout:
+    """What stream() hands the extension: the modules it streams (the blocks, or with units=
+    their parts, in call order), each one's path in the block list and streamed names, and the
+    policy's units over them. Checked before anything changes."""
+
+    def __init__(self, blocks, names, units, moments_from):
+        self.units_given = units is not None
+        if units is None:
+            self.modules = list(blocks)
+            self.paths = [str(i) for i in range(len(blocks))]
+            self.names = [list(names)] * len(blocks)
+            self.moments_from = [list(moments_from)] * len(blocks)
+            self.unit_names = list(self.paths)
+            self.unit_modules = [[i] for i in range(len(blocks))]
+            return
+        parts = _unit_parts(blocks[0], units)
+        prefixes = [path for _, paths in parts for path in paths]
+        by_path = _split_by_prefix(names, prefixes, "streamed")
+        moments_by_path = _split_by_prefix(moments_from, prefixes, "moments_from")
+        for unit, paths in parts:
+            for path in paths:
+                if not by_path[path]:
+                    raise ValueError("stream(): units[%r]: %s. streams no weight of blocks[0] (streamed: %s)"
+                                     % (unit, path, ", ".join(names)))
+        self.modules, self.paths, self.names, self.moments_from = [], [], [], []
+        self.unit_names, self.unit_modules = [], []
+        for i, block in enumerate(blocks):
+            for unit, paths in parts:
+                self.unit_names.append("%d.%s" % (i, unit))
+                self.unit_modules.append(list(range(len(self.modules), len(self.modules) + len(paths))))
+                for path in paths:
+                    self.modules.append(_submodule(block, path, i, unit))
+                    self.paths.append("%d.%s" % (i, path))
+                    self.names.append(by_path[path])
+                    self.moments_from.append(moments_by_path[path])
+
+    def block_name(self, index):
+        """The extension's name of streamed module `index` (its state's "master/<name>.<param>")."""
+        return "block" + self.paths[index]
+
+    def block_names(self):
+        return [self.block_name(i) for i in range(len(self.modules))] if self.units_given else []
+
+    def units(self):
+        return [(name, len(m)) for name, m in zip(self.unit_names, self.unit_modules)] if self.units_given else []
+
+    def unit_routes(self, module_routes):
+        """Per unit, its modules' route, or their routes joined by "/" where they differ."""
+        return ["/".join(dict.fromkeys(module_routes[m] for m in unit)) for unit in self.unit_modules]
+
+
+def _unit_parts(block, units):
+    """units= checked against a block: [(unit name, [submodule path, ...])]."""
+    if not isinstance(units, collections.abc.Mapping) or not units:
+        raise TypeError("stream(): units= expected a non-empty mapping {unit name: [prefix, ...]}, got %r" % (units,))
+    parts = []
+    for unit, prefixes in units.items():
+        if not isinstance(unit, str) or not unit or "." in unit:
+            raise ValueError("stream(): units: a unit's name is a non-empty string without dots, got %r" % (unit,))
+        if isinstance(prefixes, str) or not isinstance(prefixes, collections.abc.Sequence) or not prefixes:
+            raise TypeError("stream(): units[%r] expected a non-empty list of prefixes, got %r" % (unit, prefixes))
+        paths = []
+        for prefix in prefixes:
+            path = prefix[:-1] if isinstance(prefix, str) and prefix.endswith(".") else prefix
+            if not isinstance(path, str) or not path:
+                raise ValueError("stream(): units[%r]: %r is not a submodule prefix such as \"mlp.\"" % (unit, prefix))
+            paths.append(path)
+        parts.append((unit, paths))
+    every = [(unit, path) for unit, paths in parts for path in paths]
+    for unit, path in every:
+        _submodule(block, path, 0, unit)
+        for other_unit, other in every:
+            if other != path and (other + ".").startswith(path + "."):
+                raise ValueError("stream(): units[%r]'s %s. holds units[%r]'s %s.: each weight lies in one unit"
+                                 % (unit, path, other_unit, other))
+        if sum(p == path for _, p in every) > 1:
+            raise ValueError("stream(): units: %s. is named twice" % path)
+    return parts
+
+
+def _submodule(block, path, index, unit):
+    try:
+        return block.get_submodule(path)
+    except AttributeError:
+        children = ", ".join(name for name, _ in block.named_children())
+        raise ValueError("stream(): units[%r] names %s., which blocks[%d] (%s) has no submodule of (its children: %s)"
+                         % (unit, path, index, type(block).__name__, children)) from None
+
+
+def _split_by_prefix(names, paths, what):
+    """Block-relative parameter names, by the submodule path each lies under, made relative to it."""
+    out = {path: [] for path in paths}
+    for name in names:
+        path = next((p for p in paths if name.startswith(p + ".")), None)
+        if path is None:
+            raise ValueError("stream(): %s names %s, which lies in no unit (units: %s): add its submodule to a unit, "
+                             "or leave it out of %s" % (what, name, ", ".join(p + "." for p in paths), what))
+        out[path].append(name[len(path) + 1:])
     return out
 
 
@@ -812,7 +945,7 @@ def _gathered_state_dict(module, state_dict, prefix, local_metadata):
             "`with layers.full_state_dict():` (each block's owner sends it whole), or save each rank's "
             "StreamedLayers.export_state()" % module._sp_name())
     gathered = layer.model.gather_masters(module._sp_index)
-    for name in layer.streamed_names:
+    for name in layer.streamed_names[module._sp_index]:
         state_dict[prefix + name] = gathered[name].detach()
 
 
@@ -822,7 +955,7 @@ def _load_owned_masters_only(module, state_dict, prefix, local_metadata, strict,
     layer = module._sp_layer
     if layer.model.owner(module._sp_index) == layer.model.rank():
         return
-    for name in layer.streamed_names:
+    for name in layer.streamed_names[module._sp_index]:
         key = prefix + name
         if key not in state_dict:
             continue

@@ -251,19 +251,26 @@ std::shared_ptr<RecordingCollectives> collectives_of(const py::object& process_g
 // The layer behind a close(): every call after it is refused by name, not made on freed state.
 class PyStreamedModel {
  public:
-  // `calls`: None, or per module the callable it computes through (python_call): its
-  // streamed parameters are then the masters (Block::call).
-  PyStreamedModel(const py::list& modules, const std::vector<std::string>& streamed,
-                  const std::vector<std::string>& moments_from, const py::object& calls,
-                  tl::StreamedModelOptions options, std::shared_ptr<RecordingCollectives> collectives)
+  // Per module: its streamed parameters' and moments' names, and its block's name (empty: none
+  // given, "block<i>"). `calls`: None, or per module the callable it computes through
+  // (python_call): its streamed parameters are then the masters (Block::call).
+  PyStreamedModel(const py::list& modules, const std::vector<std::vector<std::string>>& streamed,
+                  const std::vector<std::vector<std::string>>& moments_from, const std::vector<std::string>& names,
+                  const py::object& calls, tl::StreamedModelOptions options,
+                  std::shared_ptr<RecordingCollectives> collectives)
       : collectives_(collectives) {
     if (modules.empty()) throw std::invalid_argument("StreamedModel: the module list is empty");
+    if (streamed.size() != modules.size() || moments_from.size() != modules.size() ||
+        (!names.empty() && names.size() != modules.size())) {
+      throw std::invalid_argument("StreamedModel: streamed, moments_from and names: one entry per module expected");
+    }
     if (!calls.is_none() && py::len(calls) != modules.size()) {
       throw std::invalid_argument("StreamedModel: one call per module expected");
     }
     std::vector<tl::Block> blocks;
     for (std::size_t b = 0; b < modules.size(); ++b) {
-      blocks.push_back(python_block(modules[b], streamed, moments_from, fmt::format("block{}", b)));
+      blocks.push_back(python_block(modules[b], streamed[b], moments_from[b],
+                                    names.empty() ? fmt::format("block{}", b) : names[b]));
       if (!calls.is_none()) blocks.back().call = python_call(calls[py::int_(b)]);
     }
     options.collectives = std::move(collectives);
@@ -558,14 +565,16 @@ PYBIND11_MODULE(_selective_precision, m) {
         py::arg("lr"), py::arg("step"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("image"), py::arg("group_size"), py::arg("threads"), py::arg("out"));
   py::class_<PyStreamedModel>(m, "_StreamedModel")
-      .def(py::init([](const py::list& modules, const std::vector<std::string>& streamed,
-                       const std::vector<std::string>& moments_from, const std::string& plugin_file,
+      .def(py::init([](const py::list& modules, const std::vector<std::vector<std::string>>& streamed,
+                       const std::vector<std::vector<std::string>>& moments_from, const std::string& plugin_file,
                        const std::string& config_yaml, const std::string& config_source, const std::string& output_dir,
                        const std::string& device, py::object compute_dtype, double host_bandwidth_cap_gbps,
                        std::uint32_t prefetch_window, std::uint32_t spare_slabs, std::uint32_t int8_group_size,
                        std::uint32_t nf4_group_size, const std::string& metrics_path, std::uint32_t recalibrate_every,
                        const py::object& process_group, bool shard_masters, const py::object& calls,
-                       const std::string& transfer_policy, std::optional<bool> recompute) {
+                       const std::string& transfer_policy, std::optional<bool> recompute,
+                       const std::vector<std::string>& names,
+                       const std::vector<std::pair<std::string, std::uint32_t>>& units) {
              tl::StreamedModelOptions o;
              o.plugin_file = plugin_file;
              o.config_yaml = config_yaml;
@@ -584,7 +593,8 @@ PYBIND11_MODULE(_selective_precision, m) {
              o.shard_masters = shard_masters;
              o.transfer_policy = transfer_policy;
              o.recompute = recompute;
-             return std::make_unique<PyStreamedModel>(modules, streamed, moments_from, calls, std::move(o),
+             for (const auto& [name, blocks] : units) o.units.push_back(tl::PolicyUnit{name, blocks});
+             return std::make_unique<PyStreamedModel>(modules, streamed, moments_from, names, calls, std::move(o),
                                                       collectives_of(process_group));
            }),
            py::arg("modules"), py::arg("streamed"), py::arg("moments_from"), py::arg("plugin_file"),
@@ -592,10 +602,14 @@ PYBIND11_MODULE(_selective_precision, m) {
            py::arg("compute_dtype"), py::arg("host_bandwidth_cap_gbps"), py::arg("prefetch_window"),
            py::arg("spare_slabs"), py::arg("int8_group_size"), py::arg("nf4_group_size"), py::arg("metrics_path"),
            py::arg("recalibrate_every"), py::arg("process_group"), py::arg("shard_masters"),
-           py::arg("calls") = py::none(), py::arg("transfer_policy") = "", py::arg("recompute") = py::none())
+           py::arg("calls") = py::none(), py::arg("transfer_policy") = "", py::arg("recompute") = py::none(),
+           py::arg("names") = std::vector<std::string>(),
+           py::arg("units") = std::vector<std::pair<std::string, std::uint32_t>>())
       .def("close", &PyStreamedModel::close)
       .def_property_readonly("closed", &PyStreamedModel::closed)
       .def("num_blocks", [](PyStreamedModel& s) { return s.model().num_blocks(); })
+      .def("num_units", [](PyStreamedModel& s) { return s.model().num_units(); })
+      .def("unit_of", [](PyStreamedModel& s, std::uint32_t block) { return s.model().unit_of(block); })
       .def(
           "forward", [](PyStreamedModel& s, const torch::Tensor& x) { return s.model().forward(x); }, no_gil)
       .def(

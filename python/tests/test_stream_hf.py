@@ -135,7 +135,7 @@ def test_peft_lora_adapters_stay_resident_in_fp32_and_train_as_in_plain_peft():
     model = copy.deepcopy(plain)
     inner = model.base_model.model.model
     inner.layers = sp.stream(inner.layers, config=ALL_BF16)
-    names = inner.layers._layer().streamed_names
+    names = inner.layers._layer().streamed_names[0]
     assert "self_attn.q_proj.base_layer.weight" in names and "mlp.up_proj.weight" in names
     assert not [n for n in names if "lora" in n]
     adapter = inner.layers[1].self_attn.q_proj.lora_A["default"].weight
@@ -185,3 +185,92 @@ def test_minilm_streamed_in_bf16_embeds_what_the_unwrapped_model_does_on_the_sam
         got = streamed(**tokens).last_hidden_state
     assert streamed.encoder.layer.routes() == ["bf16"] * 6
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+LLAMA_UNITS = {"attention": ["self_attn."], "mlp": ["mlp."]}
+BERT_UNITS = {"attention": ["attention."], "mlp": ["intermediate.", "output."]}
+
+
+def test_llama_with_units_trains_as_without_and_each_unit_takes_its_own_route():
+    """units= streams each layer's attention and MLP as modules of their own, called by the
+    layer's own forward: in BF16 the step is the one without units to the bit; a static policy
+    then routes each unit by its own index (unit 1 is 0.mlp)."""
+    plain = tiny_llama()
+    by_block, by_unit = copy.deepcopy(plain), copy.deepcopy(plain)
+    by_block.model.layers = sp.stream(by_block.model.layers, config=ALL_BF16)
+    by_unit.model.layers = sp.stream(by_unit.model.layers, config=ALL_BF16, units=LLAMA_UNITS)
+    layers = by_unit.model.layers
+    assert [type(m).__name__ for m in layers] == ["LlamaDecoderLayer"] * 3  # the blocks stay the model's
+    assert [n for n, _ in by_unit.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    torch.manual_seed(42)
+    expected = step(by_block, batches)
+    torch.manual_seed(42)
+    assert step(by_unit, batches) == expected
+    for name, p in by_block.named_parameters():
+        assert torch.equal(by_unit.get_parameter(name).grad, p.grad), name
+    assert layers.routes() == ["bf16"] * 6
+    report = layers.policy_report()
+    assert [u["unit"] for u in report] == ["0.attention", "0.mlp", "1.attention", "1.mlp", "2.attention", "2.mlp"]
+    attention = sum(by_unit.get_parameter("model.layers.0.self_attn.%s_proj.weight" % m).numel() for m in "qkvo")
+    assert report[0]["bytes"]["bf16"] >= 2 * attention  # its four matrices, and their images' headers
+
+    static = copy.deepcopy(plain)
+    static.model.layers = sp.stream(static.model.layers, units=LLAMA_UNITS, config={
+        "mode": "static", "telemetry_enabled": False, "tiers": ["bf16", "int8", "nf4"], "force_nf4_blocks": [1],
+        "force_int8_blocks": [4]})
+    optimizer = torch.optim.AdamW(static.parameters(), lr=1e-3)
+    for _ in range(2):
+        step(static, batches, optimizer)
+    assert static.model.layers.routes() == ["bf16", "nf4", "bf16", "bf16", "int8", "bf16"]
+    assert static.model.layers.last_report.routes == ["bf16", "nf4", "bf16", "bf16", "int8", "bf16"]
+
+
+def test_minilm_with_units_is_calibrated_under_a_budget_per_unit(minilm):
+    """BERT's MLP is two modules (intermediate, output), one unit: a v3 budget is allocated over
+    the twelve units from a calibration step, and kept."""
+    model, tokens = minilm
+    streamed = copy.deepcopy(model).train()
+    layers = sp.stream(streamed.encoder.layer, config=sp.config_dir() + "/policy/v3.yaml",
+                       budget=sp.Budget(bytes=0.45), units=BERT_UNITS)
+    streamed.encoder.layer = layers
+    with layers.calibrating(streamed):
+        streamed(**tokens).last_hidden_state.square().mean().backward()
+    report = layers.policy_report()
+    assert [u["unit"] for u in report][:3] == ["0.attention", "0.mlp", "1.attention"] and len(report) == 12
+    assert report[1]["bytes"]["bf16"] == layers.image_bytes(1, "bf16")
+    assert all(u["predicted_cost"]["nf4"] is not None for u in report)
+    assert report.budget["met"], report.budget
+    planned = sum(u["bytes"][u["route"]] for u in report) / sum(u["bytes"]["bf16"] for u in report)
+    assert planned <= 0.45 + 1e-9 and len(set(u["route"] for u in report)) > 1
+    optimizer = torch.optim.AdamW(streamed.parameters(), lr=1e-4)
+    streamed(**tokens).last_hidden_state.square().mean().backward()
+    optimizer.step()
+    assert layers.last_report.routes == [u["route"] for u in report]  # the calibration's allocation, moved
+    moved = layers.last_report.h2d_bytes_bf16 + layers.last_report.h2d_bytes_int8 + layers.last_report.h2d_bytes_nf4
+    assert moved <= 0.45 * layers.last_report.h2d_bytes_all_bf16  # the first training step keeps the budget
+
+
+@pytest.mark.parametrize("units, message", [
+    ({"attention": ["self_attn."], "mlp": ["feed_forward."]}, r"units\['mlp'\] names feed_forward\., which blocks\[0\] "
+                                                              r"\(LlamaDecoderLayer\) has no submodule of"),
+    ({"attention": ["self_attn."], "q": ["self_attn.q_proj."], "mlp": ["mlp."]}, r"self_attn\. holds units\['q'\]"),
+    ({"attention": ["self_attn."]}, r"streamed names mlp\.gate_proj\.weight, which lies in no unit"),
+    ({"a.b": ["self_attn."]}, r"a unit's name is a non-empty string without dots"),
+    ({"attention": "self_attn."}, r"units\['attention'\] expected a non-empty list of prefixes"),
+])
+def test_units_that_cannot_be_served_are_refused_by_name_before_anything_changes(units, message):
+    model = tiny_llama()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises((ValueError, TypeError), match=message):
+        sp.stream(model.model.layers, config=ALL_BF16, units=units)
+    for name, p in model.named_parameters():
+        assert type(p) is torch.nn.Parameter and p.dtype == torch.float32 and torch.equal(p, before[name]), name
+
+
+def test_units_in_another_order_than_the_forward_calls_them_are_refused_at_the_call():
+    model = tiny_llama()
+    model.model.layers = sp.stream(model.model.layers, config=ALL_BF16,
+                                   units={"mlp": ["mlp."], "attention": ["self_attn."]})
+    with pytest.raises(RuntimeError, match=r"block0\.self_attn was called where block0\.mlp came next"):
+        model(input_ids=torch.randint(0, 128, (1, 8)), labels=None)

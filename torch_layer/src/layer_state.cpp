@@ -102,16 +102,16 @@ void StreamedModel::Impl::gather_moments(std::vector<sp_grad_moments_v1>& moment
   constexpr std::int64_t kFields = 5;
   torch::Tensor values = torch::zeros({static_cast<std::int64_t>(moments.size()) * kFields}, torch::kFloat64);
   double* v = values.data_ptr<double>();
-  for (std::uint32_t b = 0; b < moments.size(); ++b, v += kFields) {
-    if (!owns(b)) continue;
-    const sp_grad_moments_v1& m = moments[b];
+  for (std::uint32_t u = 0; u < moments.size(); ++u, v += kFields) {
+    if (!owns_unit(u)) continue;
+    const sp_grad_moments_v1& m = moments[u];
     v[0] = m.sum_sq, v[1] = m.sum, v[2] = m.max_abs;
     v[3] = static_cast<double>(m.count), v[4] = static_cast<double>(m.nonfinite);
   }
   collectives->all_reduce(values, Reduction::sum, "the blocks' gradient moments")->wait();
   v = values.data_ptr<double>();
-  for (std::uint32_t b = 0; b < moments.size(); ++b, v += kFields) {
-    sp_grad_moments_v1& m = moments[b];
+  for (std::uint32_t u = 0; u < moments.size(); ++u, v += kFields) {
+    sp_grad_moments_v1& m = moments[u];
     m.sum_sq = v[0], m.sum = v[1], m.max_abs = v[2];
     m.count = static_cast<std::uint64_t>(v[3]), m.nonfinite = static_cast<std::uint64_t>(v[4]);
   }
@@ -155,9 +155,10 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
     if (last.data_ptr<std::int64_t>()[0] >= 0) restored_last_step = last.data_ptr<std::int64_t>()[0];
   }
   const std::size_t hint_bytes = static_cast<std::size_t>(hints.numel());
-  if (hint_bytes % sizeof(sp_hint_v1) != 0 || (hint_bytes != 0 && hint_bytes != blocks.size() * sizeof(sp_hint_v1))) {
+  if (hint_bytes % sizeof(sp_hint_v1) != 0 || (hint_bytes != 0 && hint_bytes != num_units() * sizeof(sp_hint_v1))) {
     throw StateEntryError("policy/hints",
-                          fmt::format("holds {} bytes; expected none or {} hints", hint_bytes, blocks.size()));
+                          fmt::format("holds {} bytes; expected none or {} hints (one per policy unit)", hint_bytes,
+                                      num_units()));
   }
   if (passes.numel() != 2)
     throw StateEntryError("layer/passes", fmt::format("holds {} values; expected 2", passes.numel()));
@@ -255,6 +256,14 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
   return errors;
 }
 
+void StreamedModel::Impl::require_units_are_blocks(const char* call) const {
+  if (units_are_blocks()) return;
+  throw std::logic_error(fmt::format(
+      "StreamedModel::{}: the policy's units take several blocks each (StreamedModelOptions::units), and "
+      "calibration errors are measured per block: policy v3 decides without them",
+      call));
+}
+
 bool StreamedModel::Impl::set_calibration_errors(CalibrationErrors& errors) {
   if (collectives) {
     // Measured on every rank from the same weights and samples, but given from rank 0, so
@@ -284,6 +293,7 @@ bool StreamedModel::Impl::set_calibration_errors(CalibrationErrors& errors) {
 }
 
 CalibrationErrors StreamedModel::calibrate(const std::vector<torch::Tensor>& samples) {
+  impl_->require_units_are_blocks("calibrate");
   CalibrationErrors errors = impl_->measure_calibration_errors(samples);
   impl_->set_calibration_errors(errors);
   return errors;
@@ -295,6 +305,7 @@ CalibrationErrors StreamedModel::measure_calibration_errors(const std::vector<to
 
 bool StreamedModel::set_calibration_errors(const CalibrationErrors& errors) {
   if (impl_->in_step()) throw std::logic_error("StreamedModel::set_calibration_errors: call it between steps");
+  impl_->require_units_are_blocks("set_calibration_errors");
   CalibrationErrors given = errors;
   return impl_->set_calibration_errors(given);
 }

@@ -16,21 +16,24 @@ void StreamedModel::Impl::end_plugin_step_as_failed() {
 
 void StreamedModel::Impl::apply_hints(const std::vector<sp_hint_v1>& hints) {
   if (hints.empty()) return;
-  engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
-  eval_engine->policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
+  const std::vector<sp_hint_v1> per_block = block_hints(hints);
+  engine->policy_bridge().set_plugin_hints(per_block.data(), static_cast<std::uint32_t>(per_block.size()));
+  eval_engine->policy_bridge().set_plugin_hints(per_block.data(), static_cast<std::uint32_t>(per_block.size()));
   applied_hints = hints;
 }
 
 std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
   std::vector<torch::Tensor> keep;  // host copies of device gradients, alive for the call
   std::vector<kn::GradTensor> tensors;
+  // A unit's moments are those of all its blocks' gradients together.
   const auto add = [&](const torch::Tensor& g, std::uint32_t b) {
     if (!g.defined()) return;
     torch::Tensor host = g.device().is_cpu() && g.scalar_type() == torch::kFloat32 && g.is_contiguous()
                              ? g
                              : g.to(torch::kCPU, torch::kFloat32).contiguous();
     keep.push_back(host);
-    tensors.push_back({host.data_ptr<float>(), static_cast<std::size_t>(host.numel()), kn::DType::kFloat32, b});
+    tensors.push_back(
+        {host.data_ptr<float>(), static_cast<std::size_t>(host.numel()), kn::DType::kFloat32, unit_of[b]});
   };
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (!owns(b)) continue;
@@ -42,9 +45,8 @@ std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
       for (const torch::Tensor& r : blocks[b].trainable_resident) add(r.grad(), b);
     }
   }
-  std::vector<sp_grad_moments_v1> out(blocks.size());
-  kn::grad_moments(tensors.data(), tensors.size(), static_cast<std::uint32_t>(blocks.size()), out.data(),
-                   intra_op_exec());
+  std::vector<sp_grad_moments_v1> out(num_units());
+  kn::grad_moments(tensors.data(), tensors.size(), num_units(), out.data(), intra_op_exec());
   if (sharded) gather_moments(out);
   return out;
 }
@@ -53,15 +55,16 @@ std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signa
   if (!signals_wanted) return std::nullopt;
   constexpr Precision kTiers[] = {Precision::int8, Precision::nf4};
   constexpr std::int64_t kTierCount = 2;
-  // Per block: whether it was measured, then per tier the sums of g*d and g^2*d^2; last, the
-  // step's examples. Sharded, each owner fills its blocks and the ranks add them up.
+  // Per unit: whether it was measured, then per tier the sums of g*d and g^2*d^2 over its
+  // blocks; last, the step's examples. Sharded, each owner fills its units and the ranks add
+  // them up.
   constexpr std::int64_t kFields = 1 + 2 * kTierCount;
-  const auto n = static_cast<std::int64_t>(blocks.size());
+  const auto n = static_cast<std::int64_t>(num_units());
   torch::Tensor sums = torch::zeros({n * kFields + 1}, torch::kFloat64);
   double* s = sums.data_ptr<double>();
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (!owns(b)) continue;
-    double* row = s + b * kFields;
+    double* row = s + unit_of[b] * kFields;
     for (const StreamedParam& p : blocks[b].streamed) {
       const torch::Tensor& grad = p.master.requires_grad() ? p.master.grad() : p.signal_grad;
       if (!grad.defined()) continue;
@@ -226,7 +229,7 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss)
   }
   m.apply_hints(m.policy->compute_hints(m.step));
   if (m.collectives) {
-    std::vector<std::int32_t> precisions(m.blocks.size(), -1);
+    std::vector<std::int32_t> precisions(m.num_units(), -1);
     for (const sp_hint_v1& h : m.applied_hints) precisions[h.block_id] = h.precision;
     m.check_ranks_agree(precisions, "the plugin's hints");
   }

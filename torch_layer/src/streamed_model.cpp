@@ -63,6 +63,7 @@ StreamedModel::Impl::Impl(std::vector<Block> in, StreamedModelOptions opts)
   }
   if (collectives) probe_collectives();
   refuse_shared_parameters(in);
+  assign_units(in);
   for (std::size_t b = 0; b < in.size(); ++b) adopt(std::move(in[b]), b);
   const auto called = [](const BlockState& b) { return b.params_are_masters; };
   if (options.recalibrate_every != 0 && std::any_of(blocks.begin(), blocks.end(), called)) {
@@ -75,6 +76,53 @@ StreamedModel::Impl::Impl(std::vector<Block> in, StreamedModelOptions opts)
   build_policy();
   if (!options.transfer_policy.empty()) apply_transfer_policy(options.transfer_policy);
   note_image_versions();
+}
+
+void StreamedModel::Impl::assign_units(const std::vector<Block>& in) {
+  const auto block_count = static_cast<std::uint32_t>(in.size());
+  if (options.units.empty()) {
+    for (std::uint32_t b = 0; b < block_count; ++b) {
+      unit_of.push_back(b);
+      unit_names.push_back(in[b].name.empty() ? fmt::format("block{}", b) : in[b].name);  // as adopt() names it
+    }
+    return;
+  }
+  for (std::uint32_t u = 0; u < options.units.size(); ++u) {
+    const PolicyUnit& unit = options.units[u];
+    if (unit.blocks == 0 || unit_of.size() + unit.blocks > block_count) {
+      throw std::invalid_argument(fmt::format(
+          "StreamedModelOptions::units[{}] ('{}') takes {} blocks from block {}, but there are {}: the units cover "
+          "the blocks in order, each block once, each unit at least one",
+          u, unit.name, unit.blocks, unit_of.size(), block_count));
+    }
+    if (unit.name.empty()) throw std::invalid_argument(fmt::format("StreamedModelOptions::units[{}] has no name", u));
+    unit_of.insert(unit_of.end(), unit.blocks, u);
+    unit_names.push_back(unit.name);
+  }
+  if (unit_of.size() != block_count) {
+    throw std::invalid_argument(fmt::format(
+        "StreamedModelOptions::units cover {} of the {} blocks: the units cover the blocks in order, each block once",
+        unit_of.size(), block_count));
+  }
+  if (unit_names.size() != block_count && options.recalibrate_every != 0) {
+    throw std::invalid_argument(
+        "StreamedModelOptions::recalibrate_every with units of several blocks: calibration errors are measured per "
+        "block; set it to 0 (policy v3 decides without them)");
+  }
+}
+
+std::vector<sp_hint_v1> StreamedModel::Impl::block_hints(const std::vector<sp_hint_v1>& unit_hints) const {
+  if (units_are_blocks()) return unit_hints;
+  if (unit_hints.size() != num_units()) {
+    throw std::invalid_argument(
+        fmt::format("StreamedModel: {} hints for {} policy units", unit_hints.size(), num_units()));
+  }
+  std::vector<sp_hint_v1> out;
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+    out.push_back(unit_hints[unit_of[b]]);
+    out.back().block_id = b;
+  }
+  return out;
 }
 
 void StreamedModel::Impl::note_image_versions() {
@@ -305,10 +353,50 @@ void StreamedModel::Impl::build_engines() {
   updated_in_step.assign(blocks.size(), false);
 }
 
+namespace {
+
+// The plugin's units: engine block b adds its sizes to unit unit_of[b].
+std::vector<sp::host::BlockDescription> unit_descriptions(const ad::StreamingEngine& engine,
+                                                          const std::vector<std::uint32_t>& unit_of,
+                                                          const std::vector<std::string>& unit_names) {
+  std::vector<sp::host::BlockDescription> units(unit_names.size());
+  for (std::uint32_t u = 0; u < units.size(); ++u) {
+    units[u].id = u;
+    units[u].name = unit_names[u];
+  }
+  for (const sp_block_desc_v1& d : engine.block_descs()) {
+    sp::host::BlockDescription& unit = units.at(unit_of.at(d.block_id));
+    unit.num_params += d.num_params;
+    unit.bf16_bytes += d.bf16_bytes;
+    unit.int8_bytes += d.int8_bytes;
+    unit.nf4_bytes += engine.nf4_image_bytes(d.block_id);
+  }
+  return units;
+}
+
+std::unique_ptr<sp::host::PolicySession> policy_session(std::vector<sp::host::BlockDescription> units,
+                                                        const std::filesystem::path& plugin_file,
+                                                        sp::host::PolicyConfig config, std::string host_name,
+                                                        std::filesystem::path output_dir,
+                                                        std::shared_ptr<spdlog::logger> logger,
+                                                        std::chrono::milliseconds hook_deadline) {
+  sp::host::PolicyHostOptions host;
+  host.host_name = std::move(host_name);
+  host.output_dir = std::move(output_dir);
+  host.logger = std::move(logger);
+  host.fallback = sp::host::FallbackMode::last_good;
+  host.hook_deadline = hook_deadline;
+  host.supported_precisions =
+      SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
+  return std::make_unique<sp::host::PolicySession>(plugin_file, std::move(config), std::move(units), std::move(host));
+}
+
+}  // namespace
+
 void StreamedModel::Impl::build_policy() {
-  policy = open_policy_session(*engine, options.plugin_file,
-                               sp::host::PolicyConfig{options.config_yaml, options.config_source}, options.host_name,
-                               options.output_dir, log, options.plugin_hook_deadline);
+  policy = policy_session(unit_descriptions(*engine, unit_of, unit_names), options.plugin_file,
+                          sp::host::PolicyConfig{options.config_yaml, options.config_source}, options.host_name,
+                          options.output_dir, log, options.plugin_hook_deadline);
 }
 
 void StreamedModel::Impl::check_parameters_unchanged() const {
@@ -372,26 +460,14 @@ std::unique_ptr<sp::host::PolicySession> open_policy_session(const ad::Streaming
                                                              std::filesystem::path output_dir,
                                                              std::shared_ptr<spdlog::logger> logger,
                                                              std::chrono::milliseconds hook_deadline) {
-  std::vector<sp::host::BlockDescription> blocks;
+  std::vector<std::uint32_t> unit_of;
+  std::vector<std::string> names;
   for (const sp_block_desc_v1& d : engine.block_descs()) {
-    sp::host::BlockDescription block;
-    block.id = d.block_id;
-    block.num_params = d.num_params;
-    block.bf16_bytes = d.bf16_bytes;
-    block.int8_bytes = d.int8_bytes;
-    block.nf4_bytes = engine.nf4_image_bytes(d.block_id);
-    block.name = d.name;
-    blocks.push_back(std::move(block));
+    unit_of.push_back(d.block_id);
+    names.emplace_back(d.name);
   }
-  sp::host::PolicyHostOptions host;
-  host.host_name = std::move(host_name);
-  host.output_dir = std::move(output_dir);
-  host.logger = std::move(logger);
-  host.fallback = sp::host::FallbackMode::last_good;
-  host.hook_deadline = hook_deadline;
-  host.supported_precisions =
-      SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
-  return std::make_unique<sp::host::PolicySession>(plugin_file, std::move(config), std::move(blocks), std::move(host));
+  return policy_session(unit_descriptions(engine, unit_of, names), plugin_file, std::move(config),
+                        std::move(host_name), std::move(output_dir), std::move(logger), hook_deadline);
 }
 
 StreamedModel::StreamedModel(std::vector<Block> blocks, StreamedModelOptions options)
@@ -402,6 +478,16 @@ StreamedModel::StreamedModel(std::vector<Block> blocks, StreamedModelOptions opt
 StreamedModel::~StreamedModel() = default;
 
 std::uint32_t StreamedModel::num_blocks() const { return static_cast<std::uint32_t>(impl_->blocks.size()); }
+
+std::uint32_t StreamedModel::num_units() const { return impl_->num_units(); }
+
+std::uint32_t StreamedModel::unit_of(std::uint32_t block) const {
+  if (block >= impl_->blocks.size()) {
+    throw std::invalid_argument(
+        fmt::format("StreamedModel::unit_of: block {} is out of range (there are {})", block, impl_->blocks.size()));
+  }
+  return impl_->unit_of[block];
+}
 
 std::vector<torch::Tensor> StreamedModel::master_parameters() const {
   std::vector<torch::Tensor> out;

@@ -233,6 +233,11 @@ struct StreamedModel::Impl {
   std::shared_ptr<spdlog::logger> log;
   torch::TensorOptions compute;
   std::vector<BlockState> blocks;
+  // The policy's units (StreamedModelOptions::units): each block's, and their names in order.
+  std::vector<std::uint32_t> unit_of;
+  std::vector<std::string> unit_names;
+  std::uint32_t num_units() const { return static_cast<std::uint32_t>(unit_names.size()); }
+  bool units_are_blocks() const { return unit_names.size() == blocks.size(); }
   std::unique_ptr<ad::TransferBackend> backend;
   std::unique_ptr<ad::StreamingEngine> engine;       // training passes: forward + backward
   std::unique_ptr<ad::StreamingEngine> eval_engine;  // forward-only passes
@@ -391,11 +396,19 @@ struct StreamedModel::Impl {
 
   // ---- sharded data parallelism ------------------------------------------------------------
 
-  int owner(std::uint32_t b) const {
-    return sharded ? static_cast<int>(b % static_cast<std::uint32_t>(collectives->size()))
+  // A unit's blocks share their owner, which computes the unit's moments and signals.
+  int unit_owner(std::uint32_t u) const {
+    return sharded ? static_cast<int>(u % static_cast<std::uint32_t>(collectives->size()))
                    : (collectives ? collectives->rank() : 0);
   }
-  bool owns(std::uint32_t b) const { return owner(b) == (collectives ? collectives->rank() : 0); }
+  int owner(std::uint32_t b) const { return unit_owner(unit_of[b]); }
+  bool owns_unit(std::uint32_t u) const { return unit_owner(u) == (collectives ? collectives->rank() : 0); }
+  bool owns(std::uint32_t b) const { return owns_unit(unit_of[b]); }
+  // The policy's units from StreamedModelOptions::units, checked against the blocks.
+  void assign_units(const std::vector<Block>& in);
+  void require_units_are_blocks(const char* call) const;
+  // The plugin's hints, one per unit, as the engines take them: one per block.
+  std::vector<sp_hint_v1> block_hints(const std::vector<sp_hint_v1>& unit_hints) const;
 
   // Every rank starts from the owners' weights, whatever its host initialized, and keeps only
   // the masters of its own blocks. The module's parameters were freed by adopt() already.

@@ -845,6 +845,73 @@ TEST(StreamedModel, MomentsComeFromTheParametersTheHostNames) {
   EXPECT_THROW(moments_of({"fc9.bias"}), std::invalid_argument);
 }
 
+// Policy units over several blocks (a layer's attention and MLP, streamed as modules of their
+// own): the plugin sees one unit per entry, its moments those of all its blocks' gradients, its
+// bytes their sum; its hint routes every block of it; the state's hints are per unit.
+TEST(StreamedModel, AUnitOfSeveralBlocksTakesOneRouteAndOneSetOfMoments) {
+  const auto run = [&](std::vector<tl::PolicyUnit> units) {
+    const auto blocks = make_blocks(21);
+    std::vector<tl::Block> list;
+    for (const TinyBlock& b : blocks) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+    tl::StreamedModelOptions options = test_options();
+    options.config_yaml = policy_yaml("  mode: static\n  tiers: [bf16, int8, nf4]\n  force_nf4_blocks: [0]\n");
+    options.units = std::move(units);
+    auto model = std::make_unique<tl::StreamedModel>(std::move(list), options);
+    std::vector<sp_grad_moments_v1> first;  // of step 0, which every block moves in BF16
+    for (std::int64_t step = 0; step < 2; ++step) {
+      model->begin_step(step);
+      model->forward(input(22)).pow(2).mean().backward();
+      const std::vector<sp_grad_moments_v1>& moments = model->post_backward();
+      if (step == 0) first = moments;
+      model->end_step(1.0);
+    }
+    return std::make_pair(std::move(model), first);
+  };
+  const auto [by_block, block_moments] = run({});
+  const auto [by_unit, unit_moments] = run({{"0.front", 2}, {"0.back", 1}});
+  EXPECT_EQ(by_block->num_units(), 3u);
+  ASSERT_EQ(by_unit->num_units(), 2u);
+  EXPECT_EQ(by_unit->unit_of(1), 0u);
+  EXPECT_EQ(by_unit->unit_of(2), 1u);
+  EXPECT_EQ(by_block->routes(), (std::vector<sp::Precision>{sp::Precision::nf4, sp::Precision::bf16, sp::Precision::bf16}));
+  EXPECT_EQ(by_unit->routes(), (std::vector<sp::Precision>{sp::Precision::nf4, sp::Precision::nf4, sp::Precision::bf16}));
+  ASSERT_EQ(unit_moments.size(), 2u);
+  EXPECT_EQ(unit_moments[0].count, block_moments[0].count + block_moments[1].count);
+  EXPECT_NEAR(unit_moments[0].sum_sq, block_moments[0].sum_sq + block_moments[1].sum_sq,
+              1e-9 * unit_moments[0].sum_sq);
+  EXPECT_EQ(unit_moments[0].max_abs, std::max(block_moments[0].max_abs, block_moments[1].max_abs));
+  EXPECT_EQ(unit_moments[1].count, block_moments[2].count);
+  EXPECT_EQ(by_unit->hints().size(), 2u);
+  // The state carries one hint per unit, and a model of other units refuses it by name.
+  const auto state = by_unit->export_state();
+  EXPECT_THAT([&] { by_block->restore_state(state); },
+              ::testing::ThrowsMessage<tl::StateEntryError>(::testing::HasSubstr("one per policy unit")));
+  by_unit->restore_state(state);
+  EXPECT_THAT([&] { by_unit->calibrate({input(25)}); },
+              ::testing::ThrowsMessage<std::logic_error>(::testing::HasSubstr("calibration errors are measured per block")));
+}
+
+TEST(StreamedModel, UnitsThatDoNotCoverTheBlocksInOrderAreRefusedByName) {
+  const auto blocks = make_blocks(21);
+  // Before anything changes: the modules keep their parameters.
+  const auto refused = [&](std::vector<tl::PolicyUnit> units, const std::string& message) {
+    tl::StreamedModelOptions options = test_options();
+    options.units = std::move(units);
+    EXPECT_THAT(
+        [&] {
+          std::vector<tl::Block> list;
+          for (const TinyBlock& b : blocks) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
+          tl::StreamedModel model(std::move(list), options);
+        },
+                ::testing::ThrowsMessage<std::invalid_argument>(::testing::HasSubstr(message)));
+  };
+  refused({{"a", 2}}, "units cover 2 of the 3 blocks");
+  refused({{"a", 2}, {"b", 2}}, "units[1] ('b') takes 2 blocks from block 2, but there are 3");
+  refused({{"a", 0}, {"b", 3}}, "units[0] ('a') takes 0 blocks");
+  refused({{"a", 1}, {"", 2}}, "units[1] has no name");
+  EXPECT_EQ(blocks[0]->fc1->weight.numel(), kHidden * kDim);
+}
+
 // Evaluation and calibration passes are counted apart, from each other and from the training
 // passes, and the two halves of calibrate() measure and hand over what calibrate() does.
 TEST(StreamedModel, EvaluationAndCalibrationBytesApartAndCalibrationInTwoHalves) {

@@ -118,6 +118,14 @@ Block make_block(ModuleHolder module, std::vector<std::string> streamed, std::st
                [shared](const torch::Tensor& x) { return shared->forward(x); }, std::move(streamed)};
 }
 
+// A unit of the policy: consecutive blocks that take one route. A host that streams a model's
+// layer as several blocks (its attention and its MLP, each a module of its own, called in turn)
+// hands the policy one unit per part, or one per layer.
+struct PolicyUnit {
+  std::string name;         // for the plugin and its telemetry, e.g. "3.mlp"
+  std::uint32_t blocks = 1; // how many blocks, from the one after the previous unit's last
+};
+
 struct StreamedModelOptions {
   // The policy plugin and its YAML config (the whole document; the plugin reads its section,
   // memory.stagehand.selective_precision). config_source names it in error messages.
@@ -185,6 +193,14 @@ struct StreamedModelOptions {
   // INT8 and NF4 output errors again, on the first-block input of the step's last training
   // pass, and gives them to the plugin, so its error term follows the weights as they train.
   std::uint32_t recalibrate_every = 0;
+
+  // The policy's units over the blocks, in order, covering each block once. The plugin sees one
+  // unit per entry: its bytes, gradient moments and signal table rows are its blocks' summed,
+  // its hint routes every one of them, and its index is the plugin's block id (the hints, a
+  // static policy's force_*_blocks, the state's hints). Sharded, a unit's blocks share their
+  // owner. Empty: each block is a unit, named after it. Units of several blocks take no
+  // calibration errors (measured per block): policy v3 decides without them.
+  std::vector<PolicyUnit> units;
 };
 
 using CalibrationErrors = sp::host::CalibrationErrors;
@@ -255,6 +271,10 @@ class StreamedModel {
   StreamedModel& operator=(const StreamedModel&) = delete;
 
   std::uint32_t num_blocks() const;
+  // The policy's units (StreamedModelOptions::units; without them one per block), and the unit
+  // block `block` belongs to.
+  std::uint32_t num_units() const;
+  std::uint32_t unit_of(std::uint32_t block) const;
   // The fp32 host masters of the streamed parameters, block by block (requires_grad as the
   // module's parameter had it). Give them to the optimizer with the resident parameters.
   // Sharded: those of the blocks this rank owns.
