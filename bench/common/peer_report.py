@@ -28,7 +28,8 @@ class PeerRows(list):
 
 def routes_config(route, blocks):
     """A policy config that pins every one of `blocks` blocks to `route` ("bf16", "int8" or
-    "nf4") from the second step on: mode off for BF16, static with the blocks forced otherwise."""
+    "nf4") from the first fetch on (ABI 1.3 initial hints): mode off for BF16, static with the
+    blocks forced otherwise."""
     if route == "bf16":
         return {"mode": "off", "telemetry_enabled": False}
     return {"mode": "static", "telemetry_enabled": False, "tiers": ["bf16", "int8", "nf4"],

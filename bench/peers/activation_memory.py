@@ -2,7 +2,7 @@
 leaves allocated, side by side, for streaming.py's model and sides (resident, the block swap
 with and without recompute, sp.stream keeping its activations and with recompute=True).
 
-Each side runs two untimed steps (the forced routes hold from the second), then one forward
+Each side runs two untimed steps (warm-up; the forced routes hold from the first), then one forward
 under torch.profiler(profile_memory=True): the sum of every operator's self memory over that
 region is the bytes allocated in it and still alive at its end, whatever keeps them (autograd's
 saved tensors, a checkpoint's inputs, the logits and loss). Weight copies a side makes for its

@@ -22,7 +22,7 @@ The sides, each computing under torch.autocast("cuda", bfloat16) on fp32 weights
   BF16), device="cuda", compute_dtype=bfloat16, the activations kept; and BF16 with
   recompute=True, for its peak memory.
 
-Per side: two untimed steps (the forced routes hold from the second), then --steps timed ones,
+Per side: two untimed steps (warm-up; the forced routes hold from the first), then --steps timed ones,
 each synchronized; the median step, its phases (forward, backward, optimizer), the peak GPU
 memory of the timed steps (torch.cuda.max_memory_allocated), and for sp.stream the bytes a step
 moved. Rows: ours / peer in steps per second, for information (the issue sets no goal on the

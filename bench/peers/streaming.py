@@ -253,7 +253,7 @@ def main():
     for threads in args.threads:
         torch.set_num_threads(threads)
         sides = make_sides(state, output_dir, args.compute)
-        for side in sides.values():  # two untimed steps: the forced routes hold from the second
+        for side in sides.values():  # two untimed steps, to warm up (the forced routes hold from the first)
             side.step(ids, record=False)
             side.step(ids, record=False)
             first_losses.setdefault(side.label, round(side.losses[0], 5))

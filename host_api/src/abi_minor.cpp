@@ -15,19 +15,24 @@ constexpr std::size_t kTableV1_1End =
     offsetof(Table, set_precision_calibration_errors) + sizeof(Table::set_precision_calibration_errors);
 static_assert(sizeof(void*) != 8 || kTableV1_1End == SP_PLUGIN_TABLE_V1_1_SIZE, "the 1.1 table ends where the header says");
 constexpr std::size_t kTableV1_2End = offsetof(Table, get_budget_status) + sizeof(Table::get_budget_status);
+static_assert(sizeof(void*) != 8 || kTableV1_2End == SP_PLUGIN_TABLE_V1_2_SIZE, "the 1.2 table ends where the header says");
+constexpr std::size_t kTableV1_3End = offsetof(Table, initial_hints) + sizeof(Table::initial_hints);
 
 constexpr sp_precision_mask kBf16AndInt8 = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
 
 // Indexed by minor.
 const AbiMinorLayout kLayouts[] = {
     {0, kTableV1_0End, "every field up to last_error", SP_HOST_API_V1_0_SIZE, SP_STEP_FEEDBACK_V1_0_SIZE,
-     kBf16AndInt8, false, false},
+     kBf16AndInt8, false, false, false},
     {1, kTableV1_1End, "the ABI 1.1 functions set_transfer_bytes and set_precision_calibration_errors",
      static_cast<std::uint32_t>(sizeof(sp_host_api_v1)), static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)),
-     kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true, false},
+     kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true, false, false},
     {2, kTableV1_2End, "the ABI 1.2 functions set_unit_signals, get_unit_costs and get_budget_status",
      static_cast<std::uint32_t>(sizeof(sp_host_api_v1)), static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)),
-     kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true, true},
+     kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true, true, false},
+    {3, kTableV1_3End, "the ABI 1.3 function initial_hints", static_cast<std::uint32_t>(sizeof(sp_host_api_v1)),
+     static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)), kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true,
+     true, true},
 };
 static_assert(sizeof(kLayouts) / sizeof(kLayouts[0]) == SP_PLUGIN_ABI_MINOR + 1,
               "one layout per minor this host implements");

@@ -28,6 +28,8 @@ struct AbiMinorLayout {
   bool has_precision_routes = false;
   // 1.2: set_unit_signals, get_unit_costs and get_budget_status.
   bool has_unit_signals = false;
+  // 1.3: initial_hints.
+  bool has_initial_hints = false;
 };
 
 // The entry of `minor`; PluginLibrary has refused a minor above SP_PLUGIN_ABI_MINOR before any

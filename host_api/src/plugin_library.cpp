@@ -242,6 +242,7 @@ void validate_table(const std::filesystem::path& file, const Table* table) {
                       {"get_unit_costs", table->get_unit_costs != nullptr},
                       {"get_budget_status", table->get_budget_status != nullptr}});
   }
+  if (layout.has_initial_hints) require_minor(3, {{"initial_hints", table->initial_hints != nullptr}});
 }
 
 }  // namespace

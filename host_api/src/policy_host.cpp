@@ -64,7 +64,7 @@ std::string hint_contract_violation(const std::vector<sp_hint_v1>& hints, const 
 
 std::uint64_t HookFailureCounts::total() const {
   return begin_step + post_backward + compute_hints + invalid_hints + end_step + set_calibration_errors +
-         set_unit_signals + budget_queries;
+         set_unit_signals + budget_queries + initial_hints;
 }
 
 std::string PolicyHost::Impl::now_text() const {
@@ -401,6 +401,30 @@ std::optional<sp_budget_status_v1> PolicyHost::budget_status() {
   });
   if (!answered) return std::nullopt;
   return status;
+}
+
+std::optional<std::vector<sp_hint_v1>> PolicyHost::initial_hints() {
+  Impl& impl = *impl_;
+  if (impl.open_step || impl.last_ended_step) {
+    throw std::logic_error("PolicyHost::initial_hints: a step began already; compute_hints gives the hints now");
+  }
+  if (!impl.quarantine.empty() || !impl.active->abi().has_initial_hints) return std::nullopt;
+  std::vector<sp_hint_v1> hints(impl.blocks.size(), sp_hint_v1{});
+  const sp_status status = [&] {
+    const detail::PluginCallScope scope(impl.active->label(), "initial_hints");
+    return impl.active->table().initial_hints(impl.active->ctx(), hints.data(), impl.block_count());
+  }();
+  if (!impl.check_hook("initial_hints", impl.now_text(), status, impl.failures.initial_hints)) return std::nullopt;
+  const std::string violation = hint_contract_violation(hints, impl.active->abi(), impl.options.supported_precisions);
+  if (!violation.empty()) {
+    ++impl.failures.initial_hints;
+    impl.logger->error("policy plugin {} returned invalid initial hints: {}", impl.active->label(), violation);
+    return std::nullopt;
+  }
+  impl.hints = hints;
+  if (impl.options.fallback == FallbackMode::last_good) impl.last_good_hints = hints;
+  impl.hint_source = HintSource::plugin;
+  return hints;
 }
 
 const std::string& PolicyHost::quarantine_reason() const { return impl_->quarantine; }

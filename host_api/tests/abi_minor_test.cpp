@@ -66,8 +66,9 @@ std::string load_error(const char* file) {
   return "(loaded without error)";
 }
 
-TEST(AbiMinor, TheHeaderDescribes1_2AndTheEarlierSizesItNames) {
-  EXPECT_EQ(SP_PLUGIN_ABI_MINOR, 2);
+TEST(AbiMinor, TheHeaderDescribes1_3AndTheEarlierSizesItNames) {
+  EXPECT_EQ(SP_PLUGIN_ABI_MINOR, 3);
+  EXPECT_EQ(offsetof(sp_policy_plugin_v1_table, initial_hints), SP_PLUGIN_TABLE_V1_2_SIZE);
   EXPECT_EQ(offsetof(sp_policy_plugin_v1_table, set_unit_signals), SP_PLUGIN_TABLE_V1_1_SIZE);
   EXPECT_EQ(sizeof(sp_unit_signals_v1), SP_UNIT_SIGNALS_V1_2_SIZE);
   EXPECT_EQ(sizeof(sp_budget_status_v1), SP_BUDGET_STATUS_V1_2_SIZE);
@@ -119,7 +120,7 @@ TEST(AbiMinor, A1_0PluginGets1_0StructSizesAndNo1_1Call) {
 
   const std::string text = log.text();
   // host.abi_minor is the host's own minor; the struct is the 1.0 layout.
-  EXPECT_THAT(text, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=2\n"));
+  EXPECT_THAT(text, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=3\n"));
   EXPECT_THAT(text, HasSubstr("fixture: end_step 2 feedback.struct_size=48\n"));
   EXPECT_THAT(text, HasSubstr("fixture: set_calibration_errors 0:0.01 5:0.02"));
   EXPECT_THAT(text, AllOf(Not(HasSubstr("supported_precisions")), Not(HasSubstr("h2d_bytes_nf4")),
@@ -136,7 +137,7 @@ TEST(AbiMinor, A1_1PluginGets1_1StructSizesAndTheSupportedPrecisions) {
   run_step(host, 0);
   const std::string text = log.text();
   EXPECT_THAT(text, HasSubstr("fixture: create host.struct_size=" + std::to_string(sizeof(sp_host_api_v1)) +
-                              " host.abi_minor=2 supported_precisions=0x3\n"));
+                              " host.abi_minor=3 supported_precisions=0x3\n"));
   EXPECT_THAT(text, HasSubstr("fixture: end_step 0 feedback.struct_size=" +
                               std::to_string(sizeof(sp_step_feedback_v1)) + " h2d_bytes_nf4=250\n"));
   // Without NF4 on the host there are no NF4 bytes to describe.
@@ -334,7 +335,7 @@ TEST(AbiMinor, HotSwapFrom1_0To1_1AndBack) {
   EXPECT_EQ(host.last_swap_result()->first_step, 20);
   EXPECT_EQ(host.plugin_abi_minor(), 0u);
   after = log.text().substr(mark);
-  EXPECT_THAT(after, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=2\n"));
+  EXPECT_THAT(after, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=3\n"));
   EXPECT_THAT(after, HasSubstr("fixture: end_step 20 feedback.struct_size=48\n"));
   EXPECT_THAT(after,
               AllOf(Not(HasSubstr("fixture: set_transfer_bytes")),
@@ -408,6 +409,19 @@ TEST(AbiMinor, PluginsOlderThan1_2NeverGetA1_2Call) {
     EXPECT_THAT(text, AllOf(Not(HasSubstr("fixture: set_unit_signals")), Not(HasSubstr("fixture: get_unit_costs")),
                             Not(HasSubstr("fixture: get_budget_status"))));
     EXPECT_THAT(text, HasSubstr("which has no signal table: the table of step -1 is kept for a later 1.2 plugin"));
+    EXPECT_EQ(host.hook_failures().total(), 0u) << plugin;
+  }
+}
+
+// ---- ABI 1.3: the hints before the first step ----
+
+TEST(AbiMinor, PluginsOlderThan1_3GiveNoInitialHintsAndAreNotAsked) {
+  for (const char* plugin : {SP_FIXTURE_SCRIPTED, SP_FIXTURE_SCRIPTED_V1_1, SP_FIXTURE_SCRIPTED_V1_2}) {
+    CapturedLog log;
+    PolicyHost host(plugin, config(), make_blocks(kBlocks), options(log, kAll));
+    EXPECT_FALSE(host.initial_hints().has_value()) << plugin;
+    run_step(host, 0);
+    EXPECT_THROW(host.initial_hints(), std::logic_error) << plugin;
     EXPECT_EQ(host.hook_failures().total(), 0u) << plugin;
   }
 }

@@ -749,3 +749,19 @@ def test_a_cast_after_stream_keeps_the_masters_and_computes_in_the_new_dtype():
                                atol=1e-4)
     with pytest.raises(RuntimeError, match=r"streamed block 0 .*would move its streamed parameters"):
         streamed.layers.to("meta")
+
+
+def test_a_forced_route_holds_from_the_first_fetch_and_for_inference_only():
+    """A static policy's forced routes (ABI 1.3's initial hints) stream from the first pass:
+    an inference under no_grad before any step computes on the NF4 images, and step 0 moves them."""
+    forced = {"mode": "static", "telemetry_enabled": False, "tiers": ["bf16", "int8", "nf4"], "force_nf4_blocks": [1]}
+    nf4, bf16 = plain_and_streamed(p=0.0)  # the same weights; bf16 streamed all-BF16
+    nf4.layers = sp.stream(nf4.layers, config=forced)
+    assert nf4.layers.routes() == ["bf16", "nf4", "bf16"]
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert not torch.equal(nf4(x), bf16(x))  # block 1 computes on its NF4 image already
+    nf4(x).backward()
+    torch.optim.SGD(nf4.parameters(), lr=0.0).step()
+    report = nf4.layers.last_report
+    assert report.step == 0 and report.h2d_bytes_nf4 > 0

@@ -74,6 +74,11 @@ StreamedModel::Impl::Impl(std::vector<Block> in, StreamedModelOptions opts)
   build_engines();
   if (sharded) shard_masters();
   build_policy();
+  // A route the policy forces holds from the first fetch, of a step or of an inference pass.
+  if (const std::optional<std::vector<sp_hint_v1>> initial = policy->initial_hints()) {
+    apply_hints(*initial);
+    share_images(/*all=*/false);
+  }
   if (!options.transfer_policy.empty()) apply_transfer_policy(options.transfer_policy);
   note_image_versions();
 }

@@ -801,13 +801,14 @@ TEST(StreamedModel, StateRoundTripResumesWithTheSameRoutesAndWeights) {
   // A state the plugin itself rejects, on a model whose weights and hints differ from it.
   auto other = wrap(make_blocks(98), policy);
   const std::vector<sp::Precision> routes_before = other->routes();
+  const std::vector<sp_hint_v1> hints_before = other->hints();  // its forced routes, from construction
   const torch::Tensor master_before = other->masters(0).at("fc1.weight").clone();
   edited = state;
   edited["policy/state"] = torch::full({16}, 0x5a, torch::kUInt8);
   EXPECT_THROW(other->restore_state(edited), std::runtime_error);
-  EXPECT_TRUE(other->hints().empty());
+  ASSERT_EQ(other->hints().size(), hints_before.size());
+  for (std::size_t b = 0; b < hints_before.size(); ++b) EXPECT_EQ(other->hints()[b].precision, hints_before[b].precision);
   EXPECT_EQ(other->routes(), routes_before);
-  EXPECT_NE(other->routes(), model->routes());
   EXPECT_TRUE(torch::equal(other->masters(0).at("fc1.weight"), master_before));
 }
 
@@ -849,15 +850,18 @@ TEST(StreamedModel, MomentsComeFromTheParametersTheHostNames) {
 // own): the plugin sees one unit per entry, its moments those of all its blocks' gradients, its
 // bytes their sum; its hint routes every block of it; the state's hints are per unit.
 TEST(StreamedModel, AUnitOfSeveralBlocksTakesOneRouteAndOneSetOfMoments) {
+  // Forced NF4: block 0 and 1, or unit 0 (blocks 0 and 1): the same routes from the first fetch.
   const auto run = [&](std::vector<tl::PolicyUnit> units) {
     const auto blocks = make_blocks(21);
     std::vector<tl::Block> list;
     for (const TinyBlock& b : blocks) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
     tl::StreamedModelOptions options = test_options();
-    options.config_yaml = policy_yaml("  mode: static\n  tiers: [bf16, int8, nf4]\n  force_nf4_blocks: [0]\n");
+    const bool by_block = units.empty();
+    options.config_yaml = policy_yaml(std::string("  mode: static\n  tiers: [bf16, int8, nf4]\n  force_nf4_blocks: ") +
+                                      (by_block ? "[0, 1]\n" : "[0]\n"));
     options.units = std::move(units);
     auto model = std::make_unique<tl::StreamedModel>(std::move(list), options);
-    std::vector<sp_grad_moments_v1> first;  // of step 0, which every block moves in BF16
+    std::vector<sp_grad_moments_v1> first;  // of step 0
     for (std::int64_t step = 0; step < 2; ++step) {
       model->begin_step(step);
       model->forward(input(22)).pow(2).mean().backward();
@@ -873,7 +877,7 @@ TEST(StreamedModel, AUnitOfSeveralBlocksTakesOneRouteAndOneSetOfMoments) {
   ASSERT_EQ(by_unit->num_units(), 2u);
   EXPECT_EQ(by_unit->unit_of(1), 0u);
   EXPECT_EQ(by_unit->unit_of(2), 1u);
-  EXPECT_EQ(by_block->routes(), (std::vector<sp::Precision>{sp::Precision::nf4, sp::Precision::bf16, sp::Precision::bf16}));
+  EXPECT_EQ(by_block->routes(), (std::vector<sp::Precision>{sp::Precision::nf4, sp::Precision::nf4, sp::Precision::bf16}));
   EXPECT_EQ(by_unit->routes(), (std::vector<sp::Precision>{sp::Precision::nf4, sp::Precision::nf4, sp::Precision::bf16}));
   ASSERT_EQ(unit_moments.size(), 2u);
   EXPECT_EQ(unit_moments[0].count, block_moments[0].count + block_moments[1].count);
@@ -1489,12 +1493,34 @@ TEST(StreamedModel, TheFrozenBlocksWhoseMastersTheHostChangedAreRebuiltAtTheNext
       torch::allclose(model->forward(input(76)), run_plain(plain_twins(blocks, *model), input(76)), 1e-4, 1e-5));
 }
 
-// A state exported before the plugin's first hints restores the default routes.
+// A forced route holds from the first fetch (ABI 1.3's initial hints): of an inference pass
+// before any step, and of step 0.
+TEST(StreamedModel, AForcedRouteHoldsFromTheFirstFetchOfAnyPass) {
+  const std::string policy = "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_nf4_blocks: [0]\n  force_int8_blocks: [2]\n";
+  const auto model = wrap(make_blocks(37), policy);
+  EXPECT_EQ(model->routes(), (std::vector<sp::Precision>{sp::Precision::nf4, sp::Precision::bf16, sp::Precision::int8}));
+  const std::uint64_t forced_pass = model->image_bytes(0, sp::Precision::nf4) + model->image_bytes(1, sp::Precision::bf16) +
+                                    model->image_bytes(2, sp::Precision::int8);
+  {
+    torch::NoGradGuard no_grad;
+    model->forward(input(38));
+  }
+  EXPECT_EQ(model->evaluation_h2d_bytes(), forced_pass);
+  model->begin_step(0);
+  model->forward(input(38)).pow(2).mean().backward();
+  model->post_backward();
+  const tl::StepReport report = model->end_step(1.0);
+  EXPECT_EQ(report.h2d_bytes[sp::Precision::nf4], 2 * model->image_bytes(0, sp::Precision::nf4));  // forward, backward
+  EXPECT_EQ(report.h2d_bytes[sp::Precision::int8], model->image_bytes(2, sp::Precision::int8));     // the last is kept
+}
+
+// A state exported before the plugin's first hints (by a plugin older than ABI 1.3, or by this
+// layer before it asked for them) restores the default routes.
 TEST(StreamedModel, RestoringAStateWithoutHintsRestoresTheDefaultRoutes) {
   const std::string policy = "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_nf4_blocks: [0]\n";
   const auto fresh = wrap(make_blocks(37), policy);
-  const auto state = fresh->export_state();
-  ASSERT_EQ(state.at("policy/hints").numel(), 0);
+  auto state = fresh->export_state();
+  state["policy/hints"] = torch::empty({0}, torch::kUInt8);
   auto model = wrap(make_blocks(37), policy);
   model->begin_step(0);
   model->forward(input(38)).pow(2).mean().backward();

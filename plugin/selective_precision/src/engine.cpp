@@ -180,6 +180,28 @@ void PolicyEngine::post_backward(std::int64_t step, const sp_grad_moments_v1 *mo
   state_.phase = StepPhase::backward_done;
 }
 
+void PolicyEngine::initial_hints(sp_hint_v1 *hints_out, std::uint32_t n) {
+  if (state_.phase != StepPhase::before_first_step) {
+    throw OrderError(fmt::format("initial_hints called {} of step {}: it gives the hints before the first step; "
+                                 "compute_hints decides from then on",
+                                 phase_name(state_.phase), state_.current_step));
+  }
+  if (n != n_blocks()) {
+    throw InvalidArgument(
+        fmt::format("initial_hints: n = {}, but the policy was created for {} blocks", n, n_blocks()));
+  }
+  if (hints_out == nullptr) throw InvalidArgument("initial_hints: hints_out is null");
+  // What needs no measurement: a forced route (mode off forces nothing); the rest starts BF16.
+  for (std::uint32_t b = 0; b < n_blocks(); ++b) {
+    sp_hint_v1 &hint = hints_[b];
+    const bool forced = mode_ != Mode::off && forced_[b] >= 0;
+    hint.precision = forced ? forced_[b] : SP_PRECISION_BF16;
+    hint.reason = forced ? SP_REASON_FORCED : SP_REASON_NO_DATA;
+    state_.blocks[b].previous_precision = hint.precision;
+    hints_out[b] = hint;
+  }
+}
+
 void PolicyEngine::compute_hints(std::int64_t step, sp_hint_v1 *hints_out, std::uint32_t n) {
   require_phase("compute_hints", step, {StepPhase::begun, StepPhase::backward_done});
   if (n != n_blocks()) {

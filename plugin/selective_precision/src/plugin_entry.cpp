@@ -20,7 +20,7 @@
 
 #ifndef SP_POLICY_PLUGIN_VERSION
 #if SP_POLICY_EDITION >= 3
-#define SP_POLICY_PLUGIN_VERSION "3.0.0"
+#define SP_POLICY_PLUGIN_VERSION "3.1.0"
 #elif SP_POLICY_EDITION >= 2
 #define SP_POLICY_PLUGIN_VERSION "2.0.0"
 #else
@@ -258,6 +258,12 @@ sp_status sp_get_budget_status(sp_policy_ctx *ctx, sp_budget_status_v1 *status_o
 }
 #endif
 
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 3
+sp_status sp_initial_hints(sp_policy_ctx *ctx, sp_hint_v1 *hints_out, uint32_t n) {
+  return on_context(ctx, "initial_hints", [&] { ctx->engine.initial_hints(hints_out, n); });
+}
+#endif
+
 const char *sp_last_error(const sp_policy_ctx *ctx) {
   return ctx == nullptr ? g_create_error : ctx->last_error.c_str();
 }
@@ -287,6 +293,9 @@ constexpr sp_policy_plugin_v1_table kTable = {
     sp_set_unit_signals,
     sp_get_unit_costs,
     sp_get_budget_status,
+#endif
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 3
+    sp_initial_hints,
 #endif
 };
 

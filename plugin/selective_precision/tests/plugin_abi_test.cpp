@@ -110,11 +110,11 @@ TEST_F(PluginAbi, TableDescribesThePlugin) {
   EXPECT_EQ(v1->abi_major, static_cast<std::uint32_t>(SP_PLUGIN_ABI_MAJOR));
   EXPECT_EQ(v1->abi_minor, static_cast<std::uint32_t>(SP_PLUGIN_ABI_MINOR));
   EXPECT_STREQ(v1->plugin_name, "selective_precision");
-  EXPECT_STREQ(v1->plugin_version, "3.0.0");
+  EXPECT_STREQ(v1->plugin_version, "3.1.0");
   EXPECT_NE(v1->set_transfer_bytes, nullptr);
   EXPECT_NE(v1->set_precision_calibration_errors, nullptr);
   EXPECT_STREQ(v2->plugin_name, "selective_precision");
-  EXPECT_STREQ(v2->plugin_version, "3.0.0");
+  EXPECT_STREQ(v2->plugin_version, "3.1.0");
 }
 
 TEST_F(PluginAbi, TheOneDotZeroEditionDescribesItselfAsOneDotZero) {
@@ -340,6 +340,39 @@ TEST_F(PluginAbi, HotSwapFromV1ToV2DecidesExactlyAsAnUninterruptedRun) {
     }
     v2->destroy(new_ctx);
   }
+}
+
+// ABI 1.3: before the first step the policy gives its forced routes (BF16 elsewhere, and
+// everywhere in mode off); step 0's hints then switch nothing they hold, and after a step began
+// the call is out of order.
+TEST_F(PluginAbi, InitialHintsAreTheForcedRoutesBeforeTheFirstStep) {
+  const auto initial = [&](const std::string &config) {
+    sp_policy_ctx *ctx = create(v1, standalone(config));
+    std::vector<sp_hint_v1> hints(kBlocks);
+    EXPECT_EQ(v1->initial_hints(ctx, hints.data(), kBlocks), SP_OK) << v1->last_error(ctx);
+    std::vector<sp_precision> precisions;
+    for (const sp_hint_v1 &h : hints) precisions.push_back(static_cast<sp_precision>(h.precision));
+    return std::make_pair(ctx, precisions);
+  };
+  const auto bf16 = SP_PRECISION_BF16, int8 = SP_PRECISION_INT8;
+  auto [statics, routes] = initial("  mode: static\n  telemetry_enabled: false\n  force_int8_blocks: [1, 4]\n");
+  EXPECT_EQ(routes, (std::vector<sp_precision>{bf16, int8, bf16, bf16, int8, bf16}));
+  const std::vector<sp_hint_v1> step0 = run_step(v1, statics, 0);
+  for (std::uint32_t b = 0; b < kBlocks; ++b) EXPECT_EQ(step0[b].precision, routes[b]) << b;
+  std::vector<sp_hint_v1> late(kBlocks);
+  EXPECT_EQ(v1->initial_hints(statics, late.data(), kBlocks), SP_ERR_ORDER);
+  EXPECT_NE(std::string(v1->last_error(statics)).find("compute_hints decides from then on"), std::string::npos);
+  v1->destroy(statics);
+
+  auto [dynamic, dynamic_routes] = initial("  telemetry_enabled: false\n  force_int8_blocks: [2]\n");
+  EXPECT_EQ(dynamic_routes, (std::vector<sp_precision>{bf16, bf16, int8, bf16, bf16, bf16}));
+  std::vector<sp_hint_v1> short_buffer(kBlocks);
+  EXPECT_EQ(v1->initial_hints(dynamic, short_buffer.data(), kBlocks - 1), SP_ERR_INVALID_ARGUMENT);
+  v1->destroy(dynamic);
+
+  auto [off, off_routes] = initial("  mode: off\n  telemetry_enabled: false\n  force_int8_blocks: [1]\n");
+  EXPECT_EQ(off_routes, std::vector<sp_precision>(kBlocks, bf16));
+  v1->destroy(off);
 }
 
 TEST_F(PluginAbi, LogsGoThroughTheHostCallback) {

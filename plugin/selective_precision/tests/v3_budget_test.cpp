@@ -483,8 +483,9 @@ TEST(PolicyV3Plugin, TheTablesDescribeTheirMinors) {
   const LoadedPlugin v3(SP_POLICY_PLUGIN_PATH);
   const LoadedPlugin v2(SP_POLICY_PLUGIN_V2_EDITION_PATH);
   ASSERT_TRUE(v3.loaded() && v2.loaded()) << dlerror();
-  EXPECT_STREQ(v3->plugin_version, "3.0.0");
-  EXPECT_EQ(v3->abi_minor, 2u);
+  EXPECT_STREQ(v3->plugin_version, "3.1.0");
+  EXPECT_EQ(v3->abi_minor, 3u);
+  EXPECT_NE(v3->initial_hints, nullptr);
   EXPECT_NE(v3->set_unit_signals, nullptr);
   EXPECT_NE(v3->get_unit_costs, nullptr);
   EXPECT_NE(v3->get_budget_status, nullptr);
@@ -539,7 +540,7 @@ TEST(PolicyV3Plugin, SignalsCostsAndBudgetStatusThroughTheTable) {
   plugin->destroy(ctx);
 }
 
-// A live upgrade from 2.0.0 (ABI 1.1) to 3.0.0 in mode budget: the v2 blob's assignments, switch
+// A live upgrade from 2.0.0 (ABI 1.1) to 3.1.0 in mode budget: the v2 blob's assignments, switch
 // steps and loss-guard state carry over, the cooldown still holds, and the budget is met.
 TEST(PolicyV3Plugin, AV2StateMigratesIntoABudgetPolicy) {
   const LoadedPlugin v2(SP_POLICY_PLUGIN_V2_EDITION_PATH);
@@ -596,7 +597,7 @@ TEST(PolicyV3Plugin, AV2StateMigratesIntoABudgetPolicy) {
       EXPECT_EQ(after[b].precision, hints[b].precision) << "block " << b;
     }
   }
-  // And through the table: 3.0.0 imports the blob 2.0.0 exported.
+  // And through the table: 3.1.0 imports the blob 2.0.0 exported.
   const LoadedPlugin plugin(SP_POLICY_PLUGIN_PATH);
   ASSERT_TRUE(plugin.loaded()) << dlerror();
   const std::string v3_config = budget_config("{bytes: 0.45}", guard);

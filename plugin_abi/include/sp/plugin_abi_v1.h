@@ -2,9 +2,9 @@
  * Selective Precision policy plugin ABI, version 1.
  *
  * FROZEN per minor. This header describes a binary contract between a host runtime
- * and a policy plugin (.so). Minor 0 (1.0) is frozen; minor 1 (1.1) and minor 2 (1.2) only
- * appended to it, and every addition is marked "1.1" or "1.2". Once released, nothing in it
- * changes meaning:
+ * and a policy plugin (.so). Minor 0 (1.0) is frozen; minors 1 (1.1), 2 (1.2) and 3 (1.3) only
+ * appended to it, and every addition is marked "1.1", "1.2" or "1.3". Once released, nothing
+ * in it changes meaning:
  *   - structs passed one at a time (sp_host_api_v1, sp_step_feedback_v1 and the
  *     function table) only grow by appending fields. Their first field is struct_size,
  *     so a reader checks offsetof(field) + sizeof(field) <= struct_size before it reads
@@ -28,7 +28,8 @@
  * the plugin's own table reports. To a 1.0 plugin a 1.1 host passes struct_size values
  * of the 1.0 layouts, never calls a 1.1 function, and refuses a hint whose precision
  * 1.0 does not define. Likewise a 1.2 host never calls a 1.2 function on a 1.0 or 1.1
- * plugin (1.2 appends only functions, new structs and enum values). A plugin of a newer minor than the host is never loaded (the
+ * plugin (1.2 appends only functions, new structs and enum values), nor a 1.3 host a 1.3
+ * function on an older plugin (1.3 appends one function). A plugin of a newer minor than the host is never loaded (the
  * version rule below), so a plugin always meets a host of its own minor or a newer one;
  * it still reads an appended field only where struct_size covers it.
  *
@@ -57,7 +58,7 @@ extern "C" {
 
 #define SP_PLUGIN_ABI_MAJOR 1
 /* The newest minor this header describes. */
-#define SP_PLUGIN_ABI_LATEST_MINOR 2
+#define SP_PLUGIN_ABI_LATEST_MINOR 3
 
 /* A plugin that implements an older minor defines SP_PLUGIN_ABI_TARGET_MINOR before
  * including this header (e.g. 0 for 1.0): it then compiles exactly that minor's layouts,
@@ -66,7 +67,7 @@ extern "C" {
 #define SP_PLUGIN_ABI_TARGET_MINOR SP_PLUGIN_ABI_LATEST_MINOR
 #endif
 #if SP_PLUGIN_ABI_TARGET_MINOR < 0 || SP_PLUGIN_ABI_TARGET_MINOR > SP_PLUGIN_ABI_LATEST_MINOR
-#error "SP_PLUGIN_ABI_TARGET_MINOR must be 0, 1 or 2"
+#error "SP_PLUGIN_ABI_TARGET_MINOR must be 0, 1, 2 or 3"
 #endif
 #define SP_PLUGIN_ABI_MINOR SP_PLUGIN_ABI_TARGET_MINOR
 
@@ -375,6 +376,22 @@ typedef struct sp_policy_plugin_v1_table {
    * the caller and borrowed for this call; the plugin writes within its struct_size. */
   sp_status (*get_budget_status)(sp_policy_ctx *ctx, sp_budget_status_v1 *status_out);
 #endif
+
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 3
+  /* ---- 1.3. A host calls this only when the table's abi_minor >= 3 and its struct_size
+   * covers the pointer; a 1.3 plugin sets it (not NULL). ---- */
+
+  /* Fills hints_out[0..n) with the hints the policy gives before any step, from its
+   * configuration alone: a route it forces (a static policy's, or any mode's force lists) and
+   * otherwise its starting route. The host applies them to the first step's fetches and to
+   * passes outside any step (inference), so that a forced route holds from the first fetch.
+   * hints_out[i].block_id == i; `hints_out` is owned by the caller and borrowed for this call;
+   * n must equal the n_blocks of create(). Called after create() and set_transfer_bytes(),
+   * before the first begin_step; SP_ERR_ORDER once a step began (compute_hints decides
+   * from then on). The policy then counts these as its current hints: step 0's compute_hints
+   * switches nothing it returned here. */
+  sp_status (*initial_hints)(sp_policy_ctx *ctx, sp_hint_v1 *hints_out, uint32_t n);
+#endif
 } sp_policy_plugin_v1_table;
 
 /* The array element layouts are part of the major version (see the top of the file). */
@@ -396,6 +413,7 @@ SP_ABI_STATIC_ASSERT(sizeof(sp_hint_v1) == 24, "sp_hint_v1 is frozen for ABI maj
 /* 1.2: where a 1.1 function table ends (1.2 appends to it), and the first layouts of the two
  * structs 1.2 introduces. */
 #define SP_PLUGIN_TABLE_V1_1_SIZE 128u
+#define SP_PLUGIN_TABLE_V1_2_SIZE 152u
 #define SP_UNIT_SIGNALS_V1_2_SIZE 48u
 #define SP_BUDGET_STATUS_V1_2_SIZE 64u
 #if UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu
@@ -419,6 +437,12 @@ SP_ABI_STATIC_ASSERT(sizeof(sp_policy_plugin_v1_table) == SP_PLUGIN_TABLE_V1_1_S
 #elif UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu && SP_PLUGIN_ABI_TARGET_MINOR >= 2
 SP_ABI_STATIC_ASSERT(offsetof(sp_policy_plugin_v1_table, set_unit_signals) == SP_PLUGIN_TABLE_V1_1_SIZE,
                      "1.2 functions of the table start where 1.1 ended");
+#endif
+#if UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu && SP_PLUGIN_ABI_TARGET_MINOR == 2
+SP_ABI_STATIC_ASSERT(sizeof(sp_policy_plugin_v1_table) == SP_PLUGIN_TABLE_V1_2_SIZE, "1.2 layout of the table");
+#elif UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu && SP_PLUGIN_ABI_TARGET_MINOR >= 3
+SP_ABI_STATIC_ASSERT(offsetof(sp_policy_plugin_v1_table, initial_hints) == SP_PLUGIN_TABLE_V1_2_SIZE,
+                     "1.3 functions of the table start where 1.2 ended");
 #endif
 #undef SP_ABI_STATIC_ASSERT
 

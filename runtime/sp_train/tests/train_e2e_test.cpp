@@ -87,16 +87,19 @@ struct QuantizedFetchSteps {
   std::size_t nf4 = 0;
 };
 
-// Each step's fetches take the routes decided after the previous step, and its INT8 and NF4
-// bytes are those routes' images. Counts the steps that moved INT8 and NF4 bytes.
-QuantizedFetchSteps expect_bytes_follow_decisions(const RunSummary& run, const TrainConfig& c) {
+// Each step's fetches take the routes decided after the previous step (step 0's: the policy's
+// forced routes, `forced`, BF16 elsewhere), and its INT8 and NF4 bytes are those routes'
+// images. Counts the steps that moved INT8 and NF4 bytes.
+QuantizedFetchSteps expect_bytes_follow_decisions(const RunSummary& run, const TrainConfig& c,
+                                                  std::vector<std::uint8_t> forced = {}) {
   const std::uint32_t n = c.model.n_blocks;
   const std::uint64_t int8_bytes = image_bytes(c.model, kernels::SlabPrecision::kInt8, c.streaming.int8_group_size);
   const std::uint64_t nf4_bytes = image_bytes(c.model, kernels::SlabPrecision::kNf4, c.policy_keys.nf4_group_size);
   QuantizedFetchSteps steps;
   for (std::size_t s = 0; s < run.steps.size(); ++s) {
     const StepRecord& r = run.steps[s];
-    const std::vector<std::uint8_t> expected = s == 0 ? std::vector<std::uint8_t>(n, 0) : run.steps[s - 1].decisions;
+    if (forced.empty()) forced.assign(n, SP_PRECISION_BF16);
+    const std::vector<std::uint8_t> expected = s == 0 ? forced : run.steps[s - 1].decisions;
     EXPECT_EQ(r.routes, expected) << "step " << s;
     // Every block is fetched for forward and for backward, except the last, whose slot is
     // reused across the turn.
@@ -130,18 +133,18 @@ TEST_F(TrainE2E, LearnsDecidesAndMovesTheBytesItDecided) {
   EXPECT_TRUE(fs::exists(dir_ / "plain" / "selective_precision_telemetry.jsonl"));
 }
 
-// The fixed all-NF4 format: every block crosses as NF4 from the step after the plugin's first
-// hints, the bytes are the NF4 images, and the model still learns.
+// The fixed all-NF4 format: every block crosses as NF4 from the first step (the plugin's initial
+// hints), the bytes are the NF4 images, and the model still learns.
 TEST_F(TrainE2E, AllNf4StreamsNf4ImagesAndStillLearns) {
   const std::vector<Override> all_nf4 = {{"memory.stagehand.selective_precision.mode", "static"},
                                          {"memory.stagehand.selective_precision.force_nf4_blocks", "[0, 1, 2, 3]"}};
   const RunSummary run = train("nf4", all_nf4);
   ASSERT_EQ(run.steps.size(), 24u);
-  EXPECT_EQ(expect_bytes_follow_decisions(run, config(all_nf4)).nf4, 23u);
+  EXPECT_EQ(expect_bytes_follow_decisions(run, config(all_nf4), std::vector<std::uint8_t>(4, SP_PRECISION_NF4)).nf4, 24u);
   EXPECT_LT(mean_loss(run.steps, 19, 24), mean_loss(run.steps, 0, 5) - 0.3);
   const double saved = run.json["h2d_bytes"]["saved_fraction"];
   EXPECT_GT(saved, 0.65) << "an NF4 image is about 0.28x the BF16 one";
-  EXPECT_EQ(run.json["block_steps"]["nf4"], 23u * 4u);
+  EXPECT_EQ(run.json["block_steps"]["nf4"], 24u * 4u);
 }
 
 // Policy v2 with three tiers, scored on the calibration errors alone: a block whose NF4 error
@@ -155,7 +158,7 @@ TEST_F(TrainE2E, ThreeTierPolicySendsTolerantBlocksToNf4) {
                                     {p + "nf4_quant_error_threshold", "1.0"}};
   const RunSummary run = train("v2", v2);
   EXPECT_GT(expect_bytes_follow_decisions(run, config(v2)).nf4, 0u) << "no block ever went to NF4";
-  EXPECT_EQ(run.json["plugin"]["version"], "3.0.0");
+  EXPECT_EQ(run.json["plugin"]["version"], "3.1.0");
 }
 
 // With an outlier channel planted, which a fresh run does and a resumed one must not redo.
@@ -312,8 +315,8 @@ TEST_F(TrainE2E, SublayerUnitsAreDecidedAndStreamedHalfABlockEach) {
   const RunSummary run = train("mlp-nf4", mlp_nf4);
   const std::vector<std::uint8_t> expected = {0, 2, 0, 2, 0, 2, 0, 2};
   EXPECT_EQ(run.steps.back().routes, expected);
-  EXPECT_EQ(run.json["block_steps"]["nf4"], 23u * 4u);
-  EXPECT_EQ(run.json["block_steps"]["bf16"], 24u * 4u + 4u);
+  EXPECT_EQ(run.json["block_steps"]["nf4"], 24u * 4u);  // forced from the first step
+  EXPECT_EQ(run.json["block_steps"]["bf16"], 24u * 4u);
   EXPECT_LT(mean_loss(run.steps, 19, 24), mean_loss(run.steps, 0, 5) - 0.3);
   const double saved = run.json["h2d_bytes"]["saved_fraction"];
   // At mlp_ratio 2 the MLP half holds half a block's weights (fc + proj: 4c^2, as qkv + proj):
@@ -354,7 +357,7 @@ TEST_F(TrainE2E, OnlineRecalibrationFollowsTheWeightsAndResumesBitwise) {
   EXPECT_EQ(straight.json["calibration"]["errors"], second_half.json["calibration"]["errors"]);
 }
 
-// The live upgrade: a run that started on policy 1.0.0 moves to the shipped plugin (3.0.0) at a
+// The live upgrade: a run that started on policy 1.0.0 moves to the shipped plugin (3.1.0) at a
 // step boundary, its state migrated through export/import; with a v1 config, it takes 1.0.0's
 // decisions.
 TEST_F(TrainE2E, HotSwapMidRunKeepsTheDecisions) {
@@ -371,9 +374,9 @@ TEST_F(TrainE2E, HotSwapMidRunKeepsTheDecisions) {
   for (std::size_t s = 0; s < reference.steps.size(); ++s) {
     EXPECT_EQ(reference.steps[s].decisions, swapped.steps[s].decisions) << "step " << s;
     EXPECT_EQ(reference.steps[s].plugin_version, "1.0.0");
-    EXPECT_EQ(swapped.steps[s].plugin_version, s < 10 ? "1.0.0" : "3.0.0") << "step " << s;
+    EXPECT_EQ(swapped.steps[s].plugin_version, s < 10 ? "1.0.0" : "3.1.0") << "step " << s;
   }
-  EXPECT_EQ(swapped.steps[10].swap_note, "swapped 1.0.0 -> 3.0.0");
+  EXPECT_EQ(swapped.steps[10].swap_note, "swapped 1.0.0 -> 3.1.0");
   ASSERT_EQ(swapped.json["plugin_swaps"].size(), 1u);
   EXPECT_EQ(swapped.json["plugin_swaps"][0]["step"], 10);
 }

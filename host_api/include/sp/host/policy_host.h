@@ -101,6 +101,8 @@ struct HookFailureCounts {
   /// 1.2: set_unit_signals, and get_unit_costs and get_budget_status together.
   std::uint64_t set_unit_signals = 0;
   std::uint64_t budget_queries = 0;
+  /// 1.3: initial_hints, failed or with hints that broke the contract.
+  std::uint64_t initial_hints = 0;
   std::uint64_t total() const;
 };
 
@@ -181,6 +183,11 @@ class PolicyHost {
   std::optional<std::vector<double>> unit_costs(sp_precision precision);
   /// ABI 1.2: where the active plugin's budget stands; nullopt as unit_costs.
   std::optional<sp_budget_status_v1> budget_status();
+  /// ABI 1.3: the hints the active plugin gives before the first step (its forced routes),
+  /// one per block, which then stand as the last good hints; nullopt from a plugin older than
+  /// 1.3, a quarantined one, or one that fails or breaks the hint contract (logged and counted
+  /// under initial_hints). Before the first begin_step only: std::logic_error after it.
+  std::optional<std::vector<sp_hint_v1>> initial_hints();
 
   /// The active plugin's state blob (export_state), for a checkpoint. Only between steps;
   /// otherwise throws std::logic_error. Throws PluginError when the plugin cannot export.

@@ -42,6 +42,8 @@ class PolicySession {
   bool set_unit_signals(std::int64_t step, const UnitSignalTable& table);
   std::optional<std::vector<double>> unit_costs(sp_precision precision) { return host_->unit_costs(precision); }
   std::optional<sp_budget_status_v1> budget_status() { return host_->budget_status(); }
+  // ABI 1.3 (PolicyHost::initial_hints): the hints before the first step, nullopt without.
+  std::optional<std::vector<sp_hint_v1>> initial_hints() { return host_->initial_hints(); }
 
   // Between steps: if the plugin file changed since it was loaded (or `force`, after
   // SIGHUP), asks the host library to swap to it at the next begin_step. Returns the

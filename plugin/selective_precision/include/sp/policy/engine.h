@@ -39,6 +39,8 @@ class PolicyEngine {
   void begin_step(std::int64_t step);
   void post_backward(std::int64_t step, const sp_grad_moments_v1 *moments, std::uint32_t n);
   void compute_hints(std::int64_t step, sp_hint_v1 *hints_out, std::uint32_t n);
+  // Before the first begin_step: the forced routes, BF16 elsewhere (ABI 1.3 initial_hints).
+  void initial_hints(sp_hint_v1 *hints_out, std::uint32_t n);
   void end_step(std::int64_t step, const sp_step_feedback_v1 *feedback);
   void set_calibration_errors(const std::uint32_t *block_ids, const double *errors, std::uint32_t n);
   // v2: INT8 is set_calibration_errors; NF4 sets the errors behind e4. BF16 or an unknown
