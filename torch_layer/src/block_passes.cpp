@@ -360,9 +360,9 @@ void StreamedModel::Impl::close_pass_without_backward(std::uint64_t id) {
 void StreamedModel::Impl::begin_eval_pass(const ad::RuntimeLimitHints& limits) {
   if (eval_open) end_eval_pass();  // one the host left before its last block
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (!eval_image_stale[b]) continue;
+    if (!blocks[b].eval_image_stale) continue;
     refresh_eval_image(b);
-    eval_image_stale[b] = false;
+    blocks[b].eval_image_stale = false;
   }
   eval_engine->begin_step(eval_engine_steps++, limits);
   eval_open = true;
@@ -584,7 +584,7 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
     std::copy(resident.begin(), resident.end(), first_resident);
   }
   try {
-    if (update_now && !deferred_updates[b]) begin_block_update(b, std::move(gradient_ready));
+    if (update_now && !blocks[b].deferred_update) begin_block_update(b, std::move(gradient_ready));
   } catch (...) {
     abandon_passes();
     throw;
@@ -650,7 +650,7 @@ bool StreamedModel::Impl::fold_weight_gradients(std::uint32_t b, const std::vect
   if (update_now && !staged_here.empty()) {
     if (collectives) {
       // Staged gradients of several ranks are reduced in one bucket at the pass's end.
-      deferred_updates[b] = true;
+      blocks[b].deferred_update = true;
     } else {
       ad::Event& copied = gradient_copied_event(b);
       backend->record(copied, ad::Queue::compute);
@@ -861,7 +861,7 @@ void StreamedModel::Impl::kept_weight_gradients(std::uint32_t b, std::uint64_t i
   }
   try {
     std::function<void()> ready;
-    if (!fold_weight_gradients(b, weight_grads, ready) || deferred_updates[b]) return;
+    if (!fold_weight_gradients(b, weight_grads, ready) || blocks[b].deferred_update) return;
     if (pass.held == b) {
       pass.update_after_release[b] = std::move(ready);
     } else {

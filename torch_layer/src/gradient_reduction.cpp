@@ -31,9 +31,9 @@ void StreamedModel::Impl::probe_collectives() {
 }
 
 ad::Event& StreamedModel::Impl::gradient_copied_event(std::uint32_t b) {
-  if (gradient_copied.empty()) gradient_copied.resize(blocks.size());
-  if (!gradient_copied[b]) gradient_copied[b] = backend->create_event();
-  return *gradient_copied[b];
+  std::unique_ptr<ad::Event>& event = blocks[b].gradient_copied;
+  if (!event) event = backend->create_event();
+  return *event;
 }
 
 void StreamedModel::Impl::begin_block_update(std::uint32_t b, std::function<void()> gradient_ready) {
@@ -90,9 +90,9 @@ void StreamedModel::Impl::wait_for_updates() {
       log->warn("StreamedModel: step {}: {} was not updated: its gradient holds a non-finite element", step,
                 blocks[r.block].block.name);
     } else {
-      eval_image_stale[r.block] = true;
+      blocks[r.block].eval_image_stale = true;
     }
-    updated_in_step[r.block] = true;
+    blocks[r.block].updated_in_step = true;
   }
   running.clear();
   if (first_error) std::rethrow_exception(first_error);
@@ -107,9 +107,9 @@ void StreamedModel::Impl::update_block(std::uint32_t b, const kn::AdamWStep& ada
               blocks[b].block.name);
   } else {
     engine->update_weights(b, adam, tensors);
-    eval_image_stale[b] = true;
+    blocks[b].eval_image_stale = true;
   }
-  updated_in_step[b] = true;
+  blocks[b].updated_in_step = true;
 }
 
 void StreamedModel::Impl::stage_master_gradient(StreamedParam& p, const torch::Tensor& g) {
@@ -140,7 +140,7 @@ void StreamedModel::Impl::abandon_passes() noexcept {
   armed.reset();
   pass_unlisted.clear();
   pass_unlisted_grads.clear();
-  std::fill(deferred_updates.begin(), deferred_updates.end(), false);
+  for (BlockState& block : blocks) block.deferred_update = false;
   for (ReducingBucket& r : reducing) {
     try {
       r.pending->wait();
@@ -211,10 +211,10 @@ void StreamedModel::Impl::finish_pass(std::uint64_t id) {
   }
   grads_staged = false;
   std::vector<std::uint32_t> deferred;
-  for (std::uint32_t b = 0; b < deferred_updates.size(); ++b) {
-    if (deferred_updates[b]) deferred.push_back(b);
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+    if (blocks[b].deferred_update) deferred.push_back(b);
+    blocks[b].deferred_update = false;
   }
-  std::fill(deferred_updates.begin(), deferred_updates.end(), false);
   try {
     for (std::uint32_t b : deferred) begin_block_update(b, {});
   } catch (...) {

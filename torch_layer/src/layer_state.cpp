@@ -8,13 +8,13 @@
 namespace sp::torch_layer {
 
 void StreamedModel::Impl::shard_masters() {
-  shared_route.assign(blocks.size(), Precision::bf16);  // every engine starts on BF16
+  for (BlockState& block : blocks) block.shared_route = Precision::bf16;  // every engine starts on BF16
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     share_image(*engine, b, Precision::bf16);
     if (owns(b)) continue;
     engine->forget_masters(b);
     eval_engine->forget_masters(b);
-    eval_image_stale[b] = true;
+    blocks[b].eval_image_stale = true;
     BlockState& block = blocks[b];
     for (StreamedParam& p : block.streamed) {
       if (block.params_are_masters) {
@@ -71,19 +71,19 @@ void StreamedModel::Impl::share_images(bool all, const std::vector<bool>& rebuil
   if (!sharded) return;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     const Precision route = engine->policy_bridge().route(b);
-    if (!all && !(b < rebuilt.size() && rebuilt[b]) && shared_route[b] == route) continue;
+    if (!all && !(b < rebuilt.size() && rebuilt[b]) && blocks[b].shared_route == route) continue;
     share_image(*engine, b, route);
-    shared_route[b] = route;
-    eval_image_stale[b] = true;
+    blocks[b].shared_route = route;
+    blocks[b].eval_image_stale = true;
   }
 }
 
 void StreamedModel::Impl::share_eval_images(Precision precision) {
   if (!sharded) return;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (owns(b) && eval_image_stale[b]) eval_engine->on_weights_updated(b);
+    if (owns(b) && blocks[b].eval_image_stale) eval_engine->on_weights_updated(b);
     share_image(*eval_engine, b, precision);
-    eval_image_stale[b] = false;
+    blocks[b].eval_image_stale = false;
   }
 }
 
@@ -201,7 +201,7 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (owns(b)) engine->on_weights_updated(b);
   }
-  eval_image_stale.assign(blocks.size(), true);
+  for (BlockState& block : blocks) block.eval_image_stale = true;
 }
 
 CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vector<torch::Tensor>& samples) {
@@ -246,7 +246,9 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
   }
   // The evaluation images are the pinned route's now: the next evaluation takes the routes in
   // force again (rebuilt by the owner, copied elsewhere).
-  if (sharded) eval_image_stale.assign(blocks.size(), true);
+  if (sharded) {
+    for (BlockState& block : blocks) block.eval_image_stale = true;
+  }
   // The last pass's pins would stand until the next evaluation pass; dropped now, so that an
   // image rebuilt in between is built for the route the block takes next.
   eval_engine->policy_bridge().begin_step();

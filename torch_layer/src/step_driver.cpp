@@ -187,7 +187,7 @@ void StreamedModel::begin_step(std::int64_t step) {
     throw;
   }
   m.phase = Impl::StepPhase::open;
-  m.updated_in_step.assign(m.blocks.size(), false);
+  for (BlockState& block : m.blocks) block.updated_in_step = false;
   m.armed.reset();
 }
 
@@ -297,12 +297,12 @@ void StreamedModel::refresh_images() {
     any_frozen = any_frozen || !m.blocks[b].trainable_masters;
     if (!m.owns(b) || (!m.blocks[b].trainable_masters && !m.changed_master(b))) continue;
     rebuilt[b] = true;
-    const bool written_by_update = m.updated_in_step[b];
-    m.updated_in_step[b] = false;
+    const bool written_by_update = m.blocks[b].updated_in_step;
+    m.blocks[b].updated_in_step = false;
     // update_masters() wrote its image; the host changed its masters since, or not.
     if (written_by_update && !m.changed_master(b)) continue;
     m.engine->on_weights_updated(b);
-    m.eval_image_stale[b] = true;
+    m.blocks[b].eval_image_stale = true;
   }
   if (m.sharded && any_frozen) {
     torch::Tensor changed = torch::zeros({static_cast<std::int64_t>(rebuilt.size())}, torch::kInt32);
@@ -340,7 +340,7 @@ void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamW
         "StreamedModel::update_masters: {} is owned by rank {}, which updates it (shard_masters); this is rank {}",
         m.blocks[block].block.name, m.owner(block), rank()));
   }
-  if (m.updated_in_step[block]) {
+  if (m.blocks[block].updated_in_step) {
     throw std::logic_error(fmt::format("StreamedModel::update_masters: block {} was already updated in step {}",
                                        m.blocks[block].block.name, m.step));
   }

@@ -131,10 +131,10 @@ std::vector<sp_hint_v1> StreamedModel::Impl::block_hints(const std::vector<sp_hi
 }
 
 void StreamedModel::Impl::note_image_versions() {
-  image_versions.assign(blocks.size(), {});
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+    blocks[b].image_versions.clear();
     if (!owns(b)) continue;
-    for (const StreamedParam& p : blocks[b].streamed) image_versions[b].push_back(p.master._version());
+    for (const StreamedParam& p : blocks[b].streamed) blocks[b].image_versions.push_back(p.master._version());
   }
 }
 
@@ -151,9 +151,9 @@ void StreamedModel::Impl::rebuild_changed_images(const std::string& call) {
           call, blocks[b].block.name, changed->name));
     }
     engine->on_weights_updated(b);
-    eval_image_stale[b] = true;
+    blocks[b].eval_image_stale = true;
     for (std::size_t i = 0; i < blocks[b].streamed.size(); ++i) {
-      image_versions[b][i] = blocks[b].streamed[i].master._version();
+      blocks[b].image_versions[i] = blocks[b].streamed[i].master._version();
     }
   }
 }
@@ -188,6 +188,8 @@ StreamedModel::Impl::~Impl() {
   } catch (const std::exception& e) {
     log->warn("StreamedModel: closing the open evaluation pass: {}", e.what());
   }
+  // The blocks outlive the backend (declared before it): their events go while it is there.
+  for (BlockState& block : blocks) block.gradient_copied.reset();
 }
 
 void StreamedModel::Impl::refuse_shared_parameters(const std::vector<Block>& in) {
@@ -353,9 +355,6 @@ void StreamedModel::Impl::build_engines() {
   config.metrics_path.clear();
   eval_engine = std::make_unique<ad::StreamingEngine>(*backend, config, specs);
   compute_done = backend->create_event();
-  eval_image_stale.assign(blocks.size(), false);
-  deferred_updates.assign(blocks.size(), false);
-  updated_in_step.assign(blocks.size(), false);
 }
 
 namespace {

@@ -136,6 +136,20 @@ struct BlockState {
   BlockCall call;
   bool params_are_masters = false;
   NamedParameters weights;
+
+  // Where its images stand.
+  // Sharded, the same on every rank: the route of the image the ranks last shared.
+  Precision shared_route = Precision::bf16;
+  bool eval_image_stale = false;  // its masters changed since the evaluation engine built its image
+  // Per streamed parameter: the master's version counter when the images were last built from
+  // it. An in-place change since (an optimizer step after end_step()) would leave the engines
+  // streaming the old weights.
+  std::vector<std::int64_t> image_versions;
+  bool updated_in_step = false;  // update_masters() wrote its image this step
+  // The fused update during the backward: its gradient reaches the host only at the pass's end,
+  // and (CUDA) the event that says its staged gradient is on the host.
+  bool deferred_update = false;
+  std::unique_ptr<ad::Event> gradient_copied;
 };
 
 // A training pass: a grad-mode forward through the blocks, then its backward. Several may be
@@ -250,8 +264,6 @@ struct StreamedModel::Impl {
   // Sharded data parallelism (StreamedModelOptions::shard_masters on more than one rank): each
   // block's masters live on its owner alone, which sends its images to the other ranks.
   bool sharded = false;
-  // Per block, the same on every rank: the route of the image the ranks last shared.
-  std::vector<Precision> shared_route;
   // A block's master gradients of the current pass, flattened into one bucket, on their way
   // through an all-reduce started in the backward; folded into the masters at the pass's end.
   struct ReducingBucket {
@@ -269,15 +281,9 @@ struct StreamedModel::Impl {
   std::optional<std::uint64_t> forwarding;   // the pass whose forward is under way
   std::optional<std::uint64_t> engine_pass;  // the pass the engine's open step serves
   std::int64_t engine_steps = 0, eval_engine_steps = 0;
-  std::vector<bool> eval_image_stale;  // per block: its masters changed since the evaluation engine built its image
-  // Per block, per streamed parameter: the master's version counter when the block's images
-  // were last built from it. An in-place change since (an optimizer step after end_step())
-  // would leave the engines streaming the old weights.
-  std::vector<std::vector<std::int64_t>> image_versions;
   // The gradients of the current pass's unlisted inputs (unlisted_leaves.h), summed over blocks.
   std::vector<UnlistedLeaf> pass_unlisted;
   std::vector<torch::Tensor> pass_unlisted_grads;
-  std::vector<bool> updated_in_step;                          // per block: update_masters() wrote its image this step
   std::uint64_t evaluation_bytes = 0, calibration_bytes = 0;  // of the forward-only passes
   bool grads_staged = false;
   bool eval_open = false;          // an evaluation pass is open; `eval_next` its next block
@@ -334,9 +340,7 @@ struct StreamedModel::Impl {
     std::future<void> done;
   };
   std::vector<RunningUpdate> running;
-  std::vector<bool> deferred_updates;  // per block: its gradient reaches the host only at the pass's end
-  std::vector<std::unique_ptr<ad::Event>> gradient_copied;  // per block: its staged gradient is on the host
-  SerialWorker worker;                                      // last: destroyed first, after its tasks ran
+  SerialWorker worker;  // last: destroyed first, after its tasks ran
 
   Impl(std::vector<Block> in, StreamedModelOptions opts);
 
@@ -344,8 +348,8 @@ struct StreamedModel::Impl {
 
   // The first of block b's masters changed since its images were built, or null.
   const StreamedParam* changed_master(std::uint32_t b) const {
-    for (std::size_t i = 0; i < image_versions[b].size(); ++i) {
-      if (blocks[b].streamed[i].master._version() != image_versions[b][i]) return &blocks[b].streamed[i];
+    for (std::size_t i = 0; i < blocks[b].image_versions.size(); ++i) {
+      if (blocks[b].streamed[i].master._version() != blocks[b].image_versions[i]) return &blocks[b].streamed[i];
     }
     return nullptr;
   }
