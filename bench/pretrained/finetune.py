@@ -80,8 +80,12 @@ EXTRA_POLICIES = ("oracle-sublayer",)
 # budget, decided by a calibration step before step 0 and re-decided as training moves; the
 # same decided once and frozen (the anchors' way); and the static placements of its acceptance
 # (attention INT8 / MLP NF4 is oracle-sublayer).
-V3_POLICIES = ("v3-sublayer", "v3-frozen-sublayer", "first-last-int8", "more-bits")
+# v3-sublayer-save50 and -save60: the same at budgets of 50% and 60% fewer bytes (the Pareto
+# plot's other v3 points).
+V3_POLICIES = ("v3-sublayer", "v3-frozen-sublayer", "first-last-int8", "more-bits", "v3-sublayer-save50",
+               "v3-sublayer-save60")
 V3_BUDGET = 0.45  # 55% fewer bytes than all-BF16
+V3_BUDGETS = {"v3-sublayer-save50": 0.50, "v3-sublayer-save60": 0.40}
 CALIBRATION_PAIRS = 64  # tune-split pairs of the calibration step: one pass, so the blocks cross once
 MODES = ("lora", "full")
 LORA_ONLY = {"all-nf4-bnb"}
@@ -259,7 +263,7 @@ def policy_config(policy, n_blocks, thresholds):
         more = [u for u in everything if u < eighth or u >= 7 * n_blocks // 8 or (u - eighth) % 3 == 2]
         return {"mode": "static", "force_int8_blocks": more, "force_nf4_blocks": [u for u in everything if u not in more],
                 **quiet}, "block"
-    if policy in ("v3-sublayer", "v3-frozen-sublayer"):
+    if policy in ("v3-sublayer", "v3-frozen-sublayer") or policy in V3_BUDGETS:
         section = yaml.safe_load((ROOT / "configs/policy/v3.yaml").read_text())["selective_precision"]
         timings = {**SHORT_RUN, "warmup_steps": 10**6} if policy.startswith("v3-frozen") else SHORT_RUN
         del section["budget"]  # given as stream(budget=...)
@@ -385,7 +389,7 @@ def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=B
     if config.get("mode") == "dynamic":
         calibration, calibrated_state = calibrated_policy_state(
             model, modules, tokenizer, splits["tune"], config, streamed_names, moments, workdir)
-    budget = sp.Budget(bytes=V3_BUDGET) if config.get("mode") == "budget" else None
+    budget = sp.Budget(bytes=V3_BUDGETS.get(policy, V3_BUDGET)) if config.get("mode") == "budget" else None
     streamed = sp.stream(modules, config=config, streamed=streamed_names, moments_from=moments, output_dir=workdir,
                          budget=budget)
     if calibrated_state is not None:
@@ -520,7 +524,7 @@ def calibrated_policy_state(model, modules, tokenizer, tune, config, names, mome
 
 
 def units_of(policy):
-    return "sublayer" if policy.endswith("sublayer") else "block"
+    return "sublayer" if policy.endswith("sublayer") or policy in V3_BUDGETS else "block"
 
 
 def provenance():

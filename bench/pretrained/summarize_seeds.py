@@ -33,13 +33,16 @@ from pathlib import Path
 from scipy import stats
 
 ORDER = ("bf16-only", "all-int8", "all-nf4", "all-nf4-bnb", "first-last-bf16", "first-last-int8", "more-bits",
-         "dynamic", "dynamic-v2", "dynamic-v2-sublayer", "oracle-sublayer", "v3-frozen-sublayer", "v3-sublayer")
+         "dynamic", "dynamic-v2", "dynamic-v2-sublayer", "oracle-sublayer", "v3-frozen-sublayer", "v3-sublayer-save50",
+         "v3-sublayer", "v3-sublayer-save60")
 LABEL = {"bf16-only": "BF16-only", "all-int8": "all-INT8", "all-nf4": "all-NF4 (ours)",
          "all-nf4-bnb": "all-NF4 (bitsandbytes)", "first-last-bf16": "first+last BF16, rest NF4",
          "dynamic": "v1", "dynamic-v2": "v2, block units", "dynamic-v2-sublayer": "v2, sublayer units",
          "oracle-sublayer": "attention INT8, MLP NF4", "first-last-int8": "first+last INT8, rest NF4",
          "more-bits": "llama.cpp use_more_bits: INT8 there, NF4 elsewhere",
-         "v3-frozen-sublayer": "v3 decided once by calibration, frozen", "v3-sublayer": "v3, sublayer units"}
+         "v3-frozen-sublayer": "v3 decided once by calibration, frozen", "v3-sublayer": "v3, sublayer units",
+         "v3-sublayer-save50": "v3, sublayer units, 50% fewer bytes budget",
+         "v3-sublayer-save60": "v3, sublayer units, 60% fewer bytes budget"}
 # Issue 31's acceptance: the policies that must pass (v2) and the fixed formats that must not,
 # at 50% fewer bytes; issue 40's (--acceptance issue40): v3 must pass at 55% fewer bytes, every
 # step counted (its calibration step too), and the static placements of equal or more bytes must
@@ -192,7 +195,7 @@ def plot(rows, per_seed, path, bytes_goal, title):
     markers = {"bf16-only": "s", "all-int8": "v", "all-nf4": "^", "all-nf4-bnb": "<", "first-last-bf16": ">",
                "dynamic": "D", "dynamic-v2": "o", "dynamic-v2-sublayer": "*",
                "oracle-sublayer": "P", "first-last-int8": "<", "more-bits": "h", "v3-frozen-sublayer": "X",
-               "v3-sublayer": "*"}
+               "v3-sublayer": "*", "v3-sublayer-save50": "p", "v3-sublayer-save60": "d"}
     for i, mode in enumerate(modes):
         for j, (key, scale, band, ylabel) in enumerate((
                 ("loss_rel", 100.0, 100 * LOSS_BAND, "test loss vs BF16-only, same seed (%)"),
