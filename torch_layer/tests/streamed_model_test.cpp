@@ -1610,7 +1610,8 @@ struct RankRun {
 // `steps` SGD steps of two ranks on the same blocks, each on its own input, replicated or
 // sharded; `check(rank, model)` runs on each rank's model after the steps, on its thread.
 std::vector<RankRun> run_two_ranks(bool shard, int steps,
-                                   const std::function<void(int, tl::StreamedModel&)>& check = {}) {
+                                   const std::function<void(int, tl::StreamedModel&)>& check = {},
+                                   const std::vector<tl::PolicyUnit>& units = {}) {
   std::vector<std::vector<TinyBlock>> blocks{make_blocks(21), make_blocks(21)};
   std::vector<torch::Tensor> inputs{input(22), input(23)};
   std::vector<RankRun> runs(2);
@@ -1618,11 +1619,12 @@ std::vector<RankRun> run_two_ranks(bool shard, int steps,
     std::vector<tl::Block> list;
     for (const TinyBlock& b : blocks[rank]) list.push_back(tl::make_block(b, {"fc1.weight", "fc2.weight"}));
     tl::StreamedModelOptions o = test_options();
-    o.config_yaml = policy_yaml(
-        "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n"
-        "  force_nf4_blocks: [2]\n");
+    o.config_yaml = policy_yaml(units.empty() ? "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n"
+                                                "  force_nf4_blocks: [2]\n"
+                                              : "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_nf4_blocks: [1]\n");
     o.collectives = tl::over_process_group(group);
     o.shard_masters = shard;
+    o.units = units;
     tl::StreamedModel model(std::move(list), o);
     std::vector<torch::Tensor> params = model.master_parameters();
     for (const torch::Tensor& r : model.resident_parameters()) params.push_back(r);
@@ -1742,6 +1744,22 @@ TEST(ShardedMasters, AFrozenBlockLoadedOnItsOwnerReachesEveryRankAtRefreshImages
   EXPECT_EQ(before[0], before[1]);
   EXPECT_NE(after[0], before[0]);
   EXPECT_EQ(after[1], after[0]);
+}
+
+// Units over blocks, sharded: a unit's blocks share their owner (unit u on rank u mod N), which
+// computes the unit's moments; the run is the replicated one with the same units.
+TEST(ShardedMasters, AUnitsBlocksShareTheirOwnerAndTrainAsReplicated) {
+  const std::vector<tl::PolicyUnit> units = {{"front", 2}, {"back", 1}};
+  const std::vector<RankRun> replicated = run_two_ranks(false, 3, {}, units);
+  const std::vector<RankRun> sharded = run_two_ranks(
+      true, 3,
+      [](int, tl::StreamedModel& model) {
+        EXPECT_EQ(model.owner(0), 0);
+        EXPECT_EQ(model.owner(1), 0);
+        EXPECT_EQ(model.owner(2), 1);
+      },
+      units);
+  for (int rank : {0, 1}) EXPECT_EQ(sharded[rank].losses, replicated[0].losses) << "rank " << rank;
 }
 
 // A sharded restore is all or nothing across the ranks: the rank whose state lacks a master of
