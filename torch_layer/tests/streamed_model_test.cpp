@@ -871,8 +871,13 @@ TEST(StreamedModel, AUnitOfSeveralBlocksTakesOneRouteAndOneSetOfMoments) {
     }
     return std::make_pair(std::move(model), first);
   };
-  const auto [by_block, block_moments] = run({});
-  const auto [by_unit, unit_moments] = run({{"0.front", 2}, {"0.back", 1}});
+  // Named, not structured bindings: the refusals' lambdas below capture the models.
+  auto block_run = run({});
+  auto unit_run = run({{"0.front", 2}, {"0.back", 1}});
+  const std::unique_ptr<tl::StreamedModel>& by_block = block_run.first;
+  const std::unique_ptr<tl::StreamedModel>& by_unit = unit_run.first;
+  const std::vector<sp_grad_moments_v1>& block_moments = block_run.second;
+  const std::vector<sp_grad_moments_v1>& unit_moments = unit_run.second;
   EXPECT_EQ(by_block->num_units(), 3u);
   ASSERT_EQ(by_unit->num_units(), 2u);
   EXPECT_EQ(by_unit->unit_of(1), 0u);
