@@ -826,6 +826,9 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, units=Non
             _add_hook(module, "register_load_state_dict_pre_hook", "_register_load_state_dict_pre_hook",
                       _load_owned_masters_only, with_module=True)
         out.register_load_state_dict_post_hook(_share_loaded_masters)
+    # The layer holds the modules weakly (layer.blocks), as they hold it: its layout lets go too,
+    # so that a dropped model is freed without waiting for the cycle collector.
+    layout.modules = ()
     _LAYERS.add(layer)
     _install_optimizer_hooks()
     out.register_load_state_dict_post_hook(_tolerate_missing_extra_state)
