@@ -21,16 +21,43 @@ StepSchedule::StepSchedule(const ScheduleOptions &options) : options_(options) {
   if (n == 0) {
     throw std::invalid_argument("ScheduleOptions.num_blocks must be at least 1");
   }
+  std::vector<std::uint32_t> &order = options_.order;
+  if (order.empty()) {
+    for (std::uint32_t b = 0; b < n; ++b) order.push_back(b);
+  }
+  if (order.size() != n) {
+    throw std::invalid_argument(fmt::format("ScheduleOptions.order lists {} blocks where there are {}: it lists each "
+                                            "block once",
+                                            order.size(), n));
+  }
+  constexpr std::uint32_t kUnlisted = ~std::uint32_t{0};
+  forward_use_.assign(n, kUnlisted);
+  for (std::uint32_t use = 0; use < n; ++use) {
+    const std::uint32_t b = order[use];
+    if (b >= n || forward_use_[b] != kUnlisted) {
+      throw std::invalid_argument(fmt::format("ScheduleOptions.order: block {} at position {} is {}", b, use,
+                                              b >= n ? fmt::format("out of range (there are {} blocks)", n)
+                                                     : fmt::format("listed twice (also at {})", forward_use_[b])));
+    }
+    forward_use_[b] = use;
+  }
 
-  for (std::uint32_t b = 0; b < n; ++b) {
+  for (const std::uint32_t b : order) {
     append_use(b, Phase::forward);
   }
   if (!options.backward) {
     return;
   }
-  for (std::uint32_t b = n; b-- > 0;) {
-    append_use(b, Phase::backward);
+  for (auto b = order.rbegin(); b != order.rend(); ++b) {
+    append_use(*b, Phase::backward);
   }
+}
+
+std::uint32_t StepSchedule::backward_use(std::uint32_t block) const {
+  if (!options_.backward) {
+    throw std::logic_error("StepSchedule::backward_use: the schedule is forward-only");
+  }
+  return 2 * options_.num_blocks - 1 - forward_use(block);
 }
 
 void StepSchedule::append_use(std::uint32_t block, Phase phase) {

@@ -113,7 +113,7 @@ StreamingEngine::StreamingEngine(TransferBackend &backend, const StreamingConfig
     : backend_(backend),
       config_(validated(config, blocks)),
       blocks_(std::move(blocks)),
-      schedule_(ScheduleOptions{static_cast<std::uint32_t>(blocks_.size()), config_.backward}),
+      schedule_(ScheduleOptions{static_cast<std::uint32_t>(blocks_.size()), config_.backward, {}}),
       bridge_(static_cast<std::uint32_t>(blocks_.size())),
       pool_(backend, config_.host_slab_bytes, config_.host_slab_count),
       slots_(backend, config_.device_slot_bytes, largest_quantized_image(blocks_, detail::group_sizes(config_)),
@@ -384,6 +384,16 @@ void StreamingEngine::release(std::uint32_t block) {
   backend_.record(*slots_.slot(fetch % slots_.size()).released, Queue::compute);
   if (*acquired_use_ == next_use_) ++next_use_;
   acquired_use_.reset();
+}
+
+void StreamingEngine::set_block_order(std::vector<std::uint32_t> order) {
+  if (in_step_) {
+    throw std::logic_error(fmt::format(
+        "StreamingEngine::set_block_order: step {} is active; the order changes between steps", current_.step));
+  }
+  // Any order has as many fetches as the default one (only the turning block's two uses share
+  // one), so the per-fetch events and slots stay as they are.
+  schedule_ = StepSchedule(ScheduleOptions{static_cast<std::uint32_t>(blocks_.size()), config_.backward, std::move(order)});
 }
 
 StepTransferMetrics StreamingEngine::end_step() {

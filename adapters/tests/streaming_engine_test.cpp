@@ -151,6 +151,40 @@ TEST(StreamingEngine, PrefetchCrossesTheForwardToBackwardTurn) {
   EXPECT_EQ(engine.end_step().prefetch_misses, 0u);
 }
 
+// A host that calls its blocks in another order than their ids: the schedule follows it from
+// the next step, the views hold each block's own weights, and every fetch is a prefetch hit.
+TEST(StreamingEngine, FollowsABlockOrderSetBetweenSteps) {
+  HostBackend backend;
+  SyntheticModel model(kBlocks, 5);
+  StreamingEngine engine(backend, config_for(model.blocks(), 2), model.blocks());
+  std::vector<std::uint32_t> order(kBlocks);
+  for (std::uint32_t i = 0; i < kBlocks; ++i) order[i] = (5 * i + 1) % kBlocks;  // 1, 0, 5, 4, 3, 2
+  engine.set_block_order(order);
+  for (int step = 0; step < 2; ++step) {
+    engine.begin_step(step);
+    std::vector<std::uint32_t> forward;
+    for (const BlockUse &use : engine.schedule().uses()) {
+      const BlockView &view = engine.acquire(use.block);
+      testing::expect_view_holds(backend, view, model.blocks()[use.block], 0);
+      if (use.phase == Phase::forward) forward.push_back(use.block);
+      engine.release(use.block);
+    }
+    EXPECT_EQ(forward, order);
+    const StepTransferMetrics metrics = engine.end_step();
+    EXPECT_EQ(metrics.prefetch_misses, 0u);
+    EXPECT_EQ(metrics.prefetch_hits, 2 * kBlocks - 1);
+  }
+  // Refused with the schedule unchanged: a wrong order, and any order during a step.
+  EXPECT_THROW(engine.set_block_order({0, 1}), std::invalid_argument);
+  EXPECT_EQ(engine.schedule().options().order, order);
+  engine.begin_step(2);
+  EXPECT_THROW(engine.set_block_order({}), std::logic_error);
+  EXPECT_EQ(engine.schedule().uses()[0].block, order[0]);
+  engine.end_step();
+  engine.set_block_order({});
+  EXPECT_EQ(engine.schedule().uses()[0].block, 0u);
+}
+
 TEST(StreamingEngine, PrecisionSwitchesMidRunWithoutWeightUpdate) {
   HostBackend backend;
   SyntheticModel model(kBlocks, 6);

@@ -161,6 +161,12 @@ class StepReport:
     h2d_bytes_all_bf16: int  # what the same fetches would have moved as BF16
     eval_h2d_bytes: int  # of the evaluation passes in the step (no grad, or no backward followed)
     training_passes: int
+    # The training passes' fetches: issued ahead of their block's call (hits), only at it
+    # (misses: prefetch_window=0), and issued ahead for a block the pass then called elsewhere
+    # (unused: once per change of the order the blocks are called in, which the prefetch follows).
+    prefetch_hits: int
+    prefetch_misses: int
+    prefetch_unused: int
     routes: list[str]  # each unit's (block's) format for the next step: "bf16", "int8" or "nf4"
     swap: PluginSwap | None  # a hot swap that took effect at this step's start
     calibration: CalibrationErrors | None  # an online re-calibration after this step

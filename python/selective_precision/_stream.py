@@ -8,7 +8,7 @@ host (the same Parameter when it already was one). So the parent's `parameters()
 `named_parameters()` and `state_dict()` keys do not change, and a stock optimizer, clipping,
 schedulers and `torch.amp` see the real weights.
 
-The step is found, not called: a grad-mode call of block 0 opens it; the optimizer's step hooks
+The step is found, not called: a grad-mode pass's first call opens it; the optimizer's step hooks
 give the policy the gradient moments before the update and rebuild the transfer images after it.
 """
 
@@ -479,7 +479,7 @@ class StreamedBlock:
             produced["spec"] = out_spec
             return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
 
-        if training and index == 0 and torch._C._current_graph_task_id() == -1:
+        if training and torch._C._current_graph_task_id() == -1 and layer.model.opens_training_pass(index):
             layer.refuse_master_hooks()
             layer.begin_if_needed()  # not for a checkpoint's recompute inside the backward
             layer.note_ddp_forward()
@@ -758,8 +758,8 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, units=Non
 
     The model's own loop then calls the blocks as before, with any arguments: tensors, None,
     numbers, tuples of tensors such as (cos, sin); a block returns a tensor, or a tuple or list
-    whose tensors are all differentiable. Every grad-mode pass calls each block once, in order
-    (the streaming engine fetches them ahead); several may come before their backwards (a
+    whose tensors are all differentiable. Every pass calls each block once, in any order (the
+    streaming engine fetches them ahead in the order the passes last called them in); several may come before their backwards (a
     contrastive loss), and torch.utils.checkpoint (use_reentrant=False) or Hugging Face's
     gradient_checkpointing_enable() may wrap the blocks. Under torch.no_grad() a pass is an
     evaluation.
@@ -770,11 +770,11 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, units=Non
     Parameter under its own name; the rest (adapters, biases, norms) stay where they are, in
     their own dtype. The plain loop is the whole protocol: `loss.backward()`, optionally
     `clip_grad_norm_`, `optimizer.step()`, `scheduler.step()`, `optimizer.zero_grad()`; the
-    first grad-mode call of block 0 opens a step, and the optimizer step that updates the
+    first grad-mode call of a pass opens a step, and the optimizer step that updates the
     streamed weights gives the policy their gradient moments before it and rebuilds the images
     after it. `layers.report_loss(loss)` before it feeds the policy's loss guard. An update
     without torch.optim (by hand, another optimizer, load_state_dict, an edit in place) is seen
-    by the weights' version counters: the next grad-mode call of block 0 ends the step it
+    by the weights' version counters: the next grad-mode pass ends the step it
     closed, and streams the new weights (writes through `.data` bypass the counters: avoid them).
 
     config: the policy's settings (a YAML path, YAML text or a mapping; None: defaults).
@@ -782,8 +782,8 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, units=Non
     units: the policy's units within each block, each with its own route, as {unit name: [prefix,
         ...]}: each prefix names a submodule of the block ("self_attn." for Llama's attention;
         BERT's MLP is ["intermediate.", "output."]), which then streams as a module of its own.
-        The block's forward must call them in the order given (unit by unit, prefix by prefix),
-        and every streamed weight must lie in one. Unit i.name is the policy's unit (routes(),
+        The block's forward may call them in any order, and every streamed weight must lie in
+        one. Unit i.name is the policy's unit (routes(),
         policy_report(), a static policy's force_*_blocks count units); the rest of the block
         (norms) stays resident. None: a block is a unit. A checkpoint (torch.utils.checkpoint,
         gradient_checkpointing_enable()) cannot wrap a block of several units.

@@ -620,6 +620,8 @@ PYBIND11_MODULE(_selective_precision, m) {
             return s.model().forward_block(block, inputs, std::move(bound));
           },
           py::arg("block"), py::arg("inputs"), py::arg("call") = py::none())
+      .def("opens_training_pass",
+           [](PyStreamedModel& s, std::uint32_t block) { return s.model().opens_training_pass(block); })
       .def("next_step", [](PyStreamedModel& s) { return s.model().next_step(); })
       .def("master_parameters", [](PyStreamedModel& s) { return s.model().master_parameters(); })
       .def("masters", [](PyStreamedModel& s, std::uint32_t block) { return s.model().masters(block); })
@@ -662,6 +664,9 @@ PYBIND11_MODULE(_selective_precision, m) {
              d["h2d_bytes_all_bf16"] = r.h2d_bytes_all_bf16;
              d["eval_h2d_bytes"] = r.eval_h2d_bytes;
              d["training_passes"] = r.training_passes;
+             d["prefetch_hits"] = r.prefetch_hits;
+             d["prefetch_misses"] = r.prefetch_misses;
+             d["prefetch_unused"] = r.prefetch_unused;
              py::list routes;
              for (sp::Precision p : r.routes) routes.append(sp::precision_name(p));
              d["routes"] = routes;

@@ -91,6 +91,71 @@ def test_keys_parameters_and_gradients_are_plain_pytorchs_with_dropout_and_any_a
         torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_several_backwards_through_one_forward_train_as_plain_pytorch(recompute):
+    """loss.backward(retain_graph=True) and a second loss over the same forward (it used to be
+    refused: "backward through block2 of a training pass that has ended"): the gradients add up
+    as plain PyTorch's, the step counts one training pass, and the next step trains."""
+    plain, streamed = plain_and_streamed(p=0.3, recompute=recompute)
+    x = torch.randn(4, 8)
+    for model in (plain, streamed):
+        torch.manual_seed(3)
+        loss = model(x)
+        loss.backward(retain_graph=True)
+        (loss * loss).backward()
+    for name, g in grads(plain).items():
+        torch.testing.assert_close(grads(streamed)[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    torch.optim.SGD(streamed.parameters(), lr=0.1).step()
+    assert streamed.layers.last_report.training_passes == 1
+    assert streamed.layers.last_report.eval_h2d_bytes == 0
+    streamed(x).backward()
+
+
+class Permuted(Model):
+    """Calls its layers in another order than the list's, as a model whose list is not its call
+    order does."""
+
+    order = (0, 2, 1)
+
+    def forward(self, x, mask=None):
+        h, aux = self.embed(x), 0.0
+        pe = (torch.full((DIM,), 0.9), torch.full((DIM,), 0.01))
+        for i in self.order:
+            h, a = self.layers[i](h, mask=mask, position_embeddings=pe, scale=0.5)
+            aux = aux + a
+        return self.head(h).square().mean() + aux
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_blocks_called_in_another_order_than_listed_train_as_plain_pytorch(recompute):
+    """Any call order is served (it used to be refused: "block2 was called where block1 came
+    next"): training and evaluation are plain PyTorch's, dropout included, and the prefetch follows
+    the order from the first pass on, which fetched block 1 ahead in vain, once."""
+    torch.manual_seed(5)
+    plain = bf16_rounded(Permuted())
+    streamed = copy.deepcopy(plain)
+    streamed.layers = sp.stream(streamed.layers, config=ALL_BF16, recompute=recompute)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, streamed)]
+    unused = []
+    for i in range(2):
+        x = torch.randn(4, 8)
+        for model in (plain, streamed):
+            torch.manual_seed(i)
+            model(x).backward()
+        for name, g in grads(plain).items():
+            torch.testing.assert_close(grads(streamed)[name], g, rtol=1e-5, atol=1e-6, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        unused.append(streamed.layers.last_report.prefetch_unused)
+        for model in (plain, streamed):
+            bf16_rounded(model)
+        with torch.no_grad():
+            torch.testing.assert_close(streamed.eval()(x), plain.eval()(x), rtol=1e-5, atol=1e-6)
+        streamed.train(), plain.train()
+    assert unused == [1, 0]
+
+
 def cuda_or_skip():
     if not torch.cuda.is_available():
         if os.environ.get("SP_REQUIRE_GPU") == "1":
@@ -366,9 +431,11 @@ def test_misuse_is_refused_by_name():
     with pytest.raises(ValueError, match=r"steps 2 of the 3 .*layers.2.fc.weight"):
         partial.step()
     torch.optim.SGD(streamed.parameters(), lr=0.1).step()
-    # A block called out of order.
+    # A block called twice in one pass.
     pe = (torch.ones(DIM), torch.zeros(DIM))
-    with pytest.raises(RuntimeError, match=r"block1 was called where block0 came next"):
+    streamed.layers[0](torch.randn(4, DIM), position_embeddings=pe)
+    streamed.layers[1](torch.randn(4, DIM), position_embeddings=pe)
+    with pytest.raises(RuntimeError, match=r"block1 was called twice in one training pass, before block2 was called"):
         streamed.layers[1](torch.randn(4, DIM), position_embeddings=pe)
     # An argument a recompute could not give again, in training: taken, since the block is
     # called once; recomputing, refused (and accepted without a graph).

@@ -268,9 +268,31 @@ def test_units_that_cannot_be_served_are_refused_by_name_before_anything_changes
         assert type(p) is torch.nn.Parameter and p.dtype == torch.float32 and torch.equal(p, before[name]), name
 
 
-def test_units_in_another_order_than_the_forward_calls_them_are_refused_at_the_call():
-    model = tiny_llama()
-    model.model.layers = sp.stream(model.model.layers, config=ALL_BF16,
-                                   units={"mlp": ["mlp."], "attention": ["self_attn."]})
-    with pytest.raises(RuntimeError, match=r"block0\.self_attn was called where block0\.mlp came next"):
-        model(input_ids=torch.randint(0, 128, (1, 8)), labels=None)
+def test_units_listed_in_another_order_than_the_forward_calls_them_train_as_without_units():
+    """Llama's layer calls its attention, then its MLP; units= lists the MLP first, so the units'
+    ids are not their call order (it used to be refused: "block0.self_attn was called where
+    block0.mlp came next"). The step is the one without units to the bit, and the prefetch
+    follows the order the first pass called them in: only that pass fetched a unit ahead in
+    vain, in layers 1 and 2 (layer 0's attention opened the pass, which moved it first before
+    anything was fetched)."""
+    plain = tiny_llama()
+    by_block, by_unit = copy.deepcopy(plain), copy.deepcopy(plain)
+    by_block.model.layers = sp.stream(by_block.model.layers, config=ALL_BF16)
+    layers = by_unit.model.layers = sp.stream(by_unit.model.layers, config=ALL_BF16,
+                                              units={"mlp": ["mlp."], "attention": ["self_attn."]})
+    batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (by_block, by_unit)]
+    unused = []
+    for _ in range(2):
+        torch.manual_seed(42)
+        expected = step(by_block, batches)
+        torch.manual_seed(42)
+        assert step(by_unit, batches) == expected
+        for name, p in by_block.named_parameters():
+            assert torch.equal(by_unit.get_parameter(name).grad, p.grad), name
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        unused.append(layers.last_report.prefetch_unused)
+    assert [u["unit"] for u in layers.policy_report()][:2] == ["0.mlp", "0.attention"]
+    assert unused == [2, 0]

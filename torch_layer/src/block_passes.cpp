@@ -134,8 +134,9 @@ struct KeptBlockWeights : public torch::autograd::Node {
 std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
                                                               BlockCall call) {
   if (torch::autograd::get_current_graph_task_id() != -1) return checkpoint_recompute(b, inputs, call);
-  if (b != 0) {
-    require_in_order(b, forwarding ? passes.at(*forwarding).next_forward : 0, "a training pass");
+  const bool opening = opens_pass(b, /*training=*/true);
+  if (!opening) {
+    refuse_second_call(b, engine->schedule(), passes.at(*forwarding).next_forward, "training pass");
     if (engine_pass != forwarding) {
       throw std::logic_error(fmt::format(
           "StreamedModel: {} was called after another training pass's backward ran while this pass's forward was "
@@ -147,7 +148,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
   if (after_backward()) {
     throw std::logic_error("StreamedModel::forward: post_backward() already ran in this step; call end_step()");
   }
-  if (b == 0) {
+  if (opening) {
     if (armed && (!passes.empty() ||
                   std::find(armed->begun.begin(), armed->begun.end(), true) != armed->begun.end())) {
       throw std::logic_error(
@@ -163,8 +164,6 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
     for (const std::uint64_t id : dropped) close_pass_without_backward(id);
     wait_for_updates();  // the pass fetches the blocks they update
     rebuild_changed_images("forward");
-    release_engine();  // another pass's forward, or the fetches ahead of a finished one
-    engine->begin_step(engine_steps++);
     if (options.recalibrate_every != 0) last_input = inputs.at(0).detach();
     step_examples += inputs.at(0).dim() > 0 ? static_cast<std::uint64_t>(inputs.at(0).size(0)) : 1;
     const std::uint64_t id = ++last_pass_id;
@@ -180,11 +179,19 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
       opened.input_nodes.assign(blocks.size(), false);
       opened.update_after_release.resize(blocks.size());
     }
-    engine_pass = id;
     forwarding = id;
   }
   const std::uint64_t id = *forwarding;
   TrainingPass& current = passes.at(id);
+  try {
+    follow_training_call(id, b, current.next_forward, opening);
+  } catch (...) {
+    if (opening) {
+      passes.erase(id);
+      forwarding.reset();
+    }
+    throw;
+  }
   current.calls[b] = std::move(call);
   const auto needs_gradient = [](const torch::Tensor& t) { return t.defined() && t.requires_grad(); };
   std::vector<torch::Tensor> out;
@@ -206,7 +213,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
     throw;
   }
   if (node && !current.end_block) current.end_block = b;
-  current.next_forward = b + 1;
+  ++current.next_forward;
   for (const torch::Tensor& y : out) {
     if (!y.defined() || !y.grad_fn()) continue;
     current.nodes[b].emplace(y.grad_fn());  // one node gives every output of the block
@@ -292,14 +299,17 @@ void StreamedModel::Impl::release_engine() {
 
 void StreamedModel::Impl::enter_backward(std::uint64_t id, std::uint32_t b) {
   TrainingPass& pass = passes.at(id);
-  const auto use = static_cast<std::uint32_t>(2 * blocks.size() - 1 - b);  // the schedule's backward use of b
+  const std::uint32_t use = engine->schedule().backward_use(b);
   if (pass.in_backward) {
-    // A backward that skipped the blocks between (their outputs reached no loss) resumes the
-    // engine at this block's use; the same block again (a checkpoint's recompute) is served again.
+    // A backward that skipped the blocks between (their outputs reached no loss), or that runs
+    // in another order than the schedule's (the pass's forward called the blocks in another
+    // order than the one the schedule follows now), resumes the engine at this block's use; the
+    // same block again (a checkpoint's recompute) is served again.
     if (use != pass.next_backward_use && use + 1 != pass.next_backward_use) {
       release_engine();
       engine->begin_step(engine_steps++, {}, use);
       engine_pass = id;
+      pass.next_backward_use = use + 1;
     }
     pass.next_backward_use = std::max(pass.next_backward_use, use + 1);
     return;
@@ -347,18 +357,61 @@ void StreamedModel::Impl::close_passes_without_backward(const char* why) {
 
 void StreamedModel::Impl::close_pass_without_backward(std::uint64_t id) {
   if (engine_pass == id) release_engine();
-  log->debug("StreamedModel: a training pass ended without a backward");
-  // A grad-mode forward without a backward (an evaluation that left grad mode on, under
-  // model.eval() say) trained nothing: its bytes are an evaluation's.
-  const std::uint64_t bytes = passes.at(id).transfer.h2d_bytes.total();
-  evaluation_bytes += bytes;
-  report.eval_h2d_bytes += bytes;
+  if (!passes.at(id).backward_ran) {
+    log->debug("StreamedModel: a training pass ended without a backward");
+    // A grad-mode forward without a backward (an evaluation that left grad mode on, under
+    // model.eval() say) trained nothing: its bytes are an evaluation's.
+    const std::uint64_t bytes = passes.at(id).transfer.h2d_bytes.total();
+    evaluation_bytes += bytes;
+    report.eval_h2d_bytes += bytes;
+  }
   passes.erase(id);
   if (forwarding == id) forwarding.reset();
 }
 
+bool StreamedModel::Impl::opens_pass(std::uint32_t b, bool training) const {
+  const ad::StepSchedule& schedule = training ? engine->schedule() : eval_engine->schedule();
+  if (training ? !forwarding : !eval_open) return true;
+  const std::uint32_t called = training ? passes.at(*forwarding).next_forward : eval_next;
+  return called == blocks.size() || schedule.uses().front().block == b;
+}
+
+void StreamedModel::Impl::refuse_second_call(std::uint32_t b, const ad::StepSchedule& schedule, std::uint32_t called,
+                                             const char* pass_kind) const {
+  if (schedule.forward_use(b) >= called) return;
+  throw std::logic_error(fmt::format(
+      "StreamedModel: {} was called twice in one {}, before {} was called: a pass calls every streamed block once, "
+      "in any order (a block applied twice, as a layer shared across depth is, cannot stream)",
+      blocks[b].block.name, pass_kind, blocks[schedule.uses()[called].block].block.name));
+}
+
+namespace {
+
+// Between the engine's steps: its order with `block` moved to position `at`, the others keeping
+// theirs relative to each other. The pass's calls so far are the order's first `at` blocks, so
+// `block` lies after them.
+void move_block(ad::StreamingEngine& engine, std::uint32_t block, std::uint32_t at) {
+  std::vector<std::uint32_t> order = engine.schedule().options().order;
+  order.erase(std::find(order.begin(), order.end(), block));
+  order.insert(order.begin() + static_cast<std::ptrdiff_t>(at), block);
+  engine.set_block_order(std::move(order));
+}
+
+}  // namespace
+
+void StreamedModel::Impl::follow_training_call(std::uint64_t id, std::uint32_t b, std::uint32_t at, bool opening) {
+  const bool moves = engine->schedule().uses()[at].block != b;
+  if (!opening && !moves) return;
+  release_engine();  // another pass's forward, the fetches ahead of a finished one, or of another block
+  if (moves) {
+    log->debug("StreamedModel: training passes call {} at position {}: the prefetch follows", blocks[b].block.name, at);
+    move_block(*engine, b, at);
+  }
+  engine->begin_step(engine_steps++, {}, at);
+  engine_pass = id;
+}
+
 void StreamedModel::Impl::begin_eval_pass(const ad::RuntimeLimitHints& limits) {
-  if (eval_open) end_eval_pass();  // one the host left before its last block
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (!blocks[b].eval_image_stale) continue;
     refresh_eval_image(b);
@@ -371,12 +424,21 @@ void StreamedModel::Impl::begin_eval_pass(const ad::RuntimeLimitHints& limits) {
 
 std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
                                                              const BlockCall& call) {
-  if (b == 0) {
+  if (opens_pass(b, /*training=*/false)) {
     wait_for_updates();  // the evaluation engine reads the masters
     rebuild_changed_images("forward");
+    if (eval_open) end_eval_pass();  // one the host left before its last block
+    if (eval_engine->schedule().uses().front().block != b) move_block(*eval_engine, b, 0);
     begin_eval_pass({});
   } else {
-    require_in_order(b, eval_open ? eval_next : 0, "an evaluation pass (no grad)");
+    refuse_second_call(b, eval_engine->schedule(), eval_next, "evaluation pass (no grad)");
+    if (eval_engine->schedule().uses()[eval_next].block != b) {
+      const std::uint64_t bytes = eval_engine->end_step().h2d_bytes.total();
+      evaluation_bytes += bytes;
+      report.eval_h2d_bytes += bytes;
+      move_block(*eval_engine, b, eval_next);
+      eval_engine->begin_step(eval_engine_steps++, {}, eval_next);
+    }
   }
   std::vector<torch::Tensor> out = eval_block(b, [&](const NamedParameters& weights) { return call(inputs, weights); });
   if (eval_next == blocks.size()) {
@@ -386,15 +448,6 @@ std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, co
     report.eval_h2d_bytes += bytes;
   }
   return out;
-}
-
-void StreamedModel::Impl::require_in_order(std::uint32_t b, std::uint32_t expected, const char* pass_kind) const {
-  if (b == expected) return;
-  throw std::logic_error(
-      fmt::format("StreamedModel: {} was called where {} came next: {} calls every streamed block once, in order from "
-                  "block 0 (the streaming engine fetches them ahead in that order)",
-                  blocks[b].block.name, expected < blocks.size() ? blocks[expected].block.name : std::string("block 0"),
-                  pass_kind));
 }
 
 void StreamedModel::Impl::follow_caller_stream() {
@@ -439,11 +492,14 @@ TrainingPass& StreamedModel::Impl::pass_for_backward(std::uint32_t b, std::uint6
   }
   TrainingPass& pass = found->second;
   if (pass.next_forward != blocks.size()) {
-    const std::string stopped = blocks[pass.next_forward].block.name;
+    std::string stopped;
+    for (std::uint32_t other = 0; other < blocks.size() && stopped.empty(); ++other) {
+      if (!pass.calls[other]) stopped = blocks[other].block.name;
+    }
     abandon_passes();
     throw std::logic_error(fmt::format(
-        "StreamedModel: the backward reached {} of a training pass whose forward stopped before {}: a training "
-        "pass calls every streamed block, in order, before its backward",
+        "StreamedModel: the backward reached {} of a training pass whose forward never called {}: a training "
+        "pass calls every streamed block before its backward",
         blocks[b].block.name, stopped));
   }
   BlockState& block = blocks[b];
@@ -805,7 +861,7 @@ void StreamedModel::Impl::begin_kept_backward(std::uint32_t b, std::uint64_t id)
     // No node at the block's inputs will run: the pass ends with autograd's backward.
     torch::autograd::Engine::get_default_engine().queue_callback([model = self, id] {
       const std::shared_ptr<StreamedModel::Impl> impl = model.lock();
-      if (impl && impl->passes.count(id) != 0) {
+      if (impl && impl->passes.count(id) != 0 && impl->passes.at(id).in_backward) {
         impl->finish_kept_pass(id, /*backward_over=*/true);
       }
     });
@@ -913,10 +969,19 @@ std::vector<torch::Tensor> StreamedModel::forward_block(std::uint32_t block, con
     throw std::invalid_argument(
         fmt::format("StreamedModel::forward_block({}): there are {} blocks", block, m.blocks.size()));
   }
-  if (block == 0) m.check_parameters_unchanged();
+  const bool training = torch::GradMode::is_enabled();
+  if (m.opens_pass(block, training)) m.check_parameters_unchanged();
   if (!call) call = m.blocks[block].call;
-  if (!torch::GradMode::is_enabled()) return m.eval_forward(block, inputs, call);
+  if (!training) return m.eval_forward(block, inputs, call);
   return m.train_forward(block, inputs, std::move(call));
+}
+
+bool StreamedModel::opens_training_pass(std::uint32_t block) const {
+  if (block >= impl_->blocks.size()) {
+    throw std::invalid_argument(
+        fmt::format("StreamedModel::opens_training_pass({}): there are {} blocks", block, impl_->blocks.size()));
+  }
+  return impl_->opens_pass(block, /*training=*/true);
 }
 
 }  // namespace sp::torch_layer

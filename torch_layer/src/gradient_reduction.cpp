@@ -183,9 +183,12 @@ void StreamedModel::Impl::finish_pass(std::uint64_t id) {
     throw;
   }
   release_engine();
-  add_transfer(step_transfer, passes.at(id).transfer);
-  ++report.training_passes;
-  passes.erase(id);
+  TrainingPass& pass = passes.at(id);
+  add_transfer(step_transfer, pass.transfer);
+  pass.transfer = ad::StepTransferMetrics{};
+  if (!pass.backward_ran) ++report.training_passes;
+  pass.backward_ran = true;
+  pass.in_backward = false;
   for (ReducingBucket& r : reducing) fold_averaged(r.params, r.bucket);
   reducing.clear();
   if (!grads_staged) return;

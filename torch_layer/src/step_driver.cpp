@@ -273,6 +273,9 @@ StepReport StreamedModel::end_step(double loss) {
   StepReport report = m.report;
   report.h2d_bytes = m.step_transfer.h2d_bytes;
   report.h2d_bytes_all_bf16 = m.step_transfer.h2d_bytes_all_bf16;
+  report.prefetch_hits = m.step_transfer.prefetch_hits;
+  report.prefetch_misses = m.step_transfer.prefetch_misses;
+  report.prefetch_unused = m.step_transfer.prefetch_unused;
   report.routes = m.current_routes();
   return report;
 }
@@ -364,7 +367,7 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
     throw std::logic_error(
         fmt::format("StreamedModel::update_masters_during_backward: already armed in step {}", m.step));
   }
-  if (m.passes.size() > 1) {
+  if (std::count_if(m.passes.begin(), m.passes.end(), [](const auto& open) { return !open.second.backward_ran; }) > 1) {
     throw std::logic_error(
         "StreamedModel::update_masters_during_backward: more than one training pass awaits its backward; the update "
         "of the first backward would miss the others' gradients. Arm it with one pass open at most");

@@ -156,11 +156,17 @@ struct BlockState {
 // open in a step (two forwards before their backwards, as a contrastive loss runs them): each
 // keeps what its backward's recompute needs, per block.
 struct TrainingPass {
-  std::uint32_t next_forward = 0;  // the block its forward calls next
+  // How many blocks its forward called: the training engine's schedule's first ones, which it
+  // follows (follow_training_call()).
+  std::uint32_t next_forward = 0;
   // The lowest block whose autograd node runs (whose inputs need a gradient, or which trains
   // something itself): its backward ends the pass. Unset while no block of the pass has one.
   std::optional<std::uint32_t> end_block;
   bool in_backward = false;
+  // A backward of it finished. The pass stays while its graph lives, for another backward
+  // through the graph (retain_graph=True, or a second loss over the same forward), until the
+  // step's post_backward() or the first pass after the graph was dropped.
+  bool backward_ran = false;
   std::vector<BlockCall> calls;                  // the forward's call of each block
   std::vector<std::optional<ForwardState>> states;  // its random streams and autocast (forward_state.h)
   // The blocks' masters' version counters at the forward: changed before the backward, it would
@@ -286,7 +292,9 @@ struct StreamedModel::Impl {
   std::vector<torch::Tensor> pass_unlisted_grads;
   std::uint64_t evaluation_bytes = 0, calibration_bytes = 0;  // of the forward-only passes
   bool grads_staged = false;
-  bool eval_open = false;          // an evaluation pass is open; `eval_next` its next block
+  // An evaluation pass is open, and has called `eval_next` blocks: the evaluation engine's
+  // schedule's first ones.
+  bool eval_open = false;
   std::uint32_t eval_next = 0;
   std::weak_ptr<Impl> self;  // what the layer's autograd nodes hold of it (block_passes.cpp)
 
@@ -493,6 +501,7 @@ struct StreamedModel::Impl {
 
   // ---- evaluation passes: the evaluation engine, forward only, one block at a time ----------
 
+  // With none open (end_eval_pass() first).
   void begin_eval_pass(const ad::RuntimeLimitHints& limits);
 
   ad::StepTransferMetrics end_eval_pass() {
@@ -511,7 +520,7 @@ struct StreamedModel::Impl {
       auto out = run(blocks[b].weights);
       detach(blocks[b]);
       eval_engine->release(b);
-      eval_next = b + 1;
+      ++eval_next;
       return out;
     } catch (...) {
       detach(blocks[b]);
@@ -524,6 +533,10 @@ struct StreamedModel::Impl {
   // A whole evaluation pass under `limits` (calibration's); run(b, weights) computes block b.
   template <typename Run>
   void eval_pass(const ad::RuntimeLimitHints& limits, std::uint64_t& bytes, Run&& run) {
+    // The blocks as a chain in their order (calibrate(x), forward(x)), whichever order the
+    // host's own evaluation passes call them in.
+    if (eval_open) end_eval_pass();
+    eval_engine->set_block_order({});
     begin_eval_pass(limits);
     for (std::uint32_t b = 0; b < blocks.size(); ++b) {
       eval_block(b, [&](const NamedParameters& weights) {
@@ -535,11 +548,30 @@ struct StreamedModel::Impl {
     bytes += m.h2d_bytes.total();
   }
 
-  // A no-grad call of block b: block 0 opens an evaluation pass, the last one ends it.
+  // A no-grad call of block b: it opens an evaluation pass (opens_pass()), or continues the
+  // open one; the pass's last block ends it.
   std::vector<torch::Tensor> eval_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
                                           const BlockCall& call);
 
-  void require_in_order(std::uint32_t b, std::uint32_t expected, const char* pass_kind) const;
+  // ---- the order the passes call the blocks in ---------------------------------------------
+  // A pass may call the blocks in any order, each once; each engine's schedule follows the
+  // order its passes last called them in (the blocks' ids until one calls them otherwise), as
+  // FSDP2's prefetch follows the order it observed. A call out of the schedule's order moves the
+  // block there and begins an engine step at it: the fetches issued ahead for the other block
+  // go unused, once.
+
+  // Whether a call of block b now opens a pass (a training pass in grad mode, else an
+  // evaluation pass): none is open, the open one called every block, or b is the block the
+  // schedule begins with (the open pass is then left unfinished, as a host may leave one).
+  bool opens_pass(std::uint32_t b, bool training) const;
+  // Throws std::logic_error when the open pass (`called` blocks so far, per `schedule`) called
+  // block b already: each pass calls a block once.
+  void refuse_second_call(std::uint32_t b, const ad::StepSchedule& schedule, std::uint32_t called,
+                          const char* pass_kind) const;
+  // The training engine serves pass `id`'s call of block b, its `at`-th: from an engine step
+  // begun here, at that use, when the schedule has another block there (or `opening`), with
+  // the schedule moved to follow.
+  void follow_training_call(std::uint64_t id, std::uint32_t b, std::uint32_t at, bool opening);
   // On CUDA, the engine's compute queue becomes the caller's current stream: called before each
   // block's fetch, so that the layer orders its copies around the kernels the caller launches.
   void follow_caller_stream();

@@ -195,14 +195,119 @@ TEST(StreamedModel, BlocksWithSeveralInputsAndOutputsCalledOneAtATimeTrainAsPlai
   }
   model.post_backward();
   model.end_step(loss.item<double>());
-  // Out of order: refused by name.
-  model.begin_step(1);
-  try {
-    model.forward_block(1, {x, gate});
-    FAIL() << "a block called out of order was accepted";
-  } catch (const std::logic_error& e) {
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("block1 was called where block0 came next"));
+}
+
+// Several backwards through one forward (retain_graph=True, then a second loss over the same
+// outputs): the gradients add up as plain autograd's, the step counts one training pass, and its
+// bytes are the forward's and each backward's fetches.
+TEST(StreamedModel, SeveralBackwardsThroughOneForwardAddUpAsPlainAutograd) {
+  const auto blocks = make_blocks(13);
+  auto model = wrap(blocks, "  mode: off\n");
+  const auto twins = plain_twins(blocks, *model);
+  const torch::Tensor x = input(14);
+  const torch::Tensor expected = run_plain(twins, x);
+  expected.mean().backward(torch::Tensor(), /*retain_graph=*/true);
+  expected.pow(2).mean().backward();
+
+  model->begin_step(0);
+  const torch::Tensor y = model->forward(x);
+  y.mean().backward(torch::Tensor(), /*retain_graph=*/true);
+  y.pow(2).mean().backward();
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    const auto twin = twins[b]->named_parameters();
+    for (const auto& [name, master] : model->masters(b)) {
+      EXPECT_TRUE(torch::allclose(master.grad(), twin[name].grad(), 1e-5, 1e-7)) << "block " << b << " " << name;
+    }
+    EXPECT_TRUE(torch::allclose(blocks[b]->ln->weight.grad(), twin["ln.weight"].grad(), 1e-5, 1e-7));
   }
+  model->post_backward();
+  const tl::StepReport report = model->end_step(0.0);
+  EXPECT_EQ(report.training_passes, 1u);
+  EXPECT_EQ(report.eval_h2d_bytes, 0u);
+  std::uint64_t one_pass = 0;
+  for (std::uint32_t b = 0; b < kBlocks; ++b) one_pass += model->image_bytes(b, sp::Precision::bf16);
+  // The first backward shares the last block's fetch with the forward; the second fetches all.
+  EXPECT_EQ(report.h2d_bytes[sp::Precision::bf16],
+            3 * one_pass - model->image_bytes(kBlocks - 1, sp::Precision::bf16));
+}
+
+// A host that calls its blocks in another order than their ids (a model whose layer list is not
+// its call order), and changes it: every pass is plain autograd's; the prefetch learns the order
+// from the first pass that calls a block elsewhere and follows it from then on, so that only
+// that call's fetch ahead goes unused; a block called twice in one pass is refused by name.
+TEST(StreamedModel, BlocksCalledInAnyOrderTrainAsPlainAutogradAndThePrefetchFollowsTheOrder) {
+  const auto blocks = make_blocks(11);
+  auto model = wrap(blocks, "  mode: off\n");
+  const auto twins = plain_twins(blocks, *model);
+  const torch::Tensor x = input(12);
+  const std::vector<std::vector<std::uint32_t>> orders = {{0, 2, 1}, {0, 2, 1}, {1, 0, 2}};
+  std::vector<tl::StepReport> reports;
+  for (std::size_t step = 0; step < orders.size(); ++step) {
+    const std::vector<std::uint32_t>& order = orders[step];
+    for (std::uint32_t b = 0; b < kBlocks; ++b) {
+      for (auto& [name, master] : model->masters(b)) master.mutable_grad() = torch::Tensor();
+      for (auto& p : twins[b]->parameters()) p.mutable_grad() = torch::Tensor();
+    }
+    torch::Tensor expected = x;
+    for (const std::uint32_t b : order) expected = TinyBlock(twins[b])->forward(expected);
+    expected.pow(2).mean().backward();
+    const auto run_streamed = [&] {
+      torch::Tensor h = x;
+      for (const std::uint32_t b : order) h = model->forward_block(b, {h}).at(0);
+      return h;
+    };
+
+    model->begin_step(static_cast<std::int64_t>(step));
+    const torch::Tensor y = run_streamed();
+    y.pow(2).mean().backward();
+    EXPECT_TRUE(torch::allclose(y, expected, 1e-5, 1e-6)) << "step " << step;
+    for (std::uint32_t b = 0; b < kBlocks; ++b) {
+      const auto twin = twins[b]->named_parameters();
+      for (const auto& [name, master] : model->masters(b)) {
+        ASSERT_TRUE(master.grad().defined()) << name;
+        EXPECT_TRUE(torch::allclose(master.grad(), twin[name].grad(), 1e-5, 1e-7))
+            << "step " << step << " block " << b << " " << name;
+      }
+    }
+    model->post_backward();
+    reports.push_back(model->end_step(0.0));
+    // Without a gradient (the evaluation engine learns the order too).
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::allclose(run_streamed(), expected.detach(), 1e-5, 1e-6)) << "step " << step;
+  }
+  // A step fetches each block for the forward and again for the backward, the turning block's
+  // two uses sharing one fetch. The first pass called block 2 where block 1 was fetched ahead:
+  // that fetch went unused, once. A pass that begins with another block moves the order before
+  // the prefetch begins.
+  std::uint64_t one_pass = 0;
+  for (std::uint32_t b = 0; b < kBlocks; ++b) one_pass += model->image_bytes(b, sp::Precision::bf16);
+  for (std::size_t step = 0; step < reports.size(); ++step) {
+    const std::uint32_t turning = orders[step].back();
+    const std::uint64_t unused = step == 0 ? 1 : 0;
+    EXPECT_EQ(reports[step].prefetch_unused, unused) << "step " << step;
+    EXPECT_EQ(reports[step].prefetch_hits, 2 * kBlocks - 1) << "step " << step;
+    EXPECT_EQ(reports[step].prefetch_misses, 0u) << "step " << step;
+    EXPECT_EQ(reports[step].h2d_bytes[sp::Precision::bf16],
+              2 * one_pass - model->image_bytes(turning, sp::Precision::bf16) +
+                  unused * model->image_bytes(1, sp::Precision::bf16))
+        << "step " << step;
+  }
+
+  model->begin_step(static_cast<std::int64_t>(orders.size()));
+  EXPECT_TRUE(model->opens_training_pass(1));
+  model->forward_block(1, {x});
+  EXPECT_FALSE(model->opens_training_pass(2));
+  model->forward_block(0, {x});
+  try {
+    model->forward_block(0, {x});
+    FAIL() << "a block called twice in one pass was accepted";
+  } catch (const std::logic_error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("block0 was called twice in one training pass, before block2 was "
+                                               "called: a pass calls every streamed block once, in any order"));
+  }
+  // The order's first block opens the next pass, leaving that one unfinished.
+  EXPECT_TRUE(model->opens_training_pass(1));
+  model->abort_step();
 }
 
 // A residual block that draws from the random stream (dropout) and records the dtype its

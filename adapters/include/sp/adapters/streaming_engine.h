@@ -109,6 +109,11 @@ class StreamingEngine {
   const BlockView &acquire(std::uint32_t block);
   void release(std::uint32_t block);
   StepTransferMetrics end_step();
+  // Between steps: from the next step on, the forward uses the blocks in `order` and the
+  // backward in reverse (ScheduleOptions::order), for a host whose blocks are called in another
+  // order than their ids. Throws std::logic_error during a step, std::invalid_argument for an
+  // order that does not list each block once; either way the schedule is unchanged.
+  void set_block_order(std::vector<std::uint32_t> order);
 
   // The optimizer changed the block's master weights: its image is rebuilt now for the route
   // the block will take next.

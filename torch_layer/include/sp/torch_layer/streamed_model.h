@@ -214,6 +214,12 @@ struct StepReport {
   std::uint64_t h2d_bytes_all_bf16 = 0;  // what the same fetches would have moved as BF16
   std::uint64_t eval_h2d_bytes = 0;      // of the evaluation passes
   std::uint32_t training_passes = 0;
+  // The training passes' fetches: issued ahead of their block's call (hits), only at it
+  // (misses: a prefetch window of 0), and issued ahead for a block the pass then called
+  // elsewhere (unused: once per change of the order the passes call the blocks in).
+  std::uint64_t prefetch_hits = 0;
+  std::uint64_t prefetch_misses = 0;
+  std::uint64_t prefetch_unused = 0;
   std::vector<Precision> routes;             // per block, for the next step
   std::optional<sp::host::SwapResult> swap;  // a hot swap applied (or failed) at begin_step
   // Blocks that update_masters_during_backward() left as they were: their gradient held a
@@ -305,14 +311,19 @@ class StreamedModel {
   torch::Tensor forward(const torch::Tensor& x);
   // Runs block `block` alone on `inputs`, for a host whose own loop calls the blocks (a Hugging
   // Face model's `for layer in self.layers`): forward(x) is this for every block in turn. A pass,
-  // training (grad mode, inside a step) or evaluation, calls every block once, in order from
-  // block 0; block 0 opens the pass (dropping one the host left unfinished), and a block out of
-  // that order is refused (std::logic_error naming it). The outputs that are floating point
+  // training (grad mode, inside a step) or evaluation, calls every block once, in any order. The
+  // prefetch follows the order the passes last called them in (the ids' until one calls them
+  // otherwise): a call out of it costs that call's prefetch, once. The pass's first block in
+  // that order opens the next pass (dropping one the host left unfinished); a second call of
+  // another block in one pass is refused (std::logic_error naming it). The outputs that are floating point
   // are differentiable. With StreamedModelOptions::recompute, the backward's recompute calls
   // `call` (the block's own when empty) on the same inputs, kept by autograd, under the forward's
   // random streams and autocast.
   std::vector<torch::Tensor> forward_block(std::uint32_t block, const std::vector<torch::Tensor>& inputs,
                                            BlockCall call = {});
+  // Whether forward_block(block, ...) in grad mode would open a training pass now: a host's
+  // once-a-pass work (Python's stream() begins the step there) keys on it.
+  bool opens_training_pass(std::uint32_t block) const;
   // The step the next begin_step() may take at the earliest: after the last one begun in this
   // run or in the state restored, else 0.
   std::int64_t next_step() const;
