@@ -6,7 +6,6 @@
 
 #include <fmt/format.h>
 
-#include "sp/precision_abi.h"
 
 namespace sp::adapters {
 
@@ -20,33 +19,15 @@ void PolicyBridge::check_block(std::uint32_t block, const char *what) const {
   }
 }
 
-void PolicyBridge::set_plugin_hints(const sp_hint_v1 *hints, std::uint32_t n) {
-  if (n != num_blocks_) {
-    throw std::invalid_argument(
-        fmt::format("PolicyBridge: the plugin returned {} hints; expected one per block ({})", n, num_blocks_));
+void PolicyBridge::set_plugin_routes(const std::vector<Precision> &routes) {
+  if (routes.size() != num_blocks_) {
+    throw std::invalid_argument(fmt::format("PolicyBridge::set_plugin_routes: {} routes; expected one per block ({})",
+                                            routes.size(), num_blocks_));
   }
-  if (hints == nullptr) {
-    throw std::invalid_argument("PolicyBridge: the hint array is null");
-  }
-  std::vector<Precision> routes(num_blocks_);
-  for (std::uint32_t i = 0; i < n; ++i) {
-    if (hints[i].block_id != i) {
-      throw std::invalid_argument(
-          fmt::format("PolicyBridge: hint {} is for block {}; expected hints[i].block_id == i", i, hints[i].block_id));
-    }
-    const std::optional<Precision> route = from_abi(hints[i].precision);
-    if (!route) {
-      throw std::invalid_argument(
-          fmt::format("PolicyBridge: hint for block {} has precision {}; expected SP_PRECISION_BF16 (0), "
-                      "SP_PRECISION_INT8 (1) or SP_PRECISION_NF4 (2)",
-                      i, hints[i].precision));
-    }
-    routes[i] = *route;
-  }
-  plugin_route_ = std::move(routes);
+  plugin_route_ = routes;
 }
 
-void PolicyBridge::clear_plugin_hints() { std::fill(plugin_route_.begin(), plugin_route_.end(), Precision::bf16); }
+void PolicyBridge::clear_plugin_routes() { std::fill(plugin_route_.begin(), plugin_route_.end(), Precision::bf16); }
 
 void PolicyBridge::begin_step() { limits_ = RuntimeLimitHints{}; }
 

@@ -114,15 +114,7 @@ StreamingConfig config_for(const std::vector<BlockSpec> &blocks, std::uint32_t p
 }
 
 void set_routes(StreamingEngine &engine, const std::vector<Precision> &routes) {
-  std::vector<sp_hint_v1> hints(routes.size());
-  for (std::uint32_t b = 0; b < routes.size(); ++b) {
-    hints[b].block_id = b;
-    hints[b].precision = routes[b] == Precision::int8  ? SP_PRECISION_INT8
-                         : routes[b] == Precision::nf4 ? SP_PRECISION_NF4
-                                                       : SP_PRECISION_BF16;
-    hints[b].reason = SP_REASON_THRESHOLD;
-  }
-  engine.policy_bridge().set_plugin_hints(hints.data(), static_cast<std::uint32_t>(hints.size()));
+  engine.policy_bridge().set_plugin_routes(routes);
 }
 
 }  // namespace sp::adapters::testing

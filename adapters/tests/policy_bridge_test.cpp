@@ -14,31 +14,22 @@ namespace {
 using sp::adapters::testing::gate_of;
 using ::testing::HasSubstr;
 
-std::vector<sp_hint_v1> hints_for(const std::vector<sp_precision> &precisions) {
-  std::vector<sp_hint_v1> hints(precisions.size());
-  for (std::uint32_t b = 0; b < precisions.size(); ++b) {
-    hints[b].block_id = b;
-    hints[b].precision = precisions[b];
-  }
-  return hints;
-}
-
 TEST(PolicyBridge, RoutesFollowThePluginUntilReplaced) {
   PolicyBridge bridge(3);
   EXPECT_EQ(bridge.route(1), Precision::bf16);
-  auto hints = hints_for({SP_PRECISION_BF16, SP_PRECISION_INT8, SP_PRECISION_INT8});
-  bridge.set_plugin_hints(hints.data(), 3);
+  const std::vector<Precision> hints = {Precision::bf16, Precision::int8, Precision::int8};
+  bridge.set_plugin_routes(hints);
   bridge.begin_step();
   EXPECT_EQ(bridge.route(0), Precision::bf16);
   EXPECT_EQ(bridge.route(1), Precision::int8);
-  bridge.clear_plugin_hints();
+  bridge.clear_plugin_routes();
   EXPECT_EQ(bridge.route(1), Precision::bf16);
 }
 
 TEST(PolicyBridge, TransferGateKeepsBlocksBf16WhereInt8DoesNotPay) {
   PolicyBridge bridge(3);
-  auto hints = hints_for({SP_PRECISION_INT8, SP_PRECISION_INT8, SP_PRECISION_BF16});
-  bridge.set_plugin_hints(hints.data(), 3);
+  const std::vector<Precision> hints = {Precision::int8, Precision::int8, Precision::bf16};
+  bridge.set_plugin_routes(hints);
   bridge.set_transfer_gate(gate_of({false, true, true}, {}));
   const RouteDecision vetoed = bridge.decide(0);
   EXPECT_EQ(vetoed.precision, Precision::bf16);
@@ -65,8 +56,8 @@ TEST(PolicyBridge, TransferGateKeepsBlocksBf16WhereInt8DoesNotPay) {
 TEST(PolicyBridge, APinOverridesAGateUnderWhichNothingPays) {
   for (const TransferGate &nothing_pays : {TransferGate{}, gate_of({false, false, false}, {false, false, false})}) {
     PolicyBridge bridge(3);
-    auto hints = hints_for({SP_PRECISION_INT8, SP_PRECISION_NF4, SP_PRECISION_BF16});
-    bridge.set_plugin_hints(hints.data(), 3);
+    const std::vector<Precision> hints = {Precision::int8, Precision::nf4, Precision::bf16};
+    bridge.set_plugin_routes(hints);
     bridge.set_transfer_gate(nothing_pays);
     for (std::uint32_t b = 0; b < 3; ++b) EXPECT_EQ(bridge.route(b), Precision::bf16) << "block " << b;
     for (const Precision pinned : {Precision::int8, Precision::nf4, Precision::bf16}) {
@@ -106,8 +97,8 @@ TEST(PolicyBridge, TransferGateOfTheWrongSizeIsRejected) {
 
 TEST(PolicyBridge, Nf4HintsRouteNf4WithoutAGate) {
   PolicyBridge bridge(3);
-  auto hints = hints_for({SP_PRECISION_NF4, SP_PRECISION_INT8, SP_PRECISION_BF16});
-  bridge.set_plugin_hints(hints.data(), 3);
+  const std::vector<Precision> hints = {Precision::nf4, Precision::int8, Precision::bf16};
+  bridge.set_plugin_routes(hints);
   EXPECT_EQ(bridge.route(0), Precision::nf4);
   EXPECT_EQ(bridge.decide(0).decided_by, RouteAuthority::plugin);
   EXPECT_EQ(bridge.route(1), Precision::int8);
@@ -119,8 +110,8 @@ TEST(PolicyBridge, Nf4HintsRouteNf4WithoutAGate) {
 // then BF16). INT8 never falls to NF4: that would be less precise than the plugin allowed.
 TEST(PolicyBridge, TransferGateIsPerRouteAndNf4FallsBackToInt8ThenBf16) {
   PolicyBridge bridge(5);
-  auto hints = hints_for({SP_PRECISION_NF4, SP_PRECISION_NF4, SP_PRECISION_NF4, SP_PRECISION_INT8, SP_PRECISION_BF16});
-  bridge.set_plugin_hints(hints.data(), 5);
+  const std::vector<Precision> hints = {Precision::nf4, Precision::nf4, Precision::nf4, Precision::int8, Precision::bf16};
+  bridge.set_plugin_routes(hints);
   bridge.set_transfer_gate(gate_of({true, true, false, false, true}, {true, false, false, true, true}));
   EXPECT_EQ(bridge.decide(0).precision, Precision::nf4);
   EXPECT_EQ(bridge.decide(0).decided_by, RouteAuthority::plugin);
@@ -147,8 +138,8 @@ TEST(PolicyBridge, TransferGateIsPerRouteAndNf4FallsBackToInt8ThenBf16) {
 // NF4 hints take INT8 where it pays and BF16 elsewhere.
 TEST(PolicyBridge, AnInt8OnlyGateLetsNoNf4Through) {
   PolicyBridge bridge(3);
-  auto hints = hints_for({SP_PRECISION_NF4, SP_PRECISION_NF4, SP_PRECISION_INT8});
-  bridge.set_plugin_hints(hints.data(), 3);
+  const std::vector<Precision> hints = {Precision::nf4, Precision::nf4, Precision::int8};
+  bridge.set_plugin_routes(hints);
   bridge.set_transfer_gate(gate_of({true, false, true}, {}));
   EXPECT_TRUE(bridge.has_transfer_gate());
   EXPECT_TRUE(bridge.transfer_gate().pays[Precision::nf4].empty());
@@ -186,28 +177,19 @@ TEST(PolicyBridge, ATransferGateOfTheWrongSizeNamesTheRouteAndKeepsTheOldGate) {
   EXPECT_TRUE(bridge.transfer_gate().pays[Precision::nf4].empty());
 }
 
-TEST(PolicyBridge, BadHintsAreRejectedAndTheOldOnesStay) {
+TEST(PolicyBridge, RoutesOfAnotherCountAreRejectedAndTheOldOnesStay) {
   PolicyBridge bridge(2);
-  auto good = hints_for({SP_PRECISION_INT8, SP_PRECISION_BF16});
-  bridge.set_plugin_hints(good.data(), 2);
-
-  auto wrong_id = good;
-  wrong_id[1].block_id = 0;
-  EXPECT_THAT([&] { bridge.set_plugin_hints(wrong_id.data(), 2); },
-              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("hint 1 is for block 0")));
-  auto wrong_precision = hints_for({SP_PRECISION_BF16, 7});
-  EXPECT_THAT([&] { bridge.set_plugin_hints(wrong_precision.data(), 2); },
+  bridge.set_plugin_routes({Precision::int8, Precision::bf16});
+  EXPECT_THAT([&] { bridge.set_plugin_routes({Precision::bf16}); },
               ::testing::ThrowsMessage<std::invalid_argument>(
-                  HasSubstr("precision 7; expected SP_PRECISION_BF16 (0), SP_PRECISION_INT8 (1) "
-                            "or SP_PRECISION_NF4 (2)")));
-  EXPECT_THROW(bridge.set_plugin_hints(good.data(), 1), std::invalid_argument);
+                  HasSubstr("PolicyBridge::set_plugin_routes: 1 routes; expected one per block (2)")));
   EXPECT_EQ(bridge.route(0), Precision::int8);
 }
 
 TEST(PolicyBridge, LimitsOnlyTightenWithinAStepAndResetAtStepBegin) {
   PolicyBridge bridge(4);
-  auto hints = hints_for({SP_PRECISION_INT8, SP_PRECISION_INT8, SP_PRECISION_INT8, SP_PRECISION_INT8});
-  bridge.set_plugin_hints(hints.data(), 4);
+  const std::vector<Precision> hints = {Precision::int8, Precision::int8, Precision::int8, Precision::int8};
+  bridge.set_plugin_routes(hints);
   bridge.begin_step();
   EXPECT_EQ(bridge.lookahead(4), 4u);
 

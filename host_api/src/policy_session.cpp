@@ -2,10 +2,13 @@
 
 #include <sys/stat.h>
 
+#include <cmath>
 #include <stdexcept>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+
+#include "sp/precision_abi.h"
 
 namespace sp::host {
 namespace fs = std::filesystem;
@@ -31,7 +34,60 @@ void PolicySession::post_backward(std::int64_t step, const std::vector<sp_grad_m
   host_->post_backward(step, moments);
 }
 
-const std::vector<sp_hint_v1>& PolicySession::compute_hints(std::int64_t step) { return host_->compute_hints(step); }
+bool UnitHint::operator==(const UnitHint& o) const {
+  const bool same_sensitivity =
+      sensitivity == o.sensitivity || (std::isnan(sensitivity) && std::isnan(o.sensitivity));
+  return precision == o.precision && same_sensitivity && reason == o.reason;
+}
+
+std::vector<sp_hint_v1> hints_to_abi(const std::vector<UnitHint>& hints) {
+  std::vector<sp_hint_v1> out(hints.size(), sp_hint_v1{});
+  for (std::uint32_t u = 0; u < hints.size(); ++u) {
+    out[u] = sp_hint_v1{u, to_abi(hints[u].precision), hints[u].sensitivity, hints[u].reason, 0};
+  }
+  return out;
+}
+
+std::vector<UnitHint> hints_from_abi(const std::vector<sp_hint_v1>& hints) {
+  std::vector<UnitHint> out;
+  out.reserve(hints.size());
+  for (std::size_t i = 0; i < hints.size(); ++i) {
+    const sp_hint_v1& hint = hints[i];
+    if (hint.block_id != i) {
+      throw std::invalid_argument(fmt::format("hints[{}].block_id is {}, expected {}", i, hint.block_id, i));
+    }
+    const std::optional<Precision> precision = from_abi(hint.precision);
+    if (!precision) {
+      throw std::invalid_argument(fmt::format(
+          "hints[{}].precision is {}; expected SP_PRECISION_BF16 (0), SP_PRECISION_INT8 (1) or SP_PRECISION_NF4 (2)",
+          i, hint.precision));
+    }
+    out.push_back(UnitHint{*precision, hint.sensitivity, hint.reason});
+  }
+  return out;
+}
+
+const std::vector<UnitHint>& PolicySession::compute_hints(std::int64_t step) {
+  // PolicyHost checked them against the plugin's ABI minor and this host's precisions, or put
+  // its fallback in their place: translating them cannot fail.
+  hints_ = hints_from_abi(host_->compute_hints(step));
+  return hints_;
+}
+
+bool PolicySession::take_initial_hints() {
+  const std::optional<std::vector<sp_hint_v1>> initial = host_->initial_hints();
+  if (!initial) return false;
+  hints_ = hints_from_abi(*initial);
+  return true;
+}
+
+void PolicySession::restore_hints(std::vector<UnitHint> hints) {
+  if (!hints.empty() && hints.size() != host_->block_count()) {
+    throw std::invalid_argument(
+        fmt::format("{} hints for {} policy units: expected one per unit, or none", hints.size(), host_->block_count()));
+  }
+  hints_ = std::move(hints);
+}
 
 void PolicySession::end_step(std::int64_t step, const sp_step_feedback_v1& feedback) {
   host_->end_step(step, &feedback);

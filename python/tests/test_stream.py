@@ -111,6 +111,52 @@ def test_several_backwards_through_one_forward_train_as_plain_pytorch(recompute)
     streamed(x).backward()
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_backward_asked_for_some_gradients_only_leaves_the_streamed_weights_alone(recompute):
+    """torch.autograd.grad(loss, [x]) and backward(inputs=[...]) give the streamed weights no
+    gradient, as plain PyTorch gives a parameter left out none (with recompute=True they took one,
+    and a full backward through the same graph after it counted them twice)."""
+    plain, streamed = plain_and_streamed(p=0.0, recompute=recompute)
+    x = torch.randn(4, 8, requires_grad=True)
+    for model in (plain, streamed):
+        loss = model(x)
+        torch.autograd.grad(loss, [x], retain_graph=True)
+        model(x).backward(inputs=[model.embed.weight])
+        assert model.layers[0].fc.weight.grad is None
+        loss.backward()
+    assert grads(streamed).keys() == grads(plain).keys()
+    for name, g in grads(plain).items():
+        torch.testing.assert_close(grads(streamed)[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_pass_that_exits_early_then_one_in_another_order_are_two_passes():
+    """An evaluation that stops after two blocks, then one that begins with the second; a
+    grad-mode pass whose outputs are dropped after two blocks, then a training pass in reverse:
+    each later pass is a pass of its own, as in plain PyTorch (a block it had called, or any block
+    once the host dropped the earlier pass's outputs, begins it)."""
+    plain, streamed = plain_and_streamed(p=0.0)
+    pe = (torch.full((DIM,), 0.9), torch.full((DIM,), 0.01))
+
+    def run(model, order, x):
+        h = model.embed(x)
+        for i in order:
+            h, _ = model.layers[i](h, position_embeddings=pe, scale=0.5)
+        return h.square().mean()
+
+    x = torch.randn(4, 8)
+    results = []
+    for model in (plain, streamed):
+        with torch.no_grad():
+            run(model, (0, 1), x)
+            evaluated = run(model, (1, 0, 2), x)
+        run(model, (1, 2), x)  # grad mode, its outputs dropped
+        run(model, (2, 1, 0), x).backward()
+        results.append((evaluated, grads(model)))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    for name, g in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
 class Permuted(Model):
     """Calls its layers in another order than the list's, as a model whose list is not its call
     order does."""
@@ -433,10 +479,10 @@ def test_misuse_is_refused_by_name():
     torch.optim.SGD(streamed.parameters(), lr=0.1).step()
     # A block called twice in one pass.
     pe = (torch.ones(DIM), torch.zeros(DIM))
-    streamed.layers[0](torch.randn(4, DIM), position_embeddings=pe)
-    streamed.layers[1](torch.randn(4, DIM), position_embeddings=pe)
+    h, _ = streamed.layers[0](torch.randn(4, DIM), position_embeddings=pe)
+    h, _ = streamed.layers[1](h, position_embeddings=pe)
     with pytest.raises(RuntimeError, match=r"block1 was called twice in one training pass, before block2 was called"):
-        streamed.layers[1](torch.randn(4, DIM), position_embeddings=pe)
+        streamed.layers[1](h, position_embeddings=pe)
     # An argument a recompute could not give again, in training: taken, since the block is
     # called once; recomputing, refused (and accepted without a graph).
     class Half:

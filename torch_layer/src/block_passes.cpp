@@ -373,7 +373,14 @@ bool StreamedModel::Impl::opens_pass(std::uint32_t b, bool training) const {
   const ad::StepSchedule& schedule = training ? engine->schedule() : eval_engine->schedule();
   if (training ? !forwarding : !eval_open) return true;
   const std::uint32_t called = training ? passes.at(*forwarding).next_forward : eval_next;
-  return called == blocks.size() || schedule.uses().front().block == b;
+  if (called == blocks.size() || schedule.uses().front().block == b) return true;
+  // An evaluation that stopped early (an early exit): a block it called already begins the next.
+  if (!training) return schedule.forward_use(b) < called;
+  // A training pass whose latest outputs the host dropped stopped early: whatever comes next
+  // begins another pass. (One still holding them goes on, so a block called again in it is a
+  // block applied twice, refused by name.)
+  const auto& latest = passes.at(*forwarding).nodes[schedule.uses()[called - 1].block];
+  return latest && latest->expired();
 }
 
 void StreamedModel::Impl::refuse_second_call(std::uint32_t b, const ad::StepSchedule& schedule, std::uint32_t called,
@@ -486,8 +493,8 @@ TrainingPass& StreamedModel::Impl::pass_for_backward(std::uint32_t b, std::uint6
   const auto found = passes.find(of_pass);
   if (found == passes.end()) {
     throw std::logic_error(fmt::format(
-        "StreamedModel: backward through {} of a training pass that has ended (its backward ran already, or "
-        "post_backward() closed it); run each pass's backward once, before post_backward()",
+        "StreamedModel: backward through {} of a training pass that has ended (post_backward() closed it: the "
+        "optimizer step ended the step); run a pass's backwards before post_backward()",
         blocks[b].block.name));
   }
   TrainingPass& pass = found->second;
@@ -499,7 +506,8 @@ TrainingPass& StreamedModel::Impl::pass_for_backward(std::uint32_t b, std::uint6
     abandon_passes();
     throw std::logic_error(fmt::format(
         "StreamedModel: the backward reached {} of a training pass whose forward never called {}: a training "
-        "pass calls every streamed block before its backward",
+        "pass calls every streamed block before its backward (a call of the block the passes begin with begins "
+        "another pass, so a block applied twice in one forward cannot stream)",
         blocks[b].block.name, stopped));
   }
   BlockState& block = blocks[b];
@@ -520,14 +528,20 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
   TrainingPass& pass = pass_for_backward(b, of_pass);
   BlockState& block = blocks[b];
   try {
+    refuse_unsupported_backward(b);
     enter_backward(of_pass, b);
   } catch (...) {
     abandon_passes();
     throw;
   }
+  // A backward that asks for some tensors' gradients only (autograd.grad, backward(inputs=...)):
+  // the streamed weights, which autograd does not see here, take none, as a parameter left out
+  // of `inputs` takes none in plain PyTorch.
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  const bool weights_take_gradients = exec_info == nullptr || exec_info->empty();
   follow_caller_stream();
   const ad::BlockView& view = engine->acquire(b);
-  attach(block, view, true);
+  attach(block, view, weights_take_gradients);
   variable_list grads;
   std::vector<torch::Tensor> wrt;
   UnlistedInputs unlisted;
@@ -562,7 +576,7 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
       gys.push_back(grad_outs[i]);
     }
     for (const StreamedParam& p : block.streamed) {
-      if (p.param.requires_grad()) wrt.push_back(p.param);
+      if (weights_take_gradients && p.param.requires_grad()) wrt.push_back(p.param);
     }
     for (const torch::Tensor& r : block.trainable_resident) wrt.push_back(r);
     unlisted = unlisted_inputs(ys, wrt, recompute);
@@ -598,12 +612,15 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
   engine->release(b);
 
   std::size_t next = input_slots.size();
-  std::vector<torch::Tensor> weight_grads;
-  for (const StreamedParam& p : block.streamed) {
-    weight_grads.push_back(p.master.requires_grad() || frozen_gradients_wanted ? grads[next++] : torch::Tensor());
-  }
   std::function<void()> gradient_ready;
-  const bool update_now = fold_weight_gradients(b, weight_grads, gradient_ready);
+  bool update_now = false;
+  if (weights_take_gradients) {
+    std::vector<torch::Tensor> weight_grads;
+    for (const StreamedParam& p : block.streamed) {
+      weight_grads.push_back(p.param.requires_grad() ? grads[next++] : torch::Tensor());
+    }
+    update_now = fold_weight_gradients(b, weight_grads, gradient_ready);
+  }
   variable_list out(xs.size());
   for (std::size_t i = 0; i < input_slots.size(); ++i) out[input_slots[i]] = grads[i];
   for (std::size_t i = 0; i < block.trainable_resident.size(); ++i) {
@@ -905,8 +922,8 @@ void StreamedModel::Impl::kept_weight_gradients(std::uint32_t b, std::uint64_t i
   const auto found = passes.find(id);
   if (found == passes.end()) {
     throw std::logic_error(fmt::format(
-        "StreamedModel: the gradient of {}'s weights came after its training pass ended (its backward ran "
-        "already, or post_backward() closed it)",
+        "StreamedModel: the gradient of {}'s weights came after its training pass ended (post_backward() closed "
+        "it)",
         blocks[b].block.name));
   }
   TrainingPass& pass = found->second;

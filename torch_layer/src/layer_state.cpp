@@ -162,23 +162,23 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
   }
   if (passes.numel() != 2)
     throw StateEntryError("layer/passes", fmt::format("holds {} values; expected 2", passes.numel()));
-  std::vector<sp_hint_v1> restored(hint_bytes / sizeof(sp_hint_v1));
-  if (hint_bytes) std::memcpy(restored.data(), hints.data_ptr(), hint_bytes);
-  // The bridges check every hint before taking any; the plugin's state comes after them, and
-  // a plugin that rejects it leaves the previous hints in force.
-  const std::vector<sp_hint_v1> previous = applied_hints;
-  // No hints (a state exported before the plugin's first ones): the default routes again.
-  const auto put_hints = [&](const std::vector<sp_hint_v1>& hints) {
-    if (!hints.empty()) return apply_hints(hints);
-    engine->policy_bridge().clear_plugin_hints();
-    eval_engine->policy_bridge().clear_plugin_hints();
-    applied_hints.clear();
-  };
+  std::vector<sp_hint_v1> stored(hint_bytes / sizeof(sp_hint_v1));
+  if (hint_bytes) std::memcpy(stored.data(), hints.data_ptr(), hint_bytes);
+  std::vector<sp::host::UnitHint> restored;
   try {
-    put_hints(restored);
+    restored = sp::host::hints_from_abi(stored);
   } catch (const std::invalid_argument& e) {
     throw StateEntryError("policy/hints", e.what());
   }
+  // The plugin's state comes after the hints, and a plugin that rejects it leaves the previous
+  // hints in force. No hints (a state exported before the plugin's first ones): the default
+  // routes again.
+  const std::vector<sp::host::UnitHint> previous = policy->hints();
+  const auto put_hints = [&](std::vector<sp::host::UnitHint> hints) {
+    policy->restore_hints(std::move(hints));
+    route_by_hints();
+  };
+  put_hints(std::move(restored));
   try {
     if (blob.numel() == 0) {
       log->warn("StreamedModel: the state holds no plugin state (it could not be exported); the policy starts over");
@@ -334,9 +334,9 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
   state.emplace("policy/state", torch::from_blob(const_cast<std::uint8_t*>(blob.data()),
                                                  {static_cast<std::int64_t>(blob.size())}, torch::kUInt8)
                                     .clone());
-  torch::Tensor hints =
-      torch::empty({static_cast<std::int64_t>(m.applied_hints.size() * sizeof(sp_hint_v1))}, torch::kUInt8);
-  if (!m.applied_hints.empty()) std::memcpy(hints.data_ptr(), m.applied_hints.data(), hints.numel());
+  const std::vector<sp_hint_v1> in_force = sp::host::hints_to_abi(m.policy->hints());
+  torch::Tensor hints = torch::empty({static_cast<std::int64_t>(in_force.size() * sizeof(sp_hint_v1))}, torch::kUInt8);
+  if (!in_force.empty()) std::memcpy(hints.data_ptr(), in_force.data(), hints.numel());
   state.emplace("policy/hints", hints);
   state.emplace("layer/passes", torch::tensor({m.engine_steps, m.eval_engine_steps}, torch::kInt64));
   state.emplace("layer/last_step", torch::tensor({m.last_step.value_or(-1)}, torch::kInt64));

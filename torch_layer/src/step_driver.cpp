@@ -14,12 +14,17 @@ void StreamedModel::Impl::end_plugin_step_as_failed() {
   policy->end_step(step, feedback);
 }
 
-void StreamedModel::Impl::apply_hints(const std::vector<sp_hint_v1>& hints) {
-  if (hints.empty()) return;
-  const std::vector<sp_hint_v1> per_block = block_hints(hints);
-  engine->policy_bridge().set_plugin_hints(per_block.data(), static_cast<std::uint32_t>(per_block.size()));
-  eval_engine->policy_bridge().set_plugin_hints(per_block.data(), static_cast<std::uint32_t>(per_block.size()));
-  applied_hints = hints;
+void StreamedModel::Impl::route_by_hints() {
+  const std::vector<sp::host::UnitHint>& hints = policy->hints();
+  if (hints.empty()) {
+    engine->policy_bridge().clear_plugin_routes();
+    eval_engine->policy_bridge().clear_plugin_routes();
+    return;
+  }
+  std::vector<Precision> routes(blocks.size());
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) routes[b] = hints.at(unit_of[b]).precision;
+  engine->policy_bridge().set_plugin_routes(routes);
+  eval_engine->policy_bridge().set_plugin_routes(routes);
 }
 
 std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
@@ -227,10 +232,11 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss)
     m.policy->set_unit_signals(m.step, *signals);
     m.unit_signals = std::move(*signals);
   }
-  m.apply_hints(m.policy->compute_hints(m.step));
+  m.policy->compute_hints(m.step);
+  m.route_by_hints();
   if (m.collectives) {
-    std::vector<std::int32_t> precisions(m.num_units(), -1);
-    for (const sp_hint_v1& h : m.applied_hints) precisions[h.block_id] = h.precision;
+    std::vector<std::int32_t> precisions;
+    for (const sp::host::UnitHint& h : m.policy->hints()) precisions.push_back(to_abi(h.precision));
     m.check_ranks_agree(precisions, "the plugin's hints");
   }
   m.phase = Impl::StepPhase::after_backward;

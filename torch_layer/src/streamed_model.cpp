@@ -75,8 +75,8 @@ StreamedModel::Impl::Impl(std::vector<Block> in, StreamedModelOptions opts)
   if (sharded) shard_masters();
   build_policy();
   // A route the policy forces holds from the first fetch, of a step or of an inference pass.
-  if (const std::optional<std::vector<sp_hint_v1>> initial = policy->initial_hints()) {
-    apply_hints(*initial);
+  if (policy->take_initial_hints()) {
+    route_by_hints();
     share_images(/*all=*/false);
   }
   if (!options.transfer_policy.empty()) apply_transfer_policy(options.transfer_policy);
@@ -114,20 +114,6 @@ void StreamedModel::Impl::assign_units(const std::vector<Block>& in) {
         "StreamedModelOptions::recalibrate_every with units of several blocks: calibration errors are measured per "
         "block; set it to 0 (policy v3 decides without them)");
   }
-}
-
-std::vector<sp_hint_v1> StreamedModel::Impl::block_hints(const std::vector<sp_hint_v1>& unit_hints) const {
-  if (units_are_blocks()) return unit_hints;
-  if (unit_hints.size() != num_units()) {
-    throw std::invalid_argument(
-        fmt::format("StreamedModel: {} hints for {} policy units", unit_hints.size(), num_units()));
-  }
-  std::vector<sp_hint_v1> out;
-  for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    out.push_back(unit_hints[unit_of[b]]);
-    out.back().block_id = b;
-  }
-  return out;
 }
 
 void StreamedModel::Impl::note_image_versions() {
@@ -522,7 +508,7 @@ const sp::host::PolicySession& StreamedModel::policy() const { return *impl_->po
 
 std::vector<Precision> StreamedModel::routes() const { return impl_->current_routes(); }
 
-const std::vector<sp_hint_v1>& StreamedModel::hints() const { return impl_->applied_hints; }
+const std::vector<sp::host::UnitHint>& StreamedModel::hints() const { return impl_->policy->hints(); }
 
 std::uint64_t StreamedModel::evaluation_h2d_bytes() const { return impl_->evaluation_bytes; }
 

@@ -311,7 +311,6 @@ struct StreamedModel::Impl {
   ad::StepTransferMetrics step_transfer;
   StepReport report;
   std::vector<sp_grad_moments_v1> moments;
-  std::vector<sp_hint_v1> applied_hints;
   torch::Tensor last_input;  // first-block input of the latest training pass, for re-calibration
   // The examples of the step's training passes: the leading dimension of each pass's first
   // block input, summed (the batch size B of the Fisher stand-in in measure_unit_signals()).
@@ -419,8 +418,6 @@ struct StreamedModel::Impl {
   // The policy's units from StreamedModelOptions::units, checked against the blocks.
   void assign_units(const std::vector<Block>& in);
   void require_units_are_blocks(const char* call) const;
-  // The plugin's hints, one per unit, as the engines take them: one per block.
-  std::vector<sp_hint_v1> block_hints(const std::vector<sp_hint_v1>& unit_hints) const;
 
   // Every rank starts from the owners' weights, whatever its host initialized, and keeps only
   // the masters of its own blocks. The module's parameters were freed by adopt() already.
@@ -693,7 +690,9 @@ struct StreamedModel::Impl {
 
   // ---- policy --------------------------------------------------------------------------------
 
-  void apply_hints(const std::vector<sp_hint_v1>& hints);
+  // The engines route each block by its unit's hint in force (policy->hints(), the one copy of
+  // the hints), BF16 everywhere before the first.
+  void route_by_hints();
 
   std::vector<sp_grad_moments_v1> block_moments();
 

@@ -295,18 +295,22 @@ TEST(StreamedModel, BlocksCalledInAnyOrderTrainAsPlainAutogradAndThePrefetchFoll
 
   model->begin_step(static_cast<std::int64_t>(orders.size()));
   EXPECT_TRUE(model->opens_training_pass(1));
-  model->forward_block(1, {x});
+  const torch::Tensor h1 = model->forward_block(1, {x}).at(0);
   EXPECT_FALSE(model->opens_training_pass(2));
-  model->forward_block(0, {x});
+  torch::Tensor h0 = model->forward_block(0, {h1}).at(0);
   try {
-    model->forward_block(0, {x});
+    model->forward_block(0, {h0});
     FAIL() << "a block called twice in one pass was accepted";
   } catch (const std::logic_error& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("block0 was called twice in one training pass, before block2 was "
                                                "called: a pass calls every streamed block once, in any order"));
   }
-  // The order's first block opens the next pass, leaving that one unfinished.
+  // The order's first block opens the next pass, leaving this one unfinished; so does any block
+  // once the host dropped what the pass computed last (it exited early).
   EXPECT_TRUE(model->opens_training_pass(1));
+  EXPECT_FALSE(model->opens_training_pass(2));
+  h0 = torch::Tensor();
+  EXPECT_TRUE(model->opens_training_pass(2));
   model->abort_step();
 }
 
@@ -906,7 +910,7 @@ TEST(StreamedModel, StateRoundTripResumesWithTheSameRoutesAndWeights) {
   // A state the plugin itself rejects, on a model whose weights and hints differ from it.
   auto other = wrap(make_blocks(98), policy);
   const std::vector<sp::Precision> routes_before = other->routes();
-  const std::vector<sp_hint_v1> hints_before = other->hints();  // its forced routes, from construction
+  const std::vector<sp::host::UnitHint> hints_before = other->hints();  // its forced routes, from construction
   const torch::Tensor master_before = other->masters(0).at("fc1.weight").clone();
   edited = state;
   edited["policy/state"] = torch::full({16}, 0x5a, torch::kUInt8);

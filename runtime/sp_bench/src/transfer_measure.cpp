@@ -84,11 +84,7 @@ adapters::StreamingConfig streaming_config_for(const SyntheticBlocks& blocks, ui
 }
 
 void route_all(adapters::StreamingEngine& engine, Precision precision) {
-  std::vector<sp_hint_v1> hints(engine.policy_bridge().num_blocks());
-  for (uint32_t b = 0; b < hints.size(); ++b) {
-    hints[b] = sp_hint_v1{b, to_abi(precision), 0.0, SP_REASON_FORCED, 0};
-  }
-  engine.policy_bridge().set_plugin_hints(hints.data(), static_cast<uint32_t>(hints.size()));
+  engine.policy_bridge().set_plugin_routes(std::vector<Precision>(engine.policy_bridge().num_blocks(), precision));
 }
 
 double raw_copy_seconds(adapters::TransferBackend& backend, uint64_t bytes, uint32_t sources, uint32_t destinations,

@@ -4,6 +4,8 @@
 
 #include <utility>
 
+#include "sp/precision_abi.h"
+
 namespace sp::train {
 
 namespace {
@@ -24,7 +26,8 @@ Trainer::Impl::BoundaryRequests Trainer::Impl::boundary_requests() const {
 
 std::vector<std::uint8_t> Trainer::Impl::decisions() const {
   std::vector<std::uint8_t> out(n_units, SP_PRECISION_BF16);
-  for (const sp_hint_v1& h : layer->hints()) out[h.block_id] = static_cast<std::uint8_t>(h.precision);
+  const std::vector<sp::host::UnitHint>& hints = layer->hints();
+  for (std::size_t u = 0; u < hints.size(); ++u) out[u] = static_cast<std::uint8_t>(to_abi(hints[u].precision));
   return out;
 }
 

@@ -18,6 +18,7 @@
 #include "sp/input_files/read_file.h"
 #include "sp/adapters/host_backend.h"
 #include "sp/adapters/streaming_engine.h"
+#include "sp/precision_abi.h"
 #include "sp/kernels/bf16.h"
 #include "sp/kernels/quantize.h"
 #include "sp/runtime/hash.h"
@@ -302,8 +303,7 @@ TEST(DeliveredWeights, AreExactlyWhatEachRouteDelivered) {
   ASSERT_NE(expected_bf16, expected_int8);
 
   for (sp_precision route : {SP_PRECISION_BF16, SP_PRECISION_INT8}) {
-    const sp_hint_v1 hint{0, route, NAN, SP_REASON_FORCED, 0};
-    engine.policy_bridge().set_plugin_hints(&hint, 1);
+    engine.policy_bridge().set_plugin_routes({*from_abi(route)});
     engine.begin_step(route);
     const adapters::BlockView& view = engine.acquire(0);
     EXPECT_EQ(view.precision, route == SP_PRECISION_INT8 ? Precision::int8 : Precision::bf16);

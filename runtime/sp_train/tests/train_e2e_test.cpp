@@ -605,7 +605,7 @@ TEST_F(TrainE2E, ACheckpointWithOutOfRangeFieldsIsRefusedByName) {
   hints[2].precision = 7;
   EXPECT_NE(
       resume_error("policy/hints", std::string(reinterpret_cast<const char*>(hints.data()), 4 * sizeof(sp_hint_v1)), {})
-          .find("section 'policy/hints': PolicyBridge: hint for block 2 has precision 7"),
+          .find("section 'policy/hints': hints[2].precision is 7; expected SP_PRECISION_BF16 (0)"),
       std::string::npos);
   EXPECT_NE(
       resume_error("policy/hints", "abc", {}).find("section 'policy/hints' holds 3 bytes; expected none or 4 hints"),

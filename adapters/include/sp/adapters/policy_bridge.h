@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "sp/adapters/transfer_image.h"
-#include "sp/plugin_abi_v1.h"
 
 namespace sp::adapters {
 
@@ -48,14 +47,13 @@ class PolicyBridge {
 
   std::uint32_t num_blocks() const { return num_blocks_; }
 
-  // Takes the plugin's answer from compute_hints(): n == num_blocks, hints[i].block_id == i,
-  // precision SP_PRECISION_BF16, SP_PRECISION_INT8 or SP_PRECISION_NF4 (ABI 1.1). Throws
-  // std::invalid_argument naming
-  // the offending entry and leaves the previous hints in place. The hints stand until
-  // replaced: a policy decides for the following steps, not for one fetch.
-  void set_plugin_hints(const sp_hint_v1 *hints, std::uint32_t n);
-  // Back to the default route (BF16 everywhere), e.g. after a plugin call failed.
-  void clear_plugin_hints();
+  // Takes the plugin's routes, one per block (its hints, which the host validated and translated
+  // from the ABI: sp::host::PolicySession::compute_hints()). Throws std::invalid_argument for
+  // another count, leaving the previous routes in place. The routes stand until replaced: a
+  // policy decides for the following steps, not for one fetch.
+  void set_plugin_routes(const std::vector<Precision> &routes);
+  // Back to the default route (BF16 everywhere): no hints yet, or none restored.
+  void clear_plugin_routes();
 
   // Limits reset at every step begin and only tighten within a step: numeric caps take the
   // minimum, suppress_speculative is sticky, and a block pinned in the precision map keeps its

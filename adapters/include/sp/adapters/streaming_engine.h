@@ -10,7 +10,7 @@
 //   begin_step(step);                 // or begin_step(step, limits): pins and caps for the step
 //   for each use in schedule().uses(): view = acquire(block); ...compute...; release(block);
 //   metrics = end_step();             // bytes and counters now; timings follow in the JSONL
-//   (plugin hints -> policy_bridge().set_plugin_hints(), optimizer -> on_weights_updated())
+//   (plugin routes -> policy_bridge().set_plugin_routes(), optimizer -> on_weights_updated())
 #pragma once
 
 #include <cstdint>
@@ -32,6 +32,7 @@
 #include "sp/kernels/adamw.h"
 #include "sp/kernels/nf4.h"
 #include "sp/kernels/slab.h"
+#include "sp/plugin_abi_v1.h"
 
 namespace sp::adapters {
 

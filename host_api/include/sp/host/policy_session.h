@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -21,6 +22,21 @@ namespace sp::host {
 // empty (its error against itself is zero).
 using CalibrationErrors = PerPrecision<std::vector<double>>;
 
+// One policy unit's hint as a runtime takes it: the plugin's sp_hint_v1 once PolicyHost has
+// validated it, translated once, here. Its unit is its index in the session's hints.
+struct UnitHint {
+  Precision precision = Precision::bf16;  // the route of the unit's next fetches
+  double sensitivity = std::numeric_limits<double>::quiet_NaN();  // in [0, 1]; NaN: never scored
+  sp_reason reason = SP_REASON_NO_DATA;
+  bool operator==(const UnitHint& o) const;  // NaN sensitivities compare equal
+};
+
+// The ABI form of hints, for a host that stores them (a checkpoint), and back. hints_from_abi
+// throws std::invalid_argument naming the first entry that is not hints[i].block_id == i with a
+// precision this runtime streams.
+std::vector<sp_hint_v1> hints_to_abi(const std::vector<UnitHint>& hints);
+std::vector<UnitHint> hints_from_abi(const std::vector<sp_hint_v1>& hints);
+
 class PolicySession {
  public:
   // Loads `plugin_file` with `config` for `blocks`. Throws PluginError when the plugin cannot
@@ -33,7 +49,9 @@ class PolicySession {
   bool set_calibration_errors(sp_precision precision, const std::vector<double>& errors);
   void begin_step(std::int64_t step);
   void post_backward(std::int64_t step, const std::vector<sp_grad_moments_v1>& moments);
-  const std::vector<sp_hint_v1>& compute_hints(std::int64_t step);
+  // The plugin's hints for the next step (PolicyHost::compute_hints, with its fallback), which
+  // become hints().
+  const std::vector<UnitHint>& compute_hints(std::int64_t step);
   void end_step(std::int64_t step, const sp_step_feedback_v1& feedback);
 
   // ABI 1.2 (PolicyHost::set_unit_signals, unit_costs, budget_status): a signal table measured
@@ -42,8 +60,15 @@ class PolicySession {
   bool set_unit_signals(std::int64_t step, const UnitSignalTable& table);
   std::optional<std::vector<double>> unit_costs(sp_precision precision) { return host_->unit_costs(precision); }
   std::optional<sp_budget_status_v1> budget_status() { return host_->budget_status(); }
-  // ABI 1.3 (PolicyHost::initial_hints): the hints before the first step, nullopt without.
-  std::optional<std::vector<sp_hint_v1>> initial_hints() { return host_->initial_hints(); }
+  // ABI 1.3 (PolicyHost::initial_hints): the hints before the first step, which become hints();
+  // false, with hints() unchanged, when the plugin has none.
+  bool take_initial_hints();
+  // The hints in force, one per unit: the latest of compute_hints(), take_initial_hints() and
+  // restore_hints(); empty before any. The one copy a runtime routes by.
+  const std::vector<UnitHint>& hints() const { return hints_; }
+  // A resume's hints (a checkpoint's, or none): one per unit, or empty. Throws
+  // std::invalid_argument, with hints() unchanged, for another count.
+  void restore_hints(std::vector<UnitHint> hints);
 
   // Between steps: if the plugin file changed since it was loaded (or `force`, after
   // SIGHUP), asks the host library to swap to it at the next begin_step. Returns the
@@ -77,6 +102,7 @@ class PolicySession {
   std::filesystem::path plugin_file_;
   std::shared_ptr<spdlog::logger> logger_;
   std::unique_ptr<PolicyHost> host_;
+  std::vector<UnitHint> hints_;
   std::optional<FileIdentity> loaded_identity_;
   bool swap_requested_ = false;
 };

@@ -448,8 +448,9 @@ class StreamedModel {
   // budget stands; nullopt from a plugin older than ABI 1.2 (or one that fails: logged).
   std::optional<std::vector<double>> unit_costs(Precision precision);
   std::optional<sp_budget_status_v1> budget_status();
-  // The plugin hints in force (empty until its first hints), as it gave them.
-  const std::vector<sp_hint_v1>& hints() const;
+  // The plugin's hints in force, one per policy unit (empty until its first hints, or the
+  // state's): validated and translated once, by the policy session.
+  const std::vector<sp::host::UnitHint>& hints() const;
   // Bytes the evaluation passes (no-grad forwards, and grad-mode ones that no backward followed)
   // moved since construction, and apart from
   // them those of the calibration passes (calibrate(), online re-calibration).
