@@ -191,24 +191,36 @@ LLAMA_UNITS = {"attention": ["self_attn."], "mlp": ["mlp."]}
 BERT_UNITS = {"attention": ["attention."], "mlp": ["intermediate.", "output."]}
 
 
-def test_llama_with_units_trains_as_without_and_each_unit_takes_its_own_route():
-    """units= streams each layer's attention and MLP as modules of their own, called by the
-    layer's own forward: in BF16 the step is the one without units to the bit; a static policy
-    then routes each unit by its own index (unit 1 is 0.mlp)."""
+def streamed_with_and_without_units(units):
+    """Tiny Llama, and two copies: streamed by block, and streamed with `units` (all BF16)."""
     plain = tiny_llama()
     by_block, by_unit = copy.deepcopy(plain), copy.deepcopy(plain)
     by_block.model.layers = sp.stream(by_block.model.layers, config=ALL_BF16)
-    by_unit.model.layers = sp.stream(by_unit.model.layers, config=ALL_BF16, units=LLAMA_UNITS)
-    layers = by_unit.model.layers
-    assert [type(m).__name__ for m in layers] == ["LlamaDecoderLayer"] * 3  # the blocks stay the model's
-    assert [n for n, _ in by_unit.named_parameters()] == [n for n, _ in plain.named_parameters()]
-    batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    by_unit.model.layers = sp.stream(by_unit.model.layers, config=ALL_BF16, units=units)
+    return plain, by_block, by_unit
+
+
+def assert_same_step(by_block, by_unit, batches):
+    """One step of each, from the same random state: the same loss and norm, and every gradient
+    the same to the bit."""
     torch.manual_seed(42)
     expected = step(by_block, batches)
     torch.manual_seed(42)
     assert step(by_unit, batches) == expected
     for name, p in by_block.named_parameters():
         assert torch.equal(by_unit.get_parameter(name).grad, p.grad), name
+
+
+def test_llama_with_units_trains_as_without_and_each_unit_takes_its_own_route():
+    """units= streams each layer's attention and MLP as modules of their own, called by the
+    layer's own forward: in BF16 the step is the one without units to the bit; a static policy
+    then routes each unit by its own index (unit 1 is 0.mlp)."""
+    plain, by_block, by_unit = streamed_with_and_without_units(LLAMA_UNITS)
+    layers = by_unit.model.layers
+    assert [type(m).__name__ for m in layers] == ["LlamaDecoderLayer"] * 3  # the blocks stay the model's
+    assert [n for n, _ in by_unit.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    assert_same_step(by_block, by_unit, batches)
     assert layers.routes() == ["bf16"] * 6
     report = layers.policy_report()
     assert [u["unit"] for u in report] == ["0.attention", "0.mlp", "1.attention", "1.mlp", "2.attention", "2.mlp"]
@@ -275,21 +287,13 @@ def test_units_listed_in_another_order_than_the_forward_calls_them_train_as_with
     follows the order the first pass called them in: only that pass fetched a unit ahead in
     vain, in layers 1 and 2 (layer 0's attention opened the pass, which moved it first before
     anything was fetched)."""
-    plain = tiny_llama()
-    by_block, by_unit = copy.deepcopy(plain), copy.deepcopy(plain)
-    by_block.model.layers = sp.stream(by_block.model.layers, config=ALL_BF16)
-    layers = by_unit.model.layers = sp.stream(by_unit.model.layers, config=ALL_BF16,
-                                              units={"mlp": ["mlp."], "attention": ["self_attn."]})
+    _, by_block, by_unit = streamed_with_and_without_units({"mlp": ["mlp."], "attention": ["self_attn."]})
+    layers = by_unit.model.layers
     batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (by_block, by_unit)]
     unused = []
     for _ in range(2):
-        torch.manual_seed(42)
-        expected = step(by_block, batches)
-        torch.manual_seed(42)
-        assert step(by_unit, batches) == expected
-        for name, p in by_block.named_parameters():
-            assert torch.equal(by_unit.get_parameter(name).grad, p.grad), name
+        assert_same_step(by_block, by_unit, batches)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
