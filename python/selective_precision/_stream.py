@@ -759,10 +759,10 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, units=Non
     The model's own loop then calls the blocks as before, with any arguments: tensors, None,
     numbers, tuples of tensors such as (cos, sin); a block returns a tensor, or a tuple or list
     whose tensors are all differentiable. Every pass calls each block once, in any order (the
-    streaming engine fetches them ahead in the order the passes last called them in); several may come before their backwards (a
-    contrastive loss), and torch.utils.checkpoint (use_reentrant=False) or Hugging Face's
-    gradient_checkpointing_enable() may wrap the blocks. Under torch.no_grad() a pass is an
-    evaluation.
+    streaming engine fetches them ahead in the order the passes last called them in); several
+    may come before their backwards (a contrastive loss), and torch.utils.checkpoint
+    (use_reentrant=False) or Hugging Face's gradient_checkpointing_enable() may wrap the blocks.
+    Under torch.no_grad() a pass is an evaluation.
 
     Each streamed parameter (default: every 2-D floating-point `*weight` of block 0's names but
     adapters: peft's `lora_A`/`lora_B`/`lora_embedding_*`, and any trainable matrix under 1/16 of
@@ -783,9 +783,8 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, units=Non
         ...]}: each prefix names a submodule of the block ("self_attn." for Llama's attention;
         BERT's MLP is ["intermediate.", "output."]), which then streams as a module of its own.
         The block's forward may call them in any order, and every streamed weight must lie in
-        one. Unit i.name is the policy's unit (routes(),
-        policy_report(), a static policy's force_*_blocks count units); the rest of the block
-        (norms) stays resident. None: a block is a unit. A checkpoint (torch.utils.checkpoint,
+        one. Unit i.name is the policy's unit (routes(), policy_report(), a static policy's
+        force_*_blocks count units); the rest of the block (norms) stays resident. None: a block is a unit. A checkpoint (torch.utils.checkpoint,
         gradient_checkpointing_enable()) cannot wrap a block of several units.
     options: a StreamOptions, or its fields as keyword arguments (device, compute_dtype,
         recompute, budget, ...). budget=Budget(...) is for policy v3: the config's mode becomes
@@ -837,7 +836,7 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, units=Non
 
 class _Layout:
     """What stream() hands the extension: the modules it streams (the blocks, or with units=
-    their parts, in call order), each one's path in the block list and streamed names, and the
+    their parts, in the order units= lists them), each one's path in the block list and streamed names, and the
     policy's units over them. Checked before anything changes."""
 
     def __init__(self, blocks, names, units, moments_from):

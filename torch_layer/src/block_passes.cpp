@@ -132,9 +132,8 @@ struct KeptBlockWeights : public torch::autograd::Node {
 };
 
 std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
-                                                              BlockCall call) {
+                                                              BlockCall call, bool opening) {
   if (torch::autograd::get_current_graph_task_id() != -1) return checkpoint_recompute(b, inputs, call);
-  const bool opening = opens_pass(b, /*training=*/true);
   if (!opening) {
     refuse_second_call(b, engine->schedule(), passes.at(*forwarding).next_forward, "training pass");
     if (engine_pass != forwarding) {
@@ -430,8 +429,8 @@ void StreamedModel::Impl::begin_eval_pass(const ad::RuntimeLimitHints& limits) {
 }
 
 std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
-                                                             const BlockCall& call) {
-  if (opens_pass(b, /*training=*/false)) {
+                                                             const BlockCall& call, bool opening) {
+  if (opening) {
     wait_for_updates();  // the evaluation engine reads the masters
     rebuild_changed_images("forward");
     if (eval_open) end_eval_pass();  // one the host left before its last block
@@ -987,10 +986,11 @@ std::vector<torch::Tensor> StreamedModel::forward_block(std::uint32_t block, con
         fmt::format("StreamedModel::forward_block({}): there are {} blocks", block, m.blocks.size()));
   }
   const bool training = torch::GradMode::is_enabled();
-  if (m.opens_pass(block, training)) m.check_parameters_unchanged();
+  const bool opening = m.opens_pass(block, training);
+  if (opening) m.check_parameters_unchanged();
   if (!call) call = m.blocks[block].call;
-  if (!training) return m.eval_forward(block, inputs, call);
-  return m.train_forward(block, inputs, std::move(call));
+  if (!training) return m.eval_forward(block, inputs, call, opening);
+  return m.train_forward(block, inputs, std::move(call), opening);
 }
 
 bool StreamedModel::opens_training_pass(std::uint32_t block) const {

@@ -545,10 +545,10 @@ struct StreamedModel::Impl {
     bytes += m.h2d_bytes.total();
   }
 
-  // A no-grad call of block b: it opens an evaluation pass (opens_pass()), or continues the
-  // open one; the pass's last block ends it.
+  // A no-grad call of block b: it opens an evaluation pass (`opening`, from opens_pass()), or
+  // continues the open one; the pass's last block ends it.
   std::vector<torch::Tensor> eval_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
-                                          const BlockCall& call);
+                                          const BlockCall& call, bool opening);
 
   // ---- the order the passes call the blocks in ---------------------------------------------
   // A pass may call the blocks in any order, each once; each engine's schedule follows the
@@ -558,8 +558,9 @@ struct StreamedModel::Impl {
   // go unused, once.
 
   // Whether a call of block b now opens a pass (a training pass in grad mode, else an
-  // evaluation pass): none is open, the open one called every block, or b is the block the
-  // schedule begins with (the open pass is then left unfinished, as a host may leave one).
+  // evaluation pass): none is open, the open one called every block, b is the block the
+  // schedule begins with, or the open one exited early (an evaluation that called b already; a
+  // training pass whose latest outputs the host dropped). An open pass is left unfinished.
   bool opens_pass(std::uint32_t b, bool training) const;
   // Throws std::logic_error when the open pass (`called` blocks so far, per `schedule`) called
   // block b already: each pass calls a block once.
@@ -575,8 +576,10 @@ struct StreamedModel::Impl {
 
   // ---- training passes: forward, then the backward's recompute -----------------------------
 
-  // A grad-mode call of block b, inside a step: block 0 opens a training pass.
-  std::vector<torch::Tensor> train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs, BlockCall call);
+  // A grad-mode call of block b, inside a step: it opens a training pass (`opening`, from
+  // opens_pass()), or continues the one under way.
+  std::vector<torch::Tensor> train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs, BlockCall call,
+                                           bool opening);
 
   // A grad-mode call of block b inside a backward: the host's checkpointing (torch.utils.checkpoint
   // without reentrance, Hugging Face's gradient checkpointing) recomputing the block before its
