@@ -748,10 +748,10 @@ std::vector<torch::Tensor> StreamedModel::Impl::kept_forward(std::uint32_t b, st
   std::vector<torch::Tensor> xs = inputs;
   pass.input_nodes[b] = through_boundary(xs, b, id, /*begins=*/false);
   std::vector<std::int64_t> edges(block.streamed.size(), -1);
-  c10::intrusive_ptr<torch::autograd::Node> node;
+  NodePtr node;
   if (std::any_of(block.streamed.begin(), block.streamed.end(),
                   [&](const StreamedParam& p) { return p.master.requires_grad() || frozen_gradients_wanted; })) {
-    node = c10::make_intrusive<KeptBlockWeights>(self, b, id);
+    node = make_node<KeptBlockWeights>(self, b, id);
   }
   follow_caller_stream();
   const ad::BlockView& view = engine->acquire(b);
@@ -795,7 +795,7 @@ bool StreamedModel::Impl::through_boundary(std::vector<torch::Tensor>& tensors, 
   return true;
 }
 
-NamedParameters StreamedModel::Impl::kept_weights(BlockState& block, const c10::intrusive_ptr<torch::autograd::Node>& node,
+NamedParameters StreamedModel::Impl::kept_weights(BlockState& block, const NodePtr& node,
                                                   std::vector<std::int64_t>& edges) {
   NamedParameters weights;
   for (std::size_t i = 0; i < block.streamed.size(); ++i) {

@@ -113,7 +113,7 @@ struct StreamedParam {
   c10::Storage kept;
   // The trainable master's gradient accumulator, held so that a backward with inputs= naming the
   // master finds it (else autograd stands an Identity in for it) and can be refused by name.
-  c10::intrusive_ptr<torch::autograd::Node> accumulator;
+  NodePtr accumulator;
 };
 
 struct BlockState {
@@ -176,7 +176,7 @@ struct TrainingPass {
   // Per block: its forward's autograd node, held weakly (the host's graph keeps the pass alive:
   // once it is dropped, the pass is closed), and its first tensor input, which a checkpoint's
   // recompute gives again (valid while the graph lives, which keeps it alive).
-  std::vector<std::optional<c10::weak_intrusive_ptr<torch::autograd::Node>>> nodes;
+  std::vector<std::optional<WeakNodePtr>> nodes;
   std::vector<const c10::TensorImpl*> first_inputs;
 
   // Activations kept: per block, the node the weights' gradients reach (null: no weight takes
@@ -184,7 +184,7 @@ struct TrainingPass {
   // inputs ends its backward (else the pass's end does), and the block whose fetch the backward
   // holds. An armed update waits for both the weights' gradients and the block's release: one
   // that came while the block was held waits in `update_after_release`.
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> weight_nodes;
+  std::vector<NodePtr> weight_nodes;
   std::vector<std::vector<std::int64_t>> weight_inputs;
   std::vector<bool> input_nodes;
   std::vector<std::optional<std::function<void()>>> update_after_release;
@@ -623,7 +623,7 @@ struct StreamedModel::Impl {
   // The block's weights as this call computes with them: tensors on the `kept` storages, whose
   // gradients reach `node` (as its inputs `edges`) where they need one.
   // `edges` unset (-1) are assigned (the forward); a checkpoint's recompute gives them again.
-  NamedParameters kept_weights(BlockState& block, const c10::intrusive_ptr<torch::autograd::Node>& node,
+  NamedParameters kept_weights(BlockState& block, const NodePtr& node,
                                std::vector<std::int64_t>& edges);
   // The `kept` storages hold the delivered weights of `view` (converted to the compute dtype
   // when it is not bf16), or nothing. A module's placeholders point at them through

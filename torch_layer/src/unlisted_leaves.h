@@ -9,12 +9,10 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/autograd/function.h>
+
+#include "autograd_nodes.h"
 
 namespace sp::torch_layer {
-
-// How autograd holds its nodes: std::shared_ptr in torch 2.4, c10::intrusive_ptr in 2.15.
-using NodePtr = decltype(torch::autograd::Edge::function);
 
 struct UnlistedLeaf {
   at::Tensor tensor;

@@ -1261,7 +1261,7 @@ struct SideLossBlockImpl : torch::nn::Module {
         router(register_parameter("router", torch::randn({kDim, 4}) / 8)) {}
   torch::Tensor forward(const torch::Tensor& x) {
     const torch::Tensor gates = torch::softmax(torch::matmul(x, router), -1);
-    aux = gates.mean({0, 1}).pow(2).sum();
+    aux = gates.mean(std::vector<int64_t>{0, 1}).pow(2).sum();
     return x + torch::tanh(torch::matmul(x, w)) * gates.narrow(-1, 0, 1);
   }
   torch::Tensor w, router, aux;
@@ -1304,7 +1304,7 @@ TEST(StreamedModel, AnAuxiliaryLossABlockKeepsOnTheSideTrainsAsInPlainAutograd) 
   for (std::uint32_t b = 0; b < kBlocks; ++b) {
     for (const char* name : {"w", "router"}) {
       const torch::Tensor& got = model.masters(b).at(name).grad();
-      const torch::Tensor& want = plain[b]->named_parameters()[name].grad();
+      const torch::Tensor want = plain[b]->named_parameters()[name].grad();
       EXPECT_TRUE(torch::allclose(got, want, 1e-4, 1e-6)) << "block " << b << " " << name << ": "
                                                           << (got - want).abs().max().item<double>();
     }
