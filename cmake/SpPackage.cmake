@@ -42,6 +42,15 @@ function(selective_precision_install_component component)
     DESTINATION ${SP_INSTALL_CMAKEDIR})
 endfunction()
 
+# How the project compiles fmt and spdlog in (SpDependencies.cmake): every static library's
+# link interface names them, so they are exported first, in a file of their own.
+install(TARGETS selective_precision_fmt selective_precision_spdlog
+  EXPORT SelectivePrecision_dependencies)
+install(EXPORT SelectivePrecision_dependencies
+  NAMESPACE SelectivePrecision::
+  FILE SelectivePrecision_dependencies.cmake
+  DESTINATION ${SP_INSTALL_CMAKEDIR})
+
 set(SP_PACKAGE_COMPONENTS plugin_abi vocabulary host kernels adapters)
 selective_precision_install_component(plugin_abi TARGETS selective_precision_plugin_abi
   HEADERS ${PROJECT_SOURCE_DIR}/plugin_abi/include)
