@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# Installs the Python package selective_precision into the project's .venv with
-# `pip install --no-build-isolation .` (pyproject.toml, scikit-build-core), so that the
-# extension is built against the venv's own torch. The wheel is made out of build/, the tree
-# scripts/build.sh configures, and pip builds there only what the package holds (the module,
-# the plugin, the tools): whatever build/ already holds is not compiled again, and build/'s own
-# settings (build type, tests, benchmarks, warnings as errors) are passed back, so pip's configure leaves
-# them as they were. Afterwards `.venv/bin/python -c "import selective_precision"` works from
-# any directory, and .venv/bin has sp-train, sp-replay and sp-bench. Run scripts/install-deps.sh
-# first. (A plain `pip install .` elsewhere builds in its own build-wheel/, pyproject.toml.)
+# Builds the Python package selective_precision as the wheel a stranger installs, and installs
+# that wheel into the project's .venv (docs/packaging.md):
+#   1. `pip wheel --no-build-isolation .` (pyproject.toml, scikit-build-core) out of build/, the
+#      tree scripts/build.sh configures: pip builds there only what the package holds (the
+#      module, the plugin, the tools), whatever build/ already holds is not compiled again, and
+#      build/'s own settings (build type, tests, benchmarks, warnings as errors) are passed
+#      back, so pip's configure leaves them as they were. The extension is built against the
+#      venv's own torch, and the wheel's metadata pins that torch's minor;
+#   2. `auditwheel repair`: the one shared library the package needs beyond torch and the C and
+#      C++ runtimes (yaml-cpp) is copied into the wheel under a name of its own, the binaries'
+#      RPATHs point at it, and the tag becomes manylinux for the glibc the binaries need.
+#      torch's libraries and the NVIDIA wheels' are left out: they belong to the torch the user
+#      installs, which the binaries find relative to themselves (site-packages/torch/lib);
+#   3. `pip install` of that wheel into .venv.
+# The wheel stays in build/wheel/ (scripts/check-wheel.sh tests it as a stranger would).
+# Afterwards `.venv/bin/python -c "import selective_precision"` works from any directory, and
+# .venv/bin has sp-train, sp-replay and sp-bench. Run scripts/install-deps.sh first.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 [[ -f build/CMakeCache.txt ]] || bash scripts/build.sh --target selective_precision_python
+python=$PWD/.venv/bin/python
 cache_value() { sed -n "s/^$1:[A-Z]*=//p" build/CMakeCache.txt; }
 settings=(-C build-dir=build -C cmake.define.SP_BUILD_PYTHON=ON -C "cmake.build-type=$(cache_value CMAKE_BUILD_TYPE)"
           -C "build.targets=selective_precision_python;selective_precision_policy_plugin;sp-train;sp-replay;sp-bench")
@@ -22,7 +31,26 @@ done
 # rebuilds every target, so pip is held to the version build/ was configured with.
 ninja_version=$("$(cache_value CMAKE_MAKE_PROGRAM)" --version | cut -d. -f1-3)
 settings+=(-C "ninja.version===$ninja_version")  # the key, "=", then "==X.Y.Z"
+wheels=build/wheel
+rm -rf "$wheels"
 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc 2>/dev/null || echo 2)} \
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps "${settings[@]}" .
-python=$PWD/.venv/bin/python
+  "$python" -m pip wheel --quiet --disable-pip-version-check --no-build-isolation --no-deps "${settings[@]}" \
+  -w "$wheels/built" .
+
+# Every library torch's wheel and the NVIDIA wheels hold, by file name (their sonames), left
+# to the user's torch; auditwheel finds them there to read what they need in turn.
+site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
+torch_libs=("$site"/torch/lib "$site"/nvidia/*/lib)
+excluded=()
+for dir in "${torch_libs[@]}"; do
+  for lib in "$dir"/*.so*; do
+    [[ -f $lib ]] && excluded+=(--exclude "$(basename "$lib")")
+  done
+done
+library_path=$(IFS=:; echo "${torch_libs[*]}")
+PATH="$PWD/.venv/bin:$PATH" AUDITWHEEL_LD_LIBRARY_PATH=$library_path "$python" -m auditwheel repair --plat auto "${excluded[@]}" \
+  -w "$wheels" "$wheels"/built/*.whl 2>&1 | grep -E -v '^INFO:auditwheel\.(lddtree|wheel_abi|main_repair):' || true
+wheel=$(ls "$wheels"/selective_precision-*manylinux*.whl)
+"$python" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$wheel"
+echo "install-package: $(basename "$wheel")"
 echo "install-package: $(cd / && "$python" -c 'import selective_precision as sp; print("selective_precision", sp.__version__, "in", sp.__file__)')"

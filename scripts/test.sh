@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh Debian machine: installs packages (apt, and the .venv with
 # PyPI's torch and every pinned Python package), builds everything into build/, installs the
-# Python package into the .venv out of that same tree (no second compile), runs ctest, then the
-# Python tests again against the installed package, from outside the source tree.
+# Python package's wheel out of that same tree (no second compile), repairs it for manylinux and
+# installs it into the .venv, runs ctest, then the Python tests again against that wheel in a
+# fresh venv, from outside the source tree, with Debian's yaml-cpp, spdlog and fmt hidden.
 # GPU tests skip cleanly when no CUDA device is present.
 # Then every libFuzzer harness (docs/fuzzing.md), built with Clang, ASan and UBSan in build-fuzz/:
 # the replay of its seed corpus (deterministic), then a smoke run of SP_FUZZ_SMOKE_SECONDS of
 # fuzzing each (label fuzz-timed), whose new inputs differ from run to run: a failure there is
 # a new finding, kept in the test's build folder as crash-*, oom-* or timeout-*.
-# Last, the suite again under ThreadSanitizer (Clang, build-tsan/, docs/sanitizers.md).
+# Last, the suites of the code that runs threads again under ThreadSanitizer (Clang, build-tsan/,
+# docs/sanitizers.md).
 # Each stage prints its duration, and a table of them closes the run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/stages.sh
 source scripts/compiler-cache.sh
 jobs=$(nproc 2>/dev/null || echo 2)
-root=$PWD
 
 sp_stage apt bash scripts/install-deps.sh apt
 sp_stage venv bash scripts/install-deps.sh venv --python all
@@ -24,13 +25,10 @@ sp_stage build bash scripts/build.sh
 sp_stage package bash scripts/install-package.sh
 sp_stage ctest ctest --test-dir build --output-on-failure -j "$jobs"
 
-# The installed package, as a user's script meets it: no PYTHONPATH, run from /tmp. The one
-# test that compares with the C++ layer's own run is given that program from the build.
-installed_pytest() {
-  (cd /tmp && SP_TORCH_LAYER_REFERENCE="$root/build/bin/sp_torch_layer_reference" OMP_NUM_THREADS=1 \
-    "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider "$root/python/tests")
-}
-sp_stage installed-pytest installed_pytest
+# The wheel as a stranger installs it: its tag and what it needs (auditwheel), a fresh venv
+# with only its requirements, and the package's tests there, from /tmp, where Debian's
+# yaml-cpp, spdlog and fmt cannot be loaded (scripts/check-wheel.sh).
+sp_stage wheel-check bash scripts/check-wheel.sh
 
 # Only the harnesses and what they link: no tools, tests, benchmarks, LibTorch or CUDA.
 fuzz_build() {

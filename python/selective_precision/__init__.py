@@ -46,15 +46,28 @@ import torch  # loads libtorch before the extension that links it
 from . import _build_info
 
 
+def _torch_build(version):
+    """What a torch version fixes for an extension linked against it: the minor (its C++ ABI)
+    and the local build tag (cu130, cpu: which CUDA runtime its libraries need).
+    '2.15.1+cu130' -> ('2.15', 'cu130')."""
+    public, _, local = version.partition("+")
+    return ".".join(public.split(".")[:2]), local
+
+
 def _check_torch():
-    """The extension links the libtorch it was built against: under another torch it would
-    fail to load on a missing symbol, or load and misread torch's objects. Refuse it by name."""
+    """The extension links the libtorch it was built against: under another torch minor (or
+    another CUDA build of it) it would fail to load on a missing symbol, or load and misread
+    torch's objects. Refuse it by name, before the extension is loaded. A patch release of the
+    same minor and build is the torch the wheel's metadata admits (torch>=2.15,<2.16)."""
     found_abi = bool(torch._C._GLIBCXX_USE_CXX11_ABI)
-    if torch.__version__ != _build_info.torch_version or found_abi != _build_info.torch_cxx11_abi:
+    built = _torch_build(_build_info.torch_version)
+    found = _torch_build(torch.__version__)
+    if found != built or found_abi != _build_info.torch_cxx11_abi:
         raise ImportError(
             "selective_precision %s was built against torch %s (C++11 ABI %d), but this Python imports "
-            "torch %s (C++11 ABI %d) from %s. Rebuild it against this torch, from the project's source: "
-            "pip install --no-build-isolation --force-reinstall ."
+            "torch %s (C++11 ABI %d) from %s. Install the torch it was built for (pip install 'torch==%s.*'), "
+            "or rebuild it against this torch, from the project's source: pip install --no-build-isolation "
+            "--force-reinstall . (docs/packaging.md)"
             % (
                 _build_info.version,
                 _build_info.torch_version,
@@ -62,6 +75,7 @@ def _check_torch():
                 torch.__version__,
                 found_abi,
                 os.path.dirname(torch.__file__),
+                built[0],
             )
         )
 

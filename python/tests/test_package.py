@@ -17,23 +17,42 @@ def test_the_package_has_a_version_its_plugin_and_its_configs():
         assert os.path.isfile(os.path.join(sp.config_dir(), name)), name
 
 
-def test_a_torch_other_than_the_one_built_against_is_refused_at_import_by_name():
-    # The build's record is replaced before the package is imported, as if it had been built
-    # against another torch than this Python's.
+def _import_as_if_built_against(torch_version, cxx11_abi):
+    """Imports the package in a fresh interpreter whose build record is replaced, as if it had
+    been built against another torch than this Python's; returns the finished process."""
     code = (
         "import sys, types\n"
         "info = types.ModuleType('selective_precision._build_info')\n"
-        "info.version, info.torch_version, info.torch_cxx11_abi = '0.2.0', '2.0.1+cu117', False\n"
+        "info.version, info.torch_version, info.torch_cxx11_abi = '0.2.0', %r, %r\n"
         "info.source_configs = ''\n"
         "sys.modules['selective_precision._build_info'] = info\n"
-        "import selective_precision\n"
+        "import selective_precision\n" % (torch_version, cxx11_abi)
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
+def test_a_torch_of_another_minor_is_refused_at_import_naming_both_versions():
+    result = _import_as_if_built_against("2.0.1+cu117", False)
     assert result.returncode != 0
     said = result.stderr.splitlines()[-1]
     assert said.startswith("ImportError: selective_precision 0.2.0 was built against torch 2.0.1+cu117 (C++11 ABI 0)")
     assert "imports torch %s (C++11 ABI %d)" % (torch.__version__, torch._C._GLIBCXX_USE_CXX11_ABI) in said
+    assert "pip install 'torch==2.0.*'" in said
     assert "pip install --no-build-isolation --force-reinstall ." in said
+
+
+def test_another_cuda_build_of_the_same_torch_is_refused_and_a_patch_release_is_taken():
+    public, _, local = torch.__version__.partition("+")
+    major, minor = public.split(".")[:2]
+    abi = bool(torch._C._GLIBCXX_USE_CXX11_ABI)
+    other_build = "%s.%s.0+%s" % (major, minor, "cpu" if local != "cpu" else "cu130")
+    refused = _import_as_if_built_against(other_build, abi)
+    assert refused.returncode != 0
+    assert "was built against torch %s" % other_build in refused.stderr.splitlines()[-1]
+    # The metadata admits every patch release of the minor (torch>=2.15,<2.16): so does the import.
+    patch = "%s.%s.99%s" % (major, minor, "+" + local if local else "")
+    taken = _import_as_if_built_against(patch, abi)
+    assert taken.returncode == 0, taken.stderr
 
 
 def test_the_extensions_type_stub_declares_exactly_what_it_binds():
@@ -77,3 +96,33 @@ def test_every_public_name_has_a_docstring():
             for member, value in vars(obj).items():
                 if not member.startswith("_") and (inspect.isfunction(value) or isinstance(value, property)):
                     assert value.__doc__, "%s.%s" % (name, member)
+
+
+def test_the_wheel_pins_the_torch_minor_it_was_built_against():
+    import importlib.metadata
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "build_support" / "sp_torch_pin.py"
+    spec = importlib.util.spec_from_file_location("sp_torch_pin", path)
+    pin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pin)
+    assert pin.torch_requirement("2.15.0+cu130") == "torch>=2.15,<2.16"
+    assert pin.torch_requirement("3.0.1") == "torch>=3.0,<3.1"
+    given = pin.dynamic_metadata({"requires": ["pyyaml>=5.1", "numpy"]})
+    assert given["dependencies"][1:] == ["pyyaml>=5.1", "numpy"]
+    try:
+        pin.dynamic_metadata({"require": []})
+    except RuntimeError as error:
+        assert "sp_torch_pin" in str(error)
+    else:
+        raise AssertionError("sp_torch_pin took an unknown setting")
+    try:
+        requires = importlib.metadata.requires("selective-precision")
+    except importlib.metadata.PackageNotFoundError:
+        return  # run from a build tree that pip never installed
+    from packaging.requirements import Requirement
+
+    pinned = [Requirement(r) for r in requires if Requirement(r).name == "torch"]
+    assert [str(r.specifier) for r in pinned] == [str(Requirement(pin.torch_requirement(torch.__version__)).specifier)]
+    assert torch.__version__.partition("+")[0] in pinned[0].specifier

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The wheel as a stranger meets it (docs/packaging.md), after scripts/install-package.sh made it
+# in build/wheel/:
+#   1. `auditwheel show`: the tag is manylinux, and the only shared libraries it needs from
+#      outside the wheel are torch's and the NVIDIA wheels' (the torch the user installs) and
+#      the C and C++ runtimes that every manylinux system has;
+#   2. a fresh virtual environment holding only the wheel's requirements (the pinned torch,
+#      pyyaml, numpy) and pytest, as `pip install` leaves them (scripts/stranger_venv.py), into
+#      which pip installs the wheel; `pip check` confirms its metadata is met;
+#   3. the package's pytest, run from /tmp in a mount namespace where Debian's yaml-cpp, spdlog
+#      and fmt cannot be loaded: every one of their files is covered by /dev/null, which the
+#      dynamic loader refuses ("file too short"). A first step proves the hiding works by
+#      loading each library by name and expecting the refusal.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+root=$PWD
+python=$root/.venv/bin/python
+wheel=$(ls "$root"/build/wheel/selective_precision-*manylinux*.whl 2>/dev/null || true)
+[[ -n $wheel ]] || { echo "check-wheel: no manylinux wheel in build/wheel: run scripts/install-package.sh first" >&2; exit 1; }
+
+site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
+"$python" -m auditwheel show --json "$wheel" >build/wheel/auditwheel-show.json
+"$python" - "$wheel" "$site" build/wheel/auditwheel-show.json <<'PY'
+import glob, json, os, re, sys
+wheel, site, report = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
+torchs = {os.path.basename(p) for d in [site + "/torch/lib"] + glob.glob(site + "/nvidia/*/lib") for p in glob.glob(d + "/*.so*")}
+foreign = sorted(set(report["external_libs"]) - torchs)
+# The tag its symbol versions admit; the overall one is linux_x86_64 only because torch's
+# libraries are outside any policy, and those are left to the user's torch on purpose.
+tag = report["sym_tag"]
+glibcxx = max((tuple(map(int, v.split("_")[1].split("."))) for v in report["versioned_symbols"].get("libstdc++.so.6", []) if v.startswith("GLIBCXX_")), default=None)
+glibc = max((tuple(map(int, v.split("_")[1].split("."))) for v in report["versioned_symbols"].get("libc.so.6", []) if v.startswith("GLIBC_")), default=None)
+print("check-wheel: %s: tag %s, needs glibc %s and libstdc++ GLIBCXX_%s; from torch's wheels: %s" % (os.path.basename(wheel), tag,
+      ".".join(map(str, glibc)) if glibc else "?", ".".join(map(str, glibcxx)) if glibcxx else "?",
+      ", ".join(sorted(set(report["external_libs"]) & torchs))))
+if not tag.startswith("manylinux_") or tag.replace("manylinux_", "").split("_x86_64")[0] not in os.path.basename(wheel):
+    sys.exit("check-wheel: the wheel is not tagged for its policy %s" % tag)
+if foreign:
+    sys.exit("check-wheel: the wheel needs libraries neither it nor torch carries: %s" % ", ".join(foreign))
+
+# What each binary exports: the extension its PyInit alone, the plugin its entry symbol alone,
+# the tools nothing of fmt, spdlog or the project (the carried yaml-cpp exports its own API).
+import io, zipfile
+from elftools.elf.elffile import ELFFile
+allowed = {"_selective_precision": lambda n: n.startswith("PyInit_"), "libsp_selective_precision": lambda n: n == "sp_policy_plugin_v1"}
+leaks = []
+with zipfile.ZipFile(wheel) as archive:
+    for name in archive.namelist():
+        data = archive.read(name)
+        if not data.startswith(b"\x7fELF") or ".libs/" in name:
+            continue
+        dynsym = ELFFile(io.BytesIO(data)).get_section_by_name(".dynsym")
+        exported = {s.name for s in dynsym.iter_symbols() if s["st_shndx"] != "SHN_UNDEF" and s.name
+                    and s["st_info"]["bind"] in ("STB_GLOBAL", "STB_WEAK") and s["st_info"]["type"] in ("STT_FUNC", "STT_OBJECT")
+                    and s["st_other"]["visibility"] == "STV_DEFAULT"}
+        rule = next((r for key, r in allowed.items() if os.path.basename(name).startswith(key)), None)
+        if rule is not None:
+            extra = sorted(n for n in exported if not rule(n))
+        else:
+            extra = sorted(n for n in exported if any(k in n for k in ("fmt", "spdlog", "_ZN2sp")))
+        if extra:
+            leaks.append("%s exports %d symbols it should not, e.g. %s" % (name, len(extra), ", ".join(extra[:3])))
+        else:
+            print("check-wheel: %s exports %s" % (name, ", ".join(sorted(exported)) if rule else "nothing of fmt, spdlog or the project"))
+if leaks:
+    sys.exit("check-wheel: " + "; ".join(leaks))
+PY
+
+venv=$root/build/wheel/stranger-venv
+"$python" scripts/stranger_venv.py "$venv" "torch==$("$python" -c 'import torch; print(torch.__version__.split("+")[0])')" \
+  pyyaml numpy pytest | cut -c1-200
+"$python" -m pip --python "$venv/bin/python" install --quiet --disable-pip-version-check --no-index --no-deps "$wheel"
+"$python" -m pip --python "$venv/bin/python" check
+
+# Every file of Debian's yaml-cpp, spdlog and fmt (the links resolve to them).
+hidden=()
+for lib in /usr/lib/x86_64-linux-gnu/lib{yaml-cpp,spdlog,fmt}.so*; do
+  [[ -e $lib ]] && hidden+=("$(readlink -f "$lib")")
+done
+mapfile -t hidden < <(printf '%s\n' "${hidden[@]}" | sort -u)
+namespace=(unshare --mount --propagation private)
+[[ $(id -u) -eq 0 ]] || namespace=(unshare --map-root-user --mount --propagation private)
+echo "check-wheel: hiding ${hidden[*]}"
+# The one test that compares with the C++ layer's own run (SP_TORCH_LAYER_REFERENCE) skips here:
+# that program is the build tree's, linked against Debian's libraries; ctest runs it.
+OMP_NUM_THREADS=1 "${namespace[@]}" bash -c '
+  set -euo pipefail
+  venv=$1 tests=$2
+  shift 2
+  for file in "$@"; do mount --bind /dev/null "$file"; done
+  "$venv/bin/python" - <<PY
+import ctypes
+for name in ("libyaml-cpp.so.0.7", "libspdlog.so.1.10", "libfmt.so.9"):
+    try:
+        ctypes.CDLL(name)
+    except OSError as refused:
+        print("check-wheel: %s cannot be loaded here (%s)" % (name, refused))
+    else:
+        raise SystemExit("check-wheel: %s still loads: the namespace hides nothing" % name)
+PY
+  cd /tmp
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider "$tests"
+' check-wheel "$venv" "$root/python/tests" "${hidden[@]}"
