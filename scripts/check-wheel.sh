@@ -7,8 +7,8 @@
 #   2. a fresh virtual environment holding only the wheel's requirements (the pinned torch,
 #      pyyaml, numpy) and pytest, as `pip install` leaves them (scripts/stranger_venv.py), into
 #      which pip installs the wheel; `pip check` confirms its metadata is met;
-#   3. the package's pytest, run from /tmp in a mount namespace where Debian's yaml-cpp, spdlog
-#      and fmt cannot be loaded: every one of their files is covered by /dev/null, which the
+#   3. the tools through their console entry points, then the package's pytest, run from /tmp in
+#      a mount namespace where Debian's yaml-cpp, spdlog and fmt cannot be loaded: every one of their files is covered by /dev/null, which the
 #      dynamic loader refuses ("file too short"). A first step proves the hiding works by
 #      loading each library by name and expecting the refusal.
 set -euo pipefail
@@ -99,5 +99,10 @@ for name in ("libyaml-cpp.so.0.7", "libspdlog.so.1.10", "libfmt.so.9"):
         raise SystemExit("check-wheel: %s still loads: the namespace hides nothing" % name)
 PY
   cd /tmp
+  # The tools, through the console entry points pip put in the venv (bin/).
+  for tool in sp-train sp-replay sp-bench; do
+    "$venv/bin/$tool" --help >/dev/null || { echo "check-wheel: $tool --help failed" >&2; exit 1; }
+  done
+  echo "check-wheel: sp-train, sp-replay and sp-bench run from $venv/bin"
   "$venv/bin/python" -m pytest -q -p no:cacheprovider "$tests"
 ' check-wheel "$venv" "$root/python/tests" "${hidden[@]}"
