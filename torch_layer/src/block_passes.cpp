@@ -171,7 +171,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
     opened.states.resize(blocks.size());
     opened.versions.resize(blocks.size());
     opened.nodes.resize(blocks.size());
-    opened.first_inputs.assign(blocks.size(), nullptr);
+    opened.first_inputs.assign(blocks.size(), TensorIdentity());
     if (!recompute) {
       opened.weight_nodes.resize(blocks.size());
       opened.weight_inputs.resize(blocks.size());
@@ -218,7 +218,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
     current.nodes[b].emplace(y.grad_fn());  // one node gives every output of the block
     break;
   }
-  current.first_inputs[b] = first_defined(inputs);
+  current.first_inputs[b] = TensorIdentity(inputs);
   return out;
 }
 
@@ -230,7 +230,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::checkpoint_recompute(std::uint32
   const c10::TensorImpl* first = first_defined(inputs);
   std::optional<std::uint64_t> id;
   for (const auto& [open, pass] : passes) {
-    if (pass.next_forward == blocks.size() && pass.first_inputs[b] == first && pass.graph_alive()) id = open;
+    if (pass.next_forward == blocks.size() && pass.first_inputs[b].is(first) && pass.graph_alive()) id = open;
   }
   if (!id) {
     throw std::logic_error(fmt::format(

@@ -78,6 +78,29 @@ inline const c10::TensorImpl* first_defined(const std::vector<torch::Tensor>& in
   return nullptr;
 }
 
+// A tensor's identity held weakly. The weak reference keeps the TensorImpl's memory from being
+// reused after the tensor dies, so no later tensor can take its address and pass for it.
+class TensorIdentity {
+ public:
+  TensorIdentity() = default;
+  explicit TensorIdentity(const std::vector<torch::Tensor>& inputs) {
+    for (const torch::Tensor& x : inputs) {
+      if (x.defined()) {
+        held.emplace(x.getIntrusivePtr());
+        return;
+      }
+    }
+  }
+  // Whether `impl` is the very tensor this one names (null matches none held).
+  bool is(const c10::TensorImpl* impl) const {
+    if (!held) return impl == nullptr;
+    return !held->expired() && held->_unsafe_get_target() == impl;
+  }
+
+ private:
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> held;
+};
+
 inline const torch::Tensor* find(const NamedParameters& params, const std::string& name) {
   for (const auto& [key, value] : params) {
     if (key == name) return &value;
@@ -175,9 +198,10 @@ struct TrainingPass {
   ad::StepTransferMetrics transfer;  // its fetches, over the engine steps that served them
   // Per block: its forward's autograd node, held weakly (the host's graph keeps the pass alive:
   // once it is dropped, the pass is closed), and its first tensor input, which a checkpoint's
-  // recompute gives again (valid while the graph lives, which keeps it alive).
+  // recompute gives again. A backward frees the graph's saved inputs while its nodes live on
+  // (the host still holds the loss), so the input is held weakly, never by address alone.
   std::vector<std::optional<WeakNodePtr>> nodes;
-  std::vector<const c10::TensorImpl*> first_inputs;
+  std::vector<TensorIdentity> first_inputs;
 
   // Activations kept: per block, the node the weights' gradients reach (null: no weight takes
   // one) and each streamed weight's input of it (-1: none), whether a node at the block's
