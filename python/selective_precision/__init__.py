@@ -103,6 +103,8 @@ __all__ = [
     "StreamOptions",
     "Budget",
     "PolicyReport",
+    "RouteComparison",
+    "Interval",
     "StreamedLayers",
     "StreamedBlock",
     "StreamedBlocks",
@@ -708,3 +710,4 @@ class StreamedBlocks:
 
 from ._stream import (  # noqa: E402  (uses the names above)
     Budget, PolicyReport, StreamedBlock, StreamedLayers, StreamOptions, _options, _streamed_model, stream)
+from ._measure import Interval, RouteComparison  # noqa: E402

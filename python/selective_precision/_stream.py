@@ -651,6 +651,23 @@ class StreamedLayers(torch.nn.ModuleList):
                 for p, grad in saved:
                     p.grad = grad
 
+    def compare_routes(self, closure, batches, routes_a, routes_b="bf16", *, confidence: float = 0.95):
+        """What running on `routes_a` instead of `routes_b` costs, measured: for each batch,
+        `closure(batch)` runs the model forward under each allocation (no_grad, the same random
+        state for both) and returns its loss, the batch's or one per example, or a tuple
+        (loss, scores) whose scores hold logits over their last dimension (then the KL divergence
+        of a's distribution from b's is measured too). A route is one format for every unit, a
+        list of one per unit (as routes() gives them), or a dict of unit name to format.
+
+        Forward only, between steps: the masters, images, routes, policy state and random streams
+        are left as they were. Returns a RouteComparison: the paired loss difference a - b with
+        its `confidence` interval (over examples when the closure gives one loss per example, else
+        over batches), the KL where scores were given, and each allocation's bytes saved. Call it
+        on every rank with sharded masters."""
+        from ._measure import compare_routes
+
+        return compare_routes(self._layer(), closure, batches, routes_a, routes_b, confidence)
+
     def policy_report(self) -> "PolicyReport":
         """Where each unit stands (a streamed block, "3", or with units= a part of one, "3.mlp"):
         one dict per unit with `unit`, `route` (its next fetch's format), `bytes` and

@@ -699,6 +699,53 @@ PYBIND11_MODULE(_selective_precision, m) {
              }();
              return errors_dict(errors);
            })
+      .def("compare_routes",
+           [](PyStreamedModel& s, py::object closure, std::size_t batches, const std::vector<std::string>& routes_a,
+              const std::vector<std::string>& routes_b, double confidence) {
+             // closure(i) -> (loss tensor, scores tensor or None), as _stream.py normalises it.
+             const std::shared_ptr<py::object> held = hold(std::move(closure));
+             const tl::StreamedModel::MeasureClosure measure = [held](std::size_t batch) {
+               py::gil_scoped_acquire gil;
+               const py::tuple result = (*held)(batch).cast<py::tuple>();
+               tl::MeasuredBatch out;
+               out.loss = result[0].cast<torch::Tensor>();
+               if (!result[1].is_none()) out.scores = result[1].cast<torch::Tensor>();
+               return out;
+             };
+             const auto precisions = [](const std::vector<std::string>& names) {
+               std::vector<sp::Precision> out;
+               for (const std::string& name : names) out.push_back(precision_of(name));
+               return out;
+             };
+             const tl::RouteComparison c = [&] {
+               py::gil_scoped_release no_gil_here;
+               return s.model().compare_routes(measure, batches, precisions(routes_a), precisions(routes_b),
+                                               confidence);
+             }();
+             const auto interval = [](const tl::PairedInterval& i) {
+               py::dict d;
+               d["n"] = i.n;
+               d["mean"] = i.mean;
+               d["std_error"] = i.std_error;
+               d["low"] = i.low;
+               d["high"] = i.high;
+               return d;
+             };
+             py::dict d;
+             d["confidence"] = c.confidence;
+             d["paired_over_examples"] = c.paired_over_examples;
+             d["loss_a"] = c.loss_a;
+             d["loss_b"] = c.loss_b;
+             d["loss_difference"] = interval(c.loss_difference);
+             d["batch_loss_differences"] = c.batch_loss_differences;
+             d["kl"] = c.kl ? py::object(interval(*c.kl)) : py::none();
+             d["batch_kl"] = c.batch_kl;
+             d["bytes_a"] = c.bytes_a;
+             d["bytes_b"] = c.bytes_b;
+             d["bytes_all_bf16"] = c.bytes_all_bf16;
+             d["h2d_bytes"] = c.h2d_bytes;
+             return d;
+           })
       .def("poll_plugin",
            [](PyStreamedModel& s, bool force) -> py::object {
              const std::optional<sp::host::SwapResult> r = [&] {
@@ -764,6 +811,8 @@ PYBIND11_MODULE(_selective_precision, m) {
              return d;
            })
       .def("evaluation_h2d_bytes", [](PyStreamedModel& s) { return s.model().evaluation_h2d_bytes(); })
+      .def("calibration_h2d_bytes", [](PyStreamedModel& s) { return s.model().calibration_h2d_bytes(); })
+      .def("measurement_h2d_bytes", [](PyStreamedModel& s) { return s.model().measurement_h2d_bytes(); })
       .def("rank", [](PyStreamedModel& s) { return s.model().rank(); })
       .def("world_size", [](PyStreamedModel& s) { return s.model().world_size(); })
       .def("sharded", [](PyStreamedModel& s) { return s.model().sharded(); })

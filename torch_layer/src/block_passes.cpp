@@ -134,6 +134,7 @@ struct KeptBlockWeights : public torch::autograd::Node {
 std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
                                                               BlockCall call, bool opening) {
   if (torch::autograd::get_current_graph_task_id() != -1) return checkpoint_recompute(b, inputs, call);
+  refuse_training_while_measuring(b);
   if (!opening) {
     refuse_second_call(b, engine->schedule(), passes.at(*forwarding).next_forward, "training pass");
     if (engine_pass != forwarding) {
@@ -360,9 +361,7 @@ void StreamedModel::Impl::close_pass_without_backward(std::uint64_t id) {
     log->debug("StreamedModel: a training pass ended without a backward");
     // A grad-mode forward without a backward (an evaluation that left grad mode on, under
     // model.eval() say) trained nothing: its bytes are an evaluation's.
-    const std::uint64_t bytes = passes.at(id).transfer.h2d_bytes.total();
-    evaluation_bytes += bytes;
-    report.eval_h2d_bytes += bytes;
+    count_eval_bytes(passes.at(id).transfer.h2d_bytes.total());
   }
   passes.erase(id);
   if (forwarding == id) forwarding.reset();
@@ -435,24 +434,17 @@ std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, co
     rebuild_changed_images("forward");
     if (eval_open) end_eval_pass();  // one the host left before its last block
     if (eval_engine->schedule().uses().front().block != b) move_block(*eval_engine, b, 0);
-    begin_eval_pass({});
+    begin_eval_pass(eval_limits());
   } else {
     refuse_second_call(b, eval_engine->schedule(), eval_next, "evaluation pass (no grad)");
     if (eval_engine->schedule().uses()[eval_next].block != b) {
-      const std::uint64_t bytes = eval_engine->end_step().h2d_bytes.total();
-      evaluation_bytes += bytes;
-      report.eval_h2d_bytes += bytes;
+      count_eval_bytes(eval_engine->end_step().h2d_bytes.total());
       move_block(*eval_engine, b, eval_next);
-      eval_engine->begin_step(eval_engine_steps++, {}, eval_next);
+      eval_engine->begin_step(eval_engine_steps++, eval_limits(), eval_next);
     }
   }
   std::vector<torch::Tensor> out = eval_block(b, [&](const NamedParameters& weights) { return call(inputs, weights); });
-  if (eval_next == blocks.size()) {
-    const ad::StepTransferMetrics m = end_eval_pass();
-    const std::uint64_t bytes = m.h2d_bytes.total();
-    evaluation_bytes += bytes;
-    report.eval_h2d_bytes += bytes;
-  }
+  if (eval_next == blocks.size()) count_eval_bytes(end_eval_pass().h2d_bytes.total());
   return out;
 }
 
@@ -998,6 +990,8 @@ bool StreamedModel::opens_training_pass(std::uint32_t block) const {
     throw std::invalid_argument(
         fmt::format("StreamedModel::opens_training_pass({}): there are {} blocks", block, impl_->blocks.size()));
   }
+  // A host that begins its step when a pass opens asks first: refused here, before it begins one.
+  impl_->refuse_training_while_measuring(block);
   return impl_->opens_pass(block, /*training=*/true);
 }
 

@@ -78,11 +78,11 @@ void StreamedModel::Impl::share_images(bool all, const std::vector<bool>& rebuil
   }
 }
 
-void StreamedModel::Impl::share_eval_images(Precision precision) {
+void StreamedModel::Impl::share_eval_images(const std::vector<Precision>& routes) {
   if (!sharded) return;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (owns(b) && blocks[b].eval_image_stale) eval_engine->on_weights_updated(b);
-    share_image(*eval_engine, b, precision);
+    share_image(*eval_engine, b, routes.at(b));
     blocks[b].eval_image_stale = false;
   }
 }
@@ -222,7 +222,7 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
   // One route at a time over every sample, so that a sharded model shares each route's
   // images once: the BF16 outputs of every block are kept for the quantized passes.
   std::vector<std::vector<torch::Tensor>> references;
-  share_eval_images(Precision::bf16);
+  share_eval_images(std::vector<Precision>(n, Precision::bf16));
   for (const torch::Tensor& sample : samples) {
     std::vector<torch::Tensor>& reference = references.emplace_back(std::vector<torch::Tensor>{sample});
     eval_pass(pinned_to(Precision::bf16), calibration_bytes, [&](std::uint32_t b, const NamedParameters&) {
@@ -233,7 +233,7 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
     if (!is_quantized(precision)) continue;
     std::vector<double>* sums = &errors[precision];
     sums->assign(n, 0.0);
-    share_eval_images(precision);
+    share_eval_images(std::vector<Precision>(n, precision));
     for (const std::vector<torch::Tensor>& reference : references) {
       eval_pass(pinned_to(precision), calibration_bytes, [&, sums = sums](std::uint32_t b, const NamedParameters&) {
         const torch::Tensor quantized = on_host(blocks[b].block.forward(reference[b]));

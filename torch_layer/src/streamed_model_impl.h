@@ -1,7 +1,8 @@
 // The LibTorch layer's insides, shared by its translation units (streamed_model.cpp: a block's
 // adoption and the public accessors; block_passes.cpp: the passes, forward and backward;
 // gradient_reduction.cpp: the masters' gradients and the update during the backward;
-// layer_state.cpp: sharding, state and calibration; step_driver.cpp: the step and the policy).
+// layer_state.cpp: sharding, state and calibration; step_driver.cpp: the step and the policy;
+// route_comparison.cpp: the forward-only measurement of an allocation).
 // Not installed: the public face is sp/torch_layer/streamed_model.h.
 #pragma once
 
@@ -314,7 +315,9 @@ struct StreamedModel::Impl {
   // The gradients of the current pass's unlisted inputs (unlisted_leaves.h), summed over blocks.
   std::vector<UnlistedLeaf> pass_unlisted;
   std::vector<torch::Tensor> pass_unlisted_grads;
-  std::uint64_t evaluation_bytes = 0, calibration_bytes = 0;  // of the forward-only passes
+  std::uint64_t evaluation_bytes = 0, calibration_bytes = 0, measurement_bytes = 0;  // of the forward-only passes
+  // While compare_routes() runs its closure: the routes every evaluation pass is pinned to.
+  std::optional<ad::RuntimeLimitHints> measuring;
   bool grads_staged = false;
   // An evaluation pass is open, and has called `eval_next` blocks: the evaluation engine's
   // schedule's first ones.
@@ -457,8 +460,9 @@ struct StreamedModel::Impl {
   // when `all`, else those `rebuilt` names (empty: none) and those whose route moved.
   void share_images(bool all, const std::vector<bool>& rebuilt = {});
 
-  // The evaluation engines' images of every block on one route (calibration's pinned passes).
-  void share_eval_images(Precision precision);
+  // Sharded: the evaluation engines' images of each block on its route in `routes` (the pinned passes
+  // of calibration and of route measurements).
+  void share_eval_images(const std::vector<Precision>& routes);
 
   // A block's evaluation image after its masters changed: rebuilt by its owner, copied from the
   // training engine's (which the owner sent) elsewhere.
@@ -568,6 +572,25 @@ struct StreamedModel::Impl {
     const ad::StepTransferMetrics m = end_eval_pass();
     bytes += m.h2d_bytes.total();
   }
+
+  // An evaluation's fetched bytes: a route measurement's while one runs, else the evaluations'.
+  void count_eval_bytes(std::uint64_t bytes) {
+    if (measuring) {
+      measurement_bytes += bytes;
+      return;
+    }
+    evaluation_bytes += bytes;
+    report.eval_h2d_bytes += bytes;
+  }
+  void refuse_training_while_measuring(std::uint32_t b) const {
+    if (!measuring) return;
+    throw std::logic_error(fmt::format(
+        "StreamedModel::compare_routes: the closure called {} in grad mode; the measurement is forward only (it "
+        "runs the closure under no_grad: do not enable grad inside it)",
+        blocks[b].block.name));
+  }
+  // The limits of an evaluation pass the host opens: a route measurement's pins, else none.
+  ad::RuntimeLimitHints eval_limits() const { return measuring ? *measuring : ad::RuntimeLimitHints{}; }
 
   // A no-grad call of block b: it opens an evaluation pass (`opening`, from opens_pass()), or
   // continues the open one; the pass's last block ends it.

@@ -1057,6 +1057,127 @@ TEST(StreamedModel, EvaluationAndCalibrationBytesApartAndCalibrationInTwoHalves)
   EXPECT_EQ(again[sp::Precision::nf4], measured[sp::Precision::nf4]);
 }
 
+// The yardstick: an allocation measured on a model that streams all-BF16 computes what a model
+// whose policy forces that allocation computes, the state is left as it was, and the bytes are
+// the measurement's own.
+TEST(StreamedModel, CompareRoutesMeasuresAnAllocationAsAModelForcedToItComputes) {
+  const auto blocks = make_blocks(31);
+  auto model = wrap(blocks, "  mode: off\n");
+  auto forced = wrap(make_blocks(31), "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_nf4_blocks: [2]\n");
+  const std::vector<torch::Tensor> xs{input(32), input(33), input(34)};
+  const auto per_example_loss = [](const torch::Tensor& y) { return y.pow(2).mean({1, 2}); };
+  std::vector<double> expected_a, expected_b;
+  {
+    torch::NoGradGuard no_grad;
+    for (const torch::Tensor& x : xs) {
+      const torch::Tensor a = per_example_loss(forced->forward(x)), b = per_example_loss(model->forward(x));
+      expected_a.insert(expected_a.end(), a.data_ptr<float>(), a.data_ptr<float>() + a.numel());
+      expected_b.insert(expected_b.end(), b.data_ptr<float>(), b.data_ptr<float>() + b.numel());
+    }
+  }
+  const std::uint64_t evaluated = model->evaluation_h2d_bytes();
+  torch::manual_seed(35);
+  const std::vector<sp::Precision> a{sp::Precision::bf16, sp::Precision::bf16, sp::Precision::nf4};
+  const std::vector<sp::Precision> b(kBlocks, sp::Precision::bf16);
+  const tl::RouteComparison c = model->compare_routes(
+      [&](std::size_t i) {
+        const torch::Tensor y = model->forward(xs.at(i));
+        return tl::MeasuredBatch{per_example_loss(y), y.flatten(0, 1)};
+      },
+      xs.size(), a, b);
+  ASSERT_TRUE(c.paired_over_examples);
+  ASSERT_EQ(c.loss_difference.n, expected_a.size());
+  double mean_difference = 0.0, mean_a = 0.0;
+  for (std::size_t i = 0; i < expected_a.size(); ++i) {
+    mean_difference += (expected_a[i] - expected_b[i]) / static_cast<double>(expected_a.size());
+    mean_a += expected_a[i] / static_cast<double>(expected_a.size());
+  }
+  EXPECT_NEAR(c.loss_a, mean_a, 1e-6);
+  EXPECT_NEAR(c.loss_difference.mean, mean_difference, 1e-6);
+  EXPECT_NE(c.loss_difference.mean, 0.0);
+  EXPECT_LT(c.loss_difference.low, c.loss_difference.mean);
+  EXPECT_GT(c.loss_difference.high, c.loss_difference.mean);
+  ASSERT_TRUE(c.kl.has_value());
+  EXPECT_EQ(c.kl->n, static_cast<std::size_t>(4 * 8 * 3));
+  EXPECT_GT(c.kl->mean, 0.0);
+  EXPECT_EQ(c.batch_kl.size(), xs.size());
+  // One pass per allocation and batch, counted apart from the evaluations.
+  const auto pass_bytes = [&](const std::vector<sp::Precision>& routes) {
+    std::uint64_t bytes = 0;
+    for (std::uint32_t k = 0; k < kBlocks; ++k) bytes += model->image_bytes(k, routes[k]);
+    return bytes;
+  };
+  EXPECT_EQ(c.bytes_a, pass_bytes(a));
+  EXPECT_EQ(c.bytes_b, pass_bytes(b));
+  EXPECT_EQ(c.h2d_bytes, xs.size() * (c.bytes_a + c.bytes_b));
+  EXPECT_EQ(model->measurement_h2d_bytes(), c.h2d_bytes);
+  EXPECT_EQ(model->evaluation_h2d_bytes(), evaluated);
+  // The routes, the random stream and what an evaluation computes are as before.
+  EXPECT_EQ(model->routes(), b);
+  const torch::Tensor drawn_after = torch::randn({4});
+  torch::manual_seed(35);
+  EXPECT_TRUE(torch::equal(drawn_after, torch::randn({4})));
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(torch::equal(model->forward(xs[0]), run_plain(plain_twins(blocks, *model), xs[0])));
+}
+
+TEST(StreamedModel, CompareRoutesRefusesWhatItCannotMeasureAndStaysUsable) {
+  auto model = wrap(make_blocks(36), "  mode: off\n");
+  const std::vector<sp::Precision> bf16(kBlocks, sp::Precision::bf16), nf4(kBlocks, sp::Precision::nf4);
+  const auto loss = [&](std::size_t) { return tl::MeasuredBatch{model->forward(input(37)).pow(2).mean(), {}}; };
+  const auto refused = [&](auto&& call, const char* says) {
+    try {
+      call();
+      ADD_FAILURE() << "accepted; expected: " << says;
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  refused([&] { model->compare_routes(loss, 1, {sp::Precision::nf4}, bf16); }, "routes_a holds 1 routes");
+  refused([&] { model->compare_routes(loss, 0, nf4, bf16); }, "no batches");
+  refused([&] { model->compare_routes(loss, 1, nf4, bf16, 1.5); }, "confidence 1.5");
+  refused([&] { model->compare_routes([](std::size_t) { return tl::MeasuredBatch{torch::ones({1}), {}}; }, 1, nf4, bf16); },
+          "called no streamed block");
+  refused([&] {
+    model->compare_routes([&](std::size_t) { return tl::MeasuredBatch{model->forward(input(38)).sum({1, 2}).to(torch::kLong), {}}; },
+                          1, nf4, bf16);
+  }, "expected a floating tensor");
+  refused([&] {
+    model->compare_routes([&](std::size_t) {
+      torch::AutoGradMode grad(true);
+      return tl::MeasuredBatch{model->forward(input(39)).sum(), {}};
+    }, 1, nf4, bf16);
+  }, "forward only");
+  refused([&] {
+    model->compare_routes([&](std::size_t) -> tl::MeasuredBatch {
+      model->forward(input(40));
+      throw std::runtime_error("the host's own failure");
+    }, 2, nf4, bf16);
+  }, "the host's own failure");
+  model->begin_step(0);
+  refused([&] { model->compare_routes(loss, 1, nf4, bf16); }, "between steps");
+  model->forward(input(41)).pow(2).mean().backward();
+  model->post_backward();
+  model->end_step(1.0);
+  // Nothing of the refusals stays: measured again, the same allocation gives the same figures.
+  const tl::RouteComparison first = model->compare_routes(loss, 2, nf4, bf16);
+  const tl::RouteComparison second = model->compare_routes(loss, 2, nf4, bf16);
+  EXPECT_GT(first.loss_difference.mean, 0.0);
+  EXPECT_EQ(first.batch_loss_differences, second.batch_loss_differences);
+  EXPECT_FALSE(first.paired_over_examples);
+  EXPECT_FALSE(first.kl.has_value());
+  EXPECT_EQ(model->routes(), bf16);
+  // Both allocations of a batch draw the same random numbers (dropout's masks): one allocation
+  // against itself differs by nothing, however much noise the closure draws.
+  const tl::RouteComparison itself = model->compare_routes(
+      [&](std::size_t) {
+        const torch::Tensor y = model->forward(input(42));
+        return tl::MeasuredBatch{(y + torch::randn_like(y)).pow(2).mean(), {}};
+      },
+      3, nf4, nf4);
+  EXPECT_EQ(itself.batch_loss_differences, std::vector<double>(3, 0.0));
+}
+
 TEST(StreamedModel, NamedErrors) {
   const auto blocks = make_blocks(20);
   std::vector<tl::Block> list{tl::make_block(blocks[0], {"fc1.weight", "fc3.weight"})};

@@ -58,6 +58,7 @@
 #include <torch/torch.h>
 
 #include "sp/adapters/metrics.h"
+#include "sp/torch_layer/paired_interval.h"
 #include "sp/adapters/policy_bridge.h"
 #include "sp/adapters/streaming_engine.h"
 #include "sp/error.h"
@@ -230,6 +231,35 @@ struct StepReport {
   double calibration_seconds = 0.0;
 };
 
+// One batch of a route measurement (StreamedModel::compare_routes): the loss the closure
+// computed through the model, one value or one per example (a 1-D tensor), and optionally
+// scores whose last dimension holds logits (a classifier's, or a query's similarities), whose
+// distribution under the measured routes is compared with the reference's by KL divergence.
+struct MeasuredBatch {
+  torch::Tensor loss;
+  torch::Tensor scores;  // undefined: none
+};
+
+// What one allocation of routes costs against another, measured forward only on the same
+// batches, with the same random streams for both (so dropout left on draws the same masks).
+struct RouteComparison {
+  std::vector<Precision> routes_a, routes_b;  // per block
+  double confidence = 0.95;
+  // Paired over examples when every batch gave one loss per example (of the same length under
+  // both allocations), else over batches.
+  bool paired_over_examples = false;
+  double loss_a = 0.0, loss_b = 0.0;  // the mean loss (per example, else per batch)
+  PairedInterval loss_difference;     // loss_a - loss_b, with its interval
+  std::vector<double> batch_loss_differences;
+  // KL(b || a) of the scores' softmax, per example (every leading index of the scores), where
+  // every batch gave scores: its mean with its interval over the examples.
+  std::optional<PairedInterval> kl;
+  std::vector<double> batch_kl;  // the mean per batch
+  // One fetch of every block under each allocation, and as BF16; what the measurement moved.
+  std::uint64_t bytes_a = 0, bytes_b = 0, bytes_all_bf16 = 0;
+  std::uint64_t h2d_bytes = 0;
+};
+
 // A state entry restore_state() cannot take: `entry` names it, `detail` says why, so a host
 // can name the place it stored the entry (sp-train: the checkpoint section).
 class StateEntryError : public ErrorAs<std::invalid_argument> {
@@ -322,7 +352,8 @@ class StreamedModel {
   std::vector<torch::Tensor> forward_block(std::uint32_t block, const std::vector<torch::Tensor>& inputs,
                                            BlockCall call = {});
   // Whether forward_block(block, ...) in grad mode would open a training pass now: a host's
-  // once-a-pass work (Python's stream() begins the step there) keys on it.
+  // once-a-pass work (Python's stream() begins the step there) keys on it. Throws std::logic_error
+  // inside a compare_routes() closure, where no training pass may open.
   bool opens_training_pass(std::uint32_t block) const;
   // The step the next begin_step() may take at the earliest: after the last one begun in this
   // run or in the state restored, else 0.
@@ -404,6 +435,21 @@ class StreamedModel {
   CalibrationErrors measure_calibration_errors(const std::vector<torch::Tensor>& samples);
   bool set_calibration_errors(const CalibrationErrors& errors);
 
+  // Measures what running on `routes_a` instead of `routes_b` (one precision per block) costs:
+  // for each batch i in [0, batches), closure(i) runs the model forward under each allocation,
+  // with grad mode off and the same random state, and returns its loss (and scores). The
+  // layer's masters, images, routes, policy state and random streams are left as they were;
+  // the bytes it moved count to measurement_h2d_bytes(), not to the evaluations'. Between
+  // steps, on every rank alike when sharded (the ranks share each allocation's images).
+  // Throws std::invalid_argument for routes not one per block, no batches, a confidence outside
+  // (0, 1), or a closure whose loss is not a floating 0-D or 1-D tensor, or whose scores' shapes
+  // differ between the allocations; std::logic_error inside a step, or when the closure runs a
+  // grad-mode forward of the blocks. What the closure throws passes through, the state restored.
+  using MeasureClosure = std::function<MeasuredBatch(std::size_t batch)>;
+  RouteComparison compare_routes(const MeasureClosure& closure, std::size_t batches,
+                                 const std::vector<Precision>& routes_a, const std::vector<Precision>& routes_b,
+                                 double confidence = 0.95);
+
   // The benchmark-driven half of the route (sp-bench's transfer policy).
   void set_transfer_gate(sp::adapters::TransferGate gate);
   // Between steps: requests a swap when the plugin file changed (or `force`); it happens at
@@ -453,9 +499,11 @@ class StreamedModel {
   const std::vector<sp::host::UnitHint>& hints() const;
   // Bytes the evaluation passes (no-grad forwards, and grad-mode ones that no backward followed)
   // moved since construction, and apart from
-  // them those of the calibration passes (calibrate(), online re-calibration).
+  // them those of the calibration passes (calibrate(), online re-calibration) and of the route
+  // measurements (compare_routes()).
   std::uint64_t evaluation_h2d_bytes() const;
   std::uint64_t calibration_h2d_bytes() const;
+  std::uint64_t measurement_h2d_bytes() const;
   // Data parallelism (collectives.h). rank() 0 and world_size() 1 without collectives.
   int rank() const;
   int world_size() const;

@@ -1,0 +1,224 @@
+// StreamedModel::compare_routes: what an allocation of routes costs, measured forward only on
+// the host's batches through its own closure, with a confidence interval.
+
+#include <cmath>
+#include <mutex>
+
+#include <ATen/Context.h>
+#include <fmt/ranges.h>
+
+#include "streamed_model_impl.h"
+
+namespace sp::torch_layer {
+
+namespace {
+
+std::string describe(const torch::Tensor& t) {
+  if (!t.defined()) return "undefined";
+  return fmt::format("a {} tensor of shape [{}]", c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", "));
+}
+
+// The random streams a closure may draw from (dropout left on): the CPU's and the model's
+// device's. Each allocation of a batch starts from the same state, and the host's streams are
+// left as they were, as torch.utils.checkpoint leaves them.
+class RandomStreams {
+ public:
+  explicit RandomStreams(const torch::Device& device) {
+    generators_.push_back(at::globalContext().defaultGenerator(torch::kCPU));
+    if (!device.is_cpu()) generators_.push_back(at::globalContext().defaultGenerator(device));
+    saved_ = capture();
+  }
+  std::vector<torch::Tensor> capture() {
+    std::vector<torch::Tensor> states;
+    for (at::Generator& g : generators_) {
+      const std::lock_guard<std::mutex> lock(g.mutex());
+      states.push_back(g.get_state());
+    }
+    return states;
+  }
+  void put(const std::vector<torch::Tensor>& states) {
+    for (std::size_t i = 0; i < generators_.size(); ++i) {
+      const std::lock_guard<std::mutex> lock(generators_[i].mutex());
+      generators_[i].set_state(states[i]);
+    }
+  }
+  void restore() { put(saved_); }
+
+ private:
+  std::vector<at::Generator> generators_;
+  std::vector<torch::Tensor> saved_;
+};
+
+// One batch's loss as float64 values on the host: one per example (1-D) or one (0-D).
+torch::Tensor loss_values(const torch::Tensor& loss, std::size_t batch, const char* routes) {
+  if (!loss.defined() || !loss.is_floating_point() || loss.dim() > 1) {
+    throw std::invalid_argument(fmt::format(
+        "StreamedModel::compare_routes: batch {}: the closure's loss under {} is {}; expected a floating tensor of "
+        "shape [] (the batch's loss) or [examples] (one per example)",
+        batch, routes, describe(loss)));
+  }
+  torch::Tensor values = loss.detach().to(torch::kCPU, torch::kFloat64).reshape({-1});
+  if (!torch::isfinite(values).all().item<bool>()) {
+    throw std::invalid_argument(
+        fmt::format("StreamedModel::compare_routes: batch {}: the closure's loss under {} is not finite", batch, routes));
+  }
+  return values;
+}
+
+// KL(b || a) of the scores' softmax over their last dimension, one value per leading index.
+torch::Tensor kl_per_example(const torch::Tensor& scores_a, const torch::Tensor& scores_b, std::size_t batch) {
+  if (scores_a.defined() != scores_b.defined()) {
+    throw std::invalid_argument(fmt::format(
+        "StreamedModel::compare_routes: batch {}: the closure gave scores under one allocation and not the other",
+        batch));
+  }
+  if (!scores_a.is_floating_point() || scores_a.dim() == 0 || scores_a.sizes() != scores_b.sizes()) {
+    throw std::invalid_argument(fmt::format(
+        "StreamedModel::compare_routes: batch {}: the scores are {} under routes_a and {} under routes_b; expected "
+        "floating tensors of one shape, logits over their last dimension",
+        batch, describe(scores_a), describe(scores_b)));
+  }
+  const auto log_probabilities = [](const torch::Tensor& s) {
+    return torch::log_softmax(s.detach().to(torch::kCPU, torch::kFloat64).reshape({-1, s.size(-1)}), -1);
+  };
+  const torch::Tensor a = log_probabilities(scores_a);
+  const torch::Tensor b = log_probabilities(scores_b);
+  return (b.exp() * (b - a)).sum(-1);
+}
+
+std::vector<double> values_of(const torch::Tensor& t) {
+  const torch::Tensor c = t.contiguous();
+  return std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
+}
+
+double mean_of(const std::vector<double>& v) {
+  double sum = 0.0;
+  for (const double x : v) sum += x;
+  return sum / static_cast<double>(v.size());
+}
+
+}  // namespace
+
+RouteComparison StreamedModel::compare_routes(const MeasureClosure& closure, std::size_t batches,
+                                              const std::vector<Precision>& routes_a,
+                                              const std::vector<Precision>& routes_b, double confidence) {
+  Impl& m = *impl_;
+  if (!closure) throw std::invalid_argument("StreamedModel::compare_routes: no closure");
+  for (const auto& [routes, name] : {std::pair{&routes_a, "routes_a"}, std::pair{&routes_b, "routes_b"}}) {
+    if (routes->size() != m.blocks.size()) {
+      throw std::invalid_argument(fmt::format("StreamedModel::compare_routes: {} holds {} routes; expected one per "
+                                              "block ({})",
+                                              name, routes->size(), m.blocks.size()));
+    }
+  }
+  if (batches == 0) throw std::invalid_argument("StreamedModel::compare_routes: no batches to measure on");
+  if (!(confidence > 0.0 && confidence < 1.0)) {
+    throw std::invalid_argument(
+        fmt::format("StreamedModel::compare_routes: confidence {} is outside (0, 1)", confidence));
+  }
+  if (m.in_step()) throw std::logic_error("StreamedModel::compare_routes: measure between steps, not inside one");
+  if (m.measuring) throw std::logic_error("StreamedModel::compare_routes: called from inside a measurement's closure");
+
+  RouteComparison out;
+  out.routes_a = routes_a;
+  out.routes_b = routes_b;
+  out.confidence = confidence;
+  for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
+    out.bytes_a += m.engine->image_bytes(b, routes_a[b]);
+    out.bytes_b += m.engine->image_bytes(b, routes_b[b]);
+    out.bytes_all_bf16 += m.engine->image_bytes(b, Precision::bf16);
+  }
+
+  torch::NoGradGuard no_grad;
+  RandomStreams random(m.options.device);
+  const std::uint64_t bytes_before = m.measurement_bytes;
+  // Whatever the closure leaves (an open evaluation pass, pins, images shared for a pinned
+  // route) is put back, also when it throws.
+  const auto end_measurement = [&] {
+    if (m.eval_open) m.count_eval_bytes(m.end_eval_pass().h2d_bytes.total());
+    m.measuring.reset();
+    // The pins of the last pass stand until the next evaluation: dropped now, so that an image
+    // rebuilt in between is built for the route the block takes next.
+    m.eval_engine->policy_bridge().begin_step();
+    if (m.sharded) {
+      for (BlockState& block : m.blocks) block.eval_image_stale = true;
+    }
+  };
+  const auto measure = [&](const std::vector<Precision>& routes, std::size_t batch) {
+    ad::RuntimeLimitHints pins;
+    for (std::uint32_t b = 0; b < m.blocks.size(); ++b) pins.block_precision_map[b] = routes[b];
+    m.wait_for_updates();
+    m.share_eval_images(routes);
+    const std::int64_t passes_before = m.eval_engine_steps;
+    m.measuring = std::move(pins);
+    MeasuredBatch result = closure(batch);
+    if (m.eval_open) m.count_eval_bytes(m.end_eval_pass().h2d_bytes.total());
+    m.measuring.reset();
+    if (m.eval_engine_steps == passes_before) {
+      throw std::invalid_argument(fmt::format(
+          "StreamedModel::compare_routes: closure({}) called no streamed block: it must compute its loss through the "
+          "model",
+          batch));
+    }
+    return result;
+  };
+
+  std::vector<double> example_differences, kl_values, batch_means_a, batch_means_b;
+  double sum_a = 0.0, sum_b = 0.0;
+  bool per_example = true, with_scores = false;
+  try {
+    for (std::size_t i = 0; i < batches; ++i) {
+      const std::vector<torch::Tensor> state = random.capture();
+      const MeasuredBatch b = measure(routes_b, i);
+      random.put(state);
+      const MeasuredBatch a = measure(routes_a, i);
+      const torch::Tensor loss_a = loss_values(a.loss, i, "routes_a");
+      const torch::Tensor loss_b = loss_values(b.loss, i, "routes_b");
+      if (a.loss.dim() == 1 && b.loss.dim() == 1 && loss_a.numel() == loss_b.numel()) {
+        const std::vector<double> d = values_of(loss_a - loss_b);
+        example_differences.insert(example_differences.end(), d.begin(), d.end());
+      } else if (a.loss.dim() != b.loss.dim() || a.loss.dim() == 1) {
+        throw std::invalid_argument(
+            fmt::format("StreamedModel::compare_routes: batch {}: the loss has {} values under routes_a and {} under "
+                        "routes_b; the allocations must be measured on the same examples",
+                        i, loss_a.numel(), loss_b.numel()));
+      } else {
+        per_example = false;
+      }
+      sum_a += loss_a.sum().item<double>();
+      sum_b += loss_b.sum().item<double>();
+      batch_means_a.push_back(loss_a.mean().item<double>());
+      batch_means_b.push_back(loss_b.mean().item<double>());
+      out.batch_loss_differences.push_back(batch_means_a.back() - batch_means_b.back());
+      if (i == 0) with_scores = a.scores.defined() || b.scores.defined();
+      if (with_scores != (a.scores.defined() || b.scores.defined())) {
+        throw std::invalid_argument(fmt::format(
+            "StreamedModel::compare_routes: batch {}: the closure gave scores for some batches and not others", i));
+      }
+      if (with_scores) {
+        const std::vector<double> kl = values_of(kl_per_example(a.scores, b.scores, i));
+        out.batch_kl.push_back(mean_of(kl));
+        kl_values.insert(kl_values.end(), kl.begin(), kl.end());
+      }
+    }
+  } catch (...) {
+    end_measurement();
+    random.restore();
+    throw;
+  }
+  end_measurement();
+  random.restore();
+
+  out.paired_over_examples = per_example;
+  out.loss_a = per_example ? sum_a / static_cast<double>(example_differences.size()) : mean_of(batch_means_a);
+  out.loss_b = per_example ? sum_b / static_cast<double>(example_differences.size()) : mean_of(batch_means_b);
+  out.loss_difference =
+      paired_interval(per_example ? example_differences : out.batch_loss_differences, confidence);
+  if (with_scores) out.kl = paired_interval(kl_values, confidence);
+  out.h2d_bytes = m.measurement_bytes - bytes_before;
+  return out;
+}
+
+std::uint64_t StreamedModel::measurement_h2d_bytes() const { return impl_->measurement_bytes; }
+
+}  // namespace sp::torch_layer
