@@ -1893,6 +1893,30 @@ std::vector<RankRun> run_two_ranks(bool shard, int steps,
 
 }  // namespace
 
+// Sharded, a measurement shares each allocation's images from their owners: every rank measures
+// what a replicated rank measures, bit for bit.
+TEST(ShardedMasters, CompareRoutesMeasuresWhatAReplicatedRankMeasures) {
+  const std::vector<sp::Precision> a{sp::Precision::nf4, sp::Precision::int8, sp::Precision::bf16};
+  const std::vector<sp::Precision> bf16(kBlocks, sp::Precision::bf16);
+  const std::vector<torch::Tensor> xs{input(60), input(61)};
+  std::vector<std::vector<double>> measured(4);
+  const auto measure_into = [&](int slot) {
+    return [&, slot](int rank, tl::StreamedModel& model) {
+      const tl::RouteComparison c = model.compare_routes(
+          [&](std::size_t i) { return tl::MeasuredBatch{model.forward(xs.at(i)).pow(2).mean(), {}}; }, xs.size(), a,
+          bf16);
+      measured[slot + rank] = c.batch_loss_differences;
+      EXPECT_EQ(model.routes(), (std::vector<sp::Precision>{sp::Precision::bf16, sp::Precision::int8,
+                                                           sp::Precision::nf4}));  // the policy's, as before
+    };
+  };
+  run_two_ranks(false, 1, measure_into(0));
+  run_two_ranks(true, 1, measure_into(2));
+  ASSERT_EQ(measured[0].size(), xs.size());
+  EXPECT_NE(measured[0][0], 0.0);
+  for (std::size_t i = 1; i < measured.size(); ++i) EXPECT_EQ(measured[i], measured[0]) << i;
+}
+
 // Sharded, each rank keeps and updates every other block's masters and installs the others'
 // images: the same two-way sums as replicated, so the same losses (training and evaluation,
 // bit for bit on both ranks) and the same masters where a rank keeps them.
