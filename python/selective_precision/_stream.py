@@ -208,8 +208,10 @@ def _with_budget(config_yaml: str, source: str, budget: Budget) -> tuple[str, st
     document, parent, key, path, section = found
     wanted = budget.as_config()
     if "budget" in section and section["budget"] != wanted:
-        raise ValueError("stream(): budget=%r, but %s sets %s.budget to %r; give the budget once"
-                         % (budget, source, path, section["budget"]))
+        # A shipped config carries a default budget; the caller's argument is the run's, as a
+        # keyword overrides a config file's value.
+        _log.info("selective_precision: stream(budget=%r) overrides %s's %s.budget %r", budget, source, path,
+                  section["budget"])
     if section.get("mode", "budget") != "budget":
         raise ValueError("stream(): budget= needs policy v3 (mode budget), but %s sets %s.mode to %r; leave mode "
                          "out or set it to budget" % (source, path, section["mode"]))

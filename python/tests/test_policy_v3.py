@@ -1,6 +1,7 @@
 """Policy v3 through sp.stream(): a budget given as an option, a calibration step that decides
 the routes before the first training step, and the policy report (docs/policy.md, "Policy v3")."""
 
+import logging
 import math
 import os
 
@@ -144,12 +145,22 @@ def test_a_budget_is_refused_by_name_when_it_cannot_be_right():
             sp.Budget(**bad)
     with pytest.raises(ValueError, match="sets selective_precision.mode to 'dynamic'"):
         streamed_model(config=dict(QUIET, mode="dynamic"))
-    with pytest.raises(ValueError, match="selective_precision.budget to \\{'bytes': 0.45\\}; give the budget once"):
-        streamed_model(config=dict(QUIET, budget={"bytes": 0.45}))
     with pytest.raises(TypeError, match="budget= expected selective_precision.Budget"):
         streamed_model(budget=0.5)
     model = streamed_model(config=dict(QUIET, budget={"bytes": 0.5}))  # the same budget twice is one budget
     assert model.layers.policy_report().budget["limit"] == 0.5
+
+
+def test_the_budget_argument_overrides_the_configs_and_says_so(caplog):
+    """A shipped config (configs/policy/v3.yaml) carries a default budget; stream(budget=) is the
+    run's, as a keyword argument overrides a config file's value."""
+    with caplog.at_level(logging.INFO, logger="selective_precision"):
+        model = streamed_model(config=dict(QUIET, budget={"bytes": 0.45}), budget=sp.Budget(bytes=0.6))
+    assert model.layers.policy_report().budget["limit"] == 0.6
+    assert any("overrides" in r.getMessage() and "{'bytes': 0.45}" in r.getMessage() for r in caplog.records)
+    shipped = sp.stream(Model().layers, config=os.path.join(sp.config_dir(), "policy", "v3.yaml"),
+                        budget=sp.Budget(bytes=0.346))
+    assert shipped.policy_report().budget["limit"] == 0.346
 
 
 def test_without_a_budget_the_report_has_none_and_no_costs():
