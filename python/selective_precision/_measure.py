@@ -29,6 +29,7 @@ class Interval:
         return cls(mean=d["mean"], low=d["low"], high=d["high"], std_error=d["std_error"], n=d["n"])
 
     def scaled(self, factor: float) -> "Interval":
+        """The same interval in other units: every value times `factor` (bounds kept in order)."""
         low, high = sorted((self.low * factor, self.high * factor))
         return Interval(self.mean * factor, low, high, self.std_error * abs(factor), self.n)
 
