@@ -657,12 +657,12 @@ class StreamedLayers(torch.nn.ModuleList):
         """What running on `routes_a` instead of `routes_b` costs, measured: for each batch,
         `closure(batch)` runs the model forward under each allocation (no_grad, the same random
         state for both) and returns its loss, the batch's or one per example, or a tuple
-        (loss, scores) whose scores hold logits over their last dimension (then the KL divergence
-        of a's distribution from b's is measured too). A route is one format for every unit, a
+        (loss, scores) whose scores hold logits over their last dimension (then KL(b || a) of
+        their softmax is measured too, each leading index of the scores one example). A route is one format for every unit, a
         list of one per unit (as routes() gives them), or a dict of unit name to format.
 
-        Forward only, between steps: the masters, images, routes, policy state and random streams
-        are left as they were. Returns a RouteComparison: the paired loss difference a - b with
+        Forward only, between steps: the masters, images, routes, policy state and the random
+        streams of the CPU and the model's device are left as they were. Returns a RouteComparison: the paired loss difference a - b with
         its `confidence` interval (over examples when the closure gives one loss per example, else
         over batches), the KL where scores were given, and each allocation's bytes saved. Call it
         on every rank with sharded masters."""

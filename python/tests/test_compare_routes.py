@@ -92,12 +92,20 @@ def test_dropout_left_on_draws_the_same_masks_under_both_allocations():
 
 
 def test_routes_by_unit_name_and_units_of_part_of_a_block():
-    model = streamed_model(units={"fc": ["fc"]})
-    assert model.layers.routes() == ["bf16"] * 3
-    names = [u["unit"] for u in model.layers.policy_report()]
-    by_name = model.layers.compare_routes(lambda x: model(x), [torch.randn(4, 8)], dict.fromkeys(names, "nf4"))
-    by_list = model.layers.compare_routes(lambda x: model(x), [torch.randn(4, 8)], ["nf4"] * 3)
-    assert by_name.routes_a == by_list.routes_a == ["nf4"] * 3
+    """With units=, a unit's route pins its modules: measured, unit 1 in NF4 computes what a model
+    whose policy forces unit 1 to NF4 computes."""
+    measured = streamed_model(units={"fc": ["fc"]})
+    forced = streamed_model(FORCED_NF4_1, units={"fc": ["fc"]})
+    measured.eval(), forced.eval()
+    names = [u["unit"] for u in measured.layers.policy_report()]
+    assert names == ["0.fc", "1.fc", "2.fc"] and forced.layers.routes() == ["bf16", "nf4", "bf16"]
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        expected = forced(x).item()
+    by_name = measured.layers.compare_routes(lambda b: measured(b), [x], {"0.fc": "bf16", "1.fc": "nf4", "2.fc": "bf16"})
+    by_list = measured.layers.compare_routes(lambda b: measured(b), [x], ["bf16", "nf4", "bf16"])
+    assert by_name.routes_a == by_list.routes_a == ["bf16", "nf4", "bf16"]
+    assert by_name.loss_a == by_list.loss_a == pytest.approx(expected, rel=1e-12)
     assert by_name.loss_difference.mean != 0.0
 
 

@@ -40,7 +40,10 @@ double student_t_quantile(double p, double dof) {
   if (p == 0.5) return 0.0;
   const double target = std::fabs(p - 0.5);
   double low = 0.0, high = 1.0;
-  while (t_probability_from_zero(high, dof) < target) high *= 2.0;
+  while (t_probability_from_zero(high, dof) < target) {
+    high *= 2.0;
+    if (high > 1e12) throw std::invalid_argument("student_t_quantile: p is too close to 0 or 1 to resolve");
+  }
   for (int i = 0; i < 200 && high - low > 1e-12 * high; ++i) {
     const double mid = 0.5 * (low + high);
     (t_probability_from_zero(mid, dof) < target ? low : high) = mid;
@@ -51,7 +54,7 @@ double student_t_quantile(double p, double dof) {
 
 PairedInterval paired_interval(const std::vector<double>& differences, double confidence) {
   if (differences.empty()) throw std::invalid_argument("paired_interval: no differences");
-  if (!(confidence > 0.0 && confidence < 1.0)) {
+  if (!(confidence > 0.0 && 0.5 + confidence / 2.0 < 1.0)) {
     throw std::invalid_argument("paired_interval: the confidence must lie in (0, 1), got " + std::to_string(confidence));
   }
   for (std::size_t i = 0; i < differences.size(); ++i) {

@@ -58,6 +58,10 @@ torch::Tensor loss_values(const torch::Tensor& loss, std::size_t batch, const ch
         batch, routes, describe(loss)));
   }
   torch::Tensor values = loss.detach().to(torch::kCPU, torch::kFloat64).reshape({-1});
+  if (values.numel() == 0) {
+    throw std::invalid_argument(
+        fmt::format("StreamedModel::compare_routes: batch {}: the closure's loss under {} holds no values", batch, routes));
+  }
   if (!torch::isfinite(values).all().item<bool>()) {
     throw std::invalid_argument(
         fmt::format("StreamedModel::compare_routes: batch {}: the closure's loss under {} is not finite", batch, routes));
@@ -83,7 +87,16 @@ torch::Tensor kl_per_example(const torch::Tensor& scores_a, const torch::Tensor&
   };
   const torch::Tensor a = log_probabilities(scores_a);
   const torch::Tensor b = log_probabilities(scores_b);
-  return (b.exp() * (b - a)).sum(-1);
+  // Where b gives no mass the term is 0 (p log p -> 0), also where both are -inf (masked logits).
+  const torch::Tensor p = b.exp();
+  const torch::Tensor kl = torch::where(p > 0, p * (b - a), torch::zeros_like(p)).sum(-1);
+  if (!torch::isfinite(kl).all().item<bool>()) {
+    throw std::invalid_argument(fmt::format(
+        "StreamedModel::compare_routes: batch {}: the KL of the scores is not finite: a score is NaN or +inf, or "
+        "routes_a gives no probability (a logit of -inf) where routes_b gives some",
+        batch));
+  }
+  return kl;
 }
 
 std::vector<double> values_of(const torch::Tensor& t) {
@@ -112,7 +125,7 @@ RouteComparison StreamedModel::compare_routes(const MeasureClosure& closure, std
     }
   }
   if (batches == 0) throw std::invalid_argument("StreamedModel::compare_routes: no batches to measure on");
-  if (!(confidence > 0.0 && confidence < 1.0)) {
+  if (!(confidence > 0.0 && 0.5 + confidence / 2.0 < 1.0)) {
     throw std::invalid_argument(
         fmt::format("StreamedModel::compare_routes: confidence {} is outside (0, 1)", confidence));
   }
@@ -133,16 +146,28 @@ RouteComparison StreamedModel::compare_routes(const MeasureClosure& closure, std
   RandomStreams random(m.options.device);
   const std::uint64_t bytes_before = m.measurement_bytes;
   // Whatever the closure leaves (an open evaluation pass, pins, images shared for a pinned
-  // route) is put back, also when it throws.
+  // route, the random state) is put back, also when it throws. Each step that fails is logged
+  // and the next still runs: the caller gets the measurement's own error, and a layer that
+  // trains again.
   const auto end_measurement = [&] {
-    if (m.eval_open) m.count_eval_bytes(m.end_eval_pass().h2d_bytes.total());
+    const auto attempt = [&](const char* what, const auto& step) {
+      try {
+        step();
+      } catch (const std::exception& e) {
+        m.log->warn("StreamedModel::compare_routes: {}: {}", what, e.what());
+      }
+    };
+    attempt("closing the open evaluation pass", [&] {
+      if (m.eval_open) m.count_eval_bytes(m.end_eval_pass().h2d_bytes.total());
+    });
     m.measuring.reset();
     // The pins of the last pass stand until the next evaluation: dropped now, so that an image
     // rebuilt in between is built for the route the block takes next.
-    m.eval_engine->policy_bridge().begin_step();
+    attempt("dropping the pins", [&] { m.eval_engine->policy_bridge().begin_step(); });
     if (m.sharded) {
       for (BlockState& block : m.blocks) block.eval_image_stale = true;
     }
+    attempt("restoring the random state", [&] { random.restore(); });
   };
   const auto measure = [&](const std::vector<Precision>& routes, std::size_t batch) {
     ad::RuntimeLimitHints pins;
@@ -179,9 +204,9 @@ RouteComparison StreamedModel::compare_routes(const MeasureClosure& closure, std
         example_differences.insert(example_differences.end(), d.begin(), d.end());
       } else if (a.loss.dim() != b.loss.dim() || a.loss.dim() == 1) {
         throw std::invalid_argument(
-            fmt::format("StreamedModel::compare_routes: batch {}: the loss has {} values under routes_a and {} under "
-                        "routes_b; the allocations must be measured on the same examples",
-                        i, loss_a.numel(), loss_b.numel()));
+            fmt::format("StreamedModel::compare_routes: batch {}: the loss is {} under routes_a and {} under routes_b; "
+                        "the allocations must be measured on the same examples",
+                        i, describe(a.loss), describe(b.loss)));
       } else {
         per_example = false;
       }
@@ -203,11 +228,9 @@ RouteComparison StreamedModel::compare_routes(const MeasureClosure& closure, std
     }
   } catch (...) {
     end_measurement();
-    random.restore();
     throw;
   }
   end_measurement();
-  random.restore();
 
   out.paired_over_examples = per_example;
   out.loss_a = per_example ? sum_a / static_cast<double>(example_differences.size()) : mean_of(batch_means_a);

@@ -1067,12 +1067,17 @@ TEST(StreamedModel, CompareRoutesMeasuresAnAllocationAsAModelForcedToItComputes)
   const std::vector<torch::Tensor> xs{input(32), input(33), input(34)};
   const auto per_example_loss = [](const torch::Tensor& y) { return y.pow(2).mean({1, 2}); };
   std::vector<double> expected_a, expected_b;
+  double expected_kl = 0.0;  // KL(b || a) per row of the outputs, b the reference: its mean
   {
     torch::NoGradGuard no_grad;
     for (const torch::Tensor& x : xs) {
-      const torch::Tensor a = per_example_loss(forced->forward(x)), b = per_example_loss(model->forward(x));
+      const torch::Tensor ya = forced->forward(x), yb = model->forward(x);
+      const torch::Tensor a = per_example_loss(ya), b = per_example_loss(yb);
       expected_a.insert(expected_a.end(), a.data_ptr<float>(), a.data_ptr<float>() + a.numel());
       expected_b.insert(expected_b.end(), b.data_ptr<float>(), b.data_ptr<float>() + b.numel());
+      const torch::Tensor la = torch::log_softmax(ya.flatten(0, 1).to(torch::kFloat64), -1);
+      const torch::Tensor lb = torch::log_softmax(yb.flatten(0, 1).to(torch::kFloat64), -1);
+      expected_kl += (lb.exp() * (lb - la)).sum(-1).sum().item<double>() / (4.0 * 8.0 * 3.0);
     }
   }
   const std::uint64_t evaluated = model->evaluation_h2d_bytes();
@@ -1100,6 +1105,7 @@ TEST(StreamedModel, CompareRoutesMeasuresAnAllocationAsAModelForcedToItComputes)
   ASSERT_TRUE(c.kl.has_value());
   EXPECT_EQ(c.kl->n, static_cast<std::size_t>(4 * 8 * 3));
   EXPECT_GT(c.kl->mean, 0.0);
+  EXPECT_NEAR(c.kl->mean, expected_kl, 1e-9 * expected_kl);  // KL(b || a), not (a || b)
   EXPECT_EQ(c.batch_kl.size(), xs.size());
   // One pass per allocation and batch, counted apart from the evaluations.
   const auto pass_bytes = [&](const std::vector<sp::Precision>& routes) {
@@ -1176,6 +1182,25 @@ TEST(StreamedModel, CompareRoutesRefusesWhatItCannotMeasureAndStaysUsable) {
       },
       3, nf4, nf4);
   EXPECT_EQ(itself.batch_loss_differences, std::vector<double>(3, 0.0));
+  // Masked logits (-inf under both allocations) weigh nothing; -inf under routes_a alone where
+  // routes_b gives mass is an infinite KL, refused by name. Each batch runs under routes_b first.
+  const auto with_masks = [&](float mask_a, float mask_b) {
+    int call = 0;
+    return model->compare_routes(
+        [&](std::size_t) {
+          const torch::Tensor y = model->forward(input(43)).flatten(0, 1);
+          torch::Tensor mask = torch::zeros({y.size(-1)});
+          mask[0] = call++ % 2 == 0 ? mask_b : mask_a;
+          return tl::MeasuredBatch{y.pow(2).mean(), y + mask};
+        },
+        1, nf4, bf16);
+  };
+  const float inf = std::numeric_limits<float>::infinity();
+  const tl::RouteComparison masked = with_masks(-inf, -inf);
+  ASSERT_TRUE(masked.kl.has_value());
+  EXPECT_TRUE(std::isfinite(masked.kl->mean) && masked.kl->mean > 0.0);
+  refused([&] { with_masks(-inf, 0.0f); }, "routes_a gives no probability");
+  EXPECT_EQ(model->routes(), bf16);
 }
 
 TEST(StreamedModel, NamedErrors) {

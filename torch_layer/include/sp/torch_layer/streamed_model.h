@@ -438,13 +438,17 @@ class StreamedModel {
   // Measures what running on `routes_a` instead of `routes_b` (one precision per block) costs:
   // for each batch i in [0, batches), closure(i) runs the model forward under each allocation,
   // with grad mode off and the same random state, and returns its loss (and scores). The
-  // layer's masters, images, routes, policy state and random streams are left as they were;
-  // the bytes it moved count to measurement_h2d_bytes(), not to the evaluations'. Between
-  // steps, on every rank alike when sharded (the ranks share each allocation's images).
+  // layer's masters, images, routes and policy state, and the random streams of the CPU and of
+  // the model's device, are left as they were (its pass counters advance); the bytes it moved
+  // count to measurement_h2d_bytes(), not to the evaluations'. Between steps, on every rank
+  // alike when sharded (the ranks share each allocation's images; a rank whose closure throws
+  // leaves the others waiting in that collective until its timeout).
   // Throws std::invalid_argument for routes not one per block, no batches, a confidence outside
-  // (0, 1), or a closure whose loss is not a floating 0-D or 1-D tensor, or whose scores' shapes
-  // differ between the allocations; std::logic_error inside a step, or when the closure runs a
-  // grad-mode forward of the blocks. What the closure throws passes through, the state restored.
+  // (0, 1), a closure that calls no streamed block, whose loss is not a non-empty floating 0-D
+  // or 1-D tensor of finite values, or whose scores are given for some batches only, differ in
+  // shape between the allocations, or give an infinite KL; std::logic_error inside a step, or
+  // when the closure runs a grad-mode forward of the blocks. What the closure throws passes
+  // through, the state restored.
   using MeasureClosure = std::function<MeasuredBatch(std::size_t batch)>;
   RouteComparison compare_routes(const MeasureClosure& closure, std::size_t batches,
                                  const std::vector<Precision>& routes_a, const std::vector<Precision>& routes_b,
