@@ -28,6 +28,19 @@ class Interval:
     def _of(cls, d: dict) -> "Interval":
         return cls(mean=d["mean"], low=d["low"], high=d["high"], std_error=d["std_error"], n=d["n"])
 
+    @classmethod
+    def of(cls, values, confidence: float = 0.95) -> "Interval":
+        """The interval of the mean of `values` (paired differences, or per-batch figures such as
+        a RouteComparison's `batch_kl`), as compare_routes computes its own."""
+        from . import _selective_precision
+
+        values = [float(v) for v in values]
+        if not values:
+            raise ValueError("Interval.of(): no values")
+        if not 0.0 < float(confidence) < 1.0:
+            raise ValueError("Interval.of(): confidence=%r; expected a number in (0, 1), such as 0.95" % (confidence,))
+        return cls._of(_selective_precision._paired_interval(values, float(confidence)))
+
     def scaled(self, factor: float) -> "Interval":
         """The same interval in other units: every value times `factor` (bounds kept in order)."""
         low, high = sorted((self.low * factor, self.high * factor))

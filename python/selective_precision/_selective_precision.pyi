@@ -4,6 +4,7 @@ from typing import Any, Callable
 
 import torch
 
+def _paired_interval(values: list[float], confidence: float) -> dict[str, Any]: ...
 def _quantize_nf4(
     x: torch.Tensor, group_size: int, scale_dtype: torch.dtype, threads: int
 ) -> tuple[torch.Tensor, torch.Tensor]: ...

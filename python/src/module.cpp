@@ -161,6 +161,16 @@ py::dict swap_dict(const sp::host::SwapResult& swap) {
   return d;
 }
 
+py::dict interval_dict(const tl::PairedInterval& i) {
+  py::dict d;
+  d["n"] = i.n;
+  d["mean"] = i.mean;
+  d["std_error"] = i.std_error;
+  d["low"] = i.low;
+  d["high"] = i.high;
+  return d;
+}
+
 py::dict errors_dict(const tl::CalibrationErrors& errors) {
   py::dict d;
   for (const sp::Precision precision : sp::kPrecisions) {
@@ -554,6 +564,12 @@ PYBIND11_MODULE(_selective_precision, m) {
   // script's other threads (a DataLoader's pin-memory thread) go on meanwhile; the blocks'
   // Python forwards take it back (python_block). Their results become Python objects after.
   const py::call_guard<py::gil_scoped_release> no_gil;
+  m.def(
+      "_paired_interval",
+      [](const std::vector<double>& values, double confidence) {
+        return interval_dict(tl::paired_interval(values, confidence));
+      },
+      py::arg("values"), py::arg("confidence"));
   m.def("_quantize_nf4", &quantize_nf4, py::arg("x"), py::arg("group_size"), py::arg("scale_dtype"),
         py::arg("threads"));
   m.def("_dequantize_nf4", &dequantize_nf4, py::arg("codes"), py::arg("scales"), py::arg("group_size"),
@@ -722,15 +738,7 @@ PYBIND11_MODULE(_selective_precision, m) {
                return s.model().compare_routes(measure, batches, precisions(routes_a), precisions(routes_b),
                                                confidence);
              }();
-             const auto interval = [](const tl::PairedInterval& i) {
-               py::dict d;
-               d["n"] = i.n;
-               d["mean"] = i.mean;
-               d["std_error"] = i.std_error;
-               d["low"] = i.low;
-               d["high"] = i.high;
-               return d;
-             };
+             const auto interval = interval_dict;
              py::dict d;
              d["confidence"] = c.confidence;
              d["paired_over_examples"] = c.paired_over_examples;

@@ -151,3 +151,16 @@ def test_a_closure_that_trains_or_fails_is_stopped_and_a_step_is_refused():
         model.layers.compare_routes(lambda x: model(x), [torch.randn(4, 8)], "nf4")
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     assert model.layers.compare_routes(lambda x: model(x), [torch.randn(4, 8)], "nf4").loss_difference.n == 1
+
+
+def test_an_interval_of_any_values_is_the_t_interval_compare_routes_uses():
+    i = sp.Interval.of([0.0, 1.0, 2.0, 3.0, 4.0])
+    assert i.n == 5 and i.mean == 2.0 and i.std_error == pytest.approx(math.sqrt(0.5))
+    assert i.high == pytest.approx(2.0 + 2.776445 * math.sqrt(0.5), rel=1e-6)  # t(0.975, 4)
+    model = streamed_model()
+    c = model.layers.compare_routes(lambda x: model(x), [torch.randn(4, 8) for _ in range(3)], "nf4")
+    assert sp.Interval.of(c.batch_loss_differences) == c.loss_difference  # paired over batches
+    with pytest.raises(ValueError, match="no values"):
+        sp.Interval.of([])
+    with pytest.raises(ValueError, match="is not finite"):
+        sp.Interval.of([1.0, float("nan")])
