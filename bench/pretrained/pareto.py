@@ -63,7 +63,7 @@ def stream_units(model):
     return sp.stream(modules, config={"mode": "off", "telemetry_enabled": False}, streamed=names)
 
 
-def v3_routes(budget, tune):
+def v3_routes(budget, tune, tokenizer):
     """The routes v3 decides at `budget` by its calibration step, on a fresh copy of the model."""
     model = finetune.load_model()
     layers = list(model.encoder.layer)
@@ -71,13 +71,10 @@ def v3_routes(budget, tune):
     modules = torch.nn.ModuleList([u for layer in layers for u in (layer.attn, layer.mlp)])
     streamed = sp.stream(modules, config=config, streamed=["%s.weight" % m for m in finetune.MATRICES],
                          budget=sp.Budget(bytes=budget))
-    calibration = finetune.calibration_step(model, streamed, TOKENIZER[0], tune)
+    calibration = finetune.calibration_step(model, streamed, tokenizer, tune)
     routes = streamed.routes()
     streamed.close()
     return routes, calibration
-
-
-TOKENIZER = []
 
 
 def closure_for(model, tokenizer):
@@ -101,7 +98,6 @@ def measure(task, pairs, out):
     torch.manual_seed(0)
     splits = signals.cached_pairs(signals.TASKS[task]["cache"], signals.TASKS[task]["loader"])
     tokenizer = finetune.transformers.AutoTokenizer.from_pretrained(finetune.model_path())
-    TOKENIZER[:] = [tokenizer]
     test = splits["test"][:pairs - pairs % BATCH]
     batches = [test[i:i + BATCH] for i in range(0, len(test), BATCH)]
 
@@ -109,7 +105,7 @@ def measure(task, pairs, out):
     decided = {}
     for budget in V3_BUDGETS:
         name = "v3-save%d" % round(100 * (1 - budget))
-        allocations[name], decided[name] = v3_routes(budget, splits["tune"])
+        allocations[name], decided[name] = v3_routes(budget, splits["tune"], tokenizer)
 
     model = finetune.load_model().eval()
     layers = stream_units(model)

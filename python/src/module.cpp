@@ -738,15 +738,14 @@ PYBIND11_MODULE(_selective_precision, m) {
                return s.model().compare_routes(measure, batches, precisions(routes_a), precisions(routes_b),
                                                confidence);
              }();
-             const auto interval = interval_dict;
              py::dict d;
              d["confidence"] = c.confidence;
              d["paired_over_examples"] = c.paired_over_examples;
              d["loss_a"] = c.loss_a;
              d["loss_b"] = c.loss_b;
-             d["loss_difference"] = interval(c.loss_difference);
+             d["loss_difference"] = interval_dict(c.loss_difference);
              d["batch_loss_differences"] = c.batch_loss_differences;
-             d["kl"] = c.kl ? py::object(interval(*c.kl)) : py::none();
+             d["kl"] = c.kl ? py::object(interval_dict(*c.kl)) : py::none();
              d["batch_kl"] = c.batch_kl;
              d["bytes_a"] = c.bytes_a;
              d["bytes_b"] = c.bytes_b;
