@@ -105,6 +105,7 @@ __all__ = [
     "PolicyReport",
     "RouteComparison",
     "Interval",
+    "UnitCosts",
     "StreamedLayers",
     "StreamedBlock",
     "StreamedBlocks",
@@ -710,4 +711,4 @@ class StreamedBlocks:
 
 from ._stream import (  # noqa: E402  (uses the names above)
     Budget, PolicyReport, StreamedBlock, StreamedLayers, StreamOptions, _options, _streamed_model, stream)
-from ._measure import Interval, RouteComparison  # noqa: E402
+from ._measure import Interval, RouteComparison, UnitCosts  # noqa: E402

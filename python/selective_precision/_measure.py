@@ -72,6 +72,11 @@ class RouteComparison:
     bytes_saved_a: float
     bytes_saved_b: float
     h2d_bytes: int
+    # The values the intervals are taken over, in batch order: the loss difference per example
+    # (empty when paired over batches) and the KL per example (empty without scores). Two
+    # allocations measured against the same routes_b on the same batches pair up by index.
+    example_loss_differences: list[float] = dataclasses.field(default_factory=list, repr=False)
+    example_kl: list[float] = dataclasses.field(default_factory=list, repr=False)
 
 
 def _unit_routes(layout, routes, argument):
@@ -123,39 +128,206 @@ def _closure_result(result, batch_index):
                     % (batch_index, type(result).__name__))
 
 
-def compare_routes(layer, closure, batches, routes_a, routes_b, confidence):
+def _check_closure(caller, closure, confidence):
     if not callable(closure):
-        raise TypeError("compare_routes(): closure expected a callable closure(batch) -> loss, got %s"
-                        % type(closure).__name__)
+        raise TypeError("%s: closure expected a callable closure(batch) -> loss, got %s"
+                        % (caller, type(closure).__name__))
+    if not 0.0 < float(confidence) < 1.0:
+        raise ValueError("%s: confidence=%r; expected a number in (0, 1), such as 0.95" % (caller, confidence))
+
+
+def _measure(layer, caller, closure, batches, candidates, reference, confidence):
+    """Each allocation of `candidates` (one format per unit) against `reference` on `batches`:
+    the reference runs once a batch (StreamedModel::compare_routes)."""
+    if layer.in_step:
+        raise RuntimeError("selective_precision: %s: a training step is open (a grad-mode forward ran since the last "
+                           "optimizer.step()); measure between steps" % caller)
+    measured = layer.model.compare_routes(lambda i: _closure_result(closure(batches[i]), i), len(batches),
+                                          [_module_routes(layer.layout, c) for c in candidates],
+                                          _module_routes(layer.layout, reference), float(confidence))
+    out = []
+    for units, m in zip(candidates, measured):
+        difference = Interval._of(m["loss_difference"])
+        all_bf16 = m["bytes_all_bf16"]
+        out.append(RouteComparison(
+            routes_a=list(units),
+            routes_b=list(reference),
+            confidence=m["confidence"],
+            paired_over="examples" if m["paired_over_examples"] else "batches",
+            loss_a=m["loss_a"],
+            loss_b=m["loss_b"],
+            loss_difference=difference,
+            relative_loss_difference=difference.scaled(1.0 / m["loss_b"]) if m["loss_b"] else difference.scaled(
+                float("nan")),
+            batch_loss_differences=list(m["batch_loss_differences"]),
+            kl=Interval._of(m["kl"]) if m["kl"] is not None else None,
+            batch_kl=list(m["batch_kl"]),
+            bytes_saved_a=1.0 - m["bytes_a"] / all_bf16,
+            bytes_saved_b=1.0 - m["bytes_b"] / all_bf16,
+            h2d_bytes=m["h2d_bytes"],
+            example_loss_differences=list(m["example_loss_differences"]),
+            example_kl=list(m["example_kl"]),
+        ))
+    return out
+
+
+def compare_routes(layer, closure, batches, routes_a, routes_b, confidence):
+    _check_closure("compare_routes()", closure, confidence)
     batches = list(batches)
     if not batches:
         raise ValueError("compare_routes(): batches is empty; give the batches to measure on")
-    if not 0.0 < float(confidence) < 1.0:
-        raise ValueError("compare_routes(): confidence=%r; expected a number in (0, 1), such as 0.95" % (confidence,))
     if layer.in_step:
         raise RuntimeError("selective_precision: compare_routes(): a training step is open (a grad-mode forward ran "
                            "since the last optimizer.step()); measure between steps")
     units_a = _unit_routes(layer.layout, routes_a, "routes_a")
     units_b = _unit_routes(layer.layout, routes_b, "routes_b")
-    measured = layer.model.compare_routes(lambda i: _closure_result(closure(batches[i]), i), len(batches),
-                                          _module_routes(layer.layout, units_a),
-                                          _module_routes(layer.layout, units_b), float(confidence))
-    difference = Interval._of(measured["loss_difference"])
-    all_bf16 = measured["bytes_all_bf16"]
-    return RouteComparison(
-        routes_a=units_a,
-        routes_b=units_b,
-        confidence=measured["confidence"],
-        paired_over="examples" if measured["paired_over_examples"] else "batches",
-        loss_a=measured["loss_a"],
-        loss_b=measured["loss_b"],
-        loss_difference=difference,
-        relative_loss_difference=difference.scaled(1.0 / measured["loss_b"]) if measured["loss_b"] else difference.scaled(
-            float("nan")),
-        batch_loss_differences=list(measured["batch_loss_differences"]),
-        kl=Interval._of(measured["kl"]) if measured["kl"] is not None else None,
-        batch_kl=list(measured["batch_kl"]),
-        bytes_saved_a=1.0 - measured["bytes_a"] / all_bf16,
-        bytes_saved_b=1.0 - measured["bytes_b"] / all_bf16,
-        h2d_bytes=measured["h2d_bytes"],
-    )
+    return _measure(layer, "compare_routes()", closure, batches, [units_a], units_b, confidence)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCosts:
+    """What each unit costs alone in each cheaper format, measured (StreamedLayers.calibrate()).
+
+    `costs[format][u]` is the interval of unit u's cost with u alone in `format` and every other
+    unit BF16, against all-BF16: the KL per example where the closure returned scores
+    (`yardstick` "kl"), else the loss difference (per example, or per batch: `paired_over`).
+    `loss_differences` holds the loss difference in every case. `upper[format][u]` is the
+    interval's upper bound: a cost a lucky draw cannot make small. `split_half_rho[format]` is
+    Spearman's rho between the units' mean costs on the even and on the odd batches: how well
+    the ranking of the units repeats; `batch_costs[format][u]` holds unit u's mean cost per batch,
+    in order, the figures that rho is taken over. `h2d_bytes` is what the measurement moved,
+    `all_bf16_fetches` the same in fetches of every unit in BF16 (a training step makes at least
+    two: forward and backward)."""
+
+    units: list[str]
+    formats: list[str]
+    yardstick: str
+    paired_over: str
+    costs: dict
+    loss_differences: dict
+    split_half_rho: dict
+    batch_costs: dict
+    batches: int
+    examples: int
+    stopped_because: str
+    confidence: float
+    h2d_bytes: int
+    all_bf16_fetches: float
+    seconds: float
+
+    @property
+    def upper(self) -> dict:
+        return {f: [i.high for i in self.costs[f]] for f in self.formats}
+
+    def table(self) -> str:
+        """The costs as a text table, one row per unit."""
+        head = "%-12s" % "unit" + "".join("  %-34s" % ("%s %s [%d%%]" % (f, self.yardstick, round(100 * self.confidence)))
+                                          for f in self.formats)
+        rows = [head]
+        for u, name in enumerate(self.units):
+            rows.append("%-12s" % name + "".join("  %-34s" % ("%.3g [%.3g, %.3g]" % (
+                self.costs[f][u].mean, self.costs[f][u].low, self.costs[f][u].high)) for f in self.formats))
+        return "\n".join(rows)
+
+
+def _spearman(x, y):
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2.0
+            i = j + 1
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    n = len(x)
+    mx, my = sum(rx) / n, sum(ry) / n
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    return sxy / (sxx * syy) ** 0.5 if sxx > 0 and syy > 0 else float("nan")
+
+
+def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, round_batches):
+    import itertools
+    import time
+
+    caller = "calibrate()"
+    _check_closure(caller, closure, confidence)
+    if isinstance(formats, str):
+        formats = [formats]
+    formats = list(formats)
+    if not formats or any(f not in _FORMATS[1:] for f in formats) or len(set(formats)) != len(formats):
+        raise ValueError("calibrate(): formats=%r; expected some of 'int8', 'nf4', each once" % (formats,))
+    if rho is not None and not 0.0 < float(rho) <= 1.0:
+        raise ValueError("calibrate(): rho=%r; expected the split-half rank correlation to stop at, in (0, 1], or "
+                         "None to measure every batch up to max_batches" % (rho,))
+    if int(round_batches) < 1 or int(max_batches) < 2 * int(round_batches):
+        raise ValueError("calibrate(): max_batches=%r and round_batches=%r; expected round_batches >= 1 and "
+                         "max_batches >= 2 * round_batches" % (max_batches, round_batches))
+    if layer.in_step:
+        raise RuntimeError("selective_precision: calibrate(): a training step is open (a grad-mode forward ran since "
+                           "the last optimizer.step()); calibrate between steps")
+    units = list(layer.layout.unit_names)
+    reference = ["bf16"] * len(units)
+    candidates = [(f, u) for f in formats for u in range(len(units))]
+    routes = [[f if v == u else "bf16" for v in range(len(units))] for f, u in candidates]
+    source = iter(batches)
+    started = time.perf_counter()
+    # Per candidate: its cost per example (or batch), its loss difference, and its mean per batch.
+    values = [[] for _ in candidates]
+    differences = [[] for _ in candidates]
+    batch_means = [[] for _ in candidates]
+    yardstick, paired_over, used = None, None, 0
+    bytes_before = layer.model.measurement_h2d_bytes()
+    split_half = {}
+    stopped = None
+    while stopped is None:
+        chunk = list(itertools.islice(source, min(int(round_batches), int(max_batches) - used)))
+        if not chunk:
+            stopped = "the batches ran out"
+            break
+        measured = _measure(layer, caller, closure, chunk, routes, reference, confidence)
+        used += len(chunk)
+        for k, c in enumerate(measured):
+            with_kl = c.kl is not None
+            if yardstick is None:
+                yardstick, paired_over = ("kl" if with_kl else "loss"), c.paired_over
+            elif yardstick != ("kl" if with_kl else "loss") or paired_over != c.paired_over:
+                raise ValueError("calibrate(): the closure changed what it returns between batches (scores, or one "
+                                 "loss per example); return the same for every batch")
+            own = c.example_loss_differences if c.paired_over == "examples" else c.batch_loss_differences
+            differences[k] += own
+            values[k] += c.example_kl if with_kl else own
+            batch_means[k] += c.batch_kl if with_kl else c.batch_loss_differences
+        if used >= 2:
+            split_half = {}
+            for f in formats:
+                ks = [k for k, (g, _) in enumerate(candidates) if g == f]
+                even = [sum(batch_means[k][0::2]) / len(batch_means[k][0::2]) for k in ks]
+                odd = [sum(batch_means[k][1::2]) / len(batch_means[k][1::2]) for k in ks]
+                split_half[f] = _spearman(even, odd) if len(ks) >= 3 else float("nan")
+            if rho is not None and all(r >= float(rho) for r in split_half.values()):
+                stopped = "the split-half rho reached %g" % float(rho)
+        if stopped is None and used >= int(max_batches):
+            stopped = "max_batches (%d) was reached" % int(max_batches)
+    if not used:
+        raise ValueError("calibrate(): batches is empty; give the batches to measure on")
+    h2d_bytes = layer.model.measurement_h2d_bytes() - bytes_before
+    all_bf16 = sum(layer.model.image_bytes(m, "bf16") for modules in layer.layout.unit_modules for m in modules)
+    costs = {f: [] for f in formats}
+    losses = {f: [] for f in formats}
+    per_batch = {f: [] for f in formats}
+    for k, (f, _) in enumerate(candidates):
+        costs[f].append(Interval.of(values[k], confidence))
+        losses[f].append(Interval.of(differences[k], confidence))
+        per_batch[f].append(list(batch_means[k]))
+    return UnitCosts(units=units, formats=formats, yardstick=yardstick, paired_over=paired_over, costs=costs,
+                     loss_differences=losses, split_half_rho=split_half, batch_costs=per_batch, batches=used,
+                     examples=len(values[0]), stopped_because=stopped, confidence=float(confidence),
+                     h2d_bytes=h2d_bytes, all_bf16_fetches=h2d_bytes / all_bf16, seconds=time.perf_counter() - started)

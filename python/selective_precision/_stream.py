@@ -670,6 +670,21 @@ class StreamedLayers(torch.nn.ModuleList):
 
         return compare_routes(self._layer(), closure, batches, routes_a, routes_b, confidence)
 
+    def calibrate(self, closure, batches, *, formats=("int8", "nf4"), confidence: float = 0.95,
+                  rho: float | None = 0.9, max_batches: int = 32, round_batches: int = 2) -> "UnitCosts":
+        """What each unit costs alone in each format, measured forward only (compare_routes()'s
+        yardstick, with `closure` as there): per unit and format, that unit alone in the format
+        against all-BF16, the KL per example where the closure returns scores, else the loss
+        difference, each with its `confidence` interval. `batches` may be a list or an iterator (a
+        DataLoader): they are taken `round_batches` at a time until the units' ranking repeats,
+        Spearman's rho between the even and the odd batches' costs at least `rho` for every
+        format (rho=None: never), or `max_batches` were measured, or the batches ran out
+        (`stopped_because` says which). Each batch runs 1 + units x formats passes. Returns a UnitCosts; the layer's
+        state is left as compare_routes() leaves it."""
+        from ._measure import calibrate
+
+        return calibrate(self._layer(), closure, batches, formats, confidence, rho, max_batches, round_batches)
+
     def policy_report(self) -> "PolicyReport":
         """Where each unit stands (a streamed block, "3", or with units= a part of one, "3.mlp"):
         one dict per unit with `unit`, `route` (its next fetch's format), `bytes` and

@@ -716,9 +716,10 @@ PYBIND11_MODULE(_selective_precision, m) {
              return errors_dict(errors);
            })
       .def("compare_routes",
-           [](PyStreamedModel& s, py::object closure, std::size_t batches, const std::vector<std::string>& routes_a,
-              const std::vector<std::string>& routes_b, double confidence) {
-             // closure(i) -> (loss tensor, scores tensor or None), as _stream.py normalises it.
+           [](PyStreamedModel& s, py::object closure, std::size_t batches,
+              const std::vector<std::vector<std::string>>& candidates, const std::vector<std::string>& reference,
+              double confidence) {
+             // closure(i) -> (loss tensor, scores tensor or None), as _measure.py normalises it.
              const std::shared_ptr<py::object> held = hold(std::move(closure));
              const tl::StreamedModel::MeasureClosure measure = [held](std::size_t batch) {
                py::gil_scoped_acquire gil;
@@ -733,25 +734,32 @@ PYBIND11_MODULE(_selective_precision, m) {
                for (const std::string& name : names) out.push_back(precision_of(name));
                return out;
              };
-             const tl::RouteComparison c = [&] {
+             std::vector<std::vector<sp::Precision>> measured;
+             for (const std::vector<std::string>& routes : candidates) measured.push_back(precisions(routes));
+             const std::vector<tl::RouteComparison> comparisons = [&] {
                py::gil_scoped_release no_gil_here;
-               return s.model().compare_routes(measure, batches, precisions(routes_a), precisions(routes_b),
-                                               confidence);
+               return s.model().compare_routes(measure, batches, measured, precisions(reference), confidence);
              }();
-             py::dict d;
-             d["confidence"] = c.confidence;
-             d["paired_over_examples"] = c.paired_over_examples;
-             d["loss_a"] = c.loss_a;
-             d["loss_b"] = c.loss_b;
-             d["loss_difference"] = interval_dict(c.loss_difference);
-             d["batch_loss_differences"] = c.batch_loss_differences;
-             d["kl"] = c.kl ? py::object(interval_dict(*c.kl)) : py::none();
-             d["batch_kl"] = c.batch_kl;
-             d["bytes_a"] = c.bytes_a;
-             d["bytes_b"] = c.bytes_b;
-             d["bytes_all_bf16"] = c.bytes_all_bf16;
-             d["h2d_bytes"] = c.h2d_bytes;
-             return d;
+             py::list out;
+             for (const tl::RouteComparison& c : comparisons) {
+               py::dict d;
+               d["confidence"] = c.confidence;
+               d["paired_over_examples"] = c.paired_over_examples;
+               d["loss_a"] = c.loss_a;
+               d["loss_b"] = c.loss_b;
+               d["loss_difference"] = interval_dict(c.loss_difference);
+               d["batch_loss_differences"] = c.batch_loss_differences;
+               d["example_loss_differences"] = c.example_loss_differences;
+               d["kl"] = c.kl ? py::object(interval_dict(*c.kl)) : py::none();
+               d["batch_kl"] = c.batch_kl;
+               d["example_kl"] = c.example_kl;
+               d["bytes_a"] = c.bytes_a;
+               d["bytes_b"] = c.bytes_b;
+               d["bytes_all_bf16"] = c.bytes_all_bf16;
+               d["h2d_bytes"] = c.h2d_bytes;
+               out.append(d);
+             }
+             return out;
            })
       .def("poll_plugin",
            [](PyStreamedModel& s, bool force) -> py::object {

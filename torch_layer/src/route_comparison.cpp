@@ -70,7 +70,8 @@ torch::Tensor loss_values(const torch::Tensor& loss, std::size_t batch, const ch
 }
 
 // KL(b || a) of the scores' softmax over their last dimension, one value per leading index.
-torch::Tensor kl_per_example(const torch::Tensor& scores_a, const torch::Tensor& scores_b, std::size_t batch) {
+torch::Tensor kl_per_example(const torch::Tensor& scores_a, const torch::Tensor& scores_b, std::size_t batch,
+                             const std::string& name_a, const char* name_b) {
   if (scores_a.defined() != scores_b.defined()) {
     throw std::invalid_argument(fmt::format(
         "StreamedModel::compare_routes: batch {}: the closure gave scores under one allocation and not the other",
@@ -78,9 +79,9 @@ torch::Tensor kl_per_example(const torch::Tensor& scores_a, const torch::Tensor&
   }
   if (!scores_a.is_floating_point() || scores_a.dim() == 0 || scores_a.sizes() != scores_b.sizes()) {
     throw std::invalid_argument(fmt::format(
-        "StreamedModel::compare_routes: batch {}: the scores are {} under routes_a and {} under routes_b; expected "
-        "floating tensors of one shape, logits over their last dimension",
-        batch, describe(scores_a), describe(scores_b)));
+        "StreamedModel::compare_routes: batch {}: the scores are {} under {} and {} under {}; expected floating "
+        "tensors of one shape, logits over their last dimension",
+        batch, describe(scores_a), name_a, describe(scores_b), name_b));
   }
   const auto log_probabilities = [](const torch::Tensor& s) {
     return torch::log_softmax(s.detach().to(torch::kCPU, torch::kFloat64).reshape({-1, s.size(-1)}), -1);
@@ -93,8 +94,8 @@ torch::Tensor kl_per_example(const torch::Tensor& scores_a, const torch::Tensor&
   if (!torch::isfinite(kl).all().item<bool>()) {
     throw std::invalid_argument(fmt::format(
         "StreamedModel::compare_routes: batch {}: the KL of the scores is not finite: a score is NaN or +inf, or "
-        "routes_a gives no probability (a logit of -inf) where routes_b gives some",
-        batch));
+        "{} gives no probability (a logit of -inf) where {} gives some",
+        batch, name_a, name_b));
   }
   return kl;
 }
@@ -115,15 +116,37 @@ double mean_of(const std::vector<double>& v) {
 RouteComparison StreamedModel::compare_routes(const MeasureClosure& closure, std::size_t batches,
                                               const std::vector<Precision>& routes_a,
                                               const std::vector<Precision>& routes_b, double confidence) {
-  Impl& m = *impl_;
+  return std::move(impl_->compare_routes(closure, batches, {routes_a}, routes_b, confidence, "routes_a", "routes_b")
+                       .front());
+}
+
+std::vector<RouteComparison> StreamedModel::compare_routes(const MeasureClosure& closure, std::size_t batches,
+                                                           const std::vector<std::vector<Precision>>& candidates,
+                                                           const std::vector<Precision>& reference,
+                                                           double confidence) {
+  if (candidates.empty()) throw std::invalid_argument("StreamedModel::compare_routes: no candidates to measure");
+  return impl_->compare_routes(closure, batches, candidates, reference, confidence, "candidates", "reference");
+}
+
+std::vector<RouteComparison> StreamedModel::Impl::compare_routes(
+    const StreamedModel::MeasureClosure& closure, std::size_t batches,
+    const std::vector<std::vector<Precision>>& candidates, const std::vector<Precision>& reference, double confidence,
+    const char* candidate_name, const char* reference_name) {
+  Impl& m = *this;
+  // One candidate is named as the caller named it; several, by their index.
+  const auto name_of = [&](std::size_t k) {
+    return candidates.size() == 1 ? std::string(candidate_name) : fmt::format("{}[{}]", candidate_name, k);
+  };
   if (!closure) throw std::invalid_argument("StreamedModel::compare_routes: no closure");
-  for (const auto& [routes, name] : {std::pair{&routes_a, "routes_a"}, std::pair{&routes_b, "routes_b"}}) {
-    if (routes->size() != m.blocks.size()) {
+  const auto check_length = [&](const std::vector<Precision>& routes, const std::string& name) {
+    if (routes.size() != m.blocks.size()) {
       throw std::invalid_argument(fmt::format("StreamedModel::compare_routes: {} holds {} routes; expected one per "
                                               "block ({})",
-                                              name, routes->size(), m.blocks.size()));
+                                              name, routes.size(), m.blocks.size()));
     }
-  }
+  };
+  for (std::size_t k = 0; k < candidates.size(); ++k) check_length(candidates[k], name_of(k));
+  check_length(reference, reference_name);
   if (batches == 0) throw std::invalid_argument("StreamedModel::compare_routes: no batches to measure on");
   if (!(confidence > 0.0 && 0.5 + confidence / 2.0 < 1.0)) {
     throw std::invalid_argument(
@@ -132,19 +155,23 @@ RouteComparison StreamedModel::compare_routes(const MeasureClosure& closure, std
   if (m.in_step()) throw std::logic_error("StreamedModel::compare_routes: measure between steps, not inside one");
   if (m.measuring) throw std::logic_error("StreamedModel::compare_routes: called from inside a measurement's closure");
 
-  RouteComparison out;
-  out.routes_a = routes_a;
-  out.routes_b = routes_b;
-  out.confidence = confidence;
+  std::vector<RouteComparison> out(candidates.size());
+  std::uint64_t reference_bytes = 0, all_bf16_bytes = 0;
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
-    out.bytes_a += m.engine->image_bytes(b, routes_a[b]);
-    out.bytes_b += m.engine->image_bytes(b, routes_b[b]);
-    out.bytes_all_bf16 += m.engine->image_bytes(b, Precision::bf16);
+    reference_bytes += m.engine->image_bytes(b, reference[b]);
+    all_bf16_bytes += m.engine->image_bytes(b, Precision::bf16);
+  }
+  for (std::size_t k = 0; k < candidates.size(); ++k) {
+    out[k].routes_a = candidates[k];
+    out[k].routes_b = reference;
+    out[k].confidence = confidence;
+    for (std::uint32_t b = 0; b < m.blocks.size(); ++b) out[k].bytes_a += m.engine->image_bytes(b, candidates[k][b]);
+    out[k].bytes_b = reference_bytes;
+    out[k].bytes_all_bf16 = all_bf16_bytes;
   }
 
   torch::NoGradGuard no_grad;
   RandomStreams random(m.options.device);
-  const std::uint64_t bytes_before = m.measurement_bytes;
   // Whatever the closure leaves (an open evaluation pass, pins, images shared for a pinned
   // route, the random state) is put back, also when it throws. Each step that fails is logged
   // and the next still runs: the caller gets the measurement's own error, and a layer that
@@ -169,12 +196,14 @@ RouteComparison StreamedModel::compare_routes(const MeasureClosure& closure, std
     }
     attempt("restoring the random state", [&] { random.restore(); });
   };
+  // One pass of the closure pinned to `routes`, and the bytes it moved.
   const auto measure = [&](const std::vector<Precision>& routes, std::size_t batch) {
     ad::RuntimeLimitHints pins;
     for (std::uint32_t b = 0; b < m.blocks.size(); ++b) pins.block_precision_map[b] = routes[b];
     m.wait_for_updates();
     m.share_eval_images(routes);
     const std::int64_t passes_before = m.eval_engine_steps;
+    const std::uint64_t bytes_before = m.measurement_bytes;
     m.measuring = std::move(pins);
     MeasuredBatch result = closure(batch);
     if (m.eval_open) m.count_eval_bytes(m.end_eval_pass().h2d_bytes.total());
@@ -185,46 +214,56 @@ RouteComparison StreamedModel::compare_routes(const MeasureClosure& closure, std
           "model",
           batch));
     }
-    return result;
+    return std::pair{std::move(result), m.measurement_bytes - bytes_before};
   };
 
-  std::vector<double> example_differences, kl_values, batch_means_a, batch_means_b;
-  double sum_a = 0.0, sum_b = 0.0;
+  // Per candidate: the sum and the batch means of its loss; the reference's, once.
+  std::vector<double> sums_a(candidates.size(), 0.0);
+  std::vector<std::vector<double>> batch_means_a(candidates.size());
+  std::vector<double> batch_means_b;
+  double sum_b = 0.0;
+  std::size_t examples = 0;
   bool per_example = true, with_scores = false;
   try {
     for (std::size_t i = 0; i < batches; ++i) {
       const std::vector<torch::Tensor> state = random.capture();
-      const MeasuredBatch b = measure(routes_b, i);
-      random.put(state);
-      const MeasuredBatch a = measure(routes_a, i);
-      const torch::Tensor loss_a = loss_values(a.loss, i, "routes_a");
-      const torch::Tensor loss_b = loss_values(b.loss, i, "routes_b");
-      if (a.loss.dim() == 1 && b.loss.dim() == 1 && loss_a.numel() == loss_b.numel()) {
-        const std::vector<double> d = values_of(loss_a - loss_b);
-        example_differences.insert(example_differences.end(), d.begin(), d.end());
-      } else if (a.loss.dim() != b.loss.dim() || a.loss.dim() == 1) {
-        throw std::invalid_argument(
-            fmt::format("StreamedModel::compare_routes: batch {}: the loss is {} under routes_a and {} under routes_b; "
-                        "the allocations must be measured on the same examples",
-                        i, describe(a.loss), describe(b.loss)));
-      } else {
-        per_example = false;
-      }
-      sum_a += loss_a.sum().item<double>();
+      const auto [b, reference_batch_bytes] = measure(reference, i);
+      const torch::Tensor loss_b = loss_values(b.loss, i, reference_name);
       sum_b += loss_b.sum().item<double>();
-      batch_means_a.push_back(loss_a.mean().item<double>());
       batch_means_b.push_back(loss_b.mean().item<double>());
-      out.batch_loss_differences.push_back(batch_means_a.back() - batch_means_b.back());
-      if (i == 0) with_scores = a.scores.defined() || b.scores.defined();
-      if (with_scores != (a.scores.defined() || b.scores.defined())) {
-        throw std::invalid_argument(fmt::format(
-            "StreamedModel::compare_routes: batch {}: the closure gave scores for some batches and not others", i));
+      for (std::size_t k = 0; k < candidates.size(); ++k) {
+        const std::string name = name_of(k);
+        RouteComparison& c = out[k];
+        random.put(state);
+        const auto [a, candidate_bytes] = measure(candidates[k], i);
+        c.h2d_bytes += candidate_bytes + reference_batch_bytes;
+        const torch::Tensor loss_a = loss_values(a.loss, i, name.c_str());
+        if (a.loss.dim() == 1 && b.loss.dim() == 1 && loss_a.numel() == loss_b.numel()) {
+          const std::vector<double> d = values_of(loss_a - loss_b);
+          c.example_loss_differences.insert(c.example_loss_differences.end(), d.begin(), d.end());
+        } else if (a.loss.dim() != b.loss.dim() || a.loss.dim() == 1) {
+          throw std::invalid_argument(
+              fmt::format("StreamedModel::compare_routes: batch {}: the loss is {} under {} and {} under {}; the "
+                          "allocations must be measured on the same examples",
+                          i, describe(a.loss), name, describe(b.loss), reference_name));
+        } else {
+          per_example = false;
+        }
+        sums_a[k] += loss_a.sum().item<double>();
+        batch_means_a[k].push_back(loss_a.mean().item<double>());
+        c.batch_loss_differences.push_back(batch_means_a[k].back() - batch_means_b.back());
+        if (i == 0 && k == 0) with_scores = a.scores.defined() || b.scores.defined();
+        if (with_scores != (a.scores.defined() || b.scores.defined())) {
+          throw std::invalid_argument(fmt::format(
+              "StreamedModel::compare_routes: batch {}: the closure gave scores for some batches and not others", i));
+        }
+        if (with_scores) {
+          const std::vector<double> kl = values_of(kl_per_example(a.scores, b.scores, i, name, reference_name));
+          c.batch_kl.push_back(mean_of(kl));
+          c.example_kl.insert(c.example_kl.end(), kl.begin(), kl.end());
+        }
       }
-      if (with_scores) {
-        const std::vector<double> kl = values_of(kl_per_example(a.scores, b.scores, i));
-        out.batch_kl.push_back(mean_of(kl));
-        kl_values.insert(kl_values.end(), kl.begin(), kl.end());
-      }
+      examples += static_cast<std::size_t>(loss_b.numel());
     }
   } catch (...) {
     end_measurement();
@@ -232,13 +271,16 @@ RouteComparison StreamedModel::compare_routes(const MeasureClosure& closure, std
   }
   end_measurement();
 
-  out.paired_over_examples = per_example;
-  out.loss_a = per_example ? sum_a / static_cast<double>(example_differences.size()) : mean_of(batch_means_a);
-  out.loss_b = per_example ? sum_b / static_cast<double>(example_differences.size()) : mean_of(batch_means_b);
-  out.loss_difference =
-      paired_interval(per_example ? example_differences : out.batch_loss_differences, confidence);
-  if (with_scores) out.kl = paired_interval(kl_values, confidence);
-  out.h2d_bytes = m.measurement_bytes - bytes_before;
+  for (std::size_t k = 0; k < candidates.size(); ++k) {
+    RouteComparison& c = out[k];
+    c.paired_over_examples = per_example;
+    if (!per_example) c.example_loss_differences.clear();
+    c.loss_a = per_example ? sums_a[k] / static_cast<double>(examples) : mean_of(batch_means_a[k]);
+    c.loss_b = per_example ? sum_b / static_cast<double>(examples) : mean_of(batch_means_b);
+    c.loss_difference =
+        paired_interval(per_example ? c.example_loss_differences : c.batch_loss_differences, confidence);
+    if (with_scores) c.kl = paired_interval(c.example_kl, confidence);
+  }
   return out;
 }
 

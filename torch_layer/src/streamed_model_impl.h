@@ -591,6 +591,12 @@ struct StreamedModel::Impl {
   }
   // The limits of an evaluation pass the host opens: a route measurement's pins, else none.
   ad::RuntimeLimitHints eval_limits() const { return measuring ? *measuring : ad::RuntimeLimitHints{}; }
+  // StreamedModel::compare_routes, both forms (route_comparison.cpp): the arguments named in
+  // its errors as the caller named them.
+  std::vector<RouteComparison> compare_routes(const StreamedModel::MeasureClosure& closure, std::size_t batches,
+                                              const std::vector<std::vector<Precision>>& candidates,
+                                              const std::vector<Precision>& reference, double confidence,
+                                              const char* candidate_name, const char* reference_name);
 
   // A no-grad call of block b: it opens an evaluation pass (`opening`, from opens_pass()), or
   // continues the open one; the pass's last block ends it.

@@ -1203,6 +1203,55 @@ TEST(StreamedModel, CompareRoutesRefusesWhatItCannotMeasureAndStaysUsable) {
   EXPECT_EQ(model->routes(), bf16);
 }
 
+// Several allocations against one reference: the reference runs once a batch, and each
+// allocation's figures are those it gets measured alone, dropout's draws included.
+TEST(StreamedModel, CompareRoutesOfSeveralAllocationsIsEachMeasuredAlone) {
+  auto model = wrap(make_blocks(44), "  mode: off\n");
+  const std::vector<sp::Precision> bf16(kBlocks, sp::Precision::bf16);
+  const std::vector<std::vector<sp::Precision>> candidates{
+      {sp::Precision::nf4, sp::Precision::bf16, sp::Precision::bf16},
+      {sp::Precision::bf16, sp::Precision::int8, sp::Precision::nf4},
+      std::vector<sp::Precision>(kBlocks, sp::Precision::nf4)};
+  const std::vector<torch::Tensor> xs{input(45), input(46)};
+  int passes = 0;
+  const auto closure = [&](std::size_t i) {
+    ++passes;
+    const torch::Tensor y = model->forward(xs.at(i));
+    const torch::Tensor noisy = y + 0.1 * torch::randn_like(y);
+    return tl::MeasuredBatch{noisy.pow(2).mean({1, 2}), noisy.flatten(0, 1)};
+  };
+  const std::uint64_t before = model->measurement_h2d_bytes();
+  const std::vector<tl::RouteComparison> together = model->compare_routes(closure, xs.size(), candidates, bf16);
+  const std::uint64_t moved = model->measurement_h2d_bytes() - before;
+  EXPECT_EQ(passes, static_cast<int>(xs.size() * (1 + candidates.size())));
+  ASSERT_EQ(together.size(), candidates.size());
+  std::uint64_t reference_bytes = 0, candidate_bytes = 0;
+  for (std::size_t k = 0; k < candidates.size(); ++k) {
+    const tl::RouteComparison alone = model->compare_routes(closure, xs.size(), candidates[k], bf16);
+    EXPECT_EQ(together[k].routes_a, candidates[k]);
+    EXPECT_EQ(together[k].example_loss_differences, alone.example_loss_differences) << k;
+    EXPECT_EQ(together[k].example_kl, alone.example_kl) << k;
+    EXPECT_EQ(together[k].loss_difference.mean, alone.loss_difference.mean) << k;
+    EXPECT_EQ(together[k].kl->high, alone.kl->high) << k;
+    EXPECT_EQ(together[k].h2d_bytes, alone.h2d_bytes) << k;
+    EXPECT_EQ(together[k].example_kl.size(), static_cast<std::size_t>(4 * 8 * 2));
+    EXPECT_EQ(together[k].example_loss_differences.size(), static_cast<std::size_t>(4 * 2));
+    reference_bytes = xs.size() * together[k].bytes_b;
+    candidate_bytes += xs.size() * together[k].bytes_a;
+  }
+  EXPECT_EQ(moved, reference_bytes + candidate_bytes);  // the reference's passes once
+  EXPECT_NE(together[0].example_kl, together[2].example_kl);
+  EXPECT_THROW(model->compare_routes(closure, 1, std::vector<std::vector<sp::Precision>>{}, bf16),
+               std::invalid_argument);
+  try {
+    model->compare_routes(closure, 1, {candidates[0], {sp::Precision::nf4}}, bf16);
+    ADD_FAILURE() << "a candidate of one route was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("candidates[1] holds 1 routes"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(model->routes(), bf16);
+}
+
 TEST(StreamedModel, NamedErrors) {
   const auto blocks = make_blocks(20);
   std::vector<tl::Block> list{tl::make_block(blocks[0], {"fc1.weight", "fc3.weight"})};

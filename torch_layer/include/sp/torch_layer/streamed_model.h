@@ -255,7 +255,12 @@ struct RouteComparison {
   // every batch gave scores: its mean with its interval over the examples.
   std::optional<PairedInterval> kl;
   std::vector<double> batch_kl;  // the mean per batch
-  // One fetch of every block under each allocation, and as BF16; what the measurement moved.
+  // The values the intervals are taken over, in batch order: loss_a - loss_b per example when
+  // paired over examples (else empty), and the KL per example where the closure gave scores.
+  // Two allocations measured against one reference pair up example by example.
+  std::vector<double> example_loss_differences, example_kl;
+  // One fetch of every block under each allocation, and as BF16; what the measurement moved:
+  // routes_a's passes and routes_b's (which the comparisons of one call share).
   std::uint64_t bytes_a = 0, bytes_b = 0, bytes_all_bf16 = 0;
   std::uint64_t h2d_bytes = 0;
 };
@@ -453,6 +458,14 @@ class StreamedModel {
   RouteComparison compare_routes(const MeasureClosure& closure, std::size_t batches,
                                  const std::vector<Precision>& routes_a, const std::vector<Precision>& routes_b,
                                  double confidence = 0.95);
+  // Several allocations against one reference, on the same batches: per batch the reference
+  // runs once, then each allocation of `candidates` in turn, each from the reference's random
+  // state. Entry k is what compare_routes(closure, batches, candidates[k], reference) returns,
+  // for 1 + candidates.size() passes a batch instead of 2 * candidates.size(). Throws as
+  // compare_routes, and std::invalid_argument for no candidates.
+  std::vector<RouteComparison> compare_routes(const MeasureClosure& closure, std::size_t batches,
+                                              const std::vector<std::vector<Precision>>& candidates,
+                                              const std::vector<Precision>& reference, double confidence = 0.95);
 
   // The benchmark-driven half of the route (sp-bench's transfer policy).
   void set_transfer_gate(sp::adapters::TransferGate gate);
