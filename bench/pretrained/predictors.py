@@ -151,9 +151,12 @@ def relative_error(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def interval(values):
-    i = sp.Interval.of([float(v) for v in values])
+def fields(i):
     return {"mean": i.mean, "low": i.low, "high": i.high, "std_error": i.std_error, "n": i.n}
+
+
+def interval(values):
+    return fields(sp.Interval.of([float(v) for v in values]))
 
 
 class Measured:
@@ -414,7 +417,7 @@ def table(paths):
         result = json.loads(Path(path).read_text())
         t = analyse(result)
         lines.append("%s (%d tune pairs, %d allocations)" % (result["task"], result["pairs"], len(result["allocations"])))
-        lines.append("| predictor | LoRA: r over runs [95%% CI] | LoRA: r over policies | full: r over runs [95%% CI] | full: r over policies |")
+        lines.append("| predictor | LoRA: r over runs [95% CI] | LoRA: r over policies | full: r over runs [95% CI] | full: r over policies |")
         lines.append("|---|---|---|---|---|")
         for p in PREDICTORS:
             cells = []
@@ -430,7 +433,7 @@ def table(paths):
                             c["max_r_over_policies"]))
         lines.append("")
         lines.append("| mode | layer 0 in NF4 | runs | outcome | %s |" % " | ".join(PREDICTORS))
-        lines.append("|---|---|---|---|%s" % "---|" * len(PREDICTORS))
+        lines.append("|---|---|---|---|" + "---|" * len(PREDICTORS))
         for mode in ("lora", "full"):
             for name, g in t[mode]["layer0"].items():
                 lines.append("| %s | %s | %d | %+.2f%% | %s |" % (mode, name, g["runs"], 100 * g["delta"]["mean"],
@@ -446,6 +449,46 @@ def table(paths):
     print("\n".join(lines))
 
 
+def layer_zero_interaction(task, out, test_pairs):
+    """Layer 0 in NF4 at the pretrained weights, on the whole tune split and on the test split,
+    by compare_routes against all-BF16: alone, and added to first-last-int8 (whose layers 1-4
+    are NF4 already), the MLP alone and both units. Whether its damage needs training to show,
+    or the other NF4 units, or the split."""
+    import pareto
+    finetune.COMPUTE["dtype"] = "fp32"
+    splits = signals.cached_pairs(signals.TASKS[task]["cache"], signals.TASKS[task]["loader"])
+    tokenizer = finetune.transformers.AutoTokenizer.from_pretrained(finetune.model_path())
+    first_last_int8 = ["int8", "int8"] + ["nf4"] * 8 + ["int8", "int8"]
+    allocations = {
+        "layer 0 MLP alone": single(1, "nf4"),
+        "layer 0 alone": ("nf4", "nf4") + ("bf16",) * 10,
+        "first-last-int8": tuple(first_last_int8),
+        "first-last-int8, layer 0 MLP NF4": ("int8", "nf4") + tuple(first_last_int8[2:]),
+        "first-last-int8, layer 0 NF4": ("nf4", "nf4") + tuple(first_last_int8[2:]),
+    }
+    model = finetune.load_model().eval()
+    layers = pareto.stream_units(model)
+    closure = pareto.closure_for(model, tokenizer)
+    result = {"what": "issue 50 section 2: layer 0 in NF4 at the pretrained weights, alone and with the other NF4 "
+                      "units, on the tune and the test split",
+              "task": task, "batch": BATCH, "allocations": {k: list(v) for k, v in allocations.items()},
+              "provenance": finetune.provenance(),
+              "command": "bench/pretrained/predictors.py layer0 --task %s --test-pairs %d" % (task, test_pairs)}
+    for split, pairs in (("tune", splits["tune"]), ("test", splits["test"][:test_pairs])):
+        pairs = pairs[:len(pairs) - len(pairs) % BATCH]
+        batches = [pairs[i:i + BATCH] for i in range(0, len(pairs), BATCH)]
+        measured = [layers.compare_routes(closure, batches, list(v), "bf16") for v in allocations.values()]
+        result[split] = {"pairs": len(pairs), "rows": {}}
+        for name, c in zip(allocations, measured):
+            result[split]["rows"][name] = {"relative_loss_difference": fields(c.relative_loss_difference),
+                                           "kl": fields(c.kl)}
+            print("%s %-34s loss %+6.2f%% [%+6.2f, %+6.2f]  KL %.5f" % (
+                split, name, 100 * c.relative_loss_difference.mean, 100 * c.relative_loss_difference.low,
+                100 * c.relative_loss_difference.high, c.kl.mean), flush=True)
+    layers.close()
+    finetune.write_json(out, result)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -455,15 +498,23 @@ def main():
     m.add_argument("--out", required=True)
     m.add_argument("--threads", type=int, default=1)
     m.add_argument("--every", type=int, default=5, help="write --out after this many allocations")
+    z = sub.add_parser("layer0", help="layer 0 in NF4, alone and with others, on the tune and test splits")
+    z.add_argument("--task", required=True, choices=sorted(signals.TASKS))
+    z.add_argument("--test-pairs", type=int, default=1024)
+    z.add_argument("--out", required=True)
+    z.add_argument("--threads", type=int, default=1)
     t = sub.add_parser("table", help="the correlation tables of measured JSONs")
     t.add_argument("json", nargs="+")
     args = parser.parse_args()
     if args.command == "table":
         table(args.json)
         return
+    torch.set_num_threads(args.threads)
+    if args.command == "layer0":
+        layer_zero_interaction(args.task, args.out, args.test_pairs)
+        return
     if args.pairs < BATCH:
         parser.error("--pairs must be at least %d" % BATCH)
-    torch.set_num_threads(args.threads)
     measure(args.task, args.pairs, args.out, args.every)
 
 

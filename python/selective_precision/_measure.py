@@ -305,7 +305,7 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
             differences[k] += own
             values[k] += c.example_kl if with_kl else own
             batch_means[k] += c.batch_kl if with_kl else c.batch_loss_differences
-        if used >= 2:
+        if used >= 2 * int(round_batches):  # each half holds a round's batches at least
             split_half = {}
             for f in formats:
                 ks = [k for k, (g, _) in enumerate(candidates) if g == f]

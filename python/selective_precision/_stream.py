@@ -678,7 +678,7 @@ class StreamedLayers(torch.nn.ModuleList):
         difference, each with its `confidence` interval. `batches` may be a list or an iterator (a
         DataLoader): they are taken `round_batches` at a time until the units' ranking repeats,
         Spearman's rho between the even and the odd batches' costs at least `rho` for every
-        format (rho=None: never), or `max_batches` were measured, or the batches ran out
+        format (tested from the second round on; rho=None: never), or `max_batches` were measured, or the batches ran out
         (`stopped_because` says which). Each batch runs 1 + units x formats passes. Returns a UnitCosts; the layer's
         state is left as compare_routes() leaves it."""
         from ._measure import calibrate
