@@ -22,44 +22,26 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import finetune  # noqa: E402
 import pareto  # noqa: E402
-import predictors  # noqa: E402
 import signals  # noqa: E402
-
-
-def split_half(batch_costs, n):
-    """Per format: rho between the units' mean cost over the even and the odd batches of the first n."""
-    out = {}
-    for fmt, units in batch_costs.items():
-        even = [sum(b[:n][0::2]) / len(b[:n][0::2]) for b in units]
-        odd = [sum(b[:n][1::2]) / len(b[:n][1::2]) for b in units]
-        out[fmt] = predictors.pearson(predictors.ranks(even), predictors.ranks(odd))
-    return out
-
-
-def interval(i):
-    return {"mean": i.mean, "low": i.low, "high": i.high, "std_error": i.std_error, "n": i.n}
 
 
 def measure(task, max_batches, out):
     started = time.perf_counter()
-    finetune.COMPUTE["dtype"] = "fp32"
-    torch.manual_seed(0)
-    splits = signals.cached_pairs(signals.TASKS[task]["cache"], signals.TASKS[task]["loader"])
-    tokenizer = finetune.transformers.AutoTokenizer.from_pretrained(finetune.model_path())
-    tune = splits["tune"][:min(len(splits["tune"]) // pareto.BATCH, max_batches) * pareto.BATCH]
-    batches = [tune[i:i + pareto.BATCH] for i in range(0, len(tune), pareto.BATCH)]
+    splits, tokenizer = pareto.task_data(task)
+    batches = pareto.batched(splits["tune"], max_batches)
+    tune = [p for b in batches for p in b]
     model = finetune.load_model().eval()
     layers = pareto.stream_units(model)
     costs = layers.calibrate(pareto.closure_for(model, tokenizer), batches, rho=None, max_batches=len(batches))
     layers.close()
-    rows = [{"batches": n, "split_half_rho": split_half(costs.batch_costs, n)} for n in range(2, costs.batches + 1, 2)]
+    rows = [{"batches": n, "split_half_rho": costs.split_half_at(n)} for n in range(2, costs.batches + 1, 2)]
     for r in rows:
         print("%2d batches: rho %s" % (r["batches"], ", ".join("%s %+.2f" % kv for kv in r["split_half_rho"].items())))
     result = {
         "what": "issue 50 section 3: the split-half rho of calibrate()'s unit costs against the batches measured",
         "task": task, "split": "tune", "pairs": len(tune), "batch": pareto.BATCH, "compute": "fp32",
         "yardstick": costs.yardstick, "units": costs.units,
-        "costs": {f: [interval(i) for i in costs.costs[f]] for f in costs.formats},
+        "costs": {f: [pareto.interval(i) for i in costs.costs[f]] for f in costs.formats},
         "relative_half_width": {f: [(i.high - i.low) / 2 / i.mean for i in costs.costs[f]] for f in costs.formats},
         "split_half_by_batches": rows,
         "calibration": {"batches": costs.batches, "examples": costs.examples, "seconds": costs.seconds,

@@ -92,14 +92,25 @@ def interval(i):
     return {"mean": i.mean, "low": i.low, "high": i.high, "std_error": i.std_error, "n": i.n}
 
 
-def measure(task, pairs, out):
-    started = time.perf_counter()
+def task_data(task):
+    """The task's splits and the tokenizer, with fp32 compute and torch's seed 0."""
     finetune.COMPUTE["dtype"] = "fp32"
     torch.manual_seed(0)
     splits = signals.cached_pairs(signals.TASKS[task]["cache"], signals.TASKS[task]["loader"])
-    tokenizer = finetune.transformers.AutoTokenizer.from_pretrained(finetune.model_path())
-    test = splits["test"][:pairs - pairs % BATCH]
-    batches = [test[i:i + BATCH] for i in range(0, len(test), BATCH)]
+    return splits, finetune.transformers.AutoTokenizer.from_pretrained(finetune.model_path())
+
+
+def batched(pairs, most=None):
+    """Whole batches of BATCH pairs, at most `most` of them."""
+    count = len(pairs) // BATCH if most is None else min(len(pairs) // BATCH, most)
+    return [pairs[i * BATCH:(i + 1) * BATCH] for i in range(count)]
+
+
+def measure(task, pairs, out):
+    started = time.perf_counter()
+    splits, tokenizer = task_data(task)
+    batches = batched(splits["test"][:pairs])
+    test = [p for b in batches for p in b]
 
     allocations = dict(static_family(6))
     decided = {}

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from scipy.stats import pearsonr, spearmanr
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -293,39 +294,16 @@ def predictors_of(result, seed):
     return of
 
 
-def pearson(x, y):
-    n = len(x)
-    mx, my = sum(x) / n, sum(y) / n
-    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
-    sxx = sum((a - mx) ** 2 for a in x)
-    syy = sum((b - my) ** 2 for b in y)
-    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
-
-
-def ranks(x):
-    order = sorted(range(len(x)), key=lambda i: x[i])
-    r = [0.0] * len(x)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            r[order[k]] = (i + j) / 2.0
-        i = j + 1
-    return r
-
-
 def correlation(x, y):
     """Pearson's r with its 95% interval (Fisher z), and Spearman's rho."""
     n = len(x)
-    r = pearson(x, y)
+    r = float(pearsonr(x, y).statistic)
     if n > 3 and abs(r) < 1:
         z, half = math.atanh(r), 1.96 / math.sqrt(n - 3)
         low, high = math.tanh(z - half), math.tanh(z + half)
     else:
         low, high = float("nan"), float("nan")
-    return {"r": r, "low": low, "high": high, "rho": pearson(ranks(x), ranks(y)), "n": n}
+    return {"r": r, "low": low, "high": high, "rho": float(spearmanr(x, y).statistic), "n": n}
 
 
 def analyse(result):

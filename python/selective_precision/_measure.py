@@ -219,6 +219,12 @@ class UnitCosts:
     def upper(self) -> dict:
         return {f: [i.high for i in self.costs[f]] for f in self.formats}
 
+    def split_half_at(self, batches: int) -> dict:
+        """`split_half_rho` as it stood after the first `batches` batches (at least 2)."""
+        if not 2 <= int(batches) <= self.batches:
+            raise ValueError("split_half_at(): batches=%r; expected 2 to %d" % (batches, self.batches))
+        return _split_half(self.batch_costs, int(batches))
+
     def table(self) -> str:
         """The costs as a text table, one row per unit."""
         head = "%-12s" % "unit" + "".join("  %-34s" % ("%s %s [%d%%]" % (f, self.yardstick, round(100 * self.confidence)))
@@ -251,6 +257,17 @@ def _spearman(x, y):
     sxx = sum((a - mx) ** 2 for a in rx)
     syy = sum((b - my) ** 2 for b in ry)
     return sxy / (sxx * syy) ** 0.5 if sxx > 0 and syy > 0 else float("nan")
+
+
+def _split_half(batch_costs, n):
+    """Per format: Spearman's rho between the units' mean costs over the even and the odd
+    batches of the first n (NaN with fewer than three units)."""
+    out = {}
+    for fmt, units in batch_costs.items():
+        even = [sum(b[:n][0::2]) / len(b[:n][0::2]) for b in units]
+        odd = [sum(b[:n][1::2]) / len(b[:n][1::2]) for b in units]
+        out[fmt] = _spearman(even, odd) if len(units) >= 3 else float("nan")
+    return out
 
 
 def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, round_batches):
@@ -306,12 +323,8 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
             values[k] += c.example_kl if with_kl else own
             batch_means[k] += c.batch_kl if with_kl else c.batch_loss_differences
         if used >= 2 * int(round_batches):  # each half holds a round's batches at least
-            split_half = {}
-            for f in formats:
-                ks = [k for k, (g, _) in enumerate(candidates) if g == f]
-                even = [sum(batch_means[k][0::2]) / len(batch_means[k][0::2]) for k in ks]
-                odd = [sum(batch_means[k][1::2]) / len(batch_means[k][1::2]) for k in ks]
-                split_half[f] = _spearman(even, odd) if len(ks) >= 3 else float("nan")
+            split_half = _split_half({f: [batch_means[k] for k, (g, _) in enumerate(candidates) if g == f]
+                                      for f in formats}, used)
             if rho is not None and all(r >= float(rho) for r in split_half.values()):
                 stopped = "the split-half rho reached %g" % float(rho)
         if stopped is None and used >= int(max_batches):

@@ -71,6 +71,9 @@ def test_it_stops_when_the_ranking_repeats_and_takes_no_more_batches_than_that()
     assert costs.batches == 4 and len(taken) == 4  # the first test: two rounds, one per half
     assert costs.split_half_rho == {"int8": 1.0, "nf4": 1.0}
     assert "split-half rho reached 0.9" in costs.stopped_because
+    assert costs.split_half_at(4) == costs.split_half_rho
+    with pytest.raises(ValueError, match="expected 2 to 4"):
+        costs.split_half_at(5)
 
 
 def test_it_stops_at_max_batches_or_when_the_batches_run_out():
