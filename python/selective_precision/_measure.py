@@ -116,16 +116,16 @@ def _module_routes(layout, per_unit):
     return routes
 
 
-def _closure_result(result, batch_index):
+def _closure_result(result, batch_index, caller="compare_routes()"):
     """A closure's return as (loss, scores or None)."""
     if isinstance(result, torch.Tensor):
         return result, None
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor) and (
             result[1] is None or isinstance(result[1], torch.Tensor)):
         return result
-    raise TypeError("compare_routes(): closure(batches[%d]) returned %s; expected the loss (a tensor: the batch's, "
-                    "or one per example) or a tuple (loss, scores), scores holding logits over their last dimension"
-                    % (batch_index, type(result).__name__))
+    raise TypeError("%s: closure(batches[%d]) returned %s; expected the loss (a tensor: the batch's, or one per "
+                    "example) or a tuple (loss, scores), scores holding logits over their last dimension"
+                    % (caller, batch_index, type(result).__name__))
 
 
 def _check_closure(caller, closure, confidence):
@@ -136,13 +136,15 @@ def _check_closure(caller, closure, confidence):
         raise ValueError("%s: confidence=%r; expected a number in (0, 1), such as 0.95" % (caller, confidence))
 
 
-def _measure(layer, caller, closure, batches, candidates, reference, confidence):
+def _measure(layer, caller, closure, batches, candidates, reference, confidence, first_batch=0):
     """Each allocation of `candidates` (one format per unit) against `reference` on `batches`:
-    the reference runs once a batch (StreamedModel::compare_routes)."""
+    the reference runs once a batch (StreamedModel::compare_routes). `first_batch` is the index
+    the caller's errors give batches[0]."""
     if layer.in_step:
         raise RuntimeError("selective_precision: %s: a training step is open (a grad-mode forward ran since the last "
                            "optimizer.step()); measure between steps" % caller)
-    measured = layer.model.compare_routes(lambda i: _closure_result(closure(batches[i]), i), len(batches),
+    measured = layer.model.compare_routes(lambda i: _closure_result(closure(batches[i]), first_batch + i, caller),
+                                          len(batches),
                                           [_module_routes(layer.layout, c) for c in candidates],
                                           _module_routes(layer.layout, reference), float(confidence))
     out = []
@@ -270,23 +272,58 @@ def _split_half(batch_costs, n):
     return out
 
 
+def _count(caller, name, value, least, least_is=""):
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError("%s: %s=%r; expected a whole number of at least %d%s" % (caller, name, value, least, least_is))
+    return value
+
+
+class _RandomStreams:
+    """The CPU's and every initialised CUDA device's random state: where a round of batches ends,
+    so that the next round draws on from there (dropout draws new masks), as one compare_routes
+    over all the batches would; and the caller's, put back at the end."""
+
+    def __init__(self):
+        self.saved = self.capture()
+
+    @staticmethod
+    def capture():
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return torch.get_rng_state(), cuda
+
+    @staticmethod
+    def put(state):
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+    def restore(self):
+        self.put(self.saved)
+
+
 def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, round_batches):
     import itertools
+    import numbers
+    import re
     import time
 
     caller = "calibrate()"
     _check_closure(caller, closure, confidence)
     if isinstance(formats, str):
         formats = [formats]
+    if not isinstance(formats, collections.abc.Iterable):
+        raise TypeError("calibrate(): formats=%r; expected some of 'int8', 'nf4'" % (formats,))
     formats = list(formats)
     if not formats or any(f not in _FORMATS[1:] for f in formats) or len(set(formats)) != len(formats):
         raise ValueError("calibrate(): formats=%r; expected some of 'int8', 'nf4', each once" % (formats,))
-    if rho is not None and not 0.0 < float(rho) <= 1.0:
+    if rho is not None and (isinstance(rho, bool) or not isinstance(rho, numbers.Real) or not 0.0 < rho <= 1.0):
         raise ValueError("calibrate(): rho=%r; expected the split-half rank correlation to stop at, in (0, 1], or "
                          "None to measure every batch up to max_batches" % (rho,))
-    if int(round_batches) < 1 or int(max_batches) < 2 * int(round_batches):
-        raise ValueError("calibrate(): max_batches=%r and round_batches=%r; expected round_batches >= 1 and "
-                         "max_batches >= 2 * round_batches" % (max_batches, round_batches))
+    round_batches = _count(caller, "round_batches", round_batches, 1)
+    max_batches = _count(caller, "max_batches", max_batches, 2 * round_batches, " (2 * round_batches)")
+    if not isinstance(batches, collections.abc.Iterable) or isinstance(batches, (str, bytes)):
+        raise TypeError("calibrate(): batches expected a list or an iterator of batches, got %s" % type(batches).__name__)
     if layer.in_step:
         raise RuntimeError("selective_precision: calibrate(): a training step is open (a grad-mode forward ran since "
                            "the last optimizer.step()); calibrate between steps")
@@ -294,41 +331,67 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
     reference = ["bf16"] * len(units)
     candidates = [(f, u) for f in formats for u in range(len(units))]
     routes = [[f if v == u else "bf16" for v in range(len(units))] for f, u in candidates]
+    names = ["unit %s in %s" % (units[u], f) for f, u in candidates]
     source = iter(batches)
     started = time.perf_counter()
-    # Per candidate: its cost per example (or batch), its loss difference, and its mean per batch.
-    values = [[] for _ in candidates]
-    differences = [[] for _ in candidates]
-    batch_means = [[] for _ in candidates]
-    yardstick, paired_over, used = None, None, 0
+    # Per candidate: its KL per example, its loss difference per example and per batch, and its
+    # cost per batch (what the split-half rho is taken over).
+    kl = [[] for _ in candidates]
+    example_differences = [[] for _ in candidates]
+    batch_differences = [[] for _ in candidates]
+    batch_costs = [[] for _ in candidates]
+    with_scores, per_example, used, rounds = None, True, 0, 0
     bytes_before = layer.model.measurement_h2d_bytes()
     split_half = {}
     stopped = None
-    while stopped is None:
-        chunk = list(itertools.islice(source, min(int(round_batches), int(max_batches) - used)))
-        if not chunk:
-            stopped = "the batches ran out"
-            break
-        measured = _measure(layer, caller, closure, chunk, routes, reference, confidence)
-        used += len(chunk)
-        for k, c in enumerate(measured):
-            with_kl = c.kl is not None
-            if yardstick is None:
-                yardstick, paired_over = ("kl" if with_kl else "loss"), c.paired_over
-            elif yardstick != ("kl" if with_kl else "loss") or paired_over != c.paired_over:
-                raise ValueError("calibrate(): the closure changed what it returns between batches (scores, or one "
-                                 "loss per example); return the same for every batch")
-            own = c.example_loss_differences if c.paired_over == "examples" else c.batch_loss_differences
-            differences[k] += own
-            values[k] += c.example_kl if with_kl else own
-            batch_means[k] += c.batch_kl if with_kl else c.batch_loss_differences
-        if used >= 2 * int(round_batches):  # each half holds a round's batches at least
-            split_half = _split_half({f: [batch_means[k] for k, (g, _) in enumerate(candidates) if g == f]
-                                      for f in formats}, used)
-            if rho is not None and all(r >= float(rho) for r in split_half.values()):
-                stopped = "the split-half rho reached %g" % float(rho)
-        if stopped is None and used >= int(max_batches):
-            stopped = "max_batches (%d) was reached" % int(max_batches)
+    random = _RandomStreams()
+    after_last_pass = [random.saved]
+
+    def drawing_on(batch):
+        result = closure(batch)
+        after_last_pass[0] = _RandomStreams.capture()
+        return result
+
+    try:
+        while stopped is None:
+            chunk = list(itertools.islice(source, min(round_batches, max_batches - used)))
+            if not chunk:
+                stopped = "the batches ran out"
+                break
+            _RandomStreams.put(after_last_pass[0])
+            try:
+                measured = _measure(layer, caller, drawing_on, chunk, routes, reference, confidence, first_batch=used)
+            except (ValueError, TypeError, RuntimeError) as e:
+                # The extension's own refusals name a round's batch and a candidate's index: said
+                # as the caller knows them. What the closure raised passes through as it was.
+                message = re.sub(r"candidates\[(\d+)\]", lambda m: names[int(m.group(1))], str(e))
+                message = re.sub(r"compare_routes: batch (\d+):",
+                                 lambda m: "calibrate: batch %d:" % (used + int(m.group(1))), message)
+                if message == str(e):
+                    raise
+                raise type(e)(message) from e
+            used += len(chunk)
+            rounds += 1
+            for k, c in enumerate(measured):
+                if with_scores is None:
+                    with_scores = c.kl is not None
+                elif with_scores != (c.kl is not None):
+                    raise ValueError("calibrate(): the closure returned scores for some batches and not for others "
+                                     "(by batch %d); return them for every batch or for none" % used)
+                per_example = per_example and c.paired_over == "examples"
+                example_differences[k] += c.example_loss_differences
+                batch_differences[k] += c.batch_loss_differences
+                kl[k] += c.example_kl
+                batch_costs[k] += c.batch_kl if with_scores else c.batch_loss_differences
+            if rounds >= 2:  # from the second round on: a first round alone may split one batch against one
+                split_half = _split_half({f: [batch_costs[k] for k, (g, _) in enumerate(candidates) if g == f]
+                                          for f in formats}, used)
+                if rho is not None and all(r >= rho for r in split_half.values()):
+                    stopped = "the split-half rho reached %g" % rho
+            if stopped is None and used >= max_batches:
+                stopped = "max_batches (%d) was reached" % max_batches
+    finally:
+        random.restore()
     if not used:
         raise ValueError("calibrate(): batches is empty; give the batches to measure on")
     h2d_bytes = layer.model.measurement_h2d_bytes() - bytes_before
@@ -337,10 +400,14 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
     losses = {f: [] for f in formats}
     per_batch = {f: [] for f in formats}
     for k, (f, _) in enumerate(candidates):
-        costs[f].append(Interval.of(values[k], confidence))
-        losses[f].append(Interval.of(differences[k], confidence))
-        per_batch[f].append(list(batch_means[k]))
-    return UnitCosts(units=units, formats=formats, yardstick=yardstick, paired_over=paired_over, costs=costs,
-                     loss_differences=losses, split_half_rho=split_half, batch_costs=per_batch, batches=used,
-                     examples=len(values[0]), stopped_because=stopped, confidence=float(confidence),
-                     h2d_bytes=h2d_bytes, all_bf16_fetches=h2d_bytes / all_bf16, seconds=time.perf_counter() - started)
+        differences = example_differences[k] if per_example else batch_differences[k]
+        costs[f].append(Interval.of(kl[k] if with_scores else differences, confidence))
+        losses[f].append(Interval.of(differences, confidence))
+        per_batch[f].append(list(batch_costs[k]))
+    return UnitCosts(units=units, formats=formats, yardstick="kl" if with_scores else "loss",
+                     paired_over="examples" if per_example else "batches", costs=costs, loss_differences=losses,
+                     split_half_rho=split_half, batch_costs=per_batch, batches=used,
+                     examples=len(kl[0]) if with_scores else len(example_differences[0] if per_example
+                                                                  else batch_differences[0]),
+                     stopped_because=stopped, confidence=float(confidence), h2d_bytes=h2d_bytes,
+                     all_bf16_fetches=h2d_bytes / all_bf16, seconds=time.perf_counter() - started)

@@ -1,6 +1,8 @@
 """layers.calibrate(closure, batches): each unit's cost alone in each format, measured forward only
 with compare_routes()'s yardstick, taken over batches until the units' ranking repeats."""
 
+import re
+
 import pytest
 import torch
 
@@ -90,7 +92,7 @@ def test_it_stops_at_max_batches_or_when_the_batches_run_out():
     (dict(formats=["fp8"]), ValueError, "formats=['fp8']"),
     (dict(formats=["nf4", "nf4"]), ValueError, "each once"),
     (dict(rho=0.0), ValueError, "rho=0.0"),
-    (dict(max_batches=3, round_batches=2), ValueError, "max_batches >= 2 * round_batches"),
+    (dict(max_batches=3, round_batches=2), ValueError, "max_batches=3; expected a whole number of at least 4 (2 * round_batches)"),
     (dict(batches=[]), ValueError, "batches is empty"),
     (dict(closure=3), TypeError, "closure expected a callable"),
     (dict(confidence=2), ValueError, "confidence=2"),
@@ -100,12 +102,12 @@ def test_what_it_cannot_measure_is_refused_by_name(call, error, says):
     model.eval()
     arguments = dict(closure=per_example(model), batches=[torch.randn(8, 8)] * 2)
     arguments.update(call)
-    with pytest.raises(error, match=says.replace("[", r"\[").replace("]", r"\]").replace("*", r"\*")):
+    with pytest.raises(error, match=re.escape(says)):
         model.layers.calibrate(**arguments)
     assert model.layers.routes() == ["bf16"] * 3
 
 
-def test_a_closure_that_changes_what_it_returns_is_refused():
+def test_a_closure_that_gives_scores_for_some_rounds_only_is_refused():
     model = streamed_model()
     model.eval()
     calls = []
@@ -115,5 +117,73 @@ def test_a_closure_that_changes_what_it_returns_is_refused():
         loss, scores = per_example(model)(x)
         return (loss, scores) if len(calls) <= 7 else loss  # scores for the first batch's seven passes only
 
-    with pytest.raises(ValueError, match="changed what it returns"):
+    with pytest.raises(ValueError, match="scores for some batches and not for others"):
         model.layers.calibrate(closure, [torch.randn(8, 8)] * 4, round_batches=1, rho=None)
+
+
+def test_one_loss_per_batch_anywhere_pairs_every_batch_as_compare_routes_does():
+    model = streamed_model()
+    model.eval()
+    batches = [torch.randn(8, 8) for _ in range(4)]
+
+    def closure(x):
+        loss = per_example(model)(x)[0]
+        return loss if x is not batches[3] else loss.mean()
+
+    costs = model.layers.calibrate(closure, batches, formats="nf4", rho=None, round_batches=2)
+    c = model.layers.compare_routes(closure, batches, alone(0, "nf4"))
+    assert costs.paired_over == c.paired_over == "batches" and costs.examples == 4
+    assert costs.costs["nf4"][0] == c.loss_difference
+
+
+def test_with_dropout_each_round_draws_on_as_one_measurement_over_every_batch_would():
+    model = streamed_model()
+    model.train()  # dropout left on: the allocations of a batch share its masks, batches do not
+    batches = [torch.randn(8, 8) for _ in range(4)]
+    state = torch.get_rng_state()
+    costs = model.layers.calibrate(per_example(model), batches, formats="nf4", rho=None, round_batches=1)
+    assert torch.equal(torch.get_rng_state(), state)
+    c = model.layers.compare_routes(per_example(model), batches, alone(1, "nf4"))
+    assert costs.costs["nf4"][1] == c.kl and costs.batch_costs["nf4"][1] == c.batch_kl
+    assert len(set(costs.batch_costs["nf4"][1])) == 4
+
+
+def test_a_refusal_names_the_batch_and_the_unit_as_the_caller_knows_them():
+    model = streamed_model()
+    model.eval()
+    passes = []  # 7 a batch: all-BF16, then each of 3 units in INT8 and in NF4
+
+    def closure(x):
+        passes.append(x)
+        loss, scores = per_example(model)(x)
+        candidate_of_batch_3 = len(passes) > 3 * 7 + 1
+        return loss, scores.new_full(scores.shape, float("nan")) if candidate_of_batch_3 else scores
+
+    with pytest.raises(ValueError, match=r"calibrate: batch 3: the KL .* unit 0 in int8 gives no probability"):
+        model.layers.calibrate(closure, [torch.randn(8, 8)] * 6, round_batches=1, rho=None)
+    passes.clear()
+
+    def returns_a_number_at_batch_2(x):
+        passes.append(x)
+        return 3 if len(passes) == 2 * 7 + 1 else per_example(model)(x)
+
+    with pytest.raises(TypeError, match=re.escape("calibrate(): closure(batches[2]) returned int")):
+        model.layers.calibrate(returns_a_number_at_batch_2, [torch.randn(8, 8)] * 6, round_batches=1, rho=None)
+    assert model.layers.routes() == ["bf16"] * 3
+
+
+@pytest.mark.parametrize("call, error, says", [
+    (dict(formats=None), TypeError, "formats=None"),
+    (dict(batches=None), TypeError, "batches expected a list or an iterator"),
+    (dict(max_batches=None), ValueError, "max_batches=None"),
+    (dict(round_batches=1.5), ValueError, "round_batches=1.5"),
+    (dict(round_batches=True), ValueError, "round_batches=True"),
+    (dict(rho="high"), ValueError, "rho='high'"),
+])
+def test_arguments_of_the_wrong_kind_are_refused_by_name(call, error, says):
+    model = streamed_model()
+    model.eval()
+    arguments = dict(closure=per_example(model), batches=[torch.randn(8, 8)] * 2)
+    arguments.update(call)
+    with pytest.raises(error, match=says):
+        model.layers.calibrate(**arguments)
