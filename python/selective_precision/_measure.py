@@ -272,6 +272,22 @@ def _split_half(batch_costs, n):
     return out
 
 
+def compare_allocations(layer, closure, batches, allocations, reference, confidence):
+    caller = "compare_allocations()"
+    _check_closure(caller, closure, confidence)
+    batches = list(batches)
+    if not batches:
+        raise ValueError("compare_allocations(): batches is empty; give the batches to measure on")
+    if not isinstance(allocations, collections.abc.Mapping) or not allocations:
+        raise TypeError("compare_allocations(): allocations expected a non-empty dict of name to routes (a format, a "
+                        "list of one per unit, or a dict of unit name to format), got %r" % (allocations,))
+    names = list(allocations)
+    units = [_unit_routes(layer.layout, allocations[n], "allocations[%r]" % (n,)) for n in names]
+    measured = _measure(layer, caller, closure, batches, units, _unit_routes(layer.layout, reference, "reference"),
+                        confidence)
+    return dict(zip(names, measured))
+
+
 def _count(caller, name, value, least, least_is=""):
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError("%s: %s=%r; expected a whole number of at least %d%s" % (caller, name, value, least, least_is))

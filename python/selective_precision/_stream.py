@@ -670,6 +670,17 @@ class StreamedLayers(torch.nn.ModuleList):
 
         return compare_routes(self._layer(), closure, batches, routes_a, routes_b, confidence)
 
+    def compare_allocations(self, closure, batches, allocations, reference="bf16", *,
+                            confidence: float = 0.95) -> dict:
+        """compare_routes() of several allocations against one reference on the same batches:
+        `allocations` maps a name to routes (as compare_routes' routes_a). Per batch the
+        reference runs once, then each allocation from the same random state; returns a dict of
+        name to RouteComparison, each what compare_routes() gives that allocation alone, so
+        two of them pair up example by example (`example_kl`, `example_loss_differences`)."""
+        from ._measure import compare_allocations
+
+        return compare_allocations(self._layer(), closure, batches, allocations, reference, confidence)
+
     def calibrate(self, closure, batches, *, formats=("int8", "nf4"), confidence: float = 0.95,
                   rho: float | None = 0.9, max_batches: int = 32, round_batches: int = 2) -> "UnitCosts":
         """What each unit costs alone in each format, measured forward only (compare_routes()'s

@@ -164,3 +164,21 @@ def test_an_interval_of_any_values_is_the_t_interval_compare_routes_uses():
         sp.Interval.of([])
     with pytest.raises(ValueError, match="is not finite"):
         sp.Interval.of([1.0, float("nan")])
+
+
+def test_several_allocations_against_one_reference_are_each_what_it_measures_alone():
+    model = streamed_model()
+    model.train()  # dropout on: each allocation of a batch draws the reference's masks
+    batches = [torch.randn(8, 8) for _ in range(3)]
+    allocations = {"nf4 in the middle": ["bf16", "nf4", "bf16"], "all int8": "int8", "by name": {"0": "nf4", "1": "bf16", "2": "int8"}}
+    together = model.layers.compare_allocations(per_example(model), batches, allocations)
+    assert list(together) == list(allocations)
+    for name, routes in allocations.items():
+        alone = model.layers.compare_routes(per_example(model), batches, routes)
+        assert together[name] == alone
+        assert len(together[name].example_kl) == 24 and len(together[name].example_loss_differences) == 24
+    assert together["all int8"].kl.mean < together["nf4 in the middle"].kl.mean
+    with pytest.raises(TypeError, match="allocations expected a non-empty dict"):
+        model.layers.compare_allocations(per_example(model), batches, [["nf4"] * 3])
+    with pytest.raises(ValueError, match=r"allocations\['short'\] holds 1 routes"):
+        model.layers.compare_allocations(per_example(model), batches, {"short": ["nf4"]})
