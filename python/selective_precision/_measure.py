@@ -219,6 +219,7 @@ class UnitCosts:
 
     @property
     def upper(self) -> dict:
+        """Per format, each unit's cost at the upper bound of its interval."""
         return {f: [i.high for i in self.costs[f]] for f in self.formats}
 
     def split_half_at(self, batches: int) -> dict:
