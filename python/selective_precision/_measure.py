@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import itertools
+import numbers
+import re
+import time
 
 import torch
 
@@ -178,9 +182,6 @@ def compare_routes(layer, closure, batches, routes_a, routes_b, confidence):
     batches = list(batches)
     if not batches:
         raise ValueError("compare_routes(): batches is empty; give the batches to measure on")
-    if layer.in_step:
-        raise RuntimeError("selective_precision: compare_routes(): a training step is open (a grad-mode forward ran "
-                           "since the last optimizer.step()); measure between steps")
     units_a = _unit_routes(layer.layout, routes_a, "routes_a")
     units_b = _unit_routes(layer.layout, routes_b, "routes_b")
     return _measure(layer, "compare_routes()", closure, batches, [units_a], units_b, confidence)[0]
@@ -320,11 +321,6 @@ class _RandomStreams:
 
 
 def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, round_batches):
-    import itertools
-    import numbers
-    import re
-    import time
-
     caller = "calibrate()"
     _check_closure(caller, closure, confidence)
     if isinstance(formats, str):

@@ -69,9 +69,25 @@ torch::Tensor loss_values(const torch::Tensor& loss, std::size_t batch, const ch
   return values;
 }
 
+// The reference's scores of a batch as the KL needs them, computed once for every allocation
+// measured against it: the softmax's log over their last dimension, as float64 rows on the host,
+// and its exp.
+struct ReferenceScores {
+  torch::Tensor scores, log_p, p;
+  explicit ReferenceScores(const torch::Tensor& s) : scores(s) {
+    if (!s.defined() || s.dim() == 0) return;  // refused by kl_per_example, by name
+    log_p = log_probabilities(s);
+    p = log_p.exp();
+  }
+  static torch::Tensor log_probabilities(const torch::Tensor& s) {
+    return torch::log_softmax(s.detach().to(torch::kCPU, torch::kFloat64).reshape({-1, s.size(-1)}), -1);
+  }
+};
+
 // KL(b || a) of the scores' softmax over their last dimension, one value per leading index.
-torch::Tensor kl_per_example(const torch::Tensor& scores_a, const torch::Tensor& scores_b, std::size_t batch,
+torch::Tensor kl_per_example(const torch::Tensor& scores_a, const ReferenceScores& reference, std::size_t batch,
                              const std::string& name_a, const char* name_b) {
+  const torch::Tensor& scores_b = reference.scores;
   if (scores_a.defined() != scores_b.defined()) {
     throw std::invalid_argument(fmt::format(
         "StreamedModel::compare_routes: batch {}: the closure gave scores under one allocation and not the other",
@@ -83,13 +99,10 @@ torch::Tensor kl_per_example(const torch::Tensor& scores_a, const torch::Tensor&
         "tensors of one shape, logits over their last dimension",
         batch, describe(scores_a), name_a, describe(scores_b), name_b));
   }
-  const auto log_probabilities = [](const torch::Tensor& s) {
-    return torch::log_softmax(s.detach().to(torch::kCPU, torch::kFloat64).reshape({-1, s.size(-1)}), -1);
-  };
-  const torch::Tensor a = log_probabilities(scores_a);
-  const torch::Tensor b = log_probabilities(scores_b);
+  const torch::Tensor a = ReferenceScores::log_probabilities(scores_a);
+  const torch::Tensor& b = reference.log_p;
+  const torch::Tensor& p = reference.p;
   // Where b gives no mass the term is 0 (p log p -> 0), also where both are -inf (masked logits).
-  const torch::Tensor p = b.exp();
   const torch::Tensor kl = torch::where(p > 0, p * (b - a), torch::zeros_like(p)).sum(-1);
   if (!torch::isfinite(kl).all().item<bool>()) {
     throw std::invalid_argument(fmt::format(
@@ -231,6 +244,7 @@ std::vector<RouteComparison> StreamedModel::Impl::compare_routes(
       const torch::Tensor loss_b = loss_values(b.loss, i, reference_name);
       sum_b += loss_b.sum().item<double>();
       batch_means_b.push_back(loss_b.mean().item<double>());
+      const ReferenceScores reference_scores(b.scores);
       for (std::size_t k = 0; k < candidates.size(); ++k) {
         const std::string name = name_of(k);
         RouteComparison& c = out[k];
@@ -258,7 +272,7 @@ std::vector<RouteComparison> StreamedModel::Impl::compare_routes(
               "StreamedModel::compare_routes: batch {}: the closure gave scores for some batches and not others", i));
         }
         if (with_scores) {
-          const std::vector<double> kl = values_of(kl_per_example(a.scores, b.scores, i, name, reference_name));
+          const std::vector<double> kl = values_of(kl_per_example(a.scores, reference_scores, i, name, reference_name));
           c.batch_kl.push_back(mean_of(kl));
           c.example_kl.insert(c.example_kl.end(), kl.begin(), kl.end());
         }
