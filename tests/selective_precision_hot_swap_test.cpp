@@ -1,6 +1,6 @@
 // Hot swaps of the real Selective Precision plugin. "V1" is the 1.0.0 edition fixture
 // (build/test-fixtures/libsp_selective_precision_v1.so: the same sources built as 1.0.0, ABI
-// 1.0, state format 1); "V2" is the shipped plugin, now 3.1.0 (build/plugins); "V2_COPY" is it
+// 1.0, state format 1); "V2" is the shipped plugin, now 4.0.0 (build/plugins); "V2_COPY" is it
 // under another file name. A run starts on 1.0.0 and upgrades live to the shipped plugin through
 // export/import; with the v1 config, it decides exactly as 1.0.0 would have.
 #include <sp/host/policy_host.h>
@@ -175,12 +175,12 @@ TEST_P(SwapV1ToV2AtStep, GivesTheDecisionsOfAnUninterruptedV1Run) {
       ASSERT_EQ(result.outcome, SwapResult::Outcome::swapped) << result.message;
       EXPECT_TRUE(result.old_library_unloaded) << result.message;
       EXPECT_EQ(result.old_version, "1.0.0");
-      EXPECT_EQ(result.new_version, "3.1.0");
+      EXPECT_EQ(result.new_version, "4.0.0");
       EXPECT_EQ(testing::mapped_regions_containing("libsp_selective_precision_v1.so"), 0u);
     }
     run.step(step);
   }
-  EXPECT_EQ(run.host().plugin_version(), "3.1.0");
+  EXPECT_EQ(run.host().plugin_version(), "4.0.0");
   EXPECT_EQ(run.decisions(), uninterrupted_v1_decisions());
   // Both versions appended to one telemetry file; together it is the uninterrupted one in
   // every field 1.0.0 writes (2.0.0 adds fields: blocks_nf4, s4, loss_spike, ...), with one
@@ -240,7 +240,7 @@ TEST(SelectivePrecisionHotSwap, RequestedMidStepTakesOverAtTheNextStepWithNoStep
   }
   ASSERT_TRUE(run.host().last_swap_result().has_value());
   EXPECT_EQ(run.host().last_swap_result()->first_step, 22);
-  EXPECT_EQ(run.host().plugin_version(), "3.1.0");
+  EXPECT_EQ(run.host().plugin_version(), "4.0.0");
   EXPECT_EQ(run.decisions(), uninterrupted_v1_decisions());
 }
 
@@ -279,7 +279,7 @@ TEST(SelectivePrecisionHotSwap, LiveUpgradeFromOneDotZeroThenAnNf4ConfigTakesOve
       const SwapResult result = run.host().swap_now(SP_SELECTIVE_PRECISION_V2);
       ASSERT_EQ(result.outcome, SwapResult::Outcome::swapped) << result.message;
       EXPECT_EQ(result.old_version, "1.0.0");
-      EXPECT_EQ(result.new_version, "3.1.0");
+      EXPECT_EQ(result.new_version, "4.0.0");
       EXPECT_TRUE(result.old_library_unloaded) << result.message;
       EXPECT_EQ(run.host().plugin_abi_minor(), 3u);
     }
@@ -305,7 +305,7 @@ TEST(SelectivePrecisionHotSwap, LiveUpgradeFromOneDotZeroThenAnNf4ConfigTakesOve
   EXPECT_EQ(run.host().last_swap_result()->outcome, SwapResult::Outcome::swapped)
       << run.host().last_swap_result()->message;
   EXPECT_EQ(run.host().last_swap_result()->first_step, kNf4RequestStep + 1);
-  EXPECT_EQ(run.host().plugin_version(), "3.1.0");
+  EXPECT_EQ(run.host().plugin_version(), "4.0.0");
   EXPECT_EQ(run.host().hook_failures().total(), 0u);
 
   // Every step has its hints from a plugin (RealPluginRun::record checks the source), and up to

@@ -1,9 +1,11 @@
 #include "sp/policy/config.h"
 
+#include "sp/policy/decision_rule.h"
 #include "sp/policy/errors.h"
 #include "sp/yaml_diagnostics/yaml_diagnostics.h"
 
 #include <fmt/format.h>
+#include <sp/precision_abi.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -72,18 +74,30 @@ constexpr std::array<const char *, 6> kLossGuardKeys = {"enabled",  "window",   
                                                         "min_rise", "blame_steps", "penalty_steps"};
 constexpr const char *kTierChoices = "one of bf16, int8, nf4";
 constexpr std::array<const char *, 2> kBudgetKeys = {"bytes", "loss"};
-#if SP_POLICY_EDITION >= 3
-constexpr const char *kModeChoices = "one of off, static, dynamic, budget";
-#else
-constexpr const char *kModeChoices = "one of off, static, dynamic";
-#endif
+
+// "one of off, static, ...": the modes of this edition's rule modules.
+std::string mode_choices() {
+  std::string text;
+  for (const RuleModule *module : rule_modules()) text += fmt::format("{}{}", text.empty() ? "one of " : ", ", module->name);
+  return text;
+}
+
+// The rule key called `name` of any module of this edition, or null.
+const RuleKey *rule_key_named(std::string_view name) {
+  for (const RuleModule *module : rule_modules()) {
+    for (const RuleKey &key : module->keys) {
+      if (name == key.name) return &key;
+    }
+  }
+  return nullptr;
+}
 
 std::string tiers_text(sp_precision_mask tiers) {
   std::string text;
-  for (sp_precision p : {SP_PRECISION_BF16, SP_PRECISION_INT8, SP_PRECISION_NF4}) {
-    if ((tiers & SP_PRECISION_BIT(p)) == 0) continue;
+  for (Precision route : kPrecisions) {
+    if ((tiers & SP_PRECISION_BIT(to_abi(route))) == 0) continue;
     text += text.empty() ? "" : ", ";
-    text += precision_name(p);
+    text += sp::precision_name(route);
   }
   return "[" + text + "]";
 }
@@ -245,14 +259,24 @@ void validate_relations(const SectionReader &reader, const PolicySettings &confi
                                     reader.path("hysteresis_margin"), config.nf4_threshold, config.hysteresis_margin));
     }
   }
-  if (config.mode == Mode::budget && config.budget.kind == BudgetKind::none) {
-    throw PolicyConfigError(fmt::format("{}: mode is budget, but no budget is given; expected budget: {{bytes: F}} "
-                                        "or budget: {{loss: F}}",
-                                        reader.path("budget")));
+  const RuleModule &rule = rule_module(config.mode);
+  const std::string budgets = rule.takes_loss_budget ? "budget: {bytes: F} or budget: {loss: F}" : "budget: {bytes: F}";
+  if (takes_budget(config.mode) && config.budget.kind == BudgetKind::none) {
+    throw PolicyConfigError(fmt::format("{}: mode is {}, but no budget is given; expected {}", reader.path("budget"),
+                                        rule.name, budgets));
   }
-  if (config.mode != Mode::budget && config.budget.kind != BudgetKind::none) {
-    throw PolicyConfigError(fmt::format("{}: a budget needs mode: budget, found mode: {}", reader.path("budget"),
+  if (!takes_budget(config.mode) && config.budget.kind != BudgetKind::none) {
+    std::string modes;
+    for (const RuleModule *module : rule_modules()) {
+      if (module->takes_bytes_budget || module->takes_loss_budget) modes += fmt::format("{}{}", modes.empty() ? "" : " or ", module->name);
+    }
+    throw PolicyConfigError(fmt::format("{}: a budget needs mode: {}, found mode: {}", reader.path("budget"), modes,
                                         mode_name(config.mode)));
+  }
+  if (config.budget.kind == BudgetKind::loss && !rule.takes_loss_budget) {
+    throw PolicyConfigError(fmt::format("{}: mode {} decides by a cost that is not the training loss; expected {}, "
+                                        "found a loss budget",
+                                        reader.path("budget"), rule.name, budgets));
   }
   if (config.telemetry_enabled && config.telemetry_file.empty()) {
     throw PolicyConfigError(fmt::format("{}: expected a file name when telemetry_enabled is true, found an empty string",
@@ -268,16 +292,9 @@ void validate_relations(const SectionReader &reader, const PolicySettings &confi
   for (std::size_t i = 0; i < node.size(); ++i) {
     const std::string element = fmt::format("{}[{}]", key, i);
     const std::string name = reader.read_string(element, node[i], kTierChoices);
-    sp_precision precision = SP_PRECISION_BF16;
-    if (name == "bf16") {
-      precision = SP_PRECISION_BF16;
-    } else if (name == "int8") {
-      precision = SP_PRECISION_INT8;
-    } else if (name == "nf4") {
-      precision = SP_PRECISION_NF4;
-    } else {
-      reader.fail(element, kTierChoices, node[i]);
-    }
+    const std::optional<Precision> route = precision_named(name);
+    if (!route) reader.fail(element, kTierChoices, node[i]);
+    const sp_precision precision = to_abi(*route);
     if ((tiers & SP_PRECISION_BIT(precision)) != 0) {
       throw PolicyConfigError(
           fmt::format("{}: {} is listed twice; expected each precision at most once", reader.path(element), name));
@@ -383,18 +400,12 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
   if (key == "enabled") {
     config.enabled = reader.read_bool(key, value);
   } else if (key == "mode") {
-    const std::string mode = reader.read_string(key, value, kModeChoices);
-    if (mode == "off") {
-      config.mode = Mode::off;
-    } else if (mode == "static") {
-      config.mode = Mode::static_lists;
-    } else if (mode == "dynamic") {
-      config.mode = Mode::dynamic;
-    } else if (kPolicyEdition >= 3 && mode == "budget") {
-      config.mode = Mode::budget;
-    } else {
-      reader.fail(key, kModeChoices, value);
-    }
+    const std::string mode = reader.read_string(key, value, mode_choices());
+    const auto &modules = rule_modules();
+    const auto found = std::find_if(modules.begin(), modules.end(),
+                                    [&](const RuleModule *module) { return mode == module->name; });
+    if (found == modules.end()) reader.fail(key, mode_choices(), value);
+    config.mode = (*found)->mode;
   } else if (key == "bf16_threshold") {
     config.bf16_threshold = reader.read_number(key, value, kUnit);
     require_range(reader, key, config.bf16_threshold, 0.0, 1.0);
@@ -492,8 +503,19 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
     config.switch_margin = reader.read_number(key, value, kNonNegative);
     require_non_negative_finite(reader, key, config.switch_margin);
 #endif
+  } else if (const RuleKey *rule_key = rule_key_named(key)) {
+    const double number = rule_key->integer ? static_cast<double>(reader.read_integer(key, value, rule_key->expected))
+                                            : reader.read_number(key, value, rule_key->expected);
+    if (!(number >= rule_key->low && number <= rule_key->high)) {
+      throw PolicyConfigError(fmt::format("{}: expected {}, found {}", reader.path(key), rule_key->expected, number));
+    }
+    config.rule_settings[key] = number;
   } else {
-    const std::optional<std::string_view> suggestion = yaml_diagnostics::closest_key(key, kKnownKeys);
+    std::vector<const char *> known(kKnownKeys.begin(), kKnownKeys.end());
+    for (const RuleModule *module : rule_modules()) {
+      for (const RuleKey &rule_key : module->keys) known.push_back(rule_key.name);
+    }
+    const std::optional<std::string_view> suggestion = yaml_diagnostics::closest_key(key, known);
     throw PolicyConfigError(fmt::format("{}: unknown key{}", reader.path(key),
                                   suggestion ? fmt::format("; did you mean '{}'?", *suggestion) : ""));
   }
@@ -570,6 +592,14 @@ ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blo
   validate_relations(reader, parsed.config);
 
   const PolicySettings &config = parsed.config;
+  const RuleModule &rule = rule_module(config.mode);
+  for (const auto &[key, number] : config.rule_settings) {
+    const bool read = std::any_of(rule.keys.begin(), rule.keys.end(), [&](const RuleKey &k) { return key == k.name; });
+    if (!read) {
+      parsed.warnings.push_back(fmt::format("{}: mode {} does not read this key, so its value {} is ignored",
+                                            reader.path(key), rule.name, number));
+    }
+  }
   if (config.effective_mode() == Mode::off &&
       (!config.force_bf16_blocks.empty() || !config.force_int8_blocks.empty() || !config.force_nf4_blocks.empty())) {
     parsed.warnings.push_back(
@@ -580,29 +610,11 @@ ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blo
   return parsed;
 }
 
-const char *mode_name(Mode mode) {
-  switch (mode) {
-    case Mode::off:
-      return "off";
-    case Mode::static_lists:
-      return "static";
-    case Mode::dynamic:
-      return "dynamic";
-    case Mode::budget:
-      return "budget";
-  }
-  return "unknown";
-}
+const char *mode_name(Mode mode) { return rule_module(mode).name; }
 
 const char *precision_name(sp_precision precision) {
-  switch (precision) {
-    case SP_PRECISION_INT8:
-      return "int8";
-    case SP_PRECISION_NF4:
-      return "nf4";
-    default:
-      return "bf16";
-  }
+  const std::optional<Precision> route = from_abi(precision);
+  return sp::precision_name(route ? *route : Precision::bf16);
 }
 
 void check_host_precisions(const ParsedConfig &parsed, sp_precision_mask supported) {

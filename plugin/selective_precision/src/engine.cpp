@@ -2,6 +2,7 @@
 
 #include "sp/policy/budget.h"
 #include "sp/policy/errors.h"
+#include "sp/policy/routes.h"
 #include "sp/policy/state_codec.h"
 
 #include <fmt/format.h>
@@ -14,40 +15,6 @@
 
 namespace sp::policy {
 namespace {
-
-sp_precision precision_of(Assignment assignment) {
-  switch (assignment) {
-    case Assignment::int8:
-      return SP_PRECISION_INT8;
-    case Assignment::nf4:
-      return SP_PRECISION_NF4;
-    default:
-      return SP_PRECISION_BF16;
-  }
-}
-
-Assignment assignment_for(sp_precision precision) {
-  switch (precision) {
-    case SP_PRECISION_INT8:
-      return Assignment::int8;
-    case SP_PRECISION_NF4:
-      return Assignment::nf4;
-    default:
-      return Assignment::bf16;
-  }
-}
-
-// Cost order of the precisions: bf16 > int8 > nf4. "Down" is cheaper.
-int cost_rank(sp_precision precision) {
-  switch (precision) {
-    case SP_PRECISION_INT8:
-      return 1;
-    case SP_PRECISION_NF4:
-      return 0;
-    default:
-      return 2;
-  }
-}
 
 const char *phase_name(StepPhase phase) {
   switch (phase) {
@@ -96,9 +63,7 @@ PolicyEngine::PolicyEngine(PolicySettings config, std::vector<BlockBytes> block_
       forced_(block_bytes_.size(), -1),
       state_(static_cast<std::uint32_t>(block_bytes_.size()), static_cast<std::uint32_t>(config_.history_window)),
       hints_(block_bytes_.size()),
-      step_scores_(block_bytes_.size()),
-      seen_in_call_(block_bytes_.size(), 0),
-      decided_by_rule_(block_bytes_.size(), 0) {
+      seen_in_call_(block_bytes_.size(), 0) {
   for (std::uint32_t block : config_.force_bf16_blocks) forced_.at(block) = SP_PRECISION_BF16;
   for (std::uint32_t block : config_.force_int8_blocks) forced_.at(block) = SP_PRECISION_INT8;
   for (std::uint32_t block : config_.force_nf4_blocks) forced_.at(block) = SP_PRECISION_NF4;
@@ -109,6 +74,7 @@ PolicyEngine::PolicyEngine(PolicySettings config, std::vector<BlockBytes> block_
   if (config_.telemetry_enabled && mode_ != Mode::off) {
     telemetry_ = std::make_unique<TelemetryWriter>(resolve_telemetry_path(config_.telemetry_file, output_dir), log_);
   }
+  rule_ = rule_module(mode_).create(*this);
 }
 
 PolicyEngine::~PolicyEngine() { write_pending_record(); }
@@ -191,14 +157,20 @@ void PolicyEngine::initial_hints(sp_hint_v1 *hints_out, std::uint32_t n) {
         fmt::format("initial_hints: n = {}, but the policy was created for {} blocks", n, n_blocks()));
   }
   if (hints_out == nullptr) throw InvalidArgument("initial_hints: hints_out is null");
-  // What needs no measurement: a forced route (mode off forces nothing); the rest starts BF16.
+  if (rule_->decides_initial_hints()) {
+    rule_->decide(-1, false);
+  } else {
+    // What needs no measurement: a forced route (mode off forces nothing); the rest starts BF16.
+    for (std::uint32_t b = 0; b < n_blocks(); ++b) {
+      sp_hint_v1 &hint = hints_[b];
+      const bool forced = mode_ != Mode::off && forced_[b] >= 0;
+      hint.precision = forced ? forced_[b] : SP_PRECISION_BF16;
+      hint.reason = forced ? SP_REASON_FORCED : SP_REASON_NO_DATA;
+    }
+  }
   for (std::uint32_t b = 0; b < n_blocks(); ++b) {
-    sp_hint_v1 &hint = hints_[b];
-    const bool forced = mode_ != Mode::off && forced_[b] >= 0;
-    hint.precision = forced ? forced_[b] : SP_PRECISION_BF16;
-    hint.reason = forced ? SP_REASON_FORCED : SP_REASON_NO_DATA;
-    state_.blocks[b].previous_precision = hint.precision;
-    hints_out[b] = hint;
+    state_.blocks[b].previous_precision = hints_[b].precision;
+    hints_out[b] = hints_[b];
   }
 }
 
@@ -210,23 +182,9 @@ void PolicyEngine::compute_hints(std::int64_t step, sp_hint_v1 *hints_out, std::
   }
   if (hints_out == nullptr) throw InvalidArgument("compute_hints: hints_out is null");
 
-  bool decision_step = is_decision_step(step);
+  const bool decision_step = rule_->decide(step, is_decision_step(step));
   std::optional<BudgetRecord> budget;
-  switch (mode_) {
-    case Mode::off:
-      decide_off();
-      break;
-    case Mode::static_lists:
-      decide_static();
-      break;
-    case Mode::dynamic:
-      decide_dynamic(step, decision_step);
-      break;
-    case Mode::budget:
-      decision_step = decide_budget(step, decision_step);
-      budget = budget_record();
-      break;
-  }
+  if (takes_budget(mode_)) budget = budget_record();
 
   std::uint32_t changes = 0;
   for (std::uint32_t b = 0; b < n_blocks(); ++b) {
@@ -243,53 +201,6 @@ void PolicyEngine::compute_hints(std::int64_t step, sp_hint_v1 *hints_out, std::
   state_.phase = StepPhase::hints_done;
   if (telemetry_ && (decision_step || changes > 0))
     pending_record_ = StepRecord{step, decision_step, changes, std::nullopt, budget};
-}
-
-void PolicyEngine::decide_off() {
-  for (sp_hint_v1 &hint : hints_) {
-    hint.precision = SP_PRECISION_BF16;
-    hint.reason = SP_REASON_MODE;
-    hint.sensitivity = state_.blocks[hint.block_id].score.sensitivity;
-  }
-}
-
-void PolicyEngine::decide_static() {
-  for (sp_hint_v1 &hint : hints_) {
-    const std::int8_t forced = forced_[hint.block_id];
-    hint.precision = forced >= 0 ? forced : SP_PRECISION_BF16;
-    hint.reason = forced >= 0 ? SP_REASON_FORCED : SP_REASON_MODE;
-    hint.sensitivity = state_.blocks[hint.block_id].score.sensitivity;
-  }
-}
-
-void PolicyEngine::score_blocks() {
-  double avg_sum = 0.0;
-  std::uint32_t blocks_with_samples = 0;
-  for (std::uint32_t b = 0; b < n_blocks(); ++b) {
-    const std::uint32_t samples = state_.windows.size(b);
-    if (samples == 0) continue;
-    // Oldest to newest, so that a window rebuilt from a state blob sums identically.
-    double l2_sum = 0.0;
-    for (std::uint32_t i = 0; i < samples; ++i) l2_sum += state_.windows.at(b, i).l2;
-    step_scores_[b].avg_l2 = l2_sum / samples;
-    avg_sum += step_scores_[b].avg_l2;
-    ++blocks_with_samples;
-  }
-  const double mean_all = blocks_with_samples ? avg_sum / blocks_with_samples : 0.0;
-  for (std::uint32_t b = 0; b < n_blocks(); ++b) {
-    if (state_.windows.size(b) == 0) continue;
-    ScoreParts &score = step_scores_[b];
-    const std::optional<double> &calibration = state_.blocks[b].calibration_error;
-    const std::optional<double> &nf4_calibration = state_.blocks[b].nf4_calibration_error;
-    score.relative_magnitude = mean_all > 0.0 ? score.avg_l2 / mean_all : 0.0;
-    score.grad_score = std::min(score.relative_magnitude / config_.grad_sensitivity_threshold, 1.0);
-    score.error_score = calibration ? std::min(*calibration / config_.quant_error_threshold, 1.0) : 0.0;
-    score.sensitivity =
-        std::clamp(config_.grad_weight * score.grad_score + config_.error_weight * score.error_score, 0.0, 1.0);
-    score.nf4_error_score = nf4_calibration ? std::min(*nf4_calibration / config_.nf4_quant_error_threshold, 1.0) : 0.0;
-    score.nf4_sensitivity =
-        std::clamp(config_.grad_weight * score.grad_score + config_.error_weight * score.nf4_error_score, 0.0, 1.0);
-  }
 }
 
 std::optional<sp_reason> PolicyEngine::apply_standing_rules(BlockState &block, std::uint32_t b, std::int64_t step) {
@@ -316,35 +227,12 @@ std::optional<sp_reason> PolicyEngine::apply_standing_rules(BlockState &block, s
     block.penalty_until = step + config_.loss_guard.penalty_steps;
     return SP_REASON_LOSS_GUARD;
   }
-  if (block.assignment != Assignment::unassigned && !config_.tier(precision_of(block.assignment))) {
+  if (block.assignment != Assignment::unassigned && !config_.tier(travels_as(block.assignment))) {
     // Imported from a state whose precision this config does not allow.
-    assign(block, assignment_for(nearest_tier_up(precision_of(block.assignment))), step);
+    assign(block, assignment_for(nearest_tier_up(travels_as(block.assignment))), step);
     return SP_REASON_MODE;
   }
   return std::nullopt;
-}
-
-void PolicyEngine::decide_dynamic(std::int64_t step, bool decision_step) {
-  if (decision_step) score_blocks();
-  for (sp_hint_v1 &hint : hints_) {
-    const std::uint32_t b = hint.block_id;
-    BlockState &block = state_.blocks[b];
-    const bool has_samples = state_.windows.size(b) > 0;
-    // Forced blocks are still scored, for telemetry; the score never moves them.
-    if (forced_[b] >= 0 && decision_step && has_samples) block.score = step_scores_[b];
-    if (const std::optional<sp_reason> reason = apply_standing_rules(block, b, step)) {
-      hint.reason = *reason;
-    } else if (!decision_step) {
-      hint.reason = SP_REASON_NOT_DECISION_STEP;
-    } else if (!has_samples) {
-      hint.reason = SP_REASON_NO_DATA;
-    } else {
-      block.score = step_scores_[b];
-      hint.reason = apply_thresholds(block, step);
-    }
-    hint.precision = precision_of(block.assignment);
-    hint.sensitivity = block.score.sensitivity;
-  }
 }
 
 sp_precision PolicyEngine::nearest_tier_up(sp_precision precision) const {
@@ -353,70 +241,27 @@ sp_precision PolicyEngine::nearest_tier_up(sp_precision precision) const {
   return precision;
 }
 
-// The loss guard acts only when it is enabled and the mode is dynamic or budget (docs/policy.md,
+// The loss guard acts only when it is enabled and the mode decides by data (docs/policy.md,
 // "Loss guard"): otherwise no loss is judged and no revert or penalty has any effect.
 // import_state drops reverts and penalties an inactive guard could not have made, so these
 // checks only keep the rule local.
 bool PolicyEngine::guard_active() const {
-  return config_.loss_guard.enabled && (mode_ == Mode::dynamic || mode_ == Mode::budget);
+  return config_.loss_guard.enabled && (mode_ == Mode::dynamic || takes_budget(mode_));
 }
 
 bool PolicyEngine::under_penalty(const BlockState &block, std::int64_t step) const {
   return guard_active() && block.penalty_until && step < *block.penalty_until;
 }
 
-// Moves the block to `target` unless the cooldown (any move) or a penalty (a move down)
-// holds it; the cooldown is checked first, so a block held by both reports `cooldown`.
 sp_reason PolicyEngine::move_if_allowed(BlockState &block, Assignment target, std::int64_t step) const {
-  const sp_precision from = precision_of(block.assignment);
-  const sp_precision to = precision_of(target);
+  const sp_precision from = travels_as(block.assignment);
+  const sp_precision to = travels_as(target);
   if (to != from) {
     if (!cooldown_passed(block, step)) return SP_REASON_COOLDOWN;
     if (cost_rank(to) < cost_rank(from) && under_penalty(block, step)) return SP_REASON_PENALTY;
   }
   assign(block, target, step);
   return SP_REASON_THRESHOLD;
-}
-
-sp_reason PolicyEngine::apply_thresholds(BlockState &block, std::int64_t step) const {
-  const double s8 = block.score.sensitivity;
-  const double s4 = block.score.nf4_sensitivity;
-  const double b16 = config_.bf16_threshold;
-  const double i8 = config_.int8_threshold;
-  const double n4 = config_.nf4_threshold;
-  const double m = config_.hysteresis_margin;
-  const bool int8_ok = config_.tier(SP_PRECISION_INT8);
-  const bool nf4_ok = config_.tier(SP_PRECISION_NF4);
-  switch (block.assignment) {
-    case Assignment::unassigned: {
-      Assignment target = Assignment::bf16;
-      if (s8 >= b16) {
-        target = Assignment::bf16;
-      } else if (nf4_ok && s4 < n4) {
-        target = Assignment::nf4;
-      } else if (int8_ok && s8 < i8) {
-        target = Assignment::int8;
-      } else {
-        const sp_precision fallback =
-            config_.ambiguous_default == SP_PRECISION_INT8 && !int8_ok ? SP_PRECISION_BF16 : config_.ambiguous_default;
-        target = assignment_for(fallback);
-      }
-      return move_if_allowed(block, target, step);
-    }
-    case Assignment::bf16:
-      if (nf4_ok && s4 < n4 - m) return move_if_allowed(block, Assignment::nf4, step);
-      if (int8_ok && s8 < i8 - m) return move_if_allowed(block, Assignment::int8, step);
-      return s8 >= b16 ? SP_REASON_THRESHOLD : SP_REASON_HYSTERESIS_HOLD;
-    case Assignment::int8:
-      if (s8 >= b16) return move_if_allowed(block, Assignment::bf16, step);
-      if (nf4_ok && s4 < n4 - m) return move_if_allowed(block, Assignment::nf4, step);
-      return s8 < i8 ? SP_REASON_THRESHOLD : SP_REASON_HYSTERESIS_HOLD;
-    case Assignment::nf4:
-      if (s8 >= b16) return move_if_allowed(block, Assignment::bf16, step);
-      if (s4 >= i8) return move_if_allowed(block, int8_ok ? Assignment::int8 : Assignment::bf16, step);
-      return s4 < n4 ? SP_REASON_THRESHOLD : SP_REASON_HYSTERESIS_HOLD;
-  }
-  return SP_REASON_HYSTERESIS_HOLD;
 }
 
 bool PolicyEngine::cooldown_passed(const BlockState &block, std::int64_t step) const {
@@ -427,8 +272,8 @@ bool PolicyEngine::cooldown_passed(const BlockState &block, std::int64_t step) c
 // for BF16 changes nothing on the wire and is not one. A switch to a cheaper precision is
 // the block's last downward move (what the loss guard blames); a switch up clears it.
 void PolicyEngine::assign(BlockState &block, Assignment target, std::int64_t step) const {
-  const sp_precision from = precision_of(block.assignment);
-  const sp_precision to = precision_of(target);
+  const sp_precision from = travels_as(block.assignment);
+  const sp_precision to = travels_as(target);
   if (to != from) {
     block.last_switch_step = step;
     if (cost_rank(to) < cost_rank(from)) {
@@ -471,14 +316,12 @@ void PolicyEngine::end_step(std::int64_t step, const sp_step_feedback_v1 *feedba
   if (guard_active() && feedback != nullptr && std::isfinite(feedback->loss)) {
     judge_loss(step, feedback->loss);
   }
-  if (mode_ == Mode::budget && feedback != nullptr && std::isfinite(feedback->loss)) {
-    state_.budget.feedback_loss = smoothed(state_.budget.feedback_loss, feedback->loss, config_.signal_smoothing);
-  }
+  if (feedback != nullptr && std::isfinite(feedback->loss)) rule_->take_loss(feedback->loss);
   state_.phase = StepPhase::ended;
   if (last_spike_ && telemetry_) {
     if (!pending_record_) {
       pending_record_ = StepRecord{step, is_decision_step(step), 0, std::nullopt,
-                                   mode_ == Mode::budget ? std::optional(budget_record()) : std::nullopt};
+                                   takes_budget(mode_) ? std::optional(budget_record()) : std::nullopt};
     }
     pending_record_->spike = last_spike_;
   }
@@ -531,7 +374,7 @@ void PolicyEngine::set_transfer_bytes(sp_precision precision, const std::uint64_
         fmt::format("set_transfer_bytes: n = {}, but the policy was created for {} blocks", n, n_blocks()));
   }
   if (bytes == nullptr) throw InvalidArgument("set_transfer_bytes: bytes is null");
-  if (mode_ == Mode::budget && precision != SP_PRECISION_NF4) {
+  if (takes_budget(mode_) && precision != SP_PRECISION_NF4) {
     // A bytes budget is a fraction of these sizes; NF4's 0 means "not described" (nominal).
     for (std::uint32_t b = 0; b < n; ++b) {
       if (bytes[b] == 0) {
@@ -557,7 +400,7 @@ void PolicyEngine::set_transfer_bytes(sp_precision precision, const std::uint64_
                       "int8 = 1, nf4 = 2)",
                       precision));
   }
-  sizes_changed_ = true;
+  rule_->replan();
 }
 
 void PolicyEngine::set_precision_calibration_errors(sp_precision precision, const std::uint32_t *block_ids,
@@ -594,7 +437,22 @@ void PolicyEngine::set_precision_calibration_errors(sp_precision precision, cons
   }
 }
 
-std::vector<std::uint8_t> PolicyEngine::export_state() const { return encode_state(state_); }
+std::vector<std::uint8_t> PolicyEngine::export_state() const {
+  const std::uint32_t tag = rule_->state_tag();
+  if (tag == 0) return encode_state(state_);
+  PolicyState state = state_;
+  auto own = std::find_if(state.rule_sections.begin(), state.rule_sections.end(),
+                          [&](const RuleSection &section) { return section.tag == tag; });
+  std::vector<std::uint8_t> payload = rule_->export_section();
+  if (payload.empty()) {
+    if (own != state.rule_sections.end()) state.rule_sections.erase(own);
+  } else if (own != state.rule_sections.end()) {
+    own->payload = std::move(payload);
+  } else {
+    state.rule_sections.push_back(RuleSection{tag, std::move(payload)});
+  }
+  return encode_state(state);
+}
 
 void PolicyEngine::import_state(const std::uint8_t *blob, std::size_t size) {
   PolicyState imported = decode_state(blob, size, n_blocks(), state_.windows.capacity(),
@@ -612,11 +470,22 @@ void PolicyEngine::import_state(const std::uint8_t *blob, std::size_t size) {
       block.pending_revert.reset();
     }
   }
+  // The rule takes its own section last: it validates before it changes anything, so a refusal
+  // leaves the engine as it was. A blob without one (another mode's) starts the rule afresh.
+  if (const std::uint32_t tag = rule_->state_tag(); tag != 0) {
+    const auto own = std::find_if(imported.rule_sections.begin(), imported.rule_sections.end(),
+                                  [&](const RuleSection &section) { return section.tag == tag; });
+    if (own != imported.rule_sections.end()) {
+      rule_->import_section(own->payload.data(), own->payload.size());
+    } else {
+      rule_->import_section(nullptr, 0);
+    }
+  }
   write_pending_record();
   state_ = std::move(imported);
-  // The exporter's allocation was made for its sizes and its config: v3 re-allocates at the
-  // next compute_hints (margins and cooldowns keep what still fits).
-  sizes_changed_ = true;
+  // The exporter's allocation was made for its sizes and its config: a budgeted rule
+  // re-allocates at the next compute_hints (margins and cooldowns keep what still fits).
+  rule_->replan();
   for (sp_hint_v1 &hint : hints_) {
     const BlockState &block = state_.blocks[hint.block_id];
     hint.precision = block.previous_precision;
@@ -631,7 +500,7 @@ void PolicyEngine::write_pending_record() noexcept {
   if (!telemetry_ || !telemetry_->healthy()) return;
   try {
     const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-    telemetry_->append(telemetry_record_line(record, mode_, state_, hints_, block_bytes_, state_.measured_since_record,
+    telemetry_->append(telemetry_record_line(record, mode_, *rule_, state_, hints_, block_bytes_, state_.measured_since_record,
                                              config_.nf4_group_size, now));
     state_.measured_since_record = MeasuredBytes{};
   } catch (const std::exception &error) {

@@ -2,10 +2,12 @@
 
 #include "sp/policy/config.h"
 #include "sp/policy/errors.h"
+#include "byte_codec.h"
 
 #include <boost/crc.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -33,7 +35,13 @@ constexpr std::uint32_t kBlocksV2Section = four_cc('B', 'L', 'K', '2');
 // Format 3 (policy v3) appends one section: the budget's instance fields, then one record of
 // signals per unit.
 constexpr std::uint32_t kBudgetSection = four_cc('B', 'D', 'G', 'T');
+// Format 4 (policy v4) appends the sections of the decision rules that keep state of their own,
+// each under its rule's tag (decision_rule.h), at least one.
 constexpr std::uint32_t section_count_of(std::uint32_t version) { return version >= 3 ? 5 : version >= 2 ? 4 : 2; }
+constexpr bool is_shared_tag(std::uint32_t tag) {
+  return tag == kPolicySection || tag == kBlocksSection || tag == kGuardSection || tag == kBlocksV2Section ||
+         tag == kBudgetSection;
+}
 // The first format this edition cannot write: the 1.0.0 edition writes and reads format 1 only.
 constexpr std::uint32_t kOldestReadable = 1;
 constexpr std::size_t kBlockV2Size = 4 * 1 + 8 + 8 + 1 + 1 + 8 + 2 * 8;
@@ -49,88 +57,6 @@ std::uint32_t crc32(const std::uint8_t *data, std::size_t size) {
   crc.process_bytes(data, size);
   return crc.checksum();
 }
-
-class Writer {
- public:
-  void bytes(const void *data, std::size_t size) {
-    const auto *p = static_cast<const std::uint8_t *>(data);
-    out_.insert(out_.end(), p, p + size);
-  }
-  void u8(std::uint8_t value) { out_.push_back(value); }
-  void u32(std::uint32_t value) {
-    for (int i = 0; i < 4; ++i) out_.push_back(static_cast<std::uint8_t>(value >> (8 * i)));
-  }
-  void u64(std::uint64_t value) {
-    for (int i = 0; i < 8; ++i) out_.push_back(static_cast<std::uint8_t>(value >> (8 * i)));
-  }
-  void i64(std::int64_t value) { u64(static_cast<std::uint64_t>(value)); }
-  void f64(double value) {
-    std::uint64_t bits = 0;
-    std::memcpy(&bits, &value, sizeof bits);
-    u64(bits);
-  }
-  void patch_u64(std::size_t offset, std::uint64_t value) {
-    for (int i = 0; i < 8; ++i) out_[offset + i] = static_cast<std::uint8_t>(value >> (8 * i));
-  }
-  std::size_t size() const { return out_.size(); }
-  std::vector<std::uint8_t> take() { return std::move(out_); }
-
- private:
-  std::vector<std::uint8_t> out_;
-};
-
-// A bounds-checked cursor: every read names the field it is for, so a truncated or
-// inconsistent blob says where it went wrong.
-class Reader {
- public:
-  Reader(const std::uint8_t *data, std::size_t size, std::size_t offset = 0)
-      : data_(data), size_(size), offset_(offset) {}
-
-  std::size_t offset() const { return offset_; }
-  std::size_t remaining() const { return size_ - offset_; }
-
-  void need(std::size_t bytes, const char *what) const {
-    if (bytes > remaining()) {
-      throw StateError(fmt::format("state blob is truncated: {} needs {} bytes at offset {}, only {} left", what, bytes,
-                                   offset_, remaining()));
-    }
-  }
-  std::uint8_t u8(const char *what) {
-    need(1, what);
-    return data_[offset_++];
-  }
-  std::uint32_t u32(const char *what) {
-    need(4, what);
-    std::uint32_t value = 0;
-    for (int i = 0; i < 4; ++i) value |= static_cast<std::uint32_t>(data_[offset_ + i]) << (8 * i);
-    offset_ += 4;
-    return value;
-  }
-  std::uint64_t u64(const char *what) {
-    need(8, what);
-    std::uint64_t value = 0;
-    for (int i = 0; i < 8; ++i) value |= static_cast<std::uint64_t>(data_[offset_ + i]) << (8 * i);
-    offset_ += 8;
-    return value;
-  }
-  std::int64_t i64(const char *what) { return static_cast<std::int64_t>(u64(what)); }
-  double f64(const char *what) {
-    const std::uint64_t bits = u64(what);
-    double value = 0.0;
-    std::memcpy(&value, &bits, sizeof value);
-    return value;
-  }
-  bool flag(const char *what) {
-    const std::uint8_t value = u8(what);
-    if (value > 1) throw StateError(fmt::format("state blob: {} must be 0 or 1, found {}", what, value));
-    return value == 1;
-  }
-
- private:
-  const std::uint8_t *data_;
-  std::size_t size_;
-  std::size_t offset_;
-};
 
 [[noreturn]] void reject_block(std::uint32_t block, const std::string &what) {
   throw StateError(fmt::format("state blob: block {}: {}", block, what));
@@ -467,7 +393,7 @@ void read_tier_values(Reader &reader, const char *what, TierValues &values) {
   for (double &value : values) value = finite_or_nan(reader, what);
 }
 
-void read_budget_section(Reader &reader, std::size_t payload_size, PolicyState &state) {
+void read_budget_section(Reader &reader, std::size_t payload_size, std::uint32_t version, PolicyState &state) {
   BudgetState &budget = state.budget;
   if (payload_size != kBudgetFixedSize + kUnitSignalsSize * budget.units.size()) {
     throw StateError(fmt::format("state blob: the budget section is {} bytes, expected {} for {} units", payload_size,
@@ -494,9 +420,11 @@ void read_budget_section(Reader &reader, std::size_t payload_size, PolicyState &
   budget.table_loss = finite_or_nan(reader, "signal table loss");
   budget.feedback_loss = finite_or_nan(reader, "smoothed feedback loss");
   const std::uint8_t source = reader.u8("allocation source");
-  if (source > static_cast<std::uint8_t>(AllocationSource::signals)) {
-    throw StateError(fmt::format("state blob: allocation source must be 0 (none), 1 (prior) or 2 (signals), found {}",
-                                 source));
+  // Format 4 adds source 3: v4's measured costs, which its own section carries.
+  const auto last_source = version >= 4 ? AllocationSource::measured : AllocationSource::signals;
+  if (source > static_cast<std::uint8_t>(last_source)) {
+    throw StateError(fmt::format("state blob: allocation source must be 0 (none), 1 (prior), 2 (signals){}, found {}",
+                                 version >= 4 ? " or 3 (measured)" : "", source));
   }
   budget.source = static_cast<AllocationSource>(source);
   if (budget.source == AllocationSource::signals && budget.tables_received == 0) {
@@ -504,7 +432,8 @@ void read_budget_section(Reader &reader, std::size_t payload_size, PolicyState &
   }
   budget.decided_at_step = reader.i64("allocation step");
   const bool allocated = budget.source != AllocationSource::none;
-  if (allocated ? budget.decided_at_step < 0 || budget.decided_at_step > state.current_step
+  // -1: allocated before the first step (v4 routes from its initial hints).
+  if (allocated ? budget.decided_at_step < -1 || budget.decided_at_step > state.current_step
                 : budget.decided_at_step != -1) {
     throw StateError(fmt::format("state blob: allocation step {} does not fit allocation source {} at step {}",
                                  budget.decided_at_step, source, state.current_step));
@@ -525,7 +454,9 @@ void read_budget_section(Reader &reader, std::size_t payload_size, PolicyState &
 }  // namespace
 
 std::uint32_t state_format_for(const PolicyState &state) {
-  return kStateFormatVersion >= 3 && !state.budget.holds_state() ? 2 : kStateFormatVersion;
+  if (kStateFormatVersion >= 4 && !state.rule_sections.empty()) return 4;
+  if (kStateFormatVersion >= 3) return state.budget.holds_state() ? 3 : 2;
+  return kStateFormatVersion;
 }
 
 std::vector<std::uint8_t> encode_state(const PolicyState &state) {
@@ -533,7 +464,7 @@ std::vector<std::uint8_t> encode_state(const PolicyState &state) {
   Writer out;
   out.bytes(kMagic, sizeof kMagic);
   out.u32(version);
-  out.u32(section_count_of(version));
+  out.u32(section_count_of(version) + (version >= 4 ? static_cast<std::uint32_t>(state.rule_sections.size()) : 0));
   out.u64(0);
   write_policy_section(out, state);
   write_blocks_section(out, state);
@@ -542,6 +473,13 @@ std::vector<std::uint8_t> encode_state(const PolicyState &state) {
     write_blocks_v2_section(out, state);
   }
   if (version >= 3) write_budget_section(out, state);
+  if (version >= 4) {
+    for (const RuleSection &section : state.rule_sections) {
+      out.u32(section.tag);
+      out.u64(section.payload.size());
+      out.bytes(section.payload.data(), section.payload.size());
+    }
+  }
   out.patch_u64(16, out.size() + kTrailerSize);
   std::vector<std::uint8_t> blob = out.take();
   const std::uint32_t crc = crc32(blob.data(), blob.size());
@@ -582,9 +520,9 @@ PolicyState decode_state(const std::uint8_t *blob, std::size_t size, std::uint32
     throw StateError(
         fmt::format("state blob is corrupted: checksum 0x{:08x} stored, 0x{:08x} computed", stored_crc, computed_crc));
   }
-  if (section_count != section_count_of(version)) {
-    throw StateError(fmt::format("state blob has {} sections; format version {} has {}", section_count, version,
-                                 section_count_of(version)));
+  if (version >= 4 ? section_count <= section_count_of(version) : section_count != section_count_of(version)) {
+    throw StateError(fmt::format("state blob has {} sections; format version {} has {}{}", section_count, version,
+                                 version >= 4 ? "more than " : "", section_count_of(version)));
   }
 
   PolicyState state(n_blocks, window_capacity);
@@ -629,8 +567,14 @@ PolicyState decode_state(const std::uint8_t *blob, std::size_t size, std::uint32
     } else if (version >= 3 && tag == kBudgetSection && !seen_budget) {
       // Its steps are checked against the current step of the policy section.
       if (!seen_policy) throw StateError("state blob: the budget section comes before the policy section");
-      read_budget_section(payload, static_cast<std::size_t>(payload_size), state);
+      read_budget_section(payload, static_cast<std::size_t>(payload_size), version, state);
       seen_budget = true;
+    } else if (version >= 4 && s >= section_count_of(version) && tag != 0 && !is_shared_tag(tag) &&
+               std::none_of(state.rule_sections.begin(), state.rule_sections.end(),
+                            [&](const RuleSection &seen) { return seen.tag == tag; })) {
+      // A rule's section is its rule's to validate (PolicyEngine::import_state): carried as is.
+      const std::uint8_t *begin = blob + reader.offset();
+      state.rule_sections.push_back(RuleSection{tag, std::vector<std::uint8_t>(begin, begin + payload_size)});
     } else {
       throw StateError(fmt::format("state blob: section {} has an unknown or repeated tag 0x{:08x}", s, tag));
     }

@@ -1,5 +1,7 @@
 #include "sp/policy/telemetry.h"
 
+#include "sp/policy/decision_rule.h"
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -84,6 +86,8 @@ const char *source_name(AllocationSource source) {
       return "prior";
     case AllocationSource::signals:
       return "signals";
+    case AllocationSource::measured:
+      return "measured";
     default:
       return "none";
   }
@@ -168,7 +172,7 @@ const char *reason_name(sp_reason reason) {
 // measured_bandwidth.h2d_bytes_nf4, per block s4, nf4_error_score, nf4_calibration_error,
 // last_down_move_step, penalty_until). The shared engine tracks their values in both editions,
 // but 1.0.0 never wrote them, and its state format 1 cannot carry them across a live upgrade.
-std::string telemetry_record_line(const StepRecord &record, Mode mode, const PolicyState &state,
+std::string telemetry_record_line(const StepRecord &record, Mode mode, const DecisionRule &rule, const PolicyState &state,
                                   const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes,
                                   const MeasuredBytes &measured, std::int64_t nf4_group_size, double unix_seconds) {
   std::uint32_t blocks_int8 = 0;
@@ -226,6 +230,7 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Pol
       detail["first_order"] = per_tier(signals.first_order);
       detail["second_order"] = per_tier(signals.second_order);
     }
+    rule.describe_unit(b, detail);
     details[std::to_string(b)] = std::move(detail);
   }
   nlohmann::ordered_json line = {
@@ -245,6 +250,7 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Pol
   line["measured_bandwidth"] = measured_bandwidth(measured);
   if (kPolicyEdition >= 2) line["loss_spike"] = spike_json(record.spike);
   if (record.budget) line["budget"] = budget_json(*record.budget, state.budget);
+  rule.describe(line);
   line["block_details"] = std::move(details);
   return line.dump();
 }

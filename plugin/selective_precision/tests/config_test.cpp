@@ -205,7 +205,7 @@ std::vector<BadConfig> bad_configs() {
        {kPath + "calibration_samples: expected an integer >= 1, found 0"}},
       {"UnknownMode",
        in_section("  mode: adaptive\n"),
-       {kPath + "mode: expected one of off, static, dynamic, budget, found 'adaptive'"}},
+       {kPath + "mode: expected one of off, static, dynamic, budget, measured, found 'adaptive'"}},
       {"ModeIsAMapping", in_section("  mode: {kind: dynamic}\n"), {kPath + "mode", "a mapping"}},
       {"BadAmbiguousDefault",
        in_section("  ambiguous_default: fp8\n"),

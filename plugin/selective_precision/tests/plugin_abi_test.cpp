@@ -110,11 +110,11 @@ TEST_F(PluginAbi, TableDescribesThePlugin) {
   EXPECT_EQ(v1->abi_major, static_cast<std::uint32_t>(SP_PLUGIN_ABI_MAJOR));
   EXPECT_EQ(v1->abi_minor, static_cast<std::uint32_t>(SP_PLUGIN_ABI_MINOR));
   EXPECT_STREQ(v1->plugin_name, "selective_precision");
-  EXPECT_STREQ(v1->plugin_version, "3.1.0");
+  EXPECT_STREQ(v1->plugin_version, "4.0.0");
   EXPECT_NE(v1->set_transfer_bytes, nullptr);
   EXPECT_NE(v1->set_precision_calibration_errors, nullptr);
   EXPECT_STREQ(v2->plugin_name, "selective_precision");
-  EXPECT_STREQ(v2->plugin_version, "3.1.0");
+  EXPECT_STREQ(v2->plugin_version, "4.0.0");
 }
 
 TEST_F(PluginAbi, TheOneDotZeroEditionDescribesItselfAsOneDotZero) {

@@ -7,8 +7,11 @@
 
 #include <sp/plugin_abi_v1.h>
 
+#include <boost/crc.hpp>
+
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -52,6 +55,23 @@ inline std::string immediate_settings() {
 // The score reduces to the calibration error: sensitivity = min(error / 1, 1).
 inline std::string error_driven_settings() {
   return "  grad_weight: 0\n  error_weight: 1\n  quant_error_threshold: 1\n";
+}
+
+inline void store_u32(std::vector<std::uint8_t> &blob, std::size_t offset, std::uint32_t value) {
+  for (int i = 0; i < 4; ++i) blob[offset + i] = static_cast<std::uint8_t>(value >> (8 * i));
+}
+
+inline void store_f64(std::vector<std::uint8_t> &blob, std::size_t offset, double value) {
+  std::uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof bits);
+  for (int i = 0; i < 8; ++i) blob[offset + i] = static_cast<std::uint8_t>(bits >> (8 * i));
+}
+
+// Re-seals a deliberately edited blob so that the field checks, not the checksum, reject it.
+inline void reseal(std::vector<std::uint8_t> &blob) {
+  boost::crc_32_type crc;
+  crc.process_bytes(blob.data(), blob.size() - 4);
+  store_u32(blob, blob.size() - 4, crc.checksum());
 }
 
 class Driver {

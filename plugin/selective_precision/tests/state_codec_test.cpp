@@ -43,23 +43,6 @@ void run_some_steps(Driver &driver) {
   driver.engine().post_backward(9, moments, 2);
 }
 
-void store_u32(std::vector<std::uint8_t> &blob, std::size_t offset, std::uint32_t value) {
-  for (int i = 0; i < 4; ++i) blob[offset + i] = static_cast<std::uint8_t>(value >> (8 * i));
-}
-
-void store_f64(std::vector<std::uint8_t> &blob, std::size_t offset, double value) {
-  std::uint64_t bits = 0;
-  std::memcpy(&bits, &value, sizeof bits);
-  for (int i = 0; i < 8; ++i) blob[offset + i] = static_cast<std::uint8_t>(bits >> (8 * i));
-}
-
-// Re-seals a deliberately edited blob so that the field checks, not the checksum, reject it.
-void reseal(std::vector<std::uint8_t> &blob) {
-  boost::crc_32_type crc;
-  crc.process_bytes(blob.data(), blob.size() - 4);
-  store_u32(blob, blob.size() - 4, crc.checksum());
-}
-
 class PolicyStateBlob : public ::testing::Test {
  protected:
   PolicyStateBlob() : source(settings(4), 4), target(settings(4), 4) {
@@ -182,9 +165,16 @@ TEST_F(PolicyStateBlob, RejectsForeignBytes) {
 
 TEST_F(PolicyStateBlob, RejectsAnotherFormatVersion) {
   std::vector<std::uint8_t> other = blob;
+  store_u32(other, kVersionOffset, 5);
+  reseal(other);
+  expect_rejected(other, "format version 5 is not supported; this plugin reads versions 1 to 4");
+}
+
+TEST_F(PolicyStateBlob, RejectsFormatFourWithoutARuleSection) {
+  std::vector<std::uint8_t> other = blob;
   store_u32(other, kVersionOffset, 4);
   reseal(other);
-  expect_rejected(other, "format version 4 is not supported; this plugin reads versions 1 to 3");
+  expect_rejected(other, "format version 4 has more than 5");
 }
 
 TEST_F(PolicyStateBlob, RejectsAChecksumMismatch) {

@@ -59,7 +59,7 @@ TEST_P(StateMigration, TwoDotZeroContinuesAOneDotZeroBlobWithIdenticalHints) {
 
   const LoadedPlugin plugin(SP_POLICY_PLUGIN_PATH);
   ASSERT_TRUE(plugin.loaded()) << dlerror();
-  ASSERT_STREQ(plugin->plugin_version, "3.1.0");
+  ASSERT_STREQ(plugin->plugin_version, "4.0.0");
   const sp_host_api_v1 host = all_routes_host();
   std::vector<sp_block_desc_v1> blocks;
   for (const auto &block : fixture["blocks"]) {

@@ -2,6 +2,7 @@
 // with hysteresis, cooldowns, force lists and the loss guard; its config errors, its state
 // (format 3, and migration from v2) and its ABI 1.2 functions (docs/policy.md, "Policy v3").
 #include "loaded_plugin.h"
+#include "budget_test_support.h"
 #include "policy_test_support.h"
 
 #include "sp/policy/budget.h"
@@ -26,48 +27,6 @@
 namespace sp::policy::testing {
 namespace {
 
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-constexpr std::uint32_t kUnits = 8;
-// Driver's blocks: 2000 BF16 bytes, 1000 INT8, no NF4 bytes (the nominal image: 532 at group 64).
-constexpr std::uint64_t kBf16 = 2000;
-constexpr std::uint64_t kInt8 = 1000;
-constexpr std::uint64_t kNf4 = 532;
-
-// A signal table as a host builds one: named columns, a units x columns matrix.
-struct Signals {
-  std::vector<std::string> names;
-  std::vector<double> values;
-  double loss = kNaN;
-
-  // Columns loss_cost.int8 and loss_cost.nf4, one pair per unit.
-  static Signals costs(const std::vector<double> &int8, const std::vector<double> &nf4, double loss) {
-    Signals table{{"loss_cost.int8", "loss_cost.nf4"}, {}, loss};
-    for (std::size_t u = 0; u < int8.size(); ++u) {
-      table.values.push_back(int8[u]);
-      table.values.push_back(nf4[u]);
-    }
-    return table;
-  }
-  sp_unit_signals_v1 view(std::vector<const char *> &name_pointers) const {
-    name_pointers.clear();
-    for (const std::string &name : names) name_pointers.push_back(name.c_str());
-    return sp_unit_signals_v1{sizeof(sp_unit_signals_v1),
-                              static_cast<std::uint32_t>(values.size() / std::max<std::size_t>(names.size(), 1)),
-                              static_cast<std::uint32_t>(names.size()),
-                              0,
-                              name_pointers.data(),
-                              values.data(),
-                              loss,
-                              64};
-  }
-};
-
-void send(PolicyEngine &engine, std::int64_t step, const Signals &signals) {
-  std::vector<const char *> names;
-  const sp_unit_signals_v1 table = signals.view(names);
-  engine.set_unit_signals(step, &table);
-}
-
 // Mode budget with every step a decision step and no cooldown; `extra` lines (indented by 2)
 // replace the defaults of the keys they name.
 std::string budget_config(const std::string &budget, const std::string &extra = "") {
@@ -80,41 +39,6 @@ std::string budget_config(const std::string &budget, const std::string &extra = 
     if (extra.find(key) == std::string::npos) text += "  " + line + "\n";
   }
   return standalone(text);
-}
-
-std::uint64_t bytes_of(const std::vector<sp_hint_v1> &hints) {
-  std::uint64_t total = 0;
-  for (const sp_hint_v1 &hint : hints) {
-    total += hint.precision == SP_PRECISION_NF4 ? kNf4 : hint.precision == SP_PRECISION_INT8 ? kInt8 : kBf16;
-  }
-  return total;
-}
-
-std::size_t count(const std::vector<sp_hint_v1> &hints, sp_precision precision) {
-  std::size_t n = 0;
-  for (const sp_hint_v1 &hint : hints) n += hint.precision == precision ? 1 : 0;
-  return n;
-}
-
-sp_budget_status_v1 status_of(const PolicyEngine &engine) {
-  sp_budget_status_v1 status{};
-  status.struct_size = sizeof status;
-  engine.budget_status(&status);
-  return status;
-}
-
-// One step with the table sent between begin_step and compute_hints, as a host that measures
-// in the backward pass does.
-const std::vector<sp_hint_v1> &step_with(Driver &driver, std::int64_t step, const Signals *signals,
-                                         const std::vector<sp_grad_moments_v1> &moments = {},
-                                         const sp_step_feedback_v1 *feedback = nullptr) {
-  PolicyEngine &engine = driver.engine();
-  engine.begin_step(step);
-  if (signals != nullptr) send(engine, step, *signals);
-  engine.post_backward(step, moments.data(), static_cast<std::uint32_t>(moments.size()));
-  engine.compute_hints(step, driver.mutable_hints().data(), kUnits);
-  engine.end_step(step, feedback);
-  return driver.hints();
 }
 
 TEST(PolicyV3, BytesBudgetIsMetOnEveryStepWithChangingSignalsCooldownsAndForcedRoutes) {
@@ -441,7 +365,7 @@ TEST(PolicyV3Config, EveryErrorNamesTheKeyAndWhatWasExpected) {
   const std::string kPath = "selective_precision.";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {standalone("  mode: budget\n"), kPath + "budget: mode is budget, but no budget is given"},
-      {standalone("  budget: {bytes: 0.5}\n"), kPath + "budget: a budget needs mode: budget, found mode: dynamic"},
+      {standalone("  budget: {bytes: 0.5}\n"), kPath + "budget: a budget needs mode: budget or measured, found mode: dynamic"},
       {standalone("  mode: budget\n  budget: {bytes: 0.5, loss: 0.01}\n"),
        kPath + "budget.loss: bytes and loss are both given; expected exactly one budget"},
       {standalone("  mode: budget\n  budget: {bytes: 1.5}\n"),
@@ -456,7 +380,7 @@ TEST(PolicyV3Config, EveryErrorNamesTheKeyAndWhatWasExpected) {
       {standalone("  mode: budget\n  budget: {bytes: \"0.5\"}\n"), kPath + "budget.bytes: expected a fraction"},
       {standalone("  signal_smoothing: 1\n"), kPath + "signal_smoothing: expected a number in [0, 1), found 1"},
       {standalone("  switch_margin: -0.1\n"), kPath + "switch_margin: expected a finite number >= 0, found -0.1"},
-      {standalone("  mode: adaptive\n"), kPath + "mode: expected one of off, static, dynamic, budget, found 'adaptive'"},
+      {standalone("  mode: adaptive\n"), kPath + "mode: expected one of off, static, dynamic, budget, measured, found 'adaptive'"},
       // Force lists and tiers bound what a bytes budget can reach: 4 x 2000 + 4 x 1000 of 16000.
       {standalone("  mode: budget\n  budget: {bytes: 0.7}\n  force_bf16_blocks: [0, 1, 2, 3]\n"),
        kPath + "budget.bytes: expected at least 0.75 (the fewest bytes the tiers without nf4 and the force lists "
@@ -483,7 +407,7 @@ TEST(PolicyV3Plugin, TheTablesDescribeTheirMinors) {
   const LoadedPlugin v3(SP_POLICY_PLUGIN_PATH);
   const LoadedPlugin v2(SP_POLICY_PLUGIN_V2_EDITION_PATH);
   ASSERT_TRUE(v3.loaded() && v2.loaded()) << dlerror();
-  EXPECT_STREQ(v3->plugin_version, "3.1.0");
+  EXPECT_STREQ(v3->plugin_version, "4.0.0");
   EXPECT_EQ(v3->abi_minor, 3u);
   EXPECT_NE(v3->initial_hints, nullptr);
   EXPECT_NE(v3->set_unit_signals, nullptr);
@@ -540,7 +464,7 @@ TEST(PolicyV3Plugin, SignalsCostsAndBudgetStatusThroughTheTable) {
   plugin->destroy(ctx);
 }
 
-// A live upgrade from 2.0.0 (ABI 1.1) to 3.1.0 in mode budget: the v2 blob's assignments, switch
+// A live upgrade from 2.0.0 (ABI 1.1) to 4.0.0 in mode budget: the v2 blob's assignments, switch
 // steps and loss-guard state carry over, the cooldown still holds, and the budget is met.
 TEST(PolicyV3Plugin, AV2StateMigratesIntoABudgetPolicy) {
   const LoadedPlugin v2(SP_POLICY_PLUGIN_V2_EDITION_PATH);
@@ -597,7 +521,7 @@ TEST(PolicyV3Plugin, AV2StateMigratesIntoABudgetPolicy) {
       EXPECT_EQ(after[b].precision, hints[b].precision) << "block " << b;
     }
   }
-  // And through the table: 3.1.0 imports the blob 2.0.0 exported.
+  // And through the table: 4.0.0 imports the blob 2.0.0 exported.
   const LoadedPlugin plugin(SP_POLICY_PLUGIN_PATH);
   ASSERT_TRUE(plugin.loaded()) << dlerror();
   const std::string v3_config = budget_config("{bytes: 0.45}", guard);

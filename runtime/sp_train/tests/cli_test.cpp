@@ -287,7 +287,7 @@ TEST_F(Cli, SighupSwapsToTheNewPluginVersion) {
     std::size_t index = 0;
     for (std::string line; std::getline(in, line); ++index) {
       if (index < seen) continue;
-      swapped = swapped || line.find("\"plugin_swap\":\"swapped 1.0.0 -> 3.1.0\"") != std::string::npos;
+      swapped = swapped || line.find("\"plugin_swap\":\"swapped 1.0.0 -> 4.0.0\"") != std::string::npos;
       seen = index + 1;
     }
   }
@@ -295,7 +295,7 @@ TEST_F(Cli, SighupSwapsToTheNewPluginVersion) {
   EXPECT_EQ(wait_exit_code(child), 130);
   std::ifstream summary(run / "summary.json");
   const std::string text((std::istreambuf_iterator<char>(summary)), std::istreambuf_iterator<char>());
-  EXPECT_NE(text.find("\"version\": \"3.1.0\""), std::string::npos) << text;
+  EXPECT_NE(text.find("\"version\": \"4.0.0\""), std::string::npos) << text;
 }
 
 }  // namespace

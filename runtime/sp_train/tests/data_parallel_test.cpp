@@ -301,10 +301,10 @@ TEST_F(DataParallel, HotSwapHappensOnEveryRankAtTheSameStep) {
     EXPECT_EQ(rank0[s]["plugin_version"], rank1[s]["plugin_version"]) << "step " << s;
     EXPECT_EQ(rank0[s].value("plugin_swap", ""), rank1[s].value("plugin_swap", "")) << "step " << s;
     EXPECT_EQ(rank0[s]["decisions"], rank1[s]["decisions"]) << "step " << s;
-    if (rank0[s].value("plugin_swap", "") == "swapped 1.0.0 -> 3.1.0") swapped_at = static_cast<int>(s);
+    if (rank0[s].value("plugin_swap", "") == "swapped 1.0.0 -> 4.0.0") swapped_at = static_cast<int>(s);
   }
   EXPECT_GE(swapped_at, 2) << "the swap happened on both ranks at one step";
-  EXPECT_EQ(rank0.back()["plugin_version"], "3.1.0");
+  EXPECT_EQ(rank0.back()["plugin_version"], "4.0.0");
 }
 
 // All or nothing: when one rank cannot load the new version, no rank switches. Each rank

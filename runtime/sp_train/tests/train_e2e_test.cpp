@@ -158,7 +158,7 @@ TEST_F(TrainE2E, ThreeTierPolicySendsTolerantBlocksToNf4) {
                                     {p + "nf4_quant_error_threshold", "1.0"}};
   const RunSummary run = train("v2", v2);
   EXPECT_GT(expect_bytes_follow_decisions(run, config(v2)).nf4, 0u) << "no block ever went to NF4";
-  EXPECT_EQ(run.json["plugin"]["version"], "3.1.0");
+  EXPECT_EQ(run.json["plugin"]["version"], "4.0.0");
 }
 
 // With an outlier channel planted, which a fresh run does and a resumed one must not redo.
@@ -357,7 +357,7 @@ TEST_F(TrainE2E, OnlineRecalibrationFollowsTheWeightsAndResumesBitwise) {
   EXPECT_EQ(straight.json["calibration"]["errors"], second_half.json["calibration"]["errors"]);
 }
 
-// The live upgrade: a run that started on policy 1.0.0 moves to the shipped plugin (3.1.0) at a
+// The live upgrade: a run that started on policy 1.0.0 moves to the shipped plugin (4.0.0) at a
 // step boundary, its state migrated through export/import; with a v1 config, it takes 1.0.0's
 // decisions.
 TEST_F(TrainE2E, HotSwapMidRunKeepsTheDecisions) {
@@ -374,9 +374,9 @@ TEST_F(TrainE2E, HotSwapMidRunKeepsTheDecisions) {
   for (std::size_t s = 0; s < reference.steps.size(); ++s) {
     EXPECT_EQ(reference.steps[s].decisions, swapped.steps[s].decisions) << "step " << s;
     EXPECT_EQ(reference.steps[s].plugin_version, "1.0.0");
-    EXPECT_EQ(swapped.steps[s].plugin_version, s < 10 ? "1.0.0" : "3.1.0") << "step " << s;
+    EXPECT_EQ(swapped.steps[s].plugin_version, s < 10 ? "1.0.0" : "4.0.0") << "step " << s;
   }
-  EXPECT_EQ(swapped.steps[10].swap_note, "swapped 1.0.0 -> 3.1.0");
+  EXPECT_EQ(swapped.steps[10].swap_note, "swapped 1.0.0 -> 4.0.0");
   ASSERT_EQ(swapped.json["plugin_swaps"].size(), 1u);
   EXPECT_EQ(swapped.json["plugin_swaps"][0]["step"], 10);
 }

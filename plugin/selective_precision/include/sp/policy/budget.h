@@ -1,6 +1,6 @@
-// Policy v3's vocabulary shared by the engine, the state codec, the telemetry and the plugin
-// entry: the tiers as array indices, bytes per tier, the structural prior, and the
-// feasibility check of a bytes budget at create (docs/policy.md, "Policy v3").
+// The budget's vocabulary that policies v3 and v4 share with the engine, the state codec, the
+// telemetry and the plugin entry: the tiers as array indices, bytes per tier, the byte limit,
+// the structural prior, and the feasibility check of a bytes budget at create (docs/policy.md).
 #pragma once
 
 #include "sp/policy/config.h"
@@ -26,6 +26,11 @@ const char *second_order_column(sp_precision tier);
 // Bytes one transfer of a block moves at `tier`: the block descs' BF16 and INT8 bytes, the NF4
 // bytes of set_transfer_bytes, or, when the host sent none, the nominal NF4 image rounded up.
 std::uint64_t tier_bytes(const BlockBytes &bytes, sp_precision tier, std::int64_t nf4_group_size);
+
+// What every block moves as BF16, and the byte limit of a bytes budget `fraction` of it, rounded
+// down so that it is never exceeded.
+std::uint64_t all_bf16_bytes(const std::vector<BlockBytes> &blocks);
+std::uint64_t byte_limit(double fraction, std::uint64_t all_bf16);
 
 // One step of v3's exponential moving average: `value` when there is no average yet (NaN),
 // `smoothing * average + (1 - smoothing) * value` after; a NaN value leaves the average.

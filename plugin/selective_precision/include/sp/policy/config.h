@@ -1,31 +1,35 @@
 // Configuration of the Selective Precision policy: v1's keys (the seed's table with the
-// seed's defaults, plus `nonfinite_to_bf16`), v2's (tiers, NF4, loss guard) and v3's (mode
-// budget, its budget, signal smoothing, switch margin). Parsed from YAML text and validated
+// seed's defaults, plus `nonfinite_to_bf16`), v2's (tiers, NF4, loss guard), v3's (mode
+// budget, its budget, signal smoothing, switch margin), and the keys each rule module registers
+// for itself (decision_rule.h; v4's mode measured). Parsed from YAML text and validated
 // completely; see docs/policy.md for every key and its range.
 //
-// SP_POLICY_EDITION selects what the build is: 3 (default) is policy v3; 2 builds the same
-// sources as the 2.0.0 edition (a v3 key is an unknown key), 1 as the 1.0.0 edition, which
-// knows only v1's keys (a v2 key is an unknown key).
+// SP_POLICY_EDITION selects what the build is: 4 (default) is policy v4; 3 would be 3.x; 2
+// builds the same sources as the 2.0.0 edition (a v3 key is an unknown key), 1 as the 1.0.0
+// edition, which knows only v1's keys (a v2 key is an unknown key).
 #pragma once
 
 #include <sp/plugin_abi_v1.h>
 
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #ifndef SP_POLICY_EDITION
-#define SP_POLICY_EDITION 3
+#define SP_POLICY_EDITION 4
 #endif
 
 namespace sp::policy {
 
 inline constexpr int kPolicyEdition = SP_POLICY_EDITION;
 
-// `budget` is policy v3: an exact allocation under the user's budget (docs/policy.md).
-enum class Mode : std::uint8_t { off, static_lists, dynamic, budget };
+// Each mode is one rule module (decision_rule.h). `budget` is policy v3: an exact allocation
+// under the user's budget of predicted costs; `measured` is policy v4: the same under measured
+// costs and their confidence bounds (docs/policy.md).
+enum class Mode : std::uint8_t { off, static_lists, dynamic, budget, measured };
 
 // What a v3 budget limits; the codes are the ABI's sp_budget_kind.
 enum class BudgetKind : std::int32_t { none = SP_BUDGET_NONE, bytes = SP_BUDGET_BYTES, loss = SP_BUDGET_LOSS };
@@ -90,6 +94,10 @@ struct PolicySettings {
   // Hysteresis: switch_margin x the reference loss is added to the cost of every tier other
   // than a unit's current one.
   double switch_margin = 0.0005;
+
+  // The keys a rule module registered (decision_rule.h's RuleKey) that the config gave, by name;
+  // read them with rule_setting(), which supplies the module's default.
+  std::map<std::string, double> rule_settings;
 
   bool tier(sp_precision precision) const { return (tiers & SP_PRECISION_BIT(precision)) != 0; }
   // Whether the configuration can make any block travel as NF4.

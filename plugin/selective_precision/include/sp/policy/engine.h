@@ -1,11 +1,14 @@
-// The Selective Precision policy decision engine (v3's budget mode, v2, and v1 as v2's special
-// case): exactly the rules of docs/policy.md.
+// The Selective Precision policy engine: the hook order, input validation, state, telemetry and
+// the rules every mode shares (force lists, unsafe gradients, the loss guard, cooldowns), exactly
+// as docs/policy.md has them. The routes themselves are decided by the rule module of the
+// configured mode (decision_rule.h): v1/v2's thresholds, v3's budget, v4's measured costs.
 // One instance per plugin context; not thread-safe (the host calls a context from one
 // thread at a time). Every method validates its input completely before it changes
 // anything, so a call that throws leaves the engine as it was.
 #pragma once
 
 #include "sp/policy/config.h"
+#include "sp/policy/decision_rule.h"
 #include "sp/policy/log_sink.h"
 #include "sp/policy/state.h"
 #include "sp/policy/telemetry.h"
@@ -53,43 +56,45 @@ class PolicyEngine {
   // v2: the spike that the last end_step judged, if it judged one.
   const std::optional<SpikeRecord> &last_spike() const { return last_spike_; }
 
-  // v3 (ABI 1.2): a table of per-unit signals, measured at `step` (-1: a calibration pass
-  // before the first step). Validated completely first; unknown columns are ignored.
+  // ABI 1.2: a table of per-unit signals, measured at `step` (-1: before the first step).
+  // Validated completely first; the mode's rule reads the columns it knows.
   void set_unit_signals(std::int64_t step, const sp_unit_signals_v1 *signals);
-  // The smoothed predicted cost of every unit at `precision`, NaN where none (n = n_blocks()).
+  // The rule's cost of every unit at `precision`, NaN where none (n = n_blocks()).
   void unit_costs(sp_precision precision, double *costs_out, std::uint32_t n) const;
   // Fills the fields of 1.2 that out->struct_size covers.
   void budget_status(sp_budget_status_v1 *out) const;
-  // The loss a loss budget is a fraction of: the smoothed end_step loss once one arrived in
-  // mode budget, else the last signal table's; NaN when neither is known.
+  // The loss a loss budget is a fraction of: the smoothed end_step loss once one arrived in a
+  // budgeted mode, else the last signal table's; NaN when neither is known.
   double reference_loss() const;
 
   std::vector<std::uint8_t> export_state() const;
   void import_state(const std::uint8_t *blob, std::size_t size);
 
- private:
-  void require_phase(const char *hook, std::int64_t step, std::initializer_list<StepPhase> allowed) const;
-  void decide_dynamic(std::int64_t step, bool decision_step);
-  // v3: returns whether the step re-allocated (budget_decisions.cpp).
-  bool decide_budget(std::int64_t step, bool decision_step);
-  void allocate(std::int64_t step);
-  BudgetRecord budget_record() const;
-  double cheapest_tier_cost(std::uint32_t block) const;
-  // The rules that act on every step in modes dynamic and budget, before any scoring or
-  // allocation: force lists, the unsafe rule, a loss-guard revert, a precision outside the
+ // ---- What a decision rule reads and changes (decision_rule.h) ----
+  PolicyState &rule_state() { return state_; }
+  // The hints compute_hints returns; a rule sets every one at decide().
+  std::vector<sp_hint_v1> &hints() { return hints_; }
+  LogSink *log() const { return log_; }
+  Mode mode() const { return mode_; }
+  // The precision a force list gives the block, or -1 when it is free (mode off forces nothing).
+  std::int8_t forced(std::uint32_t block) const { return forced_[block]; }
+  // The rules that act on every step in modes dynamic, budget and measured, before any scoring
+  // or allocation: force lists, the unsafe rule, a loss-guard revert, a precision outside the
   // tiers. Returns the reason of the rule that decided the block, if one did.
   std::optional<sp_reason> apply_standing_rules(BlockState &block, std::uint32_t b, std::int64_t step);
-  void decide_static();
-  void decide_off();
-  void score_blocks();
-  sp_reason apply_thresholds(BlockState &block, std::int64_t step) const;
+  // Moves the block to `target` unless the cooldown (any move) or a penalty (a move down)
+  // holds it; the cooldown is checked first, so a block held by both reports `cooldown`.
   sp_reason move_if_allowed(BlockState &block, Assignment target, std::int64_t step) const;
-  bool guard_active() const;
   bool under_penalty(const BlockState &block, std::int64_t step) const;
-  sp_precision nearest_tier_up(sp_precision precision) const;
-  void judge_loss(std::int64_t step, double loss);
   bool cooldown_passed(const BlockState &block, std::int64_t step) const;
   void assign(BlockState &block, Assignment target, std::int64_t step) const;
+
+ private:
+  void require_phase(const char *hook, std::int64_t step, std::initializer_list<StepPhase> allowed) const;
+  BudgetRecord budget_record() const;
+  bool guard_active() const;
+  sp_precision nearest_tier_up(sp_precision precision) const;
+  void judge_loss(std::int64_t step, double loss);
   void log_change(std::int64_t step, std::uint32_t block, sp_precision from, const sp_hint_v1 &hint);
   void write_pending_record() noexcept;
 
@@ -104,15 +109,12 @@ class PolicyEngine {
   std::optional<StepRecord> pending_record_;
   std::optional<SpikeRecord> last_spike_;
 
+  std::unique_ptr<DecisionRule> rule_;
+
   // Scratch space reused every step so that the steady state allocates nothing.
   std::vector<sp_hint_v1> hints_;
-  std::vector<ScoreParts> step_scores_;
   std::vector<std::uint64_t> seen_in_call_;
   std::uint64_t call_serial_ = 0;
-  // v3: a standing rule decided the unit at this step (it is pinned for the allocation).
-  std::vector<std::uint8_t> decided_by_rule_;
-  // v3: block sizes changed (set_transfer_bytes, import_state) since the last allocation.
-  bool sizes_changed_ = true;
 };
 
 }  // namespace sp::policy

@@ -86,8 +86,8 @@ struct LossWindow {
   std::vector<double> losses;
 };
 
-// v3: what the current allocation was made from.
-enum class AllocationSource : std::uint8_t { none = 0, prior = 1, signals = 2 };
+// What the current allocation was made from: v3's signal table, or v4's measured costs.
+enum class AllocationSource : std::uint8_t { none = 0, prior = 1, signals = 2, measured = 3 };
 
 // v3: one value per tier, indexed by sp_precision (bf16, int8, nf4); NaN = none.
 using TierValues = std::array<double, 3>;
@@ -126,6 +126,14 @@ struct BudgetState {
   }
 };
 
+// A decision rule's own section of the state blob (decision_rule.h), carried as its bytes: the
+// codec writes the sections after the shared ones and keeps those of other rules as they came,
+// so that a swap through another mode and back loses nothing.
+struct RuleSection {
+  std::uint32_t tag = 0;
+  std::vector<std::uint8_t> payload;
+};
+
 enum class StepPhase : std::uint8_t {
   before_first_step = 0,
   begun = 1,
@@ -151,7 +159,8 @@ struct PolicyState {
   StepPhase phase = StepPhase::before_first_step;
   MeasuredBytes measured_since_record;
   LossWindow loss_window;
-  BudgetState budget;  // v3
+  BudgetState budget;  // v3, and v4's allocation record
+  std::vector<RuleSection> rule_sections;  // format 4
 
   PolicyState() = default;
   PolicyState(std::uint32_t n_blocks, std::uint32_t window_capacity)

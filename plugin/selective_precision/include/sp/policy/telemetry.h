@@ -48,7 +48,10 @@ struct StepRecord {
 // compute_hints returned at that step; `measured` are the bytes the host reported since the
 // previous record; `nf4_group_size` gives the nominal NF4 bytes of a block whose NF4 bytes
 // the host never sent (nominal_nf4_ratio).
-std::string telemetry_record_line(const StepRecord &record, Mode mode, const PolicyState &state,
+class DecisionRule;
+
+// The mode's `rule` adds its own fields (DecisionRule::describe).
+std::string telemetry_record_line(const StepRecord &record, Mode mode, const DecisionRule &rule, const PolicyState &state,
                                   const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes,
                                   const MeasuredBytes &measured, std::int64_t nf4_group_size, double unix_seconds);
 

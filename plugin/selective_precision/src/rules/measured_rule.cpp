@@ -1,0 +1,221 @@
+// Mode measured (policy v4): the host measures what each unit costs at each tier, forward only,
+// against BF16 (the KL of the outputs, or the loss difference, per example), and sends the mean,
+// its standard error and its upper confidence bound (measured_cost.<tier>,
+// measured_cost_se.<tier>, measured_cost_upper.<tier>). The rule solves the bytes budget on the
+// upper bounds, so that a noisy low draw cannot make a tier look free, and a unit leaves its
+// tier only for a gain of more than switch_sigmas standard errors. Before any measurement the
+// structural prior (use_more_bits) decides, from the first step's routes on. A table is a
+// measurement of its own, not smoothed with the last: the host's interval already covers all its
+// batches. docs/policy.md, "Policy v4".
+#include "budgeted_rule.h"
+#include "../byte_codec.h"
+
+#include <nlohmann/json.hpp>
+
+#include <array>
+#include <cmath>
+#include <limits>
+
+namespace sp::policy {
+namespace {
+
+constexpr const char *kSwitchSigmas = "switch_sigmas";
+constexpr const char *kDecideUntilStep = "decide_until_step";
+constexpr std::uint32_t kSectionTag = 0x4452534D;  // "MSRD" as the codec writes tags
+
+// One unit's measurement at one tier.
+struct Measured {
+  double mean = ScoreParts::kNever;
+  double se = ScoreParts::kNever;
+  double upper = ScoreParts::kNever;
+};
+using MeasuredTiers = std::array<Measured, kTiers.size()>;
+
+constexpr std::size_t kFixedSize = 8 + 8 + 8 + 1;
+constexpr std::size_t kUnitSize = kTiers.size() * 3 * 8;
+
+class MeasuredRule final : public BudgetedRule {
+ public:
+  explicit MeasuredRule(PolicyEngine &engine)
+      : BudgetedRule(engine),
+        switch_sigmas_(rule_setting(engine.config(), Mode::measured, kSwitchSigmas)),
+        decide_until_step_(static_cast<std::int64_t>(rule_setting(engine.config(), Mode::measured, kDecideUntilStep))),
+        units_(engine.n_blocks()) {
+    for (std::size_t t = 0; t < kTiers.size(); ++t) {
+      mean_columns_[t] = fmt::format("measured_cost.{}", precision_name(kTiers[t]));
+      se_columns_[t] = fmt::format("measured_cost_se.{}", precision_name(kTiers[t]));
+      upper_columns_[t] = fmt::format("measured_cost_upper.{}", precision_name(kTiers[t]));
+    }
+  }
+
+  // A table without an upper bound for any tier is not a measurement this rule reads.
+  void take_signals(std::int64_t step, const SignalTable &table) override {
+    std::array<std::int64_t, kTiers.size()> mean{}, se{}, upper{};
+    bool any = false;
+    for (std::size_t t = 0; t < kTiers.size(); ++t) {
+      mean[t] = table.column(mean_columns_[t].c_str());
+      se[t] = table.column(se_columns_[t].c_str());
+      upper[t] = table.column(upper_columns_[t].c_str());
+      any = any || upper[t] >= 0;
+    }
+    if (!any) return;
+    std::vector<MeasuredTiers> units(units_.size());
+    for (std::uint32_t u = 0; u < engine_.n_blocks(); ++u) {
+      for (std::size_t t = 0; t < kTiers.size(); ++t) {
+        Measured &m = units[u][t];
+        m = Measured{table.value(u, mean[t]), table.value(u, se[t]), table.value(u, upper[t])};
+        // An interval that does not hold its own mean, or a negative spread, is not a measurement.
+        if (!(std::isnan(m.mean) || std::isnan(m.upper) || m.upper >= m.mean) || m.se < 0.0) {
+          throw InvalidArgument(fmt::format("set_unit_signals: unit {} has {} = {}, {} = {} and {} = {}; expected an "
+                                            "upper bound >= the mean and a standard error >= 0",
+                                            u, mean_columns_[t], m.mean, upper_columns_[t], m.upper, se_columns_[t],
+                                            m.se));
+        }
+      }
+    }
+    units_ = std::move(units);
+    ++tables_;
+    last_step_ = step;
+    samples_ = table.samples();
+    pending_ = true;
+  }
+
+  bool decides_initial_hints() const override { return true; }
+
+  double unit_cost(std::uint32_t unit, sp_precision precision) const override {
+    return tables_ > 0 ? units_[unit][precision].upper : ScoreParts::kNever;
+  }
+  bool cost_is_loss() const override { return false; }
+
+  std::uint32_t state_tag() const override { return kSectionTag; }
+
+  std::vector<std::uint8_t> export_section() const override {
+    Writer out;
+    out.u64(tables_);
+    out.i64(last_step_);
+    out.u64(samples_);
+    out.u8(pending_ ? 1 : 0);
+    for (const MeasuredTiers &unit : units_) {
+      for (const Measured &m : unit) {
+        out.f64(m.mean);
+        out.f64(m.se);
+        out.f64(m.upper);
+      }
+    }
+    return out.take();
+  }
+
+  void import_section(const std::uint8_t *payload, std::size_t size) override {
+    if (payload == nullptr) {
+      units_.assign(units_.size(), MeasuredTiers{});
+      tables_ = 0;
+      last_step_ = kNoStep;
+      samples_ = 0;
+      pending_ = false;
+      return;
+    }
+    if (size != kFixedSize + kUnitSize * units_.size()) {
+      throw StateError(fmt::format("state blob: the measured-costs section is {} bytes, expected {} for {} units", size,
+                                   kFixedSize + kUnitSize * units_.size(), units_.size()));
+    }
+    Reader reader(payload, size);
+    const std::uint64_t tables = reader.u64("measured tables");
+    const std::int64_t last_step = reader.i64("last measured step");
+    const std::uint64_t samples = reader.u64("samples of the last measurement");
+    const bool pending = reader.flag("measurement-pending flag");
+    if ((tables == 0) != (last_step == kNoStep) || (pending && tables == 0)) {
+      throw StateError(fmt::format("state blob: {} measured tables do not fit last step {} and pending {}", tables,
+                                   last_step, pending));
+    }
+    std::vector<MeasuredTiers> units(units_.size());
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      for (Measured &m : units[u]) {
+        m.mean = reader.f64("measured cost");
+        m.se = reader.f64("measured standard error");
+        m.upper = reader.f64("measured upper bound");
+        const bool finite_or_nan =
+            !std::isinf(m.mean) && !std::isinf(m.se) && !std::isinf(m.upper);
+        if (!finite_or_nan || m.se < 0.0 || (!std::isnan(m.mean) && !std::isnan(m.upper) && m.upper < m.mean)) {
+          throw StateError(fmt::format("state blob: unit {} has a measured cost {} with standard error {} and upper "
+                                       "bound {}; expected finite values or NaN, se >= 0 and upper >= mean",
+                                       u, m.mean, m.se, m.upper));
+        }
+      }
+    }
+    tables_ = tables;
+    last_step_ = last_step;
+    samples_ = samples;
+    pending_ = pending;
+    units_ = std::move(units);
+  }
+
+  void describe(nlohmann::ordered_json &record) const override {
+    record["measured"] = {
+        {"tables", tables_},
+        {"last_step", tables_ > 0 ? nlohmann::ordered_json(last_step_) : nullptr},
+        {"samples", samples_},
+        {"pending", pending_},
+        {"switch_sigmas", switch_sigmas_},
+        {"decide_until_step", decide_until_step_ >= 0 ? nlohmann::ordered_json(decide_until_step_) : nullptr},
+    };
+  }
+
+  void describe_unit(std::uint32_t unit, nlohmann::ordered_json &detail) const override {
+    nlohmann::ordered_json tiers = nlohmann::ordered_json::object();
+    for (std::size_t t = 1; t < kTiers.size(); ++t) {
+      const Measured &m = units_[unit][t];
+      const auto number = [](double v) { return std::isnan(v) ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(v); };
+      tiers[precision_name(kTiers[t])] = {{"mean", number(m.mean)}, {"se", number(m.se)}, {"upper", number(m.upper)}};
+    }
+    detail["measured_cost"] = std::move(tiers);
+  }
+
+ protected:
+  bool has_costs() const override { return tables_ > 0; }
+
+  // BF16 is the reference the costs are measured against: it costs nothing.
+  double cost(std::uint32_t unit, sp_precision tier) const override {
+    return tier == SP_PRECISION_BF16 ? 0.0 : units_[unit][tier].upper;
+  }
+
+  // Hysteresis in standard errors, once the allocation is a measured one: the first measurement
+  // replaces the prior freely.
+  double switch_penalty(std::uint32_t unit, sp_precision tier) const override {
+    if (engine_.state().budget.source != AllocationSource::measured) return 0.0;
+    const double se = units_[unit][tier].se;
+    return std::isnan(se) ? 0.0 : switch_sigmas_ * se;
+  }
+
+  // No decision after decide_until_step: the last steps train on the routes they began with.
+  bool costs_call_for_allocation(std::int64_t step, bool /*decision_step*/) const override {
+    return pending_ && (decide_until_step_ < 0 || step <= decide_until_step_);
+  }
+
+  AllocationSource costs_source() const override { return AllocationSource::measured; }
+  void costs_taken() override { pending_ = false; }
+
+ private:
+  static constexpr std::int64_t kNoStep = std::numeric_limits<std::int64_t>::min();
+
+  double switch_sigmas_;
+  std::int64_t decide_until_step_;
+  std::array<std::string, kTiers.size()> mean_columns_;
+  std::array<std::string, kTiers.size()> se_columns_;
+  std::array<std::string, kTiers.size()> upper_columns_;
+  std::vector<MeasuredTiers> units_;
+  std::uint64_t tables_ = 0;
+  std::int64_t last_step_ = kNoStep;
+  std::uint64_t samples_ = 0;
+  bool pending_ = false;
+};
+
+}  // namespace
+
+constexpr RuleKey kKeys[] = {{kSwitchSigmas, "a number in [0, 100]", 0.0, 100.0, 2.0, false},
+                             {kDecideUntilStep, "an integer >= -1 (-1: no last step)", -1.0, 9.0e15, -1.0, true}};
+
+extern const RuleModule kMeasuredRule{
+    Mode::measured, "measured", 4, true, false, kKeys,
+    [](PolicyEngine &engine) -> std::unique_ptr<DecisionRule> { return std::make_unique<MeasuredRule>(engine); }};
+
+}  // namespace sp::policy

@@ -1,0 +1,221 @@
+// Policy v4 (mode measured): the prior from the first step's routes, then the allocation by
+// the measured costs' upper bounds, hysteresis in standard errors, no decision after
+// decide_until_step; its config, its own state section and hot swaps with v3 (docs/policy.md,
+// "Policy v4").
+#include "budget_test_support.h"
+#include "policy_test_support.h"
+
+#include "sp/policy/budget.h"
+#include "sp/policy/errors.h"
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace sp::policy::testing {
+namespace {
+
+// Tiers bf16 and nf4, every step a decision step, no cooldown; `extra` lines (indented by 2).
+std::string measured_config(const std::string &budget, const std::string &extra = "") {
+  return standalone("  mode: measured\n  budget: " + budget +
+                    "\n  tiers: [bf16, nf4]\n  warmup_steps: 0\n  update_interval_steps: 1\n"
+                    "  min_steps_between_switches: 0\n  telemetry_enabled: false\n  log_decisions: false\n" +
+                    extra);
+}
+
+// 0.92 of the all-BF16 bytes (14720 of 16000): one unit in NF4 (1468 saved) meets it, and a second
+// would only add its cost.
+constexpr const char *kOneNf4 = "{bytes: 0.92}";
+
+// A measurement as calibrate sends it: NF4's mean, standard error and upper bound per unit.
+Signals measured(const std::vector<double> &mean, const std::vector<double> &se, const std::vector<double> &upper) {
+  Signals table{{"measured_cost.nf4", "measured_cost_se.nf4", "measured_cost_upper.nf4"}, {}, kNaN};
+  for (std::size_t u = 0; u < mean.size(); ++u) {
+    table.values.insert(table.values.end(), {mean[u], se[u], upper[u]});
+  }
+  return table;
+}
+
+// Every unit at mean 0.08, se 0.01, upper 0.1 except those given.
+Signals measured_with(const std::vector<std::pair<std::uint32_t, std::array<double, 3>>> &units) {
+  std::vector<double> mean(kUnits, 0.08), se(kUnits, 0.01), upper(kUnits, 0.1);
+  for (const auto &[u, values] : units) {
+    mean[u] = values[0];
+    se[u] = values[1];
+    upper[u] = values[2];
+  }
+  return measured(mean, se, upper);
+}
+
+std::vector<sp_hint_v1> initial(PolicyEngine &engine) {
+  std::vector<sp_hint_v1> hints(kUnits);
+  engine.initial_hints(hints.data(), kUnits);
+  return hints;
+}
+
+std::vector<std::uint32_t> nf4_units(const std::vector<sp_hint_v1> &hints) {
+  std::vector<std::uint32_t> units;
+  for (const sp_hint_v1 &hint : hints) {
+    if (hint.precision == SP_PRECISION_NF4) units.push_back(hint.block_id);
+  }
+  return units;
+}
+
+TEST(PolicyV4, RoutesFromTheFirstStepByThePriorThenByTheUpperBoundsMeasuredBeforeIt) {
+  Driver driver(measured_config(kOneNf4), kUnits);
+  PolicyEngine &engine = driver.engine();
+  const std::vector<sp_hint_v1> prior = initial(engine);
+  ASSERT_EQ(nf4_units(prior).size(), 1u);
+  // use_more_bits keeps units 0 and 7 (the first and last eighth) out of the prior's NF4.
+  EXPECT_NE(nf4_units(prior)[0], 0u);
+  EXPECT_NE(nf4_units(prior)[0], 7u);
+  EXPECT_EQ(status_of(engine).decided_at_step, -1);
+
+  // Unit 3's mean is the lowest, but its interval is wide; unit 5's upper bound is the lowest.
+  send(engine, -1, measured_with({{3, {0.001, 0.025, 0.05}}, {5, {0.01, 0.001, 0.012}}}));
+  const std::vector<sp_hint_v1> decided = initial(engine);
+  EXPECT_EQ(nf4_units(decided), std::vector<std::uint32_t>{5});
+  EXPECT_EQ(decided[5].reason, SP_REASON_BUDGET);
+  const sp_budget_status_v1 status = status_of(engine);
+  EXPECT_EQ(status.met, 1);
+  EXPECT_DOUBLE_EQ(status.planned_cost, 0.012);
+  EXPECT_TRUE(std::isnan(status.planned_loss_fraction)) << "a measured cost is not a fraction of the loss";
+  double costs[kUnits];
+  engine.unit_costs(SP_PRECISION_NF4, costs, kUnits);
+  EXPECT_DOUBLE_EQ(costs[3], 0.05);
+
+  // The first step runs on those routes, and keeps them.
+  EXPECT_EQ(nf4_units(step_with(driver, 0, nullptr)), std::vector<std::uint32_t>{5});
+  EXPECT_LE(bytes_of(driver.hints()), static_cast<std::uint64_t>(0.92 * kUnits * kBf16));
+}
+
+TEST(PolicyV4, LeavesATierOnlyForAGainOfMoreThanSwitchSigmasStandardErrors) {
+  Driver driver(measured_config(kOneNf4, "  switch_sigmas: 2\n"), kUnits);
+  send(driver.engine(), -1, measured_with({{5, {0.01, 0.001, 0.012}}}));
+  ASSERT_EQ(nf4_units(initial(driver.engine())), std::vector<std::uint32_t>{5});
+  // Unit 2's upper bound is 0.001 lower, but moving to it costs 2 of its standard errors (0.002).
+  const Signals close = measured_with({{5, {0.01, 0.001, 0.012}}, {2, {0.009, 0.001, 0.011}}});
+  EXPECT_EQ(nf4_units(step_with(driver, 0, &close)), std::vector<std::uint32_t>{5});
+  // 0.004 lower is beyond them.
+  const Signals clear = measured_with({{5, {0.01, 0.001, 0.012}}, {2, {0.006, 0.001, 0.008}}});
+  EXPECT_EQ(nf4_units(step_with(driver, 1, &clear)), std::vector<std::uint32_t>{2});
+}
+
+TEST(PolicyV4, MakesNoDecisionAfterDecideUntilStep) {
+  Driver driver(measured_config(kOneNf4, "  decide_until_step: 3\n"), kUnits);
+  send(driver.engine(), -1, measured_with({{5, {0.01, 0.001, 0.012}}}));
+  ASSERT_EQ(nf4_units(initial(driver.engine())), std::vector<std::uint32_t>{5});
+  const Signals better = measured_with({{5, {0.01, 0.001, 0.012}}, {2, {0.001, 0.001, 0.002}}});
+  for (std::int64_t step = 0; step < 6; ++step) step_with(driver, step, step == 5 ? &better : nullptr);
+  EXPECT_EQ(nf4_units(driver.hints()), std::vector<std::uint32_t>{5}) << "a table after step 3 moved a unit";
+  EXPECT_EQ(status_of(driver.engine()).decided_at_step, -1);
+}
+
+TEST(PolicyV4, ATableWithoutMeasuredColumnsIsNotAMeasurement) {
+  Driver driver(measured_config(kOneNf4), kUnits);
+  const std::vector<std::uint32_t> prior = nf4_units(initial(driver.engine()));
+  const Signals taylor = Signals::costs(std::vector<double>(kUnits, 0.0), std::vector<double>(kUnits, 0.0), 2.0);
+  step_with(driver, 0, &taylor);
+  EXPECT_EQ(nf4_units(driver.hints()), prior);
+  EXPECT_TRUE(std::isnan(status_of(driver.engine()).planned_cost)) << "still the prior's allocation";
+}
+
+TEST(PolicyV4, RefusesAnIntervalThatDoesNotHoldItsMeanAndChangesNothing) {
+  Driver driver(measured_config(kOneNf4), kUnits);
+  send(driver.engine(), -1, measured_with({{5, {0.01, 0.001, 0.012}}}));
+  const std::vector<std::uint8_t> before = driver.engine().export_state();
+  try {
+    send(driver.engine(), -1, measured_with({{4, {0.02, 0.001, 0.01}}}));
+    ADD_FAILURE() << "an upper bound below its mean was taken";
+  } catch (const InvalidArgument &error) {
+    EXPECT_NE(std::string(error.what()).find("unit 4 has measured_cost.nf4 = 0.02"), std::string::npos) << error.what();
+  }
+  EXPECT_EQ(driver.engine().export_state(), before);
+}
+
+TEST(PolicyV4, ItsMeasurementCrossesAHotSwapThroughV3AndBack) {
+  Driver v4(measured_config(kOneNf4), kUnits);
+  send(v4.engine(), -1, measured_with({{5, {0.01, 0.001, 0.012}}}));
+  initial(v4.engine());
+  step_with(v4, 0, nullptr);
+  const std::vector<std::uint8_t> blob = v4.engine().export_state();
+
+  // v3 takes it over: the shared state migrates, v4's section rides along unread.
+  Driver v3(standalone("  mode: budget\n  budget: {bytes: 0.92}\n  tiers: [bf16, nf4]\n  warmup_steps: 0\n"
+                       "  min_steps_between_switches: 0\n  telemetry_enabled: false\n"),
+            kUnits);
+  v3.engine().import_state(blob.data(), blob.size());
+  EXPECT_EQ(v3.engine().state().blocks[5].assignment, Assignment::nf4);
+  const std::vector<std::uint8_t> through_v3 = v3.engine().export_state();
+
+  Driver back(measured_config(kOneNf4), kUnits);
+  back.engine().import_state(through_v3.data(), through_v3.size());
+  double costs[kUnits];
+  back.engine().unit_costs(SP_PRECISION_NF4, costs, kUnits);
+  EXPECT_DOUBLE_EQ(costs[5], 0.012);
+  EXPECT_EQ(nf4_units(step_with(back, 1, nullptr)), std::vector<std::uint32_t>{5});
+
+  // A v3 blob carries no measurement: v4 decides by the prior until it measures.
+  Driver fresh_v3(standalone("  mode: budget\n  budget: {bytes: 0.92}\n  tiers: [bf16, nf4]\n  warmup_steps: 0\n"
+                             "  telemetry_enabled: false\n"),
+                  kUnits);
+  const Signals taylor = Signals::costs(std::vector<double>(kUnits, 0.0), std::vector<double>(kUnits, 0.0), 2.0);
+  step_with(fresh_v3, 0, &taylor);
+  const std::vector<std::uint8_t> v3_blob = fresh_v3.engine().export_state();
+  back.engine().import_state(v3_blob.data(), v3_blob.size());
+  back.engine().unit_costs(SP_PRECISION_NF4, costs, kUnits);
+  EXPECT_TRUE(std::isnan(costs[5]));
+  step_with(back, 1, nullptr);
+  EXPECT_TRUE(std::isnan(status_of(back.engine()).planned_cost)) << "the prior decides after a v3 blob";
+}
+
+TEST(PolicyV4, RefusesADamagedSectionOfItsOwnAndKeepsItsState) {
+  Driver v4(measured_config(kOneNf4), kUnits);
+  send(v4.engine(), -1, measured_with({{5, {0.01, 0.001, 0.012}}}));
+  std::vector<std::uint8_t> blob = v4.engine().export_state();
+  Driver target(measured_config(kOneNf4), kUnits);
+  const std::vector<std::uint8_t> before = target.engine().export_state();
+  // The last value of the blob's last section (v4's) is unit 7's NF4 upper bound: make it -1,
+  // below its mean, and seal the blob again.
+  store_f64(blob, blob.size() - 4 - 8, -1.0);
+  reseal(blob);
+  try {
+    target.engine().import_state(blob.data(), blob.size());
+    ADD_FAILURE() << "a damaged measured-costs section was taken";
+  } catch (const StateError &error) {
+    EXPECT_NE(std::string(error.what()).find("unit 7 has a measured cost"), std::string::npos) << error.what();
+  }
+  EXPECT_EQ(target.engine().export_state(), before);
+}
+
+TEST(PolicyV4Config, NamesTheKeyAndWhatWasExpected) {
+  const std::string path = "selective_precision.";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {standalone("  mode: measured\n"), path + "budget: mode is measured, but no budget is given; expected budget: "
+                                                "{bytes: F}"},
+      {standalone("  mode: measured\n  budget: {loss: 0.01}\n"),
+       path + "budget: mode measured decides by a cost that is not the training loss; expected budget: {bytes: F}"},
+      {measured_config(kOneNf4, "  switch_sigmas: -1\n"), path + "switch_sigmas: expected a number in [0, 100], found -1"},
+      {measured_config(kOneNf4, "  decide_until_step: 2.5\n"), path + "decide_until_step: expected an integer >= -1"},
+      {measured_config(kOneNf4, "  switch_sigma: 1\n"), path + "switch_sigma: unknown key; did you mean 'switch_sigmas'?"},
+  };
+  for (const auto &[yaml, expected] : cases) {
+    try {
+      parse_policy_config(yaml, kUnits);
+      ADD_FAILURE() << "accepted:\n" << yaml;
+    } catch (const PolicyConfigError &error) {
+      EXPECT_NE(std::string(error.what()).find(expected), std::string::npos) << yaml << "\n-> " << error.what();
+    }
+  }
+  const ParsedConfig other_mode =
+      parse_policy_config(standalone("  mode: budget\n  budget: {bytes: 0.5}\n  switch_sigmas: 3\n"), kUnits);
+  ASSERT_EQ(other_mode.warnings.size(), 1u);
+  EXPECT_NE(other_mode.warnings[0].find("switch_sigmas: mode budget does not read this key"), std::string::npos)
+      << other_mode.warnings[0];
+}
+
+}  // namespace
+}  // namespace sp::policy::testing
