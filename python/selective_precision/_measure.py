@@ -200,7 +200,8 @@ class UnitCosts:
     the ranking of the units repeats; `batch_costs[format][u]` holds unit u's mean cost per batch,
     in order, the figures that rho is taken over. `h2d_bytes` is what the measurement moved,
     `all_bf16_fetches` the same in fetches of every unit in BF16 (a training step makes at least
-    two: forward and backward)."""
+    two: forward and backward). `sent_to_policy` says whether the policy plugin took the costs:
+    policy v4 (mode measured) allocates by their upper bounds; other modes ignore them."""
 
     units: list[str]
     formats: list[str]
@@ -217,6 +218,20 @@ class UnitCosts:
     h2d_bytes: int
     all_bf16_fetches: float
     seconds: float
+
+    sent_to_policy: bool = False
+
+    def signal_table(self) -> tuple[list[str], list[float], int]:
+        """The costs as the policy plugin takes them (ABI 1.2's signal table, docs/policy.md
+        "Policy v4"): columns measured_cost.<format>, measured_cost_se.<format> and
+        measured_cost_upper.<format>, one row per unit, row-major; and the examples measured."""
+        names, columns = [], []
+        for f in self.formats:
+            for column, value in (("measured_cost", lambda i: i.mean), ("measured_cost_se", lambda i: i.std_error),
+                                  ("measured_cost_upper", lambda i: i.high)):
+                names.append("%s.%s" % (column, f))
+                columns.append([float(value(i)) for i in self.costs[f]])
+        return names, [row[u] for u in range(len(self.units)) for row in columns], int(self.examples)
 
     @property
     def upper(self) -> dict:
@@ -417,10 +432,11 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
         costs[f].append(Interval.of(kl[k] if with_scores else differences, confidence))
         losses[f].append(Interval.of(differences, confidence))
         per_batch[f].append(list(batch_costs[k]))
-    return UnitCosts(units=units, formats=formats, yardstick="kl" if with_scores else "loss",
+    result = UnitCosts(units=units, formats=formats, yardstick="kl" if with_scores else "loss",
                      paired_over="examples" if per_example else "batches", costs=costs, loss_differences=losses,
                      split_half_rho=split_half, batch_costs=per_batch, batches=used,
                      examples=len(kl[0]) if with_scores else len(example_differences[0] if per_example
                                                                   else batch_differences[0]),
                      stopped_because=stopped, confidence=float(confidence), h2d_bytes=h2d_bytes,
                      all_bf16_fetches=h2d_bytes / all_bf16, seconds=time.perf_counter() - started)
+    return dataclasses.replace(result, sent_to_policy=layer.model.set_unit_signals(*result.signal_table()))

@@ -45,8 +45,9 @@ _NOT_PICKLABLE = (
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    """Policy v3's one budget, `stream(..., budget=Budget(bytes=0.45))` or `Budget(loss=0.005)`:
-    bytes: a step moves at most this fraction of all-BF16's bytes, with the least predicted loss;
+    """The one budget of policies v3 and v4, `stream(..., budget=Budget(bytes=0.45))` or
+    `Budget(loss=0.005)` (v3 only): bytes: a step moves at most this fraction of all-BF16's bytes,
+    with the least cost (v3: predicted loss; v4: the measured costs' upper bounds);
     loss: the predicted loss increase stays at most this fraction of the current loss, with the
     fewest bytes. Exactly one is given (docs/policy.md, "Policy v3")."""
 
@@ -201,7 +202,8 @@ def _policy_document(config_yaml: str):
 
 
 def _with_budget(config_yaml: str, source: str, budget: Budget) -> tuple[str, str]:
-    """The policy's YAML with `mode: budget` and `budget`, for stream(budget=...)."""
+    """The policy's YAML with `budget`, and `mode: budget` where it names no mode, for
+    stream(budget=...)."""
     found = _policy_document(config_yaml)
     if found is None:
         return config_yaml, source
@@ -212,10 +214,11 @@ def _with_budget(config_yaml: str, source: str, budget: Budget) -> tuple[str, st
         # keyword overrides a config file's value.
         _log.info("selective_precision: stream(budget=%r) overrides %s's %s.budget %r", budget, source, path,
                   section["budget"])
-    if section.get("mode", "budget") != "budget":
-        raise ValueError("stream(): budget= needs policy v3 (mode budget), but %s sets %s.mode to %r; leave mode "
-                         "out or set it to budget" % (source, path, section["mode"]))
-    parent[key] = dict(section, mode="budget", budget=wanted)
+    mode = section.get("mode", "budget")
+    if mode not in ("budget", "measured"):
+        raise ValueError("stream(): budget= needs policy v3 (mode budget) or v4 (mode measured), but %s sets %s.mode "
+                         "to %r; leave mode out (v3) or set it to budget or measured" % (source, path, mode))
+    parent[key] = dict(section, mode=mode, budget=wanted)
     return json.dumps(document), "%s with stream(budget=%r)" % (source, budget)
 
 

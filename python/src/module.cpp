@@ -805,6 +805,15 @@ PYBIND11_MODULE(_selective_precision, m) {
              d["samples"] = table.samples;
              return d;
            })
+      .def("set_unit_signals",
+           [](PyStreamedModel& s, const std::vector<std::string>& names, const std::vector<double>& values,
+              std::uint64_t samples) {
+             sp::host::UnitSignalTable table;
+             table.names = names;
+             table.values = values;
+             table.samples = samples;
+             return s.model().set_unit_signals(table);
+           })
       .def("unit_costs",
            [](PyStreamedModel& s, const std::string& precision) -> py::object {
              const std::optional<std::vector<double>> costs = s.model().unit_costs(precision_of(precision));

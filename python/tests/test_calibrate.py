@@ -187,3 +187,53 @@ def test_arguments_of_the_wrong_kind_are_refused_by_name(call, error, says):
     arguments.update(call)
     with pytest.raises(error, match=says):
         model.layers.calibrate(**arguments)
+
+
+def v4_model(budget):
+    import os
+    return streamed_model(os.path.join(sp.config_dir(), "policy", "v4.yaml"), budget=sp.Budget(bytes=budget))
+
+
+def test_policy_v4_routes_by_the_prior_then_by_the_upper_bounds_calibrate_measured():
+    import itertools
+
+    model = v4_model(0.8)
+    model.eval()
+    layers = model.layers
+    all_bf16 = sum(layers.image_bytes(u, "bf16") for u in range(3))
+
+    def bytes_of(routes):
+        return sum(layers.image_bytes(u, f) for u, f in enumerate(routes))
+
+    prior = layers.routes()
+    assert prior != ["bf16"] * 3 and bytes_of(prior) <= 0.8 * all_bf16  # the budget holds from the first fetch
+    assert prior[2] != "nf4"  # use_more_bits keeps the last unit wider
+    costs = layers.calibrate(per_example(model), [torch.randn(8, 8) for _ in range(4)], rho=None)
+    assert costs.sent_to_policy
+    # The allocation is the one of least summed upper bound within the budget, found here by trying all.
+    cost = {"bf16": [0.0] * 3, **costs.upper}
+    feasible = [r for r in itertools.product(("bf16", "int8", "nf4"), repeat=3) if bytes_of(r) <= 0.8 * all_bf16]
+    best = min(feasible, key=lambda r: sum(cost[f][u] for u, f in enumerate(r)))
+    assert layers.routes() == list(best)
+    assert layers._layer().model.unit_costs("nf4") == costs.upper["nf4"]
+    status = layers._layer().model.budget_status()
+    assert status["met"] and status["planned_cost"] == pytest.approx(sum(cost[f][u] for u, f in enumerate(best)))
+
+
+def test_policy_v4_keeps_the_measured_routes_through_training():
+    model = v4_model(0.8)
+    model.layers.calibrate(per_example(model), [torch.randn(8, 8) for _ in range(2)], rho=None)
+    measured = model.layers.routes()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        per_example(model)(torch.randn(8, 8))[0].mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert model.layers.routes() == measured
+
+
+def test_other_policies_take_the_costs_and_decide_as_before():
+    model = streamed_model()  # all BF16 (mode off)
+    model.eval()
+    costs = model.layers.calibrate(per_example(model), [torch.randn(8, 8) for _ in range(2)], rho=None)
+    assert costs.sent_to_policy and model.layers.routes() == ["bf16"] * 3

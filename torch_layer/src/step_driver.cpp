@@ -430,6 +430,23 @@ void StreamedModel::Impl::apply_transfer_policy(const std::filesystem::path& fil
 
 const sp::host::UnitSignalTable& StreamedModel::unit_signals() const { return impl_->unit_signals; }
 
+bool StreamedModel::set_unit_signals(const sp::host::UnitSignalTable& table) {
+  Impl& m = *impl_;
+  if (m.in_step()) throw std::logic_error("StreamedModel::set_unit_signals: call it between steps");
+  if (!m.policy->set_unit_signals(m.last_step ? *m.last_step : -1, table)) return false;
+  m.unit_signals = table;
+  if (!m.last_step && m.policy->take_initial_hints()) {
+    if (m.collectives) {
+      std::vector<std::int32_t> precisions;
+      for (const sp::host::UnitHint& h : m.policy->hints()) precisions.push_back(to_abi(h.precision));
+      m.check_ranks_agree(precisions, "the plugin's hints from the measured table");
+    }
+    m.route_by_hints();
+    m.share_images(/*all=*/false);
+  }
+  return true;
+}
+
 std::optional<std::vector<double>> StreamedModel::unit_costs(Precision precision) {
   return impl_->policy->unit_costs(to_abi(precision));
 }

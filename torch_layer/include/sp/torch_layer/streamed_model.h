@@ -507,6 +507,13 @@ class StreamedModel {
   // collectives they are not, and their blocks are NaN (not measured). Sent only to a plugin
   // with a budget (ABI 1.2, mode budget); empty before the first.
   const sp::host::UnitSignalTable& unit_signals() const;
+  // Gives the plugin a table of per-unit signals measured outside a step (ABI 1.2), such as
+  // calibrate()'s measured costs for policy v4 (measured_cost.<tier>, measured_cost_se.<tier>,
+  // measured_cost_upper.<tier>). Before the first step the plugin's initial hints are asked for
+  // again and route the first fetch; after one, the plugin decides at its next compute_hints.
+  // Between steps only. Returns false when the plugin refused it (logged); with collectives,
+  // every rank must send the same table (the ranks' routes are checked to agree).
+  bool set_unit_signals(const sp::host::UnitSignalTable& table);
   // The plugin's smoothed predicted cost per block at `precision` (NaN: none yet), and where its
   // budget stands; nullopt from a plugin older than ABI 1.2 (or one that fails: logged).
   std::optional<std::vector<double>> unit_costs(Precision precision);
