@@ -5,8 +5,10 @@
 #include "sp/policy/errors.h"
 
 #include <fmt/format.h>
+#include <sp/precision_abi.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <string_view>
@@ -28,18 +30,38 @@ double smoothed(double average, double value, double smoothing) {
   return std::isnan(average) ? value : smoothing * average + (1.0 - smoothing) * value;
 }
 
+namespace {
+
+// "<signal>.<route>" for every route, indexed by sp_precision, built once. Plain characters, so
+// that the statics below need no destructor: the plugin is dlclose()d at every hot swap.
+class TierColumns {
+ public:
+  explicit TierColumns(const char *signal) {
+    for (Precision route : kPrecisions) {
+      char *name = names_[static_cast<std::size_t>(to_abi(route))].data();
+      *fmt::format_to_n(name, kLongest - 1, "{}.{}", signal, sp::precision_name(route)).out = '\0';
+    }
+  }
+  const char *operator()(sp_precision tier) const { return names_.at(static_cast<std::size_t>(tier)).data(); }
+
+ private:
+  static constexpr std::size_t kLongest = 32;
+  std::array<std::array<char, kLongest>, kPrecisionCount> names_{};
+};
+
+}  // namespace
+
 const char *loss_cost_column(sp_precision tier) {
-  return tier == SP_PRECISION_NF4 ? "loss_cost.nf4" : tier == SP_PRECISION_INT8 ? "loss_cost.int8" : "loss_cost.bf16";
+  static const TierColumns columns("loss_cost");
+  return columns(tier);
 }
 const char *first_order_column(sp_precision tier) {
-  return tier == SP_PRECISION_NF4    ? "first_order.nf4"
-         : tier == SP_PRECISION_INT8 ? "first_order.int8"
-                                     : "first_order.bf16";
+  static const TierColumns columns("first_order");
+  return columns(tier);
 }
 const char *second_order_column(sp_precision tier) {
-  return tier == SP_PRECISION_NF4    ? "second_order.nf4"
-         : tier == SP_PRECISION_INT8 ? "second_order.int8"
-                                     : "second_order.bf16";
+  static const TierColumns columns("second_order");
+  return columns(tier);
 }
 
 std::uint64_t tier_bytes(const BlockBytes &bytes, sp_precision tier, std::int64_t nf4_group_size) {

@@ -26,7 +26,7 @@ constexpr const char *kTopLevelSection = "selective_precision";
 constexpr const char *kTrainingConfigSection = "memory.stagehand.selective_precision";
 
 #if SP_POLICY_EDITION >= 3
-constexpr std::size_t kKnownKeyCount = 31;
+constexpr std::size_t kKnownKeyCount = 29;
 #elif SP_POLICY_EDITION >= 2
 constexpr std::size_t kKnownKeyCount = 28;
 #else
@@ -65,8 +65,6 @@ constexpr std::array<const char *, kKnownKeyCount> kKnownKeys = {
 #endif
 #if SP_POLICY_EDITION >= 3
     "budget",
-    "signal_smoothing",
-    "switch_margin",
 #endif
 };
 
@@ -492,21 +490,11 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
 #if SP_POLICY_EDITION >= 3
   } else if (key == "budget") {
     read_budget(reader, key, value, config.budget);
-  } else if (key == "signal_smoothing") {
-    constexpr const char *kSmoothing = "a number in [0, 1)";
-    config.signal_smoothing = reader.read_number(key, value, kSmoothing);
-    if (!(config.signal_smoothing >= 0.0 && config.signal_smoothing < 1.0)) {
-      throw PolicyConfigError(
-          fmt::format("{}: expected {}, found {}", reader.path(key), kSmoothing, config.signal_smoothing));
-    }
-  } else if (key == "switch_margin") {
-    config.switch_margin = reader.read_number(key, value, kNonNegative);
-    require_non_negative_finite(reader, key, config.switch_margin);
 #endif
   } else if (const RuleKey *rule_key = rule_key_named(key)) {
     const double number = rule_key->integer ? static_cast<double>(reader.read_integer(key, value, rule_key->expected))
                                             : reader.read_number(key, value, rule_key->expected);
-    if (!(number >= rule_key->low && number <= rule_key->high)) {
+    if (!(number >= rule_key->low && (rule_key->high_excluded ? number < rule_key->high : number <= rule_key->high))) {
       throw PolicyConfigError(fmt::format("{}: expected {}, found {}", reader.path(key), rule_key->expected, number));
     }
     config.rule_settings[key] = number;

@@ -475,11 +475,7 @@ void PolicyEngine::import_state(const std::uint8_t *blob, std::size_t size) {
   if (const std::uint32_t tag = rule_->state_tag(); tag != 0) {
     const auto own = std::find_if(imported.rule_sections.begin(), imported.rule_sections.end(),
                                   [&](const RuleSection &section) { return section.tag == tag; });
-    if (own != imported.rule_sections.end()) {
-      rule_->import_section(own->payload.data(), own->payload.size());
-    } else {
-      rule_->import_section(nullptr, 0);
-    }
+    rule_->import_section(own != imported.rule_sections.end() ? &own->payload : nullptr);
   }
   write_pending_record();
   state_ = std::move(imported);

@@ -8,6 +8,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -30,8 +32,6 @@ double SignalTable::value(std::uint32_t unit, std::int64_t column) const {
   return column < 0 ? ScoreParts::kNever
                     : table_.values[static_cast<std::size_t>(unit) * table_.n_signals + static_cast<std::size_t>(column)];
 }
-
-double DecisionRule::unit_cost(std::uint32_t /*unit*/, sp_precision /*precision*/) const { return ScoreParts::kNever; }
 
 bool takes_budget(Mode mode) {
   const RuleModule &module = rule_module(mode);
@@ -92,7 +92,42 @@ void PolicyEngine::set_unit_signals(std::int64_t step, const sp_unit_signals_v1 
     throw InvalidArgument(fmt::format("set_unit_signals: loss is {}; expected a finite loss or NaN", signals->loss));
   }
 
-  rule_->take_signals(step, SignalTable(*signals));
+  const SignalTable table(*signals);
+  record_predicted_costs(step, table);
+  rule_->take_signals(step, table);
+}
+
+// What 3.x did with every table, in every mode: v3's smoothed loss_cost per tier and the two
+// terms, for get_unit_costs, the state blob and a later v3. A table with no loss_cost column
+// (v4's measured costs) predicts nothing, and is not counted as one.
+void PolicyEngine::record_predicted_costs(std::int64_t step, const SignalTable &table) {
+  std::array<std::int64_t, kTiers.size()> cost{}, first{}, second{};
+  bool predicts = false;
+  for (std::size_t t = 0; t < kTiers.size(); ++t) {
+    cost[t] = table.column(loss_cost_column(kTiers[t]));
+    first[t] = table.column(first_order_column(kTiers[t]));
+    second[t] = table.column(second_order_column(kTiers[t]));
+    predicts = predicts || cost[t] >= 0;
+  }
+  if (!predicts) return;
+  // Editions before 3 have no set_unit_signals; their engine never gets here.
+  const bool has_v3 = std::any_of(rule_modules().begin(), rule_modules().end(),
+                                  [](const RuleModule *module) { return module->mode == Mode::budget; });
+  const double smoothing = has_v3 ? rule_setting(config_, Mode::budget, kSignalSmoothing) : 0.5;
+  BudgetState &budget = state_.budget;
+  for (std::uint32_t u = 0; u < n_blocks(); ++u) {
+    UnitSignals &unit = budget.units[u];
+    for (std::size_t t = 0; t < kTiers.size(); ++t) {
+      unit.cost[t] = smoothed(unit.cost[t], table.value(u, cost[t]), smoothing);
+      if (first[t] >= 0) unit.first_order[t] = table.value(u, first[t]);
+      if (second[t] >= 0) unit.second_order[t] = table.value(u, second[t]);
+    }
+  }
+  ++budget.tables_received;
+  budget.last_table_samples = table.samples();
+  budget.last_signal_step = step;
+  budget.signals_pending = true;
+  if (std::isfinite(table.loss())) budget.table_loss = table.loss();
 }
 
 void PolicyEngine::unit_costs(sp_precision precision, double *costs_out, std::uint32_t n) const {
@@ -105,7 +140,9 @@ void PolicyEngine::unit_costs(sp_precision precision, double *costs_out, std::ui
     throw InvalidArgument(fmt::format("get_unit_costs: n = {}, but the policy was created for {} blocks", n, n_blocks()));
   }
   if (costs_out == nullptr) throw InvalidArgument("get_unit_costs: costs_out is null");
-  for (std::uint32_t u = 0; u < n; ++u) costs_out[u] = rule_->unit_cost(u, precision);
+  for (std::uint32_t u = 0; u < n; ++u) {
+    costs_out[u] = rule_->own_cost(u, precision).value_or(state_.budget.units[u].cost[precision]);
+  }
 }
 
 double PolicyEngine::reference_loss() const {

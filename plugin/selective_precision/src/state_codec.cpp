@@ -3,6 +3,7 @@
 #include "sp/policy/config.h"
 #include "sp/policy/errors.h"
 #include "byte_codec.h"
+#include "sp/policy/routes.h"
 
 #include <boost/crc.hpp>
 #include <fmt/format.h>
@@ -305,21 +306,6 @@ sp_precision read_precision(Reader &reader, std::uint32_t b, const char *what) {
   return static_cast<sp_precision>(value);
 }
 
-// Cost order, bf16 > int8 > nf4; an unassigned block travels as BF16.
-int cost_rank(sp_precision precision) {
-  return precision == SP_PRECISION_NF4 ? 0 : precision == SP_PRECISION_INT8 ? 1 : 2;
-}
-
-sp_precision travels_as(Assignment assignment) {
-  switch (assignment) {
-    case Assignment::int8:
-      return SP_PRECISION_INT8;
-    case Assignment::nf4:
-      return SP_PRECISION_NF4;
-    default:
-      return SP_PRECISION_BF16;
-  }
-}
 
 void read_blocks_v2_section(Reader &reader, std::size_t payload_size, PolicyState &state) {
   if (payload_size != kBlockV2Size * state.blocks.size()) {
@@ -432,8 +418,9 @@ void read_budget_section(Reader &reader, std::size_t payload_size, std::uint32_t
   }
   budget.decided_at_step = reader.i64("allocation step");
   const bool allocated = budget.source != AllocationSource::none;
-  // -1: allocated before the first step (v4 routes from its initial hints).
-  if (allocated ? budget.decided_at_step < -1 || budget.decided_at_step > state.current_step
+  // Format 4: -1, allocated before the first step (v4 routes from its initial hints).
+  const std::int64_t first_allocation_step = version >= 4 ? -1 : 0;
+  if (allocated ? budget.decided_at_step < first_allocation_step || budget.decided_at_step > state.current_step
                 : budget.decided_at_step != -1) {
     throw StateError(fmt::format("state blob: allocation step {} does not fit allocation source {} at step {}",
                                  budget.decided_at_step, source, state.current_step));

@@ -74,12 +74,6 @@ nlohmann::ordered_json spike_json(const std::optional<SpikeRecord> &spike) {
   return {{"loss", spike->loss}, {"mu", spike->mu}, {"sd", spike->sd}, {"blocks_blamed", spike->blamed}};
 }
 
-nlohmann::ordered_json per_tier(const TierValues &values) {
-  return {{"bf16", number_or_null(values[SP_PRECISION_BF16])},
-          {"int8", number_or_null(values[SP_PRECISION_INT8])},
-          {"nf4", number_or_null(values[SP_PRECISION_NF4])}};
-}
-
 const char *source_name(AllocationSource source) {
   switch (source) {
     case AllocationSource::prior:
@@ -223,12 +217,6 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Dec
       detail["last_down_move_step"] =
           block.last_down_move ? nlohmann::ordered_json(block.last_down_move->step) : nullptr;
       detail["penalty_until"] = block.penalty_until ? nlohmann::ordered_json(*block.penalty_until) : nullptr;
-    }
-    if (record.budget) {
-      const UnitSignals &signals = state.budget.units[b];
-      detail["predicted_cost"] = per_tier(signals.cost);
-      detail["first_order"] = per_tier(signals.first_order);
-      detail["second_order"] = per_tier(signals.second_order);
     }
     rule.describe_unit(b, detail);
     details[std::to_string(b)] = std::move(detail);

@@ -112,6 +112,11 @@ TEST(PolicyV4, MakesNoDecisionAfterDecideUntilStep) {
   for (std::int64_t step = 0; step < 6; ++step) step_with(driver, step, step == 5 ? &better : nullptr);
   EXPECT_EQ(nf4_units(driver.hints()), std::vector<std::uint32_t>{5}) << "a table after step 3 moved a unit";
   EXPECT_EQ(status_of(driver.engine()).decided_at_step, -1);
+  // A re-solve for another reason (the sizes, sent again) takes the costs it decided by, not the late table's.
+  const std::vector<std::uint64_t> sizes(kUnits, kBf16);
+  driver.engine().set_transfer_bytes(SP_PRECISION_BF16, sizes.data(), kUnits);
+  EXPECT_EQ(nf4_units(step_with(driver, 6, nullptr)), std::vector<std::uint32_t>{5});
+  EXPECT_EQ(status_of(driver.engine()).decided_at_step, 6);
 }
 
 TEST(PolicyV4, ATableWithoutMeasuredColumnsIsNotAMeasurement) {
@@ -134,6 +139,16 @@ TEST(PolicyV4, RefusesAnIntervalThatDoesNotHoldItsMeanAndChangesNothing) {
     EXPECT_NE(std::string(error.what()).find("unit 4 has measured_cost.nf4 = 0.02"), std::string::npos) << error.what();
   }
   EXPECT_EQ(driver.engine().export_state(), before);
+}
+
+TEST(PolicyV4, RefusesValuesTheKnapsackCannotSum) {
+  Driver driver(measured_config(kOneNf4), kUnits);
+  try {
+    send(driver.engine(), -1, measured_with({{2, {1e300, 0.0, 1e308}}}));
+    ADD_FAILURE() << "a cost of 1e308 was taken";
+  } catch (const InvalidArgument &error) {
+    EXPECT_NE(std::string(error.what()).find("of magnitude at most"), std::string::npos) << error.what();
+  }
 }
 
 TEST(PolicyV4, ItsMeasurementCrossesAHotSwapThroughV3AndBack) {
@@ -175,11 +190,12 @@ TEST(PolicyV4, ItsMeasurementCrossesAHotSwapThroughV3AndBack) {
 TEST(PolicyV4, RefusesADamagedSectionOfItsOwnAndKeepsItsState) {
   Driver v4(measured_config(kOneNf4), kUnits);
   send(v4.engine(), -1, measured_with({{5, {0.01, 0.001, 0.012}}}));
+  initial(v4.engine());
   std::vector<std::uint8_t> blob = v4.engine().export_state();
   Driver target(measured_config(kOneNf4), kUnits);
   const std::vector<std::uint8_t> before = target.engine().export_state();
-  // The last value of the blob's last section (v4's) is unit 7's NF4 upper bound: make it -1,
-  // below its mean, and seal the blob again.
+  // The last value of the blob's last section (v4's) is unit 7's NF4 upper bound in the adopted
+  // measurement: make it -1, below its mean, and seal the blob again.
   store_f64(blob, blob.size() - 4 - 8, -1.0);
   reseal(blob);
   try {

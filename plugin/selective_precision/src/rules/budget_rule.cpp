@@ -1,54 +1,33 @@
 // Mode budget (policy v3): the host's signal table predicts each unit's loss cost at each tier
 // (loss_cost.<tier>, a Taylor estimate); the rule smooths it over tables and solves the budget
-// with a switch margin in units of the loss (docs/policy.md, "Policy v3"). A table with no
-// loss_cost column is not one it reads.
+// with a switch margin in units of the loss (docs/policy.md, "Policy v3"). The engine records the
+// tables (PolicyEngine::set_unit_signals), in every mode, as 3.x did.
 #include "budgeted_rule.h"
+
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace sp::policy {
 namespace {
 
+constexpr const char *kSwitchMargin = "switch_margin";
+
 class BudgetRule final : public BudgetedRule {
  public:
-  using BudgetedRule::BudgetedRule;
-
-  void take_signals(std::int64_t step, const SignalTable &table) override {
-    const PolicySettings &config = engine_.config();
-    BudgetState &budget = engine_.rule_state().budget;
-    std::array<std::int64_t, kTiers.size()> cost{}, first{}, second{};
-    bool predicts = false;
-    for (std::size_t t = 0; t < kTiers.size(); ++t) {
-      cost[t] = table.column(loss_cost_column(kTiers[t]));
-      first[t] = table.column(first_order_column(kTiers[t]));
-      second[t] = table.column(second_order_column(kTiers[t]));
-      predicts = predicts || cost[t] >= 0;
-    }
-    // A table without a loss_cost column (v4's measured costs) predicts nothing v3 reads.
-    if (!predicts) return;
-    for (std::uint32_t u = 0; u < engine_.n_blocks(); ++u) {
-      UnitSignals &unit = budget.units[u];
-      for (std::size_t t = 0; t < kTiers.size(); ++t) {
-        unit.cost[t] = smoothed(unit.cost[t], table.value(u, cost[t]), config.signal_smoothing);
-        if (first[t] >= 0) unit.first_order[t] = table.value(u, first[t]);
-        if (second[t] >= 0) unit.second_order[t] = table.value(u, second[t]);
-      }
-    }
-    ++budget.tables_received;
-    budget.last_table_samples = table.samples();
-    budget.last_signal_step = step;
-    budget.signals_pending = true;
-    if (std::isfinite(table.loss())) budget.table_loss = table.loss();
-  }
+  explicit BudgetRule(PolicyEngine &engine)
+      : BudgetedRule(engine),
+        // Weight of the previous average when a signal table arrives: cost = s*cost + (1-s)*new.
+        signal_smoothing_(rule_setting(engine.config(), Mode::budget, kSignalSmoothing)),
+        // Hysteresis: switch_margin x the reference loss is added to the cost of every tier other
+        // than a unit's current one.
+        switch_margin_(rule_setting(engine.config(), Mode::budget, kSwitchMargin)) {}
 
   void take_loss(double loss) override {
     BudgetState &budget = engine_.rule_state().budget;
-    budget.feedback_loss = smoothed(budget.feedback_loss, loss, engine_.config().signal_smoothing);
-  }
-
-  double unit_cost(std::uint32_t unit, sp_precision precision) const override {
-    return engine_.state().budget.units[unit].cost[precision];
+    budget.feedback_loss = smoothed(budget.feedback_loss, loss, signal_smoothing_);
   }
 
  protected:
@@ -63,7 +42,7 @@ class BudgetRule final : public BudgetedRule {
   // The prior's costs are fractions of a reference loss of 1.
   double switch_penalty(std::uint32_t /*unit*/, sp_precision /*tier*/) const override {
     const double reference = engine_.reference_loss();
-    return engine_.config().switch_margin * (has_costs() ? (reference > 0.0 ? reference : 0.0) : 1.0);
+    return switch_margin_ * (has_costs() ? (reference > 0.0 ? reference : 0.0) : 1.0);
   }
 
   bool costs_call_for_allocation(std::int64_t /*step*/, bool decision_step) const override {
@@ -73,11 +52,35 @@ class BudgetRule final : public BudgetedRule {
   AllocationSource costs_source() const override { return AllocationSource::signals; }
 
   void costs_taken() override { engine_.rule_state().budget.signals_pending = false; }
+
+  void describe_unit(std::uint32_t unit, nlohmann::ordered_json &detail) const override {
+    const UnitSignals &signals = engine_.state().budget.units[unit];
+    detail["predicted_cost"] = per_tier(signals.cost);
+    detail["first_order"] = per_tier(signals.first_order);
+    detail["second_order"] = per_tier(signals.second_order);
+  }
+
+ private:
+  // {"bf16": x, "int8": y, "nf4": z}, null where NaN.
+  static nlohmann::ordered_json per_tier(const TierValues &values) {
+    nlohmann::ordered_json out = nlohmann::ordered_json::object();
+    for (sp_precision tier : kTiers) {
+      out[precision_name(tier)] = std::isnan(values[tier]) ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(values[tier]);
+    }
+    return out;
+  }
+
+  double signal_smoothing_;
+  double switch_margin_;
 };
+
+constexpr RuleKey kKeys[] = {
+    {kSignalSmoothing, "a number in [0, 1)", 0.0, 1.0, 0.5, false, true},
+    {kSwitchMargin, "a finite number >= 0", 0.0, std::numeric_limits<double>::max(), 0.0005, false, false}};
 
 }  // namespace
 
-extern const RuleModule kBudgetRule{Mode::budget, "budget", 3, true, true, {},
+extern const RuleModule kBudgetRule{Mode::budget, "budget", 3, true, true, kKeys,
                                     [](PolicyEngine &engine) -> std::unique_ptr<DecisionRule> {
                                       return std::make_unique<BudgetRule>(engine);
                                     }};

@@ -41,8 +41,9 @@ bool BudgetedRule::decide(std::int64_t step, bool decision_step) {
     rules_moved_a_unit = rules_moved_a_unit || travels_as(block.assignment) != before;
   }
   const BudgetState &budget = state.budget;
-  const bool reallocate = budget.source == AllocationSource::none || replan_ || rules_moved_a_unit ||
-                          costs_call_for_allocation(step, decision_step);
+  const bool new_costs = costs_call_for_allocation(step, decision_step);
+  if (new_costs) adopt_new_costs();
+  const bool reallocate = budget.source == AllocationSource::none || replan_ || rules_moved_a_unit || new_costs;
   if (reallocate) {
     allocate(step);
   } else {

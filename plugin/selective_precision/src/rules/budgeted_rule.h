@@ -29,6 +29,8 @@ class BudgetedRule : public DecisionRule {
   virtual double switch_penalty(std::uint32_t unit, sp_precision tier) const = 0;
   // Whether new costs call for a new allocation at this step.
   virtual bool costs_call_for_allocation(std::int64_t step, bool decision_step) const = 0;
+  // They do: the rule takes them as the costs it allocates by, now and until the next new ones.
+  virtual void adopt_new_costs() {}
   // What an allocation from the rule's costs records as its source.
   virtual AllocationSource costs_source() const = 0;
   // The allocation took the costs: what called for it is answered.

@@ -6,7 +6,9 @@
 // tier only for a gain of more than switch_sigmas standard errors. Before any measurement the
 // structural prior (use_more_bits) decides, from the first step's routes on. A table is a
 // measurement of its own, not smoothed with the last: the host's interval already covers all its
-// batches. docs/policy.md, "Policy v4".
+// batches. A re-solve for another reason (new sizes, a standing rule moved a unit) uses the costs
+// of the last adopted measurement, so nothing measured after decide_until_step moves a unit.
+// docs/policy.md, "Policy v4".
 #include "budgeted_rule.h"
 #include "../byte_codec.h"
 
@@ -15,6 +17,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 namespace sp::policy {
 namespace {
@@ -31,8 +34,11 @@ struct Measured {
 };
 using MeasuredTiers = std::array<Measured, kTiers.size()>;
 
-constexpr std::size_t kFixedSize = 8 + 8 + 8 + 1;
-constexpr std::size_t kUnitSize = kTiers.size() * 3 * 8;
+constexpr std::size_t kFixedSize = 8 + 8 + 8 + 1 + 1;
+// Per unit: the last measurement, then the adopted one, each a mean, se and upper bound per tier.
+constexpr std::size_t kUnitSize = 2 * kTiers.size() * 3 * 8;
+// A cost, its spread or its bound beyond this magnitude is refused: the knapsack sums them.
+constexpr double kLargestValue = 1e12;
 
 class MeasuredRule final : public BudgetedRule {
  public:
@@ -40,7 +46,8 @@ class MeasuredRule final : public BudgetedRule {
       : BudgetedRule(engine),
         switch_sigmas_(rule_setting(engine.config(), Mode::measured, kSwitchSigmas)),
         decide_until_step_(static_cast<std::int64_t>(rule_setting(engine.config(), Mode::measured, kDecideUntilStep))),
-        units_(engine.n_blocks()) {
+        units_(engine.n_blocks()),
+        decided_(engine.n_blocks()) {
     for (std::size_t t = 0; t < kTiers.size(); ++t) {
       mean_columns_[t] = fmt::format("measured_cost.{}", precision_name(kTiers[t]));
       se_columns_[t] = fmt::format("measured_cost_se.{}", precision_name(kTiers[t]));
@@ -65,11 +72,12 @@ class MeasuredRule final : public BudgetedRule {
         Measured &m = units[u][t];
         m = Measured{table.value(u, mean[t]), table.value(u, se[t]), table.value(u, upper[t])};
         // An interval that does not hold its own mean, or a negative spread, is not a measurement.
-        if (!(std::isnan(m.mean) || std::isnan(m.upper) || m.upper >= m.mean) || m.se < 0.0) {
+        if (!plausible(m)) {
           throw InvalidArgument(fmt::format("set_unit_signals: unit {} has {} = {}, {} = {} and {} = {}; expected an "
-                                            "upper bound >= the mean and a standard error >= 0",
+                                            "upper bound >= the mean, a standard error >= 0, each of magnitude at "
+                                            "most {} (or NaN)",
                                             u, mean_columns_[t], m.mean, upper_columns_[t], m.upper, se_columns_[t],
-                                            m.se));
+                                            m.se, kLargestValue));
         }
       }
     }
@@ -82,8 +90,8 @@ class MeasuredRule final : public BudgetedRule {
 
   bool decides_initial_hints() const override { return true; }
 
-  double unit_cost(std::uint32_t unit, sp_precision precision) const override {
-    return tables_ > 0 ? units_[unit][precision].upper : ScoreParts::kNever;
+  std::optional<double> own_cost(std::uint32_t unit, sp_precision precision) const override {
+    return adopted_ ? decided_[unit][precision].upper : ScoreParts::kNever;
   }
   bool cost_is_loss() const override { return false; }
 
@@ -95,50 +103,60 @@ class MeasuredRule final : public BudgetedRule {
     out.i64(last_step_);
     out.u64(samples_);
     out.u8(pending_ ? 1 : 0);
-    for (const MeasuredTiers &unit : units_) {
-      for (const Measured &m : unit) {
-        out.f64(m.mean);
-        out.f64(m.se);
-        out.f64(m.upper);
+    out.u8(adopted_ ? 1 : 0);
+    for (const std::vector<MeasuredTiers> *units : {&units_, &decided_}) {
+      for (const MeasuredTiers &unit : *units) {
+        for (const Measured &m : unit) {
+          out.f64(m.mean);
+          out.f64(m.se);
+          out.f64(m.upper);
+        }
       }
     }
     return out.take();
   }
 
-  void import_section(const std::uint8_t *payload, std::size_t size) override {
+  void import_section(const std::vector<std::uint8_t> *payload) override {
     if (payload == nullptr) {
       units_.assign(units_.size(), MeasuredTiers{});
+      decided_.assign(decided_.size(), MeasuredTiers{});
       tables_ = 0;
       last_step_ = kNoStep;
       samples_ = 0;
       pending_ = false;
+      adopted_ = false;
       return;
     }
+    const std::size_t size = payload->size();
     if (size != kFixedSize + kUnitSize * units_.size()) {
       throw StateError(fmt::format("state blob: the measured-costs section is {} bytes, expected {} for {} units", size,
                                    kFixedSize + kUnitSize * units_.size(), units_.size()));
     }
-    Reader reader(payload, size);
+    Reader reader(payload->data(), size);
     const std::uint64_t tables = reader.u64("measured tables");
     const std::int64_t last_step = reader.i64("last measured step");
     const std::uint64_t samples = reader.u64("samples of the last measurement");
     const bool pending = reader.flag("measurement-pending flag");
-    if ((tables == 0) != (last_step == kNoStep) || (pending && tables == 0)) {
-      throw StateError(fmt::format("state blob: {} measured tables do not fit last step {} and pending {}", tables,
-                                   last_step, pending));
+    const bool adopted = reader.flag("measurement-adopted flag");
+    if ((tables == 0) != (last_step == kNoStep) || (tables == 0 && (pending || adopted)) ||
+        (tables > 0 && last_step < -1)) {
+      throw StateError(fmt::format("state blob: {} measured tables do not fit last step {}, pending {} and adopted {}",
+                                   tables, last_step, pending, adopted));
     }
     std::vector<MeasuredTiers> units(units_.size());
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      for (Measured &m : units[u]) {
-        m.mean = reader.f64("measured cost");
-        m.se = reader.f64("measured standard error");
-        m.upper = reader.f64("measured upper bound");
-        const bool finite_or_nan =
-            !std::isinf(m.mean) && !std::isinf(m.se) && !std::isinf(m.upper);
-        if (!finite_or_nan || m.se < 0.0 || (!std::isnan(m.mean) && !std::isnan(m.upper) && m.upper < m.mean)) {
-          throw StateError(fmt::format("state blob: unit {} has a measured cost {} with standard error {} and upper "
-                                       "bound {}; expected finite values or NaN, se >= 0 and upper >= mean",
-                                       u, m.mean, m.se, m.upper));
+    std::vector<MeasuredTiers> decided(units_.size());
+    for (std::vector<MeasuredTiers> *read : {&units, &decided}) {
+      for (std::size_t u = 0; u < read->size(); ++u) {
+        for (Measured &m : (*read)[u]) {
+          m.mean = reader.f64("measured cost");
+          m.se = reader.f64("measured standard error");
+          m.upper = reader.f64("measured upper bound");
+          if (!plausible(m)) {
+            throw StateError(fmt::format("state blob: unit {} has a measured cost {} with standard error {} and upper "
+                                         "bound {}; expected upper >= mean, se >= 0, each of magnitude at most {} "
+                                         "or NaN",
+                                         u, m.mean, m.se, m.upper, kLargestValue));
+          }
         }
       }
     }
@@ -146,7 +164,9 @@ class MeasuredRule final : public BudgetedRule {
     last_step_ = last_step;
     samples_ = samples;
     pending_ = pending;
+    adopted_ = adopted;
     units_ = std::move(units);
+    decided_ = std::move(decided);
   }
 
   void describe(nlohmann::ordered_json &record) const override {
@@ -155,6 +175,7 @@ class MeasuredRule final : public BudgetedRule {
         {"last_step", tables_ > 0 ? nlohmann::ordered_json(last_step_) : nullptr},
         {"samples", samples_},
         {"pending", pending_},
+        {"adopted", adopted_},
         {"switch_sigmas", switch_sigmas_},
         {"decide_until_step", decide_until_step_ >= 0 ? nlohmann::ordered_json(decide_until_step_) : nullptr},
     };
@@ -171,18 +192,18 @@ class MeasuredRule final : public BudgetedRule {
   }
 
  protected:
-  bool has_costs() const override { return tables_ > 0; }
+  bool has_costs() const override { return adopted_; }
 
   // BF16 is the reference the costs are measured against: it costs nothing.
   double cost(std::uint32_t unit, sp_precision tier) const override {
-    return tier == SP_PRECISION_BF16 ? 0.0 : units_[unit][tier].upper;
+    return tier == SP_PRECISION_BF16 ? 0.0 : decided_[unit][tier].upper;
   }
 
   // Hysteresis in standard errors, once the allocation is a measured one: the first measurement
   // replaces the prior freely.
   double switch_penalty(std::uint32_t unit, sp_precision tier) const override {
     if (engine_.state().budget.source != AllocationSource::measured) return 0.0;
-    const double se = units_[unit][tier].se;
+    const double se = decided_[unit][tier].se;
     return std::isnan(se) ? 0.0 : switch_sigmas_ * se;
   }
 
@@ -191,18 +212,31 @@ class MeasuredRule final : public BudgetedRule {
     return pending_ && (decide_until_step_ < 0 || step <= decide_until_step_);
   }
 
+  void adopt_new_costs() override {
+    decided_ = units_;
+    adopted_ = true;
+    pending_ = false;
+  }
   AllocationSource costs_source() const override { return AllocationSource::measured; }
-  void costs_taken() override { pending_ = false; }
+  void costs_taken() override {}
 
  private:
   static constexpr std::int64_t kNoStep = std::numeric_limits<std::int64_t>::min();
+
+  static bool plausible(const Measured &m) {
+    const auto bounded = [](double v) { return std::isnan(v) || std::fabs(v) <= kLargestValue; };
+    return bounded(m.mean) && bounded(m.se) && bounded(m.upper) && !(m.se < 0.0) &&
+           (std::isnan(m.mean) || std::isnan(m.upper) || m.upper >= m.mean);
+  }
 
   double switch_sigmas_;
   std::int64_t decide_until_step_;
   std::array<std::string, kTiers.size()> mean_columns_;
   std::array<std::string, kTiers.size()> se_columns_;
   std::array<std::string, kTiers.size()> upper_columns_;
-  std::vector<MeasuredTiers> units_;
+  std::vector<MeasuredTiers> units_;    // the last measurement
+  std::vector<MeasuredTiers> decided_;  // the one the allocation was made by
+  bool adopted_ = false;
   std::uint64_t tables_ = 0;
   std::int64_t last_step_ = kNoStep;
   std::uint64_t samples_ = 0;
@@ -211,8 +245,8 @@ class MeasuredRule final : public BudgetedRule {
 
 }  // namespace
 
-constexpr RuleKey kKeys[] = {{kSwitchSigmas, "a number in [0, 100]", 0.0, 100.0, 2.0, false},
-                             {kDecideUntilStep, "an integer >= -1 (-1: no last step)", -1.0, 9.0e15, -1.0, true}};
+constexpr RuleKey kKeys[] = {{kSwitchSigmas, "a number in [0, 100]", 0.0, 100.0, 2.0, false, false},
+                             {kDecideUntilStep, "an integer >= -1 (-1: no last step)", -1.0, 9.0e15, -1.0, true, false}};
 
 extern const RuleModule kMeasuredRule{
     Mode::measured, "measured", 4, true, false, kKeys,

@@ -18,6 +18,10 @@ namespace sp::policy {
 inline constexpr std::array<sp_precision, 3> kTiers = {SP_PRECISION_BF16, SP_PRECISION_INT8, SP_PRECISION_NF4};
 using PerTier = std::array<double, kTiers.size()>;
 
+// v3's key: the weight of the previous average when a signal table arrives (cost = s*cost +
+// (1-s)*new), read by the engine, which records every table, and by the budget rule.
+inline constexpr const char *kSignalSmoothing = "signal_smoothing";
+
 // The signal table's column names that v3 reads (loss_cost) and records (the two terms).
 const char *loss_cost_column(sp_precision tier);
 const char *first_order_column(sp_precision tier);

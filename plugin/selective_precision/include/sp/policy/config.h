@@ -1,7 +1,7 @@
 // Configuration of the Selective Precision policy: v1's keys (the seed's table with the
 // seed's defaults, plus `nonfinite_to_bf16`), v2's (tiers, NF4, loss guard), v3's (mode
-// budget, its budget, signal smoothing, switch margin), and the keys each rule module registers
-// for itself (decision_rule.h; v4's mode measured). Parsed from YAML text and validated
+// budget and its budget), and the keys each rule module registers for itself (decision_rule.h:
+// v3's signal_smoothing and switch_margin, v4's switch_sigmas and decide_until_step). Parsed from YAML text and validated
 // completely; see docs/policy.md for every key and its range.
 //
 // SP_POLICY_EDITION selects what the build is: 4 (default) is policy v4; 3 would be 3.x; 2
@@ -89,11 +89,6 @@ struct PolicySettings {
     // loss increase allowed, as a fraction of the current loss, finite and > 0.
     double limit = std::numeric_limits<double>::quiet_NaN();
   } budget;
-  // Weight of the previous average when a signal table arrives: cost = s*cost + (1-s)*new.
-  double signal_smoothing = 0.5;
-  // Hysteresis: switch_margin x the reference loss is added to the cost of every tier other
-  // than a unit's current one.
-  double switch_margin = 0.0005;
 
   // The keys a rule module registered (decision_rule.h's RuleKey) that the config gave, by name;
   // read them with rule_setting(), which supplies the module's default.

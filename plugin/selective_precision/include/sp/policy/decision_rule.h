@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <array>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -56,8 +57,11 @@ class DecisionRule {
   virtual bool decides_initial_hints() const { return false; }
   // end_step's finite training loss.
   virtual void take_loss(double /*loss*/) {}
-  // The rule's cost of `unit` at `precision` (get_unit_costs); NaN where it has none.
-  virtual double unit_cost(std::uint32_t unit, sp_precision precision) const;
+  // The cost of `unit` at `precision` that get_unit_costs reports, where the rule decides by costs
+  // of its own; nullopt: the engine's record of v3's predicted costs (every mode records them).
+  virtual std::optional<double> own_cost(std::uint32_t /*unit*/, sp_precision /*precision*/) const {
+    return std::nullopt;
+  }
   // Whether the planned cost is in units of the training loss (a budget status then gives it as
   // a fraction of the reference loss).
   virtual bool cost_is_loss() const { return true; }
@@ -69,14 +73,16 @@ class DecisionRule {
   // The payload of its section; an empty payload writes no section.
   virtual std::vector<std::uint8_t> export_section() const { return {}; }
   // Validates the whole payload before it changes anything; throws StateError naming the field.
-  virtual void import_section(const std::uint8_t * /*payload*/, std::size_t /*size*/) {}
+  // Null when the blob has no section of this rule (another mode's): the rule starts afresh.
+  virtual void import_section(const std::vector<std::uint8_t> * /*payload*/) {}
   // Adds the rule's fields to a telemetry record, and to the record's block `unit`.
   virtual void describe(nlohmann::ordered_json & /*record*/) const {}
   virtual void describe_unit(std::uint32_t /*unit*/, nlohmann::ordered_json & /*detail*/) const {}
 };
 
 // A number only one rule reads: its key, range and default. The config parser reads it wherever
-// the rule's module is part of the edition, and rejects a value outside [low, high].
+// the rule's module is part of the edition, and rejects a value outside [low, high] (or
+// [low, high) when high_excluded).
 struct RuleKey {
   const char *name;
   const char *expected;  // e.g. "a finite number >= 0"
@@ -84,6 +90,7 @@ struct RuleKey {
   double high;
   double fallback;  // the default
   bool integer;
+  bool high_excluded;
 };
 
 // Every field is a constant, so that a module is constant-initialized and nothing of it is

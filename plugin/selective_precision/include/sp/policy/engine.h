@@ -92,6 +92,7 @@ class PolicyEngine {
  private:
   void require_phase(const char *hook, std::int64_t step, std::initializer_list<StepPhase> allowed) const;
   BudgetRecord budget_record() const;
+  void record_predicted_costs(std::int64_t step, const SignalTable &table);
   bool guard_active() const;
   sp_precision nearest_tier_up(sp_precision precision) const;
   void judge_loss(std::int64_t step, double loss);
