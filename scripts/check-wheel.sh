@@ -20,10 +20,12 @@ wheel=$(ls "$root"/build/wheel/selective_precision-*manylinux*.whl 2>/dev/null |
 
 site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
 "$python" -m auditwheel show --json "$wheel" >build/wheel/auditwheel-show.json
-"$python" - "$wheel" "$site" build/wheel/auditwheel-show.json <<'PY'
+source scripts/torch-libraries.sh
+torch_library_names "$site" >build/wheel/torch-libraries.txt
+"$python" - "$wheel" build/wheel/torch-libraries.txt build/wheel/auditwheel-show.json <<'PY'
 import glob, json, os, re, sys
-wheel, site, report = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
-torchs = {os.path.basename(p) for d in [site + "/torch/lib"] + glob.glob(site + "/nvidia/*/lib") for p in glob.glob(d + "/*.so*")}
+wheel, report = sys.argv[1], json.load(open(sys.argv[3]))
+torchs = set(open(sys.argv[2]).read().split())
 foreign = sorted(set(report["external_libs"]) - torchs)
 # The tag its symbol versions admit; the overall one is linux_x86_64 only because torch's
 # libraries are outside any policy, and those are left to the user's torch on purpose.

@@ -39,15 +39,11 @@ CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc 2>/dev/null || 
 
 # Every library torch's wheel and the NVIDIA wheels hold, by file name (their sonames), left
 # to the user's torch; auditwheel finds them there to read what they need in turn.
+source scripts/torch-libraries.sh
 site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
-torch_libs=("$site"/torch/lib "$site"/nvidia/*/lib)
 excluded=()
-for dir in "${torch_libs[@]}"; do
-  for lib in "$dir"/*.so*; do
-    [[ -f $lib ]] && excluded+=(--exclude "$(basename "$lib")")
-  done
-done
-library_path=$(IFS=:; echo "${torch_libs[*]}")
+while read -r lib; do excluded+=(--exclude "$lib"); done < <(torch_library_names "$site")
+library_path=$(torch_library_dirs "$site" | paste -sd:)
 PATH="$PWD/.venv/bin:$PATH" AUDITWHEEL_LD_LIBRARY_PATH=$library_path "$python" -m auditwheel repair --plat auto "${excluded[@]}" \
   -w "$wheels" "$wheels"/built/*.whl 2>&1 | grep -E -v '^INFO:auditwheel\.(lddtree|wheel_abi|main_repair):' || true
 wheel=$(ls "$wheels"/selective_precision-*manylinux*.whl)

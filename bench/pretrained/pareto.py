@@ -164,15 +164,15 @@ def plot(results, png):
     for ax, r in zip(axes[0], results):
         for row in r["allocations"]:
             kl = row["kl"]
-            v3 = row["allocation"].startswith("v3")
+            policy = row["allocation"].startswith("v")  # a policy's allocation (v3, v4), not a static rule
             ax.errorbar(100 * row["bytes_saved"], kl["mean"], yerr=[[kl["mean"] - kl["low"]], [kl["high"] - kl["mean"]]],
-                        fmt="o" if v3 else "s", color="tab:red" if v3 else "tab:blue", capsize=3)
+                        fmt="o" if policy else "s", color="tab:red" if policy else "tab:blue", capsize=3)
             ax.annotate(row["allocation"], (100 * row["bytes_saved"], kl["mean"]), fontsize=7,
                         xytext=(4, 4), textcoords="offset points")
         ax.set_yscale("log")
         ax.set_xlabel("bytes saved against all-BF16 (%)")
-        ax.set_ylabel("KL from BF16 per query (95% CI)")
-        ax.set_title("%s: %d test queries" % (r["task"], r["pairs"]))
+        ax.set_ylabel("KL from BF16 per example (95% CI)")
+        ax.set_title("%s: %d test examples" % (r["task"], r["pairs"]))
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 

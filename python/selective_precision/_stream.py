@@ -702,7 +702,8 @@ class StreamedLayers(torch.nn.ModuleList):
     def policy_report(self) -> "PolicyReport":
         """Where each unit stands (a streamed block, "3", or with units= a part of one, "3.mlp"):
         one dict per unit with `unit`, `route` (its next fetch's format), `bytes` and
-        `predicted_cost` per tier (the plugin's smoothed loss cost, None where unmeasured), as a
+        `predicted_cost` per tier (the cost the plugin decides with: v3's smoothed predicted loss
+        cost, v4's measured upper bound; None where there is none), as a
         list whose `budget` says the budget, the allocation's fraction of all-BF16's bytes and
         predicted loss, and whether it is met (None without a budget)."""
         layer = self._layer()
