@@ -8,11 +8,15 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import itertools
+import logging
+import math
 import numbers
 import re
 import time
 
 import torch
+
+_log = logging.getLogger("selective_precision")
 
 _FORMATS = ("bf16", "int8", "nf4")
 
@@ -230,7 +234,8 @@ class UnitCosts:
             for column, value in (("measured_cost", lambda i: i.mean), ("measured_cost_se", lambda i: i.std_error),
                                   ("measured_cost_upper", lambda i: i.high)):
                 names.append("%s.%s" % (column, f))
-                columns.append([float(value(i)) for i in self.costs[f]])
+                # An interval of one draw is unbounded: not a measurement the policy can weigh (NaN).
+                columns.append([float(v) if math.isfinite(v) else math.nan for v in map(value, self.costs[f])])
         return names, [row[u] for u in range(len(self.units)) for row in columns], int(self.examples)
 
     @property
@@ -439,4 +444,16 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
                                                                   else batch_differences[0]),
                      stopped_because=stopped, confidence=float(confidence), h2d_bytes=h2d_bytes,
                      all_bf16_fetches=h2d_bytes / all_bf16, seconds=time.perf_counter() - started)
-    return dataclasses.replace(result, sent_to_policy=layer.model.set_unit_signals(*result.signal_table()))
+    return dataclasses.replace(result, sent_to_policy=_send_to_policy(layer, result))
+
+
+def _send_to_policy(layer, costs):
+    """Gives the policy calibrate's costs; whether it took them. The selective_precision plugin
+    reads them from 4.0.0 on (mode measured); one before 4.0.0 counted any table as its own
+    signals and, in mode budget, would have sent every unit to BF16, so it is not given them."""
+    version = layer.model.plugin_version()
+    major = version.split(".", 1)[0]
+    if major.isdigit() and int(major) < 4:
+        _log.info("selective_precision: calibrate(): plugin %s predates policy v4; the costs are not sent", version)
+        return False
+    return layer.model.set_unit_signals(*costs.signal_table())

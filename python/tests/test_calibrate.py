@@ -237,3 +237,36 @@ def test_other_policies_take_the_costs_and_decide_as_before():
     model.eval()
     costs = model.layers.calibrate(per_example(model), [torch.randn(8, 8) for _ in range(2)], rho=None)
     assert costs.sent_to_policy and model.layers.routes() == ["bf16"] * 3
+
+
+def test_a_plugin_before_policy_v4_is_not_given_the_costs():
+    """selective_precision 3.x counted any table as its own signals: in mode budget the measured
+    costs would have sent every unit to BF16."""
+    from selective_precision import _measure
+
+    model = streamed_model()
+    model.eval()
+    costs = model.layers.calibrate(per_example(model), [torch.randn(8, 8) for _ in range(2)], rho=None)
+
+    class Plugin:
+        def __init__(self, version):
+            self.version, self.tables = version, []
+
+        def plugin_version(self):
+            return self.version
+
+        def set_unit_signals(self, names, values, samples):
+            self.tables.append((names, values, samples))
+            return True
+
+    class Layer:
+        def __init__(self, version):
+            self.model = Plugin(version)
+
+    old, new = Layer("3.1.0"), Layer("4.0.0")
+    assert not _measure._send_to_policy(old, costs) and old.model.tables == []
+    assert _measure._send_to_policy(new, costs)
+    (names, values, samples), = new.model.tables
+    assert names[:3] == ["measured_cost.int8", "measured_cost_se.int8", "measured_cost_upper.int8"]
+    assert len(values) == 3 * len(names) and samples == costs.examples
+    assert values[2] == costs.upper["int8"][0] and values[len(names) + 5] == costs.upper["nf4"][1]

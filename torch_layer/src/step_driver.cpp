@@ -5,6 +5,8 @@
 #include "sp/adapters/transfer_policy.h"
 #include "sp/kernels/taylor.h"
 
+#include <cstring>
+
 namespace sp::torch_layer {
 
 void StreamedModel::Impl::end_plugin_step_as_failed() {
@@ -433,14 +435,16 @@ const sp::host::UnitSignalTable& StreamedModel::unit_signals() const { return im
 bool StreamedModel::set_unit_signals(const sp::host::UnitSignalTable& table) {
   Impl& m = *impl_;
   if (m.in_step()) throw std::logic_error("StreamedModel::set_unit_signals: call it between steps");
+  if (m.collectives) {
+    // Every rank's plugin must decide from the same table, so the ranks compare it, bit for bit,
+    // before any of them sends it.
+    std::vector<std::int32_t> bits(2 * table.values.size() + 1, static_cast<std::int32_t>(table.names.size()));
+    std::memcpy(bits.data() + 1, table.values.data(), table.values.size() * sizeof(double));
+    m.check_ranks_agree(bits, "the signal table given to set_unit_signals");
+  }
   if (!m.policy->set_unit_signals(m.last_step ? *m.last_step : -1, table)) return false;
   m.unit_signals = table;
   if (!m.last_step && m.policy->take_initial_hints()) {
-    if (m.collectives) {
-      std::vector<std::int32_t> precisions;
-      for (const sp::host::UnitHint& h : m.policy->hints()) precisions.push_back(to_abi(h.precision));
-      m.check_ranks_agree(precisions, "the plugin's hints from the measured table");
-    }
     m.route_by_hints();
     m.share_images(/*all=*/false);
   }
