@@ -637,6 +637,43 @@ TEST(PolicyV3, APolicyWithoutABudgetGetsNoSignalTable) {
   EXPECT_EQ(budget->kind, SP_BUDGET_NONE);
 }
 
+// Policy v4 takes a table measured outside any step (calibrate()'s): before the first step it
+// routes the first fetch; a table the plugin refuses changes nothing; inside a step it is refused.
+TEST(PolicyV4, AMeasuredTableBeforeTheFirstStepRoutesTheFirstFetch) {
+  auto model = wrap(make_blocks(47), "  mode: measured\n  budget: {bytes: 0.9}\n  tiers: [bf16, nf4]\n");
+  const auto nf4_blocks = [&] {
+    std::vector<std::size_t> out;
+    for (std::size_t b = 0; b < static_cast<std::size_t>(kBlocks); ++b) {
+      if (model->routes()[b] == sp::Precision::nf4) out.push_back(b);
+    }
+    return out;
+  };
+  ASSERT_EQ(nf4_blocks().size(), 1u) << "the prior meets the budget from the first fetch";
+  EXPECT_NE(nf4_blocks()[0], 2u) << "use_more_bits keeps the last unit wider";
+  sp::host::UnitSignalTable table;
+  table.names = {"measured_cost.nf4", "measured_cost_se.nf4", "measured_cost_upper.nf4"};
+  table.values = {0.3, 0.01, 0.32, 0.1, 0.01, 0.12, 0.5, 0.01, 0.52};  // block 1 costs least
+  table.samples = 64;
+  ASSERT_TRUE(model->set_unit_signals(table));
+  EXPECT_EQ(nf4_blocks(), std::vector<std::size_t>{1});
+  EXPECT_EQ(model->unit_signals().names, table.names);
+  const std::optional<std::vector<double>> costs = model->unit_costs(sp::Precision::nf4);
+  ASSERT_TRUE(costs.has_value());
+  EXPECT_DOUBLE_EQ(costs->at(1), 0.12);
+
+  sp::host::UnitSignalTable broken = table;
+  broken.values[5] = 0.05;  // block 1's upper bound below its mean
+  EXPECT_FALSE(model->set_unit_signals(broken));
+  EXPECT_EQ(nf4_blocks(), std::vector<std::size_t>{1});
+
+  model->begin_step(0);
+  EXPECT_THROW(model->set_unit_signals(table), std::logic_error);
+  model->forward(input(48)).pow(2).mean().backward();
+  model->post_backward();
+  model->end_step(1.0);
+  EXPECT_EQ(nf4_blocks(), std::vector<std::size_t>{1}) << "the step kept the measured routes";
+}
+
 // AdamW moments for every master of a model, by block and parameter name.
 struct Moments {
   std::vector<std::map<std::string, torch::Tensor>> exp_avg, exp_avg_sq;
