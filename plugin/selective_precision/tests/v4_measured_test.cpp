@@ -9,8 +9,12 @@
 #include "sp/policy/errors.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <array>
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -205,6 +209,39 @@ TEST(PolicyV4, RefusesADamagedSectionOfItsOwnAndKeepsItsState) {
     EXPECT_NE(std::string(error.what()).find("unit 7 has a measured cost"), std::string::npos) << error.what();
   }
   EXPECT_EQ(target.engine().export_state(), before);
+}
+
+TEST(PolicyV4, TelemetryStatesTheMeasurementItDecidedBy) {
+  const std::filesystem::path dir =
+      std::filesystem::path(::testing::TempDir()) / ("sp_policy_v4_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  {
+    Driver driver(standalone("  mode: measured\n  budget: " + std::string(kOneNf4) +
+                             "\n  tiers: [bf16, nf4]\n  warmup_steps: 0\n  log_decisions: false\n"
+                             "  telemetry_file: v4.jsonl\n"),
+                  kUnits, nullptr, dir.string());
+    send(driver.engine(), -1, measured_with({{5, {0.01, 0.001, 0.012}}}));
+    initial(driver.engine());
+    const Signals later = measured_with({{5, {0.01, 0.001, 0.012}}, {2, {0.02, 0.001, 0.03}}});
+    step_with(driver, 0, &later);
+  }
+  std::ifstream in(dir / "v4.jsonl");
+  std::string line;
+  ASSERT_TRUE(std::getline(in, line));
+  const nlohmann::json record = nlohmann::json::parse(line);
+  EXPECT_EQ(record["mode"], "measured");
+  EXPECT_EQ(record["budget"]["source"], "measured");
+  EXPECT_NEAR(record["budget"]["planned_cost"].get<double>(), 0.012, 1e-12);
+  EXPECT_EQ(record["measured"]["tables"], 2);
+  EXPECT_EQ(record["measured"]["last_step"], 0);
+  EXPECT_EQ(record["measured"]["adopted"], true);
+  EXPECT_EQ(record["measured"]["switch_sigmas"], 2.0);
+  EXPECT_TRUE(record["measured"]["decide_until_step"].is_null());
+  EXPECT_EQ(record["block_details"]["5"]["precision"], "nf4");
+  EXPECT_EQ(record["block_details"]["2"]["measured_cost"]["nf4"]["upper"], 0.03);
+  EXPECT_TRUE(record["block_details"]["2"]["measured_cost"]["int8"]["mean"].is_null());
+  EXPECT_FALSE(record["block_details"]["2"].contains("predicted_cost")) << "v3's fields are v3's";
+  std::filesystem::remove_all(dir);
 }
 
 TEST(PolicyV4Config, NamesTheKeyAndWhatWasExpected) {
