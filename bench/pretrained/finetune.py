@@ -84,7 +84,11 @@ EXTRA_POLICIES = ("oracle-sublayer",)
 # plot's other v3 points).
 V3_POLICIES = ("v3-sublayer", "v3-frozen-sublayer", "first-last-int8", "more-bits", "v3-sublayer-save50",
                "v3-sublayer-save60")
-V3_BUDGET = 0.45  # 55% fewer bytes than all-BF16
+V3_BUDGET = 0.45  # 55% fewer bytes than all-BF16 (v4 too)
+# Policy v4 (issue 50): the plugin allocates by calibrate()'s measured costs. The measurement is
+# made at the pretrained weights, forward only, dropout off: the same for every seed, so a run
+# takes it from --measured-costs (bench/pretrained/gate.py's JSON of the task) or measures it.
+V4_POLICIES = ("v4-sublayer",)
 V3_BUDGETS = {"v3-sublayer-save50": 0.50, "v3-sublayer-save60": 0.40}
 CALIBRATION_PAIRS = 64  # tune-split pairs of the calibration step: one pass, so the blocks cross once
 MODES = ("lora", "full")
@@ -268,6 +272,10 @@ def policy_config(policy, n_blocks, thresholds):
         timings = {**SHORT_RUN, "warmup_steps": 10**6} if policy.startswith("v3-frozen") else SHORT_RUN
         del section["budget"]  # given as stream(budget=...)
         return {**section, **{k: v for k, v in timings.items() if k != "history_window"}, **quiet}, "sublayer"
+    if policy in V4_POLICIES:
+        section = yaml.safe_load((ROOT / "configs/policy/v4.yaml").read_text())["selective_precision"]
+        del section["budget"]  # given as stream(budget=...)
+        return {**section, **quiet}, "sublayer"
     if policy.startswith("dynamic-v2"):
         section = yaml.safe_load((ROOT / "configs/policy/dynamic_v2.yaml").read_text())["selective_precision"]
         return ({**section, **SHORT_RUN, **(thresholds or {}), **quiet},
@@ -354,7 +362,8 @@ def mnrl(queries, documents):
 # ---- one run --------------------------------------------------------------------------------
 
 
-def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=BATCH, pool=POOL):
+def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=BATCH, pool=POOL,
+        measured_costs=None):
     if policy in LORA_ONLY and mode != "lora":
         raise SystemExit("%s runs in LoRA mode only (docs/results.md)" % policy)
     started = time.perf_counter()
@@ -389,7 +398,8 @@ def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=B
     if config.get("mode") == "dynamic":
         calibration, calibrated_state = calibrated_policy_state(
             model, modules, tokenizer, splits["tune"], config, streamed_names, moments, workdir)
-    budget = sp.Budget(bytes=V3_BUDGETS.get(policy, V3_BUDGET)) if config.get("mode") == "budget" else None
+    budgeted = config.get("mode") in ("budget", "measured")
+    budget = sp.Budget(bytes=V3_BUDGETS.get(policy, V3_BUDGET)) if budgeted else None
     streamed = sp.stream(modules, config=config, streamed=streamed_names, moments_from=moments, output_dir=workdir,
                          budget=budget)
     if calibrated_state is not None:
@@ -398,7 +408,9 @@ def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=B
         model.encoder.layer = streamed
     n_units = len(streamed)
 
-    if budget is not None:
+    if config.get("mode") == "measured":
+        calibration = measured_calibration(model, streamed, tokenizer, splits["tune"], measured_costs)
+    elif budget is not None:
         calibration = calibration_step(model, streamed, tokenizer, splits["tune"])
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR[mode], weight_decay=0.01)
@@ -493,6 +505,41 @@ def calibration_step(model, streamed, tokenizer, tune):
             "h2d_bytes": step.h2d_bytes, "h2d_bytes_all_bf16": step.h2d_bytes_all_bf16,
             "routes": streamed.routes(), "budget": report.budget,
             "predicted_cost": [u["predicted_cost"] for u in report]}
+
+
+def measured_calibration(model, streamed, tokenizer, tune, measured_costs):
+    """Policy v4's measurement: calibrate()'s unit costs (KL per query against all-BF16, batches of
+    32 tune pairs, dropout off), read from `measured_costs` (gate.py's JSON of this task, made
+    with the same data and arithmetic) or measured here, given to the plugin, which allocates
+    before step 0. Its fetches count against the run; all-BF16 makes no such measurement, so
+    they add nothing to the all-BF16 bytes."""
+    import pareto  # noqa: E402 (pareto imports this module)
+
+    started = time.perf_counter()
+    if measured_costs is not None:
+        saved = json.loads(Path(measured_costs).read_text())["calibration"]
+        interval = lambda d: sp.Interval(d["mean"], d["low"], d["high"], d["std_error"], d["n"])  # noqa: E731
+        costs = sp.UnitCosts(
+            units=list(streamed._layer().layout.unit_names), formats=list(saved["costs"]), yardstick="kl",
+            paired_over="examples", costs={f: [interval(i) for i in c] for f, c in saved["costs"].items()},
+            loss_differences={}, split_half_rho=saved["split_half_rho"], batch_costs={}, batches=saved["batches"],
+            examples=saved["examples"], stopped_because=saved["stopped_because"], confidence=0.95,
+            h2d_bytes=saved["h2d_bytes"], all_bf16_fetches=saved["all_bf16_fetches"], seconds=saved["seconds"])
+        if not streamed._layer().model.set_unit_signals(*costs.signal_table()):
+            raise SystemExit("policy v4 refused the measured costs of %s (see the log)" % measured_costs)
+    else:
+        model.eval()
+        costs = streamed.calibrate(pareto.closure_for(model, tokenizer), pareto.batched(tune))
+        model.train()
+        if not costs.sent_to_policy:
+            raise SystemExit("policy v4 did not take calibrate()'s costs (see the log)")
+    report = streamed.policy_report()
+    return {"from": str(measured_costs) if measured_costs else "calibrate()", "batches": costs.batches,
+            "examples": costs.examples, "stopped_because": costs.stopped_because,
+            "measurement_seconds": costs.seconds, "seconds": time.perf_counter() - started,
+            "h2d_bytes": costs.h2d_bytes, "h2d_bytes_all_bf16": 0, "all_bf16_fetches": costs.all_bf16_fetches,
+            "routes": streamed.routes(), "budget": report.budget,
+            "measured_upper": [u["predicted_cost"] for u in report]}
 
 
 def calibrated_policy_state(model, modules, tokenizer, tune, config, names, moments, workdir):
@@ -609,6 +656,8 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--compute", choices=("bf16", "fp32"), default="bf16",
                         help="bf16 autocast (issue 31's runs) or fp32 (CPUs without AVX-512 BF16)")
+    parser.add_argument("--measured-costs", help="v4: gate.py's JSON of this task, whose calibration the run "
+                                                   "takes instead of measuring it")
     parser.add_argument("--out", help="the JSON of one run")
     parser.add_argument("--out-dir", help="one JSON per run, MODE-POLICY-seedSEED.json; runs whose JSON exists are "
                                           "skipped (each is written whole, by rename)")
@@ -632,7 +681,7 @@ def main():
     modes = args.mode.split(",")
     seeds = [int(x) for x in args.seed.split(",")]
     for name in policies:
-        if name not in POLICIES + EXTRA_POLICIES + V3_POLICIES:
+        if name not in POLICIES + EXTRA_POLICIES + V3_POLICIES + V4_POLICIES:
             parser.error("unknown policy %s" % name)
     for name in modes:
         if name not in MODES:
@@ -657,11 +706,27 @@ def one(args, policy, mode, seed, out):
         tuned_from = {"file": args.thresholds, "rule": "tune_v2 in finetune.py: the grid value that saves the most "
                       "bytes within 1%% loss / 1 point recall@1 of BF16-only on the tune split (seed %d)" % TUNE_SEED,
                       "grid": tuned["grid"]}
-    result = run(policy, mode, seed, args.split, thresholds, args.pairs_cache, steps=args.steps, pool=args.pool)
+    if policy in V4_POLICIES and args.measured_costs:
+        # The measurement must be of this run's data and arithmetic: gate.py measured its task's
+        # cached pairs in fp32.
+        import signals  # noqa: E402
+
+        gate = json.loads(Path(args.measured_costs).read_text())
+        cache = signals.TASKS.get(gate.get("task"), {}).get("cache")
+        if cache is None or not args.pairs_cache or Path(args.pairs_cache).resolve() != (ROOT / cache).resolve():
+            raise SystemExit("--measured-costs %s measured %s (pairs %s), but this run's --pairs-cache is %s" % (
+                args.measured_costs, gate.get("task"), cache, args.pairs_cache))
+        if gate.get("compute") != args.compute:
+            raise SystemExit("--measured-costs %s was measured in %s compute; give --compute %s" % (
+                args.measured_costs, gate.get("compute"), gate.get("compute")))
+    result = run(policy, mode, seed, args.split, thresholds, args.pairs_cache, steps=args.steps, pool=args.pool,
+                 measured_costs=args.measured_costs if policy in V4_POLICIES else None)
     splits = cached_pairs(args.pairs_cache)
     command = ["bench/pretrained/finetune.py", "--policy", policy, "--mode", mode, "--seed", str(seed),
                "--split", args.split]
-    for flag, value in (("--thresholds", args.thresholds), ("--pairs-cache", args.pairs_cache)):
+    measured = args.measured_costs if policy in V4_POLICIES else None
+    for flag, value in (("--thresholds", args.thresholds), ("--pairs-cache", args.pairs_cache),
+                        ("--measured-costs", measured)):
         if value:
             command += [flag, value]
     if args.steps != STEPS or args.pool != POOL:
