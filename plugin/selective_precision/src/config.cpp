@@ -581,11 +581,12 @@ ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blo
 
   const PolicySettings &config = parsed.config;
   const RuleModule &rule = rule_module(config.mode);
-  for (const auto &[key, number] : config.rule_settings) {
+  for (const auto &setting : config.rule_settings) {
+    const std::string &key = setting.first;
     const bool read = std::any_of(rule.keys.begin(), rule.keys.end(), [&](const RuleKey &k) { return key == k.name; });
     if (!read) {
       parsed.warnings.push_back(fmt::format("{}: mode {} does not read this key, so its value {} is ignored",
-                                            reader.path(key), rule.name, number));
+                                            reader.path(key), rule.name, setting.second));
     }
   }
   if (config.effective_mode() == Mode::off &&

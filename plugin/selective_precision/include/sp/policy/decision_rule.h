@@ -20,7 +20,6 @@
 #include <array>
 #include <memory>
 #include <optional>
-#include <span>
 #include <vector>
 
 namespace sp::policy {
@@ -93,6 +92,20 @@ struct RuleKey {
   bool high_excluded;
 };
 
+// A module's keys: a view of its constant array (the core builds as C++17, which has no std::span).
+class RuleKeys {
+ public:
+  constexpr RuleKeys() = default;
+  template <std::size_t N>
+  constexpr RuleKeys(const RuleKey (&keys)[N]) : begin_(keys), size_(N) {}  // NOLINT: implicit, as a span's
+  constexpr const RuleKey *begin() const { return begin_; }
+  constexpr const RuleKey *end() const { return begin_ + size_; }
+
+ private:
+  const RuleKey *begin_ = nullptr;
+  std::size_t size_ = 0;
+};
+
 // Every field is a constant, so that a module is constant-initialized and nothing of it is
 // registered for destruction: the plugin is dlclose()d at every hot swap, and an exit handler per
 // load would grow the host's heap.
@@ -103,7 +116,7 @@ struct RuleModule {
   // The budgets it takes; a rule with neither refuses `budget:`.
   bool takes_bytes_budget;
   bool takes_loss_budget;
-  std::span<const RuleKey> keys;
+  RuleKeys keys;
   std::unique_ptr<DecisionRule> (*create)(PolicyEngine &engine);
 };
 
