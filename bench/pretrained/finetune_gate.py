@@ -47,7 +47,8 @@ def interval(values, confidence=CONFIDENCE, one_sided=False):
     se = sd / math.sqrt(n)
     q = stats.t.ppf(confidence if one_sided else 0.5 + confidence / 2, n - 1) if n > 1 else math.nan
     p = 2 * stats.t.sf(abs(mean / se), n - 1) if n > 1 and se > 0 else (0.0 if mean != 0 else 1.0)
-    return {"mean": mean, "low": mean - q * se, "high": mean + q * se, "std_error": se, "n": n, "p_two_sided": p}
+    return {"mean": float(mean), "low": float(mean - q * se), "high": float(mean + q * se), "std_error": float(se), "n": n,
+            "p_two_sided": float(p)}
 
 
 def holm(p_values):
@@ -87,7 +88,7 @@ def main():
                                for s in seeds) / len(seeds)
         row = {
             "seeds": seeds,
-            "v4_vs_bf16": versus_bf16, "v4_vs_bf16_passes": versus_bf16["high"] <= UPPER_VS_BF16,
+            "v4_vs_bf16": versus_bf16, "v4_vs_bf16_passes": bool(versus_bf16["high"] <= UPPER_VS_BF16),
             "v4_vs_rules": [{
                 "rule": r, **c, "p_holm": a, "rule_saved": saved[r],
                 "verdict": ("better" if a < 1 - CONFIDENCE and c["high"] < 0 else
