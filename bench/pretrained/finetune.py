@@ -518,10 +518,9 @@ def measured_calibration(model, streamed, tokenizer, tune, measured_costs):
     started = time.perf_counter()
     if measured_costs is not None:
         saved = json.loads(Path(measured_costs).read_text())["calibration"]
-        interval = lambda d: sp.Interval(d["mean"], d["low"], d["high"], d["std_error"], d["n"])  # noqa: E731
         costs = sp.UnitCosts(
             units=list(streamed._layer().layout.unit_names), formats=list(saved["costs"]), yardstick="kl",
-            paired_over="examples", costs={f: [interval(i) for i in c] for f, c in saved["costs"].items()},
+            paired_over="examples", costs={f: [sp.Interval(**i) for i in c] for f, c in saved["costs"].items()},
             loss_differences={}, split_half_rho=saved["split_half_rho"], batch_costs={}, batches=saved["batches"],
             examples=saved["examples"], stopped_because=saved["stopped_because"], confidence=0.95,
             h2d_bytes=saved["h2d_bytes"], all_bf16_fetches=saved["all_bf16_fetches"], seconds=saved["seconds"])

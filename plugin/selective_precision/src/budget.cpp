@@ -30,26 +30,16 @@ double smoothed(double average, double value, double smoothing) {
   return std::isnan(average) ? value : smoothing * average + (1.0 - smoothing) * value;
 }
 
-namespace {
-
-// "<signal>.<route>" for every route, indexed by sp_precision, built once. Plain characters, so
-// that the statics below need no destructor: the plugin is dlclose()d at every hot swap.
-class TierColumns {
- public:
-  explicit TierColumns(const char *signal) {
-    for (Precision route : kPrecisions) {
-      char *name = names_[static_cast<std::size_t>(to_abi(route))].data();
-      *fmt::format_to_n(name, kLongest - 1, "{}.{}", signal, sp::precision_name(route)).out = '\0';
-    }
+TierColumns::TierColumns(const char *signal) {
+  for (Precision route : kPrecisions) {
+    char *name = names_[static_cast<std::size_t>(to_abi(route))].data();
+    *fmt::format_to_n(name, kLongest - 1, "{}.{}", signal, sp::precision_name(route)).out = '\0';
   }
-  const char *operator()(sp_precision tier) const { return names_.at(static_cast<std::size_t>(tier)).data(); }
+}
 
- private:
-  static constexpr std::size_t kLongest = 32;
-  std::array<std::array<char, kLongest>, kPrecisionCount> names_{};
-};
-
-}  // namespace
+const char *TierColumns::operator()(sp_precision tier) const {
+  return names_.at(static_cast<std::size_t>(tier)).data();
+}
 
 const char *loss_cost_column(sp_precision tier) {
   static const TierColumns columns("loss_cost");

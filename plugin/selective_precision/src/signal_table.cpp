@@ -8,7 +8,6 @@
 
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -110,10 +109,8 @@ void PolicyEngine::record_predicted_costs(std::int64_t step, const SignalTable &
     predicts = predicts || cost[t] >= 0;
   }
   if (!predicts) return;
-  // Editions before 3 have no set_unit_signals; their engine never gets here.
-  const bool has_v3 = std::any_of(rule_modules().begin(), rule_modules().end(),
-                                  [](const RuleModule *module) { return module->mode == Mode::budget; });
-  const double smoothing = has_v3 ? rule_setting(config_, Mode::budget, kSignalSmoothing) : 0.5;
+  // Editions before 3 (no v3 module) have no set_unit_signals: their engine never gets here.
+  const double smoothing = kPolicyEdition >= 3 ? rule_setting(config_, Mode::budget, kSignalSmoothing) : 0.5;
   BudgetState &budget = state_.budget;
   for (std::uint32_t u = 0; u < n_blocks(); ++u) {
     UnitSignals &unit = budget.units[u];

@@ -1,6 +1,7 @@
 #include "sp/policy/telemetry.h"
 
 #include "sp/policy/decision_rule.h"
+#include "json_values.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -13,11 +14,6 @@
 
 namespace sp::policy {
 namespace {
-
-// JSON has no NaN: a value that was never computed is written as null.
-nlohmann::ordered_json number_or_null(double value) {
-  return std::isfinite(value) ? nlohmann::ordered_json(value) : nlohmann::ordered_json(nullptr);
-}
 
 const char *assignment_name(Assignment assignment) {
   switch (assignment) {

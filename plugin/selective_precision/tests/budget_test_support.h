@@ -8,7 +8,11 @@
 
 #include <sp/plugin_abi_v1.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <string>
 #include <vector>
@@ -90,6 +94,14 @@ inline const std::vector<sp_hint_v1> &step_with(Driver &driver, std::int64_t ste
   engine.compute_hints(step, driver.mutable_hints().data(), kUnits);
   engine.end_step(step, feedback);
   return driver.hints();
+}
+
+// The first record of the telemetry file `path`, parsed.
+inline nlohmann::json first_telemetry_record(const std::filesystem::path &path) {
+  std::ifstream in(path);
+  std::string line;
+  if (!std::getline(in, line)) return nullptr;
+  return nlohmann::json::parse(line);
 }
 
 }  // namespace sp::policy::testing

@@ -330,10 +330,8 @@ TEST(PolicyV3, TelemetryStatesTheBudgetAndEveryUnitsTier) {
     const Signals signals = Signals::costs(std::vector<double>(kUnits, 0.01), std::vector<double>(kUnits, kNaN), 4.0);
     step_with(driver, 0, &signals);
   }
-  std::ifstream in(dir / "v3.jsonl");
-  std::string line;
-  ASSERT_TRUE(std::getline(in, line));
-  const nlohmann::json record = nlohmann::json::parse(line);
+  const nlohmann::json record = first_telemetry_record(dir / "v3.jsonl");
+  ASSERT_FALSE(record.is_null());
   EXPECT_EQ(record["mode"], "budget");
   EXPECT_EQ(record["budget"]["kind"], "bytes");
   EXPECT_EQ(record["budget"]["limit"], 0.5);

@@ -225,10 +225,8 @@ TEST(PolicyV4, TelemetryStatesTheMeasurementItDecidedBy) {
     const Signals later = measured_with({{5, {0.01, 0.001, 0.012}}, {2, {0.02, 0.001, 0.03}}});
     step_with(driver, 0, &later);
   }
-  std::ifstream in(dir / "v4.jsonl");
-  std::string line;
-  ASSERT_TRUE(std::getline(in, line));
-  const nlohmann::json record = nlohmann::json::parse(line);
+  const nlohmann::json record = first_telemetry_record(dir / "v4.jsonl");
+  ASSERT_FALSE(record.is_null());
   EXPECT_EQ(record["mode"], "measured");
   EXPECT_EQ(record["budget"]["source"], "measured");
   EXPECT_NEAR(record["budget"]["planned_cost"].get<double>(), 0.012, 1e-12);

@@ -3,8 +3,7 @@
 // with a switch margin in units of the loss (docs/policy.md, "Policy v3"). The engine records the
 // tables (PolicyEngine::set_unit_signals), in every mode, as 3.x did.
 #include "budgeted_rule.h"
-
-#include <nlohmann/json.hpp>
+#include "../json_values.h"
 
 #include <algorithm>
 #include <cmath>
@@ -61,15 +60,6 @@ class BudgetRule final : public BudgetedRule {
   }
 
  private:
-  // {"bf16": x, "int8": y, "nf4": z}, null where NaN.
-  static nlohmann::ordered_json per_tier(const TierValues &values) {
-    nlohmann::ordered_json out = nlohmann::ordered_json::object();
-    for (sp_precision tier : kTiers) {
-      out[precision_name(tier)] = std::isnan(values[tier]) ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(values[tier]);
-    }
-    return out;
-  }
-
   double signal_smoothing_;
   double switch_margin_;
 };

@@ -11,8 +11,7 @@
 // docs/policy.md, "Policy v4".
 #include "budgeted_rule.h"
 #include "../byte_codec.h"
-
-#include <nlohmann/json.hpp>
+#include "../json_values.h"
 
 #include <array>
 #include <cmath>
@@ -47,22 +46,16 @@ class MeasuredRule final : public BudgetedRule {
         switch_sigmas_(rule_setting(engine.config(), Mode::measured, kSwitchSigmas)),
         decide_until_step_(static_cast<std::int64_t>(rule_setting(engine.config(), Mode::measured, kDecideUntilStep))),
         units_(engine.n_blocks()),
-        decided_(engine.n_blocks()) {
-    for (std::size_t t = 0; t < kTiers.size(); ++t) {
-      mean_columns_[t] = fmt::format("measured_cost.{}", precision_name(kTiers[t]));
-      se_columns_[t] = fmt::format("measured_cost_se.{}", precision_name(kTiers[t]));
-      upper_columns_[t] = fmt::format("measured_cost_upper.{}", precision_name(kTiers[t]));
-    }
-  }
+        decided_(engine.n_blocks()) {}
 
   // A table without an upper bound for any tier is not a measurement this rule reads.
   void take_signals(std::int64_t step, const SignalTable &table) override {
     std::array<std::int64_t, kTiers.size()> mean{}, se{}, upper{};
     bool any = false;
     for (std::size_t t = 0; t < kTiers.size(); ++t) {
-      mean[t] = table.column(mean_columns_[t].c_str());
-      se[t] = table.column(se_columns_[t].c_str());
-      upper[t] = table.column(upper_columns_[t].c_str());
+      mean[t] = table.column(mean_columns_(kTiers[t]));
+      se[t] = table.column(se_columns_(kTiers[t]));
+      upper[t] = table.column(upper_columns_(kTiers[t]));
       any = any || upper[t] >= 0;
     }
     if (!any) return;
@@ -76,7 +69,7 @@ class MeasuredRule final : public BudgetedRule {
           throw InvalidArgument(fmt::format("set_unit_signals: unit {} has {} = {}, {} = {} and {} = {}; expected an "
                                             "upper bound >= the mean, a standard error >= 0, each of magnitude at "
                                             "most {} (or NaN)",
-                                            u, mean_columns_[t], m.mean, upper_columns_[t], m.upper, se_columns_[t],
+                                            u, mean_columns_(kTiers[t]), m.mean, upper_columns_(kTiers[t]), m.upper, se_columns_(kTiers[t]),
                                             m.se, kLargestValue));
         }
       }
@@ -185,8 +178,8 @@ class MeasuredRule final : public BudgetedRule {
     nlohmann::ordered_json tiers = nlohmann::ordered_json::object();
     for (std::size_t t = 1; t < kTiers.size(); ++t) {
       const Measured &m = units_[unit][t];
-      const auto number = [](double v) { return std::isnan(v) ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(v); };
-      tiers[precision_name(kTiers[t])] = {{"mean", number(m.mean)}, {"se", number(m.se)}, {"upper", number(m.upper)}};
+      tiers[precision_name(kTiers[t])] = {
+          {"mean", number_or_null(m.mean)}, {"se", number_or_null(m.se)}, {"upper", number_or_null(m.upper)}};
     }
     detail["measured_cost"] = std::move(tiers);
   }
@@ -231,9 +224,9 @@ class MeasuredRule final : public BudgetedRule {
 
   double switch_sigmas_;
   std::int64_t decide_until_step_;
-  std::array<std::string, kTiers.size()> mean_columns_;
-  std::array<std::string, kTiers.size()> se_columns_;
-  std::array<std::string, kTiers.size()> upper_columns_;
+  const TierColumns mean_columns_{"measured_cost"};
+  const TierColumns se_columns_{"measured_cost_se"};
+  const TierColumns upper_columns_{"measured_cost_upper"};
   std::vector<MeasuredTiers> units_;    // the last measurement
   std::vector<MeasuredTiers> decided_;  // the one the allocation was made by
   bool adopted_ = false;

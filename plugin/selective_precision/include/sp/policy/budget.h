@@ -22,6 +22,19 @@ using PerTier = std::array<double, kTiers.size()>;
 // (1-s)*new), read by the engine, which records every table, and by the budget rule.
 inline constexpr const char *kSignalSmoothing = "signal_smoothing";
 
+// "<signal>.<route>" for every route, indexed by sp_precision: the signal table's column names.
+// Plain characters, so that a static one needs no destructor (the plugin is dlclose()d at every
+// hot swap).
+class TierColumns {
+ public:
+  explicit TierColumns(const char *signal);
+  const char *operator()(sp_precision tier) const;
+
+ private:
+  static constexpr std::size_t kLongest = 32;
+  std::array<std::array<char, kLongest>, kTiers.size()> names_{};
+};
+
 // The signal table's column names that v3 reads (loss_cost) and records (the two terms).
 const char *loss_cost_column(sp_precision tier);
 const char *first_order_column(sp_precision tier);
