@@ -8,6 +8,12 @@
 # Each component is its own export file, loaded with only the dependencies it needs, so a
 # plugin author's find_package(SelectivePrecision COMPONENTS plugin_abi) needs nothing else
 # and one of host needs neither LibTorch nor CUDA.
+#
+# The package's own files (headers, archives, the CMake files) are the install component
+# `development`; the Python wheel installs that component inside the package
+# (python/CMakeLists.txt), where selective_precision.cmake_prefix_path finds it. The plugins,
+# tools, configs and docs are the component `runtime`. `cmake --install` without --component
+# installs both.
 include(CMakePackageConfigHelpers)
 
 set(SP_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/SelectivePrecision)
@@ -30,26 +36,41 @@ function(selective_precision_install_component component)
     endif()
   endforeach()
   install(TARGETS ${ARG_TARGETS} EXPORT SelectivePrecision_${component}
-    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
-    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT development
+    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT development
     INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
   foreach(dir IN LISTS ARG_HEADERS)
-    install(DIRECTORY ${dir}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} FILES_MATCHING PATTERN "*.h")
+    install(DIRECTORY ${dir}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} COMPONENT development FILES_MATCHING PATTERN "*.h")
   endforeach()
   install(EXPORT SelectivePrecision_${component}
     NAMESPACE SelectivePrecision::
     FILE SelectivePrecision_${component}.cmake
-    DESTINATION ${SP_INSTALL_CMAKEDIR})
+    DESTINATION ${SP_INSTALL_CMAKEDIR} COMPONENT development)
 endfunction()
 
-# How the project compiles fmt and spdlog in (SpDependencies.cmake): every static library's
-# link interface names them, so they are exported first, in a file of their own.
-install(TARGETS selective_precision_fmt selective_precision_spdlog
-  EXPORT SelectivePrecision_dependencies)
+# The compiled fmt, spdlog and yaml-cpp and the JSON headers (SpDependencies.cmake): every static
+# library's link interface names them, so they are exported first, in a file of their own, as
+# archives of the package's own names (libselective_precision_fmt.a, ...), with the headers of
+# nlohmann_json, fmt and spdlog under include/selective_precision/third_party (SpDependencies.cmake
+# says who includes them) and every licence beside the docs.
+install(TARGETS selective_precision_fmt selective_precision_spdlog selective_precision_yaml_cpp selective_precision_json
+  EXPORT SelectivePrecision_dependencies ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT development)
 install(EXPORT SelectivePrecision_dependencies
   NAMESPACE SelectivePrecision::
   FILE SelectivePrecision_dependencies.cmake
-  DESTINATION ${SP_INSTALL_CMAKEDIR})
+  DESTINATION ${SP_INSTALL_CMAKEDIR} COMPONENT development)
+get_target_property(sp_json_include nlohmann_json::nlohmann_json INTERFACE_INCLUDE_DIRECTORIES)
+list(GET sp_json_include 0 sp_json_include)
+install(DIRECTORY ${sp_json_include}/nlohmann DESTINATION ${SP_INSTALL_JSON_INCLUDEDIR} COMPONENT development)
+install(DIRECTORY ${sp_fmt_source}/include/fmt ${sp_spdlog_source}/include/spdlog
+  DESTINATION ${SP_INSTALL_LOGGING_INCLUDEDIR} COMPONENT development)
+install(FILES ${sp_fmt_source}/LICENSE.rst DESTINATION ${SP_INSTALL_DOCDIR}/third_party/fmt COMPONENT development)
+install(FILES ${sp_spdlog_source}/LICENSE DESTINATION ${SP_INSTALL_DOCDIR}/third_party/spdlog COMPONENT development)
+install(FILES ${sp_yaml_cpp_source}/LICENSE DESTINATION ${SP_INSTALL_DOCDIR}/third_party/yaml-cpp COMPONENT development)
+if(EXISTS /usr/share/doc/nlohmann-json3-dev/copyright)
+  install(FILES /usr/share/doc/nlohmann-json3-dev/copyright DESTINATION ${SP_INSTALL_DOCDIR}/third_party/nlohmann_json
+          COMPONENT development)
+endif()
 
 set(SP_PACKAGE_COMPONENTS plugin_abi vocabulary host kernels adapters)
 selective_precision_install_component(plugin_abi TARGETS selective_precision_plugin_abi
@@ -74,14 +95,20 @@ if(SP_HAVE_TORCH)
 endif()
 
 install(TARGETS selective_precision_policy_plugin selective_precision_example_minimal_c
-  LIBRARY DESTINATION ${SP_INSTALL_PLUGINDIR})
-install(DIRECTORY ${PROJECT_SOURCE_DIR}/docs/ DESTINATION ${SP_INSTALL_DOCDIR})
-install(FILES ${PROJECT_SOURCE_DIR}/README.md DESTINATION ${SP_INSTALL_DOCDIR})
-install(DIRECTORY ${PROJECT_SOURCE_DIR}/configs/ DESTINATION ${SP_INSTALL_DATADIR}/configs)
+  LIBRARY DESTINATION ${SP_INSTALL_PLUGINDIR} COMPONENT runtime)
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/docs/ DESTINATION ${SP_INSTALL_DOCDIR} COMPONENT runtime)
+install(FILES ${PROJECT_SOURCE_DIR}/README.md DESTINATION ${SP_INSTALL_DOCDIR} COMPONENT runtime)
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/configs/ DESTINATION ${SP_INSTALL_DATADIR}/configs COMPONENT runtime)
 if(SP_BUILD_TOOLS)
-  install(TARGETS sp-train sp-replay sp-bench RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+  install(TARGETS sp-train sp-replay sp-bench RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT runtime)
 endif()
 
+# Whether the layer's archive calls into torch's libgomp (torch_layer/CMakeLists.txt): the config
+# then links the libgomp of the torch a consumer finds, never this machine's path.
+set(SP_PACKAGE_TORCH_OPENMP OFF)
+if(SP_HAVE_TORCH AND CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND SP_TORCH_LIBGOMP)
+  set(SP_PACKAGE_TORCH_OPENMP ON)
+endif()
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/SelectivePrecisionConfig.cmake.in
   ${PROJECT_BINARY_DIR}/SelectivePrecisionConfig.cmake
   INSTALL_DESTINATION ${SP_INSTALL_CMAKEDIR}
@@ -92,4 +119,4 @@ write_basic_package_version_file(${PROJECT_BINARY_DIR}/SelectivePrecisionConfigV
   COMPATIBILITY SameMinorVersion)
 install(FILES ${PROJECT_BINARY_DIR}/SelectivePrecisionConfig.cmake
               ${PROJECT_BINARY_DIR}/SelectivePrecisionConfigVersion.cmake
-        DESTINATION ${SP_INSTALL_CMAKEDIR})
+        DESTINATION ${SP_INSTALL_CMAKEDIR} COMPONENT development)

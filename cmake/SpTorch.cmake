@@ -117,21 +117,6 @@ if(SP_HAVE_TORCH)
     set(CMAKE_CXX_STANDARD ${CMAKE_MATCH_1})
   endif()
 
-  # torch's include directory holds the fmt headers torch was built with (fmt 12 in 2.15), and
-  # it comes before /usr/include, where the project's fmt is: Debian's, the one libfmt.so and
-  # spdlog were built with. A directory holding only a link to that fmt, given with -I (searched
-  # before every system directory; GCC ignores -I /usr/include itself), keeps the project's
-  # code, spdlog's headers and torch's own <fmt/...> includes on one fmt in every translation
-  # unit. torch's library keeps its fmt inside, under fmt's versioned namespace.
-  get_target_property(sp_fmt_include fmt::fmt INTERFACE_INCLUDE_DIRECTORIES)
-  list(GET sp_fmt_include 0 sp_fmt_include)
-  if(EXISTS ${TORCH_INSTALL_PREFIX}/include/fmt AND EXISTS ${sp_fmt_include}/fmt/format.h)
-    set(sp_fmt_link_dir ${PROJECT_BINARY_DIR}/fmt-before-torch)
-    file(MAKE_DIRECTORY ${sp_fmt_link_dir})
-    file(CREATE_LINK ${sp_fmt_include}/fmt ${sp_fmt_link_dir}/fmt SYMBOLIC)
-    include_directories(BEFORE ${sp_fmt_link_dir})
-  endif()
-
   # A torch wheel's libtorch exports the static copy of std::filesystem it was built with. A
   # program that names torch before libstdc++ binds its own filesystem calls to that copy: torch
   # 2.11's remove_all called address 0 (sp_train_e2e_tests on an H100 host, 2026-11-26). So
@@ -148,7 +133,7 @@ if(SP_HAVE_TORCH)
   # package links consumers against the local toolkit's libcudart (torch::cudart), which would
   # then load first and serve torch too: point it at the runtime torch was built for. (Not done
   # to a parent project's torch target.) An installed package's consumers get the -rpath-link
-  # from SelectivePrecision::torch (torch_layer/CMakeLists.txt).
+  # from the package config, for the torch it finds (cmake/SelectivePrecisionConfig.cmake.in).
   get_filename_component(sp_site_packages ${TORCH_INSTALL_PREFIX}/.. ABSOLUTE)
   file(GLOB SP_WHEEL_CUDA_LIB_DIRS LIST_DIRECTORIES true ${sp_site_packages}/nvidia/*/lib)
   file(GLOB sp_wheel_cudart ${sp_site_packages}/nvidia/*/lib/libcudart.so.[0-9]*)

@@ -2,13 +2,18 @@
 # Installs what the build needs. Safe to run again: it asks apt only for what is missing, and
 # pip only for what the venv does not already hold at the pinned version.
 #   - apt: the Debian packages (as root or with sudo): compilers, ccache and the C++ libraries;
+#     then (also alone, as `sources`) the sources: Debian's source packages of fmt, spdlog and yaml-cpp, of the versions
+#     the installed -dev packages hold, unpacked with Debian's patches into .deps/src/. The build
+#     compiles them once, as static position-independent libraries (cmake/SpDependencies.cmake),
+#     which neither Debian package ships: so that the wheel, the plugin and the tools carry them
+#     hidden inside, and no unit compiles fmt or spdlog header-only;
 #   - venv: the project's virtual environment .venv, created with `python3` (SP_VENV_PYTHON to
 #     choose another) and filled from requirements.txt, the one file that pins every version:
 #     with `--python all` (the default) every package there, those of the tests, examples and
 #     benchmarks too; with `--python torch` only PyPI's torch, whose LibTorch the C++ build
 #     uses, and what torch needs, at requirements.txt's versions (what the main job needs).
 #
-#   bash scripts/install-deps.sh [apt|venv|all] [--python all|torch]
+#   bash scripts/install-deps.sh [apt|sources|venv|all] [--python all|torch]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -16,7 +21,7 @@ part=all
 python_packages=all
 while (($#)); do
   case $1 in
-    apt | venv | all) part=$1 ;;
+    apt | sources | venv | all) part=$1 ;;
     --python)
       [[ $# -ge 2 && ( $2 == all || $2 == torch ) ]] || {
         echo "install-deps: --python takes 'all' or 'torch', got '${2:-}'" >&2
@@ -26,7 +31,7 @@ while (($#)); do
       shift
       ;;
     *)
-      echo "install-deps: unknown argument '$1' (expected apt, venv or all, and --python all|torch)" >&2
+      echo "install-deps: unknown argument '$1' (expected apt, sources, venv or all, and --python all|torch)" >&2
       exit 2
       ;;
   esac
@@ -82,5 +87,40 @@ install_venv() {
   echo "install-deps: .venv holds $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)' 2>/dev/null)"
 }
 
-[[ $part == venv ]] || install_apt
-[[ $part == apt ]] || install_venv
+# The source package of each -dev package, at the version installed, into .deps/src/<name>
+# (the name the build looks for). apt reads a source list of its own, in .deps/apt, so that the
+# machine's apt configuration is left as it is; nothing is fetched for a tree already there.
+fetch_sources() {
+  local apt_dir=$PWD/.deps/apt dir=.deps/src name dev source version
+  local apt=(apt-get -qq -o Dir::Etc::SourceList=/dev/null -o "Dir::Etc::SourceParts=$apt_dir/sources"
+             -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache" -o APT::Sandbox::User=root)
+  mkdir -p "$dir"
+  for name in fmt:libfmt-dev spdlog:libspdlog-dev yaml-cpp:libyaml-cpp-dev; do
+    dev=${name#*:} name=${name%%:*}
+    read -r source version < <(dpkg-query -W -f='${source:Package} ${source:Version}\n' "$dev")
+    if [[ -f $dir/$name/.debian-version && $(cat "$dir/$name/.debian-version") == "$source $version" ]]; then
+      continue
+    fi
+    if [[ ! -d $apt_dir/lists ]]; then
+      mkdir -p "$apt_dir/sources" "$apt_dir/lists/partial" "$apt_dir/cache"
+      sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n 1 |
+        { read -r uri || uri=http://deb.debian.org/debian
+          printf 'Types: deb-src\nURIs: %s\nSuites: %s\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+            "$uri" "$(. /etc/os-release && echo "$VERSION_CODENAME")" >"$apt_dir/sources/debian-src.sources"; }
+      "${apt[@]}" update
+    fi
+    rm -rf "$dir/$name" "$apt_dir/work" && mkdir -p "$apt_dir/work"
+    (cd "$apt_dir/work" && "${apt[@]}" source "$source=$version" 2>&1 | { grep -v -e '^W: Download is performed unsandboxed' -e '^dpkg-source: info' || true; })
+    mv "$apt_dir/work"/*/ "$dir/$name"
+    echo "$source $version" >"$dir/$name/.debian-version"
+    rm -rf "$apt_dir/work"
+    echo "install-deps: $name $version's source in $dir/$name"
+  done
+}
+
+case $part in
+  apt) install_apt && fetch_sources ;;
+  sources) fetch_sources ;;
+  venv) install_venv ;;
+  all) install_apt && fetch_sources && install_venv ;;
+esac

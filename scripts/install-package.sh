@@ -7,11 +7,12 @@
 #      build/'s own settings (build type, tests, benchmarks, warnings as errors) are passed
 #      back, so pip's configure leaves them as they were. The extension is built against the
 #      venv's own torch, and the wheel's metadata pins that torch's minor;
-#   2. `auditwheel repair`: the one shared library the package needs beyond torch and the C and
-#      C++ runtimes (yaml-cpp) is copied into the wheel under a name of its own, the binaries'
-#      RPATHs point at it, and the tag becomes manylinux for the glibc the binaries need.
-#      torch's libraries and the NVIDIA wheels' are left out: they belong to the torch the user
-#      installs, which the binaries find relative to themselves (site-packages/torch/lib);
+#   2. `auditwheel repair`: the tag becomes manylinux for the glibc the binaries need. There is
+#      no library to copy in: fmt, spdlog and yaml-cpp are compiled into the binaries
+#      (cmake/SpDependencies.cmake), and torch's libraries and the NVIDIA wheels' are left out:
+#      they belong to the torch the user installs, which the binaries find relative to
+#      themselves (site-packages/torch/lib). Should a build ever need another shared library,
+#      auditwheel copies it in under a name of its own, and check-wheel.sh says so;
 #   3. `pip install` of that wheel into .venv.
 # The wheel stays in build/wheel/ (scripts/check-wheel.sh tests it as a stranger would).
 # Afterwards `.venv/bin/python -c "import selective_precision"` works from any directory, and

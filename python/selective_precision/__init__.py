@@ -120,6 +120,7 @@ __all__ = [
     "dequantize_int8",
     "default_plugin_dir",
     "config_dir",
+    "cmake_prefix_path",
     "PluginError",
     "StateEntryError",
     "CollectiveError",
@@ -145,6 +146,21 @@ def config_dir() -> str:
     if installed.is_dir():
         return str(installed)
     return _build_info.source_configs
+
+
+def _installed_cmake_prefix() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for libdir in ("lib", "lib64"):
+        if os.path.isfile(os.path.join(here, libdir, "cmake", "SelectivePrecision", "SelectivePrecisionConfig.cmake")):
+            return here
+    return None
+
+
+#: The prefix of the C++ package installed with this one (its headers, archives and
+#: ``lib/cmake/SelectivePrecision``), for ``CMAKE_PREFIX_PATH`` beside
+#: ``torch.utils.cmake_prefix_path``; None for a package run from a build tree, whose C++
+#: package is ``cmake --install``'s to make (docs/integration.md, "C++ from the wheel").
+cmake_prefix_path: str | None = _installed_cmake_prefix()
 
 
 @dataclasses.dataclass(frozen=True)

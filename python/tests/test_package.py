@@ -89,6 +89,8 @@ def test_every_public_name_has_a_docstring():
 
     for name in sp.__all__:
         obj = getattr(sp, name)
+        if not (inspect.isclass(obj) or callable(obj)):
+            continue  # a data attribute (cmake_prefix_path): its `#:` comment documents it
         # Its own, not one inherited (an exception class's) or made up (a dataclass's signature).
         own = vars(obj).get("__doc__") if inspect.isclass(obj) else obj.__doc__
         assert own and not own.startswith(name + "("), name
@@ -126,3 +128,19 @@ def test_the_wheel_pins_the_torch_minor_it_was_built_against():
     pinned = [Requirement(r) for r in requires if Requirement(r).name == "torch"]
     assert [str(r.specifier) for r in pinned] == [str(Requirement(pin.torch_requirement(torch.__version__)).specifier)]
     assert torch.__version__.partition("+")[0] in pinned[0].specifier
+
+
+def test_cmake_prefix_path_names_the_cpp_package_installed_with_the_wheel():
+    package = os.path.dirname(os.path.abspath(sp.__file__))
+    config = os.path.join(package, "lib", "cmake", "SelectivePrecision", "SelectivePrecisionConfig.cmake")
+    if sp.cmake_prefix_path is None:
+        # A build tree's package (PYTHONPATH=<build>/python): its C++ package is cmake --install's.
+        assert not os.path.exists(config)
+        return
+    assert sp.cmake_prefix_path == package
+    assert os.path.isfile(config)
+    # What the config's consumers link: the layer's archive and the compiled dependencies, and
+    # the plugin directory it names is the package's own.
+    for archive in ("libselective_precision_torch.a", "libselective_precision_yaml_cpp.a", "libselective_precision_spdlog.a"):
+        assert os.path.isfile(os.path.join(package, "lib", archive)), archive
+    assert os.path.isfile(os.path.join(sp.default_plugin_dir(), "libsp_selective_precision.so"))

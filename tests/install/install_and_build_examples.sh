@@ -1,34 +1,60 @@
 #!/usr/bin/env bash
-# Installs the build to a temporary prefix, checks the layout, then builds and runs the
-# examples from copies outside the source tree against that prefix alone:
+# The package as a stranger uses it: builds and runs the examples from copies outside the source
+# tree against an installed package alone:
 #   - examples/plugin_host with LibTorch and CUDA hidden from CMake (the host component must
 #     not need them);
 #   - examples/llama_streamed (SelectivePrecision::torch), trained for a few steps, finding
-#     LibTorch through the package (the torch it was built against).
-# The Python package is pip's to install (scripts/install-package.sh), not CMake's.
-# Usage: install_and_build_examples.sh <build dir> <source dir>
+#     LibTorch through the package (the torch it was built against), or through
+#     torch.utils.cmake_prefix_path.
+# Two installed packages:
+#   - without <python>: the build installed to a temporary prefix by `cmake --install`, whose
+#     layout is checked first;
+#   - with <python>: the C++ package inside the Python wheel that <python>'s environment holds
+#     (scripts/install-package.sh installs it into .venv), found through
+#     CMAKE_PREFIX_PATH="selective_precision.cmake_prefix_path;torch.utils.cmake_prefix_path",
+#     as docs/integration.md tells a pip user. Exits 77 (skipped) where that environment holds
+#     no installed package (a build tree's package has no C++ package inside); with
+#     SP_REQUIRE_WHEEL=1 (the test command sets it) that is a failure.
+# Usage: install_and_build_examples.sh <build dir> <source dir> [<python>]
 set -euo pipefail
 build=$1
 src=$2
+python=${3:-}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-prefix=$work/prefix
 
-cmake --install "$build" --prefix "$prefix" >"$work/install.log"
+if [[ -n $python ]]; then
+  prefix=$(cd "$work" && "$python" -c 'import selective_precision as sp, torch
+print(sp.cmake_prefix_path + ";" + torch.utils.cmake_prefix_path if sp.cmake_prefix_path else "")' 2>/dev/null || true)
+  if [[ -z $prefix ]]; then
+    echo "no installed selective_precision in $python's environment (scripts/install-package.sh installs the wheel)"
+    [[ ${SP_REQUIRE_WHEEL:-0} == 1 ]] && exit 1
+    exit 77
+  fi
+  echo "the wheel's C++ package: CMAKE_PREFIX_PATH=$prefix"
+  package=${prefix%%;*}
+  layout=(lib/cmake/SelectivePrecision/SelectivePrecisionConfig.cmake plugins/libsp_selective_precision.so
+          include/sp/plugin_abi_v1.h include/sp/torch_layer/streamed_model.h bin/sp-train)
+else
+  prefix=$work/prefix
+  package=$prefix
+  cmake --install "$build" --prefix "$prefix" >"$work/install.log"
+  layout=(lib/cmake/SelectivePrecision/SelectivePrecisionConfig.cmake
+          lib/cmake/SelectivePrecision/SelectivePrecisionConfigVersion.cmake
+          lib/selective_precision/plugins/libsp_selective_precision.so
+          include/sp/plugin_abi_v1.h include/sp/host/policy_session.h include/sp/adapters/streaming_engine.h
+          include/sp/kernels/nf4.h include/sp/torch_layer/streamed_model.h
+          bin/sp-train bin/sp-replay bin/sp-bench share/doc/selective_precision/integration.md)
+fi
 # The examples build with the build's compilers: a sanitized package's libraries bring their
 # sanitizer's link option with them, which needs that compiler's runtime.
 cache_value() { sed -n "s/^$1:[A-Z]*=//p" "$build/CMakeCache.txt"; }
 consumer=(-DCMAKE_C_COMPILER="$(cache_value CMAKE_C_COMPILER)" -DCMAKE_CXX_COMPILER="$(cache_value CMAKE_CXX_COMPILER)")
-for f in lib/cmake/SelectivePrecision/SelectivePrecisionConfig.cmake \
-         lib/cmake/SelectivePrecision/SelectivePrecisionConfigVersion.cmake \
-         lib/selective_precision/plugins/libsp_selective_precision.so \
-         include/sp/plugin_abi_v1.h include/sp/host/policy_session.h include/sp/adapters/streaming_engine.h \
-         include/sp/kernels/nf4.h include/sp/torch_layer/streamed_model.h \
-         bin/sp-train bin/sp-replay bin/sp-bench share/doc/selective_precision/integration.md; do
-  [ -e "$prefix/$f" ] || { echo "not installed: $f"; exit 1; }
+for f in "${layout[@]}"; do
+  [ -e "$package/$f" ] || { echo "not installed: $f (in $package)"; exit 1; }
 done
 # An installed sp-train finds the installed plugin by itself.
-"$prefix/bin/sp-train" --help >/dev/null
+"$package/bin/sp-train" --help >/dev/null
 
 cp -r "$src/examples/plugin_host" "$work/plugin_host-src"
 cmake -S "$work/plugin_host-src" -B "$work/plugin_host" -DCMAKE_PREFIX_PATH="$prefix" "${consumer[@]}" \
