@@ -167,3 +167,19 @@ function(selective_precision_precompile_torch_headers target)
     target_precompile_headers(${target} PRIVATE <torch/torch.h>)
   endif()
 endfunction()
+# selective_precision_reuse_torch_headers(<target>): a target whose units include LibTorch (the
+# trainer's, the layer's tests and reference, the optimizer benchmark) parses the layer's
+# precompiled headers instead of LibTorch's: the flags are the same, and the layer's private
+# definitions are read by no LibTorch header. GCC only: Clang refuses a precompiled header whose
+# macro definitions differ from the unit's at all (the ThreadSanitizer tree parses the headers).
+# A program is compiled -fPIC like the layer's archive rather than -fPIE: GCC refuses a
+# precompiled header made with the other (PIC code links into a PIE program as well).
+function(selective_precision_reuse_torch_headers target)
+  if(SP_PRECOMPILE_HEADERS AND CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+    target_precompile_headers(${target} REUSE_FROM selective_precision_torch)
+    get_target_property(type ${target} TYPE)
+    if(type STREQUAL "EXECUTABLE")
+      target_compile_options(${target} PRIVATE -fPIC)
+    endif()
+  endif()
+endfunction()

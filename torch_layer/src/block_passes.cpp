@@ -5,7 +5,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 
-#if defined(SP_TORCH_LAYER_HAVE_CUDA) && __has_include(<c10/cuda/CUDAStream.h>)
+#if SP_TORCH_LAYER_HAVE_CUDA && __has_include(<c10/cuda/CUDAStream.h>)
 #include <c10/cuda/CUDAStream.h>
 #define SP_TORCH_LAYER_FOLLOWS_CUDA_STREAMS 1
 #endif

@@ -1,5 +1,7 @@
 #include "sp/torch_layer/collectives.h"
 
+#include "build_config.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -120,14 +122,14 @@ std::shared_ptr<Collectives> by_device(std::shared_ptr<Collectives> host, std::s
 }
 
 bool nccl_available() {
-#ifdef SP_HAVE_C10D_NCCL
+#if SP_HAVE_C10D_NCCL
   return true;
 #else
   return false;
 #endif
 }
 
-#ifndef SP_HAVE_C10D_NCCL
+#if !SP_HAVE_C10D_NCCL
 std::shared_ptr<Collectives> nccl_group(c10::intrusive_ptr<c10d::Store>, int, int, std::chrono::milliseconds) {
   throw std::logic_error(
       "nccl_group: this build has no c10d NCCL group (LibTorch without CUDA or NCCL, or no nccl.h found when it was "

@@ -31,7 +31,8 @@
 #include "sp/torch_layer/intra_op_pool.h"
 #include "serial_worker.h"
 #include "unlisted_leaves.h"
-#ifdef SP_TORCH_LAYER_HAVE_CUDA
+#include "build_config.h"
+#if SP_TORCH_LAYER_HAVE_CUDA
 #include "sp/adapters/cuda_backend.h"
 #endif
 
@@ -48,7 +49,7 @@ inline std::unique_ptr<ad::TransferBackend> make_backend(const StreamedModelOpti
     host.bandwidth_cap_bytes_per_second = options.host_bandwidth_cap_gbps * 1e9;
     return std::make_unique<ad::HostBackend>(host);
   }
-#ifdef SP_TORCH_LAYER_HAVE_CUDA
+#if SP_TORCH_LAYER_HAVE_CUDA
   if (options.device.is_cuda()) {
     if (!ad::CudaBackend::device_available()) {
       throw std::invalid_argument("StreamedModelOptions::device is CUDA, but no CUDA device is visible");
@@ -63,7 +64,7 @@ inline std::unique_ptr<ad::TransferBackend> make_backend(const StreamedModelOpti
 #endif
   throw std::invalid_argument(fmt::format(
       "StreamedModelOptions::device is {}, but this build streams to the CPU{} only", options.device.str(),
-#ifdef SP_TORCH_LAYER_HAVE_CUDA
+#if SP_TORCH_LAYER_HAVE_CUDA
       " and CUDA"
 #else
       ""
