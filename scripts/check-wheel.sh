@@ -121,7 +121,7 @@ for dir in /usr/include/{fmt,spdlog,yaml-cpp,nlohmann} /usr/lib/x86_64-linux-gnu
   [[ -d $dir ]] && hidden_dirs+=("$dir")
 done
 # The one test that compares with the C++ layer's own run (SP_TORCH_LAYER_REFERENCE) skips here:
-# that program is the build tree's, linked against Debian's libraries; ctest runs it.
+# that program is the build tree's, not the wheel's; ctest runs it.
 OMP_NUM_THREADS=1 "${namespace[@]}" bash -c '
   set -euo pipefail
   venv=$1 tests=$2 examples=$3 hidden_dirs=$4

@@ -91,7 +91,7 @@ install_venv() {
 # (the name the build looks for). apt reads a source list of its own, in .deps/apt, so that the
 # machine's apt configuration is left as it is; nothing is fetched for a tree already there.
 fetch_sources() {
-  local apt_dir=$PWD/.deps/apt dir=.deps/src name dev source version
+  local apt_dir=$PWD/.deps/apt dir=.deps/src name dev source version uri
   local apt=(apt-get -qq -o Dir::Etc::SourceList=/dev/null -o "Dir::Etc::SourceParts=$apt_dir/sources"
              -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache" -o APT::Sandbox::User=root)
   mkdir -p "$dir"
@@ -101,16 +101,22 @@ fetch_sources() {
     if [[ -f $dir/$name/.debian-version && $(cat "$dir/$name/.debian-version") == "$source $version" ]]; then
       continue
     fi
-    if [[ ! -d $apt_dir/lists ]]; then
+    if [[ ! -f $apt_dir/sources/debian-src.sources ]]; then
       mkdir -p "$apt_dir/sources" "$apt_dir/lists/partial" "$apt_dir/cache"
-      sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n 1 |
-        { read -r uri || uri=http://deb.debian.org/debian
-          printf 'Types: deb-src\nURIs: %s\nSuites: %s\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
-            "$uri" "$(. /etc/os-release && echo "$VERSION_CODENAME")" >"$apt_dir/sources/debian-src.sources"; }
+      uri=$( { sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true; } | head -n 1)
+      printf 'Types: deb-src\nURIs: %s\nSuites: %s\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+        "${uri:-http://deb.debian.org/debian}" "$(. /etc/os-release && echo "$VERSION_CODENAME")" >"$apt_dir/sources/debian-src.sources"
       "${apt[@]}" update
     fi
-    rm -rf "$dir/$name" "$apt_dir/work" && mkdir -p "$apt_dir/work"
-    (cd "$apt_dir/work" && "${apt[@]}" source "$source=$version" 2>&1 | { grep -v -e '^W: Download is performed unsandboxed' -e '^dpkg-source: info' || true; })
+    # Unpacked beside the old tree, which is replaced only once the new one is there; a version
+    # the lists do not know yet (Debian updated the -dev package) refreshes them once.
+    rm -rf "$apt_dir/work" && mkdir -p "$apt_dir/work"
+    if ! (cd "$apt_dir/work" && "${apt[@]}" source "$source=$version" >/dev/null 2>&1); then
+      "${apt[@]}" update
+      rm -rf "$apt_dir/work" && mkdir -p "$apt_dir/work"
+      (cd "$apt_dir/work" && "${apt[@]}" source "$source=$version" 2>&1 | { grep -v -e '^W: Download is performed unsandboxed' -e '^dpkg-source: info' || true; })
+    fi
+    rm -rf "$dir/$name"
     mv "$apt_dir/work"/*/ "$dir/$name"
     echo "$source $version" >"$dir/$name/.debian-version"
     rm -rf "$apt_dir/work"
@@ -118,9 +124,10 @@ fetch_sources() {
   done
 }
 
+# One statement each: a function run on the left of && would run with set -e off.
 case $part in
-  apt) install_apt && fetch_sources ;;
+  apt) install_apt; fetch_sources ;;
   sources) fetch_sources ;;
   venv) install_venv ;;
-  all) install_apt && fetch_sources && install_venv ;;
+  all) install_apt; fetch_sources; install_venv ;;
 esac

@@ -149,9 +149,12 @@ def config_dir() -> str:
 
 
 def _installed_cmake_prefix() -> str | None:
+    import glob
+
     here = os.path.dirname(os.path.abspath(__file__))
-    for libdir in ("lib", "lib64"):
-        if os.path.isfile(os.path.join(here, libdir, "cmake", "SelectivePrecision", "SelectivePrecisionConfig.cmake")):
+    # lib/, lib64/ or a multiarch lib/<triplet>/, as GNUInstallDirs named the build's libdir.
+    for pattern in ("lib*", os.path.join("lib", "*")):
+        if glob.glob(os.path.join(here, pattern, "cmake", "SelectivePrecision", "SelectivePrecisionConfig.cmake")):
             return here
     return None
 

@@ -27,15 +27,24 @@ constexpr std::size_t kCapacity = 512;
 UnloadHandler handlers[kCapacity] = {};
 std::atomic<std::size_t> registered{0};
 
+// Last registered first, one at a time, so that a handler a destructor registers (its first use
+// of another static) runs too; a slot claimed but not yet written holds null and is skipped.
 __attribute__((destructor)) void run_unload_handlers() {
-  std::size_t count = registered.load();
-  if (count > kCapacity) {
-    count = kCapacity;
+  for (;;) {
+    std::size_t count = registered.load();
+    if (count > kCapacity) {
+      count = kCapacity;
+    }
+    if (count == 0) {
+      return;
+    }
+    const UnloadHandler handler = handlers[count - 1];
+    handlers[count - 1] = nullptr;
+    registered.store(count - 1);
+    if (handler != nullptr) {
+      handler();
+    }
   }
-  while (count > 0) {
-    handlers[--count]();
-  }
-  registered.store(0);
 }
 
 }  // namespace
