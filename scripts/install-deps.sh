@@ -94,6 +94,8 @@ fetch_sources() {
   local apt_dir=$PWD/.deps/apt dir=.deps/src name dev source version uri
   local apt=(apt-get -qq -o Dir::Etc::SourceList=/dev/null -o "Dir::Etc::SourceParts=$apt_dir/sources"
              -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache" -o APT::Sandbox::User=root)
+  # unpack_source <work dir> <source>=<version>: apt-get source into an empty work dir.
+  unpack_source() { rm -rf "$1" && mkdir -p "$1" && (cd "$1" && "${apt[@]}" source "$2" >/dev/null); }
   mkdir -p "$dir"
   for name in fmt:libfmt-dev spdlog:libspdlog-dev yaml-cpp:libyaml-cpp-dev; do
     dev=${name#*:} name=${name%%:*}
@@ -110,11 +112,9 @@ fetch_sources() {
     fi
     # Unpacked beside the old tree, which is replaced only once the new one is there; a version
     # the lists do not know yet (Debian updated the -dev package) refreshes them once.
-    rm -rf "$apt_dir/work" && mkdir -p "$apt_dir/work"
-    if ! (cd "$apt_dir/work" && "${apt[@]}" source "$source=$version" >/dev/null 2>&1); then
+    if ! unpack_source "$apt_dir/work" "$source=$version" 2>/dev/null; then
       "${apt[@]}" update
-      rm -rf "$apt_dir/work" && mkdir -p "$apt_dir/work"
-      (cd "$apt_dir/work" && "${apt[@]}" source "$source=$version" 2>&1 | { grep -v -e '^W: Download is performed unsandboxed' -e '^dpkg-source: info' || true; })
+      unpack_source "$apt_dir/work" "$source=$version" 2>&1 | { grep -v -e '^W: Download is performed unsandboxed' -e '^dpkg-source: info' || true; }
     fi
     rm -rf "$dir/$name"
     mv "$apt_dir/work"/*/ "$dir/$name"
