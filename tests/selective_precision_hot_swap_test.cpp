@@ -281,7 +281,7 @@ TEST(SelectivePrecisionHotSwap, LiveUpgradeFromOneDotZeroThenAnNf4ConfigTakesOve
       EXPECT_EQ(result.old_version, "1.0.0");
       EXPECT_EQ(result.new_version, "4.0.0");
       EXPECT_TRUE(result.old_library_unloaded) << result.message;
-      EXPECT_EQ(run.host().plugin_abi_minor(), 3u);
+      EXPECT_EQ(run.host().plugin_abi_minor(), 4u);
     }
     if (step == kNf4RequestStep) {
       // Requested between compute_hints and end_step; 2.0.0 takes over (from its other file)

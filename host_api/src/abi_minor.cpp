@@ -22,18 +22,24 @@ constexpr sp_precision_mask kBf16AndInt8 = SP_PRECISION_BIT(SP_PRECISION_BF16) |
 
 // Indexed by minor.
 const AbiMinorLayout kLayouts[] = {
-    {0, kTableV1_0End, "every field up to last_error", SP_HOST_API_V1_0_SIZE, SP_STEP_FEEDBACK_V1_0_SIZE,
+    {0, kTableV1_0End, "every field up to last_error", SP_HOST_API_V1_0_SIZE, SP_STEP_FEEDBACK_V1_0_SIZE, 0,
      kBf16AndInt8, false, false, false},
     {1, kTableV1_1End, "the ABI 1.1 functions set_transfer_bytes and set_precision_calibration_errors",
-     static_cast<std::uint32_t>(sizeof(sp_host_api_v1)), static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)),
+     static_cast<std::uint32_t>(sizeof(sp_host_api_v1)), static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)), 0,
      kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true, false, false},
     {2, kTableV1_2End, "the ABI 1.2 functions set_unit_signals, get_unit_costs and get_budget_status",
      static_cast<std::uint32_t>(sizeof(sp_host_api_v1)), static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)),
-     kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true, true, false},
+     SP_BUDGET_STATUS_V1_2_SIZE, kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true, true, false},
     {3, kTableV1_3End, "the ABI 1.3 function initial_hints", static_cast<std::uint32_t>(sizeof(sp_host_api_v1)),
-     static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)), kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true,
-     true, true},
+     static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)), SP_BUDGET_STATUS_V1_2_SIZE,
+     kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true, true, true},
+    // 1.4 appends a field to sp_budget_status_v1 and no function: the table ends where 1.3's does.
+    {4, kTableV1_3End, "the ABI 1.3 function initial_hints", static_cast<std::uint32_t>(sizeof(sp_host_api_v1)),
+     static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)), SP_BUDGET_STATUS_V1_4_SIZE,
+     kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true, true, true},
 };
+static_assert(sizeof(sp_budget_status_v1) == SP_BUDGET_STATUS_V1_4_SIZE || sizeof(void*) != 8,
+              "the host compiles the newest layout of sp_budget_status_v1");
 static_assert(sizeof(kLayouts) / sizeof(kLayouts[0]) == SP_PLUGIN_ABI_MINOR + 1,
               "one layout per minor this host implements");
 

@@ -21,6 +21,8 @@ struct AbiMinorLayout {
   // field of a later minor.
   std::uint32_t host_api_size = 0;
   std::uint32_t step_feedback_size = 0;
+  // 1.2 on; 0 before: get_budget_status does not exist.
+  std::uint32_t budget_status_size = 0;
   // The precisions a plugin of this minor can name in a hint.
   sp_precision_mask precisions = 0;
   // Routes beyond BF16 and INT8: the host's supported_precisions, set_transfer_bytes and

@@ -395,8 +395,10 @@ std::optional<std::vector<double>> PolicyHost::unit_costs(sp_precision precision
 
 std::optional<sp_budget_status_v1> PolicyHost::budget_status() {
   sp_budget_status_v1 status{};
-  status.struct_size = sizeof status;
+  // What a plugin older than 1.4 leaves unwritten reads as the behaviour before 1.4.
+  status.reads_step_signals = 1;
   const bool answered = impl_->query("get_budget_status", [&](detail::PluginInstance& plugin) {
+    status.struct_size = plugin.abi().budget_status_size;
     return plugin.table().get_budget_status(plugin.ctx(), &status);
   });
   if (!answered) return std::nullopt;

@@ -66,12 +66,13 @@ std::string load_error(const char* file) {
   return "(loaded without error)";
 }
 
-TEST(AbiMinor, TheHeaderDescribes1_3AndTheEarlierSizesItNames) {
-  EXPECT_EQ(SP_PLUGIN_ABI_MINOR, 3);
+TEST(AbiMinor, TheHeaderDescribes1_4AndTheEarlierSizesItNames) {
+  EXPECT_EQ(SP_PLUGIN_ABI_MINOR, 4);
   EXPECT_EQ(offsetof(sp_policy_plugin_v1_table, initial_hints), SP_PLUGIN_TABLE_V1_2_SIZE);
   EXPECT_EQ(offsetof(sp_policy_plugin_v1_table, set_unit_signals), SP_PLUGIN_TABLE_V1_1_SIZE);
   EXPECT_EQ(sizeof(sp_unit_signals_v1), SP_UNIT_SIGNALS_V1_2_SIZE);
-  EXPECT_EQ(sizeof(sp_budget_status_v1), SP_BUDGET_STATUS_V1_2_SIZE);
+  EXPECT_EQ(offsetof(sp_budget_status_v1, reads_step_signals), SP_BUDGET_STATUS_V1_2_SIZE);
+  EXPECT_EQ(sizeof(sp_budget_status_v1), SP_BUDGET_STATUS_V1_4_SIZE);
   EXPECT_EQ(sizeof(sp_block_desc_v1), 40u);
   EXPECT_EQ(offsetof(sp_host_api_v1, supported_precisions), SP_HOST_API_V1_0_SIZE);
   EXPECT_EQ(offsetof(sp_step_feedback_v1, h2d_bytes_nf4), SP_STEP_FEEDBACK_V1_0_SIZE);
@@ -120,7 +121,7 @@ TEST(AbiMinor, A1_0PluginGets1_0StructSizesAndNo1_1Call) {
 
   const std::string text = log.text();
   // host.abi_minor is the host's own minor; the struct is the 1.0 layout.
-  EXPECT_THAT(text, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=3\n"));
+  EXPECT_THAT(text, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=4\n"));
   EXPECT_THAT(text, HasSubstr("fixture: end_step 2 feedback.struct_size=48\n"));
   EXPECT_THAT(text, HasSubstr("fixture: set_calibration_errors 0:0.01 5:0.02"));
   EXPECT_THAT(text, AllOf(Not(HasSubstr("supported_precisions")), Not(HasSubstr("h2d_bytes_nf4")),
@@ -137,7 +138,7 @@ TEST(AbiMinor, A1_1PluginGets1_1StructSizesAndTheSupportedPrecisions) {
   run_step(host, 0);
   const std::string text = log.text();
   EXPECT_THAT(text, HasSubstr("fixture: create host.struct_size=" + std::to_string(sizeof(sp_host_api_v1)) +
-                              " host.abi_minor=3 supported_precisions=0x3\n"));
+                              " host.abi_minor=4 supported_precisions=0x3\n"));
   EXPECT_THAT(text, HasSubstr("fixture: end_step 0 feedback.struct_size=" +
                               std::to_string(sizeof(sp_step_feedback_v1)) + " h2d_bytes_nf4=250\n"));
   // Without NF4 on the host there are no NF4 bytes to describe.
@@ -335,7 +336,7 @@ TEST(AbiMinor, HotSwapFrom1_0To1_1AndBack) {
   EXPECT_EQ(host.last_swap_result()->first_step, 20);
   EXPECT_EQ(host.plugin_abi_minor(), 0u);
   after = log.text().substr(mark);
-  EXPECT_THAT(after, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=3\n"));
+  EXPECT_THAT(after, HasSubstr("fixture: create host.struct_size=64 host.abi_minor=4\n"));
   EXPECT_THAT(after, HasSubstr("fixture: end_step 20 feedback.struct_size=48\n"));
   EXPECT_THAT(after,
               AllOf(Not(HasSubstr("fixture: set_transfer_bytes")),
@@ -441,9 +442,13 @@ TEST(AbiMinor, A1_2PluginGetsTheSignalTableAndReportsItsDecision) {
   EXPECT_EQ(status->kind, SP_BUDGET_BYTES);
   EXPECT_EQ(status->met, 1u);
   EXPECT_DOUBLE_EQ(status->limit, 0.45);
+  // It was handed the 1.2 layout, and the field 1.4 appended reads as before 1.4.
+  EXPECT_EQ(status->struct_size, SP_BUDGET_STATUS_V1_2_SIZE);
+  EXPECT_EQ(status->reads_step_signals, 1u);
   const std::string text = log.text();
   EXPECT_THAT(text, HasSubstr(kSignalRecord));
-  EXPECT_THAT(text, AllOf(HasSubstr("fixture: get_unit_costs precision=2"), HasSubstr("fixture: get_budget_status")));
+  EXPECT_THAT(text, AllOf(HasSubstr("fixture: get_unit_costs precision=2"),
+                          HasSubstr("fixture: get_budget_status struct_size=64")));
   EXPECT_EQ(host.hook_failures().total(), 0u);
 
   UnitSignalTable ragged = signal_table();

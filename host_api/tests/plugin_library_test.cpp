@@ -62,13 +62,13 @@ TEST(PluginLibrary, LoadsTheMinimalExampleFromAPrivateCopyThatLeavesNothingOnDis
 TEST(PluginLibrary, RefusesAnAbiMajorOtherThanTheHosts) {
   EXPECT_THAT(load_error(SP_FIXTURE_BAD_ABI_MAJOR),
               AllOf(HasSubstr(SP_FIXTURE_BAD_ABI_MAJOR), HasSubstr("built for plugin ABI 2.0"),
-                    HasSubstr("this host implements ABI 1.3"), HasSubstr("major versions must be equal")));
+                    HasSubstr("this host implements ABI 1.4"), HasSubstr("major versions must be equal")));
 }
 
 TEST(PluginLibrary, RefusesAPluginBuiltForANewerMinor) {
   EXPECT_THAT(load_error(SP_FIXTURE_NEWER_ABI_MINOR),
-              AllOf(HasSubstr(SP_FIXTURE_NEWER_ABI_MINOR), HasSubstr("built for plugin ABI 1.4"),
-                    HasSubstr("host's ABI 1.3"), HasSubstr("minor version must be >= the plugin's")));
+              AllOf(HasSubstr(SP_FIXTURE_NEWER_ABI_MINOR), HasSubstr("built for plugin ABI 1.5"),
+                    HasSubstr("host's ABI 1.4"), HasSubstr("minor version must be >= the plugin's")));
 }
 
 TEST(PluginLibrary, RefusesALibraryWithoutTheEntrySymbol) {

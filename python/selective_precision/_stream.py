@@ -535,8 +535,10 @@ def _streamed_class(cls):
 class PolicyReport(list):
     """StreamedLayers.policy_report(): one dict per unit, and `budget`: a dict with `kind`
     ("bytes" or "loss"), `limit`, `planned_bytes_fraction`, `planned_cost`,
-    `planned_loss_fraction`, `reference_loss`, `decided_at_step` (-1: none yet) and `met`; None
-    for a policy without a budget."""
+    `planned_loss_fraction`, `reference_loss`, `decided_at_step` (-1: none yet), `met` and
+    `reads_step_signals` (whether the policy decides with the gradient signals each step
+    measures: policy v3 does, v4 does not, and the layer then skips them); None for a policy
+    without a budget."""
 
     def __init__(self, units, budget):
         super().__init__(units)

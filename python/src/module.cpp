@@ -832,6 +832,7 @@ PYBIND11_MODULE(_selective_precision, m) {
              d["reference_loss"] = b->reference_loss;
              d["decided_at_step"] = b->decided_at_step;
              d["met"] = b->met != 0;
+             d["reads_step_signals"] = b->reads_step_signals != 0;
              return d;
            })
       .def("evaluation_h2d_bytes", [](PyStreamedModel& s) { return s.model().evaluation_h2d_bytes(); })

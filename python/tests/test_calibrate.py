@@ -216,8 +216,9 @@ def test_policy_v4_routes_by_the_prior_then_by_the_upper_bounds_calibrate_measur
     best = min(feasible, key=lambda r: sum(cost[f][u] for u, f in enumerate(r)))
     assert layers.routes() == list(best)
     assert layers._layer().model.unit_costs("nf4") == costs.upper["nf4"]
-    status = layers._layer().model.budget_status()
+    status = layers.policy_report().budget
     assert status["met"] and status["planned_cost"] == pytest.approx(sum(cost[f][u] for u, f in enumerate(best)))
+    assert not status["reads_step_signals"]  # v4 decides by the measurement: the steps skip the Taylor table
 
 
 def test_policy_v4_keeps_the_measured_routes_through_training():

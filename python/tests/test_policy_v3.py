@@ -65,7 +65,7 @@ def test_a_calibration_step_decides_the_routes_the_first_training_step_moves():
     assert all(p.grad is None for p in model.parameters())  # the calibration's gradients are gone
     report = model.layers.policy_report()
     assert report.budget["kind"] == "bytes" and report.budget["limit"] == 0.5
-    assert report.budget["met"] and report.budget["decided_at_step"] == 0
+    assert report.budget["met"] and report.budget["decided_at_step"] == 0 and report.budget["reads_step_signals"]
     assert report.budget["planned_bytes_fraction"] <= 0.5
     assert [u["unit"] for u in report] == ["0", "1", "2", "3"]
     assert [u["route"] for u in report] == model.layers.routes()

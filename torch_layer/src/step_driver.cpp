@@ -177,7 +177,9 @@ void StreamedModel::begin_step(std::int64_t step) {
   }
   // Asked once a step: a hot swap, which can change the answer, happens at begin_step only.
   const std::optional<sp_budget_status_v1> budget = m.policy->budget_status();
-  m.signals_wanted = budget && budget->kind != SP_BUDGET_NONE;
+  // Policy v4 decides by measurements and says so (ABI 1.4): the Taylor table, and for a
+  // frozen base its gradients, would be computed every step for nothing.
+  m.signals_wanted = budget && budget->kind != SP_BUDGET_NONE && budget->reads_step_signals != 0;
   m.frozen_gradients_wanted = m.signals_wanted && !m.collectives;
   try {
     if (m.collectives) {

@@ -615,6 +615,7 @@ TEST(PolicyV3, TheSignalTableHoldsEachBlocksTaylorTermsPerTier) {
   EXPECT_EQ(budget->kind, SP_BUDGET_BYTES);
   EXPECT_EQ(budget->met, 1u);
   EXPECT_EQ(budget->decided_at_step, 0);
+  EXPECT_EQ(budget->reads_step_signals, 1u);
   const tl::StepReport report = model->end_step(1.0);
   std::uint64_t planned = 0, all_bf16 = 0;
   for (std::uint32_t b = 0; b < kBlocks; ++b) {
@@ -672,6 +673,12 @@ TEST(PolicyV4, AMeasuredTableBeforeTheFirstStepRoutesTheFirstFetch) {
   model->post_backward();
   model->end_step(1.0);
   EXPECT_EQ(nf4_blocks(), std::vector<std::size_t>{1}) << "the step kept the measured routes";
+  // v4 reads no Taylor table (ABI 1.4), so the step measured none: the last table is still the
+  // measurement.
+  const std::optional<sp_budget_status_v1> budget = model->budget_status();
+  ASSERT_TRUE(budget.has_value());
+  EXPECT_EQ(budget->reads_step_signals, 0u);
+  EXPECT_EQ(model->unit_signals().names, table.names);
 }
 
 // AdamW moments for every master of a model, by block and parameter name.

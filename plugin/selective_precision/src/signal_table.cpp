@@ -170,6 +170,12 @@ void PolicyEngine::budget_status(sp_budget_status_v1 *out) const {
   out->decided_at_step = allocated ? budget.decided_at_step : -1;
   out->met = allocated && budget.met ? 1 : 0;
   out->reserved0 = 0;
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 4
+  if (out->struct_size >= SP_BUDGET_STATUS_V1_4_SIZE) {
+    out->reads_step_signals = rule_->reads_step_signals() ? 1 : 0;
+    out->reserved1 = 0;
+  }
+#endif
 }
 
 BudgetRecord PolicyEngine::budget_record() const {

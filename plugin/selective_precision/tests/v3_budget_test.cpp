@@ -67,6 +67,7 @@ TEST(PolicyV3, BytesBudgetIsMetOnEveryStepWithChangingSignalsCooldownsAndForcedR
     EXPECT_EQ(hints[7].precision, SP_PRECISION_INT8);
     const sp_budget_status_v1 status = status_of(driver.engine());
     EXPECT_EQ(status.met, 1u) << "step " << step;
+    EXPECT_EQ(status.reads_step_signals, 1u) << "v3 decides with the steps' Taylor table";
     EXPECT_LE(status.planned_bytes_fraction, 0.45);
     for (std::uint32_t u = 0; u < kUnits; ++u) {
       if (step > 0 && hints[u].precision != previous[u].precision) ++switches;
@@ -406,7 +407,7 @@ TEST(PolicyV3Plugin, TheTablesDescribeTheirMinors) {
   const LoadedPlugin v2(SP_POLICY_PLUGIN_V2_EDITION_PATH);
   ASSERT_TRUE(v3.loaded() && v2.loaded()) << dlerror();
   EXPECT_STREQ(v3->plugin_version, "4.0.0");
-  EXPECT_EQ(v3->abi_minor, 3u);
+  EXPECT_EQ(v3->abi_minor, 4u);
   EXPECT_NE(v3->initial_hints, nullptr);
   EXPECT_NE(v3->set_unit_signals, nullptr);
   EXPECT_NE(v3->get_unit_costs, nullptr);
@@ -459,6 +460,14 @@ TEST(PolicyV3Plugin, SignalsCostsAndBudgetStatusThroughTheTable) {
   EXPECT_DOUBLE_EQ(status.limit, 0.45);
   EXPECT_EQ(status.met, 1u);
   EXPECT_EQ(status.decided_at_step, 0);
+  EXPECT_EQ(status.reads_step_signals, 1u);
+  // A host of 1.2 or 1.3 hands the 1.2 layout: nothing beyond it is written.
+  sp_budget_status_v1 older{};
+  older.struct_size = SP_BUDGET_STATUS_V1_2_SIZE;
+  older.reads_step_signals = 7;
+  ASSERT_EQ(plugin->get_budget_status(ctx, &older), SP_OK);
+  EXPECT_EQ(older.met, 1u);
+  EXPECT_EQ(older.reads_step_signals, 7u);
   plugin->destroy(ctx);
 }
 

@@ -87,6 +87,7 @@ TEST(PolicyV4, RoutesFromTheFirstStepByThePriorThenByTheUpperBoundsMeasuredBefor
   EXPECT_EQ(status.met, 1);
   EXPECT_DOUBLE_EQ(status.planned_cost, 0.012);
   EXPECT_TRUE(std::isnan(status.planned_loss_fraction)) << "a measured cost is not a fraction of the loss";
+  EXPECT_EQ(status.reads_step_signals, 0u) << "v4 decides without the steps' Taylor table, so the host skips it";
   double costs[kUnits];
   engine.unit_costs(SP_PRECISION_NF4, costs, kUnits);
   EXPECT_DOUBLE_EQ(costs[3], 0.05);

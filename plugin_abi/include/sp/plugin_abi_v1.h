@@ -2,8 +2,8 @@
  * Selective Precision policy plugin ABI, version 1.
  *
  * FROZEN per minor. This header describes a binary contract between a host runtime
- * and a policy plugin (.so). Minor 0 (1.0) is frozen; minors 1 (1.1), 2 (1.2) and 3 (1.3) only
- * appended to it, and every addition is marked "1.1", "1.2" or "1.3". Once released, nothing
+ * and a policy plugin (.so). Minor 0 (1.0) is frozen; minors 1 (1.1) to 4 (1.4) only
+ * appended to it, and every addition is marked "1.1", "1.2", "1.3" or "1.4". Once released, nothing
  * in it changes meaning:
  *   - structs passed one at a time (sp_host_api_v1, sp_step_feedback_v1 and the
  *     function table) only grow by appending fields. Their first field is struct_size,
@@ -29,7 +29,8 @@
  * of the 1.0 layouts, never calls a 1.1 function, and refuses a hint whose precision
  * 1.0 does not define. Likewise a 1.2 host never calls a 1.2 function on a 1.0 or 1.1
  * plugin (1.2 appends only functions, new structs and enum values), nor a 1.3 host a 1.3
- * function on an older plugin (1.3 appends one function). A plugin of a newer minor than the host is never loaded (the
+ * function on an older plugin (1.3 appends one function); a 1.4 host hands an older plugin the
+ * 1.2 size of sp_budget_status_v1 (1.4 appends a field to it). A plugin of a newer minor than the host is never loaded (the
  * version rule below), so a plugin always meets a host of its own minor or a newer one;
  * it still reads an appended field only where struct_size covers it.
  *
@@ -58,7 +59,7 @@ extern "C" {
 
 #define SP_PLUGIN_ABI_MAJOR 1
 /* The newest minor this header describes. */
-#define SP_PLUGIN_ABI_LATEST_MINOR 3
+#define SP_PLUGIN_ABI_LATEST_MINOR 4
 
 /* A plugin that implements an older minor defines SP_PLUGIN_ABI_TARGET_MINOR before
  * including this header (e.g. 0 for 1.0): it then compiles exactly that minor's layouts,
@@ -67,7 +68,7 @@ extern "C" {
 #define SP_PLUGIN_ABI_TARGET_MINOR SP_PLUGIN_ABI_LATEST_MINOR
 #endif
 #if SP_PLUGIN_ABI_TARGET_MINOR < 0 || SP_PLUGIN_ABI_TARGET_MINOR > SP_PLUGIN_ABI_LATEST_MINOR
-#error "SP_PLUGIN_ABI_TARGET_MINOR must be 0, 1, 2 or 3"
+#error "SP_PLUGIN_ABI_TARGET_MINOR must be 0, 1, 2, 3 or 4"
 #endif
 #define SP_PLUGIN_ABI_MINOR SP_PLUGIN_ABI_TARGET_MINOR
 
@@ -240,8 +241,9 @@ typedef struct sp_unit_signals_v1 {
 } sp_unit_signals_v1;
 
 /* 1.2: where a budget policy's current allocation stands. Appendable; the caller owns it and
- * sets struct_size to the size it compiled (at least SP_BUDGET_STATUS_V1_2_SIZE); the plugin
- * fills the fields that struct_size covers and leaves struct_size as it is. */
+ * sets struct_size to the size of the plugin's minor (SP_BUDGET_STATUS_V1_2_SIZE for 1.2 and 1.3,
+ * SP_BUDGET_STATUS_V1_4_SIZE from 1.4 on); the plugin fills the fields that struct_size covers
+ * and leaves struct_size as it is. */
 typedef struct sp_budget_status_v1 {
   uint32_t struct_size;
   sp_budget_kind kind;             /* SP_BUDGET_NONE, _BYTES or _LOSS */
@@ -256,6 +258,16 @@ typedef struct sp_budget_status_v1 {
   uint32_t met;                    /* 1 when the allocation keeps the budget, 0 otherwise (0 also
                                       without a budget or an allocation) */
   uint32_t reserved0;              /* zero */
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 4
+  /* 1.4 (written only when struct_size covers it): */
+  uint32_t reads_step_signals;     /* 1 when the policy decides with the signal table a host
+                                      measures from each step's gradients (the loss_cost,
+                                      first_order and second_order columns above), 0 when it
+                                      reads none of them: the host may then skip measuring them,
+                                      and the gradients only they need. A host treats a plugin
+                                      older than 1.4 as reading them. Any budget kind. */
+  uint32_t reserved1;              /* zero */
+#endif
 } sp_budget_status_v1;
 
 /* Opaque per-instance state, created and freed by the plugin. */
@@ -416,9 +428,17 @@ SP_ABI_STATIC_ASSERT(sizeof(sp_hint_v1) == 24, "sp_hint_v1 is frozen for ABI maj
 #define SP_PLUGIN_TABLE_V1_2_SIZE 152u
 #define SP_UNIT_SIGNALS_V1_2_SIZE 48u
 #define SP_BUDGET_STATUS_V1_2_SIZE 64u
+/* 1.4: the layout of sp_budget_status_v1 with the field 1.4 appends. */
+#define SP_BUDGET_STATUS_V1_4_SIZE 72u
 #if UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu
 SP_ABI_STATIC_ASSERT(sizeof(sp_unit_signals_v1) == SP_UNIT_SIGNALS_V1_2_SIZE, "1.2 layout of sp_unit_signals_v1");
+#endif
+#if UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu && SP_PLUGIN_ABI_TARGET_MINOR < 4
 SP_ABI_STATIC_ASSERT(sizeof(sp_budget_status_v1) == SP_BUDGET_STATUS_V1_2_SIZE, "1.2 layout of sp_budget_status_v1");
+#elif UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu
+SP_ABI_STATIC_ASSERT(offsetof(sp_budget_status_v1, reads_step_signals) == SP_BUDGET_STATUS_V1_2_SIZE,
+                     "1.4 fields of sp_budget_status_v1 start where 1.2 ended");
+SP_ABI_STATIC_ASSERT(sizeof(sp_budget_status_v1) == SP_BUDGET_STATUS_V1_4_SIZE, "1.4 layout of sp_budget_status_v1");
 #endif
 #if UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu && SP_PLUGIN_ABI_TARGET_MINOR == 0
 SP_ABI_STATIC_ASSERT(sizeof(sp_host_api_v1) == SP_HOST_API_V1_0_SIZE, "1.0 layout of sp_host_api_v1");

@@ -132,7 +132,7 @@ Trainer::Impl::Impl(TrainConfig cfg, RunOptions opts)
   } else if (config.policy_keys.run_calibration) {
     calibrate(*calibration_id);
     const std::optional<sp_budget_status_v1> budget = layer->budget_status();
-    calibration_step_due = budget && budget->kind != SP_BUDGET_NONE;
+    calibration_step_due = budget && budget->kind != SP_BUDGET_NONE && budget->reads_step_signals != 0;
   }
 
   sp::runtime::write_file_atomically(run_dir / kRunConfigFile, config.resolved_yaml);

@@ -181,7 +181,8 @@ class PolicyHost {
   /// nullopt from a plugin older than 1.2, a quarantined one, or one that fails (logged and
   /// counted under budget_queries).
   std::optional<std::vector<double>> unit_costs(sp_precision precision);
-  /// ABI 1.2: where the active plugin's budget stands; nullopt as unit_costs.
+  /// ABI 1.2: where the active plugin's budget stands; nullopt as unit_costs. Its struct_size
+  /// is the plugin's minor's; `reads_step_signals` (1.4) is 1 from an older plugin.
   std::optional<sp_budget_status_v1> budget_status();
   /// ABI 1.3: the hints the active plugin gives before the first step (its forced routes),
   /// one per block, which then stand as the last good hints; nullopt from a plugin older than

@@ -30,6 +30,7 @@ class BudgetRule final : public BudgetedRule {
   }
 
  protected:
+  bool reads_step_signals() const override { return true; }
   bool has_costs() const override { return engine_.state().budget.tables_received > 0; }
 
   // A predicted gain is not taken as one: quantizing never counts as helping the loss.

@@ -51,6 +51,10 @@ class DecisionRule {
   virtual bool decide(std::int64_t step, bool decision_step) = 0;
   // A validated signal table (ABI 1.2) measured at `step` (-1: before the first step).
   virtual void take_signals(std::int64_t /*step*/, const SignalTable & /*table*/) {}
+  // Whether the rule decides with the Taylor columns a host measures from each step's gradients
+  // (loss_cost, first_order, second_order): a budget status says so (ABI 1.4), and a host that
+  // is told no skips measuring them.
+  virtual bool reads_step_signals() const { return false; }
   // Whether hints before the first step depend on what the rule was given: the engine then asks
   // decide() for initial_hints instead of giving the forced routes and BF16.
   virtual bool decides_initial_hints() const { return false; }
