@@ -32,6 +32,8 @@ struct AbiMinorLayout {
   bool has_unit_signals = false;
   // 1.3: initial_hints.
   bool has_initial_hints = false;
+  // 1.4: propose_allocations and set_allocation_measurements.
+  bool has_allocation_measurements = false;
 };
 
 // The entry of `minor`; PluginLibrary has refused a minor above SP_PLUGIN_ABI_MINOR before any

@@ -243,6 +243,10 @@ void validate_table(const std::filesystem::path& file, const Table* table) {
                       {"get_budget_status", table->get_budget_status != nullptr}});
   }
   if (layout.has_initial_hints) require_minor(3, {{"initial_hints", table->initial_hints != nullptr}});
+  if (layout.has_allocation_measurements) {
+    require_minor(4, {{"propose_allocations", table->propose_allocations != nullptr},
+                      {"set_allocation_measurements", table->set_allocation_measurements != nullptr}});
+  }
 }
 
 }  // namespace

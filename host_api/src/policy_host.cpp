@@ -64,7 +64,7 @@ std::string hint_contract_violation(const std::vector<sp_hint_v1>& hints, const 
 
 std::uint64_t HookFailureCounts::total() const {
   return begin_step + post_backward + compute_hints + invalid_hints + end_step + set_calibration_errors +
-         set_unit_signals + budget_queries + initial_hints;
+         set_unit_signals + budget_queries + initial_hints + allocation_measurements;
 }
 
 std::string PolicyHost::Impl::now_text() const {

@@ -445,6 +445,13 @@ TEST(AbiMinor, A1_2PluginGetsTheSignalTableAndReportsItsDecision) {
   // It was handed the 1.2 layout, and the field 1.4 appended reads as before 1.4.
   EXPECT_EQ(status->struct_size, SP_BUDGET_STATUS_V1_2_SIZE);
   EXPECT_EQ(status->reads_step_signals, 1u);
+  // 1.4's functions are not called on it.
+  EXPECT_FALSE(host.propose_allocations().has_value());
+  AllocationMeasurements measured;
+  measured.allocations.push_back({std::vector<sp_precision>(kBlocks, SP_PRECISION_BF16), 0.0, 0.0, 0.0, 0.0});
+  EXPECT_FALSE(host.set_allocation_measurements(-1, measured));
+  measured.allocations[0].routes.pop_back();
+  EXPECT_THROW(host.set_allocation_measurements(-1, measured), std::invalid_argument);
   const std::string text = log.text();
   EXPECT_THAT(text, HasSubstr(kSignalRecord));
   EXPECT_THAT(text, AllOf(HasSubstr("fixture: get_unit_costs precision=2"),

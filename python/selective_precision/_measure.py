@@ -205,7 +205,10 @@ class UnitCosts:
     in order, the figures that rho is taken over. `h2d_bytes` is what the measurement moved,
     `all_bf16_fetches` the same in fetches of every unit in BF16 (a training step makes at least
     two: forward and backward). `sent_to_policy` says whether the policy plugin took the costs:
-    policy v4 (mode measured) allocates by their upper bounds; other modes ignore them."""
+    policy v4 (mode measured) allocates by their upper bounds; other modes ignore them. Policy v4
+    then proposes the swaps at its allocation's boundary, which are measured jointly on the same
+    batches (`alternatives` of them; `swapped`: whether it moved to one that measured better beyond
+    its interval); `h2d_bytes` and `seconds` count them too."""
 
     units: list[str]
     formats: list[str]
@@ -224,6 +227,8 @@ class UnitCosts:
     seconds: float
 
     sent_to_policy: bool = False
+    alternatives: int = 0
+    swapped: bool = False
 
     def signal_table(self) -> tuple[list[str], list[float], int]:
         """The costs as the policy plugin takes them (ABI 1.2's signal table, docs/policy.md
@@ -366,6 +371,7 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
     routes = [[f if v == u else "bf16" for v in range(len(units))] for f, u in candidates]
     names = ["unit %s in %s" % (units[u], f) for f, u in candidates]
     source = iter(batches)
+    measured_batches = []  # kept for the swaps the policy may propose once it has the costs
     started = time.perf_counter()
     # Per candidate: its KL per example, its loss difference per example and per batch, and its
     # cost per batch (what the split-half rho is taken over).
@@ -404,6 +410,7 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
                     raise
                 raise type(e)(message) from e
             used += len(chunk)
+            measured_batches += chunk
             rounds += 1
             for k, c in enumerate(measured):
                 if with_scores is None:
@@ -427,7 +434,6 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
         random.restore()
     if not used:
         raise ValueError("calibrate(): batches is empty; give the batches to measure on")
-    h2d_bytes = layer.model.measurement_h2d_bytes() - bytes_before
     all_bf16 = sum(layer.model.image_bytes(m, "bf16") for modules in layer.layout.unit_modules for m in modules)
     costs = {f: [] for f in formats}
     losses = {f: [] for f in formats}
@@ -442,9 +448,40 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
                      split_half_rho=split_half, batch_costs=per_batch, batches=used,
                      examples=len(kl[0]) if with_scores else len(example_differences[0] if per_example
                                                                   else batch_differences[0]),
-                     stopped_because=stopped, confidence=float(confidence), h2d_bytes=h2d_bytes,
-                     all_bf16_fetches=h2d_bytes / all_bf16, seconds=time.perf_counter() - started)
-    return dataclasses.replace(result, sent_to_policy=_send_to_policy(layer, result))
+                     stopped_because=stopped, confidence=float(confidence), h2d_bytes=0, all_bf16_fetches=0.0,
+                     seconds=0.0)
+    sent = _send_to_policy(layer, result)
+    alternatives, swapped = 0, False
+    if sent:
+        yardstick = "kl" if with_scores else "example" if per_example else "batch"
+        alternatives, swapped = _measure_alternatives(layer, caller, closure, measured_batches, confidence, yardstick,
+                                                      after_last_pass[0])
+    h2d_bytes = layer.model.measurement_h2d_bytes() - bytes_before
+    return dataclasses.replace(result, sent_to_policy=sent, alternatives=alternatives, swapped=swapped,
+                               h2d_bytes=h2d_bytes, all_bf16_fetches=h2d_bytes / all_bf16,
+                               seconds=time.perf_counter() - started)
+
+
+def _measure_alternatives(layer, caller, closure, batches, confidence, yardstick, random_state):
+    """The allocations the policy proposes once it has the costs (policy v4: its own and the swaps
+    at its boundary), measured jointly against all-BF16 on `batches`, the dropout streams going on
+    from `random_state`; the policy takes their costs per example (or per batch) and keeps a swap
+    only where it measured better beyond its interval. Returns how many alternatives were measured
+    and whether the routes moved."""
+    proposed = layer.model.propose_allocations()
+    if len(proposed) < 2:
+        return 0, False
+    before = layer.model.routes()
+    random = _RandomStreams()
+    try:
+        _RandomStreams.put(random_state)
+        measured = _measure(layer, caller, closure, batches, proposed, ["bf16"] * len(proposed[0]), confidence)
+    finally:
+        random.restore()
+    costs = [list(m.example_kl if yardstick == "kl" else m.example_loss_differences if yardstick == "example"
+                  else m.batch_loss_differences) for m in measured]
+    layer.model.set_allocation_measurements(proposed, costs, float(confidence))
+    return len(proposed) - 1, layer.model.routes() != before
 
 
 def _send_to_policy(layer, costs):

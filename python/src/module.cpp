@@ -805,6 +805,26 @@ PYBIND11_MODULE(_selective_precision, m) {
              d["samples"] = table.samples;
              return d;
            })
+      .def("propose_allocations",
+           [](PyStreamedModel& s) {
+             py::list rows;
+             for (const std::vector<sp::Precision>& row : s.model().propose_allocations()) {
+               py::list routes;
+               for (sp::Precision p : row) routes.append(sp::precision_name(p));
+               rows.append(routes);
+             }
+             return rows;
+           })
+      .def("set_allocation_measurements",
+           [](PyStreamedModel& s, const std::vector<std::vector<std::string>>& allocations,
+              const std::vector<std::vector<double>>& example_costs, double confidence) {
+             std::vector<std::vector<sp::Precision>> routes;
+             for (const std::vector<std::string>& row : allocations) {
+               std::vector<sp::Precision>& out = routes.emplace_back();
+               for (const std::string& name : row) out.push_back(precision_of(name));
+             }
+             return s.model().set_allocation_measurements(routes, example_costs, confidence);
+           })
       .def("set_unit_signals",
            [](PyStreamedModel& s, const std::vector<std::string>& names, const std::vector<double>& values,
               std::uint64_t samples) {

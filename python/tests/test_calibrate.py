@@ -1,6 +1,7 @@
 """layers.calibrate(closure, batches): each unit's cost alone in each format, measured forward only
 with compare_routes()'s yardstick, taken over batches until the units' ranking repeats."""
 
+import math
 import re
 
 import pytest
@@ -233,11 +234,41 @@ def test_policy_v4_keeps_the_measured_routes_through_training():
         assert model.layers.routes() == measured
 
 
+def test_policy_v4_measures_the_swaps_at_its_boundary_and_takes_one_only_beyond_its_interval():
+    model = v4_model(0.8)
+    model.eval()
+    layers = model.layers
+    model_link = layers._layer().model
+    costs = layers.calibrate(per_example(model), [torch.randn(8, 8) for _ in range(4)], formats="nf4", rho=None)
+    routes = layers.routes()
+    # What calibrate measured beside the allocation: the proposal the allocation in force gives.
+    proposal = model_link.propose_allocations()
+    assert len(proposal) >= 2 and proposal[0] == routes
+    assert costs.alternatives == len(proposal) - 1
+    assert all(sum(r == "nf4" for r in alternative) == sum(r == "nf4" for r in routes) for alternative in proposal)
+
+    # Lower on average, within the noise: the allocation stays.
+    base = [0.1 + 0.01 * math.sin(i) for i in range(64)]
+    noisy = [b - 0.001 + (0.05 if i % 2 else -0.05) for i, b in enumerate(base)]
+    assert model_link.set_allocation_measurements(proposal, [base] + [noisy] * (len(proposal) - 1), 0.95)
+    assert layers.routes() == routes
+    # Lower beyond it: the policy moves there, from the first fetch.
+    proposal = model_link.propose_allocations()
+    better = [b - 0.01 for b in base]
+    assert model_link.set_allocation_measurements(proposal, [base, better] + [base] * (len(proposal) - 2), 0.95)
+    assert layers.routes() == proposal[1]
+    # A measurement of no open proposal is refused by the policy (logged), and changes nothing.
+    assert not model_link.set_allocation_measurements(proposal, [base, better] + [base] * (len(proposal) - 2), 0.95)
+    with pytest.raises(ValueError, match="allocation 1 has 3 costs and allocation 0 has 64"):
+        model_link.set_allocation_measurements(proposal, [base, base[:3]] + [base] * (len(proposal) - 2), 0.95)
+
+
 def test_other_policies_take_the_costs_and_decide_as_before():
     model = streamed_model()  # all BF16 (mode off)
     model.eval()
     costs = model.layers.calibrate(per_example(model), [torch.randn(8, 8) for _ in range(2)], rho=None)
     assert costs.sent_to_policy and model.layers.routes() == ["bf16"] * 3
+    assert costs.alternatives == 0 and not costs.swapped  # only v4 proposes swaps
 
 
 def test_a_plugin_before_policy_v4_is_not_given_the_costs():

@@ -453,6 +453,78 @@ bool StreamedModel::set_unit_signals(const sp::host::UnitSignalTable& table) {
   return true;
 }
 
+std::vector<std::vector<Precision>> StreamedModel::propose_allocations() {
+  Impl& m = *impl_;
+  if (m.in_step()) throw std::logic_error("StreamedModel::propose_allocations: call it between steps");
+  std::vector<std::vector<Precision>> rows;
+  const std::optional<std::vector<std::vector<sp_precision>>> proposed = m.policy->propose_allocations();
+  if (!proposed) return rows;
+  for (const std::vector<sp_precision>& row : *proposed) {
+    std::vector<Precision>& routes = rows.emplace_back();
+    // The host checked every code against the routes it streams.
+    for (sp_precision p : row) routes.push_back(*from_abi(p));
+  }
+  return rows;
+}
+
+bool StreamedModel::set_allocation_measurements(const std::vector<std::vector<Precision>>& allocations,
+                                                const std::vector<std::vector<double>>& example_costs,
+                                                double confidence) {
+  Impl& m = *impl_;
+  if (m.in_step()) throw std::logic_error("StreamedModel::set_allocation_measurements: call it between steps");
+  const auto refuse = [](const std::string& why) {
+    return std::invalid_argument("StreamedModel::set_allocation_measurements: " + why);
+  };
+  if (allocations.size() != example_costs.size()) {
+    throw refuse(fmt::format("{} allocations but {} cost lists; give one per allocation", allocations.size(),
+                             example_costs.size()));
+  }
+  if (allocations.empty()) throw refuse("no allocation given; measure what propose_allocations() returned");
+  sp::host::AllocationMeasurements measured;
+  measured.confidence = confidence;
+  measured.samples = example_costs[0].size();
+  for (std::size_t k = 0; k < allocations.size(); ++k) {
+    if (allocations[k].size() != m.num_units()) {
+      throw refuse(fmt::format("allocation {} has {} routes for {} policy units", k, allocations[k].size(),
+                               m.num_units()));
+    }
+    if (example_costs[k].size() != example_costs[0].size()) {
+      throw refuse(fmt::format("allocation {} has {} costs and allocation 0 has {}: measure them on the same examples",
+                               k, example_costs[k].size(), example_costs[0].size()));
+    }
+    sp::host::AllocationMeasurement& row = measured.allocations.emplace_back();
+    for (Precision p : allocations[k]) row.routes.push_back(to_abi(p));
+    const PairedInterval cost = paired_interval(example_costs[k], confidence);
+    row.cost = cost.mean;
+    row.cost_upper = cost.high;
+    std::vector<double> difference(example_costs[k].size());
+    for (std::size_t i = 0; i < difference.size(); ++i) difference[i] = example_costs[k][i] - example_costs[0][i];
+    const PairedInterval paired = paired_interval(difference, confidence);
+    row.difference = paired.mean;
+    row.difference_upper = paired.high;
+    // One example bounds nothing: the plugin takes an unbounded interval as not measured.
+    if (!std::isfinite(row.cost_upper)) row.cost = row.cost_upper = std::numeric_limits<double>::quiet_NaN();
+    if (!std::isfinite(row.difference_upper)) {
+      row.difference = row.difference_upper = std::numeric_limits<double>::quiet_NaN();
+    }
+  }
+  if (m.collectives) {
+    std::vector<std::int32_t> bits;
+    for (const std::vector<double>& costs : example_costs) {
+      const std::size_t at = bits.size();
+      bits.resize(at + 2 * costs.size());
+      std::memcpy(bits.data() + at, costs.data(), costs.size() * sizeof(double));
+    }
+    m.check_ranks_agree(bits, "the costs given to set_allocation_measurements");
+  }
+  if (!m.policy->set_allocation_measurements(m.last_step ? *m.last_step : -1, measured)) return false;
+  if (!m.last_step && m.policy->take_initial_hints()) {
+    m.route_by_hints();
+    m.share_images(/*all=*/false);
+  }
+  return true;
+}
+
 std::optional<std::vector<double>> StreamedModel::unit_costs(Precision precision) {
   return impl_->policy->unit_costs(to_abi(precision));
 }

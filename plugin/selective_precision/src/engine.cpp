@@ -101,6 +101,7 @@ void PolicyEngine::begin_step(std::int64_t step) {
   if (state_.current_step >= 0 && step <= state_.current_step) {
     throw OrderError(fmt::format("begin_step({}) after step {}: steps must increase", step, state_.current_step));
   }
+  proposal_.clear();  // a step may move the allocation the proposal was of
   write_pending_record();
   state_.current_step = step;
   state_.phase = StepPhase::begun;
@@ -479,6 +480,7 @@ void PolicyEngine::import_state(const std::uint8_t *blob, std::size_t size) {
   }
   write_pending_record();
   state_ = std::move(imported);
+  proposal_.clear();
   // The exporter's allocation was made for its sizes and its config: a budgeted rule
   // re-allocates at the next compute_hints (margins and cooldowns keep what still fits).
   rule_->replan();

@@ -264,6 +264,33 @@ sp_status sp_initial_hints(sp_policy_ctx *ctx, sp_hint_v1 *hints_out, uint32_t n
 }
 #endif
 
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 4
+sp_status sp_propose_allocations(sp_policy_ctx *ctx, sp_precision *routes_out, uint32_t n, uint32_t capacity,
+                                 uint32_t *count_out) {
+  return on_context(ctx, "propose_allocations", [&] {
+    if (count_out == nullptr) throw sp::policy::InvalidArgument("propose_allocations: count_out is null");
+    const std::vector<std::vector<sp_precision>> &rows = ctx->engine.propose_allocations(n);
+    *count_out = static_cast<uint32_t>(rows.size());
+    if (rows.size() > capacity) {
+      throw PolicyError(SP_ERR_BUFFER_TOO_SMALL, sp::ErrorKind::bad_input,
+                        fmt::format("propose_allocations: {} allocations, room for {}", rows.size(), capacity));
+    }
+    if (!rows.empty() && routes_out == nullptr) {
+      throw sp::policy::InvalidArgument("propose_allocations: routes_out is null but capacity > 0");
+    }
+    for (std::size_t k = 0; k < rows.size(); ++k) {
+      std::memcpy(routes_out + k * n, rows[k].data(), n * sizeof(sp_precision));
+    }
+  });
+}
+
+sp_status sp_set_allocation_measurements(sp_policy_ctx *ctx, int64_t step,
+                                         const sp_allocation_measurements_v1 *measurements) {
+  return on_context(ctx, "set_allocation_measurements",
+                    [&] { ctx->engine.set_allocation_measurements(step, measurements); });
+}
+#endif
+
 const char *sp_last_error(const sp_policy_ctx *ctx) {
   return ctx == nullptr ? g_create_error : ctx->last_error.c_str();
 }
@@ -296,6 +323,10 @@ constexpr sp_policy_plugin_v1_table kTable = {
 #endif
 #if SP_PLUGIN_ABI_TARGET_MINOR >= 3
     sp_initial_hints,
+#endif
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 4
+    sp_propose_allocations,
+    sp_set_allocation_measurements,
 #endif
 };
 

@@ -94,6 +94,7 @@ void PolicyEngine::set_unit_signals(std::int64_t step, const sp_unit_signals_v1 
   const SignalTable table(*signals);
   record_predicted_costs(step, table);
   rule_->take_signals(step, table);
+  proposal_.clear();  // the next decision may move the allocation it was of
 }
 
 // What 3.x did with every table, in every mode: v3's smoothed loss_cost per tier and the two

@@ -4,6 +4,7 @@
 // "Policy v4").
 #include "budget_test_support.h"
 #include "policy_test_support.h"
+#include "loaded_plugin.h"
 
 #include "sp/policy/budget.h"
 #include "sp/policy/errors.h"
@@ -199,9 +200,10 @@ TEST(PolicyV4, RefusesADamagedSectionOfItsOwnAndKeepsItsState) {
   std::vector<std::uint8_t> blob = v4.engine().export_state();
   Driver target(measured_config(kOneNf4), kUnits);
   const std::vector<std::uint8_t> before = target.engine().export_state();
-  // The last value of the blob's last section (v4's) is unit 7's NF4 upper bound in the adopted
-  // measurement: make it -1, below its mean, and seal the blob again.
-  store_f64(blob, blob.size() - 4 - 8, -1.0);
+  // The last value before the blob's last section's two choice flags (v4's; no choice stands) is
+  // unit 7's NF4 upper bound in the adopted measurement: make it -1, below its mean, and seal the
+  // blob again.
+  store_f64(blob, blob.size() - 4 - 2 - 8, -1.0);
   reseal(blob);
   try {
     target.engine().import_state(blob.data(), blob.size());
@@ -236,11 +238,186 @@ TEST(PolicyV4, TelemetryStatesTheMeasurementItDecidedBy) {
   EXPECT_EQ(record["measured"]["adopted"], true);
   EXPECT_EQ(record["measured"]["switch_sigmas"], 2.0);
   EXPECT_TRUE(record["measured"]["decide_until_step"].is_null());
+  EXPECT_EQ(record["measured"]["boundary_swaps"], 2);
+  EXPECT_EQ(record["measured"]["measured_choice"], false);
+  EXPECT_FALSE(record["measured"].contains("last_swaps")) << "no swap was measured";
   EXPECT_EQ(record["block_details"]["5"]["precision"], "nf4");
   EXPECT_EQ(record["block_details"]["2"]["measured_cost"]["nf4"]["upper"], 0.03);
   EXPECT_TRUE(record["block_details"]["2"]["measured_cost"]["int8"]["mean"].is_null());
   EXPECT_FALSE(record["block_details"]["2"].contains("predicted_cost")) << "v3's fields are v3's";
   std::filesystem::remove_all(dir);
+}
+
+// ---- the swaps at the boundary, measured jointly (ABI 1.4) ----
+
+// What a host measured of `proposal`: allocation k's cost and its paired difference from
+// allocation 0, each as (mean, upper bound).
+sp_allocation_measurements_v1 measurement_of(const std::vector<std::vector<sp_precision>> &proposal,
+                                             std::vector<sp_precision> &routes, const std::vector<double> &cost,
+                                             const std::vector<double> &cost_upper, const std::vector<double> &difference,
+                                             const std::vector<double> &difference_upper) {
+  routes.clear();
+  for (const std::vector<sp_precision> &row : proposal) routes.insert(routes.end(), row.begin(), row.end());
+  return sp_allocation_measurements_v1{sizeof(sp_allocation_measurements_v1),
+                                       static_cast<std::uint32_t>(proposal.size()),
+                                       kUnits,
+                                       0,
+                                       routes.data(),
+                                       cost.data(),
+                                       cost_upper.data(),
+                                       difference.data(),
+                                       difference_upper.data(),
+                                       256,
+                                       0.95};
+}
+
+std::vector<std::uint32_t> nf4_units_of(const std::vector<sp_precision> &routes) {
+  std::vector<std::uint32_t> units;
+  for (std::uint32_t u = 0; u < routes.size(); ++u) {
+    if (routes[u] == SP_PRECISION_NF4) units.push_back(u);
+  }
+  return units;
+}
+
+// Unit 5 in NF4 by the unit costs; units 2 and 3 are the next cheapest to narrow.
+Signals boundary_costs() {
+  return measured_with({{5, {0.01, 0.001, 0.012}}, {2, {0.015, 0.001, 0.02}}, {3, {0.02, 0.001, 0.03}}});
+}
+
+TEST(PolicyV4, ProposesTheSwapsAtItsBoundaryAndTakesOneOnlyBeyondItsInterval) {
+  Driver driver(measured_config(kOneNf4), kUnits);
+  PolicyEngine &engine = driver.engine();
+  EXPECT_TRUE(engine.propose_allocations(kUnits).empty()) << "nothing to swap before a measurement";
+  send(engine, -1, boundary_costs());
+  ASSERT_EQ(nf4_units(initial(engine)), std::vector<std::uint32_t>{5});
+  // The allocation in force, then unit 5 back to BF16 with each of the two units cheapest to
+  // narrow in its place: the same bytes.
+  const std::vector<std::vector<sp_precision>> proposal = engine.propose_allocations(kUnits);
+  ASSERT_EQ(proposal.size(), 3u);
+  EXPECT_EQ(nf4_units_of(proposal[0]), std::vector<std::uint32_t>{5});
+  EXPECT_EQ(nf4_units_of(proposal[1]), std::vector<std::uint32_t>{2});
+  EXPECT_EQ(nf4_units_of(proposal[2]), std::vector<std::uint32_t>{3});
+
+  // Unit 3 measured lower on average, but within the noise; unit 2 lower beyond it.
+  std::vector<sp_precision> routes;
+  const std::vector<double> cost{0.05, 0.04, 0.03}, cost_upper{0.06, 0.05, 0.05};
+  const std::vector<double> difference{0.0, -0.01, -0.02}, difference_upper{0.0, -0.002, 0.001};
+  const sp_allocation_measurements_v1 m =
+      measurement_of(proposal, routes, cost, cost_upper, difference, difference_upper);
+  engine.set_allocation_measurements(-1, &m);
+  EXPECT_EQ(nf4_units(initial(engine)), std::vector<std::uint32_t>{2});
+  EXPECT_THROW(engine.set_allocation_measurements(-1, &m), InvalidArgument) << "a proposal is answered once";
+
+  // Training keeps the measured choice, as it keeps a measured allocation.
+  EXPECT_EQ(nf4_units(step_with(driver, 0, nullptr)), std::vector<std::uint32_t>{2});
+  EXPECT_LE(bytes_of(driver.hints()), static_cast<std::uint64_t>(0.92 * kUnits * kBf16));
+  // A new measurement of the units replaces it: the knapsack decides again.
+  const Signals again = boundary_costs();
+  EXPECT_EQ(nf4_units(step_with(driver, 1, &again)), std::vector<std::uint32_t>{5});
+}
+
+TEST(PolicyV4, RefusesAMeasurementOfAnotherProposalAndChangesNothing) {
+  Driver driver(measured_config(kOneNf4), kUnits);
+  PolicyEngine &engine = driver.engine();
+  send(engine, -1, boundary_costs());
+  initial(engine);
+  std::vector<std::vector<sp_precision>> proposal = engine.propose_allocations(kUnits);
+  ASSERT_EQ(proposal.size(), 3u);
+  const std::vector<std::uint8_t> before = engine.export_state();
+  std::swap(proposal[1], proposal[2]);
+  std::vector<sp_precision> routes;
+  const std::vector<double> cost{0.05, 0.04, 0.03}, cost_upper{0.06, 0.05, 0.04};
+  const std::vector<double> difference{0.0, -0.01, -0.02}, difference_upper{0.0, -0.002, -0.01};
+  sp_allocation_measurements_v1 m = measurement_of(proposal, routes, cost, cost_upper, difference, difference_upper);
+  try {
+    engine.set_allocation_measurements(-1, &m);
+    ADD_FAILURE() << "a measurement of the alternatives in another order was taken";
+  } catch (const InvalidArgument &error) {
+    EXPECT_NE(std::string(error.what()).find("allocation 1 has block 2 at precision 0, but the proposal has 2"),
+              std::string::npos)
+        << error.what();
+  }
+  std::swap(proposal[1], proposal[2]);
+  const std::vector<double> inverted{0.0, -0.01, -0.03};
+  m = measurement_of(proposal, routes, cost, cost_upper, difference, inverted);
+  EXPECT_THROW(engine.set_allocation_measurements(-1, &m), InvalidArgument) << "an upper bound below its mean";
+  m = measurement_of(proposal, routes, cost, cost_upper, difference, difference_upper);
+  m.confidence = 1.0;
+  EXPECT_THROW(engine.set_allocation_measurements(-1, &m), InvalidArgument);
+  EXPECT_EQ(engine.export_state(), before);
+  EXPECT_EQ(nf4_units(initial(engine)), std::vector<std::uint32_t>{5});
+}
+
+TEST(PolicyV4, AMeasuredSwapCrossesAStateRoundTripAndNotDecideUntilStep) {
+  Driver driver(measured_config(kOneNf4, "  decide_until_step: 0\n"), kUnits);
+  PolicyEngine &engine = driver.engine();
+  send(engine, -1, boundary_costs());
+  initial(engine);
+  std::vector<std::vector<sp_precision>> proposal = engine.propose_allocations(kUnits);
+  std::vector<sp_precision> routes;
+  const std::vector<double> cost{0.05, 0.04, 0.03}, cost_upper{0.06, 0.05, 0.04};
+  const std::vector<double> difference{0.0, -0.01, -0.005}, difference_upper{0.0, -0.002, -0.001};
+  sp_allocation_measurements_v1 m = measurement_of(proposal, routes, cost, cost_upper, difference, difference_upper);
+  engine.set_allocation_measurements(-1, &m);
+  ASSERT_EQ(nf4_units(initial(engine)), std::vector<std::uint32_t>{2}) << "the lowest mean beyond its interval";
+  const std::vector<std::uint8_t> blob = engine.export_state();
+  Driver resumed(measured_config(kOneNf4, "  decide_until_step: 0\n"), kUnits);
+  resumed.engine().import_state(blob.data(), blob.size());
+  EXPECT_EQ(nf4_units(step_with(resumed, 0, nullptr)), std::vector<std::uint32_t>{2});
+
+  // After decide_until_step a measured swap is recorded, not taken.
+  proposal = resumed.engine().propose_allocations(kUnits);
+  ASSERT_EQ(proposal.size(), 3u);
+  m = measurement_of(proposal, routes, cost, cost_upper, difference, difference_upper);
+  resumed.engine().set_allocation_measurements(0, &m);
+  EXPECT_EQ(nf4_units(step_with(resumed, 1, nullptr)), std::vector<std::uint32_t>{2});
+}
+
+TEST(PolicyV4, BoundarySwapsZeroProposesNothing) {
+  Driver driver(measured_config(kOneNf4, "  boundary_swaps: 0\n"), kUnits);
+  send(driver.engine(), -1, boundary_costs());
+  initial(driver.engine());
+  EXPECT_TRUE(driver.engine().propose_allocations(kUnits).empty());
+  driver.engine().begin_step(0);
+  EXPECT_THROW(driver.engine().propose_allocations(kUnits), OrderError) << "between steps only";
+}
+
+TEST(PolicyV4Plugin, ProposalsThroughTheTableSayWhatRoomTheyNeed) {
+  const LoadedPlugin plugin(SP_POLICY_PLUGIN_PATH);
+  ASSERT_TRUE(plugin.loaded()) << dlerror();
+  EXPECT_EQ(plugin->abi_minor, 4u);
+  const sp_host_api_v1 host = all_routes_host();
+  std::vector<sp_block_desc_v1> blocks;
+  for (std::uint32_t b = 0; b < kUnits; ++b) blocks.push_back({sizeof(sp_block_desc_v1), b, 1000, kBf16, kInt8, nullptr});
+  const std::string config = measured_config(kOneNf4);
+  sp_policy_ctx *ctx = nullptr;
+  ASSERT_EQ(plugin->create(&host, config.c_str(), blocks.data(), kUnits, &ctx), SP_OK) << plugin->last_error(nullptr);
+  const std::vector<std::uint64_t> nf4(kUnits, kNf4);
+  ASSERT_EQ(plugin->set_transfer_bytes(ctx, SP_PRECISION_NF4, nf4.data(), kUnits), SP_OK);
+  std::vector<const char *> names;
+  const Signals costs = boundary_costs();
+  const sp_unit_signals_v1 table = costs.view(names);
+  ASSERT_EQ(plugin->set_unit_signals(ctx, -1, &table), SP_OK) << plugin->last_error(ctx);
+  std::vector<sp_hint_v1> hints(kUnits);
+  ASSERT_EQ(plugin->initial_hints(ctx, hints.data(), kUnits), SP_OK);
+  std::uint32_t count = 0;
+  EXPECT_EQ(plugin->propose_allocations(ctx, nullptr, kUnits, 0, &count), SP_ERR_BUFFER_TOO_SMALL);
+  ASSERT_EQ(count, 3u);
+  std::vector<sp_precision> routes(count * kUnits, -1);
+  ASSERT_EQ(plugin->propose_allocations(ctx, routes.data(), kUnits, count, &count), SP_OK) << plugin->last_error(ctx);
+  EXPECT_EQ(nf4_units_of(std::vector<sp_precision>(routes.begin() + kUnits, routes.begin() + 2 * kUnits)),
+            std::vector<std::uint32_t>{2});
+  const std::vector<double> cost{0.05, 0.04, 0.03}, upper{0.06, 0.05, 0.04}, difference{0.0, -0.01, -0.005},
+      difference_upper{0.0, -0.002, -0.001};
+  sp_allocation_measurements_v1 m{sizeof m, count, kUnits, 0, routes.data(), cost.data(), upper.data(),
+                                  difference.data(), difference_upper.data(), 64, 0.95};
+  m.struct_size = SP_ALLOCATION_MEASUREMENTS_V1_4_SIZE - 8;
+  EXPECT_EQ(plugin->set_allocation_measurements(ctx, -1, &m), SP_ERR_INVALID_ARGUMENT);
+  m.struct_size = sizeof m;
+  ASSERT_EQ(plugin->set_allocation_measurements(ctx, -1, &m), SP_OK) << plugin->last_error(ctx);
+  ASSERT_EQ(plugin->initial_hints(ctx, hints.data(), kUnits), SP_OK);
+  EXPECT_EQ(nf4_units(hints), std::vector<std::uint32_t>{2});
+  plugin->destroy(ctx);
 }
 
 TEST(PolicyV4Config, NamesTheKeyAndWhatWasExpected) {

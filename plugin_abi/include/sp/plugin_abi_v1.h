@@ -30,7 +30,7 @@
  * 1.0 does not define. Likewise a 1.2 host never calls a 1.2 function on a 1.0 or 1.1
  * plugin (1.2 appends only functions, new structs and enum values), nor a 1.3 host a 1.3
  * function on an older plugin (1.3 appends one function); a 1.4 host hands an older plugin the
- * 1.2 size of sp_budget_status_v1 (1.4 appends a field to it). A plugin of a newer minor than the host is never loaded (the
+ * 1.2 size of sp_budget_status_v1 (1.4 appends a field to it, a struct and two functions). A plugin of a newer minor than the host is never loaded (the
  * version rule below), so a plugin always meets a host of its own minor or a newer one;
  * it still reads an appended field only where struct_size covers it.
  *
@@ -270,6 +270,28 @@ typedef struct sp_budget_status_v1 {
 #endif
 } sp_budget_status_v1;
 
+/* 1.4: what the host measured of the allocations a policy proposed (propose_allocations), each
+ * against one reference (all-BF16), on the same examples. Appendable; the caller owns it and
+ * every array it points to, borrowed for the call. Allocation 0 is the one the policy holds;
+ * each other one is compared with it example by example. */
+typedef struct sp_allocation_measurements_v1 {
+  uint32_t struct_size;          /* sizeof(sp_allocation_measurements_v1) as the host compiled it;
+                                    at least SP_ALLOCATION_MEASUREMENTS_V1_4_SIZE */
+  uint32_t n_allocations;        /* as many as propose_allocations gave, in its order */
+  uint32_t n_blocks;             /* the n_blocks of create() */
+  uint32_t reserved0;            /* zero */
+  const sp_precision *routes;    /* n_allocations * n_blocks: the allocations measured (row k,
+                                    block b at routes[k * n_blocks + b]), as proposed */
+  const double *cost;            /* n_allocations: the mean cost against the reference (the KL
+                                    of the outputs per example, or the loss difference) */
+  const double *cost_upper;      /* n_allocations: the upper bound of its confidence interval */
+  const double *difference;      /* n_allocations: the mean paired difference, allocation k's
+                                    cost minus allocation 0's (0 for k = 0) */
+  const double *difference_upper; /* n_allocations: its upper confidence bound */
+  uint64_t samples;              /* the examples (or batches) the intervals pair over */
+  double confidence;             /* of every interval, in (0, 1) */
+} sp_allocation_measurements_v1;
+
 /* Opaque per-instance state, created and freed by the plugin. */
 typedef struct sp_policy_ctx sp_policy_ctx;
 
@@ -404,6 +426,27 @@ typedef struct sp_policy_plugin_v1_table {
    * switches nothing it returned here. */
   sp_status (*initial_hints)(sp_policy_ctx *ctx, sp_hint_v1 *hints_out, uint32_t n);
 #endif
+
+#if SP_PLUGIN_ABI_TARGET_MINOR >= 4
+  /* ---- 1.4. A host calls these only when the table's abi_minor >= 4 and its struct_size
+   * covers the pointer; a 1.4 plugin sets both (not NULL). ---- */
+
+  /* The allocations the policy wants measured jointly, each a route per block: row 0 is the
+   * allocation it holds, the others its alternatives (a policy that decides by measurement
+   * proposes the swaps at its allocation's boundary). `routes_out` (capacity rows of n blocks)
+   * is owned by the caller and borrowed for this call, and may be NULL when capacity is 0.
+   * *count_out receives the number of rows; 0 means nothing to measure. If it exceeds
+   * capacity the call returns SP_ERR_BUFFER_TOO_SMALL and writes no row. Between steps. */
+  sp_status (*propose_allocations)(sp_policy_ctx *ctx, sp_precision *routes_out, uint32_t n, uint32_t capacity,
+                                   uint32_t *count_out);
+
+  /* What the host measured of the last proposal (sp_allocation_measurements_v1 above),
+   * borrowed for this call. `step` as in set_unit_signals. The policy may move to an
+   * alternative that measured better than allocation 0; measurements of another proposal than
+   * its latest are refused with SP_ERR_INVALID_ARGUMENT and change nothing. Between steps. */
+  sp_status (*set_allocation_measurements)(sp_policy_ctx *ctx, int64_t step,
+                                           const sp_allocation_measurements_v1 *measurements);
+#endif
 } sp_policy_plugin_v1_table;
 
 /* The array element layouts are part of the major version (see the top of the file). */
@@ -428,10 +471,15 @@ SP_ABI_STATIC_ASSERT(sizeof(sp_hint_v1) == 24, "sp_hint_v1 is frozen for ABI maj
 #define SP_PLUGIN_TABLE_V1_2_SIZE 152u
 #define SP_UNIT_SIGNALS_V1_2_SIZE 48u
 #define SP_BUDGET_STATUS_V1_2_SIZE 64u
-/* 1.4: the layout of sp_budget_status_v1 with the field 1.4 appends. */
+/* 1.4: the layout of sp_budget_status_v1 with the field 1.4 appends, where a 1.3 table ends (1.4
+ * appends to it), and the first layout of the struct 1.4 introduces. */
 #define SP_BUDGET_STATUS_V1_4_SIZE 72u
+#define SP_PLUGIN_TABLE_V1_3_SIZE 160u
+#define SP_ALLOCATION_MEASUREMENTS_V1_4_SIZE 72u
 #if UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu
 SP_ABI_STATIC_ASSERT(sizeof(sp_unit_signals_v1) == SP_UNIT_SIGNALS_V1_2_SIZE, "1.2 layout of sp_unit_signals_v1");
+SP_ABI_STATIC_ASSERT(sizeof(sp_allocation_measurements_v1) == SP_ALLOCATION_MEASUREMENTS_V1_4_SIZE,
+                     "1.4 layout of sp_allocation_measurements_v1");
 #endif
 #if UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu && SP_PLUGIN_ABI_TARGET_MINOR < 4
 SP_ABI_STATIC_ASSERT(sizeof(sp_budget_status_v1) == SP_BUDGET_STATUS_V1_2_SIZE, "1.2 layout of sp_budget_status_v1");
@@ -463,6 +511,12 @@ SP_ABI_STATIC_ASSERT(sizeof(sp_policy_plugin_v1_table) == SP_PLUGIN_TABLE_V1_2_S
 #elif UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu && SP_PLUGIN_ABI_TARGET_MINOR >= 3
 SP_ABI_STATIC_ASSERT(offsetof(sp_policy_plugin_v1_table, initial_hints) == SP_PLUGIN_TABLE_V1_2_SIZE,
                      "1.3 functions of the table start where 1.2 ended");
+#endif
+#if UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu && SP_PLUGIN_ABI_TARGET_MINOR == 3
+SP_ABI_STATIC_ASSERT(sizeof(sp_policy_plugin_v1_table) == SP_PLUGIN_TABLE_V1_3_SIZE, "1.3 layout of the table");
+#elif UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu && SP_PLUGIN_ABI_TARGET_MINOR >= 4
+SP_ABI_STATIC_ASSERT(offsetof(sp_policy_plugin_v1_table, propose_allocations) == SP_PLUGIN_TABLE_V1_3_SIZE,
+                     "1.4 functions of the table start where 1.3 ended");
 #endif
 #undef SP_ABI_STATIC_ASSERT
 

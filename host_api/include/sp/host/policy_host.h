@@ -56,6 +56,26 @@ struct UnitSignalTable {
   std::uint64_t samples = 0;
 };
 
+/// ABI 1.4: what the host measured of one allocation a plugin proposed: its route per block, its
+/// mean cost against the reference (all-BF16) with the upper confidence bound, and its paired
+/// difference from allocation 0 with its upper bound (0 for allocation 0).
+struct AllocationMeasurement {
+  std::vector<sp_precision> routes;
+  double cost = std::numeric_limits<double>::quiet_NaN();
+  double cost_upper = std::numeric_limits<double>::quiet_NaN();
+  double difference = std::numeric_limits<double>::quiet_NaN();
+  double difference_upper = std::numeric_limits<double>::quiet_NaN();
+};
+
+/// ABI 1.4: the measurement of a whole proposal, in the proposal's order.
+struct AllocationMeasurements {
+  std::vector<AllocationMeasurement> allocations;
+  /// The examples (or batches) the intervals pair over.
+  std::uint64_t samples = 0;
+  /// Of every interval, in (0, 1).
+  double confidence = 0.95;
+};
+
 /// What the host hands out when the plugin cannot answer.
 enum class FallbackMode {
   all_bf16,   ///< every block BF16: always safe for convergence
@@ -103,6 +123,9 @@ struct HookFailureCounts {
   std::uint64_t budget_queries = 0;
   /// 1.3: initial_hints, failed or with hints that broke the contract.
   std::uint64_t initial_hints = 0;
+  /// 1.4: propose_allocations (failed, or routes that broke the contract) and
+  /// set_allocation_measurements together.
+  std::uint64_t allocation_measurements = 0;
   std::uint64_t total() const;
 };
 
@@ -189,6 +212,16 @@ class PolicyHost {
   /// 1.3, a quarantined one, or one that fails or breaks the hint contract (logged and counted
   /// under initial_hints). Before the first begin_step only: std::logic_error after it.
   std::optional<std::vector<sp_hint_v1>> initial_hints();
+  /// ABI 1.4, between steps: the allocations the active plugin wants measured jointly, a route
+  /// per block each; row 0 is the one it holds. Empty when it proposes none; nullopt from a
+  /// plugin older than 1.4, a quarantined one, or one that fails or names a precision this host
+  /// does not stream (logged and counted under allocation_measurements).
+  std::optional<std::vector<std::vector<sp_precision>>> propose_allocations();
+  /// ABI 1.4, between steps: the measurement of the latest proposal, `step` as in
+  /// set_unit_signals. Returns whether the plugin took it: false from a plugin older than 1.4, a
+  /// quarantined one, or one that rejects it (logged and counted). Throws std::invalid_argument
+  /// when an allocation's routes are not one per block.
+  bool set_allocation_measurements(std::int64_t step, const AllocationMeasurements& measurements);
 
   /// The active plugin's state blob (export_state), for a checkpoint. Only between steps;
   /// otherwise throws std::logic_error. Throws PluginError when the plugin cannot export.

@@ -60,6 +60,12 @@ class PolicySession {
   bool set_unit_signals(std::int64_t step, const UnitSignalTable& table);
   std::optional<std::vector<double>> unit_costs(sp_precision precision) { return host_->unit_costs(precision); }
   std::optional<sp_budget_status_v1> budget_status() { return host_->budget_status(); }
+  // ABI 1.4 (PolicyHost::propose_allocations, set_allocation_measurements): the allocations the
+  // policy wants measured jointly, and their measurement; between steps.
+  std::optional<std::vector<std::vector<sp_precision>>> propose_allocations() { return host_->propose_allocations(); }
+  bool set_allocation_measurements(std::int64_t step, const AllocationMeasurements& measurements) {
+    return host_->set_allocation_measurements(step, measurements);
+  }
   // ABI 1.3 (PolicyHost::initial_hints): the hints before the first step, which become hints();
   // false, with hints() unchanged, when the plugin has none.
   bool take_initial_hints();

@@ -8,11 +8,18 @@
 // measurement of its own, not smoothed with the last: the host's interval already covers all its
 // batches. A re-solve for another reason (new sizes, a standing rule moved a unit) uses the costs
 // of the last adopted measurement, so nothing measured after decide_until_step moves a unit.
+// Then the swaps at the knapsack's boundary (ABI 1.4): the boundary_swaps units cheapest to
+// narrow and the boundary_swaps units that gain most from widening, paired at no more bytes, are
+// proposed for the host to measure jointly with the allocation; one is taken only when its paired
+// difference from the allocation is below zero beyond its confidence interval, the lowest such.
 // docs/policy.md, "Policy v4".
 #include "budgeted_rule.h"
 #include "../byte_codec.h"
 #include "../json_values.h"
+#include "sp/policy/routes.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <array>
 #include <cmath>
 #include <limits>
@@ -23,6 +30,7 @@ namespace {
 
 constexpr const char *kSwitchSigmas = "switch_sigmas";
 constexpr const char *kDecideUntilStep = "decide_until_step";
+constexpr const char *kBoundarySwaps = "boundary_swaps";
 constexpr std::uint32_t kSectionTag = 0x4452534D;  // "MSRD" as the codec writes tags
 
 // One unit's measurement at one tier.
@@ -36,6 +44,17 @@ using MeasuredTiers = std::array<Measured, kTiers.size()>;
 constexpr std::size_t kFixedSize = 8 + 8 + 8 + 1 + 1;
 // Per unit: the last measurement, then the adopted one, each a mean, se and upper bound per tier.
 constexpr std::size_t kUnitSize = 2 * kTiers.size() * 3 * 8;
+// Appended since the boundary swaps: whether a measured choice stands and waits, then its tier per
+// unit. A section without it (written before) reads as no choice.
+constexpr std::size_t kChoiceFixedSize = 1 + 1;
+
+// One unit's move by one tier: what it changes in cost (upper bounds) and in bytes.
+struct Move {
+  std::uint32_t unit;
+  sp_precision to;
+  double cost_change;
+  std::int64_t byte_change;
+};
 // A cost, its spread or its bound beyond this magnitude is refused: the knapsack sums them.
 constexpr double kLargestValue = 1e12;
 
@@ -45,6 +64,7 @@ class MeasuredRule final : public BudgetedRule {
       : BudgetedRule(engine),
         switch_sigmas_(rule_setting(engine.config(), Mode::measured, kSwitchSigmas)),
         decide_until_step_(static_cast<std::int64_t>(rule_setting(engine.config(), Mode::measured, kDecideUntilStep))),
+        boundary_swaps_(static_cast<std::uint32_t>(rule_setting(engine.config(), Mode::measured, kBoundarySwaps))),
         units_(engine.n_blocks()),
         decided_(engine.n_blocks()) {}
 
@@ -83,6 +103,59 @@ class MeasuredRule final : public BudgetedRule {
 
   bool decides_initial_hints() const override { return true; }
 
+  // The swaps at the boundary of the allocation in force, once it is a measured one.
+  std::vector<std::vector<sp_precision>> alternatives() const override {
+    if (boundary_swaps_ == 0 || !adopted_ || engine_.state().budget.source != AllocationSource::measured) return {};
+    const std::uint32_t n = engine_.n_blocks();
+    std::vector<sp_precision> current(n);
+    for (std::uint32_t u = 0; u < n; ++u) current[u] = travels_as(engine_.state().blocks[u].assignment);
+    std::vector<Move> narrower, wider;
+    for (std::uint32_t u = 0; u < n; ++u) {
+      if (engine_.forced(u) >= 0) continue;
+      if (const std::optional<Move> move = adjacent_move(u, current[u], +1)) narrower.push_back(*move);
+      if (const std::optional<Move> move = adjacent_move(u, current[u], -1)) wider.push_back(*move);
+    }
+    // Nearest the cut: the least cost added per byte saved, the most cost saved per byte added.
+    const auto per_byte = [](const Move &m) { return m.cost_change / static_cast<double>(std::llabs(m.byte_change)); };
+    const auto nearest = [&](std::vector<Move> &moves) {
+      std::stable_sort(moves.begin(), moves.end(), [&](const Move &a, const Move &b) { return per_byte(a) < per_byte(b); });
+      if (moves.size() > boundary_swaps_) moves.resize(boundary_swaps_);
+    };
+    nearest(narrower);
+    nearest(wider);
+    std::vector<std::vector<sp_precision>> out;
+    for (const Move &up : wider) {
+      for (const Move &down : narrower) {
+        if (up.unit == down.unit || up.byte_change + down.byte_change > 0) continue;
+        std::vector<sp_precision> swapped = current;
+        swapped[up.unit] = up.to;
+        swapped[down.unit] = down.to;
+        out.push_back(std::move(swapped));
+      }
+    }
+    return out;
+  }
+
+  void take_allocation_measurements(std::int64_t step, const AllocationMeasurements &measured) override {
+    last_swaps_ = LastSwaps{step, static_cast<std::uint32_t>(measured.rows.size() - 1), 0, ScoreParts::kNever,
+                            ScoreParts::kNever, decide_until_step_ >= 0 && step > decide_until_step_};
+    if (last_swaps_->too_late) return;
+    const std::uint64_t in_force = bytes_of(measured.rows[0].routes);
+    for (std::uint32_t k = 1; k < measured.rows.size(); ++k) {
+      const MeasuredAllocation &row = measured.rows[k];
+      // Better beyond its interval, at no more bytes: a draw within the noise never moves a unit.
+      if (!(row.difference_upper < 0.0) || bytes_of(row.routes) > in_force) continue;
+      if (last_swaps_->chosen == 0 || row.difference < last_swaps_->difference) {
+        last_swaps_->chosen = k;
+        last_swaps_->difference = row.difference;
+        last_swaps_->difference_upper = row.difference_upper;
+      }
+    }
+    if (last_swaps_->chosen == 0) return;
+    choice_ = measured.rows[last_swaps_->chosen].routes;
+    choice_pending_ = true;
+  }
+
   std::optional<double> own_cost(std::uint32_t unit, sp_precision precision) const override {
     return adopted_ ? decided_[unit][precision].upper : ScoreParts::kNever;
   }
@@ -106,6 +179,9 @@ class MeasuredRule final : public BudgetedRule {
         }
       }
     }
+    out.u8(choice_.empty() ? 0 : 1);
+    out.u8(choice_pending_ ? 1 : 0);
+    for (sp_precision tier : choice_) out.u8(static_cast<std::uint8_t>(tier));
     return out.take();
   }
 
@@ -118,12 +194,17 @@ class MeasuredRule final : public BudgetedRule {
       samples_ = 0;
       pending_ = false;
       adopted_ = false;
+      choice_.clear();
+      choice_pending_ = false;
       return;
     }
     const std::size_t size = payload->size();
-    if (size != kFixedSize + kUnitSize * units_.size()) {
-      throw StateError(fmt::format("state blob: the measured-costs section is {} bytes, expected {} for {} units", size,
-                                   kFixedSize + kUnitSize * units_.size(), units_.size()));
+    const std::size_t costs_size = kFixedSize + kUnitSize * units_.size();
+    const std::size_t with_choice_flags = costs_size + kChoiceFixedSize;
+    if (size != costs_size && size != with_choice_flags && size != with_choice_flags + units_.size()) {
+      throw StateError(fmt::format("state blob: the measured-costs section is {} bytes, expected {} or {} (with a "
+                                   "measured choice) for {} units",
+                                   size, with_choice_flags, with_choice_flags + units_.size(), units_.size()));
     }
     Reader reader(payload->data(), size);
     const std::uint64_t tables = reader.u64("measured tables");
@@ -153,6 +234,27 @@ class MeasuredRule final : public BudgetedRule {
         }
       }
     }
+    std::vector<sp_precision> choice;
+    bool choice_pending = false;
+    if (size > costs_size) {
+      const bool has_choice = reader.flag("measured-choice flag");
+      choice_pending = reader.flag("measured-choice-pending flag");
+      if (has_choice != (size == with_choice_flags + units_.size()) || (choice_pending && !has_choice) ||
+          (has_choice && !adopted)) {
+        throw StateError(fmt::format("state blob: the measured choice's flags ({}, pending {}) do not fit a section of "
+                                     "{} bytes whose measurement is {}adopted",
+                                     has_choice, choice_pending, size, adopted ? "" : "not "));
+      }
+      for (std::size_t u = 0; has_choice && u < units_.size(); ++u) {
+        const std::uint8_t tier = reader.u8("measured choice's tier");
+        if (tier >= kTiers.size()) {
+          throw StateError(fmt::format("state blob: the measured choice gives unit {} precision {}; expected 0 (BF16), "
+                                       "1 (INT8) or 2 (NF4)",
+                                       u, tier));
+        }
+        choice.push_back(static_cast<sp_precision>(tier));
+      }
+    }
     tables_ = tables;
     last_step_ = last_step;
     samples_ = samples;
@@ -160,6 +262,8 @@ class MeasuredRule final : public BudgetedRule {
     adopted_ = adopted;
     units_ = std::move(units);
     decided_ = std::move(decided);
+    choice_ = std::move(choice);
+    choice_pending_ = choice_pending;
   }
 
   void describe(nlohmann::ordered_json &record) const override {
@@ -171,7 +275,19 @@ class MeasuredRule final : public BudgetedRule {
         {"adopted", adopted_},
         {"switch_sigmas", switch_sigmas_},
         {"decide_until_step", decide_until_step_ >= 0 ? nlohmann::ordered_json(decide_until_step_) : nullptr},
+        {"boundary_swaps", boundary_swaps_},
+        {"measured_choice", !choice_.empty()},
     };
+    if (last_swaps_) {
+      record["measured"]["last_swaps"] = {
+          {"step", last_swaps_->step},
+          {"alternatives", last_swaps_->alternatives},
+          {"chosen", last_swaps_->chosen},
+          {"difference", number_or_null(last_swaps_->difference)},
+          {"difference_upper", number_or_null(last_swaps_->difference_upper)},
+          {"after_decide_until_step", last_swaps_->too_late},
+      };
+    }
   }
 
   void describe_unit(std::uint32_t unit, nlohmann::ordered_json &detail) const override {
@@ -202,14 +318,21 @@ class MeasuredRule final : public BudgetedRule {
 
   // No decision after decide_until_step: the last steps train on the routes they began with.
   bool costs_call_for_allocation(std::int64_t step, bool /*decision_step*/) const override {
-    return pending_ && (decide_until_step_ < 0 || step <= decide_until_step_);
+    return (pending_ || choice_pending_) && (decide_until_step_ < 0 || step <= decide_until_step_);
   }
 
+  // A new measurement of the units supersedes a choice made on the last one.
   void adopt_new_costs() override {
-    decided_ = units_;
-    adopted_ = true;
-    pending_ = false;
+    if (pending_) {
+      decided_ = units_;
+      adopted_ = true;
+      pending_ = false;
+      choice_.clear();
+    }
+    choice_pending_ = false;
   }
+  const std::vector<sp_precision> *measured_choice() const override { return choice_.empty() ? nullptr : &choice_; }
+  void drop_measured_choice() override { choice_.clear(); }
   AllocationSource costs_source() const override { return AllocationSource::measured; }
   void costs_taken() override {}
 
@@ -222,8 +345,49 @@ class MeasuredRule final : public BudgetedRule {
            (std::isnan(m.mean) || std::isnan(m.upper) || m.upper >= m.mean);
   }
 
+  // Unit u moved to the next open tier narrower (direction +1) or wider (-1) than `from`: a
+  // configured tier the measurement prices, as the knapsack opens them; nullopt where there is
+  // none.
+  std::optional<Move> adjacent_move(std::uint32_t u, sp_precision from, int direction) const {
+    const PolicySettings &config = engine_.config();
+    const double before = cost(u, from);
+    if (std::isnan(before)) return std::nullopt;
+    // kTiers runs from the widest tier to the narrowest.
+    const auto at = static_cast<int>(std::find(kTiers.begin(), kTiers.end(), from) - kTiers.begin());
+    for (int r = at + direction; r >= 0 && r < static_cast<int>(kTiers.size()); r += direction) {
+      const sp_precision to = kTiers[static_cast<std::size_t>(r)];
+      const double after = cost(u, to);
+      if (!config.tier(to) || std::isnan(after)) continue;
+      const BlockBytes &bytes = engine_.block_bytes()[u];
+      const auto byte_change = static_cast<std::int64_t>(tier_bytes(bytes, to, config.nf4_group_size)) -
+                               static_cast<std::int64_t>(tier_bytes(bytes, from, config.nf4_group_size));
+      if (byte_change == 0) return std::nullopt;
+      return Move{u, to, after - before, byte_change};
+    }
+    return std::nullopt;
+  }
+
+  std::uint64_t bytes_of(const std::vector<sp_precision> &routes) const {
+    std::uint64_t total = 0;
+    for (std::uint32_t u = 0; u < routes.size(); ++u) {
+      total += tier_bytes(engine_.block_bytes()[u], routes[u], engine_.config().nf4_group_size);
+    }
+    return total;
+  }
+
+  // The last measurement of the swaps, for telemetry.
+  struct LastSwaps {
+    std::int64_t step;
+    std::uint32_t alternatives;
+    std::uint32_t chosen;  // 0: the allocation in force stayed
+    double difference;
+    double difference_upper;
+    bool too_late;  // after decide_until_step: not taken
+  };
+
   double switch_sigmas_;
   std::int64_t decide_until_step_;
+  std::uint32_t boundary_swaps_;
   const TierColumns mean_columns_{"measured_cost"};
   const TierColumns se_columns_{"measured_cost_se"};
   const TierColumns upper_columns_{"measured_cost_upper"};
@@ -234,12 +398,18 @@ class MeasuredRule final : public BudgetedRule {
   std::int64_t last_step_ = kNoStep;
   std::uint64_t samples_ = 0;
   bool pending_ = false;
+  // The swap measured to beat the knapsack's allocation (a tier per unit), empty when none stands,
+  // and whether the next decision has yet to take it.
+  std::vector<sp_precision> choice_;
+  bool choice_pending_ = false;
+  std::optional<LastSwaps> last_swaps_;
 };
 
 }  // namespace
 
 constexpr RuleKey kKeys[] = {{kSwitchSigmas, "a number in [0, 100]", 0.0, 100.0, 2.0, false, false},
-                             {kDecideUntilStep, "an integer >= -1 (-1: no last step)", -1.0, 9.0e15, -1.0, true, false}};
+                             {kDecideUntilStep, "an integer >= -1 (-1: no last step)", -1.0, 9.0e15, -1.0, true, false},
+                             {kBoundarySwaps, "an integer in [0, 8] (0: no swaps measured)", 0.0, 8.0, 2.0, true, false}};
 
 extern const RuleModule kMeasuredRule{
     Mode::measured, "measured", 4, true, false, kKeys,

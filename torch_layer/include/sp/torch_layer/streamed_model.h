@@ -514,6 +514,21 @@ class StreamedModel {
   // Between steps only. Returns false when the plugin refused it (logged); with collectives,
   // every rank must send the same table (the ranks' routes are checked to agree).
   bool set_unit_signals(const sp::host::UnitSignalTable& table);
+  // ABI 1.4, between steps: the allocations the policy wants measured jointly, a route per policy
+  // unit each; row 0 is the one it holds, the others its alternatives (policy v4: the swaps at
+  // its knapsack's boundary). Empty when it proposes none, or its plugin is older than 1.4.
+  std::vector<std::vector<Precision>> propose_allocations();
+  // ABI 1.4, between steps: what those allocations cost, measured on the same examples against
+  // one reference: per allocation, in the proposal's order, its cost per example (as
+  // compare_routes() of several allocations gives them: RouteComparison::example_kl, or
+  // example_loss_differences). Each allocation's mean cost and its paired difference from
+  // allocation 0 get their `confidence` intervals (paired_interval) here. Returns whether the
+  // policy took them (false, logged, when it refused them); before the first step its routes
+  // follow at once, after one at its next compute_hints. Throws std::invalid_argument for costs
+  // of unequal lengths, none, or not finite (one example bounds nothing: sent as not measured);
+  // with collectives every rank must give the same.
+  bool set_allocation_measurements(const std::vector<std::vector<Precision>>& allocations,
+                                   const std::vector<std::vector<double>>& example_costs, double confidence);
   // The plugin's smoothed predicted cost per block at `precision` (NaN: none yet), and where its
   // budget stands; nullopt from a plugin older than ABI 1.2 (or one that fails: logged).
   std::optional<std::vector<double>> unit_costs(Precision precision);

@@ -41,6 +41,24 @@ class SignalTable {
   const sp_unit_signals_v1 &table_;
 };
 
+// One allocation the host measured (ABI 1.4): a route per unit, its cost against the reference
+// with the upper confidence bound, and its paired difference from allocation 0 with its bound.
+struct MeasuredAllocation {
+  std::vector<sp_precision> routes;
+  double cost;
+  double cost_upper;
+  double difference;
+  double difference_upper;
+};
+
+// A validated sp_allocation_measurements_v1: row 0 is the allocation that was in force when it
+// was proposed, the rest the rule's alternatives, in the order it gave them.
+struct AllocationMeasurements {
+  std::vector<MeasuredAllocation> rows;
+  std::uint64_t samples;
+  double confidence;
+};
+
 class DecisionRule {
  public:
   virtual ~DecisionRule() = default;
@@ -55,6 +73,12 @@ class DecisionRule {
   // (loss_cost, first_order, second_order): a budget status says so (ABI 1.4), and a host that
   // is told no skips measuring them.
   virtual bool reads_step_signals() const { return false; }
+  // ABI 1.4: alternatives to the allocation in force that the rule wants measured with it, each a
+  // route per unit; none by default.
+  virtual std::vector<std::vector<sp_precision>> alternatives() const { return {}; }
+  // ABI 1.4: the host's measurement of the allocation in force and of alternatives(), measured at
+  // `step` (-1: before the first step). Throws InvalidArgument naming the field it refuses.
+  virtual void take_allocation_measurements(std::int64_t /*step*/, const AllocationMeasurements & /*measured*/) {}
   // Whether hints before the first step depend on what the rule was given: the engine then asks
   // decide() for initial_hints instead of giving the forced routes and BF16.
   virtual bool decides_initial_hints() const { return false; }

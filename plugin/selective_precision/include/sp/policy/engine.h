@@ -63,6 +63,13 @@ class PolicyEngine {
   void unit_costs(sp_precision precision, double *costs_out, std::uint32_t n) const;
   // Fills the fields of 1.2 that out->struct_size covers.
   void budget_status(sp_budget_status_v1 *out) const;
+  // ABI 1.4, between steps: the allocation in force, then the rule's alternatives to it, each a
+  // route per block (n = n_blocks()); the proposal a measurement must answer. Empty: nothing to
+  // measure.
+  const std::vector<std::vector<sp_precision>> &propose_allocations(std::uint32_t n);
+  // ABI 1.4, between steps: the host's measurement of the latest proposal, validated completely
+  // (the allocations must be the proposal's, in its order), then the rule's to act on.
+  void set_allocation_measurements(std::int64_t step, const sp_allocation_measurements_v1 *measurements);
   // The loss a loss budget is a fraction of: the smoothed end_step loss once one arrived in a
   // budgeted mode, else the last signal table's; NaN when neither is known.
   double reference_loss() const;
@@ -111,6 +118,9 @@ class PolicyEngine {
   std::optional<SpikeRecord> last_spike_;
 
   std::unique_ptr<DecisionRule> rule_;
+  // The latest propose_allocations() answer, which set_allocation_measurements() must match;
+  // cleared when it is answered or a step changes the allocation.
+  std::vector<std::vector<sp_precision>> proposal_;
 
   // Scratch space reused every step so that the steady state allocates nothing.
   std::vector<sp_hint_v1> hints_;
