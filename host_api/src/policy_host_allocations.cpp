@@ -38,6 +38,13 @@ std::optional<std::vector<std::vector<sp_precision>>> PolicyHost::propose_alloca
   if (!impl.check_hook("propose_allocations", impl.now_text(), status, impl.failures.allocation_measurements)) {
     return std::nullopt;
   }
+  if (static_cast<std::size_t>(count) * n > routes.size()) {
+    ++impl.failures.allocation_measurements;
+    impl.logger->error("policy plugin {} said {} allocations in propose_allocations, but had room for {}: the "
+                       "proposal is dropped",
+                       active.label(), count, routes.size() / n);
+    return std::nullopt;
+  }
   std::vector<std::vector<sp_precision>> rows;
   for (std::uint32_t k = 0; k < count; ++k) {
     std::vector<sp_precision> row(routes.begin() + static_cast<std::ptrdiff_t>(k) * n,

@@ -205,10 +205,11 @@ class UnitCosts:
     in order, the figures that rho is taken over. `h2d_bytes` is what the measurement moved,
     `all_bf16_fetches` the same in fetches of every unit in BF16 (a training step makes at least
     two: forward and backward). `sent_to_policy` says whether the policy plugin took the costs:
-    policy v4 (mode measured) allocates by their upper bounds; other modes ignore them. Policy v4
-    then proposes the swaps at its allocation's boundary, which are measured jointly on the same
-    batches (`alternatives` of them; `swapped`: whether it moved to one that measured better beyond
-    its interval); `h2d_bytes` and `seconds` count them too."""
+    policy v4 (mode measured) allocates by their upper bounds; other modes ignore them. Before the
+    first step, policy v4 then proposes the swaps at its allocation's boundary, which are measured
+    jointly on the same batches (`alternatives` of them; `swapped`: whether it moved to one that
+    measured better beyond its interval); `h2d_bytes` and `seconds` count them too. After the first
+    step the policy adopts the costs at its next step, and no swap is measured then."""
 
     units: list[str]
     formats: list[str]

@@ -458,11 +458,19 @@ std::vector<std::vector<Precision>> StreamedModel::propose_allocations() {
   if (m.in_step()) throw std::logic_error("StreamedModel::propose_allocations: call it between steps");
   std::vector<std::vector<Precision>> rows;
   const std::optional<std::vector<std::vector<sp_precision>>> proposed = m.policy->propose_allocations();
-  if (!proposed) return rows;
-  for (const std::vector<sp_precision>& row : *proposed) {
+  std::vector<std::int32_t> codes;
+  for (const std::vector<sp_precision>& row : proposed.value_or(std::vector<std::vector<sp_precision>>{})) {
     std::vector<Precision>& routes = rows.emplace_back();
     // The host checked every code against the routes it streams.
-    for (sp_precision p : row) routes.push_back(*from_abi(p));
+    for (sp_precision p : row) {
+      routes.push_back(*from_abi(p));
+      codes.push_back(p);
+    }
+  }
+  if (m.collectives) {
+    // Every rank measures what it returns, in collectives: the same number of rows first, then the rows.
+    m.check_ranks_agree({static_cast<std::int32_t>(rows.size())}, "the number of allocations the plugin proposed");
+    m.check_ranks_agree(codes, "the allocations the plugin proposed");
   }
   return rows;
 }
@@ -483,6 +491,10 @@ bool StreamedModel::set_allocation_measurements(const std::vector<std::vector<Pr
   sp::host::AllocationMeasurements measured;
   measured.confidence = confidence;
   measured.samples = example_costs[0].size();
+  // The best of K alternatives is taken: each difference's interval is Bonferroni-corrected over
+  // them, so that noise alone makes any one win with at most the chance of one interval.
+  const std::size_t alternatives = std::max<std::size_t>(allocations.size(), 2) - 1;
+  const double difference_confidence = 1.0 - (1.0 - confidence) / static_cast<double>(alternatives);
   for (std::size_t k = 0; k < allocations.size(); ++k) {
     if (allocations[k].size() != m.num_units()) {
       throw refuse(fmt::format("allocation {} has {} routes for {} policy units", k, allocations[k].size(),
@@ -499,7 +511,7 @@ bool StreamedModel::set_allocation_measurements(const std::vector<std::vector<Pr
     row.cost_upper = cost.high;
     std::vector<double> difference(example_costs[k].size());
     for (std::size_t i = 0; i < difference.size(); ++i) difference[i] = example_costs[k][i] - example_costs[0][i];
-    const PairedInterval paired = paired_interval(difference, confidence);
+    const PairedInterval paired = paired_interval(difference, difference_confidence);
     row.difference = paired.mean;
     row.difference_upper = paired.high;
     // One example bounds nothing: the plugin takes an unbounded interval as not measured.
@@ -509,13 +521,18 @@ bool StreamedModel::set_allocation_measurements(const std::vector<std::vector<Pr
     }
   }
   if (m.collectives) {
-    std::vector<std::int32_t> bits;
-    for (const std::vector<double>& costs : example_costs) {
+    // The sizes first, so that the collective below compares equal lengths.
+    m.check_ranks_agree({static_cast<std::int32_t>(allocations.size()), static_cast<std::int32_t>(measured.samples)},
+                        "the number of allocations and of costs given to set_allocation_measurements");
+    std::vector<std::int32_t> bits(2);
+    std::memcpy(bits.data(), &confidence, sizeof confidence);
+    for (std::size_t k = 0; k < allocations.size(); ++k) {
+      for (Precision p : allocations[k]) bits.push_back(to_abi(p));
       const std::size_t at = bits.size();
-      bits.resize(at + 2 * costs.size());
-      std::memcpy(bits.data() + at, costs.data(), costs.size() * sizeof(double));
+      bits.resize(at + 2 * example_costs[k].size());
+      std::memcpy(bits.data() + at, example_costs[k].data(), example_costs[k].size() * sizeof(double));
     }
-    m.check_ranks_agree(bits, "the costs given to set_allocation_measurements");
+    m.check_ranks_agree(bits, "the allocations, confidence and costs given to set_allocation_measurements");
   }
   if (!m.policy->set_allocation_measurements(m.last_step ? *m.last_step : -1, measured)) return false;
   if (!m.last_step && m.policy->take_initial_hints()) {

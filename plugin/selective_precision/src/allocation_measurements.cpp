@@ -112,6 +112,16 @@ void PolicyEngine::set_allocation_measurements(std::int64_t step, const sp_alloc
     }
     measured.rows.push_back(std::move(row));
   }
+  // A decision since the proposal (initial_hints or compute_hints on new costs) may have moved the
+  // allocation that row 0 stood for: the alternatives were swaps around another allocation.
+  for (std::uint32_t b = 0; b < n_blocks(); ++b) {
+    if (travels_as(state_.blocks[b].assignment) != proposal_[0][b]) {
+      throw InvalidArgument(fmt::format("set_allocation_measurements: block {} travels at precision {} now, but the "
+                                        "proposal's allocation 0 has {}: the allocation moved since the proposal; "
+                                        "propose again",
+                                        b, travels_as(state_.blocks[b].assignment), proposal_[0][b]));
+    }
+  }
   rule_->take_allocation_measurements(step, measured);
   proposal_.clear();
 }

@@ -200,10 +200,10 @@ TEST(PolicyV4, RefusesADamagedSectionOfItsOwnAndKeepsItsState) {
   std::vector<std::uint8_t> blob = v4.engine().export_state();
   Driver target(measured_config(kOneNf4), kUnits);
   const std::vector<std::uint8_t> before = target.engine().export_state();
-  // The last value before the blob's last section's two choice flags (v4's; no choice stands) is
-  // unit 7's NF4 upper bound in the adopted measurement: make it -1, below its mean, and seal the
-  // blob again.
-  store_f64(blob, blob.size() - 4 - 2 - 8, -1.0);
+  // The last value of the blob's last section (v4's; no measured choice stands, so none follows)
+  // is unit 7's NF4 upper bound in the adopted measurement: make it -1, below its mean, and seal
+  // the blob again.
+  store_f64(blob, blob.size() - 4 - 8, -1.0);
   reseal(blob);
   try {
     target.engine().import_state(blob.data(), blob.size());
@@ -365,12 +365,78 @@ TEST(PolicyV4, AMeasuredSwapCrossesAStateRoundTripAndNotDecideUntilStep) {
   resumed.engine().import_state(blob.data(), blob.size());
   EXPECT_EQ(nf4_units(step_with(resumed, 0, nullptr)), std::vector<std::uint32_t>{2});
 
-  // After decide_until_step a measured swap is recorded, not taken.
+  // Measured at decide_until_step, a swap could act only after it: recorded, not taken, and not
+  // after a state round trip either (a re-solve for another reason would otherwise apply it).
   proposal = resumed.engine().propose_allocations(kUnits);
   ASSERT_EQ(proposal.size(), 3u);
   m = measurement_of(proposal, routes, cost, cost_upper, difference, difference_upper);
   resumed.engine().set_allocation_measurements(0, &m);
   EXPECT_EQ(nf4_units(step_with(resumed, 1, nullptr)), std::vector<std::uint32_t>{2});
+  const std::vector<std::uint8_t> late = resumed.engine().export_state();
+  Driver after(measured_config(kOneNf4, "  decide_until_step: 0\n"), kUnits);
+  after.engine().import_state(late.data(), late.size());
+  EXPECT_EQ(nf4_units(step_with(after, 2, nullptr)), std::vector<std::uint32_t>{2});
+}
+
+TEST(PolicyV4, ASwapHoldsOnlyWhileTheKnapsackAnswersWithTheAllocationItWasMeasuredAgainst) {
+  // Under 0.80 the knapsack takes units 5, 2 and 3 into NF4; the measured swap trades 3 for 4.
+  const Signals costs = measured_with({{5, {0.01, 0.001, 0.012}}, {2, {0.015, 0.001, 0.02}},
+                                       {3, {0.02, 0.001, 0.03}}, {4, {0.03, 0.001, 0.04}}});
+  Driver tight(measured_config("{bytes: 0.80}", "  boundary_swaps: 1\n"), kUnits);
+  send(tight.engine(), -1, costs);
+  ASSERT_EQ(nf4_units(initial(tight.engine())), (std::vector<std::uint32_t>{2, 3, 5}));
+  const std::vector<std::vector<sp_precision>> proposal = tight.engine().propose_allocations(kUnits);
+  ASSERT_EQ(proposal.size(), 2u);
+  ASSERT_EQ(nf4_units_of(proposal[1]), (std::vector<std::uint32_t>{2, 4, 5}));
+  std::vector<sp_precision> routes;
+  const std::vector<double> cost{0.05, 0.04}, upper{0.06, 0.05}, difference{0.0, -0.01}, difference_upper{0.0, -0.002};
+  const sp_allocation_measurements_v1 m = measurement_of(proposal, routes, cost, upper, difference, difference_upper);
+  tight.engine().set_allocation_measurements(-1, &m);
+  ASSERT_EQ(nf4_units(initial(tight.engine())), (std::vector<std::uint32_t>{2, 4, 5}));
+  const std::vector<std::uint8_t> blob = tight.engine().export_state();
+
+  // The same budget after a state round trip: the knapsack still answers {2, 3, 5}, the swap holds.
+  Driver again(measured_config("{bytes: 0.80}", "  boundary_swaps: 1\n"), kUnits);
+  again.engine().import_state(blob.data(), blob.size());
+  EXPECT_EQ(nf4_units(step_with(again, 0, nullptr)), (std::vector<std::uint32_t>{2, 4, 5}));
+  // A looser budget: the knapsack answers {5}, an allocation the swap was never measured against,
+  // though the swap would fit. The knapsack decides.
+  Driver loose(measured_config(kOneNf4, "  boundary_swaps: 1\n"), kUnits);
+  loose.engine().import_state(blob.data(), blob.size());
+  EXPECT_EQ(nf4_units(step_with(loose, 0, nullptr)), std::vector<std::uint32_t>{5});
+}
+
+TEST(PolicyV4, ANewMeasurementWithoutAWinnerSupersedesAChoiceNotYetTaken) {
+  Driver driver(measured_config(kOneNf4), kUnits);
+  PolicyEngine &engine = driver.engine();
+  send(engine, -1, boundary_costs());
+  initial(engine);
+  std::vector<sp_precision> routes;
+  const std::vector<double> cost{0.05, 0.04, 0.03}, upper{0.06, 0.05, 0.04}, difference{0.0, -0.01, 0.001},
+      wins{0.0, -0.002, 0.003}, loses{0.0, 0.001, 0.003};
+  std::vector<std::vector<sp_precision>> proposal = engine.propose_allocations(kUnits);
+  sp_allocation_measurements_v1 m = measurement_of(proposal, routes, cost, upper, difference, wins);
+  engine.set_allocation_measurements(-1, &m);
+  // Measured again before any decision took the swap: the same proposal, and now no winner.
+  proposal = engine.propose_allocations(kUnits);
+  ASSERT_EQ(nf4_units_of(proposal[0]), std::vector<std::uint32_t>{5});
+  m = measurement_of(proposal, routes, cost, upper, difference, loses);
+  engine.set_allocation_measurements(-1, &m);
+  EXPECT_EQ(nf4_units(initial(engine)), std::vector<std::uint32_t>{5});
+}
+
+TEST(PolicyV4, ProposesNothingWhileNewerUnitCostsWaitToBeAdopted) {
+  Driver driver(measured_config(kOneNf4), kUnits);
+  send(driver.engine(), -1, boundary_costs());
+  initial(driver.engine());
+  step_with(driver, 0, nullptr);
+  ASSERT_EQ(driver.engine().propose_allocations(kUnits).size(), 3u);
+  // Sent between steps, they are taken at the next compute_hints: until then the allocation they
+  // give is not in force, and no swap around the old one is worth measuring.
+  send(driver.engine(), 0, boundary_costs());
+  EXPECT_TRUE(driver.engine().propose_allocations(kUnits).empty());
+  step_with(driver, 1, nullptr);
+  EXPECT_EQ(driver.engine().propose_allocations(kUnits).size(), 3u);
 }
 
 TEST(PolicyV4, BoundarySwapsZeroProposesNothing) {

@@ -129,19 +129,20 @@ void BudgetedRule::allocate(std::int64_t step) {
                                         : least_cost_within_bytes(units, byte_limit(config.budget.limit, all_bf16));
   std::vector<sp_precision> choice(n);
   for (std::uint32_t u = 0; u < n; ++u) choice[u] = tiers_of[u][solution.choice[u]];
-  if (const std::vector<sp_precision> *measured_tiers = measured ? measured_choice() : nullptr) {
-    std::uint64_t bytes = 0;
-    bool open = true;
-    for (std::uint32_t u = 0; u < n; ++u) {
-      const sp_precision tier = (*measured_tiers)[u];
-      open = open && std::find(tiers_of[u].begin(), tiers_of[u].end(), tier) != tiers_of[u].end();
-      bytes += tier_bytes(block_bytes[u], tier, config.nf4_group_size);
+  if (measured) {
+    bool taken = false;
+    if (const std::vector<sp_precision> *measured_tiers = measured_choice(choice)) {
+      std::uint64_t bytes = 0;
+      bool open = true;
+      for (std::uint32_t u = 0; u < n; ++u) {
+        const sp_precision tier = (*measured_tiers)[u];
+        open = open && std::find(tiers_of[u].begin(), tiers_of[u].end(), tier) != tiers_of[u].end();
+        bytes += tier_bytes(block_bytes[u], tier, config.nf4_group_size);
+      }
+      taken = open && !loss_budget && bytes <= byte_limit(config.budget.limit, all_bf16_bytes(block_bytes));
+      if (taken) choice = *measured_tiers;
     }
-    if (open && !loss_budget && bytes <= byte_limit(config.budget.limit, all_bf16_bytes(block_bytes))) {
-      choice = *measured_tiers;
-    } else {
-      drop_measured_choice();
-    }
+    if (!taken) drop_measured_choice();
   }
   double planned_cost = 0.0;
   for (std::uint32_t u = 0; u < n; ++u) {

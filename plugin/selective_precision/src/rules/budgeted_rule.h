@@ -35,10 +35,12 @@ class BudgetedRule : public DecisionRule {
   virtual AllocationSource costs_source() const = 0;
   // The allocation took the costs: what called for it is answered.
   virtual void costs_taken() = 0;
-  // An allocation the rule measured to beat the knapsack's (a tier per unit), or null. allocate()
-  // takes it where every unit's tier in it is open to the unit and it keeps the bytes budget;
-  // otherwise it is dropped (drop_measured_choice()) and the knapsack decides.
-  virtual const std::vector<sp_precision> *measured_choice() const { return nullptr; }
+  // An allocation the rule measured to beat `knapsack`, the knapsack's answer now (a tier per unit),
+  // or null. allocate() takes it where every unit's tier in it is open to the unit and it keeps the
+  // bytes budget; otherwise the knapsack decides and the rule is told to drop its choice.
+  virtual const std::vector<sp_precision> *measured_choice(const std::vector<sp_precision> & /*knapsack*/) const {
+    return nullptr;
+  }
   virtual void drop_measured_choice() {}
   // The unit's sensitivity in [0, 1] relative to the others, from its cost at its cheapest tier.
   double cheapest_tier_cost(std::uint32_t unit) const;

@@ -12,6 +12,8 @@
 // narrow and the boundary_swaps units that gain most from widening, paired at no more bytes, are
 // proposed for the host to measure jointly with the allocation; one is taken only when its paired
 // difference from the allocation is below zero beyond its confidence interval, the lowest such.
+// A taken swap holds while the knapsack still answers with the allocation it was measured
+// against (or with the swap itself): new sizes, a new budget or a moved unit drop it.
 // docs/policy.md, "Policy v4".
 #include "budgeted_rule.h"
 #include "../byte_codec.h"
@@ -44,9 +46,10 @@ using MeasuredTiers = std::array<Measured, kTiers.size()>;
 constexpr std::size_t kFixedSize = 8 + 8 + 8 + 1 + 1;
 // Per unit: the last measurement, then the adopted one, each a mean, se and upper bound per tier.
 constexpr std::size_t kUnitSize = 2 * kTiers.size() * 3 * 8;
-// Appended since the boundary swaps: whether a measured choice stands and waits, then its tier per
-// unit. A section without it (written before) reads as no choice.
-constexpr std::size_t kChoiceFixedSize = 1 + 1;
+// Appended only while a measured choice stands: whether the next decision has yet to take it, then
+// per unit its tier and the tier of the allocation it was measured against. A section without it
+// reads as no choice, as one written before the boundary swaps does.
+constexpr std::size_t kChoiceFixedSize = 1;
 
 // One unit's move by one tier: what it changes in cost (upper bounds) and in bytes.
 struct Move {
@@ -105,13 +108,25 @@ class MeasuredRule final : public BudgetedRule {
 
   // The swaps at the boundary of the allocation in force, once it is a measured one.
   std::vector<std::vector<sp_precision>> alternatives() const override {
-    if (boundary_swaps_ == 0 || !adopted_ || engine_.state().budget.source != AllocationSource::measured) return {};
+    // Not while newer unit costs wait to be adopted: the allocation they give is not yet in force.
+    if (boundary_swaps_ == 0 || !adopted_ || pending_ || engine_.state().budget.source != AllocationSource::measured) {
+      return {};
+    }
+    const PolicyState &state = engine_.state();
     const std::uint32_t n = engine_.n_blocks();
     std::vector<sp_precision> current(n);
-    for (std::uint32_t u = 0; u < n; ++u) current[u] = travels_as(engine_.state().blocks[u].assignment);
+    for (std::uint32_t u = 0; u < n; ++u) current[u] = travels_as(state.blocks[u].assignment);
+    // The step whose decision a swap would take effect at; before the first step nothing pins a unit
+    // but a force list.
+    const std::int64_t next = state.current_step + 1;
+    const auto pinned = [&](std::uint32_t u) {
+      if (engine_.forced(u) >= 0) return true;
+      const BlockState &block = state.blocks[u];
+      return state.current_step >= 0 && (!engine_.cooldown_passed(block, next) || engine_.under_penalty(block, next));
+    };
     std::vector<Move> narrower, wider;
     for (std::uint32_t u = 0; u < n; ++u) {
-      if (engine_.forced(u) >= 0) continue;
+      if (pinned(u)) continue;
       if (const std::optional<Move> move = adjacent_move(u, current[u], +1)) narrower.push_back(*move);
       if (const std::optional<Move> move = adjacent_move(u, current[u], -1)) wider.push_back(*move);
     }
@@ -137,9 +152,12 @@ class MeasuredRule final : public BudgetedRule {
   }
 
   void take_allocation_measurements(std::int64_t step, const AllocationMeasurements &measured) override {
+    // A measurement at `step` acts at the next step's decision at the earliest.
     last_swaps_ = LastSwaps{step, static_cast<std::uint32_t>(measured.rows.size() - 1), 0, ScoreParts::kNever,
-                            ScoreParts::kNever, decide_until_step_ >= 0 && step > decide_until_step_};
+                            ScoreParts::kNever, decide_until_step_ >= 0 && step >= decide_until_step_};
     if (last_swaps_->too_late) return;
+    // A choice not yet taken was of the allocation this measurement found in force, and is superseded.
+    if (choice_pending_) clear_choice();
     const std::uint64_t in_force = bytes_of(measured.rows[0].routes);
     for (std::uint32_t k = 1; k < measured.rows.size(); ++k) {
       const MeasuredAllocation &row = measured.rows[k];
@@ -153,6 +171,7 @@ class MeasuredRule final : public BudgetedRule {
     }
     if (last_swaps_->chosen == 0) return;
     choice_ = measured.rows[last_swaps_->chosen].routes;
+    choice_base_ = measured.rows[0].routes;
     choice_pending_ = true;
   }
 
@@ -179,9 +198,13 @@ class MeasuredRule final : public BudgetedRule {
         }
       }
     }
-    out.u8(choice_.empty() ? 0 : 1);
-    out.u8(choice_pending_ ? 1 : 0);
-    for (sp_precision tier : choice_) out.u8(static_cast<std::uint8_t>(tier));
+    if (!choice_.empty()) {
+      out.u8(choice_pending_ ? 1 : 0);
+      for (std::size_t u = 0; u < choice_.size(); ++u) {
+        out.u8(static_cast<std::uint8_t>(choice_[u]));
+        out.u8(static_cast<std::uint8_t>(choice_base_[u]));
+      }
+    }
     return out.take();
   }
 
@@ -194,17 +217,16 @@ class MeasuredRule final : public BudgetedRule {
       samples_ = 0;
       pending_ = false;
       adopted_ = false;
-      choice_.clear();
-      choice_pending_ = false;
+      clear_choice();
       return;
     }
     const std::size_t size = payload->size();
     const std::size_t costs_size = kFixedSize + kUnitSize * units_.size();
-    const std::size_t with_choice_flags = costs_size + kChoiceFixedSize;
-    if (size != costs_size && size != with_choice_flags && size != with_choice_flags + units_.size()) {
+    const std::size_t with_choice = costs_size + kChoiceFixedSize + 2 * units_.size();
+    if (size != costs_size && size != with_choice) {
       throw StateError(fmt::format("state blob: the measured-costs section is {} bytes, expected {} or {} (with a "
                                    "measured choice) for {} units",
-                                   size, with_choice_flags, with_choice_flags + units_.size(), units_.size()));
+                                   size, costs_size, with_choice, units_.size()));
     }
     Reader reader(payload->data(), size);
     const std::uint64_t tables = reader.u64("measured tables");
@@ -234,25 +256,21 @@ class MeasuredRule final : public BudgetedRule {
         }
       }
     }
-    std::vector<sp_precision> choice;
+    std::vector<sp_precision> choice, choice_base;
     bool choice_pending = false;
-    if (size > costs_size) {
-      const bool has_choice = reader.flag("measured-choice flag");
+    if (size == with_choice) {
+      if (!adopted) throw StateError("state blob: a measured choice stands on a measurement that was never adopted");
       choice_pending = reader.flag("measured-choice-pending flag");
-      if (has_choice != (size == with_choice_flags + units_.size()) || (choice_pending && !has_choice) ||
-          (has_choice && !adopted)) {
-        throw StateError(fmt::format("state blob: the measured choice's flags ({}, pending {}) do not fit a section of "
-                                     "{} bytes whose measurement is {}adopted",
-                                     has_choice, choice_pending, size, adopted ? "" : "not "));
-      }
-      for (std::size_t u = 0; has_choice && u < units_.size(); ++u) {
-        const std::uint8_t tier = reader.u8("measured choice's tier");
-        if (tier >= kTiers.size()) {
-          throw StateError(fmt::format("state blob: the measured choice gives unit {} precision {}; expected 0 (BF16), "
-                                       "1 (INT8) or 2 (NF4)",
-                                       u, tier));
+      for (std::size_t u = 0; u < units_.size(); ++u) {
+        for (std::vector<sp_precision> *into : {&choice, &choice_base}) {
+          const std::uint8_t tier = reader.u8("measured choice's tier");
+          if (tier >= kTiers.size()) {
+            throw StateError(fmt::format("state blob: the measured choice gives unit {} precision {}; expected 0 "
+                                         "(BF16), 1 (INT8) or 2 (NF4)",
+                                         u, tier));
+          }
+          into->push_back(static_cast<sp_precision>(tier));
         }
-        choice.push_back(static_cast<sp_precision>(tier));
       }
     }
     tables_ = tables;
@@ -263,6 +281,7 @@ class MeasuredRule final : public BudgetedRule {
     units_ = std::move(units);
     decided_ = std::move(decided);
     choice_ = std::move(choice);
+    choice_base_ = std::move(choice_base);
     choice_pending_ = choice_pending;
   }
 
@@ -327,12 +346,17 @@ class MeasuredRule final : public BudgetedRule {
       decided_ = units_;
       adopted_ = true;
       pending_ = false;
-      choice_.clear();
+      clear_choice();
     }
     choice_pending_ = false;
   }
-  const std::vector<sp_precision> *measured_choice() const override { return choice_.empty() ? nullptr : &choice_; }
-  void drop_measured_choice() override { choice_.clear(); }
+  // Only a choice the decision has taken (not one waiting past decide_until_step), and only while the
+  // knapsack answers with the allocation it was measured against or with the choice itself.
+  const std::vector<sp_precision> *measured_choice(const std::vector<sp_precision> &knapsack) const override {
+    if (choice_.empty() || choice_pending_ || (knapsack != choice_base_ && knapsack != choice_)) return nullptr;
+    return &choice_;
+  }
+  void drop_measured_choice() override { clear_choice(); }
   AllocationSource costs_source() const override { return AllocationSource::measured; }
   void costs_taken() override {}
 
@@ -365,6 +389,12 @@ class MeasuredRule final : public BudgetedRule {
       return Move{u, to, after - before, byte_change};
     }
     return std::nullopt;
+  }
+
+  void clear_choice() {
+    choice_.clear();
+    choice_base_.clear();
+    choice_pending_ = false;
   }
 
   std::uint64_t bytes_of(const std::vector<sp_precision> &routes) const {
@@ -401,6 +431,7 @@ class MeasuredRule final : public BudgetedRule {
   // The swap measured to beat the knapsack's allocation (a tier per unit), empty when none stands,
   // and whether the next decision has yet to take it.
   std::vector<sp_precision> choice_;
+  std::vector<sp_precision> choice_base_;  // the allocation the choice was measured against
   bool choice_pending_ = false;
   std::optional<LastSwaps> last_swaps_;
 };

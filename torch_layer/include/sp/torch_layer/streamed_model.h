@@ -516,13 +516,16 @@ class StreamedModel {
   bool set_unit_signals(const sp::host::UnitSignalTable& table);
   // ABI 1.4, between steps: the allocations the policy wants measured jointly, a route per policy
   // unit each; row 0 is the one it holds, the others its alternatives (policy v4: the swaps at
-  // its knapsack's boundary). Empty when it proposes none, or its plugin is older than 1.4.
+  // its knapsack's boundary). Empty when it proposes none, or its plugin is older than 1.4. With
+  // collectives every rank's proposal must be the same (checked).
   std::vector<std::vector<Precision>> propose_allocations();
   // ABI 1.4, between steps: what those allocations cost, measured on the same examples against
   // one reference: per allocation, in the proposal's order, its cost per example (as
   // compare_routes() of several allocations gives them: RouteComparison::example_kl, or
-  // example_loss_differences). Each allocation's mean cost and its paired difference from
-  // allocation 0 get their `confidence` intervals (paired_interval) here. Returns whether the
+  // example_loss_differences). Each allocation's mean cost gets its `confidence` interval
+  // (paired_interval) here, and its paired difference from allocation 0 one Bonferroni-corrected
+  // over the K alternatives (1 - (1 - confidence) / K), since the policy takes the best of them:
+  // noise alone makes any one win with at most the chance of one interval. Returns whether the
   // policy took them (false, logged, when it refused them); before the first step its routes
   // follow at once, after one at its next compute_hints. Throws std::invalid_argument for costs
   // of unequal lengths, none, or not finite (one example bounds nothing: sent as not measured);
