@@ -67,6 +67,13 @@ std::uint64_t tier_bytes(const BlockBytes &bytes, sp_precision tier, std::int64_
   }
 }
 
+std::uint64_t allocation_bytes(const std::vector<BlockBytes> &blocks, const std::vector<sp_precision> &routes,
+                               std::int64_t nf4_group_size) {
+  std::uint64_t total = 0;
+  for (std::size_t b = 0; b < routes.size(); ++b) total += tier_bytes(blocks[b], routes[b], nf4_group_size);
+  return total;
+}
+
 bool gets_more_bits(std::uint32_t unit, std::uint32_t n_units) {
   const std::uint32_t eighth = n_units / 8;
   return unit < eighth || unit >= 7 * n_units / 8 || (unit >= eighth && (unit - eighth) % 3 == 2);

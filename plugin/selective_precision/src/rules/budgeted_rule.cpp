@@ -132,14 +132,13 @@ void BudgetedRule::allocate(std::int64_t step) {
   if (measured) {
     bool taken = false;
     if (const std::vector<sp_precision> *measured_tiers = measured_choice(choice)) {
-      std::uint64_t bytes = 0;
       bool open = true;
       for (std::uint32_t u = 0; u < n; ++u) {
-        const sp_precision tier = (*measured_tiers)[u];
-        open = open && std::find(tiers_of[u].begin(), tiers_of[u].end(), tier) != tiers_of[u].end();
-        bytes += tier_bytes(block_bytes[u], tier, config.nf4_group_size);
+        open = open && std::find(tiers_of[u].begin(), tiers_of[u].end(), (*measured_tiers)[u]) != tiers_of[u].end();
       }
-      taken = open && !loss_budget && bytes <= byte_limit(config.budget.limit, all_bf16_bytes(block_bytes));
+      taken = open && !loss_budget &&
+              allocation_bytes(block_bytes, *measured_tiers, config.nf4_group_size) <=
+                  byte_limit(config.budget.limit, all_bf16_bytes(block_bytes));
       if (taken) choice = *measured_tiers;
     }
     if (!taken) drop_measured_choice();

@@ -398,11 +398,7 @@ class MeasuredRule final : public BudgetedRule {
   }
 
   std::uint64_t bytes_of(const std::vector<sp_precision> &routes) const {
-    std::uint64_t total = 0;
-    for (std::uint32_t u = 0; u < routes.size(); ++u) {
-      total += tier_bytes(engine_.block_bytes()[u], routes[u], engine_.config().nf4_group_size);
-    }
-    return total;
+    return allocation_bytes(engine_.block_bytes(), routes, engine_.config().nf4_group_size);
   }
 
   // The last measurement of the swaps, for telemetry.

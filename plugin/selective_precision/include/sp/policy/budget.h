@@ -43,6 +43,9 @@ const char *second_order_column(sp_precision tier);
 // Bytes one transfer of a block moves at `tier`: the block descs' BF16 and INT8 bytes, the NF4
 // bytes of set_transfer_bytes, or, when the host sent none, the nominal NF4 image rounded up.
 std::uint64_t tier_bytes(const BlockBytes &bytes, sp_precision tier, std::int64_t nf4_group_size);
+// What one transfer of every block moves when block b travels at routes[b].
+std::uint64_t allocation_bytes(const std::vector<BlockBytes> &blocks, const std::vector<sp_precision> &routes,
+                               std::int64_t nf4_group_size);
 
 // What every block moves as BF16, and the byte limit of a bytes budget `fraction` of it, rounded
 // down so that it is never exceeded.
