@@ -29,6 +29,9 @@ dynamic-v2-sublayer. v1 and v2 keep their configs/policy/*.yaml values except th
 scaled to runs of STEPS steps (SHORT_RUN below), and v2's thresholds, chosen on the tune split
 by --tune-v2 (read from --thresholds).
 
+Tasks: the contrastive pairs above (tasks 1 and 2, --pairs-cache), or with --task sections task 3,
+a section classifier (finetune_sections.py); run() takes either as a task object (Retrieval).
+
 Compute: bf16 autocast on the CPU (the weights the layer delivers, rounded or dequantized, are
 what the matmuls see), one torch thread. Evaluation: gt.Task's metrics (MultipleNegativesRanking
 loss, scale 20, batches of 32; recall@1 against a pool of the first 1000 test pairs), the
@@ -65,6 +68,7 @@ import selective_precision as sp  # noqa: E402
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
+sys.modules.setdefault("finetune", sys.modules[__name__])  # run as a script: what imports finetune gets this module
 import ground_truth as gt  # noqa: E402
 from pairs import Pair, load_pairs  # noqa: E402
 
@@ -365,17 +369,66 @@ def mnrl(queries, documents):
     return F.cross_entropy(20.0 * queries @ documents.T, torch.arange(queries.shape[0]))
 
 
+class Retrieval:
+    """What run() trains on and measures, for the contrastive tasks (tasks 1 and 2: the pairs of
+    `pairs_cache`); finetune_sections.Sections is task 3's. One object serves one run: `parameters`
+    are the resident trainable parameters it adds to the model's (here none)."""
+
+    what = "issue 31 section 3: one fine-tuning run of all-MiniLM-L6-v2 on bench/pretrained/pairs.py"
+    parameters = ()
+
+    def __init__(self, pairs_cache):
+        self.cache = pairs_cache
+        self.splits = cached_pairs(pairs_cache)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_path())
+
+    def loss(self, model, chosen):
+        """A batch's loss (under the caller's compute_precision)."""
+        embedded = mean_pooled(model, both(self.tokenizer, chosen))
+        return mnrl(embedded[:len(chosen)], embedded[len(chosen):])
+
+    def evaluate(self, model, split, pool):
+        task = Task(self.tokenizer, self.splits[split], pool, QUERY_TOKENS, DOCUMENT_TOKENS)
+        metrics = task.evaluate(model)
+        return {"loss": metrics["loss"], "recall_at_1": metrics["recall_at_1"], "pool": task.size}
+
+    def measurement(self, model):
+        """v4's measurement: calibrate()'s closure and batches (gate.py's, of tasks 1 and 2)."""
+        import pareto  # noqa: E402 (pareto imports this module)
+        return pareto.closure_for(model, self.tokenizer), pareto.batched(self.splits["tune"])
+
+    def calibration_step(self, model, streamed):  # v3's
+        return calibration_step(model, streamed, self.tokenizer, self.splits["tune"])
+
+    def measured(self, gate):
+        """Whether gate.py's JSON `gate` measured this task's pairs."""
+        import signals  # noqa: E402
+        cache = signals.TASKS.get(gate.get("task"), {}).get("cache")
+        return cache is not None and bool(self.cache) and Path(self.cache).resolve() == (ROOT / cache).resolve()
+
+    def sizes(self, base):  # the run's sizes (what of sizes() applies) and the task's
+        return base
+
+    def about(self):  # what the run's JSON records of the task beyond its data
+        return {}
+
+    def summary(self, metrics):
+        return "loss %.5f recall@1 %.4f" % (metrics["loss"], metrics["recall_at_1"])
+
+
 # ---- one run --------------------------------------------------------------------------------
 
 
 def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=BATCH, pool=POOL,
-        measured_costs=None):
+        measured_costs=None, task=None):
+    """One run on `task` (a Retrieval or finetune_sections.Sections, fresh for the run; by default
+    the retrieval task of `pairs_cache`)."""
     if policy in LORA_ONLY and mode != "lora":
         raise SystemExit("%s runs in LoRA mode only (docs/results.md)" % policy)
     started = time.perf_counter()
+    task = task or Retrieval(pairs_cache)
+    splits, tokenizer = task.splits, task.tokenizer
     torch.manual_seed(seed)
-    splits = cached_pairs(pairs_cache)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path())
     lora = mode == "lora"
     model = load_model(LORA_RANK if lora else 0, seed)
     layers = list(model.encoder.layer)
@@ -415,10 +468,10 @@ def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=B
     n_units = len(streamed)
 
     if config.get("mode") == "measured":
-        calibration = measured_calibration(model, streamed, tokenizer, splits["tune"], measured_costs)
+        calibration = measured_calibration(model, streamed, task, measured_costs)
     elif budget is not None:
-        calibration = calibration_step(model, streamed, tokenizer, splits["tune"])
-    trainable = [p for p in model.parameters() if p.requires_grad]
+        calibration = task.calibration_step(model, streamed)
+    trainable = [p for p in model.parameters() if p.requires_grad] + list(task.parameters)
     optimizer = torch.optim.AdamW(trainable, lr=LR[mode], weight_decay=0.01)
     train = splits["train"]
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -429,10 +482,8 @@ def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=B
     for step in range(steps):
         chosen = [train[i] for i in order[step * batch:(step + 1) * batch]]
         routes = streamed.routes()
-        tokens = both(tokenizer, chosen)
         with compute_precision():
-            embedded = mean_pooled(model, tokens)
-            loss = mnrl(embedded[:len(chosen)], embedded[len(chosen):])
+            loss = task.loss(model, chosen)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         streamed.report_loss(loss)
@@ -448,10 +499,8 @@ def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=B
     train_seconds = time.perf_counter() - train_started
 
     model.eval()
-    eval_pairs = splits[split]
-    task = Task(tokenizer, eval_pairs, pool, QUERY_TOKENS, DOCUMENT_TOKENS)
     eval_started = time.perf_counter()
-    metrics = task.evaluate(model)
+    metrics = task.evaluate(model, split, pool)
     eval_seconds = time.perf_counter() - eval_started
     final_routes = streamed.routes()
 
@@ -459,7 +508,7 @@ def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=B
     image = {fmt: [streamed.image_bytes(b, fmt) for b in range(n_units)] for fmt in ("bf16", "int8", "nf4")}
     result = {
         "policy": policy, "mode": mode, "seed": seed, "split": split, "units": units, "n_units": n_units,
-        "metrics": {"loss": metrics["loss"], "recall_at_1": metrics["recall_at_1"], "pool": task.size},
+        "metrics": metrics,
         "h2d_bytes": {"bf16": totals["bf16"], "int8": totals["int8"], "nf4": totals["nf4"], "total": moved,
                       "all_bf16": totals["all_bf16"],
                       "saved_fraction": 1.0 - moved / totals["all_bf16"] if totals["all_bf16"] else 0.0},
@@ -513,14 +562,12 @@ def calibration_step(model, streamed, tokenizer, tune):
             "predicted_cost": [u["predicted_cost"] for u in report]}
 
 
-def measured_calibration(model, streamed, tokenizer, tune, measured_costs):
-    """Policy v4's measurement: calibrate()'s unit costs (KL per query against all-BF16, batches of
-    32 tune pairs, dropout off), read from `measured_costs` (gate.py's JSON of this task, made
-    with the same data and arithmetic) or measured here, given to the plugin, which allocates
+def measured_calibration(model, streamed, task, measured_costs):
+    """Policy v4's measurement: calibrate()'s unit costs (KL per example against all-BF16 on the
+    task's tune batches, dropout off), read from `measured_costs` (gate.py's JSON of this task,
+    made with the same data and arithmetic) or measured here, given to the plugin, which allocates
     before step 0. Its fetches count against the run; all-BF16 makes no such measurement, so
     they add nothing to the all-BF16 bytes."""
-    import pareto  # noqa: E402 (pareto imports this module)
-
     started = time.perf_counter()
     if measured_costs is not None:
         saved = json.loads(Path(measured_costs).read_text())["calibration"]
@@ -534,7 +581,7 @@ def measured_calibration(model, streamed, tokenizer, tune, measured_costs):
             raise SystemExit("policy v4 refused the measured costs of %s (see the log)" % measured_costs)
     else:
         model.eval()
-        costs = streamed.calibrate(pareto.closure_for(model, tokenizer), pareto.batched(tune))
+        costs = streamed.calibrate(*task.measurement(model))
         model.train()
         if not costs.sent_to_policy:
             raise SystemExit("policy v4 did not take calibrate()'s costs (see the log)")
@@ -594,11 +641,11 @@ def sizes():
             "compute": ("bf16 autocast" if COMPUTE["dtype"] == "bf16" else "fp32") + " on the CPU, 1 torch thread", "short_run_timings": SHORT_RUN}
 
 
-def write_json(path, payload):
+def write_json(path, payload, indent=1):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.%d" % os.getpid())
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    tmp.write_text(json.dumps(payload, indent=indent) + "\n")
     tmp.replace(path)
 
 
@@ -653,6 +700,9 @@ def main():
     parser.add_argument("--seed", default="0", help="a seed or a comma list")
     parser.add_argument("--split", default="test", choices=("test", "tune"))
     parser.add_argument("--thresholds", help="tune-v2 JSON whose 'chosen' gives v2's nf4_threshold")
+    parser.add_argument("--task", choices=("retrieval", "sections"), default="retrieval",
+                        help="retrieval (tasks 1 and 2, the pairs of --pairs-cache) or sections (task 3: "
+                             "finetune_sections.py)")
     parser.add_argument("--pairs-cache", help="JSON the pairs are frozen in (made on first use)")
     parser.add_argument("--tune-v2", action="store_true", help="choose v2's thresholds on the tune split")
     parser.add_argument("--check", action="store_true", help="the rebuilt layers against BertModel, then exit")
@@ -676,8 +726,8 @@ def main():
         print("max |BertModel - rebuilt| = %.3g" % check_equivalence(tokens))
         return
     if args.tune_v2:
-        if not args.out:
-            parser.error("--tune-v2 needs --out")
+        if not args.out or args.task != "retrieval":
+            parser.error("--tune-v2 needs --out, on the retrieval task")
         print(json.dumps(tune_v2(args.pairs_cache, args.out, args.steps, args.pool)))
         return
     if not args.policy or not args.mode or not (args.out or args.out_dir):
@@ -701,7 +751,15 @@ def main():
         one(args, policy, mode, seed, out)
 
 
+def make_task(args):
+    if args.task == "sections":
+        from finetune_sections import Sections  # noqa: E402 (it imports this module)
+        return Sections(args.pairs_cache)
+    return Retrieval(args.pairs_cache)
+
+
 def one(args, policy, mode, seed, out):
+    task = make_task(args)
     thresholds, tuned_from = None, None
     if policy.startswith("dynamic-v2"):
         if not args.thresholds:
@@ -714,21 +772,17 @@ def one(args, policy, mode, seed, out):
     if policy in V4_POLICIES and args.measured_costs:
         # The measurement must be of this run's data and arithmetic: gate.py measured its task's
         # cached pairs in fp32.
-        import signals  # noqa: E402
-
         gate = json.loads(Path(args.measured_costs).read_text())
-        cache = signals.TASKS.get(gate.get("task"), {}).get("cache")
-        if cache is None or not args.pairs_cache or Path(args.pairs_cache).resolve() != (ROOT / cache).resolve():
-            raise SystemExit("--measured-costs %s measured %s (pairs %s), but this run's --pairs-cache is %s" % (
-                args.measured_costs, gate.get("task"), cache, args.pairs_cache))
+        if not task.measured(gate):
+            raise SystemExit("--measured-costs %s measured %s, not this run's data (--task %s, pairs %s)" % (
+                args.measured_costs, gate.get("task"), args.task, task.cache))
         if gate.get("compute") != args.compute:
             raise SystemExit("--measured-costs %s was measured in %s compute; give --compute %s" % (
                 args.measured_costs, gate.get("compute"), gate.get("compute")))
     result = run(policy, mode, seed, args.split, thresholds, args.pairs_cache, steps=args.steps, pool=args.pool,
-                 measured_costs=args.measured_costs if policy in V4_POLICIES else None)
-    splits = cached_pairs(args.pairs_cache)
-    command = ["bench/pretrained/finetune.py", "--policy", policy, "--mode", mode, "--seed", str(seed),
-               "--split", args.split]
+                 measured_costs=args.measured_costs if policy in V4_POLICIES else None, task=task)
+    command = ["bench/pretrained/finetune.py"] + (["--task", args.task] if args.task != "retrieval" else []) + [
+        "--policy", policy, "--mode", mode, "--seed", str(seed), "--split", args.split]
     measured = args.measured_costs if policy in V4_POLICIES else None
     for flag, value in (("--thresholds", args.thresholds), ("--pairs-cache", args.pairs_cache),
                         ("--measured-costs", measured)):
@@ -739,14 +793,14 @@ def one(args, policy, mode, seed, out):
     if args.compute != "bf16":
         command += ["--compute", args.compute]
     result.update({
-        "what": "issue 31 section 3: one fine-tuning run of all-MiniLM-L6-v2 on bench/pretrained/pairs.py",
+        "what": task.what,
         "command": " ".join(command + ["--out", str(out)]),
-        "sizes": sizes() | {"steps": args.steps, "pool": args.pool},
-        "data": {k: {"pairs": len(v), "sha1": digest(v)} for k, v in splits.items()},
-        "thresholds": thresholds, "thresholds_from": tuned_from, **provenance()})
+        "sizes": task.sizes(sizes() | {"steps": args.steps, "pool": args.pool}),
+        "data": {k: {"pairs": len(v), "sha1": digest(v)} for k, v in task.splits.items()},
+        "thresholds": thresholds, "thresholds_from": tuned_from, **task.about(), **provenance()})
     write_json(out, result)
-    print("%s %s seed %d: loss %.5f recall@1 %.4f saved %.1f%% routes %s (%.1f s: train %.1f, eval %.1f)" % (
-        policy, mode, seed, result["metrics"]["loss"], result["metrics"]["recall_at_1"],
+    print("%s %s seed %d: %s saved %.1f%% routes %s (%.1f s: train %.1f, eval %.1f)" % (
+        policy, mode, seed, task.summary(result["metrics"]),
         100 * result["h2d_bytes"]["saved_fraction"], ",".join(result["routes_final"]),
         result["wall_seconds"]["total"], result["wall_seconds"]["train"], result["wall_seconds"]["eval"]), flush=True)
 
