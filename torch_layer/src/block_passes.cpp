@@ -144,8 +144,8 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
           blocks[b].block.name));
     }
   }
-  require_step("forward");
-  if (after_backward()) {
+  step_state.require_step("forward");
+  if (step_state.after_backward()) {
     throw std::logic_error("StreamedModel::forward: post_backward() already ran in this step; call end_step()");
   }
   if (opening) {
@@ -165,7 +165,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
     wait_for_updates();  // the pass fetches the blocks they update
     rebuild_changed_images("forward");
     if (options.recalibrate_every != 0) last_input = inputs.at(0).detach();
-    step_examples += inputs.at(0).dim() > 0 ? static_cast<std::uint64_t>(inputs.at(0).size(0)) : 1;
+    step_state.count_examples(inputs.at(0).dim() > 0 ? static_cast<std::uint64_t>(inputs.at(0).size(0)) : 1);
     const std::uint64_t id = ++last_pass_id;
     TrainingPass& opened = passes[id];
     opened.calls.resize(blocks.size());
@@ -273,28 +273,17 @@ std::vector<torch::Tensor> StreamedModel::Impl::checkpoint_recompute(std::uint32
   return out;
 }
 
-void StreamedModel::Impl::add_transfer(ad::StepTransferMetrics& t, const ad::StepTransferMetrics& m) {
-  t.h2d_bytes += m.h2d_bytes;
-  t.h2d_bytes_all_bf16 += m.h2d_bytes_all_bf16;
-  t.fetches += m.fetches;
-  t.fetches_bf16_by_transfer_policy += m.fetches_bf16_by_transfer_policy;
-  t.fetches_int8_by_transfer_policy += m.fetches_int8_by_transfer_policy;
-  t.fetches_pinned += m.fetches_pinned;
-  t.prefetch_hits += m.prefetch_hits;
-  t.prefetch_misses += m.prefetch_misses;
-  t.prefetch_unused += m.prefetch_unused;
-  t.stalls += m.stalls;
-  t.stall_seconds += m.stall_seconds;
-  t.image_rebuilds += m.image_rebuilds;
-}
-
 void StreamedModel::Impl::release_engine() {
   if (!engine_pass) return;
   const ad::StepTransferMetrics m = engine->end_step();
   const auto served = passes.find(*engine_pass);
   engine_pass.reset();
   // Prefetches after a pass ended (into its backward's turn) count to the step.
-  add_transfer(served == passes.end() ? step_transfer : served->second.transfer, m);
+  if (served == passes.end()) {
+    step_state.add_training_transfer(m);
+  } else {
+    add_transfer(served->second.transfer, m);
+  }
 }
 
 void StreamedModel::Impl::enter_backward(std::uint64_t id, std::uint32_t b) {
@@ -361,7 +350,7 @@ void StreamedModel::Impl::close_pass_without_backward(std::uint64_t id) {
     log->debug("StreamedModel: a training pass ended without a backward");
     // A grad-mode forward without a backward (an evaluation that left grad mode on, under
     // model.eval() say) trained nothing: its bytes are an evaluation's.
-    count_eval_bytes(passes.at(id).transfer.h2d_bytes.total());
+    evaluation.count(passes.at(id).transfer.h2d_bytes.total(), step_state);
   }
   passes.erase(id);
   if (forwarding == id) forwarding.reset();
@@ -369,8 +358,8 @@ void StreamedModel::Impl::close_pass_without_backward(std::uint64_t id) {
 
 bool StreamedModel::Impl::opens_pass(std::uint32_t b, bool training) const {
   const ad::StepSchedule& schedule = training ? engine->schedule() : eval_engine->schedule();
-  if (training ? !forwarding : !eval_open) return true;
-  const std::uint32_t called = training ? passes.at(*forwarding).next_forward : eval_next;
+  if (training ? !forwarding : !evaluation.is_open()) return true;
+  const std::uint32_t called = training ? passes.at(*forwarding).next_forward : evaluation.called();
   if (called == blocks.size() || schedule.uses().front().block == b) return true;
   // An evaluation that stopped early (an early exit): a block it called already begins the next.
   if (!training) return schedule.forward_use(b) < called;
@@ -422,9 +411,7 @@ void StreamedModel::Impl::begin_eval_pass(const ad::RuntimeLimitHints& limits) {
     refresh_eval_image(b);
     blocks[b].eval_image_stale = false;
   }
-  eval_engine->begin_step(eval_engine_steps++, limits);
-  eval_open = true;
-  eval_next = 0;
+  evaluation.begin_pass(limits);
 }
 
 std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
@@ -432,19 +419,18 @@ std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, co
   if (opening) {
     wait_for_updates();  // the evaluation engine reads the masters
     rebuild_changed_images("forward");
-    if (eval_open) end_eval_pass();  // one the host left before its last block
+    if (evaluation.is_open()) evaluation.end_pass();  // one the host left before its last block
     if (eval_engine->schedule().uses().front().block != b) move_block(*eval_engine, b, 0);
-    begin_eval_pass(eval_limits());
+    begin_eval_pass(evaluation.limits());
   } else {
-    refuse_second_call(b, eval_engine->schedule(), eval_next, "evaluation pass (no grad)");
-    if (eval_engine->schedule().uses()[eval_next].block != b) {
-      count_eval_bytes(eval_engine->end_step().h2d_bytes.total());
-      move_block(*eval_engine, b, eval_next);
-      eval_engine->begin_step(eval_engine_steps++, eval_limits(), eval_next);
+    const std::uint32_t at = evaluation.called();
+    refuse_second_call(b, eval_engine->schedule(), at, "evaluation pass (no grad)");
+    if (eval_engine->schedule().uses()[at].block != b) {
+      evaluation.follow_call_at_next(step_state, [&] { move_block(*eval_engine, b, at); });
     }
   }
   std::vector<torch::Tensor> out = eval_block(b, [&](const NamedParameters& weights) { return call(inputs, weights); });
-  if (eval_next == blocks.size()) count_eval_bytes(end_eval_pass().h2d_bytes.total());
+  if (evaluation.called() == blocks.size()) evaluation.close_open_pass(step_state);
   return out;
 }
 
@@ -676,7 +662,7 @@ bool StreamedModel::Impl::fold_weight_gradients(std::uint32_t b, const std::vect
     StreamedParam& p = block.streamed[i];
     torch::Tensor g = grads[i];
     if (!p.master.requires_grad()) {
-      if (!frozen_gradients_wanted || !g.defined()) continue;
+      if (!policy_link.frozen_gradients_wanted() || !g.defined()) continue;
       torch::Tensor host = g.reshape(p.shape).to(torch::kCPU, torch::kFloat32);
       p.signal_grad = p.signal_grad.defined() ? p.signal_grad.add_(host) : host.clone();
       continue;
@@ -741,8 +727,9 @@ std::vector<torch::Tensor> StreamedModel::Impl::kept_forward(std::uint32_t b, st
   pass.input_nodes[b] = through_boundary(xs, b, id, /*begins=*/false);
   std::vector<std::int64_t> edges(block.streamed.size(), -1);
   NodePtr node;
-  if (std::any_of(block.streamed.begin(), block.streamed.end(),
-                  [&](const StreamedParam& p) { return p.master.requires_grad() || frozen_gradients_wanted; })) {
+  if (std::any_of(block.streamed.begin(), block.streamed.end(), [&](const StreamedParam& p) {
+        return p.master.requires_grad() || policy_link.frozen_gradients_wanted();
+      })) {
     node = make_node<KeptBlockWeights>(self, b, id);
   }
   follow_caller_stream();
@@ -793,7 +780,7 @@ NamedParameters StreamedModel::Impl::kept_weights(BlockState& block, const NodeP
   for (std::size_t i = 0; i < block.streamed.size(); ++i) {
     StreamedParam& p = block.streamed[i];
     torch::Tensor w = torch::empty({0}, compute).set_(p.kept, 0, p.shape);
-    const bool takes_gradient = p.master.requires_grad() || frozen_gradients_wanted;
+    const bool takes_gradient = p.master.requires_grad() || policy_link.frozen_gradients_wanted();
     // A module that computes with its own parameters (Block::forward) reads the placeholder:
     // it becomes the weights, leading to the node as they would while the block is fetched
     // (empty_kept() makes it a leaf again, so that between passes the module's parameters are

@@ -86,9 +86,9 @@ void StreamedModel::Impl::wait_for_updates() {
     }
     if (!ok) continue;
     if (*r.skipped) {
-      report.updates_skipped.push_back(r.block);
-      log->warn("StreamedModel: step {}: {} was not updated: its gradient holds a non-finite element", step,
-                blocks[r.block].block.name);
+      step_state.skip_update(r.block);
+      log->warn("StreamedModel: step {}: {} was not updated: its gradient holds a non-finite element",
+                step_state.number(), blocks[r.block].block.name);
     } else {
       blocks[r.block].eval_image_stale = true;
     }
@@ -102,9 +102,9 @@ void StreamedModel::Impl::update_block(std::uint32_t b, const kn::AdamWStep& ada
                                        const std::map<std::string, MasterMoments>& moments, bool skip_nonfinite) {
   std::vector<kn::AdamWTensor> tensors = fused_update_tensors(blocks[b], moments);
   if (skip_nonfinite && !gradients_finite(blocks[b])) {
-    report.updates_skipped.push_back(b);
-    log->warn("StreamedModel: step {}: {} was not updated: its gradient holds a non-finite element", step,
-              blocks[b].block.name);
+    step_state.skip_update(b);
+    log->warn("StreamedModel: step {}: {} was not updated: its gradient holds a non-finite element",
+              step_state.number(), blocks[b].block.name);
   } else {
     engine->update_weights(b, adam, tensors);
     blocks[b].eval_image_stale = true;
@@ -184,9 +184,9 @@ void StreamedModel::Impl::finish_pass(std::uint64_t id) {
   }
   release_engine();
   TrainingPass& pass = passes.at(id);
-  add_transfer(step_transfer, pass.transfer);
+  step_state.add_training_transfer(pass.transfer);
   pass.transfer = ad::StepTransferMetrics{};
-  if (!pass.backward_ran) ++report.training_passes;
+  if (!pass.backward_ran) step_state.count_training_pass();
   pass.backward_ran = true;
   pass.in_backward = false;
   for (ReducingBucket& r : reducing) fold_averaged(r.params, r.bucket);
@@ -278,7 +278,7 @@ void StreamedModel::Impl::check_ranks_agree(const std::vector<std::int32_t>& val
     }
   }
   if (!differ.empty()) {
-    throw RankMismatchError(fmt::format("step {}: rank {} of {}: {} differ across ranks for {}", step,
+    throw RankMismatchError(fmt::format("step {}: rank {} of {}: {} differ across ranks for {}", step_state.number(),
                                         collectives->rank(), collectives->size(), what, fmt::join(differ, ", ")));
   }
 }

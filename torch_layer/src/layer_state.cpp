@@ -51,7 +51,7 @@ void StreamedModel::Impl::share_image(ad::StreamingEngine& target, std::uint32_t
 
 std::map<std::string, torch::Tensor> StreamedModel::gather_masters(std::uint32_t block) {
   Impl& m = *impl_;
-  if (m.in_step()) throw std::logic_error("StreamedModel::gather_masters: call it between steps");
+  if (m.step_state.in_step()) throw std::logic_error("StreamedModel::gather_masters: call it between steps");
   if (block >= m.blocks.size()) {
     throw std::invalid_argument(
         fmt::format("StreamedModel::gather_masters: block {} is out of range (there are {})", block, m.blocks.size()));
@@ -173,9 +173,9 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
   // The plugin's state comes after the hints, and a plugin that rejects it leaves the previous
   // hints in force. No hints (a state exported before the plugin's first ones): the default
   // routes again.
-  const std::vector<sp::host::UnitHint> previous = policy->hints();
+  const std::vector<sp::host::UnitHint> previous = policy_link.session().hints();
   const auto put_hints = [&](std::vector<sp::host::UnitHint> hints) {
-    policy->restore_hints(std::move(hints));
+    policy_link.session().restore_hints(std::move(hints));
     route_by_hints();
   };
   put_hints(std::move(restored));
@@ -183,7 +183,7 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
     if (blob.numel() == 0) {
       log->warn("StreamedModel: the state holds no plugin state (it could not be exported); the policy starts over");
     } else {
-      policy->restore_state(
+      policy_link.session().restore_state(
           std::vector<std::uint8_t>(blob.data_ptr<std::uint8_t>(), blob.data_ptr<std::uint8_t>() + blob.numel()));
     }
   } catch (...) {
@@ -195,8 +195,8 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
     for (auto& [p, saved] : masters) p->master.copy_(saved);
   }
   engine_steps = passes.data_ptr<std::int64_t>()[0];
-  eval_engine_steps = passes.data_ptr<std::int64_t>()[1];
-  last_step = restored_last_step;
+  evaluation.restore_engine_steps(passes.data_ptr<std::int64_t>()[1]);
+  step_state.restore_last_begun(restored_last_step);
   note_image_versions();
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (owns(b)) engine->on_weights_updated(b);
@@ -205,7 +205,7 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
 }
 
 CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vector<torch::Tensor>& samples) {
-  if (in_step()) throw std::logic_error("StreamedModel: calibrate between steps, not inside one");
+  if (step_state.in_step()) throw std::logic_error("StreamedModel: calibrate between steps, not inside one");
   if (samples.empty()) throw std::invalid_argument("StreamedModel: calibration without samples");
   for (const BlockState& b : blocks) {
     if (b.params_are_masters) {
@@ -225,7 +225,7 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
   share_eval_images(std::vector<Precision>(n, Precision::bf16));
   for (const torch::Tensor& sample : samples) {
     std::vector<torch::Tensor>& reference = references.emplace_back(std::vector<torch::Tensor>{sample});
-    eval_pass(pinned_to(Precision::bf16), calibration_bytes, [&](std::uint32_t b, const NamedParameters&) {
+    calibration_pass(pinned_to(Precision::bf16), [&](std::uint32_t b, const NamedParameters&) {
       reference.push_back(blocks[b].block.forward(reference.back()));
     });
   }
@@ -235,7 +235,7 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
     sums->assign(n, 0.0);
     share_eval_images(std::vector<Precision>(n, precision));
     for (const std::vector<torch::Tensor>& reference : references) {
-      eval_pass(pinned_to(precision), calibration_bytes, [&, sums = sums](std::uint32_t b, const NamedParameters&) {
+      calibration_pass(pinned_to(precision), [&, sums = sums](std::uint32_t b, const NamedParameters&) {
         const torch::Tensor quantized = on_host(blocks[b].block.forward(reference[b]));
         const torch::Tensor expected = on_host(reference[b + 1]);
         (*sums)[b] +=
@@ -285,7 +285,8 @@ bool StreamedModel::Impl::set_calibration_errors(CalibrationErrors& errors) {
   }
   bool accepted = true;
   for (const Precision precision : kPrecisions) {
-    if (!is_quantized(precision) || policy->set_calibration_errors(to_abi(precision), errors[precision])) continue;
+    if (!is_quantized(precision) || policy_link.session().set_calibration_errors(to_abi(precision), errors[precision]))
+      continue;
     std::string name = precision_name(precision);
     std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::toupper(c); });
     log->warn("calibration: the plugin rejected the {} errors; it decides without them", name);
@@ -306,7 +307,8 @@ CalibrationErrors StreamedModel::measure_calibration_errors(const std::vector<to
 }
 
 bool StreamedModel::set_calibration_errors(const CalibrationErrors& errors) {
-  if (impl_->in_step()) throw std::logic_error("StreamedModel::set_calibration_errors: call it between steps");
+  if (impl_->step_state.in_step())
+    throw std::logic_error("StreamedModel::set_calibration_errors: call it between steps");
   impl_->require_units_are_blocks("set_calibration_errors");
   CalibrationErrors given = errors;
   return impl_->set_calibration_errors(given);
@@ -314,7 +316,7 @@ bool StreamedModel::set_calibration_errors(const CalibrationErrors& errors) {
 
 std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
   const Impl& m = *impl_;
-  if (m.in_step()) throw std::logic_error("StreamedModel::export_state: call it between steps");
+  if (m.step_state.in_step()) throw std::logic_error("StreamedModel::export_state: call it between steps");
   std::map<std::string, torch::Tensor> state;
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
     if (!m.owns(b)) continue;
@@ -322,7 +324,7 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
   }
   std::vector<std::uint8_t> blob;
   try {
-    blob = m.policy->export_state();
+    blob = m.policy_link.session().export_state();
   } catch (const sp::host::PluginError& e) {
     // The rest of the state is the run's: a checkpoint without the plugin's beats none. An
     // empty entry says so, and a resume starts the policy over (restore_state).
@@ -334,18 +336,18 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
   state.emplace("policy/state", torch::from_blob(const_cast<std::uint8_t*>(blob.data()),
                                                  {static_cast<std::int64_t>(blob.size())}, torch::kUInt8)
                                     .clone());
-  const std::vector<sp_hint_v1> in_force = sp::host::hints_to_abi(m.policy->hints());
+  const std::vector<sp_hint_v1> in_force = sp::host::hints_to_abi(m.policy_link.session().hints());
   torch::Tensor hints = torch::empty({static_cast<std::int64_t>(in_force.size() * sizeof(sp_hint_v1))}, torch::kUInt8);
   if (!in_force.empty()) std::memcpy(hints.data_ptr(), in_force.data(), hints.numel());
   state.emplace("policy/hints", hints);
-  state.emplace("layer/passes", torch::tensor({m.engine_steps, m.eval_engine_steps}, torch::kInt64));
-  state.emplace("layer/last_step", torch::tensor({m.last_step.value_or(-1)}, torch::kInt64));
+  state.emplace("layer/passes", torch::tensor({m.engine_steps, m.evaluation.engine_steps()}, torch::kInt64));
+  state.emplace("layer/last_step", torch::tensor({m.step_state.last_begun().value_or(-1)}, torch::kInt64));
   return state;
 }
 
 void StreamedModel::restore_state(const std::map<std::string, torch::Tensor>& state) {
   Impl& m = *impl_;
-  if (m.in_step()) throw std::logic_error("StreamedModel::restore_state: call it between steps");
+  if (m.step_state.in_step()) throw std::logic_error("StreamedModel::restore_state: call it between steps");
   if (!m.sharded) {
     m.restore_state(state);
     return;

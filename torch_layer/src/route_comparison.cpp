@@ -165,8 +165,10 @@ std::vector<RouteComparison> StreamedModel::Impl::compare_routes(
     throw std::invalid_argument(
         fmt::format("StreamedModel::compare_routes: confidence {} is outside (0, 1)", confidence));
   }
-  if (m.in_step()) throw std::logic_error("StreamedModel::compare_routes: measure between steps, not inside one");
-  if (m.measuring) throw std::logic_error("StreamedModel::compare_routes: called from inside a measurement's closure");
+  if (m.step_state.in_step())
+    throw std::logic_error("StreamedModel::compare_routes: measure between steps, not inside one");
+  if (m.evaluation.measuring())
+    throw std::logic_error("StreamedModel::compare_routes: called from inside a measurement's closure");
 
   std::vector<RouteComparison> out(candidates.size());
   std::uint64_t reference_bytes = 0, all_bf16_bytes = 0;
@@ -197,10 +199,8 @@ std::vector<RouteComparison> StreamedModel::Impl::compare_routes(
         m.log->warn("StreamedModel::compare_routes: {}: {}", what, e.what());
       }
     };
-    attempt("closing the open evaluation pass", [&] {
-      if (m.eval_open) m.count_eval_bytes(m.end_eval_pass().h2d_bytes.total());
-    });
-    m.measuring.reset();
+    attempt("closing the open evaluation pass", [&] { m.evaluation.close_open_pass(m.step_state); });
+    m.evaluation.unpin();
     // The pins of the last pass stand until the next evaluation: dropped now, so that an image
     // rebuilt in between is built for the route the block takes next.
     attempt("dropping the pins", [&] { m.eval_engine->policy_bridge().begin_step(); });
@@ -215,19 +215,19 @@ std::vector<RouteComparison> StreamedModel::Impl::compare_routes(
     for (std::uint32_t b = 0; b < m.blocks.size(); ++b) pins.block_precision_map[b] = routes[b];
     m.wait_for_updates();
     m.share_eval_images(routes);
-    const std::int64_t passes_before = m.eval_engine_steps;
-    const std::uint64_t bytes_before = m.measurement_bytes;
-    m.measuring = std::move(pins);
+    const std::int64_t passes_before = m.evaluation.engine_steps();
+    const std::uint64_t bytes_before = m.evaluation.measurement_bytes();
+    m.evaluation.pin(std::move(pins));
     MeasuredBatch result = closure(batch);
-    if (m.eval_open) m.count_eval_bytes(m.end_eval_pass().h2d_bytes.total());
-    m.measuring.reset();
-    if (m.eval_engine_steps == passes_before) {
+    m.evaluation.close_open_pass(m.step_state);
+    m.evaluation.unpin();
+    if (m.evaluation.engine_steps() == passes_before) {
       throw std::invalid_argument(fmt::format(
           "StreamedModel::compare_routes: closure({}) called no streamed block: it must compute its loss through the "
           "model",
           batch));
     }
-    return std::pair{std::move(result), m.measurement_bytes - bytes_before};
+    return std::pair{std::move(result), m.evaluation.measurement_bytes() - bytes_before};
   };
 
   // Per candidate: the sum and the batch means of its loss; the reference's, once.
@@ -298,6 +298,6 @@ std::vector<RouteComparison> StreamedModel::Impl::compare_routes(
   return out;
 }
 
-std::uint64_t StreamedModel::measurement_h2d_bytes() const { return impl_->measurement_bytes; }
+std::uint64_t StreamedModel::measurement_h2d_bytes() const { return impl_->evaluation.measurement_bytes(); }
 
 }  // namespace sp::torch_layer

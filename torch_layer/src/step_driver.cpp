@@ -10,21 +10,16 @@
 namespace sp::torch_layer {
 
 void StreamedModel::Impl::end_plugin_step_as_failed() {
-  sp_step_feedback_v1 feedback = step_transfer.to_feedback();
-  feedback.loss = std::numeric_limits<double>::quiet_NaN();
-  feedback.step_seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
-  policy->end_step(step, feedback);
+  policy_link.session().end_step(step_state.number(), step_state.feedback(std::numeric_limits<double>::quiet_NaN()));
 }
 
 void StreamedModel::Impl::route_by_hints() {
-  const std::vector<sp::host::UnitHint>& hints = policy->hints();
-  if (hints.empty()) {
+  std::vector<Precision> routes = policy_link.block_routes();
+  if (routes.empty()) {
     engine->policy_bridge().clear_plugin_routes();
     eval_engine->policy_bridge().clear_plugin_routes();
     return;
   }
-  std::vector<Precision> routes(blocks.size());
-  for (std::uint32_t b = 0; b < blocks.size(); ++b) routes[b] = hints.at(unit_of[b]).precision;
   engine->policy_bridge().set_plugin_routes(routes);
   eval_engine->policy_bridge().set_plugin_routes(routes);
 }
@@ -40,7 +35,7 @@ std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
                              : g.to(torch::kCPU, torch::kFloat32).contiguous();
     keep.push_back(host);
     tensors.push_back(
-        {host.data_ptr<float>(), static_cast<std::size_t>(host.numel()), kn::DType::kFloat32, unit_of[b]});
+        {host.data_ptr<float>(), static_cast<std::size_t>(host.numel()), kn::DType::kFloat32, policy_link.unit_of(b)});
   };
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (!owns(b)) continue;
@@ -59,7 +54,7 @@ std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
 }
 
 std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signals() {
-  if (!signals_wanted) return std::nullopt;
+  if (!policy_link.signals_wanted()) return std::nullopt;
   constexpr Precision kTiers[] = {Precision::int8, Precision::nf4};
   constexpr std::int64_t kTierCount = 2;
   // Per unit: whether it was measured, then per tier the sums of g*d and g^2*d^2 over its
@@ -71,7 +66,7 @@ std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signa
   double* s = sums.data_ptr<double>();
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (!owns(b)) continue;
-    double* row = s + unit_of[b] * kFields;
+    double* row = s + policy_link.unit_of(b) * kFields;
     for (const StreamedParam& p : blocks[b].streamed) {
       const torch::Tensor& grad = p.master.requires_grad() ? p.master.grad() : p.signal_grad;
       if (!grad.defined()) continue;
@@ -87,7 +82,7 @@ std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signa
       }
     }
   }
-  s[n * kFields] = static_cast<double>(step_examples);
+  s[n * kFields] = static_cast<double>(step_state.examples());
   if (sharded) {
     collectives->all_reduce(sums, Reduction::sum, "the blocks' Taylor terms")->wait();
     s = sums.data_ptr<double>();
@@ -130,11 +125,12 @@ std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signa
 }
 
 void StreamedModel::Impl::take_backward_statistics() {
-  if (!in_step()) return;
-  backward_in_step = true;
+  if (!step_state.in_step()) return;
+  step_state.note_backward();
+  // A pass armed with update_masters_during_backward() still writes the masters: post_backward()
+  // measures that one.
   if (armed) return;
-  backward_moments = block_moments();
-  backward_signals = measure_unit_signals();
+  step_state.keep_statistics(block_moments(), measure_unit_signals());
 }
 
 std::vector<Precision> StreamedModel::Impl::current_routes() const {
@@ -145,48 +141,19 @@ std::vector<Precision> StreamedModel::Impl::current_routes() const {
 
 void StreamedModel::begin_step(std::int64_t step) {
   Impl& m = *impl_;
-  if (m.in_step()) {
-    throw std::logic_error(
-        fmt::format("StreamedModel::begin_step({}): step {} has not ended; call end_step()", step, m.step));
-  }
-  if (step < 0) throw std::invalid_argument(fmt::format("StreamedModel::begin_step({}): steps start at 0", step));
-  if (m.last_step && step <= *m.last_step) {
-    throw std::invalid_argument(fmt::format(
-        "StreamedModel::begin_step({}): step {} already began, and steps must increase over the whole run (the "
-        "policy's windows are counted in steps): number them across epochs, and after restore_state() go on from "
-        "step {}",
-        step, *m.last_step, *m.last_step + 1));
-  }
+  m.step_state.check_can_begin(step);
   m.rebuild_changed_images(fmt::format("begin_step({})", step));
-  m.policy->begin_step(step);
-  m.last_step = step;
-  m.report = StepReport{};
-  m.report.step = step;
-  m.report.swap = m.policy->take_swap_outcome();
-  m.step_transfer = ad::StepTransferMetrics{};
-  m.step_transfer.step = step;
-  m.step = step;
-  m.step_start = Clock::now();
-  m.step_examples = 0;
-  m.backward_moments.reset();
-  m.backward_signals.reset();
-  m.step_versions = m.trainable_versions();
-  m.backward_in_step = false;
+  m.policy_link.session().begin_step(step);
+  m.step_state.begin(step, m.policy_link.session().take_swap_outcome(), m.trainable_versions());
   for (BlockState& b : m.blocks) {
     for (StreamedParam& p : b.streamed) p.signal_grad = torch::Tensor();
   }
-  // Asked once a step: a hot swap, which can change the answer, happens at begin_step only.
-  const std::optional<sp_budget_status_v1> budget = m.policy->budget_status();
-  // Policy v4 decides by measurements and says so (ABI 1.4): the Taylor table, and for a
-  // frozen base its gradients, would be computed every step for nothing.
-  m.signals_wanted = budget && budget->kind != SP_BUDGET_NONE && budget->reads_step_signals != 0;
-  m.frozen_gradients_wanted = m.signals_wanted && !m.collectives;
+  m.policy_link.read_what_the_step_needs(/*one_process=*/!m.collectives);
   try {
     if (m.collectives) {
       // Every rank was asked to swap at this boundary (poll_plugin): each must have the same
       // outcome, or their plugins would now differ.
-      const bool swapped = m.report.swap && m.report.swap->outcome == sp::host::SwapResult::Outcome::swapped;
-      m.check_ranks_agree({swapped ? 1 : 0}, "plugin swap outcomes (1: swapped)");
+      m.check_ranks_agree({m.step_state.swapped() ? 1 : 0}, "plugin swap outcomes (1: swapped)");
     }
     // Routes that moved since the images were last shared (hints restored, or a step aborted
     // after its post_backward) get their owners' images before the first fetch.
@@ -195,18 +162,24 @@ void StreamedModel::begin_step(std::int64_t step) {
     m.end_plugin_step_as_failed();  // it began: the next begin_step can then come
     throw;
   }
-  m.phase = Impl::StepPhase::open;
+  m.step_state.open();
   for (BlockState& block : m.blocks) block.updated_in_step = false;
   m.armed.reset();
 }
 
 const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss) {
   Impl& m = *impl_;
-  m.require_step("post_backward");
-  if (m.after_backward()) throw std::logic_error("StreamedModel::post_backward: already called in this step");
+  m.step_state.require_step("post_backward");
+  const std::int64_t step = m.step_state.number();
+  if (m.step_state.after_backward())
+    throw std::logic_error("StreamedModel::post_backward: already called in this step");
   m.close_passes_without_backward("post_backward");
   m.wait_for_updates();
-  std::vector<sp_grad_moments_v1> moments = m.backward_moments ? *m.backward_moments : m.block_moments();
+  // The statistics the backward kept, else measured now (an armed pass, or a host whose
+  // gradients came other than through a training pass's backward).
+  const bool kept = m.step_state.has_statistics();
+  auto [moments, signals] = kept ? m.step_state.take_statistics()
+                                 : std::make_pair(m.block_moments(), std::optional<sp::host::UnitSignalTable>());
   // The plugin takes the blocks that have gradient elements (ABI: the others are left out).
   std::vector<sp_grad_moments_v1> measured;
   for (const sp_grad_moments_v1& block : moments) {
@@ -223,27 +196,23 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss)
         "StreamedModel::post_backward: no block has a gradient in step {}: no backward ran through the streamed "
         "blocks since begin_step(), or their gradients were cleared before this call. Run the backward first; to "
         "drop a step without one, call abort_step()",
-        m.step));
+        step));
   }
-  m.moments = std::move(moments);
-  m.policy->post_backward(m.step, measured);
-  std::optional<sp::host::UnitSignalTable> signals =
-      m.backward_moments ? std::move(m.backward_signals) : m.measure_unit_signals();
-  m.backward_moments.reset();
-  m.backward_signals.reset();
+  const std::vector<sp_grad_moments_v1>& given = m.step_state.set_moments(std::move(moments));
+  m.policy_link.session().post_backward(step, measured);
+  if (!kept) signals = m.measure_unit_signals();
   if (signals) {
     signals->loss = std::isfinite(loss) ? loss : std::numeric_limits<double>::quiet_NaN();
-    m.policy->set_unit_signals(m.step, *signals);
-    m.unit_signals = std::move(*signals);
+    m.policy_link.give_step_signals(step, std::move(*signals));
   }
-  m.policy->compute_hints(m.step);
+  m.policy_link.session().compute_hints(step);
   m.route_by_hints();
   if (m.collectives) {
     std::vector<std::int32_t> precisions;
-    for (const sp::host::UnitHint& h : m.policy->hints()) precisions.push_back(to_abi(h.precision));
+    for (const sp::host::UnitHint& h : m.policy_link.session().hints()) precisions.push_back(to_abi(h.precision));
     m.check_ranks_agree(precisions, "the plugin's hints");
   }
-  m.phase = Impl::StepPhase::after_backward;
+  m.step_state.end_backward();
   if (m.armed) {
     // Armed blocks whose backward did not run (no training pass, or one that ended above them).
     const Impl::ArmedUpdate armed = std::move(*m.armed);
@@ -254,47 +223,38 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss)
       }
     }
   }
-  return m.moments;
+  return given;
 }
 
 StepReport StreamedModel::end_step(double loss) {
   Impl& m = *impl_;
-  m.require_step("end_step");
-  if (!m.after_backward()) {
+  m.step_state.require_step("end_step");
+  if (!m.step_state.after_backward()) {
     throw std::logic_error(
         "StreamedModel::end_step: call post_backward() first: the plugin's hints must reach the engines before "
         "the images of the updated weights are rebuilt");
   }
   refresh_images();
-  sp_step_feedback_v1 feedback = m.step_transfer.to_feedback();
-  feedback.loss = loss;
-  feedback.step_seconds = std::chrono::duration<double>(Clock::now() - m.step_start).count();
-  m.policy->end_step(m.step, feedback);
-  m.phase = Impl::StepPhase::between_steps;
+  const std::int64_t step = m.step_state.number();
+  m.policy_link.session().end_step(step, m.step_state.feedback(loss));
+  m.step_state.end();
   const std::uint32_t every = m.options.recalibrate_every;
-  if (every != 0 && m.last_input.defined() && (m.step + 1) % every == 0) {
+  if (every != 0 && m.last_input.defined() && (step + 1) % every == 0) {
     // On the updated weights, between steps (where the ABI takes calibration errors): the
     // plugin decides with them from the next step on.
     const auto start = Clock::now();
-    m.report.calibration = m.measure_calibration_errors({m.last_input});
-    m.set_calibration_errors(*m.report.calibration);
-    m.report.calibration_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    CalibrationErrors errors = m.measure_calibration_errors({m.last_input});
+    m.set_calibration_errors(errors);
+    m.step_state.set_calibration(std::move(errors), std::chrono::duration<double>(Clock::now() - start).count());
   }
-  StepReport report = m.report;
-  report.h2d_bytes = m.step_transfer.h2d_bytes;
-  report.h2d_bytes_all_bf16 = m.step_transfer.h2d_bytes_all_bf16;
-  report.prefetch_hits = m.step_transfer.prefetch_hits;
-  report.prefetch_misses = m.step_transfer.prefetch_misses;
-  report.prefetch_unused = m.step_transfer.prefetch_unused;
-  report.routes = m.current_routes();
-  return report;
+  return m.step_state.report(m.current_routes());
 }
 
 void StreamedModel::abort_step() {
   Impl& m = *impl_;
   m.abandon_passes();
-  if (!m.in_step()) return;
-  m.phase = Impl::StepPhase::between_steps;
+  if (!m.step_state.in_step()) return;
+  m.step_state.end();
   m.end_plugin_step_as_failed();
 }
 
@@ -328,18 +288,19 @@ void StreamedModel::refresh_images() {
   m.note_image_versions();
 }
 
-StreamedModel::StepPhase StreamedModel::step_phase() const { return impl_->phase; }
+StreamedModel::StepPhase StreamedModel::step_phase() const { return impl_->step_state.phase(); }
 
 bool StreamedModel::trained_in_step() const {
   const Impl& m = *impl_;
-  return m.in_step() && m.backward_in_step && m.trainable_versions() != m.step_versions;
+  return m.step_state.in_step() && m.step_state.backward_ran() &&
+         m.trainable_versions() != m.step_state.versions_at_begin();
 }
 
 void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamWStep& step,
                                    const std::map<std::string, MasterMoments>& moments) {
   Impl& m = *impl_;
-  m.require_step("update_masters");
-  if (!m.after_backward()) {
+  m.step_state.require_step("update_masters");
+  if (!m.step_state.after_backward()) {
     throw std::logic_error(
         "StreamedModel::update_masters: call post_backward() first: the image is written for the route the plugin "
         "decides there");
@@ -355,7 +316,7 @@ void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamW
   }
   if (m.blocks[block].updated_in_step) {
     throw std::logic_error(fmt::format("StreamedModel::update_masters: block {} was already updated in step {}",
-                                       m.blocks[block].block.name, m.step));
+                                       m.blocks[block].block.name, m.step_state.number()));
   }
   m.update_block(block, step, moments, /*skip_nonfinite=*/false);
 }
@@ -363,8 +324,8 @@ void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamW
 void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep& step,
                                                    std::vector<std::map<std::string, MasterMoments>> moments) {
   Impl& m = *impl_;
-  m.require_step("update_masters_during_backward");
-  if (m.after_backward()) {
+  m.step_state.require_step("update_masters_during_backward");
+  if (m.step_state.after_backward()) {
     throw std::logic_error(
         "StreamedModel::update_masters_during_backward: post_backward() already ran in this step; use "
         "update_masters()");
@@ -375,7 +336,7 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
   }
   if (m.armed) {
     throw std::logic_error(
-        fmt::format("StreamedModel::update_masters_during_backward: already armed in step {}", m.step));
+        fmt::format("StreamedModel::update_masters_during_backward: already armed in step {}", m.step_state.number()));
   }
   if (std::count_if(m.passes.begin(), m.passes.end(), [](const auto& open) { return !open.second.backward_ran; }) > 1) {
     throw std::logic_error(
@@ -400,8 +361,7 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
   }
   m.running.reserve(m.blocks.size());
   m.armed = Impl::ArmedUpdate{step, std::move(moments), std::vector<bool>(m.blocks.size(), false)};
-  m.backward_moments.reset();  // of an earlier pass: post_backward() measures the armed one
-  m.backward_signals.reset();
+  m.step_state.drop_statistics();  // of an earlier pass: post_backward() measures the armed one
 }
 
 void StreamedModel::Impl::apply_transfer_policy(const std::filesystem::path& file) {
@@ -432,121 +392,45 @@ void StreamedModel::Impl::apply_transfer_policy(const std::filesystem::path& fil
   eval_engine->policy_bridge().set_transfer_gate(std::move(gate));
 }
 
-const sp::host::UnitSignalTable& StreamedModel::unit_signals() const { return impl_->unit_signals; }
+const sp::host::UnitSignalTable& StreamedModel::unit_signals() const { return impl_->policy_link.last_signals(); }
 
 bool StreamedModel::set_unit_signals(const sp::host::UnitSignalTable& table) {
   Impl& m = *impl_;
-  if (m.in_step()) throw std::logic_error("StreamedModel::set_unit_signals: call it between steps");
-  if (m.collectives) {
-    // Every rank's plugin must decide from the same table, so the ranks compare it, bit for bit,
-    // before any of them sends it.
-    std::vector<std::int32_t> bits(2 * table.values.size() + 1, static_cast<std::int32_t>(table.names.size()));
-    std::memcpy(bits.data() + 1, table.values.data(), table.values.size() * sizeof(double));
-    m.check_ranks_agree(bits, "the signal table given to set_unit_signals");
-  }
-  if (!m.policy->set_unit_signals(m.last_step ? *m.last_step : -1, table)) return false;
-  m.unit_signals = table;
-  if (!m.last_step && m.policy->take_initial_hints()) {
-    m.route_by_hints();
-    m.share_images(/*all=*/false);
-  }
+  if (m.step_state.in_step()) throw std::logic_error("StreamedModel::set_unit_signals: call it between steps");
+  bool first_hints = false;
+  if (!m.policy_link.set_unit_signals(m.step_state.last_begun(), table, first_hints)) return false;
+  if (first_hints) m.route_first_hints();
   return true;
 }
 
 std::vector<std::vector<Precision>> StreamedModel::propose_allocations() {
   Impl& m = *impl_;
-  if (m.in_step()) throw std::logic_error("StreamedModel::propose_allocations: call it between steps");
-  std::vector<std::vector<Precision>> rows;
-  const std::optional<std::vector<std::vector<sp_precision>>> proposed = m.policy->propose_allocations();
-  std::vector<std::int32_t> codes;
-  for (const std::vector<sp_precision>& row : proposed.value_or(std::vector<std::vector<sp_precision>>{})) {
-    std::vector<Precision>& routes = rows.emplace_back();
-    // The host checked every code against the routes it streams.
-    for (sp_precision p : row) {
-      routes.push_back(*from_abi(p));
-      codes.push_back(p);
-    }
-  }
-  if (m.collectives) {
-    // Every rank measures what it returns, in collectives: the same number of rows first, then the rows.
-    m.check_ranks_agree({static_cast<std::int32_t>(rows.size())}, "the number of allocations the plugin proposed");
-    m.check_ranks_agree(codes, "the allocations the plugin proposed");
-  }
-  return rows;
+  if (m.step_state.in_step()) throw std::logic_error("StreamedModel::propose_allocations: call it between steps");
+  return m.policy_link.propose_allocations();
 }
 
 bool StreamedModel::set_allocation_measurements(const std::vector<std::vector<Precision>>& allocations,
                                                 const std::vector<std::vector<double>>& example_costs,
                                                 double confidence) {
   Impl& m = *impl_;
-  if (m.in_step()) throw std::logic_error("StreamedModel::set_allocation_measurements: call it between steps");
-  const auto refuse = [](const std::string& why) {
-    return std::invalid_argument("StreamedModel::set_allocation_measurements: " + why);
-  };
-  if (allocations.size() != example_costs.size()) {
-    throw refuse(fmt::format("{} allocations but {} cost lists; give one per allocation", allocations.size(),
-                             example_costs.size()));
+  if (m.step_state.in_step())
+    throw std::logic_error("StreamedModel::set_allocation_measurements: call it between steps");
+  bool first_hints = false;
+  if (!m.policy_link.set_allocation_measurements(m.step_state.last_begun(), allocations, example_costs, confidence,
+                                                 first_hints)) {
+    return false;
   }
-  if (allocations.empty()) throw refuse("no allocation given; measure what propose_allocations() returned");
-  sp::host::AllocationMeasurements measured;
-  measured.confidence = confidence;
-  measured.samples = example_costs[0].size();
-  // The best of K alternatives is taken: each difference's interval is Bonferroni-corrected over
-  // them, so that noise alone makes any one win with at most the chance of one interval.
-  const std::size_t alternatives = std::max<std::size_t>(allocations.size(), 2) - 1;
-  const double difference_confidence = 1.0 - (1.0 - confidence) / static_cast<double>(alternatives);
-  for (std::size_t k = 0; k < allocations.size(); ++k) {
-    if (allocations[k].size() != m.num_units()) {
-      throw refuse(fmt::format("allocation {} has {} routes for {} policy units", k, allocations[k].size(),
-                               m.num_units()));
-    }
-    if (example_costs[k].size() != example_costs[0].size()) {
-      throw refuse(fmt::format("allocation {} has {} costs and allocation 0 has {}: measure them on the same examples",
-                               k, example_costs[k].size(), example_costs[0].size()));
-    }
-    sp::host::AllocationMeasurement& row = measured.allocations.emplace_back();
-    for (Precision p : allocations[k]) row.routes.push_back(to_abi(p));
-    const PairedInterval cost = paired_interval(example_costs[k], confidence);
-    row.cost = cost.mean;
-    row.cost_upper = cost.high;
-    std::vector<double> difference(example_costs[k].size());
-    for (std::size_t i = 0; i < difference.size(); ++i) difference[i] = example_costs[k][i] - example_costs[0][i];
-    const PairedInterval paired = paired_interval(difference, difference_confidence);
-    row.difference = paired.mean;
-    row.difference_upper = paired.high;
-    // One example bounds nothing: the plugin takes an unbounded interval as not measured.
-    if (!std::isfinite(row.cost_upper)) row.cost = row.cost_upper = std::numeric_limits<double>::quiet_NaN();
-    if (!std::isfinite(row.difference_upper)) {
-      row.difference = row.difference_upper = std::numeric_limits<double>::quiet_NaN();
-    }
-  }
-  if (m.collectives) {
-    // The sizes first, so that the collective below compares equal lengths.
-    m.check_ranks_agree({static_cast<std::int32_t>(allocations.size()), static_cast<std::int32_t>(measured.samples)},
-                        "the number of allocations and of costs given to set_allocation_measurements");
-    std::vector<std::int32_t> bits(2);
-    std::memcpy(bits.data(), &confidence, sizeof confidence);
-    for (std::size_t k = 0; k < allocations.size(); ++k) {
-      for (Precision p : allocations[k]) bits.push_back(to_abi(p));
-      const std::size_t at = bits.size();
-      bits.resize(at + 2 * example_costs[k].size());
-      std::memcpy(bits.data() + at, example_costs[k].data(), example_costs[k].size() * sizeof(double));
-    }
-    m.check_ranks_agree(bits, "the allocations, confidence and costs given to set_allocation_measurements");
-  }
-  if (!m.policy->set_allocation_measurements(m.last_step ? *m.last_step : -1, measured)) return false;
-  if (!m.last_step && m.policy->take_initial_hints()) {
-    m.route_by_hints();
-    m.share_images(/*all=*/false);
-  }
+  if (first_hints) m.route_first_hints();
   return true;
 }
 
 std::optional<std::vector<double>> StreamedModel::unit_costs(Precision precision) {
-  return impl_->policy->unit_costs(to_abi(precision));
+  return impl_->policy_link.session().unit_costs(to_abi(precision));
 }
 
-std::optional<sp_budget_status_v1> StreamedModel::budget_status() { return impl_->policy->budget_status(); }
+std::optional<sp_budget_status_v1> StreamedModel::budget_status() {
+  return impl_->policy_link.session().budget_status();
+}
 
 void StreamedModel::set_transfer_gate(sp::adapters::TransferGate gate) {
   impl_->engine->policy_bridge().set_transfer_gate(gate);
@@ -554,17 +438,17 @@ void StreamedModel::set_transfer_gate(sp::adapters::TransferGate gate) {
 }
 
 std::optional<sp::host::SwapResult> StreamedModel::poll_plugin(bool force) {
-  if (impl_->in_step()) throw std::logic_error("StreamedModel::poll_plugin: call it between steps");
+  if (impl_->step_state.in_step()) throw std::logic_error("StreamedModel::poll_plugin: call it between steps");
   Impl& m = *impl_;
-  if (!m.collectives) return m.policy->check_for_new_version(force);
+  if (!m.collectives) return m.policy_link.session().check_for_new_version(force);
   // Rank 0 looks at the file; every rank then asks for the swap at the same step boundary.
   std::optional<sp::host::SwapResult> request;
-  if (m.collectives->rank() == 0) request = m.policy->check_for_new_version(force);
+  if (m.collectives->rank() == 0) request = m.policy_link.session().check_for_new_version(force);
   torch::Tensor requested =
       torch::tensor({request && request->outcome != sp::host::SwapResult::Outcome::failed ? 1 : 0}, torch::kInt32);
   m.collectives->broadcast(requested, 0, "plugin swap request");
   if (requested.item<std::int32_t>() == 0) return request;
-  if (m.collectives->rank() != 0) request = m.policy->check_for_new_version(/*force=*/true);
+  if (m.collectives->rank() != 0) request = m.policy_link.session().check_for_new_version(/*force=*/true);
   // All or nothing: the lowest rank that could not stage the new version, or the world size
   // when every rank did. Where one failed, every rank drops its staged copy and keeps the old.
   const bool staged = request && request->outcome == sp::host::SwapResult::Outcome::pending;
@@ -575,7 +459,7 @@ std::optional<sp::host::SwapResult> StreamedModel::poll_plugin(bool force) {
   const std::string why =
       fmt::format("rank {} of {} could not load the new version, so every rank keeps the old one{}", failed_rank,
                   m.collectives->size(), staged ? "" : fmt::format(" ({})", request ? request->message : "no file"));
-  if (staged) return m.policy->cancel_swap(why);
+  if (staged) return m.policy_link.session().cancel_swap(why);
   if (request) request->message = why;
   return request;
 }

@@ -75,21 +75,21 @@ StreamedModel::Impl::Impl(std::vector<Block> in, StreamedModelOptions opts)
   if (sharded) shard_masters();
   build_policy();
   // A route the policy forces holds from the first fetch, of a step or of an inference pass.
-  if (policy->take_initial_hints()) {
-    route_by_hints();
-    share_images(/*all=*/false);
-  }
+  if (policy_link.session().take_initial_hints()) route_first_hints();
   if (!options.transfer_policy.empty()) apply_transfer_policy(options.transfer_policy);
   note_image_versions();
 }
 
 void StreamedModel::Impl::assign_units(const std::vector<Block>& in) {
   const auto block_count = static_cast<std::uint32_t>(in.size());
+  std::vector<std::uint32_t> unit_of;
+  std::vector<std::string> unit_names;
   if (options.units.empty()) {
     for (std::uint32_t b = 0; b < block_count; ++b) {
       unit_of.push_back(b);
       unit_names.push_back(in[b].name.empty() ? fmt::format("block{}", b) : in[b].name);  // as adopt() names it
     }
+    policy_link.set_units(std::move(unit_of), std::move(unit_names));
     return;
   }
   for (std::uint32_t u = 0; u < options.units.size(); ++u) {
@@ -114,6 +114,7 @@ void StreamedModel::Impl::assign_units(const std::vector<Block>& in) {
         "StreamedModelOptions::recalibrate_every with units of several blocks: calibration errors are measured per "
         "block; set it to 0 (policy v3 decides without them)");
   }
+  policy_link.set_units(std::move(unit_of), std::move(unit_names));
 }
 
 void StreamedModel::Impl::note_image_versions() {
@@ -170,7 +171,7 @@ StreamedModel::Impl::~Impl() {
     log->warn("StreamedModel: closing the open training pass: {}", e.what());
   }
   try {
-    if (eval_open) end_eval_pass();
+    if (evaluation.is_open()) evaluation.end_pass();
   } catch (const std::exception& e) {
     log->warn("StreamedModel: closing the open evaluation pass: {}", e.what());
   }
@@ -340,53 +341,19 @@ void StreamedModel::Impl::build_engines() {
   config.backward = false;
   config.metrics_path.clear();
   eval_engine = std::make_unique<ad::StreamingEngine>(*backend, config, specs);
+  evaluation.use_engine(*eval_engine);
   compute_done = backend->create_event();
 }
 
-namespace {
-
-// The plugin's units: engine block b adds its sizes to unit unit_of[b].
-std::vector<sp::host::BlockDescription> unit_descriptions(const ad::StreamingEngine& engine,
-                                                          const std::vector<std::uint32_t>& unit_of,
-                                                          const std::vector<std::string>& unit_names) {
-  std::vector<sp::host::BlockDescription> units(unit_names.size());
-  for (std::uint32_t u = 0; u < units.size(); ++u) {
-    units[u].id = u;
-    units[u].name = unit_names[u];
-  }
-  for (const sp_block_desc_v1& d : engine.block_descs()) {
-    sp::host::BlockDescription& unit = units.at(unit_of.at(d.block_id));
-    unit.num_params += d.num_params;
-    unit.bf16_bytes += d.bf16_bytes;
-    unit.int8_bytes += d.int8_bytes;
-    unit.nf4_bytes += engine.nf4_image_bytes(d.block_id);
-  }
-  return units;
-}
-
-std::unique_ptr<sp::host::PolicySession> policy_session(std::vector<sp::host::BlockDescription> units,
-                                                        const std::filesystem::path& plugin_file,
-                                                        sp::host::PolicyConfig config, std::string host_name,
-                                                        std::filesystem::path output_dir,
-                                                        std::shared_ptr<spdlog::logger> logger,
-                                                        std::chrono::milliseconds hook_deadline) {
-  sp::host::PolicyHostOptions host;
-  host.host_name = std::move(host_name);
-  host.output_dir = std::move(output_dir);
-  host.logger = std::move(logger);
-  host.fallback = sp::host::FallbackMode::last_good;
-  host.hook_deadline = hook_deadline;
-  host.supported_precisions =
-      SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
-  return std::make_unique<sp::host::PolicySession>(plugin_file, std::move(config), std::move(units), std::move(host));
-}
-
-}  // namespace
-
 void StreamedModel::Impl::build_policy() {
-  policy = policy_session(unit_descriptions(*engine, unit_of, unit_names), options.plugin_file,
-                          sp::host::PolicyConfig{options.config_yaml, options.config_source}, options.host_name,
-                          options.output_dir, log, options.plugin_hook_deadline);
+  PolicyLink::AgreeAcrossRanks agree;
+  if (collectives) {
+    agree = [this](const std::vector<std::int32_t>& values, const std::string& what) {
+      check_ranks_agree(values, what);
+    };
+  }
+  policy_link.open(*engine, options.plugin_file, sp::host::PolicyConfig{options.config_yaml, options.config_source},
+                   options.host_name, options.output_dir, log, options.plugin_hook_deadline, std::move(agree));
 }
 
 void StreamedModel::Impl::check_parameters_unchanged() const {
@@ -440,7 +407,8 @@ void StreamedModel::Impl::attach(BlockState& b, const ad::BlockView& view, bool 
     if (options.compute_dtype != torch::kBFloat16) w = w.to(options.compute_dtype);
     p.param.set_data(w);
     // A placeholder that stands for the weights of a pass that keeps its activations is not a leaf.
-    if (p.param.is_leaf()) p.param.set_requires_grad(trainable && (p.master.requires_grad() || frozen_gradients_wanted));
+    if (p.param.is_leaf())
+      p.param.set_requires_grad(trainable && (p.master.requires_grad() || policy_link.frozen_gradients_wanted()));
   }
 }
 
@@ -450,14 +418,8 @@ std::unique_ptr<sp::host::PolicySession> open_policy_session(const ad::Streaming
                                                              std::filesystem::path output_dir,
                                                              std::shared_ptr<spdlog::logger> logger,
                                                              std::chrono::milliseconds hook_deadline) {
-  std::vector<std::uint32_t> unit_of;
-  std::vector<std::string> names;
-  for (const sp_block_desc_v1& d : engine.block_descs()) {
-    unit_of.push_back(d.block_id);
-    names.emplace_back(d.name);
-  }
-  return policy_session(unit_descriptions(engine, unit_of, names), plugin_file, std::move(config),
-                        std::move(host_name), std::move(output_dir), std::move(logger), hook_deadline);
+  return policy_session_per_block(engine, plugin_file, std::move(config), std::move(host_name), std::move(output_dir),
+                                  std::move(logger), hook_deadline);
 }
 
 StreamedModel::StreamedModel(std::vector<Block> blocks, StreamedModelOptions options)
@@ -476,7 +438,7 @@ std::uint32_t StreamedModel::unit_of(std::uint32_t block) const {
     throw std::invalid_argument(
         fmt::format("StreamedModel::unit_of: block {} is out of range (there are {})", block, impl_->blocks.size()));
   }
-  return impl_->unit_of[block];
+  return impl_->policy_link.unit_of(block);
 }
 
 std::vector<torch::Tensor> StreamedModel::master_parameters() const {
@@ -498,21 +460,21 @@ std::vector<torch::Tensor> StreamedModel::resident_parameters() const {
   return out;
 }
 
-std::int64_t StreamedModel::next_step() const { return impl_->last_step ? *impl_->last_step + 1 : 0; }
+std::int64_t StreamedModel::next_step() const { return impl_->step_state.next(); }
 
 std::uint64_t StreamedModel::image_bytes(std::uint32_t block, Precision precision) const {
   return impl_->engine->image_bytes(block, precision);
 }
 
-const sp::host::PolicySession& StreamedModel::policy() const { return *impl_->policy; }
+const sp::host::PolicySession& StreamedModel::policy() const { return impl_->policy_link.session(); }
 
 std::vector<Precision> StreamedModel::routes() const { return impl_->current_routes(); }
 
-const std::vector<sp::host::UnitHint>& StreamedModel::hints() const { return impl_->policy->hints(); }
+const std::vector<sp::host::UnitHint>& StreamedModel::hints() const { return impl_->policy_link.session().hints(); }
 
-std::uint64_t StreamedModel::evaluation_h2d_bytes() const { return impl_->evaluation_bytes; }
+std::uint64_t StreamedModel::evaluation_h2d_bytes() const { return impl_->evaluation.evaluation_bytes(); }
 
-std::uint64_t StreamedModel::calibration_h2d_bytes() const { return impl_->calibration_bytes; }
+std::uint64_t StreamedModel::calibration_h2d_bytes() const { return impl_->evaluation.calibration_bytes(); }
 
 void StreamedModel::flush_metrics() { impl_->engine->flush_metrics(); }
 
@@ -524,9 +486,9 @@ bool StreamedModel::recomputes() const { return impl_->recompute; }
 
 void StreamedModel::set_compute_dtype(torch::Dtype dtype) {
   Impl& m = *impl_;
-  if (m.in_step()) {
+  if (m.step_state.in_step()) {
     throw std::logic_error(fmt::format("StreamedModel::set_compute_dtype({}): inside step {}; call it between steps",
-                                       c10::toString(dtype), m.step));
+                                       c10::toString(dtype), m.step_state.number()));
   }
   if (!c10::isFloatingType(dtype)) {
     throw std::invalid_argument(fmt::format(

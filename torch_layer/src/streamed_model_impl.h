@@ -2,7 +2,9 @@
 // adoption and the public accessors; block_passes.cpp: the passes, forward and backward;
 // gradient_reduction.cpp: the masters' gradients and the update during the backward;
 // layer_state.cpp: sharding, state and calibration; step_driver.cpp: the step and the policy;
-// route_comparison.cpp: the forward-only measurement of an allocation).
+// step_state.h: the step's state and its report; policy_link.{h,cpp}: the plugin's session and units;
+// route_comparison.cpp: the forward-only measurement of an allocation; evaluation_session.h: the
+// forward-only passes and their bytes).
 // Not installed: the public face is sp/torch_layer/streamed_model.h.
 #pragma once
 
@@ -27,9 +29,12 @@
 #include "sp/kernels/moments.h"
 #include "sp/kernels/relative_error.h"
 #include "sp/precision_abi.h"
+#include "evaluation_session.h"
 #include "forward_state.h"
 #include "sp/torch_layer/intra_op_pool.h"
+#include "policy_link.h"
 #include "serial_worker.h"
+#include "step_state.h"
 #include "unlisted_leaves.h"
 #include "build_config.h"
 #if SP_TORCH_LAYER_HAVE_CUDA
@@ -124,7 +129,7 @@ struct StreamedParam {
   const void* engine_data = nullptr;
   bool staged = false;    // staging holds this pass's gradient
   // A frozen master's gradient, taken in the backward for policy v3's signal table alone
-  // (Impl::frozen_gradients_wanted), summed over the step's passes; never the master's .grad.
+  // (PolicyLink::frozen_gradients_wanted()), summed over the step's passes; never the master's .grad.
   torch::Tensor signal_grad;
   std::vector<std::int64_t> shape;
   std::uint64_t rows = 0, cols = 0;
@@ -279,16 +284,14 @@ struct StreamedModel::Impl {
   std::shared_ptr<spdlog::logger> log;
   torch::TensorOptions compute;
   std::vector<BlockState> blocks;
-  // The policy's units (StreamedModelOptions::units): each block's, and their names in order.
-  std::vector<std::uint32_t> unit_of;
-  std::vector<std::string> unit_names;
-  std::uint32_t num_units() const { return static_cast<std::uint32_t>(unit_names.size()); }
-  bool units_are_blocks() const { return unit_names.size() == blocks.size(); }
+  std::uint32_t num_units() const { return policy_link.num_units(); }
+  bool units_are_blocks() const { return policy_link.units_are_blocks(); }
   std::unique_ptr<ad::TransferBackend> backend;
   std::unique_ptr<ad::StreamingEngine> engine;       // training passes: forward + backward
   std::unique_ptr<ad::StreamingEngine> eval_engine;  // forward-only passes
   std::unique_ptr<ad::Event> compute_done;
-  std::unique_ptr<sp::host::PolicySession> policy;
+  // The policy's units (StreamedModelOptions::units), its session, and what it reads.
+  PolicyLink policy_link;
   std::shared_ptr<Collectives> collectives;  // null: one process
   // The masters' gradients are reduced across ranks on the compute device, before they cross
   // to the host (probe_collectives()); else on the host, after.
@@ -312,53 +315,17 @@ struct StreamedModel::Impl {
   std::uint64_t last_pass_id = 0;
   std::optional<std::uint64_t> forwarding;   // the pass whose forward is under way
   std::optional<std::uint64_t> engine_pass;  // the pass the engine's open step serves
-  std::int64_t engine_steps = 0, eval_engine_steps = 0;
+  std::int64_t engine_steps = 0;
   // The gradients of the current pass's unlisted inputs (unlisted_leaves.h), summed over blocks.
   std::vector<UnlistedLeaf> pass_unlisted;
   std::vector<torch::Tensor> pass_unlisted_grads;
-  std::uint64_t evaluation_bytes = 0, calibration_bytes = 0, measurement_bytes = 0;  // of the forward-only passes
-  // While compare_routes() runs its closure: the routes every evaluation pass is pinned to.
-  std::optional<ad::RuntimeLimitHints> measuring;
+  // The forward-only passes on eval_engine, a measurement's pins, and their bytes.
+  EvaluationSession evaluation;
   bool grads_staged = false;
-  // An evaluation pass is open, and has called `eval_next` blocks: the evaluation engine's
-  // schedule's first ones.
-  bool eval_open = false;
-  std::uint32_t eval_next = 0;
   std::weak_ptr<Impl> self;  // what the layer's autograd nodes hold of it (block_passes.cpp)
 
-  // Where the host is in the step protocol (streamed_model.h, "The rules of a step").
-  using StepPhase = StreamedModel::StepPhase;
-  StepPhase phase = StepPhase::between_steps;
-  bool in_step() const { return phase != StepPhase::between_steps; }
-  bool after_backward() const { return phase == StepPhase::after_backward; }
-  std::int64_t step = 0;
-  // The last step begun, in this run or the one whose state was restored: steps must increase,
-  // as the plugin's window and its switch counts are measured in steps.
-  std::optional<std::int64_t> last_step;
-  Clock::time_point step_start;
-  ad::StepTransferMetrics step_transfer;
-  StepReport report;
-  std::vector<sp_grad_moments_v1> moments;
+  StepState step_state;      // where the step is, what its passes did, its report
   torch::Tensor last_input;  // first-block input of the latest training pass, for re-calibration
-  // The examples of the step's training passes: the leading dimension of each pass's first
-  // block input, summed (the batch size B of the Fisher stand-in in measure_unit_signals()).
-  std::uint64_t step_examples = 0;
-  sp::host::UnitSignalTable unit_signals;  // the last table sent to the plugin
-  // The moments, and for a budget plugin the signal table, of the gradients as the step's latest
-  // backward left them, taken when they are final (as a post-accumulate-grad hook would): a host
-  // that updates and clears them itself before the next step still gives the policy its step.
-  // Not taken for a pass armed with update_masters_during_backward(), whose updates still write
-  // the masters: post_backward() measures that one.
-  std::optional<std::vector<sp_grad_moments_v1>> backward_moments;
-  std::optional<sp::host::UnitSignalTable> backward_signals;
-  // The versions of the blocks' trainable parameters (masters and resident) at begin_step, and
-  // whether a training pass's backward finished since.
-  std::vector<std::int64_t> step_versions;
-  bool backward_in_step = false;
-  // Set at begin_step: the plugin takes a signal table (it has a budget); and, in one process,
-  // the backward then differentiates frozen streamed weights too (LoRA's base), into signal_grad.
-  bool signals_wanted = false;
-  bool frozen_gradients_wanted = false;
 
   // update_masters_during_backward(): the step's constants and moments while armed, and the
   // updates the backward began, each running on `worker` until wait_for_updates().
@@ -420,6 +387,12 @@ struct StreamedModel::Impl {
   void build_engines();
 
   void build_policy();
+  // Hints that stand before any step (a plugin's initial hints) route the engines, and their
+  // images go out to the ranks.
+  void route_first_hints() {
+    route_by_hints();
+    share_images(/*all=*/false);
+  }
 
   // ---- data parallelism ----------------------------------------------------------------------
 
@@ -440,9 +413,9 @@ struct StreamedModel::Impl {
     return sharded ? static_cast<int>(u % static_cast<std::uint32_t>(collectives->size()))
                    : (collectives ? collectives->rank() : 0);
   }
-  int owner(std::uint32_t b) const { return unit_owner(unit_of[b]); }
+  int owner(std::uint32_t b) const { return unit_owner(policy_link.unit_of(b)); }
   bool owns_unit(std::uint32_t u) const { return unit_owner(u) == (collectives ? collectives->rank() : 0); }
-  bool owns(std::uint32_t b) const { return owns_unit(unit_of[b]); }
+  bool owns(std::uint32_t b) const { return owns_unit(policy_link.unit_of(b)); }
   // The policy's units from StreamedModelOptions::units, checked against the blocks.
   void assign_units(const std::vector<Block>& in);
   void require_units_are_blocks(const char* call) const;
@@ -501,14 +474,6 @@ struct StreamedModel::Impl {
   // The plugin's step ends too, marked as failed (a NaN loss), so that its hooks stay paired.
   void end_plugin_step_as_failed();
 
-  void require_step(const char* call) const {
-    if (!in_step())
-      throw std::logic_error(fmt::format("StreamedModel::{}: no step is active; call begin_step()", call));
-  }
-
-  // Adds the counters of `m` to `into`.
-  static void add_transfer(ad::StepTransferMetrics& into, const ad::StepTransferMetrics& m);
-
   // The engine's open step ends, its fetches counted to the pass it served.
   void release_engine();
   // The engine serves pass `id`'s backward from here on (an engine step of its own when another
@@ -527,13 +492,9 @@ struct StreamedModel::Impl {
 
   // ---- evaluation passes: the evaluation engine, forward only, one block at a time ----------
 
-  // With none open (end_eval_pass() first).
+  // With none open (evaluation.end_pass() first): the images of masters changed since are
+  // refreshed first.
   void begin_eval_pass(const ad::RuntimeLimitHints& limits);
-
-  ad::StepTransferMetrics end_eval_pass() {
-    eval_open = false;
-    return eval_engine->end_step();
-  }
 
   // Block b's turn in the open evaluation pass: run(weights) computes it on its delivered
   // weights. The block is released, and the pass ended, even when run() throws.
@@ -546,22 +507,22 @@ struct StreamedModel::Impl {
       auto out = run(blocks[b].weights);
       detach(blocks[b]);
       eval_engine->release(b);
-      ++eval_next;
+      evaluation.block_called();
       return out;
     } catch (...) {
       detach(blocks[b]);
       eval_engine->release(b);
-      end_eval_pass();
+      evaluation.end_pass();
       throw;
     }
   }
 
-  // A whole evaluation pass under `limits` (calibration's); run(b, weights) computes block b.
+  // A whole calibration pass under `limits`; run(b, weights) computes block b.
   template <typename Run>
-  void eval_pass(const ad::RuntimeLimitHints& limits, std::uint64_t& bytes, Run&& run) {
+  void calibration_pass(const ad::RuntimeLimitHints& limits, Run&& run) {
     // The blocks as a chain in their order (calibrate(x), forward(x)), whichever order the
     // host's own evaluation passes call them in.
-    if (eval_open) end_eval_pass();
+    if (evaluation.is_open()) evaluation.end_pass();
     eval_engine->set_block_order({});
     begin_eval_pass(limits);
     for (std::uint32_t b = 0; b < blocks.size(); ++b) {
@@ -570,28 +531,16 @@ struct StreamedModel::Impl {
         return 0;
       });
     }
-    const ad::StepTransferMetrics m = end_eval_pass();
-    bytes += m.h2d_bytes.total();
+    evaluation.count_calibration(evaluation.end_pass().h2d_bytes.total());
   }
 
-  // An evaluation's fetched bytes: a route measurement's while one runs, else the evaluations'.
-  void count_eval_bytes(std::uint64_t bytes) {
-    if (measuring) {
-      measurement_bytes += bytes;
-      return;
-    }
-    evaluation_bytes += bytes;
-    report.eval_h2d_bytes += bytes;
-  }
   void refuse_training_while_measuring(std::uint32_t b) const {
-    if (!measuring) return;
+    if (!evaluation.measuring()) return;
     throw std::logic_error(fmt::format(
         "StreamedModel::compare_routes: the closure called {} in grad mode; the measurement is forward only (it "
         "runs the closure under no_grad: do not enable grad inside it)",
         blocks[b].block.name));
   }
-  // The limits of an evaluation pass the host opens: a route measurement's pins, else none.
-  ad::RuntimeLimitHints eval_limits() const { return measuring ? *measuring : ad::RuntimeLimitHints{}; }
   // StreamedModel::compare_routes, both forms (route_comparison.cpp): the arguments named in
   // its errors as the caller named them.
   std::vector<RouteComparison> compare_routes(const StreamedModel::MeasureClosure& closure, std::size_t batches,
@@ -747,17 +696,17 @@ struct StreamedModel::Impl {
 
   // ---- policy --------------------------------------------------------------------------------
 
-  // The engines route each block by its unit's hint in force (policy->hints(), the one copy of
-  // the hints), BF16 everywhere before the first.
+  // The engines route each block by its unit's hint in force (the policy session's hints(), the
+  // one copy of the hints), BF16 everywhere before the first.
   void route_by_hints();
 
   std::vector<sp_grad_moments_v1> block_moments();
 
-  // The signal table of policy v3 (docs/policy.md, "The signal table"), when signals_wanted (a plugin
-  // with a budget: ABI 1.2, mode budget), else nullopt: per block whose masters have gradients (a
-  // frozen master's: signal_grad) and per quantized tier t, with d = the tier's image - the
-  // master and g the step's gradient,
-  //   first_order.t  = sum g*d,  second_order.t = B/2 * sum g^2*d^2 (B: step_examples),
+  // The signal table of policy v3 (docs/policy.md, "The signal table"), when the plugin reads
+  // one (PolicyLink::signals_wanted(): a budget, and ABI 1.4's reads_step_signals), else
+  // nullopt: per block whose masters have gradients (a frozen master's: signal_grad) and per
+  // quantized tier t, with d = the tier's image - the master and g the step's gradient,
+  //   first_order.t  = sum g*d,  second_order.t = B/2 * sum g^2*d^2 (B: StepState::examples()),
   //   loss_cost.t    = second_order.t + first_order.t - the mean first_order.t over the blocks
   // (the recommendation of docs/signals.md). Other blocks' values are NaN (not measured).
   std::optional<sp::host::UnitSignalTable> measure_unit_signals();
