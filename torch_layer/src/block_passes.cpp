@@ -149,8 +149,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
     throw std::logic_error("StreamedModel::forward: post_backward() already ran in this step; call end_step()");
   }
   if (opening) {
-    if (armed && (!passes.empty() ||
-                  std::find(armed->begun.begin(), armed->begun.end(), true) != armed->begun.end())) {
+    if (updater.is_armed() && (!passes.empty() || updater.any_begun())) {
       throw std::logic_error(
           "StreamedModel::forward: update_masters_during_backward() armed the update of the pass whose backward runs "
           "next; call post_backward() after it (a pass after it would add gradients that no update sees)");
@@ -680,7 +679,7 @@ bool StreamedModel::Impl::fold_weight_gradients(std::uint32_t b, const std::vect
   }
   // The update during the backward: what must happen, on the worker, before the block's
   // gradient is final on the host.
-  const bool update_now = armed && block.trainable_masters && owns(b) && !armed->begun[b];
+  const bool update_now = updater.waits_for(b) && block.trainable_masters && owns(b);
   if (!flat.empty()) {
     // Started now, so that it runs while the backward goes on through the blocks before.
     bucket.bucket = torch::cat(flat);

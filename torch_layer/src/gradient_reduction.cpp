@@ -1,5 +1,4 @@
-// The masters' gradients: staged, reduced across ranks in buckets, folded into .grad; and the
-// fused update that runs during the backward.
+// The masters' gradients: staged, reduced across ranks in buckets, folded into .grad.
 #include "streamed_model_impl.h"
 
 namespace sp::torch_layer {
@@ -36,66 +35,17 @@ ad::Event& StreamedModel::Impl::gradient_copied_event(std::uint32_t b) {
   return *event;
 }
 
-void StreamedModel::Impl::begin_block_update(std::uint32_t b, std::function<void()> gradient_ready) {
-  // Everything that can fail to allocate comes before the engine marks the block busy, and
-  // `running` has room for every block (reserved when armed), so that the entry is in place
-  // before the task that uses it exists.
-  RunningUpdate running_update;
-  running_update.block = b;
-  running_update.update = std::make_unique<ad::StreamingEngine::WeightUpdate>();
-  running_update.skipped = std::make_shared<bool>(false);
-  *running_update.update = engine->begin_update(b);
-  armed->begun[b] = true;
-  ad::StreamingEngine::WeightUpdate* update = running_update.update.get();
-  bool* skipped = running_update.skipped.get();
-  const BlockState* block = &blocks[b];
-  const std::map<std::string, MasterMoments>* moments = &armed->moments[b];
-  const kn::AdamWStep step = armed->step;
-  running.push_back(std::move(running_update));
-  try {
-    running.back().done = worker.submit([=, ready = std::move(gradient_ready)] {
-      if (ready) ready();
-      if (!gradients_finite(*block)) {
-        *skipped = true;
-        return;
-      }
-      update->run(step, fused_update_tensors(*block, *moments));
-    });
-  } catch (...) {
-    engine->finish_update(*update);  // never ran: a cancel
-    running.pop_back();
-    throw;
-  }
-}
-
 void StreamedModel::Impl::wait_for_updates() {
-  std::exception_ptr first_error;
-  for (RunningUpdate& r : running) {
-    bool ok = true;
-    try {
-      r.done.get();
-    } catch (...) {
-      ok = false;
-      if (!first_error) first_error = std::current_exception();
-    }
-    try {
-      engine->finish_update(*r.update);
-    } catch (...) {
-      ok = false;
-      if (!first_error) first_error = std::current_exception();
-    }
-    if (!ok) continue;
-    if (*r.skipped) {
-      step_state.skip_update(r.block);
+  updater.wait(*engine, [&](std::uint32_t b, bool skipped) {
+    if (skipped) {
+      step_state.skip_update(b);
       log->warn("StreamedModel: step {}: {} was not updated: its gradient holds a non-finite element",
-                step_state.number(), blocks[r.block].block.name);
+                step_state.number(), blocks[b].block.name);
     } else {
-      blocks[r.block].eval_image_stale = true;
+      blocks[b].eval_image_stale = true;
     }
-    blocks[r.block].updated_in_step = true;
-  }
-  running.clear();
-  if (first_error) std::rethrow_exception(first_error);
+    blocks[b].updated_in_step = true;
+  });
 }
 
 void StreamedModel::Impl::update_block(std::uint32_t b, const kn::AdamWStep& adam,
@@ -137,7 +87,7 @@ void StreamedModel::Impl::abandon_passes() noexcept {
   } catch (const std::exception& e) {
     log->warn("StreamedModel: an update during the backward of an abandoned pass failed: {}", e.what());
   }
-  armed.reset();
+  updater.disarm();
   pass_unlisted.clear();
   pass_unlisted_grads.clear();
   for (BlockState& block : blocks) block.deferred_update = false;

@@ -129,7 +129,7 @@ void StreamedModel::Impl::take_backward_statistics() {
   step_state.note_backward();
   // A pass armed with update_masters_during_backward() still writes the masters: post_backward()
   // measures that one.
-  if (armed) return;
+  if (updater.is_armed()) return;
   step_state.keep_statistics(block_moments(), measure_unit_signals());
 }
 
@@ -164,7 +164,7 @@ void StreamedModel::begin_step(std::int64_t step) {
   }
   m.step_state.open();
   for (BlockState& block : m.blocks) block.updated_in_step = false;
-  m.armed.reset();
+  m.updater.disarm();
 }
 
 const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss) {
@@ -213,13 +213,11 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss)
     m.check_ranks_agree(precisions, "the plugin's hints");
   }
   m.step_state.end_backward();
-  if (m.armed) {
+  if (const std::optional<OverlappedUpdater::Armed> armed = m.updater.disarm()) {
     // Armed blocks whose backward did not run (no training pass, or one that ended above them).
-    const Impl::ArmedUpdate armed = std::move(*m.armed);
-    m.armed.reset();
     for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
-      if (m.blocks[b].trainable_masters && m.owns(b) && !armed.begun[b]) {
-        m.update_block(b, armed.step, armed.moments[b], /*skip_nonfinite=*/true);
+      if (m.blocks[b].trainable_masters && m.owns(b) && !armed->begun[b]) {
+        m.update_block(b, armed->step, armed->moments[b], /*skip_nonfinite=*/true);
       }
     }
   }
@@ -334,7 +332,7 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
     throw std::logic_error(
         "StreamedModel::update_masters_during_backward: a backward is running; arm the update before it starts");
   }
-  if (m.armed) {
+  if (m.updater.is_armed()) {
     throw std::logic_error(
         fmt::format("StreamedModel::update_masters_during_backward: already armed in step {}", m.step_state.number()));
   }
@@ -359,8 +357,7 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
       }
     }
   }
-  m.running.reserve(m.blocks.size());
-  m.armed = Impl::ArmedUpdate{step, std::move(moments), std::vector<bool>(m.blocks.size(), false)};
+  m.updater.arm(step, std::move(moments));
   m.step_state.drop_statistics();  // of an earlier pass: post_backward() measures the armed one
 }
 

@@ -1,6 +1,7 @@
 // The LibTorch layer's insides, shared by its translation units (streamed_model.cpp: a block's
 // adoption and the public accessors; block_passes.cpp: the passes, forward and backward;
-// gradient_reduction.cpp: the masters' gradients and the update during the backward;
+// gradient_reduction.cpp: the masters' gradients; overlapped_updater.{h,cpp}: the update during
+// the backward;
 // layer_state.cpp: sharding, state and calibration; step_driver.cpp: the step and the policy;
 // step_state.h: the step's state and its report; policy_link.{h,cpp}: the plugin's session and units;
 // route_comparison.cpp: the forward-only measurement of an allocation; evaluation_session.h: the
@@ -32,6 +33,7 @@
 #include "evaluation_session.h"
 #include "forward_state.h"
 #include "sp/torch_layer/intra_op_pool.h"
+#include "overlapped_updater.h"
 #include "policy_link.h"
 #include "serial_worker.h"
 #include "step_state.h"
@@ -327,22 +329,9 @@ struct StreamedModel::Impl {
   StepState step_state;      // where the step is, what its passes did, its report
   torch::Tensor last_input;  // first-block input of the latest training pass, for re-calibration
 
-  // update_masters_during_backward(): the step's constants and moments while armed, and the
-  // updates the backward began, each running on `worker` until wait_for_updates().
-  struct ArmedUpdate {
-    kn::AdamWStep step;
-    std::vector<std::map<std::string, MasterMoments>> moments;  // per block
-    std::vector<bool> begun;                                    // per block
-  };
-  std::optional<ArmedUpdate> armed;
-  struct RunningUpdate {
-    std::uint32_t block = 0;
-    std::unique_ptr<ad::StreamingEngine::WeightUpdate> update;
-    std::shared_ptr<bool> skipped;  // the task found a non-finite gradient
-    std::future<void> done;
-  };
-  std::vector<RunningUpdate> running;
-  SerialWorker worker;  // last: destroyed first, after its tasks ran
+  // update_masters_during_backward()'s updates. Last: its worker is destroyed first, after its
+  // tasks (which read the blocks) ran.
+  OverlappedUpdater updater;
 
   Impl(std::vector<Block> in, StreamedModelOptions opts);
 
@@ -650,9 +639,11 @@ struct StreamedModel::Impl {
 
   ad::Event& gradient_copied_event(std::uint32_t b);
 
-  // Begins block b's armed update: its slab is picked here, the sweep runs on the worker once
-  // `gradient_ready` (if any) has made the gradient final on the host.
-  void begin_block_update(std::uint32_t b, std::function<void()> gradient_ready);
+  // Begins block b's armed update (OverlappedUpdater::begin), once `gradient_ready` made its
+  // gradient final on the host.
+  void begin_block_update(std::uint32_t b, std::function<void()> gradient_ready) {
+    updater.begin(*engine, blocks[b], b, std::move(gradient_ready));
+  }
 
   // Waits for the updates begun in the backward and installs their images. Every update is
   // waited for before the first error is rethrown.
