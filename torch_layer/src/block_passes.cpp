@@ -608,15 +608,7 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
   for (const UnlistedLeaf& leaf : unlisted.leaves) {
     torch::Tensor g = grads[next++];
     if (!g.defined()) continue;
-    const auto same = [&](const UnlistedLeaf& l) { return l.tensor.is_same(leaf.tensor); };
-    const auto it = std::find_if(pass_unlisted.begin(), pass_unlisted.end(), same);
-    if (it == pass_unlisted.end()) {
-      pass_unlisted.push_back(leaf);
-      pass_unlisted_grads.push_back(std::move(g));
-    } else {
-      torch::Tensor& sum = pass_unlisted_grads[static_cast<std::size_t>(it - pass_unlisted.begin())];
-      sum = sum + g;
-    }
+    reducer.add_unlisted(leaf, std::move(g));
   }
   if (collectives) {
     // Averaged before autograd adds them to the .grad, into tensors of their own (autograd's
@@ -625,7 +617,7 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
     const auto first_resident = out.begin() + static_cast<std::ptrdiff_t>(xs.size());
     std::vector<torch::Tensor> resident(first_resident, out.end());
     try {
-      resident = averaged(resident, fmt::format("gradients of {}'s resident parameters", block.block.name));
+      resident = reducer.averaged(resident, fmt::format("gradients of {}'s resident parameters", block.block.name));
     } catch (...) {
       abandon_passes();
       throw;
@@ -654,7 +646,7 @@ void StreamedModel::Impl::end_pass_backward(std::uint64_t id) {
 bool StreamedModel::Impl::fold_weight_gradients(std::uint32_t b, const std::vector<torch::Tensor>& grads,
                                                 std::function<void()>& gradient_ready) {
   BlockState& block = blocks[b];
-  ReducingBucket bucket;
+  GradientReducer::Bucket bucket;
   std::vector<torch::Tensor> flat;
   std::vector<StreamedParam*> staged_here;
   for (std::size_t i = 0; i < block.streamed.size(); ++i) {
@@ -674,7 +666,7 @@ bool StreamedModel::Impl::fold_weight_gradients(std::uint32_t b, const std::vect
       flat.push_back(g.reshape({-1}).to(gradient_reduction_device(), torch::kFloat32));
       continue;
     }
-    stage_master_gradient(p, g.reshape(p.shape));
+    reducer.stage(p, g.reshape(p.shape));
     if (p.staged) staged_here.push_back(&p);
   }
   // The update during the backward: what must happen, on the worker, before the block's
@@ -687,13 +679,13 @@ bool StreamedModel::Impl::fold_weight_gradients(std::uint32_t b, const std::vect
     bucket.pending = sharded ? collectives->reduce(bucket.bucket, owner(b), Reduction::sum, what)
                              : collectives->all_reduce(bucket.bucket, Reduction::sum, what);
     if (update_now) {
-      auto owned = std::make_shared<ReducingBucket>(std::move(bucket));
+      auto owned = std::make_shared<GradientReducer::Bucket>(std::move(bucket));
       gradient_ready = [this, owned] {
         owned->pending->wait();
-        fold_averaged(owned->params, owned->bucket);
+        reducer.fold_averaged(owned->params, owned->bucket);
       };
     } else {
-      reducing.push_back(std::move(bucket));
+      reducer.add_pending(std::move(bucket));
     }
   }
   if (update_now && !staged_here.empty()) {
@@ -706,7 +698,7 @@ bool StreamedModel::Impl::fold_weight_gradients(std::uint32_t b, const std::vect
       for (StreamedParam* p : staged_here) p->staged = false;
       gradient_ready = [this, &copied, staged_here] {
         backend->synchronize(copied);
-        for (StreamedParam* p : staged_here) add_to_master_grad(*p, p->staging);
+        for (StreamedParam* p : staged_here) GradientReducer::add_to_master_grad(*p, p->staging);
       };
     }
   }

@@ -1,33 +1,8 @@
-// The masters' gradients: staged, reduced across ranks in buckets, folded into .grad.
+// The masters' gradients: the gradient reducer (gradient_reducer.h: staged, reduced across ranks
+// in buckets, folded into .grad), and the ends of a training pass.
 #include "streamed_model_impl.h"
 
 namespace sp::torch_layer {
-
-void StreamedModel::Impl::probe_collectives() {
-  try {
-    torch::Tensor one = torch::zeros({1}, torch::kFloat32);
-    collectives->all_reduce(one, Reduction::sum, "a probe of CPU tensors")->wait();
-  } catch (const CollectiveError&) {
-    throw;  // a rank failed: not an answer about the group
-  } catch (const std::exception& e) {
-    const std::string why = e.what();
-    throw std::invalid_argument(fmt::format(
-        "StreamedModelOptions::collectives: rank {} of {}: the group refused an all-reduce of a CPU tensor ({}). "
-        "The layer's collectives run on host tensors: give it a group that takes them, as Gloo does, or "
-        "one with a backend per device (init_process_group(\"cpu:gloo,cuda:nccl\")); NCCL alone takes "
-        "device tensors only",
-        collectives->rank(), collectives->size(), why.substr(0, why.find('\n'))));
-  }
-  if (!options.device.is_cuda()) return;
-  const bool here = collectives->reduces_on(options.device);
-  torch::Tensor everywhere = torch::tensor({here ? 1 : 0}, torch::kInt32);
-  collectives->all_reduce(everywhere, Reduction::min, "whether every rank's group reduces device tensors")->wait();
-  device_reductions = everywhere.item<std::int32_t>() == 1;
-  log->info("StreamedModel: the masters' gradients are reduced across ranks {}",
-            device_reductions ? fmt::format("on {}, before they cross to the host", options.device.str())
-            : here            ? std::string("on the host: another rank's group does not reduce device tensors")
-                              : std::string("on the host: the group does not reduce device tensors without it"));
-}
 
 ad::Event& StreamedModel::Impl::gradient_copied_event(std::uint32_t b) {
   std::unique_ptr<ad::Event>& event = blocks[b].gradient_copied;
@@ -62,25 +37,6 @@ void StreamedModel::Impl::update_block(std::uint32_t b, const kn::AdamWStep& ada
   blocks[b].updated_in_step = true;
 }
 
-void StreamedModel::Impl::stage_master_gradient(StreamedParam& p, const torch::Tensor& g) {
-  if (p.staging.defined()) {
-    p.staging.copy_(g, /*non_blocking=*/true);
-    p.staged = true;
-    grads_staged = true;
-    return;
-  }
-  add_to_master_grad(p, g.to(torch::kCPU, torch::kFloat32));
-}
-
-void StreamedModel::Impl::add_to_master_grad(StreamedParam& p, const torch::Tensor& g) {
-  torch::Tensor& grad = p.master.mutable_grad();
-  if (grad.defined()) {
-    grad.add_(g);
-  } else {
-    grad = g.clone();
-  }
-}
-
 void StreamedModel::Impl::abandon_passes() noexcept {
   try {
     wait_for_updates();
@@ -88,17 +44,8 @@ void StreamedModel::Impl::abandon_passes() noexcept {
     log->warn("StreamedModel: an update during the backward of an abandoned pass failed: {}", e.what());
   }
   updater.disarm();
-  pass_unlisted.clear();
-  pass_unlisted_grads.clear();
   for (BlockState& block : blocks) block.deferred_update = false;
-  for (ReducingBucket& r : reducing) {
-    try {
-      r.pending->wait();
-    } catch (const std::exception& e) {
-      log->warn("StreamedModel: dropping an all-reduce of an abandoned pass: {}", e.what());
-    }
-  }
-  reducing.clear();
+  reducer.abandon(*log);
   try {
     for (const auto& [id, pass] : passes) {
       if (!pass.held) continue;
@@ -112,7 +59,6 @@ void StreamedModel::Impl::abandon_passes() noexcept {
   engine_pass.reset();
   passes.clear();
   forwarding.reset();
-  grads_staged = false;
   for (BlockState& b : blocks) {
     for (StreamedParam& p : b.streamed) p.staged = false;
   }
@@ -120,14 +66,8 @@ void StreamedModel::Impl::abandon_passes() noexcept {
 
 void StreamedModel::Impl::finish_pass(std::uint64_t id) {
   try {
-    for (ReducingBucket& r : reducing) r.pending->wait();
-    // Into .grad as autograd accumulates it. (Its tensor hooks ran in each block's grad(), on that
-    // block's share; post-accumulate-grad hooks do not run.)
-    std::vector<UnlistedLeaf> leaves = std::move(pass_unlisted);
-    std::vector<torch::Tensor> sums = std::move(pass_unlisted_grads);
-    pass_unlisted.clear();
-    pass_unlisted_grads.clear();
-    for (std::size_t i = 0; i < leaves.size(); ++i) (*leaves[i].accumulate)({std::move(sums[i])});
+    reducer.wait_pending();
+    reducer.accumulate_unlisted();
   } catch (...) {
     abandon_passes();
     throw;
@@ -139,9 +79,8 @@ void StreamedModel::Impl::finish_pass(std::uint64_t id) {
   if (!pass.backward_ran) step_state.count_training_pass();
   pass.backward_ran = true;
   pass.in_backward = false;
-  for (ReducingBucket& r : reducing) fold_averaged(r.params, r.bucket);
-  reducing.clear();
-  if (!grads_staged) return;
+  reducer.fold_pending();
+  if (!reducer.any_staged()) return;
   backend->record(*compute_done, ad::Queue::compute);
   backend->synchronize(*compute_done);
   std::vector<StreamedParam*> staged;
@@ -149,20 +88,9 @@ void StreamedModel::Impl::finish_pass(std::uint64_t id) {
     for (StreamedParam& p : b.streamed) {
       if (!p.staged) continue;
       staged.push_back(&p);
-      p.staged = false;
     }
   }
-  if (collectives) {
-    // On a GPU the gradients reach the host only here: one bucket for the whole pass.
-    std::vector<torch::Tensor> flat;
-    for (StreamedParam* p : staged) flat.push_back(p->staging.reshape({-1}));
-    torch::Tensor bucket = torch::cat(flat);
-    collectives->all_reduce(bucket, Reduction::sum, "gradients of the pass")->wait();
-    fold_averaged(staged, bucket);
-  } else {
-    for (StreamedParam* p : staged) add_to_master_grad(*p, p->staging);
-  }
-  grads_staged = false;
+  reducer.fold_staged(std::move(staged));
   std::vector<std::uint32_t> deferred;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (blocks[b].deferred_update) deferred.push_back(b);
@@ -176,26 +104,104 @@ void StreamedModel::Impl::finish_pass(std::uint64_t id) {
   }
 }
 
-void StreamedModel::Impl::fold_averaged(const std::vector<StreamedParam*>& params, const torch::Tensor& summed) {
-  if (std::none_of(params.begin(), params.end(), [&](const StreamedParam* p) { return owns(p->block); })) return;
+void GradientReducer::probe(const torch::Device& compute, spdlog::logger& log) {
+  try {
+    torch::Tensor one = torch::zeros({1}, torch::kFloat32);
+    collectives_->all_reduce(one, Reduction::sum, "a probe of CPU tensors")->wait();
+  } catch (const CollectiveError&) {
+    throw;  // a rank failed: not an answer about the group
+  } catch (const std::exception& e) {
+    const std::string why = e.what();
+    throw std::invalid_argument(fmt::format(
+        "StreamedModelOptions::collectives: rank {} of {}: the group refused an all-reduce of a CPU tensor ({}). "
+        "The layer's collectives run on host tensors: give it a group that takes them, as Gloo does, or "
+        "one with a backend per device (init_process_group(\"cpu:gloo,cuda:nccl\")); NCCL alone takes "
+        "device tensors only",
+        collectives_->rank(), collectives_->size(), why.substr(0, why.find('\n'))));
+  }
+  if (!compute.is_cuda()) return;
+  const bool here = collectives_->reduces_on(compute);
+  torch::Tensor everywhere = torch::tensor({here ? 1 : 0}, torch::kInt32);
+  collectives_->all_reduce(everywhere, Reduction::min, "whether every rank's group reduces device tensors")->wait();
+  device_reductions_ = everywhere.item<std::int32_t>() == 1;
+  log.info("StreamedModel: the masters' gradients are reduced across ranks {}",
+           device_reductions_ ? fmt::format("on {}, before they cross to the host", compute.str())
+           : here             ? std::string("on the host: another rank's group does not reduce device tensors")
+                              : std::string("on the host: the group does not reduce device tensors without it"));
+}
+
+void GradientReducer::stage(StreamedParam& p, const torch::Tensor& g) {
+  if (p.staging.defined()) {
+    p.staging.copy_(g, /*non_blocking=*/true);
+    p.staged = true;
+    staged_ = true;
+    return;
+  }
+  add_to_master_grad(p, g.to(torch::kCPU, torch::kFloat32));
+}
+
+void GradientReducer::add_to_master_grad(StreamedParam& p, const torch::Tensor& g) {
+  torch::Tensor& grad = p.master.mutable_grad();
+  if (grad.defined()) {
+    grad.add_(g);
+  } else {
+    grad = g.clone();
+  }
+}
+
+void GradientReducer::fold_staged(std::vector<StreamedParam*> staged) {
+  for (StreamedParam* p : staged) p->staged = false;
+  if (collectives_) {
+    // On a GPU the gradients reach the host only here: one bucket for the whole pass.
+    std::vector<torch::Tensor> flat;
+    for (StreamedParam* p : staged) flat.push_back(p->staging.reshape({-1}));
+    torch::Tensor bucket = torch::cat(flat);
+    collectives_->all_reduce(bucket, Reduction::sum, "gradients of the pass")->wait();
+    fold_averaged(staged, bucket);
+  } else {
+    for (StreamedParam* p : staged) add_to_master_grad(*p, p->staging);
+  }
+  staged_ = false;
+}
+
+void GradientReducer::fold_averaged(const std::vector<StreamedParam*>& params, const torch::Tensor& summed) {
+  if (std::none_of(params.begin(), params.end(), [&](const StreamedParam* p) { return keeps_(p->block); })) return;
   torch::Tensor bucket = summed.to(torch::kCPU);
-  bucket.div_(collectives->size());
+  bucket.div_(collectives_->size());
   std::int64_t offset = 0;
   for (StreamedParam* p : params) {
     const std::int64_t n = c10::multiply_integers(p->shape);
-    if (owns(p->block)) add_to_master_grad(*p, bucket.narrow(0, offset, n).view(p->shape));
+    if (keeps_(p->block)) add_to_master_grad(*p, bucket.narrow(0, offset, n).view(p->shape));
     offset += n;
   }
 }
 
-std::vector<torch::Tensor> StreamedModel::Impl::averaged(const std::vector<torch::Tensor>& tensors,
-                                                         const std::string& what) {
-  if (!collectives || tensors.empty()) return tensors;
+void GradientReducer::add_unlisted(const UnlistedLeaf& leaf, torch::Tensor g) {
+  const auto same = [&](const UnlistedLeaf& l) { return l.tensor.is_same(leaf.tensor); };
+  const auto it = std::find_if(unlisted_.begin(), unlisted_.end(), same);
+  if (it == unlisted_.end()) {
+    unlisted_.push_back(leaf);
+    unlisted_grads_.push_back(std::move(g));
+  } else {
+    torch::Tensor& sum = unlisted_grads_[static_cast<std::size_t>(it - unlisted_.begin())];
+    sum = sum + g;
+  }
+}
+
+void GradientReducer::accumulate_unlisted() {
+  std::vector<UnlistedLeaf> leaves = std::exchange(unlisted_, {});
+  std::vector<torch::Tensor> sums = std::exchange(unlisted_grads_, {});
+  for (std::size_t i = 0; i < leaves.size(); ++i) (*leaves[i].accumulate)({std::move(sums[i])});
+}
+
+std::vector<torch::Tensor> GradientReducer::averaged(const std::vector<torch::Tensor>& tensors,
+                                                     const std::string& what) {
+  if (!collectives_ || tensors.empty()) return tensors;
   std::vector<torch::Tensor> flat;
   for (const torch::Tensor& t : tensors) flat.push_back(t.reshape({-1}).to(torch::kFloat32));
   torch::Tensor bucket = torch::cat(flat);
-  collectives->all_reduce(bucket, Reduction::sum, what)->wait();
-  bucket.div_(collectives->size());
+  collectives_->all_reduce(bucket, Reduction::sum, what)->wait();
+  bucket.div_(collectives_->size());
   std::vector<torch::Tensor> out;
   std::int64_t offset = 0;
   for (const torch::Tensor& t : tensors) {
@@ -205,11 +211,25 @@ std::vector<torch::Tensor> StreamedModel::Impl::averaged(const std::vector<torch
   return out;
 }
 
-void StreamedModel::Impl::average_in_place(const std::vector<torch::Tensor>& tensors, const std::string& what) {
-  if (!collectives || tensors.empty()) return;
+void GradientReducer::average_in_place(const std::vector<torch::Tensor>& tensors, const std::string& what) {
+  if (!collectives_ || tensors.empty()) return;
   const std::vector<torch::Tensor> means = averaged(tensors, what);
   torch::NoGradGuard no_grad;
   for (std::size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(means[i]);
+}
+
+void GradientReducer::abandon(spdlog::logger& log) noexcept {
+  unlisted_.clear();
+  unlisted_grads_.clear();
+  for (Bucket& r : reducing_) {
+    try {
+      r.pending->wait();
+    } catch (const std::exception& e) {
+      log.warn("StreamedModel: dropping an all-reduce of an abandoned pass: {}", e.what());
+    }
+  }
+  reducing_.clear();
+  staged_ = false;
 }
 
 void StreamedModel::Impl::check_ranks_agree(const std::vector<std::int32_t>& values, const std::string& what) {

@@ -61,7 +61,8 @@ StreamedModel::Impl::Impl(std::vector<Block> in, StreamedModelOptions opts)
         "averages its resident parameters' gradients across the ranks, which needs the recompute; leave it unset "
         "or set it to true");
   }
-  if (collectives) probe_collectives();
+  reducer.connect(collectives, [this](std::uint32_t b) { return owns(b); });
+  if (collectives) reducer.probe(options.device, *log);
   refuse_shared_parameters(in);
   assign_units(in);
   for (std::size_t b = 0; b < in.size(); ++b) adopt(std::move(in[b]), b);
@@ -248,7 +249,7 @@ void StreamedModel::Impl::adopt(Block block, std::size_t index) {
       master.set_requires_grad(found->requires_grad());
     }
     state.trainable_masters = state.trainable_masters || found->requires_grad();
-    if (options.device.is_cuda() && found->requires_grad() && !device_reductions) {
+    if (options.device.is_cuda() && found->requires_grad() && !reducer.reduces_on_device()) {
       p.staging = torch::empty_like(master).pin_memory();
     }
     p.master = master;
@@ -529,7 +530,7 @@ void StreamedModel::average_gradients(const std::vector<torch::Tensor>& paramete
   for (const torch::Tensor& p : parameters) {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
-  impl_->average_in_place(grads, "gradients of the host's parameters");
+  impl_->reducer.average_in_place(grads, "gradients of the host's parameters");
 }
 
 double StreamedModel::average(double value) {

@@ -1,9 +1,8 @@
 // The LibTorch layer's insides, shared by its translation units (streamed_model.cpp: a block's
 // adoption and the public accessors; block_passes.cpp: the passes, forward and backward;
-// gradient_reduction.cpp: the masters' gradients; overlapped_updater.{h,cpp}: the update during
-// the backward;
-// layer_state.cpp: sharding, state and calibration; step_driver.cpp: the step and the policy;
-// step_state.h: the step's state and its report; policy_link.{h,cpp}: the plugin's session and units;
+// gradient_reducer.h and gradient_reduction.cpp: the masters' gradients and a pass's end; overlapped_updater.{h,cpp}:
+// the update during the backward; layer_state.cpp: sharding, state and calibration; step_driver.cpp: the step and the
+// policy; step_state.h: the step's state and its report; policy_link.{h,cpp}: the plugin's session and units;
 // route_comparison.cpp: the forward-only measurement of an allocation; evaluation_session.h: the
 // forward-only passes and their bytes).
 // Not installed: the public face is sp/torch_layer/streamed_model.h.
@@ -32,6 +31,7 @@
 #include "sp/precision_abi.h"
 #include "evaluation_session.h"
 #include "forward_state.h"
+#include "gradient_reducer.h"
 #include "sp/torch_layer/intra_op_pool.h"
 #include "overlapped_updater.h"
 #include "policy_link.h"
@@ -295,20 +295,11 @@ struct StreamedModel::Impl {
   // The policy's units (StreamedModelOptions::units), its session, and what it reads.
   PolicyLink policy_link;
   std::shared_ptr<Collectives> collectives;  // null: one process
-  // The masters' gradients are reduced across ranks on the compute device, before they cross
-  // to the host (probe_collectives()); else on the host, after.
-  bool device_reductions = false;
   // Sharded data parallelism (StreamedModelOptions::shard_masters on more than one rank): each
   // block's masters live on its owner alone, which sends its images to the other ranks.
   bool sharded = false;
-  // A block's master gradients of the current pass, flattened into one bucket, on their way
-  // through an all-reduce started in the backward; folded into the masters at the pass's end.
-  struct ReducingBucket {
-    std::vector<StreamedParam*> params;
-    torch::Tensor bucket;
-    std::unique_ptr<Collectives::Pending> pending;
-  };
-  std::vector<ReducingBucket> reducing;
+  // The masters' gradients on their way to .grad, and the averages across ranks.
+  GradientReducer reducer;
 
   // The step's open training passes, by id. The training engine serves one pass at a time: a
   // pass's forward and backward share one engine step, unless another pass came between, when
@@ -318,20 +309,12 @@ struct StreamedModel::Impl {
   std::optional<std::uint64_t> forwarding;   // the pass whose forward is under way
   std::optional<std::uint64_t> engine_pass;  // the pass the engine's open step serves
   std::int64_t engine_steps = 0;
-  // The gradients of the current pass's unlisted inputs (unlisted_leaves.h), summed over blocks.
-  std::vector<UnlistedLeaf> pass_unlisted;
-  std::vector<torch::Tensor> pass_unlisted_grads;
   // The forward-only passes on eval_engine, a measurement's pins, and their bytes.
   EvaluationSession evaluation;
-  bool grads_staged = false;
   std::weak_ptr<Impl> self;  // what the layer's autograd nodes hold of it (block_passes.cpp)
 
   StepState step_state;      // where the step is, what its passes did, its report
   torch::Tensor last_input;  // first-block input of the latest training pass, for re-calibration
-
-  // update_masters_during_backward()'s updates. Last: its worker is destroyed first, after its
-  // tasks (which read the blocks) ran.
-  OverlappedUpdater updater;
 
   Impl(std::vector<Block> in, StreamedModelOptions opts);
 
@@ -385,15 +368,7 @@ struct StreamedModel::Impl {
 
   // ---- data parallelism ----------------------------------------------------------------------
 
-  // The layer's own collectives (moments, hint checks, losses, images) run on host tensors, so
-  // the group must take those. The masters' gradients are born on the compute device: where the
-  // group reduces tensors there without the host (NCCL), each block's is reduced there in the
-  // backward, and only the result crosses to the host (sharded, to its owner only). The ranks
-  // agree on a CPU tensor before any device tensor is reduced, so that none waits on a device
-  // collective another rank never starts.
-  void probe_collectives();
-
-  torch::Device gradient_reduction_device() const { return device_reductions ? options.device : torch::kCPU; }
+  torch::Device gradient_reduction_device() const { return reducer.reduction_device(options.device); }
 
   // ---- sharded data parallelism ------------------------------------------------------------
 
@@ -654,15 +629,6 @@ struct StreamedModel::Impl {
   void update_block(std::uint32_t b, const kn::AdamWStep& adam, const std::map<std::string, MasterMoments>& moments,
                     bool skip_nonfinite);
 
-  // The master's gradient, accumulated across passes. On a GPU it travels to pinned staging
-  // without a host sync; the pass's end folds it in after one synchronization.
-  void stage_master_gradient(StreamedParam& p, const torch::Tensor& g);
-
-  // The first contribution is copied: it is a view (of the backward's result, reshaped) or the
-  // staging buffer the next pass reuses, and a .grad must own its storage (zero_grad() detaches
-  // it in place).
-  static void add_to_master_grad(StreamedParam& p, const torch::Tensor& g);
-
   // Passes cut short (an exception in a backward, or a step aborted): the collectives in flight
   // are waited for and dropped, the engine's step ends, every open pass is dropped, and the
   // model takes new passes. Gradients already folded into the masters stay: the host discards
@@ -670,17 +636,6 @@ struct StreamedModel::Impl {
   void abandon_passes() noexcept;
 
   void finish_pass(std::uint64_t id);
-
-  // A bucket of summed gradients, one slice per parameter in order, divided by the ranks. A
-  // bucket reduced on the device crosses to the host here, and only to a rank that keeps one of
-  // its parameters (sharded, the owner).
-  void fold_averaged(const std::vector<StreamedParam*>& params, const torch::Tensor& summed);
-
-  // The mean across ranks of tensors of any dtype and shape (one bucket), as new tensors.
-  std::vector<torch::Tensor> averaged(const std::vector<torch::Tensor>& tensors, const std::string& what);
-
-  // The same, into the tensors themselves (gradients the host owns).
-  void average_in_place(const std::vector<torch::Tensor>& tensors, const std::string& what);
 
   // Every rank's plugin hints must be the same: the blocks where they differ, by name.
   void check_ranks_agree(const std::vector<std::int32_t>& values, const std::string& what);
@@ -721,6 +676,10 @@ struct StreamedModel::Impl {
   CalibrationErrors measure_calibration_errors(const std::vector<torch::Tensor>& samples);
 
   bool set_calibration_errors(CalibrationErrors& errors);
+
+  // update_masters_during_backward()'s updates. Last: its worker is destroyed first, after its
+  // tasks (which read the blocks) ran.
+  OverlappedUpdater updater;
 };
 
 }  // namespace sp::torch_layer
