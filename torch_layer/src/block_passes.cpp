@@ -136,7 +136,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
   if (torch::autograd::get_current_graph_task_id() != -1) return checkpoint_recompute(b, inputs, call);
   refuse_training_while_measuring(b);
   if (!opening) {
-    refuse_second_call(b, engine->schedule(), passes.at(*forwarding).next_forward, "training pass");
+    refuse_second_call(b, engines.train->schedule(), passes.at(*forwarding).next_forward, "training pass");
     if (engine_pass != forwarding) {
       throw std::logic_error(fmt::format(
           "StreamedModel: {} was called after another training pass's backward ran while this pass's forward was "
@@ -274,7 +274,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::checkpoint_recompute(std::uint32
 
 void StreamedModel::Impl::release_engine() {
   if (!engine_pass) return;
-  const ad::StepTransferMetrics m = engine->end_step();
+  const ad::StepTransferMetrics m = engines.train->end_step();
   const auto served = passes.find(*engine_pass);
   engine_pass.reset();
   // Prefetches after a pass ended (into its backward's turn) count to the step.
@@ -287,7 +287,7 @@ void StreamedModel::Impl::release_engine() {
 
 void StreamedModel::Impl::enter_backward(std::uint64_t id, std::uint32_t b) {
   TrainingPass& pass = passes.at(id);
-  const std::uint32_t use = engine->schedule().backward_use(b);
+  const std::uint32_t use = engines.train->schedule().backward_use(b);
   if (pass.in_backward) {
     // A backward that skipped the blocks between (their outputs reached no loss), or that runs
     // in another order than the schedule's (the pass's forward called the blocks in another
@@ -295,7 +295,7 @@ void StreamedModel::Impl::enter_backward(std::uint64_t id, std::uint32_t b) {
     // same block again (a checkpoint's recompute) is served again.
     if (use != pass.next_backward_use && use + 1 != pass.next_backward_use) {
       release_engine();
-      engine->begin_step(engine_steps++, {}, use);
+      engines.train->begin_step(engine_steps++, {}, use);
       engine_pass = id;
       pass.next_backward_use = use + 1;
     }
@@ -312,7 +312,7 @@ void StreamedModel::Impl::enter_backward(std::uint64_t id, std::uint32_t b) {
   // is the last block, else in a step of its own begun there.
   if (engine_pass != id || use != blocks.size()) {
     release_engine();
-    engine->begin_step(engine_steps++, {}, use);
+    engines.train->begin_step(engine_steps++, {}, use);
     engine_pass = id;
   }
   if (forwarding == id) forwarding.reset();
@@ -356,7 +356,7 @@ void StreamedModel::Impl::close_pass_without_backward(std::uint64_t id) {
 }
 
 bool StreamedModel::Impl::opens_pass(std::uint32_t b, bool training) const {
-  const ad::StepSchedule& schedule = training ? engine->schedule() : eval_engine->schedule();
+  const ad::StepSchedule& schedule = training ? engines.train->schedule() : engines.eval->schedule();
   if (training ? !forwarding : !evaluation.is_open()) return true;
   const std::uint32_t called = training ? passes.at(*forwarding).next_forward : evaluation.called();
   if (called == blocks.size() || schedule.uses().front().block == b) return true;
@@ -393,14 +393,14 @@ void move_block(ad::StreamingEngine& engine, std::uint32_t block, std::uint32_t 
 }  // namespace
 
 void StreamedModel::Impl::follow_training_call(std::uint64_t id, std::uint32_t b, std::uint32_t at, bool opening) {
-  const bool moves = engine->schedule().uses()[at].block != b;
+  const bool moves = engines.train->schedule().uses()[at].block != b;
   if (!opening && !moves) return;
   release_engine();  // another pass's forward, the fetches ahead of a finished one, or of another block
   if (moves) {
     log->debug("StreamedModel: training passes call {} at position {}: the prefetch follows", blocks[b].block.name, at);
-    move_block(*engine, b, at);
+    move_block(*engines.train, b, at);
   }
-  engine->begin_step(engine_steps++, {}, at);
+  engines.train->begin_step(engine_steps++, {}, at);
   engine_pass = id;
 }
 
@@ -419,13 +419,13 @@ std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, co
     wait_for_updates();  // the evaluation engine reads the masters
     rebuild_changed_images("forward");
     if (evaluation.is_open()) evaluation.end_pass();  // one the host left before its last block
-    if (eval_engine->schedule().uses().front().block != b) move_block(*eval_engine, b, 0);
+    if (engines.eval->schedule().uses().front().block != b) move_block(*engines.eval, b, 0);
     begin_eval_pass(evaluation.limits());
   } else {
     const std::uint32_t at = evaluation.called();
-    refuse_second_call(b, eval_engine->schedule(), at, "evaluation pass (no grad)");
-    if (eval_engine->schedule().uses()[at].block != b) {
-      evaluation.follow_call_at_next(step_state, [&] { move_block(*eval_engine, b, at); });
+    refuse_second_call(b, engines.eval->schedule(), at, "evaluation pass (no grad)");
+    if (engines.eval->schedule().uses()[at].block != b) {
+      evaluation.follow_call_at_next(step_state, [&] { move_block(*engines.eval, b, at); });
     }
   }
   std::vector<torch::Tensor> out = eval_block(b, [&](const NamedParameters& weights) { return call(inputs, weights); });
@@ -437,7 +437,7 @@ void StreamedModel::Impl::follow_caller_stream() {
 #ifdef SP_TORCH_LAYER_FOLLOWS_CUDA_STREAMS
   if (!options.device.is_cuda()) return;
   const c10::DeviceIndex index = options.device.has_index() ? options.device.index() : 0;
-  static_cast<ad::CudaBackend&>(*backend).set_compute_stream(c10::cuda::getCurrentCUDAStream(index).stream());
+  static_cast<ad::CudaBackend&>(*engines.backend).set_compute_stream(c10::cuda::getCurrentCUDAStream(index).stream());
 #endif
 }
 
@@ -445,7 +445,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::forward_block(std::uint32_t b, s
                                                               const std::vector<torch::Tensor>& inputs) {
   TrainingPass& pass = passes.at(id);
   follow_caller_stream();
-  const ad::BlockView& view = engine->acquire(b);
+  const ad::BlockView& view = engines.train->acquire(b);
   attach(blocks[b], view, false);
   if (replay_call == nullptr) {
     pass.states[b] = ForwardState::capture(options.device);
@@ -457,11 +457,11 @@ std::vector<torch::Tensor> StreamedModel::Impl::forward_block(std::uint32_t b, s
     out = (replay_call != nullptr ? *replay_call : pass.calls[b])(inputs, blocks[b].weights);
   } catch (...) {
     detach(blocks[b]);
-    engine->release(b);
+    engines.train->release(b);
     throw;
   }
   detach(blocks[b]);
-  engine->release(b);
+  engines.train->release(b);
   return out;
 }
 
@@ -516,7 +516,7 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
   const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
   const bool weights_take_gradients = exec_info == nullptr || exec_info->empty();
   follow_caller_stream();
-  const ad::BlockView& view = engine->acquire(b);
+  const ad::BlockView& view = engines.train->acquire(b);
   attach(block, view, weights_take_gradients);
   variable_list grads;
   std::vector<torch::Tensor> wrt;
@@ -580,12 +580,12 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
     }
   } catch (...) {
     detach(block);
-    engine->release(b);
+    engines.train->release(b);
     abandon_passes();
     throw;
   }
   detach(block);
-  engine->release(b);
+  engines.train->release(b);
 
   std::size_t next = input_slots.size();
   std::function<void()> gradient_ready;
@@ -694,10 +694,10 @@ bool StreamedModel::Impl::fold_weight_gradients(std::uint32_t b, const std::vect
       blocks[b].deferred_update = true;
     } else {
       ad::Event& copied = gradient_copied_event(b);
-      backend->record(copied, ad::Queue::compute);
+      engines.backend->record(copied, ad::Queue::compute);
       for (StreamedParam* p : staged_here) p->staged = false;
       gradient_ready = [this, &copied, staged_here] {
-        backend->synchronize(copied);
+        engines.backend->synchronize(copied);
         for (StreamedParam* p : staged_here) GradientReducer::add_to_master_grad(*p, p->staging);
       };
     }
@@ -724,7 +724,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::kept_forward(std::uint32_t b, st
     node = make_node<KeptBlockWeights>(self, b, id);
   }
   follow_caller_stream();
-  const ad::BlockView& view = engine->acquire(b);
+  const ad::BlockView& view = engines.train->acquire(b);
   std::vector<torch::Tensor> out;
   try {
     fill_kept(block, view);
@@ -738,11 +738,11 @@ std::vector<torch::Tensor> StreamedModel::Impl::kept_forward(std::uint32_t b, st
     }
   } catch (...) {
     empty_kept(block);
-    engine->release(b);
+    engines.train->release(b);
     throw;
   }
   empty_kept(block);
-  engine->release(b);
+  engines.train->release(b);
   pass.weight_nodes[b] = std::move(node);
   pass.weight_inputs[b] = std::move(edges);
   through_boundary(out, b, id, /*begins=*/true);
@@ -833,7 +833,7 @@ void StreamedModel::Impl::begin_kept_backward(std::uint32_t b, std::uint64_t id)
     if (pass.held) release_held(pass);  // a block whose inputs took no gradient, above this one
     enter_backward(id, b);
     follow_caller_stream();
-    const ad::BlockView& view = engine->acquire(b);
+    const ad::BlockView& view = engines.train->acquire(b);
     pass.held = b;
     fill_kept(blocks[b], view);
     // A module's placeholders lead to the pass's node again: autograd refuses a saved one that
@@ -919,7 +919,7 @@ void StreamedModel::Impl::release_held(TrainingPass& pass) {
   const std::uint32_t b = *pass.held;
   pass.held.reset();
   empty_kept(blocks[b]);
-  engine->release(b);
+  engines.train->release(b);
   if (!pass.update_after_release[b]) return;
   std::function<void()> ready = std::move(*pass.update_after_release[b]);
   pass.update_after_release[b].reset();

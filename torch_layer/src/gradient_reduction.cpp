@@ -6,12 +6,12 @@ namespace sp::torch_layer {
 
 ad::Event& StreamedModel::Impl::gradient_copied_event(std::uint32_t b) {
   std::unique_ptr<ad::Event>& event = blocks[b].gradient_copied;
-  if (!event) event = backend->create_event();
+  if (!event) event = engines.backend->create_event();
   return *event;
 }
 
 void StreamedModel::Impl::wait_for_updates() {
-  updater.wait(*engine, [&](std::uint32_t b, bool skipped) {
+  updater.wait(*engines.train, [&](std::uint32_t b, bool skipped) {
     if (skipped) {
       step_state.skip_update(b);
       log->warn("StreamedModel: step {}: {} was not updated: its gradient holds a non-finite element",
@@ -31,7 +31,7 @@ void StreamedModel::Impl::update_block(std::uint32_t b, const kn::AdamWStep& ada
     log->warn("StreamedModel: step {}: {} was not updated: its gradient holds a non-finite element",
               step_state.number(), blocks[b].block.name);
   } else {
-    engine->update_weights(b, adam, tensors);
+    engines.train->update_weights(b, adam, tensors);
     blocks[b].eval_image_stale = true;
   }
   blocks[b].updated_in_step = true;
@@ -50,9 +50,9 @@ void StreamedModel::Impl::abandon_passes() noexcept {
     for (const auto& [id, pass] : passes) {
       if (!pass.held) continue;
       empty_kept(blocks[*pass.held]);
-      engine->release(*pass.held);  // the engine's step ends with no block in use
+      engines.train->release(*pass.held);  // the engine's step ends with no block in use
     }
-    if (engine_pass) engine->end_step();
+    if (engine_pass) engines.train->end_step();
   } catch (const std::exception& e) {
     log->warn("StreamedModel: ending an abandoned pass: {}", e.what());
   }
@@ -81,8 +81,8 @@ void StreamedModel::Impl::finish_pass(std::uint64_t id) {
   pass.in_backward = false;
   reducer.fold_pending();
   if (!reducer.any_staged()) return;
-  backend->record(*compute_done, ad::Queue::compute);
-  backend->synchronize(*compute_done);
+  engines.backend->record(*engines.compute_done, ad::Queue::compute);
+  engines.backend->synchronize(*engines.compute_done);
   std::vector<StreamedParam*> staged;
   for (BlockState& b : blocks) {
     for (StreamedParam& p : b.streamed) {

@@ -10,10 +10,10 @@ namespace sp::torch_layer {
 void StreamedModel::Impl::shard_masters() {
   for (BlockState& block : blocks) block.shared_route = Precision::bf16;  // every engine starts on BF16
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    share_image(*engine, b, Precision::bf16);
+    share_image(*engines.train, b, Precision::bf16);
     if (owns(b)) continue;
-    engine->forget_masters(b);
-    eval_engine->forget_masters(b);
+    engines.train->forget_masters(b);
+    engines.eval->forget_masters(b);
     blocks[b].eval_image_stale = true;
     BlockState& block = blocks[b];
     for (StreamedParam& p : block.streamed) {
@@ -70,9 +70,9 @@ std::map<std::string, torch::Tensor> StreamedModel::gather_masters(std::uint32_t
 void StreamedModel::Impl::share_images(bool all, const std::vector<bool>& rebuilt) {
   if (!sharded) return;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    const Precision route = engine->policy_bridge().route(b);
+    const Precision route = engines.train->policy_bridge().route(b);
     if (!all && !(b < rebuilt.size() && rebuilt[b]) && blocks[b].shared_route == route) continue;
-    share_image(*engine, b, route);
+    share_image(*engines.train, b, route);
     blocks[b].shared_route = route;
     blocks[b].eval_image_stale = true;
   }
@@ -81,21 +81,21 @@ void StreamedModel::Impl::share_images(bool all, const std::vector<bool>& rebuil
 void StreamedModel::Impl::share_eval_images(const std::vector<Precision>& routes) {
   if (!sharded) return;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (owns(b) && blocks[b].eval_image_stale) eval_engine->on_weights_updated(b);
-    share_image(*eval_engine, b, routes.at(b));
+    if (owns(b) && blocks[b].eval_image_stale) engines.eval->on_weights_updated(b);
+    share_image(*engines.eval, b, routes.at(b));
     blocks[b].eval_image_stale = false;
   }
 }
 
 void StreamedModel::Impl::refresh_eval_image(std::uint32_t b) {
-  if (eval_engine->has_masters(b)) {
-    eval_engine->on_weights_updated(b);
+  if (engines.eval->has_masters(b)) {
+    engines.eval->on_weights_updated(b);
     return;
   }
-  const Precision route = eval_engine->policy_bridge().route(b);
-  const ad::StreamingEngine::ImageBytes image = engine->image(b, route);
-  eval_engine->receive_image(b, route,
-                             [&](std::uint8_t* data, std::uint64_t bytes) { std::memcpy(data, image.data, bytes); });
+  const Precision route = engines.eval->policy_bridge().route(b);
+  const ad::StreamingEngine::ImageBytes image = engines.train->image(b, route);
+  engines.eval->receive_image(b, route,
+                              [&](std::uint8_t* data, std::uint64_t bytes) { std::memcpy(data, image.data, bytes); });
 }
 
 void StreamedModel::Impl::gather_moments(std::vector<sp_grad_moments_v1>& moments) {
@@ -199,7 +199,7 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
   step_state.restore_last_begun(restored_last_step);
   note_image_versions();
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (owns(b)) engine->on_weights_updated(b);
+    if (owns(b)) engines.train->on_weights_updated(b);
   }
   for (BlockState& block : blocks) block.eval_image_stale = true;
 }
@@ -251,7 +251,7 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
   }
   // The last pass's pins would stand until the next evaluation pass; dropped now, so that an
   // image rebuilt in between is built for the route the block takes next.
-  eval_engine->policy_bridge().begin_step();
+  engines.eval->policy_bridge().begin_step();
   for (std::vector<double>& per_block : errors.values) {
     for (double& e : per_block) e /= static_cast<double>(samples.size());
   }

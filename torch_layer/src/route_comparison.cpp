@@ -173,14 +173,15 @@ std::vector<RouteComparison> StreamedModel::Impl::compare_routes(
   std::vector<RouteComparison> out(candidates.size());
   std::uint64_t reference_bytes = 0, all_bf16_bytes = 0;
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
-    reference_bytes += m.engine->image_bytes(b, reference[b]);
-    all_bf16_bytes += m.engine->image_bytes(b, Precision::bf16);
+    reference_bytes += m.engines.train->image_bytes(b, reference[b]);
+    all_bf16_bytes += m.engines.train->image_bytes(b, Precision::bf16);
   }
   for (std::size_t k = 0; k < candidates.size(); ++k) {
     out[k].routes_a = candidates[k];
     out[k].routes_b = reference;
     out[k].confidence = confidence;
-    for (std::uint32_t b = 0; b < m.blocks.size(); ++b) out[k].bytes_a += m.engine->image_bytes(b, candidates[k][b]);
+    for (std::uint32_t b = 0; b < m.blocks.size(); ++b)
+      out[k].bytes_a += m.engines.train->image_bytes(b, candidates[k][b]);
     out[k].bytes_b = reference_bytes;
     out[k].bytes_all_bf16 = all_bf16_bytes;
   }
@@ -203,7 +204,7 @@ std::vector<RouteComparison> StreamedModel::Impl::compare_routes(
     m.evaluation.unpin();
     // The pins of the last pass stand until the next evaluation: dropped now, so that an image
     // rebuilt in between is built for the route the block takes next.
-    attempt("dropping the pins", [&] { m.eval_engine->policy_bridge().begin_step(); });
+    attempt("dropping the pins", [&] { m.engines.eval->policy_bridge().begin_step(); });
     if (m.sharded) {
       for (BlockState& block : m.blocks) block.eval_image_stale = true;
     }

@@ -16,12 +16,12 @@ void StreamedModel::Impl::end_plugin_step_as_failed() {
 void StreamedModel::Impl::route_by_hints() {
   std::vector<Precision> routes = policy_link.block_routes();
   if (routes.empty()) {
-    engine->policy_bridge().clear_plugin_routes();
-    eval_engine->policy_bridge().clear_plugin_routes();
+    engines.train->policy_bridge().clear_plugin_routes();
+    engines.eval->policy_bridge().clear_plugin_routes();
     return;
   }
-  engine->policy_bridge().set_plugin_routes(routes);
-  eval_engine->policy_bridge().set_plugin_routes(routes);
+  engines.train->policy_bridge().set_plugin_routes(routes);
+  engines.eval->policy_bridge().set_plugin_routes(routes);
 }
 
 std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
@@ -135,7 +135,7 @@ void StreamedModel::Impl::take_backward_statistics() {
 
 std::vector<Precision> StreamedModel::Impl::current_routes() const {
   std::vector<Precision> routes;
-  for (std::uint32_t b = 0; b < blocks.size(); ++b) routes.push_back(engine->policy_bridge().route(b));
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) routes.push_back(engines.train->policy_bridge().route(b));
   return routes;
 }
 
@@ -272,7 +272,7 @@ void StreamedModel::refresh_images() {
     m.blocks[b].updated_in_step = false;
     // update_masters() wrote its image; the host changed its masters since, or not.
     if (written_by_update && !m.changed_master(b)) continue;
-    m.engine->on_weights_updated(b);
+    m.engines.train->on_weights_updated(b);
     m.blocks[b].eval_image_stale = true;
   }
   if (m.sharded && any_frozen) {
@@ -365,7 +365,7 @@ void StreamedModel::Impl::apply_transfer_policy(const std::filesystem::path& fil
   const ad::TransferPolicy policy = ad::load_transfer_policy_or_bf16(
       file.string(), [&](const std::string& why) { log->warn("transfer policy {}", why); });
   std::vector<std::uint64_t> sizes;
-  for (std::uint32_t b = 0; b < blocks.size(); ++b) sizes.push_back(engine->image_bytes(b, Precision::bf16));
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) sizes.push_back(engines.train->image_bytes(b, Precision::bf16));
   const ad::TransferGate trained = ad::transfer_gate(policy, ad::BlockWeights::kTrained, sizes);
   const ad::TransferGate frozen = ad::transfer_gate(policy, ad::BlockWeights::kFrozen, sizes);
   // Each block on the path of its own weights; a route the policy measured nowhere stays empty.
@@ -385,8 +385,8 @@ void StreamedModel::Impl::apply_transfer_policy(const std::filesystem::path& fil
   const char* kind = trainable == 0 ? "frozen" : trainable == static_cast<std::ptrdiff_t>(blocks.size()) ? "trained" : "trained and frozen";
   log->info("transfer policy {} ({} blocks): INT8 pays for {}, NF4 for {} of {} blocks", file.string(), kind,
             count(gate.pays[Precision::int8]), count(gate.pays[Precision::nf4]), blocks.size());
-  engine->policy_bridge().set_transfer_gate(gate);
-  eval_engine->policy_bridge().set_transfer_gate(std::move(gate));
+  engines.train->policy_bridge().set_transfer_gate(gate);
+  engines.eval->policy_bridge().set_transfer_gate(std::move(gate));
 }
 
 const sp::host::UnitSignalTable& StreamedModel::unit_signals() const { return impl_->policy_link.last_signals(); }
@@ -430,8 +430,8 @@ std::optional<sp_budget_status_v1> StreamedModel::budget_status() {
 }
 
 void StreamedModel::set_transfer_gate(sp::adapters::TransferGate gate) {
-  impl_->engine->policy_bridge().set_transfer_gate(gate);
-  impl_->eval_engine->policy_bridge().set_transfer_gate(std::move(gate));
+  impl_->engines.train->policy_bridge().set_transfer_gate(gate);
+  impl_->engines.eval->policy_bridge().set_transfer_gate(std::move(gate));
 }
 
 std::optional<sp::host::SwapResult> StreamedModel::poll_plugin(bool force) {

@@ -138,7 +138,7 @@ void StreamedModel::Impl::rebuild_changed_images(const std::string& call) {
           "end_step() (an optimizer step), or call refresh_images() on every rank after changing them",
           call, blocks[b].block.name, changed->name));
     }
-    engine->on_weights_updated(b);
+    engines.train->on_weights_updated(b);
     blocks[b].eval_image_stale = true;
     for (std::size_t i = 0; i < blocks[b].streamed.size(); ++i) {
       blocks[b].image_versions[i] = blocks[b].streamed[i].master._version();
@@ -167,7 +167,7 @@ StreamedModel::Impl::~Impl() {
   }
   // The engines must not outlive a pass that an exception cut short.
   try {
-    if (engine_pass) engine->end_step();
+    if (engine_pass) engines.train->end_step();
   } catch (const std::exception& e) {
     log->warn("StreamedModel: closing the open training pass: {}", e.what());
   }
@@ -337,13 +337,13 @@ void StreamedModel::Impl::build_engines() {
   config.backward = true;
   config.metrics_path = options.metrics_path;
   config.host_exec = intra_op_exec();
-  backend = make_backend(options);
-  engine = std::make_unique<ad::StreamingEngine>(*backend, config, specs);
+  engines.backend = make_backend(options);
+  engines.train = std::make_unique<ad::StreamingEngine>(*engines.backend, config, specs);
   config.backward = false;
   config.metrics_path.clear();
-  eval_engine = std::make_unique<ad::StreamingEngine>(*backend, config, specs);
-  evaluation.use_engine(*eval_engine);
-  compute_done = backend->create_event();
+  engines.eval = std::make_unique<ad::StreamingEngine>(*engines.backend, config, specs);
+  evaluation.use_engine(*engines.eval);
+  engines.compute_done = engines.backend->create_event();
 }
 
 void StreamedModel::Impl::build_policy() {
@@ -353,8 +353,9 @@ void StreamedModel::Impl::build_policy() {
       check_ranks_agree(values, what);
     };
   }
-  policy_link.open(*engine, options.plugin_file, sp::host::PolicyConfig{options.config_yaml, options.config_source},
-                   options.host_name, options.output_dir, log, options.plugin_hook_deadline, std::move(agree));
+  policy_link.open(*engines.train, options.plugin_file,
+                   sp::host::PolicyConfig{options.config_yaml, options.config_source}, options.host_name,
+                   options.output_dir, log, options.plugin_hook_deadline, std::move(agree));
 }
 
 void StreamedModel::Impl::check_parameters_unchanged() const {
@@ -464,7 +465,7 @@ std::vector<torch::Tensor> StreamedModel::resident_parameters() const {
 std::int64_t StreamedModel::next_step() const { return impl_->step_state.next(); }
 
 std::uint64_t StreamedModel::image_bytes(std::uint32_t block, Precision precision) const {
-  return impl_->engine->image_bytes(block, precision);
+  return impl_->engines.train->image_bytes(block, precision);
 }
 
 const sp::host::PolicySession& StreamedModel::policy() const { return impl_->policy_link.session(); }
@@ -477,9 +478,9 @@ std::uint64_t StreamedModel::evaluation_h2d_bytes() const { return impl_->evalua
 
 std::uint64_t StreamedModel::calibration_h2d_bytes() const { return impl_->evaluation.calibration_bytes(); }
 
-void StreamedModel::flush_metrics() { impl_->engine->flush_metrics(); }
+void StreamedModel::flush_metrics() { impl_->engines.train->flush_metrics(); }
 
-std::uint64_t StreamedModel::metrics_records_lost() const { return impl_->engine->metrics_records_lost(); }
+std::uint64_t StreamedModel::metrics_records_lost() const { return impl_->engines.train->metrics_records_lost(); }
 
 bool StreamedModel::sharded() const { return impl_->sharded; }
 

@@ -281,6 +281,17 @@ inline bool gradients_finite(const BlockState& b) {
   return true;
 }
 
+// The engines (issue 51): the transfer backend, the training engine (a training pass's forward
+// and backward), the evaluation engine (forward-only passes), and the event the compute queue
+// records before the host reads the gradients staged there. Declared in the order they are
+// built: the backend outlives the engines that copy through it.
+struct Engines {
+  std::unique_ptr<ad::TransferBackend> backend;
+  std::unique_ptr<ad::StreamingEngine> train;
+  std::unique_ptr<ad::StreamingEngine> eval;
+  std::unique_ptr<ad::Event> compute_done;
+};
+
 struct StreamedModel::Impl {
   StreamedModelOptions options;
   std::shared_ptr<spdlog::logger> log;
@@ -288,10 +299,7 @@ struct StreamedModel::Impl {
   std::vector<BlockState> blocks;
   std::uint32_t num_units() const { return policy_link.num_units(); }
   bool units_are_blocks() const { return policy_link.units_are_blocks(); }
-  std::unique_ptr<ad::TransferBackend> backend;
-  std::unique_ptr<ad::StreamingEngine> engine;       // training passes: forward + backward
-  std::unique_ptr<ad::StreamingEngine> eval_engine;  // forward-only passes
-  std::unique_ptr<ad::Event> compute_done;
+  Engines engines;  // after the blocks: their events go while the backend is there
   // The policy's units (StreamedModelOptions::units), its session, and what it reads.
   PolicyLink policy_link;
   std::shared_ptr<Collectives> collectives;  // null: one process
@@ -465,17 +473,17 @@ struct StreamedModel::Impl {
   template <typename Run>
   auto eval_block(std::uint32_t b, Run&& run) {
     follow_caller_stream();
-    const ad::BlockView& view = eval_engine->acquire(b);
+    const ad::BlockView& view = engines.eval->acquire(b);
     attach(blocks[b], view, false);
     try {
       auto out = run(blocks[b].weights);
       detach(blocks[b]);
-      eval_engine->release(b);
+      engines.eval->release(b);
       evaluation.block_called();
       return out;
     } catch (...) {
       detach(blocks[b]);
-      eval_engine->release(b);
+      engines.eval->release(b);
       evaluation.end_pass();
       throw;
     }
@@ -487,7 +495,7 @@ struct StreamedModel::Impl {
     // The blocks as a chain in their order (calibrate(x), forward(x)), whichever order the
     // host's own evaluation passes call them in.
     if (evaluation.is_open()) evaluation.end_pass();
-    eval_engine->set_block_order({});
+    engines.eval->set_block_order({});
     begin_eval_pass(limits);
     for (std::uint32_t b = 0; b < blocks.size(); ++b) {
       eval_block(b, [&](const NamedParameters& weights) {
@@ -617,7 +625,7 @@ struct StreamedModel::Impl {
   // Begins block b's armed update (OverlappedUpdater::begin), once `gradient_ready` made its
   // gradient final on the host.
   void begin_block_update(std::uint32_t b, std::function<void()> gradient_ready) {
-    updater.begin(*engine, blocks[b], b, std::move(gradient_ready));
+    updater.begin(*engines.train, blocks[b], b, std::move(gradient_ready));
   }
 
   // Waits for the updates begun in the backward and installs their images. Every update is
