@@ -563,7 +563,7 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
           "not own. Compute it inside the block, pass it detached, or make it a parameter of the block",
           block.block.name, unlisted.foreign_node));
     }
-    if (!unlisted.leaves.empty() && collectives) {
+    if (!unlisted.leaves.empty() && shards.group()) {
       const torch::Tensor& t = unlisted.leaves.front().tensor;
       throw std::logic_error(fmt::format(
           "StreamedModel: {} reads a tensor that requires a gradient and is none of its parameters ({} of shape "
@@ -601,7 +601,7 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
   for (std::size_t i = 0; i < input_slots.size(); ++i) out[input_slots[i]] = grads[i];
   for (std::size_t i = 0; i < block.trainable_resident.size(); ++i) {
     torch::Tensor g = grads[next++];
-    if (!g.defined() && collectives) g = torch::zeros_like(block.trainable_resident[i]);
+    if (!g.defined() && shards.group()) g = torch::zeros_like(block.trainable_resident[i]);
     out.push_back(g);
   }
   // Summed over the pass's blocks, and added to each one's .grad once, at the pass's end.
@@ -610,7 +610,7 @@ variable_list StreamedModel::Impl::backward_block(std::uint32_t b, std::uint64_t
     if (!g.defined()) continue;
     reducer.add_unlisted(leaf, std::move(g));
   }
-  if (collectives) {
+  if (shards.group()) {
     // Averaged before autograd adds them to the .grad, into tensors of their own (autograd's
     // may alias the upstream gradient, or be expanded views): every rank's resident
     // parameters see the same gradient, whatever the host does next.
@@ -659,9 +659,9 @@ bool StreamedModel::Impl::fold_weight_gradients(std::uint32_t b, const std::vect
       continue;
     }
     // Every rank's bucket holds every trainable parameter, whether or not it got a gradient here.
-    if (!g.defined() && collectives) g = torch::zeros(p.shape, p.master.options());
+    if (!g.defined() && shards.group()) g = torch::zeros(p.shape, p.master.options());
     if (!g.defined()) continue;
-    if (collectives && !p.staging.defined()) {
+    if (shards.group() && !p.staging.defined()) {
       bucket.params.push_back(&p);
       flat.push_back(g.reshape({-1}).to(gradient_reduction_device(), torch::kFloat32));
       continue;
@@ -671,13 +671,13 @@ bool StreamedModel::Impl::fold_weight_gradients(std::uint32_t b, const std::vect
   }
   // The update during the backward: what must happen, on the worker, before the block's
   // gradient is final on the host.
-  const bool update_now = updater.waits_for(b) && block.trainable_masters && owns(b);
+  const bool update_now = updater.waits_for(b) && block.trainable_masters && shards.owns(b);
   if (!flat.empty()) {
     // Started now, so that it runs while the backward goes on through the blocks before.
     bucket.bucket = torch::cat(flat);
     const std::string what = fmt::format("gradients of {}", block.block.name);
-    bucket.pending = sharded ? collectives->reduce(bucket.bucket, owner(b), Reduction::sum, what)
-                             : collectives->all_reduce(bucket.bucket, Reduction::sum, what);
+    bucket.pending = shards.sharded() ? shards.group()->reduce(bucket.bucket, shards.owner(b), Reduction::sum, what)
+                                      : shards.group()->all_reduce(bucket.bucket, Reduction::sum, what);
     if (update_now) {
       auto owned = std::make_shared<GradientReducer::Bucket>(std::move(bucket));
       gradient_ready = [this, owned] {
@@ -689,7 +689,7 @@ bool StreamedModel::Impl::fold_weight_gradients(std::uint32_t b, const std::vect
     }
   }
   if (update_now && !staged_here.empty()) {
-    if (collectives) {
+    if (shards.group()) {
       // Staged gradients of several ranks are reduced in one bucket at the pass's end.
       blocks[b].deferred_update = true;
     } else {

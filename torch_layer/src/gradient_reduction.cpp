@@ -233,11 +233,11 @@ void GradientReducer::abandon(spdlog::logger& log) noexcept {
 }
 
 void StreamedModel::Impl::check_ranks_agree(const std::vector<std::int32_t>& values, const std::string& what) {
-  if (!collectives) return;
+  if (!shards.group()) return;
   const torch::Tensor mine = torch::tensor(values, torch::kInt32);
   torch::Tensor high = mine.clone(), low = mine.clone();
-  auto max = collectives->all_reduce(high, Reduction::max, what);
-  auto min = collectives->all_reduce(low, Reduction::min, what);
+  auto max = shards.group()->all_reduce(high, Reduction::max, what);
+  auto min = shards.group()->all_reduce(low, Reduction::min, what);
   max->wait();
   min->wait();
   std::vector<std::string> differ;
@@ -249,7 +249,7 @@ void StreamedModel::Impl::check_ranks_agree(const std::vector<std::int32_t>& val
   }
   if (!differ.empty()) {
     throw RankMismatchError(fmt::format("step {}: rank {} of {}: {} differ across ranks for {}", step_state.number(),
-                                        collectives->rank(), collectives->size(), what, fmt::join(differ, ", ")));
+                                        shards.group()->rank(), shards.group()->size(), what, fmt::join(differ, ", ")));
   }
 }
 

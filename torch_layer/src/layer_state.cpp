@@ -11,7 +11,7 @@ void StreamedModel::Impl::shard_masters() {
   for (BlockState& block : blocks) block.shared_route = Precision::bf16;  // every engine starts on BF16
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     share_image(*engines.train, b, Precision::bf16);
-    if (owns(b)) continue;
+    if (shards.owns(b)) continue;
     engines.train->forget_masters(b);
     engines.eval->forget_masters(b);
     blocks[b].eval_image_stale = true;
@@ -35,12 +35,12 @@ void StreamedModel::Impl::shard_masters() {
 }
 
 void StreamedModel::Impl::share_image(ad::StreamingEngine& target, std::uint32_t b, Precision precision) {
-  const int root = owner(b);
+  const int root = shards.owner(b);
   const std::string what = fmt::format("the {} image of {}", precision_name(precision), blocks[b].block.name);
   const auto send = [&](std::uint8_t* data, std::uint64_t bytes) {
-    collectives->broadcast(torch::from_blob(data, {static_cast<std::int64_t>(bytes)}, torch::kUInt8), root, what);
+    shards.group()->broadcast(torch::from_blob(data, {static_cast<std::int64_t>(bytes)}, torch::kUInt8), root, what);
   };
-  if (owns(b)) {
+  if (shards.owns(b)) {
     const ad::StreamingEngine::ImageBytes image = target.image(b, precision);
     // A broadcast's root only reads its tensor.
     send(const_cast<std::uint8_t*>(image.data), image.bytes);
@@ -57,18 +57,18 @@ std::map<std::string, torch::Tensor> StreamedModel::gather_masters(std::uint32_t
         fmt::format("StreamedModel::gather_masters: block {} is out of range (there are {})", block, m.blocks.size()));
   }
   const BlockState& b = m.blocks[block];
-  if (m.owns(block) && !m.sharded) return b.masters;
+  if (m.shards.owns(block) && !m.shards.sharded()) return b.masters;
   std::map<std::string, torch::Tensor> out;
   for (const StreamedParam& p : b.streamed) {
-    torch::Tensor whole = m.owns(block) ? p.master.detach() : torch::empty(p.shape, torch::kFloat32);
-    m.collectives->broadcast(whole, m.owner(block), fmt::format("{}'s master '{}'", b.block.name, p.name));
-    out.emplace(p.name, m.owns(block) ? p.master : whole);
+    torch::Tensor whole = m.shards.owns(block) ? p.master.detach() : torch::empty(p.shape, torch::kFloat32);
+    m.shards.group()->broadcast(whole, m.shards.owner(block), fmt::format("{}'s master '{}'", b.block.name, p.name));
+    out.emplace(p.name, m.shards.owns(block) ? p.master : whole);
   }
   return out;
 }
 
 void StreamedModel::Impl::share_images(bool all, const std::vector<bool>& rebuilt) {
-  if (!sharded) return;
+  if (!shards.sharded()) return;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     const Precision route = engines.train->policy_bridge().route(b);
     if (!all && !(b < rebuilt.size() && rebuilt[b]) && blocks[b].shared_route == route) continue;
@@ -79,9 +79,9 @@ void StreamedModel::Impl::share_images(bool all, const std::vector<bool>& rebuil
 }
 
 void StreamedModel::Impl::share_eval_images(const std::vector<Precision>& routes) {
-  if (!sharded) return;
+  if (!shards.sharded()) return;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (owns(b) && blocks[b].eval_image_stale) engines.eval->on_weights_updated(b);
+    if (shards.owns(b) && blocks[b].eval_image_stale) engines.eval->on_weights_updated(b);
     share_image(*engines.eval, b, routes.at(b));
     blocks[b].eval_image_stale = false;
   }
@@ -103,12 +103,12 @@ void StreamedModel::Impl::gather_moments(std::vector<sp_grad_moments_v1>& moment
   torch::Tensor values = torch::zeros({static_cast<std::int64_t>(moments.size()) * kFields}, torch::kFloat64);
   double* v = values.data_ptr<double>();
   for (std::uint32_t u = 0; u < moments.size(); ++u, v += kFields) {
-    if (!owns_unit(u)) continue;
+    if (!shards.owns_unit(u)) continue;
     const sp_grad_moments_v1& m = moments[u];
     v[0] = m.sum_sq, v[1] = m.sum, v[2] = m.max_abs;
     v[3] = static_cast<double>(m.count), v[4] = static_cast<double>(m.nonfinite);
   }
-  collectives->all_reduce(values, Reduction::sum, "the blocks' gradient moments")->wait();
+  shards.group()->all_reduce(values, Reduction::sum, "the blocks' gradient moments")->wait();
   v = values.data_ptr<double>();
   for (std::uint32_t u = 0; u < moments.size(); ++u, v += kFields) {
     sp_grad_moments_v1& m = moments[u];
@@ -131,7 +131,7 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
   // Everything is checked before anything changes.
   std::vector<std::pair<StreamedParam*, torch::Tensor>> masters;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (!owns(b)) continue;  // sharded: its owner restores it; an entry for it is not read
+    if (!shards.owns(b)) continue;  // sharded: its owner restores it; an entry for it is not read
     for (StreamedParam& p : blocks[b].streamed) {
       const std::string key = master_key(blocks[b], p);
       torch::Tensor saved = entry(key, torch::kFloat32);
@@ -199,7 +199,7 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
   step_state.restore_last_begun(restored_last_step);
   note_image_versions();
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (owns(b)) engines.train->on_weights_updated(b);
+    if (shards.owns(b)) engines.train->on_weights_updated(b);
   }
   for (BlockState& block : blocks) block.eval_image_stale = true;
 }
@@ -246,7 +246,7 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
   }
   // The evaluation images are the pinned route's now: the next evaluation takes the routes in
   // force again (rebuilt by the owner, copied elsewhere).
-  if (sharded) {
+  if (shards.sharded()) {
     for (BlockState& block : blocks) block.eval_image_stale = true;
   }
   // The last pass's pins would stand until the next evaluation pass; dropped now, so that an
@@ -267,7 +267,7 @@ void StreamedModel::Impl::require_units_are_blocks(const char* call) const {
 }
 
 bool StreamedModel::Impl::set_calibration_errors(CalibrationErrors& errors) {
-  if (collectives) {
+  if (shards.group()) {
     // Measured on every rank from the same weights and samples, but given from rank 0, so
     // that no rounding difference between machines can split the ranks' decisions.
     std::size_t count = 0;
@@ -276,7 +276,7 @@ bool StreamedModel::Impl::set_calibration_errors(CalibrationErrors& errors) {
     double* next = values.data_ptr<double>();
     for (const std::vector<double>& per_block : errors.values)
       next = std::copy(per_block.begin(), per_block.end(), next);
-    collectives->broadcast(values, 0, "calibration errors");
+    shards.group()->broadcast(values, 0, "calibration errors");
     const double* given = values.data_ptr<double>();
     for (std::vector<double>& per_block : errors.values) {
       std::copy_n(given, per_block.size(), per_block.begin());
@@ -319,7 +319,7 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
   if (m.step_state.in_step()) throw std::logic_error("StreamedModel::export_state: call it between steps");
   std::map<std::string, torch::Tensor> state;
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
-    if (!m.owns(b)) continue;
+    if (!m.shards.owns(b)) continue;
     for (const StreamedParam& p : m.blocks[b].streamed) state.emplace(master_key(m.blocks[b], p), p.master.detach());
   }
   std::vector<std::uint8_t> blob;
@@ -348,7 +348,7 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
 void StreamedModel::restore_state(const std::map<std::string, torch::Tensor>& state) {
   Impl& m = *impl_;
   if (m.step_state.in_step()) throw std::logic_error("StreamedModel::restore_state: call it between steps");
-  if (!m.sharded) {
+  if (!m.shards.sharded()) {
     m.restore_state(state);
     return;
   }
@@ -360,9 +360,9 @@ void StreamedModel::restore_state(const std::map<std::string, torch::Tensor>& st
   } catch (...) {
     failure = std::current_exception();
   }
-  const int size = m.collectives->size();
+  const int size = m.shards.group()->size();
   torch::Tensor first_failure = torch::tensor({failure ? rank() : size}, torch::kInt32);
-  m.collectives->all_reduce(first_failure, Reduction::min, "state restore outcomes")->wait();
+  m.shards.group()->all_reduce(first_failure, Reduction::min, "state restore outcomes")->wait();
   if (failure) std::rethrow_exception(failure);
   const int failed = first_failure.item<std::int32_t>();
   if (failed != size) {

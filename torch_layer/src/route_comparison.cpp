@@ -205,7 +205,7 @@ std::vector<RouteComparison> StreamedModel::Impl::compare_routes(
     // The pins of the last pass stand until the next evaluation: dropped now, so that an image
     // rebuilt in between is built for the route the block takes next.
     attempt("dropping the pins", [&] { m.engines.eval->policy_bridge().begin_step(); });
-    if (m.sharded) {
+    if (m.shards.sharded()) {
       for (BlockState& block : m.blocks) block.eval_image_stale = true;
     }
     attempt("restoring the random state", [&] { random.restore(); });

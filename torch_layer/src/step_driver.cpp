@@ -38,7 +38,7 @@ std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
         {host.data_ptr<float>(), static_cast<std::size_t>(host.numel()), kn::DType::kFloat32, policy_link.unit_of(b)});
   };
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (!owns(b)) continue;
+    if (!shards.owns(b)) continue;
     if (!blocks[b].moment_sources.empty()) {
       for (const torch::Tensor& t : blocks[b].moment_sources) add(t.grad(), b);
     } else if (blocks[b].trainable_masters) {
@@ -49,7 +49,7 @@ std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
   }
   std::vector<sp_grad_moments_v1> out(num_units());
   kn::grad_moments(tensors.data(), tensors.size(), num_units(), out.data(), intra_op_exec());
-  if (sharded) gather_moments(out);
+  if (shards.sharded()) gather_moments(out);
   return out;
 }
 
@@ -65,7 +65,7 @@ std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signa
   torch::Tensor sums = torch::zeros({n * kFields + 1}, torch::kFloat64);
   double* s = sums.data_ptr<double>();
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (!owns(b)) continue;
+    if (!shards.owns(b)) continue;
     double* row = s + policy_link.unit_of(b) * kFields;
     for (const StreamedParam& p : blocks[b].streamed) {
       const torch::Tensor& grad = p.master.requires_grad() ? p.master.grad() : p.signal_grad;
@@ -83,11 +83,11 @@ std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signa
     }
   }
   s[n * kFields] = static_cast<double>(step_state.examples());
-  if (sharded) {
-    collectives->all_reduce(sums, Reduction::sum, "the blocks' Taylor terms")->wait();
+  if (shards.sharded()) {
+    shards.group()->all_reduce(sums, Reduction::sum, "the blocks' Taylor terms")->wait();
     s = sums.data_ptr<double>();
-  } else if (collectives) {
-    s[n * kFields] *= collectives->size();  // the ranks average equal batches (as DDP expects)
+  } else if (shards.group()) {
+    s[n * kFields] *= shards.group()->size();  // the ranks average equal batches (as DDP expects)
   }
   const double examples = s[n * kFields];
 
@@ -148,9 +148,9 @@ void StreamedModel::begin_step(std::int64_t step) {
   for (BlockState& b : m.blocks) {
     for (StreamedParam& p : b.streamed) p.signal_grad = torch::Tensor();
   }
-  m.policy_link.read_what_the_step_needs(/*one_process=*/!m.collectives);
+  m.policy_link.read_what_the_step_needs(/*one_process=*/!m.shards.group());
   try {
-    if (m.collectives) {
+    if (m.shards.group()) {
       // Every rank was asked to swap at this boundary (poll_plugin): each must have the same
       // outcome, or their plugins would now differ.
       m.check_ranks_agree({m.step_state.swapped() ? 1 : 0}, "plugin swap outcomes (1: swapped)");
@@ -207,7 +207,7 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss)
   }
   m.policy_link.session().compute_hints(step);
   m.route_by_hints();
-  if (m.collectives) {
+  if (m.shards.group()) {
     std::vector<std::int32_t> precisions;
     for (const sp::host::UnitHint& h : m.policy_link.session().hints()) precisions.push_back(to_abi(h.precision));
     m.check_ranks_agree(precisions, "the plugin's hints");
@@ -216,7 +216,7 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss)
   if (const std::optional<OverlappedUpdater::Armed> armed = m.updater.disarm()) {
     // Armed blocks whose backward did not run (no training pass, or one that ended above them).
     for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
-      if (m.blocks[b].trainable_masters && m.owns(b) && !armed->begun[b]) {
+      if (m.blocks[b].trainable_masters && m.shards.owns(b) && !armed->begun[b]) {
         m.update_block(b, armed->step, armed->moments[b], /*skip_nonfinite=*/true);
       }
     }
@@ -266,7 +266,7 @@ void StreamedModel::refresh_images() {
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
     rebuilt[b] = m.blocks[b].trainable_masters;
     any_frozen = any_frozen || !m.blocks[b].trainable_masters;
-    if (!m.owns(b) || (!m.blocks[b].trainable_masters && !m.changed_master(b))) continue;
+    if (!m.shards.owns(b) || (!m.blocks[b].trainable_masters && !m.changed_master(b))) continue;
     rebuilt[b] = true;
     const bool written_by_update = m.blocks[b].updated_in_step;
     m.blocks[b].updated_in_step = false;
@@ -275,11 +275,11 @@ void StreamedModel::refresh_images() {
     m.engines.train->on_weights_updated(b);
     m.blocks[b].eval_image_stale = true;
   }
-  if (m.sharded && any_frozen) {
+  if (m.shards.sharded() && any_frozen) {
     torch::Tensor changed = torch::zeros({static_cast<std::int64_t>(rebuilt.size())}, torch::kInt32);
     std::int32_t* flags = changed.data_ptr<std::int32_t>();
     for (std::size_t b = 0; b < rebuilt.size(); ++b) flags[b] = rebuilt[b] ? 1 : 0;
-    m.collectives->all_reduce(changed, Reduction::max, "blocks whose masters changed")->wait();
+    m.shards.group()->all_reduce(changed, Reduction::max, "blocks whose masters changed")->wait();
     for (std::size_t b = 0; b < rebuilt.size(); ++b) rebuilt[b] = flags[b] != 0;
   }
   m.share_images(/*all=*/false, rebuilt);
@@ -307,10 +307,10 @@ void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamW
     throw std::invalid_argument(
         fmt::format("StreamedModel::update_masters: block {} is out of range (there are {})", block, m.blocks.size()));
   }
-  if (!m.owns(block)) {
+  if (!m.shards.owns(block)) {
     throw std::logic_error(fmt::format(
         "StreamedModel::update_masters: {} is owned by rank {}, which updates it (shard_masters); this is rank {}",
-        m.blocks[block].block.name, m.owner(block), rank()));
+        m.blocks[block].block.name, m.shards.owner(block), rank()));
   }
   if (m.blocks[block].updated_in_step) {
     throw std::logic_error(fmt::format("StreamedModel::update_masters: block {} was already updated in step {}",
@@ -347,7 +347,7 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
                     moments.size(), m.blocks.size()));
   }
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
-    if (!m.blocks[b].trainable_masters || !m.owns(b)) continue;
+    if (!m.blocks[b].trainable_masters || !m.shards.owns(b)) continue;
     for (const StreamedParam& p : m.blocks[b].streamed) {
       if (moments_of(moments[b], p.name) == nullptr) {
         throw std::invalid_argument(fmt::format(
@@ -437,25 +437,26 @@ void StreamedModel::set_transfer_gate(sp::adapters::TransferGate gate) {
 std::optional<sp::host::SwapResult> StreamedModel::poll_plugin(bool force) {
   if (impl_->step_state.in_step()) throw std::logic_error("StreamedModel::poll_plugin: call it between steps");
   Impl& m = *impl_;
-  if (!m.collectives) return m.policy_link.session().check_for_new_version(force);
+  if (!m.shards.group()) return m.policy_link.session().check_for_new_version(force);
   // Rank 0 looks at the file; every rank then asks for the swap at the same step boundary.
   std::optional<sp::host::SwapResult> request;
-  if (m.collectives->rank() == 0) request = m.policy_link.session().check_for_new_version(force);
+  if (m.shards.group()->rank() == 0) request = m.policy_link.session().check_for_new_version(force);
   torch::Tensor requested =
       torch::tensor({request && request->outcome != sp::host::SwapResult::Outcome::failed ? 1 : 0}, torch::kInt32);
-  m.collectives->broadcast(requested, 0, "plugin swap request");
+  m.shards.group()->broadcast(requested, 0, "plugin swap request");
   if (requested.item<std::int32_t>() == 0) return request;
-  if (m.collectives->rank() != 0) request = m.policy_link.session().check_for_new_version(/*force=*/true);
+  if (m.shards.group()->rank() != 0) request = m.policy_link.session().check_for_new_version(/*force=*/true);
   // All or nothing: the lowest rank that could not stage the new version, or the world size
   // when every rank did. Where one failed, every rank drops its staged copy and keeps the old.
   const bool staged = request && request->outcome == sp::host::SwapResult::Outcome::pending;
-  torch::Tensor first_failure = torch::tensor({staged ? m.collectives->size() : m.collectives->rank()}, torch::kInt32);
-  m.collectives->all_reduce(first_failure, Reduction::min, "plugin swap staging")->wait();
+  torch::Tensor first_failure =
+      torch::tensor({staged ? m.shards.group()->size() : m.shards.group()->rank()}, torch::kInt32);
+  m.shards.group()->all_reduce(first_failure, Reduction::min, "plugin swap staging")->wait();
   const int failed_rank = first_failure.item<std::int32_t>();
-  if (failed_rank == m.collectives->size()) return request;
+  if (failed_rank == m.shards.group()->size()) return request;
   const std::string why =
       fmt::format("rank {} of {} could not load the new version, so every rank keeps the old one{}", failed_rank,
-                  m.collectives->size(), staged ? "" : fmt::format(" ({})", request ? request->message : "no file"));
+                  m.shards.group()->size(), staged ? "" : fmt::format(" ({})", request ? request->message : "no file"));
   if (staged) return m.policy_link.session().cancel_swap(why);
   if (request) request->message = why;
   return request;

@@ -44,25 +44,21 @@ std::uint32_t nf4_group_size(const StreamedModelOptions& options) {
 }  // namespace
 
 StreamedModel::Impl::Impl(std::vector<Block> in, StreamedModelOptions opts)
-    : options(std::move(opts)), log(options.logger), collectives(options.collectives) {
+    : options(std::move(opts)), log(options.logger) {
   if (!log) log = spdlog::default_logger();
   options.nf4_group_size = nf4_group_size(options);
   compute = torch::TensorOptions().dtype(options.compute_dtype).device(options.device);
   if (in.empty()) throw std::invalid_argument("StreamedModel: there are no blocks");
-  if (options.shard_masters && !collectives) {
-    throw std::invalid_argument(
-        "StreamedModelOptions::shard_masters needs collectives: sharding spreads the masters over the ranks");
-  }
-  sharded = options.shard_masters && collectives->size() > 1;
-  recompute = options.recompute.value_or(collectives != nullptr);
-  if (!recompute && collectives) {
+  shards.connect(options.collectives, options.shard_masters, policy_link);
+  recompute = options.recompute.value_or(shards.group() != nullptr);
+  if (!recompute && shards.group()) {
     throw std::invalid_argument(
         "StreamedModelOptions::recompute is false with collectives: with data parallelism each block's backward "
         "averages its resident parameters' gradients across the ranks, which needs the recompute; leave it unset "
         "or set it to true");
   }
-  reducer.connect(collectives, [this](std::uint32_t b) { return owns(b); });
-  if (collectives) reducer.probe(options.device, *log);
+  reducer.connect(shards.shared_group(), [this](std::uint32_t b) { return shards.owns(b); });
+  if (shards.group()) reducer.probe(options.device, *log);
   refuse_shared_parameters(in);
   assign_units(in);
   for (std::size_t b = 0; b < in.size(); ++b) adopt(std::move(in[b]), b);
@@ -73,7 +69,7 @@ StreamedModel::Impl::Impl(std::vector<Block> in, StreamedModelOptions opts)
         "tensor, and these blocks compute through Block::call; set it to 0");
   }
   build_engines();
-  if (sharded) shard_masters();
+  if (shards.sharded()) shard_masters();
   build_policy();
   // A route the policy forces holds from the first fetch, of a step or of an inference pass.
   if (policy_link.session().take_initial_hints()) route_first_hints();
@@ -121,17 +117,17 @@ void StreamedModel::Impl::assign_units(const std::vector<Block>& in) {
 void StreamedModel::Impl::note_image_versions() {
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     blocks[b].image_versions.clear();
-    if (!owns(b)) continue;
+    if (!shards.owns(b)) continue;
     for (const StreamedParam& p : blocks[b].streamed) blocks[b].image_versions.push_back(p.master._version());
   }
 }
 
 void StreamedModel::Impl::rebuild_changed_images(const std::string& call) {
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (!owns(b)) continue;
+    if (!shards.owns(b)) continue;
     const StreamedParam* changed = changed_master(b);
     if (changed == nullptr) continue;
-    if (sharded) {
+    if (shards.sharded()) {
       throw std::logic_error(fmt::format(
           "StreamedModel::{}: {}'s master '{}' changed after its transfer images were built. With sharded masters "
           "the ranks share each image at collective points only: change the masters between post_backward() and "
@@ -149,7 +145,7 @@ void StreamedModel::Impl::rebuild_changed_images(const std::string& call) {
 std::vector<std::int64_t> StreamedModel::Impl::trainable_versions() const {
   std::vector<std::int64_t> versions;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (!owns(b)) continue;
+    if (!shards.owns(b)) continue;
     for (const StreamedParam& p : blocks[b].streamed) {
       if (p.master.requires_grad()) versions.push_back(p.master._version());
     }
@@ -348,7 +344,7 @@ void StreamedModel::Impl::build_engines() {
 
 void StreamedModel::Impl::build_policy() {
   PolicyLink::AgreeAcrossRanks agree;
-  if (collectives) {
+  if (shards.group()) {
     agree = [this](const std::vector<std::int32_t>& values, const std::string& what) {
       check_ranks_agree(values, what);
     };
@@ -374,7 +370,7 @@ void StreamedModel::Impl::check_parameters_unchanged() const {
                                  : "change the masters instead, then call refresh_images()"));
       }
       refuse_converted(b, p.name, held, p.placeholder);
-      if (owns(index) && p.master.data_ptr() != p.engine_data) {
+      if (shards.owns(index) && p.master.data_ptr() != p.engine_data) {
         throw std::logic_error(fmt::format(
             "StreamedModel: {}: master '{}' no longer holds the storage the layer streams from (set_data(), or "
             "`.data = ` in Python, swapped it), so the engines would read the old one. Change a master in place: "
@@ -446,7 +442,7 @@ std::uint32_t StreamedModel::unit_of(std::uint32_t block) const {
 std::vector<torch::Tensor> StreamedModel::master_parameters() const {
   std::vector<torch::Tensor> out;
   for (std::uint32_t b = 0; b < impl_->blocks.size(); ++b) {
-    if (!impl_->owns(b)) continue;
+    if (!impl_->shards.owns(b)) continue;
     for (const StreamedParam& p : impl_->blocks[b].streamed) out.push_back(p.master);
   }
   return out;
@@ -482,7 +478,7 @@ void StreamedModel::flush_metrics() { impl_->engines.train->flush_metrics(); }
 
 std::uint64_t StreamedModel::metrics_records_lost() const { return impl_->engines.train->metrics_records_lost(); }
 
-bool StreamedModel::sharded() const { return impl_->sharded; }
+bool StreamedModel::sharded() const { return impl_->shards.sharded(); }
 
 bool StreamedModel::recomputes() const { return impl_->recompute; }
 
@@ -517,14 +513,14 @@ int StreamedModel::owner(std::uint32_t block) const {
     throw std::invalid_argument(
         fmt::format("StreamedModel::owner: block {} is out of range (there are {})", block, impl_->blocks.size()));
   }
-  return impl_->owner(block);
+  return impl_->shards.owner(block);
 }
 
-int StreamedModel::rank() const { return impl_->collectives ? impl_->collectives->rank() : 0; }
+int StreamedModel::rank() const { return impl_->shards.rank(); }
 
-int StreamedModel::world_size() const { return impl_->collectives ? impl_->collectives->size() : 1; }
+int StreamedModel::world_size() const { return impl_->shards.group() ? impl_->shards.group()->size() : 1; }
 
-Collectives* StreamedModel::collectives() const { return impl_->collectives.get(); }
+Collectives* StreamedModel::collectives() const { return impl_->shards.group(); }
 
 void StreamedModel::average_gradients(const std::vector<torch::Tensor>& parameters) {
   std::vector<torch::Tensor> grads;
@@ -535,10 +531,10 @@ void StreamedModel::average_gradients(const std::vector<torch::Tensor>& paramete
 }
 
 double StreamedModel::average(double value) {
-  if (!impl_->collectives) return value;
+  if (!impl_->shards.group()) return value;
   torch::Tensor sum = torch::tensor({value}, torch::kFloat64);
-  impl_->collectives->all_reduce(sum, Reduction::sum, "mean across ranks")->wait();
-  return sum.item<double>() / impl_->collectives->size();
+  impl_->shards.group()->all_reduce(sum, Reduction::sum, "mean across ranks")->wait();
+  return sum.item<double>() / impl_->shards.group()->size();
 }
 
 }  // namespace sp::torch_layer

@@ -36,6 +36,7 @@
 #include "overlapped_updater.h"
 #include "policy_link.h"
 #include "serial_worker.h"
+#include "shard_plan.h"
 #include "step_state.h"
 #include "unlisted_leaves.h"
 #include "build_config.h"
@@ -302,10 +303,8 @@ struct StreamedModel::Impl {
   Engines engines;  // after the blocks: their events go while the backend is there
   // The policy's units (StreamedModelOptions::units), its session, and what it reads.
   PolicyLink policy_link;
-  std::shared_ptr<Collectives> collectives;  // null: one process
-  // Sharded data parallelism (StreamedModelOptions::shard_masters on more than one rank): each
-  // block's masters live on its owner alone, which sends its images to the other ranks.
-  bool sharded = false;
+  // The ranks' group (null: one process), and who owns which unit's masters. After the units.
+  ShardPlan shards;
   // The masters' gradients on their way to .grad, and the averages across ranks.
   GradientReducer reducer;
 
@@ -380,14 +379,6 @@ struct StreamedModel::Impl {
 
   // ---- sharded data parallelism ------------------------------------------------------------
 
-  // A unit's blocks share their owner, which computes the unit's moments and signals.
-  int unit_owner(std::uint32_t u) const {
-    return sharded ? static_cast<int>(u % static_cast<std::uint32_t>(collectives->size()))
-                   : (collectives ? collectives->rank() : 0);
-  }
-  int owner(std::uint32_t b) const { return unit_owner(policy_link.unit_of(b)); }
-  bool owns_unit(std::uint32_t u) const { return unit_owner(u) == (collectives ? collectives->rank() : 0); }
-  bool owns(std::uint32_t b) const { return owns_unit(policy_link.unit_of(b)); }
   // The policy's units from StreamedModelOptions::units, checked against the blocks.
   void assign_units(const std::vector<Block>& in);
   void require_units_are_blocks(const char* call) const;
