@@ -638,7 +638,9 @@ def sizes():
     return {"steps": STEPS, "batch_pairs": BATCH, "query_tokens": QUERY_TOKENS, "document_tokens": DOCUMENT_TOKENS,
             "pool": POOL, "lr": LR, "optimizer": "AdamW, weight decay 0.01, constant lr, grad clip 1.0",
             "lora": {"rank": LORA_RANK, "alpha": LORA_ALPHA, "targets": "every streamed matrix (q, k, v each)"},
-            "compute": ("bf16 autocast" if COMPUTE["dtype"] == "bf16" else "fp32") + " on the CPU, 1 torch thread", "short_run_timings": SHORT_RUN}
+            "compute": "%s on the CPU, %d torch thread(s)" % ("bf16 autocast" if COMPUTE["dtype"] == "bf16" else "fp32",
+                                                              torch.get_num_threads()),
+            "short_run_timings": SHORT_RUN}
 
 
 def write_json(path, payload, indent=1):
