@@ -425,7 +425,9 @@ std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, co
     const std::uint32_t at = evaluation.called();
     refuse_second_call(b, engines.eval->schedule(), at, "evaluation pass (no grad)");
     if (engines.eval->schedule().uses()[at].block != b) {
-      evaluation.follow_call_at_next(step_state, [&] { move_block(*engines.eval, b, at); });
+      evaluation.end_engine_step(step_state);
+      move_block(*engines.eval, b, at);
+      evaluation.begin_engine_step_at_next();
     }
   }
   std::vector<torch::Tensor> out = eval_block(b, [&](const NamedParameters& weights) { return call(inputs, weights); });

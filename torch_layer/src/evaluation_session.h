@@ -7,10 +7,7 @@
 
 #include <cstdint>
 #include <optional>
-#include <stdexcept>
 #include <utility>
-
-#include <fmt/format.h>
 
 #include "sp/adapters/streaming_engine.h"
 #include "step_state.h"
@@ -32,19 +29,14 @@ class EvaluationSession {
     open_ = true;
     called_ = 0;
   }
-  void begin_pass() { begin_pass(limits()); }
   adapters::StepTransferMetrics end_pass() {
     open_ = false;
     return engine_->end_step();
   }
   // The open pass's next block is another than the schedule has there: the engine's step ends
-  // (its bytes counted) and another begins at that use, once `reorder` moved the block there.
-  template <typename Reorder>
-  void follow_call_at_next(StepState& step, Reorder&& reorder) {
-    count(engine_->end_step().h2d_bytes.total(), step);
-    reorder();
-    engine_->begin_step(engine_steps_++, limits(), called_);
-  }
+  // (its bytes counted), the caller moves the block to that use, and another step begins there.
+  void end_engine_step(StepState& step) { count(engine_->end_step().h2d_bytes.total(), step); }
+  void begin_engine_step_at_next() { engine_->begin_step(engine_steps_++, limits(), called_); }
   void block_called() { ++called_; }
   // The open pass, if any, ends here and its bytes count (a pass the host left before its last
   // block, or one a measurement's closure left open).

@@ -1,10 +1,13 @@
-// The LibTorch layer's insides, shared by its translation units (streamed_model.cpp: a block's
-// adoption and the public accessors; block_passes.cpp: the passes, forward and backward;
-// gradient_reducer.h and gradient_reduction.cpp: the masters' gradients and a pass's end; overlapped_updater.{h,cpp}:
-// the update during the backward; layer_state.cpp: sharding, state and calibration; step_driver.cpp: the step and the
-// policy; step_state.h: the step's state and its report; policy_link.{h,cpp}: the plugin's session and units;
-// route_comparison.cpp: the forward-only measurement of an allocation; evaluation_session.h: the
-// forward-only passes and their bytes).
+// The LibTorch layer's insides, shared by its translation units:
+// - streamed_model.cpp: a block's adoption and the public accessors;
+// - block_passes.cpp: the passes, forward and backward;
+// - gradient_reducer.h, gradient_reduction.cpp: the masters' gradients, and a pass's end;
+// - overlapped_updater.{h,cpp}: the update during the backward;
+// - layer_state.cpp: sharding, state and calibration;
+// - step_driver.cpp: the step and the policy's hooks; step_state.h: the step's state and report;
+// - policy_link.{h,cpp}: the plugin's session and units; shard_plan.h: who owns which block;
+// - evaluation_session.h: the forward-only passes and their bytes; route_comparison.cpp: the
+//   forward-only measurement of an allocation.
 // Not installed: the public face is sp/torch_layer/streamed_model.h.
 #pragma once
 
@@ -343,7 +346,7 @@ struct StreamedModel::Impl {
   // The version counters of every trainable parameter of the blocks, in a fixed order.
   std::vector<std::int64_t> trainable_versions() const;
 
-  // The statistics the policy takes from the step's gradients (backward_moments above).
+  // The statistics the policy takes from the step's gradients (StepState::keep_statistics).
   void take_backward_statistics();
 
   ~Impl();
