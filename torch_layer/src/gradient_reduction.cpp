@@ -47,18 +47,15 @@ void StreamedModel::Impl::abandon_passes() noexcept {
   for (BlockState& block : blocks) block.deferred_update = false;
   reducer.abandon(*log);
   try {
-    for (const auto& [id, pass] : passes) {
-      if (!pass.held) continue;
-      empty_kept(blocks[*pass.held]);
-      engines.train->release(*pass.held);  // the engine's step ends with no block in use
-    }
-    if (engine_pass) engines.train->end_step();
+    passes.for_each([&](TrainingPass& pass) { backward->let_go(pass); });
   } catch (const std::exception& e) {
     log->warn("StreamedModel: ending an abandoned pass: {}", e.what());
   }
-  engine_pass.reset();
-  passes.clear();
-  forwarding.reset();
+  try {
+    passes.abandon();
+  } catch (const std::exception& e) {
+    log->warn("StreamedModel: ending an abandoned pass: {}", e.what());
+  }
   for (BlockState& b : blocks) {
     for (StreamedParam& p : b.streamed) p.staged = false;
   }
@@ -72,13 +69,7 @@ void StreamedModel::Impl::finish_pass(std::uint64_t id) {
     abandon_passes();
     throw;
   }
-  release_engine();
-  TrainingPass& pass = passes.at(id);
-  step_state.add_training_transfer(pass.transfer);
-  pass.transfer = ad::StepTransferMetrics{};
-  if (!pass.backward_ran) step_state.count_training_pass();
-  pass.backward_ran = true;
-  pass.in_backward = false;
+  passes.finish(id);
   reducer.fold_pending();
   if (!reducer.any_staged()) return;
   engines.backend->record(*engines.compute_done, ad::Queue::compute);

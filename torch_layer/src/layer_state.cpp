@@ -144,7 +144,7 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
   }
   const torch::Tensor blob = entry("policy/state", torch::kUInt8);
   const torch::Tensor hints = entry("policy/hints", torch::kUInt8);
-  const torch::Tensor passes = entry("layer/passes", torch::kInt64);
+  const torch::Tensor steps_begun = entry("layer/passes", torch::kInt64);
   // Absent from states written before steps were checked: the count starts afresh.
   std::optional<std::int64_t> restored_last_step;
   if (state.count("layer/last_step")) {
@@ -160,8 +160,8 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
                           fmt::format("holds {} bytes; expected none or {} hints (one per policy unit)", hint_bytes,
                                       num_units()));
   }
-  if (passes.numel() != 2)
-    throw StateEntryError("layer/passes", fmt::format("holds {} values; expected 2", passes.numel()));
+  if (steps_begun.numel() != 2)
+    throw StateEntryError("layer/passes", fmt::format("holds {} values; expected 2", steps_begun.numel()));
   std::vector<sp_hint_v1> stored(hint_bytes / sizeof(sp_hint_v1));
   if (hint_bytes) std::memcpy(stored.data(), hints.data_ptr(), hint_bytes);
   std::vector<sp::host::UnitHint> restored;
@@ -194,8 +194,8 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
     torch::NoGradGuard no_grad;
     for (auto& [p, saved] : masters) p->master.copy_(saved);
   }
-  engine_steps = passes.data_ptr<std::int64_t>()[0];
-  evaluation.restore_engine_steps(passes.data_ptr<std::int64_t>()[1]);
+  passes.restore_engine_steps(steps_begun.data_ptr<std::int64_t>()[0]);
+  evaluation.restore_engine_steps(steps_begun.data_ptr<std::int64_t>()[1]);
   step_state.restore_last_begun(restored_last_step);
   note_image_versions();
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
@@ -340,7 +340,7 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
   torch::Tensor hints = torch::empty({static_cast<std::int64_t>(in_force.size() * sizeof(sp_hint_v1))}, torch::kUInt8);
   if (!in_force.empty()) std::memcpy(hints.data_ptr(), in_force.data(), hints.numel());
   state.emplace("policy/hints", hints);
-  state.emplace("layer/passes", torch::tensor({m.engine_steps, m.evaluation.engine_steps()}, torch::kInt64));
+  state.emplace("layer/passes", torch::tensor({m.passes.engine_steps(), m.evaluation.engine_steps()}, torch::kInt64));
   state.emplace("layer/last_step", torch::tensor({m.step_state.last_begun().value_or(-1)}, torch::kInt64));
   return state;
 }

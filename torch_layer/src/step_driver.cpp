@@ -328,7 +328,7 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
         "StreamedModel::update_masters_during_backward: post_backward() already ran in this step; use "
         "update_masters()");
   }
-  if (m.backward_under_way()) {
+  if (m.passes.backward_under_way()) {
     throw std::logic_error(
         "StreamedModel::update_masters_during_backward: a backward is running; arm the update before it starts");
   }
@@ -336,7 +336,7 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
     throw std::logic_error(
         fmt::format("StreamedModel::update_masters_during_backward: already armed in step {}", m.step_state.number()));
   }
-  if (std::count_if(m.passes.begin(), m.passes.end(), [](const auto& open) { return !open.second.backward_ran; }) > 1) {
+  if (m.passes.awaiting_backward() > 1) {
     throw std::logic_error(
         "StreamedModel::update_masters_during_backward: more than one training pass awaits its backward; the update "
         "of the first backward would miss the others' gradients. Arm it with one pass open at most");

@@ -50,13 +50,14 @@ StreamedModel::Impl::Impl(std::vector<Block> in, StreamedModelOptions opts)
   compute = torch::TensorOptions().dtype(options.compute_dtype).device(options.device);
   if (in.empty()) throw std::invalid_argument("StreamedModel: there are no blocks");
   shards.connect(options.collectives, options.shard_masters, policy_link);
-  recompute = options.recompute.value_or(shards.group() != nullptr);
+  const bool recompute = options.recompute.value_or(shards.group() != nullptr);
   if (!recompute && shards.group()) {
     throw std::invalid_argument(
         "StreamedModelOptions::recompute is false with collectives: with data parallelism each block's backward "
         "averages its resident parameters' gradients across the ranks, which needs the recompute; leave it unset "
         "or set it to true");
   }
+  backward = recompute ? make_recompute_backward(*this) : make_kept_backward(*this);
   reducer.connect(shards.shared_group(), [this](std::uint32_t b) { return shards.owns(b); });
   if (shards.group()) reducer.probe(options.device, *log);
   refuse_shared_parameters(in);
@@ -163,7 +164,7 @@ StreamedModel::Impl::~Impl() {
   }
   // The engines must not outlive a pass that an exception cut short.
   try {
-    if (engine_pass) engines.train->end_step();
+    passes.abandon();
   } catch (const std::exception& e) {
     log->warn("StreamedModel: closing the open training pass: {}", e.what());
   }
@@ -259,7 +260,7 @@ void StreamedModel::Impl::adopt(Block block, std::size_t index) {
       }
       // With the activations kept it takes a gradient only while a pass computes with it, as the
       // weights it stands for (kept_weights()).
-      if (!recompute) p.param.set_requires_grad(false);
+      if (!recomputes()) p.param.set_requires_grad(false);
       p.placeholder = p.param.options();  // its device with an index, where `compute`'s may have none
     }
     state.masters.emplace(wanted, master);
@@ -339,6 +340,7 @@ void StreamedModel::Impl::build_engines() {
   config.metrics_path.clear();
   engines.eval = std::make_unique<ad::StreamingEngine>(*engines.backend, config, specs);
   evaluation.use_engine(*engines.eval);
+  passes.use_engine(*engines.train, *log);
   engines.compute_done = engines.backend->create_event();
 }
 
@@ -480,7 +482,7 @@ std::uint64_t StreamedModel::metrics_records_lost() const { return impl_->engine
 
 bool StreamedModel::sharded() const { return impl_->shards.sharded(); }
 
-bool StreamedModel::recomputes() const { return impl_->recompute; }
+bool StreamedModel::recomputes() const { return impl_->recomputes(); }
 
 void StreamedModel::set_compute_dtype(torch::Dtype dtype) {
   Impl& m = *impl_;

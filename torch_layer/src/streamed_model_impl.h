@@ -1,6 +1,9 @@
 // The LibTorch layer's insides, shared by its translation units:
 // - streamed_model.cpp: a block's adoption and the public accessors;
-// - block_passes.cpp: the passes, forward and backward;
+// - block_passes.cpp: a call of a block: the evaluation and training forwards, and what the
+//   two backward strategies share; pass_table.{h,cpp}: the open training passes and their ends;
+// - backward_strategy.h: how a pass is differentiated, recompute_backward.cpp (the recompute)
+//   or kept_backward.cpp (kept activations);
 // - gradient_reducer.h, gradient_reduction.cpp: the masters' gradients, and a pass's end;
 // - overlapped_updater.{h,cpp}: the update during the backward;
 // - layer_state.cpp: sharding, state and calibration;
@@ -32,11 +35,13 @@
 #include "sp/kernels/moments.h"
 #include "sp/kernels/relative_error.h"
 #include "sp/precision_abi.h"
+#include "backward_strategy.h"
 #include "evaluation_session.h"
 #include "forward_state.h"
 #include "gradient_reducer.h"
 #include "sp/torch_layer/intra_op_pool.h"
 #include "overlapped_updater.h"
+#include "pass_table.h"
 #include "policy_link.h"
 #include "serial_worker.h"
 #include "shard_plan.h"
@@ -82,37 +87,6 @@ inline std::unique_ptr<ad::TransferBackend> make_backend(const StreamedModelOpti
 #endif
       ));
 }
-
-// The first defined tensor of a block's inputs, by identity (null: none).
-inline const c10::TensorImpl* first_defined(const std::vector<torch::Tensor>& inputs) {
-  for (const torch::Tensor& x : inputs) {
-    if (x.defined()) return x.unsafeGetTensorImpl();
-  }
-  return nullptr;
-}
-
-// A tensor's identity held weakly. The weak reference keeps the TensorImpl's memory from being
-// reused after the tensor dies, so no later tensor can take its address and pass for it.
-class TensorIdentity {
- public:
-  TensorIdentity() = default;
-  explicit TensorIdentity(const std::vector<torch::Tensor>& inputs) {
-    for (const torch::Tensor& x : inputs) {
-      if (x.defined()) {
-        held.emplace(x.getIntrusivePtr());
-        return;
-      }
-    }
-  }
-  // Whether `impl` is the very tensor this one names (null matches none held).
-  bool is(const c10::TensorImpl* impl) const {
-    if (!held) return impl == nullptr;
-    return !held->expired() && held->_unsafe_get_target() == impl;
-  }
-
- private:
-  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> held;
-};
 
 inline const torch::Tensor* find(const NamedParameters& params, const std::string& name) {
   for (const auto& [key, value] : params) {
@@ -186,51 +160,6 @@ struct BlockState {
   // and (CUDA) the event that says its staged gradient is on the host.
   bool deferred_update = false;
   std::unique_ptr<ad::Event> gradient_copied;
-};
-
-// A training pass: a grad-mode forward through the blocks, then its backward. Several may be
-// open in a step (two forwards before their backwards, as a contrastive loss runs them): each
-// keeps what its backward's recompute needs, per block.
-struct TrainingPass {
-  // How many blocks its forward called: the training engine's schedule's first ones, which it
-  // follows (follow_training_call()).
-  std::uint32_t next_forward = 0;
-  // The lowest block whose autograd node runs (whose inputs need a gradient, or which trains
-  // something itself): its backward ends the pass. Unset while no block of the pass has one.
-  std::optional<std::uint32_t> end_block;
-  bool in_backward = false;
-  // A backward of it finished. The pass stays while its graph lives, for another backward
-  // through the graph (retain_graph=True, or a second loss over the same forward), until the
-  // step's post_backward() or the first pass after the graph was dropped.
-  bool backward_ran = false;
-  std::vector<BlockCall> calls;                  // the forward's call of each block
-  std::vector<std::optional<ForwardState>> states;  // its random streams and autocast (forward_state.h)
-  // The blocks' masters' version counters at the forward: changed before the backward, it would
-  // differentiate other weights than the forward computed with.
-  std::vector<std::vector<std::int64_t>> versions;
-  ad::StepTransferMetrics transfer;  // its fetches, over the engine steps that served them
-  // Per block: its forward's autograd node, held weakly (the host's graph keeps the pass alive:
-  // once it is dropped, the pass is closed), and its first tensor input, which a checkpoint's
-  // recompute gives again. A backward frees the graph's saved inputs while its nodes live on
-  // (the host still holds the loss), so the input is held weakly, never by address alone.
-  std::vector<std::optional<WeakNodePtr>> nodes;
-  std::vector<TensorIdentity> first_inputs;
-
-  // Activations kept: per block, the node the weights' gradients reach (null: no weight takes
-  // one) and each streamed weight's input of it (-1: none), whether a node at the block's
-  // inputs ends its backward (else the pass's end does), and the block whose fetch the backward
-  // holds. An armed update waits for both the weights' gradients and the block's release: one
-  // that came while the block was held waits in `update_after_release`.
-  std::vector<NodePtr> weight_nodes;
-  std::vector<std::vector<std::int64_t>> weight_inputs;
-  std::vector<bool> input_nodes;
-  std::vector<std::optional<std::function<void()>>> update_after_release;
-  std::optional<std::uint32_t> held;
-  std::uint32_t next_backward_use = 0;  // the engine's schedule use after the last block the backward reached
-
-  bool graph_alive() const {
-    return std::any_of(nodes.begin(), nodes.end(), [](const auto& node) { return node && !node->expired(); });
-  }
 };
 
 inline std::string master_key(const BlockState& b, const StreamedParam& p) {
@@ -311,19 +240,18 @@ struct StreamedModel::Impl {
   // The masters' gradients on their way to .grad, and the averages across ranks.
   GradientReducer reducer;
 
-  // The step's open training passes, by id. The training engine serves one pass at a time: a
-  // pass's forward and backward share one engine step, unless another pass came between, when
-  // the backward gets one of its own (begun at the schedule's first backward use).
-  std::map<std::uint64_t, TrainingPass> passes;
-  std::uint64_t last_pass_id = 0;
-  std::optional<std::uint64_t> forwarding;   // the pass whose forward is under way
-  std::optional<std::uint64_t> engine_pass;  // the pass the engine's open step serves
-  std::int64_t engine_steps = 0;
   // The forward-only passes on eval_engine, a measurement's pins, and their bytes.
   EvaluationSession evaluation;
   std::weak_ptr<Impl> self;  // what the layer's autograd nodes hold of it (block_passes.cpp)
 
   StepState step_state;      // where the step is, what its passes did, its report
+  // The step's open training passes, by id. The training engine serves one pass at a time: a
+  // pass's forward and backward share one engine step, unless another pass came between, when
+  // the backward gets one of its own (begun at the schedule's first backward use).
+  PassTable passes{step_state, evaluation};
+  // How the passes are differentiated: the recompute, or kept activations
+  // (StreamedModelOptions::recompute as resolved at construction).
+  std::unique_ptr<BackwardStrategy> backward;
   torch::Tensor last_input;  // first-block input of the latest training pass, for re-calibration
 
   Impl(std::vector<Block> in, StreamedModelOptions opts);
@@ -351,8 +279,7 @@ struct StreamedModel::Impl {
 
   ~Impl();
 
-  // StreamedModelOptions::recompute as resolved at construction.
-  bool recompute = false;
+  bool recomputes() const { return backward->recomputes(); }
   // The compute device with its index (a CUDA device without one is device 0, as the backend's).
   torch::Device compute_device() const {
     return options.device.is_cuda() && !options.device.has_index() ? torch::Device(torch::kCUDA, 0) : options.device;
@@ -440,21 +367,14 @@ struct StreamedModel::Impl {
   // The plugin's step ends too, marked as failed (a NaN loss), so that its hooks stay paired.
   void end_plugin_step_as_failed();
 
-  // The engine's open step ends, its fetches counted to the pass it served.
-  void release_engine();
-  // The engine serves pass `id`'s backward from here on (an engine step of its own when another
-  // pass came between its forward and this). A second backward interleaved is refused.
-  void enter_backward(std::uint64_t id, std::uint32_t b);
-  // Whether a pass's backward began and has not reached its end block. Outside autograd's
-  // backward such a pass stopped (an error, or a gradient asked above its end): it is abandoned,
-  // with a warning; inside one, `call` is refused.
-  bool backward_under_way() const;
+  // A pass whose backward began and has not reached its end block, outside autograd's backward,
+  // stopped (an error, or a gradient asked above its end): it is abandoned, with a warning;
+  // inside one, `call` is refused.
   void end_stopped_backwards(const char* call);
   // The passes whose backward never ran (their graphs were dropped, or they were evaluations in
   // grad mode) end here, their bytes an evaluation's; one whose backward stopped before its end
   // is refused.
   void close_passes_without_backward(const char* why);
-  void close_pass_without_backward(std::uint64_t id);
 
   // ---- evaluation passes: the evaluation engine, forward only, one block at a time ----------
 
@@ -535,15 +455,11 @@ struct StreamedModel::Impl {
   // block b already: each pass calls a block once.
   void refuse_second_call(std::uint32_t b, const ad::StepSchedule& schedule, std::uint32_t called,
                           const char* pass_kind) const;
-  // The training engine serves pass `id`'s call of block b, its `at`-th: from an engine step
-  // begun here, at that use, when the schedule has another block there (or `opening`), with
-  // the schedule moved to follow.
-  void follow_training_call(std::uint64_t id, std::uint32_t b, std::uint32_t at, bool opening);
   // On CUDA, the engine's compute queue becomes the caller's current stream: called before each
   // block's fetch, so that the layer orders its copies around the kernels the caller launches.
   void follow_caller_stream();
 
-  // ---- training passes: forward, then the backward's recompute -----------------------------
+  // ---- training passes: their forward and what both backward strategies share -----------
 
   // A grad-mode call of block b, inside a step: it opens a training pass (`opening`, from
   // opens_pass()), or continues the one under way.
@@ -552,24 +468,22 @@ struct StreamedModel::Impl {
 
   // A grad-mode call of block b inside a backward: the host's checkpointing (torch.utils.checkpoint
   // without reentrance, Hugging Face's gradient checkpointing) recomputing the block before its
-  // backward. It computes as the forward did, on the same fetch as the backward that follows (the
-  // engine serves a use twice), and leaves the pass's state as it was.
+  // backward, for the pass whose forward gave the block these inputs. It computes as the forward
+  // did, on the same fetch as the backward that follows (the engine serves a use twice), and
+  // leaves the pass's state as it was.
   std::vector<torch::Tensor> checkpoint_recompute(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
                                                   const BlockCall& call);
-  const BlockCall* replay_call = nullptr;  // set while checkpoint_recompute() computes
 
-  // Inside the autograd node's forward: block b of pass `id` on its delivered weights, without a
-  // graph.
-  std::vector<torch::Tensor> forward_block(std::uint32_t b, std::uint64_t id, const std::vector<torch::Tensor>& inputs);
-
-  // Recomputes block b's forward on the delivered weights and differentiates it. Returns the
-  // gradient of each block input (undefined for those that need none), then one per trainable
-  // resident parameter.
-  variable_list backward_block(std::uint32_t b, std::uint64_t of_pass, const variable_list& xs,
-                               const variable_list& grad_outs);
   // The pass whose backward reached block b, once checked: it exists, its forward called every
   // block, and the block's masters are as its forward used them. Refused by name otherwise.
   TrainingPass& pass_for_backward(std::uint32_t b, std::uint64_t of_pass);
+  // A backward the layer cannot serve right reaching block b, refused by name: create_graph, or
+  // inputs= naming one of its masters.
+  void refuse_unsupported_backward(std::uint32_t b) const;
+  // The engine serves pass `id`'s backward from block b on (PassTable::enter_backward()).
+  void enter_backward(std::uint64_t id, std::uint32_t b) {
+    passes.enter_backward(id, b, static_cast<std::uint32_t>(blocks.size()));
+  }
   // The pass's backward reached its last block: the pass ends, and the statistics are taken when
   // autograd's backward is over.
   void end_pass_backward(std::uint64_t id);
@@ -579,40 +493,6 @@ struct StreamedModel::Impl {
   // its master's .grad (staged, or in a reducing bucket). Returns whether the armed update of
   // the block begins once the block is released, with what it waits for first in `ready`.
   bool fold_weight_gradients(std::uint32_t b, const std::vector<torch::Tensor>& grads, std::function<void()>& ready);
-
-  // ---- training passes that keep their activations (recompute false) -----------------------
-
-  // A grad-mode call of block b in pass `id`: the block computes under autograd on its delivered
-  // weights, between a node at its inputs (the end of its backward) and one at its outputs (the
-  // start: the block is fetched again there).
-  std::vector<torch::Tensor> kept_forward(std::uint32_t b, std::uint64_t id, const std::vector<torch::Tensor>& inputs);
-  // The tensors of `tensors` that need a gradient pass through block b's boundary node (at its
-  // outputs when `begins`, else at its inputs): whether there was one.
-  bool through_boundary(std::vector<torch::Tensor>& tensors, std::uint32_t b, std::uint64_t id, bool begins);
-  // The block's weights as this call computes with them: tensors on the `kept` storages, whose
-  // gradients reach `node` (as its inputs `edges`) where they need one.
-  // `edges` unset (-1) are assigned (the forward); a checkpoint's recompute gives them again.
-  NamedParameters kept_weights(BlockState& block, const NodePtr& node,
-                               std::vector<std::int64_t>& edges);
-  // The `kept` storages hold the delivered weights of `view` (converted to the compute dtype
-  // when it is not bf16), or nothing. A module's placeholders point at them through
-  // kept_weights().
-  void fill_kept(BlockState& block, const ad::BlockView& view);
-  void empty_kept(BlockState& block);
-  // A backward the layer cannot serve right reaching block b, refused by name: create_graph, or
-  // inputs= naming one of its masters.
-  void refuse_unsupported_backward(std::uint32_t b) const;
-  // The backward reaches block b of pass `id`: checks, then the block is fetched again.
-  void begin_kept_backward(std::uint32_t b, std::uint64_t id);
-  // Block b's backward is done (its input node ran): released.
-  void end_kept_backward(std::uint32_t b, std::uint64_t id);
-  // The weights' node of block b ran.
-  void kept_weight_gradients(std::uint32_t b, std::uint64_t id, const variable_list& grads);
-  // The held block of pass `id` is released, and its armed update begins if its gradients came.
-  void release_held(TrainingPass& pass);
-  // The pass's backward is over: its last block's input node ran, another pass's backward began
-  // after it, or autograd's backward is over (`backward_over`: the statistics are taken now).
-  void finish_kept_pass(std::uint64_t id, bool backward_over);
 
   ad::Event& gradient_copied_event(std::uint32_t b);
 
@@ -637,6 +517,8 @@ struct StreamedModel::Impl {
   // the step's.
   void abandon_passes() noexcept;
 
+  // The pass's backward ran (PassTable::finish()): the reductions in flight are waited for, the
+  // staged gradients reach the masters' .grad, and the deferred updates begin.
   void finish_pass(std::uint64_t id);
 
   // Every rank's plugin hints must be the same: the blocks where they differ, by name.
