@@ -1,4 +1,4 @@
-# Types of the extension module (python/src/module.cpp). The package's public face is
+# Types of the extension module (python/src/module.cpp, its parts in binding.h). The package's public face is
 # selective_precision/__init__.py; _StreamedModel is its implementation.
 from typing import Any, Callable
 
