@@ -88,7 +88,9 @@ from ._selective_precision import (  # noqa: E402,F401  (re-exported)
     PluginError,
     RankMismatchError,
     StateEntryError,
+    _PolicyUnit,
     _StreamedModel,
+    _StreamedModelOptions,
 )
 
 __version__ = _build_info.version

@@ -1,5 +1,7 @@
 # Types of the extension module (python/src/module.cpp, its parts in binding.h). The package's public face is
 # selective_precision/__init__.py; _StreamedModel is its implementation.
+import datetime
+import os
 from typing import Any, Callable
 
 import torch
@@ -28,32 +30,45 @@ class StateEntryError(ValueError): ...
 class CollectiveError(RuntimeError): ...
 class RankMismatchError(RuntimeError): ...
 
+class _PolicyUnit:
+    name: str
+    blocks: int
+    def __init__(self, name: str, blocks: int) -> None: ...
+
+class _StreamedModelOptions:
+    """sp::torch_layer::StreamedModelOptions, one field each (the collectives and the logger are
+    the binding's)."""
+    plugin_file: os.PathLike[str] | str
+    config_yaml: str
+    config_source: str
+    output_dir: os.PathLike[str] | str
+    host_name: str
+    plugin_hook_deadline: datetime.timedelta
+    device: torch.device
+    compute_dtype: torch.dtype
+    host_bandwidth_cap_gbps: float
+    prefetch_window: int
+    spare_slabs: int
+    int8_group_size: int
+    nf4_group_size: int
+    metrics_path: str
+    transfer_policy: os.PathLike[str] | str
+    shard_masters: bool
+    recompute: bool | None
+    recalibrate_every: int
+    units: list[_PolicyUnit]
+    def __init__(self) -> None: ...
+
 class _StreamedModel:
     def __init__(
         self,
         modules: list[torch.nn.Module],
         streamed: list[list[str]],
         moments_from: list[list[str]],
-        plugin_file: str,
-        config_yaml: str,
-        config_source: str,
-        output_dir: str,
-        device: str,
-        compute_dtype: torch.dtype,
-        host_bandwidth_cap_gbps: float,
-        prefetch_window: int,
-        spare_slabs: int,
-        int8_group_size: int,
-        nf4_group_size: int,
-        metrics_path: str,
-        recalibrate_every: int,
-        process_group: Any,
-        shard_masters: bool,
+        options: _StreamedModelOptions,
+        process_group: Any = None,
         calls: list[Callable[[list[torch.Tensor], dict[str, torch.Tensor]], list[torch.Tensor]]] | None = None,
-        transfer_policy: str = "",
-        recompute: bool | None = None,
         names: list[str] = [],
-        units: list[tuple[str, int]] = [],
     ) -> None: ...
     def close(self) -> None: ...
     @property

@@ -157,25 +157,36 @@ def _streamed_model(modules, names, config, options: StreamOptions, calls=None, 
     module: `names` its streamed parameters, `moments_from` those its moments come from (None:
     options.moments_from for each), `block_names` its name (empty: "block<i>"); `units`: the
     policy's units as (name, number of modules), empty for one per module."""
-    from . import _policy_config, _StreamedModel, default_plugin_dir
+    from . import _policy_config, _PolicyUnit, _StreamedModel, _StreamedModelOptions, default_plugin_dir
 
     config_yaml, config_source = _policy_config(config)
     if options.budget is not None:
         config_yaml, config_source = _with_budget(config_yaml, config_source, options.budget)
     if options.output_dir is None:
         config_yaml, config_source = _without_telemetry(config_yaml, config_source)
-    plugin_file = os.path.join(options.plugin_dir or default_plugin_dir(), "lib%s.so" % options.plugin)
     if moments_from is None:
         moments_from = [list(options.moments_from)] * len(modules)
-    return _StreamedModel(
-        modules, [list(n) for n in names], [list(m) for m in moments_from], plugin_file, config_yaml, config_source,
-        str(options.output_dir or "."), str(options.device), options.compute_dtype,
-        float(options.host_bandwidth_cap_gbps), int(options.prefetch_window), int(options.spare_slabs),
-        int(options.int8_group_size), int(options.nf4_group_size or 0), str(options.metrics_path),
-        int(options.recalibrate_every), options.process_group, bool(options.shard_masters), calls=calls,
-        transfer_policy=str(options.transfer_policy or ""), recompute=options.recompute,
-        names=list(block_names), units=list(units),
-    )
+    # sp.StreamOptions onto the layer's own options (StreamedModelOptions), the one place they map.
+    bound = _StreamedModelOptions()
+    bound.plugin_file = os.path.join(options.plugin_dir or default_plugin_dir(), "lib%s.so" % options.plugin)
+    bound.config_yaml = config_yaml
+    bound.config_source = config_source
+    bound.output_dir = str(options.output_dir or ".")
+    bound.device = torch.device(options.device)
+    bound.compute_dtype = options.compute_dtype
+    bound.host_bandwidth_cap_gbps = float(options.host_bandwidth_cap_gbps)
+    bound.prefetch_window = int(options.prefetch_window)
+    bound.spare_slabs = int(options.spare_slabs)
+    bound.int8_group_size = int(options.int8_group_size)
+    bound.nf4_group_size = int(options.nf4_group_size or 0)
+    bound.metrics_path = str(options.metrics_path)
+    bound.recalibrate_every = int(options.recalibrate_every)
+    bound.shard_masters = bool(options.shard_masters)
+    bound.transfer_policy = str(options.transfer_policy or "")
+    bound.recompute = options.recompute
+    bound.units = [_PolicyUnit(name, int(blocks)) for name, blocks in units]
+    return _StreamedModel(modules, [list(n) for n in names], [list(m) for m in moments_from], bound,
+                          process_group=options.process_group, calls=calls, names=list(block_names))
 
 
 def _policy_document(config_yaml: str):

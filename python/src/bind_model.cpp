@@ -1,7 +1,11 @@
 // The LibTorch layer (sp/torch_layer/streamed_model.h), unchanged, with Python modules as its
 // blocks, and its collectives over a torch.distributed group (binding.h; the GIL there).
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/extension.h>
+
+#include <pybind11/chrono.h>
+#include <pybind11/stl/filesystem.h>
 
 #include <memory>
 #include <mutex>
@@ -259,47 +263,63 @@ void bind_model(py::module_& m) {
         return interval_dict(tl::paired_interval(values, confidence));
       },
       py::arg("values"), py::arg("confidence"));
-  py::class_<PyStreamedModel>(m, "_StreamedModel")
-      .def(py::init([](const py::list& modules, const std::vector<std::vector<std::string>>& streamed,
-                       const std::vector<std::vector<std::string>>& moments_from, const std::string& plugin_file,
-                       const std::string& config_yaml, const std::string& config_source, const std::string& output_dir,
-                       const std::string& device, py::object compute_dtype, double host_bandwidth_cap_gbps,
-                       std::uint32_t prefetch_window, std::uint32_t spare_slabs, std::uint32_t int8_group_size,
-                       std::uint32_t nf4_group_size, const std::string& metrics_path, std::uint32_t recalibrate_every,
-                       const py::object& process_group, bool shard_masters, const py::object& calls,
-                       const std::string& transfer_policy, std::optional<bool> recompute,
-                       const std::vector<std::string>& names,
-                       const std::vector<std::pair<std::string, std::uint32_t>>& units) {
-             tl::StreamedModelOptions o;
-             o.plugin_file = plugin_file;
-             o.config_yaml = config_yaml;
-             o.config_source = config_source;
-             o.output_dir = output_dir;
-             o.host_name = "selective_precision (Python)";
-             o.device = torch::Device(device);
-             o.compute_dtype = torch::python::detail::py_object_to_dtype(compute_dtype);
-             o.host_bandwidth_cap_gbps = host_bandwidth_cap_gbps;
-             o.prefetch_window = prefetch_window;
-             o.spare_slabs = spare_slabs;
-             o.int8_group_size = int8_group_size;
-             o.nf4_group_size = nf4_group_size;
-             o.metrics_path = metrics_path;
-             o.recalibrate_every = recalibrate_every;
-             o.shard_masters = shard_masters;
-             o.transfer_policy = transfer_policy;
-             o.recompute = recompute;
-             for (const auto& [name, blocks] : units) o.units.push_back(tl::PolicyUnit{name, blocks});
-             return std::make_unique<PyStreamedModel>(modules, streamed, moments_from, names, calls, std::move(o),
-                                                      collectives_of(process_group));
+  // The layer's options as the C++ API has them, one field each: sp.StreamOptions maps onto them
+  // once (_stream.py). The collectives and the logger are the binding's (the process group given
+  // to _StreamedModel, and Python's logging).
+  py::class_<tl::PolicyUnit>(m, "_PolicyUnit")
+      .def(py::init([](std::string name, std::uint32_t blocks) {
+             return tl::PolicyUnit{std::move(name), blocks};
            }),
-           py::arg("modules"), py::arg("streamed"), py::arg("moments_from"), py::arg("plugin_file"),
-           py::arg("config_yaml"), py::arg("config_source"), py::arg("output_dir"), py::arg("device"),
-           py::arg("compute_dtype"), py::arg("host_bandwidth_cap_gbps"), py::arg("prefetch_window"),
-           py::arg("spare_slabs"), py::arg("int8_group_size"), py::arg("nf4_group_size"), py::arg("metrics_path"),
-           py::arg("recalibrate_every"), py::arg("process_group"), py::arg("shard_masters"),
-           py::arg("calls") = py::none(), py::arg("transfer_policy") = "", py::arg("recompute") = py::none(),
-           py::arg("names") = std::vector<std::string>(),
-           py::arg("units") = std::vector<std::pair<std::string, std::uint32_t>>())
+           py::arg("name"), py::arg("blocks"))
+      .def_readwrite("name", &tl::PolicyUnit::name)
+      .def_readwrite("blocks", &tl::PolicyUnit::blocks);
+  py::class_<tl::StreamedModelOptions>(m, "_StreamedModelOptions")
+      .def(py::init([] {
+        tl::StreamedModelOptions o;
+        o.host_name = "selective_precision (Python)";
+        return o;
+      }))
+      .def_readwrite("plugin_file", &tl::StreamedModelOptions::plugin_file)
+      .def_readwrite("config_yaml", &tl::StreamedModelOptions::config_yaml)
+      .def_readwrite("config_source", &tl::StreamedModelOptions::config_source)
+      .def_readwrite("output_dir", &tl::StreamedModelOptions::output_dir)
+      .def_readwrite("host_name", &tl::StreamedModelOptions::host_name)
+      .def_readwrite("plugin_hook_deadline", &tl::StreamedModelOptions::plugin_hook_deadline)
+      .def_readwrite("device", &tl::StreamedModelOptions::device)
+      .def_property(
+          "compute_dtype",
+          [](const tl::StreamedModelOptions& o) {
+            return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(o.compute_dtype)));
+          },
+          [](tl::StreamedModelOptions& o, const py::object& dtype) {
+            if (!THPDtype_Check(dtype.ptr())) {
+              throw py::type_error(fmt::format("compute_dtype: a torch.dtype expected, got {}",
+                                               py::str(py::type::of(dtype)).cast<std::string>()));
+            }
+            o.compute_dtype = torch::python::detail::py_object_to_dtype(dtype);
+          })
+      .def_readwrite("host_bandwidth_cap_gbps", &tl::StreamedModelOptions::host_bandwidth_cap_gbps)
+      .def_readwrite("prefetch_window", &tl::StreamedModelOptions::prefetch_window)
+      .def_readwrite("spare_slabs", &tl::StreamedModelOptions::spare_slabs)
+      .def_readwrite("int8_group_size", &tl::StreamedModelOptions::int8_group_size)
+      .def_readwrite("nf4_group_size", &tl::StreamedModelOptions::nf4_group_size)
+      .def_readwrite("metrics_path", &tl::StreamedModelOptions::metrics_path)
+      .def_readwrite("transfer_policy", &tl::StreamedModelOptions::transfer_policy)
+      .def_readwrite("shard_masters", &tl::StreamedModelOptions::shard_masters)
+      .def_readwrite("recompute", &tl::StreamedModelOptions::recompute)
+      .def_readwrite("recalibrate_every", &tl::StreamedModelOptions::recalibrate_every)
+      .def_readwrite("units", &tl::StreamedModelOptions::units);
+  py::class_<PyStreamedModel>(m, "_StreamedModel")
+      .def(
+          py::init([](const py::list& modules, const std::vector<std::vector<std::string>>& streamed,
+                      const std::vector<std::vector<std::string>>& moments_from, tl::StreamedModelOptions options,
+                      const py::object& process_group, const py::object& calls, const std::vector<std::string>& names) {
+            return std::make_unique<PyStreamedModel>(modules, streamed, moments_from, names, calls, std::move(options),
+                                                     collectives_of(process_group));
+          }),
+          py::arg("modules"), py::arg("streamed"), py::arg("moments_from"), py::arg("options"),
+          py::arg("process_group") = py::none(), py::arg("calls") = py::none(),
+          py::arg("names") = std::vector<std::string>())
       .def("close", &PyStreamedModel::close)
       .def_property_readonly("closed", &PyStreamedModel::closed)
       .def("num_blocks", [](PyStreamedModel& s) { return s.model().num_blocks(); })
@@ -326,26 +346,27 @@ void bind_model(py::module_& m) {
       .def("resident_parameters", [](PyStreamedModel& s) { return s.model().resident_parameters(); })
       .def(
           "begin_step", [](PyStreamedModel& s, std::int64_t step) { s.model().begin_step(step); }, no_gil)
-      .def("post_backward",
-           [](PyStreamedModel& s, double loss) {
-             const std::vector<sp_grad_moments_v1>* moments = nullptr;
-             {
-               py::gil_scoped_release no_gil_here;
-               moments = &s.model().post_backward(loss);
-             }
-             py::list out;
-             for (const sp_grad_moments_v1& g : *moments) {
-               py::dict d;
-               d["sum_sq"] = g.sum_sq;
-               d["sum"] = g.sum;
-               d["max_abs"] = g.max_abs;
-               d["count"] = g.count;
-               d["nonfinite"] = g.nonfinite;
-               out.append(d);
-             }
-             return out;
-           },
-           py::arg("loss") = std::numeric_limits<double>::quiet_NaN())
+      .def(
+          "post_backward",
+          [](PyStreamedModel& s, double loss) {
+            const std::vector<sp_grad_moments_v1>* moments = nullptr;
+            {
+              py::gil_scoped_release no_gil_here;
+              moments = &s.model().post_backward(loss);
+            }
+            py::list out;
+            for (const sp_grad_moments_v1& g : *moments) {
+              py::dict d;
+              d["sum_sq"] = g.sum_sq;
+              d["sum"] = g.sum;
+              d["max_abs"] = g.max_abs;
+              d["count"] = g.count;
+              d["nonfinite"] = g.nonfinite;
+              out.append(d);
+            }
+            return out;
+          },
+          py::arg("loss") = std::numeric_limits<double>::quiet_NaN())
       .def("end_step",
            [](PyStreamedModel& s, double loss) {
              const tl::StepReport r = [&] {
@@ -549,9 +570,8 @@ void bind_model(py::module_& m) {
       .def("owner", [](PyStreamedModel& s, std::uint32_t block) { return s.model().owner(block); })
       .def(
           "average_gradients",
-          [](PyStreamedModel& s, const std::vector<torch::Tensor>& parameters) {
-            s.model().average_gradients(parameters);
-          },
+          [](PyStreamedModel& s,
+             const std::vector<torch::Tensor>& parameters) { s.model().average_gradients(parameters); },
           no_gil)
       .def(
           "average", [](PyStreamedModel& s, double value) { return s.model().average(value); }, no_gil)

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import selective_precision as sp
@@ -57,7 +58,8 @@ def test_another_cuda_build_of_the_same_torch_is_refused_and_a_patch_release_is_
 
 def test_the_extensions_type_stub_declares_exactly_what_it_binds():
     """_selective_precision.pyi ships beside the extension (with py.typed) and names every
-    method of _StreamedModel the binding defines, and no other."""
+    function, class, method of _StreamedModel and field of the bound options the binding
+    defines, and no other."""
     import ast
     import pathlib
 
@@ -66,22 +68,56 @@ def test_the_extensions_type_stub_declares_exactly_what_it_binds():
     package = pathlib.Path(sp.__file__).parent
     assert (package / "py.typed").is_file()
     stub = ast.parse((package / "_selective_precision.pyi").read_text())
-    declared = {
-        node.name
-        for cls in stub.body
-        if isinstance(cls, ast.ClassDef) and cls.name == "_StreamedModel"
-        for node in cls.body
-        if isinstance(node, ast.FunctionDef) and node.name != "__init__"
-    }
-    bound = {name for name in vars(_selective_precision._StreamedModel) if not name.startswith("_")}
-    assert declared == bound
+    classes = {cls.name: cls for cls in stub.body if isinstance(cls, ast.ClassDef)}
+
+    def methods(name):
+        return {node.name for node in classes[name].body if isinstance(node, ast.FunctionDef) and node.name != "__init__"}
+
+    def fields(name):
+        return {node.target.id for node in classes[name].body if isinstance(node, ast.AnnAssign)}
+
+    def bound(cls):
+        return {name for name in vars(cls) if not name.startswith("_")}
+
+    assert methods("_StreamedModel") == bound(_selective_precision._StreamedModel)
+    for options in ("_StreamedModelOptions", "_PolicyUnit"):
+        assert fields(options) == bound(getattr(_selective_precision, options))
+    names = {name for name in vars(_selective_precision) if not name.startswith("__")}
+    assert classes.keys() == {name for name in names if isinstance(getattr(_selective_precision, name), type)}
     functions = {node.name for node in stub.body if isinstance(node, ast.FunctionDef)}
-    assert functions == {name for name in vars(_selective_precision) if callable(getattr(_selective_precision, name))
-                         and name.startswith("_") and not name.startswith("__") and name != "_StreamedModel"}
-    exceptions = {cls.name for cls in stub.body if isinstance(cls, ast.ClassDef) and cls.name != "_StreamedModel"}
+    assert functions == {name for name in names if callable(getattr(_selective_precision, name))
+                         and not isinstance(getattr(_selective_precision, name), type)}
+    exceptions = {name for name in classes if issubclass(getattr(_selective_precision, name), Exception)}
     assert exceptions == {"PluginError", "StateEntryError", "CollectiveError", "RankMismatchError"}
-    for name in exceptions:
-        assert issubclass(getattr(_selective_precision, name), Exception)
+
+
+def test_the_bound_options_carry_each_value_as_the_layer_takes_it():
+    """sp.StreamOptions reaches the layer through _StreamedModelOptions, the C++ struct bound
+    field by field: each value set comes back as set, and a value of the wrong kind is refused."""
+    import datetime
+
+    from selective_precision import _selective_precision
+
+    options = _selective_precision._StreamedModelOptions()
+    assert options.host_name == "selective_precision (Python)"
+    assert options.recompute is None and options.units == [] and options.nf4_group_size == 0
+    options.plugin_file = "/plugins/libsp.so"
+    options.output_dir = "out"
+    options.device = torch.device("cpu")
+    options.compute_dtype = torch.bfloat16
+    options.recompute = True
+    options.nf4_group_size = 128
+    options.plugin_hook_deadline = datetime.timedelta(milliseconds=250)
+    options.units = [_selective_precision._PolicyUnit("0.attn", 2)]
+    assert str(options.plugin_file) == "/plugins/libsp.so" and str(options.output_dir) == "out"
+    assert options.device == torch.device("cpu") and options.compute_dtype is torch.bfloat16
+    assert options.recompute is True and options.nf4_group_size == 128
+    assert options.plugin_hook_deadline == datetime.timedelta(milliseconds=250)
+    assert [(u.name, u.blocks) for u in options.units] == [("0.attn", 2)]
+    with pytest.raises(TypeError):
+        options.prefetch_window = "two"
+    with pytest.raises(TypeError):
+        options.compute_dtype = "bfloat16"
 
 
 def test_every_public_name_has_a_docstring():
