@@ -5,9 +5,10 @@
 //     backward fetches the block again, recomputes it and differentiates the recompute;
 //   - kept activations (kept_backward.cpp): each block computes under autograd, whose saved
 //     tensors read the weights' storage; the backward fetches the block again into it.
-// Both open, follow and end their passes through the pass table (pass_table.h); what they share
-// (the checks of a backward, the weights' gradients on their way to the masters) is the model's
-// (StreamedModel::Impl). Not installed: the layer's insides.
+// The model opens and follows the passes (StreamedModel::Impl::train_forward, the pass table);
+// a strategy runs each block's call in them and ends its backward through the table. What both
+// share (the checks of a backward, the weights' gradients on their way to the masters) is the
+// model's. Not installed: the layer's insides.
 #pragma once
 
 #include <cstdint>

@@ -106,7 +106,7 @@ void StreamedModel::Impl::end_stopped_backwards(const char* call) {
 
 void StreamedModel::Impl::close_passes_without_backward(const char* why) {
   end_stopped_backwards(why);
-  passes.close_all_without_backward();
+  passes.close_all();
 }
 
 bool StreamedModel::Impl::opens_pass(std::uint32_t b, bool training) const {

@@ -49,7 +49,7 @@ void StreamedModel::Impl::abandon_passes() noexcept {
   try {
     passes.for_each([&](TrainingPass& pass) { backward->let_go(pass); });
   } catch (const std::exception& e) {
-    log->warn("StreamedModel: ending an abandoned pass: {}", e.what());
+    log->warn("StreamedModel: releasing the block an abandoned pass held: {}", e.what());
   }
   try {
     passes.abandon();

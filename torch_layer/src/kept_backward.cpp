@@ -82,6 +82,10 @@ KeptActivationsBackward& kept_of(StreamedModel::Impl& impl) {
   return static_cast<KeptActivationsBackward&>(*impl.backward);
 }
 
+}  // namespace
+
+// In sp::torch_layer, not the anonymous namespace: autograd names the node after its type
+// (grad_fn.name(), the profiler, the layer's own messages).
 // The node at a block's outputs that need a gradient (`begins`), or at its inputs that do.
 // Every node of the block leads to the outputs' one and from the inputs' one, so autograd runs
 // the first before the block's nodes (the block is fetched again there) and the second after
@@ -115,6 +119,8 @@ struct KeptBlockBoundary : public torch::autograd::Function<KeptBlockBoundary> {
     return out;
   }
 };
+
+namespace {
 
 // The node the delivered weights of one block in one pass lead to, where they take a gradient;
 // it runs once autograd has summed every use's.

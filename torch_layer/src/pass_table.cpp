@@ -78,7 +78,7 @@ void PassTable::follow_call(std::uint64_t id, std::uint32_t b, const std::string
   begin_engine_step(id, at);
 }
 
-void PassTable::enter_backward(std::uint64_t id, std::uint32_t b, std::uint32_t last_use) {
+void PassTable::enter_backward(std::uint64_t id, std::uint32_t b, std::uint32_t first_backward_use) {
   TrainingPass& pass = passes_.at(id);
   const std::uint32_t use = engine_->schedule().backward_use(b);
   if (pass.in_backward) {
@@ -102,7 +102,7 @@ void PassTable::enter_backward(std::uint64_t id, std::uint32_t b, std::uint32_t 
   }
   // The backward begins at this block's use: after the forward in the same engine step when it
   // is the last block, else in a step of its own begun there.
-  if (engine_pass_ != id || use != last_use) {
+  if (engine_pass_ != id || use != first_backward_use) {
     release_engine();
     begin_engine_step(id, use);
   }
@@ -134,7 +134,7 @@ void PassTable::finish(std::uint64_t id) {
   pass.in_backward = false;
 }
 
-void PassTable::close_without_backward(std::uint64_t id) {
+void PassTable::close(std::uint64_t id) {
   if (engine_pass_ == id) release_engine();
   const TrainingPass& pass = passes_.at(id);
   if (!pass.backward_ran) {
@@ -152,11 +152,11 @@ void PassTable::close_dropped_graphs() {
   for (const auto& [id, open] : passes_) {
     if (!open.graph_alive()) dropped.push_back(id);
   }
-  for (const std::uint64_t id : dropped) close_without_backward(id);
+  for (const std::uint64_t id : dropped) close(id);
 }
 
-void PassTable::close_all_without_backward() {
-  while (!passes_.empty()) close_without_backward(passes_.begin()->first);
+void PassTable::close_all() {
+  while (!passes_.empty()) close(passes_.begin()->first);
 }
 
 void PassTable::drop(std::uint64_t id) {

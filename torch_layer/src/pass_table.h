@@ -5,8 +5,8 @@
 //   - finish(): its backward reached its end block (the recompute's last node, or the kept
 //     activations' input node there), its backward was over without that node, or another
 //     pass's backward began after it (kept activations);
-//   - close_without_backward(): its graph was dropped before a next pass opened, or the step's
-//     post_backward() came first; its bytes are an evaluation's;
+//   - close(): its graph was dropped before a next pass opened, or the step went on to
+//     post_backward(); if its backward never ran, its bytes are an evaluation's;
 //   - drop(): a call of its forward failed;
 //   - abandon(): an error in a backward, a backward that stopped before its end, a failed end,
 //     or abort_step(). What the backward strategy and the gradients hold goes first
@@ -115,9 +115,9 @@ struct TrainingPass {
   }
 };
 
-// Between the engine's steps: its order with `block` moved to position `at`, the others keeping
-// theirs relative to each other. The pass's calls so far are the order's first `at` blocks, so
-// `block` lies after them.
+// Between the engine's steps (a training or an evaluation engine's): its order with `block`
+// moved to position `at`, the others keeping theirs relative to each other. The pass's calls so
+// far are the order's first `at` blocks, so `block` lies after them.
 void move_block(adapters::StreamingEngine& engine, std::uint32_t block, std::uint32_t at);
 
 class PassTable {
@@ -161,8 +161,9 @@ class PassTable {
   void follow_call(std::uint64_t id, std::uint32_t b, const std::string& name, std::uint32_t at, bool opening);
   // The engine serves pass `id`'s backward from block b on (an engine step of its own when
   // another pass came between its forward and this, or the backward skips blocks). A second
-  // backward interleaved is refused. `last_use`: the schedule's last forward use.
-  void enter_backward(std::uint64_t id, std::uint32_t b, std::uint32_t last_use);
+  // backward interleaved is refused. `first_backward_use`: the schedule's (the number of
+  // blocks), where a backward right after its forward goes on in the same engine step.
+  void enter_backward(std::uint64_t id, std::uint32_t b, std::uint32_t first_backward_use);
   // The engine's open step ends, its fetches counted to the pass it served (to the step when
   // that pass is gone).
   void release_engine();
@@ -172,11 +173,11 @@ class PassTable {
   // The pass's backward ran: its fetches go to the step, its first backward counts a training
   // pass. It stays open while its graph lives (another backward through it).
   void finish(std::uint64_t id);
-  // Passes whose forward ran and whose backward never did (their graph was dropped, or the step
-  // ends): their fetches are an evaluation's.
-  void close_without_backward(std::uint64_t id);
+  // The pass leaves the table (its graph was dropped, or the step goes on to post_backward()).
+  // One whose backward never ran trained nothing: its fetches are an evaluation's.
+  void close(std::uint64_t id);
   void close_dropped_graphs();
-  void close_all_without_backward();
+  void close_all();
   // A pass one of whose forward's calls failed: its backward could not run.
   void drop(std::uint64_t id);
   // Every pass goes, the engine's step ends with them (its fetches counted nowhere).

@@ -40,6 +40,10 @@ class RecomputeBackward final : public BackwardStrategy {
 
 RecomputeBackward& recompute_of(StreamedModel::Impl& impl) { return static_cast<RecomputeBackward&>(*impl.backward); }
 
+}  // namespace
+
+// In sp::torch_layer, not the anonymous namespace: autograd names the node after its type
+// (grad_fn.name(), the profiler, the layer's own messages).
 // The autograd node of one streamed block: its forward fetches the block and runs it without
 // a graph; its backward fetches it again, recomputes and differentiates (backward_block()).
 struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFunction> {
@@ -76,6 +80,8 @@ struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFun
     return out;
   }
 };
+
+namespace {
 
 std::vector<torch::Tensor> RecomputeBackward::forward(std::uint32_t b, std::uint64_t id,
                                                       const std::vector<torch::Tensor>& inputs, bool& reaches) {

@@ -242,7 +242,7 @@ struct StreamedModel::Impl {
 
   // The forward-only passes on eval_engine, a measurement's pins, and their bytes.
   EvaluationSession evaluation;
-  std::weak_ptr<Impl> self;  // what the layer's autograd nodes hold of it (block_passes.cpp)
+  std::weak_ptr<Impl> self;  // what the layer's autograd nodes hold of it (model_ref.h)
 
   StepState step_state;      // where the step is, what its passes did, its report
   // The step's open training passes, by id. The training engine serves one pass at a time: a
