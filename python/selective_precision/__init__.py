@@ -30,15 +30,9 @@ errors and state are the same (docs/integration.md, "Python").
 
 from __future__ import annotations
 
-import collections.abc
 import contextlib
-import dataclasses
-import errno
 import functools
-import importlib.resources
-import json
 import os
-import warnings
 import weakref
 
 import torch  # loads libtorch before the extension that links it
@@ -88,10 +82,13 @@ from ._selective_precision import (  # noqa: E402,F401  (re-exported)
     PluginError,
     RankMismatchError,
     StateEntryError,
-    _PolicyUnit,
-    _StreamedModel,
-    _StreamedModelOptions,
 )
+from ._measure import Interval, RouteComparison, UnitCosts  # noqa: E402
+from ._modules import _add_hook, _streamed_names, _warn_trainable_streamed_in_frozen_blocks  # noqa: E402
+from ._options import Budget, StreamOptions, _options, _streamed_model  # noqa: E402
+from ._paths import config_dir, default_plugin_dir  # noqa: E402
+from ._reports import CalibrationErrors, PluginSwap, StepReport, _errors, _report, _swap  # noqa: E402
+from ._stream import PolicyReport, StreamedBlock, StreamedLayers, stream  # noqa: E402
 
 __version__ = _build_info.version
 
@@ -129,27 +126,6 @@ __all__ = [
     "RankMismatchError",
 ]
 
-def default_plugin_dir() -> str:
-    """Where the policy plugins are: $SP_PLUGIN_DIR, else the installed package's plugins/
-    (pip install), else the build tree's plugins/ (PYTHONPATH=<build>/python)."""
-    if os.environ.get("SP_PLUGIN_DIR"):
-        return os.environ["SP_PLUGIN_DIR"]
-    installed = importlib.resources.files(__name__) / "plugins"
-    if installed.is_dir():
-        return str(installed)
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.normpath(os.path.join(here, "..", "..", "plugins"))
-
-
-def config_dir() -> str:
-    """The shipped configs (default.yaml and lora.yaml for sp-train, policy/*.yaml for the
-    plugin): the installed package's configs/, else the source tree's of a build-tree package."""
-    installed = importlib.resources.files(__name__) / "configs"
-    if installed.is_dir():
-        return str(installed)
-    return _build_info.source_configs
-
-
 def _installed_cmake_prefix() -> str | None:
     import glob
 
@@ -166,71 +142,6 @@ def _installed_cmake_prefix() -> str | None:
 #: ``torch.utils.cmake_prefix_path``; None for a package run from a build tree, whose C++
 #: package is ``cmake --install``'s to make (docs/integration.md, "C++ from the wheel").
 cmake_prefix_path: str | None = _installed_cmake_prefix()
-
-
-@dataclasses.dataclass(frozen=True)
-class PluginSwap:
-    """A hot swap of the policy plugin: `outcome` is "swapped", "pending" (it happens at the
-    next step boundary) or "failed" (the old plugin stays, `message` says why)."""
-
-    outcome: str
-    message: str
-    old_version: str
-    new_version: str
-
-
-@dataclasses.dataclass(frozen=True)
-class CalibrationErrors:
-    """Each block's output error (relative L2 against BF16) with its weights in INT8 and in
-    NF4, block by block."""
-
-    int8: list[float]
-    nf4: list[float]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepReport:
-    """What one training step moved and decided (`StreamedBlocks.end_step()`)."""
-
-    step: int
-    h2d_bytes_bf16: int  # host-to-device bytes of the training passes, by format
-    h2d_bytes_int8: int
-    h2d_bytes_nf4: int
-    h2d_bytes_all_bf16: int  # what the same fetches would have moved as BF16
-    eval_h2d_bytes: int  # of the evaluation passes in the step (no grad, or no backward followed)
-    training_passes: int
-    # The training passes' fetches: issued ahead of their block's call (hits), only at it
-    # (misses: prefetch_window=0), and issued ahead for a block the pass then called elsewhere
-    # (unused: once per change of the order the blocks are called in, which the prefetch follows).
-    prefetch_hits: int
-    prefetch_misses: int
-    prefetch_unused: int
-    routes: list[str]  # each unit's (block's) format for the next step: "bf16", "int8" or "nf4"
-    swap: PluginSwap | None  # a hot swap that took effect at this step's start
-    calibration: CalibrationErrors | None  # an online re-calibration after this step
-
-    @property
-    def h2d_bytes(self) -> int:
-        """The training passes' host-to-device bytes, all formats together."""
-        return self.h2d_bytes_bf16 + self.h2d_bytes_int8 + self.h2d_bytes_nf4
-
-    @property
-    def saved_fraction(self) -> float:
-        """The share of the all-BF16 bytes this step did not move (0 when nothing moved)."""
-        return 1.0 - self.h2d_bytes / self.h2d_bytes_all_bf16 if self.h2d_bytes_all_bf16 else 0.0
-
-
-def _swap(raw) -> PluginSwap | None:
-    return None if raw is None else PluginSwap(**raw)
-
-
-def _errors(raw) -> CalibrationErrors | None:
-    return None if raw is None else CalibrationErrors(int8=list(raw["int8"]), nf4=list(raw["nf4"]))
-
-
-def _report(raw) -> StepReport:
-    raw["swap"], raw["calibration"] = _swap(raw["swap"]), _errors(raw["calibration"])
-    return StepReport(**raw)
 
 
 def quantize_nf4(x: torch.Tensor, group_size: int = 64, *, scale_dtype: torch.dtype = torch.float32,
@@ -295,80 +206,6 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, group_size: int =
     """The weights an INT8 image stands for (what quantize_int8 returned), in `dtype`;
     written into `out` when given, as for dequantize_nf4."""
     return _extension._dequantize_int8(codes, scales, int(group_size), dtype, int(threads), out)
-
-
-def _policy_config(config):
-    """(YAML text, source name) of `config`: None (the plugin's defaults), a path (str or
-    os.PathLike) to a YAML file, YAML text (it has a newline or a "key: value"), or a mapping of
-    the policy's keys (with or without the top-level `selective_precision`)."""
-    if config is None:
-        return "selective_precision: {}\n", "<defaults>"
-    if isinstance(config, collections.abc.Mapping):
-        section = config if "selective_precision" in config else {"selective_precision": dict(config)}
-        try:
-            return json.dumps(section), "<config mapping>"  # JSON is YAML
-        except TypeError as error:
-            raise TypeError("config: a mapping of the policy's keys to numbers, strings, booleans and lists "
-                            "expected: %s" % error) from None
-    if isinstance(config, os.PathLike) or (isinstance(config, str) and "\n" not in config and ": " not in config):
-        path = os.fspath(config)
-        if os.path.isdir(path):
-            raise IsADirectoryError(errno.EISDIR, "config: a directory, where the policy's YAML file was expected "
-                                    "(for the shipped ones: sp.config_dir() / 'policy' / '<name>.yaml')", path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(errno.ENOENT, "config: the policy's YAML file was not found", path)
-        with open(path, encoding="utf-8") as f:
-            return f.read(), path
-    if isinstance(config, str):
-        return config, "<config text>"
-    raise TypeError("config: a path, YAML text or a mapping expected, got %s" % type(config).__name__)
-
-
-# peft's adapter modules: trainable and small, they stay where they are, in their own dtype.
-_ADAPTER_MODULES = frozenset(("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"))
-# A trainable matrix under this fraction of the block's largest frozen one is an adapter too (of
-# a library other than peft): streaming it would quantize what trains, to save next to nothing.
-_ADAPTER_FRACTION = 1 / 16
-
-
-def _streamed_names(block):
-    """By default a block's matrices stream: every 2-D floating-point `*weight`, except adapters
-    (peft's `lora_A`, `lora_B`, `lora_embedding_*`, and any trainable matrix under 1/16 of the
-    block's largest frozen one). Biases and norms are 1-D, and stay too."""
-    matrices = [(name, p) for name, p in block.named_parameters()
-                if p.dim() == 2 and p.is_floating_point() and name.endswith("weight")]
-    largest_frozen = max((p.numel() for _, p in matrices if not p.requires_grad), default=0)
-    return [
-        name for name, p in matrices
-        if _ADAPTER_MODULES.isdisjoint(name.split("."))
-        and not (p.requires_grad and p.numel() < _ADAPTER_FRACTION * largest_frozen)
-    ]
-
-
-def _warn_trainable_streamed_in_frozen_blocks(modules, names):
-    """A streamed weight that trains while most of its block is frozen is probably an adapter named
-    by hand: it would cross in the policy's precision, and compute in it."""
-    block = modules[0]
-    params = dict(block.named_parameters())
-    frozen = sum(p.numel() for p in params.values() if not p.requires_grad)
-    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
-    odd = [n for n in names if n in params and params[n].requires_grad and frozen > trainable]
-    if odd:
-        names = ", ".join(odd[:3]) + (" and %d more" % (len(odd) - 3) if len(odd) > 3 else "")
-        verb, pronoun = ("s", "it") if len(odd) == 1 else ("", "them")
-        warnings.warn(
-            "selective_precision: %s stream%s and train%s while most of the block is frozen (%d of %d elements): "
-            "the policy may send %s as INT8 or NF4, and the block computes with that. Adapters usually stay "
-            "resident: leave %s out of streamed="
-            % (names, verb, verb, frozen, frozen + trainable, pronoun, pronoun),
-            stacklevel=3)
-
-
-def _add_hook(module, public, private, hook, **private_options):
-    """Registers `hook` through the public method where this torch has it (2.5 and later for
-    some), else through the private one that has long had the same signature."""
-    register = getattr(module, public, None)
-    return register(hook) if register is not None else getattr(module, private)(hook, **private_options)
 
 
 _NOT_PICKLABLE = (
@@ -728,8 +565,3 @@ class StreamedBlocks:
     def closed(self) -> bool:
         """True after close()."""
         return self._model.closed
-
-
-from ._stream import (  # noqa: E402  (uses the names above)
-    Budget, PolicyReport, StreamedBlock, StreamedLayers, StreamOptions, _options, _streamed_model, stream)
-from ._measure import Interval, RouteComparison, UnitCosts  # noqa: E402
