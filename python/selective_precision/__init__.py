@@ -88,6 +88,7 @@ from ._modules import _add_hook, _streamed_names, _warn_trainable_streamed_in_fr
 from ._options import Budget, StreamOptions, _options, _streamed_model  # noqa: E402
 from ._paths import config_dir, default_plugin_dir  # noqa: E402
 from ._reports import CalibrationErrors, PluginSwap, StepReport, _errors, _report, _swap  # noqa: E402
+from ._step import _before_update  # noqa: E402
 from ._stream import PolicyReport, StreamedBlock, StreamedLayers, stream  # noqa: E402
 
 __version__ = _build_info.version
@@ -483,10 +484,9 @@ class StreamedBlocks:
             raise ValueError("StreamedBlocks.step(): set .loss on the step context before leaving it")
         loss = context.loss.item() if isinstance(context.loss, torch.Tensor) else float(context.loss)
         try:
-            context.moments = self.post_backward()
-            if optimizer is not None and self.world_size > 1:
-                self.average_gradients(self._host_parameters(optimizer))
-            loss = context.loss_mean = self.average(loss)
+            rest = (lambda: self._host_parameters(optimizer)) if optimizer is not None else (lambda: [])
+            loss, context.moments = _before_update(self._model, loss, rest)
+            context.loss_mean = loss
             if optimizer is not None:
                 optimizer.step()
                 optimizer.zero_grad()

@@ -15,6 +15,19 @@ from ._reports import _report
 _log = logging.getLogger("selective_precision")
 
 
+def _before_update(model, loss, rest_to_average):
+    """The step sequence up to the optimizer's update, as both Python faces run it
+    (`StreamedBlocks.step` and stream()'s optimizer hooks): the loss's mean across ranks, then
+    `post_backward` with it (the policy's moments, and its loss budget's reading), then the
+    mean across ranks of the gradients no one else averages (`rest_to_average()`, called only
+    with several ranks). Returns (the mean loss, NaN when unknown; the moments)."""
+    loss = float("nan") if loss is None else model.average(float(loss))
+    moments = model.post_backward(loss)
+    if model.world_size() > 1:
+        model.average_gradients(rest_to_average())
+    return loss, moments
+
+
 class _Layer:
     """The streaming layer behind one stream() call: the extension's model and the step state
     found from the optimizer's hooks. Held by every streamed block and by the StreamedLayers."""
@@ -75,8 +88,7 @@ class _Layer:
     def end_step(self):
         """Ends the open step whose update ran: the policy takes the moments of its backward and
         decides, and the images of the updated weights are rebuilt."""
-        loss = float("nan") if self.loss is None else self.model.average(self.loss)
-        self.last_moments = self.model.post_backward(loss)
+        loss, self.last_moments = _before_update(self.model, self.loss, lambda: [])
         self.forget_step()
         self.last_report = self.report(self.model.end_step(loss))
 
@@ -133,11 +145,8 @@ class _Layer:
             )
         if not self.in_step:
             return
-        if self.loss is not None:
-            self.loss = self.model.average(self.loss)  # the ranks' mean, once: end_step takes it too
-        self.last_moments = self.model.post_backward(float("nan") if self.loss is None else self.loss)
-        if self.model.world_size() > 1:
-            self.model.average_gradients(self.rest_to_average(optimizer))
+        # The ranks' mean loss, once: end_step takes it too.
+        self.loss, self.last_moments = _before_update(self.model, self.loss, lambda: self.rest_to_average(optimizer))
 
     def after_optimizer_step(self, optimizer):
         if not self.stepping:

@@ -121,6 +121,51 @@ def test_gradients_reach_the_masters_and_a_stock_optimizer_trains(tmp_path):
     assert streamed.masters(0)["fc1.weight"].dtype == torch.float32
 
 
+def test_step_and_the_optimizer_hooks_give_post_backward_the_steps_loss():
+    """StreamedBlocks.step() and stream()'s optimizer hooks run one step sequence: the loss's
+    mean reaches post_backward (the policy's loss budget reads it there) and end_step alike."""
+
+    class Recording:
+        def __init__(self, model):
+            self.model, self.calls = model, []
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+        def post_backward(self, loss):
+            self.calls.append(("post_backward", loss))
+            return self.model.post_backward(loss)
+
+        def end_step(self, loss):
+            self.calls.append(("end_step", loss))
+            return self.model.end_step(loss)
+
+    torch.manual_seed(3)
+    model = torch.nn.ModuleList(ReferenceBlock() for _ in range(BLOCKS))
+    streamed = wrap(model, policy="selective_precision:\n  telemetry_enabled: false\n  mode: off\n")
+    recording = streamed._model = Recording(streamed._model)
+    optimizer = torch.optim.SGD(streamed.optimizer_parameters(model), lr=1e-2)
+    x, target = torch.randn(4, 8, DIM), torch.zeros(4, 8, DIM)
+    with streamed.step(0, optimizer) as s:
+        s.loss = torch.nn.functional.mse_loss(streamed(x), target)
+        s.loss.backward()
+    assert recording.calls == [("post_backward", pytest.approx(s.loss.item())), ("end_step", pytest.approx(s.loss.item()))]
+
+    torch.manual_seed(3)
+    layers = sp.stream(torch.nn.ModuleList(ReferenceBlock() for _ in range(BLOCKS)), streamed=["fc1.weight"],
+                       config="selective_precision:\n  telemetry_enabled: false\n  mode: off\n")
+    recording = layers._layer().model = Recording(layers._layer().model)
+    optimizer = torch.optim.SGD(layers.parameters(), lr=1e-2)
+    h = x
+    for block in layers:
+        h = block(h)
+    loss = torch.nn.functional.mse_loss(h, target)
+    loss.backward()
+    layers.report_loss(loss)
+    optimizer.step()
+    assert recording.calls == [("post_backward", pytest.approx(loss.item())), ("end_step", pytest.approx(loss.item()))]
+
+
 def test_a_replaced_parameter_is_refused_not_read():
     torch.manual_seed(4)
     model = torch.nn.ModuleList(ReferenceBlock() for _ in range(2))
