@@ -18,11 +18,21 @@ class PluginSwap:
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationErrors:
-    """Each block's output error (relative L2 against BF16) with its weights in INT8 and in
-    NF4, block by block."""
+    """Each block's output error (relative L2 against BF16) with its weights on each quantized
+    route, block by block: `by_route["int8"]`, `by_route["nf4"]` (one entry per quantized route
+    this build streams)."""
 
-    int8: list[float]
-    nf4: list[float]
+    by_route: dict[str, list[float]]
+
+    @property
+    def int8(self) -> list[float]:
+        """`by_route["int8"]`."""
+        return self.by_route["int8"]
+
+    @property
+    def nf4(self) -> list[float]:
+        """`by_route["nf4"]`."""
+        return self.by_route["nf4"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,9 +40,9 @@ class StepReport:
     """What one training step moved and decided (`StreamedBlocks.end_step()`)."""
 
     step: int
-    h2d_bytes_bf16: int  # host-to-device bytes of the training passes, by format
-    h2d_bytes_int8: int
-    h2d_bytes_nf4: int
+    # Host-to-device bytes of the training passes per route ("bf16", "int8", "nf4": one entry per
+    # route this build streams).
+    h2d_bytes_by_route: dict[str, int]
     h2d_bytes_all_bf16: int  # what the same fetches would have moved as BF16
     eval_h2d_bytes: int  # of the evaluation passes in the step (no grad, or no backward followed)
     training_passes: int
@@ -48,8 +58,23 @@ class StepReport:
 
     @property
     def h2d_bytes(self) -> int:
-        """The training passes' host-to-device bytes, all formats together."""
-        return self.h2d_bytes_bf16 + self.h2d_bytes_int8 + self.h2d_bytes_nf4
+        """The training passes' host-to-device bytes, all routes together."""
+        return sum(self.h2d_bytes_by_route.values())
+
+    @property
+    def h2d_bytes_bf16(self) -> int:
+        """`h2d_bytes_by_route["bf16"]`."""
+        return self.h2d_bytes_by_route["bf16"]
+
+    @property
+    def h2d_bytes_int8(self) -> int:
+        """`h2d_bytes_by_route["int8"]`."""
+        return self.h2d_bytes_by_route["int8"]
+
+    @property
+    def h2d_bytes_nf4(self) -> int:
+        """`h2d_bytes_by_route["nf4"]`."""
+        return self.h2d_bytes_by_route["nf4"]
 
     @property
     def saved_fraction(self) -> float:
@@ -62,7 +87,7 @@ def _swap(raw) -> PluginSwap | None:
 
 
 def _errors(raw) -> CalibrationErrors | None:
-    return None if raw is None else CalibrationErrors(int8=list(raw["int8"]), nf4=list(raw["nf4"]))
+    return None if raw is None else CalibrationErrors(by_route={route: list(e) for route, e in raw.items()})
 
 
 def _report(raw) -> StepReport:

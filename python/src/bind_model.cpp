@@ -375,8 +375,9 @@ void bind_model(py::module_& m) {
              }();
              py::dict d;
              d["step"] = r.step;
-             for (sp::Precision p : sp::kPrecisions)
-               d[py::str(std::string("h2d_bytes_") + sp::precision_name(p))] = r.h2d_bytes[p];
+             py::dict by_route;
+             for (sp::Precision p : sp::kPrecisions) by_route[sp::precision_name(p)] = r.h2d_bytes[p];
+             d["h2d_bytes_by_route"] = by_route;
              d["h2d_bytes_all_bf16"] = r.h2d_bytes_all_bf16;
              d["eval_h2d_bytes"] = r.eval_h2d_bytes;
              d["training_passes"] = r.training_passes;

@@ -166,6 +166,32 @@ def test_step_and_the_optimizer_hooks_give_post_backward_the_steps_loss():
     assert recording.calls == [("post_backward", pytest.approx(loss.item())), ("end_step", pytest.approx(loss.item()))]
 
 
+def test_the_report_and_the_errors_carry_every_route_the_binding_names():
+    """The report's bytes and the calibration errors are per route, as the binding gives them:
+    a route the package's Python does not name (a new one in the C++) is carried and counted,
+    not refused by a dataclass with one field per route."""
+    from selective_precision._reports import _report
+
+    raw = {"step": 3, "h2d_bytes_by_route": {"bf16": 100, "int8": 50, "nf4": 25, "fp8": 40},
+           "h2d_bytes_all_bf16": 400, "eval_h2d_bytes": 0, "training_passes": 1, "prefetch_hits": 2,
+           "prefetch_misses": 0, "prefetch_unused": 0, "routes": ["fp8", "bf16"], "swap": None,
+           "calibration": {"int8": [0.01, 0.02], "nf4": [0.05, 0.06], "fp8": [0.03, 0.04]}}
+    report = _report(raw)
+    assert report.h2d_bytes == 215 and report.h2d_bytes_nf4 == 25 and report.saved_fraction == pytest.approx(1 - 215 / 400)
+    assert report.calibration.by_route["fp8"] == [0.03, 0.04] and report.calibration.int8 == [0.01, 0.02]
+
+    torch.manual_seed(3)
+    model = torch.nn.ModuleList(ReferenceBlock() for _ in range(BLOCKS))
+    streamed = wrap(model)
+    optimizer = torch.optim.SGD(streamed.optimizer_parameters(model), lr=1e-2)
+    with streamed.step(0, optimizer) as s:
+        s.loss = streamed(torch.randn(4, 8, DIM)).square().mean()
+        s.loss.backward()
+    assert set(s.report.h2d_bytes_by_route) == {"bf16", "int8", "nf4"}
+    assert s.report.h2d_bytes == sum(s.report.h2d_bytes_by_route.values()) > 0
+    assert set(streamed.calibrate([torch.randn(4, 8, DIM)]).by_route) == {"int8", "nf4"}
+
+
 def test_a_replaced_parameter_is_refused_not_read():
     torch.manual_seed(4)
     model = torch.nn.ModuleList(ReferenceBlock() for _ in range(2))
