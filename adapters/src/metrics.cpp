@@ -22,8 +22,12 @@ nlohmann::json StepTransferMetrics::to_json() const {
     fetch_counts[precision_name(precision)] = fetches[precision];
   }
   bytes["all_bf16"] = h2d_bytes_all_bf16;
-  fetch_counts["bf16_by_transfer_policy"] = fetches_bf16_by_transfer_policy;
-  fetch_counts["int8_by_transfer_policy"] = fetches_int8_by_transfer_policy;
+  // The transfer policy falls back toward BF16, so the least precise route takes no fetch of it.
+  for (Precision precision : kPrecisions) {
+    if (precision == kPrecisions.back()) continue;
+    fetch_counts[std::string(precision_name(precision)) + "_by_transfer_policy"] =
+        fetches_by_transfer_policy[precision];
+  }
   fetch_counts["pinned"] = fetches_pinned;
   nlohmann::json record = {
       {"step", step},

@@ -220,10 +220,7 @@ void StreamingEngine::issue_fetch(std::uint32_t fetch) {
   const RouteDecision route = bridge_.decide(block);
   const Precision precision = route.precision;
   ensure_image(block, precision);
-  if (route.decided_by == RouteAuthority::transfer_policy) {
-    current_.fetches_bf16_by_transfer_policy += precision == Precision::bf16;
-    current_.fetches_int8_by_transfer_policy += precision == Precision::int8;
-  }
+  if (route.decided_by == RouteAuthority::transfer_policy) current_.fetches_by_transfer_policy[precision] += 1;
   current_.fetches_pinned += route.decided_by == RouteAuthority::runtime_pin;
 
   BlockImage &image = images_[block];

@@ -230,12 +230,14 @@ TEST(Nf4Route, TransferGateFallsBackToInt8ThenBf16) {
   for (const BlockFetch &fetch : engine.schedule().fetches()) {
     ++per_route[static_cast<std::size_t>(delivered[fetch.block])];
   }
-  EXPECT_EQ(metrics.fetches_int8_by_transfer_policy, per_route[1]);
-  EXPECT_EQ(metrics.fetches_bf16_by_transfer_policy, per_route[0]);
+  EXPECT_EQ(metrics.fetches_by_transfer_policy[sp::Precision::int8], per_route[1]);
+  EXPECT_EQ(metrics.fetches_by_transfer_policy[sp::Precision::bf16], per_route[0]);
   EXPECT_EQ(metrics.fetches[sp::Precision::nf4], per_route[2]);
   const nlohmann::json record = metrics.to_json();
   EXPECT_EQ(record.at("fetches").at("nf4").get<std::uint32_t>(), per_route[2]);
   EXPECT_EQ(record.at("fetches").at("int8_by_transfer_policy").get<std::uint32_t>(), per_route[1]);
+  EXPECT_EQ(record.at("fetches").at("bf16_by_transfer_policy").get<std::uint32_t>(), per_route[0]);
+  EXPECT_FALSE(record.at("fetches").contains("nf4_by_transfer_policy"));  // never a fallback's route
   EXPECT_EQ(record.at("h2d_bytes").at("nf4").get<std::uint64_t>(), metrics.h2d_bytes[sp::Precision::nf4]);
 }
 

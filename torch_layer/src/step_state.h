@@ -26,8 +26,7 @@ inline void add_transfer(adapters::StepTransferMetrics& into, const adapters::St
   into.h2d_bytes += m.h2d_bytes;
   into.h2d_bytes_all_bf16 += m.h2d_bytes_all_bf16;
   into.fetches += m.fetches;
-  into.fetches_bf16_by_transfer_policy += m.fetches_bf16_by_transfer_policy;
-  into.fetches_int8_by_transfer_policy += m.fetches_int8_by_transfer_policy;
+  into.fetches_by_transfer_policy += m.fetches_by_transfer_policy;
   into.fetches_pinned += m.fetches_pinned;
   into.prefetch_hits += m.prefetch_hits;
   into.prefetch_misses += m.prefetch_misses;

@@ -72,7 +72,7 @@ TEST(TransferGateEndToEnd, Int8OnlyWhereBothPoliciesSayIt) {
   const uint32_t fetches_of_block0 =
       static_cast<uint32_t>(std::count_if(engine.schedule().fetches().begin(), engine.schedule().fetches().end(),
                                           [](const auto& f) { return f.block == 0; }));
-  EXPECT_EQ(metrics.fetches_bf16_by_transfer_policy, fetches_of_block0)
+  EXPECT_EQ(metrics.fetches_by_transfer_policy[sp::Precision::bf16], fetches_of_block0)
       << "only block 0 was held back by the transfer policy; block 1 was BF16 by the plugin";
   EXPECT_GT(metrics.fetches[sp::Precision::int8], 0u);
   EXPECT_GT(metrics.h2d_bytes[sp::Precision::int8], 0u);
@@ -119,13 +119,13 @@ TEST(TransferGateEndToEnd, Nf4WherePaysElseInt8WhereThatPaysElseBf16) {
       engine.release(use.block);
     }
     const adapters::StepTransferMetrics metrics = engine.end_step();
-    EXPECT_GT(metrics.fetches_bf16_by_transfer_policy, 0u);
+    EXPECT_GT(metrics.fetches_by_transfer_policy[sp::Precision::bf16], 0u);
     if (weights == BlockWeights::kFrozen) {
       EXPECT_GT(metrics.h2d_bytes[sp::Precision::nf4], 0u);
       EXPECT_EQ(metrics.fetches[sp::Precision::int8], 0u);
     } else {
       EXPECT_EQ(metrics.h2d_bytes[sp::Precision::nf4], 0u);
-      EXPECT_EQ(metrics.fetches_int8_by_transfer_policy, metrics.fetches[sp::Precision::int8]);
+      EXPECT_EQ(metrics.fetches_by_transfer_policy[sp::Precision::int8], metrics.fetches[sp::Precision::int8]);
       EXPECT_GT(metrics.fetches[sp::Precision::int8], 0u);
     }
   }

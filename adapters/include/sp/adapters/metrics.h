@@ -20,12 +20,11 @@ struct StepTransferMetrics {
   PerPrecision<std::uint32_t> fetches;
   // What the same fetches would have moved as BF16 images.
   std::uint64_t h2d_bytes_all_bf16 = 0;
-  // BF16 fetches of blocks the plugin wanted as INT8 or NF4, kept BF16 by the transfer policy
-  // because no quantized route pays for their size here; INT8 fetches of blocks the plugin
-  // wanted as NF4, sent as INT8 because NF4 does not pay for their size but INT8 does; and
+  // Per route, the fetches the transfer policy sent on it instead of the less precise route the
+  // plugin wanted, because that one does not pay for the block's size here (BF16: no quantized
+  // route pays; INT8: NF4 does not, INT8 does). The least precise route is never one. Then the
   // fetches routed by a runtime pin.
-  std::uint32_t fetches_bf16_by_transfer_policy = 0;
-  std::uint32_t fetches_int8_by_transfer_policy = 0;
+  PerPrecision<std::uint32_t> fetches_by_transfer_policy;
   std::uint32_t fetches_pinned = 0;
   // A use whose fetch was issued before the trainer asked for it is a hit.
   std::uint32_t prefetch_hits = 0;
