@@ -484,7 +484,7 @@ class StreamedBlocks:
             raise ValueError("StreamedBlocks.step(): set .loss on the step context before leaving it")
         loss = context.loss.item() if isinstance(context.loss, torch.Tensor) else float(context.loss)
         try:
-            rest = (lambda: self._host_parameters(optimizer)) if optimizer is not None else (lambda: [])
+            rest = (lambda: self._host_parameters(optimizer)) if optimizer is not None else None
             loss, context.moments = _before_update(self._model, loss, rest)
             context.loss_mean = loss
             if optimizer is not None:

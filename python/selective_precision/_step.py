@@ -15,15 +15,15 @@ from ._reports import _report
 _log = logging.getLogger("selective_precision")
 
 
-def _before_update(model, loss, rest_to_average):
+def _before_update(model, loss, rest_to_average=None):
     """The step sequence up to the optimizer's update, as both Python faces run it
     (`StreamedBlocks.step` and stream()'s optimizer hooks): the loss's mean across ranks, then
     `post_backward` with it (the policy's moments, and its loss budget's reading), then the
     mean across ranks of the gradients no one else averages (`rest_to_average()`, called only
-    with several ranks). Returns (the mean loss, NaN when unknown; the moments)."""
+    with several ranks; None: there are none). Returns (the mean loss, NaN when unknown; the moments)."""
     loss = float("nan") if loss is None else model.average(float(loss))
     moments = model.post_backward(loss)
-    if model.world_size() > 1:
+    if rest_to_average is not None and model.world_size() > 1:
         model.average_gradients(rest_to_average())
     return loss, moments
 
@@ -88,7 +88,7 @@ class _Layer:
     def end_step(self):
         """Ends the open step whose update ran: the policy takes the moments of its backward and
         decides, and the images of the updated weights are rebuilt."""
-        loss, self.last_moments = _before_update(self.model, self.loss, lambda: [])
+        loss, self.last_moments = _before_update(self.model, self.loss)
         self.forget_step()
         self.last_report = self.report(self.model.end_step(loss))
 

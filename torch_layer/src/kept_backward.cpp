@@ -4,7 +4,6 @@
 // and inputs fetch it again for its backward and release it after, and one node per block and
 // pass takes its weights' gradients.
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/graph_task.h>
 
 #include "backward_strategy.h"
 #include "model_ref.h"
