@@ -32,6 +32,25 @@ cudaEvent_t cuda_event(const Event &event) {
   return cuda->get();
 }
 
+void cuda_int8(const DequantTensor &t, std::uint32_t group_size, void *stream) {
+  sp::kernels::cuda::dequantize_int8_to_bf16(static_cast<const std::int8_t *>(t.codes),
+                                             static_cast<const float *>(t.scales), t.rows, t.cols, group_size,
+                                             t.bf16_out, static_cast<cudaStream_t>(stream));
+}
+void cuda_nf4(const DequantTensor &t, std::uint32_t group_size, void *stream) {
+  sp::kernels::cuda::dequantize_nf4_to_bf16(static_cast<const std::uint8_t *>(t.codes),
+                                            static_cast<const std::uint16_t *>(t.scales), t.rows, t.cols, group_size,
+                                            t.bf16_out, static_cast<cudaStream_t>(stream));
+}
+
+// The CUDA backend's device-codec column of the route table.
+constexpr DequantCodecs kCudaCodecs = [] {
+  DequantCodecs codecs{};
+  codecs[Precision::int8] = &cuda_int8;
+  codecs[Precision::nf4] = &cuda_nf4;
+  return codecs;
+}();
+
 }  // namespace
 
 bool CudaBackend::device_available() {
@@ -117,18 +136,7 @@ void CudaBackend::copy_host_to_device_async(std::byte *device_dst, const std::by
         "cudaMemcpyAsync(host to device)");
 }
 
-void CudaBackend::dequantize_async(const DequantJob &job) {
-  for_each_dequant(
-      job,
-      [this](const std::int8_t *codes, const float *scales, std::uint64_t rows, std::uint64_t cols,
-             std::uint32_t group_size, std::uint16_t *out) {
-        sp::kernels::cuda::dequantize_int8_to_bf16(codes, scales, rows, cols, group_size, out, dequant_stream_);
-      },
-      [this](const std::uint8_t *codes, const std::uint16_t *scales, std::uint64_t rows, std::uint64_t cols,
-             std::uint32_t group_size, std::uint16_t *out) {
-        sp::kernels::cuda::dequantize_nf4_to_bf16(codes, scales, rows, cols, group_size, out, dequant_stream_);
-      });
-}
+void CudaBackend::dequantize_async(const DequantJob &job) { dequantize_job(job, kCudaCodecs, dequant_stream_); }
 
 void CudaBackend::record(Event &event, Queue queue) {
   check(cudaEventRecord(cuda_event(event), stream(queue)), "cudaEventRecord");

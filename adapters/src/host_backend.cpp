@@ -89,6 +89,29 @@ Region allocate_zeroed(std::size_t bytes) {
   return Region(static_cast<std::byte *>(memory), bytes, [](std::byte *p) { std::free(p); });
 }
 
+// One thread, as a device's dequantize stream is one engine: the queue's worker is that
+// thread. Fanning out would only contend with the caller's compute threads for the cores it
+// shares with them (2 torch threads, 2 cores: the INT8 step took 223 ms so, 201 ms thus).
+constexpr sp::kernels::CpuExec kOneThread{sp::kernels::CpuImpl::kVectorized, 1, nullptr};
+
+void host_int8(const DequantTensor &t, std::uint32_t group_size, void *) {
+  sp::kernels::dequantize_int8_to_bf16(static_cast<const std::int8_t *>(t.codes), static_cast<const float *>(t.scales),
+                                       t.rows, t.cols, group_size, t.bf16_out, kOneThread);
+}
+void host_nf4(const DequantTensor &t, std::uint32_t group_size, void *) {
+  sp::kernels::dequantize_nf4_to_bf16(static_cast<const std::uint8_t *>(t.codes),
+                                      static_cast<const std::uint16_t *>(t.scales), t.rows, t.cols, group_size,
+                                      t.bf16_out, kOneThread);
+}
+
+// The host's device-codec column of the route table.
+constexpr DequantCodecs kHostCodecs = [] {
+  DequantCodecs codecs{};
+  codecs[Precision::int8] = &host_int8;
+  codecs[Precision::nf4] = &host_nf4;
+  return codecs;
+}();
+
 }  // namespace
 
 // One in-order queue served by its own thread, like a stream.
@@ -203,22 +226,7 @@ void HostBackend::copy_host_to_device_async(std::byte *device_dst, const std::by
 
 void HostBackend::dequantize_async(const DequantJob &job) {
   rethrow_worker_failure();
-  // One thread, as a device's dequantize stream is one engine: the queue's worker is that
-  // thread. Fanning out would only contend with the caller's compute threads for the cores it
-  // shares with them (2 torch threads, 2 cores: the INT8 step took 223 ms so, 201 ms thus).
-  static constexpr sp::kernels::CpuExec kOneThread{sp::kernels::CpuImpl::kVectorized, 1, nullptr};
-  dequant_queue_->push([job] {
-    for_each_dequant(
-        job,
-        [](const std::int8_t *codes, const float *scales, std::uint64_t rows, std::uint64_t cols,
-           std::uint32_t group_size, std::uint16_t *out) {
-          sp::kernels::dequantize_int8_to_bf16(codes, scales, rows, cols, group_size, out, kOneThread);
-        },
-        [](const std::uint8_t *codes, const std::uint16_t *scales, std::uint64_t rows, std::uint64_t cols,
-           std::uint32_t group_size, std::uint16_t *out) {
-          sp::kernels::dequantize_nf4_to_bf16(codes, scales, rows, cols, group_size, out, kOneThread);
-        });
-  });
+  dequant_queue_->push([job] { dequantize_job(job, kHostCodecs, nullptr); });
 }
 
 void HostBackend::record(Event &event, Queue queue) {

@@ -37,17 +37,11 @@ const StreamingConfig &validated(const StreamingConfig &config, const std::vecto
   if (config.device_slot_bytes == 0) {
     throw std::invalid_argument("StreamingConfig.device_slot_bytes must be > 0");
   }
-  if (!kn::is_supported_group_size(config.int8_group_size)) {
-    throw std::invalid_argument(
-        fmt::format("StreamingConfig.int8_group_size is {}; expected 0 (one scale per row), 32, 64, 128 "
-                    "or 256",
-                    config.int8_group_size));
-  }
-  if (!kn::is_supported_nf4_group_size(config.nf4_group_size)) {
-    throw std::invalid_argument(
-        fmt::format("StreamingConfig.nf4_group_size is {}; expected 32, 64, 128 or 256 (NF4 has no "
-                    "per-row mode)",
-                    config.nf4_group_size));
+  const detail::GroupSizes groups = detail::group_sizes(config);
+  for (const RouteTraits &route : kRouteTraits) {
+    if (!is_quantized(route.precision) || is_supported_group_size(route.precision, groups[route.precision])) continue;
+    throw std::invalid_argument(fmt::format("StreamingConfig.{} is {}; expected {}", route.group_size_option,
+                                            groups[route.precision], group_size_expectation(route.precision)));
   }
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     const BlockSpec &block = blocks[b];
@@ -175,6 +169,10 @@ std::uint64_t StreamingEngine::image_bytes(std::uint32_t block, Precision precis
   return images_.at(block).bytes_of(precision);
 }
 
+kn::SlabEncoding StreamingEngine::image_encoding(Precision precision) const {
+  return detail::encoding_for(precision, detail::group_sizes(config_));
+}
+
 std::vector<sp_block_desc_v1> StreamingEngine::block_descs() const {
   std::vector<sp_block_desc_v1> descs(blocks_.size());
   for (std::uint32_t b = 0; b < blocks_.size(); ++b) {
@@ -187,7 +185,7 @@ std::vector<sp_block_desc_v1> StreamingEngine::block_descs() const {
     }
     desc.bf16_bytes = images_[b].bytes_of(Precision::bf16);
     desc.int8_bytes = images_[b].bytes_of(Precision::int8);
-    // sp_block_desc_v1 is frozen: the NF4 size is nf4_image_bytes(b).
+    // sp_block_desc_v1 is frozen with ABI 1.0's routes: a later route's size is image_bytes(b, route).
     desc.name = blocks_[b].name.c_str();
   }
   return descs;

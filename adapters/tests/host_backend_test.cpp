@@ -147,9 +147,7 @@ TEST(HostBackend, DequantizesAnNf4JobLikeTheCpuKernel) {
 TEST(HostBackend, ABf16DequantJobIsRejected) {
   DequantJob job;
   job.precision = Precision::bf16;
-  EXPECT_THROW(for_each_dequant(
-                   job, [](auto...) {}, [](auto...) {}),
-               std::invalid_argument);
+  EXPECT_THROW(dequantize_job(job, DequantCodecs{}, nullptr), std::invalid_argument);
 }
 
 TEST(HostBackend, EventsFollowTheirLatestRecord) {

@@ -12,8 +12,10 @@
 #include "engine_test_support.h"
 #include "sp/adapters/host_backend.h"
 #include "sp/adapters/instrumented_backend.h"
+#include "sp/adapters/route_encoding.h"
 #include "sp/adapters/streaming_engine.h"
 #include "sp/kernels/nf4.h"
+#include "sp/kernels/quantize.h"
 #include "sp/kernels/slab.h"
 
 namespace sp::adapters {
@@ -82,7 +84,7 @@ TEST_P(Nf4Groups, SlotsHoldTheCpuDequantOfTheNf4SlabBitForBit) {
     std::uint64_t slab_bytes = 0;
     const auto expected = decoded_nf4_slab(model.blocks()[use.block], group, &slab_bytes);
     EXPECT_EQ(engine.image_bytes(use.block, Precision::nf4), slab_bytes);
-    EXPECT_EQ(engine.nf4_image_bytes(use.block), slab_bytes);
+    EXPECT_EQ(engine.image_bytes(use.block, Precision::nf4), slab_bytes);
     for (std::size_t t = 0; t < view.tensors.size(); ++t) {
       EXPECT_EQ(read_back(backend, view.tensors[t]), expected[t])
           << "block " << use.block << " tensor " << *view.tensors[t].name;
@@ -270,7 +272,23 @@ TEST(Nf4Route, SteadyStateMakesNoHostSynchronization) {
   EXPECT_GT(backend.counts().dequants, 0u);
 }
 
-TEST(Nf4Route, BlockDescriptionsStayFrozenAndTheNf4SizeHasItsAccessor) {
+TEST(RouteTable, AgreesWithTheKernelsOnGroupSizesAndSlabCodes) {
+  for (const RouteTraits &route : kRouteTraits) {
+    const sp::kernels::SlabEncoding encoding = slab_encoding(route.precision, route.default_group_size);
+    EXPECT_EQ(static_cast<std::uint32_t>(encoding.precision), route.slab_code) << route.name;
+    EXPECT_EQ(encoding.group_size, route.default_group_size) << route.name;
+    for (std::uint32_t group = 0; group <= 512; ++group) {
+      bool kernels_take_it = group == 0;
+      if (route.precision == Precision::int8) kernels_take_it = sp::kernels::is_supported_group_size(group);
+      if (route.precision == Precision::nf4) kernels_take_it = sp::kernels::is_supported_nf4_group_size(group);
+      EXPECT_EQ(is_supported_group_size(route.precision, group), kernels_take_it) << route.name << " " << group;
+    }
+  }
+  EXPECT_EQ(kRouteTraits[static_cast<std::size_t>(Precision::nf4)].default_group_size,
+            sp::kernels::kNf4DefaultGroupSize);
+}
+
+TEST(Nf4Route, BlockDescriptionsStayFrozenAndEveryRouteHasItsSizeAndEncoding) {
   HostBackend backend;
   SyntheticModel model(3, 37);
   StreamingEngine engine(backend, config_for(model.blocks(), 1), model.blocks());
@@ -280,9 +298,13 @@ TEST(Nf4Route, BlockDescriptionsStayFrozenAndTheNf4SizeHasItsAccessor) {
     EXPECT_EQ(descs[b].struct_size, 40u);
     EXPECT_EQ(descs[b].bf16_bytes, engine.image_bytes(b, Precision::bf16));
     EXPECT_EQ(descs[b].int8_bytes, engine.image_bytes(b, Precision::int8));
-    EXPECT_LT(engine.nf4_image_bytes(b), descs[b].int8_bytes);
-    EXPECT_GT(engine.nf4_image_bytes(b), 0u);
+    EXPECT_LT(engine.image_bytes(b, Precision::nf4), descs[b].int8_bytes);
+    EXPECT_GT(engine.image_bytes(b, Precision::nf4), 0u);
   }
+  for (const RouteTraits &route : kRouteTraits) {
+    EXPECT_EQ(static_cast<std::uint32_t>(engine.image_encoding(route.precision).precision), route.slab_code);
+  }
+  EXPECT_EQ(engine.image_encoding(Precision::nf4).group_size, config_for(model.blocks(), 1).nf4_group_size);
 }
 
 }  // namespace

@@ -166,7 +166,7 @@ json bench_hot_swap(const std::filesystem::path& v1, const std::filesystem::path
   options.host_name = "sp-bench-plugin";
   options.logger = std::make_shared<spdlog::logger>("bench", std::make_shared<spdlog::sinks::null_sink_mt>());
   std::vector<sp::host::BlockDescription> blocks(kBlocks);
-  for (uint32_t b = 0; b < kBlocks; ++b) blocks[b] = {b, 12u << 20, 24u << 20, (12u << 20) + (1u << 16), ""};
+  for (uint32_t b = 0; b < kBlocks; ++b) blocks[b] = {b, 12u << 20, {{24u << 20, (12u << 20) + (1u << 16), 0}}, ""};
   sp::host::PolicyHost host(v1, {kConfig, "<bench>"}, blocks, options);
   MomentSource source(11);
   std::vector<double> swap_ms;

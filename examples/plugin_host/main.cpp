@@ -11,8 +11,8 @@ int main(int argc, char** argv) {
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     blocks[b].id = b;
     blocks[b].num_params = 1 << 20;
-    blocks[b].bf16_bytes = 2u << 20;
-    blocks[b].int8_bytes = 1u << 20;
+    blocks[b].bytes[sp::Precision::bf16] = 2u << 20;
+    blocks[b].bytes[sp::Precision::int8] = 1u << 20;
     blocks[b].name = "block" + std::to_string(b);
   }
   const sp::host::PolicyConfig config{

@@ -2,11 +2,14 @@
 // with, the NF4 sizes a 1.1 plugin is sent next, and where its log messages go.
 #include "plugin_instance.h"
 
+#include "abi_minor.h"
 #include "plugin_call_scope.h"
 
 #include <fmt/format.h>
 #include <fmt/std.h>
 #include <spdlog/spdlog.h>
+
+#include "sp/precision_abi.h"
 
 namespace sp::host::detail {
 namespace {
@@ -67,16 +70,8 @@ void forward_plugin_log(void* user_data, sp_log_level level, const char* message
 std::string status_text(sp_status status) { return fmt::format("status {} ({})", status, status_name(status)); }
 
 const char* precision_name(sp_precision precision) {
-  switch (precision) {
-    case SP_PRECISION_BF16:
-      return "SP_PRECISION_BF16";
-    case SP_PRECISION_INT8:
-      return "SP_PRECISION_INT8";
-    case SP_PRECISION_NF4:
-      return "SP_PRECISION_NF4";
-    default:
-      return "an unknown precision";
-  }
+  const std::optional<Precision> route = from_abi(precision);
+  return route ? route_traits(*route).abi_name : "an unknown precision";
 }
 
 bool in_mask(sp_precision_mask mask, sp_precision precision) {
@@ -94,8 +89,8 @@ std::unique_ptr<PluginInstance> PluginInstance::create(PluginLibrary library, Po
   std::vector<sp_block_desc_v1> descs;
   descs.reserve(blocks.size());
   for (const BlockDescription& block : blocks) {
-    descs.push_back(sp_block_desc_v1{sizeof(sp_block_desc_v1), block.id, block.num_params, block.bf16_bytes,
-                                     block.int8_bytes, block.name.empty() ? nullptr : block.name.c_str()});
+    descs.push_back(sp_block_desc_v1{sizeof(sp_block_desc_v1), block.id, block.num_params, block.bytes[Precision::bf16],
+                                     block.bytes[Precision::int8], block.name.empty() ? nullptr : block.name.c_str()});
   }
   const std::string output_dir = options.output_dir.string();
   const AbiMinorLayout& abi = instance->abi();
@@ -132,24 +127,30 @@ std::unique_ptr<PluginInstance> PluginInstance::create(PluginLibrary library, Po
   }
   instance->ctx_ = ctx;
 
-  // sp_block_desc_v1 is frozen, so the NF4 sizes travel through set_transfer_bytes, before
-  // anything else reaches the new context (a swap's import_state included).
-  if (abi.has_precision_routes && in_mask(options.supported_precisions, SP_PRECISION_NF4)) {
-    std::vector<std::uint64_t> nf4_bytes;
-    nf4_bytes.reserve(blocks.size());
-    for (const BlockDescription& block : blocks) nf4_bytes.push_back(block.nf4_bytes);
+  // sp_block_desc_v1 is frozen with ABI 1.0's routes, so a later route's sizes travel through
+  // set_transfer_bytes, before anything else reaches the new context (a swap's import_state
+  // included).
+  const sp_precision_mask in_block_desc = abi_minor_layout(0).precisions;
+  for (const RouteTraits& route : kRouteTraits) {
+    if (!abi.has_precision_routes || in_mask(in_block_desc, route.abi_code) ||
+        !in_mask(options.supported_precisions, route.abi_code)) {
+      continue;
+    }
+    std::vector<std::uint64_t> route_bytes;
+    route_bytes.reserve(blocks.size());
+    for (const BlockDescription& block : blocks) route_bytes.push_back(block.bytes[route.precision]);
     const sp_status bytes_status = [&] {
       const PluginCallScope scope(instance->log_route_->label, "set_transfer_bytes");
-      return table.set_transfer_bytes(ctx, SP_PRECISION_NF4, nf4_bytes.data(),
-                                      static_cast<std::uint32_t>(nf4_bytes.size()));
+      return table.set_transfer_bytes(ctx, route.abi_code, route_bytes.data(),
+                                      static_cast<std::uint32_t>(route_bytes.size()));
     }();
     if (bytes_status != SP_OK) {
       const std::string reason = fmt::format("{}: {}", status_text(bytes_status), instance->last_error());
       // The destructor destroys the context and unloads the library.
       throw PluginError(fmt::format(
-          "{}: policy plugin {} ({}) rejected the NF4 transfer bytes of its {} blocks (set_transfer_bytes): {}",
-          instance->config_.source_name, instance->log_route_->label, instance->library_.source_path(),
-          nf4_bytes.size(), reason));
+          "{}: policy plugin {} ({}) rejected the {} transfer bytes of its {} blocks (set_transfer_bytes): {}",
+          instance->config_.source_name, instance->log_route_->label, instance->library_.source_path(), route.label,
+          route_bytes.size(), reason));
     }
   }
   return instance;

@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include "sp/precision_abi.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -22,10 +24,10 @@ namespace {
 
 std::string mask_text(sp_precision_mask mask) {
   std::string text;
-  for (const sp_precision precision : {SP_PRECISION_BF16, SP_PRECISION_INT8, SP_PRECISION_NF4}) {
-    if (!detail::in_mask(mask, precision)) continue;
+  for (const RouteTraits& route : kRouteTraits) {
+    if (!detail::in_mask(mask, route.abi_code)) continue;
     if (!text.empty()) text += ", ";
-    text += detail::precision_name(precision);
+    text += route.abi_name;
   }
   return text;
 }
@@ -154,8 +156,8 @@ PolicyHost::PolicyHost(const std::filesystem::path& plugin_file, PolicyConfig co
       (options.supported_precisions & ~known) != 0) {
     throw std::invalid_argument(fmt::format(
         "PolicyHost: supported_precisions is {:#x}; it must contain SP_PRECISION_BIT(SP_PRECISION_BF16) and no "
-        "bits but those of BF16, INT8 and NF4 ({:#x})",
-        options.supported_precisions, known));
+        "bits but those of {} ({:#x})",
+        options.supported_precisions, mask_text(known), known));
   }
   impl_->logger = options.logger ? options.logger : spdlog::default_logger();
   impl_->options = std::move(options);
@@ -279,12 +281,15 @@ bool PolicyHost::set_calibration_errors(sp_precision precision, const std::vecto
     throw std::invalid_argument(
         fmt::format("PolicyHost::set_calibration_errors: {} block ids but {} errors", block_ids.size(), errors.size()));
   }
-  if (precision != SP_PRECISION_INT8 && precision != SP_PRECISION_NF4) {
-    throw std::invalid_argument(fmt::format(
-        "PolicyHost::set_calibration_errors: precision {} ({}); calibration errors exist for SP_PRECISION_INT8 and "
-        "SP_PRECISION_NF4 only",
-        precision, detail::precision_name(precision)));
+  const std::optional<Precision> route = from_abi(precision);
+  if (!route || !is_quantized(*route)) {
+    const std::string quantized =
+        list_routes([](const RouteTraits& r) { return std::string(r.abi_name); }, /*quantized_only=*/true);
+    throw std::invalid_argument(
+        fmt::format("PolicyHost::set_calibration_errors: precision {} ({}); calibration errors exist for {} only",
+                    precision, detail::precision_name(precision), quantized));
   }
+  const char* label = route_traits(*route).label;
   Impl& impl = *impl_;
   if (!impl.quarantine.empty()) {
     impl.logger->error("calibration errors not set: the plugin is quarantined ({})", impl.quarantine);
@@ -292,7 +297,8 @@ bool PolicyHost::set_calibration_errors(sp_precision precision, const std::vecto
   }
   detail::PluginInstance& active = *impl.active;
   const auto n = static_cast<std::uint32_t>(block_ids.size());
-  if (precision == SP_PRECISION_INT8) {
+  // ABI 1.0's quantized route (INT8) has 1.0's own hook, and its errors travel in the state blob.
+  if (detail::in_mask(detail::abi_minor_layout(0).precisions, precision)) {
     const sp_status status = [&] {
       const detail::PluginCallScope scope(active.label(), "set_calibration_errors");
       return active.table().set_calibration_errors(active.ctx(), block_ids.data(), errors.data(), n);
@@ -303,28 +309,28 @@ bool PolicyHost::set_calibration_errors(sp_precision precision, const std::vecto
   if (active.abi().has_precision_routes) {
     const sp_status status = [&] {
       const detail::PluginCallScope scope(active.label(), "set_precision_calibration_errors");
-      return active.table().set_precision_calibration_errors(active.ctx(), SP_PRECISION_NF4, block_ids.data(),
-                                                             errors.data(), n);
+      return active.table().set_precision_calibration_errors(active.ctx(), precision, block_ids.data(), errors.data(),
+                                                             n);
     }();
-    accepted = impl.check_hook("set_precision_calibration_errors", fmt::format("(NF4) {}", impl.now_text()), status,
-                               impl.failures.set_calibration_errors);
+    accepted = impl.check_hook("set_precision_calibration_errors", fmt::format("({}) {}", label, impl.now_text()),
+                               status, impl.failures.set_calibration_errors);
   } else {
     // Checked here as the plugin would, so that a later 1.1 plugin is not handed ids it must reject.
     for (std::uint32_t i = 0; i < n; ++i) {
       if (block_ids[i] >= impl.block_count()) {
         ++impl.failures.set_calibration_errors;
-        impl.logger->error("NF4 calibration errors {}: block_ids[{}] is {}, but there are {} blocks", impl.now_text(),
-                           i, block_ids[i], impl.block_count());
+        impl.logger->error("{} calibration errors {}: block_ids[{}] is {}, but there are {} blocks", label,
+                           impl.now_text(), i, block_ids[i], impl.block_count());
         return false;
       }
     }
     impl.logger->debug(
-        "policy plugin {} implements ABI 1.0, which has no NF4: its NF4 calibration errors of {} "
+        "policy plugin {} implements ABI 1.0, which has no {}: its {} calibration errors of {} "
         "blocks are kept for a later 1.1 plugin, not sent",
-        active.label(), n);
+        active.label(), label, label, n);
   }
   if (accepted) {
-    for (std::uint32_t i = 0; i < n; ++i) impl.nf4_calibration_errors[block_ids[i]] = errors[i];
+    for (std::uint32_t i = 0; i < n; ++i) impl.kept_calibration_errors[*route][block_ids[i]] = errors[i];
   }
   return accepted;
 }

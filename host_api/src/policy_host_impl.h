@@ -68,11 +68,11 @@ struct PolicyHost::Impl {
   std::vector<sp_hint_v1> last_good_hints;
   HintSource hint_source = HintSource::fallback;
   HookFailureCounts failures;
-  // NF4 calibration errors the caller gave, by block (later calls replace earlier values).
-  // A 1.0 plugin cannot take them and its state blob cannot carry them, so a 1.1 plugin that
-  // a swap brings in after a 1.0 one receives them from here. INT8 errors travel in the
-  // state blob, as they always have, and are not kept.
-  std::map<std::uint32_t, double> nf4_calibration_errors;
+  // Per route after ABI 1.0's (NF4), the calibration errors the caller gave, by block (later
+  // calls replace earlier values). A 1.0 plugin cannot take them and its state blob cannot
+  // carry them, so a 1.1 plugin that a swap brings in after a 1.0 one receives them from here.
+  // INT8's errors travel in the state blob, as they always have, and are not kept.
+  PerPrecision<std::map<std::uint32_t, double>> kept_calibration_errors;
   // The last signal table the caller gave and no plugin rejected, with its step. A plugin
   // older than 1.2 cannot take it, so a 1.2 plugin that a swap brings in after one receives it.
   std::optional<std::pair<std::int64_t, UnitSignalTable>> unit_signals;
@@ -94,12 +94,13 @@ struct PolicyHost::Impl {
 
   // Hot swaps and the state they carry (policy_host_swap.cpp).
 
-  // Hands the kept NF4 errors to `instance`, a 1.1 plugin. True when it took them (or there
-  // were none); otherwise logs the plugin's reason and counts it.
-  bool resend_nf4_calibration_errors(detail::PluginInstance& instance);
+  // Hands the kept errors of each later route to `instance`, a 1.1 plugin. Returns the labels of
+  // the routes whose errors it rejected ("NF4"), each logged with the plugin's reason and
+  // counted; empty when it took them all (or there were none).
+  std::string resend_calibration_errors(detail::PluginInstance& instance);
   // Hands `table` to `instance`, a 1.2 plugin; the plugin's status.
   sp_status send_unit_signals(detail::PluginInstance& instance, std::int64_t step, const UnitSignalTable& table);
-  // The kept table to a 1.2 plugin after a swap: as resend_nf4_calibration_errors.
+  // The kept table to a 1.2 plugin after a swap: as resend_calibration_errors.
   bool resend_unit_signals(detail::PluginInstance& instance);
   // A 1.2 query of the active plugin; false when it has none or failed (logged, counted).
   bool query(const char* function, const std::function<sp_status(detail::PluginInstance&)>& call);

@@ -27,29 +27,35 @@ constexpr std::uint64_t kMaxStateBytes = std::uint64_t{1} << 30;
 
 }  // namespace
 
-bool PolicyHost::Impl::resend_nf4_calibration_errors(detail::PluginInstance& instance) {
-  if (nf4_calibration_errors.empty()) return true;
-  std::vector<std::uint32_t> ids;
-  std::vector<double> errors;
-  for (const auto& [id, error] : nf4_calibration_errors) {
-    ids.push_back(id);
-    errors.push_back(error);
+std::string PolicyHost::Impl::resend_calibration_errors(detail::PluginInstance& instance) {
+  std::string rejected;
+  for (const RouteTraits& route : kRouteTraits) {
+    const std::map<std::uint32_t, double>& kept = kept_calibration_errors[route.precision];
+    if (kept.empty()) continue;
+    std::vector<std::uint32_t> ids;
+    std::vector<double> errors;
+    for (const auto& [id, error] : kept) {
+      ids.push_back(id);
+      errors.push_back(error);
+    }
+    const sp_status status = [&] {
+      const detail::PluginCallScope scope(instance.label(), "set_precision_calibration_errors");
+      return instance.table().set_precision_calibration_errors(instance.ctx(), route.abi_code, ids.data(),
+                                                               errors.data(), static_cast<std::uint32_t>(ids.size()));
+    }();
+    if (status == SP_OK) {
+      logger->debug("policy plugin {}: re-sent the {} calibration errors of {} blocks", instance.label(), route.label,
+                    ids.size());
+      continue;
+    }
+    ++failures.set_calibration_errors;
+    logger->error(
+        "policy plugin {} failed in set_precision_calibration_errors ({} errors of {} blocks, re-sent "
+        "after a hot swap from an ABI 1.0 plugin) with {}: {}",
+        instance.label(), route.label, ids.size(), detail::status_text(status), instance.last_error());
+    rejected += (rejected.empty() ? "" : ", ") + std::string(route.label);
   }
-  const sp_status status = [&] {
-    const detail::PluginCallScope scope(instance.label(), "set_precision_calibration_errors");
-    return instance.table().set_precision_calibration_errors(instance.ctx(), SP_PRECISION_NF4, ids.data(),
-                                                             errors.data(), static_cast<std::uint32_t>(ids.size()));
-  }();
-  if (status == SP_OK) {
-    logger->debug("policy plugin {}: re-sent the NF4 calibration errors of {} blocks", instance.label(), ids.size());
-    return true;
-  }
-  ++failures.set_calibration_errors;
-  logger->error(
-      "policy plugin {} failed in set_precision_calibration_errors (NF4 errors of {} blocks, re-sent "
-      "after a hot swap from an ABI 1.0 plugin) with {}: {}",
-      instance.label(), ids.size(), detail::status_text(status), instance.last_error());
-  return false;
+  return rejected;
 }
 
 bool PolicyHost::Impl::resend_unit_signals(detail::PluginInstance& instance) {
@@ -166,11 +172,11 @@ SwapResult PolicyHost::Impl::migrate_and_switch(SwapResult result, std::optional
                                  active->label(), blob->size(), detail::status_text(status), pending->last_error()));
   }
 
-  // A 1.0 plugin held no NF4 calibration errors, so its blob brought none: the new 1.1
-  // plugin gets the host's copy. A rejection is logged and counted like any rejected
-  // calibration errors; it does not undo the swap.
-  const bool resend_nf4 = !active->abi().has_precision_routes && pending->abi().has_precision_routes;
-  const bool nf4_resent = !resend_nf4 || resend_nf4_calibration_errors(*pending);
+  // A 1.0 plugin held no calibration errors of a later route (NF4), so its blob brought none:
+  // the new 1.1 plugin gets the host's copy. A rejection is logged and counted like any
+  // rejected calibration errors; it does not undo the swap.
+  const bool resend_errors = !active->abi().has_precision_routes && pending->abi().has_precision_routes;
+  const std::string errors_rejected = resend_errors ? resend_calibration_errors(*pending) : std::string();
   // Likewise the signal table, which a plugin older than 1.2 could not hold.
   const bool resend_signals = !active->abi().has_unit_signals && pending->abi().has_unit_signals;
   const bool signals_resent = !resend_signals || resend_unit_signals(*pending);
@@ -188,7 +194,10 @@ SwapResult PolicyHost::Impl::migrate_and_switch(SwapResult result, std::optional
   result.message = fmt::format("hot swap: {} replaced {} {} with {} bytes of state", active->label(), retired_label,
                                when, blob->size());
   logger->info("{}", result.message);
-  if (!nf4_resent) result.message += "; warning: the new plugin rejected the NF4 calibration errors (see the log)";
+  if (!errors_rejected.empty()) {
+    result.message +=
+        fmt::format("; warning: the new plugin rejected the {} calibration errors (see the log)", errors_rejected);
+  }
   if (!signals_resent) result.message += "; warning: the new plugin rejected the kept signal table (see the log)";
   if (!unload.unloaded) {
     result.message += "; warning: " + unload.detail;

@@ -58,9 +58,8 @@ std::vector<UnitHint> hints_from_abi(const std::vector<sp_hint_v1>& hints) {
     }
     const std::optional<Precision> precision = from_abi(hint.precision);
     if (!precision) {
-      throw std::invalid_argument(fmt::format(
-          "hints[{}].precision is {}; expected SP_PRECISION_BF16 (0), SP_PRECISION_INT8 (1) or SP_PRECISION_NF4 (2)",
-          i, hint.precision));
+      throw std::invalid_argument(
+          fmt::format("hints[{}].precision is {}; expected {}", i, hint.precision, abi_code_expectation()));
     }
     out.push_back(UnitHint{*precision, hint.sensitivity, hint.reason});
   }

@@ -45,7 +45,8 @@ PolicyConfig config(const std::string& fixture_lines = "") { return {kPolicy + f
 // What set_transfer_bytes should carry for make_blocks(kBlocks).
 std::string expected_nf4_bytes_record() {
   std::string record = "fixture: set_transfer_bytes precision=2";
-  for (const BlockDescription& block : make_blocks(kBlocks)) record += " " + std::to_string(block.nf4_bytes);
+  for (const BlockDescription& block : make_blocks(kBlocks))
+    record += " " + std::to_string(block.bytes[Precision::nf4]);
   return record;
 }
 

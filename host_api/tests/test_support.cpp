@@ -64,8 +64,10 @@ std::vector<BlockDescription> make_blocks(std::uint32_t count) {
   std::vector<BlockDescription> blocks;
   for (std::uint32_t id = 0; id < count; ++id) {
     const std::uint64_t params = 1'000'000 + 1000ULL * id;
-    BlockDescription block{id, params, 2 * params, params + params / 64, "block." + std::to_string(id)};
-    block.nf4_bytes = params / 2 + params / 32;  // two codes a byte, a 2-byte scale per 64
+    BlockDescription block{id, params, {}, "block." + std::to_string(id)};
+    block.bytes[Precision::bf16] = 2 * params;
+    block.bytes[Precision::int8] = params + params / 64;
+    block.bytes[Precision::nf4] = params / 2 + params / 32;  // two codes a byte, a 2-byte scale per 64
     blocks.push_back(std::move(block));
   }
   return blocks;

@@ -1,8 +1,9 @@
 #include "sp/input_files/json_fields.h"
 
+#include <algorithm>
 #include <cmath>
 
-#include <fmt/core.h>
+#include <fmt/format.h>
 
 namespace sp::input_files {
 
@@ -32,14 +33,15 @@ const json& JsonFields::require(const json& object, const char* key, const std::
 
 void JsonFields::only_keys(const json& object, std::initializer_list<const char*> allowed,
                            const std::string& field_prefix) const {
+  only_keys(object, std::vector<std::string>(allowed.begin(), allowed.end()), field_prefix);
+}
+
+void JsonFields::only_keys(const json& object, const std::vector<std::string>& allowed,
+                           const std::string& field_prefix) const {
   for (const auto& item : object.items()) {
-    bool known = false;
-    for (const char* key : allowed) known = known || item.key() == key;
-    if (known) continue;
-    std::string expected;
-    for (const char* key : allowed) expected += (expected.empty() ? "" : ", ") + std::string(key);
+    if (std::find(allowed.begin(), allowed.end(), item.key()) != allowed.end()) continue;
     fail(field_prefix.empty() ? item.key() : field_prefix + "." + item.key(),
-         fmt::format("unknown key (expected {})", expected));
+         fmt::format("unknown key (expected {})", fmt::join(allowed, ", ")));
   }
 }
 

@@ -186,11 +186,9 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     returned before for the same shapes and format, is written again instead of a new one, as
     the layer reuses its pinned slabs. Returns None without an image. `threads` as for
     quantize_nf4."""
-    if group_size is None:
-        group_size = 64 if image == "nf4" else 0
     return _extension._adamw_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), float(lr), int(step),
                                   float(betas[0]), float(betas[1]), float(eps), float(weight_decay), image,
-                                  int(group_size), int(threads), out)
+                                  None if group_size is None else int(group_size), int(threads), out)
 
 
 def quantize_int8(x: torch.Tensor, group_size: int = 0, *, threads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,9 +16,14 @@ import time
 
 import torch
 
+from ._selective_precision import _QUANTIZED_ROUTES, _ROUTES
+
 _log = logging.getLogger("selective_precision")
 
-_FORMATS = ("bf16", "int8", "nf4")
+
+def _quoted(routes) -> str:
+    """"'int8', 'nf4'": routes named in a message."""
+    return ", ".join(repr(route) for route in routes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,12 +112,12 @@ def _unit_routes(layout, routes, argument):
             raise ValueError("compare_routes(): %s holds %d routes; expected one per unit (%d: %s)"
                              % (argument, len(per_unit), len(units), ", ".join(units)))
     else:
-        raise TypeError("compare_routes(): %s expected a format ('bf16', 'int8', 'nf4'), a list of one per unit, or "
-                        "a dict of unit name to format; got %s" % (argument, type(routes).__name__))
+        raise TypeError("compare_routes(): %s expected a format (%s), a list of one per unit, or a dict of unit name "
+                        "to format; got %s" % (argument, _quoted(_ROUTES), type(routes).__name__))
     for name, route in zip(units, per_unit):
-        if route not in _FORMATS:
+        if route not in _ROUTES:
             raise ValueError("compare_routes(): %s gives unit %s the route %r; expected one of %s"
-                             % (argument, name, route, ", ".join(_FORMATS)))
+                             % (argument, name, route, ", ".join(_ROUTES)))
     return per_unit
 
 
@@ -352,10 +357,10 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
     if isinstance(formats, str):
         formats = [formats]
     if not isinstance(formats, collections.abc.Iterable):
-        raise TypeError("calibrate(): formats=%r; expected some of 'int8', 'nf4'" % (formats,))
+        raise TypeError("calibrate(): formats=%r; expected some of %s" % (formats, _quoted(_QUANTIZED_ROUTES)))
     formats = list(formats)
-    if not formats or any(f not in _FORMATS[1:] for f in formats) or len(set(formats)) != len(formats):
-        raise ValueError("calibrate(): formats=%r; expected some of 'int8', 'nf4', each once" % (formats,))
+    if not formats or any(f not in _QUANTIZED_ROUTES for f in formats) or len(set(formats)) != len(formats):
+        raise ValueError("calibrate(): formats=%r; expected some of %s, each once" % (formats, _quoted(_QUANTIZED_ROUTES)))
     if rho is not None and (isinstance(rho, bool) or not isinstance(rho, numbers.Real) or not 0.0 < rho <= 1.0):
         raise ValueError("calibrate(): rho=%r; expected the split-half rank correlation to stop at, in (0, 1], or "
                          "None to measure every batch up to max_batches" % (rho,))

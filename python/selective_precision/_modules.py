@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import warnings
 
+from ._selective_precision import _QUANTIZED_ROUTES
+
 # peft's adapter modules: trainable and small, they stay where they are, in their own dtype.
 _ADAPTER_MODULES = frozenset(("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"))
 # A trainable matrix under this fraction of the block's largest frozen one is an adapter too (of
@@ -38,9 +40,10 @@ def _warn_trainable_streamed_in_frozen_blocks(modules, names):
         verb, pronoun = ("s", "it") if len(odd) == 1 else ("", "them")
         warnings.warn(
             "selective_precision: %s stream%s and train%s while most of the block is frozen (%d of %d elements): "
-            "the policy may send %s as INT8 or NF4, and the block computes with that. Adapters usually stay "
+            "the policy may send %s as %s, and the block computes with that. Adapters usually stay "
             "resident: leave %s out of streamed="
-            % (names, verb, verb, frozen, frozen + trainable, pronoun, pronoun),
+            % (names, verb, verb, frozen, frozen + trainable, pronoun, " or ".join(r.upper() for r in _QUANTIZED_ROUTES),
+               pronoun),
             stacklevel=3)
 
 

@@ -6,6 +6,9 @@ from typing import Any, Callable
 
 import torch
 
+_ROUTES: tuple[str, ...]
+_QUANTIZED_ROUTES: tuple[str, ...]
+
 def _paired_interval(values: list[float], confidence: float) -> dict[str, Any]: ...
 def _quantize_nf4(
     x: torch.Tensor, group_size: int, scale_dtype: torch.dtype, threads: int
@@ -17,7 +20,7 @@ def _dequantize_nf4(
 def _adamw_step(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor], lr: float, step: int, beta1: float, beta2: float, eps: float,
-    weight_decay: float, image: str | None, group_size: int, threads: int, out: torch.Tensor | None
+    weight_decay: float, image: str | None, group_size: int | None, threads: int, out: torch.Tensor | None
 ) -> torch.Tensor | None: ...
 def _quantize_int8(x: torch.Tensor, group_size: int, threads: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 def _dequantize_int8(

@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 from ._modules import _add_hook, _owner, _parameter_at, _streamed_names, _warn_trainable_streamed_in_frozen_blocks
 from ._options import Budget, StreamOptions, _options, _streamed_model
 from ._reports import _swap
+from ._selective_precision import _QUANTIZED_ROUTES, _ROUTES
 from ._step import _LAYERS, _Layer, _install_optimizer_hooks
 
 _log = logging.getLogger("selective_precision")
@@ -318,7 +319,7 @@ class StreamedLayers(torch.nn.ModuleList):
 
         return compare_allocations(self._layer(), closure, batches, allocations, reference, confidence)
 
-    def calibrate(self, closure, batches, *, formats=("int8", "nf4"), confidence: float = 0.95,
+    def calibrate(self, closure, batches, *, formats=_QUANTIZED_ROUTES, confidence: float = 0.95,
                   rho: float | None = 0.9, max_batches: int = 32, round_batches: int = 2) -> "UnitCosts":
         """What each unit costs alone in each format, measured forward only (compare_routes()'s
         yardstick, with `closure` as there): per unit and format, that unit alone in the format
@@ -341,13 +342,13 @@ class StreamedLayers(torch.nn.ModuleList):
         list whose `budget` says the budget, the allocation's fraction of all-BF16's bytes and
         predicted loss, and whether it is met (None without a budget)."""
         layer = self._layer()
-        costs = {p: layer.model.unit_costs(p) for p in ("bf16", "int8", "nf4")}
+        costs = {p: layer.model.unit_costs(p) for p in _ROUTES}
         units = []
         for u, route in enumerate(self.routes()):
             units.append({
                 "unit": layer.layout.unit_names[u],
                 "route": route,
-                "bytes": {p: self.image_bytes(u, p) for p in ("bf16", "int8", "nf4")},
+                "bytes": {p: self.image_bytes(u, p) for p in _ROUTES},
                 "predicted_cost": {p: None if c is None or math.isnan(c[u]) else c[u] for p, c in costs.items()},
             })
         return PolicyReport(units, layer.model.budget_status())

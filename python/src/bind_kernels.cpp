@@ -208,8 +208,9 @@ std::optional<torch::Tensor> adamw_step(const std::vector<torch::Tensor>& params
                                         const std::vector<torch::Tensor>& exp_avgs,
                                         const std::vector<torch::Tensor>& exp_avg_sqs, double lr, std::int64_t step,
                                         double beta1, double beta2, double eps, double weight_decay,
-                                        const std::optional<std::string>& image, std::uint32_t group_size,
-                                        unsigned threads, const std::optional<torch::Tensor>& into) {
+                                        const std::optional<std::string>& image,
+                                        std::optional<std::uint32_t> group_size, unsigned threads,
+                                        const std::optional<torch::Tensor>& into) {
   require(grads.size() == params.size() && exp_avgs.size() == params.size() && exp_avg_sqs.size() == params.size(),
           fmt::format("adamw_step_: {} params, {} grads, {} exp_avgs and {} exp_avg_sqs: one of each per parameter "
                       "expected",
@@ -241,9 +242,10 @@ std::optional<torch::Tensor> adamw_step(const std::vector<torch::Tensor>& params
   }
   const std::optional<sp::Precision> precision = sp::precision_named(*image);
   require(precision.has_value(),
-          fmt::format("adamw_step_: image '{}': None, 'bf16', 'int8' or 'nf4' expected", *image));
+          fmt::format("adamw_step_: image '{}': None, {} expected", *image, sp::quoted_route_names()));
   // The image the engine would build for that route (every name above is one).
-  const kn::SlabEncoding encoding = sp::adapters::slab_encoding(*precision, group_size);
+  const kn::SlabEncoding encoding =
+      sp::adapters::slab_encoding(*precision, group_size.value_or(sp::route_traits(*precision).default_group_size));
   const std::uint64_t bytes = kn::slab_image_bytes(encoding, shapes.data(), shapes.size());
   // Like the layer's pinned slabs, an image buffer can be allocated once and written each step.
   torch::Tensor out = into ? *into : torch::empty({static_cast<std::int64_t>(bytes)}, torch::kUInt8);

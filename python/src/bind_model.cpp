@@ -81,7 +81,7 @@ tl::BlockCall python_call(py::object callable) {
 
 sp::Precision precision_of(const std::string& name) {
   if (const std::optional<sp::Precision> precision = sp::precision_named(name)) return *precision;
-  throw std::invalid_argument(fmt::format("precision '{}': expected 'bf16', 'int8' or 'nf4'", name));
+  throw std::invalid_argument(fmt::format("precision '{}': expected {}", name, sp::quoted_route_names()));
 }
 
 py::dict swap_dict(const sp::host::SwapResult& swap) {

@@ -87,6 +87,11 @@ def test_the_extensions_type_stub_declares_exactly_what_it_binds():
     functions = {node.name for node in stub.body if isinstance(node, ast.FunctionDef)}
     assert functions == {name for name in names if callable(getattr(_selective_precision, name))
                          and not isinstance(getattr(_selective_precision, name), type)}
+    constants = {node.target.id for node in stub.body if isinstance(node, ast.AnnAssign)}
+    assert constants == {name for name in names if not callable(getattr(_selective_precision, name))
+                         and not isinstance(getattr(_selective_precision, name), type(_selective_precision))}
+    assert _selective_precision._ROUTES[0] == "bf16" and set(_selective_precision._QUANTIZED_ROUTES) < set(
+        _selective_precision._ROUTES)
     exceptions = {name for name in classes if issubclass(getattr(_selective_precision, name), Exception)}
     assert exceptions == {"PluginError", "StateEntryError", "CollectiveError", "RankMismatchError"}
 

@@ -27,9 +27,7 @@ std::vector<host::BlockDescription> unit_descriptions(const adapters::StreamingE
   for (const sp_block_desc_v1& d : engine.block_descs()) {
     host::BlockDescription& unit = units.at(unit_of.at(d.block_id));
     unit.num_params += d.num_params;
-    unit.bf16_bytes += d.bf16_bytes;
-    unit.int8_bytes += d.int8_bytes;
-    unit.nf4_bytes += engine.nf4_image_bytes(d.block_id);
+    for (Precision route : kPrecisions) unit.bytes[route] += engine.image_bytes(d.block_id, route);
   }
   return units;
 }
@@ -45,8 +43,7 @@ std::unique_ptr<host::PolicySession> policy_session(std::vector<host::BlockDescr
   options.logger = std::move(logger);
   options.fallback = host::FallbackMode::last_good;
   options.hook_deadline = hook_deadline;
-  options.supported_precisions =
-      SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
+  options.supported_precisions = abi_mask_of_all();
   return std::make_unique<host::PolicySession>(plugin_file, std::move(config), std::move(units), std::move(options));
 }
 

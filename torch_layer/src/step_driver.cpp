@@ -55,8 +55,8 @@ std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
 
 std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signals() {
   if (!policy_link.signals_wanted()) return std::nullopt;
-  constexpr Precision kTiers[] = {Precision::int8, Precision::nf4};
-  constexpr std::int64_t kTierCount = 2;
+  constexpr auto& kTiers = kQuantizedPrecisions;
+  constexpr auto kTierCount = static_cast<std::int64_t>(kTiers.size());
   // Per unit: whether it was measured, then per tier the sums of g*d and g^2*d^2 over its
   // blocks; last, the step's examples. Sharded, each owner fills its units and the ranks add
   // them up.
@@ -73,10 +73,9 @@ std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signa
       const torch::Tensor g = grad.to(torch::kCPU, torch::kFloat32).contiguous();
       row[0] = 1.0;
       for (std::int64_t t = 0; t < kTierCount; ++t) {
-        const Precision tier = kTiers[t];
-        const std::uint32_t group = tier == Precision::int8 ? options.int8_group_size : options.nf4_group_size;
-        const kn::TaylorSums terms = kn::image_taylor_sums(ad::slab_encoding(tier, group), p.master.data_ptr<float>(),
-                                                           g.data_ptr<float>(), {p.rows, p.cols}, intra_op_exec());
+        const kn::TaylorSums terms =
+            kn::image_taylor_sums(engines.train->image_encoding(kTiers[static_cast<std::size_t>(t)]),
+                                  p.master.data_ptr<float>(), g.data_ptr<float>(), {p.rows, p.cols}, intra_op_exec());
         row[1 + 2 * t] += terms.first;
         row[2 + 2 * t] += terms.second;
       }
@@ -383,8 +382,12 @@ void StreamedModel::Impl::apply_transfer_policy(const std::filesystem::path& fil
   const auto count = [](const std::vector<bool>& pays) { return std::count(pays.begin(), pays.end(), true); };
   const auto trainable = std::count_if(blocks.begin(), blocks.end(), [](const BlockState& b) { return b.trainable_masters; });
   const char* kind = trainable == 0 ? "frozen" : trainable == static_cast<std::ptrdiff_t>(blocks.size()) ? "trained" : "trained and frozen";
-  log->info("transfer policy {} ({} blocks): INT8 pays for {}, NF4 for {} of {} blocks", file.string(), kind,
-            count(gate.pays[Precision::int8]), count(gate.pays[Precision::nf4]), blocks.size());
+  std::string pays_for;
+  for (Precision tier : kQuantizedPrecisions) {
+    pays_for +=
+        fmt::format("{}{} pays for {}", pays_for.empty() ? "" : ", ", route_traits(tier).label, count(gate.pays[tier]));
+  }
+  log->info("transfer policy {} ({} blocks): {} of {} blocks", file.string(), kind, pays_for, blocks.size());
   engines.train->policy_bridge().set_transfer_gate(gate);
   engines.eval->policy_bridge().set_transfer_gate(std::move(gate));
 }

@@ -70,7 +70,14 @@ constexpr std::array<const char *, kKnownKeyCount> kKnownKeys = {
 
 constexpr std::array<const char *, 6> kLossGuardKeys = {"enabled",  "window",      "sigmas",
                                                         "min_rise", "blame_steps", "penalty_steps"};
-constexpr const char *kTierChoices = "one of bf16, int8, nf4";
+
+// "bf16, int8, nf4". A function, not a namespace-scope string: a static destructor would take
+// an exit-handler slot at every load of the plugin (docs/plugin-abi.md, hot swaps).
+std::string tier_names() {
+  std::string names;
+  for (const RouteTraits &route : kRouteTraits) names += (names.empty() ? "" : ", ") + std::string(route.name);
+  return names;
+}
 constexpr std::array<const char *, 2> kBudgetKeys = {"bytes", "loss"};
 
 // "one of off, static, ...": the modes of this edition's rule modules.
@@ -284,14 +291,15 @@ void validate_relations(const SectionReader &reader, const PolicySettings &confi
 
 [[maybe_unused]] sp_precision_mask read_tiers(const SectionReader &reader, const std::string &key,
                                               const YAML::Node &node) {
-  constexpr const char *kExpected = "a list of precisions from [bf16, int8, nf4] that contains bf16";
-  if (!node.IsSequence()) reader.fail(key, kExpected, node);
+  const std::string expected = "a list of precisions from [" + tier_names() + "] that contains bf16";
+  const std::string choices = "one of " + tier_names();
+  if (!node.IsSequence()) reader.fail(key, expected, node);
   sp_precision_mask tiers = 0;
   for (std::size_t i = 0; i < node.size(); ++i) {
     const std::string element = fmt::format("{}[{}]", key, i);
-    const std::string name = reader.read_string(element, node[i], kTierChoices);
+    const std::string name = reader.read_string(element, node[i], choices);
     const std::optional<Precision> route = precision_named(name);
-    if (!route) reader.fail(element, kTierChoices, node[i]);
+    if (!route) reader.fail(element, choices, node[i]);
     const sp_precision precision = to_abi(*route);
     if ((tiers & SP_PRECISION_BIT(precision)) != 0) {
       throw PolicyConfigError(

@@ -237,9 +237,11 @@ std::optional<sp_reason> PolicyEngine::apply_standing_rules(BlockState &block, s
 }
 
 sp_precision PolicyEngine::nearest_tier_up(sp_precision precision) const {
-  if (precision == SP_PRECISION_NF4 && !config_.tier(SP_PRECISION_NF4)) precision = SP_PRECISION_INT8;
-  if (precision == SP_PRECISION_INT8 && !config_.tier(SP_PRECISION_INT8)) precision = SP_PRECISION_BF16;
-  return precision;
+  // Up the routes toward BF16, which is always a tier.
+  for (auto route = static_cast<std::size_t>(from_abi(precision).value_or(Precision::bf16)); route > 0; --route) {
+    if (config_.tier(to_abi(kPrecisions[route]))) return to_abi(kPrecisions[route]);
+  }
+  return SP_PRECISION_BF16;
 }
 
 // The loss guard acts only when it is enabled and the mode decides by data (docs/policy.md,
@@ -396,21 +398,20 @@ void PolicyEngine::set_transfer_bytes(sp_precision precision, const std::uint64_
       for (std::uint32_t b = 0; b < n; ++b) block_bytes_[b].nf4 = bytes[b];
       break;
     default:
-      throw InvalidArgument(
-          fmt::format("set_transfer_bytes: precision {} is unknown to this plugin (bf16 = 0, "
-                      "int8 = 1, nf4 = 2)",
-                      precision));
+      throw InvalidArgument(fmt::format("set_transfer_bytes: precision {} is unknown to this plugin ({})", precision,
+                                        route_codes_text()));
   }
   rule_->replan();
 }
 
 void PolicyEngine::set_precision_calibration_errors(sp_precision precision, const std::uint32_t *block_ids,
                                                     const double *errors, std::uint32_t n) {
-  if (precision != SP_PRECISION_INT8 && precision != SP_PRECISION_NF4) {
+  const std::optional<Precision> route = from_abi(precision);
+  if (!route || !is_quantized(*route)) {
     throw InvalidArgument(
         fmt::format("set_precision_calibration_errors: precision {} has no calibration error; "
-                    "expected int8 (1) or nf4 (2)",
-                    precision));
+                    "expected {}",
+                    precision, route_codes_text(true)));
   }
   if (n > 0 && (block_ids == nullptr || errors == nullptr)) {
     throw InvalidArgument(fmt::format("set_calibration_errors: block_ids or errors is null but n = {}", n));

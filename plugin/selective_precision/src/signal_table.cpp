@@ -5,6 +5,7 @@
 #include "sp/policy/decision_rule.h"
 #include "sp/policy/engine.h"
 #include "sp/policy/errors.h"
+#include "sp/policy/routes.h"
 
 #include <fmt/format.h>
 
@@ -129,10 +130,9 @@ void PolicyEngine::record_predicted_costs(std::int64_t step, const SignalTable &
 }
 
 void PolicyEngine::unit_costs(sp_precision precision, double *costs_out, std::uint32_t n) const {
-  if (precision < SP_PRECISION_BF16 || precision > SP_PRECISION_NF4) {
-    throw InvalidArgument(fmt::format("get_unit_costs: precision {} is unknown to this plugin (bf16 = 0, int8 = 1, "
-                                      "nf4 = 2)",
-                                      precision));
+  if (!from_abi(precision)) {
+    throw InvalidArgument(
+        fmt::format("get_unit_costs: precision {} is unknown to this plugin ({})", precision, route_codes_text()));
   }
   if (n != n_blocks()) {
     throw InvalidArgument(fmt::format("get_unit_costs: n = {}, but the policy was created for {} blocks", n, n_blocks()));

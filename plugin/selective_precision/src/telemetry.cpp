@@ -1,6 +1,7 @@
 #include "sp/policy/telemetry.h"
 
 #include "sp/policy/decision_rule.h"
+#include "sp/policy/routes.h"
 #include "json_values.h"
 
 #include <fmt/format.h>
@@ -16,17 +17,8 @@ namespace sp::policy {
 namespace {
 
 const char *assignment_name(Assignment assignment) {
-  switch (assignment) {
-    case Assignment::unassigned:
-      return "unassigned";
-    case Assignment::bf16:
-      return "bf16";
-    case Assignment::int8:
-      return "int8";
-    case Assignment::nf4:
-      return "nf4";
-  }
-  return "unknown";
+  if (assignment == Assignment::unassigned) return "unassigned";
+  return precision_name(from_abi(travels_as(assignment)).value_or(Precision::bf16));
 }
 
 }  // namespace
@@ -36,7 +28,8 @@ const char *assignment_name(Assignment assignment) {
 // group, over BF16's 2 bytes: 0.25 + 1/group, 0.265625x at group 64 (docs/kernels.md
 // measures 0.2666x on real images, whose rows round up to whole groups).
 double nominal_nf4_ratio(std::int64_t nf4_group_size) {
-  return (0.5 + 2.0 / static_cast<double>(nf4_group_size)) / 2.0;
+  return nominal_bits_per_weight(Precision::nf4, static_cast<std::uint32_t>(nf4_group_size)) /
+         nominal_bits_per_weight(Precision::bf16, 0);
 }
 
 namespace {

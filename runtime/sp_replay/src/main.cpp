@@ -15,7 +15,7 @@
 #include <sstream>
 
 #include <CLI/CLI.hpp>
-#include <fmt/core.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
@@ -25,6 +25,7 @@
 #include "sp/input_files/read_file.h"
 #include "replay_inputs.h"
 #include "sp/host/policy_host.h"
+#include "sp/precision_abi.h"
 #include "sp/runtime/atomic_file.h"
 #include "sp/runtime/plugin_dir.h"
 #include "sp/runtime/write_all.h"
@@ -120,21 +121,12 @@ std::vector<sp::host::BlockDescription> describe_blocks(uint32_t n) {
   return blocks;
 }
 
-const char* precision_label(sp_precision precision) {
-  switch (precision) {
-    case SP_PRECISION_INT8:
-      return "int8";
-    case SP_PRECISION_NF4:
-      return "nf4";
-    default:
-      return "bf16";
-  }
-}
+// A hint's route; the host has checked every hint's precision against the ABI.
+sp::Precision route_of(sp_precision precision) { return sp::from_abi(precision).value_or(sp::Precision::bf16); }
 
 struct ReplayTally {
   uint64_t steps = 0;
-  uint64_t int8_block_steps = 0;
-  uint64_t nf4_block_steps = 0;
+  sp::PerPrecision<uint64_t> block_steps;
   uint64_t precision_changes = 0;
   std::vector<sp_precision> last;
 };
@@ -188,8 +180,7 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
   host_options.host_name = "sp-replay";
   host_options.logger = logger;
   // The replay moves no bytes; it stands for a host that can transfer every precision.
-  host_options.supported_precisions =
-      SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) | SP_PRECISION_BIT(SP_PRECISION_NF4);
+  host_options.supported_precisions = sp::abi_mask_of_all();
   std::unique_ptr<sp::host::PolicyHost> host;
   try {
     host = std::make_unique<sp::host::PolicyHost>(plugin_file,
@@ -201,13 +192,12 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
   logger->info("loaded plugin {} {} from {}", host->plugin_name(), host->plugin_version(), plugin_file.string());
 
   if (calibration) {
-    const std::pair<sp_precision, const sp::replay::BlockErrors*> per_precision[] = {
-        {SP_PRECISION_INT8, &calibration->int8}, {SP_PRECISION_NF4, &calibration->nf4}};
-    for (const auto& [precision, errors] : per_precision) {
-      if (errors->block_ids.empty()) continue;
-      if (!host->set_calibration_errors(precision, errors->block_ids, errors->errors)) {
+    for (const sp::Precision tier : sp::kQuantizedPrecisions) {
+      const sp::replay::BlockErrors& errors = calibration->errors[tier];
+      if (errors.block_ids.empty()) continue;
+      if (!host->set_calibration_errors(sp::to_abi(tier), errors.block_ids, errors.errors)) {
         throw ReplayFailure(kExitPluginFailed, fmt::format("the plugin rejected the {} errors of {}",
-                                                           precision_label(precision), options.calibration.string()));
+                                                           sp::precision_name(tier), options.calibration.string()));
       }
     }
   }
@@ -225,9 +215,8 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
     check_no_hook_failed(*host, step->step, "begin_step/post_backward/compute_hints");
     nlohmann::json precision = nlohmann::json::array();
     for (const sp_hint_v1& hint : hints) {
-      precision.push_back(precision_label(hint.precision));
-      tally.int8_block_steps += hint.precision == SP_PRECISION_INT8;
-      tally.nf4_block_steps += hint.precision == SP_PRECISION_NF4;
+      precision.push_back(sp::precision_name(route_of(hint.precision)));
+      tally.block_steps[route_of(hint.precision)] += 1;
       tally.precision_changes += hint.precision != tally.last[hint.block_id];
       tally.last[hint.block_id] = hint.precision;
     }
@@ -250,28 +239,33 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
     sp::runtime::write_file_atomically(options.out, decisions.str());
   }
 
+  // Each route by the first letter of its label: B, I, N.
   std::string final_map;
-  uint32_t int8_now = 0;
-  uint32_t nf4_now = 0;
+  sp::PerPrecision<uint32_t> now;
   for (sp_precision p : tally.last) {
-    final_map += p == SP_PRECISION_INT8 ? 'I' : p == SP_PRECISION_NF4 ? 'N' : 'B';
-    int8_now += p == SP_PRECISION_INT8;
-    nf4_now += p == SP_PRECISION_NF4;
+    final_map += sp::route_traits(route_of(p)).label[0];
+    now[route_of(p)] += 1;
   }
   const double block_steps = static_cast<double>(tally.steps) * options.blocks;
-  const double int8_share = tally.int8_block_steps / block_steps;
-  const double nf4_share = tally.nf4_block_steps / block_steps;
   // A trace carries no tensor shapes, so the saving uses the nominal payload ratios against
-  // BF16: 1/2 for INT8 codes, 1/4 for NF4 codes (scales and headers not counted).
-  const double nominal_saving = 0.5 * int8_share + 0.75 * nf4_share;
+  // BF16: the codes' bits per weight (1/2 for INT8, 1/4 for NF4; scales and headers not counted).
+  double nominal_saving = 0.0;
+  std::string legend, counts, shares;
+  for (const sp::RouteTraits& route : sp::kRouteTraits) {
+    const double share = static_cast<double>(tally.block_steps[route.precision]) / block_steps;
+    nominal_saving +=
+        share * (1.0 - static_cast<double>(route.code_bits) / sp::route_traits(sp::Precision::bf16).code_bits);
+    legend += fmt::format("{}{}={}", legend.empty() ? "" : ", ", route.label[0], route.name);
+    counts = fmt::format("{} {}{}", now[route.precision], route.label, counts.empty() ? "" : ", ") + counts;
+    if (sp::is_quantized(route.precision)) {
+      shares += fmt::format("{}{} {:.1f}%", shares.empty() ? "" : ", ", route.label, 100.0 * share);
+    }
+  }
   logger->info("replayed {} steps of {} blocks: {} precision changes", tally.steps, options.blocks,
                tally.precision_changes);
-  logger->info("final precision (B=bf16, I=int8, N=nf4): {} ({} NF4, {} INT8, {} BF16)", final_map, nf4_now, int8_now,
-               options.blocks - int8_now - nf4_now);
-  logger->info(
-      "share of block transfers: INT8 {:.1f}%, NF4 {:.1f}% -> about {:.1f}% fewer H2D payload bytes "
-      "than all-BF16",
-      100.0 * int8_share, 100.0 * nf4_share, 100.0 * nominal_saving);
+  logger->info("final precision ({}): {} ({})", legend, final_map, counts);
+  logger->info("share of block transfers: {} -> about {:.1f}% fewer H2D payload bytes than all-BF16", shares,
+               100.0 * nominal_saving);
   if (!options.out.empty()) logger->info("decisions written to {}", options.out.string());
   if (!options.telemetry.empty()) logger->info("telemetry written to {}", options.telemetry.string());
   return kExitOk;
@@ -282,15 +276,24 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
 int main(int argc, char** argv) {
   Options options;
   options.plugin_dir = sp::runtime::default_plugin_dir();
-  CLI::App app{
+  std::string route_names, error_keys, error_labels;
+  for (const sp::RouteTraits& route : sp::kRouteTraits) {
+    route_names += fmt::format("{}\"{}\"", route_names.empty() ? "" : "|", route.name);
+    if (!sp::is_quantized(route.precision)) continue;
+    error_keys +=
+        fmt::format("\"{}\": {{\"<id>\": error, ...}}, ", sp::replay::calibration_errors_key(route.precision));
+    error_labels += fmt::format("{}{}", error_labels.empty() ? "" : ", ", route.label);
+  }
+  CLI::App app{fmt::format(
       "sp-replay: replays a recorded gradient-moment trace through a policy plugin and prints the "
       "precision of every block after each step's compute_hints, one JSON line per step:\n"
-      "  {\"step\": s, \"precision\": [\"bf16\"|\"int8\"|\"nf4\", ...]}\n"
-      "Trace lines: {\"step\": s, \"blocks\": [{\"id\", \"sum_sq\", \"sum\", \"max_abs\", \"count\", "
-      "\"nonfinite\"}, ...], \"loss\": l}, steps 0, 1, 2, ...; a block that is not listed had no gradient; "
+      "  {{\"step\": s, \"precision\": [{}, ...]}}\n"
+      "Trace lines: {{\"step\": s, \"blocks\": [{{\"id\", \"sum_sq\", \"sum\", \"max_abs\", \"count\", "
+      "\"nonfinite\"}}, ...], \"loss\": l}}, steps 0, 1, 2, ...; a block that is not listed had no gradient; "
       "\"loss\" (optional, null = unknown) is the step's training loss, handed to the plugin's end_step.\n"
-      "Calibration file: {\"block_errors\": {\"<id>\": error, ...}, \"nf4_block_errors\": {\"<id>\": error, "
-      "...}}: relative output errors of INT8 and of NF4 against BF16; either object may be left out."};
+      "Calibration file: {{{}...}}: relative output errors against BF16 of each quantized route ({}); any "
+      "object may be left out, not all.",
+      route_names, error_keys, error_labels)};
   app.footer(kExitCodeHelp);
   app.add_option("--config", options.config,
                  "YAML with a top-level `selective_precision` section, or a training config with "
@@ -298,7 +301,7 @@ int main(int argc, char** argv) {
       ->required();
   app.add_option("--blocks", options.blocks, "number of blocks")->required()->check(CLI::Range(1u, 1u << 20));
   app.add_option("--trace", options.trace, "gradient-moment trace, JSON Lines")->required();
-  app.add_option("--calibration", options.calibration, "per-block INT8 and NF4 calibration errors, JSON");
+  app.add_option("--calibration", options.calibration, "per-block calibration errors per quantized route, JSON");
   app.add_option("--plugin-dir", options.plugin_dir, "directory holding the plugin .so")->capture_default_str();
   app.add_option("--plugin", options.plugin, "plugin to load: <plugin-dir>/lib<NAME>.so")->capture_default_str();
   app.add_option("--out", options.out, "write the decisions here (atomically) instead of stdout")

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <fstream>
 
-#include <fmt/core.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "sp/input_files/json_fields.h"
@@ -114,6 +114,11 @@ std::optional<TraceStep> TraceReader::next() {
   return std::nullopt;
 }
 
+std::string calibration_errors_key(sp::Precision route) {
+  if (route == sp::Precision::int8) return "block_errors";
+  return fmt::format("{}_block_errors", sp::precision_name(route));
+}
+
 CalibrationFile read_calibration_file(const std::string& path, uint32_t n_blocks) {
   std::string text;
   try {
@@ -130,14 +135,24 @@ CalibrationFile read_calibration_file(const std::string& path, uint32_t n_blocks
       fields.fail("document", fmt::format("not valid JSON ({})", e.what()));
     }
     fields.require_object(document, "document");
-    fields.only_keys(document, {"block_errors", "nf4_block_errors"}, "");
-    if (!document.contains("block_errors") && !document.contains("nf4_block_errors")) {
-      fields.fail("document", "expected \"block_errors\" (INT8) and/or \"nf4_block_errors\" (NF4), found neither");
-    }
+    std::vector<std::string> keys;
+    for (const sp::Precision route : sp::kQuantizedPrecisions) keys.push_back(calibration_errors_key(route));
+    fields.only_keys(document, keys, "");
     CalibrationFile out;
-    if (document.contains("block_errors")) out.int8 = read_block_errors(fields, document, "block_errors", n_blocks);
-    if (document.contains("nf4_block_errors")) {
-      out.nf4 = read_block_errors(fields, document, "nf4_block_errors", n_blocks);
+    bool any = false;
+    for (const sp::Precision route : sp::kQuantizedPrecisions) {
+      const std::string key = calibration_errors_key(route);
+      if (!document.contains(key)) continue;
+      out.errors[route] = read_block_errors(fields, document, key.c_str(), n_blocks);
+      any = true;
+    }
+    if (!any) {
+      std::string expected;
+      for (const sp::Precision route : sp::kQuantizedPrecisions) {
+        expected += fmt::format("{}\"{}\" ({})", expected.empty() ? "" : ", ", calibration_errors_key(route),
+                                sp::route_traits(route).label);
+      }
+      fields.fail("document", fmt::format("expected at least one of {}; found none", expected));
     }
     return out;
   } catch (const JsonFieldError& e) {

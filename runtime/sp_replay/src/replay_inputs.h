@@ -13,6 +13,7 @@
 
 #include "sp/error.h"
 #include "sp/plugin_abi_v1.h"
+#include "sp/precision.h"
 
 namespace sp::replay {
 
@@ -52,14 +53,17 @@ struct BlockErrors {
   std::vector<double> errors;
 };
 
-// Relative output errors against BF16 per precision, as a calibration pass measures them.
+// Relative output errors against BF16 per quantized route, as a calibration pass measures them.
 struct CalibrationFile {
-  BlockErrors int8;  // "block_errors"
-  BlockErrors nf4;   // "nf4_block_errors"
+  sp::PerPrecision<BlockErrors> errors;
 };
 
-// Reads {"block_errors": {"<id>": err, ...}, "nf4_block_errors": {"<id>": err, ...}}: both
-// objects optional but not both absent, every id in [0, n_blocks), every error a finite
+// The file's key of a route's errors: "<route>_block_errors" ("nf4_block_errors"), except
+// INT8's "block_errors", which the format named before there was a second quantized route.
+std::string calibration_errors_key(sp::Precision route);
+
+// Reads {"block_errors": {"<id>": err, ...}, "nf4_block_errors": {"<id>": err, ...}}: each
+// route's object optional but not all absent, every id in [0, n_blocks), every error a finite
 // number >= 0. Throws InputError.
 CalibrationFile read_calibration_file(const std::string& path, uint32_t n_blocks);
 

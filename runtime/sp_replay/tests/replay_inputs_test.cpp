@@ -138,27 +138,29 @@ class CalibrationFileTest : public ::testing::Test {
 
 TEST_F(CalibrationFileTest, ReadsErrorsPerBlock) {
   const auto file = read_calibration_file(write(R"({"block_errors": {"0": 0.01, "3": 0.07}})"), 4);
-  EXPECT_EQ(file.int8.block_ids, (std::vector<uint32_t>{0, 3}));
-  EXPECT_EQ(file.int8.errors, (std::vector<double>{0.01, 0.07}));
-  EXPECT_TRUE(file.nf4.block_ids.empty());
+  EXPECT_EQ(file.errors[sp::Precision::int8].block_ids, (std::vector<uint32_t>{0, 3}));
+  EXPECT_EQ(file.errors[sp::Precision::int8].errors, (std::vector<double>{0.01, 0.07}));
+  EXPECT_TRUE(file.errors[sp::Precision::nf4].block_ids.empty());
 }
 
 TEST_F(CalibrationFileTest, ReadsNf4ErrorsBesideInt8OnesOrAlone) {
   const auto both =
       read_calibration_file(write(R"({"block_errors": {"1": 0.01}, "nf4_block_errors": {"1": 0.09, "2": 0.2}})"), 4);
-  EXPECT_EQ(both.int8.block_ids, (std::vector<uint32_t>{1}));
-  EXPECT_EQ(both.nf4.block_ids, (std::vector<uint32_t>{1, 2}));
-  EXPECT_EQ(both.nf4.errors, (std::vector<double>{0.09, 0.2}));
+  EXPECT_EQ(both.errors[sp::Precision::int8].block_ids, (std::vector<uint32_t>{1}));
+  EXPECT_EQ(both.errors[sp::Precision::nf4].block_ids, (std::vector<uint32_t>{1, 2}));
+  EXPECT_EQ(both.errors[sp::Precision::nf4].errors, (std::vector<double>{0.09, 0.2}));
   const auto nf4_only = read_calibration_file(write(R"({"nf4_block_errors": {"0": 0.1}})"), 4);
-  EXPECT_TRUE(nf4_only.int8.block_ids.empty());
-  EXPECT_EQ(nf4_only.nf4.block_ids, (std::vector<uint32_t>{0}));
+  EXPECT_TRUE(nf4_only.errors[sp::Precision::int8].block_ids.empty());
+  EXPECT_EQ(nf4_only.errors[sp::Precision::nf4].block_ids, (std::vector<uint32_t>{0}));
 }
 
 TEST_F(CalibrationFileTest, RejectsEachDefectWithItsField) {
   EXPECT_THAT(error_of("{"), HasSubstr("not valid JSON"));
   EXPECT_THAT(error_of(R"({"block_errors": {"0": 1e400}})"), HasSubstr("not valid JSON"));
   EXPECT_THAT(error_of(R"({"errors": {}})"), HasSubstr("errors: unknown key"));
-  EXPECT_THAT(error_of(R"({})"), HasSubstr("document: expected \"block_errors\" (INT8) and/or \"nf4_block_errors\""));
+  EXPECT_THAT(
+      error_of(R"({})"),
+      HasSubstr("document: expected at least one of \"block_errors\" (INT8), \"nf4_block_errors\" (NF4); found none"));
   EXPECT_THAT(error_of(R"({"nf4_block_errors": {"5": 0.1}})"),
               HasSubstr("nf4_block_errors.5: block id 5 is out of range"));
   EXPECT_THAT(error_of(R"({"nf4_block_errors": {"1": -1}})"), HasSubstr("nf4_block_errors.1: expected a number >= 0"));

@@ -1,5 +1,5 @@
 // sp-train: trains a byte-level GPT whose transformer blocks stream through the adapters,
-// with the Selective Precision plugin choosing BF16 or INT8 per block. See docs/training.md.
+// with the Selective Precision plugin choosing each block's route. See docs/training.md.
 
 #include <csignal>
 
@@ -15,6 +15,7 @@
 #include "error_report.h"
 #include "progress.h"
 #include "sp/host/plugin_library.h"
+#include "sp/precision.h"
 #include "text_corpus.h"
 #include "train_config.h"
 #include "trainer.h"
@@ -75,7 +76,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "sp-train: trains a byte-level GPT whose transformer blocks stream host->device one at a "
       "time, forward and backward, while the Selective Precision plugin (loaded from the plugin "
-      "directory) decides per block whether it travels as BF16 or INT8."};
+      "directory) decides per block the precision it travels in."};
   app.footer(kFooter);
   app.add_option("--config", config_file, "training config YAML (model, data, train, memory.stagehand.*); see configs/")
       ->required();
@@ -129,10 +130,14 @@ int main(int argc, char** argv) {
                  summary.outcome == sp::train::RunOutcome::completed ? "finished" : "stopped at",
                  s["steps"].get<std::int64_t>(), s["wall_seconds"].get<double>(), s["tokens_per_second"].get<double>());
     if (!s["final_val_loss"].is_null()) logger->info("final validation loss {:.4f}", s["final_val_loss"].get<double>());
-    logger->info("H2D: {} BF16 + {} INT8 + {} NF4 = {}; all-BF16 would be {}: {:.1f}% saved",
-                 sp::train::format_bytes(bytes["bf16"]), sp::train::format_bytes(bytes["int8"]),
-                 sp::train::format_bytes(bytes["nf4"]), sp::train::format_bytes(bytes["total"]),
-                 sp::train::format_bytes(bytes["all_bf16_equivalent"]), 100.0 * bytes["saved_fraction"].get<double>());
+    std::string per_route;
+    for (const sp::RouteTraits& route : sp::kRouteTraits) {
+      per_route += fmt::format("{}{} {}", per_route.empty() ? "" : " + ", sp::train::format_bytes(bytes[route.name]),
+                               route.label);
+    }
+    logger->info("H2D: {} = {}; all-BF16 would be {}: {:.1f}% saved", per_route,
+                 sp::train::format_bytes(bytes["total"]), sp::train::format_bytes(bytes["all_bf16_equivalent"]),
+                 100.0 * bytes["saved_fraction"].get<double>());
     logger->info("summary: {}", summary.summary_file.string());
     if (summary.outcome == sp::train::RunOutcome::completed) return kExitOk;
     return g_stop_signal.load() == SIGTERM ? exit_code(ExitCode::terminated) : kExitInterrupted;

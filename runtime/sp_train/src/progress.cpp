@@ -18,10 +18,8 @@ namespace {
 // "BF16 12 INT8 34 NF4 56": the routes as the log names them, each with its blocks.
 std::string blocks_per_route(const PerPrecision<std::uint32_t>& blocks) {
   std::string text;
-  for (const Precision precision : kPrecisions) {
-    std::string name = precision_name(precision);
-    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::toupper(c); });
-    text += fmt::format("{}{} {}", text.empty() ? "" : " ", name, blocks[precision]);
+  for (const RouteTraits& route : kRouteTraits) {
+    text += fmt::format("{}{} {}", text.empty() ? "" : " ", route.label, blocks[route.precision]);
   }
   return text;
 }

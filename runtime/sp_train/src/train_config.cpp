@@ -1,5 +1,6 @@
 #include "train_config.h"
 #include "train_config_impl.h"
+#include "sp/precision.h"
 
 #include <algorithm>
 #include <cmath>
@@ -256,9 +257,8 @@ void read_train(const Origins& origins, const Section& s, TrainLoopConfig& t) {
 void read_streaming(const Section& s, StreamingSection& st) {
   s.integer("prefetch_window", st.prefetch_window, 0, 64);
   s.integer("int8_group_size", st.int8_group_size, 0, 256);
-  if (st.int8_group_size != 0 && st.int8_group_size != 32 && st.int8_group_size != 64 && st.int8_group_size != 128 &&
-      st.int8_group_size != 256) {
-    s.fail("int8_group_size", "0 (one scale per row), 32, 64, 128 or 256", s.node()["int8_group_size"]);
+  if (!is_supported_group_size(Precision::int8, st.int8_group_size)) {
+    s.fail("int8_group_size", group_size_expectation(Precision::int8), s.node()["int8_group_size"]);
   }
   s.integer("spare_slabs", st.spare_slabs, 0, 1024);
   s.number("bandwidth_cap_gbps", st.bandwidth_cap_gbps, 0.0, 1e6);
@@ -290,10 +290,11 @@ void read_policy_keys(const Origins& origins, const YAML::Node& section, PolicyH
   }
   if (const YAML::Node group = section["nf4_group_size"]; group.IsDefined()) {
     std::int64_t n = 0;
-    if (!is_plain_scalar(group) || !YAML::convert<std::int64_t>::decode(group, n) ||
-        (n != 32 && n != 64 && n != 128 && n != 256)) {
-      throw ConfigError(fmt::format("{}: {}.nf4_group_size: expected 32, 64, 128 or 256, found {}",
-                                    origins.of(path + ".nf4_group_size"), path, describe(group)));
+    if (!is_plain_scalar(group) || !YAML::convert<std::int64_t>::decode(group, n) || n < 0 || n > 256 ||
+        !is_supported_group_size(Precision::nf4, static_cast<std::uint32_t>(n))) {
+      throw ConfigError(fmt::format("{}: {}.nf4_group_size: expected {}, found {}",
+                                    origins.of(path + ".nf4_group_size"), path, group_size_expectation(Precision::nf4),
+                                    describe(group)));
     }
     c.nf4_group_size = static_cast<std::uint32_t>(n);
   }

@@ -13,6 +13,13 @@ namespace {
 // Steps in a row with a non-finite loss or gradient (each skipped) before the run gives up.
 constexpr int kMaxNonFiniteSteps = 8;
 
+// `more` with one key per route, the route's name: {"bf16": ..., "int8": ..., "nf4": ...}.
+template <class T>
+nlohmann::json per_route(const PerPrecision<T>& values, nlohmann::json more = nlohmann::json::object()) {
+  for (Precision precision : kPrecisions) more[precision_name(precision)] = values[precision];
+  return more;
+}
+
 }  // namespace
 
 Trainer::Impl::BoundaryRequests Trainer::Impl::boundary_requests() const {
@@ -22,6 +29,17 @@ Trainer::Impl::BoundaryRequests Trainer::Impl::boundary_requests() const {
   torch::Tensor flags = torch::tensor({r.stop ? 1 : 0, r.check_plugin ? 1 : 0}, torch::kInt32);
   collectives->all_reduce(flags, tl::Reduction::max, "stop and swap requests")->wait();
   return {flags[0].item<std::int32_t>() != 0, flags[1].item<std::int32_t>() != 0};
+}
+
+// {"status", "errors" (INT8's, the key the summary had before a second quantized route),
+// "<route>_errors" for each later one}.
+nlohmann::json Trainer::Impl::calibration_summary() const {
+  nlohmann::json summary{{"status", calibration_status}};
+  for (const Precision tier : kQuantizedPrecisions) {
+    const std::string key = tier == Precision::int8 ? "errors" : fmt::format("{}_errors", precision_name(tier));
+    summary[key] = calibration_errors[tier];
+  }
+  return summary;
 }
 
 std::vector<std::uint8_t> Trainer::Impl::decisions() const {
@@ -185,12 +203,15 @@ StepRecord Trainer::Impl::train_step(std::int64_t step) {
   if (report.calibration) {
     calibration_errors = *report.calibration;
     calibration_status = fmt::format("re-calibrated at step {}", step);
-    record.recalibration = nlohmann::json{{"seconds", report.calibration_seconds},
-                                          {"int8", calibration_errors[sp::Precision::int8]},
-                                          {"nf4", calibration_errors[sp::Precision::nf4]}};
-    log->debug("step {}: re-calibrated in {:.3f}s: INT8 {:.4f}, NF4 {:.4f}", step, report.calibration_seconds,
-               fmt::join(calibration_errors[sp::Precision::int8], " "),
-               fmt::join(calibration_errors[sp::Precision::nf4], " "));
+    nlohmann::json recalibration{{"seconds", report.calibration_seconds}};
+    std::string errors_text;
+    for (Precision tier : kQuantizedPrecisions) {
+      recalibration[precision_name(tier)] = calibration_errors[tier];
+      errors_text += fmt::format("{}{} {:.4f}", errors_text.empty() ? "" : ", ", route_traits(tier).label,
+                                 fmt::join(calibration_errors[tier], " "));
+    }
+    record.recalibration = std::move(recalibration);
+    log->debug("step {}: re-calibrated in {:.3f}s: {}", step, report.calibration_seconds, errors_text);
   }
   record.h2d_bytes = report.h2d_bytes;
   record.h2d_bytes_all_bf16 = report.h2d_bytes_all_bf16;
@@ -257,19 +278,14 @@ nlohmann::json Trainer::Impl::summary(RunOutcome outcome, double wall_seconds) c
           {"final_train_loss", std::isfinite(totals.last_loss) ? nlohmann::json(totals.last_loss) : nlohmann::json()},
           {"val_loss_history", totals_json()["val_history"]},
           {"h2d_bytes",
-           {{"bf16", totals.h2d[Precision::bf16]},
-            {"int8", totals.h2d[Precision::int8]},
-            {"nf4", totals.h2d[Precision::nf4]},
-            {"total", moved},
-            {"all_bf16_equivalent", totals.h2d_all_bf16},
-            {"saved", saved},
-            {"saved_fraction", totals.h2d_all_bf16 ? static_cast<double>(saved) / totals.h2d_all_bf16 : 0.0}}},
+           per_route(totals.h2d, {{"total", moved},
+                                  {"all_bf16_equivalent", totals.h2d_all_bf16},
+                                  {"saved", saved},
+                                  {"saved_fraction",
+                                   totals.h2d_all_bf16 ? static_cast<double>(saved) / totals.h2d_all_bf16 : 0.0}})},
           {"eval_h2d_bytes", eval_h2d()},
           {"calibration_h2d_bytes", calibration_h2d()},
-          {"block_steps",
-           {{"bf16", totals.block_steps[Precision::bf16]},
-            {"int8", totals.block_steps[Precision::int8]},
-            {"nf4", totals.block_steps[Precision::nf4]}}},
+          {"block_steps", per_route(totals.block_steps)},
           {"final_decisions", decisions()},
           {"tokens", totals.tokens},
           {"tokens_per_second", tokens_per_second},
@@ -290,10 +306,7 @@ nlohmann::json Trainer::Impl::summary(RunOutcome outcome, double wall_seconds) c
             {"version", layer->policy().plugin_version()},
             {"hook_failures", layer->policy().host().hook_failures().total()}}},
           {"plugin_swaps", totals.swaps},
-          {"calibration",
-           {{"status", calibration_status},
-            {"errors", calibration_errors[sp::Precision::int8]},
-            {"nf4_errors", calibration_errors[sp::Precision::nf4]}}},
+          {"calibration", calibration_summary()},
           {"config", config.source_name},
           {"model_outliers",
            {{"blocks", config.model.outlier_blocks},

@@ -166,6 +166,8 @@ struct Trainer::Impl {
 
   // The plugin's hints in force, one sp_precision per block (BF16 before its first hints).
   std::vector<std::uint8_t> decisions() const;
+  // The run summary's "calibration": its status and the errors per quantized route.
+  nlohmann::json calibration_summary() const;
 
   std::uint64_t eval_h2d() const { return totals.eval_h2d_before + layer->evaluation_h2d_bytes(); }
   std::uint64_t calibration_h2d() const { return totals.calibration_h2d_before + layer->calibration_h2d_bytes(); }

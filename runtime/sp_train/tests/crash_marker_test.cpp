@@ -29,7 +29,8 @@ fs::path fresh_dir(const std::string& name) {
 [[noreturn]] void crash_inside_a_plugin(const fs::path& marker) {
   install_crash_marker(marker);
   std::vector<host::BlockDescription> blocks;
-  for (std::uint32_t id = 0; id < 4; ++id) blocks.push_back({id, 1000, 2000, 1016, "block." + std::to_string(id)});
+  for (std::uint32_t id = 0; id < 4; ++id)
+    blocks.push_back({id, 1000, {{2000, 1016, 0}}, "block." + std::to_string(id)});
   host::PolicyHost policy(SP_FIXTURE_SCRIPTED,
                           {"fixture_crash_hook: compute_hints\nfixture_fail_at_step: 2\n", "scripted.yaml"}, blocks);
   for (std::int64_t step = 0;; ++step) {

@@ -712,7 +712,7 @@ TEST_F(TrainWithTransferPolicy, CalibrationUnderAGateWhereNothingPaysMeasuresEve
     o.logger->flush();
     const std::string text = log->str();
     // The gate was in force when calibration ran, and let nothing through.
-    const std::size_t gate_line = text.find("INT8 pays for 0, NF4 for 0 of 4 blocks");
+    const std::size_t gate_line = text.find("INT8 pays for 0, NF4 pays for 0 of 4 blocks");
     const std::size_t calibration_line = text.find("calibration: INT8 relative output error per block: ");
     ASSERT_NE(gate_line, std::string::npos) << text;
     ASSERT_NE(calibration_line, std::string::npos) << text;

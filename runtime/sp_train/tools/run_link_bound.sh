@@ -38,7 +38,7 @@ for policy in ("bf16-only", "dynamic", "dynamic-v2"):
     runs[policy] = {
         "steps_compared": n,
         "mean_step_seconds": sum(r["seconds"] for r in steps) / n,
-        "mean_h2d_bytes_per_step": sum(r["h2d_bytes_bf16"] + r["h2d_bytes_int8"] + r["h2d_bytes_nf4"] for r in steps) / n,
+        "mean_h2d_bytes_per_step": sum(v for r in steps for k, v in r.items() if k.startswith("h2d_bytes_") and k != "h2d_bytes_all_bf16") / n,
         "mean_copy_seconds_per_step": sum(r["copy_seconds"] for r in transfer) / n,
         "mean_dequant_seconds_per_step": sum(r["dequant_seconds"] for r in transfer) / n,
         "prefetch_hits": sum(r["prefetch"]["hits"] for r in transfer),

@@ -1,5 +1,6 @@
 // The one translation between sp::Precision and the plugin ABI's sp_precision, the wire format
-// of hints and calibration errors. Nothing else converts between the two.
+// of hints and calibration errors, read from the route table (sp/precision.h). Nothing else
+// converts between the two.
 #pragma once
 
 #include <optional>
@@ -9,29 +10,29 @@
 
 namespace sp {
 
-constexpr sp_precision to_abi(Precision precision) noexcept {
-  switch (precision) {
-    case Precision::int8:
-      return SP_PRECISION_INT8;
-    case Precision::nf4:
-      return SP_PRECISION_NF4;
-    case Precision::bf16:
-      break;
-  }
-  return SP_PRECISION_BF16;
-}
+constexpr sp_precision to_abi(Precision precision) noexcept { return route_traits(precision).abi_code; }
 
 // nullopt for a value the ABI does not define (a plugin's hint is checked with this).
 constexpr std::optional<Precision> from_abi(sp_precision precision) noexcept {
-  switch (precision) {
-    case SP_PRECISION_BF16:
-      return Precision::bf16;
-    case SP_PRECISION_INT8:
-      return Precision::int8;
-    case SP_PRECISION_NF4:
-      return Precision::nf4;
+  for (const RouteTraits& route : kRouteTraits) {
+    if (route.abi_code == precision) return route.precision;
   }
   return std::nullopt;
+}
+
+// Every route's bit: the mask of a host or plugin that takes them all.
+constexpr sp_precision_mask abi_mask_of_all() noexcept {
+  sp_precision_mask mask = 0;
+  for (const RouteTraits& route : kRouteTraits) mask |= SP_PRECISION_BIT(route.abi_code);
+  return mask;
+}
+
+// "SP_PRECISION_BF16 (0), SP_PRECISION_INT8 (1) or SP_PRECISION_NF4 (2)": what a message about
+// an sp_precision expects.
+inline std::string abi_code_expectation() {
+  return list_routes([](const RouteTraits& route) {
+    return std::string(route.abi_name) + " (" + std::to_string(static_cast<int>(route.abi_code)) + ")";
+  });
 }
 
 }  // namespace sp

@@ -69,7 +69,7 @@ class TransferBackend {
   // Enqueued on Queue::copy. `host_src` must stay unchanged until the copy completes.
   virtual void copy_host_to_device_async(std::byte *device_dst, const std::byte *host_src, std::size_t bytes) = 0;
   // Enqueued on Queue::dequant: the staged INT8 or NF4 image (device memory) becomes bf16
-  // tensors (DequantJob says which; for_each_dequant dispatches).
+  // tensors (DequantJob says which; dequantize_job runs the backend's codec for its route).
   virtual void dequantize_async(const DequantJob &job) = 0;
 
   virtual void record(Event &event, Queue queue) = 0;

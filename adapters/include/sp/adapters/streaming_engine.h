@@ -87,9 +87,9 @@ class StreamingEngine {
   // Bytes one transfer of the block puts on the wire on `precision`'s route (the whole image:
   // header, payload, scales).
   std::uint64_t image_bytes(std::uint32_t block, Precision precision) const;
-  // image_bytes(block, Precision::nf4): what the host library's BlockDescription::nf4_bytes
-  // takes, since sp_block_desc_v1 is frozen and carries only the BF16 and INT8 sizes.
-  std::uint64_t nf4_image_bytes(std::uint32_t block) const { return image_bytes(block, Precision::nf4); }
+  // The slab encoding of `precision`'s images: the route's kernels' format at the group size the
+  // config gives it.
+  sp::kernels::SlabEncoding image_encoding(Precision precision) const;
   // Block descriptions for the plugin's create(); names point into this engine.
   std::vector<sp_block_desc_v1> block_descs() const;
 

@@ -53,29 +53,25 @@ struct DequantTensor {
 struct DequantJob {
   std::uint32_t group_size = 0;
   std::vector<DequantTensor> tensors;
-  Precision precision = Precision::int8;  // int8 or nf4
+  Precision precision = Precision::int8;  // a quantized route
 };
 
-// The job's tensors in the typed form each precision's kernel takes; backends call this, so
-// the precision switch lives in one place. Throws std::invalid_argument for a bf16 job.
-template <class Int8Kernel, class Nf4Kernel>
-void for_each_dequant(const DequantJob &job, Int8Kernel &&int8, Nf4Kernel &&nf4);
+// One route's dequantization on one backend: a tensor of a job into bf16, on whatever queue
+// `context` names (the backend's stream, or nothing). Each backend keeps one per quantized route
+// in a DequantCodecs table, the device-codec column of the route table (as ggml keeps
+// type_traits_cpu beside type_traits), so no backend switches on the route.
+using DequantFn = void (*)(const DequantTensor &tensor, std::uint32_t group_size, void *context);
+using DequantCodecs = PerPrecision<DequantFn>;
 
-template <class Int8Kernel, class Nf4Kernel>
-void for_each_dequant(const DequantJob &job, Int8Kernel &&int8, Nf4Kernel &&nf4) {
-  if (job.precision == Precision::int8) {
-    for (const DequantTensor &t : job.tensors) {
-      int8(static_cast<const std::int8_t *>(t.codes), static_cast<const float *>(t.scales), t.rows, t.cols,
-           job.group_size, t.bf16_out);
-    }
-  } else if (job.precision == Precision::nf4) {
-    for (const DequantTensor &t : job.tensors) {
-      nf4(static_cast<const std::uint8_t *>(t.codes), static_cast<const std::uint16_t *>(t.scales), t.rows, t.cols,
-          job.group_size, t.bf16_out);
-    }
-  } else {
-    throw std::invalid_argument("DequantJob: a bf16 image needs no dequantization");
+// Runs the job's route's codec over its tensors in order. Throws std::invalid_argument for a
+// route the table has no codec for (BF16 needs none).
+inline void dequantize_job(const DequantJob &job, const DequantCodecs &codecs, void *context) {
+  const DequantFn codec = codecs[job.precision];
+  if (codec == nullptr) {
+    throw std::invalid_argument(std::string("DequantJob: no dequantization for a ") + precision_name(job.precision) +
+                                " image");
   }
+  for (const DequantTensor &tensor : job.tensors) codec(tensor, job.group_size, context);
 }
 
 }  // namespace sp::adapters

@@ -5,6 +5,7 @@
 
 #include <sp/host/plugin_library.h>
 #include <sp/plugin_abi_v1.h>
+#include <sp/precision.h>
 
 #include <chrono>
 #include <cstdint>
@@ -33,15 +34,12 @@ struct PolicyConfig {
 struct BlockDescription {
   std::uint32_t id = 0;
   std::uint64_t num_params = 0;
-  std::uint64_t bf16_bytes = 0;
-  std::uint64_t int8_bytes = 0;
+  /// Per route, the bytes one transfer of the block puts on the wire (codes, scales, header);
+  /// 0 = no image of that route known. The frozen sp_block_desc_v1 carries ABI 1.0's routes
+  /// (BF16 and INT8); each later one reaches a 1.1 plugin through set_transfer_bytes right after
+  /// create(), and only when PolicyHostOptions::supported_precisions includes it.
+  PerPrecision<std::uint64_t> bytes;
   std::string name;
-  /// Bytes one NF4 transfer of the block puts on the wire (codes + scales + header); 0 = no
-  /// NF4 image known. sp_block_desc_v1 is frozen, so this reaches a 1.1 plugin through
-  /// set_transfer_bytes(SP_PRECISION_NF4, ...) right after create(), and only when
-  /// PolicyHostOptions::supported_precisions includes NF4. Declared last so that existing
-  /// aggregate initialisers {id, params, bf16, int8, name} keep compiling.
-  std::uint64_t nf4_bytes = 0;
 };
 
 /// ABI 1.2: per-block signals the host measured, as named columns (sp_unit_signals_v1; column

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <vector>
 #include <stdexcept>
 #include <string>
 
@@ -29,6 +30,8 @@ class JsonFields {
   const nlohmann::json& require(const nlohmann::json& object, const char* key, const std::string& field) const;
   // Rejects keys not in `allowed`, naming the first unknown one and the allowed set.
   void only_keys(const nlohmann::json& object, std::initializer_list<const char*> allowed,
+                 const std::string& field_prefix) const;
+  void only_keys(const nlohmann::json& object, const std::vector<std::string>& allowed,
                  const std::string& field_prefix) const;
   void require_object(const nlohmann::json& value, const std::string& field) const;
   void require_array(const nlohmann::json& value, const std::string& field) const;

@@ -265,9 +265,8 @@ class MeasuredRule final : public BudgetedRule {
         for (std::vector<sp_precision> *into : {&choice, &choice_base}) {
           const std::uint8_t tier = reader.u8("measured choice's tier");
           if (tier >= kTiers.size()) {
-            throw StateError(fmt::format("state blob: the measured choice gives unit {} precision {}; expected 0 "
-                                         "(BF16), 1 (INT8) or 2 (NF4)",
-                                         u, tier));
+            throw StateError(fmt::format("state blob: the measured choice gives unit {} precision {}; expected {}", u,
+                                         tier, route_codes_text()));
           }
           into->push_back(static_cast<sp_precision>(tier));
         }

@@ -7,6 +7,7 @@
 #include "sp/policy/telemetry.h"
 
 #include <sp/plugin_abi_v1.h>
+#include <sp/precision_abi.h>
 
 #include <array>
 #include <cstdint>
@@ -14,8 +15,20 @@
 
 namespace sp::policy {
 
-// The tiers in preference order; an sp_precision is its own index.
-inline constexpr std::array<sp_precision, 3> kTiers = {SP_PRECISION_BF16, SP_PRECISION_INT8, SP_PRECISION_NF4};
+// The tiers in preference order, the ABI's codes of the route table's rows; an sp_precision is
+// its own index.
+inline constexpr std::array<sp_precision, kPrecisionCount> kTiers = [] {
+  std::array<sp_precision, kPrecisionCount> tiers{};
+  for (std::size_t i = 0; i < kPrecisionCount; ++i) tiers[i] = to_abi(kPrecisions[i]);
+  return tiers;
+}();
+constexpr bool tiers_are_their_own_index() {
+  for (std::size_t i = 0; i < kTiers.size(); ++i) {
+    if (kTiers[i] != static_cast<sp_precision>(i)) return false;
+  }
+  return true;
+}
+static_assert(tiers_are_their_own_index(), "the ABI's codes must number the routes 0, 1, ... in Precision's order");
 using PerTier = std::array<double, kTiers.size()>;
 
 // v3's key: the weight of the previous average when a signal table arrives (cost = s*cost +

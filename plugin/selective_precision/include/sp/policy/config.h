@@ -96,7 +96,6 @@ struct PolicySettings {
 
   bool tier(sp_precision precision) const { return (tiers & SP_PRECISION_BIT(precision)) != 0; }
   // Whether the configuration can make any block travel as NF4.
-  bool uses_nf4() const { return tier(SP_PRECISION_NF4) || !force_nf4_blocks.empty(); }
 
   // `enabled: false` is the same as `mode: off`.
   Mode effective_mode() const { return enabled ? mode : Mode::off; }

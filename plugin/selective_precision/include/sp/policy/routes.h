@@ -9,6 +9,7 @@
 #include <sp/precision_abi.h>
 
 #include <cstddef>
+#include <string>
 
 namespace sp::policy {
 
@@ -29,6 +30,20 @@ inline Assignment assignment_for(sp_precision precision) {
 inline int cost_rank(sp_precision precision) {
   const std::optional<Precision> route = from_abi(precision);
   return static_cast<int>(kPrecisionCount) - 1 - static_cast<int>(route ? *route : Precision::bf16);
+}
+
+// "bf16 = 0, int8 = 1, nf4 = 2": the codes a message about an unknown precision lists; with
+// `quantized_only`, "int8 (1) or nf4 (2)".
+inline std::string route_codes_text(bool quantized_only = false) {
+  if (quantized_only) {
+    return list_routes(
+        [](const RouteTraits &r) { return std::string(r.name) + " (" + std::to_string(r.abi_code) + ")"; }, true);
+  }
+  std::string text;
+  for (const RouteTraits &r : kRouteTraits) {
+    text += (text.empty() ? "" : ", ") + std::string(r.name) + " = " + std::to_string(r.abi_code);
+  }
+  return text;
 }
 
 }  // namespace sp::policy
