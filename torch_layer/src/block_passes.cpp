@@ -18,7 +18,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::train_forward(std::uint32_t b, c
   if (torch::autograd::get_current_graph_task_id() != -1) return checkpoint_recompute(b, inputs, call);
   refuse_training_while_measuring(b);
   if (!opening) {
-    refuse_second_call(b, engines.train->schedule(), passes.forwarded().next_forward, "training pass");
+    refuse_second_call(b, engines.train->schedule(), passes.forwarded().next_forward, "training pass", block_name());
     if (!passes.engine_serves_forward()) {
       throw std::logic_error(fmt::format(
           "StreamedModel: {} was called after another training pass's backward ran while this pass's forward was "
@@ -109,29 +109,6 @@ void StreamedModel::Impl::close_passes_without_backward(const char* why) {
   passes.close_all();
 }
 
-bool StreamedModel::Impl::opens_pass(std::uint32_t b, bool training) const {
-  const ad::StepSchedule& schedule = training ? engines.train->schedule() : engines.eval->schedule();
-  if (training ? !passes.forwarding() : !evaluation.is_open()) return true;
-  const std::uint32_t called = training ? passes.forwarded().next_forward : evaluation.called();
-  if (called == blocks.size() || schedule.uses().front().block == b) return true;
-  // An evaluation that stopped early (an early exit): a block it called already begins the next.
-  if (!training) return schedule.forward_use(b) < called;
-  // A training pass whose latest outputs the host dropped stopped early: whatever comes next
-  // begins another pass. (One still holding them goes on, so a block called again in it is a
-  // block applied twice, refused by name.)
-  const auto& latest = passes.forwarded().nodes[schedule.uses()[called - 1].block];
-  return latest && latest->expired();
-}
-
-void StreamedModel::Impl::refuse_second_call(std::uint32_t b, const ad::StepSchedule& schedule, std::uint32_t called,
-                                             const char* pass_kind) const {
-  if (schedule.forward_use(b) >= called) return;
-  throw std::logic_error(fmt::format(
-      "StreamedModel: {} was called twice in one {}, before {} was called: a pass calls every streamed block once, "
-      "in any order (a block applied twice, as a layer shared across depth is, cannot stream)",
-      blocks[b].block.name, pass_kind, blocks[schedule.uses()[called].block].block.name));
-}
-
 void StreamedModel::Impl::begin_eval_pass(const ad::RuntimeLimitHints& limits) {
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (!blocks[b].eval_image_stale) continue;
@@ -151,7 +128,7 @@ std::vector<torch::Tensor> StreamedModel::Impl::eval_forward(std::uint32_t b, co
     begin_eval_pass(evaluation.limits());
   } else {
     const std::uint32_t at = evaluation.called();
-    refuse_second_call(b, engines.eval->schedule(), at, "evaluation pass (no grad)");
+    refuse_second_call(b, engines.eval->schedule(), at, "evaluation pass (no grad)", block_name());
     if (engines.eval->schedule().uses()[at].block != b) {
       evaluation.end_engine_step(step_state);
       move_block(*engines.eval, b, at);
@@ -310,7 +287,7 @@ std::vector<torch::Tensor> StreamedModel::forward_block(std::uint32_t block, con
         fmt::format("StreamedModel::forward_block({}): there are {} blocks", block, m.blocks.size()));
   }
   const bool training = torch::GradMode::is_enabled();
-  const bool opening = m.opens_pass(block, training);
+  const bool opening = training ? m.passes.opens_pass(block) : m.evaluation.opens_pass(block);
   if (opening) m.check_parameters_unchanged();
   if (!call) call = m.blocks[block].call;
   if (!training) return m.eval_forward(block, inputs, call, opening);
@@ -324,7 +301,7 @@ bool StreamedModel::opens_training_pass(std::uint32_t block) const {
   }
   // A host that begins its step when a pass opens asks first: refused here, before it begins one.
   impl_->refuse_training_while_measuring(block);
-  return impl_->opens_pass(block, /*training=*/true);
+  return impl_->passes.opens_pass(block);
 }
 
 }  // namespace sp::torch_layer

@@ -23,6 +23,15 @@ class EvaluationSession {
   // An evaluation pass is open, and has called called() blocks: the engine's schedule's first ones.
   bool is_open() const { return open_; }
   std::uint32_t called() const { return called_; }
+  // Whether a no-grad call of block b opens a pass: none is open, the open one called every
+  // block, b is the block the engine's schedule begins with, or the open one stopped early (an
+  // early exit: it called b already). An open pass is left unfinished.
+  bool opens_pass(std::uint32_t b) const {
+    if (!open_) return true;
+    const adapters::StepSchedule& schedule = engine_->schedule();
+    if (called_ == schedule.options().num_blocks || schedule.uses().front().block == b) return true;
+    return schedule.forward_use(b) < called_;
+  }
   // With none open. `limits`: a whole pass's (calibration's pins), else the session's.
   void begin_pass(const adapters::RuntimeLimitHints& limits) {
     engine_->begin_step(engine_steps_++, limits);

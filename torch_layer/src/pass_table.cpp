@@ -19,6 +19,15 @@ TrainingPass* PassTable::find(std::uint64_t id) {
   return found == passes_.end() ? nullptr : &found->second;
 }
 
+bool PassTable::opens_pass(std::uint32_t b) const {
+  if (!forwarding_) return true;
+  const adapters::StepSchedule& schedule = engine_->schedule();
+  const std::uint32_t called = forwarded().next_forward;
+  if (called == schedule.options().num_blocks || schedule.uses().front().block == b) return true;
+  const auto& latest = forwarded().nodes[schedule.uses()[called - 1].block];
+  return latest && latest->expired();
+}
+
 std::size_t PassTable::awaiting_backward() const {
   return static_cast<std::size_t>(
       std::count_if(passes_.begin(), passes_.end(), [](const auto& open) { return !open.second.backward_ran; }));

@@ -20,9 +20,11 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <spdlog/logger.h>
 #include <torch/torch.h>
 
@@ -120,6 +122,19 @@ struct TrainingPass {
 // far are the order's first `at` blocks, so `block` lies after them.
 void move_block(adapters::StreamingEngine& engine, std::uint32_t block, std::uint32_t at);
 
+// Throws std::logic_error when a pass (a `pass_kind`) that has called `called` blocks, the
+// first ones of `schedule`, called block b already: each pass calls a block once. `name(i)`
+// names block i.
+template <class Name>
+void refuse_second_call(std::uint32_t b, const adapters::StepSchedule& schedule, std::uint32_t called,
+                        const char* pass_kind, Name&& name) {
+  if (schedule.forward_use(b) >= called) return;
+  throw std::logic_error(fmt::format(
+      "StreamedModel: {} was called twice in one {}, before {} was called: a pass calls every streamed block once, "
+      "in any order (a block applied twice, as a layer shared across depth is, cannot stream)",
+      name(b), pass_kind, name(schedule.uses()[called].block)));
+}
+
 class PassTable {
  public:
   // `step` and `evaluation` outlive the table (StreamedModel::Impl declares them first).
@@ -140,6 +155,11 @@ class PassTable {
   const TrainingPass& forwarded() const { return passes_.at(*forwarding_); }
   // Whether the engine's open step serves the pass whose forward is under way.
   bool engine_serves_forward() const { return engine_pass_ == forwarding_; }
+  // Whether a grad-mode call of block b opens a pass: none is under way, the one under way
+  // called every block, b is the block the engine's schedule begins with, or the one under way
+  // stopped early (the host dropped its latest outputs). One still holding them goes on, so a
+  // block called again in it is a block applied twice, refused by name (refuse_second_call).
+  bool opens_pass(std::uint32_t b) const;
   // Open passes whose backward never ran.
   std::size_t awaiting_backward() const;
   // Whether a pass's backward began and has not reached its end block.

@@ -434,7 +434,8 @@ struct StreamedModel::Impl {
                                               const std::vector<Precision>& reference, double confidence,
                                               const char* candidate_name, const char* reference_name);
 
-  // A no-grad call of block b: it opens an evaluation pass (`opening`, from opens_pass()), or
+  // A no-grad call of block b: it opens an evaluation pass (`opening`, from
+  // EvaluationSession::opens_pass()), or
   // continues the open one; the pass's last block ends it.
   std::vector<torch::Tensor> eval_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs,
                                           const BlockCall& call, bool opening);
@@ -446,15 +447,12 @@ struct StreamedModel::Impl {
   // block there and begins an engine step at it: the fetches issued ahead for the other block
   // go unused, once.
 
-  // Whether a call of block b now opens a pass (a training pass in grad mode, else an
-  // evaluation pass): none is open, the open one called every block, b is the block the
-  // schedule begins with, or the open one exited early (an evaluation that called b already; a
-  // training pass whose latest outputs the host dropped). An open pass is left unfinished.
-  bool opens_pass(std::uint32_t b, bool training) const;
-  // Throws std::logic_error when the open pass (`called` blocks so far, per `schedule`) called
-  // block b already: each pass calls a block once.
-  void refuse_second_call(std::uint32_t b, const ad::StepSchedule& schedule, std::uint32_t called,
-                          const char* pass_kind) const;
+  // Whether a call opens a pass is PassTable::opens_pass (grad mode) or
+  // EvaluationSession::opens_pass; a block called twice in one is refused by refuse_second_call
+  // (pass_table.h). `block_name()` names a block there.
+  auto block_name() const {
+    return [this](std::uint32_t b) -> const std::string& { return blocks[b].block.name; };
+  }
   // On CUDA, the engine's compute queue becomes the caller's current stream: called before each
   // block's fetch, so that the layer orders its copies around the kernels the caller launches.
   void follow_caller_stream();
@@ -462,7 +460,7 @@ struct StreamedModel::Impl {
   // ---- training passes: their forward and what both backward strategies share -----------
 
   // A grad-mode call of block b, inside a step: it opens a training pass (`opening`, from
-  // opens_pass()), or continues the one under way.
+  // PassTable::opens_pass()), or continues the one under way.
   std::vector<torch::Tensor> train_forward(std::uint32_t b, const std::vector<torch::Tensor>& inputs, BlockCall call,
                                            bool opening);
 
