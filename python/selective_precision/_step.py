@@ -11,6 +11,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from ._modules import _parameter_at
 from ._reports import _report
+from ._selective_precision import _StepPhase
 
 _log = logging.getLogger("selective_precision")
 
@@ -53,12 +54,12 @@ class _Layer:
     # The step's phase is the extension's (StreamedModel::step_phase()), read, never kept here.
     @property
     def in_step(self) -> bool:
-        return self.model.step_phase() != "between_steps"
+        return self.model.step_phase() != _StepPhase.between_steps
 
     @property
     def stepping(self) -> bool:
         """post_backward ran: an optimizer's step is under way."""
-        return self.model.step_phase() == "after_backward"
+        return self.model.step_phase() == _StepPhase.after_backward
 
     def refuse_master_hooks(self):
         """The layer writes the masters' .grad itself, where autograd runs no hook of theirs."""

@@ -266,6 +266,12 @@ void bind_model(py::module_& m) {
   // The layer's options as the C++ API has them, one field each: sp.StreamOptions maps onto them
   // once (_stream.py). The collectives and the logger are the binding's (the process group given
   // to _StreamedModel, and Python's logging).
+  // The C++ enum itself, so the phase crosses the binding as the layer's value, not a string.
+  py::enum_<tl::StreamedModel::StepPhase>(m, "_StepPhase")
+      .value("between_steps", tl::StreamedModel::StepPhase::between_steps)
+      .value("open", tl::StreamedModel::StepPhase::open)
+      .value("after_backward", tl::StreamedModel::StepPhase::after_backward);
+
   py::class_<tl::PolicyUnit>(m, "_PolicyUnit")
       .def(py::init([](std::string name, std::uint32_t blocks) {
              return tl::PolicyUnit{std::move(name), blocks};
@@ -396,18 +402,7 @@ void bind_model(py::module_& m) {
       .def(
           "abort_step", [](PyStreamedModel& s) { s.model().abort_step(); }, no_gil)
       .def("trained_in_step", [](PyStreamedModel& s) { return s.model().trained_in_step(); })
-      .def("step_phase",
-           [](PyStreamedModel& s) {
-             switch (s.model().step_phase()) {
-               case tl::StreamedModel::StepPhase::open:
-                 return "open";
-               case tl::StreamedModel::StepPhase::after_backward:
-                 return "after_backward";
-               case tl::StreamedModel::StepPhase::between_steps:
-                 break;
-             }
-             return "between_steps";
-           })
+      .def("step_phase", [](PyStreamedModel& s) { return s.model().step_phase(); })
       .def("calibrate",
            [](PyStreamedModel& s, const std::vector<torch::Tensor>& samples) {
              const tl::CalibrationErrors errors = [&] {
