@@ -64,6 +64,8 @@ std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signa
   const auto n = static_cast<std::int64_t>(num_units());
   torch::Tensor sums = torch::zeros({n * kFields + 1}, torch::kFloat64);
   double* s = sums.data_ptr<double>();
+  std::array<kn::SlabEncoding, kTiers.size()> encodings;
+  for (std::size_t t = 0; t < kTiers.size(); ++t) encodings[t] = engines.train->image_encoding(kTiers[t]);
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (!shards.owns(b)) continue;
     double* row = s + policy_link.unit_of(b) * kFields;
@@ -74,8 +76,8 @@ std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signa
       row[0] = 1.0;
       for (std::int64_t t = 0; t < kTierCount; ++t) {
         const kn::TaylorSums terms =
-            kn::image_taylor_sums(engines.train->image_encoding(kTiers[static_cast<std::size_t>(t)]),
-                                  p.master.data_ptr<float>(), g.data_ptr<float>(), {p.rows, p.cols}, intra_op_exec());
+            kn::image_taylor_sums(encodings[static_cast<std::size_t>(t)], p.master.data_ptr<float>(),
+                                  g.data_ptr<float>(), {p.rows, p.cols}, intra_op_exec());
         row[1 + 2 * t] += terms.first;
         row[2 + 2 * t] += terms.second;
       }

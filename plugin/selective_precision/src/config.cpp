@@ -70,14 +70,6 @@ constexpr std::array<const char *, kKnownKeyCount> kKnownKeys = {
 
 constexpr std::array<const char *, 6> kLossGuardKeys = {"enabled",  "window",      "sigmas",
                                                         "min_rise", "blame_steps", "penalty_steps"};
-
-// "bf16, int8, nf4". A function, not a namespace-scope string: a static destructor would take
-// an exit-handler slot at every load of the plugin (docs/plugin-abi.md, hot swaps).
-std::string tier_names() {
-  std::string names;
-  for (const RouteTraits &route : kRouteTraits) names += (names.empty() ? "" : ", ") + std::string(route.name);
-  return names;
-}
 constexpr std::array<const char *, 2> kBudgetKeys = {"bytes", "loss"};
 
 // "one of off, static, ...": the modes of this edition's rule modules.
@@ -97,15 +89,20 @@ const RuleKey *rule_key_named(std::string_view name) {
   return nullptr;
 }
 
-std::string tiers_text(sp_precision_mask tiers) {
+// "bf16, int8, nf4": the tiers of a mask, in the routes' order. Built at each call, not kept in
+// a namespace-scope string, whose static destructor would take an exit-handler slot at every
+// load of the plugin (docs/plugin-abi.md, hot swaps).
+std::string tier_list(sp_precision_mask tiers) {
   std::string text;
   for (Precision route : kPrecisions) {
     if ((tiers & SP_PRECISION_BIT(to_abi(route))) == 0) continue;
     text += text.empty() ? "" : ", ";
     text += sp::precision_name(route);
   }
-  return "[" + text + "]";
+  return text;
 }
+
+std::string tiers_text(sp_precision_mask tiers) { return "[" + tier_list(tiers) + "]"; }
 
 class SectionReader {
  public:
@@ -291,8 +288,8 @@ void validate_relations(const SectionReader &reader, const PolicySettings &confi
 
 [[maybe_unused]] sp_precision_mask read_tiers(const SectionReader &reader, const std::string &key,
                                               const YAML::Node &node) {
-  const std::string expected = "a list of precisions from [" + tier_names() + "] that contains bf16";
-  const std::string choices = "one of " + tier_names();
+  const std::string expected = "a list of precisions from " + tiers_text(abi_mask_of_all()) + " that contains bf16";
+  const std::string choices = "one of " + tier_list(abi_mask_of_all());
   if (!node.IsSequence()) reader.fail(key, expected, node);
   sp_precision_mask tiers = 0;
   for (std::size_t i = 0; i < node.size(); ++i) {

@@ -256,13 +256,16 @@ int run(const Options& options, std::shared_ptr<spdlog::logger> logger) {
     nominal_saving +=
         share * (1.0 - static_cast<double>(route.code_bits) / sp::route_traits(sp::Precision::bf16).code_bits);
     legend += fmt::format("{}{}={}", legend.empty() ? "" : ", ", route.label[0], route.name);
-    counts = fmt::format("{} {}{}", now[route.precision], route.label, counts.empty() ? "" : ", ") + counts;
     if (sp::is_quantized(route.precision)) {
       shares += fmt::format("{}{} {:.1f}%", shares.empty() ? "" : ", ", route.label, 100.0 * share);
     }
   }
   logger->info("replayed {} steps of {} blocks: {} precision changes", tally.steps, options.blocks,
                tally.precision_changes);
+  // From the least precise route up, as the line has always read: "0 NF4, 1 INT8, 3 BF16".
+  for (auto route = sp::kRouteTraits.rbegin(); route != sp::kRouteTraits.rend(); ++route) {
+    counts += fmt::format("{}{} {}", counts.empty() ? "" : ", ", now[route->precision], route->label);
+  }
   logger->info("final precision ({}): {} ({})", legend, final_map, counts);
   logger->info("share of block transfers: {} -> about {:.1f}% fewer H2D payload bytes than all-BF16", shares,
                100.0 * nominal_saving);
