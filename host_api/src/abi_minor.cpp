@@ -1,5 +1,7 @@
 #include "abi_minor.h"
 
+#include <sp/precision_abi.h>
+
 #include <stdexcept>
 #include <string>
 
@@ -21,24 +23,22 @@ static_assert(sizeof(void*) != 8 || kTableV1_3End == SP_PLUGIN_TABLE_V1_3_SIZE, 
 constexpr std::size_t kTableV1_4End =
     offsetof(Table, set_allocation_measurements) + sizeof(Table::set_allocation_measurements);
 
-constexpr sp_precision_mask kBf16AndInt8 = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
-
 // Indexed by minor.
 const AbiMinorLayout kLayouts[] = {
     {0, kTableV1_0End, "every field up to last_error", SP_HOST_API_V1_0_SIZE, SP_STEP_FEEDBACK_V1_0_SIZE, 0,
-     kBf16AndInt8, false, false, false, false},
+     abi_mask_since(0), false, false, false, false},
     {1, kTableV1_1End, "the ABI 1.1 functions set_transfer_bytes and set_precision_calibration_errors",
      static_cast<std::uint32_t>(sizeof(sp_host_api_v1)), static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)), 0,
-     kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true, false, false, false},
+     abi_mask_since(1), true, false, false, false},
     {2, kTableV1_2End, "the ABI 1.2 functions set_unit_signals, get_unit_costs and get_budget_status",
      static_cast<std::uint32_t>(sizeof(sp_host_api_v1)), static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)),
-     SP_BUDGET_STATUS_V1_2_SIZE, kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true, true, false, false},
+     SP_BUDGET_STATUS_V1_2_SIZE, abi_mask_since(2), true, true, false, false},
     {3, kTableV1_3End, "the ABI 1.3 function initial_hints", static_cast<std::uint32_t>(sizeof(sp_host_api_v1)),
-     static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)), SP_BUDGET_STATUS_V1_2_SIZE,
-     kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true, true, true, false},
+     static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)), SP_BUDGET_STATUS_V1_2_SIZE, abi_mask_since(3), true, true,
+     true, false},
     {4, kTableV1_4End, "the ABI 1.4 functions propose_allocations and set_allocation_measurements",
      static_cast<std::uint32_t>(sizeof(sp_host_api_v1)), static_cast<std::uint32_t>(sizeof(sp_step_feedback_v1)),
-     SP_BUDGET_STATUS_V1_4_SIZE, kBf16AndInt8 | SP_PRECISION_BIT(SP_PRECISION_NF4), true, true, true, true},
+     SP_BUDGET_STATUS_V1_4_SIZE, abi_mask_since(4), true, true, true, true},
 };
 static_assert(sizeof(sp_budget_status_v1) == SP_BUDGET_STATUS_V1_4_SIZE || sizeof(void*) != 8,
               "the host compiles the newest layout of sp_budget_status_v1");

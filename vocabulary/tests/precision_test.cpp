@@ -57,7 +57,7 @@ TEST(RouteTraits, EachRowDescribesItsOwnRouteConsistently) {
   EXPECT_EQ(labels.size(), kPrecisionCount);
   // From the most to the least precise: each route's codes are no wider than the one before.
   for (std::size_t i = 1; i < kPrecisionCount; ++i) {
-    EXPECT_LT(kRouteTraits[i].code_bits, kRouteTraits[i - 1].code_bits) << kRouteTraits[i].name;
+    EXPECT_LE(kRouteTraits[i].code_bits, kRouteTraits[i - 1].code_bits) << kRouteTraits[i].name;
   }
 }
 
@@ -97,6 +97,22 @@ TEST(RouteTraits, MessagesListTheRoutesFromTheTable) {
   EXPECT_EQ(abi_code_expectation(), "SP_PRECISION_BF16 (0), SP_PRECISION_INT8 (1) or SP_PRECISION_NF4 (2)");
   EXPECT_EQ(abi_mask_of_all(), SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8) |
                                    SP_PRECISION_BIT(SP_PRECISION_NF4));
+}
+
+// The codes a plugin of each ABI minor may hint come from the rows' abi_minor: 1.0 had BF16 and
+// INT8, 1.1 added NF4, and a later minor takes every earlier code.
+TEST(RouteTraits, EachAbiMinorTakesTheCodesOfItsRoutesAndEarlierOnes) {
+  const sp_precision_mask v1_0 = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
+  EXPECT_EQ(abi_mask_since(0), v1_0);
+  EXPECT_EQ(abi_mask_since(1) & ~abi_mask_since(0), SP_PRECISION_BIT(SP_PRECISION_NF4));
+  EXPECT_EQ(abi_mask_since(SP_PLUGIN_ABI_MINOR), abi_mask_of_all());
+  for (const RouteTraits& route : kRouteTraits) {
+    EXPECT_LE(route.abi_minor, static_cast<std::uint32_t>(SP_PLUGIN_ABI_MINOR)) << route.name;
+    EXPECT_NE(abi_mask_since(route.abi_minor) & SP_PRECISION_BIT(route.abi_code), 0u) << route.name;
+    if (route.abi_minor > 0) {
+      EXPECT_EQ(abi_mask_since(route.abi_minor - 1) & SP_PRECISION_BIT(route.abi_code), 0u) << route.name;
+    }
+  }
 }
 
 TEST(Precision, OnlyBf16IsNotQuantized) {

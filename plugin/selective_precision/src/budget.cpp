@@ -17,7 +17,7 @@ namespace sp::policy {
 
 std::uint64_t all_bf16_bytes(const std::vector<BlockBytes> &blocks) {
   std::uint64_t total = 0;
-  for (const BlockBytes &block : blocks) total += block.bf16;
+  for (const BlockBytes &block : blocks) total += block[SP_PRECISION_BF16];
   return total;
 }
 
@@ -32,14 +32,12 @@ double smoothed(double average, double value, double smoothing) {
 
 TierColumns::TierColumns(const char *signal) {
   for (Precision route : kPrecisions) {
-    char *name = names_[static_cast<std::size_t>(to_abi(route))].data();
+    char *name = names_[to_abi(route)].data();
     *fmt::format_to_n(name, kLongest - 1, "{}.{}", signal, sp::precision_name(route)).out = '\0';
   }
 }
 
-const char *TierColumns::operator()(sp_precision tier) const {
-  return names_.at(static_cast<std::size_t>(tier)).data();
-}
+const char *TierColumns::operator()(sp_precision tier) const { return names_[tier].data(); }
 
 const char *loss_cost_column(sp_precision tier) {
   static const TierColumns columns("loss_cost");
@@ -52,19 +50,6 @@ const char *first_order_column(sp_precision tier) {
 const char *second_order_column(sp_precision tier) {
   static const TierColumns columns("second_order");
   return columns(tier);
-}
-
-std::uint64_t tier_bytes(const BlockBytes &bytes, sp_precision tier, std::int64_t nf4_group_size) {
-  switch (tier) {
-    case SP_PRECISION_INT8:
-      return bytes.int8;
-    case SP_PRECISION_NF4:
-      return bytes.nf4 > 0 ? bytes.nf4
-                           : static_cast<std::uint64_t>(
-                                 std::ceil(nominal_nf4_ratio(nf4_group_size) * static_cast<double>(bytes.bf16)));
-    default:
-      return bytes.bf16;
-  }
 }
 
 std::uint64_t allocation_bytes(const std::vector<BlockBytes> &blocks, const std::vector<sp_precision> &routes,
@@ -81,7 +66,7 @@ bool gets_more_bits(std::uint32_t unit, std::uint32_t n_units) {
 
 double prior_cost(const std::vector<BlockBytes> &blocks, std::uint32_t unit, sp_precision tier,
                   std::int64_t nf4_group_size) {
-  const std::uint64_t bf16 = blocks[unit].bf16;
+  const std::uint64_t bf16 = blocks[unit][SP_PRECISION_BF16];
   const std::uint64_t bytes = tier_bytes(blocks[unit], tier, nf4_group_size);
   const double saved = bf16 > bytes ? static_cast<double>(bf16 - bytes) : 0.0;
   const double weight = gets_more_bits(unit, static_cast<std::uint32_t>(blocks.size())) ? 2.0 : 1.0;
@@ -92,10 +77,12 @@ void check_budget_feasible(const ParsedConfig &parsed, const std::vector<BlockBy
   const PolicySettings &config = parsed.config;
   if (!takes_budget(config.effective_mode())) return;
   for (std::size_t b = 0; b < block_bytes.size(); ++b) {
-    if (block_bytes[b].bf16 == 0 || (config.tier(SP_PRECISION_INT8) && block_bytes[b].int8 == 0)) {
-      throw InvalidArgument(fmt::format("create: block {} has bf16_bytes {} and int8_bytes {}; mode budget needs the "
-                                        "size of every block at every tier",
-                                        b, block_bytes[b].bf16, block_bytes[b].int8));
+    const std::uint64_t bf16 = block_bytes[b][SP_PRECISION_BF16], int8 = block_bytes[b][SP_PRECISION_INT8];
+    if (bf16 == 0 || (config.tier(SP_PRECISION_INT8) && int8 == 0)) {
+      throw InvalidArgument(
+          fmt::format("create: block {} has bf16_bytes {} and int8_bytes {}; mode budget needs the "
+                      "size of every block at every tier",
+                      b, bf16, int8));
     }
   }
   if (config.budget.kind != BudgetKind::bytes) return;
@@ -105,7 +92,7 @@ void check_budget_feasible(const ParsedConfig &parsed, const std::vector<BlockBy
   for (std::uint32_t b : config.force_nf4_blocks) forced[b] = SP_PRECISION_NF4;
   std::uint64_t fewest = 0;
   for (std::size_t b = 0; b < block_bytes.size(); ++b) {
-    std::uint64_t least = block_bytes[b].bf16;
+    std::uint64_t least = block_bytes[b][SP_PRECISION_BF16];
     for (sp_precision tier : kTiers) {
       const bool allowed = forced[b] >= 0 ? tier == forced[b] : config.tier(tier);
       if (allowed) least = std::min(least, tier_bytes(block_bytes[b], tier, config.nf4_group_size));

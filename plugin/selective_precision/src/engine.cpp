@@ -377,8 +377,14 @@ void PolicyEngine::set_transfer_bytes(sp_precision precision, const std::uint64_
         fmt::format("set_transfer_bytes: n = {}, but the policy was created for {} blocks", n, n_blocks()));
   }
   if (bytes == nullptr) throw InvalidArgument("set_transfer_bytes: bytes is null");
-  if (takes_budget(mode_) && precision != SP_PRECISION_NF4) {
-    // A bytes budget is a fraction of these sizes; NF4's 0 means "not described" (nominal).
+  const std::optional<Precision> route = from_abi(precision);
+  if (!route) {
+    throw InvalidArgument(
+        fmt::format("set_transfer_bytes: precision {} is unknown to this plugin ({})", precision, route_codes_text()));
+  }
+  if (takes_budget(mode_) && route_traits(*route).abi_minor == 0) {
+    // A bytes budget is a fraction of these sizes; a later route's 0 means "not described"
+    // (its nominal image, tier_bytes).
     for (std::uint32_t b = 0; b < n; ++b) {
       if (bytes[b] == 0) {
         throw InvalidArgument(fmt::format("set_transfer_bytes: block {} has 0 bytes at {}; mode budget needs the size "
@@ -387,20 +393,7 @@ void PolicyEngine::set_transfer_bytes(sp_precision precision, const std::uint64_
       }
     }
   }
-  switch (precision) {
-    case SP_PRECISION_BF16:
-      for (std::uint32_t b = 0; b < n; ++b) block_bytes_[b].bf16 = bytes[b];
-      break;
-    case SP_PRECISION_INT8:
-      for (std::uint32_t b = 0; b < n; ++b) block_bytes_[b].int8 = bytes[b];
-      break;
-    case SP_PRECISION_NF4:
-      for (std::uint32_t b = 0; b < n; ++b) block_bytes_[b].nf4 = bytes[b];
-      break;
-    default:
-      throw InvalidArgument(fmt::format("set_transfer_bytes: precision {} is unknown to this plugin ({})", precision,
-                                        route_codes_text()));
-  }
+  for (std::uint32_t b = 0; b < n; ++b) block_bytes_[b][precision] = bytes[b];
   rule_->replan();
 }
 

@@ -137,7 +137,8 @@ std::vector<sp::policy::BlockBytes> read_block_descs(const sp_block_desc_v1 *blo
       throw InvalidArgument(
           fmt::format("create: blocks[{}].block_id is {}; descs must arrive sorted by id from 0", i, desc.block_id));
     }
-    bytes[i] = {desc.bf16_bytes, desc.int8_bytes, 0};
+    bytes[i][SP_PRECISION_BF16] = desc.bf16_bytes;
+    bytes[i][SP_PRECISION_INT8] = desc.int8_bytes;
   }
   return bytes;
 }

@@ -27,9 +27,19 @@ const char *assignment_name(Assignment assignment) {
 // (set_transfer_bytes): per element half a byte of codes plus one BF16 scale (2 bytes) per
 // group, over BF16's 2 bytes: 0.25 + 1/group, 0.265625x at group 64 (docs/kernels.md
 // measures 0.2666x on real images, whose rows round up to whole groups).
-double nominal_nf4_ratio(std::int64_t nf4_group_size) {
-  return nominal_bits_per_weight(Precision::nf4, static_cast<std::uint32_t>(nf4_group_size)) /
-         nominal_bits_per_weight(Precision::bf16, 0);
+double nominal_ratio(sp_precision tier, std::int64_t nf4_group_size) {
+  const RouteTraits &route = route_traits(from_abi(tier).value());
+  const std::uint32_t group_size =
+      tier == SP_PRECISION_NF4 ? static_cast<std::uint32_t>(nf4_group_size) : route.default_group_size;
+  return nominal_bits_per_weight(route.precision, group_size) / nominal_bits_per_weight(Precision::bf16, 0);
+}
+
+double nominal_nf4_ratio(std::int64_t nf4_group_size) { return nominal_ratio(SP_PRECISION_NF4, nf4_group_size); }
+
+std::uint64_t tier_bytes(const BlockBytes &bytes, sp_precision tier, std::int64_t nf4_group_size) {
+  if (bytes[tier] > 0 || route_traits(from_abi(tier).value()).abi_minor == 0) return bytes[tier];
+  return static_cast<std::uint64_t>(
+      std::ceil(nominal_ratio(tier, nf4_group_size) * static_cast<double>(bytes[SP_PRECISION_BF16])));
 }
 
 namespace {
@@ -38,21 +48,17 @@ namespace {
 // block descs, NF4 from set_transfer_bytes); when the host declared no sizes, the nominal
 // ratios (an INT8 block moves half the bytes, an NF4 block nominal_nf4_ratio) over block counts.
 double estimated_saving_pct(const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes,
-                            double nf4_ratio) {
+                            std::int64_t nf4_group_size) {
   double total_bf16 = 0.0;
   double saved = 0.0;
   double saved_fraction_by_count = 0.0;
   for (std::size_t b = 0; b < hints.size(); ++b) {
-    const double bf16 = static_cast<double>(block_bytes[b].bf16);
+    const double bf16 = static_cast<double>(block_bytes[b][SP_PRECISION_BF16]);
     total_bf16 += bf16;
-    if (hints[b].precision == SP_PRECISION_INT8) {
-      saved_fraction_by_count += 0.5;
-      saved += bf16 - static_cast<double>(block_bytes[b].int8);
-    } else if (hints[b].precision == SP_PRECISION_NF4) {
-      saved_fraction_by_count += 1.0 - nf4_ratio;
-      const double nf4 = block_bytes[b].nf4 > 0 ? static_cast<double>(block_bytes[b].nf4) : nf4_ratio * bf16;
-      saved += bf16 - nf4;
-    }
+    const sp_precision tier = hints[b].precision;
+    if (tier == SP_PRECISION_BF16 || !tier_position(tier)) continue;
+    saved_fraction_by_count += 1.0 - nominal_ratio(tier, nf4_group_size);
+    saved += bf16 - static_cast<double>(tier_bytes(block_bytes[b], tier, nf4_group_size));
   }
   if (total_bf16 > 0.0) return 100.0 * saved / total_bf16;
   return hints.empty() ? 0.0 : 100.0 * saved_fraction_by_count / static_cast<double>(hints.size());
@@ -223,7 +229,7 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Dec
   line["max_sensitivity"] = scored ? nlohmann::ordered_json(sensitivity_max) : nullptr;
   line["min_sensitivity"] = scored ? nlohmann::ordered_json(sensitivity_min) : nullptr;
   line["precision_changes"] = record.precision_changes;
-  line["estimated_bandwidth_saving_pct"] = estimated_saving_pct(hints, block_bytes, nominal_nf4_ratio(nf4_group_size));
+  line["estimated_bandwidth_saving_pct"] = estimated_saving_pct(hints, block_bytes, nf4_group_size);
   line["measured_bandwidth"] = measured_bandwidth(measured);
   if (kPolicyEdition >= 2) line["loss_spike"] = spike_json(record.spike);
   if (record.budget) line["budget"] = budget_json(*record.budget, state.budget);

@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
 #include <unistd.h>
 
 namespace sp::policy::testing {
@@ -120,8 +122,9 @@ TEST_F(PolicyTelemetry, NominalNf4BytesFollowTheGroupSize) {
     }
     const auto all = records(file);
     ASSERT_EQ(all.size(), 1u) << group;
-    // Blocks of 2000 BF16 bytes: the NF4 one moves 2000 * ratio.
-    const double saved = 2000.0 - 2000.0 * (0.25 + 1.0 / group);
+    // Blocks of 2000 BF16 bytes: the NF4 one moves 2000 * ratio, in whole bytes as a budget
+    // counts them (tier_bytes).
+    const double saved = 2000.0 - std::ceil(2000.0 * (0.25 + 1.0 / group));
     EXPECT_DOUBLE_EQ(all[0]["estimated_bandwidth_saving_pct"].get<double>(), 100.0 * saved / 4000.0) << group;
   }
 }
@@ -202,6 +205,34 @@ TEST_F(PolicyTelemetry, LogDecisionsLogsEachChangeWithBlockPrecisionsScoreAndRea
   Driver silent(settings("  telemetry_enabled: false\n  log_decisions: false\n"), 2, &quiet);
   for (int step = 0; step < 6; ++step) silent.step_with_sensitivity(step, {0.1, 0.9});
   EXPECT_EQ(quiet.count_containing(" -> "), 0u);
+}
+
+// The plugin's tables hold one value per tier in the route table's order and are looked up by ABI
+// code, which names a route and is not taken for its place.
+TEST(PolicyTiers, ATierIsLookedUpByItsCodeAndAnUnknownCodeThrows) {
+  for (std::size_t i = 0; i < kTiers.size(); ++i) EXPECT_EQ(tier_position(kTiers[i]), i);
+  EXPECT_FALSE(tier_position(static_cast<sp_precision>(31)).has_value());
+  PerTier<int> values;
+  values[SP_PRECISION_NF4] = 4;
+  values[SP_PRECISION_INT8] = 1;
+  EXPECT_EQ(values.values[*tier_position(SP_PRECISION_NF4)], 4);
+  EXPECT_EQ(values.values[*tier_position(SP_PRECISION_INT8)], 1);
+  EXPECT_EQ(values[SP_PRECISION_BF16], 0);
+  EXPECT_THROW(values[static_cast<sp_precision>(31)], std::out_of_range);
+}
+
+// A route that ABI 1.0 had is as the block descs say, 0 included; a later one the host did not
+// describe moves its nominal image in whole bytes.
+TEST(PolicyTiers, ARouteTheHostDidNotDescribeMovesItsNominalImage) {
+  BlockBytes bytes;
+  bytes[SP_PRECISION_BF16] = 2000;
+  EXPECT_EQ(tier_bytes(bytes, SP_PRECISION_BF16, 64), 2000u);
+  EXPECT_EQ(tier_bytes(bytes, SP_PRECISION_INT8, 64), 0u);
+  EXPECT_EQ(tier_bytes(bytes, SP_PRECISION_NF4, 64), 532u);  // 2000 * 0.265625 = 531.25
+  EXPECT_EQ(tier_bytes(bytes, SP_PRECISION_NF4, 32), 563u);  // 2000 * 0.28125 = 562.5
+  bytes[SP_PRECISION_NF4] = 600;
+  EXPECT_EQ(tier_bytes(bytes, SP_PRECISION_NF4, 64), 600u);
+  EXPECT_THROW(tier_bytes(bytes, static_cast<sp_precision>(31), 64), std::exception);
 }
 
 }  // namespace

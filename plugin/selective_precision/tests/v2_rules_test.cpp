@@ -477,7 +477,7 @@ TEST(V2Rules, TransferBytesNeedOneEntryPerBlock) {
   Driver driver(v2_settings(kThreeTiers), 2);
   const std::uint64_t bytes[] = {560, 600};
   driver.engine().set_transfer_bytes(SP_PRECISION_NF4, bytes, 2);
-  EXPECT_EQ(driver.engine().block_bytes()[1].nf4, 600u);
+  EXPECT_EQ(driver.engine().block_bytes()[1][SP_PRECISION_NF4], 600u);
   EXPECT_THROW(driver.engine().set_transfer_bytes(SP_PRECISION_NF4, bytes, 1), InvalidArgument);
   EXPECT_THROW(driver.engine().set_transfer_bytes(9, bytes, 2), InvalidArgument);
   EXPECT_THROW(driver.engine().set_transfer_bytes(SP_PRECISION_NF4, nullptr, 2), InvalidArgument);

@@ -353,7 +353,10 @@ TEST(PolicyV3, TelemetryStatesTheBudgetAndEveryUnitsTier) {
 std::string config_error(const std::string &yaml, std::uint32_t blocks = kUnits) {
   try {
     const ParsedConfig parsed = parse_policy_config(yaml, blocks);
-    check_budget_feasible(parsed, std::vector<BlockBytes>(blocks, BlockBytes{kBf16, kInt8, 0}));
+    BlockBytes bytes;
+    bytes[SP_PRECISION_BF16] = kBf16;
+    bytes[SP_PRECISION_INT8] = kInt8;
+    check_budget_feasible(parsed, std::vector<BlockBytes>(blocks, bytes));
   } catch (const PolicyError &error) {
     return error.what();
   }

@@ -22,9 +22,8 @@ namespace sp {
 // 0.5x the bytes) and NF4 (packed 4-bit codes and bf16 scales, about 0.27x at group size 64).
 enum class Precision : std::uint8_t { bf16, int8, nf4 };
 
-inline constexpr std::size_t kPrecisionCount = 3;
-inline constexpr std::array<Precision, kPrecisionCount> kPrecisions = {Precision::bf16, Precision::int8,
-                                                                       Precision::nf4};
+inline constexpr std::array kPrecisions = {Precision::bf16, Precision::int8, Precision::nf4};
+inline constexpr std::size_t kPrecisionCount = kPrecisions.size();
 
 // One route's facts outside its kernels. The rows are indexed by Precision.
 struct RouteTraits {
@@ -33,6 +32,7 @@ struct RouteTraits {
   const char* label;                 // "NF4": the name in logs and messages to people
   sp_precision abi_code;             // the plugin ABI's code (sp/precision_abi.h)
   const char* abi_name;              // "SP_PRECISION_NF4": the code's name, for messages
+  std::uint32_t abi_minor;           // the plugin ABI minor that added the code (1.1 for NF4)
   std::uint32_t slab_code;           // the kernels' SlabPrecision (adapters' route_encoding.cpp)
   const char* group_size_option;     // "nf4_group_size": the option naming its scale group;
                                      // nullptr for a route without scales
@@ -43,9 +43,9 @@ struct RouteTraits {
 };
 
 inline constexpr std::array<RouteTraits, kPrecisionCount> kRouteTraits = {{
-    {Precision::bf16, "bf16", "BF16", SP_PRECISION_BF16, "SP_PRECISION_BF16", 1, nullptr, 0, false, 16, 0},
-    {Precision::int8, "int8", "INT8", SP_PRECISION_INT8, "SP_PRECISION_INT8", 2, "int8_group_size", 0, true, 8, 4},
-    {Precision::nf4, "nf4", "NF4", SP_PRECISION_NF4, "SP_PRECISION_NF4", 4, "nf4_group_size", 64, false, 4, 2},
+    {Precision::bf16, "bf16", "BF16", SP_PRECISION_BF16, "SP_PRECISION_BF16", 0, 1, nullptr, 0, false, 16, 0},
+    {Precision::int8, "int8", "INT8", SP_PRECISION_INT8, "SP_PRECISION_INT8", 0, 2, "int8_group_size", 0, true, 8, 4},
+    {Precision::nf4, "nf4", "NF4", SP_PRECISION_NF4, "SP_PRECISION_NF4", 1, 4, "nf4_group_size", 64, false, 4, 2},
 }};
 
 constexpr const RouteTraits& route_traits(Precision precision) noexcept {

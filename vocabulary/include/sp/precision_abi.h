@@ -3,6 +3,7 @@
 // converts between the two.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 
 #include "sp/plugin_abi_v1.h"
@@ -29,6 +30,16 @@ constexpr sp_precision_mask abi_mask_of_all() noexcept {
 
 // "SP_PRECISION_BF16 (0), SP_PRECISION_INT8 (1) or SP_PRECISION_NF4 (2)": what a message about
 // an sp_precision expects.
+// The codes a plugin of ABI 1.`minor` may hint: those of the routes that minor or an earlier
+// one added.
+constexpr sp_precision_mask abi_mask_since(std::uint32_t minor) noexcept {
+  sp_precision_mask mask = 0;
+  for (const RouteTraits& route : kRouteTraits) {
+    if (route.abi_minor <= minor) mask |= SP_PRECISION_BIT(route.abi_code);
+  }
+  return mask;
+}
+
 inline std::string abi_code_expectation() {
   return list_routes([](const RouteTraits& route) {
     return std::string(route.abi_name) + " (" + std::to_string(static_cast<int>(route.abi_code)) + ")";

@@ -41,7 +41,7 @@ struct Measured {
   double se = ScoreParts::kNever;
   double upper = ScoreParts::kNever;
 };
-using MeasuredTiers = std::array<Measured, kTiers.size()>;
+using MeasuredTiers = PerTier<Measured>;
 
 constexpr std::size_t kFixedSize = 8 + 8 + 8 + 1 + 1;
 // Per unit: the last measurement, then the adopted one, each a mean, se and upper bound per tier.
@@ -85,7 +85,7 @@ class MeasuredRule final : public BudgetedRule {
     std::vector<MeasuredTiers> units(units_.size());
     for (std::uint32_t u = 0; u < engine_.n_blocks(); ++u) {
       for (std::size_t t = 0; t < kTiers.size(); ++t) {
-        Measured &m = units[u][t];
+        Measured &m = units[u].values[t];
         m = Measured{table.value(u, mean[t]), table.value(u, se[t]), table.value(u, upper[t])};
         // An interval that does not hold its own mean, or a negative spread, is not a measurement.
         if (!plausible(m)) {
@@ -264,7 +264,7 @@ class MeasuredRule final : public BudgetedRule {
       for (std::size_t u = 0; u < units_.size(); ++u) {
         for (std::vector<sp_precision> *into : {&choice, &choice_base}) {
           const std::uint8_t tier = reader.u8("measured choice's tier");
-          if (tier >= kTiers.size()) {
+          if (!tier_position(static_cast<sp_precision>(tier))) {
             throw StateError(fmt::format("state blob: the measured choice gives unit {} precision {}; expected {}", u,
                                          tier, route_codes_text()));
           }
@@ -311,7 +311,7 @@ class MeasuredRule final : public BudgetedRule {
   void describe_unit(std::uint32_t unit, nlohmann::ordered_json &detail) const override {
     nlohmann::ordered_json tiers = nlohmann::ordered_json::object();
     for (std::size_t t = 1; t < kTiers.size(); ++t) {
-      const Measured &m = units_[unit][t];
+      const Measured &m = units_[unit].values[t];
       tiers[precision_name(kTiers[t])] = {
           {"mean", number_or_null(m.mean)}, {"se", number_or_null(m.se)}, {"upper", number_or_null(m.upper)}};
     }

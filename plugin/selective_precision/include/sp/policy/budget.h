@@ -1,10 +1,11 @@
 // The budget's vocabulary that policies v3 and v4 share with the engine, the state codec, the
-// telemetry and the plugin entry: the tiers as array indices, bytes per tier, the byte limit,
+// telemetry and the plugin entry: the tiers' column names, bytes per tier, the byte limit,
 // the structural prior, and the feasibility check of a bytes budget at create (docs/policy.md).
 #pragma once
 
 #include "sp/policy/config.h"
 #include "sp/policy/telemetry.h"
+#include "sp/policy/tiers.h"
 
 #include <sp/plugin_abi_v1.h>
 #include <sp/precision_abi.h>
@@ -14,22 +15,6 @@
 #include <vector>
 
 namespace sp::policy {
-
-// The tiers in preference order, the ABI's codes of the route table's rows; an sp_precision is
-// its own index.
-inline constexpr std::array<sp_precision, kPrecisionCount> kTiers = [] {
-  std::array<sp_precision, kPrecisionCount> tiers{};
-  for (std::size_t i = 0; i < kPrecisionCount; ++i) tiers[i] = to_abi(kPrecisions[i]);
-  return tiers;
-}();
-constexpr bool tiers_are_their_own_index() {
-  for (std::size_t i = 0; i < kTiers.size(); ++i) {
-    if (kTiers[i] != static_cast<sp_precision>(i)) return false;
-  }
-  return true;
-}
-static_assert(tiers_are_their_own_index(), "the ABI's codes must number the routes 0, 1, ... in Precision's order");
-using PerTier = std::array<double, kTiers.size()>;
 
 // v3's key: the weight of the previous average when a signal table arrives (cost = s*cost +
 // (1-s)*new), read by the engine, which records every table, and by the budget rule.
@@ -45,7 +30,7 @@ class TierColumns {
 
  private:
   static constexpr std::size_t kLongest = 32;
-  std::array<std::array<char, kLongest>, kTiers.size()> names_{};
+  PerTier<std::array<char, kLongest>> names_{};
 };
 
 // The signal table's column names that v3 reads (loss_cost) and records (the two terms).
@@ -53,9 +38,6 @@ const char *loss_cost_column(sp_precision tier);
 const char *first_order_column(sp_precision tier);
 const char *second_order_column(sp_precision tier);
 
-// Bytes one transfer of a block moves at `tier`: the block descs' BF16 and INT8 bytes, the NF4
-// bytes of set_transfer_bytes, or, when the host sent none, the nominal NF4 image rounded up.
-std::uint64_t tier_bytes(const BlockBytes &bytes, sp_precision tier, std::int64_t nf4_group_size);
 // What one transfer of every block moves when block b travels at routes[b].
 std::uint64_t allocation_bytes(const std::vector<BlockBytes> &blocks, const std::vector<sp_precision> &routes,
                                std::int64_t nf4_group_size);

@@ -2,6 +2,8 @@
 // import_state restores, so that a hot swap continues with identical decisions.
 #pragma once
 
+#include "sp/policy/tiers.h"
+
 #include <sp/plugin_abi_v1.h>
 
 #include <array>
@@ -89,9 +91,13 @@ struct LossWindow {
 // What the current allocation was made from: v3's signal table, or v4's measured costs.
 enum class AllocationSource : std::uint8_t { none = 0, prior = 1, signals = 2, measured = 3 };
 
-// v3: one value per tier, indexed by sp_precision (bf16, int8, nf4); NaN = none.
-using TierValues = std::array<double, 3>;
-inline constexpr TierValues kNoTierValues = {ScoreParts::kNever, ScoreParts::kNever, ScoreParts::kNever};
+// v3: one value per tier, looked up by sp_precision; NaN = none.
+using TierValues = PerTier<double>;
+inline constexpr TierValues kNoTierValues = [] {
+  TierValues none;
+  for (double &value : none) value = ScoreParts::kNever;
+  return none;
+}();
 
 // v3: a unit's signals: the smoothed loss_cost per tier it decides with, and the last first-
 // and second-order terms the host sent, which it only records.

@@ -13,11 +13,9 @@
 
 namespace sp::policy {
 
-struct BlockBytes {
-  std::uint64_t bf16 = 0;
-  std::uint64_t int8 = 0;
-  std::uint64_t nf4 = 0;  // v2: from set_transfer_bytes; 0 = not described by the host
-};
+// Bytes one transfer of a block moves at each tier, looked up by ABI code: BF16's and INT8's from
+// the block descs, a later route's from set_transfer_bytes; 0 = not described by the host.
+using BlockBytes = PerTier<std::uint64_t>;
 
 // v2: a loss spike that end_step judged.
 struct SpikeRecord {
@@ -55,8 +53,14 @@ std::string telemetry_record_line(const StepRecord &record, Mode mode, const Dec
                                   const std::vector<sp_hint_v1> &hints, const std::vector<BlockBytes> &block_bytes,
                                   const MeasuredBytes &measured, std::int64_t nf4_group_size, double unix_seconds);
 
-// NF4 bytes over BF16 bytes of an NF4 image in theory: (0.5 + 2/nf4_group_size) / 2.
+// A tier's bytes over BF16's in theory (sp::nominal_bits_per_weight): 0.5 for INT8, (0.5 +
+// 2/nf4_group_size) / 2 for NF4; a route without the config's group size takes its default.
+double nominal_ratio(sp_precision tier, std::int64_t nf4_group_size);
 double nominal_nf4_ratio(std::int64_t nf4_group_size);
+
+// What one transfer of a block moves at `tier`: the bytes the host described, or for a route it
+// did not describe (a host older than the ABI minor that added it) the nominal image, rounded up.
+std::uint64_t tier_bytes(const BlockBytes &bytes, sp_precision tier, std::int64_t nf4_group_size);
 
 const char *reason_name(sp_reason reason);
 
