@@ -6,6 +6,7 @@
 #include "sp/kernels/cuda/check.h"
 #include "sp/kernels/cuda/nf4.h"
 #include "sp/kernels/cuda/quantize.h"
+#include "sp/kernels/slab.h"
 
 namespace sp::adapters {
 namespace {
@@ -43,11 +44,11 @@ void cuda_nf4(const DequantTensor &t, std::uint32_t group_size, void *stream) {
                                             t.bf16_out, static_cast<cudaStream_t>(stream));
 }
 
-// The CUDA backend's device-codec column of the route table.
+// The CUDA backend's codec per slab format.
 constexpr DequantCodecs kCudaCodecs = [] {
   DequantCodecs codecs{};
-  codecs[Precision::int8] = &cuda_int8;
-  codecs[Precision::nf4] = &cuda_nf4;
+  codecs[static_cast<std::uint32_t>(sp::kernels::SlabPrecision::kInt8)] = &cuda_int8;
+  codecs[static_cast<std::uint32_t>(sp::kernels::SlabPrecision::kNf4)] = &cuda_nf4;
   return codecs;
 }();
 

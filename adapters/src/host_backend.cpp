@@ -14,6 +14,7 @@
 
 #include "sp/kernels/nf4.h"
 #include "sp/kernels/quantize.h"
+#include "sp/kernels/slab.h"
 
 namespace sp::adapters {
 namespace {
@@ -104,11 +105,11 @@ void host_nf4(const DequantTensor &t, std::uint32_t group_size, void *) {
                                       t.bf16_out, kOneThread);
 }
 
-// The host's device-codec column of the route table.
+// The host's codec per slab format.
 constexpr DequantCodecs kHostCodecs = [] {
   DequantCodecs codecs{};
-  codecs[Precision::int8] = &host_int8;
-  codecs[Precision::nf4] = &host_nf4;
+  codecs[static_cast<std::uint32_t>(sp::kernels::SlabPrecision::kInt8)] = &host_int8;
+  codecs[static_cast<std::uint32_t>(sp::kernels::SlabPrecision::kNf4)] = &host_nf4;
   return codecs;
 }();
 

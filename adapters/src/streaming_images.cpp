@@ -46,7 +46,9 @@ std::string block_label(const BlockSpec &block, std::uint32_t id) {
 }
 
 GroupSizes group_sizes(const StreamingConfig &config) {
+  // A route without an option of its own here packs at its row's default.
   GroupSizes groups;
+  for (const RouteTraits &route : kRouteTraits) groups[route.precision] = route.default_group_size;
   groups[Precision::int8] = config.int8_group_size;
   groups[Precision::nf4] = config.nf4_group_size;
   return groups;

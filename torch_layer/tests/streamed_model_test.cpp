@@ -14,6 +14,7 @@
 #include <limits>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -1866,6 +1867,60 @@ TEST(StreamedModel, AForcedRouteHoldsFromTheFirstFetchOfAnyPass) {
   EXPECT_EQ(report.h2d_bytes[sp::Precision::nf4], 2 * model->image_bytes(0, sp::Precision::nf4));  // forward, backward
   EXPECT_EQ(report.h2d_bytes[sp::Precision::int8], model->image_bytes(2, sp::Precision::int8));     // the last is kept
 }
+
+#ifdef SP_TEST_ALIAS_ROUTE
+// Issue 51's proof that a route is its row: the test build's int8_alias (sp/precision.h), INT8's
+// images under a name and an ABI code of their own, is forced by its own force list, streams as
+// INT8 does, is counted under its own name and comes back from a checkpoint, and no code outside
+// the route table names it.
+TEST(StreamedModel, TheTestBuildsAliasRouteStreamsIsReportedAndIsCheckpointed) {
+  const std::string with_alias =
+      "  mode: static\n  tiers: [bf16, int8, int8_alias, nf4]\n  force_int8_alias_blocks: [1]\n  force_nf4_blocks: "
+      "[0]\n";
+  const std::string with_int8 =
+      "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n  force_nf4_blocks: [0]\n";
+  const auto blocks = make_blocks(41);
+  auto model = wrap(blocks, with_alias);
+  auto twin = wrap(blocks, with_int8);
+  ASSERT_EQ(model->routes(),
+            (std::vector<sp::Precision>{sp::Precision::nf4, sp::Precision::int8_alias, sp::Precision::bf16}));
+  EXPECT_EQ(model->image_bytes(1, sp::Precision::int8_alias), twin->image_bytes(1, sp::Precision::int8));
+
+  torch::optim::SGD optimizer(model->master_parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD twin_optimizer(twin->master_parameters(), torch::optim::SGDOptions(0.1));
+  tl::StepReport report, twin_report;
+  for (std::int64_t step = 0; step < 2; ++step) {
+    for (auto [m, opt, out] :
+         {std::tuple{model.get(), &optimizer, &report}, std::tuple{twin.get(), &twin_optimizer, &twin_report}}) {
+      opt->zero_grad();
+      m->begin_step(step);
+      m->forward(input(42 + step)).pow(2).mean().backward();
+      m->post_backward();
+      opt->step();
+      *out = m->end_step(1.0);
+    }
+  }
+  // The same images as INT8's, so the same training.
+  for (std::uint32_t b = 0; b < kBlocks; ++b) {
+    for (const auto& [name, master] : model->masters(b)) EXPECT_TRUE(torch::equal(twin->masters(b).at(name), master));
+  }
+  // Counted under its own name.
+  EXPECT_GT(report.h2d_bytes[sp::Precision::int8_alias], 0u);
+  EXPECT_EQ(report.h2d_bytes[sp::Precision::int8_alias], twin_report.h2d_bytes[sp::Precision::int8]);
+  EXPECT_EQ(report.h2d_bytes[sp::Precision::int8], 0u);
+  EXPECT_EQ(report.h2d_bytes[sp::Precision::nf4], twin_report.h2d_bytes[sp::Precision::nf4]);
+
+  // Back from a checkpoint, into a model whose policy forces nothing.
+  const auto state = model->export_state();
+  auto resumed = wrap(make_blocks(99), "  mode: static\n  tiers: [bf16, int8, int8_alias, nf4]\n");
+  resumed->restore_state(state);
+  torch::NoGradGuard no_grad;
+  const std::vector<torch::Tensor> from = model->resident_parameters(), to = resumed->resident_parameters();
+  for (std::size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i]);
+  EXPECT_EQ(resumed->routes(), model->routes());
+  EXPECT_TRUE(torch::equal(resumed->forward(input(50)), model->forward(input(50))));
+}
+#endif
 
 // A state exported before the plugin's first hints (by a plugin older than ABI 1.3, or by this
 // layer before it asked for them) restores the default routes.

@@ -87,9 +87,9 @@ void check_budget_feasible(const ParsedConfig &parsed, const std::vector<BlockBy
   }
   if (config.budget.kind != BudgetKind::bytes) return;
   std::vector<std::int8_t> forced(block_bytes.size(), -1);
-  for (std::uint32_t b : config.force_bf16_blocks) forced[b] = SP_PRECISION_BF16;
-  for (std::uint32_t b : config.force_int8_blocks) forced[b] = SP_PRECISION_INT8;
-  for (std::uint32_t b : config.force_nf4_blocks) forced[b] = SP_PRECISION_NF4;
+  for (sp_precision tier : kTiers) {
+    for (std::uint32_t b : config.force_blocks[tier]) forced[b] = static_cast<std::int8_t>(tier);
+  }
   std::uint64_t fewest = 0;
   for (std::size_t b = 0; b < block_bytes.size(); ++b) {
     std::uint64_t least = block_bytes[b][SP_PRECISION_BF16];

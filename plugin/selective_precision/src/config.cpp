@@ -26,11 +26,11 @@ constexpr const char *kTopLevelSection = "selective_precision";
 constexpr const char *kTrainingConfigSection = "memory.stagehand.selective_precision";
 
 #if SP_POLICY_EDITION >= 3
-constexpr std::size_t kKnownKeyCount = 29;
+constexpr std::size_t kKnownKeyCount = 26;
 #elif SP_POLICY_EDITION >= 2
-constexpr std::size_t kKnownKeyCount = 28;
+constexpr std::size_t kKnownKeyCount = 25;
 #else
-constexpr std::size_t kKnownKeyCount = 22;
+constexpr std::size_t kKnownKeyCount = 20;
 #endif
 constexpr std::array<const char *, kKnownKeyCount> kKnownKeys = {
     "enabled",
@@ -49,15 +49,12 @@ constexpr std::array<const char *, kKnownKeyCount> kKnownKeys = {
     "history_window",
     "update_interval_steps",
     "min_steps_between_switches",
-    "force_bf16_blocks",
-    "force_int8_blocks",
     "log_decisions",
     "telemetry_enabled",
     "telemetry_file",
     "nonfinite_to_bf16",
 #if SP_POLICY_EDITION >= 2
     "tiers",
-    "force_nf4_blocks",
     "nf4_threshold",
     "nf4_quant_error_threshold",
     "nf4_group_size",
@@ -223,25 +220,18 @@ void validate_relations(const SectionReader &reader, const PolicySettings &confi
                     "expected at least one weight > 0",
                     reader.path("grad_weight")));
   }
-  for (std::size_t i = 0; i < config.force_int8_blocks.size(); ++i) {
-    const std::uint32_t block = config.force_int8_blocks[i];
-    const auto &bf16 = config.force_bf16_blocks;
-    if (std::find(bf16.begin(), bf16.end(), block) != bf16.end()) {
-      throw PolicyConfigError(
-          fmt::format("{}[{}]: block {} is also in force_bf16_blocks; expected each block in at "
-                      "most one force list",
-                      reader.path("force_int8_blocks"), i, block));
-    }
-  }
-  for (std::size_t i = 0; i < config.force_nf4_blocks.size(); ++i) {
-    const std::uint32_t block = config.force_nf4_blocks[i];
-    for (const auto &[other_key, other] : {std::pair{"force_bf16_blocks", &config.force_bf16_blocks},
-                                           std::pair{"force_int8_blocks", &config.force_int8_blocks}}) {
-      if (std::find(other->begin(), other->end(), block) != other->end()) {
-        throw PolicyConfigError(
-            fmt::format("{}[{}]: block {} is also in {}; expected each block in at most one force "
-                        "list",
-                        reader.path("force_nf4_blocks"), i, block, other_key));
+  // Each block in at most one list: a later tier's list is checked against the earlier ones.
+  for (std::size_t later = 1; later < kTiers.size(); ++later) {
+    const std::vector<std::uint32_t> &blocks = config.force_blocks.values[later];
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      for (std::size_t earlier = 0; earlier < later; ++earlier) {
+        const std::vector<std::uint32_t> &other = config.force_blocks.values[earlier];
+        if (std::find(other.begin(), other.end(), blocks[i]) != other.end()) {
+          throw PolicyConfigError(
+              fmt::format("{}[{}]: block {} is also in {}; expected each block in at most one "
+                          "force list",
+                          reader.path(force_list_key(kTiers[later])), i, blocks[i], force_list_key(kTiers[earlier])));
+        }
       }
     }
   }
@@ -395,6 +385,15 @@ void validate_relations(const SectionReader &reader, const PolicySettings &confi
   if (budget.kind == BudgetKind::none) section.fail(key, kExpected, node);
 }
 
+// The tier whose force list `key` is, in this edition.
+std::optional<sp_precision> tier_forced_by(std::string_view key) {
+  for (sp_precision tier : kTiers) {
+    const char *force_key = force_list_key(tier);
+    if (force_key != nullptr && key == force_key) return tier;
+  }
+  return std::nullopt;
+}
+
 void read_key(const SectionReader &reader, const std::string &key, const YAML::Node &value, std::uint32_t n_blocks,
               PolicySettings &config) {
   constexpr const char *kUnit = "a number in [0, 1]";
@@ -458,10 +457,8 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
   } else if (key == "min_steps_between_switches") {
     config.min_steps_between_switches = reader.read_integer(key, value, "an integer >= 0");
     require_at_least(reader, key, config.min_steps_between_switches, 0);
-  } else if (key == "force_bf16_blocks") {
-    config.force_bf16_blocks = reader.read_block_ids(key, value, n_blocks);
-  } else if (key == "force_int8_blocks") {
-    config.force_int8_blocks = reader.read_block_ids(key, value, n_blocks);
+  } else if (const std::optional<sp_precision> forced = tier_forced_by(key)) {
+    config.force_blocks[*forced] = reader.read_block_ids(key, value, n_blocks);
   } else if (key == "log_decisions") {
     config.log_decisions = reader.read_bool(key, value);
   } else if (key == "telemetry_enabled") {
@@ -473,8 +470,6 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
 #if SP_POLICY_EDITION >= 2
   } else if (key == "tiers") {
     config.tiers = read_tiers(reader, key, value);
-  } else if (key == "force_nf4_blocks") {
-    config.force_nf4_blocks = reader.read_block_ids(key, value, n_blocks);
   } else if (key == "nf4_threshold") {
     config.nf4_threshold = reader.read_number(key, value, kUnit);
     require_range(reader, key, config.nf4_threshold, 0.0, 1.0);
@@ -482,12 +477,13 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
     config.nf4_quant_error_threshold = reader.read_number(key, value, kPositive);
     require_positive_finite(reader, key, config.nf4_quant_error_threshold);
   } else if (key == "nf4_group_size") {
-    // The sizes the NF4 kernels take (sp/kernels/nf4.h); the host packs with it.
-    constexpr const char *kGroup = "32, 64, 128 or 256";
-    config.nf4_group_size = reader.read_integer(key, value, kGroup);
-    if (config.nf4_group_size != 32 && config.nf4_group_size != 64 && config.nf4_group_size != 128 &&
-        config.nf4_group_size != 256) {
-      throw PolicyConfigError(fmt::format("{}: expected {}, found {}", reader.path(key), kGroup, config.nf4_group_size));
+    // The sizes the NF4 kernels take (the route table's); the host packs with it.
+    const std::string expected = group_size_expectation(Precision::nf4);
+    config.nf4_group_size = reader.read_integer(key, value, expected);
+    if (config.nf4_group_size < 0 || config.nf4_group_size > 256 ||
+        !is_supported_group_size(Precision::nf4, static_cast<std::uint32_t>(config.nf4_group_size))) {
+      throw PolicyConfigError(
+          fmt::format("{}: expected {}, found {}", reader.path(key), expected, config.nf4_group_size));
     }
   } else if (key == "loss_guard") {
     read_loss_guard(reader, key, value, config.loss_guard);
@@ -505,6 +501,9 @@ void read_key(const SectionReader &reader, const std::string &key, const YAML::N
     config.rule_settings[key] = number;
   } else {
     std::vector<const char *> known(kKnownKeys.begin(), kKnownKeys.end());
+    for (sp_precision tier : kTiers) {
+      if (const char *force_key = force_list_key(tier)) known.push_back(force_key);
+    }
     for (const RuleModule *module : rule_modules()) {
       for (const RuleKey &rule_key : module->keys) known.push_back(rule_key.name);
     }
@@ -595,7 +594,8 @@ ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blo
     }
   }
   if (config.effective_mode() == Mode::off &&
-      (!config.force_bf16_blocks.empty() || !config.force_int8_blocks.empty() || !config.force_nf4_blocks.empty())) {
+      std::any_of(config.force_blocks.begin(), config.force_blocks.end(),
+                  [](const std::vector<std::uint32_t> &blocks) { return !blocks.empty(); })) {
     parsed.warnings.push_back(
         fmt::format("{}: the policy is off ({}), so the force lists "
                     "are ignored and every block streams as BF16",
@@ -613,35 +613,41 @@ const char *precision_name(sp_precision precision) {
 
 void check_host_precisions(const ParsedConfig &parsed, sp_precision_mask supported) {
   const PolicySettings &config = parsed.config;
-  // INT8 as NF4 below: a host without it (a 1.1 host that lists BF16 only; a 1.0 host
-  // transfers BF16 and INT8) would refuse every INT8 hint and apply its fallback instead.
-  if ((supported & SP_PRECISION_BIT(SP_PRECISION_INT8)) == 0) {
-    if (config.tier(SP_PRECISION_INT8)) {
+  // A quantized route the host lacks (a 1.1 host that lists BF16 only; a 1.0 host transfers BF16
+  // and INT8) would have every hint of it refused and replaced by the host's fallback.
+  for (const Precision route : kQuantizedPrecisions) {
+    const sp_precision tier = to_abi(route);
+    if ((supported & SP_PRECISION_BIT(tier)) != 0) continue;
+    const RouteTraits &traits = route_traits(route);
+    if (config.tier(tier)) {
       throw PolicyConfigError(
-          fmt::format("{}.tiers: int8 is a tier, but the host cannot transfer INT8 (it supports {}); "
+          fmt::format("{}.tiers: {} is a tier, but the host cannot transfer {} (it supports {}); "
                       "expected tiers from {}",
-                      parsed.section_path, tiers_text(supported), tiers_text(supported)));
+                      parsed.section_path, traits.name, traits.label, tiers_text(supported), tiers_text(supported)));
     }
-    if (!config.force_int8_blocks.empty()) {
+    if (!config.force_blocks[tier].empty()) {
       throw PolicyConfigError(
-          fmt::format("{}.force_int8_blocks: {} block(s) forced to int8, but the host cannot "
-                      "transfer INT8 (it supports {}); expected an empty list",
-                      parsed.section_path, config.force_int8_blocks.size(), tiers_text(supported)));
+          fmt::format("{}.{}: {} block(s) forced to {}, but the host cannot transfer {} (it "
+                      "supports {}); expected an empty list",
+                      parsed.section_path, force_list_key(tier), config.force_blocks[tier].size(), traits.name,
+                      traits.label, tiers_text(supported)));
     }
   }
-  if ((supported & SP_PRECISION_BIT(SP_PRECISION_NF4)) != 0) return;
-  if (config.tier(SP_PRECISION_NF4)) {
-    throw PolicyConfigError(
-        fmt::format("{}.tiers: nf4 is a tier, but the host cannot transfer NF4 (it supports {}); "
-                    "expected tiers from {}",
-                    parsed.section_path, tiers_text(supported), tiers_text(supported)));
-  }
-  if (!config.force_nf4_blocks.empty()) {
-    throw PolicyConfigError(
-        fmt::format("{}.force_nf4_blocks: {} block(s) forced to nf4, but the host cannot transfer "
-                    "NF4 (it supports {}); expected an empty list",
-                    parsed.section_path, config.force_nf4_blocks.size(), tiers_text(supported)));
-  }
+}
+
+const char *force_list_key(sp_precision tier) {
+  // Plain characters, so that the static needs no destructor (the plugin is dlclose()d at every
+  // hot swap).
+  static const PerTier<std::array<char, 32>> keys = [] {
+    PerTier<std::array<char, 32>> names{};
+    for (const RouteTraits &route : kRouteTraits) {
+      *fmt::format_to_n(names[route.abi_code].data(), 31, "force_{}_blocks", route.name).out = '\0';
+    }
+    return names;
+  }();
+  const std::optional<Precision> route = from_abi(tier);
+  if (!route || (SP_POLICY_EDITION < 2 && route_traits(*route).abi_minor > 0)) return nullptr;
+  return keys[tier].data();
 }
 
 }  // namespace sp::policy

@@ -64,9 +64,9 @@ PolicyEngine::PolicyEngine(PolicySettings config, std::vector<BlockBytes> block_
       state_(static_cast<std::uint32_t>(block_bytes_.size()), static_cast<std::uint32_t>(config_.history_window)),
       hints_(block_bytes_.size()),
       seen_in_call_(block_bytes_.size(), 0) {
-  for (std::uint32_t block : config_.force_bf16_blocks) forced_.at(block) = SP_PRECISION_BF16;
-  for (std::uint32_t block : config_.force_int8_blocks) forced_.at(block) = SP_PRECISION_INT8;
-  for (std::uint32_t block : config_.force_nf4_blocks) forced_.at(block) = SP_PRECISION_NF4;
+  for (sp_precision tier : kTiers) {
+    for (std::uint32_t block : config_.force_blocks[tier]) forced_.at(block) = static_cast<std::int8_t>(tier);
+  }
   state_.loss_window.losses.reserve(static_cast<std::size_t>(config_.loss_guard.window));
   for (std::uint32_t b = 0; b < hints_.size(); ++b) {
     hints_[b] = sp_hint_v1{b, SP_PRECISION_BF16, ScoreParts::kNever, SP_REASON_NO_DATA, 0};

@@ -222,24 +222,46 @@ void read_score(Reader &reader, std::uint32_t b, ScoreParts &score) {
   }
 }
 
+// Whether a blob of format `version` may name `route`: format 1 (edition 1) knew ABI 1.0's.
+bool format_names(std::uint32_t version, Precision route) { return version >= 2 || route_traits(route).abi_minor == 0; }
+
+int assignment_code(Precision route) { return 1 + static_cast<int>(route); }
+int abi_code(Precision route) { return to_abi(route); }
+
+// "0 (unassigned), 1 (bf16), 2 (int8) or 3 (nf4)": the codes a blob of format `version` may
+// hold, each `code(route)`, after `first` when given.
+std::string codes_text(std::uint32_t version, int (*code)(Precision), const char *first = nullptr) {
+  std::vector<std::string> words;
+  if (first != nullptr) words.emplace_back(first);
+  for (Precision route : kPrecisions) {
+    if (format_names(version, route)) words.push_back(fmt::format("{} ({})", code(route), sp::precision_name(route)));
+  }
+  std::string text;
+  for (std::size_t i = 0; i < words.size(); ++i) {
+    text += (i == 0 ? "" : i + 1 == words.size() ? " or " : ", ") + words[i];
+  }
+  return text;
+}
+
 void read_blocks_section(Reader &reader, std::size_t payload_end, const PolicyFields &fields, PolicyState &state) {
   for (std::uint32_t b = 0; b < state.blocks.size(); ++b) {
     BlockState &block = state.blocks[b];
     reader.need(kBlockFixedSize, "a block record");
-    const bool v2 = fields.version >= 2;
     const std::uint8_t assignment = reader.u8("assignment");
-    if (assignment > static_cast<std::uint8_t>(v2 ? Assignment::nf4 : Assignment::int8)) {
-      reject_block(b, fmt::format("assignment code must be 0 (unassigned), 1 (bf16), 2 (int8){}, found {}",
-                                  v2 ? " or 3 (nf4)" : "", assignment));
+    if (assignment != 0 &&
+        (assignment > kPrecisionCount || !format_names(fields.version, kPrecisions[assignment - 1]))) {
+      reject_block(b, fmt::format("assignment code must be {}, found {}",
+                                  codes_text(fields.version, assignment_code, "0 (unassigned)"), assignment));
     }
     block.assignment = static_cast<Assignment>(assignment);
     block.unsafe = reader.flag("unsafe flag");
     const bool has_switched = reader.flag("has-switched flag");
     const bool has_calibration = reader.flag("has-calibration flag");
     const std::uint8_t previous = reader.u8("previous precision");
-    if (previous != SP_PRECISION_BF16 && previous != SP_PRECISION_INT8 && !(v2 && previous == SP_PRECISION_NF4)) {
-      reject_block(b, fmt::format("previous precision must be 0 (bf16), 1 (int8){}, found {}", v2 ? " or 2 (nf4)" : "",
-                                  previous));
+    const std::optional<Precision> previous_route = from_abi(previous);
+    if (!previous_route || !format_names(fields.version, *previous_route)) {
+      reject_block(
+          b, fmt::format("previous precision must be {}, found {}", codes_text(fields.version, abi_code), previous));
     }
     block.previous_precision = previous;
     const std::int64_t last_switch = reader.i64("last switch step");
@@ -300,9 +322,7 @@ void read_guard_section(Reader &reader, std::size_t payload_end, PolicyState &st
 
 sp_precision read_precision(Reader &reader, std::uint32_t b, const char *what) {
   const std::uint8_t value = reader.u8(what);
-  if (value > SP_PRECISION_NF4) {
-    reject_block(b, fmt::format("{} must be 0 (bf16), 1 (int8) or 2 (nf4), found {}", what, value));
-  }
+  if (!from_abi(value)) reject_block(b, fmt::format("{} must be {}, found {}", what, codes_text(2, abi_code), value));
   return static_cast<sp_precision>(value);
 }
 

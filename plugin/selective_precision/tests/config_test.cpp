@@ -33,8 +33,8 @@ TEST(PolicySettings, EmptySectionTakesTheSeedDefaults) {
   EXPECT_EQ(config.history_window, 5);
   EXPECT_EQ(config.update_interval_steps, 10);
   EXPECT_EQ(config.min_steps_between_switches, 20);
-  EXPECT_TRUE(config.force_bf16_blocks.empty());
-  EXPECT_TRUE(config.force_int8_blocks.empty());
+  EXPECT_TRUE(config.force_blocks[SP_PRECISION_BF16].empty());
+  EXPECT_TRUE(config.force_blocks[SP_PRECISION_INT8].empty());
   EXPECT_TRUE(config.log_decisions);
   EXPECT_TRUE(config.telemetry_enabled);
   EXPECT_EQ(config.telemetry_file, "selective_precision_telemetry.jsonl");
@@ -45,7 +45,7 @@ TEST(PolicySettings, EmptySectionTakesTheSeedDefaults) {
 TEST(PolicySettings, V2KeysHaveTheirProvisionalDefaults) {
   const PolicySettings config = parse_policy_config("selective_precision: {}\n", kBlocks).config;
   EXPECT_EQ(config.tiers, SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8));
-  EXPECT_TRUE(config.force_nf4_blocks.empty());
+  EXPECT_TRUE(config.force_blocks[SP_PRECISION_NF4].empty());
   EXPECT_EQ(config.nf4_threshold, 0.15);
   EXPECT_EQ(config.nf4_quant_error_threshold, 0.15);
   EXPECT_EQ(config.nf4_group_size, 64);
@@ -66,7 +66,7 @@ TEST(PolicySettings, V2KeysAreRead) {
                                   .config;
   EXPECT_EQ(config.tiers, SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_NF4));
   EXPECT_EQ(config.nf4_threshold, 0.12);
-  EXPECT_EQ(config.force_nf4_blocks, std::vector<std::uint32_t>{3});
+  EXPECT_EQ(config.force_blocks[SP_PRECISION_NF4], std::vector<std::uint32_t>{3});
   EXPECT_TRUE(config.loss_guard.enabled);
   EXPECT_EQ(config.loss_guard.window, 8);
   EXPECT_EQ(config.loss_guard.sigmas, 2.5);
@@ -106,7 +106,7 @@ memory:
   EXPECT_EQ(parsed.config.warmup_steps, 3);
   EXPECT_EQ(parsed.config.bf16_threshold, 0.7);
   EXPECT_EQ(parsed.config.ambiguous_default, SP_PRECISION_INT8);
-  EXPECT_EQ(parsed.config.force_int8_blocks, (std::vector<std::uint32_t>{0, 1, 47}));
+  EXPECT_EQ(parsed.config.force_blocks[SP_PRECISION_INT8], (std::vector<std::uint32_t>{0, 1, 47}));
   EXPECT_EQ(parsed.config.telemetry_file, "out/sp.jsonl");
   EXPECT_FALSE(parsed.config.nonfinite_to_bf16);
 }

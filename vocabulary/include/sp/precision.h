@@ -20,9 +20,18 @@ namespace sp {
 
 // From the most to the least precise: BF16 (copied as is), INT8 (codes and fp32 scales, about
 // 0.5x the bytes) and NF4 (packed 4-bit codes and bf16 scales, about 0.27x at group size 64).
+#ifndef SP_TEST_ALIAS_ROUTE
 enum class Precision : std::uint8_t { bf16, int8, nf4 };
-
 inline constexpr std::array kPrecisions = {Precision::bf16, Precision::int8, Precision::nf4};
+#else
+// A test build's fourth route (the CMake option SP_TEST_ALIAS_ROUTE): INT8's images under a name
+// and an ABI code of their own, placed as precise as INT8, before NF4, so that NF4's enumerator
+// moves while its ABI code stays. Nothing outside this table, the ABI code below and the kernels
+// knows it: StreamedModel.TheTestBuildsAliasRouteStreamsIsReportedAndIsCheckpointed.
+enum class Precision : std::uint8_t { bf16, int8, int8_alias, nf4 };
+inline constexpr std::array kPrecisions = {Precision::bf16, Precision::int8, Precision::int8_alias, Precision::nf4};
+#define SP_PRECISION_INT8_ALIAS 3
+#endif
 inline constexpr std::size_t kPrecisionCount = kPrecisions.size();
 
 // One route's facts outside its kernels. The rows are indexed by Precision.
@@ -45,6 +54,10 @@ struct RouteTraits {
 inline constexpr std::array<RouteTraits, kPrecisionCount> kRouteTraits = {{
     {Precision::bf16, "bf16", "BF16", SP_PRECISION_BF16, "SP_PRECISION_BF16", 0, 1, nullptr, 0, false, 16, 0},
     {Precision::int8, "int8", "INT8", SP_PRECISION_INT8, "SP_PRECISION_INT8", 0, 2, "int8_group_size", 0, true, 8, 4},
+#ifdef SP_TEST_ALIAS_ROUTE
+    {Precision::int8_alias, "int8_alias", "INT8_ALIAS", SP_PRECISION_INT8_ALIAS, "SP_PRECISION_INT8_ALIAS",
+     SP_PLUGIN_ABI_MINOR, 2, "int8_alias_group_size", 0, true, 8, 4},
+#endif
     {Precision::nf4, "nf4", "NF4", SP_PRECISION_NF4, "SP_PRECISION_NF4", 1, 4, "nf4_group_size", 64, false, 4, 2},
 }};
 

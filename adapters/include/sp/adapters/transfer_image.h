@@ -6,6 +6,7 @@
 // the views handed to the trainer do not depend on the precision.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -56,17 +57,27 @@ struct DequantJob {
   Precision precision = Precision::int8;  // a quantized route
 };
 
-// One route's dequantization on one backend: a tensor of a job into bf16, on whatever queue
-// `context` names (the backend's stream, or nothing). Each backend keeps one per quantized route
-// in a DequantCodecs table, the device-codec column of the route table (as ggml keeps
-// type_traits_cpu beside type_traits), so no backend switches on the route.
+// One slab format's dequantization on one backend: a tensor of a job into bf16, on whatever queue
+// `context` names (the backend's stream, or nothing). Each backend keeps one per quantized format
+// in a DequantCodecs table indexed by the slab code (sp::kernels::SlabPrecision) that a route's
+// row names, as ggml keeps type_traits_cpu beside type_traits: routes over one format share its
+// codec, and no backend switches on the route.
 using DequantFn = void (*)(const DequantTensor &tensor, std::uint32_t group_size, void *context);
-using DequantCodecs = PerPrecision<DequantFn>;
+struct DequantCodecs {
+  std::array<DequantFn, 8> by_slab_code{};
 
-// Runs the job's route's codec over its tensors in order. Throws std::invalid_argument for a
-// route the table has no codec for (BF16 needs none).
+  constexpr DequantFn &operator[](std::uint32_t slab_code) { return by_slab_code.at(slab_code); }
+  // The codec of `route`'s slab format; nullptr for none.
+  constexpr DequantFn of(Precision route) const {
+    const std::uint32_t code = route_traits(route).slab_code;
+    return code < by_slab_code.size() ? by_slab_code[code] : nullptr;
+  }
+};
+
+// Runs the codec of the job's route's format over its tensors in order. Throws
+// std::invalid_argument for a route the table has no codec for (BF16 needs none).
 inline void dequantize_job(const DequantJob &job, const DequantCodecs &codecs, void *context) {
-  const DequantFn codec = codecs[job.precision];
+  const DequantFn codec = codecs.of(job.precision);
   if (codec == nullptr) {
     throw std::invalid_argument(std::string("DequantJob: no dequantization for a ") + precision_name(job.precision) +
                                 " image");

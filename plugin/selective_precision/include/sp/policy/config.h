@@ -9,6 +9,8 @@
 // edition, which knows only v1's keys (a v2 key is an unknown key).
 #pragma once
 
+#include "sp/policy/tiers.h"
+
 #include <sp/plugin_abi_v1.h>
 
 #include <cstdint>
@@ -56,8 +58,9 @@ struct PolicySettings {
   std::int64_t history_window = 5;
   std::int64_t update_interval_steps = 10;
   std::int64_t min_steps_between_switches = 20;
-  std::vector<std::uint32_t> force_bf16_blocks;
-  std::vector<std::uint32_t> force_int8_blocks;
+  // The blocks forced to each tier, by tier: the keys force_<route>_blocks (force_list_key), v1's
+  // for BF16 and INT8, v2's for NF4. A block is in at most one list.
+  PerTier<std::vector<std::uint32_t>> force_blocks;
   bool log_decisions = true;
   bool telemetry_enabled = true;
   std::string telemetry_file = "selective_precision_telemetry.jsonl";
@@ -67,7 +70,6 @@ struct PolicySettings {
   // The precisions the dynamic policy may choose, as a mask of SP_PRECISION_BIT; always
   // holds BF16. The default is v1's pair.
   sp_precision_mask tiers = SP_PRECISION_BIT(SP_PRECISION_BF16) | SP_PRECISION_BIT(SP_PRECISION_INT8);
-  std::vector<std::uint32_t> force_nf4_blocks;
   // Provisional defaults (docs/policy.md): the experiments choose the final values.
   double nf4_threshold = 0.15;
   double nf4_quant_error_threshold = 0.15;
@@ -113,9 +115,13 @@ struct ParsedConfig {
 // Throws PolicyConfigError naming the full key path, the expected type or range, and what was found.
 ParsedConfig parse_policy_config(std::string_view yaml_text, std::uint32_t n_blocks);
 
-// A configuration that uses INT8 or NF4 (a tier, or force_int8_blocks / force_nf4_blocks)
-// for a host whose supported_precisions lack it is a PolicyConfigError naming the key.
+// A configuration that uses a route (a tier, or its force list) that a host's
+// supported_precisions lack is a PolicyConfigError naming the key.
 void check_host_precisions(const ParsedConfig &parsed, sp_precision_mask supported);
+
+// "force_nf4_blocks": the key of the list of blocks forced to `tier`; nullptr for a tier whose
+// list this edition does not know (edition 1 knew ABI 1.0's routes only).
+const char *force_list_key(sp_precision tier);
 
 const char *mode_name(Mode mode);
 const char *precision_name(sp_precision precision);

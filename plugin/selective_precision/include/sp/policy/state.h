@@ -5,6 +5,7 @@
 #include "sp/policy/tiers.h"
 
 #include <sp/plugin_abi_v1.h>
+#include <sp/precision.h>
 
 #include <array>
 #include <cmath>
@@ -44,7 +45,14 @@ class SampleWindows {
   std::vector<std::uint32_t> sizes_;
 };
 
-enum class Assignment : std::uint8_t { unassigned = 0, bf16 = 1, int8 = 2, nf4 = 3 };
+// Assignment k > 0 is the route sp::kPrecisions[k - 1] (routes.h maps it): the named ones are
+// those the threshold rule's model names (1, 2 and 3 in the state blob's formats).
+enum class Assignment : std::uint8_t {
+  unassigned = 0,
+  bf16 = 1 + static_cast<int>(Precision::bf16),
+  int8 = 1 + static_cast<int>(Precision::int8),
+  nf4 = 1 + static_cast<int>(Precision::nf4),
+};
 
 // The parts of a block's sensitivity at the last decision step that scored it.
 struct ScoreParts {
