@@ -117,9 +117,9 @@ void PolicyEngine::record_predicted_costs(std::int64_t step, const SignalTable &
   for (std::uint32_t u = 0; u < n_blocks(); ++u) {
     UnitSignals &unit = budget.units[u];
     for (std::size_t t = 0; t < kTiers.size(); ++t) {
-      unit.cost[t] = smoothed(unit.cost[t], table.value(u, cost[t]), smoothing);
-      if (first[t] >= 0) unit.first_order[t] = table.value(u, first[t]);
-      if (second[t] >= 0) unit.second_order[t] = table.value(u, second[t]);
+      unit.cost.values[t] = smoothed(unit.cost.values[t], table.value(u, cost[t]), smoothing);
+      if (first[t] >= 0) unit.first_order.values[t] = table.value(u, first[t]);
+      if (second[t] >= 0) unit.second_order.values[t] = table.value(u, second[t]);
     }
   }
   ++budget.tables_received;

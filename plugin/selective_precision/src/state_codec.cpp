@@ -47,7 +47,7 @@ constexpr bool is_shared_tag(std::uint32_t tag) {
 constexpr std::uint32_t kOldestReadable = 1;
 constexpr std::size_t kBlockV2Size = 4 * 1 + 8 + 8 + 1 + 1 + 8 + 2 * 8;
 constexpr std::size_t kBudgetFixedSize = 8 + 8 + 1 + 8 + 1 + 8 + 8 + 1 + 8 + 8 + 8 + 1 + 8;
-constexpr std::size_t kUnitSignalsSize = 9 * 8;
+constexpr std::size_t kUnitSignalsSize = 3 * kTiers.size() * 8;  // cost, first and second order per tier
 
 constexpr std::size_t kPolicyPayloadSize = 4 + 4 + 8 + 1 + 4 * 8;
 constexpr std::size_t kBlockFixedSize = 5 * 1 + 8 + 8 + 5 * 8 + 4;

@@ -38,6 +38,13 @@ struct PerTier {
 
   constexpr T &operator[](sp_precision code) { return values[position(code)]; }
   constexpr const T &operator[](sp_precision code) const { return values[position(code)]; }
+  // Only an sp_precision looks a tier up: a position (a std::size_t, say) is values[i], and would
+  // otherwise convert silently into a code, which is the same number only while the codes follow
+  // the table's order.
+  template <typename Index>
+  T &operator[](Index) = delete;
+  template <typename Index>
+  const T &operator[](Index) const = delete;
   constexpr auto begin() { return values.begin(); }
   constexpr auto end() { return values.end(); }
   constexpr auto begin() const { return values.begin(); }
