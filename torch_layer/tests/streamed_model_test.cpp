@@ -1879,9 +1879,8 @@ TEST(StreamedModel, TheTestBuildsAliasRouteStreamsIsReportedAndIsCheckpointed) {
       "[0]\n";
   const std::string with_int8 =
       "  mode: static\n  tiers: [bf16, int8, nf4]\n  force_int8_blocks: [1]\n  force_nf4_blocks: [0]\n";
-  const auto blocks = make_blocks(41);
-  auto model = wrap(blocks, with_alias);
-  auto twin = wrap(blocks, with_int8);
+  auto model = wrap(make_blocks(41), with_alias);
+  auto twin = wrap(make_blocks(41), with_int8);  // the same weights, INT8 for block 1
   ASSERT_EQ(model->routes(),
             (std::vector<sp::Precision>{sp::Precision::nf4, sp::Precision::int8_alias, sp::Precision::bf16}));
   EXPECT_EQ(model->image_bytes(1, sp::Precision::int8_alias), twin->image_bytes(1, sp::Precision::int8));
