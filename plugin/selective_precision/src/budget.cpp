@@ -30,25 +30,25 @@ double smoothed(double average, double value, double smoothing) {
   return std::isnan(average) ? value : smoothing * average + (1.0 - smoothing) * value;
 }
 
-TierColumns::TierColumns(const char *signal) {
+TierColumns::TierColumns(const char *before, const char *after) {
   for (Precision route : kPrecisions) {
     char *name = names_[to_abi(route)].data();
-    *fmt::format_to_n(name, kLongest - 1, "{}.{}", signal, sp::precision_name(route)).out = '\0';
+    *fmt::format_to_n(name, kLongest - 1, "{}{}{}", before, sp::precision_name(route), after).out = '\0';
   }
 }
 
 const char *TierColumns::operator()(sp_precision tier) const { return names_[tier].data(); }
 
 const char *loss_cost_column(sp_precision tier) {
-  static const TierColumns columns("loss_cost");
+  static const TierColumns columns("loss_cost.");
   return columns(tier);
 }
 const char *first_order_column(sp_precision tier) {
-  static const TierColumns columns("first_order");
+  static const TierColumns columns("first_order.");
   return columns(tier);
 }
 const char *second_order_column(sp_precision tier) {
-  static const TierColumns columns("second_order");
+  static const TierColumns columns("second_order.");
   return columns(tier);
 }
 

@@ -1,5 +1,6 @@
 #include "sp/policy/config.h"
 
+#include "sp/policy/budget.h"
 #include "sp/policy/decision_rule.h"
 #include "sp/policy/errors.h"
 #include "sp/yaml_diagnostics/yaml_diagnostics.h"
@@ -636,18 +637,10 @@ void check_host_precisions(const ParsedConfig &parsed, sp_precision_mask support
 }
 
 const char *force_list_key(sp_precision tier) {
-  // Plain characters, so that the static needs no destructor (the plugin is dlclose()d at every
-  // hot swap).
-  static const PerTier<std::array<char, 32>> keys = [] {
-    PerTier<std::array<char, 32>> names{};
-    for (const RouteTraits &route : kRouteTraits) {
-      *fmt::format_to_n(names[route.abi_code].data(), 31, "force_{}_blocks", route.name).out = '\0';
-    }
-    return names;
-  }();
+  static const TierColumns keys("force_", "_blocks");
   const std::optional<Precision> route = from_abi(tier);
   if (!route || (SP_POLICY_EDITION < 2 && route_traits(*route).abi_minor > 0)) return nullptr;
-  return keys[tier].data();
+  return keys(tier);
 }
 
 }  // namespace sp::policy

@@ -413,9 +413,9 @@ class MeasuredRule final : public BudgetedRule {
   double switch_sigmas_;
   std::int64_t decide_until_step_;
   std::uint32_t boundary_swaps_;
-  const TierColumns mean_columns_{"measured_cost"};
-  const TierColumns se_columns_{"measured_cost_se"};
-  const TierColumns upper_columns_{"measured_cost_upper"};
+  const TierColumns mean_columns_{"measured_cost."};
+  const TierColumns se_columns_{"measured_cost_se."};
+  const TierColumns upper_columns_{"measured_cost_upper."};
   std::vector<MeasuredTiers> units_;    // the last measurement
   std::vector<MeasuredTiers> decided_;  // the one the allocation was made by
   bool adopted_ = false;

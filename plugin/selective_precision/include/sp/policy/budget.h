@@ -20,12 +20,12 @@ namespace sp::policy {
 // (1-s)*new), read by the engine, which records every table, and by the budget rule.
 inline constexpr const char *kSignalSmoothing = "signal_smoothing";
 
-// "<signal>.<route>" for every route, indexed by sp_precision: the signal table's column names.
-// Plain characters, so that a static one needs no destructor (the plugin is dlclose()d at every
-// hot swap).
+// "<before><route><after>" for every route, indexed by sp_precision: the signal table's column
+// names ("loss_cost.nf4") and the force lists' keys ("force_nf4_blocks"). Plain characters, so
+// that a static one needs no destructor (the plugin is dlclose()d at every hot swap).
 class TierColumns {
  public:
-  explicit TierColumns(const char *signal);
+  explicit TierColumns(const char *before, const char *after = "");
   const char *operator()(sp_precision tier) const;
 
  private:
