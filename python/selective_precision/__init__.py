@@ -78,16 +78,18 @@ _check_torch()
 
 from . import _selective_precision as _extension  # noqa: E402
 from ._selective_precision import (  # noqa: E402,F401  (re-exported)
+    CalibrationErrors,
     CollectiveError,
     PluginError,
+    PluginSwap,
     RankMismatchError,
     StateEntryError,
+    StepReport,
 )
 from ._measure import Interval, RouteComparison, UnitCosts  # noqa: E402
 from ._modules import _add_hook, _streamed_names, _warn_trainable_streamed_in_frozen_blocks  # noqa: E402
 from ._options import Budget, StreamOptions, _options, _streamed_model  # noqa: E402
 from ._paths import config_dir, default_plugin_dir  # noqa: E402
-from ._reports import CalibrationErrors, PluginSwap, StepReport, _errors, _report, _swap  # noqa: E402
 from ._step import _before_update  # noqa: E402
 from ._stream import PolicyReport, StreamedBlock, StreamedLayers, stream  # noqa: E402
 
@@ -451,7 +453,7 @@ class StreamedBlocks:
     def end_step(self, loss: float) -> StepReport:
         """After the optimizer stepped the masters: rebuilds their transfer images and ends the
         step with its loss (the policy's loss guard reads it)."""
-        return _report(self._model.end_step(float(loss)))
+        return self._model.end_step(float(loss))
 
     @contextlib.contextmanager
     def step(self, step: int, optimizer: torch.optim.Optimizer | None = None):
@@ -526,11 +528,11 @@ class StreamedBlocks:
     def calibrate(self, samples) -> CalibrationErrors:
         """Measures each block's INT8 and NF4 output error on first-block inputs `samples`
         and gives them to the plugin."""
-        return _errors(self._model.calibrate(list(samples)))
+        return self._model.calibrate(list(samples))
 
     def poll_plugin(self, force: bool = False) -> PluginSwap | None:
         """Hot-swaps the plugin if its file changed (or `force`): None when nothing happened."""
-        return _swap(self._model.poll_plugin(bool(force)))
+        return self._model.poll_plugin(bool(force))
 
     def routes(self) -> list[str]:
         """Each block's current format: "bf16", "int8" or "nf4"."""

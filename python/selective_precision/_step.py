@@ -1,6 +1,6 @@
 """The step as `stream()` finds it: the layer of one streamed model (`_Layer`: it opens the step
-at a pass's first call, and ends it around the optimizer's step), and the optimizer hooks that
-pass each step to the layers whose masters it steps."""
+at a pass's first call, and ends it around the optimizer's step, which its own optimizer hooks
+pass it)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import weakref
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ._modules import _parameter_at
-from ._reports import _report
 from ._selective_precision import _StepPhase
 
 _log = logging.getLogger("selective_precision")
@@ -50,6 +49,7 @@ class _Layer:
         self.master_names = ["%s.%s" % (path, n) for path, names in zip(layout.paths, layout.names) for n in names]
         self.resident_ids = {id(p) for p in model.resident_parameters()}
         self.recomputes = model.recomputes()  # a recompute calls a block again with its arguments
+        self.unhook_optimizers = self.hook_optimizers()
 
     # The step's phase is the extension's (StreamedModel::step_phase()), read, never kept here.
     @property
@@ -91,16 +91,11 @@ class _Layer:
         decides, and the images of the updated weights are rebuilt."""
         loss, self.last_moments = _before_update(self.model, self.loss)
         self.forget_step()
-        self.last_report = self.report(self.model.end_step(loss))
+        self.last_report = self.model.end_step(loss)
 
     def abort(self):
         self.model.abort_step()
         self.forget_step()
-
-    def report(self, raw):
-        """The package's StepReport of the extension's, with a route per unit."""
-        raw["routes"] = self.layout.unit_routes(raw["routes"])
-        return _report(raw)
 
     def forget_step(self):
         """What the hooks noted of the step that ends."""
@@ -120,6 +115,26 @@ class _Layer:
         the layer's (masters, resident parameters), nor those average_gradients() or a DDP did."""
         done = {id(m) for m in self.masters} | self.resident_ids | self.averaged | self.reduced_by_ddp
         return [p for g in optimizer.param_groups for p in g["params"] if id(p) not in done and p.grad is not None]
+
+    def hook_optimizers(self):
+        """Registers this layer's own pair of torch.optim step hooks, so that every optimizer's
+        step passes it (the optimizer may be built after stream(), and torch.optim hooks only
+        such an optimizer process-wide). They hold the layer weakly, and go with it: at the call
+        of what this returns (close()), or when the layer is collected."""
+        layer = weakref.ref(self)
+
+        def before(optimizer, args, kwargs):
+            live = layer()
+            if live is not None:
+                live.before_optimizer_step(optimizer)
+
+        def after(optimizer, args, kwargs):
+            live = layer()
+            if live is not None:
+                live.after_optimizer_step(optimizer)
+
+        handles = (register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after))
+        return weakref.finalize(self, _remove, handles)
 
     def trainable_masters(self):
         return [(name, m) for name, m in zip(self.master_names, self.masters) if m.requires_grad]
@@ -154,11 +169,7 @@ class _Layer:
             return
         loss = float("nan") if self.loss is None else self.loss
         self.forget_step()
-        self.last_report = self.report(self.model.end_step(loss))
-
-
-_LAYERS: "weakref.WeakSet[_Layer]" = weakref.WeakSet()
-_HOOKS = []
+        self.last_report = self.model.end_step(loss)
 
 
 def _active_ddp():
@@ -170,18 +181,6 @@ def _active_ddp():
     return active() if active is not None else None
 
 
-def _install_optimizer_hooks():
-    """Once per process: every optimizer's step passes the layers whose masters it steps."""
-    if _HOOKS:
-        return
-
-    def pre(optimizer, args, kwargs):
-        for layer in list(_LAYERS):
-            layer.before_optimizer_step(optimizer)
-
-    def post(optimizer, args, kwargs):
-        for layer in list(_LAYERS):
-            layer.after_optimizer_step(optimizer)
-
-    _HOOKS.append(register_optimizer_step_pre_hook(pre))
-    _HOOKS.append(register_optimizer_step_post_hook(post))
+def _remove(handles):
+    for handle in handles:
+        handle.remove()

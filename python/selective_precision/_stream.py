@@ -20,15 +20,15 @@ import enum
 import io
 import logging
 import math
+import weakref
 
 import torch
 import torch.utils._pytree as pytree
 
 from ._modules import _add_hook, _owner, _parameter_at, _streamed_names, _warn_trainable_streamed_in_frozen_blocks
 from ._options import Budget, StreamOptions, _options, _streamed_model
-from ._reports import _swap
 from ._selective_precision import _QUANTIZED_ROUTES, _ROUTES
-from ._step import _LAYERS, _Layer, _install_optimizer_hooks
+from ._step import _Layer
 
 _log = logging.getLogger("selective_precision")
 
@@ -235,8 +235,7 @@ class StreamedLayers(torch.nn.ModuleList):
         """Each unit's format for its next fetch: "bf16", "int8" or "nf4" (a unit is a block, or
         with units= a part of one). A transfer policy that gates one module of a unit and not
         another gives both, "int8/bf16"."""
-        layer = self._layer()
-        return layer.layout.unit_routes(layer.model.routes())
+        return self._layer().model.unit_routes()
 
     def image_bytes(self, unit: int, precision: str) -> int:
         """The bytes unit `unit` moves per fetch in `precision` ("bf16", "int8" or "nf4")."""
@@ -361,12 +360,13 @@ class StreamedLayers(torch.nn.ModuleList):
         """Hot-swaps the policy plugin if its file changed (or `force`), at the next step's start:
         a PluginSwap, or None when nothing happened."""
 
-        return _swap(self._layer().model.poll_plugin(bool(force)))
+        return self._layer().model.poll_plugin(bool(force))
 
     def close(self) -> None:
         """Releases the engines and the plugin; a streamed block called after it raises."""
-        self._layer().model.close()
-        _LAYERS.discard(self._layer())
+        layer = self._layer()
+        layer.model.close()
+        layer.unhook_optimizers()
 
     def export_state(self) -> dict:
         """This rank's masters ("master/block<i>.<name>"; with shard_masters, those of its own
@@ -492,7 +492,10 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, units=Non
         _masters_in_place(module, names)
     full_shapes = [{n: tuple(_parameter_at(m, n).shape) for n in names}
                    for m, names in zip(layout.modules, layout.names)]
-    model = _streamed_model(layout.modules, layout.names, config, options,
+    # The extension holds the modules weakly: they hold the layer (module._sp_layer), which holds
+    # it, and a strong hold from C++ would be a cycle the collector cannot see, keeping a dropped
+    # model's masters, pinned buffers and engines for the life of the process.
+    model = _streamed_model([weakref.proxy(m) for m in layout.modules], layout.names, config, options,
                             calls=[_default_call(m) for m in layout.modules], moments_from=layout.moments_from,
                             block_names=layout.block_names(), units=layout.units())
     layer = _Layer(model, layout, full_shapes)
@@ -510,8 +513,6 @@ def stream(blocks: torch.nn.ModuleList, config=None, *, streamed=None, units=Non
     # The layer holds the modules weakly (layer.blocks), as they hold it: its layout lets go too,
     # so that a dropped model is freed without waiting for the cycle collector.
     layout.modules = ()
-    _LAYERS.add(layer)
-    _install_optimizer_hooks()
     out.register_load_state_dict_post_hook(_tolerate_missing_extra_state)
     return out
 
@@ -561,10 +562,6 @@ class _Layout:
 
     def units(self):
         return [(name, len(m)) for name, m in zip(self.unit_names, self.unit_modules)] if self.units_given else []
-
-    def unit_routes(self, module_routes):
-        """Per unit, its modules' route, or their routes joined by "/" where they differ."""
-        return ["/".join(dict.fromkeys(module_routes[m] for m in unit)) for unit in self.unit_modules]
 
 
 def _unit_parts(block, units):
@@ -675,10 +672,15 @@ def _masters_in_place(module, names):
 
 
 def _default_call(module):
-    """A block's call with positional tensors alone (the layer's own passes)."""
+    """A block's call with positional tensors alone (the layer's own passes). It holds the module
+    weakly, as the extension does (stream())."""
     cls = type(module)
+    held = weakref.ref(module)
 
     def call(inputs, weights):
+        module = held()
+        if module is None:
+            raise RuntimeError("selective_precision: a streamed block was called after its module was freed")
         with _weights_in(module, weights):
             out = cls.forward(module, *inputs)
         return [out] if isinstance(out, torch.Tensor) else [o for o in pytree.tree_leaves(out)

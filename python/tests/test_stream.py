@@ -584,6 +584,36 @@ def test_grad_mode_forwards_whose_outputs_are_dropped_keep_nothing_alive():
     assert [ref() is None for ref in seen] == [True, True, True]  # nothing but the graph kept them
 
 
+def test_each_streamed_model_holds_its_own_optimizer_hooks_and_they_go_with_it():
+    """No registry of models in the module: each stream() registers its own pair of torch.optim
+    step hooks, holding its layer weakly. Two models train side by side with an optimizer each,
+    each step reaching its own model only; close() removes its pair, and so does dropping the
+    model, which neither the hooks nor the extension keep alive (the extension held the modules,
+    which hold the layer: a cycle through C++ that no collector could free)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    def hooks():
+        return len(torch_optimizer._global_optimizer_pre_hooks), len(torch_optimizer._global_optimizer_post_hooks)
+
+    before = hooks()
+    _, first = plain_and_streamed(seed=1, p=0.0)
+    _, second = plain_and_streamed(seed=2, p=0.0)
+    assert hooks() == (before[0] + 2, before[1] + 2)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (first, second)]
+    for step in range(2):
+        for model, optimizer in zip((first, second), optimizers):
+            model(torch.randn(4, 8)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert model.layers.last_report.step == step
+    first.layers.close()
+    assert hooks() == (before[0] + 1, before[1] + 1)
+    layer = weakref.ref(second.layers._layer())
+    del second, optimizers, model, optimizer  # the loop's names held the last pair
+    gc.collect()
+    assert layer() is None and hooks() == before
+
+
 def test_an_evaluation_under_eval_mode_without_no_grad_is_not_a_training_pass():
     _, streamed = plain_and_streamed(p=0.0)
     optimizer = torch.optim.SGD(streamed.parameters(), lr=0.1)

@@ -167,18 +167,10 @@ def test_step_and_the_optimizer_hooks_give_post_backward_the_steps_loss():
 
 
 def test_the_report_and_the_errors_carry_every_route_the_binding_names():
-    """The report's bytes and the calibration errors are per route, as the binding gives them:
-    a route the package's Python does not name (a new one in the C++) is carried and counted,
-    not refused by a dataclass with one field per route."""
-    from selective_precision._reports import _report
-
-    raw = {"step": 3, "h2d_bytes_by_route": {"bf16": 100, "int8": 50, "nf4": 25, "fp8": 40},
-           "h2d_bytes_all_bf16": 400, "eval_h2d_bytes": 0, "training_passes": 1, "prefetch_hits": 2,
-           "prefetch_misses": 0, "prefetch_unused": 0, "routes": ["fp8", "bf16"], "swap": None,
-           "calibration": {"int8": [0.01, 0.02], "nf4": [0.05, 0.06], "fp8": [0.03, 0.04]}}
-    report = _report(raw)
-    assert report.h2d_bytes == 215 and report.h2d_bytes_nf4 == 25 and report.saved_fraction == pytest.approx(1 - 215 / 400)
-    assert report.calibration.by_route["fp8"] == [0.03, 0.04] and report.calibration.int8 == [0.01, 0.02]
+    """The report and the calibration errors are the C++ API's own (bound once, no second
+    declaration): their bytes and errors are per route of the build's route table, and each
+    route has its named shortcut from that table, so a route added in C++ needs no edit here."""
+    from selective_precision._selective_precision import _QUANTIZED_ROUTES, _ROUTES
 
     torch.manual_seed(3)
     model = torch.nn.ModuleList(ReferenceBlock() for _ in range(BLOCKS))
@@ -187,9 +179,20 @@ def test_the_report_and_the_errors_carry_every_route_the_binding_names():
     with streamed.step(0, optimizer) as s:
         s.loss = streamed(torch.randn(4, 8, DIM)).square().mean()
         s.loss.backward()
-    assert set(s.report.h2d_bytes_by_route) == {"bf16", "int8", "nf4"}
-    assert s.report.h2d_bytes == sum(s.report.h2d_bytes_by_route.values()) > 0
-    assert set(streamed.calibrate([torch.randn(4, 8, DIM)]).by_route) == {"int8", "nf4"}
+    report = s.report
+    assert isinstance(report, sp.StepReport) and report.step == 0
+    assert list(report.h2d_bytes_by_route) == list(_ROUTES)
+    assert all(getattr(report, "h2d_bytes_" + r) == report.h2d_bytes_by_route[r] for r in _ROUTES)
+    assert report.h2d_bytes == sum(report.h2d_bytes_by_route.values()) > 0
+    assert report.saved_fraction == pytest.approx(1 - report.h2d_bytes / report.h2d_bytes_all_bf16)
+    assert report.routes == report.block_routes == streamed.routes()  # without units, one per block
+    assert report.swap is None and report.calibration is None and report.updates_skipped == []
+    assert "StepReport(step=0" in repr(report)
+    with pytest.raises(AttributeError):
+        report.step = 1  # read-only, as the frozen dataclass it replaces
+    errors = streamed.calibrate([torch.randn(4, 8, DIM)])
+    assert isinstance(errors, sp.CalibrationErrors) and list(errors.by_route) == list(_QUANTIZED_ROUTES)
+    assert all(getattr(errors, r) == errors.by_route[r] and len(errors.by_route[r]) == BLOCKS for r in _QUANTIZED_ROUTES)
 
 
 def test_a_replaced_parameter_is_refused_not_read():

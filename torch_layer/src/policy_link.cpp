@@ -87,6 +87,15 @@ std::vector<Precision> PolicyLink::block_routes() const {
   return routes;
 }
 
+std::vector<std::vector<Precision>> PolicyLink::unit_routes(const std::vector<Precision>& routes) const {
+  std::vector<std::vector<Precision>> out(names_.size());
+  for (std::size_t b = 0; b < routes.size(); ++b) {
+    std::vector<Precision>& unit = out.at(unit_of_.at(b));
+    if (std::find(unit.begin(), unit.end(), routes[b]) == unit.end()) unit.push_back(routes[b]);
+  }
+  return out;
+}
+
 void PolicyLink::read_what_the_step_needs(bool one_process) {
   const std::optional<sp_budget_status_v1> budget = session_->budget_status();
   // Policy v4 decides by measurements and says so (ABI 1.4): the Taylor table, and for a frozen

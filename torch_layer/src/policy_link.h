@@ -45,6 +45,10 @@ class PolicyLink {
 
   // Per block, the route of its unit's hint in force; empty before the first hint (BF16).
   std::vector<Precision> block_routes() const;
+  // Per unit, the distinct routes of its blocks in `routes` (one per block), in block order: one
+  // route where they agree, as the hint routes every block of a unit the same way and only the
+  // transfer policy can send one apart.
+  std::vector<std::vector<Precision>> unit_routes(const std::vector<Precision>& routes) const;
 
   // At begin_step, once a step (a hot swap, which can change the answer, happens there only):
   // whether the plugin reads a signal table this step, and, in one process, whether the

@@ -246,7 +246,9 @@ StepReport StreamedModel::end_step(double loss) {
     m.set_calibration_errors(errors);
     m.step_state.set_calibration(std::move(errors), std::chrono::duration<double>(Clock::now() - start).count());
   }
-  return m.step_state.report(m.current_routes());
+  std::vector<Precision> routes = m.current_routes();
+  std::vector<std::vector<Precision>> by_unit = m.policy_link.unit_routes(routes);
+  return m.step_state.report(std::move(routes), std::move(by_unit));
 }
 
 void StreamedModel::abort_step() {

@@ -154,8 +154,8 @@ class StepState {
     out.step_seconds = std::chrono::duration<double>(Clock::now() - start_).count();
     return out;
   }
-  // The step's report, with `routes` (per block, for the next step).
-  StepReport report(std::vector<Precision> routes) const {
+  // The step's report, with `routes` (per block, for the next step) and the same per unit.
+  StepReport report(std::vector<Precision> routes, std::vector<std::vector<Precision>> unit_routes) const {
     StepReport out = report_;
     out.h2d_bytes = transfer_.h2d_bytes;
     out.h2d_bytes_all_bf16 = transfer_.h2d_bytes_all_bf16;
@@ -163,6 +163,7 @@ class StepState {
     out.prefetch_misses = transfer_.prefetch_misses;
     out.prefetch_unused = transfer_.prefetch_unused;
     out.routes = std::move(routes);
+    out.unit_routes = std::move(unit_routes);
     return out;
   }
 

@@ -469,6 +469,9 @@ std::uint64_t StreamedModel::image_bytes(std::uint32_t block, Precision precisio
 const sp::host::PolicySession& StreamedModel::policy() const { return impl_->policy_link.session(); }
 
 std::vector<Precision> StreamedModel::routes() const { return impl_->current_routes(); }
+std::vector<std::vector<Precision>> StreamedModel::unit_routes() const {
+  return impl_->policy_link.unit_routes(impl_->current_routes());
+}
 
 const std::vector<sp::host::UnitHint>& StreamedModel::hints() const { return impl_->policy_link.session().hints(); }
 

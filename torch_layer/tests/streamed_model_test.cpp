@@ -1021,7 +1021,8 @@ TEST(StreamedModel, AUnitOfSeveralBlocksTakesOneRouteAndOneSetOfMoments) {
       model->forward(input(22)).pow(2).mean().backward();
       const std::vector<sp_grad_moments_v1>& moments = model->post_backward();
       if (step == 0) first = moments;
-      model->end_step(1.0);
+      const tl::StepReport report = model->end_step(1.0);
+      EXPECT_EQ(report.unit_routes, model->unit_routes());
     }
     return std::make_pair(std::move(model), first);
   };
@@ -1038,6 +1039,9 @@ TEST(StreamedModel, AUnitOfSeveralBlocksTakesOneRouteAndOneSetOfMoments) {
   EXPECT_EQ(by_unit->unit_of(2), 1u);
   EXPECT_EQ(by_block->routes(), (std::vector<sp::Precision>{sp::Precision::nf4, sp::Precision::nf4, sp::Precision::bf16}));
   EXPECT_EQ(by_unit->routes(), (std::vector<sp::Precision>{sp::Precision::nf4, sp::Precision::nf4, sp::Precision::bf16}));
+  using Routes = std::vector<std::vector<sp::Precision>>;
+  EXPECT_EQ(by_block->unit_routes(), (Routes{{sp::Precision::nf4}, {sp::Precision::nf4}, {sp::Precision::bf16}}));
+  EXPECT_EQ(by_unit->unit_routes(), (Routes{{sp::Precision::nf4}, {sp::Precision::bf16}}));
   ASSERT_EQ(unit_moments.size(), 2u);
   EXPECT_EQ(unit_moments[0].count, block_moments[0].count + block_moments[1].count);
   EXPECT_NEAR(unit_moments[0].sum_sq, block_moments[0].sum_sq + block_moments[1].sum_sq,

@@ -221,7 +221,10 @@ struct StepReport {
   std::uint64_t prefetch_hits = 0;
   std::uint64_t prefetch_misses = 0;
   std::uint64_t prefetch_unused = 0;
-  std::vector<Precision> routes;             // per block, for the next step
+  std::vector<Precision> routes;  // per block, for the next step
+  // The same per policy unit (StreamedModelOptions::units): the distinct routes of its blocks,
+  // in block order, one where they agree (StreamedModel::unit_routes()).
+  std::vector<std::vector<Precision>> unit_routes;
   std::optional<sp::host::SwapResult> swap;  // a hot swap applied (or failed) at begin_step
   // Blocks that update_masters_during_backward() left as they were: their gradient held a
   // non-finite element.
@@ -495,6 +498,9 @@ class StreamedModel {
   const sp::host::PolicySession& policy() const;
   // The route each block's next fetch takes (the plugin's hint through the transfer gate).
   std::vector<Precision> routes() const;
+  // The same per policy unit: the distinct routes of each unit's blocks, in block order; one
+  // route where they agree, which is always so unless the transfer policy sends a block apart.
+  std::vector<std::vector<Precision>> unit_routes() const;
   // Policy v3. The signal table post_backward() last sent the plugin: per block (the policy's
   // unit) and quantized tier t, the predicted loss change of computing with the tier's image
   // instead of the fp32 master, from the step's master gradients g and the image error d:
