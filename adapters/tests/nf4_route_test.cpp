@@ -147,19 +147,17 @@ TEST_P(MixedRoutes, PrefetchDeliversEveryRouteInBothDirections) {
       engine.release(use.block);
     }
     const StepTransferMetrics metrics = engine.end_step();
-    std::uint64_t bytes[3] = {};
-    std::uint32_t counts[3] = {};
+    sp::PerPrecision<std::uint64_t> bytes{};
+    sp::PerPrecision<std::uint32_t> counts{};
     for (const BlockFetch &fetch : engine.schedule().fetches()) {
-      const auto route = static_cast<std::size_t>(routes[fetch.block]);
-      bytes[route] += engine.image_bytes(fetch.block, routes[fetch.block]);
+      const Precision route = routes[fetch.block];
+      bytes[route] += engine.image_bytes(fetch.block, route);
       ++counts[route];
     }
-    EXPECT_EQ(metrics.h2d_bytes[sp::Precision::bf16], bytes[0]);
-    EXPECT_EQ(metrics.h2d_bytes[sp::Precision::int8], bytes[1]);
-    EXPECT_EQ(metrics.h2d_bytes[sp::Precision::nf4], bytes[2]);
-    EXPECT_EQ(metrics.fetches[sp::Precision::bf16], counts[0]);
-    EXPECT_EQ(metrics.fetches[sp::Precision::int8], counts[1]);
-    EXPECT_EQ(metrics.fetches[sp::Precision::nf4], counts[2]);
+    for (const Precision route : sp::kPrecisions) {
+      EXPECT_EQ(metrics.h2d_bytes[route], bytes[route]) << sp::precision_name(route);
+      EXPECT_EQ(metrics.fetches[route], counts[route]) << sp::precision_name(route);
+    }
     EXPECT_EQ(metrics.prefetch_misses, param.window == 0 ? fetches : 0u);
   }
 }
@@ -228,17 +226,15 @@ TEST(Nf4Route, TransferGateFallsBackToInt8ThenBf16) {
     engine.release(use.block);
   }
   const StepTransferMetrics metrics = engine.end_step();
-  std::uint32_t per_route[3] = {};
-  for (const BlockFetch &fetch : engine.schedule().fetches()) {
-    ++per_route[static_cast<std::size_t>(delivered[fetch.block])];
-  }
-  EXPECT_EQ(metrics.fetches_by_transfer_policy[sp::Precision::int8], per_route[1]);
-  EXPECT_EQ(metrics.fetches_by_transfer_policy[sp::Precision::bf16], per_route[0]);
-  EXPECT_EQ(metrics.fetches[sp::Precision::nf4], per_route[2]);
+  sp::PerPrecision<std::uint32_t> per_route{};
+  for (const BlockFetch &fetch : engine.schedule().fetches()) ++per_route[delivered[fetch.block]];
+  EXPECT_EQ(metrics.fetches_by_transfer_policy[sp::Precision::int8], per_route[sp::Precision::int8]);
+  EXPECT_EQ(metrics.fetches_by_transfer_policy[sp::Precision::bf16], per_route[sp::Precision::bf16]);
+  EXPECT_EQ(metrics.fetches[sp::Precision::nf4], per_route[sp::Precision::nf4]);
   const nlohmann::json record = metrics.to_json();
-  EXPECT_EQ(record.at("fetches").at("nf4").get<std::uint32_t>(), per_route[2]);
-  EXPECT_EQ(record.at("fetches").at("int8_by_transfer_policy").get<std::uint32_t>(), per_route[1]);
-  EXPECT_EQ(record.at("fetches").at("bf16_by_transfer_policy").get<std::uint32_t>(), per_route[0]);
+  EXPECT_EQ(record.at("fetches").at("nf4").get<std::uint32_t>(), per_route[sp::Precision::nf4]);
+  EXPECT_EQ(record.at("fetches").at("int8_by_transfer_policy").get<std::uint32_t>(), per_route[sp::Precision::int8]);
+  EXPECT_EQ(record.at("fetches").at("bf16_by_transfer_policy").get<std::uint32_t>(), per_route[sp::Precision::bf16]);
   EXPECT_FALSE(record.at("fetches").contains("nf4_by_transfer_policy"));  // never a fallback's route
   EXPECT_EQ(record.at("h2d_bytes").at("nf4").get<std::uint64_t>(), metrics.h2d_bytes[sp::Precision::nf4]);
 }
@@ -278,9 +274,14 @@ TEST(RouteTable, AgreesWithTheKernelsOnGroupSizesAndSlabCodes) {
     EXPECT_EQ(static_cast<std::uint32_t>(encoding.precision), route.slab_code) << route.name;
     EXPECT_EQ(encoding.group_size, route.default_group_size) << route.name;
     for (std::uint32_t group = 0; group <= 512; ++group) {
+      // By the slab format the route's images take: routes over one format share its sizes.
       bool kernels_take_it = group == 0;
-      if (route.precision == Precision::int8) kernels_take_it = sp::kernels::is_supported_group_size(group);
-      if (route.precision == Precision::nf4) kernels_take_it = sp::kernels::is_supported_nf4_group_size(group);
+      if (encoding.precision == sp::kernels::SlabPrecision::kInt8) {
+        kernels_take_it = sp::kernels::is_supported_group_size(group);
+      }
+      if (encoding.precision == sp::kernels::SlabPrecision::kNf4) {
+        kernels_take_it = sp::kernels::is_supported_nf4_group_size(group);
+      }
       EXPECT_EQ(is_supported_group_size(route.precision, group), kernels_take_it) << route.name << " " << group;
     }
   }

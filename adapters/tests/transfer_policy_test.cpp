@@ -321,7 +321,15 @@ TEST(TransferPath, NamesRoundTrip) {
   }
   std::vector<std::string> names;
   for (const TransferPath path : transfer_paths()) names.push_back(transfer_path_name(path));
-  EXPECT_EQ(names, (std::vector<std::string>{"int8_frozen", "int8_trained", "nf4_frozen", "nf4_trained"}));
+  // Two per quantized route, in the table's order: "int8_frozen", "int8_trained", "nf4_frozen", ...
+  std::vector<std::string> expected;
+  for (const Precision route : sp::kQuantizedPrecisions) {
+    for (const char* weights : {"_frozen", "_trained"})
+      expected.push_back(sp::precision_name(route) + std::string(weights));
+  }
+  EXPECT_EQ(names, expected);
+  EXPECT_EQ(names.front(), "int8_frozen");
+  EXPECT_EQ(names.back(), "nf4_trained");
   EXPECT_EQ(parse_transfer_path("bf16_frozen"), std::nullopt);
   EXPECT_THROW(transfer_path(Precision::bf16, BlockWeights::kFrozen), std::invalid_argument);
 }

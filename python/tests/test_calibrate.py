@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import selective_precision as sp
+from selective_precision._selective_precision import _QUANTIZED_ROUTES
 
 from test_compare_routes import per_example, streamed_model
 
@@ -22,10 +23,10 @@ def test_each_cost_is_what_compare_routes_measures_for_that_unit_alone():
     batches = [torch.randn(8, 8) for _ in range(4)]
     costs = model.layers.calibrate(per_example(model), batches, rho=None)
     assert isinstance(costs, sp.UnitCosts)
-    assert costs.units == ["0", "1", "2"] and costs.formats == ["int8", "nf4"]
+    assert costs.units == ["0", "1", "2"] and costs.formats == list(_QUANTIZED_ROUTES)  # by default, every one
     assert costs.yardstick == "kl" and costs.paired_over == "examples"
     assert costs.batches == 4 and costs.examples == 32
-    for fmt in ("int8", "nf4"):
+    for fmt in costs.formats:
         for unit in range(3):
             c = model.layers.compare_routes(per_example(model), batches, alone(unit, fmt))
             assert costs.costs[fmt][unit] == c.kl
@@ -34,7 +35,7 @@ def test_each_cost_is_what_compare_routes_measures_for_that_unit_alone():
             assert costs.batch_costs[fmt][unit] == c.batch_kl
     # NF4 moves each unit's outputs further than INT8 does.
     assert all(costs.costs["nf4"][u].mean > costs.costs["int8"][u].mean > 0 for u in range(3))
-    assert set(costs.split_half_rho) == {"int8", "nf4"}
+    assert set(costs.split_half_rho) == set(_QUANTIZED_ROUTES)
     assert all(-1.0 <= r <= 1.0 for r in costs.split_half_rho.values())
     assert "unit" in costs.table() and "nf4 kl" in costs.table()
 
@@ -72,7 +73,7 @@ def test_it_stops_when_the_ranking_repeats_and_takes_no_more_batches_than_that()
 
     costs = model.layers.calibrate(per_example(model), stream(), rho=0.9, round_batches=2)
     assert costs.batches == 4 and len(taken) == 4  # the first test: two rounds, one per half
-    assert costs.split_half_rho == {"int8": 1.0, "nf4": 1.0}
+    assert costs.split_half_rho == {f: 1.0 for f in _QUANTIZED_ROUTES}
     assert "split-half rho reached 0.9" in costs.stopped_because
     assert costs.split_half_at(4) == costs.split_half_rho
     with pytest.raises(ValueError, match="expected 2 to 4"):
@@ -119,7 +120,7 @@ def test_a_closure_that_gives_scores_for_some_rounds_only_is_refused():
         return (loss, scores) if len(calls) <= 7 else loss  # scores for the first batch's seven passes only
 
     with pytest.raises(ValueError, match="scores for some batches and not for others"):
-        model.layers.calibrate(closure, [torch.randn(8, 8)] * 4, round_batches=1, rho=None)
+        model.layers.calibrate(closure, [torch.randn(8, 8)] * 4, formats=("int8", "nf4"), round_batches=1, rho=None)
 
 
 def test_one_loss_per_batch_anywhere_pairs_every_batch_as_compare_routes_does():
@@ -161,7 +162,7 @@ def test_a_refusal_names_the_batch_and_the_unit_as_the_caller_knows_them():
         return loss, scores.new_full(scores.shape, float("nan")) if candidate_of_batch_3 else scores
 
     with pytest.raises(ValueError, match=r"calibrate: batch 3: the KL .* unit 0 in int8 gives no probability"):
-        model.layers.calibrate(closure, [torch.randn(8, 8)] * 6, round_batches=1, rho=None)
+        model.layers.calibrate(closure, [torch.randn(8, 8)] * 6, formats=("int8", "nf4"), round_batches=1, rho=None)
     passes.clear()
 
     def returns_a_number_at_batch_2(x):
@@ -169,7 +170,8 @@ def test_a_refusal_names_the_batch_and_the_unit_as_the_caller_knows_them():
         return 3 if len(passes) == 2 * 7 + 1 else per_example(model)(x)
 
     with pytest.raises(TypeError, match=re.escape("calibrate(): closure(batches[2]) returned int")):
-        model.layers.calibrate(returns_a_number_at_batch_2, [torch.randn(8, 8)] * 6, round_batches=1, rho=None)
+        model.layers.calibrate(returns_a_number_at_batch_2, [torch.randn(8, 8)] * 6, formats=("int8", "nf4"),
+                               round_batches=1, rho=None)
     assert model.layers.routes() == ["bf16"] * 3
 
 
@@ -278,7 +280,8 @@ def test_a_plugin_before_policy_v4_is_not_given_the_costs():
 
     model = streamed_model()
     model.eval()
-    costs = model.layers.calibrate(per_example(model), [torch.randn(8, 8) for _ in range(2)], rho=None)
+    costs = model.layers.calibrate(per_example(model), [torch.randn(8, 8) for _ in range(2)], formats=("int8", "nf4"),
+                                   rho=None)
 
     class Plugin:
         def __init__(self, version):

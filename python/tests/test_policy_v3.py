@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import selective_precision as sp
+from selective_precision._selective_precision import _ROUTES
 
 DIM = 64
 QUIET = {"telemetry_enabled": False, "tiers": ["bf16", "int8", "nf4"]}
@@ -171,7 +172,7 @@ def test_without_a_budget_the_report_has_none_and_no_costs():
         model(torch.randn(6, 8)).backward()
     report = model.layers.policy_report()
     assert report.budget is None
-    assert all(u["predicted_cost"] == {"bf16": None, "int8": None, "nf4": None} for u in report)
+    assert all(u["predicted_cost"] == {r: None for r in _ROUTES} for u in report)
 
 
 def test_a_frozen_base_is_measured_as_the_same_weights_trained():

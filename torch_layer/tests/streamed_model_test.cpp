@@ -571,8 +571,22 @@ torch::Tensor int8_image(const torch::Tensor& master) {
   return (codes * scale).to(torch::kBFloat16).to(torch::kFloat32);
 }
 
-const std::vector<std::string> kSignalColumns = {"loss_cost.int8",    "loss_cost.nf4",     "first_order.int8",
-                                                 "first_order.nf4",   "second_order.int8", "second_order.nf4"};
+// Each term for each quantized route of the table: "loss_cost.int8", "loss_cost.nf4",
+// "first_order.int8", ... in the three-route build.
+const std::vector<std::string> kSignalColumns = [] {
+  std::vector<std::string> out;
+  for (const char* term : {"loss_cost.", "first_order.", "second_order."}) {
+    for (const sp::Precision tier : sp::kQuantizedPrecisions)
+      out.push_back(term + std::string(sp::precision_name(tier)));
+  }
+  return out;
+}();
+
+std::size_t signal_column(const std::string& term, sp::Precision tier) {
+  const auto found =
+      std::find(kSignalColumns.begin(), kSignalColumns.end(), term + "." + std::string(sp::precision_name(tier)));
+  return static_cast<std::size_t>(found - kSignalColumns.begin());
+}
 
 TEST(PolicyV3, TheSignalTableHoldsEachBlocksTaylorTermsPerTier) {
   const auto blocks = make_blocks(41);
@@ -586,7 +600,10 @@ TEST(PolicyV3, TheSignalTableHoldsEachBlocksTaylorTermsPerTier) {
   EXPECT_EQ(table.samples, 4u);  // the leading dimension of input()
   ASSERT_EQ(table.values.size(), static_cast<std::size_t>(kBlocks) * kSignalColumns.size());
   const auto at = [&](std::int64_t b, std::size_t column) { return table.values[b * kSignalColumns.size() + column]; };
-  double mean_first[2] = {0, 0};
+  using sp::Precision;
+  const std::size_t first_int8 = signal_column("first_order", Precision::int8);
+  const std::size_t second_int8 = signal_column("second_order", Precision::int8);
+  sp::PerPrecision<double> mean_first{};
   for (std::int64_t b = 0; b < kBlocks; ++b) {
     double first = 0, second = 0;
     for (const auto& [name, master] : model->masters(static_cast<std::uint32_t>(b))) {
@@ -596,21 +613,26 @@ TEST(PolicyV3, TheSignalTableHoldsEachBlocksTaylorTermsPerTier) {
       second += (g * g * d * d).sum().item<double>();
     }
     ASSERT_GT(second, 0.0);
-    EXPECT_NEAR(at(b, 2), first, 1e-9 * std::abs(first) + 1e-18);
-    EXPECT_NEAR(at(b, 4), 0.5 * 4 * second, 1e-9 * second);  // B/2 x the sum, B = 4 examples
-    EXPECT_GT(at(b, 5), at(b, 4));                             // NF4's images are the coarser
-    for (int t = 0; t < 2; ++t) mean_first[t] += at(b, 2 + t) / kBlocks;
+    EXPECT_NEAR(at(b, first_int8), first, 1e-9 * std::abs(first) + 1e-18);
+    EXPECT_NEAR(at(b, second_int8), 0.5 * 4 * second, 1e-9 * second);  // B/2 x the sum, B = 4 examples
+    // NF4's images are the coarser.
+    EXPECT_GT(at(b, signal_column("second_order", Precision::nf4)), at(b, second_int8));
+    for (const Precision t : sp::kQuantizedPrecisions)
+      mean_first[t] += at(b, signal_column("first_order", t)) / kBlocks;
   }
   for (std::int64_t b = 0; b < kBlocks; ++b) {
-    for (int t = 0; t < 2; ++t) {
-      const double expected = at(b, 4 + t) + at(b, 2 + t) - mean_first[t];
-      EXPECT_NEAR(at(b, t), expected, 1e-12 * (std::abs(expected) + at(b, 4 + t)));
+    for (const Precision t : sp::kQuantizedPrecisions) {
+      const double second_t = at(b, signal_column("second_order", t));
+      const double expected = second_t + at(b, signal_column("first_order", t)) - mean_first[t];
+      EXPECT_NEAR(at(b, signal_column("loss_cost", t)), expected, 1e-12 * (std::abs(expected) + second_t));
     }
   }
   // The plugin took it: its first smoothed cost is the table's, and the allocation keeps the budget.
   const std::optional<std::vector<double>> int8_costs = model->unit_costs(sp::Precision::int8);
   ASSERT_TRUE(int8_costs.has_value());
-  for (std::int64_t b = 0; b < kBlocks; ++b) EXPECT_DOUBLE_EQ((*int8_costs)[b], at(b, 0));
+  for (std::int64_t b = 0; b < kBlocks; ++b) {
+    EXPECT_DOUBLE_EQ((*int8_costs)[b], at(b, signal_column("loss_cost", Precision::int8)));
+  }
   const std::optional<sp_budget_status_v1> budget = model->budget_status();
   ASSERT_TRUE(budget.has_value());
   EXPECT_EQ(budget->kind, SP_BUDGET_BYTES);
@@ -1097,9 +1119,11 @@ TEST(StreamedModel, EvaluationAndCalibrationBytesApartAndCalibrationInTwoHalves)
   const std::uint64_t bf16 = pass_bytes(sp::Precision::bf16);
   EXPECT_EQ(model->evaluation_h2d_bytes(), bf16);
   const tl::CalibrationErrors measured = model->measure_calibration_errors({input(25)});
-  // A BF16 reference pass, then an INT8 and an NF4 one, counted apart from evaluation.
+  // A BF16 reference pass, then one per quantized route (INT8, NF4), counted apart from evaluation.
   EXPECT_EQ(model->evaluation_h2d_bytes(), bf16);
-  EXPECT_EQ(model->calibration_h2d_bytes(), bf16 + pass_bytes(sp::Precision::int8) + pass_bytes(sp::Precision::nf4));
+  std::uint64_t calibration = bf16;
+  for (const sp::Precision route : sp::kQuantizedPrecisions) calibration += pass_bytes(route);
+  EXPECT_EQ(model->calibration_h2d_bytes(), calibration);
   EXPECT_TRUE(model->set_calibration_errors(measured));
   const tl::CalibrationErrors again = model->calibrate({input(25)});
   EXPECT_EQ(again[sp::Precision::int8], measured[sp::Precision::int8]);

@@ -1,5 +1,6 @@
 #include "sp/precision.h"
 
+#include <algorithm>
 #include <cctype>
 #include <set>
 #include <string>
@@ -30,7 +31,10 @@ TEST(Precision, TheAbiTranslationIsABijectionOnTheDefinedValues) {
   EXPECT_EQ(to_abi(Precision::bf16), SP_PRECISION_BF16);
   EXPECT_EQ(to_abi(Precision::int8), SP_PRECISION_INT8);
   EXPECT_EQ(to_abi(Precision::nf4), SP_PRECISION_NF4);
-  EXPECT_EQ(from_abi(static_cast<sp_precision>(3)), std::nullopt);
+  int past_the_last = 0;  // 3 in the three-route build
+  for (Precision precision : kPrecisions)
+    past_the_last = std::max(past_the_last, static_cast<int>(to_abi(precision)) + 1);
+  EXPECT_EQ(from_abi(static_cast<sp_precision>(past_the_last)), std::nullopt);
   EXPECT_EQ(from_abi(static_cast<sp_precision>(-1)), std::nullopt);
 }
 

@@ -16,6 +16,7 @@
 
 #include "calibration_cache.h"
 #include "sp/plugin_abi_v1.h"
+#include "sp/precision.h"
 #include "checkpoint_file.h"
 #include "checkpoint_meta.h"
 #include "sp/kernels/slab.h"
@@ -711,8 +712,12 @@ TEST_F(TrainWithTransferPolicy, CalibrationUnderAGateWhereNothingPaysMeasuresEve
     }
     o.logger->flush();
     const std::string text = log->str();
-    // The gate was in force when calibration ran, and let nothing through.
-    const std::size_t gate_line = text.find("INT8 pays for 0, NF4 pays for 0 of 4 blocks");
+    // The gate was in force when calibration ran, and let nothing through on any route ("INT8
+    // pays for 0, NF4 pays for 0 of 4 blocks").
+    const std::size_t gate_line = text.find(" pays for 0 of 4 blocks");
+    for (const sp::Precision route : sp::kQuantizedPrecisions) {
+      EXPECT_NE(text.find(std::string(sp::route_traits(route).label) + " pays for 0"), std::string::npos) << text;
+    }
     const std::size_t calibration_line = text.find("calibration: INT8 relative output error per block: ");
     ASSERT_NE(gate_line, std::string::npos) << text;
     ASSERT_NE(calibration_line, std::string::npos) << text;
