@@ -8,6 +8,7 @@ namespace py = pybind11;
 
 PYBIND11_MODULE(_selective_precision, m) {
   m.doc() = "Selective Precision: stream the blocks of a PyTorch model through a precision policy plugin.";
+  sp::binding::bind_reports(m);
   sp::binding::bind_model(m);
   sp::binding::bind_kernels(m);
   // The route names from the route table, most precise first, so that Python lists none itself.
