@@ -94,24 +94,21 @@ void bind_reports(py::module_& m) {
     for (const sp::Precision p : sp::kPrecisions) out[sp::precision_name(p)] = r.h2d_bytes[p];
     return out;
   };
-  const auto moved = [](const tl::StepReport& r) {
-    std::uint64_t sum = 0;
-    for (const sp::Precision p : sp::kPrecisions) sum += r.h2d_bytes[p];
-    return sum;
-  };
   report.def_readonly("step", &tl::StepReport::step, "The step's number.")
       .def_property_readonly("h2d_bytes_by_route", bytes_by_route,
                              "Host-to-device bytes of the training passes per route, one entry per route this build "
                              "streams.")
-      .def_property_readonly("h2d_bytes", moved, "The training passes' host-to-device bytes, all routes together.")
+      .def_property_readonly(
+          "h2d_bytes", [](const tl::StepReport& r) { return r.h2d_bytes.total(); },
+          "The training passes' host-to-device bytes, all routes together.")
       .def_readonly("h2d_bytes_all_bf16", &tl::StepReport::h2d_bytes_all_bf16,
                     "What the same fetches would have moved as BF16.")
       .def_property_readonly(
           "saved_fraction",
-          [moved](const tl::StepReport& r) {
+          [](const tl::StepReport& r) {
             return r.h2d_bytes_all_bf16 == 0
                        ? 0.0
-                       : 1.0 - static_cast<double>(moved(r)) / static_cast<double>(r.h2d_bytes_all_bf16);
+                       : 1.0 - static_cast<double>(r.h2d_bytes.total()) / static_cast<double>(r.h2d_bytes_all_bf16);
           },
           "The share of the all-BF16 bytes this step did not move (0 when nothing moved).")
       .def_readonly("eval_h2d_bytes", &tl::StepReport::eval_h2d_bytes,
@@ -138,11 +135,11 @@ void bind_reports(py::module_& m) {
                     "What the online re-calibration after this step took (0 without one).")
       .def_readonly("updates_skipped", &tl::StepReport::updates_skipped,
                     "Blocks whose overlapped update was skipped: their gradient held a non-finite element.")
-      .def("__repr__", [moved](const tl::StepReport& r) {
+      .def("__repr__", [](const tl::StepReport& r) {
         return fmt::format(
             "StepReport(step={}, h2d_bytes={}, h2d_bytes_all_bf16={}, eval_h2d_bytes={}, "
             "training_passes={}, routes={})",
-            r.step, moved(r), r.h2d_bytes_all_bf16, r.eval_h2d_bytes, r.training_passes,
+            r.step, r.h2d_bytes.total(), r.h2d_bytes_all_bf16, r.eval_h2d_bytes, r.training_passes,
             py::repr(py::cast(unit_route_texts(r.unit_routes))).cast<std::string>());
       });
   for (const sp::Precision p : sp::kPrecisions) {
