@@ -41,6 +41,7 @@ model streamed with the run's final routes.
 import argparse
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import importlib.resources
 import io
@@ -91,7 +92,9 @@ V3_BUDGET = 0.45  # 55% fewer bytes than all-BF16 (v4 too)
 # Policy v4 (issue 50): the plugin allocates by calibrate()'s measured costs. The measurement is
 # made at the pretrained weights, forward only, dropout off: the same for every seed, so a run
 # takes it from --measured-costs (bench/pretrained/gate.py's JSON of the task) or measures it.
-V4_POLICIES = ("v4-sublayer",)
+# v4-sublayer-nodrift: the same with the drift watch off (drift_sigmas 0): the measurement made
+# before training stands for the whole run, as it did before the watch (the pair of a drift run).
+V4_POLICIES = ("v4-sublayer", "v4-sublayer-nodrift")
 V3_BUDGETS = {"v3-sublayer-save50": 0.50, "v3-sublayer-save60": 0.40}
 CALIBRATION_PAIRS = 64  # tune-split pairs of the calibration step: one pass, so the blocks cross once
 MODES = ("lora", "full")
@@ -278,6 +281,8 @@ def policy_config(policy, n_blocks, thresholds):
     if policy in V4_POLICIES:
         section = yaml.safe_load((ROOT / "configs/policy/v4.yaml").read_text())["selective_precision"]
         del section["budget"]  # given as stream(budget=...)
+        if policy.endswith("-nodrift"):
+            section["drift_sigmas"] = 0
         return {**section, **quiet}, "sublayer"
     if policy.startswith("dynamic-v2"):
         section = yaml.safe_load((ROOT / "configs/policy/dynamic_v2.yaml").read_text())["selective_precision"]
@@ -520,9 +525,13 @@ def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=B
         "config": config,
         "wall_seconds": {"total": time.perf_counter() - started, "train": train_seconds, "eval": eval_seconds},
     }
+    remeasured = [dataclasses.asdict(r) for r in streamed.remeasurements]
+    if remeasured:
+        result["remeasurements"] = remeasured
     if calibration is not None and "h2d_bytes" in calibration:
-        # Every step counted: the calibration step's fetches (before any hint: BF16) with the training's.
-        with_calibration = moved + calibration["h2d_bytes"]
+        # Every step counted: the calibration step's fetches (before any hint: BF16) with the
+        # training's, and v4's measurements of its boundary again during training.
+        with_calibration = moved + calibration["h2d_bytes"] + sum(r["h2d_bytes"] for r in remeasured)
         all_bf16 = totals["all_bf16"] + calibration["h2d_bytes_all_bf16"]
         result["h2d_bytes"]["with_calibration"] = {"total": with_calibration, "all_bf16": all_bf16,
                                                    "saved_fraction": 1.0 - with_calibration / all_bf16}
@@ -580,9 +589,17 @@ def measured_calibration(model, streamed, task, measured_costs):
         if not streamed._layer().model.set_unit_signals(*costs.signal_table()):
             raise SystemExit("policy v4 refused the measured costs of %s (see the log)" % measured_costs)
     else:
-        model.eval()
-        costs = streamed.calibrate(*task.measurement(model))
-        model.train()
+        closure, batches = task.measurement(model)
+
+        def dropout_off(batch):  # also when the layer measures again between training steps
+            training = model.training
+            model.eval()
+            try:
+                return closure(batch)
+            finally:
+                model.train(training)
+
+        costs = streamed.calibrate(dropout_off, batches)
         if not costs.sent_to_policy:
             raise SystemExit("policy v4 did not take calibrate()'s costs (see the log)")
     report = streamed.policy_report()
@@ -708,7 +725,7 @@ def main():
     parser.add_argument("--pairs-cache", help="JSON the pairs are frozen in (made on first use)")
     parser.add_argument("--tune-v2", action="store_true", help="choose v2's thresholds on the tune split")
     parser.add_argument("--check", action="store_true", help="the rebuilt layers against BertModel, then exit")
-    parser.add_argument("--steps", type=int, default=STEPS, help="(smoke runs only)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="(smoke runs, and v4's drift runs)")
     parser.add_argument("--pool", type=int, default=POOL, help="(smoke runs only)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--compute", choices=("bf16", "fp32"), default="bf16",

@@ -214,7 +214,10 @@ class UnitCosts:
     first step, policy v4 then proposes the swaps at its allocation's boundary, which are measured
     jointly on the same batches (`alternatives` of them; `swapped`: whether it moved to one that
     measured better beyond its interval); `h2d_bytes` and `seconds` count them too. After the first
-    step the policy adopts the costs at its next step, and no swap is measured then."""
+    step the policy adopts the costs at its next step, and no swap is measured then. With
+    `remeasure_on_drift` the layer keeps the closure and the batches measured: during training,
+    when the policy asks (v4: some unit's gradients drifted beyond their noise), the boundary is
+    measured again on them after the optimizer's step (`StreamedLayers.remeasurements`)."""
 
     units: list[str]
     formats: list[str]
@@ -351,9 +354,57 @@ class _RandomStreams:
         self.put(self.saved)
 
 
-def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, round_batches):
+@dataclasses.dataclass(frozen=True)
+class Remeasurement:
+    """A measurement of its boundary that the policy asked for during training, because the
+    evidence said the costs it allocated by moved (policy v4: a unit's gradients drifted beyond
+    their noise, drift_sigmas), run after the optimizer's step of `step` on calibrate()'s closure
+    and batches: `routes` (the allocation in force) and `alternatives` swaps of it, measured
+    jointly against all-BF16 as calibrate() measures them. The policy moves to a swap, at the next
+    step, only where it measured better beyond its interval. `h2d_bytes` is what the measurement
+    moved, `all_bf16_fetches` the same in fetches of every unit in BF16, `seconds` its time."""
+
+    step: int
+    routes: list[str]
+    alternatives: int
+    h2d_bytes: int
+    all_bf16_fetches: float
+    seconds: float
+
+
+class _KeptMeasurement:
+    """calibrate()'s closure and batches, kept to measure the boundary again when the policy asks
+    during training; the dropout streams start where calibrate()'s swaps started theirs, so that
+    every measurement draws the same masks."""
+
+    def __init__(self, closure, batches, confidence, yardstick, random_state):
+        self.closure, self.batches, self.confidence = closure, batches, confidence
+        self.yardstick, self.random_state = yardstick, random_state
+
+    def measure_if_asked(self, layer, step):
+        """Between steps: measures what the policy proposes, if anything. A Remeasurement, or None."""
+        started = time.perf_counter()
+        bytes_before = layer.model.measurement_h2d_bytes()
+        routes = layer.model.unit_routes()
+        alternatives, _ = _measure_alternatives(layer, "the re-measurement on drift", self.closure, self.batches,
+                                                self.confidence, self.yardstick, self.random_state)
+        if not alternatives:
+            return None
+        h2d_bytes = layer.model.measurement_h2d_bytes() - bytes_before
+        return Remeasurement(step=step, routes=routes, alternatives=alternatives, h2d_bytes=h2d_bytes,
+                             all_bf16_fetches=h2d_bytes / _all_bf16_bytes(layer),
+                             seconds=time.perf_counter() - started)
+
+
+def _all_bf16_bytes(layer):
+    return sum(layer.model.image_bytes(m, "bf16") for modules in layer.layout.unit_modules for m in modules)
+
+
+def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, round_batches, remeasure_on_drift):
     caller = "calibrate()"
     _check_closure(caller, closure, confidence)
+    if not isinstance(remeasure_on_drift, bool):
+        raise TypeError("calibrate(): remeasure_on_drift=%r; expected True or False" % (remeasure_on_drift,))
     if isinstance(formats, str):
         formats = [formats]
     if not isinstance(formats, collections.abc.Iterable):
@@ -440,7 +491,7 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
         random.restore()
     if not used:
         raise ValueError("calibrate(): batches is empty; give the batches to measure on")
-    all_bf16 = sum(layer.model.image_bytes(m, "bf16") for modules in layer.layout.unit_modules for m in modules)
+    all_bf16 = _all_bf16_bytes(layer)
     costs = {f: [] for f in formats}
     losses = {f: [] for f in formats}
     per_batch = {f: [] for f in formats}
@@ -458,9 +509,13 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
                      seconds=0.0)
     sent = _send_to_policy(layer, result)
     alternatives, swapped = 0, False
+    layer.kept_measurement = None
     if sent:
         yardstick = "kl" if with_scores else "example" if per_example else "batch"
         alternatives, swapped = _measure_alternatives(layer, caller, closure, measured_batches, confidence, yardstick,
+                                                      after_last_pass[0])
+        if remeasure_on_drift:
+            layer.kept_measurement = _KeptMeasurement(closure, measured_batches, confidence, yardstick,
                                                       after_last_pass[0])
     h2d_bytes = layer.model.measurement_h2d_bytes() - bytes_before
     return dataclasses.replace(result, sent_to_policy=sent, alternatives=alternatives, swapped=swapped,

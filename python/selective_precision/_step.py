@@ -49,6 +49,8 @@ class _Layer:
         self.master_names = ["%s.%s" % (path, n) for path, names in zip(layout.paths, layout.names) for n in names]
         self.resident_ids = {id(p) for p in model.resident_parameters()}
         self.recomputes = model.recomputes()  # a recompute calls a block again with its arguments
+        self.kept_measurement = None  # calibrate()'s closure and batches, to measure again when the policy asks
+        self.remeasurements = []  # what they measured during training
         self.unhook_optimizers = self.hook_optimizers()
 
     # The step's phase is the extension's (StreamedModel::step_phase()), read, never kept here.
@@ -170,6 +172,11 @@ class _Layer:
         loss = float("nan") if self.loss is None else self.loss
         self.forget_step()
         self.last_report = self.model.end_step(loss)
+        # Between steps, outside any call of the blocks: the one place the closure may run the model.
+        if self.kept_measurement is not None:
+            measured = self.kept_measurement.measure_if_asked(self, self.last_report.step)
+            if measured is not None:
+                self.remeasurements.append(measured)
 
 
 def _active_ddp():

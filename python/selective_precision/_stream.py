@@ -319,7 +319,8 @@ class StreamedLayers(torch.nn.ModuleList):
         return compare_allocations(self._layer(), closure, batches, allocations, reference, confidence)
 
     def calibrate(self, closure, batches, *, formats=_QUANTIZED_ROUTES, confidence: float = 0.95,
-                  rho: float | None = 0.9, max_batches: int = 32, round_batches: int = 2) -> "UnitCosts":
+                  rho: float | None = 0.9, max_batches: int = 32, round_batches: int = 2,
+                  remeasure_on_drift: bool = True) -> "UnitCosts":
         """What each unit costs alone in each format, measured forward only (compare_routes()'s
         yardstick, with `closure` as there): per unit and format, that unit alone in the format
         against all-BF16, the KL per example where the closure returns scores, else the loss
@@ -328,10 +329,19 @@ class StreamedLayers(torch.nn.ModuleList):
         Spearman's rho between the even and the odd batches' costs at least `rho` for every
         format (tested from the second round on; rho=None: never), or `max_batches` were measured, or the batches ran out
         (`stopped_because` says which). Each batch runs 1 + units x formats passes. Returns a UnitCosts; the layer's
-        state is left as compare_routes() leaves it."""
+        state is left as compare_routes() leaves it. With `remeasure_on_drift` the layer keeps
+        `closure` and the batches measured, and when the policy asks during training (v4: a unit's
+        gradients drifted beyond their noise) measures its boundary again on them, after a
+        torch.optim step (`remeasurements`); a later calibrate() replaces them."""
         from ._measure import calibrate
 
-        return calibrate(self._layer(), closure, batches, formats, confidence, rho, max_batches, round_batches)
+        return calibrate(self._layer(), closure, batches, formats, confidence, rho, max_batches, round_batches,
+                         remeasure_on_drift)
+
+    @property
+    def remeasurements(self) -> "list[Remeasurement]":
+        """The measurements of its boundary that the policy asked for during training, in order."""
+        return list(self._layer().remeasurements)
 
     def policy_report(self) -> "PolicyReport":
         """Where each unit stands (a streamed block, "3", or with units= a part of one, "3.mlp"):

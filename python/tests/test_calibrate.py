@@ -265,6 +265,54 @@ def test_policy_v4_measures_the_swaps_at_its_boundary_and_takes_one_only_beyond_
         model_link.set_allocation_measurements(proposal, [base, base[:3]] + [base] * (len(proposal) - 2), 0.95)
 
 
+def train_with_gradients_scaled(model, steps, scale_from_step_16):
+    """SGD at lr 0 on one batch: every step's gradients are the same, until step 16 scales them."""
+    x = torch.randn(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    asked = []
+    for step in range(steps):
+        scale = 1.0 if step < 16 else scale_from_step_16
+        (per_example(model)(x)[0].mean() * scale).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if model.layers._layer().model.propose_allocations():
+            asked.append(step)
+    return asked
+
+
+def test_policy_v4_measures_its_boundary_again_when_the_gradients_drift_and_only_then():
+    model = v4_model(0.8)
+    model.eval()
+    layers = model.layers
+    costs = layers.calibrate(per_example(model), [torch.randn(8, 8) for _ in range(4)], formats="nf4", rho=None)
+    assert costs.alternatives > 0
+    measured_routes = layers.routes()
+    moved_before = layers._layer().model.measurement_h2d_bytes()
+    # Steady gradients: steps 0-7 are the reference, 8-15 the first window tested, and nothing is
+    # asked. 1000 times larger from step 16: the window of steps 16-23 drifts beyond drift_sigmas,
+    # and the optimizer's step of step 23 measures the boundary again at once (nothing is left to ask).
+    assert train_with_gradients_scaled(model, 24, 1000.0) == []
+    [again] = layers.remeasurements
+    assert isinstance(again, sp.Remeasurement)
+    assert again.step == 23 and again.routes == measured_routes
+    assert again.alternatives == costs.alternatives  # the same boundary, the same swaps
+    assert again.h2d_bytes == layers._layer().model.measurement_h2d_bytes() - moved_before > 0
+    assert again.all_bf16_fetches == pytest.approx(
+        again.h2d_bytes / sum(layers.image_bytes(u, "bf16") for u in range(3)))
+    assert again.seconds > 0
+
+
+def test_without_remeasure_on_drift_the_policy_asks_and_nothing_measures():
+    model = v4_model(0.8)
+    model.eval()
+    model.layers.calibrate(per_example(model), [torch.randn(8, 8) for _ in range(4)], formats="nf4", rho=None,
+                           remeasure_on_drift=False)
+    assert train_with_gradients_scaled(model, 24, 1000.0) == [23]
+    assert model.layers.remeasurements == []
+    with pytest.raises(TypeError, match="remeasure_on_drift=1; expected True or False"):
+        model.layers.calibrate(per_example(model), [torch.randn(8, 8)], remeasure_on_drift=1)
+
+
 def test_other_policies_take_the_costs_and_decide_as_before():
     model = streamed_model()  # all BF16 (mode off)
     model.eval()

@@ -140,6 +140,7 @@ void PolicyEngine::post_backward(std::int64_t step, const sp_grad_moments_v1 *mo
     const sp_grad_moments_v1 &m = moments[i];
     if (moments_finite(m)) {
       state_.windows.push(m.block_id, sample_from(m));
+      rule_->take_moments(step, m);
     } else if (config_.nonfinite_to_bf16) {
       state_.blocks[m.block_id].unsafe = true;
     }

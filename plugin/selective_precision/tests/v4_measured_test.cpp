@@ -241,6 +241,11 @@ TEST(PolicyV4, TelemetryStatesTheMeasurementItDecidedBy) {
   EXPECT_EQ(record["measured"]["boundary_swaps"], 2);
   EXPECT_EQ(record["measured"]["measured_choice"], false);
   EXPECT_FALSE(record["measured"].contains("last_swaps")) << "no swap was measured";
+  EXPECT_EQ(record["measured"]["drift"]["sigmas"], 4.0);
+  EXPECT_EQ(record["measured"]["drift"]["window"], 8);
+  EXPECT_EQ(record["measured"]["drift"]["wanted"], false);
+  EXPECT_EQ(record["measured"]["drift"]["requests"], 0);
+  EXPECT_TRUE(record["block_details"]["2"]["drift_evidence"].is_null()) << "no window was tested yet";
   EXPECT_EQ(record["block_details"]["5"]["precision"], "nf4");
   EXPECT_EQ(record["block_details"]["2"]["measured_cost"]["nf4"]["upper"], 0.03);
   EXPECT_TRUE(record["block_details"]["2"]["measured_cost"]["int8"]["mean"].is_null());
@@ -269,6 +274,17 @@ sp_allocation_measurements_v1 measurement_of(const std::vector<std::vector<sp_pr
                                        difference_upper.data(),
                                        256,
                                        0.95};
+}
+
+// Every unit's post_backward moments, a gradient of 1000 elements of magnitude `scale` (unit `odd`'s
+// `odd_scale` times that), each unit's a little apart.
+std::vector<sp_grad_moments_v1> gradients(double scale, double odd_scale = 1.0, std::uint32_t odd = kUnits) {
+  std::vector<sp_grad_moments_v1> moments;
+  for (std::uint32_t u = 0; u < kUnits; ++u) {
+    const double g = scale * (u == odd ? odd_scale : 1.0) * (1.0 + 0.1 * u);
+    moments.push_back({u, 0, 1000 * g * g, 0.0, g, 1000, 0});
+  }
+  return moments;
 }
 
 std::vector<std::uint32_t> nf4_units_of(const std::vector<sp_precision> &routes) {
@@ -365,17 +381,13 @@ TEST(PolicyV4, AMeasuredSwapCrossesAStateRoundTripAndNotDecideUntilStep) {
   resumed.engine().import_state(blob.data(), blob.size());
   EXPECT_EQ(nf4_units(step_with(resumed, 0, nullptr)), std::vector<std::uint32_t>{2});
 
-  // Measured at decide_until_step, a swap could act only after it: recorded, not taken, and not
-  // after a state round trip either (a re-solve for another reason would otherwise apply it).
-  proposal = resumed.engine().propose_allocations(kUnits);
-  ASSERT_EQ(proposal.size(), 3u);
-  m = measurement_of(proposal, routes, cost, cost_upper, difference, difference_upper);
-  resumed.engine().set_allocation_measurements(0, &m);
-  EXPECT_EQ(nf4_units(step_with(resumed, 1, nullptr)), std::vector<std::uint32_t>{2});
-  const std::vector<std::uint8_t> late = resumed.engine().export_state();
-  Driver after(measured_config(kOneNf4, "  decide_until_step: 0\n"), kUnits);
-  after.engine().import_state(late.data(), late.size());
-  EXPECT_EQ(nf4_units(step_with(after, 2, nullptr)), std::vector<std::uint32_t>{2});
+  // From decide_until_step on, a measurement could act only after it: however far the gradients
+  // move, nothing is proposed, and the choice stands.
+  for (std::int64_t step = 1; step < 40; ++step) {
+    EXPECT_EQ(nf4_units(step_with(resumed, step, nullptr, gradients(1.0, step < 20 ? 1.0 : 1000.0))),
+              std::vector<std::uint32_t>{2});
+    EXPECT_TRUE(resumed.engine().propose_allocations(kUnits).empty()) << "step " << step;
+  }
 }
 
 TEST(PolicyV4, ASwapHoldsOnlyWhileTheKnapsackAnswersWithTheAllocationItWasMeasuredAgainst) {
@@ -429,14 +441,88 @@ TEST(PolicyV4, ProposesNothingWhileNewerUnitCostsWaitToBeAdopted) {
   Driver driver(measured_config(kOneNf4), kUnits);
   send(driver.engine(), -1, boundary_costs());
   initial(driver.engine());
-  step_with(driver, 0, nullptr);
   ASSERT_EQ(driver.engine().propose_allocations(kUnits).size(), 3u);
-  // Sent between steps, they are taken at the next compute_hints: until then the allocation they
-  // give is not in force, and no swap around the old one is worth measuring.
-  send(driver.engine(), 0, boundary_costs());
+  // Sent again, they are taken at the next initial_hints or compute_hints: until then the
+  // allocation they give is not in force, and no swap around the old one is worth measuring.
+  send(driver.engine(), -1, boundary_costs());
   EXPECT_TRUE(driver.engine().propose_allocations(kUnits).empty());
-  step_with(driver, 1, nullptr);
+  initial(driver.engine());
   EXPECT_EQ(driver.engine().propose_allocations(kUnits).size(), 3u);
+}
+
+// ---- re-measuring when the gradients drift ----
+
+TEST(PolicyV4Drift, OnceTrainingBeganTheBoundaryIsMeasuredAgainOnlyWhenTheGradientsDriftBeyondTheirNoise) {
+  Driver driver(measured_config(kOneNf4), kUnits);
+  PolicyEngine &engine = driver.engine();
+  send(engine, -1, boundary_costs());
+  initial(engine);
+  ASSERT_EQ(engine.propose_allocations(kUnits).size(), 3u) << "before the first step, as measured";
+  // Each unit's gradients wander by a few percent from step to step: noise, never drift. The first
+  // 8 steps (drift_window) are the reference; each next 8 are tested against it.
+  const auto wander = [](std::int64_t step) { return 1.0 + 0.05 * std::sin(1.7 * static_cast<double>(step)); };
+  for (std::int64_t step = 0; step < 64; ++step) {
+    step_with(driver, step, nullptr, gradients(wander(step)));
+    EXPECT_TRUE(engine.propose_allocations(kUnits).empty()) << "step " << step;
+  }
+  // Unit 6's gradients grow tenfold: within its next window the evidence exceeds drift_sigmas.
+  std::int64_t asked = -1;
+  for (std::int64_t step = 64; step < 72 && asked < 0; ++step) {
+    step_with(driver, step, nullptr, gradients(wander(step), 10.0, 6));
+    if (!engine.propose_allocations(kUnits).empty()) asked = step;
+  }
+  ASSERT_EQ(asked, 71) << "the window of steps 64 to 71 is the first one tested with the change";
+  // Unit 6 is far from the cut (its cost is the common 0.1), but its cost is the one in doubt: its
+  // move to NF4 is measured too, against each widening.
+  const std::vector<std::vector<sp_precision>> proposal = engine.propose_allocations(kUnits);
+  ASSERT_EQ(proposal.size(), 4u);
+  EXPECT_EQ(nf4_units_of(proposal[0]), std::vector<std::uint32_t>{5});
+  EXPECT_EQ(nf4_units_of(proposal[3]), std::vector<std::uint32_t>{6});
+  // Measured, with no winner: the routes stay, and the watch takes its reference anew.
+  std::vector<sp_precision> routes;
+  const std::vector<double> cost{0.05, 0.06, 0.07, 0.08}, upper{0.06, 0.07, 0.08, 0.09},
+      difference{0.0, 0.01, 0.02, 0.03}, difference_upper{0.0, 0.02, 0.03, 0.04};
+  const sp_allocation_measurements_v1 m = measurement_of(proposal, routes, cost, upper, difference, difference_upper);
+  engine.set_allocation_measurements(71, &m);
+  for (std::int64_t step = 72; step < 96; ++step) {
+    EXPECT_EQ(nf4_units(step_with(driver, step, nullptr, gradients(wander(step), 10.0, 6))),
+              std::vector<std::uint32_t>{5});
+    EXPECT_TRUE(engine.propose_allocations(kUnits).empty()) << "step " << step;
+  }
+}
+
+TEST(PolicyV4Drift, AMeasuredWinnerMovesTheRoutesAtTheNextStep) {
+  Driver driver(measured_config(kOneNf4, "  drift_window: 4\n"), kUnits);
+  PolicyEngine &engine = driver.engine();
+  send(engine, -1, boundary_costs());
+  initial(engine);
+  std::int64_t step = 0;
+  for (; step < 8; ++step) step_with(driver, step, nullptr, gradients(1.0, step < 4 ? 1.0 : 0.01, 2));
+  const std::vector<std::vector<sp_precision>> proposal = engine.propose_allocations(kUnits);
+  ASSERT_EQ(proposal.size(), 3u) << "unit 2 drifted, already at the boundary: its swaps, as before the first step";
+  ASSERT_EQ(nf4_units_of(proposal[1]), std::vector<std::uint32_t>{2});
+  std::vector<sp_precision> routes;
+  const std::vector<double> cost{0.05, 0.04, 0.05}, upper{0.06, 0.05, 0.06}, difference{0.0, -0.01, 0.0},
+      difference_upper{0.0, -0.002, 0.001};
+  const sp_allocation_measurements_v1 m = measurement_of(proposal, routes, cost, upper, difference, difference_upper);
+  engine.set_allocation_measurements(step - 1, &m);
+  EXPECT_EQ(nf4_units(step_with(driver, step, nullptr, gradients(1.0, 0.01, 2))), std::vector<std::uint32_t>{2});
+  EXPECT_TRUE(engine.propose_allocations(kUnits).empty());
+}
+
+TEST(PolicyV4Drift, DriftSigmasZeroNeverAsksNorDoesAnAllocationNoMeasurementMade) {
+  Driver off(measured_config(kOneNf4, "  drift_sigmas: 0\n  drift_window: 2\n"), kUnits);
+  send(off.engine(), -1, boundary_costs());
+  initial(off.engine());
+  // Without a measurement the prior's routes have nothing to drift from.
+  Driver prior(measured_config(kOneNf4, "  drift_window: 2\n"), kUnits);
+  initial(prior.engine());
+  for (std::int64_t step = 0; step < 20; ++step) {
+    for (Driver *driver : {&off, &prior}) {
+      step_with(*driver, step, nullptr, gradients(step < 10 ? 1.0 : 100.0));
+      EXPECT_TRUE(driver->engine().propose_allocations(kUnits).empty()) << "step " << step;
+    }
+  }
 }
 
 TEST(PolicyV4, BoundarySwapsZeroProposesNothing) {
@@ -493,9 +579,15 @@ TEST(PolicyV4Config, NamesTheKeyAndWhatWasExpected) {
                                                 "{bytes: F}"},
       {standalone("  mode: measured\n  budget: {loss: 0.01}\n"),
        path + "budget: mode measured decides by a cost that is not the training loss; expected budget: {bytes: F}"},
-      {measured_config(kOneNf4, "  switch_sigmas: -1\n"), path + "switch_sigmas: expected a number in [0, 100], found -1"},
+      {measured_config(kOneNf4, "  switch_sigmas: -1\n"),
+       path + "switch_sigmas: expected a number in [0, 100], found -1"},
       {measured_config(kOneNf4, "  decide_until_step: 2.5\n"), path + "decide_until_step: expected an integer >= -1"},
-      {measured_config(kOneNf4, "  switch_sigma: 1\n"), path + "switch_sigma: unknown key; did you mean 'switch_sigmas'?"},
+      {measured_config(kOneNf4, "  switch_sigma: 1\n"),
+       path + "switch_sigma: unknown key; did you mean 'switch_sigmas'?"},
+      {measured_config(kOneNf4, "  drift_window: 1\n"),
+       path + "drift_window: expected an integer in [2, 10000], found 1"},
+      {measured_config(kOneNf4, "  drift_sigmas: -2\n"),
+       path + "drift_sigmas: expected a number in [0, 100] (0: the boundary is never measured again), found -2"},
   };
   for (const auto &[yaml, expected] : cases) {
     try {

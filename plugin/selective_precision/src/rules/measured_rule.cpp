@@ -14,7 +14,9 @@
 // difference from the allocation is below zero beyond its confidence interval, the lowest such.
 // A taken swap holds while the knapsack still answers with the allocation it was measured
 // against (or with the swap itself): new sizes, a new budget or a moved unit drop it.
-// docs/policy.md, "Policy v4".
+// Once training began, the boundary is measured again only when some unit's gradients drifted
+// beyond their noise since the measurement (DriftWatch): the cheap per-step signal asks, the
+// measurement decides. docs/policy.md, "Policy v4".
 #include "budgeted_rule.h"
 #include "../byte_codec.h"
 #include "../json_values.h"
@@ -33,6 +35,8 @@ namespace {
 constexpr const char *kSwitchSigmas = "switch_sigmas";
 constexpr const char *kDecideUntilStep = "decide_until_step";
 constexpr const char *kBoundarySwaps = "boundary_swaps";
+constexpr const char *kDriftSigmas = "drift_sigmas";
+constexpr const char *kDriftWindow = "drift_window";
 constexpr std::uint32_t kSectionTag = 0x4452534D;  // "MSRD" as the codec writes tags
 
 // One unit's measurement at one tier.
@@ -61,6 +65,104 @@ struct Move {
 // A cost, its spread or its bound beyond this magnitude is refused: the knapsack sums them.
 constexpr double kLargestValue = 1e12;
 
+// Whether some unit's gradients moved beyond their noise since the allocation's measurement: per
+// unit, the log of its mean squared gradient element (a step's post_backward moments), the
+// first `window` samples after a restart its reference, then each next `window` samples tested
+// against it (Welch's z: the difference of the means over its standard error). Windows do not
+// overlap, so a unit is tested once per `window` steps. The mean square tracks the diagonal of
+// the Fisher information the unit's quantization noise is weighed by, and it moves with training.
+// A drift asks for a measurement; it decides nothing.
+class DriftWatch {
+ public:
+  DriftWatch(std::uint32_t units, double sigmas, std::uint32_t window)
+      : sigmas_(sigmas), window_(window), reference_(units), recent_(units), evidence_(units, ScoreParts::kNever) {}
+
+  // From the next sample on, each unit's reference is taken anew.
+  void restart() {
+    std::fill(reference_.begin(), reference_.end(), Moments{});
+    std::fill(recent_.begin(), recent_.end(), Moments{});
+    std::fill(evidence_.begin(), evidence_.end(), ScoreParts::kNever);
+    wanted_ = false;
+  }
+
+  void take(std::int64_t step, const sp_grad_moments_v1 &m) {
+    // sigmas 0: no watch. A gradient of zeros has no log; it neither sets nor tests a reference.
+    if (sigmas_ == 0.0 || wanted_ || !(m.sum_sq > 0.0)) return;
+    const double x = std::log(m.sum_sq / static_cast<double>(m.count));
+    Moments &reference = reference_[m.block_id];
+    if (reference.n < window_) {
+      reference.add(x);
+      return;
+    }
+    Moments &recent = recent_[m.block_id];
+    recent.add(x);
+    if (recent.n < window_) return;
+    evidence_[m.block_id] = welch_z(reference, recent);
+    recent = Moments{};
+    if (evidence_[m.block_id] > sigmas_) {
+      wanted_ = true;
+      wanted_at_step_ = step;
+      ++requests_;
+    }
+  }
+
+  bool wanted() const { return wanted_; }
+
+  // The units whose last test exceeded sigmas, the strongest evidence first, at most `limit`.
+  std::vector<std::uint32_t> drifted(std::size_t limit) const {
+    std::vector<std::uint32_t> units;
+    for (std::uint32_t u = 0; u < evidence_.size(); ++u) {
+      if (evidence_[u] > sigmas_) units.push_back(u);
+    }
+    std::stable_sort(units.begin(), units.end(),
+                     [&](std::uint32_t a, std::uint32_t b) { return evidence_[a] > evidence_[b]; });
+    if (units.size() > limit) units.resize(limit);
+    return units;
+  }
+
+  void describe(nlohmann::ordered_json &out) const {
+    out = {{"sigmas", sigmas_},
+           {"window", window_},
+           {"wanted", wanted_},
+           {"requests", requests_},
+           {"last_request_step", requests_ > 0 ? nlohmann::ordered_json(wanted_at_step_) : nullptr}};
+  }
+  double evidence(std::uint32_t unit) const { return evidence_[unit]; }
+
+ private:
+  // Welford's running mean and sum of squared deviations.
+  struct Moments {
+    std::uint32_t n = 0;
+    double mean = 0.0;
+    double m2 = 0.0;
+    void add(double x) {
+      ++n;
+      const double delta = x - mean;
+      mean += delta / n;
+      m2 += delta * (x - mean);
+    }
+    double variance_of_mean() const { return n > 1 ? m2 / (n - 1) / n : 0.0; }
+  };
+
+  // A change of the log mean square below this is no drift, however steady the gradients: the
+  // floor of the z's denominator (identical steps have a spread of zero).
+  static constexpr double kLogResolution = 1e-6;
+
+  static double welch_z(const Moments &reference, const Moments &recent) {
+    const double se = std::sqrt(reference.variance_of_mean() + recent.variance_of_mean());
+    return std::fabs(recent.mean - reference.mean) / std::max(se, kLogResolution);
+  }
+
+  double sigmas_;
+  std::uint32_t window_;
+  std::vector<Moments> reference_;
+  std::vector<Moments> recent_;
+  std::vector<double> evidence_;  // per unit, its last test's z; NaN before one
+  bool wanted_ = false;
+  std::int64_t wanted_at_step_ = 0;
+  std::uint64_t requests_ = 0;
+};
+
 class MeasuredRule final : public BudgetedRule {
  public:
   explicit MeasuredRule(PolicyEngine &engine)
@@ -68,6 +170,8 @@ class MeasuredRule final : public BudgetedRule {
         switch_sigmas_(rule_setting(engine.config(), Mode::measured, kSwitchSigmas)),
         decide_until_step_(static_cast<std::int64_t>(rule_setting(engine.config(), Mode::measured, kDecideUntilStep))),
         boundary_swaps_(static_cast<std::uint32_t>(rule_setting(engine.config(), Mode::measured, kBoundarySwaps))),
+        drift_(engine.n_blocks(), rule_setting(engine.config(), Mode::measured, kDriftSigmas),
+               static_cast<std::uint32_t>(rule_setting(engine.config(), Mode::measured, kDriftWindow))),
         units_(engine.n_blocks()),
         decided_(engine.n_blocks()) {}
 
@@ -106,12 +210,25 @@ class MeasuredRule final : public BudgetedRule {
 
   bool decides_initial_hints() const override { return true; }
 
-  // The swaps at the boundary of the allocation in force, once it is a measured one.
+  void take_moments(std::int64_t step, const sp_grad_moments_v1 &moments) override {
+    // Only an allocation a measurement made can have drifted from it, and a measurement at or
+    // after decide_until_step would move nothing.
+    if (!adopted_ || engine_.state().budget.source != AllocationSource::measured) return;
+    if (decide_until_step_ >= 0 && step >= decide_until_step_) return;
+    drift_.take(step, moments);
+  }
+
+  // The swaps at the boundary of the allocation in force, once it is a measured one: before the
+  // first step, and from then on only when the gradients drifted.
   std::vector<std::vector<sp_precision>> alternatives() const override {
     // Not while newer unit costs wait to be adopted: the allocation they give is not yet in force.
     if (boundary_swaps_ == 0 || !adopted_ || pending_ || engine_.state().budget.source != AllocationSource::measured) {
       return {};
     }
+    // A measurement acts at the next step's decision at the earliest: none is asked for that no
+    // decision could take.
+    const std::int64_t step = engine_.state().current_step;
+    if (step >= 0 && (!drift_.wanted() || (decide_until_step_ >= 0 && step >= decide_until_step_))) return {};
     const PolicyState &state = engine_.state();
     const std::uint32_t n = engine_.n_blocks();
     std::vector<sp_precision> current(n);
@@ -138,6 +255,20 @@ class MeasuredRule final : public BudgetedRule {
     };
     nearest(narrower);
     nearest(wider);
+    // The units that drifted most are measured moving too, wherever they stand from the cut: their
+    // measured costs are the ones in doubt.
+    for (const std::uint32_t u : drift_.drifted(boundary_swaps_)) {
+      if (pinned(u)) continue;
+      const auto absent = [u](const std::vector<Move> &moves) {
+        return std::none_of(moves.begin(), moves.end(), [u](const Move &m) { return m.unit == u; });
+      };
+      if (const std::optional<Move> move = adjacent_move(u, current[u], +1); move && absent(narrower)) {
+        narrower.push_back(*move);
+      }
+      if (const std::optional<Move> move = adjacent_move(u, current[u], -1); move && absent(wider)) {
+        wider.push_back(*move);
+      }
+    }
     std::vector<std::vector<sp_precision>> out;
     for (const Move &up : wider) {
       for (const Move &down : narrower) {
@@ -152,10 +283,12 @@ class MeasuredRule final : public BudgetedRule {
   }
 
   void take_allocation_measurements(std::int64_t step, const AllocationMeasurements &measured) override {
-    // A measurement at `step` acts at the next step's decision at the earliest.
+    // The measurement answers a drift: the watch takes its reference again from the next step.
+    drift_.restart();
+    // Never one at or after decide_until_step: nothing is proposed then (alternatives()), and a
+    // step closes every proposal.
     last_swaps_ = LastSwaps{step, static_cast<std::uint32_t>(measured.rows.size() - 1), 0, ScoreParts::kNever,
-                            ScoreParts::kNever, decide_until_step_ >= 0 && step >= decide_until_step_};
-    if (last_swaps_->too_late) return;
+                            ScoreParts::kNever};
     // A choice not yet taken was of the allocation this measurement found in force, and is superseded.
     if (choice_pending_) clear_choice();
     const std::uint64_t in_force = bytes_of(measured.rows[0].routes);
@@ -209,6 +342,8 @@ class MeasuredRule final : public BudgetedRule {
   }
 
   void import_section(const std::vector<std::uint8_t> *payload) override {
+    // The watch's windows are not part of the state: it takes its reference from the next step.
+    drift_.restart();
     if (payload == nullptr) {
       units_.assign(units_.size(), MeasuredTiers{});
       decided_.assign(decided_.size(), MeasuredTiers{});
@@ -296,6 +431,7 @@ class MeasuredRule final : public BudgetedRule {
         {"boundary_swaps", boundary_swaps_},
         {"measured_choice", !choice_.empty()},
     };
+    drift_.describe(record["measured"]["drift"]);
     if (last_swaps_) {
       record["measured"]["last_swaps"] = {
           {"step", last_swaps_->step},
@@ -303,7 +439,6 @@ class MeasuredRule final : public BudgetedRule {
           {"chosen", last_swaps_->chosen},
           {"difference", number_or_null(last_swaps_->difference)},
           {"difference_upper", number_or_null(last_swaps_->difference_upper)},
-          {"after_decide_until_step", last_swaps_->too_late},
       };
     }
   }
@@ -316,6 +451,7 @@ class MeasuredRule final : public BudgetedRule {
           {"mean", number_or_null(m.mean)}, {"se", number_or_null(m.se)}, {"upper", number_or_null(m.upper)}};
     }
     detail["measured_cost"] = std::move(tiers);
+    detail["drift_evidence"] = number_or_null(drift_.evidence(unit));
   }
 
  protected:
@@ -346,6 +482,7 @@ class MeasuredRule final : public BudgetedRule {
       adopted_ = true;
       pending_ = false;
       clear_choice();
+      drift_.restart();
     }
     choice_pending_ = false;
   }
@@ -407,12 +544,12 @@ class MeasuredRule final : public BudgetedRule {
     std::uint32_t chosen;  // 0: the allocation in force stayed
     double difference;
     double difference_upper;
-    bool too_late;  // after decide_until_step: not taken
   };
 
   double switch_sigmas_;
   std::int64_t decide_until_step_;
   std::uint32_t boundary_swaps_;
+  DriftWatch drift_;
   const TierColumns mean_columns_{"measured_cost."};
   const TierColumns se_columns_{"measured_cost_se."};
   const TierColumns upper_columns_{"measured_cost_upper."};
@@ -433,9 +570,12 @@ class MeasuredRule final : public BudgetedRule {
 
 }  // namespace
 
-constexpr RuleKey kKeys[] = {{kSwitchSigmas, "a number in [0, 100]", 0.0, 100.0, 2.0, false, false},
-                             {kDecideUntilStep, "an integer >= -1 (-1: no last step)", -1.0, 9.0e15, -1.0, true, false},
-                             {kBoundarySwaps, "an integer in [0, 8] (0: no swaps measured)", 0.0, 8.0, 2.0, true, false}};
+constexpr RuleKey kKeys[] = {
+    {kSwitchSigmas, "a number in [0, 100]", 0.0, 100.0, 2.0, false, false},
+    {kDecideUntilStep, "an integer >= -1 (-1: no last step)", -1.0, 9.0e15, -1.0, true, false},
+    {kBoundarySwaps, "an integer in [0, 8] (0: no swaps measured)", 0.0, 8.0, 2.0, true, false},
+    {kDriftSigmas, "a number in [0, 100] (0: the boundary is never measured again)", 0.0, 100.0, 4.0, false, false},
+    {kDriftWindow, "an integer in [2, 10000]", 2.0, 10000.0, 8.0, true, false}};
 
 extern const RuleModule kMeasuredRule{
     Mode::measured, "measured", 4, true, false, kKeys,

@@ -84,6 +84,9 @@ class DecisionRule {
   virtual bool decides_initial_hints() const { return false; }
   // end_step's finite training loss.
   virtual void take_loss(double /*loss*/) {}
+  // post_backward's moments of one block, every element of its gradient finite (the engine keeps
+  // the others from the rules).
+  virtual void take_moments(std::int64_t /*step*/, const sp_grad_moments_v1 & /*moments*/) {}
   // The cost of `unit` at `precision` that get_unit_costs reports, where the rule decides by costs
   // of its own; nullopt: the engine's record of v3's predicted costs (every mode records them).
   virtual std::optional<double> own_cost(std::uint32_t /*unit*/, sp_precision /*precision*/) const {
