@@ -17,15 +17,13 @@ _log = logging.getLogger("selective_precision")
 
 def _before_update(model, loss, rest_to_average=None):
     """The step sequence up to the optimizer's update, as both Python faces run it
-    (`StreamedBlocks.step` and stream()'s optimizer hooks): the loss's mean across ranks, then
-    `post_backward` with it (the policy's moments, and its loss budget's reading), then the
-    mean across ranks of the gradients no one else averages (`rest_to_average()`, called only
-    with several ranks; None: there are none). Returns (the mean loss, NaN when unknown; the moments)."""
-    loss = float("nan") if loss is None else model.average(float(loss))
-    moments = model.post_backward(loss)
-    if rest_to_average is not None and model.world_size() > 1:
-        model.average_gradients(rest_to_average())
-    return loss, moments
+    (`StreamedBlocks.step` and stream()'s optimizer hooks): the C++ one sp-train runs too
+    (StreamedModel::prepare_update: the mean across ranks of the gradients no one else averages,
+    `rest_to_average()`, called only with several ranks, None: there are none; the loss's mean
+    across ranks; `post_backward` with it, the policy's moments and its loss budget's reading).
+    Returns (the mean loss, NaN when unknown; the moments)."""
+    rest = rest_to_average() if rest_to_average is not None and model.world_size() > 1 else []
+    return model.prepare_update(rest, float("nan") if loss is None else float(loss))
 
 
 class _Layer:

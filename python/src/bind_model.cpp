@@ -30,6 +30,21 @@ namespace sp::binding {
 
 namespace {
 
+// post_backward()'s moments as Python reads them: a dict per block.
+py::list moments_list(const std::vector<sp_grad_moments_v1>& moments) {
+  py::list out;
+  for (const sp_grad_moments_v1& g : moments) {
+    py::dict d;
+    d["sum_sq"] = g.sum_sq;
+    d["sum"] = g.sum;
+    d["max_abs"] = g.max_abs;
+    d["count"] = g.count;
+    d["nonfinite"] = g.nonfinite;
+    out.append(d);
+  }
+  return out;
+}
+
 std::shared_ptr<py::object> hold(py::object object) {
   return std::shared_ptr<py::object>(new py::object(std::move(object)), [](py::object* o) {
     py::gil_scoped_acquire gil;
@@ -341,19 +356,21 @@ void bind_model(py::module_& m) {
               py::gil_scoped_release no_gil_here;
               moments = &s.model().post_backward(loss);
             }
-            py::list out;
-            for (const sp_grad_moments_v1& g : *moments) {
-              py::dict d;
-              d["sum_sq"] = g.sum_sq;
-              d["sum"] = g.sum;
-              d["max_abs"] = g.max_abs;
-              d["count"] = g.count;
-              d["nonfinite"] = g.nonfinite;
-              out.append(d);
-            }
-            return out;
+            return moments_list(*moments);
           },
           py::arg("loss") = std::numeric_limits<double>::quiet_NaN())
+      .def(
+          "prepare_update",
+          [](PyStreamedModel& s, const std::vector<torch::Tensor>& rest_to_average, double loss) {
+            std::optional<tl::StreamedModel::UpdateInputs> inputs;
+            {
+              // Collectives: another rank's thread may need the GIL meanwhile.
+              py::gil_scoped_release no_gil_here;
+              inputs.emplace(s.model().prepare_update(rest_to_average, [loss] { return loss; }));
+            }
+            return py::make_tuple(inputs->loss, moments_list(inputs->moments));
+          },
+          py::arg("rest_to_average"), py::arg("loss"))
       .def(
           "end_step", [](PyStreamedModel& s, double loss) { return s.model().end_step(loss); }, no_gil)
       .def(

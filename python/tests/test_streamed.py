@@ -122,8 +122,9 @@ def test_gradients_reach_the_masters_and_a_stock_optimizer_trains(tmp_path):
 
 
 def test_step_and_the_optimizer_hooks_give_post_backward_the_steps_loss():
-    """StreamedBlocks.step() and stream()'s optimizer hooks run one step sequence: the loss's
-    mean reaches post_backward (the policy's loss budget reads it there) and end_step alike."""
+    """StreamedBlocks.step() and stream()'s optimizer hooks run one step sequence, sp-train's
+    (StreamedModel::prepare_update): the loss's mean reaches post_backward (the policy's loss
+    budget reads it there) and end_step alike."""
 
     class Recording:
         def __init__(self, model):
@@ -132,9 +133,10 @@ def test_step_and_the_optimizer_hooks_give_post_backward_the_steps_loss():
         def __getattr__(self, name):
             return getattr(self.model, name)
 
-        def post_backward(self, loss):
-            self.calls.append(("post_backward", loss))
-            return self.model.post_backward(loss)
+        def prepare_update(self, rest_to_average, loss):
+            mean, moments = self.model.prepare_update(rest_to_average, loss)
+            self.calls.append(("prepare_update", loss, mean))  # mean: what post_backward took
+            return mean, moments
 
         def end_step(self, loss):
             self.calls.append(("end_step", loss))
@@ -149,7 +151,8 @@ def test_step_and_the_optimizer_hooks_give_post_backward_the_steps_loss():
     with streamed.step(0, optimizer) as s:
         s.loss = torch.nn.functional.mse_loss(streamed(x), target)
         s.loss.backward()
-    assert recording.calls == [("post_backward", pytest.approx(s.loss.item())), ("end_step", pytest.approx(s.loss.item()))]
+    expected = pytest.approx(s.loss.item())
+    assert recording.calls == [("prepare_update", expected, expected), ("end_step", expected)]
 
     torch.manual_seed(3)
     layers = sp.stream(torch.nn.ModuleList(ReferenceBlock() for _ in range(BLOCKS)), streamed=["fc1.weight"],
@@ -163,7 +166,8 @@ def test_step_and_the_optimizer_hooks_give_post_backward_the_steps_loss():
     loss.backward()
     layers.report_loss(loss)
     optimizer.step()
-    assert recording.calls == [("post_backward", pytest.approx(loss.item())), ("end_step", pytest.approx(loss.item()))]
+    expected = pytest.approx(loss.item())
+    assert recording.calls == [("prepare_update", expected, expected), ("end_step", expected)]
 
 
 def test_the_report_and_the_errors_carry_every_route_the_binding_names():

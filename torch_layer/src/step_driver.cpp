@@ -225,6 +225,14 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss)
   return given;
 }
 
+StreamedModel::UpdateInputs StreamedModel::prepare_update(const std::vector<torch::Tensor>& rest_to_average,
+                                                          const std::function<double()>& read_loss) {
+  impl_->step_state.require_step("prepare_update");
+  average_gradients(rest_to_average);
+  const double loss = average(read_loss());
+  return {loss, post_backward(loss)};
+}
+
 StepReport StreamedModel::end_step(double loss) {
   Impl& m = *impl_;
   m.step_state.require_step("end_step");

@@ -148,16 +148,17 @@ StepRecord Trainer::Impl::train_step(std::int64_t step) {
   const torch::Tensor loss = model->head_loss(layer->forward(model->embed(idx)), targets);
   loss.backward();
   // The layer averaged across ranks the gradients its blocks produced; the embedding and
-  // the head are this host's.
-  layer->average_gradients(model->outside_blocks());
-  model->queue_resident_gradients_to_host();
-  // The backward's one host synchronization. Reading the loss waits for the compute stream,
-  // on which every gradient copy to the host was queued before it, so the host gradients
-  // are complete from here on. Read earlier, the loss would stall the host before the
-  // backward was queued. Every rank records, and the plugin sees, the mean across ranks.
-  record.loss = layer->average(loss.item<double>());
-
-  const std::vector<sp_grad_moments_v1>& moments = layer->post_backward(record.loss);
+  // the head are this host's, which the step sequence averages. Every rank records, and the
+  // plugin sees, the loss's mean across ranks.
+  const auto [mean_loss, moments] = layer->prepare_update(model->outside_blocks(), [&] {
+    model->queue_resident_gradients_to_host();
+    // The backward's one host synchronization. Reading the loss waits for the compute stream,
+    // on which every gradient copy to the host was queued before it, so the host gradients
+    // are complete from here on. Read earlier, the loss would stall the host before the
+    // backward was queued.
+    return loss.item<double>();
+  });
+  record.loss = mean_loss;
   record.decisions = decisions();
   record.grad_norm = global_grad_norm(moments);
   const auto update_start = Clock::now();

@@ -383,6 +383,19 @@ class StreamedModel {
   // `loss`: the step's loss when the host knows it (NaN: unknown); the signal table carries it,
   // which policy v3 takes as its reference loss before the first end_step().
   const std::vector<sp_grad_moments_v1>& post_backward(double loss = std::numeric_limits<double>::quiet_NaN());
+  // The step's sequence from its last backward to the optimizer's update, one for every host
+  // (sp-train, the Python layer): the mean across ranks of the gradients no one else averages
+  // (`rest_to_average`, the host's own parameters: average_gradients()), then `read_loss()`,
+  // the step's one host synchronization (a host queues first what must be finished by it:
+  // sp-train its resident gradients' copies to the host), the loss's mean across ranks
+  // (average()), and post_backward() with it. Returns that mean (NaN where read_loss() gave
+  // NaN: unknown) and post_backward()'s moments, valid until the next begin_step().
+  struct UpdateInputs {
+    double loss;
+    const std::vector<sp_grad_moments_v1>& moments;
+  };
+  UpdateInputs prepare_update(const std::vector<torch::Tensor>& rest_to_average,
+                              const std::function<double()>& read_loss);
   StepReport end_step(double loss);
   // Ends a step that an exception cut short, wherever it was (a forward or backward thrown
   // out, a collective that failed): the pass in flight is dropped, the plugin's step ends with a
