@@ -42,6 +42,8 @@ class _Layer:
         self.reduced_by_ddp = set()  # ids of those a DistributedDataParallel around the blocks averages this step
         self.loss = None
         self.last_report = None
+        self.training_h2d_bytes = 0  # over every step ended, and what they would have moved as BF16
+        self.training_all_bf16 = 0
         self.last_moments = None
         self.masters = [_parameter_at(m, n) for m, names in zip(layout.modules, layout.names) for n in names]
         self.master_names = ["%s.%s" % (path, n) for path, names in zip(layout.paths, layout.names) for n in names]
@@ -91,7 +93,25 @@ class _Layer:
         decides, and the images of the updated weights are rebuilt."""
         loss, self.last_moments = _before_update(self.model, self.loss)
         self.forget_step()
-        self.last_report = self.model.end_step(loss)
+        self.took(self.model.end_step(loss))
+
+    def took(self, report):
+        """A step ended with `report`: the run's training fetches count it."""
+        self.last_report = report
+        self.training_h2d_bytes += report.h2d_bytes
+        self.training_all_bf16 += report.h2d_bytes_all_bf16
+
+    def fetches(self) -> dict:
+        """Every byte the run moved, apart and together: the training steps', the measurements'
+        (compare_routes(), calibrate(), the re-measurements on drift), and the savings against
+        what the training steps would have moved as BF16 (None before a step)."""
+        measurement = self.model.measurement_h2d_bytes()
+        total = self.training_h2d_bytes + measurement
+        all_bf16 = self.training_all_bf16
+        return {"training_h2d_bytes": self.training_h2d_bytes, "training_all_bf16": all_bf16,
+                "measurement_h2d_bytes": measurement, "total_h2d_bytes": total,
+                "saved_fraction": 1.0 - self.training_h2d_bytes / all_bf16 if all_bf16 else None,
+                "saved_fraction_with_measurement": 1.0 - total / all_bf16 if all_bf16 else None}
 
     def abort(self):
         self.model.abort_step()
@@ -169,7 +189,7 @@ class _Layer:
             return
         loss = float("nan") if self.loss is None else self.loss
         self.forget_step()
-        self.last_report = self.model.end_step(loss)
+        self.took(self.model.end_step(loss))
         # Between steps, outside any call of the blocks: the one place the closure may run the model.
         if self.kept_measurement is not None:
             measured = self.kept_measurement.measure_if_asked(self, self.last_report.step)

@@ -171,11 +171,16 @@ class PolicyReport(list):
     `planned_loss_fraction`, `reference_loss`, `decided_at_step` (-1: none yet), `met` and
     `reads_step_signals` (whether the policy decides with the gradient signals each step
     measures: policy v3 does, v4 does not, and the layer then skips them); None for a policy
-    without a budget."""
+    without a budget. `fetches`: every byte the run moved since stream(), apart and together:
+    `training_h2d_bytes` (the steps ended) and `training_all_bf16` (what they would have moved
+    as BF16), `measurement_h2d_bytes` (compare_routes(), calibrate() and the re-measurements on
+    drift), `total_h2d_bytes`, and `saved_fraction` and `saved_fraction_with_measurement`
+    against the training's all-BF16 bytes (None before a step)."""
 
-    def __init__(self, units, budget):
+    def __init__(self, units, budget, fetches):
         super().__init__(units)
         self.budget = budget
+        self.fetches = fetches
 
 
 class StreamedLayers(torch.nn.ModuleList):
@@ -360,7 +365,7 @@ class StreamedLayers(torch.nn.ModuleList):
                 "bytes": {p: self.image_bytes(u, p) for p in _ROUTES},
                 "predicted_cost": {p: None if c is None or math.isnan(c[u]) else c[u] for p, c in costs.items()},
             })
-        return PolicyReport(units, layer.model.budget_status())
+        return PolicyReport(units, layer.model.budget_status(), layer.fetches())
 
     def plugin_version(self) -> str:
         """The loaded policy plugin's version."""

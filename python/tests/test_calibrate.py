@@ -269,15 +269,16 @@ def train_with_gradients_scaled(model, steps, scale_from_step_16):
     """SGD at lr 0 on one batch: every step's gradients are the same, until step 16 scales them."""
     x = torch.randn(8, 8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    asked = []
+    asked, reports = [], []
     for step in range(steps):
         scale = 1.0 if step < 16 else scale_from_step_16
         (per_example(model)(x)[0].mean() * scale).backward()
         optimizer.step()
         optimizer.zero_grad()
+        reports.append(model.layers.last_report)
         if model.layers._layer().model.propose_allocations():
             asked.append(step)
-    return asked
+    return asked, reports
 
 
 def test_policy_v4_measures_its_boundary_again_when_the_gradients_drift_and_only_then():
@@ -288,10 +289,14 @@ def test_policy_v4_measures_its_boundary_again_when_the_gradients_drift_and_only
     assert costs.alternatives > 0
     measured_routes = layers.routes()
     moved_before = layers._layer().model.measurement_h2d_bytes()
+    assert layers.policy_report().fetches == {
+        "training_h2d_bytes": 0, "training_all_bf16": 0, "measurement_h2d_bytes": moved_before,
+        "total_h2d_bytes": moved_before, "saved_fraction": None, "saved_fraction_with_measurement": None}
     # Steady gradients: steps 0-7 are the reference, 8-15 the first window tested, and nothing is
     # asked. 1000 times larger from step 16: the window of steps 16-23 drifts beyond drift_sigmas,
     # and the optimizer's step of step 23 measures the boundary again at once (nothing is left to ask).
-    assert train_with_gradients_scaled(model, 24, 1000.0) == []
+    asked, reports = train_with_gradients_scaled(model, 24, 1000.0)
+    assert asked == []
     [again] = layers.remeasurements
     assert isinstance(again, sp.Remeasurement)
     assert again.step == 23 and again.routes == measured_routes
@@ -300,6 +305,15 @@ def test_policy_v4_measures_its_boundary_again_when_the_gradients_drift_and_only
     assert again.all_bf16_fetches == pytest.approx(
         again.h2d_bytes / sum(layers.image_bytes(u, "bf16") for u in range(3)))
     assert again.seconds > 0
+    # Every fetch counted, apart and together: the steps', calibrate()'s and the re-measurement's.
+    fetches = layers.policy_report().fetches
+    training, all_bf16 = sum(r.h2d_bytes for r in reports), sum(r.h2d_bytes_all_bf16 for r in reports)
+    assert (fetches["training_h2d_bytes"], fetches["training_all_bf16"]) == (training, all_bf16)
+    assert fetches["measurement_h2d_bytes"] == moved_before + again.h2d_bytes
+    assert fetches["total_h2d_bytes"] == training + moved_before + again.h2d_bytes
+    assert fetches["saved_fraction"] == pytest.approx(1 - training / all_bf16) and fetches["saved_fraction"] > 0
+    assert fetches["saved_fraction_with_measurement"] == pytest.approx(
+        1 - fetches["total_h2d_bytes"] / all_bf16)
 
 
 def test_without_remeasure_on_drift_the_policy_asks_and_nothing_measures():
@@ -307,7 +321,7 @@ def test_without_remeasure_on_drift_the_policy_asks_and_nothing_measures():
     model.eval()
     model.layers.calibrate(per_example(model), [torch.randn(8, 8) for _ in range(4)], formats="nf4", rho=None,
                            remeasure_on_drift=False)
-    assert train_with_gradients_scaled(model, 24, 1000.0) == [23]
+    assert train_with_gradients_scaled(model, 24, 1000.0)[0] == [23]
     assert model.layers.remeasurements == []
     with pytest.raises(TypeError, match="remeasure_on_drift=1; expected True or False"):
         model.layers.calibrate(per_example(model), [torch.randn(8, 8)], remeasure_on_drift=1)
