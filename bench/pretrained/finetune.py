@@ -526,8 +526,9 @@ def run(policy, mode, seed, split, thresholds, pairs_cache, steps=STEPS, batch=B
         "wall_seconds": {"total": time.perf_counter() - started, "train": train_seconds, "eval": eval_seconds},
     }
     remeasured = [dataclasses.asdict(r) for r in streamed.remeasurements]
-    if remeasured:
-        result["remeasurements"] = remeasured
+    if config.get("mode") == "measured":
+        # With --measured-costs no calibrate() ran, so no closure was kept: v4 asks, nothing measures.
+        result["remeasurements"] = remeasured if measured_costs is None else None
     if calibration is not None and "h2d_bytes" in calibration:
         # Every step counted: the calibration step's fetches (before any hint: BF16) with the
         # training's, and v4's measurements of its boundary again during training.

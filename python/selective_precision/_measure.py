@@ -509,8 +509,8 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
                      seconds=0.0)
     sent = _send_to_policy(layer, result)
     alternatives, swapped = 0, False
-    layer.kept_measurement = None
     if sent:
+        layer.kept_measurement = None
         yardstick = "kl" if with_scores else "example" if per_example else "batch"
         alternatives, swapped = _measure_alternatives(layer, caller, closure, measured_batches, confidence, yardstick,
                                                       after_last_pass[0])

@@ -102,16 +102,22 @@ class _Layer:
         self.training_all_bf16 += report.h2d_bytes_all_bf16
 
     def fetches(self) -> dict:
-        """Every byte the run moved, apart and together: the training steps', the measurements'
-        (compare_routes(), calibrate(), the re-measurements on drift), and the savings against
-        what the training steps would have moved as BF16 (None before a step)."""
+        """Every byte the layer moved, apart and together: the training steps' (those ended; an
+        aborted step reports none), the evaluation passes', the calibration passes' and the
+        measurements' (compare_routes(), calibrate(), the re-measurements on drift), and the
+        savings against what the training steps would have moved as BF16 (None before a step)."""
+        evaluation = self.model.evaluation_h2d_bytes()
+        calibration = self.model.calibration_h2d_bytes()
         measurement = self.model.measurement_h2d_bytes()
-        total = self.training_h2d_bytes + measurement
+        overhead = calibration + measurement
+        total = self.training_h2d_bytes + evaluation + overhead
         all_bf16 = self.training_all_bf16
         return {"training_h2d_bytes": self.training_h2d_bytes, "training_all_bf16": all_bf16,
+                "evaluation_h2d_bytes": evaluation, "calibration_h2d_bytes": calibration,
                 "measurement_h2d_bytes": measurement, "total_h2d_bytes": total,
                 "saved_fraction": 1.0 - self.training_h2d_bytes / all_bf16 if all_bf16 else None,
-                "saved_fraction_with_measurement": 1.0 - total / all_bf16 if all_bf16 else None}
+                "saved_fraction_with_measurement": (1.0 - (self.training_h2d_bytes + overhead) / all_bf16
+                                                    if all_bf16 else None)}
 
     def abort(self):
         self.model.abort_step()

@@ -171,11 +171,14 @@ class PolicyReport(list):
     `planned_loss_fraction`, `reference_loss`, `decided_at_step` (-1: none yet), `met` and
     `reads_step_signals` (whether the policy decides with the gradient signals each step
     measures: policy v3 does, v4 does not, and the layer then skips them); None for a policy
-    without a budget. `fetches`: every byte the run moved since stream(), apart and together:
+    without a budget. `fetches`: every byte the layer moved since stream(), apart and together:
     `training_h2d_bytes` (the steps ended) and `training_all_bf16` (what they would have moved
-    as BF16), `measurement_h2d_bytes` (compare_routes(), calibrate() and the re-measurements on
-    drift), `total_h2d_bytes`, and `saved_fraction` and `saved_fraction_with_measurement`
-    against the training's all-BF16 bytes (None before a step)."""
+    as BF16), `evaluation_h2d_bytes` (no-grad forwards, and grad-mode ones no backward
+    followed), `calibration_h2d_bytes` (calibration passes), `measurement_h2d_bytes`
+    (compare_routes(), calibrate() and the re-measurements on drift), `total_h2d_bytes`, and
+    `saved_fraction` (the training's) and `saved_fraction_with_measurement` (the training's with
+    the calibrations' and measurements') against the training's all-BF16 bytes (None before a
+    step)."""
 
     def __init__(self, units, budget, fetches):
         super().__init__(units)
@@ -337,7 +340,9 @@ class StreamedLayers(torch.nn.ModuleList):
         state is left as compare_routes() leaves it. With `remeasure_on_drift` the layer keeps
         `closure` and the batches measured, and when the policy asks during training (v4: a unit's
         gradients drifted beyond their noise) measures its boundary again on them, after a
-        torch.optim step (`remeasurements`); a later calibrate() replaces them."""
+        torch.optim step (`remeasurements`), in the mode the model is in then (training: put
+        the model in eval mode inside the closure for a measurement without dropout); a later
+        calibrate() whose costs the policy takes replaces them, and close() drops them."""
         from ._measure import calibrate
 
         return calibrate(self._layer(), closure, batches, formats, confidence, rho, max_batches, round_batches,
@@ -382,6 +387,7 @@ class StreamedLayers(torch.nn.ModuleList):
         layer = self._layer()
         layer.model.close()
         layer.unhook_optimizers()
+        layer.kept_measurement = None
 
     def export_state(self) -> dict:
         """This rank's masters ("master/block<i>.<name>"; with shard_masters, those of its own

@@ -290,8 +290,9 @@ def test_policy_v4_measures_its_boundary_again_when_the_gradients_drift_and_only
     measured_routes = layers.routes()
     moved_before = layers._layer().model.measurement_h2d_bytes()
     assert layers.policy_report().fetches == {
-        "training_h2d_bytes": 0, "training_all_bf16": 0, "measurement_h2d_bytes": moved_before,
-        "total_h2d_bytes": moved_before, "saved_fraction": None, "saved_fraction_with_measurement": None}
+        "training_h2d_bytes": 0, "training_all_bf16": 0, "evaluation_h2d_bytes": 0, "calibration_h2d_bytes": 0,
+        "measurement_h2d_bytes": moved_before, "total_h2d_bytes": moved_before, "saved_fraction": None,
+        "saved_fraction_with_measurement": None}
     # Steady gradients: steps 0-7 are the reference, 8-15 the first window tested, and nothing is
     # asked. 1000 times larger from step 16: the window of steps 16-23 drifts beyond drift_sigmas,
     # and the optimizer's step of step 23 measures the boundary again at once (nothing is left to ask).
@@ -310,6 +311,7 @@ def test_policy_v4_measures_its_boundary_again_when_the_gradients_drift_and_only
     training, all_bf16 = sum(r.h2d_bytes for r in reports), sum(r.h2d_bytes_all_bf16 for r in reports)
     assert (fetches["training_h2d_bytes"], fetches["training_all_bf16"]) == (training, all_bf16)
     assert fetches["measurement_h2d_bytes"] == moved_before + again.h2d_bytes
+    assert fetches["evaluation_h2d_bytes"] == fetches["calibration_h2d_bytes"] == 0
     assert fetches["total_h2d_bytes"] == training + moved_before + again.h2d_bytes
     assert fetches["saved_fraction"] == pytest.approx(1 - training / all_bf16) and fetches["saved_fraction"] > 0
     assert fetches["saved_fraction_with_measurement"] == pytest.approx(
@@ -323,6 +325,14 @@ def test_without_remeasure_on_drift_the_policy_asks_and_nothing_measures():
                            remeasure_on_drift=False)
     assert train_with_gradients_scaled(model, 24, 1000.0)[0] == [23]
     assert model.layers.remeasurements == []
+    # An evaluation pass counts apart.
+    with torch.no_grad():
+        per_example(model)(torch.randn(8, 8))
+    fetches = model.layers.policy_report().fetches
+    assert fetches["evaluation_h2d_bytes"] == sum(model.layers.image_bytes(u, r)
+                                                  for u, r in enumerate(model.layers.routes())) > 0
+    assert fetches["total_h2d_bytes"] == (fetches["training_h2d_bytes"] + fetches["evaluation_h2d_bytes"]
+                                          + fetches["measurement_h2d_bytes"])
     with pytest.raises(TypeError, match="remeasure_on_drift=1; expected True or False"):
         model.layers.calibrate(per_example(model), [torch.randn(8, 8)], remeasure_on_drift=1)
 

@@ -472,6 +472,19 @@ TEST(PolicyV4Drift, OnceTrainingBeganTheBoundaryIsMeasuredAgainOnlyWhenTheGradie
     if (!engine.propose_allocations(kUnits).empty()) asked = step;
   }
   ASSERT_EQ(asked, 71) << "the window of steps 64 to 71 is the first one tested with the change";
+  // The watch's windows are not part of the state: a damaged blob refused leaves the request
+  // standing, and one imported takes the reference anew.
+  std::vector<std::uint8_t> blob = engine.export_state();
+  std::vector<std::uint8_t> damaged = blob;
+  store_f64(damaged, damaged.size() - 4 - 8, -1.0);
+  reseal(damaged);
+  EXPECT_THROW(engine.import_state(damaged.data(), damaged.size()), StateError);
+  EXPECT_EQ(engine.propose_allocations(kUnits).size(), 4u);
+  {
+    Driver resumed(measured_config(kOneNf4), kUnits);
+    resumed.engine().import_state(blob.data(), blob.size());
+    EXPECT_TRUE(resumed.engine().propose_allocations(kUnits).empty());
+  }
   // Unit 6 is far from the cut (its cost is the common 0.1), but its cost is the one in doubt: its
   // move to NF4 is measured too, against each widening.
   const std::vector<std::vector<sp_precision>> proposal = engine.propose_allocations(kUnits);
@@ -489,6 +502,54 @@ TEST(PolicyV4Drift, OnceTrainingBeganTheBoundaryIsMeasuredAgainOnlyWhenTheGradie
               std::vector<std::uint32_t>{5});
     EXPECT_TRUE(engine.propose_allocations(kUnits).empty()) << "step " << step;
   }
+}
+
+TEST(PolicyV4Drift, OfUnitsDriftingInOneWindowTheStrongestEvidenceIsMeasured) {
+  Driver driver(measured_config(kOneNf4, "  boundary_swaps: 1\n"), kUnits);
+  PolicyEngine &engine = driver.engine();
+  send(engine, -1, boundary_costs());
+  initial(engine);
+  // Units 1 and 6 drift in the same window, unit 6 the further; one drifted unit is measured.
+  for (std::int64_t step = 0; step < 16; ++step) {
+    std::vector<sp_grad_moments_v1> moments = gradients(1.0 + 0.05 * std::sin(1.7 * static_cast<double>(step)));
+    if (step >= 8) {
+      moments[1].sum_sq *= 9.0;
+      moments[6].sum_sq *= 10000.0;
+    }
+    step_with(driver, step, nullptr, moments);
+  }
+  const std::vector<std::vector<sp_precision>> proposal = engine.propose_allocations(kUnits);
+  ASSERT_EQ(proposal.size(), 3u);
+  EXPECT_EQ(nf4_units_of(proposal[1]), std::vector<std::uint32_t>{2}) << "the boundary's own";
+  EXPECT_EQ(nf4_units_of(proposal[2]), std::vector<std::uint32_t>{6}) << "the strongest drift, not the first unit";
+}
+
+TEST(PolicyV4Drift, ASwapMeasuredAroundAStandingSwapHoldsAgainstTheKnapsacksAnswer) {
+  Driver driver(measured_config(kOneNf4), kUnits);
+  PolicyEngine &engine = driver.engine();
+  send(engine, -1, boundary_costs());
+  initial(engine);
+  // Before the first step, unit 2 in NF4 measured better than the knapsack's unit 5.
+  std::vector<std::vector<sp_precision>> proposal = engine.propose_allocations(kUnits);
+  // (measurement_of's struct points into these vectors.)
+  std::vector<sp_precision> routes;
+  const std::vector<double> cost{0.05, 0.04, 0.05}, upper{0.06, 0.05, 0.06}, first_difference{0.0, -0.01, 0.0},
+      first_upper{0.0, -0.002, 0.001}, second_difference{0.0, 0.0, -0.01}, second_upper{0.0, 0.001, -0.002};
+  sp_allocation_measurements_v1 m = measurement_of(proposal, routes, cost, upper, first_difference, first_upper);
+  engine.set_allocation_measurements(-1, &m);
+  ASSERT_EQ(nf4_units(initial(engine)), std::vector<std::uint32_t>{2});
+  // Unit 3 drifts; around unit 2, unit 3 in its place measures better still.
+  for (std::int64_t step = 0; step < 16; ++step)
+    step_with(driver, step, nullptr, gradients(1.0, step < 8 ? 1.0 : 10.0, 3));
+  proposal = engine.propose_allocations(kUnits);
+  ASSERT_EQ(proposal.size(), 3u);
+  ASSERT_EQ(nf4_units_of(proposal[0]), std::vector<std::uint32_t>{2});
+  ASSERT_EQ(nf4_units_of(proposal[2]), std::vector<std::uint32_t>{3});
+  m = measurement_of(proposal, routes, cost, upper, second_difference, second_upper);
+  engine.set_allocation_measurements(15, &m);
+  // The knapsack still answers unit 5, which both swaps were measured to beat.
+  EXPECT_EQ(nf4_units(step_with(driver, 16, nullptr, gradients(1.0, 10.0, 3))), std::vector<std::uint32_t>{3});
+  EXPECT_EQ(nf4_units(step_with(driver, 17, nullptr, gradients(1.0, 10.0, 3))), std::vector<std::uint32_t>{3});
 }
 
 TEST(PolicyV4Drift, AMeasuredWinnerMovesTheRoutesAtTheNextStep) {

@@ -86,8 +86,10 @@ class DriftWatch {
   }
 
   void take(std::int64_t step, const sp_grad_moments_v1 &m) {
-    // sigmas 0: no watch. A gradient of zeros has no log; it neither sets nor tests a reference.
-    if (sigmas_ == 0.0 || wanted_ || !(m.sum_sq > 0.0)) return;
+    // sigmas 0: no watch. Once a measurement is wanted, the watch waits for it, but the units of
+    // the step that asked are all tested, so that the strongest evidence is known. A gradient of
+    // zeros has no log; it neither sets nor tests a reference.
+    if (sigmas_ == 0.0 || (wanted_ && step != wanted_at_step_) || !(m.sum_sq > 0.0)) return;
     const double x = std::log(m.sum_sq / static_cast<double>(m.count));
     Moments &reference = reference_[m.block_id];
     if (reference.n < window_) {
@@ -99,7 +101,7 @@ class DriftWatch {
     if (recent.n < window_) return;
     evidence_[m.block_id] = welch_z(reference, recent);
     recent = Moments{};
-    if (evidence_[m.block_id] > sigmas_) {
+    if (evidence_[m.block_id] > sigmas_ && !wanted_) {
       wanted_ = true;
       wanted_at_step_ = step;
       ++requests_;
@@ -303,8 +305,11 @@ class MeasuredRule final : public BudgetedRule {
       }
     }
     if (last_swaps_->chosen == 0) return;
+    // Measured around a choice that stands (a re-measurement on drift), the new choice still
+    // stands against the knapsack's answer the first one was measured against.
+    const bool around_standing_choice = !choice_.empty() && !choice_pending_ && measured.rows[0].routes == choice_;
+    if (!around_standing_choice) choice_base_ = measured.rows[0].routes;
     choice_ = measured.rows[last_swaps_->chosen].routes;
-    choice_base_ = measured.rows[0].routes;
     choice_pending_ = true;
   }
 
@@ -342,9 +347,9 @@ class MeasuredRule final : public BudgetedRule {
   }
 
   void import_section(const std::vector<std::uint8_t> *payload) override {
-    // The watch's windows are not part of the state: it takes its reference from the next step.
-    drift_.restart();
     if (payload == nullptr) {
+      // The watch's windows are not part of the state: it takes its reference from the next step.
+      drift_.restart();
       units_.assign(units_.size(), MeasuredTiers{});
       decided_.assign(decided_.size(), MeasuredTiers{});
       tables_ = 0;
@@ -417,6 +422,7 @@ class MeasuredRule final : public BudgetedRule {
     choice_ = std::move(choice);
     choice_base_ = std::move(choice_base);
     choice_pending_ = choice_pending;
+    drift_.restart();
   }
 
   void describe(nlohmann::ordered_json &record) const override {
