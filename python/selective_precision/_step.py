@@ -198,7 +198,15 @@ class _Layer:
         self.took(self.model.end_step(loss))
         # Between steps, outside any call of the blocks: the one place the closure may run the model.
         if self.kept_measurement is not None:
-            measured = self.kept_measurement.measure_if_asked(self, self.last_report.step)
+            try:
+                measured = self.kept_measurement.measure_if_asked(self, self.last_report.step)
+            except BaseException:
+                # The step and its update stand; a closure that fails would fail again at every
+                # step the request stays open, so it is dropped (a later calibrate() keeps a new one).
+                self.kept_measurement = None
+                _log.warning("selective_precision: the re-measurement after step %d failed; the layer no longer "
+                             "re-measures on drift (calibrate() again to resume)", self.last_report.step)
+                raise
             if measured is not None:
                 self.remeasurements.append(measured)
 

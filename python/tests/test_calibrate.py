@@ -337,6 +337,26 @@ def test_without_remeasure_on_drift_the_policy_asks_and_nothing_measures():
         model.layers.calibrate(per_example(model), [torch.randn(8, 8)], remeasure_on_drift=1)
 
 
+def test_a_closure_that_fails_when_measuring_again_raises_from_that_step_once_and_training_goes_on(caplog):
+    model = v4_model(0.8)
+    model.eval()
+    closure, failing = per_example(model), []
+
+    def measure(x):
+        if failing:
+            raise RuntimeError("the closure's own error")
+        return closure(x)
+
+    model.layers.calibrate(measure, [torch.randn(8, 8) for _ in range(4)], formats="nf4", rho=None)
+    failing.append(True)
+    with pytest.raises(RuntimeError, match="the closure's own error"):
+        train_with_gradients_scaled(model, 24, 1000.0)
+    assert model.layers.last_report.step == 23  # the step ended before the measurement
+    assert "re-measurement after step 23 failed" in caplog.text
+    asked, _ = train_with_gradients_scaled(model, 4, 1.0)  # on, without raising: nothing measures
+    assert asked == [0, 1, 2, 3] and model.layers.remeasurements == []
+
+
 def test_other_policies_take_the_costs_and_decide_as_before():
     model = streamed_model()  # all BF16 (mode off)
     model.eval()
