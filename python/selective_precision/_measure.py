@@ -385,9 +385,9 @@ class _KeptMeasurement:
         """Between steps: measures what the policy proposes, if anything. A Remeasurement, or None."""
         started = time.perf_counter()
         bytes_before = layer.model.measurement_h2d_bytes()
-        routes = layer.model.unit_routes()
-        alternatives, _ = _measure_alternatives(layer, "the re-measurement on drift", self.closure, self.batches,
-                                                self.confidence, self.yardstick, self.random_state)
+        alternatives, _, routes = _measure_alternatives(layer, "the re-measurement on drift", self.closure,
+                                                        self.batches, self.confidence, self.yardstick,
+                                                        self.random_state)
         if not alternatives:
             return None
         h2d_bytes = layer.model.measurement_h2d_bytes() - bytes_before
@@ -512,8 +512,8 @@ def calibrate(layer, closure, batches, formats, confidence, rho, max_batches, ro
     if sent:
         layer.kept_measurement = None
         yardstick = "kl" if with_scores else "example" if per_example else "batch"
-        alternatives, swapped = _measure_alternatives(layer, caller, closure, measured_batches, confidence, yardstick,
-                                                      after_last_pass[0])
+        alternatives, swapped, _ = _measure_alternatives(layer, caller, closure, measured_batches, confidence,
+                                                         yardstick, after_last_pass[0])
         if remeasure_on_drift:
             layer.kept_measurement = _KeptMeasurement(closure, measured_batches, confidence, yardstick,
                                                       after_last_pass[0])
@@ -527,11 +527,11 @@ def _measure_alternatives(layer, caller, closure, batches, confidence, yardstick
     """The allocations the policy proposes once it has the costs (policy v4: its own and the swaps
     at its boundary), measured jointly against all-BF16 on `batches`, the dropout streams going on
     from `random_state`; the policy takes their costs per example (or per batch) and keeps a swap
-    only where it measured better beyond its interval. Returns how many alternatives were measured
-    and whether the routes moved."""
+    only where it measured better beyond its interval. Returns how many alternatives were measured,
+    whether the routes moved, and the allocation they were measured against (None: none)."""
     proposed = layer.model.propose_allocations()
     if len(proposed) < 2:
-        return 0, False
+        return 0, False, None
     before = layer.model.routes()
     random = _RandomStreams()
     try:
@@ -542,7 +542,7 @@ def _measure_alternatives(layer, caller, closure, batches, confidence, yardstick
     costs = [list(m.example_kl if yardstick == "kl" else m.example_loss_differences if yardstick == "example"
                   else m.batch_loss_differences) for m in measured]
     layer.model.set_allocation_measurements(proposed, costs, float(confidence))
-    return len(proposed) - 1, layer.model.routes() != before
+    return len(proposed) - 1, layer.model.routes() != before, proposed[0]
 
 
 def _send_to_policy(layer, costs):

@@ -362,13 +362,17 @@ void bind_model(py::module_& m) {
       .def(
           "prepare_update",
           [](PyStreamedModel& s, const std::vector<torch::Tensor>& rest_to_average, double loss) {
-            std::optional<tl::StreamedModel::UpdateInputs> inputs;
+            double mean = 0.0;
+            const std::vector<sp_grad_moments_v1>* moments = nullptr;
             {
               // Collectives: another rank's thread may need the GIL meanwhile.
               py::gil_scoped_release no_gil_here;
-              inputs.emplace(s.model().prepare_update(rest_to_average, [loss] { return loss; }));
+              const tl::StreamedModel::UpdateInputs inputs =
+                  s.model().prepare_update(rest_to_average, [loss] { return loss; });
+              mean = inputs.loss;
+              moments = &inputs.moments;
             }
-            return py::make_tuple(inputs->loss, moments_list(inputs->moments));
+            return py::make_tuple(mean, moments_list(*moments));
           },
           py::arg("rest_to_average"), py::arg("loss"))
       .def(

@@ -69,8 +69,8 @@ constexpr double kLargestValue = 1e12;
 // unit, the log of its mean squared gradient element (a step's post_backward moments), the
 // first `window` samples after a restart its reference, then each next `window` samples tested
 // against it (Welch's z: the difference of the means over its standard error). Windows do not
-// overlap, so a unit is tested once per `window` steps. The mean square tracks the diagonal of
-// the Fisher information the unit's quantization noise is weighed by, and it moves with training.
+// overlap, so a unit is tested once per `window` steps. The mean square is a cheap stand-in for
+// the diagonal of the Fisher information that weighs the unit's quantization noise.
 // A drift asks for a measurement; it decides nothing.
 class DriftWatch {
  public:
@@ -229,9 +229,9 @@ class MeasuredRule final : public BudgetedRule {
     }
     // A measurement acts at the next step's decision at the earliest: none is asked for that no
     // decision could take.
-    const std::int64_t step = engine_.state().current_step;
-    if (step >= 0 && (!drift_.wanted() || (decide_until_step_ >= 0 && step >= decide_until_step_))) return {};
     const PolicyState &state = engine_.state();
+    const std::int64_t step = state.current_step;
+    if (step >= 0 && (!drift_.wanted() || (decide_until_step_ >= 0 && step >= decide_until_step_))) return {};
     const std::uint32_t n = engine_.n_blocks();
     std::vector<sp_precision> current(n);
     for (std::uint32_t u = 0; u < n; ++u) current[u] = travels_as(state.blocks[u].assignment);
