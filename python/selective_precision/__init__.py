@@ -86,12 +86,12 @@ from ._selective_precision import (  # noqa: E402,F401  (re-exported)
     StateEntryError,
     StepReport,
 )
-from ._measure import Interval, Remeasurement, RouteComparison, UnitCosts  # noqa: E402
+from ._measure import Interval, PolicyReport, Remeasurement, RouteComparison, UnitCosts  # noqa: E402
 from ._modules import _add_hook, _streamed_names, _warn_trainable_streamed_in_frozen_blocks  # noqa: E402
 from ._options import Budget, StreamOptions, _options, _streamed_model  # noqa: E402
 from ._paths import config_dir, default_plugin_dir  # noqa: E402
 from ._step import _before_update  # noqa: E402
-from ._stream import PolicyReport, StreamedBlock, StreamedLayers, stream  # noqa: E402
+from ._stream import StreamedBlock, StreamedLayers, stream  # noqa: E402
 
 __version__ = _build_info.version
 

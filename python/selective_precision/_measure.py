@@ -196,6 +196,27 @@ def compare_routes(layer, closure, batches, routes_a, routes_b, confidence):
     return _measure(layer, "compare_routes()", closure, batches, [units_a], units_b, confidence)[0]
 
 
+class PolicyReport(list):
+    """StreamedLayers.policy_report(): one dict per unit, and `budget`: a dict with `kind`
+    ("bytes" or "loss"), `limit`, `planned_bytes_fraction`, `planned_cost`,
+    `planned_loss_fraction`, `reference_loss`, `decided_at_step` (-1: none yet), `met` and
+    `reads_step_signals` (whether the policy decides with the gradient signals each step
+    measures: policy v3 does, v4 does not, and the layer then skips them); None for a policy
+    without a budget. `fetches`: every byte the layer moved since stream(), apart and together:
+    `training_h2d_bytes` (the steps ended) and `training_all_bf16` (what they would have moved
+    as BF16), `evaluation_h2d_bytes` (no-grad forwards, and grad-mode ones no backward
+    followed), `calibration_h2d_bytes` (calibration passes), `measurement_h2d_bytes`
+    (compare_routes(), calibrate() and the re-measurements on drift), `total_h2d_bytes`, and
+    `saved_fraction` (the training's) and `saved_fraction_with_measurement` (the training's with
+    the calibrations' and measurements') against the training's all-BF16 bytes (None before a
+    step)."""
+
+    def __init__(self, units, budget, fetches):
+        super().__init__(units)
+        self.budget = budget
+        self.fetches = fetches
+
+
 @dataclasses.dataclass(frozen=True)
 class UnitCosts:
     """What each unit costs alone in each cheaper format, measured (StreamedLayers.calibrate()).

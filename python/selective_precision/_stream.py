@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 from ._modules import _add_hook, _owner, _parameter_at, _streamed_names, _warn_trainable_streamed_in_frozen_blocks
 from ._options import Budget, StreamOptions, _options, _streamed_model
 from ._selective_precision import _QUANTIZED_ROUTES, _ROUTES
+from ._measure import PolicyReport
 from ._step import _Layer
 
 _log = logging.getLogger("selective_precision")
@@ -163,27 +164,6 @@ def _streamed_class(cls):
     if cls not in _CLASSES:
         _CLASSES[cls] = type("Streamed" + cls.__name__, (StreamedBlock, cls), {"_sp_block_class": cls})
     return _CLASSES[cls]
-
-
-class PolicyReport(list):
-    """StreamedLayers.policy_report(): one dict per unit, and `budget`: a dict with `kind`
-    ("bytes" or "loss"), `limit`, `planned_bytes_fraction`, `planned_cost`,
-    `planned_loss_fraction`, `reference_loss`, `decided_at_step` (-1: none yet), `met` and
-    `reads_step_signals` (whether the policy decides with the gradient signals each step
-    measures: policy v3 does, v4 does not, and the layer then skips them); None for a policy
-    without a budget. `fetches`: every byte the layer moved since stream(), apart and together:
-    `training_h2d_bytes` (the steps ended) and `training_all_bf16` (what they would have moved
-    as BF16), `evaluation_h2d_bytes` (no-grad forwards, and grad-mode ones no backward
-    followed), `calibration_h2d_bytes` (calibration passes), `measurement_h2d_bytes`
-    (compare_routes(), calibrate() and the re-measurements on drift), `total_h2d_bytes`, and
-    `saved_fraction` (the training's) and `saved_fraction_with_measurement` (the training's with
-    the calibrations' and measurements') against the training's all-BF16 bytes (None before a
-    step)."""
-
-    def __init__(self, units, budget, fetches):
-        super().__init__(units)
-        self.budget = budget
-        self.fetches = fetches
 
 
 class StreamedLayers(torch.nn.ModuleList):
@@ -710,4 +690,4 @@ def _default_call(module):
     return call
 
 
-__all__ = ["stream", "Budget", "PolicyReport", "StreamedLayers", "StreamedBlock"]
+__all__ = ["stream", "Budget", "StreamedLayers", "StreamedBlock"]
