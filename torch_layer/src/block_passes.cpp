@@ -111,9 +111,9 @@ void StreamedModel::Impl::close_passes_without_backward(const char* why) {
 
 void StreamedModel::Impl::begin_eval_pass(const ad::RuntimeLimitHints& limits) {
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (!blocks[b].eval_image_stale) continue;
+    if (!blocks[b].evaluation_image_stale()) continue;
     refresh_eval_image(b);
-    blocks[b].eval_image_stale = false;
+    blocks[b].mark_evaluation_image_fresh();
   }
   evaluation.begin_pass(limits);
 }
@@ -169,7 +169,7 @@ TrainingPass& StreamedModel::Impl::pass_for_backward(std::uint32_t b, std::uint6
         "another pass, so a block applied twice in one forward cannot stream)",
         blocks[b].block.name, stopped));
   }
-  BlockState& block = blocks[b];
+  BlockGroup& block = blocks[b];
   for (std::size_t i = 0; i < block.streamed.size(); ++i) {
     if (block.streamed[i].master._version() == pass.versions[b][i]) continue;
     abandon_passes();
@@ -193,12 +193,12 @@ void StreamedModel::Impl::end_pass_backward(std::uint64_t id) {
 
 bool StreamedModel::Impl::fold_weight_gradients(std::uint32_t b, const std::vector<torch::Tensor>& grads,
                                                 std::function<void()>& gradient_ready) {
-  BlockState& block = blocks[b];
+  BlockGroup& block = blocks[b];
   GradientReducer::Bucket bucket;
   std::vector<torch::Tensor> flat;
-  std::vector<StreamedParam*> staged_here;
+  std::vector<StreamedParameter*> staged_here;
   for (std::size_t i = 0; i < block.streamed.size(); ++i) {
-    StreamedParam& p = block.streamed[i];
+    StreamedParameter& p = block.streamed[i];
     torch::Tensor g = grads[i];
     if (!p.master.requires_grad()) {
       if (!policy_link.frozen_gradients_wanted() || !g.defined()) continue;
@@ -239,14 +239,14 @@ bool StreamedModel::Impl::fold_weight_gradients(std::uint32_t b, const std::vect
   if (update_now && !staged_here.empty()) {
     if (shards.group()) {
       // Staged gradients of several ranks are reduced in one bucket at the pass's end.
-      blocks[b].deferred_update = true;
+      blocks[b].defer_update();
     } else {
-      ad::Event& copied = gradient_copied_event(b);
+      ad::Event& copied = blocks[b].gradient_copied(*engines.backend);
       engines.backend->record(copied, ad::Queue::compute);
-      for (StreamedParam* p : staged_here) p->staged = false;
+      for (StreamedParameter* p : staged_here) p->staged = false;
       gradient_ready = [this, &copied, staged_here] {
         engines.backend->synchronize(copied);
-        for (StreamedParam* p : staged_here) GradientReducer::add_to_master_grad(*p, p->staging);
+        for (StreamedParameter* p : staged_here) GradientReducer::add_to_master_grad(*p, p->staging);
       };
     }
   }
@@ -264,7 +264,7 @@ void StreamedModel::Impl::refuse_unsupported_backward(std::uint32_t b) const {
   // layer, not from a graph autograd could follow to it.
   const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
   if (exec_info == nullptr || exec_info->empty()) return;
-  for (const StreamedParam& p : blocks[b].streamed) {
+  for (const StreamedParameter& p : blocks[b].streamed) {
     if (!p.accumulator || exec_info->count(p.accumulator.get()) == 0) continue;
     throw std::logic_error(fmt::format(
         "StreamedModel: a backward with inputs= (or autograd.grad) asks for the gradient of {}'s streamed master "

@@ -21,14 +21,14 @@
 
 namespace sp::torch_layer {
 
-struct StreamedParam;
+struct StreamedParameter;
 
 class GradientReducer {
  public:
   // A block's master gradients of the current pass, flattened into one bucket, on their way
   // through a reduction started in the backward; folded into the masters at the pass's end.
   struct Bucket {
-    std::vector<StreamedParam*> params;
+    std::vector<StreamedParameter*> params;
     torch::Tensor bucket;
     std::unique_ptr<Collectives::Pending> pending;
   };
@@ -57,15 +57,15 @@ class GradientReducer {
 
   // The master's gradient, accumulated across passes. On a GPU it travels to pinned staging
   // without a host sync; end_of_pass folds it in after one synchronization.
-  void stage(StreamedParam& p, const torch::Tensor& g);
+  void stage(StreamedParameter& p, const torch::Tensor& g);
   bool any_staged() const { return staged_; }
   // The staged gradients, now on the host (the caller synchronized), into their masters'
   // .grad; with ranks, reduced in one bucket first.
-  void fold_staged(std::vector<StreamedParam*> staged);
+  void fold_staged(std::vector<StreamedParameter*> staged);
   // The first contribution is copied: it is a view (of the backward's result, reshaped) or the
   // staging buffer the next pass reuses, and a .grad must own its storage (zero_grad() detaches
   // it in place).
-  static void add_to_master_grad(StreamedParam& p, const torch::Tensor& g);
+  static void add_to_master_grad(StreamedParameter& p, const torch::Tensor& g);
 
   void add_pending(Bucket bucket) { reducing_.push_back(std::move(bucket)); }
   // The reductions the backward started, waited for.
@@ -80,7 +80,7 @@ class GradientReducer {
   // A bucket of summed gradients, one slice per parameter in order, divided by the ranks. A
   // bucket reduced on the device crosses to the host here, and only to a rank that keeps one of
   // its parameters.
-  void fold_averaged(const std::vector<StreamedParam*>& params, const torch::Tensor& summed);
+  void fold_averaged(const std::vector<StreamedParameter*>& params, const torch::Tensor& summed);
 
   // ---- the pass's unlisted inputs ------------------------------------------------------------
 

@@ -4,37 +4,29 @@
 
 namespace sp::torch_layer {
 
-ad::Event& StreamedModel::Impl::gradient_copied_event(std::uint32_t b) {
-  std::unique_ptr<ad::Event>& event = blocks[b].gradient_copied;
-  if (!event) event = engines.backend->create_event();
-  return *event;
-}
-
 void StreamedModel::Impl::wait_for_updates() {
   updater.wait(*engines.train, [&](std::uint32_t b, bool skipped) {
     if (skipped) {
       step_state.skip_update(b);
       log->warn("StreamedModel: step {}: {} was not updated: its gradient holds a non-finite element",
                 step_state.number(), blocks[b].block.name);
-    } else {
-      blocks[b].eval_image_stale = true;
     }
-    blocks[b].updated_in_step = true;
+    blocks[b].mark_updated(/*image_written=*/!skipped);
   });
 }
 
 void StreamedModel::Impl::update_block(std::uint32_t b, const kn::AdamWStep& adam,
                                        const std::map<std::string, MasterMoments>& moments, bool skip_nonfinite) {
-  std::vector<kn::AdamWTensor> tensors = fused_update_tensors(blocks[b], moments);
-  if (skip_nonfinite && !gradients_finite(blocks[b])) {
+  std::vector<kn::AdamWTensor> tensors = blocks[b].fused_update_tensors(moments);
+  const bool skip = skip_nonfinite && !blocks[b].gradients_finite();
+  if (skip) {
     step_state.skip_update(b);
     log->warn("StreamedModel: step {}: {} was not updated: its gradient holds a non-finite element",
               step_state.number(), blocks[b].block.name);
   } else {
     engines.train->update_weights(b, adam, tensors);
-    blocks[b].eval_image_stale = true;
   }
-  blocks[b].updated_in_step = true;
+  blocks[b].mark_updated(/*image_written=*/!skip);
 }
 
 void StreamedModel::Impl::abandon_passes() noexcept {
@@ -44,7 +36,7 @@ void StreamedModel::Impl::abandon_passes() noexcept {
     log->warn("StreamedModel: an update during the backward of an abandoned pass failed: {}", e.what());
   }
   updater.disarm();
-  for (BlockState& block : blocks) block.deferred_update = false;
+  for (BlockGroup& block : blocks) block.cancel_deferred_update();
   reducer.abandon(*log);
   try {
     passes.for_each([&](TrainingPass& pass) { backward->let_go(pass); });
@@ -56,8 +48,8 @@ void StreamedModel::Impl::abandon_passes() noexcept {
   } catch (const std::exception& e) {
     log->warn("StreamedModel: ending an abandoned pass: {}", e.what());
   }
-  for (BlockState& b : blocks) {
-    for (StreamedParam& p : b.streamed) p.staged = false;
+  for (BlockGroup& b : blocks) {
+    for (StreamedParameter& p : b.streamed) p.staged = false;
   }
 }
 
@@ -74,9 +66,9 @@ void StreamedModel::Impl::finish_pass(std::uint64_t id) {
   if (!reducer.any_staged()) return;
   engines.backend->record(*engines.compute_done, ad::Queue::compute);
   engines.backend->synchronize(*engines.compute_done);
-  std::vector<StreamedParam*> staged;
-  for (BlockState& b : blocks) {
-    for (StreamedParam& p : b.streamed) {
+  std::vector<StreamedParameter*> staged;
+  for (BlockGroup& b : blocks) {
+    for (StreamedParameter& p : b.streamed) {
       if (!p.staged) continue;
       staged.push_back(&p);
     }
@@ -84,8 +76,7 @@ void StreamedModel::Impl::finish_pass(std::uint64_t id) {
   reducer.fold_staged(std::move(staged));
   std::vector<std::uint32_t> deferred;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (blocks[b].deferred_update) deferred.push_back(b);
-    blocks[b].deferred_update = false;
+    if (blocks[b].take_deferred_update()) deferred.push_back(b);
   }
   try {
     for (std::uint32_t b : deferred) begin_block_update(b, {});
@@ -121,7 +112,7 @@ void GradientReducer::probe(const torch::Device& compute, spdlog::logger& log) {
                               : std::string("on the host: the group does not reduce device tensors without it"));
 }
 
-void GradientReducer::stage(StreamedParam& p, const torch::Tensor& g) {
+void GradientReducer::stage(StreamedParameter& p, const torch::Tensor& g) {
   if (p.staging.defined()) {
     p.staging.copy_(g, /*non_blocking=*/true);
     p.staged = true;
@@ -131,7 +122,7 @@ void GradientReducer::stage(StreamedParam& p, const torch::Tensor& g) {
   add_to_master_grad(p, g.to(torch::kCPU, torch::kFloat32));
 }
 
-void GradientReducer::add_to_master_grad(StreamedParam& p, const torch::Tensor& g) {
+void GradientReducer::add_to_master_grad(StreamedParameter& p, const torch::Tensor& g) {
   torch::Tensor& grad = p.master.mutable_grad();
   if (grad.defined()) {
     grad.add_(g);
@@ -140,27 +131,27 @@ void GradientReducer::add_to_master_grad(StreamedParam& p, const torch::Tensor& 
   }
 }
 
-void GradientReducer::fold_staged(std::vector<StreamedParam*> staged) {
-  for (StreamedParam* p : staged) p->staged = false;
+void GradientReducer::fold_staged(std::vector<StreamedParameter*> staged) {
+  for (StreamedParameter* p : staged) p->staged = false;
   if (collectives_) {
     // On a GPU the gradients reach the host only here: one bucket for the whole pass.
     std::vector<torch::Tensor> flat;
-    for (StreamedParam* p : staged) flat.push_back(p->staging.reshape({-1}));
+    for (StreamedParameter* p : staged) flat.push_back(p->staging.reshape({-1}));
     torch::Tensor bucket = torch::cat(flat);
     collectives_->all_reduce(bucket, Reduction::sum, "gradients of the pass")->wait();
     fold_averaged(staged, bucket);
   } else {
-    for (StreamedParam* p : staged) add_to_master_grad(*p, p->staging);
+    for (StreamedParameter* p : staged) add_to_master_grad(*p, p->staging);
   }
   staged_ = false;
 }
 
-void GradientReducer::fold_averaged(const std::vector<StreamedParam*>& params, const torch::Tensor& summed) {
-  if (std::none_of(params.begin(), params.end(), [&](const StreamedParam* p) { return keeps_(p->block); })) return;
+void GradientReducer::fold_averaged(const std::vector<StreamedParameter*>& params, const torch::Tensor& summed) {
+  if (std::none_of(params.begin(), params.end(), [&](const StreamedParameter* p) { return keeps_(p->block); })) return;
   torch::Tensor bucket = summed.to(torch::kCPU);
   bucket.div_(collectives_->size());
   std::int64_t offset = 0;
-  for (StreamedParam* p : params) {
+  for (StreamedParameter* p : params) {
     const std::int64_t n = c10::multiply_integers(p->shape);
     if (keeps_(p->block)) add_to_master_grad(*p, bucket.narrow(0, offset, n).view(p->shape));
     offset += n;

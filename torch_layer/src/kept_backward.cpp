@@ -65,12 +65,12 @@ class KeptActivationsBackward final : public BackwardStrategy {
   // The block's weights as this call computes with them: tensors on the `kept` storages, whose
   // gradients reach `node` (as its inputs `edges`) where they need one.
   // `edges` unset (-1) are assigned (the forward); a checkpoint's recompute gives them again.
-  NamedParameters kept_weights(BlockState& block, const NodePtr& node, std::vector<std::int64_t>& edges);
+  NamedParameters kept_weights(BlockGroup& block, const NodePtr& node, std::vector<std::int64_t>& edges);
   // The `kept` storages hold the delivered weights of `view` (converted to the compute dtype
   // when it is not bf16), or nothing. A module's placeholders point at them through
   // kept_weights().
-  void fill_kept(BlockState& block, const ad::BlockView& view);
-  void empty_kept(BlockState& block);
+  void fill_kept(BlockGroup& block, const ad::BlockView& view);
+  void empty_kept(BlockGroup& block);
   // The held block of pass `pass` is released, and its armed update begins if its gradients came.
   void release_held(TrainingPass& pass);
 
@@ -142,9 +142,9 @@ struct KeptBlockWeights : public torch::autograd::Node {
 std::vector<torch::Tensor> KeptActivationsBackward::forward(std::uint32_t b, std::uint64_t id,
                                                             const std::vector<torch::Tensor>& inputs, bool& reaches) {
   TrainingPass& pass = m.passes.at(id);
-  BlockState& block = m.blocks[b];
+  BlockGroup& block = m.blocks[b];
   pass.versions[b].clear();
-  for (StreamedParam& p : block.streamed) {
+  for (StreamedParameter& p : block.streamed) {
     pass.versions[b].push_back(p.master._version());
     if (!p.accumulator && p.master.requires_grad()) p.accumulator = torch::autograd::impl::grad_accumulator(p.master);
   }
@@ -152,7 +152,7 @@ std::vector<torch::Tensor> KeptActivationsBackward::forward(std::uint32_t b, std
   pass.kept.input_nodes[b] = through_boundary(xs, b, id, /*begins=*/false);
   std::vector<std::int64_t> edges(block.streamed.size(), -1);
   NodePtr node;
-  if (std::any_of(block.streamed.begin(), block.streamed.end(), [&](const StreamedParam& p) {
+  if (std::any_of(block.streamed.begin(), block.streamed.end(), [&](const StreamedParameter& p) {
         return p.master.requires_grad() || m.policy_link.frozen_gradients_wanted();
       })) {
     node = make_node<KeptBlockWeights>(m.self, b, id);
@@ -167,7 +167,7 @@ std::vector<torch::Tensor> KeptActivationsBackward::forward(std::uint32_t b, std
     // after the block lets go of it: it gets memory of its own.
     for (torch::Tensor& y : out) {
       if (!y.defined() || !y.has_storage()) continue;
-      const auto aliases = [&](const StreamedParam& p) { return y.storage().is_alias_of(p.kept); };
+      const auto aliases = [&](const StreamedParameter& p) { return y.storage().is_alias_of(p.kept); };
       if (std::any_of(block.streamed.begin(), block.streamed.end(), aliases)) y = y.clone();
     }
   } catch (...) {
@@ -201,11 +201,11 @@ bool KeptActivationsBackward::through_boundary(std::vector<torch::Tensor>& tenso
   return true;
 }
 
-NamedParameters KeptActivationsBackward::kept_weights(BlockState& block, const NodePtr& node,
+NamedParameters KeptActivationsBackward::kept_weights(BlockGroup& block, const NodePtr& node,
                                                       std::vector<std::int64_t>& edges) {
   NamedParameters weights;
   for (std::size_t i = 0; i < block.streamed.size(); ++i) {
-    StreamedParam& p = block.streamed[i];
+    StreamedParameter& p = block.streamed[i];
     torch::Tensor w = torch::empty({0}, m.compute).set_(p.kept, 0, p.shape);
     const bool takes_gradient = p.master.requires_grad() || m.policy_link.frozen_gradients_wanted();
     // A module that computes with its own parameters (Block::forward) reads the placeholder:
@@ -223,10 +223,10 @@ NamedParameters KeptActivationsBackward::kept_weights(BlockState& block, const N
   return weights;
 }
 
-void KeptActivationsBackward::fill_kept(BlockState& block, const ad::BlockView& view) {
+void KeptActivationsBackward::fill_kept(BlockGroup& block, const ad::BlockView& view) {
   const torch::Device device = m.compute_device();
   for (std::size_t i = 0; i < block.streamed.size(); ++i) {
-    StreamedParam& p = block.streamed[i];
+    StreamedParameter& p = block.streamed[i];
     if (!p.kept) {
       p.kept = c10::Storage(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, device), nullptr, false);
     }
@@ -245,8 +245,8 @@ void KeptActivationsBackward::fill_kept(BlockState& block, const ad::BlockView& 
   }
 }
 
-void KeptActivationsBackward::empty_kept(BlockState& block) {
-  for (StreamedParam& p : block.streamed) {
+void KeptActivationsBackward::empty_kept(BlockGroup& block) {
+  for (StreamedParameter& p : block.streamed) {
     if (!p.kept) continue;
     p.kept.set_data_ptr_noswap(c10::DataPtr(nullptr, p.kept.device()));
     p.kept.set_nbytes(0);
@@ -322,7 +322,7 @@ void KeptActivationsBackward::weight_gradients(std::uint32_t b, std::uint64_t id
   }
   try {
     std::function<void()> ready;
-    if (!m.fold_weight_gradients(b, weight_grads, ready) || m.blocks[b].deferred_update) return;
+    if (!m.fold_weight_gradients(b, weight_grads, ready) || m.blocks[b].update_deferred()) return;
     if (pass.kept.held == b) {
       pass.kept.update_after_release[b] = std::move(ready);
     } else {

@@ -8,29 +8,12 @@
 namespace sp::torch_layer {
 
 void StreamedModel::Impl::shard_masters() {
-  for (BlockState& block : blocks) block.shared_route = Precision::bf16;  // every engine starts on BF16
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    share_image(*engines.train, b, Precision::bf16);
+    share_image(*engines.train, b, Precision::bf16);  // every engine starts on BF16
     if (shards.owns(b)) continue;
     engines.train->forget_masters(b);
     engines.eval->forget_masters(b);
-    blocks[b].eval_image_stale = true;
-    BlockState& block = blocks[b];
-    for (StreamedParam& p : block.streamed) {
-      if (block.params_are_masters) {
-        // The module's parameter is the master: emptied in place, so that it stays the module's.
-        torch::NoGradGuard no_grad;
-        p.master.set_data(torch::empty({0}, torch::kFloat32));
-        continue;
-      }
-      torch::Tensor placeholder = torch::empty({0}, torch::kFloat32);
-      placeholder.set_requires_grad(p.master.requires_grad());
-      p.master = placeholder;
-    }
-    block.masters.clear();
-    // The owner computes the block's moments; an anchor keeps the block's backward running.
-    block.moment_sources.clear();
-    set_autograd_inputs(block);
+    blocks[b].forget_masters();
   }
 }
 
@@ -56,10 +39,10 @@ std::map<std::string, torch::Tensor> StreamedModel::gather_masters(std::uint32_t
     throw std::invalid_argument(
         fmt::format("StreamedModel::gather_masters: block {} is out of range (there are {})", block, m.blocks.size()));
   }
-  const BlockState& b = m.blocks[block];
+  const BlockGroup& b = m.blocks[block];
   if (m.shards.owns(block) && !m.shards.sharded()) return b.masters;
   std::map<std::string, torch::Tensor> out;
-  for (const StreamedParam& p : b.streamed) {
+  for (const StreamedParameter& p : b.streamed) {
     torch::Tensor whole = m.shards.owns(block) ? p.master.detach() : torch::empty(p.shape, torch::kFloat32);
     m.shards.group()->broadcast(whole, m.shards.owner(block), fmt::format("{}'s master '{}'", b.block.name, p.name));
     out.emplace(p.name, m.shards.owns(block) ? p.master : whole);
@@ -71,19 +54,18 @@ void StreamedModel::Impl::share_images(bool all, const std::vector<bool>& rebuil
   if (!shards.sharded()) return;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     const Precision route = engines.train->policy_bridge().route(b);
-    if (!all && !(b < rebuilt.size() && rebuilt[b]) && blocks[b].shared_route == route) continue;
+    if (!all && !(b < rebuilt.size() && rebuilt[b]) && blocks[b].shared_on(route)) continue;
     share_image(*engines.train, b, route);
-    blocks[b].shared_route = route;
-    blocks[b].eval_image_stale = true;
+    blocks[b].mark_shared(route);
   }
 }
 
 void StreamedModel::Impl::share_eval_images(const std::vector<Precision>& routes) {
   if (!shards.sharded()) return;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (shards.owns(b) && blocks[b].eval_image_stale) engines.eval->on_weights_updated(b);
+    if (shards.owns(b) && blocks[b].evaluation_image_stale()) engines.eval->on_weights_updated(b);
     share_image(*engines.eval, b, routes.at(b));
-    blocks[b].eval_image_stale = false;
+    blocks[b].mark_evaluation_image_fresh();
   }
 }
 
@@ -129,10 +111,10 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
     return it->second.contiguous();
   };
   // Everything is checked before anything changes.
-  std::vector<std::pair<StreamedParam*, torch::Tensor>> masters;
+  std::vector<std::pair<StreamedParameter*, torch::Tensor>> masters;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (!shards.owns(b)) continue;  // sharded: its owner restores it; an entry for it is not read
-    for (StreamedParam& p : blocks[b].streamed) {
+    for (StreamedParameter& p : blocks[b].streamed) {
       const std::string key = master_key(blocks[b], p);
       torch::Tensor saved = entry(key, torch::kFloat32);
       if (saved.sizes() != p.master.sizes()) {
@@ -201,13 +183,29 @@ void StreamedModel::Impl::restore_state(const std::map<std::string, torch::Tenso
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (shards.owns(b)) engines.train->on_weights_updated(b);
   }
-  for (BlockState& block : blocks) block.eval_image_stale = true;
+  for (BlockGroup& block : blocks) block.mark_evaluation_image_stale();
+}
+
+void StreamedModel::Impl::calibration_pass(const ad::RuntimeLimitHints& limits,
+                                           const std::function<void(std::uint32_t)>& run) {
+  // The blocks as a chain in their order (calibrate(x), forward(x)), whichever order the
+  // host's own evaluation passes call them in.
+  if (evaluation.is_open()) evaluation.end_pass();
+  engines.eval->set_block_order({});
+  begin_eval_pass(limits);
+  for (std::uint32_t b = 0; b < blocks.size(); ++b) {
+    eval_block(b, [&](const NamedParameters&) {
+      run(b);
+      return 0;
+    });
+  }
+  evaluation.count_calibration(evaluation.end_pass().h2d_bytes.total());
 }
 
 CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vector<torch::Tensor>& samples) {
   if (step_state.in_step()) throw std::logic_error("StreamedModel: calibrate between steps, not inside one");
   if (samples.empty()) throw std::invalid_argument("StreamedModel: calibration without samples");
-  for (const BlockState& b : blocks) {
+  for (const BlockGroup& b : blocks) {
     if (b.params_are_masters) {
       throw std::logic_error(fmt::format(
           "StreamedModel: calibration feeds each block the output of the one before, one tensor; {} computes "
@@ -225,9 +223,8 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
   share_eval_images(std::vector<Precision>(n, Precision::bf16));
   for (const torch::Tensor& sample : samples) {
     std::vector<torch::Tensor>& reference = references.emplace_back(std::vector<torch::Tensor>{sample});
-    calibration_pass(pinned_to(Precision::bf16), [&](std::uint32_t b, const NamedParameters&) {
-      reference.push_back(blocks[b].block.forward(reference.back()));
-    });
+    calibration_pass(pinned_to(Precision::bf16),
+                     [&](std::uint32_t b) { reference.push_back(blocks[b].block.forward(reference.back())); });
   }
   for (const Precision precision : kPrecisions) {
     if (!is_quantized(precision)) continue;
@@ -235,7 +232,7 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
     sums->assign(n, 0.0);
     share_eval_images(std::vector<Precision>(n, precision));
     for (const std::vector<torch::Tensor>& reference : references) {
-      calibration_pass(pinned_to(precision), [&, sums = sums](std::uint32_t b, const NamedParameters&) {
+      calibration_pass(pinned_to(precision), [&, sums = sums](std::uint32_t b) {
         const torch::Tensor quantized = on_host(blocks[b].block.forward(reference[b]));
         const torch::Tensor expected = on_host(reference[b + 1]);
         (*sums)[b] +=
@@ -247,7 +244,7 @@ CalibrationErrors StreamedModel::Impl::measure_calibration_errors(const std::vec
   // The evaluation images are the pinned route's now: the next evaluation takes the routes in
   // force again (rebuilt by the owner, copied elsewhere).
   if (shards.sharded()) {
-    for (BlockState& block : blocks) block.eval_image_stale = true;
+    for (BlockGroup& block : blocks) block.mark_evaluation_image_stale();
   }
   // The last pass's pins would stand until the next evaluation pass; dropped now, so that an
   // image rebuilt in between is built for the route the block takes next.
@@ -320,7 +317,8 @@ std::map<std::string, torch::Tensor> StreamedModel::export_state() const {
   std::map<std::string, torch::Tensor> state;
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
     if (!m.shards.owns(b)) continue;
-    for (const StreamedParam& p : m.blocks[b].streamed) state.emplace(master_key(m.blocks[b], p), p.master.detach());
+    for (const StreamedParameter& p : m.blocks[b].streamed)
+      state.emplace(master_key(m.blocks[b], p), p.master.detach());
   }
   std::vector<std::uint8_t> blob;
   try {

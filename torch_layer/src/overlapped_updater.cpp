@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "streamed_model_impl.h"
+#include "block_group.h"
 
 namespace sp::torch_layer {
 
@@ -10,7 +10,7 @@ bool OverlappedUpdater::any_begun() const {
   return armed_ && std::find(armed_->begun.begin(), armed_->begun.end(), true) != armed_->begun.end();
 }
 
-void OverlappedUpdater::begin(adapters::StreamingEngine& engine, const BlockState& block, std::uint32_t b,
+void OverlappedUpdater::begin(adapters::StreamingEngine& engine, const BlockGroup& block, std::uint32_t b,
                               std::function<void()> gradient_ready) {
   // Everything that can fail to allocate comes before the engine marks the block busy, and
   // `running_` has room for every block (reserved by arm()), so that the entry is in place
@@ -23,18 +23,18 @@ void OverlappedUpdater::begin(adapters::StreamingEngine& engine, const BlockStat
   armed_->begun[b] = true;
   adapters::StreamingEngine::WeightUpdate* update = running.update.get();
   bool* skipped = running.skipped.get();
-  const BlockState* updated = &block;
+  const BlockGroup* updated = &block;
   const std::map<std::string, MasterMoments>* moments = &armed_->moments[b];
   const kernels::AdamWStep step = armed_->step;
   running_.push_back(std::move(running));
   try {
     running_.back().done = worker_.submit([=, ready = std::move(gradient_ready)] {
       if (ready) ready();
-      if (!gradients_finite(*updated)) {
+      if (!updated->gradients_finite()) {
         *skipped = true;
         return;
       }
-      update->run(step, fused_update_tensors(*updated, *moments));
+      update->run(step, updated->fused_update_tensors(*moments));
     });
   } catch (...) {
     engine.finish_update(*update);  // never ran: a cancel

@@ -21,7 +21,7 @@
 
 namespace sp::torch_layer {
 
-struct BlockState;
+class BlockGroup;
 
 class OverlappedUpdater {
  public:
@@ -48,7 +48,7 @@ class OverlappedUpdater {
   // Begins block b's armed update: its slab is picked here, in `engine`, and the sweep runs on
   // the worker once `gradient_ready` (if any) has made the gradient final on the host. A block
   // whose gradient holds a non-finite element is left as it was (reported by wait()).
-  void begin(adapters::StreamingEngine& engine, const BlockState& block, std::uint32_t b,
+  void begin(adapters::StreamingEngine& engine, const BlockGroup& block, std::uint32_t b,
              std::function<void()> gradient_ready);
   // Waits for every update begun and installs their images; `finished(block, skipped)` for each
   // that completed. Every update is waited for before the first error is rethrown.

@@ -47,7 +47,7 @@ RecomputeBackward& recompute_of(StreamedModel::Impl& impl) { return static_cast<
 // The autograd node of one streamed block: its forward fetches the block and runs it without
 // a graph; its backward fetches it again, recomputes and differentiates (backward_block()).
 struct StreamedBlockFunction : public torch::autograd::Function<StreamedBlockFunction> {
-  // `anchors`: what the node takes besides the block's inputs (BlockState::autograd_inputs), so
+  // `anchors`: what the node takes besides the block's inputs (BlockGroup::autograd_inputs), so
   // that autograd routes their gradients.
   static variable_list forward(AutogradContext* ctx, StreamedModel::Impl* impl, std::int64_t block, std::int64_t pass,
                                at::TensorList inputs, at::TensorList anchors) {
@@ -118,31 +118,20 @@ std::vector<torch::Tensor> RecomputeBackward::recompute_for_checkpoint(std::uint
 std::vector<torch::Tensor> RecomputeBackward::forward_block(std::uint32_t b, std::uint64_t id,
                                                             const std::vector<torch::Tensor>& inputs) {
   TrainingPass& pass = m.passes.at(id);
-  m.follow_caller_stream();
-  const ad::BlockView& view = m.engines.train->acquire(b);
-  m.attach(m.blocks[b], view, false);
-  if (replay_call_ == nullptr) {
-    pass.states[b] = ForwardState::capture(m.options.device);
-    pass.versions[b].clear();
-    for (const StreamedParam& p : m.blocks[b].streamed) pass.versions[b].push_back(p.master._version());
-  }
-  std::vector<torch::Tensor> out;
-  try {
-    out = (replay_call_ != nullptr ? *replay_call_ : pass.calls[b])(inputs, m.blocks[b].weights);
-  } catch (...) {
-    m.detach(m.blocks[b]);
-    m.engines.train->release(b);
-    throw;
-  }
-  m.detach(m.blocks[b]);
-  m.engines.train->release(b);
-  return out;
+  return m.with_block_fetched(*m.engines.train, b, /*trainable=*/false, [&] {
+    if (replay_call_ == nullptr) {
+      pass.states[b] = ForwardState::capture(m.options.device);
+      pass.versions[b].clear();
+      for (const StreamedParameter& p : m.blocks[b].streamed) pass.versions[b].push_back(p.master._version());
+    }
+    return (replay_call_ != nullptr ? *replay_call_ : pass.calls[b])(inputs, m.blocks[b].weights);
+  });
 }
 
 variable_list RecomputeBackward::backward_block(std::uint32_t b, std::uint64_t of_pass, const variable_list& xs,
                                                 const variable_list& grad_outs) {
   TrainingPass& pass = m.pass_for_backward(b, of_pass);
-  BlockState& block = m.blocks[b];
+  BlockGroup& block = m.blocks[b];
   try {
     m.refuse_unsupported_backward(b);
     m.enter_backward(of_pass, b);
@@ -155,84 +144,79 @@ variable_list RecomputeBackward::backward_block(std::uint32_t b, std::uint64_t o
   // of `inputs` takes none in plain PyTorch.
   const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
   const bool weights_take_gradients = exec_info == nullptr || exec_info->empty();
-  m.follow_caller_stream();
-  const ad::BlockView& view = m.engines.train->acquire(b);
-  m.attach(block, view, weights_take_gradients);
   variable_list grads;
   std::vector<torch::Tensor> wrt;
   UnlistedInputs unlisted;
   std::vector<std::size_t> input_slots;  // of the inputs that need a gradient, in `wrt`'s order
   try {
-    torch::AutoGradMode enable(true);
-    std::vector<torch::Tensor> inputs;
-    for (std::size_t i = 0; i < xs.size(); ++i) {
-      const bool needs = xs[i].defined() && xs[i].requires_grad();
-      inputs.push_back(xs[i].defined() ? xs[i].detach().requires_grad_(needs) : xs[i]);
-      if (needs) {
-        input_slots.push_back(i);
-        wrt.push_back(inputs.back());
+    m.with_block_fetched(*m.engines.train, b, weights_take_gradients, [&] {
+      torch::AutoGradMode enable(true);
+      std::vector<torch::Tensor> inputs;
+      for (std::size_t i = 0; i < xs.size(); ++i) {
+        const bool needs = xs[i].defined() && xs[i].requires_grad();
+        inputs.push_back(xs[i].defined() ? xs[i].detach().requires_grad_(needs) : xs[i]);
+        if (needs) {
+          input_slots.push_back(i);
+          wrt.push_back(inputs.back());
+        }
       }
-    }
-    std::vector<torch::Tensor> outputs;
-    const RecomputeMark recompute = RecomputeMark::now();
-    {
-      const ReplayedForward replayed(*pass.states[b]);
-      outputs = pass.calls[b](inputs, block.weights);
-    }
-    if (outputs.size() != grad_outs.size()) {
-      throw std::logic_error(
-          fmt::format("StreamedModel: {}'s recompute returned {} tensors where its forward returned {}",
-                      block.block.name, outputs.size(), grad_outs.size()));
-    }
-    // The outputs the loss reaches, with their gradients.
-    std::vector<torch::Tensor> ys, gys;
-    for (std::size_t i = 0; i < outputs.size(); ++i) {
-      if (!outputs[i].defined() || !outputs[i].requires_grad() || !grad_outs[i].defined()) continue;
-      ys.push_back(outputs[i]);
-      gys.push_back(grad_outs[i]);
-    }
-    for (const StreamedParam& p : block.streamed) {
-      if (weights_take_gradients && p.param.requires_grad()) wrt.push_back(p.param);
-    }
-    for (const torch::Tensor& r : block.trainable_resident) wrt.push_back(r);
-    unlisted = unlisted_inputs(ys, wrt, recompute);
-    if (!unlisted.foreign_node.empty()) {
-      throw std::logic_error(fmt::format(
-          "StreamedModel: {} reads a tensor computed outside it that requires a gradient (through {}): its "
-          "gradient would have to run back through the graph that computed it, which the block's backward does "
-          "not own. Compute it inside the block, pass it detached, or make it a parameter of the block",
-          block.block.name, unlisted.foreign_node));
-    }
-    if (!unlisted.leaves.empty() && m.shards.group()) {
-      const torch::Tensor& t = unlisted.leaves.front().tensor;
-      throw std::logic_error(fmt::format(
-          "StreamedModel: {} reads a tensor that requires a gradient and is none of its parameters ({} of shape "
-          "[{}]): with data parallelism its gradient would not be averaged across the ranks. Register it as a "
-          "parameter of the block",
-          block.block.name, c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", ")));
-    }
-    for (const UnlistedLeaf& leaf : unlisted.leaves) wrt.push_back(leaf.tensor);
-    if (!wrt.empty() && !ys.empty()) {
-      grads = torch::autograd::grad(ys, wrt, gys, /*retain_graph=*/false, /*create_graph=*/false,
-                                    /*allow_unused=*/true);
-    } else {
-      grads.resize(wrt.size());
-    }
+      std::vector<torch::Tensor> outputs;
+      const RecomputeMark recompute = RecomputeMark::now();
+      {
+        const ReplayedForward replayed(*pass.states[b]);
+        outputs = pass.calls[b](inputs, block.weights);
+      }
+      if (outputs.size() != grad_outs.size()) {
+        throw std::logic_error(
+            fmt::format("StreamedModel: {}'s recompute returned {} tensors where its forward returned {}",
+                        block.block.name, outputs.size(), grad_outs.size()));
+      }
+      // The outputs the loss reaches, with their gradients.
+      std::vector<torch::Tensor> ys, gys;
+      for (std::size_t i = 0; i < outputs.size(); ++i) {
+        if (!outputs[i].defined() || !outputs[i].requires_grad() || !grad_outs[i].defined()) continue;
+        ys.push_back(outputs[i]);
+        gys.push_back(grad_outs[i]);
+      }
+      for (const StreamedParameter& p : block.streamed) {
+        if (weights_take_gradients && p.param.requires_grad()) wrt.push_back(p.param);
+      }
+      for (const torch::Tensor& r : block.trainable_resident) wrt.push_back(r);
+      unlisted = unlisted_inputs(ys, wrt, recompute);
+      if (!unlisted.foreign_node.empty()) {
+        throw std::logic_error(fmt::format(
+            "StreamedModel: {} reads a tensor computed outside it that requires a gradient (through {}): its "
+            "gradient would have to run back through the graph that computed it, which the block's backward does "
+            "not own. Compute it inside the block, pass it detached, or make it a parameter of the block",
+            block.block.name, unlisted.foreign_node));
+      }
+      if (!unlisted.leaves.empty() && m.shards.group()) {
+        const torch::Tensor& t = unlisted.leaves.front().tensor;
+        throw std::logic_error(fmt::format(
+            "StreamedModel: {} reads a tensor that requires a gradient and is none of its parameters ({} of shape "
+            "[{}]): with data parallelism its gradient would not be averaged across the ranks. Register it as a "
+            "parameter of the block",
+            block.block.name, c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", ")));
+      }
+      for (const UnlistedLeaf& leaf : unlisted.leaves) wrt.push_back(leaf.tensor);
+      if (!wrt.empty() && !ys.empty()) {
+        grads = torch::autograd::grad(ys, wrt, gys, /*retain_graph=*/false, /*create_graph=*/false,
+                                      /*allow_unused=*/true);
+      } else {
+        grads.resize(wrt.size());
+      }
+    });
   } catch (...) {
-    m.detach(block);
-    m.engines.train->release(b);
     m.abandon_passes();
     throw;
   }
-  m.detach(block);
-  m.engines.train->release(b);
 
   std::size_t next = input_slots.size();
   std::function<void()> gradient_ready;
   bool update_now = false;
   if (weights_take_gradients) {
     std::vector<torch::Tensor> weight_grads;
-    for (const StreamedParam& p : block.streamed) {
+    for (const StreamedParameter& p : block.streamed) {
       weight_grads.push_back(p.param.requires_grad() ? grads[next++] : torch::Tensor());
     }
     update_now = m.fold_weight_gradients(b, weight_grads, gradient_ready);
@@ -265,7 +249,7 @@ variable_list RecomputeBackward::backward_block(std::uint32_t b, std::uint64_t o
     std::copy(resident.begin(), resident.end(), first_resident);
   }
   try {
-    if (update_now && !m.blocks[b].deferred_update) m.begin_block_update(b, std::move(gradient_ready));
+    if (update_now && !m.blocks[b].update_deferred()) m.begin_block_update(b, std::move(gradient_ready));
   } catch (...) {
     m.abandon_passes();
     throw;

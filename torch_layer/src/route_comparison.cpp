@@ -206,7 +206,7 @@ std::vector<RouteComparison> StreamedModel::Impl::compare_routes(
     // rebuilt in between is built for the route the block takes next.
     attempt("dropping the pins", [&] { m.engines.eval->policy_bridge().begin_step(); });
     if (m.shards.sharded()) {
-      for (BlockState& block : m.blocks) block.eval_image_stale = true;
+      for (BlockGroup& block : m.blocks) block.mark_evaluation_image_stale();
     }
     attempt("restoring the random state", [&] { random.restore(); });
   };

@@ -42,7 +42,7 @@ std::vector<sp_grad_moments_v1> StreamedModel::Impl::block_moments() {
     if (!blocks[b].moment_sources.empty()) {
       for (const torch::Tensor& t : blocks[b].moment_sources) add(t.grad(), b);
     } else if (blocks[b].trainable_masters) {
-      for (const StreamedParam& p : blocks[b].streamed) add(p.master.grad(), b);
+      for (const StreamedParameter& p : blocks[b].streamed) add(p.master.grad(), b);
     } else {
       for (const torch::Tensor& r : blocks[b].trainable_resident) add(r.grad(), b);
     }
@@ -69,7 +69,7 @@ std::optional<sp::host::UnitSignalTable> StreamedModel::Impl::measure_unit_signa
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (!shards.owns(b)) continue;
     double* row = s + policy_link.unit_of(b) * kFields;
-    for (const StreamedParam& p : blocks[b].streamed) {
+    for (const StreamedParameter& p : blocks[b].streamed) {
       const torch::Tensor& grad = p.master.requires_grad() ? p.master.grad() : p.signal_grad;
       if (!grad.defined()) continue;
       const torch::Tensor g = grad.to(torch::kCPU, torch::kFloat32).contiguous();
@@ -146,8 +146,8 @@ void StreamedModel::begin_step(std::int64_t step) {
   m.rebuild_changed_images(fmt::format("begin_step({})", step));
   m.policy_link.session().begin_step(step);
   m.step_state.begin(step, m.policy_link.session().take_swap_outcome(), m.trainable_versions());
-  for (BlockState& b : m.blocks) {
-    for (StreamedParam& p : b.streamed) p.signal_grad = torch::Tensor();
+  for (BlockGroup& b : m.blocks) {
+    for (StreamedParameter& p : b.streamed) p.signal_grad = torch::Tensor();
   }
   m.policy_link.read_what_the_step_needs(/*one_process=*/!m.shards.group());
   try {
@@ -164,7 +164,7 @@ void StreamedModel::begin_step(std::int64_t step) {
     throw;
   }
   m.step_state.open();
-  for (BlockState& block : m.blocks) block.updated_in_step = false;
+  for (BlockGroup& block : m.blocks) block.begin_step();
   m.updater.disarm();
 }
 
@@ -186,7 +186,7 @@ const std::vector<sp_grad_moments_v1>& StreamedModel::post_backward(double loss)
   for (const sp_grad_moments_v1& block : moments) {
     if (block.count != 0) measured.push_back(block);
   }
-  const bool any_trains = std::any_of(m.blocks.begin(), m.blocks.end(), [&](const BlockState& b) {
+  const bool any_trains = std::any_of(m.blocks.begin(), m.blocks.end(), [&](const BlockGroup& b) {
     return b.trainable_masters || !b.trainable_resident.empty() ||
            std::any_of(b.moment_sources.begin(), b.moment_sources.end(),
                        [](const torch::Tensor& t) { return t.requires_grad(); });
@@ -277,14 +277,12 @@ void StreamedModel::refresh_images() {
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
     rebuilt[b] = m.blocks[b].trainable_masters;
     any_frozen = any_frozen || !m.blocks[b].trainable_masters;
-    if (!m.shards.owns(b) || (!m.blocks[b].trainable_masters && !m.changed_master(b))) continue;
+    if (!m.shards.owns(b) || (!m.blocks[b].trainable_masters && !m.blocks[b].changed_master())) continue;
     rebuilt[b] = true;
-    const bool written_by_update = m.blocks[b].updated_in_step;
-    m.blocks[b].updated_in_step = false;
     // update_masters() wrote its image; the host changed its masters since, or not.
-    if (written_by_update && !m.changed_master(b)) continue;
+    if (m.blocks[b].take_updated_in_step() && !m.blocks[b].changed_master()) continue;
     m.engines.train->on_weights_updated(b);
-    m.blocks[b].eval_image_stale = true;
+    m.blocks[b].mark_evaluation_image_stale();
   }
   if (m.shards.sharded() && any_frozen) {
     torch::Tensor changed = torch::zeros({static_cast<std::int64_t>(rebuilt.size())}, torch::kInt32);
@@ -323,7 +321,7 @@ void StreamedModel::update_masters(std::uint32_t block, const sp::kernels::AdamW
         "StreamedModel::update_masters: {} is owned by rank {}, which updates it (shard_masters); this is rank {}",
         m.blocks[block].block.name, m.shards.owner(block), rank()));
   }
-  if (m.blocks[block].updated_in_step) {
+  if (m.blocks[block].updated_in_step()) {
     throw std::logic_error(fmt::format("StreamedModel::update_masters: block {} was already updated in step {}",
                                        m.blocks[block].block.name, m.step_state.number()));
   }
@@ -359,7 +357,7 @@ void StreamedModel::update_masters_during_backward(const sp::kernels::AdamWStep&
   }
   for (std::uint32_t b = 0; b < m.blocks.size(); ++b) {
     if (!m.blocks[b].trainable_masters || !m.shards.owns(b)) continue;
-    for (const StreamedParam& p : m.blocks[b].streamed) {
+    for (const StreamedParameter& p : m.blocks[b].streamed) {
       if (moments_of(moments[b], p.name) == nullptr) {
         throw std::invalid_argument(fmt::format(
             "StreamedModel::update_masters_during_backward: {}.{} has no AdamW moments (exp_avg and exp_avg_sq) in "
@@ -392,7 +390,8 @@ void StreamedModel::Impl::apply_transfer_policy(const std::filesystem::path& fil
   ad::TransferGate gate;
   for (const Precision route : kPrecisions) gate.pays[route] = per_block(trained.pays[route], frozen.pays[route]);
   const auto count = [](const std::vector<bool>& pays) { return std::count(pays.begin(), pays.end(), true); };
-  const auto trainable = std::count_if(blocks.begin(), blocks.end(), [](const BlockState& b) { return b.trainable_masters; });
+  const auto trainable =
+      std::count_if(blocks.begin(), blocks.end(), [](const BlockGroup& b) { return b.trainable_masters; });
   const char* kind = trainable == 0 ? "frozen" : trainable == static_cast<std::ptrdiff_t>(blocks.size()) ? "trained" : "trained and frozen";
   std::string pays_for;
   for (Precision tier : kQuantizedPrecisions) {

@@ -62,8 +62,11 @@ StreamedModel::Impl::Impl(std::vector<Block> in, StreamedModelOptions opts)
   if (shards.group()) reducer.probe(options.device, *log);
   refuse_shared_parameters(in);
   assign_units(in);
-  for (std::size_t b = 0; b < in.size(); ++b) adopt(std::move(in[b]), b);
-  const auto called = [](const BlockState& b) { return b.params_are_masters; };
+  const BlockGroup::Adoption adoption{options.device, compute, recomputes(),
+                                      options.device.is_cuda() && !reducer.reduces_on_device()};
+  for (std::size_t b = 0; b < in.size(); ++b)
+    blocks.emplace_back(std::move(in[b]), static_cast<std::uint32_t>(b), adoption);
+  const auto called = [](const BlockGroup& b) { return b.params_are_masters; };
   if (options.recalibrate_every != 0 && std::any_of(blocks.begin(), blocks.end(), called)) {
     throw std::invalid_argument(
         "StreamedModelOptions::recalibrate_every: re-calibration feeds each block the output of the one before, one "
@@ -85,7 +88,7 @@ void StreamedModel::Impl::assign_units(const std::vector<Block>& in) {
   if (options.units.empty()) {
     for (std::uint32_t b = 0; b < block_count; ++b) {
       unit_of.push_back(b);
-      unit_names.push_back(in[b].name.empty() ? fmt::format("block{}", b) : in[b].name);  // as adopt() names it
+      unit_names.push_back(in[b].name.empty() ? fmt::format("block{}", b) : in[b].name);  // as BlockGroup names it
     }
     policy_link.set_units(std::move(unit_of), std::move(unit_names));
     return;
@@ -115,18 +118,10 @@ void StreamedModel::Impl::assign_units(const std::vector<Block>& in) {
   policy_link.set_units(std::move(unit_of), std::move(unit_names));
 }
 
-void StreamedModel::Impl::note_image_versions() {
-  for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    blocks[b].image_versions.clear();
-    if (!shards.owns(b)) continue;
-    for (const StreamedParam& p : blocks[b].streamed) blocks[b].image_versions.push_back(p.master._version());
-  }
-}
-
 void StreamedModel::Impl::rebuild_changed_images(const std::string& call) {
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
     if (!shards.owns(b)) continue;
-    const StreamedParam* changed = changed_master(b);
+    const StreamedParameter* changed = blocks[b].changed_master();
     if (changed == nullptr) continue;
     if (shards.sharded()) {
       throw std::logic_error(fmt::format(
@@ -136,21 +131,14 @@ void StreamedModel::Impl::rebuild_changed_images(const std::string& call) {
           call, blocks[b].block.name, changed->name));
     }
     engines.train->on_weights_updated(b);
-    blocks[b].eval_image_stale = true;
-    for (std::size_t i = 0; i < blocks[b].streamed.size(); ++i) {
-      blocks[b].image_versions[i] = blocks[b].streamed[i].master._version();
-    }
+    blocks[b].images_rebuilt();
   }
 }
 
 std::vector<std::int64_t> StreamedModel::Impl::trainable_versions() const {
   std::vector<std::int64_t> versions;
   for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-    if (!shards.owns(b)) continue;
-    for (const StreamedParam& p : blocks[b].streamed) {
-      if (p.master.requires_grad()) versions.push_back(p.master._version());
-    }
-    for (const torch::Tensor& r : blocks[b].trainable_resident) versions.push_back(r._version());
+    if (shards.owns(b)) blocks[b].append_trainable_versions(versions);
   }
   return versions;
 }
@@ -174,14 +162,14 @@ StreamedModel::Impl::~Impl() {
     log->warn("StreamedModel: closing the open evaluation pass: {}", e.what());
   }
   // The blocks outlive the backend (declared before it): their events go while it is there.
-  for (BlockState& block : blocks) block.gradient_copied.reset();
+  for (BlockGroup& block : blocks) block.drop_events();
 }
 
 void StreamedModel::Impl::refuse_shared_parameters(const std::vector<Block>& in) {
   // Where each tensor was first met: its block's index, and "block's 'name'" for the message.
   std::map<const c10::TensorImpl*, std::pair<std::size_t, std::string>> first_place;
   for (std::size_t b = 0; b < in.size(); ++b) {
-    if (!in[b].parameters) continue;  // adopt() names that
+    if (!in[b].parameters) continue;  // BlockGroup refuses it by name
     const std::string block = in[b].name.empty() ? fmt::format("block{}", b) : in[b].name;
     for (const auto& [name, tensor] : in[b].parameters()) {
       const std::string place = fmt::format("{}'s '{}'", block, name);
@@ -196,135 +184,18 @@ void StreamedModel::Impl::refuse_shared_parameters(const std::vector<Block>& in)
   }
 }
 
-void StreamedModel::Impl::adopt(Block block, std::size_t index) {
-  if (block.name.empty()) block.name = fmt::format("block{}", index);
-  const std::string& name = block.name;
-  if (!block.parameters) throw std::invalid_argument(fmt::format("StreamedModel: {} has no parameters callable", name));
-  if (!block.forward && !block.call) {
-    throw std::invalid_argument(fmt::format("StreamedModel: {} has neither a forward nor a call", name));
-  }
-  BlockState state;
-  state.params_are_masters = static_cast<bool>(block.call);
-  const NamedParameters params = block.parameters();
-  for (const std::string& wanted : block.streamed) {
-    if (std::count(block.streamed.begin(), block.streamed.end(), wanted) > 1) {
-      throw std::invalid_argument(fmt::format("StreamedModel: {}: parameter '{}' is listed twice", name, wanted));
-    }
-    const torch::Tensor* found = find(params, wanted);
-    if (!found) {
-      std::string known;
-      for (const auto& item : params) known += (known.empty() ? "" : ", ") + item.first;
-      throw std::invalid_argument(
-          fmt::format("StreamedModel: {} has no parameter '{}' (it has: {})", name, wanted, known));
-    }
-    if (!found->is_floating_point() || found->numel() == 0) {
-      throw std::invalid_argument(
-          fmt::format("StreamedModel: {}: parameter '{}' is {} with {} elements; a streamed parameter is a non-empty "
-                      "floating-point tensor",
-                      name, wanted, c10::toString(found->scalar_type()), found->numel()));
-    }
-    StreamedParam p;
-    p.name = wanted;
-    p.block = static_cast<std::uint32_t>(index);
-    p.param = *found;
-    p.shape = found->sizes().vec();
-    p.rows = found->dim() >= 2 ? static_cast<std::uint64_t>(found->size(0)) : 1;
-    p.cols = static_cast<std::uint64_t>(found->numel()) / p.rows;
-    torch::Tensor master;
-    if (state.params_are_masters) {
-      if (!found->device().is_cpu() || found->scalar_type() != torch::kFloat32 || !found->is_contiguous() ||
-          !found->is_leaf()) {
-        throw std::invalid_argument(fmt::format(
-            "StreamedModel: {}: parameter '{}' is a {} tensor on {}; a block computing through Block::call keeps "
-            "its streamed parameters as the fp32 masters: contiguous float32 leaf tensors on the CPU",
-            name, wanted, c10::toString(found->scalar_type()), found->device().str()));
-      }
-      master = *found;
-    } else {
-      master = found->detach().to(torch::kCPU, torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
-      if (options.device.is_cuda()) master = master.pin_memory();
-      master.set_requires_grad(found->requires_grad());
-    }
-    state.trainable_masters = state.trainable_masters || found->requires_grad();
-    if (options.device.is_cuda() && found->requires_grad() && !reducer.reduces_on_device()) {
-      p.staging = torch::empty_like(master).pin_memory();
-    }
-    p.master = master;
-    if (state.params_are_masters) {
-      p.param = torch::empty({0}, compute);
-      p.placeholder = master.options();  // what the module's parameter must stay
-    } else {
-      {
-        torch::NoGradGuard no_grad;
-        p.param.set_data(torch::empty({0}, compute));
-      }
-      // With the activations kept it takes a gradient only while a pass computes with it, as the
-      // weights it stands for (kept_weights()).
-      if (!recomputes()) p.param.set_requires_grad(false);
-      p.placeholder = p.param.options();  // its device with an index, where `compute`'s may have none
-    }
-    state.masters.emplace(wanted, master);
-    state.streamed.push_back(std::move(p));
-  }
-  for (const auto& [key, value] : params) {
-    if (std::find(block.streamed.begin(), block.streamed.end(), key) != block.streamed.end()) continue;
-    state.resident.push_back(value);
-    state.resident_names.push_back(key);
-    state.resident_kinds.push_back(value.options());
-    if (value.requires_grad()) state.trainable_resident.push_back(value);
-  }
-  if (state.streamed.empty()) {
-    throw std::invalid_argument(fmt::format("StreamedModel: {} streams no parameter; list at least one", name));
-  }
-  for (const std::string& wanted : block.moments_from) {
-    const torch::Tensor* found = find(params, wanted);
-    if (!found) {
-      throw std::invalid_argument(
-          fmt::format("StreamedModel: {}: moments_from names '{}', which is not one of its parameters", name, wanted));
-    }
-    const auto streamed = std::find_if(state.streamed.begin(), state.streamed.end(),
-                                       [&](const StreamedParam& p) { return p.name == wanted; });
-    state.moment_sources.push_back(streamed != state.streamed.end() ? streamed->master : *found);
-  }
-  set_autograd_inputs(state);
-  for (const StreamedParam& p : state.streamed) state.weights.emplace_back(p.name, p.param);
-  if (state.params_are_masters) {
-    state.call = block.call;
-  } else {
-    state.call = [forward = block.forward, name](const std::vector<torch::Tensor>& inputs, const NamedParameters&) {
-      if (inputs.size() != 1) {
-        throw std::invalid_argument(
-            fmt::format("StreamedModel: {} takes one tensor (Block::forward), not {}; give the block a Block::call",
-                        name, inputs.size()));
-      }
-      return std::vector<torch::Tensor>{forward(inputs[0])};
-    };
-  }
-  state.block = std::move(block);
-  blocks.push_back(std::move(state));
-}
-
-void StreamedModel::Impl::set_autograd_inputs(BlockState& block) {
-  block.autograd_inputs = block.trainable_resident;
-  for (const StreamedParam& p : block.streamed) {
-    if (!p.master.requires_grad()) continue;
-    block.autograd_inputs.push_back(p.master);
-    break;
-  }
-}
-
 void StreamedModel::Impl::build_engines() {
   std::vector<ad::BlockSpec> specs;
-  for (const BlockState& b : blocks) {
+  for (const BlockGroup& b : blocks) {
     ad::BlockSpec spec;
     spec.name = b.block.name;
-    for (const StreamedParam& p : b.streamed) {
+    for (const StreamedParameter& p : b.streamed) {
       spec.tensors.push_back(ad::TensorSpec{p.name, p.master.data_ptr<float>(), p.rows, p.cols});
     }
     specs.push_back(std::move(spec));
   }
-  for (BlockState& b : blocks) {
-    for (StreamedParam& p : b.streamed) p.engine_data = p.master.data_ptr();
+  for (BlockGroup& b : blocks) {
+    for (StreamedParameter& p : b.streamed) p.note_engine_storage();
   }
   ad::StreamingConfig config;
   config.prefetch_window = options.prefetch_window;
@@ -354,62 +225,6 @@ void StreamedModel::Impl::build_policy() {
   policy_link.open(*engines.train, options.plugin_file,
                    sp::host::PolicyConfig{options.config_yaml, options.config_source}, options.host_name,
                    options.output_dir, log, options.plugin_hook_deadline, std::move(agree));
-}
-
-void StreamedModel::Impl::check_parameters_unchanged() const {
-  for (std::uint32_t index = 0; index < blocks.size(); ++index) {
-    const BlockState& b = blocks[index];
-    const NamedParameters params = b.block.parameters();
-    for (const StreamedParam& p : b.streamed) {
-      const torch::Tensor* now = find(params, p.name);
-      const torch::Tensor& held = b.params_are_masters ? p.master : p.param;
-      if (!now || now->unsafeGetTensorImpl() != held.unsafeGetTensorImpl()) {
-        throw std::logic_error(fmt::format(
-            "StreamedModel: {}: parameter '{}' was replaced or removed after the model was wrapped; the layer "
-            "owns streamed parameters ({})",
-            b.block.name, p.name,
-            b.params_are_masters ? "they are its masters: change them in place"
-                                 : "change the masters instead, then call refresh_images()"));
-      }
-      refuse_converted(b, p.name, held, p.placeholder);
-      if (shards.owns(index) && p.master.data_ptr() != p.engine_data) {
-        throw std::logic_error(fmt::format(
-            "StreamedModel: {}: master '{}' no longer holds the storage the layer streams from (set_data(), or "
-            "`.data = ` in Python, swapped it), so the engines would read the old one. Change a master in place: "
-            "under no_grad, master.copy_(new_value)",
-            b.block.name, p.name));
-      }
-    }
-    for (std::size_t i = 0; i < b.resident.size(); ++i) {
-      refuse_converted(b, b.resident_names[i], b.resident[i], b.resident_kinds[i]);
-    }
-  }
-}
-
-void StreamedModel::Impl::refuse_converted(const BlockState& b, const std::string& name, const torch::Tensor& now,
-                                           const torch::TensorOptions& wrapped) {
-  if (now.scalar_type() == c10::typeMetaToScalarType(wrapped.dtype()) && now.device() == wrapped.device()) return;
-  throw std::logic_error(fmt::format(
-      "StreamedModel: {}: parameter '{}' is now {} on {}, and was {} on {} when the blocks were wrapped (a .to() "
-      "after wrapping?). The layer keeps the blocks' parameters where they were: move and cast the model before "
-      "wrapping it (StreamedModelOptions::device and compute_dtype say where and in what the streamed weights "
-      "compute)",
-      b.block.name, name, c10::toString(now.scalar_type()), now.device().str(),
-      c10::toString(c10::typeMetaToScalarType(wrapped.dtype())), wrapped.device().str()));
-}
-
-void StreamedModel::Impl::attach(BlockState& b, const ad::BlockView& view, bool trainable) {
-  torch::NoGradGuard no_grad;
-  for (std::size_t i = 0; i < b.streamed.size(); ++i) {
-    StreamedParam& p = b.streamed[i];
-    torch::Tensor w = torch::from_blob(view.tensors[i].bf16, p.shape,
-                                       torch::TensorOptions().dtype(torch::kBFloat16).device(options.device));
-    if (options.compute_dtype != torch::kBFloat16) w = w.to(options.compute_dtype);
-    p.param.set_data(w);
-    // A placeholder that stands for the weights of a pass that keeps its activations is not a leaf.
-    if (p.param.is_leaf())
-      p.param.set_requires_grad(trainable && (p.master.requires_grad() || policy_link.frozen_gradients_wanted()));
-  }
 }
 
 std::unique_ptr<sp::host::PolicySession> open_policy_session(const ad::StreamingEngine& engine,
@@ -445,7 +260,7 @@ std::vector<torch::Tensor> StreamedModel::master_parameters() const {
   std::vector<torch::Tensor> out;
   for (std::uint32_t b = 0; b < impl_->blocks.size(); ++b) {
     if (!impl_->shards.owns(b)) continue;
-    for (const StreamedParam& p : impl_->blocks[b].streamed) out.push_back(p.master);
+    for (const StreamedParameter& p : impl_->blocks[b].streamed) out.push_back(p.master);
   }
   return out;
 }
@@ -456,7 +271,7 @@ const std::map<std::string, torch::Tensor>& StreamedModel::masters(std::uint32_t
 
 std::vector<torch::Tensor> StreamedModel::resident_parameters() const {
   std::vector<torch::Tensor> out;
-  for (const BlockState& b : impl_->blocks) out.insert(out.end(), b.resident.begin(), b.resident.end());
+  for (const BlockGroup& b : impl_->blocks) out.insert(out.end(), b.resident.begin(), b.resident.end());
   return out;
 }
 
@@ -499,16 +314,7 @@ void StreamedModel::set_compute_dtype(torch::Dtype dtype) {
   }
   m.options.compute_dtype = dtype;
   m.compute = m.compute.dtype(dtype);
-  torch::NoGradGuard no_grad;
-  for (BlockState& b : m.blocks) {
-    for (torch::TensorOptions& kind : b.resident_kinds) {
-      if (c10::isFloatingType(c10::typeMetaToScalarType(kind.dtype()))) kind = kind.dtype(dtype);
-    }
-    for (StreamedParam& p : b.streamed) {
-      p.param.set_data(torch::empty({0}, m.compute));
-      if (!b.params_are_masters) p.placeholder = p.param.options();
-    }
-  }
+  for (BlockGroup& b : m.blocks) b.set_compute_dtype(m.compute);
 }
 
 torch::Device StreamedModel::gradient_reduction_device() const { return impl_->gradient_reduction_device(); }

@@ -1,5 +1,7 @@
 // The LibTorch layer's insides, shared by its translation units:
-// - streamed_model.cpp: a block's adoption and the public accessors;
+// - streamed_model.cpp: the layer's construction and the public accessors;
+// - block_group.{h,cpp}: one block and its streamed parameters: adoption, attach and detach,
+//   the freshness of its images;
 // - block_passes.cpp: a call of a block: the evaluation and training forwards, and what the
 //   two backward strategies share; pass_table.{h,cpp}: the open training passes and their ends;
 // - backward_strategy.h: how a pass is differentiated, recompute_backward.cpp (the recompute)
@@ -21,6 +23,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <cmath>
+#include <functional>
 #include <future>
 #include <limits>
 #include <mutex>
@@ -36,6 +39,7 @@
 #include "sp/kernels/relative_error.h"
 #include "sp/precision_abi.h"
 #include "backward_strategy.h"
+#include "block_group.h"
 #include "evaluation_session.h"
 #include "forward_state.h"
 #include "gradient_reducer.h"
@@ -88,132 +92,6 @@ inline std::unique_ptr<ad::TransferBackend> make_backend(const StreamedModelOpti
       ));
 }
 
-inline const torch::Tensor* find(const NamedParameters& params, const std::string& name) {
-  for (const auto& [key, value] : params) {
-    if (key == name) return &value;
-  }
-  return nullptr;
-}
-
-// One streamed parameter: the tensor its block computes with (the module's own Parameter, or
-// for a Block::call block the layer's own), pointed at delivered weights while the block
-// computes and at an empty tensor otherwise, and its fp32 host master.
-struct StreamedParam {
-  std::string name;
-  std::uint32_t block = 0;
-  torch::Tensor param;
-  torch::Tensor master;   // sharded, on a rank that does not own the block: an empty placeholder
-  torch::Tensor staging;  // CUDA: pinned fp32, the gradient's way to the host without a sync
-  // Where the engines read the master (build_engines()): a master whose storage was swapped since
-  // (set_data(), `.data = `) would leave them reading the old one.
-  const void* engine_data = nullptr;
-  bool staged = false;    // staging holds this pass's gradient
-  // A frozen master's gradient, taken in the backward for policy v3's signal table alone
-  // (PolicyLink::frozen_gradients_wanted()), summed over the step's passes; never the master's .grad.
-  torch::Tensor signal_grad;
-  std::vector<std::int64_t> shape;
-  std::uint64_t rows = 0, cols = 0;
-  torch::TensorOptions placeholder;  // the empty tensor's dtype and device between uses
-  // Activations kept (StreamedModelOptions::recompute false): the storage every tensor of this
-  // weight that a pass computes with shares, so that autograd's saved tensors (the weight, or
-  // views of it) read whatever the storage holds when the backward reaches them: the delivered
-  // weights while the block is fetched, no memory otherwise (a read then fails, "data is not
-  // allocated", instead of reading a slot another block reuses), as FSDP2 frees and refills
-  // its unsharded parameters.
-  c10::Storage kept;
-  // The trainable master's gradient accumulator, held so that a backward with inputs= naming the
-  // master finds it (else autograd stands an Identity in for it) and can be refused by name.
-  NodePtr accumulator;
-};
-
-struct BlockState {
-  Block block;
-  std::vector<StreamedParam> streamed;
-  std::map<std::string, torch::Tensor> masters;
-  std::vector<torch::Tensor> resident;
-  std::vector<std::string> resident_names;           // of `resident`, for messages
-  std::vector<torch::TensorOptions> resident_kinds;  // their dtype and device when wrapped
-  std::vector<torch::Tensor> trainable_resident;     // resident parameters that require grad
-  std::vector<torch::Tensor> moment_sources;         // Block::moments_from; empty: the default rule
-  // What the block's autograd node takes as inputs besides x: its trainable resident
-  // parameters, and one trainable master, so that a block whose only trainable weights stream
-  // still gets a backward when its input needs no gradient.
-  std::vector<torch::Tensor> autograd_inputs;
-  bool trainable_masters = false;
-  // How it computes: Block::call, or Block::forward adapted to one. With Block::call the
-  // module's streamed parameters are the masters, and `weights` the tensors the delivered
-  // weights are put in.
-  BlockCall call;
-  bool params_are_masters = false;
-  NamedParameters weights;
-
-  // Where its images stand.
-  // Sharded, the same on every rank: the route of the image the ranks last shared.
-  Precision shared_route = Precision::bf16;
-  bool eval_image_stale = false;  // its masters changed since the evaluation engine built its image
-  // Per streamed parameter: the master's version counter when the images were last built from
-  // it. An in-place change since (an optimizer step after end_step()) would leave the engines
-  // streaming the old weights.
-  std::vector<std::int64_t> image_versions;
-  bool updated_in_step = false;  // update_masters() wrote its image this step
-  // The fused update during the backward: its gradient reaches the host only at the pass's end,
-  // and (CUDA) the event that says its staged gradient is on the host.
-  bool deferred_update = false;
-  std::unique_ptr<ad::Event> gradient_copied;
-};
-
-inline std::string master_key(const BlockState& b, const StreamedParam& p) {
-  return "master/" + b.block.name + "." + p.name;
-}
-
-// The moments of master `name`, or null when `moments` lacks them or either buffer.
-inline const MasterMoments* moments_of(const std::map<std::string, MasterMoments>& moments, const std::string& name) {
-  const auto found = moments.find(name);
-  if (found == moments.end() || found->second.exp_avg == nullptr || found->second.exp_avg_sq == nullptr) return nullptr;
-  return &found->second;
-}
-
-// The block's trainable masters as the fused update takes them, each with its gradient and
-// `moments` entry. Throws std::invalid_argument naming the parameter that has no fp32 host
-// gradient of its size, or no moments.
-
-inline std::vector<kn::AdamWTensor> fused_update_tensors(const BlockState& b,
-                                                         const std::map<std::string, MasterMoments>& moments) {
-  std::vector<kn::AdamWTensor> tensors;
-  for (const StreamedParam& p : b.streamed) {
-    const auto problem = [&](const std::string& what) {
-      return std::invalid_argument(fmt::format("StreamedModel::update_masters: {}.{} {}", b.block.name, p.name, what));
-    };
-    const torch::Tensor& grad = p.master.grad();
-    if (!grad.defined() || grad.scalar_type() != torch::kFloat32 || !grad.is_contiguous() ||
-        grad.numel() != p.master.numel() || !grad.device().is_cpu()) {
-      throw problem("has no fp32 contiguous host gradient in .grad of the master's size");
-    }
-    const MasterMoments* found = moments_of(moments, p.name);
-    if (found == nullptr) throw problem("has no AdamW moments (exp_avg and exp_avg_sq) in the map given");
-    const MasterMoments& moment = *found;
-    tensors.push_back(kn::AdamWTensor{p.master.data_ptr<float>(), grad.data_ptr<float>(), moment.exp_avg,
-                                      moment.exp_avg_sq, kn::TensorShape{p.rows, p.cols}, moment.decay, moment.dtype,
-                                      moment.rounding, moment.seed});
-  }
-  return tensors;
-}
-
-// Whether every element of the block's master gradients is finite (an absent gradient counts
-// as finite: fused_update_tensors() refuses it by name).
-inline bool gradients_finite(const BlockState& b) {
-  for (const StreamedParam& p : b.streamed) {
-    const torch::Tensor& grad = p.master.grad();
-    if (!grad.defined() || grad.scalar_type() != torch::kFloat32 || !grad.is_contiguous()) continue;
-    const float* g = grad.data_ptr<float>();
-    const std::int64_t n = grad.numel();
-    bool finite = true;
-    for (std::int64_t i = 0; i < n; ++i) finite &= std::isfinite(g[i]);
-    if (!finite) return false;
-  }
-  return true;
-}
-
 // The engines (issue 51): the transfer backend, the training engine (a training pass's forward
 // and backward), the evaluation engine (forward-only passes), and the event the compute queue
 // records before the host reads the gradients staged there. Declared in the order they are
@@ -229,7 +107,7 @@ struct StreamedModel::Impl {
   StreamedModelOptions options;
   std::shared_ptr<spdlog::logger> log;
   torch::TensorOptions compute;
-  std::vector<BlockState> blocks;
+  std::vector<BlockGroup> blocks;
   std::uint32_t num_units() const { return policy_link.num_units(); }
   bool units_are_blocks() const { return policy_link.units_are_blocks(); }
   Engines engines;  // after the blocks: their events go while the backend is there
@@ -256,14 +134,9 @@ struct StreamedModel::Impl {
 
   Impl(std::vector<Block> in, StreamedModelOptions opts);
 
-  void note_image_versions();
-
-  // The first of block b's masters changed since its images were built, or null.
-  const StreamedParam* changed_master(std::uint32_t b) const {
-    for (std::size_t i = 0; i < blocks[b].image_versions.size(); ++i) {
-      if (blocks[b].streamed[i].master._version() != blocks[b].image_versions[i]) return &blocks[b].streamed[i];
-    }
-    return nullptr;
+  // The images were built from every block's masters as they are now.
+  void note_image_versions() {
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) blocks[b].note_image_versions(shards.owns(b));
   }
 
   // Masters changed since their images were built, by anyone (an optimizer step, a hand-written
@@ -289,10 +162,6 @@ struct StreamedModel::Impl {
   // stepped once per block (resident): refused, naming both places.
   static void refuse_shared_parameters(const std::vector<Block>& in);
 
-  void adopt(Block block, std::size_t index);
-
-  static void set_autograd_inputs(BlockState& block);
-
   void build_engines();
 
   void build_policy();
@@ -314,7 +183,7 @@ struct StreamedModel::Impl {
   void require_units_are_blocks(const char* call) const;
 
   // Every rank starts from the owners' weights, whatever its host initialized, and keeps only
-  // the masters of its own blocks. The module's parameters were freed by adopt() already.
+  // the masters of its own blocks. The module's parameters were freed at adoption already.
   void shard_masters();
 
   // Block b's image on `precision` from its owner into `target` on every other rank (each
@@ -342,24 +211,47 @@ struct StreamedModel::Impl {
   // StreamedModel::restore_state() on this rank: everything checked before anything changes.
   void restore_state(const std::map<std::string, torch::Tensor>& state);
 
-  // ---- weights in and out of the module ----------------------------------------------------
+  // ---- a block's call: attach and detach ----------------------------------------------------
 
-  // A parameter the host replaced under the layer (module->weight = new tensor), or a master whose
-  // storage it swapped (set_data()), would be computed with stale values and trained without the
-  // layer knowing: refused.
-  void check_parameters_unchanged() const;
+  // Every block's parameters are as the layer wrapped them (BlockGroup::check_parameters_unchanged).
+  void check_parameters_unchanged() const {
+    for (std::uint32_t b = 0; b < blocks.size(); ++b) blocks[b].check_parameters_unchanged(shards.owns(b));
+  }
 
-  // A .to() of the model after wrapping converts the blocks' parameters in place: the
-  // placeholders of the streamed weights and the resident parameters, which the layer's
-  // passes would then mix with weights in the wrapped dtype and device.
-  static void refuse_converted(const BlockState& b, const std::string& name, const torch::Tensor& now,
-                               const torch::TensorOptions& wrapped);
-
-  void attach(BlockState& b, const ad::BlockView& view, bool trainable);
-
-  void detach(BlockState& b) {
-    torch::NoGradGuard no_grad;
-    for (StreamedParam& p : b.streamed) p.param.set_data(torch::empty({0}, compute));
+  // run() with block b fetched from `engine` and its weights attached (`trainable`: they take
+  // gradients, BlockGroup::attach); the block is detached and released after, and when run()
+  // throws.
+  template <typename Run>
+  auto with_block_fetched(ad::StreamingEngine& engine, std::uint32_t b, bool trainable, Run&& run) {
+    follow_caller_stream();
+    const ad::BlockView& view = engine.acquire(b);
+    const auto let_go = [&] {
+      blocks[b].detach(compute);
+      engine.release(b);
+    };
+    const auto attached = [&]() -> decltype(auto) {
+      blocks[b].attach(view, options.device, options.compute_dtype, trainable, policy_link.frozen_gradients_wanted());
+      return run();
+    };
+    if constexpr (std::is_void_v<decltype(run())>) {
+      try {
+        attached();
+      } catch (...) {
+        let_go();
+        throw;
+      }
+      let_go();
+    } else {
+      std::optional<decltype(run())> out;
+      try {
+        out.emplace(attached());
+      } catch (...) {
+        let_go();
+        throw;
+      }
+      let_go();
+      return std::move(*out);
+    }
   }
 
   // ---- passes --------------------------------------------------------------------------------
@@ -386,39 +278,18 @@ struct StreamedModel::Impl {
   // weights. The block is released, and the pass ended, even when run() throws.
   template <typename Run>
   auto eval_block(std::uint32_t b, Run&& run) {
-    follow_caller_stream();
-    const ad::BlockView& view = engines.eval->acquire(b);
-    attach(blocks[b], view, false);
     try {
-      auto out = run(blocks[b].weights);
-      detach(blocks[b]);
-      engines.eval->release(b);
+      auto out = with_block_fetched(*engines.eval, b, /*trainable=*/false, [&] { return run(blocks[b].weights); });
       evaluation.block_called();
       return out;
     } catch (...) {
-      detach(blocks[b]);
-      engines.eval->release(b);
       evaluation.end_pass();
       throw;
     }
   }
 
-  // A whole calibration pass under `limits`; run(b, weights) computes block b.
-  template <typename Run>
-  void calibration_pass(const ad::RuntimeLimitHints& limits, Run&& run) {
-    // The blocks as a chain in their order (calibrate(x), forward(x)), whichever order the
-    // host's own evaluation passes call them in.
-    if (evaluation.is_open()) evaluation.end_pass();
-    engines.eval->set_block_order({});
-    begin_eval_pass(limits);
-    for (std::uint32_t b = 0; b < blocks.size(); ++b) {
-      eval_block(b, [&](const NamedParameters& weights) {
-        run(b, weights);
-        return 0;
-      });
-    }
-    evaluation.count_calibration(evaluation.end_pass().h2d_bytes.total());
-  }
+  // A whole calibration pass under `limits`; run(b) computes block b on its attached weights.
+  void calibration_pass(const ad::RuntimeLimitHints& limits, const std::function<void(std::uint32_t)>& run);
 
   void refuse_training_while_measuring(std::uint32_t b) const {
     if (!evaluation.measuring()) return;
@@ -491,8 +362,6 @@ struct StreamedModel::Impl {
   // its master's .grad (staged, or in a reducing bucket). Returns whether the armed update of
   // the block begins once the block is released, with what it waits for first in `ready`.
   bool fold_weight_gradients(std::uint32_t b, const std::vector<torch::Tensor>& grads, std::function<void()>& ready);
-
-  ad::Event& gradient_copied_event(std::uint32_t b);
 
   // Begins block b's armed update (OverlappedUpdater::begin), once `gradient_ready` made its
   // gradient final on the host.
