@@ -149,7 +149,7 @@ variable_list RecomputeBackward::backward_block(std::uint32_t b, std::uint64_t o
   UnlistedInputs unlisted;
   std::vector<std::size_t> input_slots;  // of the inputs that need a gradient, in `wrt`'s order
   try {
-    m.with_block_fetched(*m.engines.train, b, weights_take_gradients, [&] {
+    grads = m.with_block_fetched(*m.engines.train, b, weights_take_gradients, [&] {
       torch::AutoGradMode enable(true);
       std::vector<torch::Tensor> inputs;
       for (std::size_t i = 0; i < xs.size(); ++i) {
@@ -199,12 +199,9 @@ variable_list RecomputeBackward::backward_block(std::uint32_t b, std::uint64_t o
             block.block.name, c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", ")));
       }
       for (const UnlistedLeaf& leaf : unlisted.leaves) wrt.push_back(leaf.tensor);
-      if (!wrt.empty() && !ys.empty()) {
-        grads = torch::autograd::grad(ys, wrt, gys, /*retain_graph=*/false, /*create_graph=*/false,
-                                      /*allow_unused=*/true);
-      } else {
-        grads.resize(wrt.size());
-      }
+      if (wrt.empty() || ys.empty()) return variable_list(wrt.size());
+      return torch::autograd::grad(ys, wrt, gys, /*retain_graph=*/false, /*create_graph=*/false,
+                                   /*allow_unused=*/true);
     });
   } catch (...) {
     m.abandon_passes();

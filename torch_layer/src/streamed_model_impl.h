@@ -218,9 +218,9 @@ struct StreamedModel::Impl {
     for (std::uint32_t b = 0; b < blocks.size(); ++b) blocks[b].check_parameters_unchanged(shards.owns(b));
   }
 
-  // run() with block b fetched from `engine` and its weights attached (`trainable`: they take
-  // gradients, BlockGroup::attach); the block is detached and released after, and when run()
-  // throws.
+  // What run() returns, with block b fetched from `engine` and its weights attached
+  // (`trainable`: they take gradients, BlockGroup::attach); the block is detached and released
+  // after, and when run() throws.
   template <typename Run>
   auto with_block_fetched(ad::StreamingEngine& engine, std::uint32_t b, bool trainable, Run&& run) {
     follow_caller_stream();
@@ -229,29 +229,17 @@ struct StreamedModel::Impl {
       blocks[b].detach(compute);
       engine.release(b);
     };
-    const auto attached = [&]() -> decltype(auto) {
-      blocks[b].attach(view, options.device, options.compute_dtype, trainable, policy_link.frozen_gradients_wanted());
-      return run();
-    };
-    if constexpr (std::is_void_v<decltype(run())>) {
+    auto out = [&] {
       try {
-        attached();
+        blocks[b].attach(view, options.device, options.compute_dtype, trainable, policy_link.frozen_gradients_wanted());
+        return run();
       } catch (...) {
         let_go();
         throw;
       }
-      let_go();
-    } else {
-      std::optional<decltype(run())> out;
-      try {
-        out.emplace(attached());
-      } catch (...) {
-        let_go();
-        throw;
-      }
-      let_go();
-      return std::move(*out);
-    }
+    }();
+    let_go();
+    return out;
   }
 
   // ---- passes --------------------------------------------------------------------------------
